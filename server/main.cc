@@ -1,0 +1,120 @@
+// logprob-server: the front-end. Spawns the local worker pool, then serves
+// the public LogprobService, grpc.health.v1 and server reflection.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <unistd.h>
+
+#include <climits>
+#include <csignal>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "common/flag_names.h"
+#include "server/metrics.h"
+#include "server/scoring_service.h"
+#include "server/worker_pool.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address of the public gRPC service");
+ABSL_FLAG(int, workers, 1, "number of local worker processes");
+ABSL_FLAG(std::string, backend, "cpu", "compute backend: cpu");
+ABSL_FLAG(std::string, comm, "gloo", "worker communicator: gloo");
+ABSL_FLAG(std::string, parallelism, "auto", "logits layout: auto (by cost), token or vocab");
+ABSL_FLAG(std::string, lm_head, "", "lm_head safetensors FILE[:TENSOR] for hidden-states requests");
+ABSL_FLAG(std::string, metrics_listen, "", "host:port for Prometheus /metrics (off when empty)");
+ABSL_FLAG(std::string, control_listen, "127.0.0.1:0", "address of the internal worker control plane");
+ABSL_FLAG(std::string, worker_binary, "", "path of logprob-worker (default: beside this binary)");
+ABSL_FLAG(int64_t, max_request_bytes, 256 << 20, "largest accepted request message, bytes");
+ABSL_FLAG(int64_t, max_tokens_per_request, int64_t{1} << 22, "largest accepted request, token rows");
+ABSL_FLAG(int, max_topk, 1024, "largest K of topk outputs and gather_indices");
+ABSL_FLAG(int, worker_join_timeout, 60, "seconds to wait for the workers to join");
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop = true; }
+
+int Fail(const std::string& msg) {
+  std::cerr << "logprob-server: " << msg << std::endl;
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("logprob-server --listen HOST:PORT --workers N --backend cpu [--metrics-listen HOST:PORT]");
+  logprob::NormalizeFlagDashes(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+  const int workers = absl::GetFlag(FLAGS_workers);
+  if (workers < 1) return Fail("--workers must be >= 1");
+  if (absl::GetFlag(FLAGS_backend) != "cpu") return Fail("--backend " + absl::GetFlag(FLAGS_backend) + " is not built in this binary (cpu is)");
+  if (absl::GetFlag(FLAGS_comm) != "gloo") return Fail("--comm " + absl::GetFlag(FLAGS_comm) + " is not supported (gloo is)");
+  if (!absl::GetFlag(FLAGS_lm_head).empty()) return Fail("--lm-head: hidden-states scoring is not available in this build yet");
+  auto parallelism = logprob::ParseParallelism(absl::GetFlag(FLAGS_parallelism));
+  if (!parallelism.ok()) return Fail(std::string(parallelism.status().message()));
+
+  std::string worker_binary = absl::GetFlag(FLAGS_worker_binary);
+  if (worker_binary.empty())
+    worker_binary = (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "logprob-worker").string();
+  if (access(worker_binary.c_str(), X_OK) != 0) return Fail("worker binary " + worker_binary + " is not executable");
+
+  logprob::Metrics metrics;
+  if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
+    try {
+      metrics.Expose(absl::GetFlag(FLAGS_metrics_listen));
+    } catch (const std::exception& e) {
+      return Fail("--metrics-listen " + absl::GetFlag(FLAGS_metrics_listen) + ": " + e.what());
+    }
+  }
+
+  logprob::ServiceConfig config;
+  config.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens_per_request);
+  config.limits.max_topk = absl::GetFlag(FLAGS_max_topk);
+  config.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  config.parallelism = *parallelism;
+  config.parallelism_name = absl::GetFlag(FLAGS_parallelism);
+  if (config.max_request_bytes <= 0 || config.max_request_bytes > INT_MAX) return Fail("--max-request-bytes must be in (0, 2^31)");
+
+  logprob::WorkerPool::Options pool_opts;
+  pool_opts.workers = workers;
+  pool_opts.worker_binary = worker_binary;
+  pool_opts.control_listen = absl::GetFlag(FLAGS_control_listen);
+  pool_opts.join_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_worker_join_timeout));
+  logprob::WorkerPool pool(pool_opts);
+  logprob::ScoringService service(pool, config, &metrics);
+
+  // Serve health (NOT_SERVING until the pool is up) while workers start.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_request_bytes));
+  builder.SetMaxSendMessageSize(INT_MAX);
+  builder.RegisterService(&service);
+  auto server = builder.BuildAndStart();
+  if (!server || port == 0) return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
+  server->GetHealthCheckService()->SetServingStatus(false);
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+
+  std::cerr << "logprob-server: listening on " << absl::GetFlag(FLAGS_listen) << ", starting " << workers
+            << " worker(s)" << std::endl;
+  if (auto st = pool.Start(); !st.ok()) {
+    server->Shutdown();
+    return Fail("worker pool: " + std::string(st.message()));
+  }
+  metrics.SetWorkersUp(workers);
+  server->GetHealthCheckService()->SetServingStatus(true);
+  std::cerr << "logprob-server: " << workers << " worker(s) joined; SERVING" << std::endl;
+
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::cerr << "logprob-server: shutting down" << std::endl;
+  server->GetHealthCheckService()->SetServingStatus(false);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return 0;
+}

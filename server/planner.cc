@@ -1,0 +1,73 @@
+#include "server/planner.h"
+
+#include <cstring>
+
+#include "common/partition.h"
+
+namespace logprob {
+
+absl::StatusOr<Parallelism> ParseParallelism(const std::string& s) {
+  if (s == "auto") return Parallelism::kAuto;
+  if (s == "token") return Parallelism::kToken;
+  if (s == "vocab") return Parallelism::kVocab;
+  return absl::InvalidArgumentError("parallelism must be auto, token or vocab, got \"" + s + "\"");
+}
+
+namespace {
+
+internal::v1::WorkItem BaseItem(const ScoreJob& job, uint64_t job_id, int64_t begin, int64_t end) {
+  internal::v1::WorkItem item;
+  item.set_job_id(job_id);
+  item.set_num_rows(end - begin);
+  item.set_vocab_size(job.vocab_size);
+  item.set_dtype(job.dtype);
+  item.mutable_targets()->Add(job.targets.begin() + begin, job.targets.begin() + end);
+  item.set_gather_k(job.gather_k);
+  item.mutable_gather_ids()->Add(job.gather_ids.begin() + begin * job.gather_k,
+                                 job.gather_ids.begin() + end * job.gather_k);
+  *item.mutable_options() = job.options;
+  return item;
+}
+
+}  // namespace
+
+Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id) {
+  const int64_t n = job.num_rows();
+  bool vocab = parallelism == Parallelism::kVocab;
+  if (parallelism == Parallelism::kAuto) vocab = workers > 1 && n < workers;
+  Plan plan;
+  plan.layout = vocab ? internal::v1::VOCAB_PARALLEL : internal::v1::TOKEN_PARALLEL;
+  if (!vocab) {
+    for (int w = 0; w < workers; ++w) {
+      const auto [b, e] = SplitRange(n, workers, w);
+      if (b == e) continue;
+      PlannedItem p{w, b, BaseItem(job, job_id, b, e)};
+      p.item.set_layout(internal::v1::TOKEN_PARALLEL);
+      p.item.set_vocab_begin(0);
+      p.item.set_vocab_end(job.vocab_size);
+      std::string* data = p.item.mutable_logits();
+      data->resize(static_cast<size_t>(e - b) * job.row_bytes);
+      for (int64_t r = b; r < e; ++r)
+        std::memcpy(data->data() + (r - b) * job.row_bytes, job.logits + job.src_rows[r] * job.row_bytes, job.row_bytes);
+      plan.items.push_back(std::move(p));
+    }
+    return plan;
+  }
+  const size_t esize = job.row_bytes / static_cast<size_t>(job.vocab_size);
+  for (int w = 0; w < workers; ++w) {
+    const auto [vb, ve] = SplitRange(job.vocab_size, workers, w);
+    PlannedItem p{w, 0, BaseItem(job, job_id, 0, n)};
+    p.item.set_layout(internal::v1::VOCAB_PARALLEL);
+    p.item.set_vocab_begin(vb);
+    p.item.set_vocab_end(ve);
+    const size_t slice = static_cast<size_t>(ve - vb) * esize;
+    std::string* data = p.item.mutable_logits();
+    data->resize(static_cast<size_t>(n) * slice);
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(data->data() + r * slice, job.logits + job.src_rows[r] * job.row_bytes + vb * esize, slice);
+    plan.items.push_back(std::move(p));
+  }
+  return plan;
+}
+
+}  // namespace logprob

@@ -1,0 +1,41 @@
+// How a ScoreJob is split across the worker pool.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "logprob/internal/v1/worker.pb.h"
+#include "server/score_job.h"
+
+namespace logprob {
+
+/// Layout choice: kAuto picks by cost, the others force a layout.
+enum class Parallelism { kAuto, kToken, kVocab };
+
+/// Parses "auto" | "token" | "vocab".
+absl::StatusOr<Parallelism> ParseParallelism(const std::string& s);
+
+/// One worker's share of a job; its result rows start at global row
+/// `row_offset + result.row_begin`.
+struct PlannedItem {
+  int worker = 0;
+  int64_t row_offset = 0;
+  internal::v1::WorkItem item;
+};
+
+/// The split of a job over `workers` workers.
+struct Plan {
+  internal::v1::Layout layout = internal::v1::TOKEN_PARALLEL;
+  std::vector<PlannedItem> items;
+};
+
+/// Chooses the layout and builds the work items (copying each worker's
+/// rows or column slices out of the request).
+/// Token-parallel (whole rows, no collective) is chosen when there are at
+/// least as many rows as workers: it moves the same bytes and needs no
+/// collective. Vocab-parallel (column slices, SplitRange(V, W, r), one
+/// collective round per chunk) keeps every worker busy on few long rows.
+Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id);
+
+}  // namespace logprob

@@ -1,0 +1,63 @@
+#include "server/response_builder.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace logprob {
+namespace {
+
+/// A zero-filled output tensor [out_shape (, k)] of dtype, returning its data.
+template <typename T>
+T* AddOutput(v1::ScoreResponse* resp, const std::string& name, v1::DType dtype,
+             const std::vector<int64_t>& out_shape, int64_t k, int64_t n) {
+  v1::Tensor* t = resp->add_outputs();
+  t->set_name(name);
+  t->set_dtype(dtype);
+  for (int64_t d : out_shape) t->add_shape(d);
+  if (k >= 0) t->add_shape(k);
+  t->mutable_data()->assign(static_cast<size_t>(n * std::max<int64_t>(k, 1)) * sizeof(T), '\0');
+  return reinterpret_cast<T*>(t->mutable_data()->data());
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan& plan,
+                                                const std::vector<internal::v1::WorkResult>& results) {
+  if (results.size() != plan.items.size()) return absl::InternalError("worker results do not match the plan");
+  const int64_t n_out = job.num_outputs();
+  const int K = job.options.topk(), G = job.gather_k;
+  v1::ScoreResponse resp;
+  float* lp = AddOutput<float>(&resp, "token_logprobs", v1::F32, job.out_shape, -1, n_out);
+  float* ent = job.options.entropy() ? AddOutput<float>(&resp, "entropy", v1::F32, job.out_shape, -1, n_out) : nullptr;
+  float* tkl = K ? AddOutput<float>(&resp, "topk_logprobs", v1::F32, job.out_shape, K, n_out) : nullptr;
+  int64_t* tki = K ? AddOutput<int64_t>(&resp, "topk_indices", v1::I64, job.out_shape, K, n_out) : nullptr;
+  float* gat = G ? AddOutput<float>(&resp, "gathered_logprobs", v1::F32, job.out_shape, G, n_out) : nullptr;
+
+  int64_t covered = 0;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    const int64_t rows = r.row_end() - r.row_begin();
+    if (rows < 0 || r.token_logprobs_size() != rows || (ent && r.entropy_size() != rows) ||
+        r.topk_logprobs_size() != rows * K || r.topk_indices_size() != rows * K || r.gathered_logprobs_size() != rows * G)
+      return absl::InternalError(absl::StrCat("worker ", plan.items[i].worker, " returned malformed results"));
+    for (int64_t j = 0; j < rows; ++j) {
+      const int64_t row = plan.items[i].row_offset + r.row_begin() + j;
+      if (row < 0 || row >= job.num_rows()) return absl::InternalError("worker returned a row outside the job");
+      const int64_t o = job.out_pos[row];
+      lp[o] = r.token_logprobs(static_cast<int>(j));
+      if (ent) ent[o] = r.entropy(static_cast<int>(j));
+      for (int k = 0; k < K; ++k) {
+        tkl[o * K + k] = r.topk_logprobs(static_cast<int>(j * K + k));
+        tki[o * K + k] = r.topk_indices(static_cast<int>(j * K + k));
+      }
+      for (int g = 0; g < G; ++g) gat[o * G + g] = r.gathered_logprobs(static_cast<int>(j * G + g));
+    }
+    covered += rows;
+  }
+  if (covered != job.num_rows())
+    return absl::InternalError(absl::StrCat("workers returned ", covered, " rows of ", job.num_rows()));
+  return resp;
+}
+
+}  // namespace logprob

@@ -1,0 +1,23 @@
+// Assembles the public ScoreResponse from the workers' per-row results.
+#pragma once
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "logprob/internal/v1/worker.pb.h"
+#include "logprob/v1/logprob.pb.h"
+#include "server/planner.h"
+#include "server/score_job.h"
+
+namespace logprob {
+
+/// Scatters the rows of `results` (one per plan item, in plan order) to
+/// their output positions and returns the output tensors: token_logprobs
+/// [out_shape] F32, and on request entropy, topk_logprobs / topk_indices
+/// (I64) [out_shape, K], gathered_logprobs [out_shape, gather_k]. Positions
+/// that are not scored (past seq_lens) are 0. INTERNAL if the results do not
+/// cover every row exactly once.
+absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan& plan,
+                                                const std::vector<internal::v1::WorkResult>& results);
+
+}  // namespace logprob

@@ -1,0 +1,206 @@
+#include "server/score_job.h"
+
+#include <cmath>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace logprob {
+namespace {
+
+absl::Status Invalid(const std::string& msg) { return absl::InvalidArgumentError(msg); }
+
+std::string ShapeStr(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+/// Checks the byte size of every tensor and indexes them by name.
+absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::ScoreRequest& req) {
+  static const char* const kKnown[] = {"logits", "hidden_states", "input_ids", "seq_lens", "cu_seqlens", "gather_indices"};
+  std::map<std::string, const v1::Tensor*> by_name;
+  for (int i = 0; i < req.inputs_size(); ++i) {
+    const v1::Tensor& t = req.inputs(i);
+    bool known = false;
+    for (const char* k : kKnown) known |= t.name() == k;
+    if (!known)
+      return Invalid(absl::StrCat("inputs[", i, "]: unknown tensor \"", t.name(),
+                                  "\" (expected logits, hidden_states, input_ids, seq_lens, cu_seqlens, gather_indices)"));
+    if (by_name.count(t.name())) return Invalid(absl::StrCat("inputs[", i, "]: tensor \"", t.name(), "\" given twice"));
+    const size_t esize = DTypeSize(t.dtype());
+    if (esize == 0) return Invalid(absl::StrCat("inputs[", i, "] \"", t.name(), "\": dtype is unspecified"));
+    uint64_t numel = 1;
+    for (int64_t d : t.shape()) {
+      if (d < 0) return Invalid(absl::StrCat("\"", t.name(), "\": negative dimension in shape ", ShapeStr(t)));
+      if (d != 0 && numel > (uint64_t{1} << 50) / static_cast<uint64_t>(d))
+        return Invalid(absl::StrCat("\"", t.name(), "\": shape ", ShapeStr(t), " is too large"));
+      numel *= static_cast<uint64_t>(d);
+    }
+    if (t.data().size() != numel * esize)
+      return Invalid(absl::StrCat("\"", t.name(), "\": data is ", t.data().size(), " bytes but shape ", ShapeStr(t),
+                                  " of ", DTypeName(t.dtype()), " needs ", numel * esize));
+    by_name[t.name()] = &t;
+  }
+  return by_name;
+}
+
+absl::Status CheckIntTensor(const v1::Tensor& t) {
+  if (!IsIntDType(t.dtype()))
+    return Invalid(absl::StrCat("\"", t.name(), "\": dtype ", DTypeName(t.dtype()), " is not I32 or I64"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckShape(const v1::Tensor& t, const std::vector<int64_t>& want, const std::string& what) {
+  if (std::vector<int64_t>(t.shape().begin(), t.shape().end()) != want)
+    return Invalid(absl::StrCat("\"", t.name(), "\": shape ", ShapeStr(t), " does not match ", what, " [",
+                                absl::StrJoin(want, ", "), "]"));
+  return absl::OkStatus();
+}
+
+/// Fills options defaults and checks their ranges.
+absl::Status NormaliseOptions(const v1::ScoreOptions& in, int64_t V, const RequestLimits& limits,
+                              v1::ScoreOptions* out) {
+  *out = in;
+  if (!in.has_temperature()) out->set_temperature(1.0f);
+  if (!in.has_sampling_top_p()) out->set_sampling_top_p(1.0f);
+  if (!in.has_ignore_index()) out->set_ignore_index(-100);
+  const float t = out->temperature();
+  if (!(t > 0.f) || !std::isfinite(t)) return Invalid(absl::StrCat("options.temperature must be > 0 and finite, got ", t));
+  const float p = out->sampling_top_p();
+  if (!(p > 0.f && p <= 1.f)) return Invalid(absl::StrCat("options.sampling_top_p must be in (0, 1], got ", p));
+  if (in.sampling_top_k() < 0) return Invalid(absl::StrCat("options.sampling_top_k must be >= 0, got ", in.sampling_top_k()));
+  if (in.topk() < 0 || in.topk() > V)
+    return Invalid(absl::StrCat("options.topk must be in [0, V = ", V, "], got ", in.topk()));
+  if (in.topk() > limits.max_topk)
+    return Invalid(absl::StrCat("options.topk ", in.topk(), " exceeds the server's max_topk ", limits.max_topk));
+  if (in.alignment() != v1::NEXT_TOKEN && in.alignment() != v1::SAME_POSITION)
+    return Invalid(absl::StrCat("options.alignment ", static_cast<int>(in.alignment()), " is unknown"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int64_t ScoreJob::num_outputs() const {
+  int64_t n = 1;
+  for (int64_t d : out_shape) n *= d;
+  return n;
+}
+
+absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits) {
+  auto indexed = IndexInputs(req);
+  if (!indexed.ok()) return indexed.status();
+  auto& in = *indexed;
+  auto get = [&](const char* n) -> const v1::Tensor* { auto it = in.find(n); return it == in.end() ? nullptr : it->second; };
+  if (get("hidden_states"))
+    return absl::FailedPreconditionError("hidden_states given but this server has no lm_head loaded (start it with --lm-head)");
+  const v1::Tensor* logits = get("logits");
+  if (!logits) return Invalid("missing tensor \"logits\"");
+  const v1::Tensor* ids = get("input_ids");
+  if (!ids) return Invalid("missing tensor \"input_ids\"");
+  if (!IsFloatDType(logits->dtype()))
+    return Invalid(absl::StrCat("\"logits\": dtype ", DTypeName(logits->dtype()), " is not F32, BF16 or F16"));
+  if (auto st = CheckIntTensor(*ids); !st.ok()) return st;
+  const v1::Tensor* cu = get("cu_seqlens");
+  const v1::Tensor* lens = get("seq_lens");
+  const bool packed = logits->shape_size() == 2;
+  if (logits->shape_size() != 3 && !packed)
+    return Invalid(absl::StrCat("\"logits\": shape ", ShapeStr(*logits), " is neither [B, S, V] nor packed [T, V]"));
+  if (packed && !cu) return Invalid("\"logits\" is packed [T, V] but \"cu_seqlens\" is missing");
+  if (!packed && cu) return Invalid("\"cu_seqlens\" given but \"logits\" is padded [B, S, V], not packed [T, V]");
+  if (packed && lens) return Invalid("\"seq_lens\" applies to padded batches; packed batches use \"cu_seqlens\"");
+
+  ScoreJob job;
+  const int64_t V = logits->shape(logits->shape_size() - 1);
+  if (V <= 0) return Invalid("\"logits\": vocabulary dimension is 0");
+  job.dtype = logits->dtype();
+  job.vocab_size = V;
+  job.logits = logits->data().data();
+  job.row_bytes = static_cast<size_t>(V) * DTypeSize(job.dtype);
+  if (auto st = NormaliseOptions(req.options(), V, limits, &job.options); !st.ok()) return st;
+  const bool next = job.options.alignment() == v1::NEXT_TOKEN;
+  const int64_t ignore = job.options.ignore_index();
+
+  // Sequences as (first logits row, length, first output position).
+  struct Seq { int64_t row0, len, out0; };
+  std::vector<Seq> seqs;
+  if (packed) {
+    const int64_t T = logits->shape(0);
+    if (auto st = CheckShape(*ids, {T}, "logits' [T]"); !st.ok()) return st;
+    if (auto st = CheckIntTensor(*cu); !st.ok()) return st;
+    if (cu->shape_size() != 1 || cu->shape(0) < 2)
+      return Invalid(absl::StrCat("\"cu_seqlens\": shape ", ShapeStr(*cu), " is not [B + 1] with B >= 1"));
+    const int64_t B = cu->shape(0) - 1;
+    if (ReadInt(cu->dtype(), cu->data().data(), 0) != 0) return Invalid("\"cu_seqlens\"[0] must be 0");
+    for (int64_t i = 0; i < B; ++i) {
+      const int64_t a = ReadInt(cu->dtype(), cu->data().data(), i), b = ReadInt(cu->dtype(), cu->data().data(), i + 1);
+      if (b < a) return Invalid(absl::StrCat("\"cu_seqlens\" decreases at index ", i + 1, " (", a, " -> ", b, ")"));
+      if (next && b == a) return Invalid(absl::StrCat("\"cu_seqlens\": sequence ", i, " is empty (next_token needs length >= 1)"));
+      seqs.push_back({a, b - a, next ? a - i : a});
+    }
+    const int64_t last = ReadInt(cu->dtype(), cu->data().data(), B);
+    if (last != T) return Invalid(absl::StrCat("\"cu_seqlens\"[", B, "] = ", last, " but logits has T = ", T, " rows"));
+    job.out_shape = {next ? T - B : T};
+  } else {
+    const int64_t B = logits->shape(0), S = logits->shape(1);
+    if (auto st = CheckShape(*ids, {B, S}, "logits' [B, S]"); !st.ok()) return st;
+    if (next && S < 1) return Invalid("\"logits\": S must be >= 1");
+    if (lens) {
+      if (auto st = CheckIntTensor(*lens); !st.ok()) return st;
+      if (auto st = CheckShape(*lens, {B}, "logits' [B]"); !st.ok()) return st;
+    }
+    const int64_t S_out = next ? S - 1 : S;
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t L = S;
+      if (lens) {
+        L = ReadInt(lens->dtype(), lens->data().data(), b);
+        if (L < 0 || L > S) return Invalid(absl::StrCat("\"seq_lens\"[", b, "] = ", L, " is outside [0, S = ", S, "]"));
+      }
+      seqs.push_back({b * S, L, b * S_out});
+    }
+    job.out_shape = {B, S_out};
+  }
+  const int64_t total_rows = packed ? logits->shape(0) : logits->shape(0) * logits->shape(1);
+  if (total_rows > limits.max_tokens)
+    return Invalid(absl::StrCat("request has ", total_rows, " tokens, over the server's max_tokens_per_request ", limits.max_tokens));
+
+  const v1::Tensor* gather = get("gather_indices");
+  if (gather) {
+    if (auto st = CheckIntTensor(*gather); !st.ok()) return st;
+    std::vector<int64_t> want = job.out_shape;
+    if (gather->shape_size() != static_cast<int>(want.size()) + 1)
+      return Invalid(absl::StrCat("\"gather_indices\": shape ", ShapeStr(*gather), " is not the output shape [",
+                                  absl::StrJoin(want, ", "), "] plus [K]"));
+    want.push_back(gather->shape(gather->shape_size() - 1));
+    if (auto st = CheckShape(*gather, want, "the output shape plus K"); !st.ok()) return st;
+    if (want.back() > limits.max_topk)
+      return Invalid(absl::StrCat("\"gather_indices\": K = ", want.back(), " exceeds the server's max_topk ", limits.max_topk));
+    job.gather_k = static_cast<int>(want.back());
+  }
+
+  // Scored rows: in sequence s, position t scores input_ids[t + shift].
+  const int64_t shift = next ? 1 : 0;
+  const char* id_data = ids->data().data();
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const Seq& q = seqs[s];
+    for (int64_t t = 0; t + shift < q.len; ++t) {
+      const int64_t target = ReadInt(ids->dtype(), id_data, q.row0 + t + shift);
+      if (target != ignore && (target < 0 || target >= V))
+        return Invalid(absl::StrCat("\"input_ids\": target ", target, " of sequence ", s, " at position ", t + shift,
+                                    " is outside [0, V = ", V, ") and is not ignore_index ", ignore));
+      const int64_t out = q.out0 + t;
+      job.src_rows.push_back(q.row0 + t);
+      job.targets.push_back(target == ignore ? -1 : target);
+      job.out_pos.push_back(out);
+      for (int j = 0; j < job.gather_k; ++j) {
+        const int64_t g = ReadInt(gather->dtype(), gather->data().data(), out * job.gather_k + j);
+        if (g < 0 || g >= V)
+          return Invalid(absl::StrCat("\"gather_indices\": id ", g, " of sequence ", s, " at position ", t, " (entry ", j,
+                                      ") is outside [0, V = ", V, ")"));
+        job.gather_ids.push_back(g);
+      }
+    }
+  }
+  return job;
+}
+
+}  // namespace logprob

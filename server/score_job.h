@@ -1,0 +1,49 @@
+// Validation of a public ScoreRequest into a ScoreJob: the list of rows to
+// score, each with its target and output position (shared/SPEC.md
+// "Inputs" and "Outputs").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "logprob/v1/logprob.pb.h"
+
+namespace logprob {
+
+/// Per-request limits enforced by validation.
+struct RequestLimits {
+  int64_t max_tokens = int64_t{1} << 22;  // rows of logits per request
+  int32_t max_topk = 1024;                // K of topk outputs and gathers
+};
+
+/// A validated request. Rows are the scored positions only, in output
+/// order; `logits` points into the request, which must outlive the job.
+struct ScoreJob {
+  DType dtype = v1::DTYPE_UNSPECIFIED;
+  int64_t vocab_size = 0;
+  const char* logits = nullptr;        // [num logits rows, V] of dtype
+  size_t row_bytes = 0;                // V * sizeof(dtype)
+  std::vector<int64_t> src_rows;       // logits row of each scored row
+  std::vector<int64_t> targets;        // global target id, -1 = ignored
+  std::vector<int64_t> out_pos;        // flat output position of each row
+  int gather_k = 0;
+  std::vector<int64_t> gather_ids;     // [rows, gather_k]
+  std::vector<int64_t> out_shape;      // leading output shape: [B, S'] or [T']
+  v1::ScoreOptions options;            // normalised: temperature, top_p, ignore_index set
+
+  int64_t num_rows() const { return static_cast<int64_t>(src_rows.size()); }
+  int64_t num_outputs() const;         // product of out_shape
+};
+
+/// Validates `req` and builds its job. Errors are INVALID_ARGUMENT with a
+/// message naming the field (and for targets and gather ids, the sequence
+/// and position): unknown or duplicate tensor, wrong dtype, shape mismatch,
+/// data size not matching shape, bad cu_seqlens / seq_lens, a target
+/// outside [0, V) that is not ignore_index, out-of-range options.
+/// FAILED_PRECONDITION for hidden_states (no lm_head loaded).
+absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits);
+
+}  // namespace logprob

@@ -1,0 +1,84 @@
+#include "server/scoring_service.h"
+
+#include <chrono>
+#include <iostream>
+
+#include "absl/status/status.h"
+#include "common/grpc_status.h"
+#include "server/response_builder.h"
+
+namespace logprob {
+
+ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics)
+    : pool_(pool), config_(std::move(config)), metrics_(metrics) {}
+
+absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req) {
+  auto job = BuildScoreJob(req, config_.limits);
+  if (!job.ok()) return job.status();
+  const Plan plan = PlanWork(*job, pool_.size(), config_.parallelism, next_job_id_++);
+  auto results = pool_.Run(plan);
+  if (!results.ok()) return results.status();
+  auto resp = BuildResponse(*job, plan, *results);
+  if (!resp.ok()) return resp.status();
+  resp->set_id(req.id());
+  return resp;
+}
+
+namespace {
+
+/// Runs `fn`, records metrics and logs one line for the request.
+template <typename Fn>
+absl::StatusOr<v1::ScoreResponse> Observed(Metrics* metrics, const char* method, const v1::ScoreRequest& req, Fn fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto resp = fn();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int64_t tokens = 0;
+  if (resp.ok() && resp->outputs_size() > 0) tokens = static_cast<int64_t>(resp->outputs(0).data().size() / 4);
+  const std::string code = absl::StatusCodeToString(resp.status().code());
+  if (metrics) metrics->ObserveRequest(method, code, secs, tokens);
+  std::clog << "request id=" << req.id() << " method=" << method << " tokens=" << tokens << " seconds=" << secs
+            << " status=" << code << (resp.ok() ? "" : " message=\"" + std::string(resp.status().message()) + "\"")
+            << std::endl;
+  return resp;
+}
+
+}  // namespace
+
+grpc::Status ScoringService::Score(grpc::ServerContext*, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
+  auto r = Observed(metrics_, "Score", *req, [&] { return ScoreOne(*req); });
+  if (!r.ok()) return ToGrpc(r.status());
+  *resp = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status ScoringService::ScoreStream(grpc::ServerContext*,
+                                         grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>* stream) {
+  v1::ScoreRequest req;
+  while (stream->Read(&req)) {
+    auto r = Observed(metrics_, "ScoreStream", req, [&] { return ScoreOne(req); });
+    v1::ScoreResponse resp;
+    if (r.ok()) {
+      resp = std::move(*r);
+    } else {
+      resp.set_id(req.id());
+      resp.set_status_code(static_cast<int>(r.status().code()));
+      resp.set_status_message(std::string(r.status().message()));
+    }
+    if (!stream->Write(resp)) break;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ScoringService::GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo* info) {
+  info->set_version("0.1.0");
+  info->set_workers(pool_.size());
+  info->set_backend(config_.backend);
+  info->set_comm(config_.comm);
+  info->set_max_request_bytes(config_.max_request_bytes);
+  info->set_max_tokens_per_request(config_.limits.max_tokens);
+  info->set_max_topk(config_.limits.max_topk);
+  info->set_parallelism(config_.parallelism_name);
+  return grpc::Status::OK;
+}
+
+}  // namespace logprob

@@ -1,0 +1,48 @@
+// The public LogprobService: validate -> plan -> dispatch -> gather -> reply.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "logprob/v1/logprob.grpc.pb.h"
+#include "server/metrics.h"
+#include "server/planner.h"
+#include "server/score_job.h"
+#include "server/worker_pool.h"
+
+namespace logprob {
+
+/// Serving configuration reported by GetServerInfo.
+struct ServiceConfig {
+  RequestLimits limits;
+  int64_t max_request_bytes = 256 << 20;
+  Parallelism parallelism = Parallelism::kAuto;
+  std::string parallelism_name = "auto";
+  std::string backend = "cpu";
+  std::string comm = "gloo";
+};
+
+/// gRPC service implementation. Errors: INVALID_ARGUMENT /
+/// FAILED_PRECONDITION from validation (see BuildScoreJob), UNAVAILABLE
+/// when a worker fails.
+class ScoringService final : public v1::LogprobService::Service {
+ public:
+  ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics);
+
+  grpc::Status Score(grpc::ServerContext*, const v1::ScoreRequest*, v1::ScoreResponse*) override;
+  grpc::Status ScoreStream(grpc::ServerContext*,
+                           grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>*) override;
+  grpc::Status GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo*) override;
+
+  /// Scores one request (the body of Score and of each ScoreStream message).
+  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req);
+
+ private:
+  WorkerPool& pool_;
+  ServiceConfig config_;
+  Metrics* metrics_;
+  std::atomic<uint64_t> next_job_id_{1};
+};
+
+}  // namespace logprob

@@ -1,0 +1,300 @@
+// Kernel unit tests: ComputePartial + CombinePartials and SamplingKeepMin
+// against a float64 reference computed here, whole-row and vocab-sliced.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/partition.h"
+#include "worker/kernels/row_stats.h"
+#include "worker/kernels/sampling_filter.h"
+
+namespace logprob::kernels {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+struct Ref {
+  std::vector<double> logp;  // log_softmax over the kept set, -inf elsewhere
+  double entropy = 0;
+};
+
+/// float64 reference: x = z / T, NeMo-RL apply_top_k_top_p (ascending
+/// sort, cumsum of softmax > 1 - p), log_softmax over the kept set.
+Ref Reference(const std::vector<float>& z, float T, int top_k, float top_p) {
+  const size_t V = z.size();
+  std::vector<double> x(V);
+  for (size_t i = 0; i < V; ++i) x[i] = static_cast<double>(static_cast<float>(z[i] / T));
+  std::vector<size_t> order(V);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return x[a] < x[b]; });
+  std::vector<bool> keep(V, true);
+  if (top_k > 0 && static_cast<size_t>(top_k) < V) {
+    const double kth = x[order[V - top_k]];
+    for (size_t i = 0; i < V; ++i) keep[i] = x[i] >= kth;
+  }
+  if (top_p > 0 && top_p < 1) {
+    double mx = -kInf, z0 = 0, c = 0;
+    for (size_t i = 0; i < V; ++i) if (keep[i]) mx = std::max(mx, x[i]);
+    for (size_t i = 0; i < V; ++i) if (keep[i]) z0 += std::exp(x[i] - mx);
+    for (size_t j = 0; j < V; ++j) {
+      const size_t i = order[j];
+      if (!keep[i]) continue;
+      c += std::exp(x[i] - mx) / z0;
+      if (!(c > 1.0 - top_p) && j != V - 1) keep[i] = false;
+    }
+  }
+  double mx = -kInf, s = 0;
+  for (size_t i = 0; i < V; ++i) if (keep[i]) mx = std::max(mx, x[i]);
+  for (size_t i = 0; i < V; ++i) if (keep[i]) s += std::exp(x[i] - mx);
+  const double logZ = mx + std::log(s);
+  Ref r;
+  r.logp.resize(V);
+  for (size_t i = 0; i < V; ++i) {
+    r.logp[i] = keep[i] ? x[i] - logZ : -kInf;
+    if (keep[i] && std::isfinite(x[i])) r.entropy -= std::exp(r.logp[i]) * r.logp[i];
+  }
+  return r;
+}
+
+void ExpectClose(double expected, float got, const std::string& what) {
+  if (std::isinf(expected)) {
+    EXPECT_EQ(expected, static_cast<double>(got)) << what;
+    return;
+  }
+  EXPECT_NEAR(got, expected, 2e-4 + 2e-5 * std::abs(expected)) << what;
+}
+
+struct Outputs {
+  float logprob = 0, entropy = 0;
+  std::vector<float> topk_lp, gathered;
+  std::vector<int64_t> topk_id;
+};
+
+/// Scores one f32 row split into `slices` vocab slices (1 = whole row),
+/// with filters applied through keep_min as the worker does.
+Outputs Score(const std::vector<float>& z, int64_t target, const std::vector<int64_t>& gather, const StatsSpec& spec,
+              int slices, int top_k = 0, float top_p = 1.f) {
+  const int64_t V = static_cast<int64_t>(z.size());
+  float keep_min = -std::numeric_limits<float>::infinity();
+  if (top_k > 0 || top_p < 1.f) {
+    std::vector<float> x(V), scratch;
+    for (int64_t i = 0; i < V; ++i) x[i] = z[i] / spec.temperature;
+    keep_min = SamplingKeepMin(x.data(), V, top_k, top_p, &scratch);
+  }
+  const size_t words = PartialWords(spec);
+  std::vector<std::vector<uint32_t>> recs(slices, std::vector<uint32_t>(words));
+  std::vector<float> scratch(kPartialScratchFloats);
+  for (int r = 0; r < slices; ++r) {
+    const auto [b, e] = SplitRange(V, slices, r);
+    SliceRow row;
+    row.logits = z.data() + b;
+    row.target = target;
+    row.gather_ids = gather.data();
+    row.keep_min = keep_min;
+    ComputePartial(v1::F32, row, b, e - b, spec, recs[r].data(), scratch.data());
+  }
+  std::vector<const uint32_t*> ptrs;
+  for (auto& r : recs) ptrs.push_back(r.data());
+  Outputs o;
+  o.topk_lp.resize(spec.topk);
+  o.topk_id.resize(spec.topk);
+  o.gathered.resize(spec.gather_k);
+  RowOutput out;
+  out.token_logprob = &o.logprob;
+  out.entropy = &o.entropy;
+  out.topk_logprobs = o.topk_lp.data();
+  out.topk_indices = o.topk_id.data();
+  out.gathered = o.gathered.data();
+  CombinePartials(ptrs.data(), slices, spec, target >= 0, out);
+  return o;
+}
+
+/// Checks every output of Score against Reference.
+void CheckRow(const std::vector<float>& z, int64_t target, const std::vector<int64_t>& gather, StatsSpec spec,
+              int slices, int top_k = 0, float top_p = 1.f) {
+  const Ref ref = Reference(z, spec.temperature, top_k, top_p);
+  const Outputs o = Score(z, target, gather, spec, slices, top_k, top_p);
+  const std::string ctx = "slices=" + std::to_string(slices);
+  ExpectClose(target >= 0 ? ref.logp[target] : 0.0, o.logprob, ctx + " token_logprob");
+  ExpectClose(ref.entropy, o.entropy, ctx + " entropy");
+  for (int j = 0; j < spec.gather_k; ++j) ExpectClose(ref.logp[gather[j]], o.gathered[j], ctx + " gathered");
+  std::vector<int64_t> ids(z.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) { return ref.logp[a] > ref.logp[b]; });
+  for (int j = 0; j < spec.topk; ++j) {
+    EXPECT_EQ(ids[j], o.topk_id[j]) << ctx << " topk id " << j;
+    ExpectClose(ref.logp[ids[j]], o.topk_lp[j], ctx + " topk logprob");
+  }
+}
+
+std::vector<float> RandomRow(int64_t V, uint32_t seed, float scale = 3.f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> z(V);
+  for (auto& v : z) v = d(gen);
+  return z;
+}
+
+TEST(RowStats, RandomRowsMatchFloat64AcrossSliceCounts) {
+  StatsSpec spec;
+  spec.entropy = true;
+  spec.topk = 7;
+  spec.gather_k = 3;
+  for (int64_t V : {1000, 32000, 50257}) {
+    const auto z = RandomRow(V, static_cast<uint32_t>(V));
+    for (int slices : {1, 2, 3, 5}) CheckRow(z, V / 3, {0, V - 1, V / 2}, spec, slices);
+  }
+}
+
+TEST(RowStats, TemperatureApplied) {
+  StatsSpec spec;
+  spec.entropy = true;
+  spec.temperature = 0.7f;
+  spec.topk = 4;
+  const auto z = RandomRow(2048, 7);
+  CheckRow(z, 11, {}, spec, 1);
+  CheckRow(z, 11, {}, spec, 3);
+}
+
+TEST(RowStats, AllEqualLogits) {
+  StatsSpec spec;
+  spec.entropy = true;
+  spec.topk = 5;
+  const std::vector<float> z(1000, 0.25f);
+  const Outputs o = Score(z, 3, {}, spec, 3);
+  EXPECT_NEAR(o.logprob, -std::log(1000.0), 1e-5);
+  EXPECT_NEAR(o.entropy, std::log(1000.0), 1e-4);
+  for (int j = 0; j < 5; ++j) EXPECT_EQ(o.topk_id[j], j);  // ties: lower id first
+}
+
+TEST(RowStats, OneHugeLogit) {
+  StatsSpec spec;
+  spec.entropy = true;
+  auto z = RandomRow(4096, 3, 1.f);
+  z[1234] = 1e4f;
+  for (int slices : {1, 2, 3}) {
+    const Outputs o = Score(z, 1234, {}, spec, slices);
+    EXPECT_NEAR(o.logprob, 0.0, 1e-6);
+    EXPECT_GE(o.entropy, 0.f);
+    EXPECT_NEAR(o.entropy, 0.0, 1e-6);
+    CheckRow(z, 5, {}, spec, slices);
+  }
+}
+
+TEST(RowStats, NegativeInfinityLogitsGiveNoNaN) {
+  StatsSpec spec;
+  spec.entropy = true;
+  spec.topk = 3;
+  spec.gather_k = 1;
+  auto z = RandomRow(3000, 9);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < 1600; ++i) z[i] = ninf;  // one slice of 2 is all -inf
+  for (int slices : {1, 2, 3}) {
+    const Outputs o = Score(z, 10, {20}, spec, slices);
+    EXPECT_EQ(o.logprob, ninf);
+    EXPECT_EQ(o.gathered[0], ninf);
+    EXPECT_FALSE(std::isnan(o.entropy));
+    CheckRow(z, 2000, {2999}, spec, slices);
+  }
+}
+
+TEST(RowStats, TopKEqualsVocab) {
+  StatsSpec spec;
+  spec.topk = 64;
+  const auto z = RandomRow(64, 5);
+  for (int slices : {1, 3}) CheckRow(z, 0, {}, spec, slices);
+}
+
+TEST(RowStats, TargetsOnSliceBoundaries) {
+  StatsSpec spec;
+  spec.entropy = true;
+  const int64_t V = 50257;
+  const auto z = RandomRow(V, 11);
+  for (int slices : {2, 3}) {
+    for (int r = 0; r < slices; ++r) {
+      const auto [b, e] = SplitRange(V, slices, r);
+      CheckRow(z, b, {}, spec, slices);
+      CheckRow(z, e - 1, {}, spec, slices);
+    }
+  }
+}
+
+TEST(RowStats, IgnoredTargetIsZero) {
+  StatsSpec spec;
+  const auto z = RandomRow(100, 1);
+  EXPECT_EQ(Score(z, -1, {}, spec, 2).logprob, 0.f);
+}
+
+TEST(RowStats, Bf16AndF16RowsMatchTheirFloatValues) {
+  StatsSpec spec;
+  spec.entropy = true;
+  spec.topk = 3;
+  const auto z = RandomRow(5000, 13);
+  for (DType dt : {v1::BF16, v1::F16}) {
+    std::vector<uint16_t> h(z.size());
+    std::vector<float> exact(z.size());
+    for (size_t i = 0; i < z.size(); ++i) {
+      h[i] = dt == v1::BF16 ? FloatToBf16(z[i]) : FloatToF16(z[i]);
+      exact[i] = dt == v1::BF16 ? Bf16ToFloat(h[i]) : F16ToFloat(h[i]);
+    }
+    const Ref ref = Reference(exact, 1.f, 0, 1.f);
+    std::vector<uint32_t> rec(PartialWords(spec));
+    std::vector<float> scratch(kPartialScratchFloats);
+    SliceRow row;
+    row.logits = h.data();
+    row.target = 42;
+    ComputePartial(dt, row, 0, static_cast<int64_t>(h.size()), spec, rec.data(), scratch.data());
+    float lp, ent, tl[3];
+    int64_t ti[3];
+    RowOutput out{&lp, &ent, tl, ti, nullptr};
+    const uint32_t* p = rec.data();
+    CombinePartials(&p, 1, spec, true, out);
+    ExpectClose(ref.logp[42], lp, "logprob");
+    ExpectClose(ref.entropy, ent, "entropy");
+  }
+}
+
+TEST(SamplingFilter, TopKTopPMatchNemoSemantics) {
+  StatsSpec spec;
+  spec.entropy = true;
+  spec.topk = 5;
+  spec.temperature = 0.7f;
+  const auto z = RandomRow(2048, 21);
+  for (auto [k, p] : std::vector<std::pair<int, float>>{{50, 1.f}, {0, 0.9f}, {50, 0.9f}, {1, 1.f}, {0, 0.3f}}) {
+    const Ref ref = Reference(z, spec.temperature, k, p);
+    // Score a kept and (where there is one) a filtered-out target.
+    int64_t kept = -1, dropped = -1;
+    for (int64_t i = 0; i < 2048; ++i) {
+      if (std::isfinite(ref.logp[i])) kept = i; else dropped = i;
+    }
+    CheckRow(z, kept, {}, spec, 1, k, p);
+    if (dropped >= 0) CheckRow(z, dropped, {}, spec, 1, k, p);
+  }
+}
+
+TEST(SamplingFilter, TopPThatKeepsOneToken) {
+  auto z = RandomRow(1000, 4, 1.f);
+  z[17] = 50.f;
+  std::vector<float> scratch;
+  EXPECT_EQ(SamplingKeepMin(z.data(), 1000, 0, 0.5f, &scratch), 50.f);
+  StatsSpec spec;
+  spec.entropy = true;
+  const Outputs o = Score(z, 17, {}, spec, 1, 0, 0.5f);
+  EXPECT_EQ(o.logprob, 0.f);
+  EXPECT_EQ(o.entropy, 0.f);
+}
+
+TEST(SamplingFilter, TopKTiesAtThresholdAreKept) {
+  std::vector<float> z = {1.f, 3.f, 2.f, 2.f, 0.f};
+  std::vector<float> scratch;
+  EXPECT_EQ(SamplingKeepMin(z.data(), 5, 2, 1.f, &scratch), 2.f);  // 3, 2, 2 survive
+}
+
+}  // namespace
+}  // namespace logprob::kernels

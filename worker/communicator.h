@@ -1,0 +1,43 @@
+// The collectives vocab-parallel scoring needs, independent of the
+// transport (Gloo on CPU workers; NCCL on GPUs in the CUDA backend).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace logprob {
+
+/// A fixed group of `size()` ranks. Every rank must call the same
+/// collectives in the same order. Errors (peer gone, timeout) come back as
+/// UNAVAILABLE / DEADLINE_EXCEEDED; the group is unusable afterwards.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  /// All-gather: each rank contributes `bytes` bytes at `in`; `out` receives
+  /// size() * bytes, rank r's contribution at offset r * bytes.
+  virtual absl::Status AllGather(const void* in, size_t bytes, void* out) = 0;
+
+  /// All-to-all with per-peer sizes: rank r sends send_bytes[q] bytes
+  /// (consecutive in `in`, in rank order) to q and receives recv_bytes[q]
+  /// bytes from q into `out` (consecutive, in rank order).
+  virtual absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes,
+                                 void* out, const std::vector<int64_t>& recv_bytes) = 0;
+};
+
+/// A group of one (token-parallel work, tests): collectives are copies.
+class SelfCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  absl::Status AllGather(const void* in, size_t bytes, void* out) override;
+  absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes,
+                         void* out, const std::vector<int64_t>& recv_bytes) override;
+};
+
+}  // namespace logprob

@@ -1,0 +1,30 @@
+#include "worker/worker_service.h"
+
+#include "common/grpc_status.h"
+#include "worker/scorer.h"
+
+namespace logprob {
+
+grpc::Status WorkerService::Run(grpc::ServerContext*, const internal::v1::WorkItem* item,
+                                internal::v1::WorkResult* result) {
+  absl::StatusOr<internal::v1::WorkResult> res;
+  if (item->layout() == internal::v1::VOCAB_PARALLEL) {
+    std::lock_guard<std::mutex> lock(collective_mu_);
+    res = ScoreWorkItem(*item, *comm_);
+  } else {
+    SelfCommunicator self;
+    res = ScoreWorkItem(*item, self);
+  }
+  if (!res.ok()) return ToGrpc(res.status());
+  *result = std::move(*res);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Info(grpc::ServerContext*, const internal::v1::WorkerInfoRequest*,
+                                 internal::v1::WorkerInfoReply* reply) {
+  reply->set_rank(comm_->rank());
+  reply->set_world_size(comm_->size());
+  return grpc::Status::OK;
+}
+
+}  // namespace logprob
