@@ -233,7 +233,7 @@ TEST(SplitScoreRequest, PackedSplitsByWholeSequencesAndRebasesCuSeqlens) {
       SCOPED_TRACE(testing::Message() << "alignment " << alignment << " cu " << cu_dtype);
       const std::vector<int64_t> lens = {3, 7, 2, 8, 1, 5};
       const ScoreRequest r = PackedRequest(lens, 8, 3, alignment, cu_dtype);
-      const int64_t max_bytes = 600;
+      const int64_t max_bytes = 800;
       auto parts = SplitScoreRequest(r, {max_bytes, 0});
       ASSERT_TRUE(parts.ok()) << parts.status();
       EXPECT_GT(parts->size(), 2u);
@@ -346,7 +346,7 @@ TEST(SplitAndJoin, EqualsUnsplitResult) {
   };
   for (const ScoreRequest& r : requests) {
     SCOPED_TRACE(r.id());
-    auto parts = SplitScoreRequest(r, {500, 0});
+    auto parts = SplitScoreRequest(r, {700, 0});
     ASSERT_TRUE(parts.ok()) << parts.status();
     ASSERT_GT(parts->size(), 1u);
     std::vector<ScoreResponse> responses;

@@ -21,6 +21,16 @@ inline float Float(uint32_t u) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline void PutDouble(uint32_t* at, double d) { std::memcpy(at, &d, 8); }
+inline double GetDouble(const uint32_t* at) {
+  double d;
+  std::memcpy(&d, at, 8);
+  return d;
+}
+
+/// Independent float accumulators per block (as SIMD lanes would be), so
+/// rounding error grows with block/kLanes, not the block length.
+constexpr int kLanes = 16;
 
 /// (value, id) ordered "better first": larger value, then lower id.
 struct Candidate {
@@ -89,22 +99,25 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
     float bm = kNegInf;
     for (int64_t i = 0; i < n; ++i) bm = std::max(bm, x[i]);
     if (bm > m) {  // rescale the running sums to the new max
-      if (m > kNegInf) {
+      if (m > kNegInf) {  // u is relative to m: u' = r * (u + s * (m_old - m_new))
         const double r = std::exp(static_cast<double>(m) - bm);
+        u = r * (u + s * (static_cast<double>(m) - bm));
         s *= r;
-        u *= r;
       }
       m = bm;
     }
     if (m > kNegInf) {
-      float bs = 0.f, bu = 0.f;
+      float bs[kLanes] = {0.f}, bu[kLanes] = {0.f};
       for (int64_t i = 0; i < n; ++i) {
-        const float e = std::exp(x[i] - m);
-        bs += e;
-        bu += e > 0.f ? e * x[i] : 0.f;  // e == 0 for x = -inf: no 0 * inf
+        const float d = x[i] - m;
+        const float e = std::exp(d);
+        bs[i % kLanes] += e;
+        bu[i % kLanes] += e > 0.f ? e * d : 0.f;  // e == 0 for x = -inf: no 0 * inf
       }
-      s += bs;
-      u += bu;
+      for (int l = 0; l < kLanes; ++l) {
+        s += bs[l];
+        u += bu[l];
+      }
     }
     if (spec.topk > 0) {
       for (int64_t i = 0; i < n; ++i) {
@@ -123,10 +136,10 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
     return v < row.keep_min ? kNegInf : v;
   };
   record[0] = Bits(m);
-  record[1] = Bits(static_cast<float>(s));
-  record[2] = Bits(static_cast<float>(u));
-  record[3] = Bits(row.target >= 0 ? x_at(row.target) : std::nanf(""));
-  uint32_t* g = record + 4;
+  record[1] = Bits(row.target >= 0 ? x_at(row.target) : std::nanf(""));
+  PutDouble(record + 2, s);
+  PutDouble(record + 4, u);
+  uint32_t* g = record + kPartialHeaderWords;
   for (int j = 0; j < spec.gather_k; ++j) g[j] = Bits(x_at(row.gather_ids[j]));
   uint32_t* tv = g + spec.gather_k;
   uint32_t* ti = tv + spec.topk;
@@ -148,8 +161,9 @@ void CombinePartials(const uint32_t* const* records, int count,
     const double mr = Float(records[r][0]);
     if (mr == -std::numeric_limits<double>::infinity()) continue;
     const double w = std::exp(mr - M);
-    S += Float(records[r][1]) * w;
-    U += Float(records[r][2]) * w;
+    const double sr = GetDouble(records[r] + 2);
+    S += sr * w;
+    U += (GetDouble(records[r] + 4) + sr * (mr - M)) * w;
   }
   const double logZ = M + std::log(S);
 
@@ -162,21 +176,21 @@ void CombinePartials(const uint32_t* const* records, int count,
     return std::nan("");
   };
   if (out.token_logprob) {
-    *out.token_logprob = has_target ? static_cast<float>(pick(3) - logZ) : 0.0f;
+    *out.token_logprob = has_target ? static_cast<float>(pick(1) - logZ) : 0.0f;
   }
   if (out.entropy) {
-    const double h = logZ - U / S;
+    const double h = std::log(S) - U / S;  // U = sum exp(x - M) (x - M)
     *out.entropy = static_cast<float>(std::max(0.0, h));
   }
   if (out.gathered) {
     for (int j = 0; j < spec.gather_k; ++j)
-      out.gathered[j] = static_cast<float>(pick(4 + j) - logZ);
+      out.gathered[j] = static_cast<float>(pick(kPartialHeaderWords + j) - logZ);
   }
   if (spec.topk > 0 && (out.topk_logprobs || out.topk_indices)) {
     std::vector<Candidate> all;
     all.reserve(static_cast<size_t>(count) * spec.topk);
     for (int r = 0; r < count; ++r) {
-      const uint32_t* tv = records[r] + 4 + spec.gather_k;
+      const uint32_t* tv = records[r] + kPartialHeaderWords + spec.gather_k;
       const uint32_t* ti = tv + spec.topk;
       for (int j = 0; j < spec.topk; ++j) {
         const auto id = static_cast<int32_t>(ti[j]);

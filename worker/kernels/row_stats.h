@@ -3,7 +3,8 @@
 //
 // One pass over a row slice (online softmax, block by block) yields a
 // packed "partial": running max m, s = sum exp(x - m),
-// u = sum exp(x - m) * x, the target's x, the x at requested gather ids and
+// u = sum exp(x - m) * (x - m) (relative to m, so entropy
+// H = log s - u / s has no cancellation against m), the target's x, the x at requested gather ids and
 // the slice's top-K candidates. Partials of all slices of a row combine
 // exactly (m = max m_i, s = sum s_i exp(m_i - m), ...), so vocab-parallel
 // workers need one collective round per chunk instead of the three
@@ -29,10 +30,13 @@ struct StatsSpec {
   int gather_k = 0;          // ids per row for gathered_logprobs
 };
 
+/// Words of a record's header: m (f32), target_x (f32), s (f64), u (f64).
+constexpr size_t kPartialHeaderWords = 6;
+
 /// Size, in 32-bit words, of one packed partial record for `spec`:
-/// [m, s, u, target_x, gather_x[gather_k], topk_x[topk], topk_id[topk]].
+/// [header, gather_x[gather_k], topk_x[topk], topk_id[topk]].
 inline size_t PartialWords(const StatsSpec& spec) {
-  return 4 + static_cast<size_t>(spec.gather_k) + 2 * static_cast<size_t>(spec.topk);
+  return kPartialHeaderWords + static_cast<size_t>(spec.gather_k) + 2 * static_cast<size_t>(spec.topk);
 }
 
 /// One row's inputs on one vocab slice [vocab_begin, vocab_begin + len).
@@ -68,7 +72,7 @@ struct RowOutput {
 /// Combines the records of one row from `count` slices, in the given
 /// (rank) order, in float64, and writes the row's outputs:
 /// token_logprob = x_t - logZ (0 when !has_target, -inf when the target was
-/// filtered out), entropy = logZ - u/s >= 0, the top-K of log_softmax
+/// filtered out), entropy = log S - U/S >= 0, the top-K of log_softmax
 /// (largest first, equal values by lower id), gathered = x_g - logZ.
 void CombinePartials(const uint32_t* const* records, int count,
                      const StatsSpec& spec, bool has_target, const RowOutput& out);

@@ -1,0 +1,151 @@
+#include "client/commands.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <iterator>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/channel.h"
+#include "client/health_check.h"
+#include "client/summary.h"
+#include "common/safetensors.h"
+#include "grpcpp/client_context.h"
+
+namespace logprob::client {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+void PrintError(const absl::Status& status) {
+  std::cerr << "error: " << status.ToString() << std::endl;
+}
+
+// `status` with "path: " in front of its message unless it names `path`.
+absl::Status WithPath(const std::string& path, const absl::Status& status) {
+  if (absl::StrContains(status.message(), path)) return status;
+  return absl::Status(status.code(), absl::StrCat(path, ": ", status.message()));
+}
+
+void SetTimeout(grpc::ClientContext* context, double seconds) {
+  if (seconds <= 0) return;
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                            std::chrono::duration<double>(seconds)));
+}
+
+// An id for a request of this process.
+std::string MakeRequestId() {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::system_clock::now().time_since_epoch())
+                      .count();
+  return absl::StrCat("cli-", getpid(), "-", ms);
+}
+
+}  // namespace
+
+int RunHealth(const HealthArgs& args) {
+  const auto wait = std::chrono::milliseconds(
+      static_cast<int64_t>(std::llround(std::max(0.0, args.wait_seconds) * 1000)));
+  absl::Status s = WaitForServing(MakeChannel(args.server), wait);
+  if (!s.ok()) {
+    std::cerr << "error: " << args.server << ": " << s.message() << std::endl;
+    return kExitFailure;
+  }
+  std::cout << args.server << ": SERVING" << std::endl;
+  return kExitOk;
+}
+
+absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface& stub,
+                                               const v1::ScoreRequest& request,
+                                               const SplitLimits& limits,
+                                               double timeout_seconds,
+                                               const std::function<void(int, int)>& progress,
+                                               int* parts_sent) {
+  absl::StatusOr<std::vector<v1::ScoreRequest>> parts = SplitScoreRequest(request, limits);
+  if (!parts.ok()) return parts.status();
+  const int n = static_cast<int>(parts->size());
+  std::vector<v1::ScoreResponse> responses(n);
+  for (int i = 0; i < n; ++i) {
+    grpc::ClientContext context;
+    SetTimeout(&context, timeout_seconds);
+    const grpc::Status s = stub.Score(&context, (*parts)[i], &responses[i]);
+    if (!s.ok()) {
+      if (n == 1) return FromGrpc(s);
+      return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                          absl::StrCat("part ", i + 1, "/", n, " (id ", (*parts)[i].id(),
+                                       "): ", s.error_message()));
+    }
+    // Free each part's tensors once it has been sent.
+    (*parts)[i] = v1::ScoreRequest();
+    if (n > 1 && progress) progress(i + 1, n);
+  }
+  if (parts_sent != nullptr) *parts_sent = n;
+  return JoinScoreResponses(std::move(responses), request.id());
+}
+
+int RunScore(const ScoreArgs& args) {
+  absl::StatusOr<SafetensorsFile> file = ReadSafetensors(args.input);
+  if (!file.ok()) {
+    PrintError(WithPath(args.input, file.status()));
+    return kExitBadInput;
+  }
+  absl::StatusOr<v1::ScoreRequest> request =
+      BuildScoreRequest(*std::move(file), ToScoreOptions(args.flags), MakeRequestId());
+  if (!request.ok()) {
+    PrintError(WithPath(args.input, request.status()));
+    return kExitBadInput;
+  }
+
+  auto channel = MakeChannel(args.server);
+  std::unique_ptr<v1::LogprobService::Stub> stub = v1::LogprobService::NewStub(channel);
+
+  // The server's limits.
+  v1::ServerInfo info;
+  {
+    grpc::ClientContext context;
+    SetTimeout(&context, args.timeout_seconds > 0 ? args.timeout_seconds : 60.0);
+    const grpc::Status s = stub->GetServerInfo(&context, v1::ServerInfoRequest(), &info);
+    if (!s.ok()) {
+      PrintError(FromGrpc(s));
+      return kExitFailure;
+    }
+  }
+  int64_t limit = args.max_request_bytes > 0 ? args.max_request_bytes : info.max_request_bytes();
+  if (limit <= 0) limit = kDefaultMaxRequestBytes;
+  SplitLimits limits;
+  limits.max_bytes = std::max<int64_t>(1, static_cast<int64_t>(limit * kRequestFill));
+  limits.max_tokens = info.max_tokens_per_request();
+
+  const auto start = std::chrono::steady_clock::now();
+  int parts = 1;
+  absl::StatusOr<v1::ScoreResponse> response = ScoreInParts(
+      *stub, *request, limits, args.timeout_seconds,
+      [](int i, int n) { std::cerr << "scored part " << i << "/" << n << std::endl; },
+      &parts);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!response.ok()) {
+    PrintError(response.status());
+    return kExitFailure;
+  }
+
+  std::vector<v1::Tensor> outputs(std::make_move_iterator(response->mutable_outputs()->begin()),
+                                  std::make_move_iterator(response->mutable_outputs()->end()));
+  if (absl::Status s = WriteSafetensors(args.output, outputs); !s.ok()) {
+    PrintError(WithPath(args.output, s));
+    return kExitFailure;
+  }
+  std::cout << SummarizeScore(outputs, CountInputTokens(*request), seconds, parts);
+  return kExitOk;
+}
+
+}  // namespace logprob::client

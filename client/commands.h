@@ -1,0 +1,68 @@
+// The `health` and `score` commands of logprob-client (shared/SPEC.md
+// "Command-line contract").
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "client/request_builder.h"
+#include "client/request_splitter.h"
+#include "logprob/v1/logprob.grpc.pb.h"
+
+namespace logprob::client {
+
+/// Process exit codes of the commands.
+inline constexpr int kExitOk = 0;
+/// Server error, unreachable or unhealthy server, or failure to write.
+inline constexpr int kExitFailure = 1;
+/// Bad command line, or an input file that cannot be read or used.
+inline constexpr int kExitBadInput = 2;
+
+/// Request size limit used when the server reports max_request_bytes 0.
+inline constexpr int64_t kDefaultMaxRequestBytes = 64ll << 20;
+/// Fraction of the request size limit a (split) request may fill.
+inline constexpr double kRequestFill = 0.9;
+
+/// Arguments of `logprob-client health`.
+struct HealthArgs {
+  std::string server;        // HOST:PORT
+  double wait_seconds = 0;   // keep trying this long; 0 = one try
+};
+
+/// Runs `health`: exit kExitOk once grpc.health.v1 reports SERVING within
+/// `wait_seconds`, else prints the reason to stderr and returns
+/// kExitFailure.
+int RunHealth(const HealthArgs& args);
+
+/// Arguments of `logprob-client score`.
+struct ScoreArgs {
+  std::string server;              // HOST:PORT
+  std::string input;               // IN.safetensors
+  std::string output;              // OUT.safetensors
+  ScoreFlags flags;
+  int64_t max_request_bytes = 0;   // > 0 overrides the server's limit
+  double timeout_seconds = 0;      // deadline of each RPC; 0 = none
+};
+
+/// Runs `score`: reads the input file, asks the server for its limits
+/// (GetServerInfo), sends the request (split into parts when it would
+/// exceed kRequestFill of max_request_bytes or max_tokens_per_request),
+/// writes the joined outputs to `output` and prints a summary to stdout.
+/// Errors go to stderr as "error: CODE: message"; returns kExitBadInput
+/// for unreadable/unusable input, kExitFailure for everything else.
+int RunScore(const ScoreArgs& args);
+
+/// Sends `request` as the parts SplitScoreRequest makes under `limits`,
+/// one unary Score call after another (each with deadline
+/// `timeout_seconds` when > 0), and joins the responses into the
+/// response of `request` (same id). `progress`, when set, is called with
+/// (i, n) after part i of n > 1 has been scored. Errors: the first failing
+/// call's status (gRPC code and message), or a splitting/joining error.
+absl::StatusOr<v1::ScoreResponse> ScoreInParts(
+    v1::LogprobService::StubInterface& stub, const v1::ScoreRequest& request,
+    const SplitLimits& limits, double timeout_seconds,
+    const std::function<void(int, int)>& progress, int* parts_sent = nullptr);
+
+}  // namespace logprob::client

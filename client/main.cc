@@ -1,0 +1,29 @@
+// logprob-client: command-line client of the logprob scoring service.
+// See UsageText() in client/cli_args.cc and shared/SPEC.md.
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "client/cli_args.h"
+#include "client/commands.h"
+
+int main(int argc, char** argv) {
+  using logprob::client::CommandLine;
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  absl::StatusOr<CommandLine> cl = logprob::client::ParseCommandLine(args);
+  if (!cl.ok()) {
+    std::cerr << "error: " << cl.status().message() << "\n\n"
+              << logprob::client::UsageText();
+    return logprob::client::kExitBadInput;
+  }
+  switch (cl->command) {
+    case CommandLine::Command::kHelp:
+      std::cout << logprob::client::UsageText();
+      return logprob::client::kExitOk;
+    case CommandLine::Command::kHealth:
+      return logprob::client::RunHealth(cl->health);
+    case CommandLine::Command::kScore:
+      return logprob::client::RunScore(cl->score);
+  }
+  return logprob::client::kExitBadInput;
+}

@@ -1,0 +1,62 @@
+// Turning a safetensors input file and command-line options into one
+// ScoreRequest (shared/SPEC.md "Inputs").
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "common/safetensors.h"
+#include "logprob/v1/logprob.pb.h"
+
+namespace logprob::client {
+
+/// Names of the input tensors a score request carries, in the order they
+/// are sent: the scored rows (`logits` or `hidden_states`), `input_ids`,
+/// then the optional `cu_seqlens`, `seq_lens`, `gather_indices`.
+inline constexpr char kLogitsName[] = "logits";
+inline constexpr char kHiddenStatesName[] = "hidden_states";
+inline constexpr char kInputIdsName[] = "input_ids";
+inline constexpr char kCuSeqlensName[] = "cu_seqlens";
+inline constexpr char kSeqLensName[] = "seq_lens";
+inline constexpr char kGatherIndicesName[] = "gather_indices";
+
+/// Scoring options as given on the command line; unset fields stay unset
+/// in the request so the server applies its defaults.
+struct ScoreFlags {
+  v1::Alignment alignment = v1::NEXT_TOKEN;
+  bool entropy = false;
+  int32_t topk = 0;
+  std::optional<float> temperature;
+  int32_t sampling_top_k = 0;
+  std::optional<float> sampling_top_p;
+  std::optional<int64_t> ignore_index;
+};
+
+/// Parses "next_token" or "same_position". INVALID_ARGUMENT otherwise.
+absl::StatusOr<v1::Alignment> ParseAlignment(std::string_view name);
+
+/// Copies `flags` into a ScoreOptions message; optional fields are set only
+/// when the flag was given.
+v1::ScoreOptions ToScoreOptions(const ScoreFlags& flags);
+
+/// Builds a request with id `id` from the tensors of an input file. Takes
+/// exactly one of `logits` [B,S,V] / [T,V] or `hidden_states` [B,S,H] /
+/// [T,H], plus `input_ids`, and `cu_seqlens`, `seq_lens`, `gather_indices`
+/// when present; names, dtypes, shapes and bytes are sent unchanged (the
+/// server validates shapes and dtypes). Other tensors in the file are
+/// ignored. The tensors are moved out of `file`.
+/// Errors (INVALID_ARGUMENT): no `input_ids`, neither or both of `logits`
+/// and `hidden_states`.
+absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file,
+                                                   const v1::ScoreOptions& options,
+                                                   const std::string& id);
+
+/// Number of token positions of a built request: the product of the
+/// leading dimensions (all but the last) of `logits` / `hidden_states`,
+/// i.e. B*S for padded and T for packed input; 0 when absent.
+int64_t CountInputTokens(const v1::ScoreRequest& request);
+
+}  // namespace logprob::client

@@ -1,0 +1,380 @@
+#include "client/request_splitter.h"
+
+#include <algorithm>
+#include <functional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/request_builder.h"
+#include "common/dtype.h"
+
+namespace logprob::client {
+namespace {
+
+// Upper bound of what a part's id suffix "-<i>" and the id's length prefix
+// add to the serialized size.
+constexpr int64_t kIdSlackBytes = 32;
+
+const v1::Tensor* FindInput(const v1::ScoreRequest& request, std::string_view name) {
+  for (const v1::Tensor& t : request.inputs()) {
+    if (t.name() == name) return &t;
+  }
+  return nullptr;
+}
+
+std::string ShapeString(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+// Checks that `t` has rank >= 1, a known dtype and as many bytes as its
+// shape needs.
+absl::Status CheckTensor(const v1::Tensor& t) {
+  const size_t es = DTypeSize(t.dtype());
+  if (es == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("input '", t.name(), "' has an unsupported dtype"));
+  }
+  if (t.shape_size() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("input '", t.name(), "' is a scalar; cannot split it"));
+  }
+  uint64_t n = es;
+  for (int64_t d : t.shape()) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", t.name(), "' has a negative dimension in ", ShapeString(t)));
+    }
+    if (d != 0 && n > t.data().size()) break;  // too large; caught below
+    n *= static_cast<uint64_t>(d);
+  }
+  if (n != t.data().size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input '", t.name(), "' has ", t.data().size(), " bytes; shape ",
+        ShapeString(t), " of ", DTypeName(t.dtype()), " needs ", n));
+  }
+  return absl::OkStatus();
+}
+
+int64_t RowBytes(const v1::Tensor& t) {
+  return t.shape(0) == 0 ? 0 : static_cast<int64_t>(t.data().size()) / t.shape(0);
+}
+
+// Rows [r0, r1) of `t` along its first dimension.
+v1::Tensor SliceRows(const v1::Tensor& t, int64_t r0, int64_t r1) {
+  v1::Tensor out;
+  out.set_name(t.name());
+  out.set_dtype(t.dtype());
+  *out.mutable_shape() = t.shape();
+  out.set_shape(0, r1 - r0);
+  const int64_t rb = RowBytes(t);
+  out.set_data(t.data().data() + r0 * rb, static_cast<size_t>((r1 - r0) * rb));
+  return out;
+}
+
+// How a request divides into sequences, and how to make the request of a
+// run of consecutive sequences.
+struct Plan {
+  std::vector<int64_t> seq_bytes;   // tensor bytes each sequence adds
+  std::vector<int64_t> seq_tokens;  // token positions of each sequence
+  int64_t part_extra_bytes = 0;     // tensor bytes every part adds
+  // Inputs of the part holding sequences [s0, s1).
+  std::function<void(int64_t s0, int64_t s1, v1::ScoreRequest* part)> fill_inputs;
+};
+
+absl::StatusOr<Plan> PlanPadded(const v1::ScoreRequest& request, const v1::Tensor& rows) {
+  if (rows.shape_size() != 3) {
+    return absl::InvalidArgumentError("padded input needs 3-D rows");
+  }
+  const int64_t B = rows.shape(0);
+  const int64_t S = rows.shape(1);
+  Plan plan;
+  int64_t bytes_per_seq = 0;
+  for (const v1::Tensor& t : request.inputs()) {
+    if (t.name() == kCuSeqlensName) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot split: 'cu_seqlens' given with 3-D '", rows.name(), "' ",
+          ShapeString(rows)));
+    }
+    if (absl::Status s = CheckTensor(t); !s.ok()) return s;
+    if (t.shape(0) != B) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot split: input '", t.name(), "' ", ShapeString(t),
+          " does not have B = ", B, " rows like '", rows.name(), "' ",
+          ShapeString(rows)));
+    }
+    bytes_per_seq += RowBytes(t);
+  }
+  plan.seq_bytes.assign(B, bytes_per_seq);
+  plan.seq_tokens.assign(B, S);
+  plan.fill_inputs = [req = &request](int64_t s0, int64_t s1, v1::ScoreRequest* part) {
+    for (const v1::Tensor& t : req->inputs()) {
+      *part->add_inputs() = SliceRows(t, s0, s1);
+    }
+  };
+  return plan;
+}
+
+absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tensor& rows) {
+  const int64_t T = rows.shape(0);
+  const bool next_token = request.options().alignment() == v1::NEXT_TOKEN;
+  const v1::Tensor* ids = FindInput(request, kInputIdsName);
+  const v1::Tensor* cu = FindInput(request, kCuSeqlensName);
+  const v1::Tensor* gather = FindInput(request, kGatherIndicesName);
+  for (const v1::Tensor& t : request.inputs()) {
+    if (&t != &rows && &t != ids && &t != cu && &t != gather) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot split packed input with input '", t.name(), "'"));
+    }
+    if (absl::Status s = CheckTensor(t); !s.ok()) return s;
+  }
+  if (ids == nullptr || ids->shape(0) != T) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot split: packed 'input_ids' must have T = ", T, " rows like '",
+        rows.name(), "' ", ShapeString(rows)));
+  }
+
+  // Sequence boundaries.
+  std::vector<int64_t> cuv;
+  if (cu == nullptr) {
+    cuv = {0, T};
+  } else {
+    if (!IsIntDType(cu->dtype()) || cu->shape_size() != 1 || cu->shape(0) < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot split: 'cu_seqlens' must be a 1-D I32/I64 tensor [B+1], got ",
+          DTypeName(cu->dtype()), " ", ShapeString(*cu)));
+    }
+    cuv.resize(cu->shape(0));
+    for (size_t i = 0; i < cuv.size(); ++i) {
+      cuv[i] = ReadInt(cu->dtype(), cu->data().data(), i);
+    }
+    if (cuv.front() != 0 || cuv.back() != T) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot split: 'cu_seqlens' must start at 0 and end at T = ", T));
+    }
+    for (size_t i = 1; i < cuv.size(); ++i) {
+      if (cuv[i] < cuv[i - 1]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cannot split: 'cu_seqlens' decreases at index ", i));
+      }
+    }
+  }
+  const int64_t B = static_cast<int64_t>(cuv.size()) - 1;
+
+  // Output rows per sequence, and their running offsets.
+  std::vector<int64_t> out_offset(B + 1, 0);
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t len = cuv[i + 1] - cuv[i];
+    out_offset[i + 1] = out_offset[i] + (next_token ? std::max<int64_t>(len - 1, 0) : len);
+  }
+  if (gather != nullptr && gather->shape(0) != out_offset[B]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot split: 'gather_indices' ", ShapeString(*gather), " must have ",
+        out_offset[B], " rows, one per output row"));
+  }
+
+  Plan plan;
+  const int64_t token_bytes = RowBytes(rows) + RowBytes(*ids);
+  const int64_t cu_entry = cu == nullptr ? 0 : static_cast<int64_t>(DTypeSize(cu->dtype()));
+  const int64_t gather_row = gather == nullptr ? 0 : RowBytes(*gather);
+  plan.part_extra_bytes = cu_entry;  // the leading 0 of each part's cu_seqlens
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t len = cuv[i + 1] - cuv[i];
+    const int64_t outs = out_offset[i + 1] - out_offset[i];
+    plan.seq_bytes.push_back(len * token_bytes + cu_entry + outs * gather_row);
+    plan.seq_tokens.push_back(len);
+  }
+  plan.fill_inputs = [req = &request, rows_t = &rows, ids, cu, gather, cuv = std::move(cuv),
+                      out_offset = std::move(out_offset)](int64_t s0, int64_t s1,
+                                                          v1::ScoreRequest* part) {
+    for (const v1::Tensor& t : req->inputs()) {
+      if (&t == rows_t || &t == ids) {
+        *part->add_inputs() = SliceRows(t, cuv[s0], cuv[s1]);
+      } else if (&t == gather) {
+        *part->add_inputs() = SliceRows(t, out_offset[s0], out_offset[s1]);
+      } else if (&t == cu) {
+        v1::Tensor* out = part->add_inputs();
+        out->set_name(t.name());
+        out->set_dtype(t.dtype());
+        out->add_shape(s1 - s0 + 1);
+        std::string data;
+        for (int64_t i = s0; i <= s1; ++i) {
+          const int64_t v = cuv[i] - cuv[s0];
+          if (t.dtype() == v1::I32) {
+            const int32_t v32 = static_cast<int32_t>(v);
+            data.append(reinterpret_cast<const char*>(&v32), 4);
+          } else {
+            data.append(reinterpret_cast<const char*>(&v), 8);
+          }
+        }
+        out->set_data(std::move(data));
+      }
+    }
+  };
+  return plan;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(
+    const v1::ScoreRequest& request, const SplitLimits& limits) {
+  if (limits.max_bytes <= 0) {
+    return absl::InvalidArgumentError("max_bytes must be > 0");
+  }
+  const int64_t total_bytes = static_cast<int64_t>(request.ByteSizeLong());
+  const int64_t total_tokens = CountInputTokens(request);
+  if (total_bytes <= limits.max_bytes &&
+      (limits.max_tokens <= 0 || total_tokens <= limits.max_tokens)) {
+    return std::vector<v1::ScoreRequest>{request};
+  }
+
+  const v1::Tensor* rows = FindInput(request, kLogitsName);
+  if (rows == nullptr) rows = FindInput(request, kHiddenStatesName);
+  if (rows == nullptr) {
+    return absl::InvalidArgumentError(
+        "cannot split a request without 'logits' or 'hidden_states'");
+  }
+  if (absl::Status s = CheckTensor(*rows); !s.ok()) return s;
+  absl::StatusOr<Plan> plan;
+  if (rows->shape_size() == 3) {
+    plan = PlanPadded(request, *rows);
+  } else if (rows->shape_size() == 2) {
+    plan = PlanPacked(request, *rows);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot split: '", rows->name(), "' ", ShapeString(*rows),
+        " is neither [B, S, X] nor [T, X]"));
+  }
+  if (!plan.ok()) return plan.status();
+
+  // Everything that is not tensor data (names, shapes, options, length
+  // prefixes) shrinks or stays in a part, except the id, which grows.
+  int64_t data_bytes = 0;
+  for (const v1::Tensor& t : request.inputs()) data_bytes += t.data().size();
+  const int64_t overhead = total_bytes - data_bytes + kIdSlackBytes + plan->part_extra_bytes;
+  const int64_t budget = limits.max_bytes - overhead;
+  if (budget <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a request of at most ", limits.max_bytes,
+        " bytes has no room for tensor data (", overhead, " bytes of overhead)"));
+  }
+
+  // Greedy grouping of consecutive sequences.
+  const int64_t n = static_cast<int64_t>(plan->seq_bytes.size());
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  int64_t begin = 0, bytes = 0, tokens = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t sb = plan->seq_bytes[i];
+    const int64_t st = plan->seq_tokens[i];
+    if (sb > budget) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", i, " alone needs ", sb, " bytes of tensor data, more than the ",
+          budget, " that fit in a request of at most ", limits.max_bytes,
+          " bytes; it cannot be sent (raise the server's max request size)"));
+    }
+    if (limits.max_tokens > 0 && st > limits.max_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", i, " has ", st, " tokens, more than the ", limits.max_tokens,
+          " allowed per request; it cannot be sent"));
+    }
+    if (i > begin && (bytes + sb > budget ||
+                      (limits.max_tokens > 0 && tokens + st > limits.max_tokens))) {
+      groups.emplace_back(begin, i);
+      begin = i;
+      bytes = 0;
+      tokens = 0;
+    }
+    bytes += sb;
+    tokens += st;
+  }
+  if (n > begin) groups.emplace_back(begin, n);
+  if (groups.size() <= 1) return std::vector<v1::ScoreRequest>{request};
+
+  std::vector<v1::ScoreRequest> parts;
+  parts.reserve(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    v1::ScoreRequest part;
+    part.set_id(absl::StrCat(request.id(), "-", g + 1));
+    *part.mutable_options() = request.options();
+    plan->fill_inputs(groups[g].first, groups[g].second, &part);
+    const int64_t size = static_cast<int64_t>(part.ByteSizeLong());
+    if (size > limits.max_bytes) {
+      return absl::InternalError(absl::StrCat("part ", g + 1, " has ", size,
+                                              " bytes, over the limit of ",
+                                              limits.max_bytes));
+    }
+    parts.push_back(std::move(part));
+  }
+  return parts;
+}
+
+absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(std::vector<v1::ScoreResponse> parts,
+                                                     const std::string& id) {
+  if (parts.empty()) return absl::InvalidArgumentError("no responses to join");
+  for (size_t p = 0; p < parts.size(); ++p) {
+    if (parts[p].status_code() != 0) {
+      return absl::Status(static_cast<absl::StatusCode>(parts[p].status_code()),
+                          absl::StrCat("part ", p + 1, "/", parts.size(), ": ",
+                                       parts[p].status_message()));
+    }
+  }
+  if (parts.size() == 1) {
+    v1::ScoreResponse only = std::move(parts[0]);
+    only.set_id(id);
+    return only;
+  }
+
+  v1::ScoreResponse joined;
+  joined.set_id(id);
+  for (size_t p = 1; p < parts.size(); ++p) {
+    if (parts[p].outputs_size() != parts[0].outputs_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "part ", p + 1, " has ", parts[p].outputs_size(), " outputs, part 1 has ",
+          parts[0].outputs_size()));
+    }
+  }
+  for (const v1::Tensor& first : parts[0].outputs()) {
+    if (absl::Status s = CheckTensor(first); !s.ok()) return s;
+    v1::Tensor* out = joined.add_outputs();
+    out->set_name(first.name());
+    out->set_dtype(first.dtype());
+    *out->mutable_shape() = first.shape();
+    size_t total = 0;
+    std::vector<const v1::Tensor*> pieces;
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const v1::Tensor* piece = nullptr;
+      for (const v1::Tensor& t : parts[p].outputs()) {
+        if (t.name() == first.name()) piece = &t;
+      }
+      if (piece == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "part ", p + 1, " has no output '", first.name(), "'"));
+      }
+      if (absl::Status s = CheckTensor(*piece); !s.ok()) return s;
+      const bool same_tail =
+          piece->shape_size() == first.shape_size() &&
+          std::equal(piece->shape().begin() + 1, piece->shape().end(),
+                     first.shape().begin() + 1);
+      if (piece->dtype() != first.dtype() || !same_tail) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "output '", first.name(), "' of part ", p + 1, " is ",
+            DTypeName(piece->dtype()), " ", ShapeString(*piece), ", of part 1 ",
+            DTypeName(first.dtype()), " ", ShapeString(first)));
+      }
+      pieces.push_back(piece);
+      total += piece->data().size();
+    }
+    int64_t rows_total = 0;
+    std::string data;
+    data.reserve(total);
+    for (const v1::Tensor* piece : pieces) {
+      rows_total += piece->shape(0);
+      data.append(piece->data());
+    }
+    out->set_shape(0, rows_total);
+    out->set_data(std::move(data));
+  }
+  return joined;
+}
+
+}  // namespace logprob::client

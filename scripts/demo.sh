@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# README command 1: installs dependencies, builds, starts logprob-server
+# with 2 CPU workers, scores an example file kept in the repository with
+# logprob-client and prints the result, then stops the server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+bash scripts/build.sh
+PORT="${PORT:-50051}"
+INPUT="${INPUT:-tests/data/golden/llama_vocab_bf16.safetensors}"
+OUT="$(mktemp -d)/scores.safetensors"
+build/bin/logprob-server --listen "127.0.0.1:${PORT}" --workers 2 --backend cpu &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+build/bin/logprob-client health --server "127.0.0.1:${PORT}" --wait 60
+echo "== scoring ${INPUT} (Llama vocabulary, bf16 logits [2, 96, 32000]) with 2 workers"
+build/bin/logprob-client score --server "127.0.0.1:${PORT}" --input "$INPUT" --output "$OUT" \
+  --entropy --topk 8
+echo "== outputs written to ${OUT}"

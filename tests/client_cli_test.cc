@@ -1,0 +1,113 @@
+// The command-line contract (shared/SPEC.md) end to end: logprob-client
+// against a live 2-worker server scores every logits golden case into an
+// output file that matches, also when requests are split; health and
+// error exits.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+
+#include "tests/test_support.h"
+
+namespace logprob::testing {
+namespace {
+
+struct CliRun {
+  int code;
+  std::string output;  // stdout + stderr
+};
+
+CliRun RunClient(const std::string& args) {
+  const std::string cmd = BinDir() + "/logprob-client " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+/// The CLI flags that carry a golden case's options.
+std::string OptionFlags(const GoldenCase& c) {
+  std::string f;
+  const auto& o = c.options;
+  if (o.alignment() == v1::SAME_POSITION) f += " --alignment same_position";
+  if (o.entropy()) f += " --entropy";
+  if (o.topk()) f += " --topk " + std::to_string(o.topk());
+  if (o.has_temperature()) f += " --temperature " + std::to_string(o.temperature());
+  if (o.sampling_top_k()) f += " --sampling-top-k " + std::to_string(o.sampling_top_k());
+  if (o.has_sampling_top_p()) f += " --sampling-top-p " + std::to_string(o.sampling_top_p());
+  return f;
+}
+
+class ClientCli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { server_ = ServerProcess::Start(2).release(); }
+  static void TearDownTestSuite() { delete server_; }
+  std::string Out(const std::string& name) { return ::testing::TempDir() + "/" + name + ".out.safetensors"; }
+  static ServerProcess* server_;
+};
+ServerProcess* ClientCli::server_ = nullptr;
+
+TEST_F(ClientCli, HealthReportsServing) {
+  ASSERT_TRUE(server_);
+  EXPECT_EQ(RunClient("health --server " + server_->address() + " --wait 5").code, 0);
+  const CliRun dead = RunClient("health --server 127.0.0.1:" + std::to_string(FreePort()) + " --wait 1");
+  EXPECT_NE(dead.code, 0) << dead.output;
+}
+
+TEST_F(ClientCli, ScoresEveryLogitsGoldenCase) {
+  ASSERT_TRUE(server_);
+  for (const auto& name : LogitsGoldenNames()) {
+    SCOPED_TRACE(name);
+    const GoldenCase c = LoadGolden(name);
+    const CliRun r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
+                            ".safetensors --output " + Out(name) + OptionFlags(c));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("token_logprobs"), std::string::npos) << r.output;
+    auto got = ReadSafetensors(Out(name));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(CompareOutputs(c.expected.tensors, got->tensors), "");
+  }
+}
+
+TEST_F(ClientCli, SplitsRequestsOverTheMessageLimit) {
+  ASSERT_TRUE(server_);
+  // Limits that leave room for one or two sequences per request.
+  for (const auto& [name, limit] : std::vector<std::pair<std::string, int>>{
+           {"llama_vocab_bf16", 7000000}, {"packed_bf16", 500000}, {"odd_vocab_f16", 7000000}}) {
+    SCOPED_TRACE(name);
+    const GoldenCase c = LoadGolden(name);
+    const CliRun r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
+                            ".safetensors --output " + Out(name) + OptionFlags(c) + " --max-request-bytes " + std::to_string(limit));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("part 2/"), std::string::npos) << r.output;
+    auto got = ReadSafetensors(Out(name));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(CompareOutputs(c.expected.tensors, got->tensors), "");
+  }
+}
+
+TEST_F(ClientCli, MalformedInputFileIsAClearError) {
+  ASSERT_TRUE(server_);
+  const std::string bad = ::testing::TempDir() + "/bad.safetensors";
+  std::ofstream(bad, std::ios::binary) << std::string("\xff\x00\x00\x00\x00\x00\x00\x00{not json", 17);
+  const CliRun r = RunClient("score --server " + server_->address() + " --input " + bad + " --output " + Out("bad"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("malformed safetensors"), std::string::npos) << r.output;
+}
+
+TEST_F(ClientCli, ServerErrorExitsNonZeroWithItsMessage) {
+  ASSERT_TRUE(server_);
+  const CliRun r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() +
+                          "/basic_f32.safetensors --output " + Out("err") + " --topk 5000");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("INVALID_ARGUMENT"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("options.topk"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace logprob::testing

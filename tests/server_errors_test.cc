@@ -1,0 +1,151 @@
+// Bad input through a live server: each error returns its status and a
+// message naming the field and position, and the server keeps serving.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+
+#include "tests/test_support.h"
+
+namespace logprob::testing {
+namespace {
+
+class ServerErrors : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { server_ = ServerProcess::Start(2).release(); }
+  static void TearDownTestSuite() { delete server_; }
+
+  /// The basic_f32 request with `edit` applied, its status.
+  grpc::Status ScoreEdited(const std::function<void(v1::ScoreRequest&)>& edit) {
+    v1::ScoreRequest req = GoldenRequest(LoadGolden("basic_f32"));
+    edit(req);
+    auto stub = server_->NewStub();
+    grpc::ClientContext ctx;
+    v1::ScoreResponse resp;
+    return stub->Score(&ctx, req, &resp);
+  }
+  static v1::Tensor* Input(v1::ScoreRequest& req, const std::string& name) {
+    for (auto& t : *req.mutable_inputs())
+      if (t.name() == name) return &t;
+    return nullptr;
+  }
+  void TearDown() override {
+    // The server still answers a good request after each bad one.
+    ASSERT_TRUE(server_ && server_->Alive());
+    EXPECT_TRUE(ScoreEdited([](v1::ScoreRequest&) {}).ok());
+  }
+  static ServerProcess* server_;
+};
+ServerProcess* ServerErrors::server_ = nullptr;
+
+TEST_F(ServerErrors, TargetOutsideVocabNamesSequenceAndPosition) {
+  const auto st = ScoreEdited([](v1::ScoreRequest& r) {
+    int64_t bad = 5000;  // V = 1000; sequence 2, position 7
+    std::memcpy(Input(r, "input_ids")->mutable_data()->data() + (2 * 64 + 7) * 8, &bad, 8);
+  });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("target 5000 of sequence 2 at position 7"), std::string::npos) << st.error_message();
+}
+
+TEST_F(ServerErrors, NegativeTargetOtherThanIgnoreIndex) {
+  const auto st = ScoreEdited([](v1::ScoreRequest& r) {
+    int64_t bad = -1;
+    std::memcpy(Input(r, "input_ids")->mutable_data()->data() + (0 * 64 + 1) * 8, &bad, 8);
+  });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("sequence 0 at position 1"), std::string::npos) << st.error_message();
+}
+
+TEST_F(ServerErrors, ShapeMismatch) {
+  const auto st = ScoreEdited([](v1::ScoreRequest& r) {
+    auto* ids = Input(r, "input_ids");
+    ids->set_shape(1, 32);
+    ids->mutable_data()->resize(4 * 32 * 8);
+  });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("\"input_ids\": shape [4, 32] does not match"), std::string::npos) << st.error_message();
+}
+
+TEST_F(ServerErrors, DataSizeNotMatchingShape) {
+  const auto st = ScoreEdited([](v1::ScoreRequest& r) { Input(r, "logits")->mutable_data()->resize(100); });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("\"logits\": data is 100 bytes"), std::string::npos) << st.error_message();
+}
+
+TEST_F(ServerErrors, WrongDtype) {
+  const auto st = ScoreEdited([](v1::ScoreRequest& r) {
+    auto* l = Input(r, "logits");
+    l->set_dtype(v1::I32);
+  });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("\"logits\": dtype I32 is not F32, BF16 or F16"), std::string::npos) << st.error_message();
+}
+
+TEST_F(ServerErrors, UnknownTensor) {
+  const auto st = ScoreEdited([](v1::ScoreRequest& r) {
+    auto* t = r.add_inputs();
+    t->set_name("attention_mask");
+    t->set_dtype(v1::I64);
+  });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("unknown tensor \"attention_mask\""), std::string::npos) << st.error_message();
+}
+
+TEST_F(ServerErrors, GatherIdOutsideVocab) {
+  const auto st = ScoreEdited([](v1::ScoreRequest& r) {
+    int64_t bad = 1000;
+    std::memcpy(Input(r, "gather_indices")->mutable_data()->data() + ((1 * 63 + 3) * 4 + 2) * 8, &bad, 8);
+  });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("id 1000 of sequence 1 at position 3"), std::string::npos) << st.error_message();
+}
+
+TEST_F(ServerErrors, BadOptions) {
+  EXPECT_EQ(ScoreEdited([](v1::ScoreRequest& r) { r.mutable_options()->set_temperature(0.f); }).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(ScoreEdited([](v1::ScoreRequest& r) { r.mutable_options()->set_topk(1001); }).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(ScoreEdited([](v1::ScoreRequest& r) { r.mutable_options()->set_sampling_top_p(1.5f); }).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(ServerErrors, HiddenStatesWithoutLmHead) {
+  const auto st = ScoreEdited([](v1::ScoreRequest& r) {
+    auto* l = Input(r, "logits");
+    l->set_name("hidden_states");
+  });
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(st.error_message().find("lm_head"), std::string::npos) << st.error_message();
+}
+
+TEST_F(ServerErrors, StreamAnswersCarryIdsAndPerRequestErrors) {
+  auto stub = server_->NewStub();
+  grpc::ClientContext ctx;
+  auto stream = stub->ScoreStream(&ctx);
+  v1::ScoreRequest good = GoldenRequest(LoadGolden("packed_bf16"));
+  v1::ScoreRequest bad = good;
+  bad.set_id("bad");
+  Input(bad, "cu_seqlens")->mutable_data()->replace(8, 8, std::string("\x50\0\0\0\0\0\0\0", 8));  // 80 > 72
+  good.set_id("a");
+  ASSERT_TRUE(stream->Write(good));
+  ASSERT_TRUE(stream->Write(bad));
+  good.set_id("b");
+  ASSERT_TRUE(stream->Write(good));
+  stream->WritesDone();
+  std::map<std::string, v1::ScoreResponse> got;
+  v1::ScoreResponse r;
+  while (stream->Read(&r)) got[r.id()] = r;
+  EXPECT_TRUE(stream->Finish().ok());
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got["a"].status_code(), 0);
+  EXPECT_EQ(got["b"].status_code(), 0);
+  EXPECT_EQ(got["a"].outputs(0).data(), got["b"].outputs(0).data());
+  EXPECT_EQ(got["bad"].status_code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_NE(got["bad"].status_message().find("cu_seqlens"), std::string::npos) << got["bad"].status_message();
+  const GoldenCase c = LoadGolden("packed_bf16");
+  EXPECT_EQ(CompareOutputs(c.expected.tensors, {got["a"].outputs().begin(), got["a"].outputs().end()}), "");
+}
+
+}  // namespace
+}  // namespace logprob::testing

@@ -1,0 +1,113 @@
+// Integration: real servers with 1, 2 and 3 CPU workers on loopback, in
+// the token- and vocab-parallel layouts, score every logits golden case;
+// every output must match, and results must agree across worker counts
+// within float32 rounding and be bitwise independent of batch neighbours.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "tests/test_support.h"
+
+namespace logprob::testing {
+namespace {
+
+using Layout = std::string;
+
+class ServerGolden : public ::testing::TestWithParam<std::tuple<int, Layout>> {
+ protected:
+  static std::map<std::string, v1::ScoreResponse>& Reference() {
+    static std::map<std::string, v1::ScoreResponse> ref;  // 1 worker, token-parallel
+    return ref;
+  }
+};
+
+TEST_P(ServerGolden, EveryOutputOfEveryLogitsCaseMatches) {
+  const auto [workers, layout] = GetParam();
+  auto server = ServerProcess::Start(workers, {"--parallelism", layout});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  for (const auto& name : LogitsGoldenNames()) {
+    SCOPED_TRACE(name + " workers=" + std::to_string(workers) + " layout=" + layout);
+    const GoldenCase c = LoadGolden(name);
+    grpc::ClientContext ctx;
+    v1::ScoreResponse resp;
+    const grpc::Status st = stub->Score(&ctx, GoldenRequest(c), &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(resp.id(), name);
+    const std::vector<v1::Tensor> got(resp.outputs().begin(), resp.outputs().end());
+    EXPECT_EQ(CompareOutputs(c.expected.tensors, got), "");
+
+    // Agreement with 1 worker (token-parallel) within float32 rounding.
+    auto& ref = Reference();
+    if (!ref.count(name)) {
+      ASSERT_EQ(workers, 1);
+      ref[name] = resp;
+      continue;
+    }
+    for (const auto& t : ref[name].outputs()) {
+      const v1::Tensor* g = FindOutput(resp, t.name());
+      ASSERT_NE(g, nullptr) << t.name();
+      if (t.dtype() != v1::F32) {
+        EXPECT_EQ(t.data(), g->data()) << t.name();
+        continue;
+      }
+      const auto a = Floats(t), b = Floats(*g);
+      for (size_t i = 0; i < a.size(); ++i) {
+        if (std::isinf(a[i])) {
+          EXPECT_EQ(a[i], b[i]) << t.name() << "[" << i << "]";
+        } else {
+          EXPECT_NEAR(a[i], b[i], 4e-6 * (1.0 + std::abs(a[i]))) << t.name() << "[" << i << "]";
+        }
+      }
+    }
+  }
+}
+
+// Order matters: the 1-worker run records the reference.
+INSTANTIATE_TEST_SUITE_P(Workers, ServerGolden,
+                         ::testing::Values(std::make_tuple(1, "token"), std::make_tuple(1, "vocab"),
+                                           std::make_tuple(2, "token"), std::make_tuple(2, "vocab"),
+                                           std::make_tuple(3, "token"), std::make_tuple(3, "vocab")));
+
+/// Keeps the first `b` sequences of a padded golden request.
+v1::ScoreRequest FirstSequences(const v1::ScoreRequest& full, int64_t b) {
+  v1::ScoreRequest req = full;
+  for (auto& t : *req.mutable_inputs()) {
+    const int64_t B = t.shape(0);
+    const size_t per = t.data().size() / static_cast<size_t>(B);
+    t.set_shape(0, b);
+    t.mutable_data()->resize(per * static_cast<size_t>(b));
+  }
+  return req;
+}
+
+TEST(ServerBatchInvariance, ResultsAreBitwiseIndependentOfOtherRows) {
+  for (const char* layout : {"token", "vocab"}) {
+    SCOPED_TRACE(layout);
+    auto server = ServerProcess::Start(2, {"--parallelism", layout});
+    ASSERT_TRUE(server);
+    auto stub = server->NewStub();
+    for (const char* name : {"basic_f32", "sampling_f32"}) {
+      const GoldenCase c = LoadGolden(name);
+      const v1::ScoreRequest full = GoldenRequest(c);
+      const v1::ScoreRequest first = FirstSequences(full, 1);
+      v1::ScoreResponse a, b;
+      grpc::ClientContext ca, cb;
+      ASSERT_TRUE(stub->Score(&ca, full, &a).ok());
+      ASSERT_TRUE(stub->Score(&cb, first, &b).ok());
+      ASSERT_EQ(a.outputs_size(), b.outputs_size());
+      for (int i = 0; i < a.outputs_size(); ++i) {
+        const std::string& whole = a.outputs(i).data();
+        const std::string& alone = b.outputs(i).data();
+        ASSERT_LE(alone.size(), whole.size());
+        EXPECT_EQ(whole.substr(0, alone.size()), alone) << name << " " << a.outputs(i).name();
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace logprob::testing

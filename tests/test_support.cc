@@ -1,0 +1,154 @@
+#include "tests/test_support.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "client/channel.h"
+#include "client/health_check.h"
+
+extern char** environ;
+
+namespace logprob::testing {
+
+std::string GoldenDir() { return LOGPROB_GOLDEN_DIR; }
+std::string BinDir() { return LOGPROB_BIN_DIR; }
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::unique_ptr<ServerProcess> ServerProcess::Start(int workers, const std::vector<std::string>& extra) {
+  auto p = std::unique_ptr<ServerProcess>(new ServerProcess);
+  p->address_ = "127.0.0.1:" + std::to_string(FreePort());
+  std::vector<std::string> args = {BinDir() + "/logprob-server", "--listen", p->address_, "--workers",
+                                   std::to_string(workers), "--backend", "cpu"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  if (posix_spawn(&p->pid_, argv[0], nullptr, nullptr, argv.data(), environ) != 0) {
+    ADD_FAILURE() << "cannot spawn " << argv[0];
+    return nullptr;
+  }
+  const auto st = client::WaitForServing(client::MakeChannel(p->address_), std::chrono::seconds(60));
+  if (!st.ok()) {
+    ADD_FAILURE() << "server with " << workers << " workers did not become SERVING: " << st;
+    return nullptr;
+  }
+  return p;
+}
+
+ServerProcess::~ServerProcess() {
+  if (pid_ > 0) {
+    kill(pid_, SIGTERM);
+    waitpid(pid_, nullptr, 0);
+  }
+}
+
+bool ServerProcess::Alive() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
+
+std::unique_ptr<v1::LogprobService::Stub> ServerProcess::NewStub() const {
+  return v1::LogprobService::NewStub(client::MakeChannel(address_));
+}
+
+GoldenCase LoadGolden(const std::string& name) {
+  GoldenCase c;
+  c.name = name;
+  auto in = ReadSafetensors(GoldenDir() + "/" + name + ".safetensors");
+  auto ex = ReadSafetensors(GoldenDir() + "/" + name + ".expected.safetensors");
+  EXPECT_TRUE(in.ok()) << in.status();
+  EXPECT_TRUE(ex.ok()) << ex.status();
+  if (!in.ok() || !ex.ok()) return c;
+  c.inputs = *in;
+  c.expected = *ex;
+  const auto& m = c.inputs.metadata;
+  auto get = [&](const char* k) -> std::string { auto it = m.find(k); return it == m.end() ? "" : it->second; };
+  if (get("alignment") == "same_position") c.options.set_alignment(v1::SAME_POSITION);
+  if (!get("temperature").empty()) c.options.set_temperature(std::stof(get("temperature")));
+  if (!get("sampling_top_k").empty()) c.options.set_sampling_top_k(std::stoi(get("sampling_top_k")));
+  if (!get("sampling_top_p").empty()) c.options.set_sampling_top_p(std::stof(get("sampling_top_p")));
+  if (!get("topk").empty()) c.options.set_topk(std::stoi(get("topk")));
+  c.options.set_entropy(c.expected.Find("entropy") != nullptr);
+  return c;
+}
+
+std::vector<std::string> LogitsGoldenNames() {
+  return {"basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16"};
+}
+
+v1::ScoreRequest GoldenRequest(const GoldenCase& c) {
+  v1::ScoreRequest req;
+  req.set_id(c.name);
+  for (const auto& t : c.inputs.tensors) *req.add_inputs() = t;
+  *req.mutable_options() = c.options;
+  return req;
+}
+
+std::vector<float> Floats(const v1::Tensor& t) {
+  std::vector<float> v(t.data().size() / 4);
+  std::memcpy(v.data(), t.data().data(), v.size() * 4);
+  return v;
+}
+
+const v1::Tensor* FindOutput(const v1::ScoreResponse& r, const std::string& name) {
+  for (const auto& t : r.outputs())
+    if (t.name() == name) return &t;
+  return nullptr;
+}
+
+std::string CompareOutputs(const std::vector<v1::Tensor>& expected, const std::vector<v1::Tensor>& got) {
+  std::ostringstream err;
+  for (const auto& e : expected) {
+    const v1::Tensor* g = nullptr;
+    for (const auto& t : got)
+      if (t.name() == e.name()) g = &t;
+    if (!g) {
+      err << "missing output " << e.name() << "\n";
+      continue;
+    }
+    if (std::vector<int64_t>(e.shape().begin(), e.shape().end()) != std::vector<int64_t>(g->shape().begin(), g->shape().end()) ||
+        e.dtype() != g->dtype()) {
+      err << e.name() << ": shape or dtype differs\n";
+      continue;
+    }
+    int bad = 0;
+    if (e.dtype() == v1::I64) {
+      const size_t n = e.data().size() / 8;
+      for (size_t i = 0; i < n && bad < 5; ++i) {
+        int64_t a, b;
+        std::memcpy(&a, e.data().data() + 8 * i, 8);
+        std::memcpy(&b, g->data().data() + 8 * i, 8);
+        if (a != b) err << e.name() << "[" << i << "]: expected " << a << " got " << b << "\n", ++bad;
+      }
+    } else {
+      const auto ev = Floats(e), gv = Floats(*g);
+      for (size_t i = 0; i < ev.size() && bad < 5; ++i) {
+        const double x = ev[i], y = gv[i];
+        const bool ok = std::isinf(x) ? x == y : std::abs(x - y) <= 2e-4 + 2e-5 * std::abs(x);
+        if (!ok) err << e.name() << "[" << i << "]: expected " << x << " got " << y << "\n", ++bad;
+      }
+    }
+  }
+  return err.str();
+}
+
+}  // namespace logprob::testing

@@ -1,0 +1,70 @@
+// Shared helpers of the integration tests: a live logprob-server process
+// on loopback, golden cases and their comparison (shared/SPEC.md
+// tolerance 2e-4 + 2e-5 * |expected|, ids exact, -inf where expected).
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "logprob/v1/logprob.grpc.pb.h"
+
+namespace logprob::testing {
+
+/// Folder of the golden cases copied into the repository.
+std::string GoldenDir();
+/// Folder of the built programs (logprob-server, logprob-worker, ...).
+std::string BinDir();
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+int FreePort();
+
+/// A logprob-server child process with its own local worker pool.
+class ServerProcess {
+ public:
+  /// Starts `logprob-server --listen 127.0.0.1:PORT --workers N` plus
+  /// `extra` flags and waits (up to 60 s) until health reports SERVING.
+  /// Fails the current test (and returns null) if it does not.
+  static std::unique_ptr<ServerProcess> Start(int workers, const std::vector<std::string>& extra = {});
+  ~ServerProcess();  // SIGTERM, then wait
+
+  const std::string& address() const { return address_; }
+  pid_t pid() const { return pid_; }
+  std::unique_ptr<v1::LogprobService::Stub> NewStub() const;
+  /// True while the process has not exited.
+  bool Alive() const;
+
+ private:
+  std::string address_;
+  pid_t pid_ = -1;
+};
+
+/// A golden case: inputs, expected outputs and the options from metadata.
+struct GoldenCase {
+  std::string name;
+  SafetensorsFile inputs;
+  SafetensorsFile expected;
+  v1::ScoreOptions options;
+};
+
+/// Loads NAME.safetensors and NAME.expected.safetensors from GoldenDir().
+GoldenCase LoadGolden(const std::string& name);
+/// The logits golden cases (not hidden-states).
+std::vector<std::string> LogitsGoldenNames();
+/// The ScoreRequest of a golden case (all its input tensors).
+v1::ScoreRequest GoldenRequest(const GoldenCase& c);
+
+/// Compares `got` with `expected` tensor by tensor (every expected output
+/// must be present with the same shape). Returns "" or a description of
+/// the first mismatches.
+std::string CompareOutputs(const std::vector<v1::Tensor>& expected, const std::vector<v1::Tensor>& got);
+
+/// Float values of an F32 tensor.
+std::vector<float> Floats(const v1::Tensor& t);
+/// The output called `name`, or nullptr.
+const v1::Tensor* FindOutput(const v1::ScoreResponse& r, const std::string& name);
+
+}  // namespace logprob::testing
