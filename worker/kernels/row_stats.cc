@@ -1,5 +1,7 @@
 #include "worker/kernels/row_stats.h"
 
+#include "worker/kernels/simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -28,9 +30,6 @@ inline double GetDouble(const uint32_t* at) {
   return d;
 }
 
-/// Independent float accumulators per block (as SIMD lanes would be), so
-/// rounding error grows with block/kLanes, not the block length.
-constexpr int kLanes = 16;
 
 /// (value, id) ordered "better first": larger value, then lower id.
 struct Candidate {
@@ -82,24 +81,18 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
   const size_t esize = DTypeSize(dtype);
   const float temperature = spec.temperature;
   const bool scale = temperature != 1.0f;
-  const bool filtered = row.keep_min > kNegInf;
-  double s = 0.0, u = 0.0;
+  double s = 0.0, u = 0.0;  // u relative to m
   float m = kNegInf;
   TopK topk(spec.topk);
 
-  for (int64_t b0 = 0; b0 < len; b0 += kPartialScratchFloats) {
-    const int64_t n = std::min<int64_t>(kPartialScratchFloats, len - b0);
+  for (int64_t b0 = 0; b0 < len; b0 += static_cast<int64_t>(kBlock)) {
+    const size_t n = static_cast<size_t>(std::min<int64_t>(kBlock, len - b0));
     float* x = scratch;
-    ToFloat(dtype, static_cast<const char*>(row.logits) + b0 * esize, n, x);
-    if (scale)
-      for (int64_t i = 0; i < n; ++i) x[i] = x[i] / temperature;
-    if (filtered)
-      for (int64_t i = 0; i < n; ++i)
-        if (x[i] < row.keep_min) x[i] = kNegInf;
-    float bm = kNegInf;
-    for (int64_t i = 0; i < n; ++i) bm = std::max(bm, x[i]);
-    if (bm > m) {  // rescale the running sums to the new max
-      if (m > kNegInf) {  // u is relative to m: u' = r * (u + s * (m_old - m_new))
+    size_t padded = 0;
+    const float bm = PrepareBlock(dtype, static_cast<const char*>(row.logits) + b0 * esize, n, temperature,
+                                  row.keep_min, x, &padded);
+    if (bm > m) {
+      if (m > kNegInf) {  // rescale: u' = r * (u + s * (m_old - m_new))
         const double r = std::exp(static_cast<double>(m) - bm);
         u = r * (u + s * (static_cast<double>(m) - bm));
         s *= r;
@@ -107,22 +100,17 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
       m = bm;
     }
     if (m > kNegInf) {
-      float bs[kLanes] = {0.f}, bu[kLanes] = {0.f};
-      for (int64_t i = 0; i < n; ++i) {
-        const float d = x[i] - m;
-        const float e = std::exp(d);
-        bs[i % kLanes] += e;
-        bu[i % kLanes] += e > 0.f ? e * d : 0.f;  // e == 0 for x = -inf: no 0 * inf
-      }
-      for (int l = 0; l < kLanes; ++l) {
-        s += bs[l];
-        u += bu[l];
-      }
+      float bs = 0.f, bu = 0.f;
+      ExpSums(x, padded, m, &bs, spec.entropy ? &bu : nullptr);
+      s += bs;
+      u += bu;
     }
     if (spec.topk > 0) {
-      for (int64_t i = 0; i < n; ++i) {
-        if (!topk.Full() || x[i] > topk.Floor())
-          topk.Offer(x[i], static_cast<int32_t>(vocab_begin + b0 + i));
+      size_t i = 0;
+      for (; i < n && !topk.Full(); ++i) topk.Offer(x[i], static_cast<int32_t>(vocab_begin + b0 + i));
+      while ((i = NextAbove(x, i, n, topk.Floor())) < n) {
+        topk.Offer(x[i], static_cast<int32_t>(vocab_begin + b0 + i));
+        ++i;
       }
     }
   }
@@ -178,7 +166,7 @@ void CombinePartials(const uint32_t* const* records, int count,
   if (out.token_logprob) {
     *out.token_logprob = has_target ? static_cast<float>(pick(1) - logZ) : 0.0f;
   }
-  if (out.entropy) {
+  if (spec.entropy && out.entropy) {
     const double h = std::log(S) - U / S;  // U = sum exp(x - M) (x - M)
     *out.entropy = static_cast<float>(std::max(0.0, h));
   }

@@ -48,8 +48,8 @@ struct SliceRow {
   float keep_min = -std::numeric_limits<float>::infinity();
 };
 
-/// Scratch floats ComputePartial needs.
-constexpr size_t kPartialScratchFloats = 2048;
+/// Scratch floats ComputePartial needs (one block, padded).
+constexpr size_t kPartialScratchFloats = 2048 + 64;
 
 /// Computes the packed partial record (PartialWords(spec) words) of `row`
 /// over its slice of `len` logits of `dtype` starting at global column

@@ -1,0 +1,132 @@
+// Highway per-target implementations of simd.h (compiled once per target
+// through hwy/foreach_target.h).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "worker/kernels/simd.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "worker/kernels/simd.h"
+
+#include <cmath>
+#include <limits>
+
+HWY_BEFORE_NAMESPACE();
+namespace logprob::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+float PrepareBlockImpl(DType dtype, const void* src, size_t n, float temperature, float keep_min,
+                       float* dst, size_t* padded) {
+  const hn::ScalableTag<float> df;
+  const size_t L = hn::Lanes(df);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const auto vinf = hn::Set(df, ninf);
+  const auto vt = hn::Set(df, temperature);
+  const auto vkeep = hn::Set(df, keep_min);
+  const bool scale = temperature != 1.0f, filter = keep_min > ninf;
+  auto vmax = vinf;
+  size_t i = 0;
+  auto finish = [&](hn::Vec<decltype(df)> v) {
+    if (scale) v = hn::Div(v, vt);
+    if (filter) v = hn::IfThenElse(hn::Lt(v, vkeep), vinf, v);
+    vmax = hn::Max(vmax, v);
+    return v;
+  };
+  if (dtype == v1::F32) {
+    const float* p = static_cast<const float*>(src);
+    for (; i + L <= n; i += L) hn::StoreU(finish(hn::LoadU(df, p + i)), df, dst + i);
+  } else if (dtype == v1::BF16) {
+    const hn::Rebind<uint16_t, decltype(df)> d16;
+    const hn::RebindToUnsigned<decltype(df)> du32;
+    const uint16_t* p = static_cast<const uint16_t*>(src);
+    for (; i + L <= n; i += L) {
+      const auto w = hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(d16, p + i)));
+      hn::StoreU(finish(hn::BitCast(df, w)), df, dst + i);
+    }
+  } else {
+    const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+    const hwy::float16_t* p = static_cast<const hwy::float16_t*>(src);
+    for (; i + L <= n; i += L) hn::StoreU(finish(hn::PromoteTo(df, hn::LoadU(dh, p + i))), df, dst + i);
+  }
+  // Tail: scalar conversion, then the same vector path on a padded vector.
+  const size_t pad_to = ((n + 2 * L - 1) / (2 * L)) * (2 * L);
+  if (i < n) {
+    ToFloat(dtype, static_cast<const char*>(src) + i * DTypeSize(dtype), n - i, dst + i);
+    for (size_t j = n; j < i + L; ++j) dst[j] = ninf;
+    hn::StoreU(finish(hn::LoadU(df, dst + i)), df, dst + i);
+    i += L;
+  }
+  for (; i < pad_to; ++i) dst[i] = ninf;
+  *padded = pad_to;
+  return hn::GetLane(hn::MaxOfLanes(df, vmax));
+}
+
+void ExpSumsImpl(const float* x, size_t n, float m, float* s, float* u) {
+  const hn::ScalableTag<float> df;
+  const size_t L = hn::Lanes(df);
+  const auto vm = hn::Set(df, m);
+  const auto zero = hn::Zero(df);
+  auto s0 = zero, s1 = zero, u0 = zero, u1 = zero;
+  if (u == nullptr) {  // token logprobs only: the sum of exponentials
+    for (size_t i = 0; i + 2 * L <= n; i += 2 * L) {
+      s0 = hn::Add(s0, hn::Exp(df, hn::Sub(hn::LoadU(df, x + i), vm)));
+      s1 = hn::Add(s1, hn::Exp(df, hn::Sub(hn::LoadU(df, x + i + L), vm)));
+    }
+    *s = hn::GetLane(hn::SumOfLanes(df, hn::Add(s0, s1)));
+    return;
+  }
+  for (size_t i = 0; i + 2 * L <= n; i += 2 * L) {
+    const auto d0 = hn::Sub(hn::LoadU(df, x + i), vm);
+    const auto d1 = hn::Sub(hn::LoadU(df, x + i + L), vm);
+    const auto e0 = hn::Exp(df, d0);
+    const auto e1 = hn::Exp(df, d1);
+    s0 = hn::Add(s0, e0);
+    s1 = hn::Add(s1, e1);
+    // exp(d) == 0 (d = -inf or far below): no 0 * inf.
+    u0 = hn::Add(u0, hn::IfThenElseZero(hn::Gt(e0, zero), hn::Mul(e0, d0)));
+    u1 = hn::Add(u1, hn::IfThenElseZero(hn::Gt(e1, zero), hn::Mul(e1, d1)));
+  }
+  *s = hn::GetLane(hn::SumOfLanes(df, hn::Add(s0, s1)));
+  *u = hn::GetLane(hn::SumOfLanes(df, hn::Add(u0, u1)));
+}
+
+size_t NextAboveImpl(const float* x, size_t begin, size_t n, float floor) {
+  const hn::ScalableTag<float> df;
+  const size_t L = hn::Lanes(df);
+  const auto vf = hn::Set(df, floor);
+  size_t i = begin;
+  for (; i + L <= n; i += L) {
+    const auto mask = hn::Gt(hn::LoadU(df, x + i), vf);
+    if (!hn::AllFalse(df, mask)) return i + static_cast<size_t>(hn::FindFirstTrue(df, mask));
+  }
+  for (; i < n; ++i)
+    if (x[i] > floor) return i;
+  return n;
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace logprob::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace logprob::kernels {
+
+HWY_EXPORT(PrepareBlockImpl);
+HWY_EXPORT(ExpSumsImpl);
+HWY_EXPORT(NextAboveImpl);
+
+float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, float keep_min,
+                   float* dst, size_t* padded) {
+  return HWY_DYNAMIC_DISPATCH(PrepareBlockImpl)(dtype, src, n, temperature, keep_min, dst, padded);
+}
+
+void ExpSums(const float* x, size_t n, float m, float* s, float* u) {
+  HWY_DYNAMIC_DISPATCH(ExpSumsImpl)(x, n, m, s, u);
+}
+
+size_t NextAbove(const float* x, size_t begin, size_t n, float floor) {
+  return HWY_DYNAMIC_DISPATCH(NextAboveImpl)(x, begin, n, floor);
+}
+
+}  // namespace logprob::kernels
+#endif

@@ -1,0 +1,32 @@
+// SIMD building blocks of the row statistics (Highway, runtime dispatch to
+// the best instruction set of the machine: AVX-512, AVX2, SSE4, ...).
+#pragma once
+
+#include <cstddef>
+
+#include "common/dtype.h"
+
+namespace logprob::kernels {
+
+/// Elements per block of PrepareBlock / ExpSums.
+constexpr size_t kBlock = 2048;
+/// A block buffer's size: kBlock plus room for padding to whole vectors.
+constexpr size_t kBlockBufferFloats = kBlock + 64;
+
+/// Converts n <= kBlock elements of `dtype` at `src` to float32 in `dst`,
+/// divides by `temperature` (when != 1), sets values below `keep_min` to
+/// -inf, pads `dst` with -inf to a whole number of vector pairs, and
+/// returns the block's max. Returns the padded length in *padded.
+float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, float keep_min,
+                   float* dst, size_t* padded);
+
+/// Over x[0..n) (n from PrepareBlock's *padded), with d = x - m:
+/// *s = sum exp(d), *u = sum exp(d) * d (terms with exp(d) == 0 skipped).
+/// u may be null when only s is wanted. Lane-wise float accumulation,
+/// summed at the end.
+void ExpSums(const float* x, size_t n, float m, float* s, float* u);
+
+/// The first index i in [begin, n) with x[i] > floor, or n.
+size_t NextAbove(const float* x, size_t begin, size_t n, float floor);
+
+}  // namespace logprob::kernels
