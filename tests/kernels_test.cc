@@ -13,6 +13,7 @@
 #include "common/partition.h"
 #include "worker/kernels/row_stats.h"
 #include "worker/kernels/sampling_filter.h"
+#include "worker/kernels/simd.h"
 
 namespace logprob::kernels {
 namespace {
@@ -294,6 +295,34 @@ TEST(SamplingFilter, TopKTiesAtThresholdAreKept) {
   std::vector<float> z = {1.f, 3.f, 2.f, 2.f, 0.f};
   std::vector<float> scratch;
   EXPECT_EQ(SamplingKeepMin(z.data(), 5, 2, 1.f, &scratch), 2.f);  // 3, 2, 2 survive
+}
+
+}  // namespace
+}  // namespace logprob::kernels
+
+namespace logprob::kernels {
+namespace {
+
+// ExpSums' exp (for arguments <= 0) against float64, including -inf and
+// arguments below the underflow cut.
+TEST(Simd, ExpSumsMatchFloat64) {
+  std::mt19937 gen(3);
+  std::uniform_real_distribution<float> d(-100.f, 0.f);
+  std::vector<float> x(kBlock + 64, -std::numeric_limits<float>::infinity());
+  for (size_t i = 0; i < kBlock; ++i) x[i] = i % 97 == 0 ? -std::numeric_limits<float>::infinity() : d(gen) / (1 + i % 7);
+  double s_ref = 0, u_ref = 0;
+  for (size_t i = 0; i < kBlock; ++i) {
+    const double e = std::exp(static_cast<double>(x[i]));
+    s_ref += e;
+    if (e > 0) u_ref += e * x[i];
+  }
+  float s = 0, u = 0;
+  ExpSums(x.data(), kBlock, 0.f, &s, &u);
+  EXPECT_NEAR(s, s_ref, 2e-6 * s_ref);
+  EXPECT_NEAR(u, u_ref, 2e-6 * std::abs(u_ref));
+  float s_only = 0;
+  ExpSums(x.data(), kBlock, 0.f, &s_only, nullptr);
+  EXPECT_EQ(s_only, s);
 }
 
 }  // namespace
