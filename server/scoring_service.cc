@@ -12,9 +12,10 @@ namespace logprob {
 ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics)
     : pool_(pool), config_(std::move(config)), metrics_(metrics) {}
 
-absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req) {
+absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows) {
   auto job = BuildScoreJob(req, config_.limits);
   if (!job.ok()) return job.status();
+  if (scored_rows) *scored_rows = job->num_rows();
   const Plan plan = PlanWork(*job, pool_.size(), config_.parallelism, next_job_id_++);
   auto results = pool_.Run(plan);
   if (!results.ok()) return results.status();
@@ -26,14 +27,14 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
 
 namespace {
 
-/// Runs `fn`, records metrics and logs one line for the request.
+/// Runs `fn` (which reports the rows it scored), records metrics and logs one line for the request.
 template <typename Fn>
 absl::StatusOr<v1::ScoreResponse> Observed(Metrics* metrics, const char* method, const v1::ScoreRequest& req, Fn fn) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto resp = fn();
+  int64_t rows = 0;
+  auto resp = fn(&rows);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  int64_t tokens = 0;
-  if (resp.ok() && resp->outputs_size() > 0) tokens = static_cast<int64_t>(resp->outputs(0).data().size() / 4);
+  const int64_t tokens = resp.ok() ? rows : 0;
   const std::string code = absl::StatusCodeToString(resp.status().code());
   if (metrics) metrics->ObserveRequest(method, code, secs, tokens);
   std::clog << "request id=" << req.id() << " method=" << method << " tokens=" << tokens << " seconds=" << secs
@@ -45,7 +46,7 @@ absl::StatusOr<v1::ScoreResponse> Observed(Metrics* metrics, const char* method,
 }  // namespace
 
 grpc::Status ScoringService::Score(grpc::ServerContext*, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
-  auto r = Observed(metrics_, "Score", *req, [&] { return ScoreOne(*req); });
+  auto r = Observed(metrics_, "Score", *req, [&](int64_t* rows) { return ScoreOne(*req, rows); });
   if (!r.ok()) return ToGrpc(r.status());
   *resp = std::move(*r);
   return grpc::Status::OK;
@@ -55,7 +56,7 @@ grpc::Status ScoringService::ScoreStream(grpc::ServerContext*,
                                          grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>* stream) {
   v1::ScoreRequest req;
   while (stream->Read(&req)) {
-    auto r = Observed(metrics_, "ScoreStream", req, [&] { return ScoreOne(req); });
+    auto r = Observed(metrics_, "ScoreStream", req, [&](int64_t* rows) { return ScoreOne(req, rows); });
     v1::ScoreResponse resp;
     if (r.ok()) {
       resp = std::move(*r);

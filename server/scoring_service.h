@@ -35,8 +35,9 @@ class ScoringService final : public v1::LogprobService::Service {
                            grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>*) override;
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo*) override;
 
-  /// Scores one request (the body of Score and of each ScoreStream message).
-  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req);
+  /// Scores one request (the body of Score and of each ScoreStream
+  /// message); sets *scored_rows (if given) to the token positions scored.
+  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows = nullptr);
 
  private:
   WorkerPool& pool_;
