@@ -1,7 +1,5 @@
 #include "worker/kernels/row_stats.h"
 
-#include "worker/kernels/simd.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,7 +27,6 @@ inline double GetDouble(const uint32_t* at) {
   std::memcpy(&d, at, 8);
   return d;
 }
-
 
 /// (value, id) ordered "better first": larger value, then lower id.
 struct Candidate {

@@ -19,6 +19,7 @@
 #include <limits>
 
 #include "common/dtype.h"
+#include "worker/kernels/simd.h"
 
 namespace logprob::kernels {
 
@@ -48,8 +49,8 @@ struct SliceRow {
   float keep_min = -std::numeric_limits<float>::infinity();
 };
 
-/// Scratch floats ComputePartial needs (one block, padded).
-constexpr size_t kPartialScratchFloats = 2048 + 64;
+/// Scratch floats ComputePartial needs: one padded SIMD block.
+constexpr size_t kPartialScratchFloats = kBlockBufferFloats;
 
 /// Computes the packed partial record (PartialWords(spec) words) of `row`
 /// over its slice of `len` logits of `dtype` starting at global column
