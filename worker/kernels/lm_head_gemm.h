@@ -1,0 +1,54 @@
+// logits = hidden_states @ W^T for one worker's vocabulary slice W of the
+// lm_head (rows [vocab_begin, vocab_end) of the [V, H] weight), with a
+// oneDNN matmul (f32 accumulation, f32 output).
+//
+// Compute dtype: BF16 weights run a bf16 x bf16 -> f32 matmul (hidden
+// states of another dtype are rounded to bf16 first, as a bf16 model's
+// lm_head sees them); F32 and F16 weights run in f32 (F16 weights are
+// widened once at load, hidden states are widened exactly).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+
+namespace logprob::kernels {
+
+/// A worker's lm_head slice and the GEMM that maps hidden states to its
+/// logits columns. Not thread-safe: one Compute at a time.
+class LmHeadGemm {
+ public:
+  /// Takes the slice `weight` ([rows, hidden_size] row-major, `dtype` F32,
+  /// BF16 or F16, as read from the checkpoint). `threads` > 0 caps the
+  /// matmul's threads (0: the library default).
+  /// INVALID_ARGUMENT for a bad dtype or a size not matching rows * H.
+  static absl::StatusOr<std::unique_ptr<LmHeadGemm>> Create(
+      DType dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size,
+      int threads = 0);
+  ~LmHeadGemm();
+
+  int64_t rows() const { return rows_; }                 // N: vocab slice length
+  int64_t hidden_size() const { return hidden_size_; }   // H
+  DType compute_dtype() const { return compute_dtype_; } // BF16 or F32
+  size_t weight_bytes() const { return weight_.size(); }
+
+  /// out[M, rows()] (f32, row-major) = hidden[M, H] @ weight^T, `hidden`
+  /// of `hidden_dtype` (F32, BF16 or F16). M may vary between calls (one
+  /// oneDNN primitive is kept per distinct M). INVALID_ARGUMENT for a bad
+  /// dtype, INTERNAL if oneDNN fails.
+  absl::Status Compute(DType hidden_dtype, const void* hidden, int64_t M, float* out);
+
+ private:
+  struct Impl;
+  LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size);
+  DType compute_dtype_;
+  std::vector<char> weight_;  // [rows, H] of compute_dtype_
+  int64_t rows_, hidden_size_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace logprob::kernels
