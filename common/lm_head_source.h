@@ -31,28 +31,34 @@ struct LmHeadSource {
   int64_t vocab_size = 0;        // V: rows
   int64_t hidden_size = 0;       // H: columns
   uint64_t data_offset = 0;      // absolute byte offset of element [0, 0]
-  bool tied_embeddings = false;  // resolved through kTiedEmbeddingTensor
+  bool tied_embeddings = false;  // tensor is kTiedEmbeddingTensor (fallback or named)
 };
 
 /// Resolves the --lm-head argument "PATH[:TENSOR]".
-/// PATH is a .safetensors file, a model.safetensors.index.json, or a
-/// directory holding one of them (the index is preferred). If the whole
-/// argument names an existing file or directory it is taken as PATH;
-/// otherwise the text after the last ':' is TENSOR. Without TENSOR,
+/// PATH is a .safetensors file, a sharded checkpoint's index (any file
+/// ending in ".json", e.g. model.safetensors.index.json), or a directory
+/// holding model.safetensors.index.json or model.safetensors (the index is
+/// preferred). Shard names in the index are relative to its directory and
+/// may lead outside it, but must exist. If the whole argument names an
+/// existing file or directory it is taken as PATH; otherwise the text
+/// after the last ':' is TENSOR (which must not be empty). Without TENSOR,
 /// kLmHeadTensor is used, falling back to kTiedEmbeddingTensor
-/// (tied_embeddings = true) when the checkpoint has no lm_head.
-/// Errors: NOT_FOUND (no such file, or the tensor is in no file; the
-/// message lists what was tried), INVALID_ARGUMENT (malformed safetensors
-/// or index JSON, a tensor that is not 2-D, a dtype other than F32, BF16
-/// or F16, an index entry naming a file outside the index's directory
-/// tree is fine but must exist).
+/// (tied_embeddings = true) when the checkpoint has no lm_head; a named
+/// TENSOR has no fallback. Only headers are read.
+/// Errors: NOT_FOUND (no such file, directory or shard, or the tensor is
+/// in no file; the message lists the names tried and the file searched),
+/// INVALID_ARGUMENT (malformed safetensors or index JSON, an empty TENSOR,
+/// a tensor that is not 2-D [V, H] with V, H > 0, a dtype other than F32,
+/// BF16 or F16).
 absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg);
 
 /// Reads rows [row_begin, row_end) of the weight into `out`
 /// ((row_end - row_begin) * H elements of source.dtype, row-major) with
 /// positioned reads of the file: memory is only the slice.
-/// INVALID_ARGUMENT for a range outside [0, V]; NOT_FOUND / DATA_LOSS when
-/// the file cannot be opened or is shorter than the header says.
+/// An empty range (row_begin == row_end) reads nothing and succeeds.
+/// INVALID_ARGUMENT for a range outside [0, V] or with row_begin >
+/// row_end; NOT_FOUND when the file cannot be opened; DATA_LOSS when it is
+/// shorter than the header says or a read fails.
 absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin,
                             int64_t row_end, void* out);
 

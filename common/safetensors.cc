@@ -18,6 +18,75 @@ absl::Status Bad(const std::string& msg) {
   return absl::InvalidArgumentError(absl::StrCat("malformed safetensors: ", msg));
 }
 
+// Header length N from the first min(8, file_size) bytes of a file,
+// checked against the limit and the file size.
+absl::StatusOr<uint64_t> HeaderLength(const char* prefix, uint64_t file_size) {
+  if (file_size < 8) return Bad(absl::StrCat("file is ", file_size, " bytes, shorter than the 8-byte header length"));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(prefix[i]);
+  if (n > kMaxHeaderBytes) return Bad(absl::StrCat("header length ", n, " exceeds ", kMaxHeaderBytes));
+  if (8 + n > file_size) return Bad(absl::StrCat("header length ", n, " runs past the end of the file (", file_size, " bytes)"));
+  return n;
+}
+
+// Parses and validates the n-byte JSON header of a file whose data section
+// (after it) is data_len bytes.
+absl::StatusOr<SafetensorsHeader> ParseHeader(const char* json, uint64_t n, uint64_t data_len) {
+  nlohmann::json header = nlohmann::json::parse(json, json + n, nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) return Bad("header is not a JSON object");
+  SafetensorsHeader out;
+  out.data_start = 8 + n;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& name = it.key();
+    const auto& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) return Bad("__metadata__ is not an object");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) return Bad(absl::StrCat("__metadata__[\"", m.key(), "\"] is not a string"));
+        out.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+      return Bad(absl::StrCat("tensor \"", name, "\" lacks dtype, shape or data_offsets"));
+    if (!v["dtype"].is_string()) return Bad(absl::StrCat("tensor \"", name, "\": dtype is not a string"));
+    SafetensorsEntry e;
+    e.name = name;
+    const std::string dname = v["dtype"].get<std::string>();
+    if (!ParseDTypeName(dname, &e.dtype))
+      return Bad(absl::StrCat("tensor \"", name, "\": unsupported dtype ", dname, " (F32, BF16, F16, I32, I64 are)"));
+    uint64_t numel = 1;
+    if (!v["shape"].is_array()) return Bad(absl::StrCat("tensor \"", name, "\": shape is not a list"));
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_unsigned()) return Bad(absl::StrCat("tensor \"", name, "\": shape entry is not a non-negative integer"));
+      uint64_t dim = d.get<uint64_t>();
+      if (dim != 0 && numel > (uint64_t{1} << 62) / dim) return Bad(absl::StrCat("tensor \"", name, "\": shape overflows"));
+      numel *= dim;
+      e.shape.push_back(static_cast<int64_t>(dim));
+    }
+    const auto& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      return Bad(absl::StrCat("tensor \"", name, "\": data_offsets is not [begin, end]"));
+    e.begin = off[0].get<uint64_t>();
+    e.end = off[1].get<uint64_t>();
+    if (e.begin > e.end || e.end > data_len)
+      return Bad(absl::StrCat("tensor \"", name, "\": data_offsets [", e.begin, ", ", e.end, "] outside the ", data_len, " data bytes"));
+    if (e.end - e.begin != numel * DTypeSize(e.dtype))
+      return Bad(absl::StrCat("tensor \"", name, "\": ", e.end - e.begin, " data bytes but shape and dtype need ", numel * DTypeSize(e.dtype)));
+    out.entries.push_back(std::move(e));
+  }
+  std::stable_sort(out.entries.begin(), out.entries.end(),
+                   [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin < b.begin; });
+  return out;
+}
+
+// Prefixes an error with the file it came from.
+template <typename T>
+absl::StatusOr<T> InFile(const std::string& path, absl::StatusOr<T> r) {
+  if (r.ok()) return r;
+  return absl::Status(r.status().code(), absl::StrCat(path, ": ", r.status().message()));
+}
+
 }  // namespace
 
 const v1::Tensor* SafetensorsFile::Find(const std::string& name) const {
@@ -26,63 +95,26 @@ const v1::Tensor* SafetensorsFile::Find(const std::string& name) const {
   return nullptr;
 }
 
-absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
-  if (bytes.size() < 8) return Bad(absl::StrCat("file is ", bytes.size(), " bytes, shorter than the 8-byte header length"));
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(bytes[i]);
-  if (n > kMaxHeaderBytes) return Bad(absl::StrCat("header length ", n, " exceeds ", kMaxHeaderBytes));
-  if (8 + n > bytes.size()) return Bad(absl::StrCat("header length ", n, " runs past the end of the file (", bytes.size(), " bytes)"));
-  nlohmann::json header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + n, nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded() || !header.is_object()) return Bad("header is not a JSON object");
-  const uint64_t data_len = bytes.size() - 8 - n;
-  const char* data = bytes.data() + 8 + n;
+const SafetensorsEntry* SafetensorsHeader::Find(const std::string& name) const {
+  for (const auto& e : entries)
+    if (e.name == name) return &e;
+  return nullptr;
+}
 
+absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
+  absl::StatusOr<uint64_t> n = HeaderLength(bytes.data(), bytes.size());
+  if (!n.ok()) return n.status();
+  absl::StatusOr<SafetensorsHeader> header = ParseHeader(bytes.data() + 8, *n, bytes.size() - 8 - *n);
+  if (!header.ok()) return header.status();
   SafetensorsFile file;
-  struct Entry { uint64_t begin; v1::Tensor t; };
-  std::vector<Entry> entries;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    const std::string& name = it.key();
-    const auto& v = it.value();
-    if (name == "__metadata__") {
-      if (!v.is_object()) return Bad("__metadata__ is not an object");
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) return Bad(absl::StrCat("__metadata__[\"", m.key(), "\"] is not a string"));
-        file.metadata[m.key()] = m.value().get<std::string>();
-      }
-      continue;
-    }
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
-      return Bad(absl::StrCat("tensor \"", name, "\" lacks dtype, shape or data_offsets"));
-    if (!v["dtype"].is_string()) return Bad(absl::StrCat("tensor \"", name, "\": dtype is not a string"));
-    DType dtype;
-    const std::string dname = v["dtype"].get<std::string>();
-    if (!ParseDTypeName(dname, &dtype))
-      return Bad(absl::StrCat("tensor \"", name, "\": unsupported dtype ", dname, " (F32, BF16, F16, I32, I64 are)"));
-    v1::Tensor t;
-    t.set_name(name);
-    t.set_dtype(dtype);
-    uint64_t numel = 1;
-    if (!v["shape"].is_array()) return Bad(absl::StrCat("tensor \"", name, "\": shape is not a list"));
-    for (const auto& d : v["shape"]) {
-      if (!d.is_number_unsigned()) return Bad(absl::StrCat("tensor \"", name, "\": shape entry is not a non-negative integer"));
-      uint64_t dim = d.get<uint64_t>();
-      if (dim != 0 && numel > (uint64_t{1} << 62) / dim) return Bad(absl::StrCat("tensor \"", name, "\": shape overflows"));
-      numel *= dim;
-      t.add_shape(static_cast<int64_t>(dim));
-    }
-    const auto& off = v["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-      return Bad(absl::StrCat("tensor \"", name, "\": data_offsets is not [begin, end]"));
-    uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
-    if (b > e || e > data_len)
-      return Bad(absl::StrCat("tensor \"", name, "\": data_offsets [", b, ", ", e, "] outside the ", data_len, " data bytes"));
-    if (e - b != numel * DTypeSize(dtype))
-      return Bad(absl::StrCat("tensor \"", name, "\": ", e - b, " data bytes but shape and dtype need ", numel * DTypeSize(dtype)));
-    t.set_data(data + b, e - b);
-    entries.push_back({b, std::move(t)});
+  file.metadata = std::move(header->metadata);
+  for (const SafetensorsEntry& e : header->entries) {
+    v1::Tensor& t = file.tensors.emplace_back();
+    t.set_name(e.name);
+    t.set_dtype(e.dtype);
+    for (int64_t d : e.shape) t.add_shape(d);
+    t.set_data(bytes.data() + header->data_start + e.begin, e.end - e.begin);
   }
-  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
-  for (auto& e : entries) file.tensors.push_back(std::move(e.t));
   return file;
 }
 
@@ -91,9 +123,21 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   std::ostringstream ss;
   ss << in.rdbuf();
-  auto parsed = ParseSafetensors(ss.str());
-  if (!parsed.ok()) return absl::Status(parsed.status().code(), absl::StrCat(path, ": ", parsed.status().message()));
-  return parsed;
+  return InFile(path, ParseSafetensors(ss.str()));
+}
+
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  char prefix[8] = {};
+  in.seekg(0).read(prefix, std::min<uint64_t>(8, size));  // a failure here fails the next read
+  absl::StatusOr<uint64_t> n = HeaderLength(prefix, size);
+  if (!n.ok()) return InFile(path, absl::StatusOr<SafetensorsHeader>(n.status()));
+  std::string json(*n, '\0');
+  if (!in.read(json.data(), static_cast<std::streamsize>(*n)))
+    return absl::DataLossError(absl::StrCat("cannot read the header of ", path));
+  return InFile(path, ParseHeader(json.data(), *n, size - 8 - *n));
 }
 
 std::string SerializeSafetensors(const std::vector<v1::Tensor>& tensors,

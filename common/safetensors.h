@@ -5,12 +5,14 @@
 // Format: https://huggingface.co/docs/safetensors
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/dtype.h"
 #include "logprob/v1/logprob.pb.h"
 
 namespace logprob {
@@ -31,6 +33,34 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes);
 
 /// Reads and parses `path`. NOT_FOUND when the file cannot be opened.
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path);
+
+/// One tensor of a safetensors header: where its bytes are, not the bytes.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = v1::DTYPE_UNSPECIFIED;
+  std::vector<int64_t> shape;  // row-major dims; empty for a scalar
+  uint64_t begin = 0;          // byte range [begin, end) relative to the
+  uint64_t end = 0;            // start of the data section
+};
+
+/// A validated safetensors header: entries are as ParseSafetensors checks
+/// tensors (supported dtype, end - begin = numel * DTypeSize, inside the
+/// file), in file order of their data.
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> entries;
+  std::map<std::string, std::string> metadata;
+  uint64_t data_start = 0;  // absolute file offset of the data section: 8 + N
+
+  /// The entry called `name`, or nullptr.
+  const SafetensorsEntry* Find(const std::string& name) const;
+};
+
+/// Reads only the header of `path` (the 8-byte length and the JSON; the
+/// file size bounds the data offsets), so multi-GB files cost two small
+/// reads. Errors: NOT_FOUND when the file cannot be opened,
+/// INVALID_ARGUMENT "<path>: malformed safetensors: ..." as ParseSafetensors,
+/// DATA_LOSS when reading fails.
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path);
 
 /// Serialises tensors and metadata to safetensors bytes.
 std::string SerializeSafetensors(const std::vector<v1::Tensor>& tensors,

@@ -4,14 +4,16 @@
 
 namespace logprob {
 
-ControlService::ControlService(int world_size, std::string store_prefix)
-    : world_size_(world_size), prefix_(std::move(store_prefix)), addresses_(world_size) {}
+ControlService::ControlService(int world_size, std::string store_prefix, internal::v1::JoinReply worker_config)
+    : world_size_(world_size), prefix_(std::move(store_prefix)), worker_config_(std::move(worker_config)),
+      addresses_(world_size) {}
 
 grpc::Status ControlService::Join(grpc::ServerContext*, const internal::v1::JoinRequest*,
                                   internal::v1::JoinReply* reply) {
   std::lock_guard<std::mutex> lock(mu_);
   if (next_rank_ >= world_size_)
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, absl::StrCat("the pool already has its ", world_size_, " workers"));
+  *reply = worker_config_;
   reply->set_rank(next_rank_++);
   reply->set_world_size(world_size_);
   reply->set_comm("gloo");

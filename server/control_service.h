@@ -15,11 +15,12 @@
 namespace logprob {
 
 /// Control service for one pool generation of `world_size` workers.
-/// Ranks are given in Join order; StoreGet blocks until its keys exist or
-/// its timeout passes (DEADLINE_EXCEEDED).
+/// Ranks are given in Join order; every JoinReply starts from
+/// `worker_config` (lm_head source, chunk size, threads). StoreGet blocks
+/// until its keys exist or its timeout passes (DEADLINE_EXCEEDED).
 class ControlService final : public internal::v1::Control::Service {
  public:
-  ControlService(int world_size, std::string store_prefix);
+  ControlService(int world_size, std::string store_prefix, internal::v1::JoinReply worker_config = {});
 
   grpc::Status Join(grpc::ServerContext*, const internal::v1::JoinRequest*, internal::v1::JoinReply*) override;
   grpc::Status Ready(grpc::ServerContext*, const internal::v1::ReadyRequest*, internal::v1::ReadyReply*) override;
@@ -35,6 +36,7 @@ class ControlService final : public internal::v1::Control::Service {
  private:
   const int world_size_;
   const std::string prefix_;
+  const internal::v1::JoinReply worker_config_;
   std::mutex mu_;
   std::condition_variable cv_;
   int next_rank_ = 0;

@@ -5,6 +5,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <csignal>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "common/flag_names.h"
+#include "common/lm_head_source.h"
 #include "server/metrics.h"
 #include "server/scoring_service.h"
 #include "server/worker_pool.h"
@@ -24,7 +26,14 @@ ABSL_FLAG(int, workers, 1, "number of local worker processes");
 ABSL_FLAG(std::string, backend, "cpu", "compute backend: cpu");
 ABSL_FLAG(std::string, comm, "gloo", "worker communicator: gloo");
 ABSL_FLAG(std::string, parallelism, "auto", "logits layout: auto (by cost), token or vocab");
-ABSL_FLAG(std::string, lm_head, "", "lm_head safetensors FILE[:TENSOR] for hidden-states requests");
+ABSL_FLAG(std::string, lm_head, "",
+          "lm_head for hidden-states requests: PATH[:TENSOR], PATH a .safetensors file, a "
+          "model.safetensors.index.json or a checkpoint directory; TENSOR defaults to lm_head.weight, "
+          "then model.embed_tokens.weight (tied embeddings)");
+ABSL_FLAG(int64_t, hidden_chunk_tokens, 128,
+          "hidden-states rows each worker adds per GEMM round; a worker's logits buffer is about "
+          "this * V * 4 bytes whatever the request size");
+ABSL_FLAG(int, worker_threads, 0, "compute threads per worker (0: cores / workers)");
 ABSL_FLAG(std::string, metrics_listen, "", "host:port for Prometheus /metrics (off when empty)");
 ABSL_FLAG(std::string, control_listen, "127.0.0.1:0", "address of the internal worker control plane");
 ABSL_FLAG(std::string, worker_binary, "", "path of logprob-worker (default: beside this binary)");
@@ -46,14 +55,14 @@ int Fail(const std::string& msg) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("logprob-server --listen HOST:PORT --workers N --backend cpu [--metrics-listen HOST:PORT]");
+  absl::SetProgramUsageMessage(
+      "logprob-server --listen HOST:PORT --workers N --backend cpu [--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT]");
   logprob::NormalizeFlagDashes(argc, argv);
   absl::ParseCommandLine(argc, argv);
   const int workers = absl::GetFlag(FLAGS_workers);
   if (workers < 1) return Fail("--workers must be >= 1");
   if (absl::GetFlag(FLAGS_backend) != "cpu") return Fail("--backend " + absl::GetFlag(FLAGS_backend) + " is not built in this binary (cpu is)");
   if (absl::GetFlag(FLAGS_comm) != "gloo") return Fail("--comm " + absl::GetFlag(FLAGS_comm) + " is not supported (gloo is)");
-  if (!absl::GetFlag(FLAGS_lm_head).empty()) return Fail("--lm-head: hidden-states scoring is not available in this build yet");
   auto parallelism = logprob::ParseParallelism(absl::GetFlag(FLAGS_parallelism));
   if (!parallelism.ok()) return Fail(std::string(parallelism.status().message()));
 
@@ -79,7 +88,36 @@ int main(int argc, char** argv) {
   config.parallelism_name = absl::GetFlag(FLAGS_parallelism);
   if (config.max_request_bytes <= 0 || config.max_request_bytes > INT_MAX) return Fail("--max-request-bytes must be in (0, 2^31)");
 
+  const int64_t chunk_tokens = absl::GetFlag(FLAGS_hidden_chunk_tokens);
+  if (chunk_tokens < 1) return Fail("--hidden-chunk-tokens must be >= 1");
+  logprob::internal::v1::JoinReply worker_config;
+  worker_config.set_hidden_chunk_tokens(chunk_tokens);
+  int threads = absl::GetFlag(FLAGS_worker_threads);
+  if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / workers);
+  worker_config.set_threads(threads);
+  if (const std::string arg = absl::GetFlag(FLAGS_lm_head); !arg.empty()) {
+    auto source = logprob::ResolveLmHead(arg);
+    if (!source.ok()) return Fail("--lm-head " + arg + ": " + std::string(source.status().message()));
+    std::cerr << "logprob-server: lm_head " << source->tensor << " [" << source->vocab_size << ", "
+              << source->hidden_size << "] " << logprob::DTypeName(source->dtype) << " from " << source->file
+              << (source->tied_embeddings ? " (no lm_head.weight: tied embeddings, using the input embedding)" : "")
+              << std::endl;
+    auto* proto = worker_config.mutable_lm_head();
+    proto->set_file(source->file);
+    proto->set_tensor(source->tensor);
+    proto->set_dtype(source->dtype);
+    proto->set_vocab_size(source->vocab_size);
+    proto->set_hidden_size(source->hidden_size);
+    proto->set_data_offset(source->data_offset);
+    config.lm_head = {source->vocab_size, source->hidden_size};
+    config.lm_head_dtype = logprob::DTypeName(source->dtype);
+    config.lm_head_path = source->file;
+    config.lm_head_tensor = source->tensor;
+    config.hidden_chunk_tokens = chunk_tokens;
+  }
+
   logprob::WorkerPool::Options pool_opts;
+  pool_opts.worker_config = worker_config;
   pool_opts.workers = workers;
   pool_opts.worker_binary = worker_binary;
   pool_opts.control_listen = absl::GetFlag(FLAGS_control_listen);

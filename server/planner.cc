@@ -29,13 +29,35 @@ internal::v1::WorkItem BaseItem(const ScoreJob& job, uint64_t job_id, int64_t be
   return item;
 }
 
+/// Copies the whole input rows of scored rows [begin, end) into `out`.
+void CopyRows(const ScoreJob& job, int64_t begin, int64_t end, std::string* out) {
+  out->resize(static_cast<size_t>(end - begin) * job.row_bytes);
+  for (int64_t r = begin; r < end; ++r)
+    std::memcpy(out->data() + (r - begin) * job.row_bytes, job.row_data + job.src_rows[r] * job.row_bytes, job.row_bytes);
+}
+
 }  // namespace
 
 Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id) {
   const int64_t n = job.num_rows();
+  Plan plan;
+  if (job.hidden) {
+    plan.layout = internal::v1::HIDDEN_STATES;
+    for (int w = 0; w < workers; ++w) {
+      const auto [vb, ve] = SplitRange(job.vocab_size, workers, w);
+      const auto [b, e] = SplitRange(n, workers, w);
+      PlannedItem p{w, 0, BaseItem(job, job_id, 0, n)};
+      p.item.set_layout(internal::v1::HIDDEN_STATES);
+      p.item.set_vocab_begin(vb);
+      p.item.set_vocab_end(ve);
+      p.item.set_hidden_size(job.hidden_size);
+      CopyRows(job, b, e, p.item.mutable_hidden_states());
+      plan.items.push_back(std::move(p));
+    }
+    return plan;
+  }
   bool vocab = parallelism == Parallelism::kVocab;
   if (parallelism == Parallelism::kAuto) vocab = workers > 1 && n < workers;
-  Plan plan;
   plan.layout = vocab ? internal::v1::VOCAB_PARALLEL : internal::v1::TOKEN_PARALLEL;
   if (!vocab) {
     for (int w = 0; w < workers; ++w) {
@@ -45,10 +67,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_layout(internal::v1::TOKEN_PARALLEL);
       p.item.set_vocab_begin(0);
       p.item.set_vocab_end(job.vocab_size);
-      std::string* data = p.item.mutable_logits();
-      data->resize(static_cast<size_t>(e - b) * job.row_bytes);
-      for (int64_t r = b; r < e; ++r)
-        std::memcpy(data->data() + (r - b) * job.row_bytes, job.logits + job.src_rows[r] * job.row_bytes, job.row_bytes);
+      CopyRows(job, b, e, p.item.mutable_logits());
       plan.items.push_back(std::move(p));
     }
     return plan;
@@ -64,7 +83,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
     std::string* data = p.item.mutable_logits();
     data->resize(static_cast<size_t>(n) * slice);
     for (int64_t r = 0; r < n; ++r)
-      std::memcpy(data->data() + r * slice, job.logits + job.src_rows[r] * job.row_bytes + vb * esize, slice);
+      std::memcpy(data->data() + r * slice, job.row_data + job.src_rows[r] * job.row_bytes + vb * esize, slice);
     plan.items.push_back(std::move(p));
   }
   return plan;

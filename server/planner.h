@@ -36,6 +36,9 @@ struct Plan {
 /// least as many rows as workers: it moves the same bytes and needs no
 /// collective. Vocab-parallel (column slices, SplitRange(V, W, r), one
 /// collective round per chunk) keeps every worker busy on few long rows.
+/// Hidden-states jobs are always HIDDEN_STATES: worker w gets the hidden
+/// states of rows SplitRange(n, W, w) and owns lm_head rows
+/// SplitRange(V, W, w).
 Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id);
 
 }  // namespace logprob

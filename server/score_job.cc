@@ -86,46 +86,61 @@ int64_t ScoreJob::num_outputs() const {
   return n;
 }
 
-absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits) {
+absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits,
+                                       const LmHeadShape& lm_head) {
   auto indexed = IndexInputs(req);
   if (!indexed.ok()) return indexed.status();
   auto& in = *indexed;
   auto get = [&](const char* n) -> const v1::Tensor* { auto it = in.find(n); return it == in.end() ? nullptr : it->second; };
-  if (get("hidden_states"))
+  const v1::Tensor* hidden = get("hidden_states");
+  const v1::Tensor* input = hidden ? hidden : get("logits");  // one row per position
+  if (hidden && get("logits")) return Invalid("give either \"logits\" or \"hidden_states\", not both");
+  if (!input) return Invalid("missing tensor \"logits\" (or \"hidden_states\")");
+  if (hidden && lm_head.hidden_size == 0)
     return absl::FailedPreconditionError("hidden_states given but this server has no lm_head loaded (start it with --lm-head)");
-  const v1::Tensor* logits = get("logits");
-  if (!logits) return Invalid("missing tensor \"logits\"");
+  const std::string name = input->name();
+  const char* last_dim = hidden ? "H" : "V";
   const v1::Tensor* ids = get("input_ids");
   if (!ids) return Invalid("missing tensor \"input_ids\"");
-  if (!IsFloatDType(logits->dtype()))
-    return Invalid(absl::StrCat("\"logits\": dtype ", DTypeName(logits->dtype()), " is not F32, BF16 or F16"));
+  if (!IsFloatDType(input->dtype()))
+    return Invalid(absl::StrCat("\"", name, "\": dtype ", DTypeName(input->dtype()), " is not F32, BF16 or F16"));
   if (auto st = CheckIntTensor(*ids); !st.ok()) return st;
   const v1::Tensor* cu = get("cu_seqlens");
   const v1::Tensor* lens = get("seq_lens");
-  const bool packed = logits->shape_size() == 2;
-  if (logits->shape_size() != 3 && !packed)
-    return Invalid(absl::StrCat("\"logits\": shape ", ShapeStr(*logits), " is neither [B, S, V] nor packed [T, V]"));
-  if (packed && !cu) return Invalid("\"logits\" is packed [T, V] but \"cu_seqlens\" is missing");
-  if (!packed && cu) return Invalid("\"cu_seqlens\" given but \"logits\" is padded [B, S, V], not packed [T, V]");
+  const bool packed = input->shape_size() == 2;
+  if (input->shape_size() != 3 && !packed)
+    return Invalid(absl::StrCat("\"", name, "\": shape ", ShapeStr(*input), " is neither [B, S, ", last_dim,
+                                "] nor packed [T, ", last_dim, "]"));
+  if (packed && !cu)
+    return Invalid(absl::StrCat("\"", name, "\" is packed [T, ", last_dim, "] but \"cu_seqlens\" is missing"));
+  if (!packed && cu)
+    return Invalid(absl::StrCat("\"cu_seqlens\" given but \"", name, "\" is padded [B, S, ", last_dim,
+                                "], not packed [T, ", last_dim, "]"));
   if (packed && lens) return Invalid("\"seq_lens\" applies to padded batches; packed batches use \"cu_seqlens\"");
 
   ScoreJob job;
-  const int64_t V = logits->shape(logits->shape_size() - 1);
+  const int64_t last = input->shape(input->shape_size() - 1);
+  if (hidden && last != lm_head.hidden_size)
+    return Invalid(absl::StrCat("\"hidden_states\": H = ", last, " (shape ", ShapeStr(*input),
+                                ") does not match the lm_head's H = ", lm_head.hidden_size));
+  const int64_t V = hidden ? lm_head.vocab_size : last;
   if (V <= 0) return Invalid("\"logits\": vocabulary dimension is 0");
-  job.dtype = logits->dtype();
+  job.hidden = hidden != nullptr;
+  job.hidden_size = hidden ? last : 0;
+  job.dtype = input->dtype();
   job.vocab_size = V;
-  job.logits = logits->data().data();
-  job.row_bytes = static_cast<size_t>(V) * DTypeSize(job.dtype);
+  job.row_data = input->data().data();
+  job.row_bytes = static_cast<size_t>(last) * DTypeSize(job.dtype);
   if (auto st = NormaliseOptions(req.options(), V, limits, &job.options); !st.ok()) return st;
   const bool next = job.options.alignment() == v1::NEXT_TOKEN;
   const int64_t ignore = job.options.ignore_index();
 
-  // Sequences as (first logits row, length, first output position).
+  // Sequences as (first input row, length, first output position).
   struct Seq { int64_t row0, len, out0; };
   std::vector<Seq> seqs;
   if (packed) {
-    const int64_t T = logits->shape(0);
-    if (auto st = CheckShape(*ids, {T}, "logits' [T]"); !st.ok()) return st;
+    const int64_t T = input->shape(0);
+    if (auto st = CheckShape(*ids, {T}, name + "' [T]"); !st.ok()) return st;
     if (auto st = CheckIntTensor(*cu); !st.ok()) return st;
     if (cu->shape_size() != 1 || cu->shape(0) < 2)
       return Invalid(absl::StrCat("\"cu_seqlens\": shape ", ShapeStr(*cu), " is not [B + 1] with B >= 1"));
@@ -137,16 +152,17 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
       if (next && b == a) return Invalid(absl::StrCat("\"cu_seqlens\": sequence ", i, " is empty (next_token needs length >= 1)"));
       seqs.push_back({a, b - a, next ? a - i : a});
     }
-    const int64_t last = ReadInt(cu->dtype(), cu->data().data(), B);
-    if (last != T) return Invalid(absl::StrCat("\"cu_seqlens\"[", B, "] = ", last, " but logits has T = ", T, " rows"));
+    const int64_t end = ReadInt(cu->dtype(), cu->data().data(), B);
+    if (end != T)
+      return Invalid(absl::StrCat("\"cu_seqlens\"[", B, "] = ", end, " but \"", name, "\" has T = ", T, " rows"));
     job.out_shape = {next ? T - B : T};
   } else {
-    const int64_t B = logits->shape(0), S = logits->shape(1);
-    if (auto st = CheckShape(*ids, {B, S}, "logits' [B, S]"); !st.ok()) return st;
-    if (next && S < 1) return Invalid("\"logits\": S must be >= 1");
+    const int64_t B = input->shape(0), S = input->shape(1);
+    if (auto st = CheckShape(*ids, {B, S}, name + "' [B, S]"); !st.ok()) return st;
+    if (next && S < 1) return Invalid(absl::StrCat("\"", name, "\": S must be >= 1"));
     if (lens) {
       if (auto st = CheckIntTensor(*lens); !st.ok()) return st;
-      if (auto st = CheckShape(*lens, {B}, "logits' [B]"); !st.ok()) return st;
+      if (auto st = CheckShape(*lens, {B}, name + "' [B]"); !st.ok()) return st;
     }
     const int64_t S_out = next ? S - 1 : S;
     for (int64_t b = 0; b < B; ++b) {
@@ -159,7 +175,7 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     }
     job.out_shape = {B, S_out};
   }
-  const int64_t total_rows = packed ? logits->shape(0) : logits->shape(0) * logits->shape(1);
+  const int64_t total_rows = packed ? input->shape(0) : input->shape(0) * input->shape(1);
   if (total_rows > limits.max_tokens)
     return Invalid(absl::StrCat("request has ", total_rows, " tokens, over the server's max_tokens_per_request ", limits.max_tokens));
 

@@ -19,14 +19,22 @@ struct RequestLimits {
   int32_t max_topk = 1024;                // K of topk outputs and gathers
 };
 
+/// The server's lm_head shape; zeros when it has none.
+struct LmHeadShape {
+  int64_t vocab_size = 0;   // V
+  int64_t hidden_size = 0;  // H
+};
+
 /// A validated request. Rows are the scored positions only, in output
-/// order; `logits` points into the request, which must outlive the job.
+/// order; `row_data` points into the request, which must outlive the job.
 struct ScoreJob {
-  DType dtype = v1::DTYPE_UNSPECIFIED;
-  int64_t vocab_size = 0;
-  const char* logits = nullptr;        // [num logits rows, V] of dtype
-  size_t row_bytes = 0;                // V * sizeof(dtype)
-  std::vector<int64_t> src_rows;       // logits row of each scored row
+  bool hidden = false;                 // rows are hidden states, not logits
+  DType dtype = v1::DTYPE_UNSPECIFIED; // of the logits or hidden states
+  int64_t vocab_size = 0;              // V
+  int64_t hidden_size = 0;             // H (hidden only)
+  const char* row_data = nullptr;      // [input rows, V or H] of dtype
+  size_t row_bytes = 0;                // (V or H) * sizeof(dtype)
+  std::vector<int64_t> src_rows;       // input row of each scored row
   std::vector<int64_t> targets;        // global target id, -1 = ignored
   std::vector<int64_t> out_pos;        // flat output position of each row
   int gather_k = 0;
@@ -42,8 +50,11 @@ struct ScoreJob {
 /// message naming the field (and for targets and gather ids, the sequence
 /// and position): unknown or duplicate tensor, wrong dtype, shape mismatch,
 /// data size not matching shape, bad cu_seqlens / seq_lens, a target
-/// outside [0, V) that is not ignore_index, out-of-range options.
-/// FAILED_PRECONDITION for hidden_states (no lm_head loaded).
-absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits);
+/// outside [0, V) that is not ignore_index, out-of-range options, both or
+/// neither of logits and hidden_states, hidden_states whose H is not the
+/// lm_head's. FAILED_PRECONDITION for hidden_states when `lm_head` has no
+/// shape (the server was started without --lm-head).
+absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits,
+                                       const LmHeadShape& lm_head = {});
 
 }  // namespace logprob

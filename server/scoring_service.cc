@@ -13,7 +13,7 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
     : pool_(pool), config_(std::move(config)), metrics_(metrics) {}
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows) {
-  auto job = BuildScoreJob(req, config_.limits);
+  auto job = BuildScoreJob(req, config_.limits, config_.lm_head);
   if (!job.ok()) return job.status();
   if (scored_rows) *scored_rows = job->num_rows();
   const Plan plan = PlanWork(*job, pool_.size(), config_.parallelism, next_job_id_++);
@@ -79,6 +79,12 @@ grpc::Status ScoringService::GetServerInfo(grpc::ServerContext*, const v1::Serve
   info->set_max_tokens_per_request(config_.limits.max_tokens);
   info->set_max_topk(config_.limits.max_topk);
   info->set_parallelism(config_.parallelism_name);
+  info->set_vocab_size(config_.lm_head.vocab_size);
+  info->set_hidden_size(config_.lm_head.hidden_size);
+  info->set_lm_head_dtype(config_.lm_head_dtype);
+  info->set_lm_head_path(config_.lm_head_path);
+  info->set_lm_head_tensor(config_.lm_head_tensor);
+  info->set_hidden_chunk_tokens(config_.hidden_chunk_tokens);
   return grpc::Status::OK;
 }
 

@@ -21,6 +21,11 @@ struct ServiceConfig {
   std::string parallelism_name = "auto";
   std::string backend = "cpu";
   std::string comm = "gloo";
+  LmHeadShape lm_head;              // zeros: no hidden-states scoring
+  std::string lm_head_dtype;        // safetensors name, e.g. "BF16"
+  std::string lm_head_path;         // file holding the tensor
+  std::string lm_head_tensor;
+  int64_t hidden_chunk_tokens = 0;
 };
 
 /// gRPC service implementation. Errors: INVALID_ARGUMENT /

@@ -25,7 +25,7 @@ WorkerPool::~WorkerPool() {
 }
 
 absl::Status WorkerPool::Start() {
-  control_ = std::make_unique<ControlService>(options_.workers, "gen0/");
+  control_ = std::make_unique<ControlService>(options_.workers, "gen0/", options_.worker_config);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options_.control_listen, grpc::InsecureServerCredentials(), &port);
@@ -71,7 +71,7 @@ absl::Status WorkerPool::Start() {
 
 absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan& plan) {
   std::unique_lock<std::mutex> collective;
-  if (plan.layout == internal::v1::VOCAB_PARALLEL) collective = std::unique_lock<std::mutex>(collective_mu_);
+  if (plan.layout != internal::v1::TOKEN_PARALLEL) collective = std::unique_lock<std::mutex>(collective_mu_);
   std::vector<internal::v1::WorkResult> results(plan.items.size());
   std::vector<grpc::Status> statuses(plan.items.size());
   std::vector<std::thread> threads;

@@ -27,6 +27,9 @@ class WorkerPool {
     std::vector<std::string> worker_args;      // extra flags for each worker
     std::chrono::milliseconds join_timeout{60000};
     std::chrono::milliseconds work_timeout{600000};
+    /// Sent to every worker in its JoinReply: lm_head source, hidden-states
+    /// chunk, threads (rank, world size and store prefix are filled in).
+    internal::v1::JoinReply worker_config;
   };
 
   explicit WorkerPool(Options options);
@@ -40,7 +43,7 @@ class WorkerPool {
   int size() const { return options_.workers; }
 
   /// Runs every item of `plan` on its worker concurrently and returns the
-  /// results in plan order. Vocab-parallel plans run one at a time (their
+  /// results in plan order. Vocab-parallel and hidden-states plans run one at a time (their
   /// collectives must not interleave). A failed worker call returns its
   /// status with the worker named.
   absl::StatusOr<std::vector<internal::v1::WorkResult>> Run(const Plan& plan);

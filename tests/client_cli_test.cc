@@ -14,21 +14,7 @@
 namespace logprob::testing {
 namespace {
 
-struct CliRun {
-  int code;
-  std::string output;  // stdout + stderr
-};
-
-CliRun RunClient(const std::string& args) {
-  const std::string cmd = BinDir() + "/logprob-client " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+CommandResult RunClient(const std::string& args) { return RunCommand(BinDir() + "/logprob-client " + args); }
 
 /// The CLI flags that carry a golden case's options.
 std::string OptionFlags(const GoldenCase& c) {
@@ -55,7 +41,7 @@ ServerProcess* ClientCli::server_ = nullptr;
 TEST_F(ClientCli, HealthReportsServing) {
   ASSERT_TRUE(server_);
   EXPECT_EQ(RunClient("health --server " + server_->address() + " --wait 5").code, 0);
-  const CliRun dead = RunClient("health --server 127.0.0.1:" + std::to_string(FreePort()) + " --wait 1");
+  const CommandResult dead = RunClient("health --server 127.0.0.1:" + std::to_string(FreePort()) + " --wait 1");
   EXPECT_NE(dead.code, 0) << dead.output;
 }
 
@@ -64,7 +50,7 @@ TEST_F(ClientCli, ScoresEveryLogitsGoldenCase) {
   for (const auto& name : LogitsGoldenNames()) {
     SCOPED_TRACE(name);
     const GoldenCase c = LoadGolden(name);
-    const CliRun r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
+    const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
                             ".safetensors --output " + Out(name) + OptionFlags(c));
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("token_logprobs"), std::string::npos) << r.output;
@@ -81,7 +67,7 @@ TEST_F(ClientCli, SplitsRequestsOverTheMessageLimit) {
            {"llama_vocab_bf16", 7000000}, {"packed_bf16", 500000}, {"odd_vocab_f16", 7000000}}) {
     SCOPED_TRACE(name);
     const GoldenCase c = LoadGolden(name);
-    const CliRun r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
+    const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
                             ".safetensors --output " + Out(name) + OptionFlags(c) + " --max-request-bytes " + std::to_string(limit));
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("part 2/"), std::string::npos) << r.output;
@@ -95,14 +81,14 @@ TEST_F(ClientCli, MalformedInputFileIsAClearError) {
   ASSERT_TRUE(server_);
   const std::string bad = ::testing::TempDir() + "/bad.safetensors";
   std::ofstream(bad, std::ios::binary) << std::string("\xff\x00\x00\x00\x00\x00\x00\x00{not json", 17);
-  const CliRun r = RunClient("score --server " + server_->address() + " --input " + bad + " --output " + Out("bad"));
+  const CommandResult r = RunClient("score --server " + server_->address() + " --input " + bad + " --output " + Out("bad"));
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("malformed safetensors"), std::string::npos) << r.output;
 }
 
 TEST_F(ClientCli, ServerErrorExitsNonZeroWithItsMessage) {
   ASSERT_TRUE(server_);
-  const CliRun r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() +
+  const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() +
                           "/basic_f32.safetensors --output " + Out("err") + " --topk 5000");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("INVALID_ARGUMENT"), std::string::npos) << r.output;

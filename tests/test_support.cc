@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -65,6 +67,48 @@ ServerProcess::~ServerProcess() {
 }
 
 bool ServerProcess::Alive() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
+
+std::vector<pid_t> ServerProcess::WorkerPids() const {
+  std::vector<pid_t> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    // Fields after the parenthesised command: state, ppid, ...
+    std::istringstream rest(line.substr(line.rfind(')') + 1));
+    std::string state;
+    pid_t ppid = 0;
+    if (rest >> state >> ppid && ppid == pid_ && state != "Z") out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+int64_t PeakRssBytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string key;
+  while (status >> key) {
+    if (key == "VmHWM:") {
+      int64_t kib = -1;
+      status >> kib;
+      return kib * 1024;
+    }
+    status.ignore(1 << 20, '\n');
+  }
+  return -1;
+}
+
+CommandResult RunCommand(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return {-1, "popen failed"};
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
 
 std::unique_ptr<v1::LogprobService::Stub> ServerProcess::NewStub() const {
   return v1::LogprobService::NewStub(client::MakeChannel(address_));

@@ -36,11 +36,25 @@ class ServerProcess {
   std::unique_ptr<v1::LogprobService::Stub> NewStub() const;
   /// True while the process has not exited.
   bool Alive() const;
+  /// Pids of its live child processes (the local workers).
+  std::vector<pid_t> WorkerPids() const;
 
  private:
   std::string address_;
   pid_t pid_ = -1;
 };
+
+/// Peak resident set size of process `pid` (VmHWM of /proc/PID/status),
+/// bytes; -1 if it cannot be read.
+int64_t PeakRssBytes(pid_t pid);
+
+/// Exit code and combined stdout + stderr of a shell command.
+struct CommandResult {
+  int code;
+  std::string output;
+};
+/// Runs `cmd` with /bin/sh and waits for it.
+CommandResult RunCommand(const std::string& cmd);
 
 /// A golden case: inputs, expected outputs and the options from metadata.
 struct GoldenCase {

@@ -14,7 +14,7 @@ constexpr int64_t kVocabParallelChunkRows = 128;
 /// What a worker needs for HIDDEN_STATES items.
 struct HiddenScoring {
   /// This rank's lm_head slice, rows SplitRange(V, comm.size(), comm.rank()).
-  const kernels::LmHeadGemm* gemm = nullptr;
+  kernels::LmHeadGemm* gemm = nullptr;
   /// Hidden-states rows each rank contributes per round; a round's logits
   /// buffer is about chunk_tokens * V floats, whatever the request's T.
   int64_t chunk_tokens = 128;
@@ -23,7 +23,7 @@ struct HiddenScoring {
 /// Scores `item` and returns the rows this rank owns:
 /// - TOKEN_PARALLEL: every row of the item (whole rows; `comm` unused);
 /// - VOCAB_PARALLEL: rows SplitRange(num_rows, comm.size(), comm.rank()),
-///   after one all-gather of packed partials per chunk of rows (or, with
+///   after one all-to-all of packed partials per chunk of rows (or, with
 ///   sampling filters, one all-to-all that gives each rank full rows of its
 ///   own rows, as NeMo-RL `all_to_all_vp2sq`);
 /// - HIDDEN_STATES: the same rows it was given, SplitRange(num_rows, W, r);

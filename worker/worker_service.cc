@@ -8,9 +8,9 @@ namespace logprob {
 grpc::Status WorkerService::Run(grpc::ServerContext*, const internal::v1::WorkItem* item,
                                 internal::v1::WorkResult* result) {
   absl::StatusOr<internal::v1::WorkResult> res;
-  if (item->layout() == internal::v1::VOCAB_PARALLEL) {
+  if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     std::lock_guard<std::mutex> lock(collective_mu_);
-    res = ScoreWorkItem(*item, *comm_);
+    res = ScoreWorkItem(*item, *comm_, &hidden_);
   } else {
     SelfCommunicator self;
     res = ScoreWorkItem(*item, self);

@@ -24,8 +24,11 @@ class LmHeadGemm {
  public:
   /// Takes the slice `weight` ([rows, hidden_size] row-major, `dtype` F32,
   /// BF16 or F16, as read from the checkpoint). `threads` > 0 caps the
-  /// matmul's threads (0: the library default).
-  /// INVALID_ARGUMENT for a bad dtype or a size not matching rows * H.
+  /// matmul's threads (0: the library default, all cores): oneDNN runs on
+  /// OpenMP, so this calls omp_set_num_threads(threads) here and before
+  /// each Compute, changing the calling thread's OpenMP default.
+  /// INVALID_ARGUMENT for a bad dtype, rows or H <= 0, or a size not
+  /// matching rows * H; INTERNAL if oneDNN cannot make a CPU engine.
   static absl::StatusOr<std::unique_ptr<LmHeadGemm>> Create(
       DType dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size,
       int threads = 0);
@@ -38,8 +41,9 @@ class LmHeadGemm {
 
   /// out[M, rows()] (f32, row-major) = hidden[M, H] @ weight^T, `hidden`
   /// of `hidden_dtype` (F32, BF16 or F16). M may vary between calls (one
-  /// oneDNN primitive is kept per distinct M). INVALID_ARGUMENT for a bad
-  /// dtype, INTERNAL if oneDNN fails.
+  /// oneDNN primitive is kept per distinct M; M == 0 is a no-op).
+  /// INVALID_ARGUMENT for a bad dtype, M < 0 or null buffers, INTERNAL if
+  /// oneDNN fails.
   absl::Status Compute(DType hidden_dtype, const void* hidden, int64_t M, float* out);
 
  private:

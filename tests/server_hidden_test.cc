@@ -1,0 +1,283 @@
+// Integration: hidden-states scoring through live servers holding an
+// lm_head (--lm-head). The golden hidden_bf16 case with 1, 2 and 3 workers;
+// every other output (top-k, gather, temperature, sampling filters) against
+// the logits path on logits computed in float64 in this test; sharded and
+// tied-embedding checkpoints; errors; worker memory flat in T.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "tests/test_support.h"
+
+namespace logprob::testing {
+namespace {
+
+std::string GoldenLmHead() { return GoldenDir() + "/hidden_bf16.lm_head.safetensors"; }
+
+/// The [V, H] weight of the golden lm_head file.
+v1::Tensor GoldenWeight() {
+  auto f = ReadSafetensors(GoldenLmHead());
+  EXPECT_TRUE(f.ok()) << f.status();
+  const v1::Tensor* w = f.ok() ? f->Find("lm_head.weight") : nullptr;
+  return w ? *w : v1::Tensor();
+}
+
+v1::Tensor Renamed(v1::Tensor t, const std::string& name) {
+  t.set_name(name);
+  return t;
+}
+
+/// logits [.., V] (F32) = hidden [.., H] @ weight[V, H]^T, in float64 on
+/// the exact bf16 values, then rounded to float32.
+v1::Tensor LogitsFromHidden(const v1::Tensor& hidden, const v1::Tensor& weight) {
+  const int64_t V = weight.shape(0), H = weight.shape(1);
+  const int64_t rows = static_cast<int64_t>(hidden.data().size() / DTypeSize(hidden.dtype())) / H;
+  std::vector<float> h(rows * H), w(V * H), out(rows * V);
+  ToFloat(hidden.dtype(), hidden.data().data(), h.size(), h.data());
+  ToFloat(weight.dtype(), weight.data().data(), w.size(), w.data());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t v = 0; v < V; ++v) {
+      double acc = 0;
+      for (int64_t k = 0; k < H; ++k) acc += static_cast<double>(h[r * H + k]) * w[v * H + k];
+      out[r * V + v] = static_cast<float>(acc);
+    }
+  v1::Tensor t;
+  t.set_name("logits");
+  t.set_dtype(v1::F32);
+  t.mutable_shape()->CopyFrom(hidden.shape());
+  t.set_shape(t.shape_size() - 1, V);
+  t.set_data(out.data(), out.size() * 4);
+  return t;
+}
+
+/// `req` with its hidden_states replaced by the logits they map to.
+v1::ScoreRequest AsLogitsRequest(const v1::ScoreRequest& req, const v1::Tensor& weight) {
+  v1::ScoreRequest out = req;
+  for (auto& t : *out.mutable_inputs())
+    if (t.name() == "hidden_states") t = LogitsFromHidden(t, weight);
+  return out;
+}
+
+v1::ScoreResponse MustScore(v1::LogprobService::Stub& stub, const v1::ScoreRequest& req) {
+  grpc::ClientContext ctx;
+  v1::ScoreResponse resp;
+  const grpc::Status st = stub.Score(&ctx, req, &resp);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return resp;
+}
+
+std::vector<v1::Tensor> Outputs(const v1::ScoreResponse& r) { return {r.outputs().begin(), r.outputs().end()}; }
+
+/// Scores the golden case; its token logprobs and entropy must match.
+void ExpectGoldenMatches(v1::LogprobService::Stub& stub) {
+  const GoldenCase c = LoadGolden("hidden_bf16");
+  ASSERT_TRUE(c.options.entropy());
+  EXPECT_EQ(CompareOutputs(c.expected.tensors, Outputs(MustScore(stub, GoldenRequest(c)))), "");
+}
+
+/// gather_indices [B, S - 1, K] I64 of deterministic ids in [0, V).
+v1::Tensor GatherIds(int64_t B, int64_t S, int64_t K, int64_t V) {
+  std::vector<int64_t> ids(B * S * K);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>((i * 7919 + 13) % V);
+  v1::Tensor t;
+  t.set_name("gather_indices");
+  t.set_dtype(v1::I64);
+  for (int64_t d : {B, S, K}) t.add_shape(d);
+  t.set_data(ids.data(), ids.size() * 8);
+  return t;
+}
+
+class HiddenGolden : public ::testing::TestWithParam<int> {};
+
+TEST_P(HiddenGolden, GoldenCaseAndEveryOutputMatchTheLogitsPath) {
+  const int workers = GetParam();
+  auto server = ServerProcess::Start(workers, {"--lm-head", GoldenLmHead(), "--hidden-chunk-tokens", "16"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  ExpectGoldenMatches(*stub);
+
+  const GoldenCase c = LoadGolden("hidden_bf16");
+  const v1::Tensor weight = GoldenWeight();
+  const int64_t V = weight.shape(0);
+  v1::ScoreRequest outputs = GoldenRequest(c);
+  *outputs.add_inputs() = GatherIds(2, 31, 3, V);
+  outputs.mutable_options()->set_topk(8);
+  outputs.mutable_options()->set_temperature(0.7f);
+  v1::ScoreRequest filters = GoldenRequest(c);
+  filters.mutable_options()->set_sampling_top_k(50);
+  filters.mutable_options()->set_sampling_top_p(0.9f);
+  for (const auto* req : {&outputs, &filters}) {
+    SCOPED_TRACE(req->options().ShortDebugString());
+    const v1::ScoreResponse want = MustScore(*stub, AsLogitsRequest(*req, weight));
+    const v1::ScoreResponse got = MustScore(*stub, *req);
+    ASSERT_EQ(got.outputs_size(), want.outputs_size());
+    EXPECT_EQ(CompareOutputs(Outputs(want), Outputs(got)), "");
+  }
+  // The filters leave -inf for filtered targets: the case must exercise them.
+  const auto filtered = Floats(*FindOutput(MustScore(*stub, filters), "token_logprobs"));
+  EXPECT_GT(std::count_if(filtered.begin(), filtered.end(), [](float x) { return std::isinf(x); }), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Workers, HiddenGolden, ::testing::Values(1, 2, 3));
+
+/// A fresh directory under the test temp dir.
+std::string TempDir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/" + name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+v1::Tensor Zeros(const std::string& name, DType dtype, std::vector<int64_t> shape) {
+  v1::Tensor t;
+  t.set_name(name);
+  t.set_dtype(dtype);
+  int64_t n = 1;
+  for (int64_t d : shape) t.add_shape(d), n *= d;
+  t.mutable_data()->assign(static_cast<size_t>(n) * DTypeSize(dtype), '\0');
+  return t;
+}
+
+v1::ServerInfo Info(v1::LogprobService::Stub& stub) {
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub.GetServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
+  return info;
+}
+
+TEST(HiddenCheckpoint, ShardedIndexOverTwoFiles) {
+  const std::string dir = TempDir("sharded");
+  const v1::Tensor w = GoldenWeight();
+  // The first shard holds a zero embedding: scoring with it would fail the golden case.
+  ASSERT_TRUE(WriteSafetensors(dir + "/model-00001-of-00002.safetensors",
+                               {Zeros("model.embed_tokens.weight", v1::BF16, {8192, 256}),
+                                Zeros("model.norm.weight", v1::BF16, {256})}).ok());
+  ASSERT_TRUE(WriteSafetensors(dir + "/model-00002-of-00002.safetensors", {w}).ok());
+  std::ofstream(dir + "/model.safetensors.index.json")
+      << R"({"metadata": {"total_size": 0}, "weight_map": {)"
+      << R"("model.embed_tokens.weight": "model-00001-of-00002.safetensors",)"
+      << R"("model.norm.weight": "model-00001-of-00002.safetensors",)"
+      << R"("lm_head.weight": "model-00002-of-00002.safetensors"}})";
+  auto server = ServerProcess::Start(2, {"--lm-head", dir});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  ExpectGoldenMatches(*stub);
+  const v1::ServerInfo info = Info(*stub);
+  EXPECT_EQ(info.vocab_size(), 8192);
+  EXPECT_EQ(info.hidden_size(), 256);
+  EXPECT_EQ(info.lm_head_dtype(), "BF16");
+  EXPECT_EQ(info.lm_head_tensor(), "lm_head.weight");
+  EXPECT_NE(info.lm_head_path().find("model-00002-of-00002.safetensors"), std::string::npos) << info.lm_head_path();
+}
+
+TEST(HiddenCheckpoint, TiedEmbeddingsFallBackToTheInputEmbedding) {
+  const std::string dir = TempDir("tied");
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors",
+                               {Zeros("model.norm.weight", v1::BF16, {256}),
+                                Renamed(GoldenWeight(), "model.embed_tokens.weight")}).ok());
+  auto server = ServerProcess::Start(1, {"--lm-head", dir + "/model.safetensors"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  ExpectGoldenMatches(*stub);
+  EXPECT_EQ(Info(*stub).lm_head_tensor(), "model.embed_tokens.weight");
+}
+
+TEST(HiddenErrors, MismatchedHBothInputsNoLmHeadAndBadCheckpoint) {
+  auto server = ServerProcess::Start(1, {"--lm-head", GoldenLmHead()});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  const GoldenCase c = LoadGolden("hidden_bf16");
+  auto expect_error = [&](const v1::ScoreRequest& req, grpc::StatusCode code, const std::string& needle) {
+    grpc::ClientContext ctx;
+    v1::ScoreResponse resp;
+    const grpc::Status st = stub->Score(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), code) << st.error_message();
+    EXPECT_NE(st.error_message().find(needle), std::string::npos) << st.error_message();
+  };
+  v1::ScoreRequest narrow = GoldenRequest(c);
+  for (auto& t : *narrow.mutable_inputs())
+    if (t.name() == "hidden_states") t = Zeros("hidden_states", v1::BF16, {2, 32, 128});
+  expect_error(narrow, grpc::StatusCode::INVALID_ARGUMENT, "H = 128");
+  v1::ScoreRequest both = GoldenRequest(c);
+  *both.add_inputs() = Zeros("logits", v1::F32, {2, 32, 8192});
+  expect_error(both, grpc::StatusCode::INVALID_ARGUMENT, "not both");
+
+  auto plain = ServerProcess::Start(1);
+  ASSERT_TRUE(plain);
+  grpc::ClientContext ctx;
+  v1::ScoreResponse resp;
+  const grpc::Status st = plain->NewStub()->Score(&ctx, GoldenRequest(c), &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_NE(st.error_message().find("--lm-head"), std::string::npos) << st.error_message();
+
+  const CommandResult bad = RunCommand(BinDir() + "/logprob-server --listen 127.0.0.1:" + std::to_string(FreePort()) +
+                                       " --lm-head " + GoldenDir() + "/missing.safetensors");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.output.find("missing.safetensors"), std::string::npos) << bad.output;
+}
+
+/// A packed hidden-states request of T random bf16 rows with targets.
+v1::ScoreRequest RandomPacked(int64_t T, int64_t H, int64_t V, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> h(T * H);
+  for (auto& x : h) x = FloatToBf16(normal(rng));
+  std::vector<int64_t> ids(T);
+  for (auto& id : ids) id = static_cast<int64_t>(rng() % V);
+  const int64_t cu[2] = {0, T};
+  v1::ScoreRequest req;
+  auto add = [&](const char* name, DType dtype, std::vector<int64_t> shape, const void* data, size_t bytes) {
+    v1::Tensor* t = req.add_inputs();
+    t->set_name(name);
+    t->set_dtype(dtype);
+    for (int64_t d : shape) t->add_shape(d);
+    t->set_data(data, bytes);
+  };
+  add("hidden_states", v1::BF16, {T, H}, h.data(), h.size() * 2);
+  add("input_ids", v1::I64, {T}, ids.data(), ids.size() * 8);
+  add("cu_seqlens", v1::I64, {2}, cu, sizeof cu);
+  req.mutable_options()->set_entropy(true);
+  return req;
+}
+
+// The worker's logits buffer is one chunk, whatever T: scoring 16384 tokens
+// (whose full logits would be 2 GiB of float32) must not raise the worker's
+// peak RSS by more than the request's own hidden states and results.
+TEST(HiddenMemory, WorkerPeakRssDoesNotGrowWithTokens) {
+  constexpr int64_t V = 32000, H = 256, kSmall = 512, kLarge = 16384;
+  const std::string dir = TempDir("memory");
+  v1::Tensor w = Zeros("lm_head.weight", v1::BF16, {V, H});
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 0.05f);
+  for (size_t i = 0; i < w.data().size(); i += 2) {
+    const uint16_t b = FloatToBf16(normal(rng));
+    std::memcpy(&(*w.mutable_data())[i], &b, 2);
+  }
+  ASSERT_TRUE(WriteSafetensors(dir + "/lm_head.safetensors", {w}).ok());
+  auto server = ServerProcess::Start(1, {"--lm-head", dir + "/lm_head.safetensors", "--hidden-chunk-tokens", "64"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  const auto workers = server->WorkerPids();
+  ASSERT_EQ(workers.size(), 1u);
+
+  MustScore(*stub, RandomPacked(kSmall, H, V, 1));
+  const int64_t small_peak = PeakRssBytes(workers[0]);
+  const v1::ScoreResponse large = MustScore(*stub, RandomPacked(kLarge, H, V, 2));
+  const int64_t large_peak = PeakRssBytes(workers[0]);
+  ASSERT_GT(small_peak, 0);
+  const auto lp = Floats(*FindOutput(large, "token_logprobs"));
+  ASSERT_EQ(lp.size(), static_cast<size_t>(kLarge - 1));
+  for (float x : lp) ASSERT_TRUE(x <= 0.f && std::isfinite(x)) << x;
+  const int64_t full_logits = kLarge * V * 4;
+  const int64_t hidden_bytes = kLarge * H * 2;
+  std::cout << "worker peak RSS: " << (small_peak >> 20) << " MiB after T=" << kSmall << ", " << (large_peak >> 20)
+            << " MiB after T=" << kLarge << " (full logits would be " << (full_logits >> 20) << " MiB)" << std::endl;
+  EXPECT_LT(large_peak - small_peak, 4 * hidden_bytes + (16 << 20));
+}
+
+}  // namespace
+}  // namespace logprob::testing

@@ -1,0 +1,135 @@
+#include "worker/kernels/lm_head_gemm.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace logprob::kernels {
+
+using dt = dnnl::memory::data_type;
+using tag = dnnl::memory::format_tag;
+
+/// oneDNN state: CPU engine + stream, one matmul primitive per distinct M,
+/// and the scratch buffer for hidden states not already in compute dtype.
+struct LmHeadGemm::Impl {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+  std::map<int64_t, dnnl::matmul> by_m;  // M -> matmul [M,H] x [H,N] -> [M,N]
+  std::vector<char> hidden_buf;          // [M, H] of compute dtype
+  int threads = 0;                       // > 0: omp_set_num_threads before use
+};
+
+LmHeadGemm::LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows,
+                       int64_t hidden_size)
+    : compute_dtype_(compute_dtype),
+      weight_(std::move(weight)),
+      rows_(rows),
+      hidden_size_(hidden_size) {}
+
+LmHeadGemm::~LmHeadGemm() = default;
+
+absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(
+    DType dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size, int threads) {
+  if (!IsFloatDType(dtype))
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head weight dtype must be F32, BF16 or F16, got ", DTypeName(dtype)));
+  if (rows <= 0 || hidden_size <= 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head slice shape must be positive, got [", rows, ", ", hidden_size, "]"));
+  const int64_t esize = static_cast<int64_t>(DTypeSize(dtype));
+  if (rows > std::numeric_limits<int64_t>::max() / hidden_size / esize ||
+      static_cast<int64_t>(weight.size()) != rows * hidden_size * esize)
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head weight has ", weight.size(), " bytes, expected [", rows, ", ",
+                     hidden_size, "] x ", esize));
+
+  DType compute = dtype;
+  if (dtype == v1::F16) {  // widen once to f32; the f16 buffer is freed on return
+    std::vector<char> wide(static_cast<size_t>(rows * hidden_size) * sizeof(float));
+    ToFloat(dtype, weight.data(), static_cast<size_t>(rows * hidden_size),
+            reinterpret_cast<float*>(wide.data()));
+    weight = std::move(wide);
+    compute = v1::F32;
+  }
+  // oneDNN's OpenMP runtime sizes its parallel regions by the calling
+  // thread's omp_get_max_threads(); the cap is set here and again before
+  // each Compute (the OpenMP ICV is per thread).
+  if (threads > 0) omp_set_num_threads(threads);
+  std::unique_ptr<LmHeadGemm> g(new LmHeadGemm(compute, std::move(weight), rows, hidden_size));
+  try {
+    g->impl_ = std::make_unique<Impl>();
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(absl::StrCat("oneDNN engine: ", e.what()));
+  }
+  g->impl_->threads = threads;
+  return g;
+}
+
+absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t M, float* out) {
+  if (!IsFloatDType(hidden_dtype))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden states dtype must be F32, BF16 or F16, got ", DTypeName(hidden_dtype)));
+  if (M < 0) return absl::InvalidArgumentError(absl::StrCat("negative row count ", M));
+  if (M == 0) return absl::OkStatus();
+  if (hidden == nullptr || out == nullptr)
+    return absl::InvalidArgumentError("null hidden or output buffer");
+
+  const int64_t H = hidden_size_, N = rows_;
+  const size_t n = static_cast<size_t>(M * H);
+  // Bring the hidden states to the compute dtype (no copy when they match).
+  const void* src = hidden;
+  if (hidden_dtype != compute_dtype_) {
+    auto& buf = impl_->hidden_buf;
+    if (compute_dtype_ == v1::BF16) {  // f32 -> bf16 RNE; f16 -> f32 (exact) -> bf16 RNE
+      buf.resize(n * sizeof(uint16_t));
+      auto* dst = reinterpret_cast<uint16_t*>(buf.data());
+      float tmp[256];
+      for (size_t i = 0; i < n; i += 256) {
+        const size_t k = std::min<size_t>(256, n - i);
+        const float* f;
+        if (hidden_dtype == v1::F32) {
+          f = static_cast<const float*>(hidden) + i;
+        } else {
+          ToFloat(hidden_dtype, static_cast<const char*>(hidden) + i * 2, k, tmp);
+          f = tmp;
+        }
+        for (size_t j = 0; j < k; ++j) dst[i + j] = FloatToBf16(f[j]);
+      }
+    } else {  // compute F32: bf16 / f16 widen exactly
+      buf.resize(n * sizeof(float));
+      ToFloat(hidden_dtype, hidden, n, reinterpret_cast<float*>(buf.data()));
+    }
+    src = buf.data();
+  }
+
+  try {
+    if (impl_->threads > 0) omp_set_num_threads(impl_->threads);
+    const dt cdt = compute_dtype_ == v1::BF16 ? dt::bf16 : dt::f32;
+    const dnnl::memory::desc src_md({M, H}, cdt, tag::ab);
+    const dnnl::memory::desc w_md({H, N}, cdt, tag::ba);  // checkpoint [N, H] row-major
+    const dnnl::memory::desc dst_md({M, N}, dt::f32, tag::ab);
+    auto it = impl_->by_m.find(M);
+    if (it == impl_->by_m.end()) {
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_md, dst_md), impl_->engine);
+      it = impl_->by_m.emplace(M, dnnl::matmul(pd)).first;
+    }
+    dnnl::memory src_m(src_md, impl_->engine, const_cast<void*>(src));
+    dnnl::memory w_m(w_md, impl_->engine, const_cast<char*>(weight_.data()));
+    dnnl::memory dst_m(dst_md, impl_->engine, out);
+    it->second.execute(impl_->stream,
+                       {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
+    impl_->stream.wait();
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(absl::StrCat("oneDNN matmul [", M, ", ", H, "] x [", H, ", ", N,
+                                            "]: ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace logprob::kernels
