@@ -1,0 +1,222 @@
+// logprob_hidden_bench: the hidden-states path of one worker (lm_head
+// slice of N vocabulary rows, H = 4096, bf16) against plain oneDNN GEMMs.
+//
+// For each (N, T) it runs three modes, each in its own child process so
+// that peak RSS (ru_maxrss) is the mode's own:
+//   gemm       one oneDNN matmul [T, H] x [H, N] -> f32 logits, nothing else;
+//   fused      ScoreWorkItem on a HIDDEN_STATES item (the worker's code
+//              path, SelfCommunicator): chunked GEMM feeding the one-pass
+//              statistics, token logprobs (+ entropy and top-20 with --full);
+//   full+lsm   the GEMM to full [T, N] logits, then a float32 log_softmax of
+//              every row and a gather of the target (what trainers do).
+// It prints a table: median seconds, tokens/s, GEMM GFLOP/s (2*T*N*H / s),
+// time relative to `gemm`, and peak RSS.
+//
+//   logprob_hidden_bench [--h 4096] [--n 32000,18992] [--t 512,2048,8192]
+//                        [--reps 3] [--chunk 128] [--full] [--threads 0]
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "worker/communicator.h"
+#include "worker/kernels/lm_head_gemm.h"
+#include "worker/scorer.h"
+
+namespace logprob {
+namespace {
+
+struct Config {
+  int64_t H = 4096;
+  std::vector<int64_t> N = {32000, 18992};
+  std::vector<int64_t> T = {512, 2048, 8192};
+  int reps = 3;
+  int64_t chunk = 128;
+  bool full = false;
+  int threads = 0;
+};
+
+std::vector<int64_t> ParseList(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
+  return out;
+}
+
+/// Random bf16 values, normal(0, sd).
+std::vector<char> RandomBf16(size_t n, float sd, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, sd);
+  std::vector<char> out(n * 2);
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t b = FloatToBf16(dist(rng));
+    std::memcpy(out.data() + 2 * i, &b, 2);
+  }
+  return out;
+}
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Runs one mode `reps` times (after one untimed run) and returns the
+/// median seconds, or a negative value on failure.
+double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T) {
+  auto gemm = kernels::LmHeadGemm::Create(v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H,
+                                          cfg.threads);
+  if (!gemm.ok()) {
+    std::cerr << gemm.status() << std::endl;
+    return -1;
+  }
+  const std::vector<char> hidden = RandomBf16(static_cast<size_t>(T * cfg.H), 1.f, 2);
+  std::vector<int64_t> targets(T);
+  for (int64_t i = 0; i < T; ++i) targets[i] = (i * 7919) % N;
+  std::vector<float> logits;
+  internal::v1::WorkItem item;
+  if (mode == "fused") {
+    item.set_layout(internal::v1::HIDDEN_STATES);
+    item.set_num_rows(T);
+    item.set_vocab_size(N);
+    item.set_vocab_begin(0);
+    item.set_vocab_end(N);
+    item.set_dtype(v1::BF16);
+    item.set_hidden_size(cfg.H);
+    item.set_hidden_states(hidden.data(), hidden.size());
+    item.mutable_targets()->Add(targets.begin(), targets.end());
+    if (cfg.full) {
+      item.mutable_options()->set_entropy(true);
+      item.mutable_options()->set_topk(20);
+    }
+  } else {
+    logits.resize(static_cast<size_t>(T * N));
+  }
+  SelfCommunicator self;
+  HiddenScoring scoring{gemm->get(), cfg.chunk};
+  std::vector<float> lp(T);
+  auto once = [&]() -> bool {
+    if (mode == "fused") {
+      auto res = ScoreWorkItem(item, self, &scoring);
+      if (!res.ok()) std::cerr << res.status() << std::endl;
+      return res.ok();
+    }
+    if (!(*gemm)->Compute(v1::BF16, hidden.data(), T, logits.data()).ok()) return false;
+    if (mode == "full+lsm") {
+      for (int64_t r = 0; r < T; ++r) {
+        float* row = logits.data() + r * N;
+        const float m = *std::max_element(row, row + N);
+        double s = 0;
+        for (int64_t v = 0; v < N; ++v) s += std::exp(row[v] - m);
+        const float lse = m + static_cast<float>(std::log(s));
+        for (int64_t v = 0; v < N; ++v) row[v] -= lse;
+        lp[r] = row[targets[r]];
+      }
+    }
+    return true;
+  };
+  if (!once()) return -1;
+  std::vector<double> times;
+  for (int i = 0; i < cfg.reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!once()) return -1;
+    times.push_back(Seconds(t0));
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+struct Measured {
+  double seconds = -1;
+  long peak_rss_kib = 0;
+};
+
+/// RunMode in a child process; its median seconds come back through a pipe.
+Measured InChild(const std::string& mode, const Config& cfg, int64_t N, int64_t T) {
+  int fds[2];
+  if (pipe(fds) != 0) return {};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    const double s = RunMode(mode, cfg, N, T);
+    (void)!write(fds[1], &s, sizeof s);
+    _exit(s < 0 ? 1 : 0);
+  }
+  close(fds[1]);
+  Measured m;
+  if (read(fds[0], &m.seconds, sizeof m.seconds) != sizeof m.seconds) m.seconds = -1;
+  close(fds[0]);
+  int status = 0;
+  rusage ru{};
+  wait4(pid, &status, 0, &ru);
+  m.peak_rss_kib = ru.ru_maxrss;
+  return m;
+}
+
+int Main(int argc, char** argv) {
+  Config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::cerr << a << " needs a value" << std::endl;
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--h") cfg.H = std::stoll(next());
+    else if (a == "--n") cfg.N = ParseList(next());
+    else if (a == "--t") cfg.T = ParseList(next());
+    else if (a == "--reps") cfg.reps = std::stoi(next());
+    else if (a == "--chunk") cfg.chunk = std::stoll(next());
+    else if (a == "--threads") cfg.threads = std::stoi(next());
+    else if (a == "--full") cfg.full = true;
+    else {
+      std::cerr << "usage: logprob_hidden_bench [--h H] [--n N1,N2] [--t T1,T2] [--reps R] [--chunk C] [--full] "
+                   "[--threads K]"
+                << std::endl;
+      return 2;
+    }
+  }
+  std::printf("H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", static_cast<long long>(cfg.H),
+              static_cast<long long>(cfg.chunk), cfg.full ? "token logprobs + entropy + top-20" : "token logprobs",
+              cfg.reps);
+  std::printf("%7s %6s %-9s %9s %11s %8s %8s %9s\n", "N", "T", "mode", "seconds", "tokens/s", "GFLOP/s", "vs gemm",
+              "peak MiB");
+  for (int64_t N : cfg.N) {
+    for (int64_t T : cfg.T) {
+      double gemm_s = -1;
+      for (const char* mode : {"gemm", "fused", "full+lsm"}) {
+        std::fprintf(stderr, "running N=%lld T=%lld %s ...\n", static_cast<long long>(N), static_cast<long long>(T),
+                     mode);
+        const Measured m = InChild(mode, cfg, N, T);
+        if (m.seconds < 0) {
+          std::printf("%7lld %6lld %-9s failed\n", static_cast<long long>(N), static_cast<long long>(T), mode);
+          continue;
+        }
+        if (std::string(mode) == "gemm") gemm_s = m.seconds;
+        const double flops = 2.0 * static_cast<double>(T) * static_cast<double>(N) * static_cast<double>(cfg.H);
+        std::printf("%7lld %6lld %-9s %9.4f %11.0f %8.1f %8.3f %9.0f\n", static_cast<long long>(N),
+                    static_cast<long long>(T), mode, m.seconds, static_cast<double>(T) / m.seconds,
+                    flops / m.seconds * 1e-9, gemm_s > 0 ? m.seconds / gemm_s : 0.0, m.peak_rss_kib / 1024.0);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace logprob
+
+int main(int argc, char** argv) { return logprob::Main(argc, argv); }
