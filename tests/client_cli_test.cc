@@ -1,7 +1,7 @@
 // The command-line contract (shared/SPEC.md) end to end: logprob-client
-// against a live 2-worker server scores every logits golden case into an
-// output file that matches, also when requests are split; health and
-// error exits.
+// against a live 2-worker server (with the golden lm_head) scores every
+// golden case, logits and hidden states, into an output file that matches,
+// also when requests are split; health and error exits.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -31,7 +31,9 @@ std::string OptionFlags(const GoldenCase& c) {
 
 class ClientCli : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { server_ = ServerProcess::Start(2).release(); }
+  static void SetUpTestSuite() {
+    server_ = ServerProcess::Start(2, {"--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"}).release();
+  }
   static void TearDownTestSuite() { delete server_; }
   std::string Out(const std::string& name) { return ::testing::TempDir() + "/" + name + ".out.safetensors"; }
   static ServerProcess* server_;
@@ -72,6 +74,21 @@ TEST_F(ClientCli, SplitsRequestsOverTheMessageLimit) {
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("part 2/"), std::string::npos) << r.output;
     auto got = ReadSafetensors(Out(name));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(CompareOutputs(c.expected.tensors, got->tensors), "");
+  }
+}
+
+TEST_F(ClientCli, ScoresHiddenStatesWholeAndSplit) {
+  ASSERT_TRUE(server_);
+  const GoldenCase c = LoadGolden("hidden_bf16");
+  for (const char* split : {"", " --max-request-bytes 20000"}) {
+    SCOPED_TRACE(split);
+    const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() +
+                                      "/hidden_bf16.safetensors --output " + Out("hidden") + OptionFlags(c) + split);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output.find("part 2/") != std::string::npos, *split != '\0') << r.output;
+    auto got = ReadSafetensors(Out("hidden"));
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(CompareOutputs(c.expected.tensors, got->tensors), "");
   }
