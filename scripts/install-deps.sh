@@ -9,6 +9,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgloo-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libhwy-dev libdnnl-dev
+  ocl-icd-opencl-dev  # required by libdnnl-dev's CMake config (find_package(OpenCL))
 )
 missing=()
 for p in "${PACKAGES[@]}"; do
