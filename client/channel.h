@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "grpcpp/channel.h"
 
 namespace logprob::client {
@@ -14,5 +15,30 @@ namespace logprob::client {
 /// whose reconnect backoff is short (100-500 ms) so a server that comes up
 /// is noticed quickly by `health --wait`.
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target);
+
+/// Transport security and authentication of a channel (file names as the
+/// command-line flags give them; all empty: MakeChannel(target)).
+struct ChannelOptions {
+  std::string tls_ca;           // --tls-ca: PEM CA that signs the server's certificate; implies TLS
+  std::string tls_cert;         // --tls-cert: PEM client certificate chain (mutual TLS)
+  std::string tls_key;          // --tls-key: its PEM private key
+  std::string tls_server_name;  // --tls-server-name: name to verify instead of the target's host
+  std::string auth_token_file;  // --auth-token-file: sends "authorization: Bearer TOKEN" on every call
+};
+
+/// True when `options` asks for TLS (any of tls_ca, tls_cert, tls_key,
+/// tls_server_name).
+bool UsesTls(const ChannelOptions& options);
+
+/// A channel like MakeChannel(target) with `options`: TLS verifying the
+/// server with tls_ca (mutual TLS when tls_cert and tls_key are given), and
+/// an interceptor adding the bearer token read from auth_token_file
+/// (whitespace around it trimmed) to every call's metadata. With
+/// tls_cert/tls_key/tls_server_name but no tls_ca, the server is verified
+/// against the system's roots. Errors (INVALID_ARGUMENT naming the flag and
+/// file): a file that cannot be read or is empty; only one of tls_cert and
+/// tls_key.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& target,
+                                                           const ChannelOptions& options);
 
 }  // namespace logprob::client

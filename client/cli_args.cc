@@ -38,8 +38,28 @@ absl::Status ParseSeconds(const std::string& flag, const std::string& v, double*
   return absl::OkStatus();
 }
 
+// Applies a "--flag value" shared by both commands (TLS, bearer token);
+// false if `flag` is not one of them.
+bool ApplyChannelFlag(const std::string& flag, const std::string& v, ChannelOptions* c) {
+  if (flag == "tls-ca") {
+    c->tls_ca = v;
+  } else if (flag == "tls-cert") {
+    c->tls_cert = v;
+  } else if (flag == "tls-key") {
+    c->tls_key = v;
+  } else if (flag == "tls-server-name") {
+    c->tls_server_name = v;
+  } else if (flag == "auth-token-file") {
+    c->auth_token_file = v;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 // Applies one "--flag value" of `health`.
 absl::Status ApplyHealthFlag(const std::string& flag, const std::string& v, HealthArgs* a) {
+  if (ApplyChannelFlag(flag, v, &a->channel)) return absl::OkStatus();
   if (flag == "server") {
     a->server = v;
     return absl::OkStatus();
@@ -51,6 +71,7 @@ absl::Status ApplyHealthFlag(const std::string& flag, const std::string& v, Heal
 // Applies one "--flag value" of `score`.
 absl::Status ApplyScoreFlag(const std::string& flag, const std::string& v, ScoreArgs* a) {
   ScoreFlags& f = a->flags;
+  if (ApplyChannelFlag(flag, v, &a->channel)) return absl::OkStatus();
   if (flag == "server") {
     a->server = v;
   } else if (flag == "input") {
@@ -147,6 +168,11 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
   const std::string& server =
       cl.command == CommandLine::Command::kHealth ? cl.health.server : cl.score.server;
   if (server.empty()) return absl::InvalidArgumentError(command + ": --server is required");
+  const ChannelOptions& channel =
+      cl.command == CommandLine::Command::kHealth ? cl.health.channel : cl.score.channel;
+  if (channel.tls_cert.empty() != channel.tls_key.empty()) {
+    return absl::InvalidArgumentError(command + ": --tls-cert and --tls-key go together");
+  }
   if (cl.command == CommandLine::Command::kScore) {
     if (cl.score.input.empty()) return absl::InvalidArgumentError("score: --input is required");
     if (cl.score.output.empty()) return absl::InvalidArgumentError("score: --output is required");
@@ -156,12 +182,12 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
 
 std::string UsageText() {
   return R"(usage:
-  logprob-client health --server HOST:PORT [--wait SECONDS]
+  logprob-client health --server HOST:PORT [--wait SECONDS] [security options]
       Exit 0 once the server reports SERVING (grpc.health.v1), trying every
       200 ms for up to SECONDS (default 0: one try); else exit 1.
 
   logprob-client score --server HOST:PORT --input IN.safetensors
-      --output OUT.safetensors [options]
+      --output OUT.safetensors [options] [security options]
       Scores `logits` or `hidden_states` with `input_ids` (and `cu_seqlens`,
       `seq_lens`, `gather_indices` when present) from IN, writes the outputs
       (token_logprobs, entropy, topk_logprobs, topk_indices,
@@ -177,6 +203,16 @@ std::string UsageText() {
     --max-request-bytes N       request size limit (default: the server's);
                                 larger inputs are split by sequences
     --timeout SECONDS           deadline of each call (default: none)
+
+  security options (both commands):
+    --tls-ca FILE               connect with TLS, verifying the server's
+                                certificate with this PEM CA
+    --tls-cert FILE --tls-key FILE
+                                PEM client certificate and key (mutual TLS)
+    --tls-server-name NAME      name to verify in the server's certificate
+                                (default: the host of --server)
+    --auth-token-file FILE      send "authorization: Bearer TOKEN" (the file's
+                                content, whitespace trimmed) on every call
 )";
 }
 

@@ -24,7 +24,10 @@ struct CommandLine {
 /// or "--help" / "-h" anywhere, gives kHelp. INVALID_ARGUMENT names the
 /// problem: no or unknown command, unknown flag, missing value, a value
 /// that is not a number or out of range, a missing required flag
-/// (--server; --input and --output for score).
+/// (--server; --input and --output for score), --tls-cert without
+/// --tls-key or the reverse. Both commands take the security flags
+/// --tls-ca, --tls-cert, --tls-key, --tls-server-name, --auth-token-file
+/// (files are read when the channel is made, not here).
 absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& args);
 
 /// The usage text printed by --help and after a command-line error.

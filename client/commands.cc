@@ -50,12 +50,27 @@ std::string MakeRequestId() {
   return absl::StrCat("cli-", getpid(), "-", ms);
 }
 
+// The channel to `server` with `options`, or null after printing the error.
+std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const ChannelOptions& options) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(server, options);
+  if (!channel.ok()) {
+    PrintError(channel.status());
+    return nullptr;
+  }
+  if (!options.auth_token_file.empty() && !UsesTls(options)) {
+    std::cerr << "warning: --auth-token-file without TLS (--tls-ca): the token is sent in plaintext" << std::endl;
+  }
+  return *std::move(channel);
+}
+
 }  // namespace
 
 int RunHealth(const HealthArgs& args) {
   const auto wait = std::chrono::milliseconds(
       static_cast<int64_t>(std::llround(std::max(0.0, args.wait_seconds) * 1000)));
-  absl::Status s = WaitForServing(MakeChannel(args.server), wait);
+  std::shared_ptr<grpc::Channel> channel = OpenChannel(args.server, args.channel);
+  if (!channel) return kExitBadInput;
+  absl::Status s = WaitForServing(channel, wait);
   if (!s.ok()) {
     std::cerr << "error: " << args.server << ": " << s.message() << std::endl;
     return kExitFailure;
@@ -105,7 +120,8 @@ int RunScore(const ScoreArgs& args) {
     return kExitBadInput;
   }
 
-  auto channel = MakeChannel(args.server);
+  std::shared_ptr<grpc::Channel> channel = OpenChannel(args.server, args.channel);
+  if (!channel) return kExitBadInput;
   std::unique_ptr<v1::LogprobService::Stub> stub = v1::LogprobService::NewStub(channel);
 
   // The server's limits.

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "client/channel.h"
 #include "client/request_builder.h"
 #include "client/request_splitter.h"
 #include "logprob/v1/logprob.grpc.pb.h"
@@ -29,11 +30,13 @@ inline constexpr double kRequestFill = 0.9;
 struct HealthArgs {
   std::string server;        // HOST:PORT
   double wait_seconds = 0;   // keep trying this long; 0 = one try
+  ChannelOptions channel;    // TLS and bearer token (--tls-*, --auth-token-file)
 };
 
 /// Runs `health`: exit kExitOk once grpc.health.v1 reports SERVING within
 /// `wait_seconds`, else prints the reason to stderr and returns
-/// kExitFailure.
+/// kExitFailure (kExitBadInput when a TLS or token file of `channel` cannot
+/// be used).
 int RunHealth(const HealthArgs& args);
 
 /// Arguments of `logprob-client score`.
@@ -44,6 +47,7 @@ struct ScoreArgs {
   ScoreFlags flags;
   int64_t max_request_bytes = 0;   // > 0 overrides the server's limit
   double timeout_seconds = 0;      // deadline of each RPC; 0 = none
+  ChannelOptions channel;          // TLS and bearer token (--tls-*, --auth-token-file)
 };
 
 /// Runs `score`: reads the input file, asks the server for its limits
@@ -51,7 +55,8 @@ struct ScoreArgs {
 /// exceed kRequestFill of max_request_bytes or max_tokens_per_request),
 /// writes the joined outputs to `output` and prints a summary to stdout.
 /// Errors go to stderr as "error: CODE: message"; returns kExitBadInput
-/// for unreadable/unusable input, kExitFailure for everything else.
+/// for unreadable/unusable input (also TLS and token files),
+/// kExitFailure for everything else (e.g. UNAUTHENTICATED).
 int RunScore(const ScoreArgs& args);
 
 /// Sends `request` as the parts SplitScoreRequest makes under `limits`,

@@ -10,6 +10,8 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev libgloo-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libhwy-dev libdnnl-dev
   ocl-icd-opencl-dev  # required by libdnnl-dev's CMake config (find_package(OpenCL))
+  libssl-dev  # OpenSSL::Crypto: bearer-token digests, TLS PEM checks (server/auth.cc, server/tls.cc)
+  openssl     # the command line: server_security_test makes its certificates with it
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

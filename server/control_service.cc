@@ -67,6 +67,15 @@ absl::StatusOr<std::vector<std::string>> ControlService::WaitAllReady(std::chron
   return addresses_;
 }
 
+void ControlService::Reset(std::string store_prefix) {
+  std::lock_guard<std::mutex> lock(mu_);
+  prefix_ = std::move(store_prefix);
+  next_rank_ = 0;
+  ready_ = 0;
+  addresses_.assign(world_size_, "");
+  store_.clear();
+}
+
 int ControlService::ready_count() {
   std::lock_guard<std::mutex> lock(mu_);
   return ready_;

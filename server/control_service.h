@@ -32,10 +32,14 @@ class ControlService final : public internal::v1::Control::Service {
   absl::StatusOr<std::vector<std::string>> WaitAllReady(std::chrono::milliseconds timeout);
   /// Number of workers that called Ready.
   int ready_count();
+  /// Starts a new pool generation: forgets ranks, addresses and the store,
+  /// and uses `store_prefix` for the new communicator. Call after the
+  /// previous generation's workers are gone.
+  void Reset(std::string store_prefix);
 
  private:
   const int world_size_;
-  const std::string prefix_;
+  std::string prefix_;
   const internal::v1::JoinReply worker_config_;
   std::mutex mu_;
   std::condition_variable cv_;

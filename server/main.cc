@@ -10,6 +10,7 @@
 #include <csignal>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -17,8 +18,10 @@
 #include "absl/flags/usage.h"
 #include "common/flag_names.h"
 #include "common/lm_head_source.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 #include "server/scoring_service.h"
+#include "server/tls.h"
 #include "server/worker_pool.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address of the public gRPC service");
@@ -41,6 +44,18 @@ ABSL_FLAG(int64_t, max_request_bytes, 256 << 20, "largest accepted request messa
 ABSL_FLAG(int64_t, max_tokens_per_request, int64_t{1} << 22, "largest accepted request, token rows");
 ABSL_FLAG(int, max_topk, 1024, "largest K of topk outputs and gather_indices");
 ABSL_FLAG(int, worker_join_timeout, 60, "seconds to wait for the workers to join");
+ABSL_FLAG(int, shutdown_grace, 30, "seconds in-flight requests get to finish after SIGTERM");
+ABSL_FLAG(int64_t, max_queue_tokens, int64_t{1} << 23,
+          "token rows accepted and not yet answered; beyond it requests get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queue_bytes, int64_t{2} << 30,
+          "request bytes accepted and not yet answered; beyond it requests get RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve --listen over TLS (needs --tls-key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA certificate(s): require client certificates signed by them (mutual TLS; needs --tls-cert)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file holding a bearer token every LogprobService call must send as 'authorization: Bearer TOKEN' "
+          "(health and reflection stay open)");
 
 namespace {
 
@@ -56,7 +71,8 @@ int Fail(const std::string& msg) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "logprob-server --listen HOST:PORT --workers N --backend cpu [--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT]");
+      "logprob-server --listen HOST:PORT --workers N --backend cpu [--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT] "
+      "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]");
   logprob::NormalizeFlagDashes(argc, argv);
   absl::ParseCommandLine(argc, argv);
   const int workers = absl::GetFlag(FLAGS_workers);
@@ -84,6 +100,8 @@ int main(int argc, char** argv) {
   config.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens_per_request);
   config.limits.max_topk = absl::GetFlag(FLAGS_max_topk);
   config.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  config.max_queue_tokens = absl::GetFlag(FLAGS_max_queue_tokens);
+  config.max_queue_bytes = absl::GetFlag(FLAGS_max_queue_bytes);
   config.parallelism = *parallelism;
   config.parallelism_name = absl::GetFlag(FLAGS_parallelism);
   if (config.max_request_bytes <= 0 || config.max_request_bytes > INT_MAX) return Fail("--max-request-bytes must be in (0, 2^31)");
@@ -116,12 +134,31 @@ int main(int argc, char** argv) {
     config.hidden_chunk_tokens = chunk_tokens;
   }
 
+  // Security of the public port. The control plane and the workers' ports
+  // stay on loopback without TLS (they never leave the host).
+  auto credentials = logprob::ServerCredentialsFromFiles(
+      absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_client_ca));
+  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
+  std::optional<logprob::BearerTokenAuth> auth;
+  if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
+    auto loaded = logprob::BearerTokenAuth::FromFile(file);
+    if (!loaded.ok()) return Fail("--auth-token-file " + std::string(loaded.status().message()));
+    auth = *std::move(loaded);
+    config.auth = &*auth;
+  }
+
   logprob::WorkerPool::Options pool_opts;
   pool_opts.worker_config = worker_config;
   pool_opts.workers = workers;
   pool_opts.worker_binary = worker_binary;
   pool_opts.control_listen = absl::GetFlag(FLAGS_control_listen);
   pool_opts.join_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_worker_join_timeout));
+  std::atomic<grpc::Server*> public_server{nullptr};
+  pool_opts.on_serving = [&](bool up) {
+    if (grpc::Server* s = public_server.load(); s && !g_stop) s->GetHealthCheckService()->SetServingStatus(up);
+    metrics.SetWorkersUp(up ? workers : 0);
+  };
+  pool_opts.on_restart = [&] { metrics.AddWorkerRestart(); };
   logprob::WorkerPool pool(pool_opts);
   logprob::ScoringService service(pool, config, &metrics);
 
@@ -130,29 +167,34 @@ int main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_request_bytes));
   builder.SetMaxSendMessageSize(INT_MAX);
   builder.RegisterService(&service);
   auto server = builder.BuildAndStart();
   if (!server || port == 0) return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
   server->GetHealthCheckService()->SetServingStatus(false);
+  public_server = server.get();
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
 
-  std::cerr << "logprob-server: listening on " << absl::GetFlag(FLAGS_listen) << ", starting " << workers
-            << " worker(s)" << std::endl;
+  std::cerr << "logprob-server: listening on " << absl::GetFlag(FLAGS_listen)
+            << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)"
+                : absl::GetFlag(FLAGS_tls_client_ca).empty() ? " (TLS)" : " (mutual TLS)")
+            << (auth ? " with bearer-token auth" : "") << ", starting " << workers << " worker(s)" << std::endl;
   if (auto st = pool.Start(); !st.ok()) {
     server->Shutdown();
     return Fail("worker pool: " + std::string(st.message()));
   }
-  metrics.SetWorkersUp(workers);
-  server->GetHealthCheckService()->SetServingStatus(true);
   std::cerr << "logprob-server: " << workers << " worker(s) joined; SERVING" << std::endl;
 
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  std::cerr << "logprob-server: shutting down" << std::endl;
+  // Drain: NOT_SERVING first, then refuse new calls and give the ones in
+  // flight --shutdown-grace seconds before cancelling them.
+  const int grace = absl::GetFlag(FLAGS_shutdown_grace);
+  std::cerr << "logprob-server: SIGTERM: NOT_SERVING, draining for up to " << grace << " s" << std::endl;
   server->GetHealthCheckService()->SetServingStatus(false);
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(grace));
+  std::cerr << "logprob-server: drained; stopping workers" << std::endl;
   return 0;
 }

@@ -23,7 +23,12 @@ Metrics::Metrics()
                       .Name("logprob_workers_up")
                       .Help("Worker processes that joined the pool.")
                       .Register(*registry_)
-                      .Add({})) {
+                      .Add({})),
+      worker_restarts_(prometheus::BuildCounter()
+                           .Name("logprob_worker_restarts_total")
+                           .Help("Worker pool generations re-formed after a worker failed or hung.")
+                           .Register(*registry_)
+                           .Add({})) {
   prometheus::BuildGauge()
       .Name("logprob_build_info")
       .Help("Build information; the value is 1.")
@@ -46,5 +51,7 @@ void Metrics::ObserveRequest(const std::string& method, const std::string& code,
 }
 
 void Metrics::SetWorkersUp(int n) { workers_up_.Set(n); }
+
+void Metrics::AddWorkerRestart() { worker_restarts_.Increment(); }
 
 }  // namespace logprob

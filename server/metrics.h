@@ -25,6 +25,8 @@ class Metrics {
   /// Records one finished request of `method` with gRPC status `code` name.
   void ObserveRequest(const std::string& method, const std::string& code, double seconds, int64_t tokens);
   void SetWorkersUp(int n);
+  /// Counts one re-formed worker pool generation.
+  void AddWorkerRestart();
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -33,6 +35,7 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& duration_;
   prometheus::Counter& tokens_;
   prometheus::Gauge& workers_up_;
+  prometheus::Counter& worker_restarts_;
 };
 
 }  // namespace logprob

@@ -29,13 +29,20 @@ absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::S
     if (by_name.count(t.name())) return Invalid(absl::StrCat("inputs[", i, "]: tensor \"", t.name(), "\" given twice"));
     const size_t esize = DTypeSize(t.dtype());
     if (esize == 0) return Invalid(absl::StrCat("inputs[", i, "] \"", t.name(), "\": dtype is unspecified"));
-    uint64_t numel = 1;
+    // The product of the non-zero dims is bounded too: an empty tensor must
+    // not carry a huge V (row bytes would overflow) or B (per-sequence work).
+    uint64_t numel = 1, extent = 1;
     for (int64_t d : t.shape()) {
       if (d < 0) return Invalid(absl::StrCat("\"", t.name(), "\": negative dimension in shape ", ShapeStr(t)));
-      if (d != 0 && numel > (uint64_t{1} << 50) / static_cast<uint64_t>(d))
+      if (d == 0) {
+        numel = 0;
+        continue;
+      }
+      if (extent > (uint64_t{1} << 50) / static_cast<uint64_t>(d))
         return Invalid(absl::StrCat("\"", t.name(), "\": shape ", ShapeStr(t), " is too large"));
-      numel *= static_cast<uint64_t>(d);
+      extent *= static_cast<uint64_t>(d);
     }
+    if (numel != 0) numel = extent;
     if (t.data().size() != numel * esize)
       return Invalid(absl::StrCat("\"", t.name(), "\": data is ", t.data().size(), " bytes but shape ", ShapeStr(t),
                                   " of ", DTypeName(t.dtype()), " needs ", numel * esize));
@@ -164,6 +171,11 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
       if (auto st = CheckIntTensor(*lens); !st.ok()) return st;
       if (auto st = CheckShape(*lens, {B}, name + "' [B]"); !st.ok()) return st;
     }
+    // With S = 0 the tensors are empty whatever B is: bound the per-sequence
+    // work before it.
+    if (B > limits.max_tokens)
+      return Invalid(absl::StrCat("\"", name, "\": B = ", B, " sequences, over the server's max_tokens_per_request ",
+                                  limits.max_tokens));
     const int64_t S_out = next ? S - 1 : S;
     for (int64_t b = 0; b < B; ++b) {
       int64_t L = S;

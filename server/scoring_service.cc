@@ -10,14 +10,20 @@
 namespace logprob {
 
 ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics)
-    : pool_(pool), config_(std::move(config)), metrics_(metrics) {}
+    : pool_(pool),
+      config_(std::move(config)),
+      metrics_(metrics),
+      admission_(config_.max_queue_tokens, config_.max_queue_bytes) {}
 
-absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows) {
+absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows,
+                                                           grpc::ServerContext* ctx) {
   auto job = BuildScoreJob(req, config_.limits, config_.lm_head);
   if (!job.ok()) return job.status();
   if (scored_rows) *scored_rows = job->num_rows();
+  auto ticket = admission_.Admit(job->num_rows(), static_cast<int64_t>(req.ByteSizeLong()));
+  if (!ticket.ok()) return ticket.status();
   const Plan plan = PlanWork(*job, pool_.size(), config_.parallelism, next_job_id_++);
-  auto results = pool_.Run(plan);
+  auto results = pool_.Run(plan, ctx);
   if (!results.ok()) return results.status();
   auto resp = BuildResponse(*job, plan, *results);
   if (!resp.ok()) return resp.status();
@@ -45,18 +51,32 @@ absl::StatusOr<v1::ScoreResponse> Observed(Metrics* metrics, const char* method,
 
 }  // namespace
 
-grpc::Status ScoringService::Score(grpc::ServerContext*, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
-  auto r = Observed(metrics_, "Score", *req, [&](int64_t* rows) { return ScoreOne(*req, rows); });
+grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const char* method) {
+  if (config_.auth == nullptr) return grpc::Status::OK;
+  grpc::Status st = config_.auth->Check(*context);
+  if (!st.ok()) {
+    const std::string code = absl::StatusCodeToString(absl::StatusCode::kUnauthenticated);
+    if (metrics_) metrics_->ObserveRequest(method, code, 0, 0);
+    std::clog << "request method=" << method << " peer=" << context->peer() << " status=" << code
+              << " message=\"" << st.error_message() << "\"" << std::endl;
+  }
+  return st;
+}
+
+grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
+  if (grpc::Status st = Authorize(context, "Score"); !st.ok()) return st;
+  auto r = Observed(metrics_, "Score", *req, [&](int64_t* rows) { return ScoreOne(*req, rows, context); });
   if (!r.ok()) return ToGrpc(r.status());
   *resp = std::move(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status ScoringService::ScoreStream(grpc::ServerContext*,
+grpc::Status ScoringService::ScoreStream(grpc::ServerContext* context,
                                          grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>* stream) {
+  if (grpc::Status st = Authorize(context, "ScoreStream"); !st.ok()) return st;
   v1::ScoreRequest req;
   while (stream->Read(&req)) {
-    auto r = Observed(metrics_, "ScoreStream", req, [&](int64_t* rows) { return ScoreOne(req, rows); });
+    auto r = Observed(metrics_, "ScoreStream", req, [&](int64_t* rows) { return ScoreOne(req, rows, context); });
     v1::ScoreResponse resp;
     if (r.ok()) {
       resp = std::move(*r);
@@ -70,7 +90,9 @@ grpc::Status ScoringService::ScoreStream(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status ScoringService::GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo* info) {
+grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v1::ServerInfoRequest*,
+                                           v1::ServerInfo* info) {
+  if (grpc::Status st = Authorize(context, "GetServerInfo"); !st.ok()) return st;
   info->set_version("0.1.0");
   info->set_workers(pool_.size());
   info->set_backend(config_.backend);

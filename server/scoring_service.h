@@ -6,6 +6,8 @@
 
 #include "absl/status/statusor.h"
 #include "logprob/v1/logprob.grpc.pb.h"
+#include "server/auth.h"
+#include "server/admission.h"
 #include "server/metrics.h"
 #include "server/planner.h"
 #include "server/score_job.h"
@@ -17,6 +19,8 @@ namespace logprob {
 struct ServiceConfig {
   RequestLimits limits;
   int64_t max_request_bytes = 256 << 20;
+  int64_t max_queue_tokens = int64_t{1} << 23;  // admitted, unanswered tokens (backpressure)
+  int64_t max_queue_bytes = int64_t{2} << 30;   // admitted, unanswered request bytes
   Parallelism parallelism = Parallelism::kAuto;
   std::string parallelism_name = "auto";
   std::string backend = "cpu";
@@ -26,9 +30,13 @@ struct ServiceConfig {
   std::string lm_head_path;         // file holding the tensor
   std::string lm_head_tensor;
   int64_t hidden_chunk_tokens = 0;
+  /// When set (not owned; outlives the service), every call must carry its
+  /// bearer token, else UNAUTHENTICATED.
+  const BearerTokenAuth* auth = nullptr;
 };
 
-/// gRPC service implementation. Errors: INVALID_ARGUMENT /
+/// gRPC service implementation. Errors: UNAUTHENTICATED without the
+/// bearer token when config.auth is set (every method); INVALID_ARGUMENT /
 /// FAILED_PRECONDITION from validation (see BuildScoreJob), UNAVAILABLE
 /// when a worker fails.
 class ScoringService final : public v1::LogprobService::Service {
@@ -42,12 +50,19 @@ class ScoringService final : public v1::LogprobService::Service {
 
   /// Scores one request (the body of Score and of each ScoreStream
   /// message); sets *scored_rows (if given) to the token positions scored.
-  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows = nullptr);
+  /// `ctx` (may be null) bounds the work by its deadline and cancellation.
+  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows = nullptr,
+                                             grpc::ServerContext* ctx = nullptr);
 
  private:
+  /// OK, or (config_.auth set and the call lacks the token) UNAUTHENTICATED,
+  /// which is counted in the metrics and logged with the peer address.
+  grpc::Status Authorize(const grpc::ServerContext* context, const char* method);
+
   WorkerPool& pool_;
   ServiceConfig config_;
   Metrics* metrics_;
+  Admission admission_;
   std::atomic<uint64_t> next_job_id_{1};
 };
 

@@ -220,53 +220,22 @@ TEST(HiddenErrors, MismatchedHBothInputsNoLmHeadAndBadCheckpoint) {
   EXPECT_NE(bad.output.find("missing.safetensors"), std::string::npos) << bad.output;
 }
 
-/// A packed hidden-states request of T random bf16 rows with targets.
-v1::ScoreRequest RandomPacked(int64_t T, int64_t H, int64_t V, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<uint16_t> h(T * H);
-  for (auto& x : h) x = FloatToBf16(normal(rng));
-  std::vector<int64_t> ids(T);
-  for (auto& id : ids) id = static_cast<int64_t>(rng() % V);
-  const int64_t cu[2] = {0, T};
-  v1::ScoreRequest req;
-  auto add = [&](const char* name, DType dtype, std::vector<int64_t> shape, const void* data, size_t bytes) {
-    v1::Tensor* t = req.add_inputs();
-    t->set_name(name);
-    t->set_dtype(dtype);
-    for (int64_t d : shape) t->add_shape(d);
-    t->set_data(data, bytes);
-  };
-  add("hidden_states", v1::BF16, {T, H}, h.data(), h.size() * 2);
-  add("input_ids", v1::I64, {T}, ids.data(), ids.size() * 8);
-  add("cu_seqlens", v1::I64, {2}, cu, sizeof cu);
-  req.mutable_options()->set_entropy(true);
-  return req;
-}
-
 // The worker's logits buffer is one chunk, whatever T: scoring 16384 tokens
 // (whose full logits would be 2 GiB of float32) must not raise the worker's
 // peak RSS by more than the request's own hidden states and results.
 TEST(HiddenMemory, WorkerPeakRssDoesNotGrowWithTokens) {
   constexpr int64_t V = 32000, H = 256, kSmall = 512, kLarge = 16384;
   const std::string dir = TempDir("memory");
-  v1::Tensor w = Zeros("lm_head.weight", v1::BF16, {V, H});
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal(0.f, 0.05f);
-  for (size_t i = 0; i < w.data().size(); i += 2) {
-    const uint16_t b = FloatToBf16(normal(rng));
-    std::memcpy(&(*w.mutable_data())[i], &b, 2);
-  }
-  ASSERT_TRUE(WriteSafetensors(dir + "/lm_head.safetensors", {w}).ok());
+  ASSERT_TRUE(WriteRandomLmHead(dir + "/lm_head.safetensors", V, H, 7).ok());
   auto server = ServerProcess::Start(1, {"--lm-head", dir + "/lm_head.safetensors", "--hidden-chunk-tokens", "64"});
   ASSERT_TRUE(server);
   auto stub = server->NewStub();
   const auto workers = server->WorkerPids();
   ASSERT_EQ(workers.size(), 1u);
 
-  MustScore(*stub, RandomPacked(kSmall, H, V, 1));
+  MustScore(*stub, RandomHiddenRequest(kSmall, H, V, 1));
   const int64_t small_peak = PeakRssBytes(workers[0]);
-  const v1::ScoreResponse large = MustScore(*stub, RandomPacked(kLarge, H, V, 2));
+  const v1::ScoreResponse large = MustScore(*stub, RandomHiddenRequest(kLarge, H, V, 2));
   const int64_t large_peak = PeakRssBytes(workers[0]);
   ASSERT_GT(small_peak, 0);
   const auto lp = Floats(*FindOutput(large, "token_logprobs"));

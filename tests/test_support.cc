@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -39,6 +40,11 @@ int FreePort() {
 }
 
 std::unique_ptr<ServerProcess> ServerProcess::Start(int workers, const std::vector<std::string>& extra) {
+  return Start(workers, extra, [](const std::string& address) { return client::MakeChannel(address); });
+}
+
+std::unique_ptr<ServerProcess> ServerProcess::Start(int workers, const std::vector<std::string>& extra,
+                                                    const ChannelFactory& wait_channel) {
   auto p = std::unique_ptr<ServerProcess>(new ServerProcess);
   p->address_ = "127.0.0.1:" + std::to_string(FreePort());
   std::vector<std::string> args = {BinDir() + "/logprob-server", "--listen", p->address_, "--workers",
@@ -51,7 +57,7 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(int workers, const std::vect
     ADD_FAILURE() << "cannot spawn " << argv[0];
     return nullptr;
   }
-  const auto st = client::WaitForServing(client::MakeChannel(p->address_), std::chrono::seconds(60));
+  const auto st = client::WaitForServing(wait_channel(p->address_), std::chrono::seconds(60));
   if (!st.ok()) {
     ADD_FAILURE() << "server with " << workers << " workers did not become SERVING: " << st;
     return nullptr;
@@ -83,6 +89,52 @@ std::vector<pid_t> ServerProcess::WorkerPids() const {
     if (rest >> state >> ppid && ppid == pid_ && state != "Z") out.push_back(std::stoi(name));
   }
   return out;
+}
+
+int ServerProcess::SignalAndWait(int sig) {
+  if (pid_ <= 0) return -1;
+  kill(pid_, sig);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+v1::ScoreRequest RandomHiddenRequest(int64_t T, int64_t H, int64_t V, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> h(T * H);
+  for (auto& x : h) x = FloatToBf16(normal(rng));
+  std::vector<int64_t> ids(T);
+  for (auto& id : ids) id = static_cast<int64_t>(rng() % V);
+  const int64_t cu[2] = {0, T};
+  v1::ScoreRequest req;
+  auto add = [&](const char* name, DType dtype, std::vector<int64_t> shape, const void* data, size_t bytes) {
+    v1::Tensor* t = req.add_inputs();
+    t->set_name(name);
+    t->set_dtype(dtype);
+    for (int64_t d : shape) t->add_shape(d);
+    t->set_data(data, bytes);
+  };
+  add("hidden_states", v1::BF16, {T, H}, h.data(), h.size() * 2);
+  add("input_ids", v1::I64, {T}, ids.data(), ids.size() * 8);
+  add("cu_seqlens", v1::I64, {2}, cu, sizeof cu);
+  req.mutable_options()->set_entropy(true);
+  return req;
+}
+
+absl::Status WriteRandomLmHead(const std::string& path, int64_t V, int64_t H, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 0.05f);
+  std::vector<uint16_t> w(V * H);
+  for (auto& x : w) x = FloatToBf16(normal(rng));
+  v1::Tensor t;
+  t.set_name("lm_head.weight");
+  t.set_dtype(v1::BF16);
+  t.add_shape(V);
+  t.add_shape(H);
+  t.set_data(w.data(), w.size() * 2);
+  return WriteSafetensors(path, {t});
 }
 
 int64_t PeakRssBytes(pid_t pid) {

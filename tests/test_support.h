@@ -5,12 +5,14 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/safetensors.h"
+#include "grpcpp/channel.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 
 namespace logprob::testing {
@@ -29,6 +31,12 @@ class ServerProcess {
   /// `extra` flags and waits (up to 60 s) until health reports SERVING.
   /// Fails the current test (and returns null) if it does not.
   static std::unique_ptr<ServerProcess> Start(int workers, const std::vector<std::string>& extra = {});
+  /// Makes a channel to an address ("127.0.0.1:PORT").
+  using ChannelFactory = std::function<std::shared_ptr<grpc::Channel>(const std::string& address)>;
+  /// As above, but waits for health on the channel `wait_channel` makes
+  /// (e.g. with TLS credentials, for a server started with --tls-cert).
+  static std::unique_ptr<ServerProcess> Start(int workers, const std::vector<std::string>& extra,
+                                              const ChannelFactory& wait_channel);
   ~ServerProcess();  // SIGTERM, then wait
 
   const std::string& address() const { return address_; }
@@ -38,6 +46,9 @@ class ServerProcess {
   bool Alive() const;
   /// Pids of its live child processes (the local workers).
   std::vector<pid_t> WorkerPids() const;
+  /// Sends `sig` and waits for the process; returns its exit status
+  /// (exit code, or 128 + signal).
+  int SignalAndWait(int sig);
 
  private:
   std::string address_;
@@ -55,6 +66,12 @@ struct CommandResult {
 };
 /// Runs `cmd` with /bin/sh and waits for it.
 CommandResult RunCommand(const std::string& cmd);
+
+/// A packed hidden-states request: T random bf16 rows [T, H] (normal(0,1)),
+/// random targets in [0, V), one sequence, entropy on.
+v1::ScoreRequest RandomHiddenRequest(int64_t T, int64_t H, int64_t V, uint32_t seed);
+/// Writes a safetensors file with `lm_head.weight` [V, H] bf16, normal(0, 0.05).
+absl::Status WriteRandomLmHead(const std::string& path, int64_t V, int64_t H, uint32_t seed);
 
 /// A golden case: inputs, expected outputs and the options from metadata.
 struct GoldenCase {

@@ -69,6 +69,7 @@ struct Job {
   const WorkItem& item;
   StatsSpec spec;
   bool filters;
+  const std::function<bool()>& should_stop;
   std::vector<uint32_t> record;
   std::vector<float> scratch = std::vector<float>(kernels::kPartialScratchFloats);
   std::vector<float> row_f32;
@@ -185,12 +186,27 @@ absl::Status FinishRound(Job& job, Communicator& comm, const RoundRows& rows, co
   return absl::OkStatus();
 }
 
+absl::Status Stopped() { return absl::CancelledError("stopped: the request was cancelled or its deadline passed"); }
+
+/// Collective layouts: every rank says whether it must stop (one byte,
+/// all-gathered), so all stop after the same round. OK to go on.
+absl::Status AgreeToGoOn(Job& job, Communicator& comm) {
+  if (!job.should_stop) return absl::OkStatus();
+  const char mine = job.should_stop() ? 1 : 0;
+  std::vector<char> all(comm.size());
+  if (auto st = comm.AllGather(&mine, 1, all.data()); !st.ok()) return st;
+  for (char c : all)
+    if (c) return Stopped();
+  return absl::OkStatus();
+}
+
 /// VOCAB_PARALLEL: rounds of kVocabParallelChunkRows rows of the item.
 absl::Status ScoreLogitsSlices(Job& job, Communicator& comm, int64_t own_begin, ResultRows& out) {
   const WorkItem& item = job.item;
   const int W = comm.size();
   const RoundSlice all{item.dtype(), item.logits().data(), item.vocab_begin(), item.vocab_end() - item.vocab_begin()};
   for (int64_t c0 = 0; c0 < item.num_rows(); c0 += kVocabParallelChunkRows) {
+    if (auto st = AgreeToGoOn(job, comm); !st.ok()) return st;
     const int64_t c1 = std::min(item.num_rows(), c0 + kVocabParallelChunkRows);
     RoundRows rows(W);
     for (int q = 0; q < W; ++q) {
@@ -220,6 +236,7 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, const HiddenScoring
   std::vector<char> send, gathered;
   std::vector<float> logits;
   for (int64_t l0 = 0; l0 < most; l0 += per_round) {
+    if (auto st = AgreeToGoOn(job, comm); !st.ok()) return st;
     const int64_t c = std::min(per_round, most - l0);  // padded rows per rank this round
     RoundRows rows(W);
     for (int q = 0; q < W; ++q) {
@@ -248,9 +265,10 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, const HiddenScoring
 
 }  // namespace
 
-absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& comm, const HiddenScoring* hidden) {
+absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& comm, const HiddenScoring* hidden,
+                                         const std::function<bool()>& should_stop) {
   const auto t0 = std::chrono::steady_clock::now();
-  Job job{item, SpecOf(item), HasFilters(item)};
+  Job job{item, SpecOf(item), HasFilters(item), should_stop};
   const DType dtype = item.dtype();
   if (!IsFloatDType(dtype)) return absl::InvalidArgumentError("work item: dtype must be F32, BF16 or F16");
   const int64_t n = item.num_rows();
@@ -265,8 +283,10 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& com
     if (static_cast<int64_t>(item.logits().size()) != n * slice_len * static_cast<int64_t>(esize))
       return absl::InvalidArgumentError("work item: logits size does not match num_rows");
     ResultRows rows(job.spec, 0, n, &res);
-    for (int64_t row = 0; row < n; ++row)
+    for (int64_t row = 0; row < n; ++row) {
+      if (row % kVocabParallelChunkRows == 0 && should_stop && should_stop()) return Stopped();
       ScoreFullRow(job, dtype, item.logits().data() + row * slice_len * esize, row, rows.At(row));
+    }
   } else {
     const auto [vb, ve] = SplitRange(item.vocab_size(), comm.size(), comm.rank());
     if (vb != item.vocab_begin() || ve != item.vocab_end())

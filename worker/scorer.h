@@ -1,6 +1,8 @@
 // Scores one WorkItem (a shard of a request) on the CPU backend.
 #pragma once
 
+#include <functional>
+
 #include "absl/status/statusor.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "worker/communicator.h"
@@ -31,10 +33,15 @@ struct HiddenScoring {
 ///   `hidden->gemm` on them and combine as VOCAB_PARALLEL.
 /// All ranks must call this with items of the same job in the same order.
 /// FAILED_PRECONDITION for a HIDDEN_STATES item without `hidden`.
+/// `should_stop` (optional; all ranks must pass one or none) is polled
+/// between chunks; collective layouts agree on it with one 1-byte
+/// all-gather per chunk so every rank stops after the same chunk.
+/// CANCELLED when it said stop.
 /// INVALID_ARGUMENT for an inconsistent item; UNAVAILABLE when a collective
 /// fails.
 absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item,
                                                        Communicator& comm,
-                                                       const HiddenScoring* hidden = nullptr);
+                                                       const HiddenScoring* hidden = nullptr,
+                                                       const std::function<bool()>& should_stop = {});
 
 }  // namespace logprob

@@ -5,15 +5,16 @@
 
 namespace logprob {
 
-grpc::Status WorkerService::Run(grpc::ServerContext*, const internal::v1::WorkItem* item,
+grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                                 internal::v1::WorkResult* result) {
+  const std::function<bool()> cancelled = [ctx] { return ctx->IsCancelled(); };
   absl::StatusOr<internal::v1::WorkResult> res;
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     std::lock_guard<std::mutex> lock(collective_mu_);
-    res = ScoreWorkItem(*item, *comm_, &hidden_);
+    res = ScoreWorkItem(*item, *comm_, &hidden_, cancelled);
   } else {
     SelfCommunicator self;
-    res = ScoreWorkItem(*item, self);
+    res = ScoreWorkItem(*item, self, nullptr, cancelled);
   }
   if (!res.ok()) return ToGrpc(res.status());
   *result = std::move(*res);

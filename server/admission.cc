@@ -1,0 +1,41 @@
+#include "server/admission.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace logprob {
+
+Admission::Ticket::~Ticket() {
+  if (!owner_) return;
+  std::lock_guard<std::mutex> lock(owner_->mu_);
+  owner_->tokens_ -= tokens_;
+  owner_->bytes_ -= bytes_;
+  --owner_->requests_;
+}
+
+absl::StatusOr<Admission::Ticket> Admission::Admit(int64_t tokens, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (requests_ > 0 && (tokens_ + tokens > max_tokens_ || bytes_ + bytes > max_bytes_))
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "server at capacity: ", requests_, " requests with ", tokens_, " tokens and ", bytes_,
+        " bytes in flight; this one (", tokens, " tokens, ", bytes, " bytes) would exceed --max-queue-tokens ",
+        max_tokens_, " or --max-queue-bytes ", max_bytes_, "; retry with backoff"));
+  tokens_ += tokens;
+  bytes_ += bytes;
+  ++requests_;
+  return Ticket(this, tokens, bytes);
+}
+
+int64_t Admission::tokens() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tokens_;
+}
+int64_t Admission::bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_;
+}
+int64_t Admission::requests() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return requests_;
+}
+
+}  // namespace logprob

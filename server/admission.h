@@ -1,0 +1,49 @@
+// Backpressure: a bound on the work the front-end has accepted and not yet
+// answered, by tokens and by request bytes.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+
+#include "absl/status/statusor.h"
+
+namespace logprob {
+
+/// Counts admitted work; a request that would push either total over its
+/// limit is refused with RESOURCE_EXHAUSTED instead of queueing without
+/// bound. Thread-safe.
+class Admission {
+ public:
+  Admission(int64_t max_tokens, int64_t max_bytes) : max_tokens_(max_tokens), max_bytes_(max_bytes) {}
+
+  /// Holds one request's share until destroyed.
+  class Ticket {
+   public:
+    Ticket(Ticket&& o) noexcept : owner_(o.owner_), tokens_(o.tokens_), bytes_(o.bytes_) { o.owner_ = nullptr; }
+    Ticket(const Ticket&) = delete;
+    ~Ticket();
+
+   private:
+    friend class Admission;
+    Ticket(Admission* owner, int64_t tokens, int64_t bytes) : owner_(owner), tokens_(tokens), bytes_(bytes) {}
+    Admission* owner_;
+    int64_t tokens_, bytes_;
+  };
+
+  /// Admits `tokens` token rows and `bytes` request bytes, or returns
+  /// RESOURCE_EXHAUSTED with the current load and the limits (the client
+  /// should retry with backoff). A request alone over a limit is admitted
+  /// when nothing else is in flight (per-request limits are separate).
+  absl::StatusOr<Ticket> Admit(int64_t tokens, int64_t bytes);
+
+  int64_t tokens() const;  // admitted, not yet released
+  int64_t bytes() const;
+  int64_t requests() const;
+
+ private:
+  const int64_t max_tokens_, max_bytes_;
+  mutable std::mutex mu_;
+  int64_t tokens_ = 0, bytes_ = 0, requests_ = 0;
+};
+
+}  // namespace logprob

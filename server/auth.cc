@@ -1,0 +1,75 @@
+#include "server/auth.h"
+
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace logprob {
+namespace {
+
+constexpr char kScheme[] = "bearer ";  // compared case-insensitively
+
+std::array<unsigned char, 32> Sha256(const char* data, size_t size) {
+  std::array<unsigned char, 32> d{};
+  SHA256(reinterpret_cast<const unsigned char*>(data), size, d.data());
+  return d;
+}
+
+absl::Status CheckTokenChars(const std::string& token) {
+  if (token.empty()) return absl::InvalidArgumentError("the token is empty");
+  for (const char c : token) {
+    if (c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          "the token holds a character that is not printable ASCII (or a space inside it)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+BearerTokenAuth::BearerTokenAuth(const std::string& token) : digest_(Sha256(token.data(), token.size())) {}
+
+absl::StatusOr<BearerTokenAuth> BearerTokenAuth::FromToken(const std::string& token) {
+  const std::string trimmed(absl::StripAsciiWhitespace(token));
+  if (absl::Status s = CheckTokenChars(trimmed); !s.ok()) return s;
+  return BearerTokenAuth(trimmed);
+}
+
+absl::StatusOr<BearerTokenAuth> BearerTokenAuth::FromFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read: ", std::strerror(errno)));
+  std::ostringstream buf;
+  buf << in.rdbuf();
+  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read"));
+  auto auth = FromToken(buf.str());
+  if (!auth.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", auth.status().message()));
+  return auth;
+}
+
+grpc::Status BearerTokenAuth::Check(const grpc::ServerContext& context) const {
+  const auto range = context.client_metadata().equal_range("authorization");
+  bool ok = false;
+  for (auto it = range.first; it != range.second; ++it) {
+    const absl::string_view value(it->second.data(), it->second.size());
+    if (value.size() < sizeof kScheme - 1 ||
+        !absl::EqualsIgnoreCase(value.substr(0, sizeof kScheme - 1), kScheme)) {
+      continue;
+    }
+    const absl::string_view presented = value.substr(sizeof kScheme - 1);
+    const auto d = Sha256(presented.data(), presented.size());
+    ok |= CRYPTO_memcmp(d.data(), digest_.data(), d.size()) == 0;
+  }
+  if (ok) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token");
+}
+
+}  // namespace logprob

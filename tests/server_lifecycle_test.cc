@@ -1,0 +1,171 @@
+// Integration: the serving lifecycle under failure and load. A worker
+// killed mid-request, deadlines, client cancellation, SIGTERM drain and
+// overload against a bounded queue. The slow requests are hidden-states
+// requests (a GEMM of T x 32000 x 1024), which take seconds on CPU.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <future>
+#include <thread>
+
+#include "client/channel.h"
+#include "client/health_check.h"
+#include "tests/test_support.h"
+
+namespace logprob::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kV = 32000, kH = 1024;
+
+double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+class Lifecycle : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    lm_head_ = new std::string(::testing::TempDir() + "/lifecycle_lm_head.safetensors");
+    ASSERT_TRUE(WriteRandomLmHead(*lm_head_, kV, kH, 3).ok());
+    slow_ = new v1::ScoreRequest(RandomHiddenRequest(16384, kH, kV, 11));
+    quick_ = new v1::ScoreRequest(RandomHiddenRequest(64, kH, kV, 12));
+  }
+  static void TearDownTestSuite() {
+    std::filesystem::remove(*lm_head_);
+    delete lm_head_;
+    delete slow_;
+    delete quick_;
+  }
+  static std::unique_ptr<ServerProcess> Start(int workers, std::vector<std::string> extra = {}) {
+    extra.insert(extra.end(), {"--lm-head", *lm_head_});
+    return ServerProcess::Start(workers, extra);
+  }
+  /// A request that keeps the workers busy for seconds (built once).
+  static const v1::ScoreRequest& Slow() { return *slow_; }
+  static const v1::ScoreRequest& Quick() { return *quick_; }
+  /// A stub whose channel is connected (a quick request went through).
+  static std::unique_ptr<v1::LogprobService::Stub> ConnectedStub(const ServerProcess& server) {
+    auto stub = server.NewStub();
+    EXPECT_TRUE(Score(*stub, Quick()).ok());
+    return stub;
+  }
+
+  static grpc::Status Score(v1::LogprobService::Stub& stub, const v1::ScoreRequest& req,
+                            grpc::ClientContext* ctx = nullptr) {
+    grpc::ClientContext local;
+    v1::ScoreResponse resp;
+    return stub.Score(ctx ? ctx : &local, req, &resp);
+  }
+  static std::string* lm_head_;
+  static v1::ScoreRequest *slow_, *quick_;
+};
+std::string* Lifecycle::lm_head_ = nullptr;
+v1::ScoreRequest* Lifecycle::slow_ = nullptr;
+v1::ScoreRequest* Lifecycle::quick_ = nullptr;
+
+TEST_F(Lifecycle, KilledWorkerFailsRequestsFastAndThePoolComesBack) {
+  auto server = Start(2);
+  ASSERT_TRUE(server);
+  auto stub = ConnectedStub(*server);
+  const auto before = server->WorkerPids();
+  ASSERT_EQ(before.size(), 2u);
+  auto slow = std::async(std::launch::async, [&] { return Score(*stub, Slow()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto killed_at = Clock::now();
+  kill(before[1], SIGKILL);
+  const grpc::Status st = slow.get();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_LT(SecondsSince(killed_at), 5.0) << "the failure must not wait for a collective time-out";
+  EXPECT_NE(st.error_message().find("re-formed"), std::string::npos) << st.error_message();
+
+  // Health comes back and later requests succeed on new workers.
+  const auto health = client::WaitForServing(client::MakeChannel(server->address()), std::chrono::seconds(60));
+  ASSERT_TRUE(health.ok()) << health;
+  const grpc::Status again = Score(*stub, Quick());
+  EXPECT_TRUE(again.ok()) << again.error_message();
+  const auto after = server->WorkerPids();
+  EXPECT_EQ(after.size(), 2u);
+  for (pid_t p : after) EXPECT_TRUE(p != before[0] && p != before[1]) << "worker " << p << " was not respawned";
+  EXPECT_TRUE(server->Alive());
+}
+
+TEST_F(Lifecycle, DeadlineAndCancelStopTheWorkWithoutRestartingThePool) {
+  auto server = Start(2);
+  ASSERT_TRUE(server);
+  auto stub = ConnectedStub(*server);
+  const auto pids = server->WorkerPids();
+
+  grpc::ClientContext with_deadline;
+  with_deadline.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(400));
+  auto t0 = Clock::now();
+  grpc::Status st = Score(*stub, Slow(), &with_deadline);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  EXPECT_LT(SecondsSince(t0), 2.0);
+
+  grpc::ClientContext cancelled;
+  t0 = Clock::now();
+  auto slow = std::async(std::launch::async, [&] { return Score(*stub, Slow(), &cancelled); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  cancelled.TryCancel();
+  st = slow.get();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
+
+  // The workers stopped at a chunk boundary: a quick request does not wait
+  // for the rest of the slow one (several seconds of GEMM).
+  t0 = Clock::now();
+  st = Score(*stub, Quick());
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_LT(SecondsSince(t0), 1.5);
+  EXPECT_EQ(server->WorkerPids(), pids) << "a deadline or a cancel must not restart the pool";
+}
+
+TEST_F(Lifecycle, SigtermDrainsTheRequestsInFlight) {
+  auto server = Start(1, {"--shutdown-grace", "60"});
+  ASSERT_TRUE(server);
+  auto stub = ConnectedStub(*server);
+  auto slow = std::async(std::launch::async, [&] { return Score(*stub, Slow()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  auto exit_code = std::async(std::launch::async, [&] { return server->SignalAndWait(SIGTERM); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // No new requests once draining.
+  grpc::ClientContext late;
+  late.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  const grpc::Status refused = Score(*stub, Quick(), &late);
+  EXPECT_FALSE(refused.ok());
+  const grpc::Status st = slow.get();
+  EXPECT_TRUE(st.ok()) << "the request in flight must finish: " << st.error_message();
+  EXPECT_EQ(exit_code.get(), 0);
+}
+
+TEST_F(Lifecycle, OverloadGetsExactlyOneAnswerPerRequest) {
+  auto server = Start(1, {"--max-queue-tokens", "3000"});
+  ASSERT_TRUE(server);
+  constexpr int kClients = 12;
+  std::vector<std::future<grpc::Status>> answers;
+  for (int i = 0; i < kClients; ++i)
+    answers.push_back(std::async(std::launch::async, [&, i] {
+      auto stub = server->NewStub();
+      return Score(*stub, RandomHiddenRequest(1024, kH, kV, 100 + i));
+    }));
+  int ok = 0, exhausted = 0;
+  for (auto& a : answers) {
+    const grpc::Status st = a.get();
+    if (st.ok()) {
+      ++ok;
+    } else {
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+      EXPECT_NE(st.error_message().find("retry"), std::string::npos) << st.error_message();
+      ++exhausted;
+    }
+  }
+  EXPECT_EQ(ok + exhausted, kClients);
+  EXPECT_GE(ok, 1);
+  EXPECT_GE(exhausted, 1) << "12 x 1023 tokens at once must exceed a 3000-token queue";
+  EXPECT_TRUE(client::WaitForServing(client::MakeChannel(server->address()), std::chrono::seconds(5)).ok());
+  EXPECT_TRUE(Score(*server->NewStub(), Quick()).ok());
+}
+
+}  // namespace
+}  // namespace logprob::testing
