@@ -12,6 +12,8 @@ PACKAGES=(
   ocl-icd-opencl-dev  # required by libdnnl-dev's CMake config (find_package(OpenCL))
   libssl-dev  # OpenSSL::Crypto: bearer-token digests, TLS PEM checks (server/auth.cc, server/tls.cc)
   openssl     # the command line: server_security_test makes its certificates with it
+  curl        # server_metrics_test scrapes /metrics with it
+  prometheus  # promtool: server_metrics_test runs `promtool check metrics` on the scrape
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

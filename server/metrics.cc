@@ -4,6 +4,25 @@
 
 namespace logprob {
 
+namespace {
+
+/// Buckets of the duration histograms, seconds.
+const prometheus::Histogram::BucketBoundaries& SecondsBuckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                                                   0.25,  0.5,    1,     2.5,  5,     10,   30, 60};
+  return kBuckets;
+}
+
+/// Powers of 4 from 1 to 4^max_exp.
+prometheus::Histogram::BucketBoundaries PowersOf4(int max_exp) {
+  prometheus::Histogram::BucketBoundaries b;
+  double v = 1;
+  for (int i = 0; i <= max_exp; ++i, v *= 4) b.push_back(v);
+  return b;
+}
+
+}  // namespace
+
 Metrics::Metrics()
     : registry_(std::make_shared<prometheus::Registry>()),
       requests_(prometheus::BuildCounter()
@@ -28,7 +47,37 @@ Metrics::Metrics()
                            .Name("logprob_worker_restarts_total")
                            .Help("Worker pool generations re-formed after a worker failed or hung.")
                            .Register(*registry_)
-                           .Add({})) {
+                           .Add({})),
+      request_bytes_(prometheus::BuildHistogram()
+                         .Name("logprob_request_bytes")
+                         .Help("Serialized size of received scoring requests, bytes.")
+                         .Register(*registry_)),
+      inflight_requests_(prometheus::BuildGauge()
+                             .Name("logprob_inflight_requests")
+                             .Help("Scoring requests admitted and not yet answered.")
+                             .Register(*registry_)
+                             .Add({})),
+      queued_tokens_(prometheus::BuildGauge()
+                         .Name("logprob_queued_tokens")
+                         .Help("Token rows of the requests admitted and not yet answered.")
+                         .Register(*registry_)
+                         .Add({})),
+      compute_duration_(prometheus::BuildHistogram()
+                            .Name("logprob_compute_duration_seconds")
+                            .Help("Worker compute time per request: the slowest worker's compute_seconds.")
+                            .Register(*registry_)
+                            .Add({}, SecondsBuckets())),
+      worker_call_duration_(prometheus::BuildHistogram()
+                                .Name("logprob_worker_call_duration_seconds")
+                                .Help("Wall time of dispatching a request to the workers and gathering their "
+                                      "results (compute plus transfer and overhead).")
+                                .Register(*registry_)
+                                .Add({}, SecondsBuckets())),
+      batch_tokens_(prometheus::BuildHistogram()
+                        .Name("logprob_batch_tokens")
+                        .Help("Token rows per worker plan (one plan per scored request).")
+                        .Register(*registry_)
+                        .Add({}, PowersOf4(12))) {
   prometheus::BuildGauge()
       .Name("logprob_build_info")
       .Help("Build information; the value is 1.")
@@ -44,10 +93,29 @@ void Metrics::Expose(const std::string& listen) {
 
 void Metrics::ObserveRequest(const std::string& method, const std::string& code, double seconds, int64_t tokens) {
   requests_.Add({{"method", method}, {"code", code}}).Increment();
-  static const prometheus::Histogram::BucketBoundaries kBuckets = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                                                    0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
-  duration_.Add({{"method", method}}, kBuckets).Observe(seconds);
+  duration_.Add({{"method", method}}, SecondsBuckets()).Observe(seconds);
   if (tokens > 0) tokens_.Increment(static_cast<double>(tokens));
+}
+
+void Metrics::ObserveRequestBytes(const std::string& method, int64_t bytes) {
+  // 256 B .. 1 GiB.
+  static const prometheus::Histogram::BucketBoundaries kBuckets = [] {
+    prometheus::Histogram::BucketBoundaries b;
+    for (double v = 256; v <= double{1 << 30}; v *= 4) b.push_back(v);
+    return b;
+  }();
+  request_bytes_.Add({{"method", method}}, kBuckets).Observe(static_cast<double>(bytes));
+}
+
+void Metrics::AddLoad(int64_t requests, int64_t tokens) {
+  inflight_requests_.Increment(static_cast<double>(requests));
+  queued_tokens_.Increment(static_cast<double>(tokens));
+}
+
+void Metrics::ObserveDispatch(double run_seconds, double compute_seconds, int64_t rows) {
+  worker_call_duration_.Observe(run_seconds);
+  compute_duration_.Observe(compute_seconds);
+  batch_tokens_.Observe(static_cast<double>(rows));
 }
 
 void Metrics::SetWorkersUp(int n) { workers_up_.Set(n); }

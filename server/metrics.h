@@ -1,5 +1,5 @@
 // Prometheus metrics of the front-end (prometheus-cpp), named in base
-// units: *_total counters, *_seconds durations.
+// units: *_total counters, *_seconds durations, *_bytes sizes.
 #pragma once
 
 #include <memory>
@@ -24,6 +24,19 @@ class Metrics {
 
   /// Records one finished request of `method` with gRPC status `code` name.
   void ObserveRequest(const std::string& method, const std::string& code, double seconds, int64_t tokens);
+  /// Records the serialized size of one received request of `method`
+  /// (every request that reaches validation, whatever its outcome).
+  void ObserveRequestBytes(const std::string& method, int64_t bytes);
+  /// Adds `requests` requests and `tokens` token rows to the admitted,
+  /// not yet answered load (negative on release). Atomic: concurrent calls
+  /// from admit and release keep the gauges exact.
+  void AddLoad(int64_t requests, int64_t tokens);
+  /// Records one successful dispatch to the worker pool: `run_seconds` is
+  /// the wall time of WorkerPool::Run, `compute_seconds` the slowest
+  /// worker's compute time (max WorkResult.compute_seconds) and `rows` the
+  /// token rows of the plan.
+  void ObserveDispatch(double run_seconds, double compute_seconds, int64_t rows);
+  /// Sets the number of worker processes that joined the pool.
   void SetWorkersUp(int n);
   /// Counts one re-formed worker pool generation.
   void AddWorkerRestart();
@@ -36,6 +49,12 @@ class Metrics {
   prometheus::Counter& tokens_;
   prometheus::Gauge& workers_up_;
   prometheus::Counter& worker_restarts_;
+  prometheus::Family<prometheus::Histogram>& request_bytes_;
+  prometheus::Gauge& inflight_requests_;
+  prometheus::Gauge& queued_tokens_;
+  prometheus::Histogram& compute_duration_;
+  prometheus::Histogram& worker_call_duration_;
+  prometheus::Histogram& batch_tokens_;
 };
 
 }  // namespace logprob

@@ -1,8 +1,10 @@
 #include "server/scoring_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "common/grpc_status.h"
 #include "server/response_builder.h"
@@ -22,9 +24,22 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
   if (scored_rows) *scored_rows = job->num_rows();
   auto ticket = admission_.Admit(job->num_rows(), static_cast<int64_t>(req.ByteSizeLong()));
   if (!ticket.ok()) return ticket.status();
+  // Admitted load gauges: counted now, uncounted when ScoreOne returns
+  // (with the ticket, which is released at the same point).
+  if (metrics_) metrics_->AddLoad(1, job->num_rows());
+  absl::Cleanup unload = [this, rows = job->num_rows()] {
+    if (metrics_) metrics_->AddLoad(-1, -rows);
+  };
   const Plan plan = PlanWork(*job, pool_.size(), config_.parallelism, next_job_id_++);
+  const auto t0 = std::chrono::steady_clock::now();
   auto results = pool_.Run(plan, ctx);
   if (!results.ok()) return results.status();
+  if (metrics_) {
+    const double run_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double compute_secs = 0;
+    for (const auto& r : *results) compute_secs = std::max(compute_secs, r.compute_seconds());
+    metrics_->ObserveDispatch(run_secs, compute_secs, job->num_rows());
+  }
   auto resp = BuildResponse(*job, plan, *results);
   if (!resp.ok()) return resp.status();
   resp->set_id(req.id());
@@ -37,6 +52,7 @@ namespace {
 template <typename Fn>
 absl::StatusOr<v1::ScoreResponse> Observed(Metrics* metrics, const char* method, const v1::ScoreRequest& req, Fn fn) {
   const auto t0 = std::chrono::steady_clock::now();
+  if (metrics) metrics->ObserveRequestBytes(method, static_cast<int64_t>(req.ByteSizeLong()));
   int64_t rows = 0;
   auto resp = fn(&rows);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -1,0 +1,112 @@
+// Prometheus metrics of a live server: after a few OK requests and one
+// INVALID_ARGUMENT, /metrics reports exactly those counts, the scored
+// token positions, the worker count and one observation per OK request in
+// each dispatch histogram; `promtool check metrics` accepts the scrape.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "tests/test_support.h"
+
+namespace logprob::testing {
+namespace {
+
+constexpr int kWorkers = 2;
+
+/// The value of the sample whose line starts with `series` (metric name
+/// plus its exact label set as the exposition prints it, e.g.
+/// `logprob_workers_up` or `logprob_requests_total{code="OK",method="Score"}`),
+/// or -1 if there is none.
+double Sample(const std::string& scrape, const std::string& series) {
+  std::istringstream in(scrape);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(series + " ", 0) == 0) return std::strtod(line.c_str() + series.size() + 1, nullptr);
+  }
+  return -1;
+}
+
+/// Element count of the expected token_logprobs of a golden case: the
+/// token positions it scores.
+int64_t ScoredPositions(const GoldenCase& c) {
+  const v1::Tensor* lp = c.expected.Find("token_logprobs");
+  if (lp == nullptr) return -1;
+  int64_t n = 1;
+  for (int64_t d : lp->shape()) n *= d;
+  return n;
+}
+
+TEST(ServerMetrics, ScrapeReportsRequestsAndPassesPromtool) {
+  const int metrics_port = FreePort();
+  auto server = ServerProcess::Start(kWorkers, {"--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port)});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+
+  int ok_requests = 0;
+  int64_t scored = 0;
+  for (const char* name : {"basic_f32", "sampling_f32", "basic_f32"}) {
+    SCOPED_TRACE(name);
+    const GoldenCase c = LoadGolden(name);
+    grpc::ClientContext ctx;
+    v1::ScoreResponse resp;
+    const grpc::Status st = stub->Score(&ctx, GoldenRequest(c), &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ++ok_requests;
+    ASSERT_GT(ScoredPositions(c), 0);
+    scored += ScoredPositions(c);
+  }
+  {
+    v1::ScoreRequest bad = GoldenRequest(LoadGolden("basic_f32"));
+    for (auto& t : *bad.mutable_inputs())
+      if (t.name() == "logits") t.mutable_data()->resize(100);  // data size does not match the shape
+    grpc::ClientContext ctx;
+    v1::ScoreResponse resp;
+    ASSERT_EQ(stub->Score(&ctx, bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+
+  const std::string url = "http://127.0.0.1:" + std::to_string(metrics_port) + "/metrics";
+  const CommandResult scrape = RunCommand("curl -sS --max-time 10 " + url);
+  ASSERT_EQ(scrape.code, 0) << scrape.output;
+  const std::string& m = scrape.output;
+  SCOPED_TRACE(m);
+
+  EXPECT_EQ(Sample(m, R"(logprob_requests_total{code="OK",method="Score"})"), ok_requests);
+  EXPECT_EQ(Sample(m, R"(logprob_requests_total{code="INVALID_ARGUMENT",method="Score"})"), 1);
+  EXPECT_EQ(Sample(m, R"(logprob_request_duration_seconds_count{method="Score"})"), ok_requests + 1);
+  EXPECT_EQ(Sample(m, "logprob_tokens_scored_total"), scored);
+  EXPECT_EQ(Sample(m, "logprob_workers_up"), kWorkers);
+  EXPECT_EQ(Sample(m, "logprob_worker_restarts_total"), 0);
+  EXPECT_EQ(Sample(m, R"(logprob_build_info{backend="cpu",version="0.1.0"})"), 1);
+  // Every received request is sized, the bad one included.
+  EXPECT_EQ(Sample(m, R"(logprob_request_bytes_count{method="Score"})"), ok_requests + 1);
+  EXPECT_GT(Sample(m, R"(logprob_request_bytes_sum{method="Score"})"), 0);
+  // Nothing is in flight once every answer has arrived.
+  EXPECT_EQ(Sample(m, "logprob_inflight_requests"), 0);
+  EXPECT_EQ(Sample(m, "logprob_queued_tokens"), 0);
+  // One dispatch per OK request; the bad one never reached the workers.
+  EXPECT_EQ(Sample(m, "logprob_compute_duration_seconds_count"), ok_requests);
+  EXPECT_EQ(Sample(m, "logprob_worker_call_duration_seconds_count"), ok_requests);
+  EXPECT_EQ(Sample(m, "logprob_batch_tokens_count"), ok_requests);
+  EXPECT_EQ(Sample(m, "logprob_batch_tokens_sum"), scored);
+  EXPECT_GT(Sample(m, "logprob_worker_call_duration_seconds_sum"), 0);
+  EXPECT_GE(Sample(m, "logprob_worker_call_duration_seconds_sum"), Sample(m, "logprob_compute_duration_seconds_sum"));
+
+  // promtool (Debian package `prometheus`) lints the exposition format.
+  if (RunCommand("command -v promtool").code != 0) {
+    GTEST_SKIP() << "promtool not installed (Debian package prometheus); skipping `promtool check metrics`";
+  }
+  const std::string file = ::testing::TempDir() + "server_metrics_test.prom";
+  std::ofstream(file) << m;
+  const CommandResult lint = RunCommand("promtool check metrics < " + file);
+  std::remove(file.c_str());
+  EXPECT_EQ(lint.code, 0) << lint.output;
+  EXPECT_EQ(lint.output, "") << "promtool warnings:\n" << lint.output;
+}
+
+}  // namespace
+}  // namespace logprob::testing
