@@ -55,15 +55,23 @@ absl::StatusOr<SafetensorsHeader> ParseHeader(const char* json, uint64_t n, uint
     const std::string dname = v["dtype"].get<std::string>();
     if (!ParseDTypeName(dname, &e.dtype))
       return Bad(absl::StrCat("tensor \"", name, "\": unsupported dtype ", dname, " (F32, BF16, F16, I32, I64 are)"));
-    uint64_t numel = 1;
+    // numel * DTypeSize must not wrap, and the dims must fit int64, also in
+    // an empty tensor: the product of the non-zero dims is bounded.
+    const uint64_t max_numel = (uint64_t{1} << 62) / DTypeSize(e.dtype);
+    uint64_t numel = 1, extent = 1;
     if (!v["shape"].is_array()) return Bad(absl::StrCat("tensor \"", name, "\": shape is not a list"));
     for (const auto& d : v["shape"]) {
       if (!d.is_number_unsigned()) return Bad(absl::StrCat("tensor \"", name, "\": shape entry is not a non-negative integer"));
-      uint64_t dim = d.get<uint64_t>();
-      if (dim != 0 && numel > (uint64_t{1} << 62) / dim) return Bad(absl::StrCat("tensor \"", name, "\": shape overflows"));
-      numel *= dim;
+      const uint64_t dim = d.get<uint64_t>();
+      if (dim == 0) {
+        numel = 0;
+      } else {
+        if (extent > max_numel / dim) return Bad(absl::StrCat("tensor \"", name, "\": shape overflows"));
+        extent *= dim;
+      }
       e.shape.push_back(static_cast<int64_t>(dim));
     }
+    if (numel != 0) numel = extent;
     const auto& off = v["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
       return Bad(absl::StrCat("tensor \"", name, "\": data_offsets is not [begin, end]"));

@@ -35,7 +35,11 @@ class ClientCli : public ::testing::Test {
     server_ = ServerProcess::Start(2, {"--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"}).release();
   }
   static void TearDownTestSuite() { delete server_; }
-  std::string Out(const std::string& name) { return ::testing::TempDir() + "/" + name + ".out.safetensors"; }
+  /// Output path unique to this test (ctest runs tests in parallel processes).
+  std::string Out(const std::string& name) {
+    return ::testing::TempDir() + "/" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "." +
+           name + ".out.safetensors";
+  }
   static ServerProcess* server_;
 };
 ServerProcess* ClientCli::server_ = nullptr;

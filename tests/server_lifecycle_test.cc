@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -27,7 +28,8 @@ double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>
 class Lifecycle : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    lm_head_ = new std::string(::testing::TempDir() + "/lifecycle_lm_head.safetensors");
+    // One file per process: ctest runs the tests of this suite in parallel processes.
+    lm_head_ = new std::string(::testing::TempDir() + "/lifecycle_lm_head." + std::to_string(getpid()) + ".safetensors");
     ASSERT_TRUE(WriteRandomLmHead(*lm_head_, kV, kH, 3).ok());
     slow_ = new v1::ScoreRequest(RandomHiddenRequest(16384, kH, kV, 11));
     quick_ = new v1::ScoreRequest(RandomHiddenRequest(64, kH, kV, 12));
