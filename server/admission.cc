@@ -10,6 +10,7 @@ Admission::Ticket::~Ticket() {
   owner_->tokens_ -= tokens_;
   owner_->bytes_ -= bytes_;
   --owner_->requests_;
+  if (owner_->observer_) owner_->observer_(owner_->requests_, owner_->tokens_);
 }
 
 absl::StatusOr<Admission::Ticket> Admission::Admit(int64_t tokens, int64_t bytes) {
@@ -22,6 +23,7 @@ absl::StatusOr<Admission::Ticket> Admission::Admit(int64_t tokens, int64_t bytes
   tokens_ += tokens;
   bytes_ += bytes;
   ++requests_;
+  if (observer_) observer_(requests_, tokens_);
   return Ticket(this, tokens, bytes);
 }
 

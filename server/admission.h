@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 
 #include "absl/status/statusor.h"
@@ -14,7 +15,12 @@ namespace logprob {
 /// bound. Thread-safe.
 class Admission {
  public:
-  Admission(int64_t max_tokens, int64_t max_bytes) : max_tokens_(max_tokens), max_bytes_(max_bytes) {}
+  /// Called with the new (requests, tokens) in flight after every admit and
+  /// release, under the lock so calls arrive in order (metrics gauges).
+  using Observer = std::function<void(int64_t requests, int64_t tokens)>;
+
+  Admission(int64_t max_tokens, int64_t max_bytes, Observer observer = {})
+      : max_tokens_(max_tokens), max_bytes_(max_bytes), observer_(std::move(observer)) {}
 
   /// Holds one request's share until destroyed.
   class Ticket {
@@ -42,6 +48,7 @@ class Admission {
 
  private:
   const int64_t max_tokens_, max_bytes_;
+  const Observer observer_;
   mutable std::mutex mu_;
   int64_t tokens_ = 0, bytes_ = 0, requests_ = 0;
 };

@@ -107,9 +107,9 @@ void Metrics::ObserveRequestBytes(const std::string& method, int64_t bytes) {
   request_bytes_.Add({{"method", method}}, kBuckets).Observe(static_cast<double>(bytes));
 }
 
-void Metrics::AddLoad(int64_t requests, int64_t tokens) {
-  inflight_requests_.Increment(static_cast<double>(requests));
-  queued_tokens_.Increment(static_cast<double>(tokens));
+void Metrics::SetLoad(int64_t requests, int64_t tokens) {
+  inflight_requests_.Set(static_cast<double>(requests));
+  queued_tokens_.Set(static_cast<double>(tokens));
 }
 
 void Metrics::ObserveDispatch(double run_seconds, double compute_seconds, int64_t rows) {

@@ -27,10 +27,9 @@ class Metrics {
   /// Records the serialized size of one received request of `method`
   /// (every request that reaches validation, whatever its outcome).
   void ObserveRequestBytes(const std::string& method, int64_t bytes);
-  /// Adds `requests` requests and `tokens` token rows to the admitted,
-  /// not yet answered load (negative on release). Atomic: concurrent calls
-  /// from admit and release keep the gauges exact.
-  void AddLoad(int64_t requests, int64_t tokens);
+  /// Sets the admitted, not yet answered load: `requests` requests with
+  /// `tokens` token rows (Admission's observer).
+  void SetLoad(int64_t requests, int64_t tokens);
   /// Records one successful dispatch to the worker pool: `run_seconds` is
   /// the wall time of WorkerPool::Run, `compute_seconds` the slowest
   /// worker's compute time (max WorkResult.compute_seconds) and `rows` the

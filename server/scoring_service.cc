@@ -4,7 +4,6 @@
 #include <chrono>
 #include <iostream>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "common/grpc_status.h"
 #include "server/response_builder.h"
@@ -15,7 +14,9 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
     : pool_(pool),
       config_(std::move(config)),
       metrics_(metrics),
-      admission_(config_.max_queue_tokens, config_.max_queue_bytes) {}
+      admission_(config_.max_queue_tokens, config_.max_queue_bytes, [metrics](int64_t requests, int64_t tokens) {
+        if (metrics) metrics->SetLoad(requests, tokens);
+      }) {}
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows,
                                                            grpc::ServerContext* ctx) {
@@ -24,12 +25,6 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
   if (scored_rows) *scored_rows = job->num_rows();
   auto ticket = admission_.Admit(job->num_rows(), static_cast<int64_t>(req.ByteSizeLong()));
   if (!ticket.ok()) return ticket.status();
-  // Admitted load gauges: counted now, uncounted when ScoreOne returns
-  // (with the ticket, which is released at the same point).
-  if (metrics_) metrics_->AddLoad(1, job->num_rows());
-  absl::Cleanup unload = [this, rows = job->num_rows()] {
-    if (metrics_) metrics_->AddLoad(-1, -rows);
-  };
   const Plan plan = PlanWork(*job, pool_.size(), config_.parallelism, next_job_id_++);
   const auto t0 = std::chrono::steady_clock::now();
   auto results = pool_.Run(plan, ctx);

@@ -16,19 +16,6 @@ namespace {
 
 CommandResult RunClient(const std::string& args) { return RunCommand(BinDir() + "/logprob-client " + args); }
 
-/// The CLI flags that carry a golden case's options.
-std::string OptionFlags(const GoldenCase& c) {
-  std::string f;
-  const auto& o = c.options;
-  if (o.alignment() == v1::SAME_POSITION) f += " --alignment same_position";
-  if (o.entropy()) f += " --entropy";
-  if (o.topk()) f += " --topk " + std::to_string(o.topk());
-  if (o.has_temperature()) f += " --temperature " + std::to_string(o.temperature());
-  if (o.sampling_top_k()) f += " --sampling-top-k " + std::to_string(o.sampling_top_k());
-  if (o.has_sampling_top_p()) f += " --sampling-top-p " + std::to_string(o.sampling_top_p());
-  return f;
-}
-
 class ClientCli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -57,7 +44,7 @@ TEST_F(ClientCli, ScoresEveryLogitsGoldenCase) {
     SCOPED_TRACE(name);
     const GoldenCase c = LoadGolden(name);
     const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
-                            ".safetensors --output " + Out(name) + OptionFlags(c));
+                            ".safetensors --output " + Out(name) + CliOptionFlags(c));
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("token_logprobs"), std::string::npos) << r.output;
     auto got = ReadSafetensors(Out(name));
@@ -74,7 +61,7 @@ TEST_F(ClientCli, SplitsRequestsOverTheMessageLimit) {
     SCOPED_TRACE(name);
     const GoldenCase c = LoadGolden(name);
     const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
-                            ".safetensors --output " + Out(name) + OptionFlags(c) + " --max-request-bytes " + std::to_string(limit));
+                            ".safetensors --output " + Out(name) + CliOptionFlags(c) + " --max-request-bytes " + std::to_string(limit));
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("part 2/"), std::string::npos) << r.output;
     auto got = ReadSafetensors(Out(name));
@@ -89,7 +76,7 @@ TEST_F(ClientCli, ScoresHiddenStatesWholeAndSplit) {
   for (const char* split : {"", " --max-request-bytes 20000"}) {
     SCOPED_TRACE(split);
     const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() +
-                                      "/hidden_bf16.safetensors --output " + Out("hidden") + OptionFlags(c) + split);
+                                      "/hidden_bf16.safetensors --output " + Out("hidden") + CliOptionFlags(c) + split);
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(r.output.find("part 2/") != std::string::npos, *split != '\0') << r.output;
     auto got = ReadSafetensors(Out("hidden"));

@@ -48,19 +48,6 @@ grpc::Status ScoreGolden(const std::shared_ptr<grpc::Channel>& channel, const st
   return st;
 }
 
-/// The CLI flags carrying a golden case's options.
-std::string OptionFlags(const GoldenCase& c) {
-  std::string f;
-  const auto& o = c.options;
-  if (o.alignment() == v1::SAME_POSITION) f += " --alignment same_position";
-  if (o.entropy()) f += " --entropy";
-  if (o.topk()) f += " --topk " + std::to_string(o.topk());
-  if (o.has_temperature()) f += " --temperature " + std::to_string(o.temperature());
-  if (o.sampling_top_k()) f += " --sampling-top-k " + std::to_string(o.sampling_top_k());
-  if (o.has_sampling_top_p()) f += " --sampling-top-p " + std::to_string(o.sampling_top_p());
-  return f;
-}
-
 class ServerSecurity : public ::testing::Test {
  protected:
   // Certificates and the token file, made once for the suite.
@@ -251,7 +238,7 @@ TEST_F(ServerSecurity, CliScoresOverTlsWithAToken) {
   const std::string client = BinDir() + "/logprob-client ";
   const std::string out = File("basic_f32.out.safetensors");
   const std::string score = client + "score --server " + server->address() + " --input " + GoldenDir() +
-                            "/basic_f32.safetensors --output " + out + OptionFlags(golden) + " --tls-ca " + File("ca.pem");
+                            "/basic_f32.safetensors --output " + out + CliOptionFlags(golden) + " --tls-ca " + File("ca.pem");
 
   const CommandResult ok = RunCommand(score + " --auth-token-file " + File("token"));
   ASSERT_EQ(ok.code, 0) << ok.output;

@@ -191,6 +191,18 @@ std::vector<std::string> LogitsGoldenNames() {
   return {"basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16"};
 }
 
+std::string CliOptionFlags(const GoldenCase& c) {
+  std::string f;
+  const auto& o = c.options;
+  if (o.alignment() == v1::SAME_POSITION) f += " --alignment same_position";
+  if (o.entropy()) f += " --entropy";
+  if (o.topk()) f += " --topk " + std::to_string(o.topk());
+  if (o.has_temperature()) f += " --temperature " + std::to_string(o.temperature());
+  if (o.sampling_top_k()) f += " --sampling-top-k " + std::to_string(o.sampling_top_k());
+  if (o.has_sampling_top_p()) f += " --sampling-top-p " + std::to_string(o.sampling_top_p());
+  return f;
+}
+
 v1::ScoreRequest GoldenRequest(const GoldenCase& c) {
   v1::ScoreRequest req;
   req.set_id(c.name);

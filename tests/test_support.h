@@ -88,6 +88,10 @@ std::vector<std::string> LogitsGoldenNames();
 /// The ScoreRequest of a golden case (all its input tensors).
 v1::ScoreRequest GoldenRequest(const GoldenCase& c);
 
+/// The logprob-client flags that carry a golden case's options
+/// (" --entropy --topk 5 ...", each with a leading space).
+std::string CliOptionFlags(const GoldenCase& c);
+
 /// Compares `got` with `expected` tensor by tensor (every expected output
 /// must be present with the same shape). Returns "" or a description of
 /// the first mismatches.
