@@ -14,6 +14,7 @@ PACKAGES=(
   openssl     # the command line: server_security_test makes its certificates with it
   curl        # server_metrics_test scrapes /metrics with it
   prometheus  # promtool: server_metrics_test runs `promtool check metrics` on the scrape
+  clang libclang-rt-14-dev  # libFuzzer + ASan/UBSan runtimes: tests/fuzz (ctest fuzz_*)
 )
 missing=()
 for p in "${PACKAGES[@]}"; do
