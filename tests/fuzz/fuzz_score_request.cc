@@ -306,6 +306,15 @@ void CheckCommon(const ScoreJob& job, const iv1::WorkItem& it, uint64_t job_id, 
   CHECK(it.options().SerializeAsString() == job.options.SerializeAsString());
 }
 
+// A vocab-parallel or hidden-states item: all rows, the next vocab slice after *vocab_at.
+void CheckVocabSlice(const ScoreJob& job, const logprob::PlannedItem& p, uint64_t job_id, int64_t* vocab_at) {
+  const auto& it = p.item;
+  CHECK(p.row_offset == 0 && it.num_rows() == job.num_rows());
+  CheckCommon(job, it, job_id, 0);
+  CHECK(it.vocab_begin() == *vocab_at && it.vocab_end() >= it.vocab_begin());
+  *vocab_at = it.vocab_end();
+}
+
 void CheckPlan(const ScoreJob& job, const logprob::Plan& plan, int workers, Parallelism par, uint64_t job_id) {
   const int64_t n = job.num_rows(), V = job.vocab_size;
   const size_t esize = logprob::DTypeSize(job.dtype);
@@ -321,10 +330,7 @@ void CheckPlan(const ScoreJob& job, const logprob::Plan& plan, int workers, Para
     int64_t vocab_at = 0, row_at = 0;
     for (const auto& p : plan.items) {
       const auto& it = p.item;
-      CHECK(p.row_offset == 0 && it.num_rows() == n);
-      CheckCommon(job, it, job_id, 0);
-      CHECK(it.vocab_begin() == vocab_at && it.vocab_end() >= it.vocab_begin());
-      vocab_at = it.vocab_end();
+      CheckVocabSlice(job, p, job_id, &vocab_at);
       CHECK(it.hidden_size() == job.hidden_size && it.logits().empty());
       CHECK(it.hidden_states().size() % job.row_bytes == 0);
       const int64_t own = static_cast<int64_t>(it.hidden_states().size() / job.row_bytes);
@@ -357,10 +363,7 @@ void CheckPlan(const ScoreJob& job, const logprob::Plan& plan, int workers, Para
   int64_t vocab_at = 0;
   for (const auto& p : plan.items) {
     const auto& it = p.item;
-    CHECK(p.row_offset == 0 && it.num_rows() == n);
-    CheckCommon(job, it, job_id, 0);
-    CHECK(it.vocab_begin() == vocab_at && it.vocab_end() >= it.vocab_begin());
-    vocab_at = it.vocab_end();
+    CheckVocabSlice(job, p, job_id, &vocab_at);
     const size_t slice = static_cast<size_t>(it.vocab_end() - it.vocab_begin()) * esize;
     CHECK(it.logits().size() == static_cast<size_t>(n) * slice);
     for (int64_t r = 0; r < n; ++r)
