@@ -16,6 +16,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/time/time.h"
 #include "common/flag_names.h"
 #include "common/lm_head_source.h"
 #include "server/auth.h"
@@ -49,6 +50,10 @@ ABSL_FLAG(int64_t, max_queue_tokens, int64_t{1} << 23,
           "token rows accepted and not yet answered; beyond it requests get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_queue_bytes, int64_t{2} << 30,
           "request bytes accepted and not yet answered; beyond it requests get RESOURCE_EXHAUSTED");
+ABSL_FLAG(absl::Duration, max_queue_delay, absl::Milliseconds(2),
+          "longest a request waits in the batching queue for others to share its worker batch (e.g. 2ms; 0: "
+          "batch only what is already queued)");
+ABSL_FLAG(int64_t, max_batch_tokens, 8192, "token rows per worker batch (a larger request runs alone)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve --listen over TLS (needs --tls-key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -87,7 +92,7 @@ int main(int argc, char** argv) {
     worker_binary = (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "logprob-worker").string();
   if (access(worker_binary.c_str(), X_OK) != 0) return Fail("worker binary " + worker_binary + " is not executable");
 
-  logprob::Metrics metrics;
+  logprob::Metrics metrics(absl::GetFlag(FLAGS_backend));
   if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
     try {
       metrics.Expose(absl::GetFlag(FLAGS_metrics_listen));
@@ -102,6 +107,11 @@ int main(int argc, char** argv) {
   config.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   config.max_queue_tokens = absl::GetFlag(FLAGS_max_queue_tokens);
   config.max_queue_bytes = absl::GetFlag(FLAGS_max_queue_bytes);
+  const absl::Duration delay = absl::GetFlag(FLAGS_max_queue_delay);
+  if (delay < absl::ZeroDuration() || delay > absl::Seconds(10)) return Fail("--max-queue-delay must be in [0, 10s]");
+  config.max_queue_delay = absl::ToChronoMicroseconds(delay);
+  config.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  if (config.max_batch_tokens < 1) return Fail("--max-batch-tokens must be >= 1");
   config.parallelism = *parallelism;
   config.parallelism_name = absl::GetFlag(FLAGS_parallelism);
   if (config.max_request_bytes <= 0 || config.max_request_bytes > INT_MAX) return Fail("--max-request-bytes must be in (0, 2^31)");

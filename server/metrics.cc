@@ -23,7 +23,7 @@ prometheus::Histogram::BucketBoundaries PowersOf4(int max_exp) {
 
 }  // namespace
 
-Metrics::Metrics()
+Metrics::Metrics(const std::string& backend)
     : registry_(std::make_shared<prometheus::Registry>()),
       requests_(prometheus::BuildCounter()
                     .Name("logprob_requests_total")
@@ -64,25 +64,50 @@ Metrics::Metrics()
                          .Add({})),
       compute_duration_(prometheus::BuildHistogram()
                             .Name("logprob_compute_duration_seconds")
-                            .Help("Worker compute time per request: the slowest worker's compute_seconds.")
+                            .Help("Worker compute time per worker batch: the slowest worker's compute_seconds.")
                             .Register(*registry_)
                             .Add({}, SecondsBuckets())),
       worker_call_duration_(prometheus::BuildHistogram()
                                 .Name("logprob_worker_call_duration_seconds")
-                                .Help("Wall time of dispatching a request to the workers and gathering their "
-                                      "results (compute plus transfer and overhead).")
+                                .Help("Wall time of dispatching a worker batch to the workers and gathering "
+                                      "their results (compute plus transfer and overhead).")
                                 .Register(*registry_)
                                 .Add({}, SecondsBuckets())),
       batch_tokens_(prometheus::BuildHistogram()
                         .Name("logprob_batch_tokens")
-                        .Help("Token rows per worker plan (one plan per scored request).")
+                        .Help("Token rows per worker batch.")
                         .Register(*registry_)
-                        .Add({}, PowersOf4(12))) {
+                        .Add({}, PowersOf4(12))),
+      batch_requests_(prometheus::BuildHistogram()
+                          .Name("logprob_batch_requests")
+                          .Help("Requests packed into one worker batch (dynamic batching).")
+                          .Register(*registry_)
+                          .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256})),
+      queue_duration_(prometheus::BuildHistogram()
+                          .Name("logprob_queue_duration_seconds")
+                          .Help("Time a request waited in the batching queue before its batch started.")
+                          .Register(*registry_)
+                          .Add({}, SecondsBuckets())),
+      collective_duration_(prometheus::BuildHistogram()
+                               .Name("logprob_collective_duration_seconds")
+                               .Help("Time per worker batch the slowest worker spent in collectives "
+                                     "(all-gather, all-to-all).")
+                               .Register(*registry_)
+                               .Add({}, SecondsBuckets())),
+      queued_requests_(prometheus::BuildGauge()
+                           .Name("logprob_queued_requests")
+                           .Help("Requests waiting in the batching queue.")
+                           .Register(*registry_)
+                           .Add({})),
+      gpu_memory_(prometheus::BuildGauge()
+                      .Name("logprob_gpu_memory_bytes")
+                      .Help("GPU memory in use by each worker (CUDA backend), as of its last batch.")
+                      .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("logprob_build_info")
       .Help("Build information; the value is 1.")
       .Register(*registry_)
-      .Add({{"version", "0.1.0"}, {"backend", "cpu"}})
+      .Add({{"version", "0.1.0"}, {"backend", backend}})
       .Set(1);
 }
 
@@ -112,10 +137,20 @@ void Metrics::SetLoad(int64_t requests, int64_t tokens) {
   queued_tokens_.Set(static_cast<double>(tokens));
 }
 
-void Metrics::ObserveDispatch(double run_seconds, double compute_seconds, int64_t rows) {
-  worker_call_duration_.Observe(run_seconds);
-  compute_duration_.Observe(compute_seconds);
-  batch_tokens_.Observe(static_cast<double>(rows));
+void Metrics::ObserveBatch(const BatchStats& batch) {
+  worker_call_duration_.Observe(batch.run_seconds);
+  compute_duration_.Observe(batch.compute_seconds);
+  collective_duration_.Observe(batch.collective_seconds);
+  batch_tokens_.Observe(static_cast<double>(batch.rows));
+  batch_requests_.Observe(batch.requests);
+}
+
+void Metrics::ObserveQueue(double seconds) { queue_duration_.Observe(seconds); }
+
+void Metrics::SetQueued(int64_t requests) { queued_requests_.Set(static_cast<double>(requests)); }
+
+void Metrics::SetGpuMemory(int worker, int64_t bytes) {
+  gpu_memory_.Add({{"worker", std::to_string(worker)}}).Set(static_cast<double>(bytes));
 }
 
 void Metrics::SetWorkersUp(int n) { workers_up_.Set(n); }

@@ -17,7 +17,8 @@ namespace logprob {
 /// The service's metrics; Expose() serves them over HTTP at /metrics.
 class Metrics {
  public:
-  Metrics();
+  /// `backend` labels logprob_build_info ("cpu" or "cuda").
+  explicit Metrics(const std::string& backend = "cpu");
   /// Starts the HTTP exposer on `listen` (host:port). Throws on bind errors
   /// (prometheus-cpp / civetweb).
   void Expose(const std::string& listen);
@@ -30,11 +31,23 @@ class Metrics {
   /// Sets the admitted, not yet answered load: `requests` requests with
   /// `tokens` token rows (Admission's observer).
   void SetLoad(int64_t requests, int64_t tokens);
-  /// Records one successful dispatch to the worker pool: `run_seconds` is
-  /// the wall time of WorkerPool::Run, `compute_seconds` the slowest
-  /// worker's compute time (max WorkResult.compute_seconds) and `rows` the
-  /// token rows of the plan.
-  void ObserveDispatch(double run_seconds, double compute_seconds, int64_t rows);
+  /// One successful worker batch (server/batcher.h), of `requests`
+  /// requests and `rows` token rows.
+  struct BatchStats {
+    double run_seconds = 0;         // wall time of WorkerPool::Run
+    double compute_seconds = 0;     // slowest worker's WorkResult.compute_seconds
+    double collective_seconds = 0;  // slowest worker's WorkResult.collective_seconds
+    int64_t rows = 0;
+    int requests = 1;
+  };
+  /// Records one successful worker batch.
+  void ObserveBatch(const BatchStats& batch);
+  /// Records how long one request waited in the batching queue.
+  void ObserveQueue(double seconds);
+  /// Sets the requests waiting in the batching queue.
+  void SetQueued(int64_t requests);
+  /// Sets the GPU memory in use by worker `worker` (CUDA backend).
+  void SetGpuMemory(int worker, int64_t bytes);
   /// Sets the number of worker processes that joined the pool.
   void SetWorkersUp(int n);
   /// Counts one re-formed worker pool generation.
@@ -54,6 +67,11 @@ class Metrics {
   prometheus::Histogram& compute_duration_;
   prometheus::Histogram& worker_call_duration_;
   prometheus::Histogram& batch_tokens_;
+  prometheus::Histogram& batch_requests_;
+  prometheus::Histogram& queue_duration_;
+  prometheus::Histogram& collective_duration_;
+  prometheus::Gauge& queued_requests_;
+  prometheus::Family<prometheus::Gauge>& gpu_memory_;
 };
 
 }  // namespace logprob

@@ -33,16 +33,23 @@ internal::v1::WorkItem BaseItem(const ScoreJob& job, uint64_t job_id, int64_t be
 void CopyRows(const ScoreJob& job, int64_t begin, int64_t end, std::string* out) {
   out->resize(static_cast<size_t>(end - begin) * job.row_bytes);
   for (int64_t r = begin; r < end; ++r)
-    std::memcpy(out->data() + (r - begin) * job.row_bytes, job.row_data + job.src_rows[r] * job.row_bytes, job.row_bytes);
+    std::memcpy(out->data() + (r - begin) * job.row_bytes, job.rows[r], job.row_bytes);
 }
 
 }  // namespace
 
+internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism parallelism) {
+  if (job.hidden) return internal::v1::HIDDEN_STATES;
+  const bool vocab = parallelism == Parallelism::kVocab ||
+                     (parallelism == Parallelism::kAuto && workers > 1 && job.num_rows() < workers);
+  return vocab ? internal::v1::VOCAB_PARALLEL : internal::v1::TOKEN_PARALLEL;
+}
+
 Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id) {
   const int64_t n = job.num_rows();
   Plan plan;
-  if (job.hidden) {
-    plan.layout = internal::v1::HIDDEN_STATES;
+  plan.layout = ChooseLayout(job, workers, parallelism);
+  if (plan.layout == internal::v1::HIDDEN_STATES) {
     for (int w = 0; w < workers; ++w) {
       const auto [vb, ve] = SplitRange(job.vocab_size, workers, w);
       const auto [b, e] = SplitRange(n, workers, w);
@@ -56,10 +63,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
     }
     return plan;
   }
-  bool vocab = parallelism == Parallelism::kVocab;
-  if (parallelism == Parallelism::kAuto) vocab = workers > 1 && n < workers;
-  plan.layout = vocab ? internal::v1::VOCAB_PARALLEL : internal::v1::TOKEN_PARALLEL;
-  if (!vocab) {
+  if (plan.layout == internal::v1::TOKEN_PARALLEL) {
     for (int w = 0; w < workers; ++w) {
       const auto [b, e] = SplitRange(n, workers, w);
       if (b == e) continue;
@@ -83,7 +87,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
     std::string* data = p.item.mutable_logits();
     data->resize(static_cast<size_t>(n) * slice);
     for (int64_t r = 0; r < n; ++r)
-      std::memcpy(data->data() + r * slice, job.row_data + job.src_rows[r] * job.row_bytes + vb * esize, slice);
+      std::memcpy(data->data() + r * slice, job.rows[r] + vb * esize, slice);
     plan.items.push_back(std::move(p));
   }
   return plan;

@@ -30,7 +30,12 @@ struct Plan {
   std::vector<PlannedItem> items;
 };
 
-/// Chooses the layout and builds the work items (copying each worker's
+/// The layout PlanWork gives `job`: HIDDEN_STATES for hidden states;
+/// otherwise VOCAB_PARALLEL when forced, or under kAuto when there are
+/// fewer rows than workers (and more than one worker); else TOKEN_PARALLEL.
+internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism parallelism);
+
+/// Chooses the layout (ChooseLayout) and builds the work items (copying each worker's
 /// rows or column slices out of the request).
 /// Token-parallel (whole rows, no collective) is chosen when there are at
 /// least as many rows as workers: it moves the same bytes and needs no

@@ -23,7 +23,8 @@ T* AddOutput(v1::ScoreResponse* resp, const std::string& name, v1::DType dtype,
 }  // namespace
 
 absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan& plan,
-                                                const std::vector<internal::v1::WorkResult>& results) {
+                                                const std::vector<internal::v1::WorkResult>& results,
+                                                int64_t row_begin) {
   if (results.size() != plan.items.size()) return absl::InternalError("worker results do not match the plan");
   const int64_t n_out = job.num_outputs();
   const int K = job.options.topk(), G = job.gather_k;
@@ -42,8 +43,8 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
         r.topk_logprobs_size() != rows * K || r.topk_indices_size() != rows * K || r.gathered_logprobs_size() != rows * G)
       return absl::InternalError(absl::StrCat("worker ", plan.items[i].worker, " returned malformed results"));
     for (int64_t j = 0; j < rows; ++j) {
-      const int64_t row = plan.items[i].row_offset + r.row_begin() + j;
-      if (row < 0 || row >= job.num_rows()) return absl::InternalError("worker returned a row outside the job");
+      const int64_t row = plan.items[i].row_offset + r.row_begin() + j - row_begin;
+      if (row < 0 || row >= job.num_rows()) continue;  // another job of the batch
       const int64_t o = job.out_pos[row];
       lp[o] = r.token_logprobs(static_cast<int>(j));
       if (ent) ent[o] = r.entropy(static_cast<int>(j));
@@ -52,8 +53,8 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
         tki[o * K + k] = r.topk_indices(static_cast<int>(j * K + k));
       }
       for (int g = 0; g < G; ++g) gat[o * G + g] = r.gathered_logprobs(static_cast<int>(j * G + g));
+      ++covered;
     }
-    covered += rows;
   }
   if (covered != job.num_rows())
     return absl::InternalError(absl::StrCat("workers returned ", covered, " rows of ", job.num_rows()));

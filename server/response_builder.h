@@ -15,9 +15,12 @@ namespace logprob {
 /// their output positions and returns the output tensors: token_logprobs
 /// [out_shape] F32, and on request entropy, topk_logprobs / topk_indices
 /// (I64) [out_shape, K], gathered_logprobs [out_shape, gather_k]. Positions
-/// that are not scored (past seq_lens) are 0. INTERNAL if the results do not
-/// cover every row exactly once.
+/// that are not scored (past seq_lens) are 0. When `plan` scored a batch of
+/// several jobs (server/batcher.h), `job`'s rows are the plan's rows
+/// [row_begin, row_begin + job.num_rows()) and the others are skipped.
+/// INTERNAL if the results do not cover every row of `job` exactly once.
 absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan& plan,
-                                                const std::vector<internal::v1::WorkResult>& results);
+                                                const std::vector<internal::v1::WorkResult>& results,
+                                                int64_t row_begin = 0);
 
 }  // namespace logprob

@@ -136,7 +136,6 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   job.hidden_size = hidden ? last : 0;
   job.dtype = input->dtype();
   job.vocab_size = V;
-  job.row_data = input->data().data();
   job.row_bytes = static_cast<size_t>(last) * DTypeSize(job.dtype);
   if (auto st = NormaliseOptions(req.options(), V, limits, &job.options); !st.ok()) return st;
   const bool next = job.options.alignment() == v1::NEXT_TOKEN;
@@ -216,7 +215,7 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
         return Invalid(absl::StrCat("\"input_ids\": target ", target, " of sequence ", s, " at position ", t + shift,
                                     " is outside [0, V = ", V, ") and is not ignore_index ", ignore));
       const int64_t out = q.out0 + t;
-      job.src_rows.push_back(q.row0 + t);
+      job.rows.push_back(input->data().data() + (q.row0 + t) * job.row_bytes);
       job.targets.push_back(target == ignore ? -1 : target);
       job.out_pos.push_back(out);
       for (int j = 0; j < job.gather_k; ++j) {

@@ -26,15 +26,14 @@ struct LmHeadShape {
 };
 
 /// A validated request. Rows are the scored positions only, in output
-/// order; `row_data` points into the request, which must outlive the job.
+/// order; `rows` point into the request, which must outlive the job.
 struct ScoreJob {
   bool hidden = false;                 // rows are hidden states, not logits
   DType dtype = v1::DTYPE_UNSPECIFIED; // of the logits or hidden states
   int64_t vocab_size = 0;              // V
   int64_t hidden_size = 0;             // H (hidden only)
-  const char* row_data = nullptr;      // [input rows, V or H] of dtype
   size_t row_bytes = 0;                // (V or H) * sizeof(dtype)
-  std::vector<int64_t> src_rows;       // input row of each scored row
+  std::vector<const char*> rows;       // input row (row_bytes bytes) of each scored row
   std::vector<int64_t> targets;        // global target id, -1 = ignored
   std::vector<int64_t> out_pos;        // flat output position of each row
   int gather_k = 0;
@@ -42,7 +41,7 @@ struct ScoreJob {
   std::vector<int64_t> out_shape;      // leading output shape: [B, S'] or [T']
   v1::ScoreOptions options;            // normalised: temperature, top_p, ignore_index set
 
-  int64_t num_rows() const { return static_cast<int64_t>(src_rows.size()); }
+  int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
   int64_t num_outputs() const;         // product of out_shape
 };
 

@@ -10,32 +10,66 @@
 
 namespace logprob {
 
+namespace {
+
+Batcher::Options BatcherOptions(const WorkerPool& pool, const ServiceConfig& config, Metrics* metrics) {
+  Batcher::Options o;
+  o.max_queue_delay = config.max_queue_delay;
+  o.max_batch_tokens = config.max_batch_tokens;
+  o.workers = pool.size();
+  o.parallelism = config.parallelism;
+  if (metrics) {
+    o.on_queue_change = [metrics](int64_t queued) { metrics->SetQueued(queued); };
+    o.on_batch = [metrics](const Batcher::Outcome& batch, const std::vector<internal::v1::WorkResult>& results) {
+      Metrics::BatchStats stats;
+      stats.run_seconds = batch.run_seconds;
+      stats.rows = batch.batch_tokens;
+      stats.requests = batch.batch_requests;
+      for (size_t i = 0; i < results.size(); ++i) {
+        stats.compute_seconds = std::max(stats.compute_seconds, results[i].compute_seconds());
+        stats.collective_seconds = std::max(stats.collective_seconds, results[i].collective_seconds());
+        if (results[i].device_memory_bytes() > 0)
+          metrics->SetGpuMemory(batch.plan->items[i].worker, results[i].device_memory_bytes());
+      }
+      metrics->ObserveBatch(stats);
+    };
+  }
+  return o;
+}
+
+}  // namespace
+
 ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics)
     : pool_(pool),
       config_(std::move(config)),
       metrics_(metrics),
-      admission_(config_.max_queue_tokens, config_.max_queue_bytes, [metrics](int64_t requests, int64_t tokens) {
-        if (metrics) metrics->SetLoad(requests, tokens);
-      }) {}
+      admission_(config_.max_queue_tokens, config_.max_queue_bytes,
+                 [metrics](int64_t requests, int64_t tokens) {
+                   if (metrics) metrics->SetLoad(requests, tokens);
+                 }),
+      batcher_(BatcherOptions(pool, config_, metrics),
+               [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }) {}
 
-absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows,
+absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
                                                            grpc::ServerContext* ctx) {
   auto job = BuildScoreJob(req, config_.limits, config_.lm_head);
   if (!job.ok()) return job.status();
-  if (scored_rows) *scored_rows = job->num_rows();
+  if (stats) stats->rows = job->num_rows();
   auto ticket = admission_.Admit(job->num_rows(), static_cast<int64_t>(req.ByteSizeLong()));
   if (!ticket.ok()) return ticket.status();
-  const Plan plan = PlanWork(*job, pool_.size(), config_.parallelism, next_job_id_++);
-  const auto t0 = std::chrono::steady_clock::now();
-  auto results = pool_.Run(plan, ctx);
-  if (!results.ok()) return results.status();
-  if (metrics_) {
-    const double run_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    double compute_secs = 0;
-    for (const auto& r : *results) compute_secs = std::max(compute_secs, r.compute_seconds());
-    metrics_->ObserveDispatch(run_secs, compute_secs, job->num_rows());
+  RunBounds bounds;
+  if (ctx) {
+    bounds.deadline = ctx->deadline();
+    bounds.cancelled = [ctx] { return ctx->IsCancelled(); };
   }
-  auto resp = BuildResponse(*job, plan, *results);
+  auto batch = batcher_.Run(*job, next_job_id_++, bounds);
+  if (!batch.ok()) return batch.status();
+  if (metrics_) metrics_->ObserveQueue(batch->queue_seconds);
+  if (stats) {
+    stats->queue_seconds = batch->queue_seconds;
+    stats->batch_requests = batch->batch_requests;
+  }
+  auto resp = BuildResponse(*job, *batch->plan, *batch->results, batch->row_begin);
   if (!resp.ok()) return resp.status();
   resp->set_id(req.id());
   return resp;
@@ -43,18 +77,19 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
 
 namespace {
 
-/// Runs `fn` (which reports the rows it scored), records metrics and logs one line for the request.
+/// Runs `fn` (which fills the request's stats), records metrics and logs one line for the request.
 template <typename Fn>
 absl::StatusOr<v1::ScoreResponse> Observed(Metrics* metrics, const char* method, const v1::ScoreRequest& req, Fn fn) {
   const auto t0 = std::chrono::steady_clock::now();
   if (metrics) metrics->ObserveRequestBytes(method, static_cast<int64_t>(req.ByteSizeLong()));
-  int64_t rows = 0;
-  auto resp = fn(&rows);
+  ScoringService::RequestStats stats;
+  auto resp = fn(&stats);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const int64_t tokens = resp.ok() ? rows : 0;
+  const int64_t tokens = resp.ok() ? stats.rows : 0;
   const std::string code = absl::StatusCodeToString(resp.status().code());
   if (metrics) metrics->ObserveRequest(method, code, secs, tokens);
   std::clog << "request id=" << req.id() << " method=" << method << " tokens=" << tokens << " seconds=" << secs
+            << " queue_seconds=" << stats.queue_seconds << " batch_requests=" << stats.batch_requests
             << " status=" << code << (resp.ok() ? "" : " message=\"" + std::string(resp.status().message()) + "\"")
             << std::endl;
   return resp;
@@ -76,7 +111,7 @@ grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const
 
 grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
   if (grpc::Status st = Authorize(context, "Score"); !st.ok()) return st;
-  auto r = Observed(metrics_, "Score", *req, [&](int64_t* rows) { return ScoreOne(*req, rows, context); });
+  auto r = Observed(metrics_, "Score", *req, [&](RequestStats* stats) { return ScoreOne(*req, stats, context); });
   if (!r.ok()) return ToGrpc(r.status());
   *resp = std::move(*r);
   return grpc::Status::OK;
@@ -87,7 +122,7 @@ grpc::Status ScoringService::ScoreStream(grpc::ServerContext* context,
   if (grpc::Status st = Authorize(context, "ScoreStream"); !st.ok()) return st;
   v1::ScoreRequest req;
   while (stream->Read(&req)) {
-    auto r = Observed(metrics_, "ScoreStream", req, [&](int64_t* rows) { return ScoreOne(req, rows, context); });
+    auto r = Observed(metrics_, "ScoreStream", req, [&](RequestStats* stats) { return ScoreOne(req, stats, context); });
     v1::ScoreResponse resp;
     if (r.ok()) {
       resp = std::move(*r);
@@ -118,6 +153,10 @@ grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v
   info->set_lm_head_path(config_.lm_head_path);
   info->set_lm_head_tensor(config_.lm_head_tensor);
   info->set_hidden_chunk_tokens(config_.hidden_chunk_tokens);
+  info->set_max_queue_tokens(config_.max_queue_tokens);
+  info->set_max_queue_bytes(config_.max_queue_bytes);
+  info->set_max_queue_delay_seconds(std::chrono::duration<double>(config_.max_queue_delay).count());
+  info->set_max_batch_tokens(config_.max_batch_tokens);
   return grpc::Status::OK;
 }
 

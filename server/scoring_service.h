@@ -2,12 +2,14 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "logprob/v1/logprob.grpc.pb.h"
-#include "server/auth.h"
 #include "server/admission.h"
+#include "server/auth.h"
+#include "server/batcher.h"
 #include "server/metrics.h"
 #include "server/planner.h"
 #include "server/score_job.h"
@@ -21,6 +23,8 @@ struct ServiceConfig {
   int64_t max_request_bytes = 256 << 20;
   int64_t max_queue_tokens = int64_t{1} << 23;  // admitted, unanswered tokens (backpressure)
   int64_t max_queue_bytes = int64_t{2} << 30;   // admitted, unanswered request bytes
+  std::chrono::microseconds max_queue_delay{2000};  // dynamic batching (Batcher::Options)
+  int64_t max_batch_tokens = 8192;
   Parallelism parallelism = Parallelism::kAuto;
   std::string parallelism_name = "auto";
   std::string backend = "cpu";
@@ -48,10 +52,18 @@ class ScoringService final : public v1::LogprobService::Service {
                            grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>*) override;
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo*) override;
 
+  /// What one request's log line reports besides its status.
+  struct RequestStats {
+    int64_t rows = 0;           // token positions scored
+    double queue_seconds = 0;   // waiting to be batched
+    int batch_requests = 0;     // requests in its worker batch
+  };
+
   /// Scores one request (the body of Score and of each ScoreStream
-  /// message); sets *scored_rows (if given) to the token positions scored.
-  /// `ctx` (may be null) bounds the work by its deadline and cancellation.
-  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, int64_t* scored_rows = nullptr,
+  /// message): validate, admit, batch (server/batcher.h), reply. Fills
+  /// *stats if given. `ctx` (may be null) bounds the work by its deadline
+  /// and cancellation.
+  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, RequestStats* stats = nullptr,
                                              grpc::ServerContext* ctx = nullptr);
 
  private:
@@ -63,6 +75,7 @@ class ScoringService final : public v1::LogprobService::Service {
   ServiceConfig config_;
   Metrics* metrics_;
   Admission admission_;
+  Batcher batcher_;
   std::atomic<uint64_t> next_job_id_{1};
 };
 

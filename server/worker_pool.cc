@@ -177,14 +177,14 @@ void WorkerPool::Supervise() {
   }
 }
 
-absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan& plan, grpc::ServerContext* client) {
+absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan& plan, const RunBounds& bounds) {
   std::unique_lock<std::mutex> collective;
   if (plan.layout != internal::v1::TOKEN_PARALLEL) collective = std::unique_lock<std::mutex>(collective_mu_);
   const std::shared_ptr<Generation> gen = current();
   const size_t n = plan.items.size();
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts(n);
   auto deadline = std::chrono::system_clock::now() + options_.work_timeout;
-  if (client && client->deadline() < deadline) deadline = client->deadline();
+  if (bounds.deadline < deadline) deadline = bounds.deadline;
   {
     std::lock_guard<std::mutex> lock(gen->mu);
     if (!serving_ || gen->failed)
@@ -215,7 +215,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
   {
     std::unique_lock<std::mutex> lock(done_mu);
     while (!done_cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return done == n; })) {
-      if (!cancelled && client && client->IsCancelled()) {
+      if (!cancelled && bounds.cancelled && bounds.cancelled()) {
         cancelled = true;
         for (auto& ctx : contexts) ctx->TryCancel();
       }
@@ -228,14 +228,14 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
     for (auto& ctx : contexts) gen->inflight.erase(ctx.get());
     failure = gen->failed ? gen->failure : "";
   }
-  const bool client_expired = client && std::chrono::system_clock::now() >= client->deadline();
+  const bool client_expired = bounds.expired();
   if (!failure.empty())
     return absl::UnavailableError(absl::StrCat("worker pool failed (", failure, "); it is being re-formed, retry"));
   if (client_expired) {
     for (const auto& st : statuses)
       if (!st.ok()) return absl::DeadlineExceededError("the request's deadline passed before the workers finished");
   }
-  if (cancelled || (client && client->IsCancelled()))
+  if (cancelled || (bounds.cancelled && bounds.cancelled()))
     return absl::CancelledError("the request was cancelled by the client");
   for (size_t i = 0; i < n; ++i) {
     if (statuses[i].ok()) continue;

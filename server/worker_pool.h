@@ -23,6 +23,14 @@
 
 namespace logprob {
 
+/// What bounds one WorkerPool::Run: a deadline and a cancellation test
+/// (polled every 20 ms; may be empty).
+struct RunBounds {
+  std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
+  std::function<bool()> cancelled;
+  bool expired() const { return std::chrono::system_clock::now() >= deadline; }
+};
+
 /// A local pool of `workers` logprob-worker processes on this host.
 ///
 /// Supervision: a monitor thread notices a worker process that exits, and
@@ -67,12 +75,12 @@ class WorkerPool {
   /// Runs every item of `plan` on its worker concurrently and returns the
   /// results in plan order. Vocab-parallel and hidden-states plans run one
   /// at a time (their collectives must not interleave).
-  /// `client` (may be null) bounds the worker calls by its deadline and
-  /// cancels them when it is cancelled: DEADLINE_EXCEEDED / CANCELLED.
+  /// `bounds` limit the worker calls by a deadline and cancel them when
+  /// bounds.cancelled() says so: DEADLINE_EXCEEDED / CANCELLED.
   /// UNAVAILABLE (worker named) when the pool is not serving or fails
   /// during the call; other worker errors come back with the worker named.
   absl::StatusOr<std::vector<internal::v1::WorkResult>> Run(const Plan& plan,
-                                                            grpc::ServerContext* client = nullptr);
+                                                            const RunBounds& bounds = {});
 
  private:
   /// One set of worker processes with their communicator.

@@ -18,18 +18,7 @@ namespace {
 
 constexpr int kWorkers = 2;
 
-/// The value of the sample whose line starts with `series` (metric name
-/// plus its exact label set as the exposition prints it, e.g.
-/// `logprob_workers_up` or `logprob_requests_total{code="OK",method="Score"}`),
-/// or -1 if there is none.
-double Sample(const std::string& scrape, const std::string& series) {
-  std::istringstream in(scrape);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(series + " ", 0) == 0) return std::strtod(line.c_str() + series.size() + 1, nullptr);
-  }
-  return -1;
-}
+double Sample(const std::string& scrape, const std::string& series) { return MetricSample(scrape, series); }
 
 /// Element count of the expected token_logprobs of a golden case: the
 /// token positions it scores.
@@ -69,8 +58,7 @@ TEST(ServerMetrics, ScrapeReportsRequestsAndPassesPromtool) {
     ASSERT_EQ(stub->Score(&ctx, bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
 
-  const std::string url = "http://127.0.0.1:" + std::to_string(metrics_port) + "/metrics";
-  const CommandResult scrape = RunCommand("curl -sS --max-time 10 " + url);
+  const CommandResult scrape = ScrapeMetrics(metrics_port);
   ASSERT_EQ(scrape.code, 0) << scrape.output;
   const std::string& m = scrape.output;
   SCOPED_TRACE(m);
@@ -95,6 +83,12 @@ TEST(ServerMetrics, ScrapeReportsRequestsAndPassesPromtool) {
   EXPECT_EQ(Sample(m, "logprob_batch_tokens_sum"), scored);
   EXPECT_GT(Sample(m, "logprob_worker_call_duration_seconds_sum"), 0);
   EXPECT_GE(Sample(m, "logprob_worker_call_duration_seconds_sum"), Sample(m, "logprob_compute_duration_seconds_sum"));
+  // Sequential requests: every batch holds one request, and each waited in the queue once.
+  EXPECT_EQ(Sample(m, "logprob_batch_requests_count"), ok_requests);
+  EXPECT_EQ(Sample(m, "logprob_batch_requests_sum"), ok_requests);
+  EXPECT_EQ(Sample(m, "logprob_queue_duration_seconds_count"), ok_requests);
+  EXPECT_EQ(Sample(m, "logprob_collective_duration_seconds_count"), ok_requests);
+  EXPECT_EQ(Sample(m, "logprob_queued_requests"), 0);
 
   // promtool (Debian package `prometheus`) lints the exposition format.
   if (RunCommand("command -v promtool").code != 0) {

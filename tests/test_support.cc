@@ -101,6 +101,11 @@ int ServerProcess::SignalAndWait(int sig) {
 }
 
 v1::ScoreRequest RandomHiddenRequest(int64_t T, int64_t H, int64_t V, uint32_t seed) {
+  return RandomPackedRequest("hidden_states", T, H, V, seed);
+}
+
+v1::ScoreRequest RandomPackedRequest(const std::string& input, int64_t T, int64_t width, int64_t V, uint32_t seed) {
+  const int64_t H = width;
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<uint16_t> h(T * H);
@@ -116,7 +121,7 @@ v1::ScoreRequest RandomHiddenRequest(int64_t T, int64_t H, int64_t V, uint32_t s
     for (int64_t d : shape) t->add_shape(d);
     t->set_data(data, bytes);
   };
-  add("hidden_states", v1::BF16, {T, H}, h.data(), h.size() * 2);
+  add(input.c_str(), v1::BF16, {T, H}, h.data(), h.size() * 2);
   add("input_ids", v1::I64, {T}, ids.data(), ids.size() * 8);
   add("cu_seqlens", v1::I64, {2}, cu, sizeof cu);
   req.mutable_options()->set_entropy(true);
@@ -160,6 +165,19 @@ CommandResult RunCommand(const std::string& cmd) {
   while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
   const int status = pclose(p);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+CommandResult ScrapeMetrics(int port) {
+  return RunCommand("curl -sS --max-time 10 http://127.0.0.1:" + std::to_string(port) + "/metrics");
+}
+
+double MetricSample(const std::string& scrape, const std::string& series) {
+  std::istringstream in(scrape);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(series + " ", 0) == 0) return std::strtod(line.c_str() + series.size() + 1, nullptr);
+  }
+  return -1;
 }
 
 std::unique_ptr<v1::LogprobService::Stub> ServerProcess::NewStub() const {

@@ -67,9 +67,20 @@ struct CommandResult {
 /// Runs `cmd` with /bin/sh and waits for it.
 CommandResult RunCommand(const std::string& cmd);
 
+/// Scrapes http://127.0.0.1:PORT/metrics with curl (output: the exposition).
+CommandResult ScrapeMetrics(int port);
+/// The value of the sample whose line starts with `series` (metric name
+/// plus its exact label set as the exposition prints it, e.g.
+/// `logprob_workers_up` or `logprob_requests_total{code="OK",method="Score"}`),
+/// or -1 if there is none.
+double MetricSample(const std::string& scrape, const std::string& series);
+
 /// A packed hidden-states request: T random bf16 rows [T, H] (normal(0,1)),
 /// random targets in [0, V), one sequence, entropy on.
 v1::ScoreRequest RandomHiddenRequest(int64_t T, int64_t H, int64_t V, uint32_t seed);
+/// The same for any input tensor: `input` ("logits" or "hidden_states")
+/// [T, width] bf16 normal(0, 1), targets in [0, V), entropy on.
+v1::ScoreRequest RandomPackedRequest(const std::string& input, int64_t T, int64_t width, int64_t V, uint32_t seed);
 /// Writes a safetensors file with `lm_head.weight` [V, H] bf16, normal(0, 0.05).
 absl::Status WriteRandomLmHead(const std::string& path, int64_t V, int64_t H, uint32_t seed);
 

@@ -2,6 +2,7 @@
 
 #include "common/grpc_status.h"
 #include "worker/scorer.h"
+#include "worker/timed_communicator.h"
 
 namespace logprob {
 
@@ -11,7 +12,9 @@ grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::Wo
   absl::StatusOr<internal::v1::WorkResult> res;
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     std::lock_guard<std::mutex> lock(collective_mu_);
-    res = ScoreWorkItem(*item, *comm_, &hidden_, cancelled);
+    TimedCommunicator timed(*comm_);
+    res = ScoreWorkItem(*item, timed, &hidden_, cancelled);
+    if (res.ok()) res->set_collective_seconds(timed.seconds());
   } else {
     SelfCommunicator self;
     res = ScoreWorkItem(*item, self, nullptr, cancelled);

@@ -252,7 +252,6 @@ void CheckJob(const ScoreRequest& req, const ScoreJob& job, const RequestLimits&
   CHECK(logprob::IsFloatDType(job.dtype));
   const Tensor* input = FindInput(req, job.hidden ? "hidden_states" : "logits");
   CHECK(input != nullptr);
-  CHECK(job.row_data == input->data().data());
   if (job.hidden) {
     CHECK(V == head.vocab_size && job.hidden_size == head.hidden_size && job.hidden_size > 0);
     CHECK(job.row_bytes == static_cast<size_t>(job.hidden_size) * logprob::DTypeSize(job.dtype));
@@ -273,7 +272,9 @@ void CheckJob(const ScoreRequest& req, const ScoreJob& job, const RequestLimits&
   const int64_t outputs = job.num_outputs();
   CHECK(outputs >= n);
   for (int64_t r = 0; r < n; ++r) {
-    CHECK(job.src_rows[r] >= 0 && job.src_rows[r] < input_rows);
+    const char* base = input->data().data();
+    CHECK(job.rows[r] >= base && job.rows[r] < base + input_rows * job.row_bytes);
+    CHECK((job.rows[r] - base) % job.row_bytes == 0);
     CHECK(job.targets[r] >= -1 && job.targets[r] < V);
     CHECK(job.out_pos[r] >= 0 && job.out_pos[r] < outputs);
     if (r > 0) CHECK(job.out_pos[r] > job.out_pos[r - 1]);
@@ -291,7 +292,7 @@ void CheckJob(const ScoreRequest& req, const ScoreJob& job, const RequestLimits&
 
 // The bytes of scored row r, columns [vb, ve).
 std::string RowSlice(const ScoreJob& job, int64_t r, int64_t vb, int64_t ve, size_t esize) {
-  return std::string(job.row_data + job.src_rows[r] * job.row_bytes + vb * esize, static_cast<size_t>(ve - vb) * esize);
+  return std::string(job.rows[r] + vb * esize, static_cast<size_t>(ve - vb) * esize);
 }
 
 void CheckCommon(const ScoreJob& job, const iv1::WorkItem& it, uint64_t job_id, int64_t row_begin) {

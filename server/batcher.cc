@@ -1,0 +1,178 @@
+#include "server/batcher.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace logprob {
+
+struct Batcher::Entry {
+  const ScoreJob* job = nullptr;
+  std::string key;
+  RunBounds bounds;
+  std::chrono::steady_clock::time_point arrived;
+  enum class State { kQueued, kRunning, kDone } state = State::kQueued;
+  absl::Status status;  // the batch's error, when not OK
+  Outcome outcome;
+
+  bool ended() const { return bounds.expired() || (bounds.cancelled && bounds.cancelled()); }
+  /// The error for a job whose bounds ended, saying where it was.
+  absl::Status EndedError(const char* where) const {
+    if (bounds.expired()) return absl::DeadlineExceededError(absl::StrCat("the request's deadline passed while ", where));
+    return absl::CancelledError(absl::StrCat("the request was cancelled by the client while ", where));
+  }
+};
+
+ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
+  ScoreJob all;
+  const ScoreJob& first = *jobs.front();
+  all.hidden = first.hidden;
+  all.dtype = first.dtype;
+  all.vocab_size = first.vocab_size;
+  all.hidden_size = first.hidden_size;
+  all.row_bytes = first.row_bytes;
+  all.gather_k = first.gather_k;
+  all.options = first.options;
+  for (const ScoreJob* j : jobs) {
+    all.rows.insert(all.rows.end(), j->rows.begin(), j->rows.end());
+    all.targets.insert(all.targets.end(), j->targets.begin(), j->targets.end());
+    all.gather_ids.insert(all.gather_ids.end(), j->gather_ids.begin(), j->gather_ids.end());
+  }
+  return all;
+}
+
+Batcher::Batcher(Options options, Runner run) : options_(std::move(options)), run_(std::move(run)) {}
+
+std::string Batcher::KeyOf(const ScoreJob& job) const {
+  return absl::StrCat(job.hidden, "/", job.dtype, "/", job.vocab_size, "/", job.hidden_size, "/", job.gather_k, "/",
+                      ChooseLayout(job, options_.workers, options_.parallelism), "/",
+                      job.options.SerializeAsString());
+}
+
+int64_t Batcher::queued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(queue_.size());
+}
+
+void Batcher::QueueChanged() {
+  cv_.notify_all();
+  if (options_.on_queue_change) options_.on_queue_change(static_cast<int64_t>(queue_.size()));
+}
+
+bool Batcher::WaitToLead(std::unique_lock<std::mutex>& lock, Entry& e) {
+  const auto until = e.arrived + options_.max_queue_delay;
+  for (;;) {
+    if (e.ended()) return false;
+    int64_t tokens = 0;
+    for (const auto& q : queue_)
+      if (q->key == e.key) tokens += q->job->num_rows();
+    const auto now = std::chrono::steady_clock::now();
+    if (tokens >= options_.max_batch_tokens || now >= until) return true;
+    cv_.wait_until(lock, std::min(until, now + std::chrono::milliseconds(20)));
+  }
+}
+
+std::vector<std::shared_ptr<Batcher::Entry>> Batcher::TakeBatch(Entry& e) {
+  std::vector<std::shared_ptr<Entry>> batch;
+  int64_t tokens = 0;
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    Entry& q = **it;
+    const int64_t n = q.job->num_rows();
+    if (q.key == e.key && (batch.empty() || tokens + n <= options_.max_batch_tokens)) {
+      tokens += n;
+      q.state = Entry::State::kRunning;
+      batch.push_back(*it);
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  QueueChanged();  // the next oldest job of the key may lead now
+  return batch;
+}
+
+void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_t job_id) {
+  const auto started = std::chrono::steady_clock::now();
+  std::vector<const ScoreJob*> jobs;
+  RunBounds bounds;
+  bounds.deadline = std::chrono::system_clock::time_point::min();
+  for (const auto& m : batch) {
+    jobs.push_back(m->job);
+    bounds.deadline = std::max(bounds.deadline, m->bounds.deadline);
+  }
+  // The worker calls stop once no job of the batch wants its rows.
+  bounds.cancelled = [&batch] {
+    return std::all_of(batch.begin(), batch.end(), [](const auto& m) { return m->ended(); });
+  };
+  ScoreJob concat;
+  if (jobs.size() > 1) concat = ConcatJobs(jobs);
+  const ScoreJob& job = jobs.size() > 1 ? concat : *jobs.front();
+  // The layout each job would get alone (equal within a key).
+  const Parallelism layout = ChooseLayout(*jobs.front(), options_.workers, options_.parallelism) ==
+                                     internal::v1::VOCAB_PARALLEL
+                                 ? Parallelism::kVocab
+                                 : Parallelism::kToken;
+  auto plan = std::make_shared<const Plan>(PlanWork(job, options_.workers, layout, job_id));
+  auto results = run_(*plan, bounds);
+  const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  std::shared_ptr<const std::vector<internal::v1::WorkResult>> shared;
+  if (results.ok()) shared = std::make_shared<const std::vector<internal::v1::WorkResult>>(std::move(*results));
+
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t row = 0;
+  for (const auto& m : batch) {
+    m->state = Entry::State::kDone;
+    m->status = results.status();
+    Outcome& o = m->outcome;
+    o.plan = plan;
+    o.results = shared;
+    o.row_begin = row;
+    o.queue_seconds = std::chrono::duration<double>(started - m->arrived).count();
+    o.run_seconds = run_seconds;
+    o.batch_requests = static_cast<int>(batch.size());
+    o.batch_tokens = job.num_rows();
+    row += m->job->num_rows();
+  }
+  if (shared && options_.on_batch) options_.on_batch(batch.front()->outcome, *shared);
+  cv_.notify_all();
+}
+
+absl::StatusOr<Batcher::Outcome> Batcher::Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds) {
+  auto e = std::make_shared<Entry>();
+  e->job = &job;
+  e->key = KeyOf(job);
+  e->bounds = bounds;
+  e->arrived = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  queue_.push_back(e);
+  QueueChanged();
+  for (;;) {
+    if (e->state == Entry::State::kDone) {
+      if (!e->status.ok()) return e->status;
+      return e->outcome;
+    }
+    if (e->state == Entry::State::kRunning) {
+      // Abandoned: the batch's leader stops the workers when every job has gone.
+      if (e->ended()) return e->EndedError("its batch was running");
+    } else {
+      const bool leads = std::none_of(queue_.begin(), std::find(queue_.begin(), queue_.end(), e),
+                                      [&](const auto& q) { return q->key == e->key; });
+      if (leads && WaitToLead(lock, *e)) {
+        const auto batch = TakeBatch(*e);
+        lock.unlock();
+        RunBatch(batch, job_id);
+        lock.lock();
+        if (e->ended()) return e->EndedError("its batch was running");
+        continue;
+      }
+      if (e->ended()) {
+        queue_.remove(e);
+        QueueChanged();
+        return e->EndedError("it was queued");
+      }
+    }
+    cv_.wait_for(lock, std::chrono::milliseconds(20));
+  }
+}
+
+}  // namespace logprob

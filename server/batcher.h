@@ -1,0 +1,113 @@
+// Dynamic batching: requests that need the same per-row work queue for a
+// few milliseconds and run on the worker pool as one plan.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "logprob/internal/v1/worker.pb.h"
+#include "server/planner.h"
+#include "server/score_job.h"
+#include "server/worker_pool.h"
+
+namespace logprob {
+
+/// Packs queued ScoreJobs into worker batches by a token budget, without
+/// padding (their rows are concatenated), waiting at most max_queue_delay
+/// after the oldest arrived for more to come.
+///
+/// Only jobs with the same batch key are packed together: same input kind
+/// (logits or hidden states), dtype, V, H, gather_k, normalised options and
+/// the layout the job would get alone. Results are therefore bitwise those
+/// of scoring each job alone: every row is scored whole by one worker, or
+/// over the same vocab slices SplitRange(V, W, r) whose partials are
+/// combined in rank order whoever owns the row (worker/scorer.h); the
+/// hidden-states GEMM gives each row the same values whatever the other
+/// rows of its chunk (oneDNN's row results do not depend on M; the batching
+/// test checks it through the server).
+///
+/// Leader/follower, no thread of its own: the oldest queued job of a key
+/// forms the batch and runs it on its request's thread; the others wait
+/// for their rows. Thread-safe.
+class Batcher {
+ public:
+  /// How one job's batch went.
+  struct Outcome {
+    std::shared_ptr<const Plan> plan;  // the batch's plan
+    std::shared_ptr<const std::vector<internal::v1::WorkResult>> results;  // one per plan item
+    int64_t row_begin = 0;             // the job's first row among the plan's rows
+    double queue_seconds = 0;          // queued until its batch started
+    double run_seconds = 0;            // the batch's Runner call
+    int batch_requests = 1;            // jobs in the batch
+    int64_t batch_tokens = 0;          // token rows in the batch
+  };
+
+  struct Options {
+    /// Longest a batch's oldest job waits for company; 0 packs only what
+    /// is already queued.
+    std::chrono::microseconds max_queue_delay{2000};
+    /// Token rows per batch; a job over it alone runs alone.
+    int64_t max_batch_tokens = 8192;
+    int workers = 1;
+    Parallelism parallelism = Parallelism::kAuto;
+    /// Called with the number of queued jobs whenever it changes, under
+    /// the lock (metrics gauge). May be empty.
+    std::function<void(int64_t queued)> on_queue_change;
+    /// Called once per successful batch with its first job's outcome and
+    /// the workers' results (metrics). May be empty.
+    std::function<void(const Outcome&, const std::vector<internal::v1::WorkResult>&)> on_batch;
+  };
+
+  /// Runs a batch's plan (WorkerPool::Run in the service).
+  using Runner =
+      std::function<absl::StatusOr<std::vector<internal::v1::WorkResult>>(const Plan&, const RunBounds&)>;
+
+  Batcher(Options options, Runner run);
+
+  /// Queues `job` (which must outlive the call) and returns once its batch
+  /// has run: the batch's error, or its Outcome (BuildResponse with
+  /// outcome.row_begin gives the job's response). As soon as `bounds` say
+  /// so, DEADLINE_EXCEEDED or CANCELLED: a queued job leaves the queue; a
+  /// job whose batch is running is abandoned (the others still get their
+  /// rows; the batch's worker calls stop when every job has gone).
+  absl::StatusOr<Outcome> Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds);
+
+  /// Jobs waiting in the queue (not yet in a running batch).
+  int64_t queued() const;
+
+ private:
+  struct Entry;
+  using Queue = std::list<std::shared_ptr<Entry>>;
+
+  std::string KeyOf(const ScoreJob& job) const;
+  /// Waits (lock held) until `e`'s batch should start: budget full, delay
+  /// over, or e's bounds end (false: e left the queue).
+  bool WaitToLead(std::unique_lock<std::mutex>& lock, Entry& e);
+  /// Reports the queue length (lock held).
+  void QueueChanged();
+  /// Takes e's batch out of the queue (lock held), oldest first.
+  std::vector<std::shared_ptr<Entry>> TakeBatch(Entry& e);
+  /// Runs `batch` (lock not held) and hands every entry its outcome.
+  void RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_t job_id);
+
+  const Options options_;
+  const Runner run_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  Queue queue_;
+};
+
+/// The job of a batch: `jobs`' rows concatenated in order (rows, targets,
+/// gather ids; out_pos and out_shape are left empty). All must share a
+/// batch key.
+ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs);
+
+}  // namespace logprob
