@@ -15,7 +15,12 @@ PACKAGES=(
   curl        # server_metrics_test scrapes /metrics with it
   prometheus  # promtool: server_metrics_test runs `promtool check metrics` on the scrape
   clang libclang-rt-14-dev  # libFuzzer + ASan/UBSan runtimes: tests/fuzz (ctest fuzz_*)
+  python3-kubernetes python3-yaml  # tests/deploy: manifests validated against the Kubernetes API types
 )
+# kubectl for `kubectl kustomize` (tests/deploy): Debian's kubernetes-client,
+# unless a kubectl is installed already (another package owning
+# /usr/bin/kubectl, e.g. Google Cloud SDK's, would conflict with it).
+if ! command -v kubectl >/dev/null 2>&1; then PACKAGES+=(kubernetes-client); fi
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
