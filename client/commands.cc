@@ -25,21 +25,10 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-void PrintError(const absl::Status& status) {
-  std::cerr << "error: " << status.ToString() << std::endl;
-}
-
 // `status` with "path: " in front of its message unless it names `path`.
 absl::Status WithPath(const std::string& path, const absl::Status& status) {
   if (absl::StrContains(status.message(), path)) return status;
   return absl::Status(status.code(), absl::StrCat(path, ": ", status.message()));
-}
-
-void SetTimeout(grpc::ClientContext* context, double seconds) {
-  if (seconds <= 0) return;
-  context->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                            std::chrono::duration<double>(seconds)));
 }
 
 // An id for a request of this process.
@@ -50,7 +39,19 @@ std::string MakeRequestId() {
   return absl::StrCat("cli-", getpid(), "-", ms);
 }
 
-// The channel to `server` with `options`, or null after printing the error.
+}  // namespace
+
+void PrintError(const absl::Status& status) {
+  std::cerr << "error: " << status.ToString() << std::endl;
+}
+
+void SetTimeout(grpc::ClientContext* context, double seconds) {
+  if (seconds <= 0) return;
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                            std::chrono::duration<double>(seconds)));
+}
+
 std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const ChannelOptions& options) {
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(server, options);
   if (!channel.ok()) {
@@ -62,8 +63,6 @@ std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const Chan
   }
   return *std::move(channel);
 }
-
-}  // namespace
 
 int RunHealth(const HealthArgs& args) {
   const auto wait = std::chrono::milliseconds(
