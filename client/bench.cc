@@ -214,15 +214,12 @@ int RunBench(const BenchArgs& args) {
   std::unique_ptr<v1::LogprobService::Stub> stub = v1::LogprobService::NewStub(channel);
 
   // The server's limits, then one probe call whose reply the echo sends back.
-  v1::ServerInfo info;
-  {
-    grpc::ClientContext context;
-    SetTimeout(&context, args.timeout_seconds > 0 ? args.timeout_seconds : 60.0);
-    if (const grpc::Status s = stub->GetServerInfo(&context, v1::ServerInfoRequest(), &info); !s.ok()) {
-      PrintError(FromGrpc(s));
-      return kExitFailure;
-    }
+  absl::StatusOr<v1::ServerInfo> server_info = FetchServerInfo(*stub, args.timeout_seconds);
+  if (!server_info.ok()) {
+    PrintError(server_info.status());
+    return kExitFailure;
   }
+  const v1::ServerInfo& info = *server_info;
   if (info.max_request_bytes() > 0 && report.request_bytes > info.max_request_bytes()) {
     PrintError(absl::InvalidArgumentError(absl::StrCat(
         "--batch/--seq/--packed/--vocab/--dtype: the request is ", report.request_bytes,

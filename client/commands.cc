@@ -15,15 +15,12 @@
 #include "client/channel.h"
 #include "client/health_check.h"
 #include "client/summary.h"
+#include "common/grpc_status.h"
 #include "common/safetensors.h"
 #include "grpcpp/client_context.h"
 
 namespace logprob::client {
 namespace {
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
 
 // `status` with "path: " in front of its message unless it names `path`.
 absl::Status WithPath(const std::string& path, const absl::Status& status) {
@@ -62,6 +59,15 @@ std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const Chan
     std::cerr << "warning: --auth-token-file without TLS (--tls-ca): the token is sent in plaintext" << std::endl;
   }
   return *std::move(channel);
+}
+
+absl::StatusOr<v1::ServerInfo> FetchServerInfo(v1::LogprobService::StubInterface& stub, double timeout_seconds) {
+  grpc::ClientContext context;
+  SetTimeout(&context, timeout_seconds > 0 ? timeout_seconds : 60.0);
+  v1::ServerInfo info;
+  const grpc::Status s = stub.GetServerInfo(&context, v1::ServerInfoRequest(), &info);
+  if (!s.ok()) return FromGrpc(s);
+  return info;
 }
 
 int RunHealth(const HealthArgs& args) {
@@ -123,22 +129,16 @@ int RunScore(const ScoreArgs& args) {
   if (!channel) return kExitBadInput;
   std::unique_ptr<v1::LogprobService::Stub> stub = v1::LogprobService::NewStub(channel);
 
-  // The server's limits.
-  v1::ServerInfo info;
-  {
-    grpc::ClientContext context;
-    SetTimeout(&context, args.timeout_seconds > 0 ? args.timeout_seconds : 60.0);
-    const grpc::Status s = stub->GetServerInfo(&context, v1::ServerInfoRequest(), &info);
-    if (!s.ok()) {
-      PrintError(FromGrpc(s));
-      return kExitFailure;
-    }
+  absl::StatusOr<v1::ServerInfo> info = FetchServerInfo(*stub, args.timeout_seconds);
+  if (!info.ok()) {
+    PrintError(info.status());
+    return kExitFailure;
   }
-  int64_t limit = args.max_request_bytes > 0 ? args.max_request_bytes : info.max_request_bytes();
+  int64_t limit = args.max_request_bytes > 0 ? args.max_request_bytes : info->max_request_bytes();
   if (limit <= 0) limit = kDefaultMaxRequestBytes;
   SplitLimits limits;
   limits.max_bytes = std::max<int64_t>(1, static_cast<int64_t>(limit * kRequestFill));
-  limits.max_tokens = info.max_tokens_per_request();
+  limits.max_tokens = info->max_tokens_per_request();
 
   const auto start = std::chrono::steady_clock::now();
   int parts = 1;

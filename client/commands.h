@@ -38,6 +38,10 @@ void SetTimeout(grpc::ClientContext* context, double seconds);
 /// error when a TLS or token file cannot be used.
 std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const ChannelOptions& options);
 
+/// The server's GetServerInfo (limits, workers, lm_head), with deadline
+/// `timeout_seconds` (60 s when <= 0). Errors: the call's status.
+absl::StatusOr<v1::ServerInfo> FetchServerInfo(v1::LogprobService::StubInterface& stub, double timeout_seconds);
+
 /// Arguments of `logprob-client health`.
 struct HealthArgs {
   std::string server;        // HOST:PORT
