@@ -3,6 +3,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -38,7 +39,23 @@ absl::Status ParseSeconds(const std::string& flag, const std::string& v, double*
   return absl::OkStatus();
 }
 
-// Applies a "--flag value" shared by both commands (TLS, bearer token);
+absl::Status ParsePositive(const std::string& flag, const std::string& v, int64_t* out) {
+  if (!absl::SimpleAtoi(v, out) || *out <= 0) return BadValue(flag, v, "an integer > 0");
+  return absl::OkStatus();
+}
+
+absl::Status ParseBool(const std::string& flag, const std::string& v, bool* out) {
+  if (v == "true" || v == "1") {
+    *out = true;
+  } else if (v == "false" || v == "0") {
+    *out = false;
+  } else {
+    return BadValue(flag, v, "true or false");
+  }
+  return absl::OkStatus();
+}
+
+// Applies a "--flag value" shared by all commands (TLS, bearer token);
 // false if `flag` is not one of them.
 bool ApplyChannelFlag(const std::string& flag, const std::string& v, ChannelOptions* c) {
   if (flag == "tls-ca") {
@@ -68,47 +85,51 @@ absl::Status ApplyHealthFlag(const std::string& flag, const std::string& v, Heal
   return absl::InvalidArgumentError(absl::StrCat("health: unknown flag --", flag));
 }
 
+// Applies one scoring-option flag (--alignment, --entropy, --topk,
+// --temperature, --sampling-top-k, --sampling-top-p, --ignore-index) of
+// `score` and `bench`; nullopt if `flag` is not one of them.
+std::optional<absl::Status> ApplyOptionFlag(const std::string& flag, const std::string& v, ScoreFlags* f) {
+  if (flag == "alignment") {
+    absl::StatusOr<v1::Alignment> alignment = ParseAlignment(v);
+    if (!alignment.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--alignment: ", alignment.status().message()));
+    }
+    f->alignment = *alignment;
+  } else if (flag == "entropy") {
+    return ParseBool(flag, v, &f->entropy);
+  } else if (flag == "topk") {
+    return ParseInt32(flag, v, &f->topk);
+  } else if (flag == "temperature") {
+    float t;
+    if (absl::Status s = ParseFloat(flag, v, &t); !s.ok()) return s;
+    f->temperature = t;
+  } else if (flag == "sampling-top-k") {
+    return ParseInt32(flag, v, &f->sampling_top_k);
+  } else if (flag == "sampling-top-p") {
+    float p;
+    if (absl::Status s = ParseFloat(flag, v, &p); !s.ok()) return s;
+    f->sampling_top_p = p;
+  } else if (flag == "ignore-index") {
+    int64_t i;
+    if (absl::Status s = ParseInt64(flag, v, &i); !s.ok()) return s;
+    f->ignore_index = i;
+  } else {
+    return std::nullopt;
+  }
+  return absl::OkStatus();
+}
+
 // Applies one "--flag value" of `score`.
 absl::Status ApplyScoreFlag(const std::string& flag, const std::string& v, ScoreArgs* a) {
-  ScoreFlags& f = a->flags;
   if (ApplyChannelFlag(flag, v, &a->channel)) return absl::OkStatus();
+  if (std::optional<absl::Status> s = ApplyOptionFlag(flag, v, &a->flags)) return *s;
   if (flag == "server") {
     a->server = v;
   } else if (flag == "input") {
     a->input = v;
   } else if (flag == "output") {
     a->output = v;
-  } else if (flag == "alignment") {
-    absl::StatusOr<v1::Alignment> alignment = ParseAlignment(v);
-    if (!alignment.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--alignment: ", alignment.status().message()));
-    }
-    f.alignment = *alignment;
-  } else if (flag == "entropy") {
-    if (v == "true" || v == "1") {
-      f.entropy = true;
-    } else if (v == "false" || v == "0") {
-      f.entropy = false;
-    } else {
-      return BadValue(flag, v, "true or false");
-    }
-  } else if (flag == "topk") {
-    return ParseInt32(flag, v, &f.topk);
-  } else if (flag == "temperature") {
-    float t;
-    if (absl::Status s = ParseFloat(flag, v, &t); !s.ok()) return s;
-    f.temperature = t;
-  } else if (flag == "sampling-top-k") {
-    return ParseInt32(flag, v, &f.sampling_top_k);
-  } else if (flag == "sampling-top-p") {
-    float p;
-    if (absl::Status s = ParseFloat(flag, v, &p); !s.ok()) return s;
-    f.sampling_top_p = p;
-  } else if (flag == "ignore-index") {
-    int64_t i;
-    if (absl::Status s = ParseInt64(flag, v, &i); !s.ok()) return s;
-    f.ignore_index = i;
   } else if (flag == "max-request-bytes") {
     if (absl::Status s = ParseInt64(flag, v, &a->max_request_bytes); !s.ok()) return s;
     if (a->max_request_bytes <= 0) return BadValue(flag, v, "a positive byte count");
@@ -118,6 +139,77 @@ absl::Status ApplyScoreFlag(const std::string& flag, const std::string& v, Score
     return absl::InvalidArgumentError(absl::StrCat("score: unknown flag --", flag));
   }
   return absl::OkStatus();
+}
+
+// Applies one "--flag value" of `bench`.
+absl::Status ApplyBenchFlag(const std::string& flag, const std::string& v, BenchArgs* a) {
+  if (ApplyChannelFlag(flag, v, &a->channel)) return absl::OkStatus();
+  if (std::optional<absl::Status> s = ApplyOptionFlag(flag, v, &a->flags)) return *s;
+  if (flag == "server") {
+    a->server = v;
+  } else if (flag == "concurrency") {
+    int64_t n;
+    if (absl::Status s = ParsePositive(flag, v, &n); !s.ok()) return s;
+    if (n > 1024) return BadValue(flag, v, "an integer in [1, 1024]");
+    a->concurrency = static_cast<int>(n);
+  } else if (flag == "batch") {
+    return ParsePositive(flag, v, &a->shape.batch);
+  } else if (flag == "seq") {
+    return ParsePositive(flag, v, &a->shape.seq);
+  } else if (flag == "packed") {
+    return ParsePositive(flag, v, &a->shape.packed_tokens);
+  } else if (flag == "vocab") {
+    return ParsePositive(flag, v, &a->shape.vocab);
+  } else if (flag == "dtype") {
+    if (v == "bf16") {
+      a->shape.dtype = v1::BF16;
+    } else if (v == "f16") {
+      a->shape.dtype = v1::F16;
+    } else if (v == "f32") {
+      a->shape.dtype = v1::F32;
+    } else {
+      return BadValue(flag, v, "bf16, f16 or f32");
+    }
+  } else if (flag == "duration") {
+    if (absl::Status s = ParseSeconds(flag, v, &a->duration_seconds); !s.ok()) return s;
+    if (a->duration_seconds <= 0) return BadValue(flag, v, "a number of seconds > 0");
+  } else if (flag == "requests") {
+    return ParsePositive(flag, v, &a->requests);
+  } else if (flag == "warmup") {
+    return ParseSeconds(flag, v, &a->warmup_seconds);
+  } else if (flag == "progress") {
+    return ParseSeconds(flag, v, &a->progress_seconds);
+  } else if (flag == "timeout") {
+    return ParseSeconds(flag, v, &a->timeout_seconds);
+  } else if (flag == "metrics-url") {
+    a->metrics_url = v;
+  } else if (flag == "json") {
+    return ParseBool(flag, v, &a->json);
+  } else if (flag == "no-echo") {
+    bool no_echo = false;
+    if (absl::Status s = ParseBool(flag, v, &no_echo); !s.ok()) return s;
+    a->echo = !no_echo;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("bench: unknown flag --", flag));
+  }
+  return absl::OkStatus();
+}
+
+// Flags that take no value (given alone they mean "true").
+bool IsSwitch(CommandLine::Command command, const std::string& flag) {
+  if (flag == "entropy") return command != CommandLine::Command::kHealth;
+  return command == CommandLine::Command::kBench && (flag == "json" || flag == "no-echo");
+}
+
+// Checks the combinations of `bench` flags given (`given` names them).
+absl::Status CheckBenchArgs(const BenchArgs& a, const std::set<std::string>& given) {
+  if (given.count("packed") && given.count("seq")) {
+    return absl::InvalidArgumentError("bench: --packed T and --seq S exclude each other (packed [T, V] or padded [B, S, V])");
+  }
+  if (given.count("requests") && given.count("duration")) {
+    return absl::InvalidArgumentError("bench: --requests and --duration exclude each other");
+  }
+  return ValidateBenchShape(a.shape);
 }
 
 bool IsHelp(const std::string& arg) { return arg == "--help" || arg == "-h"; }
@@ -136,10 +228,13 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
     cl.command = CommandLine::Command::kHealth;
   } else if (command == "score") {
     cl.command = CommandLine::Command::kScore;
+  } else if (command == "bench") {
+    cl.command = CommandLine::Command::kBench;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "unknown command '", command, "' (expected health or score)"));
+        "unknown command '", command, "' (expected health, score or bench)"));
   }
+  std::set<std::string> given;
 
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& arg = args[i];
@@ -151,7 +246,7 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
     if (const size_t eq = flag.find('='); eq != std::string::npos) {
       value = flag.substr(eq + 1);
       flag.resize(eq);
-    } else if (flag == "entropy") {
+    } else if (IsSwitch(cl.command, flag)) {
       value = "true";
     } else {
       if (i + 1 >= args.size()) {
@@ -159,23 +254,36 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
       }
       value = args[++i];
     }
-    const absl::Status s = cl.command == CommandLine::Command::kHealth
-                               ? ApplyHealthFlag(flag, value, &cl.health)
-                               : ApplyScoreFlag(flag, value, &cl.score);
+    absl::Status s;
+    switch (cl.command) {
+      case CommandLine::Command::kHealth:
+        s = ApplyHealthFlag(flag, value, &cl.health);
+        break;
+      case CommandLine::Command::kScore:
+        s = ApplyScoreFlag(flag, value, &cl.score);
+        break;
+      default:
+        s = ApplyBenchFlag(flag, value, &cl.bench);
+        break;
+    }
     if (!s.ok()) return s;
+    given.insert(flag);
   }
 
-  const std::string& server =
-      cl.command == CommandLine::Command::kHealth ? cl.health.server : cl.score.server;
+  const bool health = cl.command == CommandLine::Command::kHealth;
+  const bool score = cl.command == CommandLine::Command::kScore;
+  const std::string& server = health ? cl.health.server : score ? cl.score.server : cl.bench.server;
   if (server.empty()) return absl::InvalidArgumentError(command + ": --server is required");
-  const ChannelOptions& channel =
-      cl.command == CommandLine::Command::kHealth ? cl.health.channel : cl.score.channel;
+  const ChannelOptions& channel = health ? cl.health.channel : score ? cl.score.channel : cl.bench.channel;
   if (channel.tls_cert.empty() != channel.tls_key.empty()) {
     return absl::InvalidArgumentError(command + ": --tls-cert and --tls-key go together");
   }
   if (cl.command == CommandLine::Command::kScore) {
     if (cl.score.input.empty()) return absl::InvalidArgumentError("score: --input is required");
     if (cl.score.output.empty()) return absl::InvalidArgumentError("score: --output is required");
+  }
+  if (cl.command == CommandLine::Command::kBench) {
+    if (absl::Status s = CheckBenchArgs(cl.bench, given); !s.ok()) return s;
   }
   return cl;
 }
@@ -204,7 +312,33 @@ std::string UsageText() {
                                 larger inputs are split by sequences
     --timeout SECONDS           deadline of each call (default: none)
 
-  security options (both commands):
+  logprob-client bench --server HOST:PORT [shape] [options] [load options]
+      [security options]
+      Load generator: CONCURRENCY threads send one synthetic request (random
+      logits and targets) back to back, first to the server, then to an
+      in-process echo server on 127.0.0.1 that answers with a copy of the
+      server's reply (gRPC transfer of the same request and reply bytes,
+      no scoring). Prints requests/s, tokens/s, request MB/s, latency
+      mean/p50/p90/p99/max and scoring / echo throughput; progress goes to
+      stderr. Exit 0 if every call succeeded, 1 otherwise, 2 on a bad
+      command line or a request over the server's max_request_bytes.
+    shape: --batch B (default 4) --seq S (default 512) --vocab V (default
+           32000) --dtype bf16|f16|f32 (default bf16): padded [B, S, V];
+           or --packed T with --batch B: packed [T, V], B sequences
+    options: as for score (--entropy, --topk K, --temperature T, ...)
+    --concurrency N             calls in flight (default 1)
+    --duration SECONDS          measured time per phase (default 10)
+    --requests N                or: N measured calls per phase
+    --warmup SECONDS            unmeasured calls before each phase (default 1)
+    --no-echo                   skip the echo phase
+    --metrics-url URL           the server's /metrics (http://HOST:PORT/metrics,
+                                see --metrics-listen): adds the server's
+                                time split (queue/validation, dispatch, compute)
+    --json                      one JSON object on stdout instead of the table
+    --progress SECONDS          progress line interval on stderr (default 5; 0: none)
+    --timeout SECONDS           deadline of each call (default: none)
+
+  security options (all commands):
     --tls-ca FILE               connect with TLS, verifying the server's
                                 certificate with this PEM CA
     --tls-cert FILE --tls-key FILE

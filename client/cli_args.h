@@ -1,31 +1,37 @@
 // Parsing logprob-client's command line:
 //   logprob-client health --server HOST:PORT [--wait SECONDS]
 //   logprob-client score --server HOST:PORT --input IN --output OUT [options]
+//   logprob-client bench --server HOST:PORT [shape] [options] [load options]
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/bench.h"
 #include "client/commands.h"
 
 namespace logprob::client {
 
 /// A parsed command line.
 struct CommandLine {
-  enum class Command { kHelp, kHealth, kScore };
+  enum class Command { kHelp, kHealth, kScore, kBench };
   Command command = Command::kHelp;
   HealthArgs health;  // set for kHealth
   ScoreArgs score;    // set for kScore
+  BenchArgs bench;    // set for kBench
 };
 
 /// Parses the arguments after the program name. Flags are "--name VALUE"
-/// or "--name=VALUE"; `--entropy` takes no value. A first argument "help",
+/// or "--name=VALUE"; `--entropy` (and bench's `--json`, `--no-echo`)
+/// take no value. A first argument "help",
 /// or "--help" / "-h" anywhere, gives kHelp. INVALID_ARGUMENT names the
 /// problem: no or unknown command, unknown flag, missing value, a value
 /// that is not a number or out of range, a missing required flag
 /// (--server; --input and --output for score), --tls-cert without
-/// --tls-key or the reverse. Both commands take the security flags
+/// --tls-key or the reverse; for bench, --packed with --seq, --requests
+/// with --duration, and shapes ValidateBenchShape refuses. Every command
+/// takes the security flags
 /// --tls-ca, --tls-cert, --tls-key, --tls-server-name, --auth-token-file
 /// (files are read when the channel is made, not here).
 absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& args);

@@ -15,31 +15,17 @@
 #include "client/channel.h"
 #include "client/health_check.h"
 #include "client/summary.h"
+#include "common/grpc_status.h"
 #include "common/safetensors.h"
 #include "grpcpp/client_context.h"
 
 namespace logprob::client {
 namespace {
 
-absl::Status FromGrpc(const grpc::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
-
-void PrintError(const absl::Status& status) {
-  std::cerr << "error: " << status.ToString() << std::endl;
-}
-
 // `status` with "path: " in front of its message unless it names `path`.
 absl::Status WithPath(const std::string& path, const absl::Status& status) {
   if (absl::StrContains(status.message(), path)) return status;
   return absl::Status(status.code(), absl::StrCat(path, ": ", status.message()));
-}
-
-void SetTimeout(grpc::ClientContext* context, double seconds) {
-  if (seconds <= 0) return;
-  context->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                            std::chrono::duration<double>(seconds)));
 }
 
 // An id for a request of this process.
@@ -50,7 +36,19 @@ std::string MakeRequestId() {
   return absl::StrCat("cli-", getpid(), "-", ms);
 }
 
-// The channel to `server` with `options`, or null after printing the error.
+}  // namespace
+
+void PrintError(const absl::Status& status) {
+  std::cerr << "error: " << status.ToString() << std::endl;
+}
+
+void SetTimeout(grpc::ClientContext* context, double seconds) {
+  if (seconds <= 0) return;
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                            std::chrono::duration<double>(seconds)));
+}
+
 std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const ChannelOptions& options) {
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(server, options);
   if (!channel.ok()) {
@@ -63,7 +61,14 @@ std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const Chan
   return *std::move(channel);
 }
 
-}  // namespace
+absl::StatusOr<v1::ServerInfo> FetchServerInfo(v1::LogprobService::StubInterface& stub, double timeout_seconds) {
+  grpc::ClientContext context;
+  SetTimeout(&context, timeout_seconds > 0 ? timeout_seconds : 60.0);
+  v1::ServerInfo info;
+  const grpc::Status s = stub.GetServerInfo(&context, v1::ServerInfoRequest(), &info);
+  if (!s.ok()) return FromGrpc(s);
+  return info;
+}
 
 int RunHealth(const HealthArgs& args) {
   const auto wait = std::chrono::milliseconds(
@@ -124,22 +129,16 @@ int RunScore(const ScoreArgs& args) {
   if (!channel) return kExitBadInput;
   std::unique_ptr<v1::LogprobService::Stub> stub = v1::LogprobService::NewStub(channel);
 
-  // The server's limits.
-  v1::ServerInfo info;
-  {
-    grpc::ClientContext context;
-    SetTimeout(&context, args.timeout_seconds > 0 ? args.timeout_seconds : 60.0);
-    const grpc::Status s = stub->GetServerInfo(&context, v1::ServerInfoRequest(), &info);
-    if (!s.ok()) {
-      PrintError(FromGrpc(s));
-      return kExitFailure;
-    }
+  absl::StatusOr<v1::ServerInfo> info = FetchServerInfo(*stub, args.timeout_seconds);
+  if (!info.ok()) {
+    PrintError(info.status());
+    return kExitFailure;
   }
-  int64_t limit = args.max_request_bytes > 0 ? args.max_request_bytes : info.max_request_bytes();
+  int64_t limit = args.max_request_bytes > 0 ? args.max_request_bytes : info->max_request_bytes();
   if (limit <= 0) limit = kDefaultMaxRequestBytes;
   SplitLimits limits;
   limits.max_bytes = std::max<int64_t>(1, static_cast<int64_t>(limit * kRequestFill));
-  limits.max_tokens = info.max_tokens_per_request();
+  limits.max_tokens = info->max_tokens_per_request();
 
   const auto start = std::chrono::steady_clock::now();
   int parts = 1;

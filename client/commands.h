@@ -10,6 +10,7 @@
 #include "client/channel.h"
 #include "client/request_builder.h"
 #include "client/request_splitter.h"
+#include "grpcpp/client_context.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 
 namespace logprob::client {
@@ -25,6 +26,21 @@ inline constexpr int kExitBadInput = 2;
 inline constexpr int64_t kDefaultMaxRequestBytes = 64ll << 20;
 /// Fraction of the request size limit a (split) request may fill.
 inline constexpr double kRequestFill = 0.9;
+
+/// Prints "error: CODE: message" to stderr.
+void PrintError(const absl::Status& status);
+
+/// Sets a deadline `seconds` from now on `context`; nothing when <= 0.
+void SetTimeout(grpc::ClientContext* context, double seconds);
+
+/// The channel to `server` with `options` (MakeChannel), warning on stderr
+/// when a bearer token would travel without TLS; null after printing the
+/// error when a TLS or token file cannot be used.
+std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const ChannelOptions& options);
+
+/// The server's GetServerInfo (limits, workers, lm_head), with deadline
+/// `timeout_seconds` (60 s when <= 0). Errors: the call's status.
+absl::StatusOr<v1::ServerInfo> FetchServerInfo(v1::LogprobService::StubInterface& stub, double timeout_seconds);
 
 /// Arguments of `logprob-client health`.
 struct HealthArgs {

@@ -24,6 +24,8 @@ int main(int argc, char** argv) {
       return logprob::client::RunHealth(cl->health);
     case CommandLine::Command::kScore:
       return logprob::client::RunScore(cl->score);
+    case CommandLine::Command::kBench:
+      return logprob::client::RunBench(cl->bench);
   }
   return logprob::client::kExitBadInput;
 }

@@ -1,0 +1,294 @@
+#include "client/bench.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/bench_report.h"
+#include "client/commands.h"
+#include "client/echo_service.h"
+#include "client/metrics_scrape.h"
+#include "common/grpc_status.h"
+
+namespace logprob::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+Clock::time_point After(Clock::time_point t, double seconds) {
+  return t + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// How one phase's calls are made and when they stop.
+struct LoadPlan {
+  int concurrency = 1;
+  double warmup_seconds = 0;
+  double duration_seconds = 0;  // used when requests == 0
+  int64_t requests = 0;
+  double timeout_seconds = 0;
+  double progress_seconds = 0;
+};
+
+// Tallies of the calls of a phase, shared by its client threads.
+struct Tally {
+  std::atomic<int64_t> ok{0};
+  std::atomic<int64_t> failed{0};
+  std::mutex mu;  // guards the fields below
+  std::vector<double> latencies;
+  std::map<std::string, int64_t> failures;
+  std::string first_error;
+};
+
+// Prints a progress line to stderr every `interval` seconds until stopped.
+class ProgressPrinter {
+ public:
+  ProgressPrinter(std::string phase, double interval, const Tally& tally)
+      : phase_(std::move(phase)), interval_(interval), tally_(tally) {
+    if (interval_ > 0) thread_ = std::thread([this] { Loop(); });
+  }
+  ~ProgressPrinter() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Loop() {
+    const Clock::time_point start = Clock::now();
+    std::unique_lock<std::mutex> lock(mu_);
+    int64_t last_ok = 0;
+    Clock::time_point last = start;
+    while (!cv_.wait_for(lock, std::chrono::duration<double>(interval_), [this] { return stop_; })) {
+      const int64_t ok = tally_.ok.load();
+      const double window = SecondsSince(last);
+      std::cerr << absl::StrFormat("bench %s: %.1f s, %d OK (%.2f/s over the last %.1f s), %d failed\n", phase_,
+                                   SecondsSince(start), ok, window > 0 ? (ok - last_ok) / window : 0.0, window,
+                                   tally_.failed.load())
+                << std::flush;
+      last_ok = ok;
+      last = Clock::now();
+    }
+  }
+
+  const std::string phase_;
+  const double interval_;
+  const Tally& tally_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// Runs `threads` threads, each calling `call` back to back while `more()`
+// says so; returns once all have finished.
+void RunThreads(int threads, const std::function<bool()>& more, const std::function<void()>& call) {
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (int i = 0; i < threads; ++i) {
+    pool.emplace_back([&] {
+      while (more()) call();
+    });
+  }
+  for (std::thread& t : pool) t.join();
+}
+
+// One Score call of `request` on `stub`, recorded in `tally` when set.
+void CallOnce(v1::LogprobService::Stub& stub, const v1::ScoreRequest& request, double timeout_seconds,
+              Tally* tally) {
+  grpc::ClientContext context;
+  SetTimeout(&context, timeout_seconds);
+  v1::ScoreResponse reply;
+  const Clock::time_point t0 = Clock::now();
+  const grpc::Status s = stub.Score(&context, request, &reply);
+  const double seconds = SecondsSince(t0);
+  if (tally == nullptr) return;
+  if (s.ok()) {
+    tally->ok.fetch_add(1);
+    std::lock_guard<std::mutex> lock(tally->mu);
+    tally->latencies.push_back(seconds);
+    return;
+  }
+  tally->failed.fetch_add(1);
+  const absl::Status status = FromGrpc(s);
+  std::lock_guard<std::mutex> lock(tally->mu);
+  ++tally->failures[absl::StatusCodeToString(status.code())];
+  if (tally->first_error.empty()) tally->first_error = status.ToString();
+}
+
+// Warm-up (every thread makes at least one call when warmup_seconds > 0),
+// then the measured calls of one phase. `before_measuring` runs between.
+PhaseResult RunPhase(const std::string& name, v1::LogprobService::Stub& stub, const v1::ScoreRequest& request,
+                     const LoadPlan& plan, const std::function<void()>& before_measuring) {
+  if (plan.warmup_seconds > 0) {
+    const Clock::time_point end = After(Clock::now(), plan.warmup_seconds);
+    RunThreads(
+        plan.concurrency, [&] { return Clock::now() < end; },
+        [&] { CallOnce(stub, request, plan.timeout_seconds, nullptr); });
+  }
+  if (before_measuring) before_measuring();
+
+  Tally tally;
+  std::atomic<int64_t> claimed{0};
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point end = After(start, plan.duration_seconds);
+  {
+    ProgressPrinter progress(name, plan.progress_seconds, tally);
+    RunThreads(
+        plan.concurrency,
+        [&] { return plan.requests > 0 ? claimed.fetch_add(1) < plan.requests : Clock::now() < end; },
+        [&] { CallOnce(stub, request, plan.timeout_seconds, &tally); });
+  }
+  PhaseResult result;
+  result.name = name;
+  result.seconds = SecondsSince(start);
+  result.ok = tally.ok.load();
+  result.failed = tally.failed.load();
+  result.failures = std::move(tally.failures);
+  result.first_error = std::move(tally.first_error);
+  result.latency = Summarize(std::move(tally.latencies));
+  return result;
+}
+
+// Histogram totals of the server's timings in one /metrics scrape.
+struct ServerTimings {
+  HistogramTotals request, queue, worker_call, compute;
+};
+
+absl::StatusOr<ServerTimings> ScrapeTimings(const std::string& url) {
+  absl::StatusOr<std::string> text = HttpGet(url);
+  if (!text.ok()) return text.status();
+  return ServerTimings{ParseHistogramTotals(*text, "logprob_request_duration_seconds", "method=\"Score\""),
+                       ParseHistogramTotals(*text, "logprob_queue_duration_seconds"),
+                       ParseHistogramTotals(*text, "logprob_worker_call_duration_seconds"),
+                       ParseHistogramTotals(*text, "logprob_compute_duration_seconds")};
+}
+
+double MeanOfDelta(const HistogramTotals& before, const HistogramTotals& after) {
+  const double n = after.count - before.count;
+  return n > 0 ? (after.sum - before.sum) / n : 0;
+}
+
+ServerSplit SplitOf(const ServerTimings& before, const ServerTimings& after) {
+  ServerSplit s;
+  s.requests = after.request.count - before.request.count;
+  s.request_mean = MeanOfDelta(before.request, after.request);
+  s.queue_mean = MeanOfDelta(before.queue, after.queue);
+  s.batches = after.worker_call.count - before.worker_call.count;
+  s.worker_call_mean = MeanOfDelta(before.worker_call, after.worker_call);
+  s.compute_mean = MeanOfDelta(before.compute, after.compute);
+  return s;
+}
+
+}  // namespace
+
+int RunBench(const BenchArgs& args) {
+  absl::StatusOr<v1::ScoreRequest> request =
+      BuildBenchRequest(args.shape, ToScoreOptions(args.flags), absl::StrCat("bench-", getpid()));
+  if (!request.ok()) {
+    PrintError(request.status());
+    return kExitBadInput;
+  }
+  BenchReport report;
+  report.server = args.server;
+  report.shape = args.shape;
+  report.options = request->options();
+  report.concurrency = args.concurrency;
+  report.request_bytes = static_cast<int64_t>(request->ByteSizeLong());  // also caches the size before threads share it
+  report.tokens_per_request = ShapeTokens(args.shape);
+
+  std::shared_ptr<grpc::Channel> channel = OpenChannel(args.server, args.channel);
+  if (!channel) return kExitBadInput;
+  std::unique_ptr<v1::LogprobService::Stub> stub = v1::LogprobService::NewStub(channel);
+
+  // The server's limits, then one probe call whose reply the echo sends back.
+  absl::StatusOr<v1::ServerInfo> server_info = FetchServerInfo(*stub, args.timeout_seconds);
+  if (!server_info.ok()) {
+    PrintError(server_info.status());
+    return kExitFailure;
+  }
+  const v1::ServerInfo& info = *server_info;
+  if (info.max_request_bytes() > 0 && report.request_bytes > info.max_request_bytes()) {
+    PrintError(absl::InvalidArgumentError(absl::StrCat(
+        "--batch/--seq/--packed/--vocab/--dtype: the request is ", report.request_bytes,
+        " bytes, over the server's max_request_bytes ", info.max_request_bytes(),
+        "; use a smaller shape or start logprob-server with a larger --max-request-bytes")));
+    return kExitBadInput;
+  }
+  std::optional<ServerTimings> before;
+  if (!args.metrics_url.empty()) {
+    // Scraped once here so that a wrong URL fails before any load is sent.
+    absl::StatusOr<ServerTimings> t = ScrapeTimings(args.metrics_url);
+    if (!t.ok()) {
+      PrintError(t.status());
+      return kExitBadInput;
+    }
+  }
+  v1::ScoreResponse probe_reply;
+  {
+    grpc::ClientContext context;
+    SetTimeout(&context, args.timeout_seconds);
+    if (const grpc::Status s = stub->Score(&context, *request, &probe_reply); !s.ok()) {
+      PrintError(absl::Status(FromGrpc(s).code(), absl::StrCat("probe request: ", s.error_message())));
+      return kExitFailure;
+    }
+  }
+  report.reply_bytes = static_cast<int64_t>(probe_reply.ByteSizeLong());
+
+  LoadPlan plan;
+  plan.concurrency = args.concurrency;
+  plan.warmup_seconds = args.warmup_seconds;
+  plan.duration_seconds = args.duration_seconds;
+  plan.requests = args.requests;
+  plan.timeout_seconds = args.timeout_seconds;
+  plan.progress_seconds = args.progress_seconds;
+
+  report.scoring = RunPhase("scoring", *stub, *request, plan, [&] {
+    if (args.metrics_url.empty()) return;
+    absl::StatusOr<ServerTimings> t = ScrapeTimings(args.metrics_url);
+    if (t.ok()) before = *t;
+    else std::cerr << "warning: no server-side split: " << t.status() << std::endl;
+  });
+  if (before) {
+    absl::StatusOr<ServerTimings> after = ScrapeTimings(args.metrics_url);
+    if (after.ok()) {
+      report.split = SplitOf(*before, *after);
+    } else {
+      std::cerr << "warning: no server-side split: " << after.status() << std::endl;
+    }
+  }
+
+  if (args.echo) {
+    const int limit = info.max_request_bytes() > 0 ? static_cast<int>(info.max_request_bytes())
+                                                   : static_cast<int>(kDefaultMaxRequestBytes);
+    absl::StatusOr<std::unique_ptr<EchoServer>> echo = EchoServer::Start(probe_reply, limit);
+    if (!echo.ok()) {
+      PrintError(echo.status());
+      return kExitFailure;
+    }
+    std::unique_ptr<v1::LogprobService::Stub> echo_stub =
+        v1::LogprobService::NewStub(MakeChannel((*echo)->address()));
+    report.echo = RunPhase("echo", *echo_stub, *request, plan, nullptr);
+  }
+
+  std::cout << (args.json ? FormatBenchJson(report) : FormatBenchTable(report)) << std::flush;
+  const bool all_ok = report.scoring.failed == 0 && (!report.echo || report.echo->failed == 0);
+  return all_ok ? kExitOk : kExitFailure;
+}
+
+}  // namespace logprob::client

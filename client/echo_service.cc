@@ -1,0 +1,37 @@
+#include "client/echo_service.h"
+
+#include <chrono>
+#include <climits>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+namespace logprob::client {
+
+grpc::Status EchoScoringService::Score(grpc::ServerContext*, const v1::ScoreRequest* request,
+                                       v1::ScoreResponse* response) {
+  *response = reply_;
+  response->set_id(request->id());
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::unique_ptr<EchoServer>> EchoServer::Start(v1::ScoreResponse reply, int max_request_bytes) {
+  std::unique_ptr<EchoServer> echo(new EchoServer(std::move(reply)));
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(max_request_bytes);
+  builder.SetMaxSendMessageSize(INT_MAX);
+  builder.RegisterService(&echo->service_);
+  echo->server_ = builder.BuildAndStart();
+  if (!echo->server_ || port == 0) return absl::UnavailableError("echo server: cannot listen on 127.0.0.1");
+  echo->address_ = absl::StrCat("127.0.0.1:", port);
+  return echo;
+}
+
+EchoServer::~EchoServer() {
+  if (server_) server_->Shutdown(std::chrono::system_clock::now());
+}
+
+}  // namespace logprob::client
