@@ -283,7 +283,29 @@ class LogprobClient:
                 delay = self.retry.backoff(attempt, self._rng)
                 if self.on_retry is not None:
                     self.on_retry(attempt, code, message, delay)
-                time.sleep(delay)
+                self._backoff(delay, reconnect=code == grpc.StatusCode.UNAVAILABLE)
+
+    def _wait_connected(self, seconds):
+        """Asks the channel to connect and waits up to ``seconds`` for it to be
+        READY. (A channel whose connection failed otherwise waits for its own
+        reconnect timer, observed at 10-15 s with grpcio 1.51, before a
+        fail-fast call sees a server that came back.)"""
+        future = grpc.channel_ready_future(self._channel)
+        try:
+            future.result(timeout=max(0.0, seconds))
+            return True
+        except grpc.FutureTimeoutError:
+            future.cancel()
+            return False
+
+    def _backoff(self, delay, reconnect):
+        """Sleeps ``delay`` seconds, meanwhile reconnecting when ``reconnect``."""
+        end = time.monotonic() + delay
+        if reconnect:
+            self._wait_connected(delay)
+        remaining = end - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def server_info(self, refresh=False):
         """The server's ``logprob.v1.ServerInfo`` (workers, limits, lm_head
@@ -300,17 +322,19 @@ class LogprobClient:
         an unreachable server)."""
         deadline = time.monotonic() + max(0.0, wait)
         while True:
+            unreachable = False
             try:
                 remaining = max(0.5, deadline - time.monotonic())
                 reply = self._health(b"", timeout=min(5.0, remaining))
                 # HealthCheckResponse{status = 1 (SERVING)} is b"\x08\x01".
                 if reply == b"\x08\x01":
                     return True
-            except grpc.RpcError:
-                pass
-            if time.monotonic() >= deadline:
+            except grpc.RpcError as e:
+                unreachable = e.code() == grpc.StatusCode.UNAVAILABLE
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 return False
-            time.sleep(0.1)
+            self._backoff(min(0.2, remaining), reconnect=unreachable)
 
     def _limits(self):
         info = self.server_info()

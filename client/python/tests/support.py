@@ -70,7 +70,11 @@ class Server:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         if wait:
-            self.wait_serving()
+            try:
+                self.wait_serving()
+            except BaseException:
+                self.close()
+                raise
 
     def wait_serving(self, seconds=90):
         with LogprobClient(self.address, **self._client_kwargs) as c:
@@ -80,7 +84,8 @@ class Server:
                     raise RuntimeError("logprob-server exited with %s:\n%s" % (self.proc.returncode, self.log()))
                 if c.health(wait=1.0):
                     return
-        raise RuntimeError("logprob-server %s did not become SERVING:\n%s" % (self.address, self.log()))
+        log = self.log()
+        raise RuntimeError("logprob-server %s did not become SERVING:\n%s" % (self.address, log))
 
     def log(self):
         try:

@@ -4,6 +4,7 @@ free ports (ctest runs one class per test, in parallel)."""
 
 import os
 import shutil
+import sys
 import subprocess
 import threading
 import time
@@ -60,12 +61,9 @@ class GoldenTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.server = Server(workers=2, extra=["--lm-head", LM_HEAD])
+        cls.addClassCleanup(cls.server.close)
         cls.client = cls.server.client()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.close()
+        cls.addClassCleanup(cls.client.close)
 
     def test_server_info(self):
         info = self.client.server_info()
@@ -184,12 +182,9 @@ class SplitTest(unittest.TestCase):
             workers=1,
             extra=["--max-request-bytes", str(cls.MAX_BYTES), "--max-tokens-per-request", str(cls.MAX_TOKENS)],
         )
+        cls.addClassCleanup(cls.server.close)
         cls.client = cls.server.client()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.close()
+        cls.addClassCleanup(cls.client.close)
 
     def test_limits_from_server_info(self):
         info = self.client.server_info()
@@ -250,7 +245,9 @@ class OptionsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.server = Server(workers=2)
+        cls.addClassCleanup(cls.server.close)
         cls.client = cls.server.client()
+        cls.addClassCleanup(cls.client.close)
         rng = np.random.default_rng(7)
         cls.B, cls.S, cls.V = 3, 12, 257
         cls.logits = (rng.standard_normal((cls.B, cls.S, cls.V)) * 3).astype(np.float32)
@@ -258,11 +255,6 @@ class OptionsTest(unittest.TestCase):
         cls.ids[0, 5] = -100
         cls.ids[2, 3] = 7
         cls.seq_lens = np.array([12, 9, 5], dtype=np.int32)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.close()
 
     def test_same_position_entropy_topk_gather_temperature(self):
         rng = np.random.default_rng(1)
@@ -398,7 +390,6 @@ class RetryTest(unittest.TestCase):
         self.assertEqual(compare(g.expected, res.outputs), "")
         self.assertGreater(len(events), 0)
         self.assertTrue(all(e[1] == grpc.StatusCode.UNAVAILABLE for e in events), events)
-        self.assertGreater(res.attempts, 1)
 
     def test_queue_full_is_retried_until_admitted(self):
         # One token of queue: a request is refused while another is in flight.
@@ -413,7 +404,8 @@ class RetryTest(unittest.TestCase):
             def run_slow():
                 with server.client(timeout=300) as c:
                     t0 = time.monotonic()
-                    slow["result"] = c.score(hidden_states=hidden, input_ids=ids, dtype="bf16", entropy=True)
+                    slow["result"] = c.score(hidden_states=hidden, input_ids=ids, cu_seqlens=[0, T], dtype="bf16",
+                                             entropy=True)
                     slow["seconds"] = time.monotonic() - t0
                 slow["done"] = time.monotonic()
 
@@ -443,6 +435,8 @@ class RetryTest(unittest.TestCase):
                 started = time.monotonic()
                 res = c.score(**g.score_kwargs())
             t.join()
+            print("\nslow request: %.2f s; queued request: %d retries on %s"
+                  % (slow["seconds"], len(events), sorted({e[1].name for e in events})), file=sys.stderr)
             self.assertEqual(compare(g.expected, res.outputs), "")
             self.assertEqual(slow["result"].token_logprobs.shape, (T - 1,))
             if slow["done"] > started + 0.2:  # the slow request was still in flight: refused, retried
@@ -462,6 +456,7 @@ class AuthTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.dir = temp_dir("pyclient_auth")
+        cls.addClassCleanup(shutil.rmtree, cls.dir, True)
         d = cls.dir + "/"
         ec = " -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
         steps = [
@@ -482,6 +477,7 @@ class AuthTest(unittest.TestCase):
             f.write("  " + cls.TOKEN + "\n")
         cls.golden = Golden("sampling_f32")
         cls.plain = Server(workers=1, extra=["--auth-token-file", d + "token"])
+        cls.addClassCleanup(cls.plain.close)
         cls.mtls_kwargs = dict(tls_ca=d + "ca.pem", tls_cert=d + "client.pem", tls_key=d + "client.key")
         cls.mtls = Server(
             workers=1,
@@ -489,12 +485,7 @@ class AuthTest(unittest.TestCase):
                    "--tls-client-ca", d + "ca.pem"],
             client_kwargs=cls.mtls_kwargs,
         )
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.plain.close()
-        cls.mtls.close()
-        shutil.rmtree(cls.dir, ignore_errors=True)
+        cls.addClassCleanup(cls.mtls.close)
 
     def score(self, client):
         res = client.score(**self.golden.score_kwargs())
