@@ -470,17 +470,18 @@ class LogprobClient:
         request_id = request_id or self._next_id()
         server_bytes, max_bytes, max_tokens = self._limits()
         if split:
-            parts = splitter.split(inputs, request_id, max_bytes, max_tokens)
+            parts = splitter.plan(inputs, request_id, max_bytes, max_tokens)
         else:
-            parts = [inputs.request(request_id)]
+            parts = [(request_id, inputs)]
         n = len(parts)
         outputs, attempts = [], 0
-        for i in range(n):
-            part = parts[i]
-            parts[i] = None  # free each part's bytes once sent
+        for i, (part_id, part_inputs) in enumerate(parts):
+            # Each part's bytes exist only while it is sent.
+            request = splitter.build_part(part_id, part_inputs, max_bytes) if split else part_inputs.request(part_id)
             response, tries = self._call(
-                self._stub.Score, part, part=(i + 1, n), oversize=part.ByteSize() > server_bytes
+                self._stub.Score, request, part=(i + 1, n), oversize=request.ByteSize() > server_bytes
             )
+            del request
             attempts += tries
             outputs.append({t.name: from_tensor(t, copy=n == 1) for t in response.outputs})
         return ScoreResult(splitter.join(outputs), request_id, n, attempts)

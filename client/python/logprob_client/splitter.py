@@ -146,18 +146,20 @@ def _plan_packed(inp):
     return seq_bytes, seq_tokens, cu_entry, make
 
 
-def split(inp, request_id, max_bytes, max_tokens=0):
-    """Splits ``inp`` (an ``Inputs``) into ``ScoreRequest`` parts of at most
-    ``max_bytes`` serialized bytes and ``max_tokens`` token rows (0: no
-    limit). Returns ``[request]`` (id unchanged) when it already fits; parts
-    get ids ``"<id>-<i>"``. Raises InvalidInputError when one sequence alone
-    does not fit or the inputs are inconsistent."""
+def plan(inp, request_id, max_bytes, max_tokens=0):
+    """Splits ``inp`` (an ``Inputs``) into parts of at most ``max_bytes``
+    serialized bytes and ``max_tokens`` token rows (0: no limit), without
+    copying: returns ``[(part_id, Inputs)]`` whose arrays are views of
+    ``inp``'s; build each one's request with ``build_part`` when sending it.
+    Returns ``[(request_id, inp)]`` when it already fits; parts get ids
+    ``"<id>-<i>"``. Raises InvalidInputError when one sequence alone does
+    not fit or the inputs are inconsistent."""
     if max_bytes <= 0:
         raise InvalidInputError("max_bytes must be > 0")
     header = inp.header_bytes(request_id)
     total_tokens = inp.tokens()
     if header + inp.data_bytes() <= max_bytes and (max_tokens <= 0 or total_tokens <= max_tokens):
-        return [inp.request(request_id)]
+        return [(request_id, inp)]
 
     ndim = inp.rows[2].ndim
     if ndim == 3:
@@ -197,19 +199,24 @@ def split(inp, request_id, max_bytes, max_tokens=0):
     if len(seq_bytes) > begin:
         groups.append((begin, len(seq_bytes)))
     if len(groups) <= 1:
-        return [inp.request(request_id)]
+        return [(request_id, inp)]
+    return [("%s-%d" % (request_id, g + 1), Inputs(make(s0, s1), inp.options)) for g, (s0, s1) in enumerate(groups)]
 
-    parts = []
-    for g, (s0, s1) in enumerate(groups):
-        part = Inputs(make(s0, s1), inp.options).request("%s-%d" % (request_id, g + 1))
-        size = part.ByteSize()
-        if size > max_bytes:  # the estimate above is an upper bound
-            raise LogprobError(
-                grpc.StatusCode.INTERNAL,
-                "part %d has %d bytes, over the limit of %d" % (g + 1, size, max_bytes),
-            )
-        parts.append(part)
-    return parts
+
+def build_part(part_id, part, max_bytes):
+    """The ``ScoreRequest`` of one part of ``plan``; checks its size."""
+    request = part.request(part_id)
+    size = request.ByteSize()
+    if size > max_bytes:  # plan's estimate is an upper bound; never expected
+        raise LogprobError(
+            grpc.StatusCode.INTERNAL, "part %s has %d bytes, over the limit of %d" % (part_id, size, max_bytes)
+        )
+    return request
+
+
+def split(inp, request_id, max_bytes, max_tokens=0):
+    """``plan`` with every part's ``ScoreRequest`` built: ``[ScoreRequest]``."""
+    return [build_part(pid, part, max_bytes) for pid, part in plan(inp, request_id, max_bytes, max_tokens)]
 
 
 def join(outputs_per_part):

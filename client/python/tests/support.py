@@ -176,7 +176,8 @@ def compare(expected, got):
         else:
             e64, g64 = e.astype(np.float64), g.astype(np.float64)
             inf = np.isinf(e64)
-            ok = np.where(inf, e64 == g64, np.abs(e64 - g64) <= 2e-4 + 2e-5 * np.abs(e64))
+            with np.errstate(invalid="ignore"):
+                ok = np.where(inf, e64 == g64, np.abs(e64 - g64) <= 2e-4 + 2e-5 * np.abs(e64))
             bad = np.argwhere(~ok)
         for idx in bad[:5]:
             idx = tuple(int(i) for i in idx)

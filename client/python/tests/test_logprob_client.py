@@ -545,5 +545,92 @@ class AuthTest(unittest.TestCase):
             LogprobClient(self.mtls.address, tls_ca=d + "ca.pem", tls_cert=d + "client.pem")
 
 
+class OfflineTest(unittest.TestCase):
+    """No server: stub generation at import time, the splitter's parts, and
+    the input conversions."""
+
+    def test_stubs_generated_at_import_time(self):
+        # A copy of the package outside the source tree (no build/python next
+        # to it): the stubs are generated from LOGPROB_PROTO_DIR into the cache.
+        d = temp_dir("pyclient_stubs")
+        self.addCleanup(shutil.rmtree, d, True)
+        shutil.copytree(os.path.join(support.SOURCE_ROOT, "client", "python", "logprob_client"),
+                        os.path.join(d, "pkg", "logprob_client"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        env = dict(os.environ, PYTHONPATH=os.path.join(d, "pkg"), XDG_CACHE_HOME=os.path.join(d, "cache"),
+                   LOGPROB_PROTO_DIR=os.path.join(support.SOURCE_ROOT, "proto"))
+        env.pop("LOGPROB_PY_STUBS_DIR", None)
+        code = ("import logprob_client as c; print(c.logprob_pb2.__file__); "
+                "print(c.logprob_pb2.ScoreOptions(topk=3).topk, hasattr(c.logprob_pb2_grpc, 'LogprobServiceStub'))")
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=d, capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        path, values = out.stdout.splitlines()
+        self.assertTrue(path.startswith(os.path.join(d, "cache", "logprob_client")), path)
+        self.assertEqual(values, "3 True")
+        # Without protoc's inputs: a clear ImportError.
+        env["LOGPROB_PROTO_DIR"] = os.path.join(d, "nowhere")
+        env["XDG_CACHE_HOME"] = os.path.join(d, "cache2")
+        out = subprocess.run([sys.executable, "-c", "import logprob_client"], env=env, cwd=d, capture_output=True,
+                             text=True)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("logprob_python_stubs", out.stderr)
+
+    def test_split_packed_parts(self):
+        from logprob_client import splitter, logprob_pb2 as pb2
+        from logprob_client.tensors import I32, I64, F32
+
+        V, lens = 8, [3, 5, 1, 4]
+        T = sum(lens)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        logits = np.arange(T * V, dtype=np.float32).reshape(T, V)
+        ids = np.arange(T, dtype=np.int64)
+        for alignment, outs in ((pb2.NEXT_TOKEN, [2, 4, 0, 3]), (pb2.SAME_POSITION, lens)):
+            gather = np.arange(sum(outs) * 2, dtype=np.int64).reshape(-1, 2)
+            inp = splitter.Inputs(
+                [("logits", F32, logits), ("input_ids", I64, ids), ("cu_seqlens", I32, cu),
+                 ("gather_indices", I64, gather)],
+                pb2.ScoreOptions(alignment=alignment),
+            )
+            parts = splitter.split(inp, "r", max_bytes=10 ** 6, max_tokens=6)  # [3], [5, 1], [4]
+            self.assertEqual([p.id for p in parts], ["r-1", "r-2", "r-3"])
+            got_cu = [np.frombuffer(p.inputs[2].data, "<i4").tolist() for p in parts]
+            self.assertEqual(got_cu, [[0, 3], [0, 5, 6], [0, 4]])
+            self.assertTrue(all(p.inputs[2].dtype == I32 for p in parts))
+            rows = [np.frombuffer(p.inputs[0].data, "<f4").reshape(-1, V) for p in parts]
+            np.testing.assert_array_equal(np.concatenate(rows), logits)
+            g_rows = [list(p.inputs[3].shape)[0] for p in parts]
+            self.assertEqual(g_rows, [outs[0], outs[1] + outs[2], outs[3]])
+            np.testing.assert_array_equal(
+                np.concatenate([np.frombuffer(p.inputs[3].data, "<i8").reshape(-1, 2) for p in parts]), gather)
+            # Byte limit: the same cut from sizes alone.
+            one = parts[1].ByteSize()
+            self.assertEqual(len(splitter.split(inp, "r", max_bytes=one + 40)), 3)
+            self.assertEqual(len(splitter.split(inp, "r", max_bytes=10 ** 6)), 1)
+            for p in splitter.split(inp, "r", max_bytes=one + 40):
+                self.assertLessEqual(p.ByteSize(), one + 40)
+        joined = splitter.join([{"a": np.ones((2, 3))}, {"a": np.zeros((0, 3))}, {"a": np.full((1, 3), 2.0)}])
+        self.assertEqual(joined["a"].shape, (3, 3))
+
+    def test_conversions(self):
+        from logprob_client.tensors import BF16, F16, F32, I32, I64, float_array, int_array
+
+        x = np.linspace(-3, 3, 12, dtype=np.float64).reshape(3, 4)
+        self.assertEqual(float_array("logits", x)[0], F32)  # float64 -> f32
+        self.assertEqual(float_array("logits", x.astype(np.float16))[0], F16)
+        dt, bits = float_array("logits", x, dtype="bf16")
+        self.assertEqual((dt, bits.dtype), (BF16, np.dtype("<u2")))
+        np.testing.assert_allclose(bf16_bits_to_float32(bits), x, rtol=2 ** -8)
+        self.assertEqual(int_array("ids", np.zeros(3, np.int32))[0], I32)
+        self.assertEqual(int_array("ids", [1, 2, 3])[0], I64)
+        self.assertEqual(int_array("ids", np.zeros(3, np.uint8))[0], I64)
+        with self.assertRaises(TypeError):
+            int_array("ids", x)
+        with self.assertRaises(ValueError):
+            float_array("logits", x, dtype="f8")
+        be = x.astype(">f4")
+        dt, arr = float_array("logits", be)
+        self.assertEqual(arr.tobytes(), x.astype("<f4").tobytes())  # sent little-endian
+
+
 if __name__ == "__main__":
     unittest.main()
