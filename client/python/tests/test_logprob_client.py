@@ -393,35 +393,39 @@ class RetryTest(unittest.TestCase):
 
     def test_queue_full_is_retried_until_admitted(self):
         # One token of queue: a request is refused while another is in flight.
-        server = Server(workers=1, extra=["--lm-head", LM_HEAD, "--max-queue-tokens", "1"])
+        server = Server(workers=1, extra=["--lm-head", LM_HEAD, "--max-queue-tokens", "1", "--worker-threads", "1"])
         try:
             rng = np.random.default_rng(3)
-            T = 16384
-            hidden = float32_to_bf16_bits(rng.standard_normal((T, 256)).astype(np.float32))
-            ids = rng.integers(0, 8192, size=T)
-            slow = {}
-
-            def run_slow():
-                with server.client(timeout=300) as c:
-                    t0 = time.monotonic()
-                    slow["result"] = c.score(hidden_states=hidden, input_ids=ids, cu_seqlens=[0, T], dtype="bf16",
-                                             entropy=True)
-                    slow["seconds"] = time.monotonic() - t0
-                slow["done"] = time.monotonic()
-
             g = Golden("sampling_f32")
-            with server.client(retry=RetryPolicy(max_attempts=1)) as probe:
-                probe.server_info()
-                t = threading.Thread(target=run_slow)
-                t.start()
-                refused = None
-                deadline = time.monotonic() + 20
-                while refused is None and time.monotonic() < deadline and "done" not in slow:
-                    try:
-                        probe.score(**g.score_kwargs())
-                    except LogprobError as e:
-                        refused = e
-                    time.sleep(0.01)
+            # A slow hidden-states request holds the queue; larger on a fast machine.
+            for T in (16384, 65536):
+                hidden = float32_to_bf16_bits(rng.standard_normal((T, 256)).astype(np.float32))
+                ids = rng.integers(0, 8192, size=T)
+                slow = {}
+
+                def run_slow(T=T, hidden=hidden, ids=ids, slow=slow):
+                    with server.client(timeout=300) as c:
+                        t0 = time.monotonic()
+                        slow["result"] = c.score(hidden_states=hidden, input_ids=ids, cu_seqlens=[0, T],
+                                                 dtype="bf16", entropy=True)
+                        slow["seconds"] = time.monotonic() - t0
+                    slow["done"] = time.monotonic()
+
+                with server.client(retry=RetryPolicy(max_attempts=1)) as probe:
+                    probe.server_info()
+                    t = threading.Thread(target=run_slow)
+                    t.start()
+                    refused = None
+                    deadline = time.monotonic() + 20
+                    while refused is None and time.monotonic() < deadline and "done" not in slow:
+                        try:
+                            probe.score(**g.score_kwargs())
+                        except LogprobError as e:
+                            refused = e
+                        time.sleep(0.01)
+                if refused is not None:
+                    break
+                t.join()
             self.assertIsNotNone(refused, "the slow request (%s) never filled the queue" % slow.get("seconds"))
             self.assertEqual(refused.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
             self.assertEqual(refused.attempts, 1)
@@ -436,7 +440,7 @@ class RetryTest(unittest.TestCase):
                 res = c.score(**g.score_kwargs())
             t.join()
             print("\nslow request: %.2f s; queued request: %d retries on %s"
-                  % (slow["seconds"], len(events), sorted({e[1].name for e in events})), file=sys.stderr)
+                  % (slow.get("seconds", -1), len(events), sorted({e[1].name for e in events})), file=sys.stderr)
             self.assertEqual(compare(g.expected, res.outputs), "")
             self.assertEqual(slow["result"].token_logprobs.shape, (T - 1,))
             if slow["done"] > started + 0.2:  # the slow request was still in flight: refused, retried
