@@ -213,11 +213,21 @@ class LogprobClient:
         self._info_lock = threading.Lock()
         self._rng = random.Random()
 
+        if token is not None and token_file is not None:
+            raise InvalidInputError("give token or token_file, not both")
+        if token_file is not None:
+            token = _check_token(_read_file("token_file", token_file).decode("latin-1"), "token_file " + token_file)
+        elif token is not None:
+            token = _check_token(token, "token")
+        self._metadata = (("authorization", "Bearer " + token),) if token else None
+
         options = [
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", -1),
+            # Quick reconnects to a server that comes back. (Not
+            # grpc.min_reconnect_backoff_ms: gRPC also takes it as the time a
+            # connection attempt, TLS handshake included, may last.)
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 500),
         ]
         use_tls = any(x for x in (tls_ca, tls_cert, tls_key, tls_server_name))
@@ -236,14 +246,6 @@ class LogprobClient:
         else:
             options.extend(channel_options)
             self._channel = grpc.insecure_channel(target, options=options)
-
-        if token is not None and token_file is not None:
-            raise InvalidInputError("give token or token_file, not both")
-        if token_file is not None:
-            token = _check_token(_read_file("token_file", token_file).decode("latin-1"), "token_file " + token_file)
-        elif token is not None:
-            token = _check_token(token, "token")
-        self._metadata = (("authorization", "Bearer " + token),) if token else None
         if token and not use_tls:
             warnings.warn("logprob_client: bearer token without TLS: the token is sent in plaintext", stacklevel=2)
 
