@@ -1,0 +1,186 @@
+"""Conversions between numpy / torch arrays and ``logprob.v1.Tensor`` messages.
+
+Wire format (``proto/logprob/v1/logprob.proto``): raw little-endian bytes,
+a dtype (F32, BF16, F16, I32, I64) and a shape.
+
+numpy has no bfloat16. A bf16 array is accepted as
+
+- a ``uint16`` numpy array holding the raw bf16 bits, tagged with
+  ``dtype="bf16"`` (the ``*_dtype`` argument of ``LogprobClient.score``);
+- an ``ml_dtypes.bfloat16`` array (when ``ml_dtypes`` is installed);
+- a ``torch.bfloat16`` tensor (when ``torch`` is installed).
+
+Float arrays can also be converted on the way: ``dtype="bf16"`` on a
+float32 array rounds it to bf16 (round to nearest even), ``"f16"`` casts to
+float16, ``"f32"`` casts to float32. float64 input without a dtype is sent
+as float32.
+"""
+
+import numpy as np
+
+from ._proto import pb2
+
+F32 = pb2.F32
+BF16 = pb2.BF16
+F16 = pb2.F16
+I32 = pb2.I32
+I64 = pb2.I64
+
+_FLOAT_NAMES = {
+    "f32": F32,
+    "float32": F32,
+    "fp32": F32,
+    "bf16": BF16,
+    "bfloat16": BF16,
+    "f16": F16,
+    "float16": F16,
+    "fp16": F16,
+    "half": F16,
+}
+
+# numpy dtype of each wire dtype (BF16 as its raw uint16 bits).
+NUMPY_DTYPE = {
+    F32: np.dtype("<f4"),
+    BF16: np.dtype("<u2"),
+    F16: np.dtype("<f2"),
+    I32: np.dtype("<i4"),
+    I64: np.dtype("<i8"),
+}
+
+DTYPE_SIZE = {k: v.itemsize for k, v in NUMPY_DTYPE.items()}
+
+
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach")
+
+
+def _is_ml_bf16(arr):
+    return arr.dtype.name == "bfloat16"
+
+
+def as_numpy(x):
+    """Returns ``(array, is_bf16)`` for a numpy array, array-like or torch
+    tensor. torch tensors are ``.detach().cpu()``-ed; a bf16 torch or
+    ml_dtypes array comes back as its raw ``uint16`` bits with
+    ``is_bf16=True``."""
+    if _is_torch(x):
+        import torch  # only reached when x is a torch tensor
+
+        t = x.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16), True
+        return t.numpy(), False
+    arr = np.asarray(x)
+    if _is_ml_bf16(arr):
+        return np.ascontiguousarray(arr).view(np.uint16), True
+    return arr, False
+
+
+def float32_to_bf16_bits(a):
+    """Rounds a float32 array to bfloat16 (nearest even; NaN stays NaN) and
+    returns the raw ``uint16`` bits."""
+    a = np.ascontiguousarray(a, dtype="<f4")
+    u = a.view("<u4").astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+    nan = np.isnan(a)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> 16) | 0x40).astype("<u2")
+    return rounded
+
+
+def bf16_bits_to_float32(bits):
+    """float32 values of raw bfloat16 bits (a ``uint16`` array); exact."""
+    bits = np.asarray(bits, dtype="<u2")
+    return (bits.astype("<u4") << 16).view("<f4")
+
+
+def parse_float_dtype(dtype):
+    """Wire dtype of a name ("f32", "bf16", "f16", "float32", ...), a numpy
+    dtype, or a wire dtype value; None stays None."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        key = dtype.lower()
+        if key.startswith("torch."):
+            key = key[len("torch."):]
+        if key in _FLOAT_NAMES:
+            return _FLOAT_NAMES[key]
+        raise ValueError("unknown float dtype %r (use 'f32', 'bf16' or 'f16')" % (dtype,))
+    if isinstance(dtype, int) and dtype in (F32, BF16, F16):
+        return dtype
+    if _is_torch(dtype) or type(dtype).__module__ == "torch":
+        return parse_float_dtype(str(dtype))
+    name = np.dtype(dtype).name
+    if name in _FLOAT_NAMES:
+        return _FLOAT_NAMES[name]
+    raise ValueError("unsupported float dtype %r (use 'f32', 'bf16' or 'f16')" % (dtype,))
+
+
+def float_array(name, x, dtype=None):
+    """Converts ``x`` (scores: logits or hidden states) into
+    ``(wire_dtype, contiguous little-endian array)``; BF16 as uint16 bits.
+
+    ``dtype`` (optional): the wire dtype to send ("f32", "bf16", "f16").
+    A ``uint16`` array is only accepted with ``dtype="bf16"`` (raw bits).
+    """
+    arr, is_bf16 = as_numpy(x)
+    want = parse_float_dtype(dtype)
+    if is_bf16:
+        if want not in (None, BF16):
+            arr = bf16_bits_to_float32(arr)
+            is_bf16 = False
+        else:
+            return BF16, np.ascontiguousarray(arr, dtype="<u2")
+    kind = arr.dtype.kind
+    if kind == "u" and arr.dtype.itemsize == 2:
+        if want == BF16:
+            return BF16, np.ascontiguousarray(arr, dtype="<u2")
+        raise TypeError(
+            "'%s' is a uint16 array: pass %s_dtype='bf16' if it holds raw bfloat16 bits" % (name, name)
+        )
+    if kind != "f":
+        raise TypeError("'%s' must be a float array (f32, bf16 or f16), got dtype %s" % (name, arr.dtype))
+    if want is None:
+        want = F16 if arr.dtype.itemsize == 2 else F32
+    if want == BF16:
+        return BF16, float32_to_bf16_bits(arr.astype("<f4", copy=False))
+    return want, np.ascontiguousarray(arr, dtype=NUMPY_DTYPE[want])
+
+
+def int_array(name, x):
+    """Converts ``x`` (ids, lengths) into ``(wire_dtype, array)``: int32
+    stays I32, int64 stays I64, other integer (and bool) types become I64."""
+    arr, is_bf16 = as_numpy(x)
+    if is_bf16 or arr.dtype.kind not in "iub":
+        raise TypeError("'%s' must be an integer array, got dtype %s" % (name, "bfloat16" if is_bf16 else arr.dtype))
+    if arr.dtype.kind == "i" and arr.dtype.itemsize == 4:
+        return I32, np.ascontiguousarray(arr, dtype="<i4")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError("'%s' holds values that do not fit int64" % name)
+    return I64, np.ascontiguousarray(arr, dtype="<i8")
+
+
+def to_tensor(name, wire_dtype, arr):
+    """A ``logprob.v1.Tensor`` holding ``arr`` (already in the wire dtype)."""
+    t = pb2.Tensor(name=name, dtype=wire_dtype, shape=[int(d) for d in arr.shape])
+    t.data = np.ascontiguousarray(arr, dtype=NUMPY_DTYPE[wire_dtype]).tobytes()
+    return t
+
+
+def from_tensor(t, copy=True):
+    """numpy array of a ``logprob.v1.Tensor`` (BF16 as float32 values).
+    Raises ValueError when the bytes do not match the shape."""
+    if t.dtype not in NUMPY_DTYPE:
+        raise ValueError("output '%s' has unsupported dtype %d" % (t.name, t.dtype))
+    dt = NUMPY_DTYPE[t.dtype]
+    shape = tuple(int(d) for d in t.shape)
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if n * dt.itemsize != len(t.data):
+        raise ValueError(
+            "output '%s' has %d bytes; shape %s of %s needs %d"
+            % (t.name, len(t.data), list(shape), pb2.DType.Name(t.dtype), n * dt.itemsize)
+        )
+    arr = np.frombuffer(t.data, dtype=dt).reshape(shape)
+    if t.dtype == BF16:
+        return bf16_bits_to_float32(arr).reshape(shape)
+    return arr.copy() if copy else arr

@@ -1,0 +1,61 @@
+"""float64 numpy reference of shared/SPEC.md's scoring, for the tests."""
+
+import numpy as np
+
+
+def scored_logprobs(z, temperature=1.0, top_k=0, top_p=1.0):
+    """log_softmax of one row after temperature and the sampling filters
+    (NeMo-RL apply_top_k_top_p): -inf where filtered out."""
+    x = np.asarray(z, dtype=np.float32).astype(np.float64) / np.float64(np.float32(temperature))
+    keep = np.ones(x.shape, dtype=bool)
+    if top_k > 0:
+        kth = np.sort(x)[::-1][min(top_k, x.size) - 1]
+        keep &= x >= kth
+    if 0 < top_p < 1:
+        xs = np.where(keep, x, -np.inf)
+        order = np.argsort(xs, kind="stable")  # ascending; -inf first
+        s = xs[order]
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        c = np.cumsum(p)
+        kept_sorted = c > 1 - top_p
+        kept_sorted[-1] = True
+        k2 = np.zeros(x.shape, dtype=bool)
+        k2[order[kept_sorted]] = True
+        keep &= k2
+    xs = np.where(keep, x, -np.inf)
+    m = xs[keep].max()
+    lse = m + np.log(np.exp(xs[keep] - m).sum())
+    return np.where(keep, xs - lse, -np.inf)
+
+
+def score_padded(logits, ids, seq_lens=None, alignment="next_token", temperature=1.0, top_k=0, top_p=1.0,
+                 topk=0, gather=None, ignore_index=-100):
+    """Reference outputs {name: array} of a padded batch [B, S, V]."""
+    B, S, V = logits.shape
+    lens = np.full(B, S) if seq_lens is None else np.asarray(seq_lens)
+    shift = 1 if alignment == "next_token" else 0
+    O = S - shift
+    out = {
+        "token_logprobs": np.zeros((B, O)),
+        "entropy": np.zeros((B, O)),
+    }
+    if topk:
+        out["topk_logprobs"] = np.zeros((B, O, topk))
+        out["topk_indices"] = np.zeros((B, O, topk), dtype=np.int64)
+    if gather is not None:
+        out["gathered_logprobs"] = np.zeros(gather.shape)
+    for b in range(B):
+        for t in range(int(lens[b]) - shift):
+            lp = scored_logprobs(logits[b, t], temperature, top_k, top_p)
+            target = int(ids[b, t + shift])
+            out["token_logprobs"][b, t] = 0.0 if target == ignore_index else lp[target]
+            p = np.exp(lp)
+            out["entropy"][b, t] = -np.sum(np.where(p > 0, p * lp, 0.0))
+            if topk:
+                order = np.lexsort((np.arange(V), -lp))[:topk]  # largest first, lower id on ties
+                out["topk_logprobs"][b, t] = lp[order]
+                out["topk_indices"][b, t] = order
+            if gather is not None:
+                out["gathered_logprobs"][b, t] = lp[gather[b, t]]
+    return {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in out.items()}

@@ -1,0 +1,185 @@
+"""Helpers of the Python client tests: a live logprob-server child process on
+a free loopback port, the golden cases, and the SPEC comparison
+(``2e-4 + 2e-5 * |expected|``, ids exact, -inf where expected).
+
+Environment (set by ctest, see tests/CMakeLists.txt): ``LOGPROB_BIN_DIR``
+(the built logprob-server / logprob-worker), ``LOGPROB_GOLDEN_DIR``.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_ROOT = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
+sys.path.insert(0, os.path.join(SOURCE_ROOT, "client", "python"))
+
+from logprob_client import LogprobClient  # noqa: E402
+from logprob_client import safetensors  # noqa: E402
+
+BIN_DIR = os.environ.get("LOGPROB_BIN_DIR", os.path.join(SOURCE_ROOT, "build", "bin"))
+GOLDEN_DIR = os.environ.get("LOGPROB_GOLDEN_DIR", os.path.join(SOURCE_ROOT, "tests", "data", "golden"))
+LOGITS_CASES = ["basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16"]
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def temp_dir(prefix):
+    """A fresh per-process temporary folder (ctest runs tests in parallel)."""
+    return tempfile.mkdtemp(prefix="%s_%d_" % (prefix, os.getpid()))
+
+
+class Server:
+    """``logprob-server --listen 127.0.0.1:PORT --workers N --backend cpu``
+    plus ``extra`` flags, started and waited on (health SERVING, up to 90 s)
+    over a client made with ``client_kwargs`` (TLS for a TLS server)."""
+
+    def __init__(self, workers=1, extra=(), client_kwargs=None, port=None, wait=True):
+        self.workers = workers
+        self.extra = list(extra)
+        self.port = port or free_port()
+        self.address = "127.0.0.1:%d" % self.port
+        self.log_dir = temp_dir("pyclient_server")
+        self.log_path = os.path.join(self.log_dir, "server.log")
+        self.proc = None
+        self._client_kwargs = dict(client_kwargs or {})
+        self.start(wait)
+
+    def start(self, wait=True):
+        args = [
+            os.path.join(BIN_DIR, "logprob-server"),
+            "--listen",
+            self.address,
+            "--workers",
+            str(self.workers),
+            "--backend",
+            "cpu",
+        ] + self.extra
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        if wait:
+            try:
+                self.wait_serving()
+            except BaseException:
+                self.close()
+                raise
+
+    def wait_serving(self, seconds=90):
+        with LogprobClient(self.address, **self._client_kwargs) as c:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("logprob-server exited with %s:\n%s" % (self.proc.returncode, self.log()))
+                if c.health(wait=1.0):
+                    return
+        log = self.log()
+        raise RuntimeError("logprob-server %s did not become SERVING:\n%s" % (self.address, log))
+
+    def log(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self):
+        """SIGTERM, then wait (SIGKILL after 30 s)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self._log.close()
+        self.proc = None
+
+    def close(self):
+        self.stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def client(self, **kwargs):
+        kw = dict(self._client_kwargs)
+        kw.update(kwargs)
+        return LogprobClient(self.address, **kw)
+
+
+class Golden:
+    """A golden case: ``inputs`` / ``expected`` ({name: ndarray}, BF16 as
+    uint16 bits), ``dtypes`` of the inputs, and the score() keyword options
+    from its metadata (like tests/test_support.cc LoadGolden)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.inputs, meta = safetensors.load(os.path.join(GOLDEN_DIR, name + ".safetensors"))
+        self.expected, _ = safetensors.load(os.path.join(GOLDEN_DIR, name + ".expected.safetensors"))
+        self.dtypes = meta["__dtypes__"]
+        self.meta = meta
+        o = {}
+        if meta.get("alignment") == "same_position":
+            o["alignment"] = "same_position"
+        if meta.get("temperature"):
+            o["temperature"] = float(meta["temperature"])
+        if meta.get("sampling_top_k"):
+            o["sampling_top_k"] = int(meta["sampling_top_k"])
+        if meta.get("sampling_top_p"):
+            o["sampling_top_p"] = float(meta["sampling_top_p"])
+        if meta.get("topk"):
+            o["topk"] = int(meta["topk"])
+        o["entropy"] = "entropy" in self.expected
+        self.options = o
+
+    def rows_name(self):
+        return "logits" if "logits" in self.inputs else "hidden_states"
+
+    def score_kwargs(self):
+        """Keyword arguments of LogprobClient.score for this case."""
+        kw = dict(self.options)
+        rows = self.rows_name()
+        kw[rows] = self.inputs[rows]
+        if self.dtypes[rows] == "BF16":
+            kw["dtype"] = "bf16"
+        for name in ("input_ids", "cu_seqlens", "seq_lens", "gather_indices"):
+            if name in self.inputs:
+                kw[name] = self.inputs[name]
+        return kw
+
+
+def compare(expected, got):
+    """'' when every expected output is in ``got`` ({name: ndarray}) with the
+    same shape and dtype and within the SPEC tolerance (ids exact, infinities
+    equal); else a description of the first mismatches."""
+    errors = []
+    for name, e in expected.items():
+        g = got.get(name)
+        if g is None:
+            errors.append("missing output %s" % name)
+            continue
+        if g.shape != e.shape or g.dtype != e.dtype:
+            errors.append("%s: %s %s, expected %s %s" % (name, g.dtype, g.shape, e.dtype, e.shape))
+            continue
+        if e.dtype.kind == "i":
+            bad = np.argwhere(e != g)
+        else:
+            e64, g64 = e.astype(np.float64), g.astype(np.float64)
+            inf = np.isinf(e64)
+            with np.errstate(invalid="ignore"):
+                ok = np.where(inf, e64 == g64, np.abs(e64 - g64) <= 2e-4 + 2e-5 * np.abs(e64))
+            bad = np.argwhere(~ok)
+        for idx in bad[:5]:
+            idx = tuple(int(i) for i in idx)
+            errors.append("%s%s: expected %r got %r" % (name, list(idx), e[idx], g[idx]))
+    return "\n".join(errors)
