@@ -24,9 +24,17 @@ std::string BinDir();
 /// A TCP port on 127.0.0.1 that was free a moment ago.
 int FreePort();
 
+/// Starts `args` (args[0] the program's path) as a child process with this
+/// process's environment; -1 (and a test failure) if it cannot.
+pid_t SpawnProcess(const std::vector<std::string>& args);
+
 /// A logprob-server child process with its own local worker pool.
 class ServerProcess {
  public:
+  /// Starts `logprob-server --listen 127.0.0.1:PORT` plus `args` and does
+  /// not wait for health (e.g. cluster mode, NOT_SERVING until workers
+  /// join). Null (and a test failure) if it cannot be started.
+  static std::unique_ptr<ServerProcess> Launch(const std::vector<std::string>& args);
   /// Starts `logprob-server --listen 127.0.0.1:PORT --workers N` plus
   /// `extra` flags and waits (up to 60 s) until health reports SERVING.
   /// Fails the current test (and returns null) if it does not.
