@@ -12,7 +12,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <filesystem>
 #include <future>
 #include <thread>
 
@@ -53,26 +52,15 @@ class WorkerProcess {
 
 class Cluster : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    // One file per process: ctest runs the tests of this suite in parallel processes.
-    lm_head_ = new std::string(::testing::TempDir() + "/cluster_lm_head." + std::to_string(getpid()) + ".safetensors");
-    ASSERT_TRUE(WriteRandomLmHead(*lm_head_, kV, kH, 5).ok());
-    slow_ = new v1::ScoreRequest(RandomHiddenRequest(8192, kH, kV, 21));
-    quick_ = new v1::ScoreRequest(RandomHiddenRequest(64, kH, kV, 22));
-  }
-  static void TearDownTestSuite() {
-    std::filesystem::remove(*lm_head_);
-    delete lm_head_;
-    delete slow_;
-    delete quick_;
-  }
+  static void SetUpTestSuite() { work_ = new HiddenWorkload("cluster", kV, kH, 5, 8192, 64); }
+  static void TearDownTestSuite() { delete work_; }
 
   /// Starts `logprob-server --external-workers 2` on a fixed control port
   /// (frontend_) and waits until its health answers (NOT_SERVING).
   void StartServer() {
     frontend_ = "127.0.0.1:" + std::to_string(FreePort());
     server_ = ServerProcess::Launch({"--external-workers", "2", "--control-listen", frontend_, "--backend", "cpu",
-                                     "--lm-head", *lm_head_});
+                                     "--lm-head", work_->lm_head});
     ASSERT_TRUE(server_);
     ASSERT_EQ(WaitForStatus(ServingStatus::kNotServing), ServingStatus::kNotServing);
     stub_ = server_->NewStub();
@@ -117,23 +105,20 @@ class Cluster : public ::testing::Test {
       const std::vector<v1::Tensor> got(resp.outputs().begin(), resp.outputs().end());
       EXPECT_EQ(CompareOutputs(c.expected.tensors, got), "");
     }
-    const grpc::Status hidden = Score(*quick_);
+    const grpc::Status hidden = Score(work_->quick);
     EXPECT_TRUE(hidden.ok()) << "hidden states: " << hidden.error_message();
   }
 
   /// A request that keeps both workers busy for seconds (hidden states,
   /// a GEMM of 8192 x 32000 x 1024).
-  static const v1::ScoreRequest& Slow() { return *slow_; }
+  static const v1::ScoreRequest& Slow() { return work_->slow; }
 
   std::string frontend_;
   std::unique_ptr<ServerProcess> server_;
   std::unique_ptr<v1::LogprobService::Stub> stub_;
-  static std::string* lm_head_;
-  static v1::ScoreRequest *slow_, *quick_;
+  static HiddenWorkload* work_;
 };
-std::string* Cluster::lm_head_ = nullptr;
-v1::ScoreRequest* Cluster::slow_ = nullptr;
-v1::ScoreRequest* Cluster::quick_ = nullptr;
+HiddenWorkload* Cluster::work_ = nullptr;
 
 TEST_F(Cluster, WorkersJoinScoreAndARestartedWorkerIsReadmitted) {
   ASSERT_NO_FATAL_FAILURE(StartServer());

@@ -152,6 +152,17 @@ absl::Status WriteRandomLmHead(const std::string& path, int64_t V, int64_t H, ui
   return WriteSafetensors(path, {t});
 }
 
+HiddenWorkload::HiddenWorkload(const std::string& tag, int64_t v, int64_t h, uint32_t seed, int64_t slow_tokens,
+                               int64_t quick_tokens)
+    : lm_head(::testing::TempDir() + "/" + tag + "_lm_head." + std::to_string(getpid()) + ".safetensors"),
+      slow(RandomHiddenRequest(slow_tokens, h, v, seed + 1)),
+      quick(RandomHiddenRequest(quick_tokens, h, v, seed + 2)) {
+  const absl::Status st = WriteRandomLmHead(lm_head, v, h, seed);
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+HiddenWorkload::~HiddenWorkload() { std::filesystem::remove(lm_head); }
+
 int64_t PeakRssBytes(pid_t pid) {
   std::ifstream status("/proc/" + std::to_string(pid) + "/status");
   std::string key;

@@ -81,6 +81,20 @@ v1::ScoreRequest RandomHiddenRequest(int64_t T, int64_t H, int64_t V, uint32_t s
 /// Writes a safetensors file with `lm_head.weight` [V, H] bf16, normal(0, 0.05).
 absl::Status WriteRandomLmHead(const std::string& path, int64_t V, int64_t H, uint32_t seed);
 
+/// Hidden-states workload of the live-server tests that need requests
+/// lasting seconds: a random bf16 lm_head [v, h] in a per-process file
+/// (ctest runs tests in parallel processes; removed by the destructor) and
+/// two requests built once (RandomHiddenRequest, seeds seed + 1 and + 2).
+struct HiddenWorkload {
+  /// `tag` names the file (TempDir()/TAG_lm_head.PID.safetensors).
+  HiddenWorkload(const std::string& tag, int64_t v, int64_t h, uint32_t seed, int64_t slow_tokens,
+                 int64_t quick_tokens);
+  ~HiddenWorkload();
+  std::string lm_head;    // path for --lm-head
+  v1::ScoreRequest slow;  // keeps the workers busy for seconds
+  v1::ScoreRequest quick;
+};
+
 /// A golden case: inputs, expected outputs and the options from metadata.
 struct GoldenCase {
   std::string name;
