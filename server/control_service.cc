@@ -9,6 +9,13 @@ namespace logprob {
 
 namespace {
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a Join call looks at its context
+
+/// How a Join stream ends when its generation is over.
+grpc::Status GenerationEnded(int64_t generation) {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("pool generation ", generation, " ended; join again"));
+}
+/// How a Join stream ends when the front-end stops.
+grpc::Status ShuttingDown() { return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the front-end is shutting down"); }
 }  // namespace
 
 ControlService::ControlService(int world_size, internal::v1::JoinReply worker_config, LeaveCallback on_leave)
@@ -33,7 +40,7 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
   Joiner me;
   me.who = absl::StrCat(req->hostname(), " (pid ", req->pid(), ", peer ", ctx->peer(), ")");
   std::unique_lock<std::mutex> lock(mu_);
-  if (shutdown_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the front-end is shutting down");
+  if (shutdown_) return ShuttingDown();
   if (assigned_ || static_cast<int>(waiting_.size()) >= world_size_)
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         absl::StrCat("the pool already has its ", world_size_, " workers (generation ", generation_,
@@ -46,12 +53,13 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
   while (me.rank < 0) {
     if (shutdown_ || ctx->IsCancelled()) {
       waiting_.erase(std::find(waiting_.begin(), waiting_.end(), &me));
-      if (shutdown_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the front-end is shutting down");
+      if (shutdown_) return ShuttingDown();
       std::cerr << "logprob-server: worker " << me.who << " left before the pool formed" << std::endl;
       return grpc::Status(grpc::StatusCode::CANCELLED, "worker left");
     }
     cv_.wait_for(lock, kPoll);
   }
+  if (me.generation != generation_) return GenerationEnded(me.generation);  // reset since the assignment
   internal::v1::JoinReply reply = worker_config_;
   reply.set_rank(me.rank);
   reply.set_world_size(world_size_);
@@ -66,10 +74,8 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
     gone = ctx->IsCancelled();
     if (!gone) cv_.wait_for(lock, kPoll);
   }
-  if (me.generation != generation_ || shutdown_)
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        shutdown_ ? "the front-end is shutting down"
-                                  : absl::StrCat("pool generation ", me.generation, " ended; join again"));
+  if (shutdown_) return ShuttingDown();
+  if (me.generation != generation_) return GenerationEnded(me.generation);
   lock.unlock();
   const std::string why = absl::StrCat("worker rank ", me.rank, " ", me.who, " left the control plane");
   if (on_leave_) on_leave_(me.generation, me.rank, why);

@@ -146,6 +146,8 @@ int main(int argc, char** argv) {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // A front-end that restarts is found again within seconds, not gRPC's default 2 minutes.
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
   auto channel = grpc::CreateCustomChannel(frontend, grpc::InsecureChannelCredentials(), args);
   auto control = std::shared_ptr<logprob::internal::v1::Control::Stub>(logprob::internal::v1::Control::NewStub(channel));
 
