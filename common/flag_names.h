@@ -18,4 +18,19 @@ inline void NormalizeFlagDashes(int argc, char** argv) {
   }
 }
 
+/// True if flag `name` (underscores) is on the command line ("--name",
+/// "--name=v", "-name", "-name=v") before a bare "--". Call after
+/// NormalizeFlagDashes.
+inline bool FlagGiven(int argc, char** argv, const char* name) {
+  const size_t n = std::strlen(name);
+  for (int i = 1; i < argc; ++i) {
+    const char* a = argv[i];
+    if (std::strcmp(a, "--") == 0) break;
+    if (a[0] != '-') continue;
+    a += a[1] == '-' ? 2 : 1;
+    if (std::strncmp(a, name, n) == 0 && (a[n] == '\0' || a[n] == '=')) return true;
+  }
+  return false;
+}
+
 }  // namespace logprob

@@ -1,24 +1,85 @@
 #include "server/control_service.h"
 
+#include <algorithm>
+#include <iostream>
+
 #include "absl/strings/str_cat.h"
 
 namespace logprob {
 
-ControlService::ControlService(int world_size, std::string store_prefix, internal::v1::JoinReply worker_config)
-    : world_size_(world_size), prefix_(std::move(store_prefix)), worker_config_(std::move(worker_config)),
+namespace {
+constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a Join call looks at its context
+
+/// How a Join stream ends when its generation is over.
+grpc::Status GenerationEnded(int64_t generation) {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("pool generation ", generation, " ended; join again"));
+}
+/// How a Join stream ends when the front-end stops.
+grpc::Status ShuttingDown() { return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the front-end is shutting down"); }
+}  // namespace
+
+ControlService::ControlService(int world_size, internal::v1::JoinReply worker_config, LeaveCallback on_leave)
+    : world_size_(world_size), worker_config_(std::move(worker_config)), on_leave_(std::move(on_leave)),
       addresses_(world_size) {}
 
-grpc::Status ControlService::Join(grpc::ServerContext*, const internal::v1::JoinRequest*,
-                                  internal::v1::JoinReply* reply) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (next_rank_ >= world_size_)
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, absl::StrCat("the pool already has its ", world_size_, " workers"));
-  *reply = worker_config_;
-  reply->set_rank(next_rank_++);
-  reply->set_world_size(world_size_);
-  reply->set_comm("gloo");
-  reply->set_store_prefix(prefix_);
-  return grpc::Status::OK;
+void ControlService::AssignIfFull() {
+  if (assigned_ || static_cast<int>(waiting_.size()) < world_size_) return;
+  for (size_t r = 0; r < waiting_.size(); ++r) {
+    waiting_[r]->rank = static_cast<int>(r);
+    waiting_[r]->generation = generation_;
+  }
+  waiting_.clear();
+  assigned_ = true;
+  std::cerr << "logprob-server: " << world_size_ << " of " << world_size_ << " workers joined generation "
+            << generation_ << "; ranks assigned in join order" << std::endl;
+  cv_.notify_all();
+}
+
+grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::JoinRequest* req,
+                                  grpc::ServerWriter<internal::v1::JoinReply>* writer) {
+  Joiner me;
+  me.who = absl::StrCat(req->hostname(), " (pid ", req->pid(), ", peer ", ctx->peer(), ")");
+  std::unique_lock<std::mutex> lock(mu_);
+  if (shutdown_) return ShuttingDown();
+  if (assigned_ || static_cast<int>(waiting_.size()) >= world_size_)
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("the pool already has its ", world_size_, " workers (generation ", generation_,
+                                     "); join again when a worker leaves"));
+  waiting_.push_back(&me);
+  std::cerr << "logprob-server: worker " << me.who << " joined (" << waiting_.size() << " of " << world_size_
+            << " for generation " << generation_ << ")" << std::endl;
+  AssignIfFull();
+  // Wait for the rank; a joiner that goes away before gives up its place.
+  while (me.rank < 0) {
+    if (shutdown_ || ctx->IsCancelled()) {
+      waiting_.erase(std::find(waiting_.begin(), waiting_.end(), &me));
+      if (shutdown_) return ShuttingDown();
+      std::cerr << "logprob-server: worker " << me.who << " left before the pool formed" << std::endl;
+      return grpc::Status(grpc::StatusCode::CANCELLED, "worker left");
+    }
+    cv_.wait_for(lock, kPoll);
+  }
+  if (me.generation != generation_) return GenerationEnded(me.generation);  // reset since the assignment
+  internal::v1::JoinReply reply = worker_config_;
+  reply.set_rank(me.rank);
+  reply.set_world_size(world_size_);
+  reply.set_comm("gloo");
+  reply.set_store_prefix(prefix_);
+  reply.set_generation(me.generation);
+  lock.unlock();
+  bool gone = !writer->Write(reply);
+  lock.lock();
+  // A member until its generation ends or it goes away.
+  while (!gone && me.generation == generation_ && !shutdown_) {
+    gone = ctx->IsCancelled();
+    if (!gone) cv_.wait_for(lock, kPoll);
+  }
+  if (shutdown_) return ShuttingDown();
+  if (me.generation != generation_) return GenerationEnded(me.generation);
+  lock.unlock();
+  const std::string why = absl::StrCat("worker rank ", me.rank, " ", me.who, " left the control plane");
+  if (on_leave_) on_leave_(me.generation, me.rank, why);
+  return grpc::Status(grpc::StatusCode::CANCELLED, "worker left");
 }
 
 grpc::Status ControlService::Ready(grpc::ServerContext*, const internal::v1::ReadyRequest* req,
@@ -67,13 +128,27 @@ absl::StatusOr<std::vector<std::string>> ControlService::WaitAllReady(std::chron
   return addresses_;
 }
 
-void ControlService::Reset(std::string store_prefix) {
+void ControlService::Reset(int64_t generation) {
   std::lock_guard<std::mutex> lock(mu_);
-  prefix_ = std::move(store_prefix);
-  next_rank_ = 0;
+  generation_ = generation;
+  prefix_ = absl::StrCat("gen", generation, "/");
+  assigned_ = false;
   ready_ = 0;
   addresses_.assign(world_size_, "");
   store_.clear();
+  AssignIfFull();
+  cv_.notify_all();
+}
+
+void ControlService::Shutdown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  shutdown_ = true;
+  cv_.notify_all();
+}
+
+bool ControlService::all_joined() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return assigned_;
 }
 
 int ControlService::ready_count() {

@@ -1,5 +1,6 @@
-// logprob-server: the front-end. Spawns the local worker pool, then serves
-// the public LogprobService, grpc.health.v1 and server reflection.
+// logprob-server: the front-end. Spawns the local worker pool (or, in
+// cluster mode, waits for external workers to join), then serves the
+// public LogprobService, grpc.health.v1 and server reflection.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -19,14 +20,20 @@
 #include "absl/time/time.h"
 #include "common/flag_names.h"
 #include "common/lm_head_source.h"
+#include "absl/strings/str_cat.h"
 #include "server/auth.h"
+#include "server/external_launcher.h"
+#include "server/local_launcher.h"
 #include "server/metrics.h"
 #include "server/scoring_service.h"
 #include "server/tls.h"
 #include "server/worker_pool.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address of the public gRPC service");
-ABSL_FLAG(int, workers, 1, "number of local worker processes");
+ABSL_FLAG(int, workers, 1, "number of local worker processes to spawn");
+ABSL_FLAG(int, external_workers, 0,
+          "cluster mode: spawn nothing, wait for this many logprob-worker processes started elsewhere with "
+          "--frontend pointing at --control-listen (which then needs a reachable address and a fixed port)");
 ABSL_FLAG(std::string, backend, "cpu", "compute backend: cpu");
 ABSL_FLAG(std::string, comm, "gloo", "worker communicator: gloo");
 ABSL_FLAG(std::string, parallelism, "auto", "logits layout: auto (by cost), token or vocab");
@@ -39,12 +46,15 @@ ABSL_FLAG(int64_t, hidden_chunk_tokens, 128,
           "this * V * 4 bytes whatever the request size");
 ABSL_FLAG(int, worker_threads, 0, "compute threads per worker (0: cores / workers)");
 ABSL_FLAG(std::string, metrics_listen, "", "host:port for Prometheus /metrics (off when empty)");
-ABSL_FLAG(std::string, control_listen, "127.0.0.1:0", "address of the internal worker control plane");
+ABSL_FLAG(std::string, control_listen, "127.0.0.1:0",
+          "address of the internal worker control plane (cluster mode: e.g. 0.0.0.0:50052)");
 ABSL_FLAG(std::string, worker_binary, "", "path of logprob-worker (default: beside this binary)");
 ABSL_FLAG(int64_t, max_request_bytes, 256 << 20, "largest accepted request message, bytes");
 ABSL_FLAG(int64_t, max_tokens_per_request, int64_t{1} << 22, "largest accepted request, token rows");
 ABSL_FLAG(int, max_topk, 1024, "largest K of topk outputs and gather_indices");
-ABSL_FLAG(int, worker_join_timeout, 60, "seconds to wait for the workers to join");
+ABSL_FLAG(int, worker_join_timeout, 60,
+          "seconds the workers get to become ready (cluster mode: counted from the last join; joining "
+          "itself is not timed)");
 ABSL_FLAG(int, shutdown_grace, 30, "seconds in-flight requests get to finish after SIGTERM");
 ABSL_FLAG(int64_t, max_queue_tokens, int64_t{1} << 23,
           "token rows accepted and not yet answered; beyond it requests get RESOURCE_EXHAUSTED");
@@ -72,25 +82,60 @@ int Fail(const std::string& msg) {
   return 1;
 }
 
+/// Checks the flags of cluster mode (--external-workers N): exclusive with
+/// --workers, and a --control-listen the workers can find (fixed port).
+absl::Status CheckClusterFlags(int external, bool workers_given, const std::string& control_listen) {
+  if (external < 0) return absl::InvalidArgumentError("--external-workers must be >= 1 (0: spawn --workers locally)");
+  if (external == 0) return absl::OkStatus();
+  if (workers_given)
+    return absl::InvalidArgumentError(
+        "--workers and --external-workers are mutually exclusive: --workers N spawns N local workers, "
+        "--external-workers N waits for N workers started elsewhere");
+  const size_t colon = control_listen.rfind(':');
+  if (colon == std::string::npos || control_listen.substr(colon + 1) == "0")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--external-workers needs --control-listen HOST:PORT with a fixed port the workers' --frontend names "
+        "(e.g. 0.0.0.0:50052), not ",
+        control_listen));
+  const std::string host = control_listen.substr(0, colon);
+  if (host == "127.0.0.1" || host == "localhost" || host == "[::1]")
+    std::cerr << "logprob-server: --control-listen " << control_listen
+              << " is loopback: only workers on this host can join (use 0.0.0.0:PORT for a cluster)" << std::endl;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "logprob-server --listen HOST:PORT --workers N --backend cpu [--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT] "
+      "logprob-server --listen HOST:PORT (--workers N | --external-workers N --control-listen HOST:PORT) --backend cpu "
+      "[--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT] "
       "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]");
   logprob::NormalizeFlagDashes(argc, argv);
+  const bool workers_given = logprob::FlagGiven(argc, argv, "workers");
   absl::ParseCommandLine(argc, argv);
-  const int workers = absl::GetFlag(FLAGS_workers);
+  const int external = absl::GetFlag(FLAGS_external_workers);
+  if (auto st = CheckClusterFlags(external, workers_given,
+                                  absl::GetFlag(FLAGS_control_listen));
+      !st.ok())
+    return Fail(std::string(st.message()));
+  const int workers = external > 0 ? external : absl::GetFlag(FLAGS_workers);
   if (workers < 1) return Fail("--workers must be >= 1");
   if (absl::GetFlag(FLAGS_backend) != "cpu") return Fail("--backend " + absl::GetFlag(FLAGS_backend) + " is not built in this binary (cpu is)");
   if (absl::GetFlag(FLAGS_comm) != "gloo") return Fail("--comm " + absl::GetFlag(FLAGS_comm) + " is not supported (gloo is)");
   auto parallelism = logprob::ParseParallelism(absl::GetFlag(FLAGS_parallelism));
   if (!parallelism.ok()) return Fail(std::string(parallelism.status().message()));
 
-  std::string worker_binary = absl::GetFlag(FLAGS_worker_binary);
-  if (worker_binary.empty())
-    worker_binary = (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "logprob-worker").string();
-  if (access(worker_binary.c_str(), X_OK) != 0) return Fail("worker binary " + worker_binary + " is not executable");
+  std::unique_ptr<logprob::WorkerLauncher> launcher;
+  if (external > 0) {
+    launcher = std::make_unique<logprob::ExternalLauncher>(external);
+  } else {
+    std::string worker_binary = absl::GetFlag(FLAGS_worker_binary);
+    if (worker_binary.empty())
+      worker_binary = (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "logprob-worker").string();
+    if (access(worker_binary.c_str(), X_OK) != 0) return Fail("worker binary " + worker_binary + " is not executable");
+    launcher = std::make_unique<logprob::LocalLauncher>(workers, worker_binary, std::vector<std::string>{});
+  }
 
   logprob::Metrics metrics(absl::GetFlag(FLAGS_backend));
   if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
@@ -121,7 +166,10 @@ int main(int argc, char** argv) {
   logprob::internal::v1::JoinReply worker_config;
   worker_config.set_hidden_chunk_tokens(chunk_tokens);
   int threads = absl::GetFlag(FLAGS_worker_threads);
-  if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / workers);
+  // External workers run on other machines: 0 lets each use its own cores.
+  if (threads <= 0 && external == 0)
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / workers);
+  threads = std::max(threads, 0);
   worker_config.set_threads(threads);
   if (const std::string arg = absl::GetFlag(FLAGS_lm_head); !arg.empty()) {
     auto source = logprob::ResolveLmHead(arg);
@@ -145,7 +193,7 @@ int main(int argc, char** argv) {
   }
 
   // Security of the public port. The control plane and the workers' ports
-  // stay on loopback without TLS (they never leave the host).
+  // carry no TLS: loopback by default, a private network in cluster mode.
   auto credentials = logprob::ServerCredentialsFromFiles(
       absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_client_ca));
   if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
@@ -160,7 +208,6 @@ int main(int argc, char** argv) {
   logprob::WorkerPool::Options pool_opts;
   pool_opts.worker_config = worker_config;
   pool_opts.workers = workers;
-  pool_opts.worker_binary = worker_binary;
   pool_opts.control_listen = absl::GetFlag(FLAGS_control_listen);
   pool_opts.join_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_worker_join_timeout));
   std::atomic<grpc::Server*> public_server{nullptr};
@@ -169,7 +216,7 @@ int main(int argc, char** argv) {
     metrics.SetWorkersUp(up ? workers : 0);
   };
   pool_opts.on_restart = [&] { metrics.AddWorkerRestart(); };
-  logprob::WorkerPool pool(pool_opts);
+  logprob::WorkerPool pool(pool_opts, std::move(launcher));
   logprob::ScoringService service(pool, config, &metrics);
 
   // Serve health (NOT_SERVING until the pool is up) while workers start.
@@ -191,12 +238,14 @@ int main(int argc, char** argv) {
   std::cerr << "logprob-server: listening on " << absl::GetFlag(FLAGS_listen)
             << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)"
                 : absl::GetFlag(FLAGS_tls_client_ca).empty() ? " (TLS)" : " (mutual TLS)")
-            << (auth ? " with bearer-token auth" : "") << ", starting " << workers << " worker(s)" << std::endl;
+            << (auth ? " with bearer-token auth" : "") << ", "
+            << (external > 0 ? "waiting for " : "starting ") << workers << (external > 0 ? " external" : "")
+            << " worker(s)" << std::endl;
   if (auto st = pool.Start(); !st.ok()) {
     server->Shutdown();
     return Fail("worker pool: " + std::string(st.message()));
   }
-  std::cerr << "logprob-server: " << workers << " worker(s) joined; SERVING" << std::endl;
+  if (external == 0) std::cerr << "logprob-server: " << workers << " worker(s) joined; SERVING" << std::endl;
 
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   // Drain: NOT_SERVING first, then refuse new calls and give the ones in

@@ -1,29 +1,28 @@
 #include "server/worker_pool.h"
 
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-
-#include <cstring>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 
-extern char** environ;
-
 namespace logprob {
 namespace {
 
-/// "exited with status 3" / "was killed by signal 9".
-std::string DescribeExit(int status) {
-  if (WIFSIGNALED(status)) return absl::StrCat("was killed by signal ", WTERMSIG(status));
-  return absl::StrCat("exited with status ", WEXITSTATUS(status));
+/// Keepalive on the Join streams, so a worker host that vanishes without
+/// closing its connection (power, network) is noticed within ~20 s.
+void AddKeepalive(grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // Accept the workers' own keepalive pings (logprob-worker pings every 10 s).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
 }
 
 }  // namespace
 
-WorkerPool::WorkerPool(Options options) : options_(std::move(options)) {}
+WorkerPool::WorkerPool(Options options, std::unique_ptr<WorkerLauncher> launcher)
+    : options_(std::move(options)), launcher_(std::move(launcher)) {}
 
 WorkerPool::~WorkerPool() {
   {
@@ -32,13 +31,17 @@ WorkerPool::~WorkerPool() {
   }
   cv_.notify_all();
   if (supervisor_.joinable()) supervisor_.join();
-  if (gen_) Kill(*gen_);
+  launcher_->Stop();
+  if (control_) control_->Shutdown();
   if (control_server_) control_server_->Shutdown(std::chrono::system_clock::now());
 }
 
 absl::Status WorkerPool::Start() {
-  control_ = std::make_unique<ControlService>(options_.workers, "gen0/", options_.worker_config);
+  control_ = std::make_unique<ControlService>(
+      options_.workers, options_.worker_config,
+      [this](int64_t generation, int, const std::string& why) { OnLeave(generation, why); });
   grpc::ServerBuilder builder;
+  AddKeepalive(builder);
   int port = 0;
   builder.AddListeningPort(options_.control_listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(control_.get());
@@ -47,69 +50,79 @@ absl::Status WorkerPool::Start() {
     return absl::UnavailableError(absl::StrCat("cannot listen on control address ", options_.control_listen));
   const std::string host = options_.control_listen.substr(0, options_.control_listen.rfind(':'));
   frontend_ = absl::StrCat(host, ":", port);
+  std::cerr << "logprob-server: control plane on " << frontend_ << "; the pool " << launcher_->Describe() << std::endl;
 
-  auto gen = std::make_shared<Generation>();
-  if (auto st = Spawn(*gen); !st.ok()) {
-    Kill(*gen);
-    return st;
+  if (!launcher_->waits_for_workers()) {
+    if (auto st = Form(0); !st.ok()) {
+      launcher_->Stop();
+      return st;
+    }
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    gen_ = gen;
-  }
-  serving_ = true;
-  if (options_.on_serving) options_.on_serving(true);
   supervisor_ = std::thread([this] { Supervise(); });
   return absl::OkStatus();
 }
 
-absl::Status WorkerPool::Spawn(Generation& gen) {
-  for (int w = 0; w < options_.workers; ++w) {
-    std::vector<std::string> args = {options_.worker_binary, "--frontend=" + frontend_};
-    args.insert(args.end(), options_.worker_args.begin(), options_.worker_args.end());
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid;
-    if (int err = posix_spawn(&pid, options_.worker_binary.c_str(), nullptr, nullptr, argv.data(), environ); err != 0)
-      return absl::UnavailableError(absl::StrCat("cannot start worker ", options_.worker_binary, ": ", strerror(err)));
-    gen.pids.push_back(pid);
+absl::Status WorkerPool::Form(int64_t index) {
+  auto gen = std::make_shared<Generation>();
+  gen->index = index;
+  control_->Reset(index);  // ends the previous generation's Join streams
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gen_ = gen;
   }
-  // Wait for all to be ready, noticing a worker that exits early.
-  const auto deadline = std::chrono::steady_clock::now() + options_.join_timeout;
+  if (auto st = launcher_->Launch(index, frontend_); !st.ok()) return st;
+  // Wait for all to be ready, noticing a worker that exits or leaves early.
+  using Clock = std::chrono::steady_clock;
+  auto deadline = launcher_->waits_for_workers() ? Clock::time_point::max() : Clock::now() + options_.join_timeout;
   absl::StatusOr<std::vector<std::string>> addresses;
   while (true) {
     addresses = control_->WaitAllReady(std::chrono::milliseconds(100));
     if (addresses.ok()) break;
-    for (pid_t& pid : gen.pids) {
-      int status;
-      if (waitpid(pid, &status, WNOHANG) == pid) {
-        const std::string why = DescribeExit(status);
-        pid = -1;  // reaped
-        return absl::UnavailableError(absl::StrCat("worker process ", why, " during start-up"));
-      }
+    if (stopping()) return absl::CancelledError("the worker pool is stopping");
+    {
+      std::lock_guard<std::mutex> lock(gen->mu);
+      if (gen->failed) return absl::UnavailableError(gen->failure);
     }
-    if (std::chrono::steady_clock::now() > deadline) return addresses.status();
+    if (auto why = launcher_->Poll()) return absl::UnavailableError(absl::StrCat(*why, " during start-up"));
+    if (deadline == Clock::time_point::max() && control_->all_joined()) deadline = Clock::now() + options_.join_timeout;
+    if (Clock::now() > deadline) return addresses.status();
   }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
   for (const auto& addr : *addresses)
-    gen.stubs.push_back(
+    gen->stubs.push_back(
         internal::v1::Worker::NewStub(grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args)));
+  {
+    std::lock_guard<std::mutex> lock(gen->mu);
+    if (gen->failed) return absl::UnavailableError(gen->failure);
+    gen->ready = true;
+  }
+  std::cerr << "logprob-server: worker pool generation " << index << " ready (" << options_.workers << " workers)"
+            << std::endl;
+  Publish();
   return absl::OkStatus();
-}
-
-void WorkerPool::Kill(Generation& gen) {
-  for (pid_t pid : gen.pids)
-    if (pid > 0) kill(pid, SIGKILL);
-  for (pid_t& pid : gen.pids)
-    if (pid > 0) waitpid(pid, nullptr, 0), pid = -1;
 }
 
 std::shared_ptr<WorkerPool::Generation> WorkerPool::current() {
   std::lock_guard<std::mutex> lock(mu_);
   return gen_;
+}
+
+bool WorkerPool::stopping() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stop_;
+}
+
+void WorkerPool::Publish() {
+  std::lock_guard<std::mutex> publish(publish_mu_);
+  bool up = false;
+  if (const auto gen = current()) {
+    std::lock_guard<std::mutex> lock(gen->mu);
+    up = gen->ready && !gen->failed;
+  }
+  serving_ = up;
+  if (options_.on_serving) options_.on_serving(up);
 }
 
 void WorkerPool::Fail(const std::shared_ptr<Generation>& gen, const std::string& why) {
@@ -120,60 +133,48 @@ void WorkerPool::Fail(const std::shared_ptr<Generation>& gen, const std::string&
     gen->failure = why;
     for (grpc::ClientContext* ctx : gen->inflight) ctx->TryCancel();
   }
-  if (gen == current()) {
-    serving_ = false;
-    if (options_.on_serving) options_.on_serving(false);
-  }
+  Publish();
   std::cerr << "logprob-server: worker pool generation " << gen->index << " failed: " << why
             << "; re-forming the pool" << std::endl;
   cv_.notify_all();
 }
 
+void WorkerPool::OnLeave(int64_t generation, const std::string& why) {
+  if (stopping()) return;
+  if (const auto gen = current(); gen && gen->index == generation) Fail(gen, why);
+}
+
 void WorkerPool::Supervise() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_) {
-    cv_.wait_for(lock, std::chrono::milliseconds(50));
-    if (stop_) break;
-    std::shared_ptr<Generation> gen = gen_;
-    lock.unlock();
-    for (size_t r = 0; r < gen->pids.size(); ++r) {
-      int status;
-      if (gen->pids[r] > 0 && waitpid(gen->pids[r], &status, WNOHANG) == gen->pids[r]) {
-        const pid_t pid = gen->pids[r];
-        gen->pids[r] = -1;
-        Fail(gen, absl::StrCat("worker rank ", r, " (pid ", pid, ") ", DescribeExit(status)));
-      }
-    }
-    bool failed;
-    {
-      std::lock_guard<std::mutex> g(gen->mu);
+  while (!stopping()) {
+    const std::shared_ptr<Generation> gen = current();
+    bool failed = !gen;  // none yet (waiting launcher) counts as failed: form one
+    if (gen) {
+      std::lock_guard<std::mutex> lock(gen->mu);
       failed = gen->failed;
     }
-    if (failed) {
-      // Re-form: kill the rest, reset the control plane, spawn a new generation.
-      Kill(*gen);
-      auto next = std::make_shared<Generation>();
-      next->index = gen->index + 1;
-      control_->Reset(absl::StrCat("gen", next->index, "/"));
-      if (auto st = Spawn(*next); !st.ok()) {
-        std::cerr << "logprob-server: re-forming the worker pool failed: " << st.message() << "; retrying"
-                  << std::endl;
-        Kill(*next);
-        std::this_thread::sleep_for(std::chrono::seconds(1));
-        lock.lock();
-        continue;  // gen_ stays the failed generation: the next round retries
+    if (!failed) {
+      if (auto why = launcher_->Poll()) {
+        Fail(gen, *why);
+        continue;
       }
-      lock.lock();
-      gen_ = next;
-      lock.unlock();
-      ++restarts_;
-      serving_ = true;
-      std::cerr << "logprob-server: worker pool generation " << next->index << " ready (" << options_.workers
-                << " workers)" << std::endl;
-      if (options_.on_restart) options_.on_restart();
-      if (options_.on_serving) options_.on_serving(true);
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(50), [&] { return stop_; });
+      continue;
     }
-    lock.lock();
+    // Re-form: stop the rest of the failed generation, then form the next.
+    launcher_->Stop();
+    if (auto st = Form(gen ? gen->index + 1 : 0); !st.ok()) {
+      launcher_->Stop();
+      if (stopping()) break;
+      Fail(current(), absl::StrCat("forming the pool failed: ", st.message()));
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::seconds(1), [&] { return stop_; });
+      continue;  // the next round forms the generation after
+    }
+    if (gen) {
+      ++restarts_;
+      if (options_.on_restart) options_.on_restart();
+    }
   }
 }
 
@@ -181,14 +182,16 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
   std::unique_lock<std::mutex> collective;
   if (plan.layout != internal::v1::TOKEN_PARALLEL) collective = std::unique_lock<std::mutex>(collective_mu_);
   const std::shared_ptr<Generation> gen = current();
+  if (!gen) return absl::UnavailableError("the worker pool is waiting for its workers to join; retry shortly");
   const size_t n = plan.items.size();
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts(n);
   auto deadline = std::chrono::system_clock::now() + options_.work_timeout;
   if (bounds.deadline < deadline) deadline = bounds.deadline;
   {
     std::lock_guard<std::mutex> lock(gen->mu);
-    if (!serving_ || gen->failed)
+    if (gen->failed)
       return absl::UnavailableError("the worker pool is re-forming after a worker failure; retry shortly");
+    if (!gen->ready) return absl::UnavailableError("the worker pool is waiting for its workers to join; retry shortly");
     for (auto& ctx : contexts) {
       ctx = std::make_unique<grpc::ClientContext>();
       ctx->set_deadline(deadline);

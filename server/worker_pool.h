@@ -3,7 +3,6 @@
 #pragma once
 
 #include <grpcpp/grpcpp.h>
-#include <sys/types.h>
 
 #include <atomic>
 #include <chrono>
@@ -20,6 +19,7 @@
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "server/control_service.h"
 #include "server/planner.h"
+#include "server/worker_launcher.h"
 
 namespace logprob {
 
@@ -31,21 +31,26 @@ struct RunBounds {
   bool expired() const { return std::chrono::system_clock::now() >= deadline; }
 };
 
-/// A local pool of `workers` logprob-worker processes on this host.
+/// A pool of `workers` logprob-worker processes, run in generations.
+/// The WorkerLauncher decides where the processes come from (spawned here,
+/// or started elsewhere and joining by themselves: cluster mode); the
+/// generations, ranks and supervision are the same either way.
 ///
-/// Supervision: a monitor thread notices a worker process that exits, and
-/// Run notices a worker that fails or hangs (a collective error or time-out
-/// comes back as UNAVAILABLE / DEADLINE_EXCEEDED). Either way the pool
-/// fails every call in flight with UNAVAILABLE, reports not serving, kills
-/// the remaining workers, spawns a new generation (new ranks, new
-/// communicator) and reports serving again.
+/// Supervision: a worker is seen gone when its process exits (launcher
+/// Poll), when its Join stream to the control plane ends, or when a Worker
+/// call fails or hangs (a collective error or time-out comes back as
+/// UNAVAILABLE / DEADLINE_EXCEEDED). The pool then fails every call in
+/// flight with UNAVAILABLE, reports not serving, stops the generation
+/// (launcher Stop), resets the control plane, which ends the surviving
+/// workers' Join streams, and forms a new generation (new ranks, new
+/// communicator), reporting serving once it is ready.
 class WorkerPool {
  public:
   struct Options {
     int workers = 1;
-    std::string worker_binary;                 // path of logprob-worker
     std::string control_listen = "127.0.0.1:0";
-    std::vector<std::string> worker_args;      // extra flags for each worker
+    /// Local launcher: from Start to all Ready. Waiting launcher: from the
+    /// last join to all Ready (joining itself has no time limit).
     std::chrono::milliseconds join_timeout{60000};
     std::chrono::milliseconds work_timeout{600000};
     /// Sent to every worker in its JoinReply: lm_head source, hidden-states
@@ -58,13 +63,17 @@ class WorkerPool {
     std::function<void()> on_restart;
   };
 
-  explicit WorkerPool(Options options);
-  ~WorkerPool();  // terminates the workers
+  WorkerPool(Options options, std::unique_ptr<WorkerLauncher> launcher);
+  ~WorkerPool();  // ends the Join streams and stops the workers
 
-  /// Starts the control plane, spawns the workers and waits until all are
-  /// ready, then starts supervising. UNAVAILABLE if a worker exits early,
-  /// DEADLINE_EXCEEDED if they do not all join within join_timeout.
+  /// Starts the control plane and supervising. With a launcher that does
+  /// not wait for workers, first forms generation 0 and returns its error:
+  /// UNAVAILABLE if a worker exits early, DEADLINE_EXCEEDED if they do not
+  /// all become ready within join_timeout. With a waiting launcher, returns
+  /// at once (not serving until the workers have joined).
   absl::Status Start();
+  /// host:port of the control plane (after Start).
+  const std::string& control_address() const { return frontend_; }
 
   int size() const { return options_.workers; }
   /// True while a generation is ready and has not failed.
@@ -85,24 +94,35 @@ class WorkerPool {
  private:
   /// One set of worker processes with their communicator.
   struct Generation {
-    int index = 0;
-    std::vector<pid_t> pids;
+    int64_t index = 0;
     std::vector<std::unique_ptr<internal::v1::Worker::Stub>> stubs;
-    std::mutex mu;                          // guards failed, inflight
+    std::mutex mu;                          // guards ready, failed, inflight
+    bool ready = false;                     // every rank Ready, stubs made
     bool failed = false;
     std::string failure;
     std::set<grpc::ClientContext*> inflight;
   };
 
-  absl::Status Spawn(Generation& gen);
+  /// Makes generation `index` the current one and forms it: resets the
+  /// control plane, launches, waits until every rank is Ready (watching for
+  /// failures, time-out and stop), connects to the workers, reports
+  /// serving. On error the caller stops the launcher.
+  absl::Status Form(int64_t index);
   /// Marks `gen` failed (once): not serving, cancels its calls in flight,
   /// wakes the supervisor to re-form the pool.
   void Fail(const std::shared_ptr<Generation>& gen, const std::string& why);
+  /// The control plane's report of a member that left: fails its
+  /// generation if it is the current one.
+  void OnLeave(int64_t generation, const std::string& why);
+  /// Sets serving_ from the current generation's state and reports it
+  /// through on_serving (serialised, so the last report is the truth).
+  void Publish();
   void Supervise();
-  static void Kill(Generation& gen);
   std::shared_ptr<Generation> current();
+  bool stopping();
 
   Options options_;
+  std::unique_ptr<WorkerLauncher> launcher_;
   std::string frontend_;  // control plane address given to workers
   std::unique_ptr<ControlService> control_;
   std::unique_ptr<grpc::Server> control_server_;
@@ -110,6 +130,7 @@ class WorkerPool {
   std::condition_variable cv_;
   std::shared_ptr<Generation> gen_;
   bool stop_ = false;
+  std::mutex publish_mu_;
   std::atomic<bool> serving_{false};
   std::atomic<int> restarts_{0};
   std::thread supervisor_;

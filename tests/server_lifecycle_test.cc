@@ -9,7 +9,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <filesystem>
 #include <future>
 #include <thread>
 
@@ -27,26 +26,15 @@ double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>
 
 class Lifecycle : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    // One file per process: ctest runs the tests of this suite in parallel processes.
-    lm_head_ = new std::string(::testing::TempDir() + "/lifecycle_lm_head." + std::to_string(getpid()) + ".safetensors");
-    ASSERT_TRUE(WriteRandomLmHead(*lm_head_, kV, kH, 3).ok());
-    slow_ = new v1::ScoreRequest(RandomHiddenRequest(16384, kH, kV, 11));
-    quick_ = new v1::ScoreRequest(RandomHiddenRequest(64, kH, kV, 12));
-  }
-  static void TearDownTestSuite() {
-    std::filesystem::remove(*lm_head_);
-    delete lm_head_;
-    delete slow_;
-    delete quick_;
-  }
+  static void SetUpTestSuite() { work_ = new HiddenWorkload("lifecycle", kV, kH, 3, 16384, 64); }
+  static void TearDownTestSuite() { delete work_; }
   static std::unique_ptr<ServerProcess> Start(int workers, std::vector<std::string> extra = {}) {
-    extra.insert(extra.end(), {"--lm-head", *lm_head_});
+    extra.insert(extra.end(), {"--lm-head", work_->lm_head});
     return ServerProcess::Start(workers, extra);
   }
   /// A request that keeps the workers busy for seconds (built once).
-  static const v1::ScoreRequest& Slow() { return *slow_; }
-  static const v1::ScoreRequest& Quick() { return *quick_; }
+  static const v1::ScoreRequest& Slow() { return work_->slow; }
+  static const v1::ScoreRequest& Quick() { return work_->quick; }
   /// A stub whose channel is connected (a quick request went through).
   static std::unique_ptr<v1::LogprobService::Stub> ConnectedStub(const ServerProcess& server) {
     auto stub = server.NewStub();
@@ -60,12 +48,9 @@ class Lifecycle : public ::testing::Test {
     v1::ScoreResponse resp;
     return stub.Score(ctx ? ctx : &local, req, &resp);
   }
-  static std::string* lm_head_;
-  static v1::ScoreRequest *slow_, *quick_;
+  static HiddenWorkload* work_;
 };
-std::string* Lifecycle::lm_head_ = nullptr;
-v1::ScoreRequest* Lifecycle::slow_ = nullptr;
-v1::ScoreRequest* Lifecycle::quick_ = nullptr;
+HiddenWorkload* Lifecycle::work_ = nullptr;
 
 TEST_F(Lifecycle, KilledWorkerFailsRequestsFastAndThePoolComesBack) {
   auto server = Start(2);

@@ -43,20 +43,35 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(int workers, const std::vect
   return Start(workers, extra, [](const std::string& address) { return client::MakeChannel(address); });
 }
 
-std::unique_ptr<ServerProcess> ServerProcess::Start(int workers, const std::vector<std::string>& extra,
-                                                    const ChannelFactory& wait_channel) {
+pid_t SpawnProcess(const std::vector<std::string>& args) {
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) {
+    ADD_FAILURE() << "cannot spawn " << argv[0];
+    return -1;
+  }
+  return pid;
+}
+
+std::unique_ptr<ServerProcess> ServerProcess::Launch(const std::vector<std::string>& args) {
   auto p = std::unique_ptr<ServerProcess>(new ServerProcess);
   p->address_ = "127.0.0.1:" + std::to_string(FreePort());
-  std::vector<std::string> args = {BinDir() + "/logprob-server", "--listen", p->address_, "--workers",
-                                   std::to_string(workers), "--backend", "cpu"};
+  std::vector<std::string> all = {BinDir() + "/logprob-server", "--listen", p->address_};
+  all.insert(all.end(), args.begin(), args.end());
+  p->pid_ = SpawnProcess(all);
+  if (p->pid_ < 0) return nullptr;
+  return p;
+}
+
+std::unique_ptr<ServerProcess> ServerProcess::Start(int workers, const std::vector<std::string>& extra,
+                                                    const ChannelFactory& wait_channel) {
+  std::vector<std::string> args = {"--workers", std::to_string(workers), "--backend", "cpu"};
   args.insert(args.end(), extra.begin(), extra.end());
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  if (posix_spawn(&p->pid_, argv[0], nullptr, nullptr, argv.data(), environ) != 0) {
-    ADD_FAILURE() << "cannot spawn " << argv[0];
-    return nullptr;
-  }
+  auto p = Launch(args);
+  if (!p) return nullptr;
   const auto st = client::WaitForServing(wait_channel(p->address_), std::chrono::seconds(60));
   if (!st.ok()) {
     ADD_FAILURE() << "server with " << workers << " workers did not become SERVING: " << st;
@@ -141,6 +156,17 @@ absl::Status WriteRandomLmHead(const std::string& path, int64_t V, int64_t H, ui
   t.set_data(w.data(), w.size() * 2);
   return WriteSafetensors(path, {t});
 }
+
+HiddenWorkload::HiddenWorkload(const std::string& tag, int64_t v, int64_t h, uint32_t seed, int64_t slow_tokens,
+                               int64_t quick_tokens)
+    : lm_head(::testing::TempDir() + "/" + tag + "_lm_head." + std::to_string(getpid()) + ".safetensors"),
+      slow(RandomHiddenRequest(slow_tokens, h, v, seed + 1)),
+      quick(RandomHiddenRequest(quick_tokens, h, v, seed + 2)) {
+  const absl::Status st = WriteRandomLmHead(lm_head, v, h, seed);
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+HiddenWorkload::~HiddenWorkload() { std::filesystem::remove(lm_head); }
 
 int64_t PeakRssBytes(pid_t pid) {
   std::ifstream status("/proc/" + std::to_string(pid) + "/status");

@@ -24,9 +24,17 @@ std::string BinDir();
 /// A TCP port on 127.0.0.1 that was free a moment ago.
 int FreePort();
 
+/// Starts `args` (args[0] the program's path) as a child process with this
+/// process's environment; -1 (and a test failure) if it cannot.
+pid_t SpawnProcess(const std::vector<std::string>& args);
+
 /// A logprob-server child process with its own local worker pool.
 class ServerProcess {
  public:
+  /// Starts `logprob-server --listen 127.0.0.1:PORT` plus `args` and does
+  /// not wait for health (e.g. cluster mode, NOT_SERVING until workers
+  /// join). Null (and a test failure) if it cannot be started.
+  static std::unique_ptr<ServerProcess> Launch(const std::vector<std::string>& args);
   /// Starts `logprob-server --listen 127.0.0.1:PORT --workers N` plus
   /// `extra` flags and waits (up to 60 s) until health reports SERVING.
   /// Fails the current test (and returns null) if it does not.
@@ -83,6 +91,20 @@ v1::ScoreRequest RandomHiddenRequest(int64_t T, int64_t H, int64_t V, uint32_t s
 v1::ScoreRequest RandomPackedRequest(const std::string& input, int64_t T, int64_t width, int64_t V, uint32_t seed);
 /// Writes a safetensors file with `lm_head.weight` [V, H] bf16, normal(0, 0.05).
 absl::Status WriteRandomLmHead(const std::string& path, int64_t V, int64_t H, uint32_t seed);
+
+/// Hidden-states workload of the live-server tests that need requests
+/// lasting seconds: a random bf16 lm_head [v, h] in a per-process file
+/// (ctest runs tests in parallel processes; removed by the destructor) and
+/// two requests built once (RandomHiddenRequest, seeds seed + 1 and + 2).
+struct HiddenWorkload {
+  /// `tag` names the file (TempDir()/TAG_lm_head.PID.safetensors).
+  HiddenWorkload(const std::string& tag, int64_t v, int64_t h, uint32_t seed, int64_t slow_tokens,
+                 int64_t quick_tokens);
+  ~HiddenWorkload();
+  std::string lm_head;    // path for --lm-head
+  v1::ScoreRequest slow;  // keeps the workers busy for seconds
+  v1::ScoreRequest quick;
+};
 
 /// A golden case: inputs, expected outputs and the options from metadata.
 struct GoldenCase {

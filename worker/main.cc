@@ -1,15 +1,23 @@
 // logprob-worker: one scoring worker process (CPU backend, Gloo).
 //
-// Joins the front-end's control plane (--frontend), loads its vocabulary
-// slice of the lm_head when the front-end has one, forms the Gloo
-// communicator through the front-end's store, serves the internal Worker
-// service and reports Ready with its address.
+// Joins the front-end's control plane (--frontend) and waits there for its
+// rank, loads its vocabulary slice of the lm_head when the front-end has
+// one, forms the Gloo communicator through the front-end's store, serves
+// the internal Worker service and reports Ready with its address. The Join
+// stream stays open while this worker belongs to the pool; when it ends
+// (the pool was reset after a peer failed, or the front-end went away) the
+// worker re-executes itself and joins again (--rejoin, the default), or
+// exits (--rejoin=false, as the front-end's locally spawned workers do).
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
+#include <mutex>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -25,7 +33,16 @@
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, frontend, "", "host:port of the front-end's control service (required)");
-ABSL_FLAG(std::string, listen_host, "127.0.0.1", "address the Worker service and Gloo listen on");
+ABSL_FLAG(std::string, listen_host, "",
+          "address the Worker service listens on (default: --advertise-host, else 127.0.0.1)");
+ABSL_FLAG(std::string, advertise_host, "",
+          "address of this machine the front-end and the other workers reach it at (Worker service and "
+          "Gloo), e.g. the pod IP (default: --listen-host)");
+ABSL_FLAG(bool, rejoin, true,
+          "when this worker's pool generation ends or its start-up fails, re-execute and join again "
+          "(false: exit)");
+ABSL_FLAG(bool, exit_with_parent, false,
+          "exit when the parent process exits (the front-end passes it to the workers it spawns)");
 ABSL_FLAG(std::string, backend, "cpu", "compute backend: cpu");
 ABSL_FLAG(std::string, comm, "gloo", "communicator: gloo");
 ABSL_FLAG(int, collective_timeout, 60, "seconds before a collective or rendezvous fails");
@@ -36,6 +53,38 @@ namespace {
 int Fail(const std::string& msg) {
   std::cerr << "logprob-worker: " << msg << std::endl;
   return 1;
+}
+
+/// The command line as given, for re-executing.
+std::vector<std::string> g_argv;
+
+/// Ends this worker's membership: with `rejoin`, re-executes the binary
+/// with its original arguments (same pid; a fresh process joins again),
+/// else exits with `code`. The first caller wins; others block.
+[[noreturn]] void EndMembership(const std::string& why, bool rejoin, int code) {
+  static std::mutex once;
+  once.lock();  // never unlocked
+  if (!rejoin) {
+    std::cerr << "logprob-worker: " << why << "; exiting" << std::endl;
+    _exit(code);
+  }
+  std::cerr << "logprob-worker: " << why << "; re-executing to join again" << std::endl;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    const int fd = std::atoi(entry.path().filename().c_str());
+    if (fd > 2) fcntl(fd, F_SETFD, FD_CLOEXEC);
+  }
+  std::vector<char*> argv;
+  for (auto& a : g_argv) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  execv("/proc/self/exe", argv.data());
+  std::cerr << "logprob-worker: cannot re-execute " << g_argv[0] << ": " << strerror(errno) << std::endl;
+  _exit(1);
+}
+
+/// "host:port", bracketing IPv6 addresses.
+std::string HostPort(const std::string& host, int port) {
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  return absl::StrCat(v6 ? "[" : "", host, v6 ? "]" : "", ":", port);
 }
 
 /// Reads this rank's vocabulary slice of the lm_head named in the join
@@ -68,63 +117,111 @@ absl::StatusOr<std::unique_ptr<logprob::kernels::LmHeadGemm>> LoadLmHeadSlice(
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("logprob-worker --frontend HOST:PORT [--listen_host ADDR]");
+  g_argv.assign(argv, argv + argc);
+  absl::SetProgramUsageMessage(
+      "logprob-worker --frontend HOST:PORT [--advertise-host ADDR] [--listen-host ADDR] [--rejoin=true|false]");
   logprob::NormalizeFlagDashes(argc, argv);
   absl::ParseCommandLine(argc, argv);
   // A locally spawned worker dies with its front-end.
-  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (absl::GetFlag(FLAGS_exit_with_parent)) prctl(PR_SET_PDEATHSIG, SIGTERM);
+  // Exit promptly on SIGTERM, also as a container's pid 1.
+  std::signal(SIGTERM, [](int) { _exit(0); });
   const std::string frontend = absl::GetFlag(FLAGS_frontend);
   if (frontend.empty()) return Fail("--frontend is required");
   if (absl::GetFlag(FLAGS_backend) != "cpu") return Fail("--backend " + absl::GetFlag(FLAGS_backend) + " is not built in this binary (cpu is)");
   if (absl::GetFlag(FLAGS_comm) != "gloo") return Fail("--comm " + absl::GetFlag(FLAGS_comm) + " is not supported (gloo is)");
+  std::string listen_host = absl::GetFlag(FLAGS_listen_host), advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  if (listen_host.empty()) listen_host = advertise_host.empty() ? "127.0.0.1" : advertise_host;
+  if (advertise_host.empty()) advertise_host = listen_host;
+  if (advertise_host == "0.0.0.0" || advertise_host == "::" || advertise_host == "[::]")
+    return Fail("--advertise-host must be an address of this machine that the front-end and the other workers "
+                "reach (e.g. the pod IP), not the wildcard " + advertise_host +
+                " (with --listen-host " + listen_host + ", set --advertise-host)");
+  const bool rejoin = absl::GetFlag(FLAGS_rejoin);
 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
+  // Keepalive on the Join stream: a front-end host that vanishes is noticed.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // A front-end that restarts is found again within seconds, not gRPC's default 2 minutes.
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
   auto channel = grpc::CreateCustomChannel(frontend, grpc::InsecureChannelCredentials(), args);
   auto control = std::shared_ptr<logprob::internal::v1::Control::Stub>(logprob::internal::v1::Control::NewStub(channel));
 
+  // Join, then wait in the stream for the rank (given once the pool has
+  // all its workers). With --rejoin a refused or failed join is retried.
   logprob::internal::v1::JoinRequest join;
   join.set_pid(getpid());
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
   join.set_hostname(host);
   logprob::internal::v1::JoinReply joined;
-  {
-    grpc::ClientContext ctx;
-    ctx.set_wait_for_ready(true);
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    auto st = control->Join(&ctx, join, &joined);
-    if (!st.ok()) return Fail("join " + frontend + ": " + st.error_message());
+  std::unique_ptr<grpc::ClientContext> membership_ctx;  // lives as long as the membership
+  std::unique_ptr<grpc::ClientReader<logprob::internal::v1::JoinReply>> membership;
+  std::cerr << "logprob-worker: joining " << frontend << std::endl;
+  while (true) {
+    membership.reset();
+    membership_ctx = std::make_unique<grpc::ClientContext>();
+    membership_ctx->set_wait_for_ready(rejoin);  // with --rejoin, wait for a front-end that is not up yet
+    membership = control->Join(membership_ctx.get(), join);
+    if (membership->Read(&joined)) break;
+    const grpc::Status st = membership->Finish();
+    if (!rejoin) return Fail("join " + frontend + ": " + st.error_message());
+    std::cerr << "logprob-worker: join " << frontend << ": " << st.error_message() << "; trying again in 2 s"
+              << std::endl;
+    std::this_thread::sleep_for(std::chrono::seconds(2));
   }
   const int rank = joined.rank(), world = joined.world_size();
+  std::cerr << "logprob-worker: rank " << rank << "/" << world << " of pool generation " << joined.generation()
+            << std::endl;
+  // The membership ends when the stream does: the front-end reset the pool
+  // (a peer failed), stops, or is gone.
+  std::thread([&membership, rejoin] {
+    logprob::internal::v1::JoinReply more;
+    while (membership->Read(&more)) {
+    }
+    const grpc::Status st = membership->Finish();
+    EndMembership("the front-end ended this worker's pool membership: " + st.error_message(), rejoin, 0);
+  }).detach();
+  // A start-up step failing (a peer gone during the rendezvous, the
+  // generation reset before Ready) is transient: join again.
+  auto startup_failed = [rejoin](const std::string& why) {
+    if (rejoin) std::this_thread::sleep_for(std::chrono::seconds(1));
+    EndMembership(why, rejoin, 1);
+  };
+
   const int threads = absl::GetFlag(FLAGS_threads) >= 0 ? absl::GetFlag(FLAGS_threads) : joined.threads();
   auto lm_head = LoadLmHeadSlice(joined, threads);
-  if (!lm_head.ok()) return Fail("lm_head: " + std::string(lm_head.status().message()));
+  // A missing or unreadable lm_head is a configuration error: exit.
+  if (!lm_head.ok()) EndMembership("lm_head: " + std::string(lm_head.status().message()), false, 1);
   logprob::ControlStore store(control, joined.store_prefix());
-  auto comm = logprob::GlooCommunicator::Create(store, absl::GetFlag(FLAGS_listen_host), rank, world,
+  auto comm = logprob::GlooCommunicator::Create(store, advertise_host, rank, world,
                                                 std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout)));
-  if (!comm.ok()) return Fail(std::string(comm.status().message()));
+  if (!comm.ok()) startup_failed(std::string(comm.status().message()));
 
   logprob::WorkerService service(std::move(*comm), std::move(*lm_head), joined.hidden_chunk_tokens());
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_listen_host), ":0"), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(HostPort(listen_host, 0), grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
   builder.RegisterService(&service);
   auto server = builder.BuildAndStart();
-  if (!server || port == 0) return Fail("cannot start the Worker service");
+  if (!server || port == 0) EndMembership("cannot start the Worker service on " + listen_host, false, 1);
 
   logprob::internal::v1::ReadyRequest ready;
   ready.set_rank(rank);
-  ready.set_worker_address(absl::StrCat(absl::GetFlag(FLAGS_listen_host), ":", port));
+  ready.set_worker_address(HostPort(advertise_host, port));
   ready.set_store_prefix(joined.store_prefix());
   logprob::internal::v1::ReadyReply ready_reply;
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     auto st = control->Ready(&ctx, ready, &ready_reply);
-    if (!st.ok()) return Fail("ready: " + st.error_message());
+    if (!st.ok()) startup_failed("ready: " + st.error_message());
   }
   std::cerr << "logprob-worker: rank " << rank << "/" << world << " serving on " << ready.worker_address() << std::endl;
   server->Wait();

@@ -44,8 +44,8 @@ KUSTOMIZE_DIRS = {
 # the sources do not define them yet.
 PENDING_METRICS = {}
 # Flags of cluster mode (another change) not yet in server/main.cc / worker/main.cc.
-PENDING_SERVER_FLAGS = {"external_workers"}
-PENDING_WORKER_FLAGS = {"advertise_host"}
+PENDING_SERVER_FLAGS = set()
+PENDING_WORKER_FLAGS = set()
 # Series of other exporters the alert rules may use.
 EXTERNAL_SERIES = {"up", "kube_pod_container_status_restarts_total"}
 

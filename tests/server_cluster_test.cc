@@ -1,0 +1,222 @@
+// Integration: cluster mode. `logprob-server --external-workers 2` spawns
+// nothing; the test starts the logprob-worker processes itself (as a
+// Kubernetes StatefulSet would), checks that health waits for both, that
+// golden cases score correctly, that a worker killed mid-request fails the
+// request with UNAVAILABLE and health with NOT_SERVING, that the surviving
+// worker re-joins by itself and a restarted worker is re-admitted, and that
+// a spare worker waits and takes its place in the next generation.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <future>
+#include <thread>
+
+#include "client/channel.h"
+#include "client/health_check.h"
+#include "tests/test_support.h"
+
+namespace logprob::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using client::ServingStatus;
+constexpr int64_t kV = 32000, kH = 1024;
+constexpr auto kBound = std::chrono::seconds(90);  // generous: only prevents hangs
+
+/// A logprob-worker started by the test, as a cluster's supervisor would
+/// start it: `--frontend` only (rejoin on, the default). It also exits with
+/// the test process, so a crashed test leaves no worker behind.
+class WorkerProcess {
+ public:
+  explicit WorkerProcess(const std::string& frontend)
+      : pid_(SpawnProcess({BinDir() + "/logprob-worker", "--frontend", frontend, "--exit-with-parent"})) {}
+  ~WorkerProcess() { Kill(); }
+  /// SIGKILL and reap.
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  /// True while the process has not exited (it re-executes in place when
+  /// its generation ends, keeping its pid).
+  bool Alive() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
+
+ private:
+  pid_t pid_;
+};
+
+class Cluster : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { work_ = new HiddenWorkload("cluster", kV, kH, 5, 8192, 64); }
+  static void TearDownTestSuite() { delete work_; }
+
+  /// Starts `logprob-server --external-workers 2` on a fixed control port
+  /// (frontend_) and waits until its health answers (NOT_SERVING).
+  void StartServer() {
+    frontend_ = "127.0.0.1:" + std::to_string(FreePort());
+    server_ = ServerProcess::Launch({"--external-workers", "2", "--control-listen", frontend_, "--backend", "cpu",
+                                     "--lm-head", work_->lm_head});
+    ASSERT_TRUE(server_);
+    ASSERT_EQ(WaitForStatus(ServingStatus::kNotServing), ServingStatus::kNotServing);
+    stub_ = server_->NewStub();
+  }
+
+  /// Polls health until it reports `want` or kBound passes; returns the
+  /// last status seen (kUnknown while the server does not answer).
+  ServingStatus WaitForStatus(ServingStatus want) const {
+    auto channel = client::MakeChannel(server_->address());
+    ServingStatus last = ServingStatus::kUnknown;
+    for (const auto end = Clock::now() + kBound; Clock::now() < end;) {
+      auto st = client::CheckHealth(channel, std::chrono::system_clock::now() + std::chrono::seconds(2));
+      if (st.ok()) last = *st;
+      if (last == want) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return last;
+  }
+  /// Health right now (one call).
+  ServingStatus Health() const {
+    auto st = client::CheckHealth(client::MakeChannel(server_->address()),
+                                  std::chrono::system_clock::now() + std::chrono::seconds(5));
+    return st.ok() ? *st : ServingStatus::kUnknown;
+  }
+
+  grpc::Status Score(const v1::ScoreRequest& req, v1::ScoreResponse* resp = nullptr) const {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + kBound);
+    v1::ScoreResponse local;
+    return stub_->Score(&ctx, req, resp ? resp : &local);
+  }
+
+  /// Scores every logits golden case and checks each against its
+  /// expected outputs (shared/SPEC.md tolerance).
+  void ExpectGoldenCasesPass() const {
+    for (const auto& name : LogitsGoldenNames()) {
+      SCOPED_TRACE(name);
+      const GoldenCase c = LoadGolden(name);
+      v1::ScoreResponse resp;
+      const grpc::Status st = Score(GoldenRequest(c), &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      const std::vector<v1::Tensor> got(resp.outputs().begin(), resp.outputs().end());
+      EXPECT_EQ(CompareOutputs(c.expected.tensors, got), "");
+    }
+    const grpc::Status hidden = Score(work_->quick);
+    EXPECT_TRUE(hidden.ok()) << "hidden states: " << hidden.error_message();
+  }
+
+  /// A request that keeps both workers busy for seconds (hidden states,
+  /// a GEMM of 8192 x 32000 x 1024).
+  static const v1::ScoreRequest& Slow() { return work_->slow; }
+
+  std::string frontend_;
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<v1::LogprobService::Stub> stub_;
+  static HiddenWorkload* work_;
+};
+HiddenWorkload* Cluster::work_ = nullptr;
+
+TEST_F(Cluster, WorkersJoinScoreAndARestartedWorkerIsReadmitted) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  const GoldenCase golden = LoadGolden("llama_vocab_bf16");
+  grpc::Status st = Score(GoldenRequest(golden));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << "no worker has joined: " << st.error_message();
+
+  // A worker that joins early waits for the second one.
+  auto first = std::make_unique<WorkerProcess>(frontend_);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  EXPECT_EQ(Health(), ServingStatus::kNotServing) << "one of two workers must not be enough";
+  EXPECT_TRUE(first->Alive());
+  auto second = std::make_unique<WorkerProcess>(frontend_);
+  ASSERT_EQ(WaitForStatus(ServingStatus::kServing), ServingStatus::kServing);
+  ExpectGoldenCasesPass();
+
+  // Kill the second worker mid-request: the request fails with
+  // UNAVAILABLE, health goes NOT_SERVING and stays there (one worker left).
+  auto slow = std::async(std::launch::async, [&] { return Score(Slow()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  second->Kill();
+  ASSERT_EQ(slow.wait_for(kBound), std::future_status::ready) << "the request in flight must be answered";
+  st = slow.get();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_EQ(WaitForStatus(ServingStatus::kNotServing), ServingStatus::kNotServing);
+  st = Score(GoldenRequest(golden));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  EXPECT_EQ(Health(), ServingStatus::kNotServing) << "the survivor alone must not form a pool of two";
+  EXPECT_TRUE(first->Alive()) << "the survivor re-joins in place instead of exiting";
+
+  // A restarted worker is re-admitted: SERVING again, golden cases pass.
+  auto restarted = std::make_unique<WorkerProcess>(frontend_);
+  ASSERT_EQ(WaitForStatus(ServingStatus::kServing), ServingStatus::kServing);
+  ExpectGoldenCasesPass();
+  EXPECT_TRUE(first->Alive());
+  EXPECT_TRUE(restarted->Alive());
+  EXPECT_TRUE(server_->Alive());
+}
+
+TEST_F(Cluster, ASpareWorkerWaitsAndTakesTheNextGeneration) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  auto a = std::make_unique<WorkerProcess>(frontend_);
+  auto b = std::make_unique<WorkerProcess>(frontend_);
+  ASSERT_EQ(WaitForStatus(ServingStatus::kServing), ServingStatus::kServing);
+  // A third worker finds the pool full: it waits (retrying) and disturbs nothing.
+  auto spare = std::make_unique<WorkerProcess>(frontend_);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  EXPECT_EQ(Health(), ServingStatus::kServing);
+  EXPECT_TRUE(spare->Alive());
+  ExpectGoldenCasesPass();
+
+  // When a member dies, the spare and the survivor form the next
+  // generation. Until then requests get UNAVAILABLE; a request that
+  // succeeds needs every worker of its generation, so it shows that the
+  // pool is whole again without the killed one.
+  a->Kill();
+  const GoldenCase golden = LoadGolden("basic_f32");
+  grpc::Status st;
+  for (const auto end = Clock::now() + kBound; Clock::now() < end;) {
+    st = Score(GoldenRequest(golden));
+    if (st.ok()) break;
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(Health(), ServingStatus::kServing);
+  ExpectGoldenCasesPass();
+  EXPECT_TRUE(b->Alive());
+  EXPECT_TRUE(spare->Alive());
+}
+
+TEST(ClusterFlags, BadCombinationsAreClearErrors) {
+  const std::string server = "timeout 30 " + BinDir() + "/logprob-server --listen 127.0.0.1:" +
+                             std::to_string(FreePort()) + " ";
+  auto r = RunCommand(server + "--external-workers 2 --workers 2 --control-listen 127.0.0.1:" +
+                      std::to_string(FreePort()));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("--workers and --external-workers are mutually exclusive"), std::string::npos) << r.output;
+
+  r = RunCommand(server + "--external-workers 2");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("--external-workers needs --control-listen HOST:PORT with a fixed port"),
+            std::string::npos)
+      << r.output;
+
+  r = RunCommand(server + "--external-workers -1");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("--external-workers must be >= 1"), std::string::npos) << r.output;
+
+  r = RunCommand("timeout 30 " + BinDir() + "/logprob-worker --frontend 127.0.0.1:1 --listen-host 0.0.0.0");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("--advertise-host must be an address"), std::string::npos) << r.output;
+
+  r = RunCommand("timeout 30 " + BinDir() + "/logprob-worker");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("--frontend is required"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace logprob::testing
