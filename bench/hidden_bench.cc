@@ -31,6 +31,7 @@
 
 #include "common/dtype.h"
 #include "worker/communicator.h"
+#include "worker/cpu_backend.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/scorer.h"
 
@@ -103,15 +104,15 @@ double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T)
     logits.resize(static_cast<size_t>(T * N));
   }
   SelfCommunicator self;
-  HiddenScoring scoring{gemm->get(), cfg.chunk};
+  CpuBackend backend(std::move(*gemm));
   std::vector<float> lp(T);
   auto once = [&]() -> bool {
     if (mode == "fused") {
-      auto res = ScoreWorkItem(item, self, &scoring);
+      auto res = ScoreWorkItem(item, self, backend, cfg.chunk);
       if (!res.ok()) std::cerr << res.status() << std::endl;
       return res.ok();
     }
-    if (!(*gemm)->Compute(v1::BF16, hidden.data(), T, logits.data()).ok()) return false;
+    if (!backend.HiddenLogits(v1::BF16, hidden.data(), T, logits.data()).ok()) return false;
     if (mode == "full+lsm") {
       for (int64_t r = 0; r < T; ++r) {
         float* row = logits.data() + r * N;

@@ -16,7 +16,8 @@ grpc::Status ControlService::Join(grpc::ServerContext*, const internal::v1::Join
   *reply = worker_config_;
   reply->set_rank(next_rank_++);
   reply->set_world_size(world_size_);
-  reply->set_comm("gloo");
+  if (reply->comm().empty()) reply->set_comm("gloo");
+  if (reply->backend().empty()) reply->set_backend("cpu");
   reply->set_store_prefix(prefix_);
   return grpc::Status::OK;
 }

@@ -17,6 +17,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "common/flag_names.h"
+#include "common/backend_choice.h"
 #include "common/lm_head_source.h"
 #include "server/auth.h"
 #include "server/metrics.h"
@@ -26,8 +27,10 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address of the public gRPC service");
 ABSL_FLAG(int, workers, 1, "number of local worker processes");
-ABSL_FLAG(std::string, backend, "cpu", "compute backend: cpu");
-ABSL_FLAG(std::string, comm, "gloo", "worker communicator: gloo");
+ABSL_FLAG(std::string, backend, "cpu",
+          "compute backend of the workers: cpu, or cuda (one GPU per worker, rank % GPUs; workers may share a GPU "
+          "with --comm gloo)");
+ABSL_FLAG(std::string, comm, "gloo", "worker communicator: gloo, or nccl (needs --backend cuda and a GPU per worker)");
 ABSL_FLAG(std::string, parallelism, "auto", "logits layout: auto (by cost), token or vocab");
 ABSL_FLAG(std::string, lm_head, "",
           "lm_head for hidden-states requests: PATH[:TENSOR], PATH a .safetensors file, a "
@@ -71,14 +74,14 @@ int Fail(const std::string& msg) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "logprob-server --listen HOST:PORT --workers N --backend cpu [--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT] "
+      "logprob-server --listen HOST:PORT --workers N [--backend cpu|cuda] [--comm gloo|nccl] [--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT] "
       "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]");
   logprob::NormalizeFlagDashes(argc, argv);
   absl::ParseCommandLine(argc, argv);
   const int workers = absl::GetFlag(FLAGS_workers);
   if (workers < 1) return Fail("--workers must be >= 1");
-  if (absl::GetFlag(FLAGS_backend) != "cpu") return Fail("--backend " + absl::GetFlag(FLAGS_backend) + " is not built in this binary (cpu is)");
-  if (absl::GetFlag(FLAGS_comm) != "gloo") return Fail("--comm " + absl::GetFlag(FLAGS_comm) + " is not supported (gloo is)");
+  if (auto st = logprob::CheckBackendChoice(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_comm)); !st.ok())
+    return Fail(std::string(st.message()));
   auto parallelism = logprob::ParseParallelism(absl::GetFlag(FLAGS_parallelism));
   if (!parallelism.ok()) return Fail(std::string(parallelism.status().message()));
 
@@ -87,7 +90,7 @@ int main(int argc, char** argv) {
     worker_binary = (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "logprob-worker").string();
   if (access(worker_binary.c_str(), X_OK) != 0) return Fail("worker binary " + worker_binary + " is not executable");
 
-  logprob::Metrics metrics;
+  logprob::Metrics metrics(absl::GetFlag(FLAGS_backend));
   if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
     try {
       metrics.Expose(absl::GetFlag(FLAGS_metrics_listen));
@@ -104,12 +107,16 @@ int main(int argc, char** argv) {
   config.max_queue_bytes = absl::GetFlag(FLAGS_max_queue_bytes);
   config.parallelism = *parallelism;
   config.parallelism_name = absl::GetFlag(FLAGS_parallelism);
+  config.backend = absl::GetFlag(FLAGS_backend);
+  config.comm = absl::GetFlag(FLAGS_comm);
   if (config.max_request_bytes <= 0 || config.max_request_bytes > INT_MAX) return Fail("--max-request-bytes must be in (0, 2^31)");
 
   const int64_t chunk_tokens = absl::GetFlag(FLAGS_hidden_chunk_tokens);
   if (chunk_tokens < 1) return Fail("--hidden-chunk-tokens must be >= 1");
   logprob::internal::v1::JoinReply worker_config;
   worker_config.set_hidden_chunk_tokens(chunk_tokens);
+  worker_config.set_backend(absl::GetFlag(FLAGS_backend));
+  worker_config.set_comm(absl::GetFlag(FLAGS_comm));
   int threads = absl::GetFlag(FLAGS_worker_threads);
   if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / workers);
   worker_config.set_threads(threads);

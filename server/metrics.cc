@@ -23,7 +23,7 @@ prometheus::Histogram::BucketBoundaries PowersOf4(int max_exp) {
 
 }  // namespace
 
-Metrics::Metrics()
+Metrics::Metrics(const std::string& backend)
     : registry_(std::make_shared<prometheus::Registry>()),
       requests_(prometheus::BuildCounter()
                     .Name("logprob_requests_total")
@@ -82,7 +82,7 @@ Metrics::Metrics()
       .Name("logprob_build_info")
       .Help("Build information; the value is 1.")
       .Register(*registry_)
-      .Add({{"version", "0.1.0"}, {"backend", "cpu"}})
+      .Add({{"version", "0.1.0"}, {"backend", backend}})
       .Set(1);
 }
 

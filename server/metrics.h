@@ -17,7 +17,8 @@ namespace logprob {
 /// The service's metrics; Expose() serves them over HTTP at /metrics.
 class Metrics {
  public:
-  Metrics();
+  /// `backend`: the workers' compute backend, the build_info label.
+  explicit Metrics(const std::string& backend = "cpu");
   /// Starts the HTTP exposer on `listen` (host:port). Throws on bind errors
   /// (prometheus-cpp / civetweb).
   void Expose(const std::string& listen);

@@ -11,10 +11,10 @@ grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::Wo
   absl::StatusOr<internal::v1::WorkResult> res;
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     std::lock_guard<std::mutex> lock(collective_mu_);
-    res = ScoreWorkItem(*item, *comm_, &hidden_, cancelled);
+    res = ScoreWorkItem(*item, *comm_, *backend_, chunk_tokens_, cancelled);
   } else {
     SelfCommunicator self;
-    res = ScoreWorkItem(*item, self, nullptr, cancelled);
+    res = ScoreWorkItem(*item, self, *backend_, chunk_tokens_, cancelled);
   }
   if (!res.ok()) return ToGrpc(res.status());
   *result = std::move(*res);
