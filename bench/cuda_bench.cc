@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "common/dtype.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/device_info.h"
@@ -49,6 +50,19 @@ struct Config {
       std::exit(1);                                                                   \
     }                                                                                 \
   } while (0)
+
+/// Row-kernel arguments over `rows` device rows of V logits of `type`.
+RowBlockArgs DeviceRows(const void* logits, ElemType type, int64_t rows, int64_t V, const int64_t* targets,
+                        uint32_t* records) {
+  RowBlockArgs a;
+  a.logits = logits;
+  a.type = type;
+  a.row_stride = a.len = V;
+  a.rows = rows;
+  a.targets = targets;
+  a.records = records;
+  return a;
+}
 
 /// Pseudo-random bf16 bytes, scale * uniform(-1, 1) (cheap hash, no RNG state).
 std::vector<char> HashBf16(size_t n, float scale, uint32_t seed) {
@@ -119,15 +133,9 @@ void BenchLogits(const Config& cfg, int device) {
               cfg.peak_gbs > 0 ? " (--peak-gbs)" : " (memory clock x bus width)");
   std::printf("%-24s %10s %12s %10s\n", "outputs", "ms", "GB/s", "of peak");
   for (bool full : {false, true}) {
-    RowBlockArgs a;
-    a.logits = logits;
-    a.type = ElemType::kBF16;
-    a.row_stride = a.len = cfg.V;
-    a.rows = cfg.T;
-    a.targets = d_targets;
+    RowBlockArgs a = DeviceRows(logits, ElemType::kBF16, cfg.T, cfg.V, d_targets, records);
     a.entropy = full;
     a.topk = full ? 20 : 0;
-    a.records = records;
     a.topk_scratch_x = sx;
     a.topk_scratch_id = sid;
     const float ms = TimeMs(cfg.reps, nullptr, [&] { BENCH_CHECK(LaunchRowPartials(a, nullptr)); });
@@ -195,13 +203,7 @@ void BenchHidden(const Config& cfg, int device) {
     BENCH_CHECK(cudaMalloc(&d_targets, cfg.T * 8));
     BENCH_CHECK(cudaMemcpy(d_targets, targets.data(), cfg.T * 8, cudaMemcpyHostToDevice));
     BENCH_CHECK(cudaMalloc(&records, cfg.T * RecordWords(0, 0) * 4));
-    RowBlockArgs a;
-    a.logits = logits;
-    a.type = ElemType::kF32;
-    a.row_stride = a.len = cfg.V;
-    a.rows = cfg.T;
-    a.targets = d_targets;
-    a.records = records;
+    const RowBlockArgs a = DeviceRows(logits, ElemType::kF32, cfg.T, cfg.V, d_targets, records);
     const float gemm_ms = TimeMs(cfg.reps, nullptr, [&] {
       if (auto st = (*gemm)->Compute(d_hidden, cfg.T, logits, nullptr); !st.ok()) std::exit(1);
     });
@@ -223,15 +225,9 @@ void BenchHidden(const Config& cfg, int device) {
 
 int Main(int argc, char** argv) {
   Config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::cerr << a << " needs a value" << std::endl;
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+  for (BenchArgs args(argc, argv); args.Next();) {
+    const std::string a = args.flag();
+    auto next = [&] { return args.Value(); };
     if (a == "--mode") cfg.mode = next();
     else if (a == "--t") cfg.T = std::stoll(next());
     else if (a == "--v") cfg.V = std::stoll(next());

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "common/dtype.h"
 #include "worker/communicator.h"
 #include "worker/cpu_backend.h"
@@ -166,15 +167,9 @@ Measured InChild(const std::string& mode, const Config& cfg, int64_t N, int64_t 
 
 int Main(int argc, char** argv) {
   Config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::cerr << a << " needs a value" << std::endl;
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+  for (BenchArgs args(argc, argv); args.Next();) {
+    const std::string a = args.flag();
+    auto next = [&] { return args.Value(); };
     if (a == "--h") cfg.H = std::stoll(next());
     else if (a == "--n") cfg.N = ParseList(next());
     else if (a == "--t") cfg.T = ParseList(next());

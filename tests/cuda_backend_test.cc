@@ -31,6 +31,15 @@ using kernels::StatsSpec;
 
 enum class Values { kNormal, kSmallIntegers, kMinusInf };
 
+StatsSpec Spec(int topk, int gather_k, bool entropy, float temperature = 1.0f) {
+  StatsSpec s;
+  s.topk = topk;
+  s.gather_k = gather_k;
+  s.entropy = entropy;
+  s.temperature = temperature;
+  return s;
+}
+
 /// n rows of len logits of `dtype` with targets and gather ids in [0, V).
 struct Rows {
   DType dtype;
@@ -148,11 +157,7 @@ void CompareSlice(const Rows& rows, const StatsSpec& spec) {
 TEST(CudaRecords, Bf16Vocab151936WithEntropyTop20AndGather) {
   SKIP_WITHOUT_GPU();
   const Rows rows = MakeRows(v1::BF16, 6, 151936, 0, 151936, 4, Values::kNormal, 1);
-  StatsSpec spec;
-  spec.entropy = true;
-  spec.topk = 20;
-  spec.gather_k = 4;
-  spec.temperature = 0.7f;
+  const StatsSpec spec = Spec(20, 4, true, 0.7f);
   CompareSlice(rows, spec);
   // Outputs of the GPU records against float64.
   Backends b = Make();
@@ -178,9 +183,7 @@ TEST(CudaRecords, Bf16Vocab151936WithEntropyTop20AndGather) {
 
 TEST(CudaRecords, TiesAtTheTopkThresholdGoByLowerId) {
   SKIP_WITHOUT_GPU();
-  StatsSpec spec;
-  spec.topk = 50;
-  spec.entropy = true;
+  const StatsSpec spec = Spec(50, 0, true);
   for (DType dt : {v1::F32, v1::BF16, v1::F16}) {
     SCOPED_TRACE(DTypeName(dt));
     CompareSlice(MakeRows(dt, 5, 5000, 0, 5000, 0, Values::kSmallIntegers, 2), spec);
@@ -189,10 +192,7 @@ TEST(CudaRecords, TiesAtTheTopkThresholdGoByLowerId) {
 
 TEST(CudaRecords, F16SliceOffsetUnalignedTargetsInAndOutOfSlice) {
   SKIP_WITHOUT_GPU();
-  StatsSpec spec;
-  spec.topk = 7;
-  spec.gather_k = 3;
-  spec.entropy = true;
+  const StatsSpec spec = Spec(7, 3, true);
   // Odd slice length: rows after the first start unaligned (scalar head).
   CompareSlice(MakeRows(v1::F16, 9, 777, 1000, 3000, 3, Values::kNormal, 3), spec);
   CompareSlice(MakeRows(v1::F32, 9, 1001, 13, 3000, 3, Values::kNormal, 4), spec);
@@ -200,9 +200,7 @@ TEST(CudaRecords, F16SliceOffsetUnalignedTargetsInAndOutOfSlice) {
 
 TEST(CudaRecords, SliceShorterThanKAndAllMinusInfRows) {
   SKIP_WITHOUT_GPU();
-  StatsSpec spec;
-  spec.topk = 50;
-  spec.entropy = true;
+  const StatsSpec spec = Spec(50, 0, true);
   CompareSlice(MakeRows(v1::BF16, 3, 30, 70, 100, 0, Values::kNormal, 5), spec);
   CompareSlice(MakeRows(v1::F32, 2, 300, 0, 300, 0, Values::kMinusInf, 6), spec);
 }
@@ -215,9 +213,7 @@ TEST(CudaRecords, ManyRowsAcrossStagingSubBlocks) {
   auto gpu = cuda::CudaBackend::Create(0, nullptr, opts);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const Rows rows = MakeRows(v1::BF16, 40, 9000, 0, 9000, 2, Values::kNormal, 7);
-  StatsSpec spec;
-  spec.topk = 5;
-  spec.gather_k = 2;
+  const StatsSpec spec = Spec(5, 2, false);
   const size_t words = kernels::PartialWords(spec);
   std::vector<uint32_t> cpu(rows.n * words), got(rows.n * words);
   ASSERT_TRUE(CpuBackend().SlicePartials(rows.logits(), rows.block(2), spec, cpu.data()).ok());
@@ -229,10 +225,7 @@ TEST(CudaFilters, TopKTopPAndBothMatchTheCpuFilter) {
   SKIP_WITHOUT_GPU();
   Backends b = Make();
   ASSERT_TRUE(b.gpu);
-  StatsSpec spec;
-  spec.topk = 10;
-  spec.entropy = true;
-  spec.temperature = 0.9f;
+  const StatsSpec spec = Spec(10, 0, true, 0.9f);
   for (const SamplingFilter f : {SamplingFilter{50, 1.0f}, SamplingFilter{0, 0.5f}, SamplingFilter{50, 0.9f},
                                  SamplingFilter{1, 1.0f}, SamplingFilter{0, 0.01f}}) {
     for (Values kind : {Values::kNormal, Values::kSmallIntegers}) {
@@ -283,10 +276,7 @@ TEST(CudaHidden, FusedGemmAndPartialsMatchTheCpuPath) {
     ASSERT_TRUE(cpu.HiddenLogits(hdt, hidden.bytes.data(), M, lc.data()).ok());
     ASSERT_TRUE((*gpu)->HiddenLogits(hdt, hidden.bytes.data(), M, lg.data()).ok());
     for (size_t i = 0; i < lc.size(); ++i) ASSERT_NEAR(lc[i], lg[i], 1e-4 * (1 + std::abs(lc[i]))) << i;
-    StatsSpec spec;
-    spec.entropy = true;
-    spec.topk = 5;
-    spec.gather_k = 2;
+    const StatsSpec spec = Spec(5, 2, true);
     const size_t words = kernels::PartialWords(spec);
     std::vector<uint32_t> rc(M * words), rg(M * words);
     ASSERT_TRUE(cpu.HiddenPartials(hdt, hidden.bytes.data(), 0, hidden.block(2), spec, rc.data()).ok());

@@ -80,6 +80,15 @@ absl::Status CudaBackend::UploadIds(const BlockRows& rows, const kernels::StatsS
   return absl::OkStatus();
 }
 
+void CudaBackend::PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& spec, RowBlockArgs* args) const {
+  args->rows = n;
+  args->targets = targets_dev_.get<int64_t>() + r0;
+  args->gather_ids = spec.gather_k ? gather_dev_.get<int64_t>() + r0 * spec.gather_k : nullptr;
+  args->records = records_dev_.get<uint32_t>() + r0 * static_cast<int64_t>(kernels::PartialWords(spec));
+  args->topk_scratch_x = spec.topk ? topk_x_dev_.get<float>() + r0 * spec.topk : nullptr;
+  args->topk_scratch_id = spec.topk ? topk_id_dev_.get<int32_t>() + r0 * spec.topk : nullptr;
+}
+
 absl::Status CudaBackend::FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records) {
   const size_t bytes = static_cast<size_t>(rows) * kernels::PartialWords(spec) * 4;
   if (auto st = records_host_.Reserve(bytes); !st.ok()) return st;
@@ -107,7 +116,6 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     if (auto st = staging_host_[b].Reserve(sub * row_bytes); !st.ok()) return st;
     if (auto st = staging_dev_[b].Reserve(sub * row_bytes); !st.ok()) return st;
   }
-  const size_t words = kernels::PartialWords(spec);
   RowBlockArgs args = BaseArgs(spec);
   args.type = ElemOf(block.dtype);
   args.row_stride = args.len = block.len;
@@ -126,12 +134,7 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(copied_[b].get(), copy_.get()), "event");
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), copied_[b].get(), 0), "wait");
     args.logits = staging_dev_[b].get();
-    args.rows = n;
-    args.targets = targets_dev_.get<int64_t>() + r0;
-    args.gather_ids = spec.gather_k ? gather_dev_.get<int64_t>() + r0 * spec.gather_k : nullptr;
-    args.records = records_dev_.get<uint32_t>() + r0 * words;
-    args.topk_scratch_x = spec.topk ? topk_x_dev_.get<float>() + r0 * spec.topk : nullptr;
-    args.topk_scratch_id = spec.topk ? topk_id_dev_.get<int32_t>() + r0 * spec.topk : nullptr;
+    PointAtRows(r0, n, spec, &args);
     args.keep_min = nullptr;
     if (filter) {
       FilterArgs f;
@@ -202,7 +205,7 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
   if (auto st = UploadIds(rows, spec); !st.ok()) return st;
   const int64_t N = gemm_->rows(), H = gemm_->hidden_size(), G = GemmChunkRows(rows.count);
   if (auto st = logits_dev_.Reserve(static_cast<size_t>(G * N) * 4); !st.ok()) return st;
-  const size_t words = kernels::PartialWords(spec), csize = DTypeSize(gemm_->compute_dtype());
+  const size_t csize = DTypeSize(gemm_->compute_dtype());
   RowBlockArgs args = BaseArgs(spec);
   args.logits = logits_dev_.get();
   args.type = ElemType::kF32;
@@ -216,12 +219,7 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
                                  compute_.get());
         !st.ok())
       return st;
-    args.rows = n;
-    args.targets = targets_dev_.get<int64_t>() + r0;
-    args.gather_ids = spec.gather_k ? gather_dev_.get<int64_t>() + r0 * spec.gather_k : nullptr;
-    args.records = records_dev_.get<uint32_t>() + r0 * words;
-    args.topk_scratch_x = spec.topk ? topk_x_dev_.get<float>() + r0 * spec.topk : nullptr;
-    args.topk_scratch_id = spec.topk ? topk_id_dev_.get<int32_t>() + r0 * spec.topk : nullptr;
+    PointAtRows(r0, n, spec, &args);
     LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRowPartials(args, compute_.get()), "row partials kernel");
   }
   return FetchRecords(rows.count, spec, records);

@@ -11,6 +11,7 @@
 #include "worker/backend.h"
 #include "worker/cuda/device_buffers.h"
 #include "worker/cuda/lm_head_gemm_cublaslt.h"
+#include "worker/cuda/row_kernels.h"
 
 namespace logprob::cuda {
 
@@ -66,6 +67,8 @@ class CudaBackend final : public ScoringBackend {
   absl::Status UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec);
   absl::StatusOr<const void*> UploadHidden(DType hidden_dtype, const void* hidden, int64_t M);
   int64_t GemmChunkRows(int64_t M) const;
+  /// Points `args` at rows [r0, r0 + n) of the uploaded ids and the records.
+  void PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& spec, RowBlockArgs* args) const;
   absl::Status FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records);
 
   std::mutex mu_;

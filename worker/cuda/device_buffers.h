@@ -25,20 +25,22 @@ inline absl::Status CudaStatus(cudaError_t e, const char* what) {
     if (auto _st = ::logprob::cuda::CudaStatus((call), what); !_st.ok()) return _st; \
   } while (0)
 
-/// Device memory that grows on demand (contents are lost on growth).
-class DeviceBuffer {
+/// Memory that grows on demand (contents are lost on growth), allocated
+/// and freed by `Alloc`'s static Allocate / Free.
+template <typename Alloc>
+class GrowingBuffer {
  public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  /// Ensures at least `bytes` bytes. INTERNAL when cudaMalloc fails.
+  GrowingBuffer() = default;
+  GrowingBuffer(const GrowingBuffer&) = delete;
+  GrowingBuffer& operator=(const GrowingBuffer&) = delete;
+  ~GrowingBuffer() { Alloc::Free(ptr_); }
+  /// Ensures at least `bytes` bytes. INTERNAL when the allocation fails.
   absl::Status Reserve(size_t bytes) {
     if (bytes <= size_) return absl::OkStatus();
-    cudaFree(ptr_);
+    Alloc::Free(ptr_);
     ptr_ = nullptr;
     size_ = 0;
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes), "cudaMalloc");
+    LOGPROB_CUDA_RETURN_IF_ERROR(Alloc::Allocate(&ptr_, bytes), Alloc::kName);
     size_ = bytes;
     return absl::OkStatus();
   }
@@ -51,30 +53,24 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
-/// Page-locked host memory that grows on demand (async copies to and
-/// from it overlap with host work).
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() { cudaFreeHost(ptr_); }
-  absl::Status Reserve(size_t bytes) {
-    if (bytes <= size_) return absl::OkStatus();
-    cudaFreeHost(ptr_);
-    ptr_ = nullptr;
-    size_ = 0;
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaMallocHost(&ptr_, bytes), "cudaMallocHost");
-    size_ = bytes;
-    return absl::OkStatus();
-  }
-  template <typename T = void>
-  T* get() const { return static_cast<T*>(ptr_); }
-
- private:
-  void* ptr_ = nullptr;
-  size_t size_ = 0;
+/// cudaMalloc / cudaFree.
+struct DeviceAlloc {
+  static constexpr const char* kName = "cudaMalloc";
+  static cudaError_t Allocate(void** p, size_t n) { return cudaMalloc(p, n); }
+  static void Free(void* p) { cudaFree(p); }
 };
+/// cudaMallocHost / cudaFreeHost (page-locked).
+struct PinnedAlloc {
+  static constexpr const char* kName = "cudaMallocHost";
+  static cudaError_t Allocate(void** p, size_t n) { return cudaMallocHost(p, n); }
+  static void Free(void* p) { cudaFreeHost(p); }
+};
+
+/// Device memory that grows on demand.
+using DeviceBuffer = GrowingBuffer<DeviceAlloc>;
+/// Page-locked host memory that grows on demand (async copies to and from
+/// it overlap with host work).
+using PinnedBuffer = GrowingBuffer<PinnedAlloc>;
 
 /// A non-blocking stream.
 class Stream {

@@ -1,9 +1,11 @@
 #include "worker/cuda/lm_head_gemm_cublaslt.h"
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::cuda {
 namespace {
@@ -44,17 +46,7 @@ CublasLtLmHead::~CublasLtLmHead() {
 absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dtype, const void* weight,
                                                                        size_t weight_bytes, int64_t rows,
                                                                        int64_t hidden_size) {
-  if (!IsFloatDType(dtype))
-    return absl::InvalidArgumentError(
-        absl::StrCat("lm_head weight dtype must be F32, BF16 or F16, got ", DTypeName(dtype)));
-  if (rows <= 0 || hidden_size <= 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("lm_head slice shape must be positive, got [", rows, ", ", hidden_size, "]"));
-  const int64_t esize = static_cast<int64_t>(DTypeSize(dtype));
-  if (rows > std::numeric_limits<int64_t>::max() / hidden_size / 4 ||
-      static_cast<int64_t>(weight_bytes) != rows * hidden_size * esize)
-    return absl::InvalidArgumentError(absl::StrCat("lm_head weight has ", weight_bytes, " bytes, expected [", rows,
-                                                   ", ", hidden_size, "] x ", esize));
+  if (auto st = kernels::CheckLmHeadWeight(dtype, weight_bytes, rows, hidden_size); !st.ok()) return st;
   std::unique_ptr<CublasLtLmHead> g(new CublasLtLmHead());
   g->rows_ = rows;
   g->hidden_size_ = hidden_size;
@@ -105,6 +97,11 @@ absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logit
     LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
     const size_t ws = workspace_.size();
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    // Callers pass chunks of the hidden states starting at multiples of 16
+    // rows: their alignment is that of 16 * H elements (at most 256 bytes).
+    const uint64_t row16 = 16 * static_cast<uint64_t>(hidden_size_) * DTypeSize(compute_dtype_);
+    const uint32_t b_align = static_cast<uint32_t>(std::min<uint64_t>(256, row16 & (~row16 + 1)));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof b_align);
     int found = 0;
     const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_, op_, a_layout_, plan->b, plan->d, plan->d, pref,
                                                             1, &plan->heuristic, &found);

@@ -35,7 +35,9 @@ class CublasLtLmHead {
   size_t weight_bytes() const { return weight_.size(); }
 
   /// logits[M, rows()] (device, f32, row-major) = hidden[M, H] @ W^T with
-  /// `hidden` on the device in compute_dtype(). Asynchronous on `stream`.
+  /// `hidden` on the device in compute_dtype(), starting 256-byte aligned or
+  /// a multiple of 16 rows after such a start; `logits` 256-byte aligned.
+  /// Asynchronous on `stream`.
   /// INTERNAL when cuBLASLt finds no algorithm or fails.
   absl::Status Compute(const void* hidden, int64_t M, float* logits, cudaStream_t stream);
 
