@@ -8,7 +8,8 @@
 //           CudaBackend::HiddenPartials (chunked cuBLASLt GEMM feeding the
 //           row kernel; hidden states uploaded from the host) against the
 //           baseline that materialises the full [T, V] f32 logits with one
-//           GEMM and then runs the statistics pass over them; TFLOP/s
+//           GEMM and then runs an in-place log_softmax + target gather
+//           (bench/log_softmax_baseline.cu); TFLOP/s
 //           (2 T V H / s), fraction of --peak-tflops (default 989, H100
 //           SXM dense bf16), and peak device memory of each (cudaMemGetInfo).
 //
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "bench/bench_args.h"
+#include "bench/log_softmax_baseline.h"
 #include "common/dtype.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/device_info.h"
@@ -186,7 +188,7 @@ void BenchHidden(const Config& cfg, int device) {
                 flops / (ms * 1e-3) / 1e12, 100.0 * flops / (ms * 1e-3) / 1e12 / cfg.peak_tflops,
                 (UsedBytes() - base) / 1048576.0);
   }
-  {  // baseline: full [T, V] f32 logits, then the statistics pass
+  {  // baseline: full [T, V] f32 logits, then log_softmax and the target gather
     const size_t base = UsedBytes();
     auto gemm = CublasLtLmHead::Create(v1::BF16, slice.weight.data(), slice.weight.size(), cfg.V, cfg.H);
     if (!gemm.ok()) {
@@ -196,30 +198,29 @@ void BenchHidden(const Config& cfg, int device) {
     char* d_hidden = nullptr;
     float* logits = nullptr;
     int64_t* d_targets = nullptr;
-    uint32_t* records = nullptr;
+    float* logprobs = nullptr;
     BENCH_CHECK(cudaMalloc(&d_hidden, hidden.size()));
     BENCH_CHECK(cudaMemcpy(d_hidden, hidden.data(), hidden.size(), cudaMemcpyHostToDevice));
     BENCH_CHECK(cudaMalloc(&logits, static_cast<size_t>(cfg.T * cfg.V) * 4));
     BENCH_CHECK(cudaMalloc(&d_targets, cfg.T * 8));
     BENCH_CHECK(cudaMemcpy(d_targets, targets.data(), cfg.T * 8, cudaMemcpyHostToDevice));
-    BENCH_CHECK(cudaMalloc(&records, cfg.T * RecordWords(0, 0) * 4));
-    const RowBlockArgs a = DeviceRows(logits, ElemType::kF32, cfg.T, cfg.V, d_targets, records);
+    BENCH_CHECK(cudaMalloc(&logprobs, cfg.T * 4));
     const float gemm_ms = TimeMs(cfg.reps, nullptr, [&] {
       if (auto st = (*gemm)->Compute(d_hidden, cfg.T, logits, nullptr); !st.ok()) std::exit(1);
     });
     const float ms = TimeMs(cfg.reps, nullptr, [&] {
       if (auto st = (*gemm)->Compute(d_hidden, cfg.T, logits, nullptr); !st.ok()) std::exit(1);
-      BENCH_CHECK(LaunchRowPartials(a, nullptr));
+      BENCH_CHECK(LaunchLogSoftmaxGather(logits, cfg.T, cfg.V, d_targets, logprobs, nullptr));
     });
     const double peak_mib = (UsedBytes() - base) / 1048576.0;
     std::printf("%-34s %10.3f %10.1f %8.1f%% %14.0f\n", "GEMM alone, full [T, V] f32", gemm_ms,
                 flops / (gemm_ms * 1e-3) / 1e12, 100.0 * flops / (gemm_ms * 1e-3) / 1e12 / cfg.peak_tflops, peak_mib);
-    std::printf("%-34s %10.3f %10.1f %8.1f%% %14.0f\n", "full GEMM then statistics pass", ms,
+    std::printf("%-34s %10.3f %10.1f %8.1f%% %14.0f\n", "full GEMM then log_softmax+gather", ms,
                 flops / (ms * 1e-3) / 1e12, 100.0 * flops / (ms * 1e-3) / 1e12 / cfg.peak_tflops, peak_mib);
     cudaFree(d_hidden);
     cudaFree(logits);
     cudaFree(d_targets);
-    cudaFree(records);
+    cudaFree(logprobs);
   }
 }
 
