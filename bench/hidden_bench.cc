@@ -14,6 +14,11 @@
 //
 //   logprob_hidden_bench [--h 4096] [--n 32000,18992] [--t 512,2048,8192]
 //                        [--reps 3] [--chunk 128] [--full] [--threads 0]
+//                        [--backend cpu|cuda]
+// With --backend cuda the lm_head lives on GPU 0: `fused` is the worker's
+// GPU path (hidden states uploaded, chunked cuBLASLt GEMM + row kernel,
+// records back); `gemm` and `full+lsm` include downloading the [T, N]
+// logits to the host (device-only numbers: logprob_cuda_bench).
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -32,8 +37,7 @@
 #include "bench/bench_args.h"
 #include "common/dtype.h"
 #include "worker/communicator.h"
-#include "worker/cpu_backend.h"
-#include "worker/kernels/lm_head_gemm.h"
+#include "worker/backend_factory.h"
 #include "worker/scorer.h"
 
 namespace logprob {
@@ -47,6 +51,7 @@ struct Config {
   int64_t chunk = 128;
   bool full = false;
   int threads = 0;
+  std::string backend = "cpu";
 };
 
 std::vector<int64_t> ParseList(const std::string& s) {
@@ -76,12 +81,17 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
 /// Runs one mode `reps` times (after one untimed run) and returns the
 /// median seconds, or a negative value on failure.
 double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T) {
-  auto gemm = kernels::LmHeadGemm::Create(v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H,
-                                          cfg.threads);
-  if (!gemm.ok()) {
-    std::cerr << gemm.status() << std::endl;
+  LmHeadSlice slice{v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H};
+  BackendConfig backend_config;
+  backend_config.backend = cfg.backend;
+  backend_config.threads = cfg.threads;
+  backend_config.lm_head = &slice;
+  auto made = MakeBackend(backend_config);
+  if (!made.ok()) {
+    std::cerr << made.status() << std::endl;
     return -1;
   }
+  ScoringBackend& backend = **made;
   const std::vector<char> hidden = RandomBf16(static_cast<size_t>(T * cfg.H), 1.f, 2);
   std::vector<int64_t> targets(T);
   for (int64_t i = 0; i < T; ++i) targets[i] = (i * 7919) % N;
@@ -105,7 +115,6 @@ double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T)
     logits.resize(static_cast<size_t>(T * N));
   }
   SelfCommunicator self;
-  CpuBackend backend(std::move(*gemm));
   std::vector<float> lp(T);
   auto once = [&]() -> bool {
     if (mode == "fused") {
@@ -177,14 +186,16 @@ int Main(int argc, char** argv) {
     else if (a == "--chunk") cfg.chunk = std::stoll(next());
     else if (a == "--threads") cfg.threads = std::stoi(next());
     else if (a == "--full") cfg.full = true;
+    else if (a == "--backend") cfg.backend = next();
     else {
       std::cerr << "usage: logprob_hidden_bench [--h H] [--n N1,N2] [--t T1,T2] [--reps R] [--chunk C] [--full] "
-                   "[--threads K]"
+                   "[--threads K] [--backend cpu|cuda]"
                 << std::endl;
       return 2;
     }
   }
-  std::printf("H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", static_cast<long long>(cfg.H),
+  std::printf("backend %s, H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", cfg.backend.c_str(),
+              static_cast<long long>(cfg.H),
               static_cast<long long>(cfg.chunk), cfg.full ? "token logprobs + entropy + top-20" : "token logprobs",
               cfg.reps);
   std::printf("%7s %6s %-9s %9s %11s %8s %8s %9s\n", "N", "T", "mode", "seconds", "tokens/s", "GFLOP/s", "vs gemm",
