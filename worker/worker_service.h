@@ -21,15 +21,16 @@ class WorkerService final : public internal::v1::Worker::Service {
   /// if any); `chunk_tokens`: hidden-states rows per rank per round.
   WorkerService(std::unique_ptr<Communicator> comm, std::unique_ptr<ScoringBackend> backend,
                 int64_t chunk_tokens = kDefaultHiddenChunkTokens)
-      : comm_(std::move(comm)), backend_(std::move(backend)), chunk_tokens_(chunk_tokens) {}
+      : backend_(std::move(backend)), comm_(std::move(comm)), chunk_tokens_(chunk_tokens) {}
   grpc::Status Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                    internal::v1::WorkResult* result) override;
   grpc::Status Info(grpc::ServerContext* ctx, const internal::v1::WorkerInfoRequest* req,
                     internal::v1::WorkerInfoReply* reply) override;
 
  private:
-  std::unique_ptr<Communicator> comm_;
+  // The communicator may use the backend's stream (NCCL): it goes first.
   std::unique_ptr<ScoringBackend> backend_;
+  std::unique_ptr<Communicator> comm_;
   int64_t chunk_tokens_;
   std::mutex collective_mu_;
 };

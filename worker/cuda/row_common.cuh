@@ -130,14 +130,13 @@ __device__ __forceinline__ void DigitHistogram(const RowView& r, uint32_t prefix
 
 /// Radix select: the key of the k-th largest x of the row (1 <= k <= len),
 /// and in *ties how many entries equal to it are among the k largest.
-/// `hist` may already hold the first digit's histogram (prefilled).
-__device__ __forceinline__ uint32_t KthLargestKey(const RowView& r, int64_t k, unsigned* hist, bool prefilled,
-                                                  int64_t* ties) {
+/// `hist` is kRadixBins shared counters (scratch). Four passes over the row.
+__device__ __forceinline__ uint32_t KthLargestKey(const RowView& r, int64_t k, unsigned* hist, int64_t* ties) {
   __shared__ uint32_t s_bucket;
   __shared__ int64_t s_k;
   uint32_t prefix = 0, mask = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    if (shift != 24 || !prefilled) DigitHistogram(r, prefix, mask, shift, hist);
+    DigitHistogram(r, prefix, mask, shift, hist);
     if (threadIdx.x == 0) {
       int64_t cum = 0;
       int b = kRadixBins - 1;

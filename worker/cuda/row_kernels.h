@@ -59,9 +59,10 @@ struct RowBlockArgs {
 LOGPROB_HOST_DEVICE inline int64_t RecordWords(int gather_k, int topk) { return kRecordHeaderWords + gather_k + 2 * int64_t{topk}; }
 
 /// One block per row: one pass (online softmax, float32 per thread,
-/// float64 across threads) for m, s, u; the target and gather x; top-k by
-/// radix select (first digit histogram fused into the pass) plus one
-/// ordered collection pass for ties. Asynchronous on `stream`.
+/// float64 across threads) for m, s, u; the target and gather x; the top-k
+/// (topk_select.cuh: a coarse key histogram fused into the pass, then one
+/// candidate pass, or radix select when the k-th value's bucket holds more
+/// than 2048 entries). Asynchronous on `stream`.
 cudaError_t LaunchRowPartials(const RowBlockArgs& args, cudaStream_t stream);
 
 /// Sampling filters of full rows (kernels::SamplingKeepMin semantics):

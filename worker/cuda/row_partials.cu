@@ -1,6 +1,7 @@
 // Packed partial records of rows of logits on the GPU (the CUDA twin of
 // kernels::ComputePartial): one block per row, one pass with online
-// softmax for m, s, u, then top-k by radix select (topk_select.cuh).
+// softmax for m, s, u (and the coarse key histogram of the top-k), then
+// the top-k (topk_select.cuh).
 #include <cmath>
 
 #include "worker/cuda/row_common.cuh"
@@ -26,17 +27,17 @@ __device__ __forceinline__ void PutDouble(uint32_t* at, double d) {
 template <bool kTopk>
 __global__ void __launch_bounds__(kRowThreads) RowPartialsKernel(RowBlockArgs a) {
   const int64_t row = blockIdx.x;
-  __shared__ unsigned hist[kRadixBins];
+  __shared__ unsigned hist[kTopkBins];
   const RowView r{static_cast<const char*>(a.logits) + row * a.row_stride * ElemSize(a.type), a.type, a.len,
                   a.temperature, a.keep_min ? a.keep_min[row] : -INFINITY};
   if (kTopk) {
-    for (int b = threadIdx.x; b < kRadixBins; b += blockDim.x) hist[b] = 0;
+    for (int b = threadIdx.x; b < kTopkBins; b += blockDim.x) hist[b] = 0;
     __syncthreads();
   }
   // Per-thread online softmax: s = sum e^(x - m), u = sum e^(x - m) (x - m).
   float m = -INFINITY, s = 0.f, u = 0.f;
   ForEachX(r, [&](float x, int64_t) {
-    if (kTopk) atomicAdd(&hist[Key(x) >> 24], 1u);
+    if (kTopk) atomicAdd(&hist[Key(x) >> (32 - kTopkBinBits)], 1u);
     if (x > m) {
       if (m > -INFINITY) {
         const float d = m - x, c = __expf(d);

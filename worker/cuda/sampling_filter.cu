@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(kRowThreads) KeepMinKernel(FilterArgs a) {
   const bool use_p = a.top_p > 0.f && a.top_p < 1.f;
   if (use_k) {  // top-k: x >= k-th largest (ties kept)
     int64_t ties = 0;
-    keep = FromKey(KthLargestKey(r, a.top_k, hist, /*prefilled=*/false, &ties));
+    keep = FromKey(KthLargestKey(r, a.top_k, hist, &ties));
   }
   if (use_p) {
     // Over the top-k survivors, renormalised: keep each value whose mass
