@@ -128,6 +128,18 @@ __device__ __forceinline__ void DigitHistogram(const RowView& r, uint32_t prefix
   __syncthreads();
 }
 
+/// Walks the bins hi, hi - 1, ..., lo of `hist` down from the top, adding
+/// their counts to *cum, and returns the first bin b where *cum + hist[b]
+/// >= k (lo if none); *cum is then the count in the bins above b.
+__device__ __forceinline__ int BinOfKth(const unsigned* hist, int hi, int lo, int64_t k, int64_t* cum) {
+  int b = hi;
+  for (; b > lo; --b) {
+    if (*cum + hist[b] >= k) break;
+    *cum += hist[b];
+  }
+  return b;
+}
+
 /// Radix select: the key of the k-th largest x of the row (1 <= k <= len),
 /// and in *ties how many entries equal to it are among the k largest.
 /// `hist` is kRadixBins shared counters (scratch). Four passes over the row.
@@ -139,12 +151,7 @@ __device__ __forceinline__ uint32_t KthLargestKey(const RowView& r, int64_t k, u
     DigitHistogram(r, prefix, mask, shift, hist);
     if (threadIdx.x == 0) {
       int64_t cum = 0;
-      int b = kRadixBins - 1;
-      for (; b > 0; --b) {
-        if (cum + hist[b] >= k) break;
-        cum += hist[b];
-      }
-      s_bucket = static_cast<uint32_t>(b);
+      s_bucket = static_cast<uint32_t>(BinOfKth(hist, kRadixBins - 1, 0, k, &cum));
       s_k = k - cum;
     }
     __syncthreads();

@@ -57,17 +57,8 @@ __device__ __forceinline__ void BlockTopK(const RowView& r, int64_t vocab_begin,
     __syncthreads();
     if (threadIdx.x == 0) {
       int64_t cum = 0;
-      int g = kRowThreads - 1;
-      for (; g > 0; --g) {
-        if (cum + group[g] >= k_eff) break;
-        cum += group[g];
-      }
-      int b = g * kPerGroup + kPerGroup - 1;
-      for (; b > g * kPerGroup; --b) {
-        if (cum + hist[b] >= k_eff) break;
-        cum += hist[b];
-      }
-      s_top = static_cast<uint32_t>(b);
+      const int g = BinOfKth(group, kRowThreads - 1, 0, k_eff, &cum);
+      s_top = static_cast<uint32_t>(BinOfKth(hist, g * kPerGroup + kPerGroup - 1, g * kPerGroup, k_eff, &cum));
       s_above = cum;
       n_greater = 0;
       n_cand = 0;
