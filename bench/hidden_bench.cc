@@ -14,6 +14,11 @@
 //
 //   logprob_hidden_bench [--h 4096] [--n 32000,18992] [--t 512,2048,8192]
 //                        [--reps 3] [--chunk 128] [--full] [--threads 0]
+//                        [--backend cpu|cuda]
+// With --backend cuda the lm_head lives on GPU 0: `fused` is the worker's
+// GPU path (hidden states uploaded, chunked cuBLASLt GEMM + row kernel,
+// records back); `gemm` and `full+lsm` include downloading the [T, N]
+// logits to the host (device-only numbers: logprob_cuda_bench).
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,9 +34,10 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "common/dtype.h"
 #include "worker/communicator.h"
-#include "worker/kernels/lm_head_gemm.h"
+#include "worker/backend_factory.h"
 #include "worker/scorer.h"
 
 namespace logprob {
@@ -45,6 +51,7 @@ struct Config {
   int64_t chunk = 128;
   bool full = false;
   int threads = 0;
+  std::string backend = "cpu";
 };
 
 std::vector<int64_t> ParseList(const std::string& s) {
@@ -74,12 +81,17 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
 /// Runs one mode `reps` times (after one untimed run) and returns the
 /// median seconds, or a negative value on failure.
 double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T) {
-  auto gemm = kernels::LmHeadGemm::Create(v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H,
-                                          cfg.threads);
-  if (!gemm.ok()) {
-    std::cerr << gemm.status() << std::endl;
+  LmHeadSlice slice{v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H};
+  BackendConfig backend_config;
+  backend_config.backend = cfg.backend;
+  backend_config.threads = cfg.threads;
+  backend_config.lm_head = &slice;
+  auto made = MakeBackend(backend_config);
+  if (!made.ok()) {
+    std::cerr << made.status() << std::endl;
     return -1;
   }
+  ScoringBackend& backend = **made;
   const std::vector<char> hidden = RandomBf16(static_cast<size_t>(T * cfg.H), 1.f, 2);
   std::vector<int64_t> targets(T);
   for (int64_t i = 0; i < T; ++i) targets[i] = (i * 7919) % N;
@@ -103,15 +115,14 @@ double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T)
     logits.resize(static_cast<size_t>(T * N));
   }
   SelfCommunicator self;
-  HiddenScoring scoring{gemm->get(), cfg.chunk};
   std::vector<float> lp(T);
   auto once = [&]() -> bool {
     if (mode == "fused") {
-      auto res = ScoreWorkItem(item, self, &scoring);
+      auto res = ScoreWorkItem(item, self, backend, cfg.chunk);
       if (!res.ok()) std::cerr << res.status() << std::endl;
       return res.ok();
     }
-    if (!(*gemm)->Compute(v1::BF16, hidden.data(), T, logits.data()).ok()) return false;
+    if (!backend.HiddenLogits(v1::BF16, hidden.data(), T, logits.data()).ok()) return false;
     if (mode == "full+lsm") {
       for (int64_t r = 0; r < T; ++r) {
         float* row = logits.data() + r * N;
@@ -165,15 +176,9 @@ Measured InChild(const std::string& mode, const Config& cfg, int64_t N, int64_t 
 
 int Main(int argc, char** argv) {
   Config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::cerr << a << " needs a value" << std::endl;
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+  for (BenchArgs args(argc, argv); args.Next();) {
+    const std::string a = args.flag();
+    auto next = [&] { return args.Value(); };
     if (a == "--h") cfg.H = std::stoll(next());
     else if (a == "--n") cfg.N = ParseList(next());
     else if (a == "--t") cfg.T = ParseList(next());
@@ -181,14 +186,16 @@ int Main(int argc, char** argv) {
     else if (a == "--chunk") cfg.chunk = std::stoll(next());
     else if (a == "--threads") cfg.threads = std::stoi(next());
     else if (a == "--full") cfg.full = true;
+    else if (a == "--backend") cfg.backend = next();
     else {
       std::cerr << "usage: logprob_hidden_bench [--h H] [--n N1,N2] [--t T1,T2] [--reps R] [--chunk C] [--full] "
-                   "[--threads K]"
+                   "[--threads K] [--backend cpu|cuda]"
                 << std::endl;
       return 2;
     }
   }
-  std::printf("H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", static_cast<long long>(cfg.H),
+  std::printf("backend %s, H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", cfg.backend.c_str(),
+              static_cast<long long>(cfg.H),
               static_cast<long long>(cfg.chunk), cfg.full ? "token logprobs + entropy + top-20" : "token logprobs",
               cfg.reps);
   std::printf("%7s %6s %-9s %9s %11s %8s %8s %9s\n", "N", "T", "mode", "seconds", "tokens/s", "GFLOP/s", "vs gemm",

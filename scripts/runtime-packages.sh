@@ -4,7 +4,10 @@
 # installs exactly these instead of the -dev packages of install-deps.sh.
 # Exits 1 when a library is not found or no installed package ships it.
 # The NVIDIA driver's libraries (libcuda, libnvidia-ml) are skipped: the
-# NVIDIA container runtime mounts them from the host.
+# NVIDIA container runtime mounts them from the host. CUDA toolkit libraries
+# (cudart, cublasLt, NCCL) that no package ships (a toolkit installed from
+# NVIDIA's runfile under /usr/local/cuda*) are named on stderr and skipped:
+# the GPU image installs them from NVIDIA's repository, where dpkg finds them.
 set -euo pipefail
 if [ $# -eq 0 ]; then echo "usage: $0 BINARY..." >&2; exit 2; fi
 fail=0
@@ -25,7 +28,12 @@ for lib in $libs; do
     pkg=$(dpkg-query -S "$p" 2>/dev/null | grep -v '^diversion' | head -n1 | sed 's/: .*//; s/,.*//; s/:.*//') || true
     if [ -n "$pkg" ]; then break; fi
   done
-  if [ -z "$pkg" ]; then echo "$0: no installed Debian package ships $lib" >&2; fail=1; continue; fi
+  if [ -z "$pkg" ]; then
+    case "$real" in
+      /usr/local/cuda*) echo "$0: $lib comes from the CUDA toolkit in /usr/local, not a package; skipped" >&2; continue ;;
+    esac
+    echo "$0: no installed Debian package ships $lib" >&2; fail=1; continue
+  fi
   pkgs+=("$pkg")
 done
 if [ "$fail" != 0 ]; then exit 1; fi

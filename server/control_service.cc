@@ -63,7 +63,8 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
   internal::v1::JoinReply reply = worker_config_;
   reply.set_rank(me.rank);
   reply.set_world_size(world_size_);
-  reply.set_comm("gloo");
+  if (reply.comm().empty()) reply.set_comm("gloo");
+  if (reply.backend().empty()) reply.set_backend("cpu");
   reply.set_store_prefix(prefix_);
   reply.set_generation(me.generation);
   lock.unlock();

@@ -19,6 +19,7 @@
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
 #include "common/flag_names.h"
+#include "common/backend_choice.h"
 #include "common/lm_head_source.h"
 #include "absl/strings/str_cat.h"
 #include "server/auth.h"
@@ -34,8 +35,10 @@ ABSL_FLAG(int, workers, 1, "number of local worker processes to spawn");
 ABSL_FLAG(int, external_workers, 0,
           "cluster mode: spawn nothing, wait for this many logprob-worker processes started elsewhere with "
           "--frontend pointing at --control-listen (which then needs a reachable address and a fixed port)");
-ABSL_FLAG(std::string, backend, "cpu", "compute backend: cpu");
-ABSL_FLAG(std::string, comm, "gloo", "worker communicator: gloo");
+ABSL_FLAG(std::string, backend, "cpu",
+          "compute backend of the workers: cpu, or cuda (one GPU per worker, rank % GPUs; workers may share a GPU "
+          "with --comm gloo)");
+ABSL_FLAG(std::string, comm, "gloo", "worker communicator: gloo, or nccl (needs --backend cuda and a GPU per worker)");
 ABSL_FLAG(std::string, parallelism, "auto", "logits layout: auto (by cost), token or vocab");
 ABSL_FLAG(std::string, lm_head, "",
           "lm_head for hidden-states requests: PATH[:TENSOR], PATH a .safetensors file, a "
@@ -108,8 +111,8 @@ absl::Status CheckClusterFlags(int external, bool workers_given, const std::stri
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "logprob-server --listen HOST:PORT (--workers N | --external-workers N --control-listen HOST:PORT) --backend cpu "
-      "[--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT] "
+      "logprob-server --listen HOST:PORT (--workers N | --external-workers N --control-listen HOST:PORT) "
+      "[--backend cpu|cuda] [--comm gloo|nccl] [--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT] "
       "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]");
   logprob::NormalizeFlagDashes(argc, argv);
   const bool workers_given = logprob::FlagGiven(argc, argv, "workers");
@@ -121,8 +124,8 @@ int main(int argc, char** argv) {
     return Fail(std::string(st.message()));
   const int workers = external > 0 ? external : absl::GetFlag(FLAGS_workers);
   if (workers < 1) return Fail("--workers must be >= 1");
-  if (absl::GetFlag(FLAGS_backend) != "cpu") return Fail("--backend " + absl::GetFlag(FLAGS_backend) + " is not built in this binary (cpu is)");
-  if (absl::GetFlag(FLAGS_comm) != "gloo") return Fail("--comm " + absl::GetFlag(FLAGS_comm) + " is not supported (gloo is)");
+  if (auto st = logprob::CheckBackendChoice(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_comm)); !st.ok())
+    return Fail(std::string(st.message()));
   auto parallelism = logprob::ParseParallelism(absl::GetFlag(FLAGS_parallelism));
   if (!parallelism.ok()) return Fail(std::string(parallelism.status().message()));
 
@@ -159,12 +162,16 @@ int main(int argc, char** argv) {
   if (config.max_batch_tokens < 1) return Fail("--max-batch-tokens must be >= 1");
   config.parallelism = *parallelism;
   config.parallelism_name = absl::GetFlag(FLAGS_parallelism);
+  config.backend = absl::GetFlag(FLAGS_backend);
+  config.comm = absl::GetFlag(FLAGS_comm);
   if (config.max_request_bytes <= 0 || config.max_request_bytes > INT_MAX) return Fail("--max-request-bytes must be in (0, 2^31)");
 
   const int64_t chunk_tokens = absl::GetFlag(FLAGS_hidden_chunk_tokens);
   if (chunk_tokens < 1) return Fail("--hidden-chunk-tokens must be >= 1");
   logprob::internal::v1::JoinReply worker_config;
   worker_config.set_hidden_chunk_tokens(chunk_tokens);
+  worker_config.set_backend(absl::GetFlag(FLAGS_backend));
+  worker_config.set_comm(absl::GetFlag(FLAGS_comm));
   int threads = absl::GetFlag(FLAGS_worker_threads);
   // External workers run on other machines: 0 lets each use its own cores.
   if (threads <= 0 && external == 0)

@@ -17,7 +17,7 @@ namespace logprob {
 /// The service's metrics; Expose() serves them over HTTP at /metrics.
 class Metrics {
  public:
-  /// `backend` labels logprob_build_info ("cpu" or "cuda").
+  /// `backend`: the workers' compute backend, the build_info label.
   explicit Metrics(const std::string& backend = "cpu");
   /// Starts the HTTP exposer on `listen` (host:port). Throws on bind errors
   /// (prometheus-cpp / civetweb).

@@ -1,8 +1,11 @@
-// logprob-worker: one scoring worker process (CPU backend, Gloo).
+// logprob-worker: one scoring worker process (CPU or CUDA backend, Gloo
+// or NCCL communicator).
 //
 // Joins the front-end's control plane (--frontend) and waits there for its
 // rank, loads its vocabulary slice of the lm_head when the front-end has
-// one, forms the Gloo communicator through the front-end's store, serves
+// one (uploaded once to the GPU with --backend cuda), forms the
+// communicator through the front-end's store (Gloo rendezvous, or rank 0's
+// NCCL unique id), serves
 // the internal Worker service and reports Ready with its address. The Join
 // stream stays open while this worker belongs to the pool; when it ends
 // (the pool was reset after a peer failed, or the front-end went away) the
@@ -27,9 +30,10 @@
 #include "common/lm_head_source.h"
 #include "common/partition.h"
 #include "absl/strings/str_cat.h"
+#include "common/backend_choice.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
+#include "worker/backend_factory.h"
 #include "worker/control_store.h"
-#include "worker/gloo_communicator.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, frontend, "", "host:port of the front-end's control service (required)");
@@ -43,8 +47,9 @@ ABSL_FLAG(bool, rejoin, true,
           "(false: exit)");
 ABSL_FLAG(bool, exit_with_parent, false,
           "exit when the parent process exits (the front-end passes it to the workers it spawns)");
-ABSL_FLAG(std::string, backend, "cpu", "compute backend: cpu");
-ABSL_FLAG(std::string, comm, "gloo", "communicator: gloo");
+ABSL_FLAG(std::string, backend, "", "compute backend: cpu or cuda (default: as the front-end says, else cpu)");
+ABSL_FLAG(std::string, comm, "", "communicator: gloo or nccl (nccl needs cuda; default: as the front-end says, else gloo)");
+ABSL_FLAG(int, device, -1, "CUDA device of --backend cuda; -1: rank % device count");
 ABSL_FLAG(int, collective_timeout, 60, "seconds before a collective or rendezvous fails");
 ABSL_FLAG(int, threads, -1, "compute threads (GEMM); -1: as the front-end says, 0: library default");
 
@@ -88,9 +93,8 @@ std::string HostPort(const std::string& host, int port) {
 }
 
 /// Reads this rank's vocabulary slice of the lm_head named in the join
-/// reply and builds its GEMM; null when the front-end has no lm_head.
-absl::StatusOr<std::unique_ptr<logprob::kernels::LmHeadGemm>> LoadLmHeadSlice(
-    const logprob::internal::v1::JoinReply& joined, int threads) {
+/// reply; null when the front-end has no lm_head.
+absl::StatusOr<std::unique_ptr<logprob::LmHeadSlice>> ReadLmHeadSlice(const logprob::internal::v1::JoinReply& joined) {
   const auto& src = joined.lm_head();
   if (src.file().empty()) return nullptr;
   logprob::LmHeadSource source;
@@ -102,16 +106,28 @@ absl::StatusOr<std::unique_ptr<logprob::kernels::LmHeadGemm>> LoadLmHeadSlice(
   source.data_offset = src.data_offset();
   const auto [vb, ve] = logprob::SplitRange(source.vocab_size, joined.world_size(), joined.rank());
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<char> weight(static_cast<size_t>((ve - vb) * source.hidden_size) * logprob::DTypeSize(source.dtype));
-  if (auto st = logprob::ReadLmHeadRows(source, vb, ve, weight.data()); !st.ok()) return st;
-  auto gemm = logprob::kernels::LmHeadGemm::Create(source.dtype, std::move(weight), ve - vb, source.hidden_size, threads);
-  if (!gemm.ok()) return gemm.status();
-  std::cerr << "logprob-worker: rank " << joined.rank() << " loaded " << source.tensor << " rows [" << vb << ", " << ve
+  auto slice = std::make_unique<logprob::LmHeadSlice>();
+  slice->dtype = source.dtype;
+  slice->rows = ve - vb;
+  slice->hidden_size = source.hidden_size;
+  slice->weight.resize(static_cast<size_t>((ve - vb) * source.hidden_size) * logprob::DTypeSize(source.dtype));
+  if (auto st = logprob::ReadLmHeadRows(source, vb, ve, slice->weight.data()); !st.ok()) return st;
+  std::cerr << "logprob-worker: rank " << joined.rank() << " read " << source.tensor << " rows [" << vb << ", " << ve
             << ") x " << source.hidden_size << " " << logprob::DTypeName(source.dtype) << " from " << source.file
-            << " (" << ((*gemm)->weight_bytes() >> 20) << " MiB as " << logprob::DTypeName((*gemm)->compute_dtype())
-            << ") in " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s"
-            << std::endl;
-  return gemm;
+            << " (" << (slice->weight.size() >> 20) << " MiB) in "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s" << std::endl;
+  return slice;
+}
+
+/// The front-end's choice for a flag the worker may also be given: an
+/// explicit worker flag must agree with it. Empty on conflict (*error set).
+std::string Choose(const std::string& flag, const std::string& mine, const std::string& frontend,
+                   const std::string& fallback, std::string* error) {
+  if (!mine.empty() && !frontend.empty() && mine != frontend) {
+    *error = "--" + flag + " " + mine + " disagrees with the front-end's " + frontend;
+    return "";
+  }
+  return !mine.empty() ? mine : !frontend.empty() ? frontend : fallback;
 }
 
 }  // namespace
@@ -128,8 +144,12 @@ int main(int argc, char** argv) {
   std::signal(SIGTERM, [](int) { _exit(0); });
   const std::string frontend = absl::GetFlag(FLAGS_frontend);
   if (frontend.empty()) return Fail("--frontend is required");
-  if (absl::GetFlag(FLAGS_backend) != "cpu") return Fail("--backend " + absl::GetFlag(FLAGS_backend) + " is not built in this binary (cpu is)");
-  if (absl::GetFlag(FLAGS_comm) != "gloo") return Fail("--comm " + absl::GetFlag(FLAGS_comm) + " is not supported (gloo is)");
+  if (!absl::GetFlag(FLAGS_backend).empty() || !absl::GetFlag(FLAGS_comm).empty()) {
+    const std::string b = absl::GetFlag(FLAGS_backend).empty() ? "cpu" : absl::GetFlag(FLAGS_backend);
+    if (auto st = logprob::CheckBackendChoice(b, absl::GetFlag(FLAGS_comm).empty() ? "gloo" : absl::GetFlag(FLAGS_comm));
+        !st.ok())
+      return Fail(std::string(st.message()));
+  }
   std::string listen_host = absl::GetFlag(FLAGS_listen_host), advertise_host = absl::GetFlag(FLAGS_advertise_host);
   if (listen_host.empty()) listen_host = advertise_host.empty() ? "127.0.0.1" : advertise_host;
   if (advertise_host.empty()) advertise_host = listen_host;
@@ -193,16 +213,33 @@ int main(int argc, char** argv) {
     EndMembership(why, rejoin, 1);
   };
 
-  const int threads = absl::GetFlag(FLAGS_threads) >= 0 ? absl::GetFlag(FLAGS_threads) : joined.threads();
-  auto lm_head = LoadLmHeadSlice(joined, threads);
-  // A missing or unreadable lm_head is a configuration error: exit.
+  // Configuration errors (a backend choice that disagrees with the
+  // front-end's, a missing lm_head, no usable GPU): exit.
+  std::string choice_error;
+  const std::string backend_name = Choose("backend", absl::GetFlag(FLAGS_backend), joined.backend(), "cpu", &choice_error);
+  const std::string comm_name = Choose("comm", absl::GetFlag(FLAGS_comm), joined.comm(), "gloo", &choice_error);
+  if (!choice_error.empty()) EndMembership(choice_error, false, 1);
+  if (auto st = logprob::CheckBackendChoice(backend_name, comm_name); !st.ok())
+    EndMembership(std::string(st.message()), false, 1);
+  auto lm_head = ReadLmHeadSlice(joined);
   if (!lm_head.ok()) EndMembership("lm_head: " + std::string(lm_head.status().message()), false, 1);
+  logprob::BackendConfig backend_config;
+  backend_config.backend = backend_name;
+  backend_config.rank = rank;
+  backend_config.device = absl::GetFlag(FLAGS_device);
+  backend_config.threads = absl::GetFlag(FLAGS_threads) >= 0 ? absl::GetFlag(FLAGS_threads) : joined.threads();
+  backend_config.lm_head = lm_head->get();
+  auto backend = logprob::MakeBackend(backend_config);
+  if (!backend.ok())
+    EndMembership("--backend " + backend_name + ": " + std::string(backend.status().message()), false, 1);
+  lm_head->reset();  // the backend holds (or has uploaded) the weights
   logprob::ControlStore store(control, joined.store_prefix());
-  auto comm = logprob::GlooCommunicator::Create(store, advertise_host, rank, world,
-                                                std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout)));
-  if (!comm.ok()) startup_failed(std::string(comm.status().message()));
+  auto comm = logprob::MakeCommunicator(comm_name, **backend, store, advertise_host, rank, world,
+                                        std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout)));
+  if (!comm.ok()) startup_failed("--comm " + comm_name + ": " + std::string(comm.status().message()));
+  std::cerr << "logprob-worker: rank " << rank << " backend " << backend_name << ", comm " << comm_name << std::endl;
 
-  logprob::WorkerService service(std::move(*comm), std::move(*lm_head), joined.hidden_chunk_tokens());
+  logprob::WorkerService service(std::move(*comm), std::move(*backend), joined.hidden_chunk_tokens());
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(HostPort(listen_host, 0), grpc::InsecureServerCredentials(), &port);

@@ -69,39 +69,33 @@ struct Job {
   const WorkItem& item;
   StatsSpec spec;
   bool filters;
+  SamplingFilter filter;
+  ScoringBackend& backend;
   const std::function<bool()>& should_stop;
-  std::vector<uint32_t> record;
-  std::vector<float> scratch = std::vector<float>(kernels::kPartialScratchFloats);
-  std::vector<float> row_f32;
-  std::vector<float> filter_scratch;
+  std::vector<uint32_t> records;
 
-  /// Row `row` (global index in the item) of a slice held at `logits`.
-  kernels::SliceRow Slice(const void* logits, int64_t row) const {
-    kernels::SliceRow r;
-    r.logits = logits;
-    r.target = item.targets(static_cast<int>(row));
-    r.gather_ids = spec.gather_k ? item.gather_ids().data() + row * spec.gather_k : nullptr;
-    return r;
+  /// Rows [row0, row0 + count) of the item, contiguous in its arrays.
+  BlockRows Range(int64_t row0, int64_t count) const {
+    return BlockRows{count, item.targets().data() + row0,
+                     spec.gather_k ? item.gather_ids().data() + row0 * spec.gather_k : nullptr};
   }
 };
 
-/// Scores one full row (all V columns of `logits`, of `dtype`).
-void ScoreFullRow(Job& job, DType dtype, const void* logits, int64_t row, const kernels::RowOutput& out) {
-  const int64_t V = job.item.vocab_size();
-  kernels::SliceRow r = job.Slice(logits, row);
-  if (job.filters) {
-    job.row_f32.resize(static_cast<size_t>(V));
-    ToFloat(dtype, logits, static_cast<size_t>(V), job.row_f32.data());
-    for (auto& x : job.row_f32) x = x / job.spec.temperature;
-    const auto& o = job.item.options();
-    r.keep_min = kernels::SamplingKeepMin(job.row_f32.data(), V, o.sampling_top_k(),
-                                          o.has_sampling_top_p() ? o.sampling_top_p() : 1.0f,
-                                          &job.filter_scratch);
+/// Scores `count` full rows (all V columns, `block.vocab_begin` 0) that are
+/// the item's rows [row0, row0 + count); writes them at out.At(row - out_row0).
+absl::Status ScoreFullRows(Job& job, const LogitsBlock& block, int64_t row0, int64_t count, int64_t out_row0,
+                           ResultRows& out) {
+  const size_t words = kernels::PartialWords(job.spec);
+  job.records.resize(static_cast<size_t>(count) * words);
+  const BlockRows rows = job.Range(row0, count);
+  absl::Status st = job.filters ? job.backend.FilteredRowPartials(block, rows, job.spec, job.filter, job.records.data())
+                                : job.backend.SlicePartials(block, rows, job.spec, job.records.data());
+  if (!st.ok()) return st;
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t* recs[1] = {job.records.data() + i * words};
+    kernels::CombinePartials(recs, 1, job.spec, rows.targets[i] >= 0, out.At(row0 + i - out_row0));
   }
-  job.record.resize(kernels::PartialWords(job.spec));
-  kernels::ComputePartial(dtype, r, 0, V, job.spec, job.record.data(), job.scratch.data());
-  const uint32_t* recs[1] = {job.record.data()};
-  kernels::CombinePartials(recs, 1, job.spec, r.target >= 0, out);
+  return absl::OkStatus();
 }
 
 /// The rows of one collective round, grouped by the rank that finalises
@@ -117,6 +111,23 @@ struct RoundRows {
   }
 };
 
+/// Targets and gather ids of a round's rows in round order (rank 0's rows
+/// first), for the backend.
+struct RoundIds {
+  std::vector<int64_t> targets, gather_ids;
+  RoundIds(const Job& job, const RoundRows& rows) {
+    const int k = job.spec.gather_k;
+    for (size_t q = 0; q < rows.first.size(); ++q) {
+      const BlockRows r = job.Range(rows.first[q], rows.count[q]);
+      targets.insert(targets.end(), r.targets, r.targets + r.count);
+      if (k) gather_ids.insert(gather_ids.end(), r.gather_ids, r.gather_ids + r.count * k);
+    }
+  }
+  BlockRows rows() const {
+    return BlockRows{static_cast<int64_t>(targets.size()), targets.data(), gather_ids.empty() ? nullptr : gather_ids.data()};
+  }
+};
+
 /// This rank's vocabulary slice of a round's rows: `data` holds
 /// rows.total() rows of `len` elements of `dtype`, from global column `begin`.
 struct RoundSlice {
@@ -126,39 +137,42 @@ struct RoundSlice {
   size_t row_bytes() const { return static_cast<size_t>(len) * DTypeSize(dtype); }
 };
 
-/// Finalises the rows this rank owns in one round. Without sampling
-/// filters every rank computes the packed partial of every row on its
-/// slice and one all-to-all brings each owner the partials of its rows
-/// (combined in rank order, so results do not depend on who finalises).
-/// With filters the all-to-all brings the owner full rows instead (NeMo-RL
+/// Finalises the rows this rank owns in one round without sampling
+/// filters: `send` holds the packed partial of every row of the round on
+/// this rank's slice (round order); one all-to-all brings each owner the
+/// partials of its rows, combined in rank order, so results do not depend
+/// on who finalises. `out_row0` is the global index of the owner's first
+/// result row.
+absl::Status ExchangePartials(Job& job, Communicator& comm, const RoundRows& rows, const std::vector<uint32_t>& send,
+                              int64_t out_row0, ResultRows& out) {
+  const int W = comm.size(), me = comm.rank();
+  const int64_t mine = rows.count[me];
+  const size_t words = kernels::PartialWords(job.spec);
+  std::vector<int64_t> send_bytes(W), recv_bytes(W);
+  std::vector<uint32_t> recv(mine * W * words);
+  for (int q = 0; q < W; ++q) {
+    send_bytes[q] = rows.count[q] * static_cast<int64_t>(words) * 4;
+    recv_bytes[q] = mine * static_cast<int64_t>(words) * 4;
+  }
+  if (auto st = comm.AllToAllV(send.data(), send_bytes, recv.data(), recv_bytes); !st.ok()) return st;
+  std::vector<const uint32_t*> recs(W);
+  for (int64_t i = 0; i < mine; ++i) {
+    const int64_t row = rows.first[me] + i;
+    for (int q = 0; q < W; ++q) recs[q] = recv.data() + (q * mine + i) * words;
+    kernels::CombinePartials(recs.data(), W, job.spec, job.item.targets(static_cast<int>(row)) >= 0,
+                             out.At(row - out_row0));
+  }
+  return absl::OkStatus();
+}
+
+/// Finalises the rows this rank owns in one round with sampling filters:
+/// the all-to-all brings the owner full rows instead (NeMo-RL
 /// `all_to_all_vp2sq`), because the filter threshold needs the whole row.
-/// `out_row0` is the global index of the owner's first result row.
-absl::Status FinishRound(Job& job, Communicator& comm, const RoundRows& rows, const RoundSlice& slice,
-                         int64_t out_row0, ResultRows& out) {
+absl::Status ExchangeFullRows(Job& job, Communicator& comm, const RoundRows& rows, const RoundSlice& slice,
+                              int64_t out_row0, ResultRows& out) {
   const int W = comm.size(), me = comm.rank();
   const int64_t V = job.item.vocab_size(), mine = rows.count[me];
   std::vector<int64_t> send_bytes(W), recv_bytes(W);
-  if (!job.filters) {
-    const size_t words = kernels::PartialWords(job.spec);
-    std::vector<uint32_t> send(static_cast<size_t>(rows.total()) * words), recv(mine * W * words);
-    size_t at = 0;
-    for (int q = 0; q < W; ++q) {
-      for (int64_t i = 0; i < rows.count[q]; ++i, ++at)
-        kernels::ComputePartial(slice.dtype, job.Slice(slice.data + at * slice.row_bytes(), rows.first[q] + i),
-                                slice.begin, slice.len, job.spec, send.data() + at * words, job.scratch.data());
-      send_bytes[q] = rows.count[q] * static_cast<int64_t>(words) * 4;
-      recv_bytes[q] = mine * static_cast<int64_t>(words) * 4;
-    }
-    if (auto st = comm.AllToAllV(send.data(), send_bytes, recv.data(), recv_bytes); !st.ok()) return st;
-    std::vector<const uint32_t*> recs(W);
-    for (int64_t i = 0; i < mine; ++i) {
-      const int64_t row = rows.first[me] + i;
-      for (int q = 0; q < W; ++q) recs[q] = recv.data() + (q * mine + i) * words;
-      kernels::CombinePartials(recs.data(), W, job.spec, job.item.targets(static_cast<int>(row)) >= 0,
-                               out.At(row - out_row0));
-    }
-    return absl::OkStatus();
-  }
   const size_t esize = DTypeSize(slice.dtype);
   std::vector<int64_t> recv_off(W);
   int64_t total_recv = 0;
@@ -170,20 +184,18 @@ absl::Status FinishRound(Job& job, Communicator& comm, const RoundRows& rows, co
     total_recv += recv_bytes[q];
   }
   std::vector<char> recv(static_cast<size_t>(std::max<int64_t>(total_recv, 1)));
-  std::vector<char> full(static_cast<size_t>(V) * esize);
   if (auto st = comm.AllToAllV(slice.data, send_bytes, recv.data(), recv_bytes); !st.ok()) return st;
+  std::vector<char> full(static_cast<size_t>(std::max<int64_t>(mine * V, 1)) * esize);
   for (int64_t i = 0; i < mine; ++i) {
-    size_t at = 0;
+    size_t at = static_cast<size_t>(i * V) * esize;
     for (int q = 0; q < W; ++q) {
       const auto [vb, ve] = SplitRange(V, W, q);
       const size_t len = static_cast<size_t>(ve - vb) * esize;
       std::copy_n(recv.data() + recv_off[q] + i * len, len, full.data() + at);
       at += len;
     }
-    const int64_t row = rows.first[me] + i;
-    ScoreFullRow(job, slice.dtype, full.data(), row, out.At(row - out_row0));
   }
-  return absl::OkStatus();
+  return ScoreFullRows(job, LogitsBlock{slice.dtype, full.data(), 0, V}, rows.first[me], mine, out_row0, out);
 }
 
 absl::Status Stopped() { return absl::CancelledError("stopped: the request was cancelled or its deadline passed"); }
@@ -216,25 +228,38 @@ absl::Status ScoreLogitsSlices(Job& job, Communicator& comm, int64_t own_begin, 
     }
     RoundSlice slice = all;
     slice.data += c0 * slice.row_bytes();
-    if (auto st = FinishRound(job, comm, rows, slice, own_begin, out); !st.ok()) return st;
+    absl::Status st;
+    if (job.filters) {
+      st = ExchangeFullRows(job, comm, rows, slice, own_begin, out);
+    } else {
+      const RoundIds ids(job, rows);
+      std::vector<uint32_t> send(static_cast<size_t>(rows.total()) * kernels::PartialWords(job.spec));
+      st = job.backend.SlicePartials(LogitsBlock{slice.dtype, slice.data, slice.begin, slice.len}, ids.rows(),
+                                     job.spec, send.data());
+      if (st.ok()) st = ExchangePartials(job, comm, rows, send, own_begin, out);
+    }
+    if (!st.ok()) return st;
   }
   return absl::OkStatus();
 }
 
 /// HIDDEN_STATES: per round every rank contributes up to chunk_tokens of
 /// its hidden rows (one all-gather), multiplies all of them by its lm_head
-/// slice and finishes the round like the logits path. Memory per round:
-/// ~chunk_tokens * W rows of hidden states and of this rank's logits slice.
-absl::Status ScoreHiddenStates(Job& job, Communicator& comm, const HiddenScoring& hidden, int64_t own_begin,
+/// slice and finishes the round like the logits path: the backend's fused
+/// GEMM + partials, or (sampling filters) host logits exchanged as full
+/// rows. Memory per round: ~chunk_tokens * W rows of hidden states and of
+/// this rank's logits slice.
+absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_tokens, int64_t own_begin,
                                ResultRows& out) {
   const WorkItem& item = job.item;
   const int W = comm.size(), me = comm.rank();
   const int64_t n = item.num_rows(), H = item.hidden_size();
   const size_t hrow = static_cast<size_t>(H) * DTypeSize(item.dtype());
   const int64_t most = SplitRange(n, W, 0).second;  // rows of the largest share
-  const int64_t per_round = std::max<int64_t>(1, hidden.chunk_tokens);
+  const int64_t per_round = std::max<int64_t>(1, chunk_tokens), N = job.backend.lm_head_rows();
   std::vector<char> send, gathered;
   std::vector<float> logits;
+  std::vector<uint32_t> records;
   for (int64_t l0 = 0; l0 < most; l0 += per_round) {
     if (auto st = AgreeToGoOn(job, comm); !st.ok()) return st;
     const int64_t c = std::min(per_round, most - l0);  // padded rows per rank this round
@@ -254,21 +279,32 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, const HiddenScoring
       std::memmove(gathered.data() + packed * hrow, gathered.data() + q * c * hrow, rows.count[q] * hrow);
       packed += rows.count[q];
     }
-    logits.resize(static_cast<size_t>(packed * hidden.gemm->rows()));
-    if (auto st = hidden.gemm->Compute(item.dtype(), gathered.data(), packed, logits.data()); !st.ok()) return st;
-    const RoundSlice slice{v1::F32, reinterpret_cast<const char*>(logits.data()), item.vocab_begin(),
-                           hidden.gemm->rows()};
-    if (auto st = FinishRound(job, comm, rows, slice, own_begin, out); !st.ok()) return st;
+    absl::Status st;
+    if (job.filters) {
+      logits.resize(static_cast<size_t>(packed * N));
+      st = job.backend.HiddenLogits(item.dtype(), gathered.data(), packed, logits.data());
+      const RoundSlice slice{v1::F32, reinterpret_cast<const char*>(logits.data()), item.vocab_begin(), N};
+      if (st.ok()) st = ExchangeFullRows(job, comm, rows, slice, own_begin, out);
+    } else {
+      const RoundIds ids(job, rows);
+      records.resize(static_cast<size_t>(packed) * kernels::PartialWords(job.spec));
+      st = job.backend.HiddenPartials(item.dtype(), gathered.data(), item.vocab_begin(), ids.rows(), job.spec,
+                                      records.data());
+      if (st.ok()) st = ExchangePartials(job, comm, rows, records, own_begin, out);
+    }
+    if (!st.ok()) return st;
   }
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& comm, const HiddenScoring* hidden,
-                                         const std::function<bool()>& should_stop) {
+absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& comm, ScoringBackend& backend,
+                                         int64_t hidden_chunk_tokens, const std::function<bool()>& should_stop) {
   const auto t0 = std::chrono::steady_clock::now();
-  Job job{item, SpecOf(item), HasFilters(item), should_stop};
+  const auto& o = item.options();
+  Job job{item, SpecOf(item), HasFilters(item),
+          SamplingFilter{o.sampling_top_k(), o.has_sampling_top_p() ? o.sampling_top_p() : 1.0f}, backend, should_stop};
   const DType dtype = item.dtype();
   if (!IsFloatDType(dtype)) return absl::InvalidArgumentError("work item: dtype must be F32, BF16 or F16");
   const int64_t n = item.num_rows();
@@ -283,9 +319,11 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& com
     if (static_cast<int64_t>(item.logits().size()) != n * slice_len * static_cast<int64_t>(esize))
       return absl::InvalidArgumentError("work item: logits size does not match num_rows");
     ResultRows rows(job.spec, 0, n, &res);
-    for (int64_t row = 0; row < n; ++row) {
-      if (row % kVocabParallelChunkRows == 0 && should_stop && should_stop()) return Stopped();
-      ScoreFullRow(job, dtype, item.logits().data() + row * slice_len * esize, row, rows.At(row));
+    for (int64_t r0 = 0; r0 < n; r0 += kVocabParallelChunkRows) {
+      if (should_stop && should_stop()) return Stopped();
+      const int64_t count = std::min(kVocabParallelChunkRows, n - r0);
+      const LogitsBlock block{dtype, item.logits().data() + r0 * slice_len * esize, 0, slice_len};
+      if (auto st = ScoreFullRows(job, block, r0, count, 0, rows); !st.ok()) return st;
     }
   } else {
     const auto [vb, ve] = SplitRange(item.vocab_size(), comm.size(), comm.rank());
@@ -296,15 +334,15 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& com
     ResultRows rows(job.spec, own_begin, own_end, &res);
     absl::Status st;
     if (item.layout() == internal::v1::HIDDEN_STATES) {
-      if (!hidden || !hidden->gemm)
+      if (!backend.has_lm_head())
         return absl::FailedPreconditionError("work item: hidden states sent to a worker without an lm_head");
-      if (hidden->gemm->rows() != slice_len || hidden->gemm->hidden_size() != item.hidden_size())
-        return absl::InvalidArgumentError(absl::StrCat("work item: lm_head slice is [", hidden->gemm->rows(), ", ",
-                                                       hidden->gemm->hidden_size(), "], item wants [", slice_len, ", ",
-                                                       item.hidden_size(), "]"));
+      if (backend.lm_head_rows() != slice_len || backend.lm_head_hidden_size() != item.hidden_size())
+        return absl::InvalidArgumentError(absl::StrCat("work item: lm_head slice is [", backend.lm_head_rows(), ", ",
+                                                       backend.lm_head_hidden_size(), "], item wants [", slice_len,
+                                                       ", ", item.hidden_size(), "]"));
       if (static_cast<int64_t>(item.hidden_states().size()) != (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: hidden_states size does not match this rank's rows");
-      st = ScoreHiddenStates(job, comm, *hidden, own_begin, rows);
+      st = ScoreHiddenStates(job, comm, hidden_chunk_tokens, own_begin, rows);
     } else {
       if (static_cast<int64_t>(item.logits().size()) != n * slice_len * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: logits size does not match num_rows");

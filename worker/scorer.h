@@ -1,26 +1,22 @@
-// Scores one WorkItem (a shard of a request) on the CPU backend.
+// Scores one WorkItem (a shard of a request): the orchestration (rounds,
+// collectives, combination on the host) around a ScoringBackend.
 #pragma once
 
 #include <functional>
 
 #include "absl/status/statusor.h"
 #include "logprob/internal/v1/worker.pb.h"
+#include "worker/backend.h"
 #include "worker/communicator.h"
-#include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob {
 
 /// Rows per collective round in the vocab-parallel layout.
 constexpr int64_t kVocabParallelChunkRows = 128;
 
-/// What a worker needs for HIDDEN_STATES items.
-struct HiddenScoring {
-  /// This rank's lm_head slice, rows SplitRange(V, comm.size(), comm.rank()).
-  kernels::LmHeadGemm* gemm = nullptr;
-  /// Hidden-states rows each rank contributes per round; a round's logits
-  /// buffer is about chunk_tokens * V floats, whatever the request's T.
-  int64_t chunk_tokens = 128;
-};
+/// Default hidden-states rows each rank contributes per round; a round's
+/// logits are about chunk_tokens * W * V / W floats, whatever the request's T.
+constexpr int64_t kDefaultHiddenChunkTokens = 128;
 
 /// Scores `item` and returns the rows this rank owns:
 /// - TOKEN_PARALLEL: every row of the item (whole rows; `comm` unused);
@@ -29,10 +25,12 @@ struct HiddenScoring {
 ///   sampling filters, one all-to-all that gives each rank full rows of its
 ///   own rows, as NeMo-RL `all_to_all_vp2sq`);
 /// - HIDDEN_STATES: the same rows it was given, SplitRange(num_rows, W, r);
-///   per round the ranks all-gather chunk_tokens hidden rows each, run
-///   `hidden->gemm` on them and combine as VOCAB_PARALLEL.
+///   per round the ranks all-gather `hidden_chunk_tokens` hidden rows each,
+///   multiply them by the backend's lm_head slice (rows
+///   SplitRange(V, comm.size(), comm.rank())) and combine as VOCAB_PARALLEL.
+/// `backend` computes the packed partial records of every block of rows.
 /// All ranks must call this with items of the same job in the same order.
-/// FAILED_PRECONDITION for a HIDDEN_STATES item without `hidden`.
+/// FAILED_PRECONDITION for a HIDDEN_STATES item on a backend without an lm_head.
 /// `should_stop` (optional; all ranks must pass one or none) is polled
 /// between chunks; collective layouts agree on it with one 1-byte
 /// all-gather per chunk so every rank stops after the same chunk.
@@ -40,8 +38,8 @@ struct HiddenScoring {
 /// INVALID_ARGUMENT for an inconsistent item; UNAVAILABLE when a collective
 /// fails.
 absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item,
-                                                       Communicator& comm,
-                                                       const HiddenScoring* hidden = nullptr,
+                                                       Communicator& comm, ScoringBackend& backend,
+                                                       int64_t hidden_chunk_tokens = kDefaultHiddenChunkTokens,
                                                        const std::function<bool()>& should_stop = {});
 
 }  // namespace logprob

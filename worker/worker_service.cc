@@ -13,11 +13,11 @@ grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::Wo
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     std::lock_guard<std::mutex> lock(collective_mu_);
     TimedCommunicator timed(*comm_);
-    res = ScoreWorkItem(*item, timed, &hidden_, cancelled);
+    res = ScoreWorkItem(*item, timed, *backend_, chunk_tokens_, cancelled);
     if (res.ok()) res->set_collective_seconds(timed.seconds());
   } else {
     SelfCommunicator self;
-    res = ScoreWorkItem(*item, self, nullptr, cancelled);
+    res = ScoreWorkItem(*item, self, *backend_, chunk_tokens_, cancelled);
   }
   if (!res.ok()) return ToGrpc(res.status());
   *result = std::move(*res);

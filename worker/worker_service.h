@@ -5,8 +5,8 @@
 #include <mutex>
 
 #include "logprob/internal/v1/worker.grpc.pb.h"
+#include "worker/backend.h"
 #include "worker/communicator.h"
-#include "worker/kernels/lm_head_gemm.h"
 #include "worker/scorer.h"
 
 namespace logprob {
@@ -17,20 +17,21 @@ namespace logprob {
 /// items run concurrently.
 class WorkerService final : public internal::v1::Worker::Service {
  public:
-  /// `lm_head` (may be null: no hidden-states scoring) is this rank's
-  /// vocabulary slice; `chunk_tokens` as HiddenScoring::chunk_tokens.
-  WorkerService(std::unique_ptr<Communicator> comm, std::unique_ptr<kernels::LmHeadGemm> lm_head = nullptr,
-                int64_t chunk_tokens = 128)
-      : comm_(std::move(comm)), lm_head_(std::move(lm_head)), hidden_{lm_head_.get(), chunk_tokens} {}
+  /// `backend` computes every item (and holds this rank's lm_head slice,
+  /// if any); `chunk_tokens`: hidden-states rows per rank per round.
+  WorkerService(std::unique_ptr<Communicator> comm, std::unique_ptr<ScoringBackend> backend,
+                int64_t chunk_tokens = kDefaultHiddenChunkTokens)
+      : backend_(std::move(backend)), comm_(std::move(comm)), chunk_tokens_(chunk_tokens) {}
   grpc::Status Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                    internal::v1::WorkResult* result) override;
   grpc::Status Info(grpc::ServerContext* ctx, const internal::v1::WorkerInfoRequest* req,
                     internal::v1::WorkerInfoReply* reply) override;
 
  private:
+  // The communicator may use the backend's stream (NCCL): it goes first.
+  std::unique_ptr<ScoringBackend> backend_;
   std::unique_ptr<Communicator> comm_;
-  std::unique_ptr<kernels::LmHeadGemm> lm_head_;
-  HiddenScoring hidden_;
+  int64_t chunk_tokens_;
   std::mutex collective_mu_;
 };
 

@@ -34,8 +34,7 @@ LmHeadGemm::LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t ro
 
 LmHeadGemm::~LmHeadGemm() = default;
 
-absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(
-    DType dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size, int threads) {
+absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, int64_t hidden_size) {
   if (!IsFloatDType(dtype))
     return absl::InvalidArgumentError(
         absl::StrCat("lm_head weight dtype must be F32, BF16 or F16, got ", DTypeName(dtype)));
@@ -44,10 +43,16 @@ absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(
         absl::StrCat("lm_head slice shape must be positive, got [", rows, ", ", hidden_size, "]"));
   const int64_t esize = static_cast<int64_t>(DTypeSize(dtype));
   if (rows > std::numeric_limits<int64_t>::max() / hidden_size / esize ||
-      static_cast<int64_t>(weight.size()) != rows * hidden_size * esize)
+      static_cast<int64_t>(weight_bytes) != rows * hidden_size * esize)
     return absl::InvalidArgumentError(
-        absl::StrCat("lm_head weight has ", weight.size(), " bytes, expected [", rows, ", ",
+        absl::StrCat("lm_head weight has ", weight_bytes, " bytes, expected [", rows, ", ",
                      hidden_size, "] x ", esize));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(
+    DType dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size, int threads) {
+  if (auto st = CheckLmHeadWeight(dtype, weight.size(), rows, hidden_size); !st.ok()) return st;
 
   DType compute = dtype;
   if (dtype == v1::F16) {  // widen once to f32; the f16 buffer is freed on return

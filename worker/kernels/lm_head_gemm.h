@@ -18,6 +18,11 @@
 
 namespace logprob::kernels {
 
+/// Checks an lm_head slice as read from the checkpoint: `dtype` F32, BF16
+/// or F16, rows and hidden_size > 0, weight_bytes == rows * hidden_size *
+/// element size (without overflow). INVALID_ARGUMENT naming what is wrong.
+absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, int64_t hidden_size);
+
 /// A worker's lm_head slice and the GEMM that maps hidden states to its
 /// logits columns. Not thread-safe: one Compute at a time.
 class LmHeadGemm {

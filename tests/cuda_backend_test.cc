@@ -1,0 +1,325 @@
+// CUDA backend against the CPU backend and a float64 reference: packed
+// partial records of random rows (bf16 / f16 / f32, V = 151936 with top-k,
+// ties at the top-k threshold, vocabulary slices, K > slice length, -inf
+// rows), sampling filters, and the cuBLASLt hidden-states path. Every test
+// skips (GTEST_SKIP) on a machine without a usable CUDA device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "common/dtype.h"
+#include "worker/cpu_backend.h"
+#include "worker/cuda/cuda_backend.h"
+#include "worker/cuda/device_info.h"
+#include "worker/kernels/lm_head_gemm.h"
+#include "worker/kernels/row_stats.h"
+
+namespace logprob {
+namespace {
+
+using kernels::StatsSpec;
+
+#define SKIP_WITHOUT_GPU()                                                    \
+  do {                                                                        \
+    if (auto n = cuda::DeviceCount(); !n.ok()) GTEST_SKIP() << n.status().message(); \
+  } while (0)
+
+enum class Values { kNormal, kSmallIntegers, kMinusInf };
+
+StatsSpec Spec(int topk, int gather_k, bool entropy, float temperature = 1.0f) {
+  StatsSpec s;
+  s.topk = topk;
+  s.gather_k = gather_k;
+  s.entropy = entropy;
+  s.temperature = temperature;
+  return s;
+}
+
+/// n rows of len logits of `dtype` with targets and gather ids in [0, V).
+struct Rows {
+  DType dtype;
+  int64_t n, len, vocab_begin, V;
+  std::vector<char> bytes;
+  std::vector<float> values;  // the exact values (after dtype rounding)
+  std::vector<int64_t> targets, gather;
+  BlockRows block(int gather_k) const { return BlockRows{n, targets.data(), gather_k ? gather.data() : nullptr}; }
+  LogitsBlock logits() const { return LogitsBlock{dtype, bytes.data(), vocab_begin, len}; }
+};
+
+Rows MakeRows(DType dtype, int64_t n, int64_t len, int64_t vocab_begin, int64_t V, int gather_k, Values kind,
+              uint32_t seed) {
+  Rows r{dtype, n, len, vocab_begin, V, {}, {}, {}, {}};
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal(0.f, 3.f);
+  std::uniform_int_distribution<int> small(-3, 3);
+  std::uniform_int_distribution<int64_t> id(0, V - 1);
+  const size_t es = DTypeSize(dtype);
+  r.bytes.resize(static_cast<size_t>(n * len) * es);
+  r.values.resize(static_cast<size_t>(n * len));
+  for (size_t i = 0; i < r.values.size(); ++i) {
+    float f = kind == Values::kNormal ? normal(gen) : kind == Values::kSmallIntegers ? float(small(gen)) : -INFINITY;
+    if (dtype == v1::F32) {
+      std::memcpy(r.bytes.data() + 4 * i, &f, 4);
+    } else {
+      const uint16_t h = dtype == v1::BF16 ? FloatToBf16(f) : FloatToF16(f);
+      std::memcpy(r.bytes.data() + 2 * i, &h, 2);
+      f = dtype == v1::BF16 ? Bf16ToFloat(h) : F16ToFloat(h);
+    }
+    r.values[i] = f;
+  }
+  for (int64_t i = 0; i < n; ++i) r.targets.push_back(i == 1 ? -1 : id(gen));
+  for (int64_t i = 0; i < n * gather_k; ++i) r.gather.push_back(id(gen));
+  return r;
+}
+
+float F(uint32_t w) {
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+double D(const uint32_t* w) {
+  double d;
+  std::memcpy(&d, w, 8);
+  return d;
+}
+
+/// m, target x, gather x and the top-k are bitwise the CPU kernel's; s and
+/// u agree within float32 summation rounding.
+void ExpectRecordsMatch(const std::vector<uint32_t>& cpu, const std::vector<uint32_t>& gpu, int64_t rows,
+                        const StatsSpec& spec) {
+  const size_t words = kernels::PartialWords(spec);
+  ASSERT_EQ(cpu.size(), gpu.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    SCOPED_TRACE("row " + std::to_string(r));
+    const uint32_t* c = cpu.data() + r * words;
+    const uint32_t* g = gpu.data() + r * words;
+    EXPECT_EQ(c[0], g[0]) << "m " << F(c[0]) << " vs " << F(g[0]);
+    EXPECT_EQ(c[1], g[1]) << "target x " << F(c[1]) << " vs " << F(g[1]);
+    const double cs = D(c + 2), gs = D(g + 2);
+    EXPECT_NEAR(cs, gs, 2e-5 * cs) << "s";
+    if (spec.entropy) EXPECT_NEAR(D(c + 4), D(g + 4), 2e-5 * (std::abs(D(c + 4)) + cs)) << "u";
+    for (size_t w = kernels::kPartialHeaderWords; w < words; ++w)
+      EXPECT_EQ(c[w], g[w]) << "word " << w << ": " << F(c[w]) << " vs " << F(g[w]);
+  }
+}
+
+/// float64 reference of one full row (x = values / temperature).
+struct Reference {
+  double logZ, entropy;
+  std::vector<int64_t> topk;
+};
+Reference Ref(const float* v, int64_t V, float temperature, int K) {
+  std::vector<float> x(V);
+  for (int64_t i = 0; i < V; ++i) x[i] = v[i] / temperature;
+  const double m = *std::max_element(x.begin(), x.end());
+  double s = 0, sx = 0;
+  for (float a : x) {
+    const double e = std::exp(a - m);
+    s += e;
+    sx += e * (a - m);
+  }
+  Reference r{m + std::log(s), std::log(s) - sx / s, {}};
+  std::vector<int64_t> ids(V);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) { return x[a] > x[b]; });
+  r.topk.assign(ids.begin(), ids.begin() + std::min<int64_t>(K, V));
+  return r;
+}
+
+struct Backends {
+  std::unique_ptr<CpuBackend> cpu = std::make_unique<CpuBackend>();
+  std::unique_ptr<cuda::CudaBackend> gpu;
+};
+Backends Make(const LmHeadSlice* lm_head = nullptr) {
+  Backends b;
+  auto g = cuda::CudaBackend::Create(0, lm_head);
+  EXPECT_TRUE(g.ok()) << g.status();
+  if (g.ok()) b.gpu = std::move(*g);
+  return b;
+}
+
+void CompareSlice(const Rows& rows, const StatsSpec& spec) {
+  Backends b = Make();
+  ASSERT_TRUE(b.gpu);
+  const size_t words = kernels::PartialWords(spec);
+  std::vector<uint32_t> cpu(rows.n * words), gpu(rows.n * words);
+  ASSERT_TRUE(b.cpu->SlicePartials(rows.logits(), rows.block(spec.gather_k), spec, cpu.data()).ok());
+  const auto st = b.gpu->SlicePartials(rows.logits(), rows.block(spec.gather_k), spec, gpu.data());
+  ASSERT_TRUE(st.ok()) << st;
+  ExpectRecordsMatch(cpu, gpu, rows.n, spec);
+}
+
+TEST(CudaRecords, Bf16Vocab151936WithEntropyTop20AndGather) {
+  SKIP_WITHOUT_GPU();
+  const Rows rows = MakeRows(v1::BF16, 6, 151936, 0, 151936, 4, Values::kNormal, 1);
+  const StatsSpec spec = Spec(20, 4, true, 0.7f);
+  CompareSlice(rows, spec);
+  // Outputs of the GPU records against float64.
+  Backends b = Make();
+  std::vector<uint32_t> rec(rows.n * kernels::PartialWords(spec));
+  ASSERT_TRUE(b.gpu->SlicePartials(rows.logits(), rows.block(4), spec, rec.data()).ok());
+  for (int64_t r = 0; r < rows.n; ++r) {
+    float lp = 0, ent = 0, tl[20], g[4];
+    int64_t ti[20];
+    const uint32_t* p = rec.data() + r * kernels::PartialWords(spec);
+    kernels::CombinePartials(&p, 1, spec, rows.targets[r] >= 0, {&lp, &ent, tl, ti, g});
+    const Reference ref = Ref(rows.values.data() + r * rows.len, rows.len, spec.temperature, 20);
+    const auto x = [&](int64_t id) { return double(rows.values[r * rows.len + id] / spec.temperature); };
+    const auto tol = [](double e) { return 2e-4 + 2e-5 * std::abs(e); };
+    if (rows.targets[r] >= 0) EXPECT_NEAR(lp, x(rows.targets[r]) - ref.logZ, tol(x(rows.targets[r]) - ref.logZ));
+    EXPECT_NEAR(ent, ref.entropy, tol(ref.entropy));
+    for (int j = 0; j < 20; ++j) {
+      EXPECT_EQ(ti[j], ref.topk[j]) << j;
+      EXPECT_NEAR(tl[j], x(ref.topk[j]) - ref.logZ, tol(x(ref.topk[j]) - ref.logZ));
+    }
+    for (int j = 0; j < 4; ++j) EXPECT_NEAR(g[j], x(rows.gather[r * 4 + j]) - ref.logZ, 1e-3);
+  }
+}
+
+TEST(CudaRecords, TiesAtTheTopkThresholdGoByLowerId) {
+  SKIP_WITHOUT_GPU();
+  const StatsSpec spec = Spec(50, 0, true);
+  for (DType dt : {v1::F32, v1::BF16, v1::F16}) {
+    SCOPED_TRACE(DTypeName(dt));
+    CompareSlice(MakeRows(dt, 5, 5000, 0, 5000, 0, Values::kSmallIntegers, 2), spec);
+  }
+}
+
+TEST(CudaRecords, F16SliceOffsetUnalignedTargetsInAndOutOfSlice) {
+  SKIP_WITHOUT_GPU();
+  const StatsSpec spec = Spec(7, 3, true);
+  // Odd slice length: rows after the first start unaligned (scalar head).
+  CompareSlice(MakeRows(v1::F16, 9, 777, 1000, 3000, 3, Values::kNormal, 3), spec);
+  CompareSlice(MakeRows(v1::F32, 9, 1001, 13, 3000, 3, Values::kNormal, 4), spec);
+}
+
+TEST(CudaRecords, SliceShorterThanKAndAllMinusInfRows) {
+  SKIP_WITHOUT_GPU();
+  const StatsSpec spec = Spec(50, 0, true);
+  CompareSlice(MakeRows(v1::BF16, 3, 30, 70, 100, 0, Values::kNormal, 5), spec);
+  CompareSlice(MakeRows(v1::F32, 2, 300, 0, 300, 0, Values::kMinusInf, 6), spec);
+}
+
+TEST(CudaRecords, ManyRowsAcrossStagingSubBlocks) {
+  SKIP_WITHOUT_GPU();
+  // 64 KiB staging: several sub-blocks alternate between the two buffers.
+  cuda::CudaBackend::Options opts;
+  opts.staging_bytes = 64 << 10;
+  auto gpu = cuda::CudaBackend::Create(0, nullptr, opts);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const Rows rows = MakeRows(v1::BF16, 40, 9000, 0, 9000, 2, Values::kNormal, 7);
+  const StatsSpec spec = Spec(5, 2, false);
+  const size_t words = kernels::PartialWords(spec);
+  std::vector<uint32_t> cpu(rows.n * words), got(rows.n * words);
+  ASSERT_TRUE(CpuBackend().SlicePartials(rows.logits(), rows.block(2), spec, cpu.data()).ok());
+  ASSERT_TRUE((*gpu)->SlicePartials(rows.logits(), rows.block(2), spec, got.data()).ok());
+  ExpectRecordsMatch(cpu, got, rows.n, spec);
+}
+
+TEST(CudaFilters, TopKTopPAndBothMatchTheCpuFilter) {
+  SKIP_WITHOUT_GPU();
+  Backends b = Make();
+  ASSERT_TRUE(b.gpu);
+  const StatsSpec spec = Spec(10, 0, true, 0.9f);
+  for (const SamplingFilter f : {SamplingFilter{50, 1.0f}, SamplingFilter{0, 0.5f}, SamplingFilter{50, 0.9f},
+                                 SamplingFilter{1, 1.0f}, SamplingFilter{0, 0.01f}}) {
+    for (Values kind : {Values::kNormal, Values::kSmallIntegers}) {
+      SCOPED_TRACE("top_k " + std::to_string(f.top_k) + " top_p " + std::to_string(f.top_p));
+      const Rows rows = MakeRows(v1::BF16, 4, 32000, 0, 32000, 0, kind, 8);
+      const size_t words = kernels::PartialWords(spec);
+      std::vector<uint32_t> cpu(rows.n * words), gpu(rows.n * words);
+      ASSERT_TRUE(b.cpu->FilteredRowPartials(rows.logits(), rows.block(0), spec, f, cpu.data()).ok());
+      ASSERT_TRUE(b.gpu->FilteredRowPartials(rows.logits(), rows.block(0), spec, f, gpu.data()).ok());
+      ExpectRecordsMatch(cpu, gpu, rows.n, spec);
+    }
+  }
+}
+
+/// Random bf16 [rows, H] as an lm_head slice.
+LmHeadSlice RandomSlice(int64_t rows, int64_t H, uint32_t seed) {
+  const Rows r = MakeRows(v1::BF16, rows, H, 0, 1, 0, Values::kNormal, seed);
+  LmHeadSlice s;
+  s.dtype = v1::BF16;
+  s.rows = rows;
+  s.hidden_size = H;
+  s.weight = r.bytes;
+  for (size_t i = 0; i < s.weight.size(); i += 2) {  // scale to normal(0, ~0.05)
+    uint16_t h;
+    std::memcpy(&h, s.weight.data() + i, 2);
+    h = FloatToBf16(Bf16ToFloat(h) / 64.f);
+    std::memcpy(s.weight.data() + i, &h, 2);
+  }
+  return s;
+}
+
+TEST(CudaHidden, FusedGemmAndPartialsMatchTheCpuPath) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 3000, H = 256, M = 70;
+  LmHeadSlice slice = RandomSlice(N, H, 9);
+  cuda::CudaBackend::Options opts;
+  opts.gemm_chunk_bytes = 16 * N * 4;  // chunks of 16 rows
+  auto gpu = cuda::CudaBackend::Create(0, &slice, opts);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto gemm = kernels::LmHeadGemm::Create(v1::BF16, slice.weight, N, H);
+  ASSERT_TRUE(gemm.ok());
+  CpuBackend cpu(std::move(*gemm));
+  for (DType hdt : {v1::BF16, v1::F32, v1::F16}) {
+    SCOPED_TRACE(DTypeName(hdt));
+    const Rows hidden = MakeRows(hdt, M, H, 0, N, 2, Values::kNormal, 10);
+    // Logits: f32 GEMMs agree within accumulation-order rounding.
+    std::vector<float> lc(M * N), lg(M * N);
+    ASSERT_TRUE(cpu.HiddenLogits(hdt, hidden.bytes.data(), M, lc.data()).ok());
+    ASSERT_TRUE((*gpu)->HiddenLogits(hdt, hidden.bytes.data(), M, lg.data()).ok());
+    for (size_t i = 0; i < lc.size(); ++i) ASSERT_NEAR(lc[i], lg[i], 1e-4 * (1 + std::abs(lc[i]))) << i;
+    const StatsSpec spec = Spec(5, 2, true);
+    const size_t words = kernels::PartialWords(spec);
+    std::vector<uint32_t> rc(M * words), rg(M * words);
+    ASSERT_TRUE(cpu.HiddenPartials(hdt, hidden.bytes.data(), 0, hidden.block(2), spec, rc.data()).ok());
+    ASSERT_TRUE((*gpu)->HiddenPartials(hdt, hidden.bytes.data(), 0, hidden.block(2), spec, rg.data()).ok());
+    for (int64_t r = 0; r < M; ++r) {
+      float a[2], b[2], ta[5], tb[5], ga[2], gb[2];
+      int64_t ia[5], ib[5];
+      const uint32_t* pc = rc.data() + r * words;
+      const uint32_t* pg = rg.data() + r * words;
+      const bool has_target = hidden.targets[r] >= 0;
+      kernels::CombinePartials(&pc, 1, spec, has_target, {&a[0], &a[1], ta, ia, ga});
+      kernels::CombinePartials(&pg, 1, spec, has_target, {&b[0], &b[1], tb, ib, gb});
+      for (int j = 0; j < 2; ++j) EXPECT_NEAR(a[j], b[j], 2e-4 + 2e-5 * std::abs(a[j]));
+      for (int j = 0; j < 2; ++j) EXPECT_NEAR(ga[j], gb[j], 2e-4 + 2e-5 * std::abs(ga[j]));
+      for (int j = 0; j < 5; ++j) {
+        EXPECT_EQ(ia[j], ib[j]);
+        EXPECT_NEAR(ta[j], tb[j], 2e-4 + 2e-5 * std::abs(ta[j]));
+      }
+    }
+  }
+}
+
+TEST(CudaHidden, WithoutLmHeadIsFailedPrecondition) {
+  SKIP_WITHOUT_GPU();
+  Backends b = Make();
+  ASSERT_TRUE(b.gpu);
+  std::vector<uint32_t> rec(16);
+  const int64_t target = 0;
+  const auto st = b.gpu->HiddenPartials(v1::BF16, rec.data(), 0, BlockRows{1, &target, nullptr}, StatsSpec(), rec.data());
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+}
+
+TEST(CudaDevice, NoDeviceIsAClearError) {
+  // Runs everywhere: with a GPU the count is positive, without one the
+  // error says so (what `--backend cuda` prints on such a machine).
+  auto n = cuda::DeviceCount();
+  if (n.ok()) {
+    EXPECT_GT(*n, 0);
+  } else {
+    EXPECT_EQ(n.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(n.status().message().find("CUDA device"), std::string::npos) << n.status();
+  }
+}
+
+}  // namespace
+}  // namespace logprob

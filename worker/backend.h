@@ -1,0 +1,100 @@
+// The compute seam of the worker: what a backend (CPU, CUDA) does for a
+// block of rows. The scorer (worker/scorer.cc) keeps the orchestration
+// (rounds, collectives, CombinePartials on the host in float64); a backend
+// only turns logits or hidden states into packed partial records
+// (worker/kernels/row_stats.h), the small per-row summaries the scorer
+// exchanges and combines. The big data (logits, GEMM output) stays where
+// the backend computes: on the GPU for the CUDA backend.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "worker/kernels/row_stats.h"
+
+namespace logprob {
+
+/// The rows of one block, in the block's row order.
+struct BlockRows {
+  int64_t count = 0;
+  const int64_t* targets = nullptr;     // [count] global ids; < 0: no target
+  const int64_t* gather_ids = nullptr;  // [count, spec.gather_k] global ids (null when gather_k == 0)
+};
+
+/// A block of logits in host memory: rows.count rows of `len` elements of
+/// `dtype` (row-major, row stride `len`), global columns
+/// [vocab_begin, vocab_begin + len).
+struct LogitsBlock {
+  DType dtype = v1::F32;
+  const void* data = nullptr;
+  int64_t vocab_begin = 0;
+  int64_t len = 0;
+};
+
+/// Sampling filters of a job (shared/SPEC.md "Filters"): top-k (0 or >= V
+/// disables) then top-p (outside (0, 1) disables).
+struct SamplingFilter {
+  int top_k = 0;
+  float top_p = 1.0f;
+};
+
+/// A worker's lm_head vocabulary slice as read from the checkpoint: rows
+/// [vocab_begin, vocab_end) of the [V, H] weight, row-major, `dtype` F32,
+/// BF16 or F16.
+struct LmHeadSlice {
+  DType dtype = v1::BF16;
+  std::vector<char> weight;
+  int64_t rows = 0, hidden_size = 0;
+};
+
+/// Produces packed partial records (kernels::PartialWords(spec) uint32
+/// words per row, the layout of kernels::ComputePartial) for blocks of
+/// rows. Records of a row over all vocabulary slices combine with
+/// kernels::CombinePartials. Implementations must allow concurrent calls
+/// from several threads (token-parallel items run concurrently).
+class ScoringBackend {
+ public:
+  virtual ~ScoringBackend() = default;
+
+  /// "cpu" or "cuda".
+  virtual std::string name() const = 0;
+
+  /// Records of rows.count rows of the logits slice `block`, without
+  /// filters. `records` holds rows.count * PartialWords(spec) words.
+  virtual absl::Status SlicePartials(const LogitsBlock& block, const BlockRows& rows,
+                                     const kernels::StatsSpec& spec, uint32_t* records) = 0;
+
+  /// Records of rows.count full rows (block.vocab_begin == 0, block.len ==
+  /// V) with sampling filters: x = logits / spec.temperature, the filter's
+  /// smallest kept x (kernels::SamplingKeepMin) per row, then the record
+  /// with everything below it removed.
+  virtual absl::Status FilteredRowPartials(const LogitsBlock& block, const BlockRows& rows,
+                                           const kernels::StatsSpec& spec, const SamplingFilter& filter,
+                                           uint32_t* records) = 0;
+
+  /// True when the backend holds this rank's lm_head slice.
+  virtual bool has_lm_head() const = 0;
+  /// lm_head slice rows (N, the vocabulary slice length) and H; 0 without one.
+  virtual int64_t lm_head_rows() const = 0;
+  virtual int64_t lm_head_hidden_size() const = 0;
+
+  /// Fused hidden-states path: records of rows.count hidden-state rows
+  /// `hidden` ([rows.count, H] of `hidden_dtype`, host memory) times the
+  /// lm_head slice, whose first column is global id `vocab_begin`. The
+  /// logits exist only inside the backend, a chunk at a time.
+  /// FAILED_PRECONDITION without an lm_head.
+  virtual absl::Status HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin,
+                                      const BlockRows& rows, const kernels::StatsSpec& spec,
+                                      uint32_t* records) = 0;
+
+  /// logits[M, lm_head_rows()] (f32, host memory) = hidden[M, H] @ slice^T,
+  /// for the filtered hidden-states path, which exchanges full rows.
+  /// FAILED_PRECONDITION without an lm_head.
+  virtual absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) = 0;
+};
+
+}  // namespace logprob

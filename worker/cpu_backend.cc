@@ -1,0 +1,62 @@
+#include "worker/cpu_backend.h"
+
+#include <vector>
+
+#include "worker/kernels/sampling_filter.h"
+
+namespace logprob {
+namespace {
+
+kernels::SliceRow RowOf(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec, int64_t i) {
+  kernels::SliceRow r;
+  r.logits = static_cast<const char*>(block.data) + static_cast<size_t>(i * block.len) * DTypeSize(block.dtype);
+  r.target = rows.targets[i];
+  r.gather_ids = spec.gather_k ? rows.gather_ids + i * spec.gather_k : nullptr;
+  return r;
+}
+
+absl::Status NoLmHead() {
+  return absl::FailedPreconditionError("work item: hidden states sent to a worker without an lm_head");
+}
+
+}  // namespace
+
+absl::Status CpuBackend::SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
+                                       uint32_t* records) {
+  std::vector<float> scratch(kernels::kPartialScratchFloats);
+  const size_t words = kernels::PartialWords(spec);
+  for (int64_t i = 0; i < rows.count; ++i)
+    kernels::ComputePartial(block.dtype, RowOf(block, rows, spec, i), block.vocab_begin, block.len, spec,
+                            records + i * words, scratch.data());
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::FilteredRowPartials(const LogitsBlock& block, const BlockRows& rows,
+                                             const kernels::StatsSpec& spec, const SamplingFilter& filter,
+                                             uint32_t* records) {
+  std::vector<float> scratch(kernels::kPartialScratchFloats), row_f32(static_cast<size_t>(block.len)), filter_scratch;
+  const size_t words = kernels::PartialWords(spec);
+  for (int64_t i = 0; i < rows.count; ++i) {
+    kernels::SliceRow r = RowOf(block, rows, spec, i);
+    ToFloat(block.dtype, r.logits, static_cast<size_t>(block.len), row_f32.data());
+    for (auto& x : row_f32) x = x / spec.temperature;
+    r.keep_min = kernels::SamplingKeepMin(row_f32.data(), block.len, filter.top_k, filter.top_p, &filter_scratch);
+    kernels::ComputePartial(block.dtype, r, block.vocab_begin, block.len, spec, records + i * words, scratch.data());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin,
+                                        const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) {
+  if (!lm_head_) return NoLmHead();
+  std::vector<float> logits(static_cast<size_t>(rows.count * lm_head_->rows()));
+  if (auto st = HiddenLogits(hidden_dtype, hidden, rows.count, logits.data()); !st.ok()) return st;
+  return SlicePartials(LogitsBlock{v1::F32, logits.data(), vocab_begin, lm_head_->rows()}, rows, spec, records);
+}
+
+absl::Status CpuBackend::HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) {
+  if (!lm_head_) return NoLmHead();
+  return lm_head_->Compute(hidden_dtype, hidden, M, logits);
+}
+
+}  // namespace logprob

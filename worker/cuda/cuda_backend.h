@@ -1,0 +1,85 @@
+// The CUDA backend: the row kernels (row_partials.cu, sampling_filter.cu)
+// and the cuBLASLt lm_head GEMM behind ScoringBackend. Logits and GEMM
+// output stay on the device; only the packed partial records come back.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <mutex>
+
+#include "worker/backend.h"
+#include "worker/cuda/device_buffers.h"
+#include "worker/cuda/lm_head_gemm_cublaslt.h"
+#include "worker/cuda/row_kernels.h"
+
+namespace logprob::cuda {
+
+/// CUDA implementation of ScoringBackend on one device. Calls are
+/// serialised by a mutex (one device, one compute stream); host logits
+/// blocks are staged through two pinned buffers so the host copy of one
+/// sub-block and its upload (copy stream) overlap the kernels of the
+/// previous one (compute stream).
+class CudaBackend final : public ScoringBackend {
+ public:
+  struct Options {
+    /// Bytes of host logits uploaded per sub-block (per staging buffer).
+    size_t staging_bytes = size_t{64} << 20;
+    /// Bytes of f32 logits one GEMM chunk of the hidden-states path may
+    /// produce before the statistics kernel consumes it; the chunk is
+    /// max(16, this / (4 N)) rows. Smaller keeps it in L2, larger makes the
+    /// GEMM compute-bound.
+    size_t gemm_chunk_bytes = size_t{256} << 20;
+  };
+
+  /// Uses `device` (made current), uploads `lm_head` (may be null) once.
+  /// FAILED_PRECONDITION without a usable device; INTERNAL for CUDA or
+  /// cuBLASLt failures (e.g. out of memory); INVALID_ARGUMENT for a bad
+  /// lm_head slice.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device, const LmHeadSlice* lm_head,
+                                                             const Options& options);
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device, const LmHeadSlice* lm_head) {
+    return Create(device, lm_head, Options());
+  }
+
+  std::string name() const override { return "cuda"; }
+  absl::Status SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
+                             uint32_t* records) override;
+  absl::Status FilteredRowPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
+                                   const SamplingFilter& filter, uint32_t* records) override;
+  bool has_lm_head() const override { return gemm_ != nullptr; }
+  int64_t lm_head_rows() const override { return gemm_ ? gemm_->rows() : 0; }
+  int64_t lm_head_hidden_size() const override { return gemm_ ? gemm_->hidden_size() : 0; }
+  absl::Status HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin, const BlockRows& rows,
+                              const kernels::StatsSpec& spec, uint32_t* records) override;
+  absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) override;
+
+  int device() const { return device_; }
+  /// The compute stream (the NCCL communicator may run its collectives on it).
+  cudaStream_t stream() const { return compute_.get(); }
+  /// Device bytes of the lm_head slice (0 without one).
+  size_t lm_head_device_bytes() const { return gemm_ ? gemm_->weight_bytes() : 0; }
+
+ private:
+  CudaBackend() = default;
+  absl::Status LogitsPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
+                              const SamplingFilter* filter, uint32_t* records);
+  absl::Status UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec);
+  absl::StatusOr<const void*> UploadHidden(DType hidden_dtype, const void* hidden, int64_t M);
+  int64_t GemmChunkRows(int64_t M) const;
+  /// Points `args` at rows [r0, r0 + n) of the uploaded ids and the records.
+  void PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& spec, RowBlockArgs* args) const;
+  absl::Status FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records);
+
+  std::mutex mu_;
+  int device_ = 0;
+  Options options_;
+  Stream compute_, copy_;
+  Event copied_[2], computed_[2];
+  PinnedBuffer staging_host_[2], records_host_;
+  DeviceBuffer staging_dev_[2], hidden_raw_, hidden_dev_, logits_dev_;
+  DeviceBuffer targets_dev_, gather_dev_, keep_min_dev_, records_dev_, topk_x_dev_, topk_id_dev_;
+  std::unique_ptr<CublasLtLmHead> gemm_;
+};
+
+}  // namespace logprob::cuda

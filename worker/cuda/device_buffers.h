@@ -1,0 +1,107 @@
+// RAII owners of device memory, pinned host memory, streams and events,
+// and the CUDA-error -> absl::Status mapping of the CUDA backend.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace logprob::cuda {
+
+/// OK, or INTERNAL naming `what` and the CUDA error.
+inline absl::Status CudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+}
+
+/// Returns the Status of a CUDA call from the enclosing function on error.
+#define LOGPROB_CUDA_RETURN_IF_ERROR(call, what)                                  \
+  do {                                                                            \
+    if (auto _st = ::logprob::cuda::CudaStatus((call), what); !_st.ok()) return _st; \
+  } while (0)
+
+/// Memory that grows on demand (contents are lost on growth), allocated
+/// and freed by `Alloc`'s static Allocate / Free.
+template <typename Alloc>
+class GrowingBuffer {
+ public:
+  GrowingBuffer() = default;
+  GrowingBuffer(const GrowingBuffer&) = delete;
+  GrowingBuffer& operator=(const GrowingBuffer&) = delete;
+  ~GrowingBuffer() { Alloc::Free(ptr_); }
+  /// Ensures at least `bytes` bytes. INTERNAL when the allocation fails.
+  absl::Status Reserve(size_t bytes) {
+    if (bytes <= size_) return absl::OkStatus();
+    Alloc::Free(ptr_);
+    ptr_ = nullptr;
+    size_ = 0;
+    LOGPROB_CUDA_RETURN_IF_ERROR(Alloc::Allocate(&ptr_, bytes), Alloc::kName);
+    size_ = bytes;
+    return absl::OkStatus();
+  }
+  template <typename T = void>
+  T* get() const { return static_cast<T*>(ptr_); }
+  size_t size() const { return size_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+/// cudaMalloc / cudaFree.
+struct DeviceAlloc {
+  static constexpr const char* kName = "cudaMalloc";
+  static cudaError_t Allocate(void** p, size_t n) { return cudaMalloc(p, n); }
+  static void Free(void* p) { cudaFree(p); }
+};
+/// cudaMallocHost / cudaFreeHost (page-locked).
+struct PinnedAlloc {
+  static constexpr const char* kName = "cudaMallocHost";
+  static cudaError_t Allocate(void** p, size_t n) { return cudaMallocHost(p, n); }
+  static void Free(void* p) { cudaFreeHost(p); }
+};
+
+/// Device memory that grows on demand.
+using DeviceBuffer = GrowingBuffer<DeviceAlloc>;
+/// Page-locked host memory that grows on demand (async copies to and from
+/// it overlap with host work).
+using PinnedBuffer = GrowingBuffer<PinnedAlloc>;
+
+/// A non-blocking stream.
+class Stream {
+ public:
+  Stream() = default;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream() {
+    if (s_) cudaStreamDestroy(s_);
+  }
+  absl::Status Create() { return CudaStatus(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "stream"); }
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+/// An event without timing.
+class Event {
+ public:
+  Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() {
+    if (e_) cudaEventDestroy(e_);
+  }
+  absl::Status Create() { return CudaStatus(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "event"); }
+  cudaEvent_t get() const { return e_; }
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+}  // namespace logprob::cuda

@@ -1,0 +1,140 @@
+#include "worker/cuda/nccl_communicator.h"
+
+#include <cstring>
+#include <exception>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace logprob::cuda {
+namespace {
+
+constexpr char kUniqueIdKey[] = "nccl_unique_id";
+
+std::string NcclError(ncclResult_t r) { return absl::StrCat(ncclGetErrorString(r), ": ", ncclGetLastError(nullptr)); }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rendezvous::Store& store, int rank,
+                                                                           int size, int device, cudaStream_t stream,
+                                                                           std::chrono::milliseconds timeout) {
+  ncclUniqueId id;
+  try {
+    if (rank == 0) {
+      if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
+        return absl::UnavailableError(absl::StrCat("ncclGetUniqueId: ", NcclError(r)));
+      store.set(kUniqueIdKey, std::vector<char>(id.internal, id.internal + sizeof id.internal));
+    } else {
+      store.wait({kUniqueIdKey}, timeout);
+      const std::vector<char> v = store.get(kUniqueIdKey);
+      if (v.size() != sizeof id.internal)
+        return absl::UnavailableError(absl::StrCat("NCCL unique id in the store has ", v.size(), " bytes, expected ",
+                                                   sizeof id.internal));
+      std::memcpy(id.internal, v.data(), v.size());
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("NCCL bootstrap through the front-end store failed for rank ", rank,
+                                               ": ", e.what()));
+  }
+  std::unique_ptr<NcclCommunicator> c(new NcclCommunicator());
+  c->rank_ = rank;
+  c->size_ = size;
+  c->device_ = device;
+  c->timeout_ = timeout;
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cudaSetDevice");
+  if (!stream) {
+    if (auto st = c->own_stream_.Create(); !st.ok()) return st;
+    stream = c->own_stream_.get();
+  }
+  c->stream_ = stream;
+  if (auto st = c->done_.Create(); !st.ok()) return st;
+  if (ncclResult_t r = ncclCommInitRank(&c->comm_, size, id, rank); r != ncclSuccess)
+    return absl::UnavailableError(absl::StrCat("ncclCommInitRank (rank ", rank, " of ", size, ", device ", device,
+                                               "): ", NcclError(r)));
+  return c;
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (!comm_) return;
+  cudaSetDevice(device_);
+  if (broken_)
+    ncclCommAbort(comm_);
+  else
+    ncclCommDestroy(comm_);
+}
+
+absl::Status NcclCommunicator::Abort(absl::Status why) {
+  if (comm_ && !broken_) ncclCommAbort(comm_);
+  comm_ = nullptr;
+  broken_ = true;
+  return why;
+}
+
+absl::Status NcclCommunicator::Begin(const void* in, size_t in_bytes, size_t out_bytes) {
+  if (broken_) return absl::UnavailableError("NCCL communicator was aborted after an earlier failure");
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+  if (auto st = in_dev_.Reserve(std::max<size_t>(in_bytes, 1)); !st.ok()) return st;
+  if (auto st = out_dev_.Reserve(std::max<size_t>(out_bytes, 1)); !st.ok()) return st;
+  if (in_bytes)
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in_dev_.get(), in, in_bytes, cudaMemcpyHostToDevice, stream_),
+                                 "collective upload");
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::Finish(const char* what, ncclResult_t enqueued, void* out, size_t out_bytes) {
+  if (enqueued != ncclSuccess)
+    return Abort(absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", NcclError(enqueued))));
+  if (out_bytes)
+    if (cudaError_t e = cudaMemcpyAsync(out, out_dev_.get(), out_bytes, cudaMemcpyDeviceToHost, stream_);
+        e != cudaSuccess)
+      return Abort(CudaStatus(e, "collective download"));
+  if (cudaError_t e = cudaEventRecord(done_.get(), stream_); e != cudaSuccess) return Abort(CudaStatus(e, "event"));
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(done_.get());
+    if (e == cudaSuccess) return absl::OkStatus();
+    if (e != cudaErrorNotReady) return Abort(absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", cudaGetErrorString(e))));
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &async);
+    if (async != ncclSuccess && async != ncclInProgress)
+      return Abort(absl::UnavailableError(absl::StrCat("NCCL ", what, " (peer failure?): ", NcclError(async))));
+    if (std::chrono::steady_clock::now() > deadline)
+      return Abort(absl::DeadlineExceededError(
+          absl::StrCat("NCCL ", what, " did not finish within ", timeout_.count(), " ms; communicator aborted")));
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+absl::Status NcclCommunicator::AllGather(const void* in, size_t bytes, void* out) {
+  const size_t out_bytes = bytes * static_cast<size_t>(size_);
+  if (auto st = Begin(in, bytes, out_bytes); !st.ok()) return st;
+  const ncclResult_t r = ncclAllGather(in_dev_.get(), out_dev_.get(), bytes, ncclChar, comm_, stream_);
+  return Finish("all-gather", r, out, out_bytes);
+}
+
+absl::Status NcclCommunicator::AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                                         const std::vector<int64_t>& recv_bytes) {
+  if (static_cast<int>(send_bytes.size()) != size_ || static_cast<int>(recv_bytes.size()) != size_)
+    return absl::InvalidArgumentError("AllToAllV needs one send and one receive size per rank");
+  size_t in_total = 0, out_total = 0;
+  for (int q = 0; q < size_; ++q) {
+    in_total += static_cast<size_t>(send_bytes[q]);
+    out_total += static_cast<size_t>(recv_bytes[q]);
+  }
+  if (auto st = Begin(in, in_total, out_total); !st.ok()) return st;
+  ncclResult_t r = ncclGroupStart();
+  size_t send_off = 0, recv_off = 0;
+  for (int q = 0; q < size_ && r == ncclSuccess; ++q) {
+    if (send_bytes[q] > 0)
+      r = ncclSend(in_dev_.get<char>() + send_off, static_cast<size_t>(send_bytes[q]), ncclChar, q, comm_, stream_);
+    if (r == ncclSuccess && recv_bytes[q] > 0)
+      r = ncclRecv(out_dev_.get<char>() + recv_off, static_cast<size_t>(recv_bytes[q]), ncclChar, q, comm_, stream_);
+    send_off += static_cast<size_t>(send_bytes[q]);
+    recv_off += static_cast<size_t>(recv_bytes[q]);
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  return Finish("all-to-all", r != ncclSuccess ? r : end, out, out_total);
+}
+
+}  // namespace logprob::cuda

@@ -1,0 +1,89 @@
+// Packed partial records of rows of logits on the GPU (the CUDA twin of
+// kernels::ComputePartial): one block per row, one pass with online
+// softmax for m, s, u (and the coarse key histogram of the top-k), then
+// the top-k (topk_select.cuh).
+#include <cmath>
+
+#include "worker/cuda/row_common.cuh"
+#include "worker/cuda/topk_select.cuh"
+
+namespace logprob::cuda {
+namespace {
+
+__device__ __forceinline__ float NanBits() { return __int_as_float(0x7fc00000); }  // = nanf("")
+
+/// x of global id `id` on this slice, NaN outside it (as the CPU kernel).
+__device__ __forceinline__ float XAt(const RowView& r, int64_t vocab_begin, int64_t id) {
+  if (id < vocab_begin || id >= vocab_begin + r.len) return NanBits();
+  return r.X(id - vocab_begin);
+}
+
+__device__ __forceinline__ void PutDouble(uint32_t* at, double d) {
+  const unsigned long long b = static_cast<unsigned long long>(__double_as_longlong(d));
+  at[0] = static_cast<uint32_t>(b);
+  at[1] = static_cast<uint32_t>(b >> 32);
+}
+
+template <bool kTopk>
+__global__ void __launch_bounds__(kRowThreads) RowPartialsKernel(RowBlockArgs a) {
+  const int64_t row = blockIdx.x;
+  __shared__ unsigned hist[kTopkBins];
+  const RowView r{static_cast<const char*>(a.logits) + row * a.row_stride * ElemSize(a.type), a.type, a.len,
+                  a.temperature, a.keep_min ? a.keep_min[row] : -INFINITY};
+  if (kTopk) {
+    for (int b = threadIdx.x; b < kTopkBins; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+  }
+  // Per-thread online softmax: s = sum e^(x - m), u = sum e^(x - m) (x - m).
+  float m = -INFINITY, s = 0.f, u = 0.f;
+  ForEachX(r, [&](float x, int64_t) {
+    if (kTopk) atomicAdd(&hist[Key(x) >> (32 - kTopkBinBits)], 1u);
+    if (x > m) {
+      if (m > -INFINITY) {
+        const float d = m - x, c = __expf(d);
+        u = c * (u + s * d);
+        s *= c;
+      }
+      m = x;
+    }
+    if (x > -INFINITY) {
+      const float d = x - m, e = __expf(d);
+      s += e;
+      u += e * d;
+    }
+  });
+  const float M = BlockMax(m);
+  const double w = m > -INFINITY ? exp(static_cast<double>(m) - M) : 0.0;
+  const double S = BlockSum(static_cast<double>(s) * w);
+  const double U = BlockSum(m > -INFINITY ? (static_cast<double>(u) + s * (static_cast<double>(m) - M)) * w : 0.0);
+
+  uint32_t* rec = a.records + row * RecordWords(a.gather_k, a.topk);
+  if (threadIdx.x == 0) {
+    rec[0] = __float_as_uint(M);
+    rec[1] = __float_as_uint(a.targets[row] >= 0 ? XAt(r, a.vocab_begin, a.targets[row]) : NanBits());
+    PutDouble(rec + 2, S);
+    PutDouble(rec + 4, U);
+  }
+  uint32_t* g = rec + kRecordHeaderWords;
+  for (int j = threadIdx.x; j < a.gather_k; j += blockDim.x)
+    g[j] = __float_as_uint(XAt(r, a.vocab_begin, a.gather_ids[row * a.gather_k + j]));
+  if (kTopk) {
+    float* tv = reinterpret_cast<float*>(g + a.gather_k);
+    int32_t* ti = reinterpret_cast<int32_t*>(g + a.gather_k + a.topk);
+    BlockTopK(r, a.vocab_begin, a.topk, hist, a.topk_scratch_x + row * a.topk, a.topk_scratch_id + row * a.topk, tv,
+              ti);
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchRowPartials(const RowBlockArgs& a, cudaStream_t stream) {
+  if (a.rows <= 0) return cudaSuccess;
+  if (a.topk > 0)
+    RowPartialsKernel<true><<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(a);
+  else
+    RowPartialsKernel<false><<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace logprob::cuda
