@@ -21,6 +21,7 @@ class ExternalLauncher final : public WorkerLauncher {
   std::optional<std::string> Poll() override { return std::nullopt; }
   void Stop() override {}
   bool waits_for_workers() const override { return true; }
+  bool same_host() const override { return false; }  // not known: payloads go through gRPC
   std::string Describe() const override;
 
  private:

@@ -23,6 +23,7 @@ class LocalLauncher final : public WorkerLauncher {
   std::optional<std::string> Poll() override;
   void Stop() override;
   bool waits_for_workers() const override { return false; }
+  bool same_host() const override { return true; }
   std::string Describe() const override;
 
  private:

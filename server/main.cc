@@ -67,6 +67,8 @@ ABSL_FLAG(absl::Duration, max_queue_delay, absl::Milliseconds(2),
           "longest a request waits in the batching queue for others to share its worker batch (e.g. 2ms; 0: "
           "batch only what is already queued)");
 ABSL_FLAG(int64_t, max_batch_tokens, 8192, "token rows per worker batch (a larger request runs alone)");
+ABSL_FLAG(bool, shared_memory, true,
+          "hand payloads to workers on this host through POSIX shared memory (/dev/shm) instead of gRPC");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve --listen over TLS (needs --tls-key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -159,6 +161,7 @@ int main(int argc, char** argv) {
   if (delay < absl::ZeroDuration() || delay > absl::Seconds(10)) return Fail("--max-queue-delay must be in [0, 10s]");
   config.max_queue_delay = absl::ToChronoMicroseconds(delay);
   config.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   if (config.max_batch_tokens < 1) return Fail("--max-batch-tokens must be >= 1");
   config.parallelism = *parallelism;
   config.parallelism_name = absl::GetFlag(FLAGS_parallelism);

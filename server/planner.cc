@@ -1,6 +1,8 @@
 #include "server/planner.h"
 
+#include <atomic>
 #include <cstring>
+#include <iostream>
 
 #include "common/partition.h"
 
@@ -29,11 +31,44 @@ internal::v1::WorkItem BaseItem(const ScoreJob& job, uint64_t job_id, int64_t be
   return item;
 }
 
-/// Copies the whole input rows of scored rows [begin, end) into `out`.
-void CopyRows(const ScoreJob& job, int64_t begin, int64_t end, std::string* out) {
-  out->resize(static_cast<size_t>(end - begin) * job.row_bytes);
-  for (int64_t r = begin; r < end; ++r)
-    std::memcpy(out->data() + (r - begin) * job.row_bytes, job.rows[r], job.row_bytes);
+/// Where the items' payloads go: their bytes fields, or consecutive
+/// ranges of one shared memory region.
+class PayloadWriter {
+ public:
+  PayloadWriter(Plan& plan, size_t total, bool shared_memory) {
+    if (!shared_memory) return;
+    auto region = SharedRegion::Create(total);
+    if (region.ok()) {
+      plan.payload_region = std::move(*region);
+    } else if (!warned_.exchange(true)) {
+      std::clog << "logprob-server: sending payloads inline instead of through shared memory: "
+                << region.status().message() << std::endl;
+    }
+  }
+  /// Space for `bytes` bytes of `item`'s payload (its hidden_states field
+  /// for HIDDEN_STATES items, else logits).
+  char* Reserve(const Plan& plan, internal::v1::WorkItem& item, size_t bytes) {
+    if (const auto& region = plan.payload_region) {
+      item.set_payload_shm(region->name());
+      item.set_payload_offset(static_cast<int64_t>(at_));
+      item.set_payload_bytes(static_cast<int64_t>(bytes));
+      char* p = region->data() + at_;
+      at_ += bytes;
+      return p;
+    }
+    std::string* s = item.layout() == internal::v1::HIDDEN_STATES ? item.mutable_hidden_states() : item.mutable_logits();
+    s->resize(bytes);
+    return s->data();
+  }
+
+ private:
+  static inline std::atomic<bool> warned_{false};
+  size_t at_ = 0;
+};
+
+/// Copies the whole input rows of scored rows [begin, end) to `out`.
+void CopyRows(const ScoreJob& job, int64_t begin, int64_t end, char* out) {
+  for (int64_t r = begin; r < end; ++r) std::memcpy(out + (r - begin) * job.row_bytes, job.rows[r], job.row_bytes);
 }
 
 }  // namespace
@@ -45,10 +80,12 @@ internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism 
   return vocab ? internal::v1::VOCAB_PARALLEL : internal::v1::TOKEN_PARALLEL;
 }
 
-Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id) {
+Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id, bool shared_memory) {
   const int64_t n = job.num_rows();
   Plan plan;
   plan.layout = ChooseLayout(job, workers, parallelism);
+  // Every layout sends each input byte of the scored rows once.
+  PayloadWriter payload(plan, static_cast<size_t>(n) * job.row_bytes, shared_memory);
   if (plan.layout == internal::v1::HIDDEN_STATES) {
     for (int w = 0; w < workers; ++w) {
       const auto [vb, ve] = SplitRange(job.vocab_size, workers, w);
@@ -58,7 +95,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_vocab_begin(vb);
       p.item.set_vocab_end(ve);
       p.item.set_hidden_size(job.hidden_size);
-      CopyRows(job, b, e, p.item.mutable_hidden_states());
+      CopyRows(job, b, e, payload.Reserve(plan, p.item, static_cast<size_t>(e - b) * job.row_bytes));
       plan.items.push_back(std::move(p));
     }
     return plan;
@@ -71,7 +108,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_layout(internal::v1::TOKEN_PARALLEL);
       p.item.set_vocab_begin(0);
       p.item.set_vocab_end(job.vocab_size);
-      CopyRows(job, b, e, p.item.mutable_logits());
+      CopyRows(job, b, e, payload.Reserve(plan, p.item, static_cast<size_t>(e - b) * job.row_bytes));
       plan.items.push_back(std::move(p));
     }
     return plan;
@@ -84,10 +121,8 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
     p.item.set_vocab_begin(vb);
     p.item.set_vocab_end(ve);
     const size_t slice = static_cast<size_t>(ve - vb) * esize;
-    std::string* data = p.item.mutable_logits();
-    data->resize(static_cast<size_t>(n) * slice);
-    for (int64_t r = 0; r < n; ++r)
-      std::memcpy(data->data() + r * slice, job.rows[r] + vb * esize, slice);
+    char* data = payload.Reserve(plan, p.item, static_cast<size_t>(n) * slice);
+    for (int64_t r = 0; r < n; ++r) std::memcpy(data + r * slice, job.rows[r] + vb * esize, slice);
     plan.items.push_back(std::move(p));
   }
   return plan;

@@ -1,10 +1,12 @@
 // How a ScoreJob is split across the worker pool.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/shared_memory.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "server/score_job.h"
 
@@ -28,6 +30,9 @@ struct PlannedItem {
 struct Plan {
   internal::v1::Layout layout = internal::v1::TOKEN_PARALLEL;
   std::vector<PlannedItem> items;
+  /// Holds the items' payloads when they travel through shared memory;
+  /// the region is unlinked when the plan goes.
+  std::shared_ptr<SharedRegion> payload_region;
 };
 
 /// The layout PlanWork gives `job`: HIDDEN_STATES for hidden states;
@@ -44,6 +49,10 @@ internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism 
 /// Hidden-states jobs are always HIDDEN_STATES: worker w gets the hidden
 /// states of rows SplitRange(n, W, w) and owns lm_head rows
 /// SplitRange(V, W, w).
-Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id);
+/// With `shared_memory` (workers on this host) the payloads are written to
+/// one new SharedRegion instead of the items' bytes fields (payload_shm);
+/// if the region cannot be made (e.g. /dev/shm full) they go inline.
+Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id,
+              bool shared_memory = false);
 
 }  // namespace logprob

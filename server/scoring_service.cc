@@ -18,6 +18,7 @@ Batcher::Options BatcherOptions(const WorkerPool& pool, const ServiceConfig& con
   o.max_batch_tokens = config.max_batch_tokens;
   o.workers = pool.size();
   o.parallelism = config.parallelism;
+  o.shared_memory = config.shared_memory && pool.same_host();
   if (metrics) {
     o.on_queue_change = [metrics](int64_t queued) { metrics->SetQueued(queued); };
     o.on_batch = [metrics](const Batcher::Outcome& batch, const std::vector<internal::v1::WorkResult>& results) {

@@ -25,6 +25,7 @@ struct ServiceConfig {
   int64_t max_queue_bytes = int64_t{2} << 30;   // admitted, unanswered request bytes
   std::chrono::microseconds max_queue_delay{2000};  // dynamic batching (Batcher::Options)
   int64_t max_batch_tokens = 8192;
+  bool shared_memory = true;  // payloads to same-host workers through POSIX shared memory
   Parallelism parallelism = Parallelism::kAuto;
   std::string parallelism_name = "auto";
   std::string backend = "cpu";

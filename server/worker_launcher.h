@@ -28,6 +28,9 @@ class WorkerLauncher {
   /// True when workers arrive on their own: the pool waits for them with no
   /// time limit (the join time-out then counts from the last join).
   virtual bool waits_for_workers() const = 0;
+  /// True when the workers run on this host (they can read the front-end's
+  /// POSIX shared memory, so payloads need not go through gRPC).
+  virtual bool same_host() const = 0;
   /// Words for logs: "spawns 2 local workers".
   virtual std::string Describe() const = 0;
 };

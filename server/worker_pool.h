@@ -76,6 +76,8 @@ class WorkerPool {
   const std::string& control_address() const { return frontend_; }
 
   int size() const { return options_.workers; }
+  /// True when the workers run on this host (WorkerLauncher::same_host).
+  bool same_host() const { return launcher_->same_host(); }
   /// True while a generation is ready and has not failed.
   bool serving() const { return serving_; }
   /// Generations re-formed after a failure.

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <tuple>
 
@@ -18,9 +19,13 @@ using Layout = std::string;
 
 /// Scores every logits golden case on a fresh server; checks each against
 /// its expected outputs and returns the responses by case name.
-std::map<std::string, v1::ScoreResponse> ScoreAllGolden(int workers, const std::string& layout) {
+/// `extra`: more server flags.
+std::map<std::string, v1::ScoreResponse> ScoreAllGolden(int workers, const std::string& layout,
+                                                        const std::vector<std::string>& extra = {}) {
   std::map<std::string, v1::ScoreResponse> out;
-  auto server = ServerProcess::Start(workers, {"--parallelism", layout});
+  std::vector<std::string> flags = {"--parallelism", layout};
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  auto server = ServerProcess::Start(workers, flags);
   if (!server) return out;
   auto stub = server->NewStub();
   for (const auto& name : LogitsGoldenNames()) {
@@ -113,6 +118,43 @@ TEST(ServerBatchInvariance, ResultsAreBitwiseIndependentOfOtherRows) {
         EXPECT_EQ(whole.substr(0, alone.size()), alone) << name << " " << a.outputs(i).name();
       }
     }
+  }
+}
+
+/// Payloads reach local workers through shared memory (the default) or
+/// inline in the work items (--shared-memory=false, as external workers
+/// get them): the same bits either way.
+TEST(ServerTransport, SharedMemoryAndInlinePayloadsGiveTheSameBits) {
+  for (const char* layout : {"token", "vocab"}) {
+    const auto shared = ScoreAllGolden(2, layout);
+    const auto inlined = ScoreAllGolden(2, layout, {"--shared-memory=false"});
+    ASSERT_EQ(shared.size(), LogitsGoldenNames().size());
+    ASSERT_EQ(inlined.size(), shared.size());
+    for (const auto& [name, resp] : shared) {
+      SCOPED_TRACE(std::string(name) + " layout=" + layout);
+      EXPECT_EQ(resp.SerializeAsString(), inlined.at(name).SerializeAsString());
+    }
+  }
+}
+
+/// Every shared memory region a request used is gone once it is answered.
+TEST(ServerTransport, SharedMemoryRegionsAreRemovedAfterEachRequest) {
+  auto server = ServerProcess::Start(2, {"--parallelism", "vocab"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  const std::string prefix = "logprob-" + std::to_string(server->pid()) + "-";
+  auto regions = [&] {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+      if (e.path().filename().string().rfind(prefix, 0) == 0) ++n;
+    return n;
+  };
+  for (const auto& name : LogitsGoldenNames()) {
+    const GoldenCase c = LoadGolden(name);
+    grpc::ClientContext ctx;
+    v1::ScoreResponse resp;
+    ASSERT_TRUE(stub->Score(&ctx, GoldenRequest(c), &resp).ok());
+    EXPECT_EQ(regions(), 0) << "after " << name;
   }
 }
 

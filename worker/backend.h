@@ -76,6 +76,11 @@ class ScoringBackend {
                                            const kernels::StatsSpec& spec, const SamplingFilter& filter,
                                            uint32_t* records) = 0;
 
+  /// Memory in use on this backend's GPU, bytes (cudaMemGetInfo: total -
+  /// free, all processes on the device); 0 for host backends or on error.
+  /// Reported per work item (metric logprob_gpu_memory_bytes).
+  virtual int64_t device_memory_bytes() const { return 0; }
+
   /// True when the backend holds this rank's lm_head slice.
   virtual bool has_lm_head() const = 0;
   /// lm_head slice rows (N, the vocabulary slice length) and H; 0 without one.

@@ -67,6 +67,7 @@ class ResultRows {
 /// Everything the per-row work shares.
 struct Job {
   const WorkItem& item;
+  std::string_view payload;  // the item's logits or hidden states
   StatsSpec spec;
   bool filters;
   SamplingFilter filter;
@@ -216,7 +217,7 @@ absl::Status AgreeToGoOn(Job& job, Communicator& comm) {
 absl::Status ScoreLogitsSlices(Job& job, Communicator& comm, int64_t own_begin, ResultRows& out) {
   const WorkItem& item = job.item;
   const int W = comm.size();
-  const RoundSlice all{item.dtype(), item.logits().data(), item.vocab_begin(), item.vocab_end() - item.vocab_begin()};
+  const RoundSlice all{item.dtype(), job.payload.data(), item.vocab_begin(), item.vocab_end() - item.vocab_begin()};
   for (int64_t c0 = 0; c0 < item.num_rows(); c0 += kVocabParallelChunkRows) {
     if (auto st = AgreeToGoOn(job, comm); !st.ok()) return st;
     const int64_t c1 = std::min(item.num_rows(), c0 + kVocabParallelChunkRows);
@@ -270,7 +271,7 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
       rows.count[q] = std::clamp<int64_t>(oe - ob - l0, 0, c);
     }
     send.assign(c * hrow, 0);
-    std::copy_n(item.hidden_states().data() + l0 * hrow, rows.count[me] * hrow, send.data());
+    std::copy_n(job.payload.data() + l0 * hrow, rows.count[me] * hrow, send.data());
     gathered.resize(W * c * hrow);
     if (auto st = comm.AllGather(send.data(), send.size(), gathered.data()); !st.ok()) return st;
     // Drop the padding: rank q's rows follow rank q-1's.
@@ -301,9 +302,16 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
 
 absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& comm, ScoringBackend& backend,
                                          int64_t hidden_chunk_tokens, const std::function<bool()>& should_stop) {
+  return ScoreWorkItem(item, item.layout() == internal::v1::HIDDEN_STATES ? item.hidden_states() : item.logits(), comm,
+                       backend, hidden_chunk_tokens, should_stop);
+}
+
+absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, std::string_view payload, Communicator& comm,
+                                         ScoringBackend& backend, int64_t hidden_chunk_tokens,
+                                         const std::function<bool()>& should_stop) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto& o = item.options();
-  Job job{item, SpecOf(item), HasFilters(item),
+  Job job{item, payload, SpecOf(item), HasFilters(item),
           SamplingFilter{o.sampling_top_k(), o.has_sampling_top_p() ? o.sampling_top_p() : 1.0f}, backend, should_stop};
   const DType dtype = item.dtype();
   if (!IsFloatDType(dtype)) return absl::InvalidArgumentError("work item: dtype must be F32, BF16 or F16");
@@ -316,13 +324,13 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& com
   if (item.layout() == internal::v1::TOKEN_PARALLEL) {
     if (item.vocab_begin() != 0 || slice_len != item.vocab_size())
       return absl::InvalidArgumentError("work item: token-parallel rows must be whole");
-    if (static_cast<int64_t>(item.logits().size()) != n * slice_len * static_cast<int64_t>(esize))
+    if (static_cast<int64_t>(payload.size()) != n * slice_len * static_cast<int64_t>(esize))
       return absl::InvalidArgumentError("work item: logits size does not match num_rows");
     ResultRows rows(job.spec, 0, n, &res);
     for (int64_t r0 = 0; r0 < n; r0 += kVocabParallelChunkRows) {
       if (should_stop && should_stop()) return Stopped();
       const int64_t count = std::min(kVocabParallelChunkRows, n - r0);
-      const LogitsBlock block{dtype, item.logits().data() + r0 * slice_len * esize, 0, slice_len};
+      const LogitsBlock block{dtype, payload.data() + r0 * slice_len * esize, 0, slice_len};
       if (auto st = ScoreFullRows(job, block, r0, count, 0, rows); !st.ok()) return st;
     }
   } else {
@@ -340,11 +348,11 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& com
         return absl::InvalidArgumentError(absl::StrCat("work item: lm_head slice is [", backend.lm_head_rows(), ", ",
                                                        backend.lm_head_hidden_size(), "], item wants [", slice_len,
                                                        ", ", item.hidden_size(), "]"));
-      if (static_cast<int64_t>(item.hidden_states().size()) != (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(esize))
+      if (static_cast<int64_t>(payload.size()) != (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: hidden_states size does not match this rank's rows");
       st = ScoreHiddenStates(job, comm, hidden_chunk_tokens, own_begin, rows);
     } else {
-      if (static_cast<int64_t>(item.logits().size()) != n * slice_len * static_cast<int64_t>(esize))
+      if (static_cast<int64_t>(payload.size()) != n * slice_len * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: logits size does not match num_rows");
       st = ScoreLogitsSlices(job, comm, own_begin, rows);
     }

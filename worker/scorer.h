@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "logprob/internal/v1/worker.pb.h"
@@ -41,5 +42,13 @@ absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkI
                                                        Communicator& comm, ScoringBackend& backend,
                                                        int64_t hidden_chunk_tokens = kDefaultHiddenChunkTokens,
                                                        const std::function<bool()>& should_stop = {});
+
+/// As above, with the item's payload (what its `logits`, or for
+/// HIDDEN_STATES its `hidden_states`, would hold) at `payload` instead, e.g.
+/// in a shared memory region (WorkItem.payload_shm).
+absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item, std::string_view payload,
+                                                       Communicator& comm, ScoringBackend& backend,
+                                                       int64_t hidden_chunk_tokens,
+                                                       const std::function<bool()>& should_stop);
 
 }  // namespace logprob

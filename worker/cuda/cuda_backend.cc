@@ -249,4 +249,10 @@ absl::Status CudaBackend::HiddenLogits(DType hidden_dtype, const void* hidden, i
   return absl::OkStatus();
 }
 
+int64_t CudaBackend::device_memory_bytes() const {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return 0;
+  return static_cast<int64_t>(total_bytes - free_bytes);
+}
+
 }  // namespace logprob::cuda

@@ -43,6 +43,7 @@ class CudaBackend final : public ScoringBackend {
   }
 
   std::string name() const override { return "cuda"; }
+  int64_t device_memory_bytes() const override;
   absl::Status SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
                              uint32_t* records) override;
   absl::Status FilteredRowPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,

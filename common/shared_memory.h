@@ -1,0 +1,49 @@
+// POSIX shared memory regions: how the front-end hands a work item's
+// logits or hidden states to a worker on the same host without sending
+// them through gRPC (one copy instead of serialize + socket + parse).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace logprob {
+
+/// A named shared memory region (shm_open + mmap) of `size()` bytes.
+/// The creator owns the name: its destructor unmaps and unlinks it; an
+/// opener only unmaps. Not copyable.
+class SharedRegion {
+ public:
+  /// Creates a new region named "/logprob-<pid>-<n>" (mode 0600) and
+  /// reserves its pages (posix_fallocate), so a full /dev/shm is
+  /// RESOURCE_EXHAUSTED here rather than SIGBUS on first write.
+  /// Errors: RESOURCE_EXHAUSTED (no space), INTERNAL (other system errors).
+  static absl::StatusOr<std::unique_ptr<SharedRegion>> Create(size_t bytes);
+  /// Maps bytes [offset, offset + bytes) of an existing region read-only;
+  /// data() points at `offset`. Errors: NOT_FOUND (no such name),
+  /// INVALID_ARGUMENT (the range is outside the region), INTERNAL (other
+  /// system errors).
+  static absl::StatusOr<std::unique_ptr<SharedRegion>> Open(const std::string& name, size_t offset, size_t bytes);
+  ~SharedRegion();
+  SharedRegion(const SharedRegion&) = delete;
+  SharedRegion& operator=(const SharedRegion&) = delete;
+
+  const std::string& name() const { return name_; }
+  size_t size() const { return size_; }
+  /// Writable for the creator; an opener must only read.
+  char* data() const { return data_; }
+
+ private:
+  SharedRegion(std::string name, char* map, size_t map_size, size_t skip, size_t size, bool owner)
+      : name_(std::move(name)), map_(map), map_size_(map_size), data_(map + skip), size_(size), owner_(owner) {}
+  std::string name_;
+  char* map_;        // mmap'ed start (page-aligned)
+  size_t map_size_;
+  char* data_;
+  size_t size_;
+  bool owner_;
+};
+
+}  // namespace logprob
