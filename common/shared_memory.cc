@@ -5,8 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
 #include <cerrno>
 #include <cstring>
 
@@ -36,45 +38,48 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(size_t bytes)
     shm_unlink(name.c_str());
     return SystemError(absl::StrCat("reserving ", size, " bytes of shared memory (/dev/shm) for ", name), err);
   }
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   const int err = errno;
   close(fd);
   if (p == MAP_FAILED) {
     shm_unlink(name.c_str());
     return SystemError("mmap " + name, err);
   }
-  return std::unique_ptr<SharedRegion>(new SharedRegion(name, static_cast<char*>(p), size, 0, size, true));
+  return std::unique_ptr<SharedRegion>(new SharedRegion(name, static_cast<char*>(p), size, true));
 }
 
-absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Open(const std::string& name, size_t offset,
-                                                                 size_t bytes) {
+absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Open(const std::string& name) {
   const int fd = shm_open(name.c_str(), O_RDONLY, 0);
   if (fd < 0) return SystemError("shm_open " + name, errno);
   struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
+  if (fstat(fd, &st) != 0 || st.st_size <= 0) {
+    const int err = st.st_size <= 0 ? EINVAL : errno;
     close(fd);
     return SystemError("fstat " + name, err);
   }
   const size_t size = static_cast<size_t>(st.st_size);
-  if (offset > size || bytes > size - offset) {
-    close(fd);
-    return absl::InvalidArgumentError(
-        absl::StrCat("shared memory ", name, " holds ", size, " bytes, not [", offset, ", ", offset + bytes, ")"));
-  }
-  // mmap needs a page-aligned offset and a non-empty length.
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const size_t start = offset / page * page, skip = offset - start;
-  const size_t length = std::max<size_t>(skip + bytes, 1);
-  void* p = mmap(nullptr, length, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(start));
+  void* p = mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
   const int err = errno;
   close(fd);
   if (p == MAP_FAILED) return SystemError("mmap " + name, err);
-  return std::unique_ptr<SharedRegion>(new SharedRegion(name, static_cast<char*>(p), length, skip, bytes, false));
+  return std::unique_ptr<SharedRegion>(new SharedRegion(name, static_cast<char*>(p), size, false));
+}
+
+int RemoveStaleRegions() {
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = entry.path().filename().string();
+    int pid = 0;
+    if (std::sscanf(name.c_str(), "logprob-%d-", &pid) != 1 || pid <= 0) continue;
+    if (kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    if (shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  return removed;
 }
 
 SharedRegion::~SharedRegion() {
-  munmap(map_, map_size_);
+  munmap(data_, size_);
   if (owner_) shm_unlink(name_.c_str());
 }
 

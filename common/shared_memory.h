@@ -17,15 +17,13 @@ namespace logprob {
 class SharedRegion {
  public:
   /// Creates a new region named "/logprob-<pid>-<n>" (mode 0600) and
-  /// reserves its pages (posix_fallocate), so a full /dev/shm is
-  /// RESOURCE_EXHAUSTED here rather than SIGBUS on first write.
+  /// reserves and maps its pages (posix_fallocate, MAP_POPULATE), so a full
+  /// /dev/shm is RESOURCE_EXHAUSTED here rather than SIGBUS on first write.
   /// Errors: RESOURCE_EXHAUSTED (no space), INTERNAL (other system errors).
   static absl::StatusOr<std::unique_ptr<SharedRegion>> Create(size_t bytes);
-  /// Maps bytes [offset, offset + bytes) of an existing region read-only;
-  /// data() points at `offset`. Errors: NOT_FOUND (no such name),
-  /// INVALID_ARGUMENT (the range is outside the region), INTERNAL (other
-  /// system errors).
-  static absl::StatusOr<std::unique_ptr<SharedRegion>> Open(const std::string& name, size_t offset, size_t bytes);
+  /// Maps an existing region, whole and read-only. Errors: NOT_FOUND (no
+  /// such name), INTERNAL (other system errors).
+  static absl::StatusOr<std::unique_ptr<SharedRegion>> Open(const std::string& name);
   ~SharedRegion();
   SharedRegion(const SharedRegion&) = delete;
   SharedRegion& operator=(const SharedRegion&) = delete;
@@ -36,14 +34,17 @@ class SharedRegion {
   char* data() const { return data_; }
 
  private:
-  SharedRegion(std::string name, char* map, size_t map_size, size_t skip, size_t size, bool owner)
-      : name_(std::move(name)), map_(map), map_size_(map_size), data_(map + skip), size_(size), owner_(owner) {}
+  SharedRegion(std::string name, char* data, size_t size, bool owner)
+      : name_(std::move(name)), data_(data), size_(size), owner_(owner) {}
   std::string name_;
-  char* map_;        // mmap'ed start (page-aligned)
-  size_t map_size_;
   char* data_;
   size_t size_;
   bool owner_;
 };
+
+/// Unlinks the regions SharedRegion::Create made in processes that no
+/// longer exist (/dev/shm/logprob-<pid>-<n>, e.g. after a SIGKILL), and
+/// returns how many. Best effort: errors are ignored.
+int RemoveStaleRegions();
 
 }  // namespace logprob

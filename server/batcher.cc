@@ -112,7 +112,7 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
                                      internal::v1::VOCAB_PARALLEL
                                  ? Parallelism::kVocab
                                  : Parallelism::kToken;
-  auto plan = std::make_shared<const Plan>(PlanWork(job, options_.workers, layout, job_id, options_.shared_memory));
+  auto plan = std::make_shared<const Plan>(PlanWork(job, options_.workers, layout, job_id, options_.payload_pool));
   auto results = run_(*plan, bounds);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   std::shared_ptr<const std::vector<internal::v1::WorkResult>> shared;

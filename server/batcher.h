@@ -58,8 +58,9 @@ class Batcher {
     int64_t max_batch_tokens = 8192;
     int workers = 1;
     Parallelism parallelism = Parallelism::kAuto;
-    /// Payloads through shared memory (PlanWork): workers on this host.
-    bool shared_memory = false;
+    /// Payloads through shared memory (PlanWork) when set: workers on this
+    /// host. Not owned; outlives the batcher.
+    PayloadPool* payload_pool = nullptr;
     /// Called with the number of queued jobs whenever it changes, under
     /// the lock (metrics gauge). May be empty.
     std::function<void(int64_t queued)> on_queue_change;

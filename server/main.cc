@@ -21,6 +21,7 @@
 #include "common/flag_names.h"
 #include "common/backend_choice.h"
 #include "common/lm_head_source.h"
+#include "common/shared_memory.h"
 #include "absl/strings/str_cat.h"
 #include "server/auth.h"
 #include "server/external_launcher.h"
@@ -142,6 +143,8 @@ int main(int argc, char** argv) {
     launcher = std::make_unique<logprob::LocalLauncher>(workers, worker_binary, std::vector<std::string>{});
   }
 
+  if (const int stale = logprob::RemoveStaleRegions(); stale > 0)
+    std::cerr << "logprob-server: removed " << stale << " shared memory region(s) left by exited servers" << std::endl;
   logprob::Metrics metrics(absl::GetFlag(FLAGS_backend));
   if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
     try {

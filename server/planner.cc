@@ -35,9 +35,9 @@ internal::v1::WorkItem BaseItem(const ScoreJob& job, uint64_t job_id, int64_t be
 /// ranges of one shared memory region.
 class PayloadWriter {
  public:
-  PayloadWriter(Plan& plan, size_t total, bool shared_memory) {
-    if (!shared_memory) return;
-    auto region = SharedRegion::Create(total);
+  PayloadWriter(Plan& plan, size_t total, PayloadPool* pool) {
+    if (pool == nullptr) return;
+    auto region = pool->Acquire(total);
     if (region.ok()) {
       plan.payload_region = std::move(*region);
     } else if (!warned_.exchange(true)) {
@@ -80,12 +80,13 @@ internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism 
   return vocab ? internal::v1::VOCAB_PARALLEL : internal::v1::TOKEN_PARALLEL;
 }
 
-Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id, bool shared_memory) {
+Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id,
+              PayloadPool* payload_pool) {
   const int64_t n = job.num_rows();
   Plan plan;
   plan.layout = ChooseLayout(job, workers, parallelism);
   // Every layout sends each input byte of the scored rows once.
-  PayloadWriter payload(plan, static_cast<size_t>(n) * job.row_bytes, shared_memory);
+  PayloadWriter payload(plan, static_cast<size_t>(n) * job.row_bytes, payload_pool);
   if (plan.layout == internal::v1::HIDDEN_STATES) {
     for (int w = 0; w < workers; ++w) {
       const auto [vb, ve] = SplitRange(job.vocab_size, workers, w);

@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "common/shared_memory.h"
 #include "logprob/internal/v1/worker.pb.h"
+#include "server/payload_pool.h"
 #include "server/score_job.h"
 
 namespace logprob {
@@ -31,7 +32,7 @@ struct Plan {
   internal::v1::Layout layout = internal::v1::TOKEN_PARALLEL;
   std::vector<PlannedItem> items;
   /// Holds the items' payloads when they travel through shared memory;
-  /// the region is unlinked when the plan goes.
+  /// the region goes back to its PayloadPool when the plan goes.
   std::shared_ptr<SharedRegion> payload_region;
 };
 
@@ -49,10 +50,10 @@ internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism 
 /// Hidden-states jobs are always HIDDEN_STATES: worker w gets the hidden
 /// states of rows SplitRange(n, W, w) and owns lm_head rows
 /// SplitRange(V, W, w).
-/// With `shared_memory` (workers on this host) the payloads are written to
-/// one new SharedRegion instead of the items' bytes fields (payload_shm);
-/// if the region cannot be made (e.g. /dev/shm full) they go inline.
+/// With a `payload_pool` (workers on this host) the payloads are written
+/// to one region of it instead of the items' bytes fields (payload_shm);
+/// if no region can be had (e.g. /dev/shm full) they go inline.
 Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id,
-              bool shared_memory = false);
+              PayloadPool* payload_pool = nullptr);
 
 }  // namespace logprob

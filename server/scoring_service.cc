@@ -12,13 +12,14 @@ namespace logprob {
 
 namespace {
 
-Batcher::Options BatcherOptions(const WorkerPool& pool, const ServiceConfig& config, Metrics* metrics) {
+Batcher::Options BatcherOptions(const WorkerPool& pool, const ServiceConfig& config, PayloadPool* payload_pool,
+                                Metrics* metrics) {
   Batcher::Options o;
   o.max_queue_delay = config.max_queue_delay;
   o.max_batch_tokens = config.max_batch_tokens;
   o.workers = pool.size();
   o.parallelism = config.parallelism;
-  o.shared_memory = config.shared_memory && pool.same_host();
+  if (config.shared_memory && pool.same_host()) o.payload_pool = payload_pool;
   if (metrics) {
     o.on_queue_change = [metrics](int64_t queued) { metrics->SetQueued(queued); };
     o.on_batch = [metrics](const Batcher::Outcome& batch, const std::vector<internal::v1::WorkResult>& results) {
@@ -48,7 +49,7 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
                  [metrics](int64_t requests, int64_t tokens) {
                    if (metrics) metrics->SetLoad(requests, tokens);
                  }),
-      batcher_(BatcherOptions(pool, config_, metrics),
+      batcher_(BatcherOptions(pool, config_, &payload_pool_, metrics),
                [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }) {}
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,

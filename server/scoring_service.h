@@ -76,6 +76,7 @@ class ScoringService final : public v1::LogprobService::Service {
   ServiceConfig config_;
   Metrics* metrics_;
   Admission admission_;
+  PayloadPool payload_pool_;
   Batcher batcher_;
   std::atomic<uint64_t> next_job_id_{1};
 };

@@ -4,9 +4,12 @@
 // within float32 rounding and be bitwise independent of batch neighbours.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <tuple>
 
@@ -137,25 +140,40 @@ TEST(ServerTransport, SharedMemoryAndInlinePayloadsGiveTheSameBits) {
   }
 }
 
-/// Every shared memory region a request used is gone once it is answered.
-TEST(ServerTransport, SharedMemoryRegionsAreRemovedAfterEachRequest) {
-  auto server = ServerProcess::Start(2, {"--parallelism", "vocab"});
-  ASSERT_TRUE(server);
-  auto stub = server->NewStub();
-  const std::string prefix = "logprob-" + std::to_string(server->pid()) + "-";
-  auto regions = [&] {
+/// Shared memory regions are reused (their number does not grow with the
+/// requests), all go when the server stops, and regions left by a server
+/// that no longer exists are removed when a server starts.
+TEST(ServerTransport, SharedMemoryRegionsAreReusedAndRemoved) {
+  auto count = [](const std::string& prefix) {
     int n = 0;
     for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
       if (e.path().filename().string().rfind(prefix, 0) == 0) ++n;
     return n;
   };
-  for (const auto& name : LogitsGoldenNames()) {
-    const GoldenCase c = LoadGolden(name);
-    grpc::ClientContext ctx;
-    v1::ScoreResponse resp;
-    ASSERT_TRUE(stub->Score(&ctx, GoldenRequest(c), &resp).ok());
-    EXPECT_EQ(regions(), 0) << "after " << name;
-  }
+  // A region of a process that has exited.
+  const pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  waitpid(dead, nullptr, 0);
+  const std::string stale = "logprob-" + std::to_string(dead) + "-0";
+  std::ofstream(std::string("/dev/shm/") + stale) << "left behind";
+  ASSERT_EQ(count(stale), 1);
+
+  auto server = ServerProcess::Start(2, {"--parallelism", "vocab"});
+  ASSERT_TRUE(server);
+  EXPECT_EQ(count(stale), 0) << "the server removes regions of exited processes at start";
+  const std::string prefix = "logprob-" + std::to_string(server->pid()) + "-";
+  auto stub = server->NewStub();
+  for (int round = 0; round < 3; ++round)
+    for (const auto& name : LogitsGoldenNames()) {
+      const GoldenCase c = LoadGolden(name);
+      grpc::ClientContext ctx;
+      v1::ScoreResponse resp;
+      ASSERT_TRUE(stub->Score(&ctx, GoldenRequest(c), &resp).ok());
+    }
+  EXPECT_GE(count(prefix), 1) << "payloads went through shared memory";
+  EXPECT_LE(count(prefix), 4) << "regions are reused, at most 4 kept idle";
+  EXPECT_EQ(server->SignalAndWait(SIGTERM), 0);
+  EXPECT_EQ(count(prefix), 0) << "the server removes its regions when it stops";
 }
 
 }  // namespace

@@ -1,8 +1,6 @@
 #include "worker/worker_service.h"
 
-#include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
-#include "common/shared_memory.h"
 #include "worker/scorer.h"
 #include "worker/timed_communicator.h"
 
@@ -12,20 +10,10 @@ grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::Wo
                                 internal::v1::WorkResult* result) {
   const std::function<bool()> cancelled = [ctx] { return ctx->IsCancelled(); };
   // The payload: in the item, or in the front-end's shared memory.
-  std::string_view payload = item->layout() == internal::v1::HIDDEN_STATES ? item->hidden_states() : item->logits();
-  std::unique_ptr<SharedRegion> region;
-  if (!item->payload_shm().empty()) {
-    if (item->payload_offset() < 0 || item->payload_bytes() < 0)
-      return ToGrpc(absl::InvalidArgumentError("work item: negative payload_offset or payload_bytes"));
-    auto opened = SharedRegion::Open(item->payload_shm(), static_cast<size_t>(item->payload_offset()),
-                                     static_cast<size_t>(item->payload_bytes()));
-    if (!opened.ok())
-      return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
-          "work item payload in shared memory: ", opened.status().message(),
-          " (is this worker on the front-end's host? start the server with --shared-memory=false otherwise)")));
-    region = std::move(*opened);
-    payload = std::string_view(region->data(), region->size());
-  }
+  std::shared_ptr<SharedRegion> region;
+  auto found = payload_regions_.Payload(*item, &region);
+  if (!found.ok()) return ToGrpc(found.status());
+  const std::string_view payload = *found;
   absl::StatusOr<internal::v1::WorkResult> res;
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     std::lock_guard<std::mutex> lock(collective_mu_);

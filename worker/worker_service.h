@@ -6,6 +6,7 @@
 
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend.h"
+#include "worker/payload_regions.h"
 #include "worker/communicator.h"
 #include "worker/scorer.h"
 
@@ -33,6 +34,7 @@ class WorkerService final : public internal::v1::Worker::Service {
   std::unique_ptr<Communicator> comm_;
   int64_t chunk_tokens_;
   std::mutex collective_mu_;
+  PayloadRegions payload_regions_;
 };
 
 }  // namespace logprob

@@ -1,0 +1,50 @@
+#include "server/payload_pool.h"
+
+#include <algorithm>
+
+namespace logprob {
+
+PayloadPool::PayloadPool(int max_idle) : state_(std::make_shared<State>()) { state_->max_idle = max_idle; }
+
+size_t PayloadPool::idle() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->idle.size();
+}
+
+absl::StatusOr<std::shared_ptr<SharedRegion>> PayloadPool::Acquire(size_t bytes) {
+  std::unique_ptr<SharedRegion> region;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    auto& idle = state_->idle;
+    auto best = idle.end();
+    for (auto it = idle.begin(); it != idle.end(); ++it)
+      if ((*it)->size() >= bytes && (best == idle.end() || (*it)->size() < (*best)->size())) best = it;
+    if (best != idle.end()) {
+      region = std::move(*best);
+      idle.erase(best);
+    }
+  }
+  if (!region) {
+    size_t size = size_t{1} << 20;
+    while (size < bytes) size *= 2;
+    auto created = SharedRegion::Create(size);
+    if (!created.ok()) return created.status();
+    region = std::move(*created);
+  }
+  std::weak_ptr<State> home = state_;
+  return std::shared_ptr<SharedRegion>(region.release(), [home](SharedRegion* r) {
+    std::unique_ptr<SharedRegion> owned(r);
+    auto state = home.lock();
+    if (!state) return;
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->idle.push_back(std::move(owned));
+    if (static_cast<int>(state->idle.size()) > state->max_idle) {
+      // Release the smallest: large requests are the ones shared memory helps.
+      auto smallest = std::min_element(state->idle.begin(), state->idle.end(),
+                                       [](const auto& a, const auto& b) { return a->size() < b->size(); });
+      state->idle.erase(smallest);
+    }
+  });
+}
+
+}  // namespace logprob

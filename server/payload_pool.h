@@ -1,0 +1,41 @@
+// Reusable shared memory regions for work-item payloads (PlanWork).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/shared_memory.h"
+
+namespace logprob {
+
+/// Regions for the payloads of plans whose workers share this host. A
+/// region's pages are reserved and mapped once and the workers keep their
+/// mapping of it (WorkerService), so steady traffic pays neither page
+/// faults nor mmap per request. Thread-safe.
+class PayloadPool {
+ public:
+  /// Keeps at most `max_idle` idle regions (the largest ones).
+  explicit PayloadPool(int max_idle = 4);
+
+  /// A region of at least `bytes` bytes, used by nobody else until the
+  /// last copy of the returned pointer goes (then it is idle again): the
+  /// smallest idle one that fits, else a new one of the next power of two
+  /// >= max(bytes, 1 MiB). Errors of SharedRegion::Create.
+  absl::StatusOr<std::shared_ptr<SharedRegion>> Acquire(size_t bytes);
+
+  /// Idle regions (tests).
+  size_t idle() const;
+
+ private:
+  struct State {
+    std::mutex mu;
+    int max_idle;
+    std::vector<std::unique_ptr<SharedRegion>> idle;
+  };
+  std::shared_ptr<State> state_;  // shared with the leases, which may outlive the pool
+};
+
+}  // namespace logprob

@@ -1,0 +1,41 @@
+#include "worker/payload_regions.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace logprob {
+
+absl::StatusOr<std::string_view> PayloadRegions::Payload(const internal::v1::WorkItem& item,
+                                                         std::shared_ptr<SharedRegion>* hold) {
+  if (item.payload_shm().empty())
+    return item.layout() == internal::v1::HIDDEN_STATES ? std::string_view(item.hidden_states())
+                                                         : std::string_view(item.logits());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = mapped_.begin(); it != mapped_.end(); ++it)
+      if ((*it)->name() == item.payload_shm()) {
+        *hold = *it;
+        mapped_.splice(mapped_.begin(), mapped_, it);
+        break;
+      }
+  }
+  if (!*hold) {
+    auto opened = SharedRegion::Open(item.payload_shm());
+    if (!opened.ok())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "work item payload in shared memory: ", opened.status().message(),
+          " (is this worker on the front-end's host? otherwise start the server with --shared-memory=false)"));
+    *hold = std::move(*opened);
+    std::lock_guard<std::mutex> lock(mu_);
+    mapped_.push_front(*hold);
+    if (mapped_.size() > capacity_) mapped_.pop_back();
+  }
+  const int64_t offset = item.payload_offset(), bytes = item.payload_bytes();
+  const auto size = static_cast<int64_t>((*hold)->size());
+  if (offset < 0 || bytes < 0 || offset > size || bytes > size - offset)
+    return absl::InvalidArgumentError(absl::StrCat("work item: payload [", offset, ", ", offset + bytes,
+                                                   ") is outside shared memory ", item.payload_shm(), " of ", size,
+                                                   " bytes"));
+  return std::string_view((*hold)->data() + offset, static_cast<size_t>(bytes));
+}
+
+}  // namespace logprob
