@@ -35,9 +35,8 @@ void ExpectGoldenOn(int workers, const std::vector<std::string>& flags, bool lm_
   for (const auto& name : names) {
     SCOPED_TRACE(name);
     const GoldenCase c = LoadGolden(name);
-    grpc::ClientContext ctx;
     v1::ScoreResponse resp;
-    const grpc::Status st = stub->Score(&ctx, GoldenRequest(c), &resp);
+    const grpc::Status st = ScoreGolden(*stub, c, &resp);
     ASSERT_TRUE(st.ok()) << st.error_message();
     const std::vector<v1::Tensor> got(resp.outputs().begin(), resp.outputs().end());
     EXPECT_EQ(CompareOutputs(c.expected.tensors, got), "");

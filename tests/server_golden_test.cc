@@ -34,9 +34,8 @@ std::map<std::string, v1::ScoreResponse> ScoreAllGolden(int workers, const std::
   for (const auto& name : LogitsGoldenNames()) {
     SCOPED_TRACE(name + " workers=" + std::to_string(workers) + " layout=" + layout);
     const GoldenCase c = LoadGolden(name);
-    grpc::ClientContext ctx;
     v1::ScoreResponse resp;
-    const grpc::Status st = stub->Score(&ctx, GoldenRequest(c), &resp);
+    const grpc::Status st = ScoreGolden(*stub, c, &resp);
     EXPECT_TRUE(st.ok()) << st.error_message();
     if (!st.ok()) continue;
     EXPECT_EQ(resp.id(), name);
@@ -165,10 +164,8 @@ TEST(ServerTransport, SharedMemoryRegionsAreReusedAndRemoved) {
   auto stub = server->NewStub();
   for (int round = 0; round < 3; ++round)
     for (const auto& name : LogitsGoldenNames()) {
-      const GoldenCase c = LoadGolden(name);
-      grpc::ClientContext ctx;
       v1::ScoreResponse resp;
-      ASSERT_TRUE(stub->Score(&ctx, GoldenRequest(c), &resp).ok());
+      ASSERT_TRUE(ScoreGolden(*stub, LoadGolden(name), &resp).ok());
     }
   EXPECT_GE(count(prefix), 1) << "payloads went through shared memory";
   EXPECT_LE(count(prefix), 4) << "regions are reused, at most 4 kept idle";

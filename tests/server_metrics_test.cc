@@ -41,9 +41,8 @@ TEST(ServerMetrics, ScrapeReportsRequestsAndPassesPromtool) {
   for (const char* name : {"basic_f32", "sampling_f32", "basic_f32"}) {
     SCOPED_TRACE(name);
     const GoldenCase c = LoadGolden(name);
-    grpc::ClientContext ctx;
     v1::ScoreResponse resp;
-    const grpc::Status st = stub->Score(&ctx, GoldenRequest(c), &resp);
+    const grpc::Status st = ScoreGolden(*stub, c, &resp);
     ASSERT_TRUE(st.ok()) << st.error_message();
     ++ok_requests;
     ASSERT_GT(ScoredPositions(c), 0);

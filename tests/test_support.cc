@@ -210,6 +210,11 @@ std::unique_ptr<v1::LogprobService::Stub> ServerProcess::NewStub() const {
   return v1::LogprobService::NewStub(client::MakeChannel(address_));
 }
 
+grpc::Status ScoreGolden(v1::LogprobService::Stub& stub, const GoldenCase& c, v1::ScoreResponse* resp) {
+  grpc::ClientContext ctx;
+  return stub.Score(&ctx, GoldenRequest(c), resp);
+}
+
 GoldenCase LoadGolden(const std::string& name) {
   GoldenCase c;
   c.name = name;

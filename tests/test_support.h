@@ -121,6 +121,10 @@ std::vector<std::string> LogitsGoldenNames();
 /// The ScoreRequest of a golden case (all its input tensors).
 v1::ScoreRequest GoldenRequest(const GoldenCase& c);
 
+/// Scores golden case `c` on `stub` (a fresh context, no deadline); the
+/// response goes to *resp.
+grpc::Status ScoreGolden(v1::LogprobService::Stub& stub, const GoldenCase& c, v1::ScoreResponse* resp);
+
 /// The logprob-client flags that carry a golden case's options
 /// (" --entropy --topk 5 ...", each with a leading space).
 std::string CliOptionFlags(const GoldenCase& c);
