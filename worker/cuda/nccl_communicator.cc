@@ -76,6 +76,7 @@ absl::Status NcclCommunicator::Begin(const void* in, size_t in_bytes, size_t out
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   if (auto st = in_dev_.Reserve(std::max<size_t>(in_bytes, 1)); !st.ok()) return st;
   if (auto st = out_dev_.Reserve(std::max<size_t>(out_bytes, 1)); !st.ok()) return st;
+  if (auto st = out_host_.Reserve(std::max<size_t>(out_bytes, 1)); !st.ok()) return st;
   if (in_bytes)
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in_dev_.get(), in, in_bytes, cudaMemcpyHostToDevice, stream_),
                                  "collective upload");
@@ -85,15 +86,20 @@ absl::Status NcclCommunicator::Begin(const void* in, size_t in_bytes, size_t out
 absl::Status NcclCommunicator::Finish(const char* what, ncclResult_t enqueued, void* out, size_t out_bytes) {
   if (enqueued != ncclSuccess)
     return Abort(absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", NcclError(enqueued))));
+  // Download into pinned memory (asynchronous, so the polling below can time
+  // out and abort); copied to `out` once the event completed.
   if (out_bytes)
-    if (cudaError_t e = cudaMemcpyAsync(out, out_dev_.get(), out_bytes, cudaMemcpyDeviceToHost, stream_);
+    if (cudaError_t e = cudaMemcpyAsync(out_host_.get(), out_dev_.get(), out_bytes, cudaMemcpyDeviceToHost, stream_);
         e != cudaSuccess)
       return Abort(CudaStatus(e, "collective download"));
   if (cudaError_t e = cudaEventRecord(done_.get(), stream_); e != cudaSuccess) return Abort(CudaStatus(e, "event"));
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (;;) {
     const cudaError_t e = cudaEventQuery(done_.get());
-    if (e == cudaSuccess) return absl::OkStatus();
+    if (e == cudaSuccess) {
+      if (out_bytes) std::memcpy(out, out_host_.get(), out_bytes);
+      return absl::OkStatus();
+    }
     if (e != cudaErrorNotReady) return Abort(absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", cudaGetErrorString(e))));
     ncclResult_t async = ncclSuccess;
     ncclCommGetAsyncError(comm_, &async);

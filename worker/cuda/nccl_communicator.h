@@ -58,6 +58,10 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_ = nullptr;
   Event done_;
   DeviceBuffer in_dev_, out_dev_;
+  // Pinned staging of the download: a cudaMemcpyAsync into pageable host
+  // memory blocks until the collective finishes, which would bypass the
+  // timeout / abort in Finish when a peer is gone.
+  PinnedBuffer out_host_;
 };
 
 }  // namespace logprob::cuda
