@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "worker/cuda/row_kernels.h"
@@ -28,6 +29,19 @@ RowBlockArgs BaseArgs(const kernels::StatsSpec& spec) {
   a.topk = spec.topk;
   a.gather_k = spec.gather_k;
   return a;
+}
+
+/// The records of rows over an empty vocabulary slice (fewer vocabulary
+/// entries than workers), as the CPU kernel writes them: nothing seen yet.
+void EmptySliceRecords(const BlockRows& rows, int64_t vocab_begin, const kernels::StatsSpec& spec, uint32_t* records) {
+  std::vector<float> scratch(kernels::kPartialScratchFloats);
+  const size_t words = kernels::PartialWords(spec);
+  for (int64_t i = 0; i < rows.count; ++i) {
+    kernels::SliceRow row;
+    row.target = rows.targets[i];
+    row.gather_ids = rows.gather_ids ? rows.gather_ids + i * spec.gather_k : nullptr;
+    kernels::ComputePartial(v1::F32, row, vocab_begin, 0, spec, records + i * words, scratch.data());
+  }
 }
 
 }  // namespace
@@ -104,7 +118,11 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
                                          const kernels::StatsSpec& spec, const SamplingFilter* filter,
                                          uint32_t* records) {
   if (!IsFloatDType(block.dtype)) return absl::InvalidArgumentError("logits dtype must be F32, BF16 or F16");
-  if (rows.count <= 0 || block.len <= 0) return absl::OkStatus();
+  if (rows.count <= 0) return absl::OkStatus();
+  if (block.len <= 0) {
+    EmptySliceRecords(rows, block.vocab_begin, spec, records);
+    return absl::OkStatus();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   const size_t row_bytes = static_cast<size_t>(block.len) * DTypeSize(block.dtype);
@@ -198,6 +216,10 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
                                          const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) {
   if (!gemm_) return NoLmHead();
   if (rows.count <= 0) return absl::OkStatus();
+  if (lm_head_rows() <= 0) {
+    EmptySliceRecords(rows, vocab_begin, spec, records);
+    return absl::OkStatus();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   auto dev_hidden = UploadHidden(hidden_dtype, hidden, rows.count);
