@@ -67,7 +67,7 @@ bool Batcher::WaitToLead(std::unique_lock<std::mutex>& lock, Entry& e) {
     for (const auto& q : queue_)
       if (q->key == e.key) tokens += q->job->num_rows();
     const auto now = std::chrono::steady_clock::now();
-    if (tokens >= options_.max_batch_tokens || now >= until) return true;
+    if (running_ == 0 || tokens >= options_.max_batch_tokens || now >= until) return true;
     cv_.wait_until(lock, std::min(until, now + std::chrono::milliseconds(20)));
   }
 }
@@ -87,6 +87,7 @@ std::vector<std::shared_ptr<Batcher::Entry>> Batcher::TakeBatch(Entry& e) {
       ++it;
     }
   }
+  ++running_;
   QueueChanged();  // the next oldest job of the key may lead now
   return batch;
 }
@@ -134,7 +135,8 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
     row += m->job->num_rows();
   }
   if (shared && options_.on_batch) options_.on_batch(batch.front()->outcome, *shared);
-  cv_.notify_all();
+  --running_;
+  cv_.notify_all();  // waiting leaders: the workers may be idle now
 }
 
 absl::StatusOr<Batcher::Outcome> Batcher::Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds) {

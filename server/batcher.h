@@ -21,8 +21,11 @@
 namespace logprob {
 
 /// Packs queued ScoreJobs into worker batches by a token budget, without
-/// padding (their rows are concatenated), waiting at most max_queue_delay
-/// after the oldest arrived for more to come.
+/// padding (their rows are concatenated). A batch starts at once when no
+/// other batch is running (an idle pool adds no latency); while one is, the
+/// oldest job waits for company until the running batches end, its key's
+/// queued rows fill the budget, or max_queue_delay has passed since it
+/// arrived.
 ///
 /// Only jobs with the same batch key are packed together: same input kind
 /// (logits or hidden states), dtype, V, H, gather_k, normalised options and
@@ -51,8 +54,8 @@ class Batcher {
   };
 
   struct Options {
-    /// Longest a batch's oldest job waits for company; 0 packs only what
-    /// is already queued.
+    /// Longest a batch's oldest job waits for company while other batches
+    /// run; 0 packs only what is already queued.
     std::chrono::microseconds max_queue_delay{2000};
     /// Token rows per batch; a job over it alone runs alone.
     int64_t max_batch_tokens = 8192;
@@ -106,6 +109,7 @@ class Batcher {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   Queue queue_;
+  int running_ = 0;  // batches between TakeBatch and the end of RunBatch
 };
 
 /// The job of a batch: `jobs`' rows concatenated in order (rows, targets,

@@ -65,8 +65,8 @@ ABSL_FLAG(int64_t, max_queue_tokens, int64_t{1} << 23,
 ABSL_FLAG(int64_t, max_queue_bytes, int64_t{2} << 30,
           "request bytes accepted and not yet answered; beyond it requests get RESOURCE_EXHAUSTED");
 ABSL_FLAG(absl::Duration, max_queue_delay, absl::Milliseconds(2),
-          "longest a request waits in the batching queue for others to share its worker batch (e.g. 2ms; 0: "
-          "batch only what is already queued)");
+          "longest a request waits in the batching queue for others to share its worker batch while other "
+          "batches run (an idle pool starts it at once; e.g. 2ms; 0: batch only what is already queued)");
 ABSL_FLAG(int64_t, max_batch_tokens, 8192, "token rows per worker batch (a larger request runs alone)");
 ABSL_FLAG(bool, shared_memory, true,
           "hand payloads to workers on this host through POSIX shared memory (/dev/shm) instead of gRPC");
