@@ -2,7 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <future>
 #include <iostream>
+#include <memory>
+#include <mutex>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "common/grpc_status.h"
@@ -122,20 +128,54 @@ grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::Score
 grpc::Status ScoringService::ScoreStream(grpc::ServerContext* context,
                                          grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>* stream) {
   if (grpc::Status st = Authorize(context, "ScoreStream"); !st.ok()) return st;
-  v1::ScoreRequest req;
-  while (stream->Read(&req)) {
-    auto r = Observed(metrics_, "ScoreStream", req, [&](RequestStats* stats) { return ScoreOne(req, stats, context); });
-    v1::ScoreResponse resp;
-    if (r.ok()) {
-      resp = std::move(*r);
-    } else {
-      resp.set_id(req.id());
-      resp.set_status_code(static_cast<int>(r.status().code()));
-      resp.set_status_message(std::string(r.status().message()));
+  // Messages are scored concurrently (so they can share worker batches),
+  // up to kStreamInFlight at a time; a writer thread answers in order.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::future<v1::ScoreResponse>> answers;  // in request order
+  bool reading_done = false, write_failed = false;
+  std::thread writer([&] {
+    for (;;) {
+      std::future<v1::ScoreResponse> next;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return !answers.empty() || reading_done; });
+        if (answers.empty()) return;
+        next = std::move(answers.front());
+        answers.pop_front();
+        cv.notify_all();
+      }
+      const v1::ScoreResponse resp = next.get();
+      std::lock_guard<std::mutex> lock(mu);
+      if (!write_failed && !stream->Write(resp)) write_failed = true;
     }
-    if (!stream->Write(resp)) break;
+  });
+  for (;;) {
+    auto req = std::make_shared<v1::ScoreRequest>();
+    if (!stream->Read(req.get())) break;
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return static_cast<int>(answers.size()) < kStreamInFlight || write_failed; });
+    if (write_failed) break;
+    answers.push_back(std::async(std::launch::async, [this, req, context] { return AnswerStreamed(*req, context); }));
+    cv.notify_all();
   }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    reading_done = true;
+    cv.notify_all();
+  }
+  writer.join();
   return grpc::Status::OK;
+}
+
+v1::ScoreResponse ScoringService::AnswerStreamed(const v1::ScoreRequest& req, grpc::ServerContext* context) {
+  auto r = Observed(metrics_, "ScoreStream", req, [&](RequestStats* stats) { return ScoreOne(req, stats, context); });
+  if (r.ok()) return *std::move(r);
+  v1::ScoreResponse resp;
+  resp.set_id(req.id());
+  resp.set_status_code(static_cast<int>(r.status().code()));
+  resp.set_status_message(std::string(r.status().message()));
+  return resp;
 }
 
 grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v1::ServerInfoRequest*,

@@ -49,8 +49,13 @@ class ScoringService final : public v1::LogprobService::Service {
   ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics);
 
   grpc::Status Score(grpc::ServerContext*, const v1::ScoreRequest*, v1::ScoreResponse*) override;
+  /// Scores each message like Score, up to kStreamInFlight messages of a
+  /// stream at a time (so they can share worker batches), and answers in
+  /// message order; a failed message gets a response carrying its status.
   grpc::Status ScoreStream(grpc::ServerContext*,
                            grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>*) override;
+  /// Messages of one ScoreStream scored concurrently.
+  static constexpr int kStreamInFlight = 16;
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo*) override;
 
   /// What one request's log line reports besides its status.
@@ -71,6 +76,9 @@ class ScoringService final : public v1::LogprobService::Service {
   /// OK, or (config_.auth set and the call lacks the token) UNAUTHENTICATED,
   /// which is counted in the metrics and logged with the peer address.
   grpc::Status Authorize(const grpc::ServerContext* context, const char* method);
+  /// One ScoreStream message's response: ScoreOne's, or its status as
+  /// status_code / status_message.
+  v1::ScoreResponse AnswerStreamed(const v1::ScoreRequest& req, grpc::ServerContext* context);
 
   WorkerPool& pool_;
   ServiceConfig config_;

@@ -7,7 +7,9 @@
 // - an idle pool starts a request at once (no queue delay);
 // - the token budget keeps requests that do not fit apart;
 // - a request whose deadline passes while it waits in the queue leaves it
-//   with DEADLINE_EXCEEDED, and the server goes on serving.
+//   with DEADLINE_EXCEEDED, and the server goes on serving;
+// - the messages of one ScoreStream are scored concurrently, share batches
+//   and are answered in order.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -191,6 +193,58 @@ TEST_F(Batching, TokenBudgetSeparatesAndExpiredRequestsLeaveTheQueue) {
   EXPECT_EQ(MetricSample(m, "logprob_batch_requests_sum"), 4);
   EXPECT_EQ(MetricSample(m, "logprob_queued_requests"), 0);
   EXPECT_EQ(MetricSample(m, "logprob_inflight_requests"), 0);
+}
+
+TEST_F(Batching, StreamMessagesShareBatchesAndAnswerInOrder) {
+  const int metrics_port = FreePort();
+  auto server = ServerProcess::Start(kWorkers, {"--max-queue-delay", "10s", "--lm-head", work_->lm_head,
+                                                "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port)});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  constexpr int kMessages = 12;
+  std::vector<v1::ScoreRequest> requests;
+  std::vector<std::string> alone;
+  for (int i = 0; i < kMessages; ++i) {
+    v1::ScoreRequest r = RandomPackedRequest("logits", 5 + 3 * i, 4000, 4000, 100 + i);
+    r.set_id("m" + std::to_string(i));
+    const Scored s = ScoreOnce(*stub, r);
+    ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+    alone.push_back(OutputBytes(s.response));
+    requests.push_back(std::move(r));
+  }
+  const CommandResult before = ScrapeMetrics(metrics_port);
+  ASSERT_EQ(before.code, 0) << before.output;
+
+  // The workers are busy: every message of the stream queues, then they
+  // share batches; answers come back in message order.
+  auto slow = std::async(std::launch::async, [&] { return ScoreOnce(*stub, work_->slow); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+  auto stream = stub->ScoreStream(&ctx);
+  for (const auto& r : requests) ASSERT_TRUE(stream->Write(r));
+  ASSERT_TRUE(stream->WritesDone());
+  v1::ScoreResponse resp;
+  for (int i = 0; i < kMessages; ++i) {
+    SCOPED_TRACE("message " + std::to_string(i));
+    ASSERT_TRUE(stream->Read(&resp));
+    EXPECT_EQ(resp.id(), "m" + std::to_string(i));
+    EXPECT_EQ(resp.status_code(), 0) << resp.status_message();
+    EXPECT_TRUE(OutputBytes(resp) == alone[i]) << "streamed and batched result differs from the result alone";
+  }
+  EXPECT_FALSE(stream->Read(&resp));
+  const grpc::Status st = stream->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  ASSERT_TRUE(slow.get().status.ok());
+
+  const CommandResult after = ScrapeMetrics(metrics_port);
+  ASSERT_EQ(after.code, 0) << after.output;
+  const auto delta = [&](const std::string& series) {
+    return MetricSample(after.output, series) - MetricSample(before.output, series);
+  };
+  EXPECT_EQ(delta("logprob_batch_requests_sum"), kMessages + 1);
+  EXPECT_LE(delta("logprob_batch_requests_count"), kMessages / 2) << "the stream's messages must share batches";
+  EXPECT_EQ(MetricSample(after.output, R"(logprob_requests_total{code="OK",method="ScoreStream"})"), kMessages);
 }
 
 }  // namespace
