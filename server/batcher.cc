@@ -8,6 +8,7 @@ namespace logprob {
 
 struct Batcher::Entry {
   const ScoreJob* job = nullptr;
+  internal::v1::Layout layout;  // the job's alone (ChooseLayout), part of its key
   std::string key;
   RunBounds bounds;
   std::chrono::steady_clock::time_point arrived;
@@ -15,7 +16,7 @@ struct Batcher::Entry {
   absl::Status status;  // the batch's error, when not OK
   Outcome outcome;
 
-  bool ended() const { return bounds.expired() || (bounds.cancelled && bounds.cancelled()); }
+  bool ended() const { return bounds.ended(); }
   /// The error for a job whose bounds ended, saying where it was.
   absl::Status EndedError(const char* where) const {
     if (bounds.expired()) return absl::DeadlineExceededError(absl::StrCat("the request's deadline passed while ", where));
@@ -43,15 +44,9 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
 
 Batcher::Batcher(Options options, Runner run) : options_(std::move(options)), run_(std::move(run)) {}
 
-std::string Batcher::KeyOf(const ScoreJob& job) const {
+std::string Batcher::KeyOf(const ScoreJob& job, internal::v1::Layout layout) {
   return absl::StrCat(job.hidden, "/", job.dtype, "/", job.vocab_size, "/", job.hidden_size, "/", job.gather_k, "/",
-                      ChooseLayout(job, options_.workers, options_.parallelism), "/",
-                      job.options.SerializeAsString());
-}
-
-int64_t Batcher::queued() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(queue_.size());
+                      layout, "/", job.options.SerializeAsString());
 }
 
 void Batcher::QueueChanged() {
@@ -109,10 +104,8 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
   if (jobs.size() > 1) concat = ConcatJobs(jobs);
   const ScoreJob& job = jobs.size() > 1 ? concat : *jobs.front();
   // The layout each job would get alone (equal within a key).
-  const Parallelism layout = ChooseLayout(*jobs.front(), options_.workers, options_.parallelism) ==
-                                     internal::v1::VOCAB_PARALLEL
-                                 ? Parallelism::kVocab
-                                 : Parallelism::kToken;
+  const Parallelism layout =
+      batch.front()->layout == internal::v1::VOCAB_PARALLEL ? Parallelism::kVocab : Parallelism::kToken;
   auto plan = std::make_shared<const Plan>(PlanWork(job, options_.workers, layout, job_id, options_.payload_pool));
   auto results = run_(*plan, bounds);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -142,7 +135,8 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
 absl::StatusOr<Batcher::Outcome> Batcher::Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds) {
   auto e = std::make_shared<Entry>();
   e->job = &job;
-  e->key = KeyOf(job);
+  e->layout = ChooseLayout(job, options_.workers, options_.parallelism);
+  e->key = KeyOf(job, e->layout);
   e->bounds = bounds;
   e->arrived = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mu_);

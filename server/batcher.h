@@ -86,14 +86,12 @@ class Batcher {
   /// rows; the batch's worker calls stop when every job has gone).
   absl::StatusOr<Outcome> Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds);
 
-  /// Jobs waiting in the queue (not yet in a running batch).
-  int64_t queued() const;
-
  private:
   struct Entry;
   using Queue = std::list<std::shared_ptr<Entry>>;
 
-  std::string KeyOf(const ScoreJob& job) const;
+  /// The batch key of `job`, whose layout alone is `layout`.
+  static std::string KeyOf(const ScoreJob& job, internal::v1::Layout layout);
   /// Waits (lock held) until `e`'s batch should start: budget full, delay
   /// over, or e's bounds end (false: e left the queue).
   bool WaitToLead(std::unique_lock<std::mutex>& lock, Entry& e);
@@ -106,7 +104,7 @@ class Batcher {
 
   const Options options_;
   const Runner run_;
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::condition_variable cv_;
   Queue queue_;
   int running_ = 0;  // batches between TakeBatch and the end of RunBatch

@@ -6,11 +6,6 @@ namespace logprob {
 
 PayloadPool::PayloadPool(int max_idle) : state_(std::make_shared<State>()) { state_->max_idle = max_idle; }
 
-size_t PayloadPool::idle() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->idle.size();
-}
-
 absl::StatusOr<std::shared_ptr<SharedRegion>> PayloadPool::Acquire(size_t bytes) {
   std::unique_ptr<SharedRegion> region;
   {

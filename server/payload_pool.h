@@ -26,9 +26,6 @@ class PayloadPool {
   /// >= max(bytes, 1 MiB). Errors of SharedRegion::Create.
   absl::StatusOr<std::shared_ptr<SharedRegion>> Acquire(size_t bytes);
 
-  /// Idle regions (tests).
-  size_t idle() const;
-
  private:
   struct State {
     std::mutex mu;

@@ -40,6 +40,7 @@ class PayloadWriter {
     auto region = pool->Acquire(total);
     if (region.ok()) {
       plan.payload_region = std::move(*region);
+      region_ = plan.payload_region.get();
     } else if (!warned_.exchange(true)) {
       std::clog << "logprob-server: sending payloads inline instead of through shared memory: "
                 << region.status().message() << std::endl;
@@ -47,8 +48,8 @@ class PayloadWriter {
   }
   /// Space for `bytes` bytes of `item`'s payload (its hidden_states field
   /// for HIDDEN_STATES items, else logits).
-  char* Reserve(const Plan& plan, internal::v1::WorkItem& item, size_t bytes) {
-    if (const auto& region = plan.payload_region) {
+  char* Reserve(internal::v1::WorkItem& item, size_t bytes) {
+    if (const SharedRegion* region = region_) {
       item.set_payload_shm(region->name());
       item.set_payload_offset(static_cast<int64_t>(at_));
       item.set_payload_bytes(static_cast<int64_t>(bytes));
@@ -63,6 +64,7 @@ class PayloadWriter {
 
  private:
   static inline std::atomic<bool> warned_{false};
+  const SharedRegion* region_ = nullptr;  // owned by the plan; null: inline
   size_t at_ = 0;
 };
 
@@ -96,7 +98,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_vocab_begin(vb);
       p.item.set_vocab_end(ve);
       p.item.set_hidden_size(job.hidden_size);
-      CopyRows(job, b, e, payload.Reserve(plan, p.item, static_cast<size_t>(e - b) * job.row_bytes));
+      CopyRows(job, b, e, payload.Reserve(p.item, static_cast<size_t>(e - b) * job.row_bytes));
       plan.items.push_back(std::move(p));
     }
     return plan;
@@ -109,7 +111,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_layout(internal::v1::TOKEN_PARALLEL);
       p.item.set_vocab_begin(0);
       p.item.set_vocab_end(job.vocab_size);
-      CopyRows(job, b, e, payload.Reserve(plan, p.item, static_cast<size_t>(e - b) * job.row_bytes));
+      CopyRows(job, b, e, payload.Reserve(p.item, static_cast<size_t>(e - b) * job.row_bytes));
       plan.items.push_back(std::move(p));
     }
     return plan;
@@ -122,7 +124,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
     p.item.set_vocab_begin(vb);
     p.item.set_vocab_end(ve);
     const size_t slice = static_cast<size_t>(ve - vb) * esize;
-    char* data = payload.Reserve(plan, p.item, static_cast<size_t>(n) * slice);
+    char* data = payload.Reserve(p.item, static_cast<size_t>(n) * slice);
     for (int64_t r = 0; r < n; ++r) std::memcpy(data + r * slice, job.rows[r] + vb * esize, slice);
     plan.items.push_back(std::move(p));
   }

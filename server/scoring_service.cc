@@ -146,8 +146,13 @@ grpc::Status ScoringService::ScoreStream(grpc::ServerContext* context,
         cv.notify_all();
       }
       const v1::ScoreResponse resp = next.get();
-      std::lock_guard<std::mutex> lock(mu);
-      if (!write_failed && !stream->Write(resp)) write_failed = true;
+      // Write without the lock, so the reader can queue more messages
+      // meanwhile (only this thread sets write_failed).
+      if (!write_failed && !stream->Write(resp)) {
+        std::lock_guard<std::mutex> lock(mu);
+        write_failed = true;
+        cv.notify_all();
+      }
     }
   });
   for (;;) {

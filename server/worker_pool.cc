@@ -218,7 +218,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
   {
     std::unique_lock<std::mutex> lock(done_mu);
     while (!done_cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return done == n; })) {
-      if (!cancelled && bounds.cancelled && bounds.cancelled()) {
+      if (!cancelled && bounds.cancelled_now()) {
         cancelled = true;
         for (auto& ctx : contexts) ctx->TryCancel();
       }
@@ -238,7 +238,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
     for (const auto& st : statuses)
       if (!st.ok()) return absl::DeadlineExceededError("the request's deadline passed before the workers finished");
   }
-  if (cancelled || (bounds.cancelled && bounds.cancelled()))
+  if (cancelled || bounds.cancelled_now())
     return absl::CancelledError("the request was cancelled by the client");
   for (size_t i = 0; i < n; ++i) {
     if (statuses[i].ok()) continue;

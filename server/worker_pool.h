@@ -29,6 +29,10 @@ struct RunBounds {
   std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
   std::function<bool()> cancelled;
   bool expired() const { return std::chrono::system_clock::now() >= deadline; }
+  /// True when `cancelled` is set and says so.
+  bool cancelled_now() const { return cancelled && cancelled(); }
+  /// Expired or cancelled: nobody wants the answer any more.
+  bool ended() const { return expired() || cancelled_now(); }
 };
 
 /// A pool of `workers` logprob-worker processes, run in generations.
