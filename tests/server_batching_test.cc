@@ -65,14 +65,21 @@ class Batching : public ::testing::Test {
     delete work_;
     work_ = nullptr;
   }
+  /// A server holding the slow workload's lm_head, with a 10 s queue delay
+  /// and /metrics on metrics_port_, plus `extra` flags.
+  std::unique_ptr<ServerProcess> StartServer(const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> flags = {"--max-queue-delay", "10s", "--lm-head", work_->lm_head, "--metrics-listen",
+                                      "127.0.0.1:" + std::to_string(metrics_port_)};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return ServerProcess::Start(kWorkers, flags);
+  }
   static HiddenWorkload* work_;
+  const int metrics_port_ = FreePort();
 };
 HiddenWorkload* Batching::work_ = nullptr;
 
 TEST_F(Batching, QueuedRequestsShareBatchesAndMatchScoringAlone) {
-  const int metrics_port = FreePort();
-  auto server = ServerProcess::Start(kWorkers, {"--max-queue-delay", "10s", "--lm-head", work_->lm_head,
-                                                "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port)});
+  auto server = StartServer();
   ASSERT_TRUE(server);
   auto stub = server->NewStub();
   {
@@ -114,7 +121,7 @@ TEST_F(Batching, QueuedRequestsShareBatchesAndMatchScoringAlone) {
         << "an idle pool must not hold a request for the queue delay";
     alone.push_back(OutputBytes(s.response));
   }
-  const CommandResult before = ScrapeMetrics(metrics_port);
+  const CommandResult before = ScrapeMetrics(metrics_port_);
   ASSERT_EQ(before.code, 0) << before.output;
 
   // Busy: a slow request occupies the workers, everything else arrives
@@ -137,7 +144,7 @@ TEST_F(Batching, QueuedRequestsShareBatchesAndMatchScoringAlone) {
   const Scored slow_done = slow.get();
   ASSERT_TRUE(slow_done.status.ok()) << slow_done.status.error_message();
 
-  const CommandResult after = ScrapeMetrics(metrics_port);
+  const CommandResult after = ScrapeMetrics(metrics_port_);
   ASSERT_EQ(after.code, 0) << after.output;
   const double n = static_cast<double>(cases.size());
   const auto delta = [&](const std::string& series) {
@@ -152,10 +159,7 @@ TEST_F(Batching, QueuedRequestsShareBatchesAndMatchScoringAlone) {
 }
 
 TEST_F(Batching, TokenBudgetSeparatesAndExpiredRequestsLeaveTheQueue) {
-  const int metrics_port = FreePort();
-  auto server = ServerProcess::Start(kWorkers, {"--max-queue-delay", "10s", "--max-batch-tokens", "8", "--lm-head",
-                                                work_->lm_head, "--metrics-listen",
-                                                "127.0.0.1:" + std::to_string(metrics_port)});
+  auto server = StartServer({"--max-batch-tokens", "8"});
   ASSERT_TRUE(server);
   auto stub = server->NewStub();
   // While the slow request runs, a small one with a short deadline waits
@@ -185,7 +189,7 @@ TEST_F(Batching, TokenBudgetSeparatesAndExpiredRequestsLeaveTheQueue) {
   ASSERT_TRUE(b.status.ok()) << b.status.error_message();
   EXPECT_TRUE(OutputBytes(a.response) == OutputBytes(a_alone.response));
 
-  const CommandResult scrape = ScrapeMetrics(metrics_port);
+  const CommandResult scrape = ScrapeMetrics(metrics_port_);
   ASSERT_EQ(scrape.code, 0) << scrape.output;
   const std::string& m = scrape.output;
   EXPECT_EQ(MetricSample(m, R"(logprob_requests_total{code="DEADLINE_EXCEEDED",method="Score"})"), 1);
@@ -196,9 +200,7 @@ TEST_F(Batching, TokenBudgetSeparatesAndExpiredRequestsLeaveTheQueue) {
 }
 
 TEST_F(Batching, StreamMessagesShareBatchesAndAnswerInOrder) {
-  const int metrics_port = FreePort();
-  auto server = ServerProcess::Start(kWorkers, {"--max-queue-delay", "10s", "--lm-head", work_->lm_head,
-                                                "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port)});
+  auto server = StartServer();
   ASSERT_TRUE(server);
   auto stub = server->NewStub();
   constexpr int kMessages = 12;
@@ -212,7 +214,7 @@ TEST_F(Batching, StreamMessagesShareBatchesAndAnswerInOrder) {
     alone.push_back(OutputBytes(s.response));
     requests.push_back(std::move(r));
   }
-  const CommandResult before = ScrapeMetrics(metrics_port);
+  const CommandResult before = ScrapeMetrics(metrics_port_);
   ASSERT_EQ(before.code, 0) << before.output;
 
   // The workers are busy: every message of the stream queues, then they
@@ -237,7 +239,7 @@ TEST_F(Batching, StreamMessagesShareBatchesAndAnswerInOrder) {
   EXPECT_TRUE(st.ok()) << st.error_message();
   ASSERT_TRUE(slow.get().status.ok());
 
-  const CommandResult after = ScrapeMetrics(metrics_port);
+  const CommandResult after = ScrapeMetrics(metrics_port_);
   ASSERT_EQ(after.code, 0) << after.output;
   const auto delta = [&](const std::string& series) {
     return MetricSample(after.output, series) - MetricSample(before.output, series);
