@@ -4,7 +4,11 @@ Scores numpy / torch batches of logits or hidden states for RL rollout
 workers: token logprobs, entropy, top-k and gathered logprobs (semantics in
 shared/SPEC.md), splitting batches larger than the server's limits into
 requests of whole sequences, retrying UNAVAILABLE / RESOURCE_EXHAUSTED with
-exponential backoff and jitter, over TLS / mutual TLS with a bearer token.
+exponential backoff and jitter within one deadline per call, over TLS /
+mutual TLS with a bearer token. ``logprob_client.LogprobClient`` is
+synchronous (thread-safe); ``logprob_client.aio.LogprobClient`` is the
+asyncio twin. torch tensors in give torch tensors out (on the input's
+device); numpy in gives numpy out.
 
 Example::
 
@@ -21,11 +25,14 @@ Example::
         res.topk_indices     # [B, S - 1, 4] int64
 """
 
-from .client import DEFAULT_MAX_REQUEST_BYTES, REQUEST_FILL, LogprobClient, RetryPolicy, ScoreResult, split_sequences
-from .errors import InvalidInputError, LogprobError
-from .tensors import bf16_bits_to_float32, float32_to_bf16_bits
 from ._proto import pb2 as logprob_pb2
 from ._proto import pb2_grpc as logprob_pb2_grpc
+from .client import LogprobClient
+from .errors import InvalidInputError, LogprobError
+from .request import DEFAULT_MAX_REQUEST_BYTES, REQUEST_FILL
+from .result import ScoreResult, split_sequences
+from .retry import RetryPolicy
+from .tensors import bf16_bits_to_float32, float32_to_bf16_bits
 
 __all__ = [
     "LogprobClient",

@@ -2,6 +2,8 @@
 
 The stubs are generated code and are not committed. They are found, in order:
 
+0. in ``logprob_client/_generated`` of an installed package (``pip install
+   ./client/python`` generates them there at build time, see setup.py);
 1. already importable as ``logprob.v1.logprob_pb2`` (e.g. ``PYTHONPATH``
    holds ``build/python``, which the CMake target ``logprob_python_stubs``
    fills with ``protoc --python_out`` and ``grpc_python_plugin``);
@@ -94,9 +96,17 @@ def _generate(proto_dir):
     return out
 
 
+def _packaged():
+    if not os.path.isfile(os.path.join(_HERE, "_generated", "logprob_pb2_grpc.py")):
+        return None
+    from ._generated import logprob_pb2, logprob_pb2_grpc
+
+    return logprob_pb2, logprob_pb2_grpc
+
+
 def load():
     """Returns the modules ``(logprob_pb2, logprob_pb2_grpc)``; raises ImportError."""
-    found = _try_import()
+    found = _packaged() or _try_import()
     if found:
         return found
     candidates = []

@@ -1,293 +1,72 @@
-"""``LogprobClient``: scoring numpy / torch batches on a logprob-server."""
+"""``LogprobClient``: scoring numpy / torch batches on a logprob-server
+(synchronous ``grpc``; ``aio.LogprobClient`` is the asyncio twin)."""
 
-import itertools
-import os
-import random
 import threading
 import time
-import warnings
+from typing import Any, Iterable, Iterator, Optional, Tuple, Union
 
 import grpc
-import numpy as np
 
-from . import splitter
 from ._proto import pb2, pb2_grpc
-from .errors import InvalidInputError, LogprobError
-from .tensors import as_numpy, float_array, from_tensor, int_array
-
-# Fraction of the server's max_request_bytes a part may fill (like the C++
-# client's kRequestFill), and the limit used when the server reports none.
-REQUEST_FILL = 0.9
-DEFAULT_MAX_REQUEST_BYTES = 64 << 20
-
-_ALIGNMENTS = {
-    "next_token": pb2.NEXT_TOKEN,
-    "same_position": pb2.SAME_POSITION,
-}
-
-_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+from .base import HEALTH_CHECK, HEALTH_SERVING, ClientBase
+from .errors import LogprobError
+from .request import Limits, Part, ScoreCall
+from .result import ScoreResult
+from .retry import Attempts, Deadline, error_of
+from .stream import StreamAssembler, deliver
 
 
-class RetryPolicy:
-    """When and how long to wait before sending a failed call again.
+class LogprobClient(ClientBase):
+    """A client of ``logprob.v1.LogprobService`` over a ``grpc`` channel;
+    arguments (target, timeout, retry, TLS, token, limits) as in
+    ``ClientBase``. Thread-safe: threads may share one client (one
+    channel); use it as a context manager or ``close()`` it."""
 
-    A call failing with a code in ``retry_codes`` (default ``UNAVAILABLE``
-    and ``RESOURCE_EXHAUSTED``, the codes the server asks clients to retry)
-    is sent again, up to ``max_attempts`` sends in all. Before attempt
-    ``n + 1`` the client sleeps ``min(max_backoff, initial_backoff *
-    multiplier ** (n - 1))`` scaled by a random factor in ``[1 - jitter,
-    1]``. Other codes (``INVALID_ARGUMENT``, ``UNAUTHENTICATED``,
-    ``DEADLINE_EXCEEDED``, ...) are raised at once.
-
-    ``max_attempts=1`` disables retries.
-    """
-
-    def __init__(
-        self,
-        max_attempts=5,
-        initial_backoff=0.1,
-        max_backoff=5.0,
-        multiplier=2.0,
-        jitter=0.5,
-        retry_codes=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ):
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
-        if initial_backoff < 0 or max_backoff < 0 or multiplier < 1 or not 0 <= jitter <= 1:
-            raise ValueError("backoffs must be >= 0, multiplier >= 1, jitter in [0, 1]")
-        self.max_attempts = int(max_attempts)
-        self.initial_backoff = float(initial_backoff)
-        self.max_backoff = float(max_backoff)
-        self.multiplier = float(multiplier)
-        self.jitter = float(jitter)
-        self.retry_codes = frozenset(retry_codes)
-
-    def backoff(self, attempt, rng=random):
-        """Seconds to sleep after failed attempt number ``attempt`` (1-based)."""
-        base = min(self.max_backoff, self.initial_backoff * self.multiplier ** (attempt - 1))
-        return base * (1.0 - self.jitter * rng.random())
-
-    def __repr__(self):
-        return "RetryPolicy(max_attempts=%d, initial_backoff=%g, max_backoff=%g, multiplier=%g, jitter=%g)" % (
-            self.max_attempts,
-            self.initial_backoff,
-            self.max_backoff,
-            self.multiplier,
-            self.jitter,
-        )
-
-
-class ScoreResult:
-    """The outputs of one score call as numpy arrays (float32; ids int64),
-    shaped like the input's token layout (shared/SPEC.md):
-
-    - padded input [B, S, X]: ``[B, S - 1]`` for next_token alignment,
-      ``[B, S]`` for same_position (positions past ``seq_lens`` are 0);
-    - packed input [T, X]: ``[T - B]`` / ``[T]`` (sequence i's values start
-      at ``cu_seqlens[i] - i`` for next_token; see ``split_sequences``).
-
-    ``topk_logprobs``, ``topk_indices`` and ``gathered_logprobs`` add a
-    trailing ``[K]``. Outputs not requested are None.
-
-    Attributes: ``token_logprobs``, ``entropy``, ``topk_logprobs``,
-    ``topk_indices``, ``gathered_logprobs``, ``outputs`` (dict of all by
-    name), ``id``, ``num_parts`` (requests the batch was split into),
-    ``attempts`` (calls sent, retries included).
-    """
-
-    def __init__(self, outputs, request_id, num_parts, attempts):
-        self.outputs = outputs
-        self.id = request_id
-        self.num_parts = num_parts
-        self.attempts = attempts
-
-    token_logprobs = property(lambda self: self.outputs.get("token_logprobs"))
-    entropy = property(lambda self: self.outputs.get("entropy"))
-    topk_logprobs = property(lambda self: self.outputs.get("topk_logprobs"))
-    topk_indices = property(lambda self: self.outputs.get("topk_indices"))
-    gathered_logprobs = property(lambda self: self.outputs.get("gathered_logprobs"))
-
-    def __getitem__(self, name):
-        return self.outputs[name]
-
-    def __contains__(self, name):
-        return name in self.outputs
-
-    def __repr__(self):
-        shapes = ", ".join("%s=%s" % (k, list(v.shape)) for k, v in self.outputs.items())
-        return "ScoreResult(id=%r, %s, num_parts=%d)" % (self.id, shapes, self.num_parts)
-
-
-def split_sequences(values, cu_seqlens, alignment="next_token"):
-    """Cuts a packed output (``[T - B, ...]`` for next_token, ``[T, ...]``
-    for same_position) into a list of per-sequence arrays, sequence i having
-    ``L_i - 1`` (next_token) or ``L_i`` rows."""
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    lens = np.diff(cu)
-    if alignment in ("next_token", pb2.NEXT_TOKEN):
-        lens = np.maximum(lens - 1, 0)
-    off = np.concatenate([[0], np.cumsum(lens)])
-    if off[-1] != len(values):
-        raise ValueError("values have %d rows, cu_seqlens gives %d" % (len(values), off[-1]))
-    return [values[off[i]:off[i + 1]] for i in range(len(lens))]
-
-
-def _read_file(what, path):
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise InvalidInputError("%s %s: cannot read: %s" % (what, path, e.strerror)) from None
-    if not data:
-        raise InvalidInputError("%s %s: the file is empty" % (what, path))
-    return data
-
-
-def _check_token(token, where):
-    token = token.strip()
-    if not token:
-        raise InvalidInputError("%s: the token is empty" % where)
-    if any(not 0x21 <= ord(c) <= 0x7E for c in token):
-        raise InvalidInputError("%s: the token holds a character that is not printable ASCII" % where)
-    return token
-
-
-class LogprobClient:
-    """A client of ``logprob.v1.LogprobService``.
-
-    Args:
-        target: ``"HOST:PORT"`` of the server.
-        timeout: deadline of each call (each attempt of each part), seconds;
-            None for no deadline.
-        retry: a ``RetryPolicy`` (default: 5 attempts on UNAVAILABLE and
-            RESOURCE_EXHAUSTED, 0.1 s doubling to 5 s, 50% jitter).
-        tls_ca: PEM file of the CA that signs the server's certificate;
-            turns on TLS (also turned on by any other ``tls_*`` argument; the
-            system roots verify the server when ``tls_ca`` is not given).
-        tls_cert, tls_key: PEM client certificate chain and key (mutual TLS;
-            both or neither).
-        tls_server_name: the name to verify in the server's certificate
-            instead of the target's host.
-        token: bearer token (surrounding whitespace trimmed), sent as
-            ``authorization: Bearer TOKEN`` on every call, like
-            ``logprob-client --auth-token-file``.
-        token_file: file holding the token (instead of ``token``).
-        max_request_bytes: split batches into requests of at most this many
-            serialized bytes (default: 90% of the server's
-            ``max_request_bytes`` from GetServerInfo; never more than that).
-        max_tokens_per_request: split so that a request has at most this
-            many token rows (default and upper bound: the server's
-            ``max_tokens_per_request``).
-        on_retry: optional ``callable(attempt, code, message, delay)`` called
-            before each retry's sleep (logging, metrics).
-        channel_options: extra ``grpc`` channel options.
-
-    Raises InvalidInputError for unreadable or empty TLS/token files.
-    The client is thread-safe; use it as a context manager or ``close()`` it.
-    """
-
-    def __init__(
-        self,
-        target,
-        timeout=60.0,
-        retry=None,
-        tls_ca=None,
-        tls_cert=None,
-        tls_key=None,
-        tls_server_name=None,
-        token=None,
-        token_file=None,
-        max_request_bytes=None,
-        max_tokens_per_request=None,
-        on_retry=None,
-        channel_options=(),
-    ):
-        self.target = target
-        self.timeout = timeout
-        self.retry = retry if retry is not None else RetryPolicy()
-        self.max_request_bytes = max_request_bytes
-        self.max_tokens_per_request = max_tokens_per_request
-        self.on_retry = on_retry
-        self._ids = itertools.count(1)
-        self._info = None
+    def __init__(self, target: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(target, *args, **kwargs)
         self._info_lock = threading.Lock()
-        self._rng = random.Random()
-
-        if token is not None and token_file is not None:
-            raise InvalidInputError("give token or token_file, not both")
-        if token_file is not None:
-            token = _check_token(_read_file("token_file", token_file).decode("latin-1"), "token_file " + token_file)
-        elif token is not None:
-            token = _check_token(token, "token")
-        self._metadata = (("authorization", "Bearer " + token),) if token else None
-
-        options = [
-            ("grpc.max_send_message_length", -1),
-            ("grpc.max_receive_message_length", -1),
-            # Quick reconnects to a server that comes back. (Not
-            # grpc.min_reconnect_backoff_ms: gRPC also takes it as the time a
-            # connection attempt, TLS handshake included, may last.)
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 500),
-        ]
-        use_tls = any(x for x in (tls_ca, tls_cert, tls_key, tls_server_name))
-        if use_tls:
-            if bool(tls_cert) != bool(tls_key):
-                raise InvalidInputError("tls_cert and tls_key go together (mutual TLS)")
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=_read_file("tls_ca", tls_ca) if tls_ca else None,
-                private_key=_read_file("tls_key", tls_key) if tls_key else None,
-                certificate_chain=_read_file("tls_cert", tls_cert) if tls_cert else None,
-            )
-            if tls_server_name:
-                options.append(("grpc.ssl_target_name_override", tls_server_name))
-            options.extend(channel_options)
-            self._channel = grpc.secure_channel(target, creds, options=options)
-        else:
-            options.extend(channel_options)
-            self._channel = grpc.insecure_channel(target, options=options)
-        if token and not use_tls:
-            warnings.warn("logprob_client: bearer token without TLS: the token is sent in plaintext", stacklevel=2)
-
+        self._channel = self._settings.open_sync()
         self._stub = pb2_grpc.LogprobServiceStub(self._channel)
         self._health = self._channel.unary_unary(
-            _HEALTH_CHECK, request_serializer=lambda x: x, response_deserializer=lambda x: x
+            HEALTH_CHECK, request_serializer=lambda x: x, response_deserializer=lambda x: x
         )
 
     # -- lifecycle -------------------------------------------------------
 
-    def close(self):
+    def close(self) -> None:
         """Closes the channel."""
         self._channel.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "LogprobClient":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     # -- calls -----------------------------------------------------------
 
-    def _call(self, method, request, part=None, oversize=False):
-        """Sends ``request`` with retries; returns ``(response, attempts)``."""
-        attempt = 0
+    def _call(self, method: Any, request: Any, attempts: Attempts) -> Tuple[Any, int]:
+        """Sends ``request`` with ``method`` until it succeeds or
+        ``attempts`` gives up (raising LogprobError); returns
+        ``(response, sends)``."""
         while True:
-            attempt += 1
+            timeout = attempts.timeout()
             try:
-                return method(request, timeout=self.timeout, metadata=self._metadata), attempt
+                return method(request, timeout=timeout, metadata=self._metadata), attempts.count
             except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-                message = e.details() if hasattr(e, "details") else str(e)
-                # A message over the server's size limit fails the same way each time.
-                retry = code in self.retry.retry_codes and attempt < self.retry.max_attempts and not oversize
-                if not retry:
-                    raise LogprobError(code, message or "", attempts=attempt, part=part) from None
-                delay = self.retry.backoff(attempt, self._rng)
-                if self.on_retry is not None:
-                    self.on_retry(attempt, code, message, delay)
-                self._backoff(delay, reconnect=code == grpc.StatusCode.UNAVAILABLE)
+                delay = attempts.failed(e)
+                self._backoff(delay, reconnect=error_of(e)[0] == grpc.StatusCode.UNAVAILABLE)
 
-    def _wait_connected(self, seconds):
+    def _send_part(self, part: Part, limits: Limits, deadline: Deadline) -> Tuple[Any, int]:
+        """The send path of a score call: one part's ``ScoreRequest`` over
+        the unary ``Score`` RPC, retried per the policy within ``deadline``;
+        returns ``(ScoreResponse, sends)``. The request's bytes (the copy of
+        the caller's data) exist only during this call."""
+        request = part.request(limits.max_bytes)
+        attempts = self._attempts(deadline, part.where, oversize=request.ByteSize() > limits.server_bytes)
+        return self._call(self._stub.Score, request, attempts)
+
+    def _wait_connected(self, seconds: float) -> bool:
         """Asks the channel to connect and waits up to ``seconds`` for it to be
         READY. (A channel whose connection failed otherwise waits for its own
         reconnect timer, observed at 10-15 s with grpcio 1.51, before a
@@ -300,7 +79,7 @@ class LogprobClient:
             future.cancel()
             return False
 
-    def _backoff(self, delay, reconnect):
+    def _backoff(self, delay: float, reconnect: bool) -> None:
         """Sleeps ``delay`` seconds, meanwhile reconnecting when ``reconnect``."""
         end = time.monotonic() + delay
         if reconnect:
@@ -309,16 +88,17 @@ class LogprobClient:
         if remaining > 0:
             time.sleep(remaining)
 
-    def server_info(self, refresh=False):
+    def server_info(self, refresh: bool = False, _deadline: Optional[Deadline] = None) -> Any:
         """The server's ``logprob.v1.ServerInfo`` (workers, limits, lm_head
         vocab_size / hidden_size ...), fetched once and cached. Raises
         LogprobError."""
         with self._info_lock:
             if self._info is None or refresh:
-                self._info, _ = self._call(self._stub.GetServerInfo, pb2.ServerInfoRequest())
+                attempts = self._attempts(_deadline or self._deadline())
+                self._info, _ = self._call(self._stub.GetServerInfo, pb2.ServerInfoRequest(), attempts)
             return self._info
 
-    def health(self, wait=0.0):
+    def health(self, wait: float = 0.0) -> bool:
         """True once ``grpc.health.v1`` reports SERVING for the server,
         polling for up to ``wait`` seconds; False otherwise (never raises for
         an unreachable server)."""
@@ -327,9 +107,7 @@ class LogprobClient:
             unreachable = False
             try:
                 remaining = max(0.5, deadline - time.monotonic())
-                reply = self._health(b"", timeout=min(5.0, remaining))
-                # HealthCheckResponse{status = 1 (SERVING)} is b"\x08\x01".
-                if reply == b"\x08\x01":
+                if self._health(b"", timeout=min(5.0, remaining)) == HEALTH_SERVING:
                     return True
             except grpc.RpcError as e:
                 unreachable = e.code() == grpc.StatusCode.UNAVAILABLE
@@ -338,50 +116,17 @@ class LogprobClient:
                 return False
             self._backoff(min(0.2, remaining), reconnect=unreachable)
 
-    def _limits(self):
-        info = self.server_info()
-        server_bytes = int(info.max_request_bytes) or DEFAULT_MAX_REQUEST_BYTES
-        max_bytes = max(1, int(server_bytes * REQUEST_FILL))
-        if self.max_request_bytes:
-            max_bytes = min(max_bytes, int(self.max_request_bytes))
-        max_tokens = int(info.max_tokens_per_request)
-        if self.max_tokens_per_request:
-            max_tokens = (
-                min(max_tokens, int(self.max_tokens_per_request)) if max_tokens > 0 else int(self.max_tokens_per_request)
-            )
-        return server_bytes, max_bytes, max_tokens
-
-    def _next_id(self):
-        return "py-%d-%d" % (os.getpid(), next(self._ids))
-
-    def score_request(self, request):
+    def score_request(self, request: Any) -> Any:
         """Sends a prepared ``logprob.v1.ScoreRequest`` as is (no splitting),
-        with retries; returns the ``ScoreResponse``. Raises LogprobError."""
-        response, _ = self._call(self._stub.Score, request)
+        with retries within the client's timeout; returns the
+        ``ScoreResponse``. Raises LogprobError."""
+        response, _ = self._call(self._stub.Score, request, self._attempts(self._deadline()))
         return response
 
-    def score(
-        self,
-        logits=None,
-        input_ids=None,
-        *,
-        hidden_states=None,
-        seq_lens=None,
-        attention_mask=None,
-        cu_seqlens=None,
-        gather_indices=None,
-        alignment="next_token",
-        entropy=False,
-        topk=0,
-        temperature=None,
-        sampling_top_k=0,
-        sampling_top_p=None,
-        ignore_index=None,
-        dtype=None,
-        split=True,
-        request_id=None,
-    ):
-        """Scores a batch; returns a ``ScoreResult`` of numpy arrays.
+    def score(self, logits: Any = None, input_ids: Any = None, *, request_id: Optional[str] = None,
+              **options: Any) -> ScoreResult:
+        """Scores a batch; returns a ``ScoreResult`` (numpy arrays for numpy
+        input, torch tensors on the input's device for torch input).
 
         Inputs (numpy arrays, array-likes or torch tensors; shared/SPEC.md):
 
@@ -389,8 +134,9 @@ class LogprobClient:
           ``hidden_states`` [B, S, H] / [T, H] (server started with
           ``--lm-head``): float32, float16 or bfloat16 (torch bf16,
           ml_dtypes bf16, or a uint16 array of raw bits with
-          ``dtype="bf16"``). ``dtype`` ("f32", "bf16", "f16") also converts
-          float input before sending (e.g. float32 -> bf16 halves the bytes).
+          ``dtype="bf16"``), contiguous or not. ``dtype`` ("f32", "bf16",
+          "f16") also converts float input before sending (e.g. float32 ->
+          bf16 halves the bytes).
         - ``input_ids`` [B, S] / [T], int32 or int64 (other ints become
           int64).
         - padded: optional ``seq_lens`` [B], or ``attention_mask`` [B, S]
@@ -403,105 +149,91 @@ class LogprobClient:
         or "same_position"; ``entropy``; ``topk`` (K of ``topk_logprobs`` /
         ``topk_indices``); ``temperature`` (> 0); ``sampling_top_k`` (0
         off), ``sampling_top_p`` (1 or None off); ``ignore_index`` (default
-        -100 at the server: such targets score 0).
+        -100 at the server: such targets score 0); ``request_id`` (default
+        ``py-<pid>-<n>``); ``timeout`` (seconds for this call, overriding
+        the client's).
 
         A batch larger than the server's limits (``max_request_bytes``,
         ``max_tokens_per_request`` from GetServerInfo, or the client's own)
         is sent as several requests of whole sequences and the results are
         joined (``split=False`` sends it as one). Each request is retried
-        per the ``RetryPolicy``.
+        per the ``RetryPolicy``; the timeout bounds the whole call.
 
-        Raises InvalidInputError (a ValueError) for inputs the client can
-        tell are wrong, TypeError for unsupported dtypes, LogprobError with
-        the gRPC code and message for a failed call.
+        The caller's arrays are copied once (into the request message; a
+        CUDA tensor is copied to the host first, a dtype conversion makes
+        one more array). Raises InvalidInputError (a ValueError) for inputs
+        the client can tell are wrong, TypeError for unsupported dtypes,
+        LogprobError with the gRPC code and message for a failed call
+        (DEADLINE_EXCEEDED when the timeout passes).
         """
-        if (logits is None) == (hidden_states is None):
-            raise InvalidInputError("give exactly one of logits and hidden_states")
-        if input_ids is None:
-            raise InvalidInputError("input_ids is required")
-        rows_name = "logits" if logits is not None else "hidden_states"
-        rows_dt, rows = float_array(rows_name, logits if logits is not None else hidden_states, dtype)
-        ids_dt, ids = int_array("input_ids", input_ids)
-        if rows.ndim == 3:
-            if ids.shape != rows.shape[:2]:
-                raise InvalidInputError(
-                    "padded '%s' %s needs input_ids [B, S] = %s, got %s"
-                    % (rows_name, list(rows.shape), list(rows.shape[:2]), list(ids.shape))
-                )
-            if cu_seqlens is not None:
-                raise InvalidInputError("cu_seqlens is for packed [T, X] input; padded input takes seq_lens")
-        elif rows.ndim == 2:
-            if ids.shape != rows.shape[:1]:
-                raise InvalidInputError(
-                    "packed '%s' %s needs input_ids [T] = %s, got %s"
-                    % (rows_name, list(rows.shape), list(rows.shape[:1]), list(ids.shape))
-                )
-            if seq_lens is not None or attention_mask is not None:
-                raise InvalidInputError("seq_lens / attention_mask are for padded [B, S, X] input; packed takes cu_seqlens")
-        else:
-            raise InvalidInputError("'%s' must be [B, S, X] or [T, X], got %s" % (rows_name, list(rows.shape)))
+        deadline = self._deadline(options.pop("timeout", "default"))
+        call = ScoreCall(request_id or self._next_id(), logits, input_ids, **options)
+        limits = self._limits_of(self.server_info(_deadline=deadline))
+        responses, sends = [], 0
+        for part in call.parts(limits):
+            response, tries = self._send_part(part, limits, deadline)
+            responses.append(response)
+            sends += tries
+        return call.result(responses, sends)
 
-        if attention_mask is not None:
-            if seq_lens is not None:
-                raise InvalidInputError("give seq_lens or attention_mask, not both")
-            seq_lens = _mask_to_seq_lens(attention_mask, ids.shape)
+    def score_stream(
+        self,
+        requests: Iterable[Union[dict, Any]],
+        *,
+        timeout: Any = "default",
+        return_exceptions: bool = False,
+    ) -> Iterator[Union[ScoreResult, LogprobError]]:
+        """Scores many requests over one ``ScoreStream`` RPC, yielding one
+        outcome per request in request order.
 
-        tensors = [(rows_name, rows_dt, rows), ("input_ids", ids_dt, ids)]
-        if cu_seqlens is not None:
-            tensors.append(("cu_seqlens",) + int_array("cu_seqlens", cu_seqlens))
-        if seq_lens is not None:
-            tensors.append(("seq_lens",) + int_array("seq_lens", seq_lens))
-        if gather_indices is not None:
-            tensors.append(("gather_indices",) + int_array("gather_indices", gather_indices))
+        ``requests``: an iterable (consumed lazily, as the stream can take
+        them) of dicts of ``score`` keyword arguments (``request_id``
+        optional) or prepared ``logprob.v1.ScoreRequest`` messages (sent as
+        is). A dict over the server's limits goes as several stream
+        messages and comes back joined.
 
-        options = pb2.ScoreOptions()
-        if alignment not in _ALIGNMENTS and alignment not in (pb2.NEXT_TOKEN, pb2.SAME_POSITION):
-            raise InvalidInputError("alignment must be 'next_token' or 'same_position', got %r" % (alignment,))
-        options.alignment = _ALIGNMENTS.get(alignment, alignment)
-        options.entropy = bool(entropy)
-        options.topk = int(topk)
-        if temperature is not None:
-            options.temperature = float(temperature)
-        options.sampling_top_k = int(sampling_top_k)
-        if sampling_top_p is not None:
-            options.sampling_top_p = float(sampling_top_p)
-        if ignore_index is not None:
-            options.ignore_index = int(ignore_index)
+        ``timeout`` (default: the client's) bounds the whole stream. A
+        failure of the stream itself (UNAVAILABLE, UNAUTHENTICATED,
+        DEADLINE_EXCEEDED, ...) raises LogprobError after the outcomes
+        already known are yielded; the stream is not retried.
 
-        inputs = splitter.Inputs(tensors, options)
-        request_id = request_id or self._next_id()
-        server_bytes, max_bytes, max_tokens = self._limits()
-        if split:
-            parts = splitter.plan(inputs, request_id, max_bytes, max_tokens)
-        else:
-            parts = [(request_id, inputs)]
-        n = len(parts)
-        outputs, attempts = [], 0
-        for i, (part_id, part_inputs) in enumerate(parts):
-            # Each part's bytes exist only while it is sent.
-            request = splitter.build_part(part_id, part_inputs, max_bytes) if split else part_inputs.request(part_id)
-            response, tries = self._call(
-                self._stub.Score, request, part=(i + 1, n), oversize=request.ByteSize() > server_bytes
-            )
-            del request
-            attempts += tries
-            outputs.append({t.name: from_tensor(t, copy=n == 1) for t in response.outputs})
-        return ScoreResult(splitter.join(outputs), request_id, n, attempts)
+        Per-request errors (the answer's ``status_code`` /
+        ``status_message``, or a request the client refuses): with
+        ``return_exceptions=False`` (default) the ``LogprobError`` is raised
+        at that request's place in the order and the stream is cancelled;
+        with ``return_exceptions=True`` it is yielded in that place (check
+        ``isinstance(x, LogprobError)``) and the stream goes on. Per-request
+        errors are not retried.
 
+        Breaking out of the loop (or closing the generator) cancels the
+        stream.
+        """
+        deadline = self._deadline(timeout)
+        limits = self._limits_of(self.server_info(_deadline=deadline))
+        assembler = StreamAssembler(limits, self._next_id)
 
-def _mask_to_seq_lens(mask, ids_shape):
-    m, _ = as_numpy(mask)
-    m = np.asarray(m)
-    if m.shape != tuple(ids_shape):
-        raise InvalidInputError("attention_mask %s must have input_ids' shape %s" % (list(m.shape), list(ids_shape)))
-    m = m != 0
-    lens = m.sum(axis=1).astype(np.int64)
-    # Right padding only: ones first, then zeros.
-    prefix = np.arange(m.shape[1])[None, :] < lens[:, None]
-    if not np.array_equal(prefix, m):
-        bad = int(np.nonzero((prefix != m).any(axis=1))[0][0])
-        raise InvalidInputError(
-            "attention_mask row %d is not right-padded (ones then zeros); the service scores a prefix "
-            "of each row: pass seq_lens, or shift left-padded rows" % bad
-        )
-    return lens
+        def messages() -> Iterator[Any]:
+            for item in requests:
+                for message in assembler.messages_of(item):
+                    yield message
+
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= 0:
+            raise deadline.expired_error()
+        responses = self._stub.ScoreStream(messages(), timeout=remaining, metadata=self._metadata)
+        try:
+            try:
+                for response in responses:
+                    assembler.receive(response)
+                    for outcome in assembler.ready():
+                        yield deliver(outcome, return_exceptions)
+            except grpc.RpcError as e:
+                for outcome in assembler.ready():
+                    yield deliver(outcome, return_exceptions)
+                code, message = error_of(e)
+                raise LogprobError(code, message, attempts=1) from None
+            for outcome in assembler.finish():
+                yield deliver(outcome, return_exceptions)
+        finally:
+            responses.cancel()
+

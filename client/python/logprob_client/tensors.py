@@ -50,7 +50,8 @@ NUMPY_DTYPE = {
 DTYPE_SIZE = {k: v.itemsize for k, v in NUMPY_DTYPE.items()}
 
 
-def _is_torch(x):
+def is_torch(x):
+    """True for a torch tensor (checked without importing torch)."""
     return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach")
 
 
@@ -60,19 +61,23 @@ def _is_ml_bf16(arr):
 
 def as_numpy(x):
     """Returns ``(array, is_bf16)`` for a numpy array, array-like or torch
-    tensor. torch tensors are ``.detach().cpu()``-ed; a bf16 torch or
-    ml_dtypes array comes back as its raw ``uint16`` bits with
-    ``is_bf16=True``."""
-    if _is_torch(x):
+    tensor, without copying what is already in host memory: a CPU torch
+    tensor (contiguous or not) becomes a numpy view of its memory; a tensor
+    on another device is copied to the host (``.cpu()``). A bf16 torch or
+    ml_dtypes array comes back as a ``uint16`` view of its raw bits with
+    ``is_bf16=True`` (no float conversion)."""
+    if is_torch(x):
         import torch  # only reached when x is a torch tensor
 
-        t = x.detach().cpu().contiguous()
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(np.uint16), True
         return t.numpy(), False
     arr = np.asarray(x)
     if _is_ml_bf16(arr):
-        return np.ascontiguousarray(arr).view(np.uint16), True
+        return arr.view(np.uint16), True
     return arr, False
 
 
@@ -108,7 +113,7 @@ def parse_float_dtype(dtype):
         raise ValueError("unknown float dtype %r (use 'f32', 'bf16' or 'f16')" % (dtype,))
     if isinstance(dtype, int) and dtype in (F32, BF16, F16):
         return dtype
-    if _is_torch(dtype) or type(dtype).__module__ == "torch":
+    if is_torch(dtype) or type(dtype).__module__ == "torch":
         return parse_float_dtype(str(dtype))
     name = np.dtype(dtype).name
     if name in _FLOAT_NAMES:
@@ -118,7 +123,9 @@ def parse_float_dtype(dtype):
 
 def float_array(name, x, dtype=None):
     """Converts ``x`` (scores: logits or hidden states) into
-    ``(wire_dtype, contiguous little-endian array)``; BF16 as uint16 bits.
+    ``(wire_dtype, little-endian array)``; BF16 as uint16 bits. Without a
+    dtype conversion the array is ``x``'s memory (possibly strided), so
+    that ``to_tensor`` makes the only copy.
 
     ``dtype`` (optional): the wire dtype to send ("f32", "bf16", "f16").
     A ``uint16`` array is only accepted with ``dtype="bf16"`` (raw bits).
@@ -130,11 +137,11 @@ def float_array(name, x, dtype=None):
             arr = bf16_bits_to_float32(arr)
             is_bf16 = False
         else:
-            return BF16, np.ascontiguousarray(arr, dtype="<u2")
+            return BF16, arr.astype("<u2", copy=False)
     kind = arr.dtype.kind
     if kind == "u" and arr.dtype.itemsize == 2:
         if want == BF16:
-            return BF16, np.ascontiguousarray(arr, dtype="<u2")
+            return BF16, arr.astype("<u2", copy=False)
         raise TypeError(
             "'%s' is a uint16 array: pass %s_dtype='bf16' if it holds raw bfloat16 bits" % (name, name)
         )
@@ -144,7 +151,7 @@ def float_array(name, x, dtype=None):
         want = F16 if arr.dtype.itemsize == 2 else F32
     if want == BF16:
         return BF16, float32_to_bf16_bits(arr.astype("<f4", copy=False))
-    return want, np.ascontiguousarray(arr, dtype=NUMPY_DTYPE[want])
+    return want, arr.astype(NUMPY_DTYPE[want], copy=False)
 
 
 def int_array(name, x):
@@ -154,21 +161,24 @@ def int_array(name, x):
     if is_bf16 or arr.dtype.kind not in "iub":
         raise TypeError("'%s' must be an integer array, got dtype %s" % (name, "bfloat16" if is_bf16 else arr.dtype))
     if arr.dtype.kind == "i" and arr.dtype.itemsize == 4:
-        return I32, np.ascontiguousarray(arr, dtype="<i4")
+        return I32, arr.astype("<i4", copy=False)
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and arr.max() > np.iinfo(np.int64).max:
         raise ValueError("'%s' holds values that do not fit int64" % name)
-    return I64, np.ascontiguousarray(arr, dtype="<i8")
+    return I64, arr.astype("<i8", copy=False)
 
 
 def to_tensor(name, wire_dtype, arr):
-    """A ``logprob.v1.Tensor`` holding ``arr`` (already in the wire dtype)."""
+    """A ``logprob.v1.Tensor`` holding ``arr`` (already in the wire dtype,
+    contiguous or not): ``tobytes`` is the one copy of the caller's data
+    (row-major, whatever ``arr``'s strides)."""
     t = pb2.Tensor(name=name, dtype=wire_dtype, shape=[int(d) for d in arr.shape])
-    t.data = np.ascontiguousarray(arr, dtype=NUMPY_DTYPE[wire_dtype]).tobytes()
+    t.data = arr.astype(NUMPY_DTYPE[wire_dtype], copy=False).tobytes(order="C")
     return t
 
 
-def from_tensor(t, copy=True):
-    """numpy array of a ``logprob.v1.Tensor`` (BF16 as float32 values).
+def from_tensor(t):
+    """numpy array of a ``logprob.v1.Tensor``: a read-only view of its
+    bytes (``np.frombuffer``, no copy); BF16 converted to float32 values.
     Raises ValueError when the bytes do not match the shape."""
     if t.dtype not in NUMPY_DTYPE:
         raise ValueError("output '%s' has unsupported dtype %d" % (t.name, t.dtype))
@@ -180,7 +190,8 @@ def from_tensor(t, copy=True):
             "output '%s' has %d bytes; shape %s of %s needs %d"
             % (t.name, len(t.data), list(shape), pb2.DType.Name(t.dtype), n * dt.itemsize)
         )
-    arr = np.frombuffer(t.data, dtype=dt).reshape(shape)
+    data = t.data  # one bytes object, viewed by the array
+    arr = np.frombuffer(data, dtype=dt).reshape(shape)
     if t.dtype == BF16:
         return bf16_bits_to_float32(arr).reshape(shape)
-    return arr.copy() if copy else arr
+    return arr

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
@@ -46,9 +47,12 @@ class Server:
     plus ``extra`` flags, started and waited on (health SERVING, up to 90 s)
     over a client made with ``client_kwargs`` (TLS for a TLS server)."""
 
-    def __init__(self, workers=1, extra=(), client_kwargs=None, port=None, wait=True):
+    def __init__(self, workers=1, extra=(), client_kwargs=None, port=None, wait=True, metrics=False):
         self.workers = workers
         self.extra = list(extra)
+        self.metrics_port = free_port() if metrics else None
+        if metrics:
+            self.extra += ["--metrics-listen", "127.0.0.1:%d" % self.metrics_port]
         self.port = port or free_port()
         self.address = "127.0.0.1:%d" % self.port
         self.log_dir = temp_dir("pyclient_server")
@@ -86,6 +90,29 @@ class Server:
                     return
         log = self.log()
         raise RuntimeError("logprob-server %s did not become SERVING:\n%s" % (self.address, log))
+
+    def metrics(self):
+        """The /metrics scrape (Prometheus text) of a server started with metrics=True."""
+        url = "http://127.0.0.1:%d/metrics" % self.metrics_port
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name, **labels):
+        """Value of the sample ``name{labels}`` (labels matched exactly, in
+        any order) in the /metrics scrape; 0.0 when absent."""
+        for line in self.metrics().splitlines():
+            if not line.startswith(name) or line.startswith("#"):
+                continue
+            head, _, value = line.rpartition(" ")
+            if "{" in head:
+                metric, _, rest = head.partition("{")
+                got = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
+                got = {k: v.strip('"') for k, v in got.items()}
+            else:
+                metric, got = head, {}
+            if metric == name and got == {k: str(v) for k, v in labels.items()}:
+                return float(value)
+        return 0.0
 
     def log(self):
         try:
@@ -156,6 +183,25 @@ class Golden:
             if name in self.inputs:
                 kw[name] = self.inputs[name]
         return kw
+
+
+def wait_for(predicate, what, timeout=60.0):
+    """Polls ``predicate()`` until it is true (returns its value); fails
+    with ``what`` after ``timeout`` seconds. For waiting on observable
+    state (metrics, logs), never as a sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out after %g s waiting for %s" % (timeout, what))
+        time.sleep(0.01)
+
+
+def as_numpy_outputs(outputs):
+    """{name: ndarray} of a ScoreResult's outputs, numpy or torch (CPU)."""
+    return {k: (v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v) for k, v in outputs.items()}
 
 
 def compare(expected, got):

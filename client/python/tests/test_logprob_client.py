@@ -328,7 +328,8 @@ class OptionsTest(unittest.TestCase):
             with self.assertRaises(LogprobError) as cm:
                 c.score(logits=big, input_ids=np.zeros((16, 64), dtype=np.int64))
         self.assertEqual(cm.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
-        self.assertEqual(cm.exception.attempts, 1)
+        # The timeout bounds the whole call: it may pass before the one send.
+        self.assertLessEqual(cm.exception.attempts, 1)
 
 
 class RetryTest(unittest.TestCase):

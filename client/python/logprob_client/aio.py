@@ -1,0 +1,195 @@
+"""``logprob_client.aio.LogprobClient``: the asyncio client (``grpc.aio``),
+with the API, splitting, retries, deadlines, TLS and token of the sync
+``logprob_client.LogprobClient`` (the shared logic is in ``request``,
+``retry``, ``stream``, ``channel`` and ``base``).
+
+Example::
+
+    import asyncio
+    from logprob_client.aio import LogprobClient
+
+    async def main():
+        async with LogprobClient("127.0.0.1:50051", timeout=30) as client:
+            results = await asyncio.gather(*(client.score(logits=l, input_ids=i) for l, i in batches))
+"""
+
+import asyncio
+import time
+from typing import Any, AsyncIterable, AsyncIterator, Iterable, Optional, Tuple, Union
+
+import grpc
+import grpc.aio
+
+from ._proto import pb2, pb2_grpc
+from .base import HEALTH_CHECK, HEALTH_SERVING, ClientBase
+from .errors import LogprobError
+from .request import Limits, Part, ScoreCall
+from .result import ScoreResult
+from .retry import Attempts, Deadline, error_of
+from .stream import StreamAssembler, deliver
+
+
+class LogprobClient(ClientBase):
+    """An asyncio client of ``logprob.v1.LogprobService`` over one
+    ``grpc.aio`` channel; arguments (target, timeout, retry, TLS, token,
+    limits) as in ``logprob_client.base.ClientBase``.
+
+    Create it in the event loop that uses it (``async with
+    LogprobClient(...) as client``); any number of tasks of that loop may
+    await its calls concurrently, sharing the channel. Not for use from
+    other threads or loops. Cancelling a task that awaits ``score``
+    cancels the RPC (the server stops the work and counts it CANCELLED).
+    """
+
+    def __init__(self, target: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(target, *args, **kwargs)
+        self._info_lock = asyncio.Lock()
+        self._channel = self._settings.open_aio()
+        self._stub = pb2_grpc.LogprobServiceStub(self._channel)
+        self._health = self._channel.unary_unary(
+            HEALTH_CHECK, request_serializer=lambda x: x, response_deserializer=lambda x: x
+        )
+
+    # -- lifecycle -------------------------------------------------------
+
+    async def close(self) -> None:
+        """Closes the channel (calls in flight are cancelled)."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> "LogprobClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- calls -----------------------------------------------------------
+
+    async def _call(self, method: Any, request: Any, attempts: Attempts) -> Tuple[Any, int]:
+        """Sends ``request`` with ``method`` until it succeeds or
+        ``attempts`` gives up (raising LogprobError); returns
+        ``(response, sends)``."""
+        while True:
+            timeout = attempts.timeout()
+            try:
+                return await method(request, timeout=timeout, metadata=self._metadata), attempts.count
+            except grpc.RpcError as e:
+                delay = attempts.failed(e)
+                await self._backoff(delay, reconnect=error_of(e)[0] == grpc.StatusCode.UNAVAILABLE)
+
+    async def _send_part(self, part: Part, limits: Limits, deadline: Deadline) -> Tuple[Any, int]:
+        """The send path of a score call: one part's ``ScoreRequest`` over
+        the unary ``Score`` RPC, retried per the policy within ``deadline``;
+        returns ``(ScoreResponse, sends)``."""
+        request = part.request(limits.max_bytes)
+        attempts = self._attempts(deadline, part.where, oversize=request.ByteSize() > limits.server_bytes)
+        return await self._call(self._stub.Score, request, attempts)
+
+    async def _backoff(self, delay: float, reconnect: bool) -> None:
+        """Waits ``delay`` seconds, meanwhile reconnecting when ``reconnect``
+        (see the sync client's ``_wait_connected``)."""
+        end = time.monotonic() + delay
+        if reconnect:
+            try:
+                await asyncio.wait_for(self._channel.channel_ready(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+        remaining = end - time.monotonic()
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+
+    async def server_info(self, refresh: bool = False, _deadline: Optional[Deadline] = None) -> Any:
+        """The server's ``logprob.v1.ServerInfo``, fetched once and cached.
+        Raises LogprobError."""
+        async with self._info_lock:
+            if self._info is None or refresh:
+                attempts = self._attempts(_deadline or self._deadline())
+                self._info, _ = await self._call(self._stub.GetServerInfo, pb2.ServerInfoRequest(), attempts)
+            return self._info
+
+    async def health(self, wait: float = 0.0) -> bool:
+        """True once ``grpc.health.v1`` reports SERVING, polling for up to
+        ``wait`` seconds; False otherwise (never raises for an unreachable
+        server)."""
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            unreachable = False
+            try:
+                remaining = max(0.5, deadline - time.monotonic())
+                if await self._health(b"", timeout=min(5.0, remaining)) == HEALTH_SERVING:
+                    return True
+            except grpc.RpcError as e:
+                unreachable = e.code() == grpc.StatusCode.UNAVAILABLE
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            await self._backoff(min(0.2, remaining), reconnect=unreachable)
+
+    async def score_request(self, request: Any) -> Any:
+        """Sends a prepared ``logprob.v1.ScoreRequest`` as is (no splitting),
+        with retries within the client's timeout; returns the
+        ``ScoreResponse``. Raises LogprobError."""
+        response, _ = await self._call(self._stub.Score, request, self._attempts(self._deadline()))
+        return response
+
+    async def score(self, logits: Any = None, input_ids: Any = None, *, request_id: Optional[str] = None,
+                    **options: Any) -> ScoreResult:
+        """Scores a batch, like the sync ``LogprobClient.score`` (same
+        arguments, result and errors). The parts of a split batch are sent
+        one after the other; concurrent ``score`` calls share the channel."""
+        deadline = self._deadline(options.pop("timeout", "default"))
+        call = ScoreCall(request_id or self._next_id(), logits, input_ids, **options)
+        limits = self._limits_of(await self.server_info(_deadline=deadline))
+        responses, sends = [], 0
+        for part in call.parts(limits):
+            response, tries = await self._send_part(part, limits, deadline)
+            responses.append(response)
+            sends += tries
+        return call.result(responses, sends)
+
+    async def score_stream(
+        self,
+        requests: Union[Iterable[Any], AsyncIterable[Any]],
+        *,
+        timeout: Any = "default",
+        return_exceptions: bool = False,
+    ) -> AsyncIterator[Union[ScoreResult, LogprobError]]:
+        """Scores many requests over one ``ScoreStream`` RPC; an async
+        iterator of one outcome per request, in request order. ``requests``
+        may be an iterable or an async iterable; everything else (items,
+        the whole-stream ``timeout``, ``return_exceptions``, no retries) as
+        in the sync ``LogprobClient.score_stream``. Leaving the ``async
+        for`` early (or cancelling the task) cancels the stream."""
+        deadline = self._deadline(timeout)
+        limits = self._limits_of(await self.server_info(_deadline=deadline))
+        assembler = StreamAssembler(limits, self._next_id)
+
+        async def messages() -> AsyncIterator[Any]:
+            if hasattr(requests, "__aiter__"):
+                async for item in requests:  # type: ignore[union-attr]
+                    for message in assembler.messages_of(item):
+                        yield message
+            else:
+                for item in requests:  # type: ignore[union-attr]
+                    for message in assembler.messages_of(item):
+                        yield message
+
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= 0:
+            raise deadline.expired_error()
+        call = self._stub.ScoreStream(messages(), timeout=remaining, metadata=self._metadata)
+        try:
+            try:
+                async for response in call:
+                    assembler.receive(response)
+                    for outcome in assembler.ready():
+                        yield deliver(outcome, return_exceptions)
+            except grpc.RpcError as e:
+                for outcome in assembler.ready():
+                    yield deliver(outcome, return_exceptions)
+                code, message = error_of(e)
+                raise LogprobError(code, message, attempts=1) from None
+            for outcome in assembler.finish():
+                yield deliver(outcome, return_exceptions)
+        finally:
+            call.cancel()
+

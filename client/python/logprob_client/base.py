@@ -1,0 +1,93 @@
+"""What the sync and asyncio clients share besides the I/O: their
+configuration, request ids, the retry loop's state and the limits."""
+
+import itertools
+import os
+import random
+from typing import Any, Optional, Sequence, Tuple
+
+from .channel import ChannelSettings
+from .request import Limits
+from .retry import Attempts, Deadline, OnRetry, RetryPolicy
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# HealthCheckResponse{status = 1 (SERVING)}.
+HEALTH_SERVING = b"\x08\x01"
+
+
+class ClientBase:
+    """Configuration of a client of ``logprob.v1.LogprobService``.
+
+    Args:
+        target: ``"HOST:PORT"`` of the server.
+        timeout: seconds a whole call may take (all parts of a split batch,
+            every attempt and backoff; a ``score_stream``: the whole
+            stream); None for no deadline.
+        retry: a ``RetryPolicy`` (default: 5 attempts on UNAVAILABLE and
+            RESOURCE_EXHAUSTED, 0.1 s doubling to 5 s, 50% jitter).
+        tls_ca: PEM file of the CA that signs the server's certificate;
+            turns on TLS (also turned on by any other ``tls_*`` argument; the
+            system roots verify the server when ``tls_ca`` is not given).
+        tls_cert, tls_key: PEM client certificate chain and key (mutual TLS;
+            both or neither).
+        tls_server_name: the name to verify in the server's certificate
+            instead of the target's host.
+        token: bearer token (surrounding whitespace trimmed), sent as
+            ``authorization: Bearer TOKEN`` on every call, like
+            ``logprob-client --auth-token-file``.
+        token_file: file holding the token (instead of ``token``).
+        max_request_bytes: split batches into requests of at most this many
+            serialized bytes (default: 90% of the server's
+            ``max_request_bytes`` from GetServerInfo; never more than that).
+        max_tokens_per_request: split so that a request has at most this
+            many token rows (default and upper bound: the server's
+            ``max_tokens_per_request``).
+        on_retry: optional ``callable(attempt, code, message, delay)`` called
+            before each retry's sleep (logging, metrics).
+        channel_options: extra ``grpc`` channel options.
+
+    Raises InvalidInputError for unreadable or empty TLS/token files.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        timeout: Optional[float] = 60.0,
+        retry: Optional[RetryPolicy] = None,
+        tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
+        tls_server_name: Optional[str] = None,
+        token: Optional[str] = None,
+        token_file: Optional[str] = None,
+        max_request_bytes: Optional[int] = None,
+        max_tokens_per_request: Optional[int] = None,
+        on_retry: Optional[OnRetry] = None,
+        channel_options: Sequence[Tuple[str, Any]] = (),
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.max_request_bytes = max_request_bytes
+        self.max_tokens_per_request = max_tokens_per_request
+        self.on_retry = on_retry
+        self._ids = itertools.count(1)
+        self._info: Any = None
+        self._rng = random.Random()
+        self._settings = ChannelSettings(
+            target, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file, channel_options
+        )
+        self._metadata = self._settings.metadata
+
+    def _next_id(self) -> str:
+        return "py-%d-%d" % (os.getpid(), next(self._ids))
+
+    def _deadline(self, timeout: Any = "default") -> Deadline:
+        """The deadline of a call starting now (``timeout`` overrides the client's)."""
+        return Deadline(self.timeout if timeout == "default" else timeout)
+
+    def _attempts(self, deadline: Deadline, part: Optional[Tuple[int, int]] = None, oversize: bool = False) -> Attempts:
+        return Attempts(self.retry, deadline, self._rng, self.on_retry, part=part, oversize=oversize)
+
+    def _limits_of(self, info: Any) -> Limits:
+        return Limits(info, self.max_request_bytes, self.max_tokens_per_request)

@@ -1,0 +1,96 @@
+"""Channel settings shared by the sync and asyncio clients: TLS credentials,
+the bearer token's metadata and the channel options, read and checked once;
+``open_sync()`` / ``open_aio()`` make the ``grpc`` / ``grpc.aio`` channel."""
+
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple
+
+import grpc
+
+from .errors import InvalidInputError
+
+Metadata = Optional[Tuple[Tuple[str, str], ...]]
+
+
+def _read_file(what: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise InvalidInputError("%s %s: cannot read: %s" % (what, path, e.strerror)) from None
+    if not data:
+        raise InvalidInputError("%s %s: the file is empty" % (what, path))
+    return data
+
+
+def _check_token(token: str, where: str) -> str:
+    token = token.strip()
+    if not token:
+        raise InvalidInputError("%s: the token is empty" % where)
+    if any(not 0x21 <= ord(c) <= 0x7E for c in token):
+        raise InvalidInputError("%s: the token holds a character that is not printable ASCII" % where)
+    return token
+
+
+class ChannelSettings:
+    """What a channel to ``target`` needs (arguments as in
+    ``LogprobClient``). Raises InvalidInputError for unreadable or empty
+    TLS / token files, an empty token, or ``tls_cert`` without ``tls_key``;
+    warns when a token would travel without TLS."""
+
+    def __init__(
+        self,
+        target: str,
+        tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
+        tls_server_name: Optional[str] = None,
+        token: Optional[str] = None,
+        token_file: Optional[str] = None,
+        channel_options: Sequence[Tuple[str, Any]] = (),
+    ) -> None:
+        self.target = target
+        if token is not None and token_file is not None:
+            raise InvalidInputError("give token or token_file, not both")
+        if token_file is not None:
+            token = _check_token(_read_file("token_file", token_file).decode("latin-1"), "token_file " + token_file)
+        elif token is not None:
+            token = _check_token(token, "token")
+        self.metadata: Metadata = (("authorization", "Bearer " + token),) if token else None
+
+        options: List[Tuple[str, Any]] = [
+            ("grpc.max_send_message_length", -1),
+            ("grpc.max_receive_message_length", -1),
+            # Quick reconnects to a server that comes back. (Not
+            # grpc.min_reconnect_backoff_ms: gRPC also takes it as the time a
+            # connection attempt, TLS handshake included, may last.)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ]
+        self.credentials = None
+        if any(x for x in (tls_ca, tls_cert, tls_key, tls_server_name)):
+            if bool(tls_cert) != bool(tls_key):
+                raise InvalidInputError("tls_cert and tls_key go together (mutual TLS)")
+            self.credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read_file("tls_ca", tls_ca) if tls_ca else None,
+                private_key=_read_file("tls_key", tls_key) if tls_key else None,
+                certificate_chain=_read_file("tls_cert", tls_cert) if tls_cert else None,
+            )
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+        options.extend(channel_options)
+        self.options = options
+        if token and self.credentials is None:
+            warnings.warn("logprob_client: bearer token without TLS: the token is sent in plaintext", stacklevel=4)
+
+    def open_sync(self) -> grpc.Channel:
+        """A new ``grpc.Channel``."""
+        if self.credentials is not None:
+            return grpc.secure_channel(self.target, self.credentials, options=self.options)
+        return grpc.insecure_channel(self.target, options=self.options)
+
+    def open_aio(self) -> "grpc.aio.Channel":
+        """A new ``grpc.aio.Channel`` (call from the event loop's thread)."""
+        if self.credentials is not None:
+            return grpc.aio.secure_channel(self.target, self.credentials, options=self.options)
+        return grpc.aio.insecure_channel(self.target, options=self.options)

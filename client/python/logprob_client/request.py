@@ -1,0 +1,230 @@
+"""One score call, without I/O: checking and encoding the caller's inputs,
+cutting them into parts that fit the server's limits, decoding the parts'
+responses and joining them into a ``ScoreResult``. Shared by the sync and
+asyncio clients (which only send the parts)."""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import grpc
+import numpy as np
+
+from . import splitter
+from ._proto import pb2
+from .errors import InvalidInputError, LogprobError
+from .outputs import OutputFormat
+from .result import ScoreResult
+from .tensors import as_numpy, float_array, from_tensor, int_array
+
+# Fraction of the server's max_request_bytes a part may fill (like the C++
+# client's kRequestFill), and the limit used when the server reports none.
+REQUEST_FILL = 0.9
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+
+_ALIGNMENTS = {
+    "next_token": pb2.NEXT_TOKEN,
+    "same_position": pb2.SAME_POSITION,
+}
+
+# google.rpc.Code value -> grpc.StatusCode (ScoreResponse.status_code).
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class Limits:
+    """What one request may hold: ``server_bytes`` (the server's
+    max_request_bytes; a larger message is refused), ``max_bytes`` (what a
+    part may fill: 90% of it, or the client's lower limit) and
+    ``max_tokens`` (token rows per request, 0: no limit)."""
+
+    def __init__(
+        self, info: Any, max_request_bytes: Optional[int] = None, max_tokens_per_request: Optional[int] = None
+    ) -> None:
+        self.server_bytes = int(info.max_request_bytes) or DEFAULT_MAX_REQUEST_BYTES
+        self.max_bytes = max(1, int(self.server_bytes * REQUEST_FILL))
+        if max_request_bytes:
+            self.max_bytes = min(self.max_bytes, int(max_request_bytes))
+        max_tokens = int(info.max_tokens_per_request)
+        if max_tokens_per_request:
+            mine = int(max_tokens_per_request)
+            max_tokens = min(max_tokens, mine) if max_tokens > 0 else mine
+        self.max_tokens = max_tokens
+
+
+class Part:
+    """One request of a call: its id, inputs (views of the caller's
+    arrays), ``index`` / ``count`` (1-based ``(i, n)`` as ``where``)."""
+
+    def __init__(self, part_id: str, inputs: splitter.Inputs, index: int, count: int, checked: bool) -> None:
+        self.id = part_id
+        self.inputs = inputs
+        self.where = (index, count)
+        self._checked = checked
+
+    def request(self, max_bytes: int) -> Any:
+        """Builds the ``ScoreRequest`` (the copy of the caller's data into
+        the message). Its bytes exist only while the caller holds it."""
+        if self._checked:
+            return splitter.build_part(self.id, self.inputs, max_bytes)
+        return self.inputs.request(self.id)
+
+
+def _mask_to_seq_lens(mask: Any, ids_shape: Tuple[int, ...]) -> np.ndarray:
+    m, _ = as_numpy(mask)
+    m = np.asarray(m)
+    if m.shape != tuple(ids_shape):
+        raise InvalidInputError("attention_mask %s must have input_ids' shape %s" % (list(m.shape), list(ids_shape)))
+    m = m != 0
+    lens = m.sum(axis=1).astype(np.int64)
+    # Right padding only: ones first, then zeros.
+    prefix = np.arange(m.shape[1])[None, :] < lens[:, None]
+    if not np.array_equal(prefix, m):
+        bad = int(np.nonzero((prefix != m).any(axis=1))[0][0])
+        raise InvalidInputError(
+            "attention_mask row %d is not right-padded (ones then zeros); the service scores a prefix "
+            "of each row: pass seq_lens, or shift left-padded rows" % bad
+        )
+    return lens
+
+
+def score_options(
+    alignment: Any = "next_token",
+    entropy: bool = False,
+    topk: int = 0,
+    temperature: Optional[float] = None,
+    sampling_top_k: int = 0,
+    sampling_top_p: Optional[float] = None,
+    ignore_index: Optional[int] = None,
+) -> Any:
+    """The ``logprob.v1.ScoreOptions`` of ``score``'s keyword options.
+    Raises InvalidInputError for an unknown alignment."""
+    options = pb2.ScoreOptions()
+    if alignment not in _ALIGNMENTS and alignment not in (pb2.NEXT_TOKEN, pb2.SAME_POSITION):
+        raise InvalidInputError("alignment must be 'next_token' or 'same_position', got %r" % (alignment,))
+    options.alignment = _ALIGNMENTS.get(alignment, alignment)
+    options.entropy = bool(entropy)
+    options.topk = int(topk)
+    if temperature is not None:
+        options.temperature = float(temperature)
+    options.sampling_top_k = int(sampling_top_k)
+    if sampling_top_p is not None:
+        options.sampling_top_p = float(sampling_top_p)
+    if ignore_index is not None:
+        options.ignore_index = int(ignore_index)
+    return options
+
+
+class ScoreCall:
+    """A checked, encoded score call (arguments as in
+    ``LogprobClient.score``). No copy of the caller's arrays is made here
+    (except for a dtype conversion); ``parts()`` cuts views of them and
+    each ``Part.request`` copies one part into its message.
+
+    Raises InvalidInputError (a ValueError) for inputs the client can tell
+    are wrong, TypeError for unsupported dtypes. Not thread-safe; one per call.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        logits: Any = None,
+        input_ids: Any = None,
+        *,
+        hidden_states: Any = None,
+        seq_lens: Any = None,
+        attention_mask: Any = None,
+        cu_seqlens: Any = None,
+        gather_indices: Any = None,
+        alignment: Any = "next_token",
+        entropy: bool = False,
+        topk: int = 0,
+        temperature: Optional[float] = None,
+        sampling_top_k: int = 0,
+        sampling_top_p: Optional[float] = None,
+        ignore_index: Optional[int] = None,
+        dtype: Any = None,
+        split: bool = True,
+    ) -> None:
+        if (logits is None) == (hidden_states is None):
+            raise InvalidInputError("give exactly one of logits and hidden_states")
+        if input_ids is None:
+            raise InvalidInputError("input_ids is required")
+        rows_name = "logits" if logits is not None else "hidden_states"
+        rows_in = logits if logits is not None else hidden_states
+        self.output = OutputFormat.of(rows_in)
+        rows_dt, rows = float_array(rows_name, rows_in, dtype)
+        ids_dt, ids = int_array("input_ids", input_ids)
+        if rows.ndim == 3:
+            if ids.shape != rows.shape[:2]:
+                raise InvalidInputError(
+                    "padded '%s' %s needs input_ids [B, S] = %s, got %s"
+                    % (rows_name, list(rows.shape), list(rows.shape[:2]), list(ids.shape))
+                )
+            if cu_seqlens is not None:
+                raise InvalidInputError("cu_seqlens is for packed [T, X] input; padded input takes seq_lens")
+        elif rows.ndim == 2:
+            if ids.shape != rows.shape[:1]:
+                raise InvalidInputError(
+                    "packed '%s' %s needs input_ids [T] = %s, got %s"
+                    % (rows_name, list(rows.shape), list(rows.shape[:1]), list(ids.shape))
+                )
+            if seq_lens is not None or attention_mask is not None:
+                raise InvalidInputError(
+                    "seq_lens / attention_mask are for padded [B, S, X] input; packed takes cu_seqlens"
+                )
+        else:
+            raise InvalidInputError("'%s' must be [B, S, X] or [T, X], got %s" % (rows_name, list(rows.shape)))
+
+        if attention_mask is not None:
+            if seq_lens is not None:
+                raise InvalidInputError("give seq_lens or attention_mask, not both")
+            seq_lens = _mask_to_seq_lens(attention_mask, ids.shape)
+
+        tensors = [(rows_name, rows_dt, rows), ("input_ids", ids_dt, ids)]
+        if cu_seqlens is not None:
+            tensors.append(("cu_seqlens",) + int_array("cu_seqlens", cu_seqlens))
+        if seq_lens is not None:
+            tensors.append(("seq_lens",) + int_array("seq_lens", seq_lens))
+        if gather_indices is not None:
+            tensors.append(("gather_indices",) + int_array("gather_indices", gather_indices))
+        options = score_options(
+            alignment, entropy, topk, temperature, sampling_top_k, sampling_top_p, ignore_index
+        )
+        self.inputs = splitter.Inputs(tensors, options)
+        self.id = request_id
+        self.split = split
+
+    def parts(self, limits: Limits) -> List[Part]:
+        """The requests to send, in order: one when the call fits
+        ``limits`` (or ``split=False``), else whole sequences per part
+        (ids ``"<id>-<i>"``). Raises InvalidInputError when a sequence
+        alone does not fit."""
+        if not self.split:
+            return [Part(self.id, self.inputs, 1, 1, checked=False)]
+        planned = splitter.plan(self.inputs, self.id, limits.max_bytes, limits.max_tokens)
+        n = len(planned)
+        return [Part(pid, inputs, i + 1, n, checked=True) for i, (pid, inputs) in enumerate(planned)]
+
+    def result(self, responses: List[Any], attempts: int) -> ScoreResult:
+        """Joins the parts' ``ScoreResponse``s (in part order) into a
+        ``ScoreResult`` in this call's output format. Raises LogprobError
+        (INTERNAL) for responses that do not fit together."""
+        outputs = [decode(r) for r in responses]
+        joined = splitter.join(outputs)
+        return ScoreResult(self.output.convert(joined), self.id, len(responses), attempts)
+
+
+def decode(response: Any) -> Dict[str, np.ndarray]:
+    """``{name: ndarray}`` of a ``ScoreResponse``'s outputs (views of its
+    bytes). Raises LogprobError (INTERNAL) for a malformed output."""
+    try:
+        return {t.name: from_tensor(t) for t in response.outputs}
+    except ValueError as e:
+        raise LogprobError(grpc.StatusCode.INTERNAL, "response %s: %s" % (response.id, e)) from None
+
+
+def status_error(response: Any, part: Optional[Tuple[int, int]] = None) -> Optional[LogprobError]:
+    """The ``LogprobError`` of a ScoreStream response whose ``status_code``
+    is not OK (its ``status_message`` as the message), else None."""
+    if response.status_code == 0:
+        return None
+    code = _CODES.get(response.status_code, grpc.StatusCode.UNKNOWN)
+    return LogprobError(code, response.status_message, attempts=1, part=part)

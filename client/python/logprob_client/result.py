@@ -1,0 +1,79 @@
+"""``ScoreResult`` (the outputs of one score call) and ``split_sequences``."""
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ._proto import pb2
+
+
+class ScoreResult:
+    """The outputs of one score call: numpy arrays (float32; ids int64) for
+    numpy input, torch tensors on the input's device for torch input,
+    shaped like the input's token layout (shared/SPEC.md):
+
+    - padded input [B, S, X]: ``[B, S - 1]`` for next_token alignment,
+      ``[B, S]`` for same_position (positions past ``seq_lens`` are 0);
+    - packed input [T, X]: ``[T - B]`` / ``[T]`` (sequence i's values start
+      at ``cu_seqlens[i] - i`` for next_token; see ``split_sequences``).
+
+    ``topk_logprobs``, ``topk_indices`` and ``gathered_logprobs`` add a
+    trailing ``[K]``. Outputs not requested are None. numpy outputs of a
+    call sent in one part are read-only views of the response's bytes
+    (``.copy()`` to modify); torch outputs share that memory (CPU).
+
+    Attributes: ``token_logprobs``, ``entropy``, ``topk_logprobs``,
+    ``topk_indices``, ``gathered_logprobs``, ``outputs`` (dict of all by
+    name), ``id``, ``num_parts`` (requests the batch was split into),
+    ``attempts`` (calls sent, retries included).
+    """
+
+    def __init__(self, outputs: Dict[str, Any], request_id: str, num_parts: int, attempts: int) -> None:
+        self.outputs = outputs
+        self.id = request_id
+        self.num_parts = num_parts
+        self.attempts = attempts
+
+    @property
+    def token_logprobs(self) -> Any:
+        return self.outputs.get("token_logprobs")
+
+    @property
+    def entropy(self) -> Optional[Any]:
+        return self.outputs.get("entropy")
+
+    @property
+    def topk_logprobs(self) -> Optional[Any]:
+        return self.outputs.get("topk_logprobs")
+
+    @property
+    def topk_indices(self) -> Optional[Any]:
+        return self.outputs.get("topk_indices")
+
+    @property
+    def gathered_logprobs(self) -> Optional[Any]:
+        return self.outputs.get("gathered_logprobs")
+
+    def __getitem__(self, name: str) -> Any:
+        return self.outputs[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.outputs
+
+    def __repr__(self) -> str:
+        shapes = ", ".join("%s=%s" % (k, list(v.shape)) for k, v in self.outputs.items())
+        return "ScoreResult(id=%r, %s, num_parts=%d)" % (self.id, shapes, self.num_parts)
+
+
+def split_sequences(values: Any, cu_seqlens: Any, alignment: Any = "next_token") -> List[Any]:
+    """Cuts a packed output (``[T - B, ...]`` for next_token, ``[T, ...]``
+    for same_position; numpy or torch) into a list of per-sequence views,
+    sequence i having ``L_i - 1`` (next_token) or ``L_i`` rows."""
+    cu = np.asarray(cu_seqlens.cpu() if hasattr(cu_seqlens, "cpu") else cu_seqlens, dtype=np.int64)
+    lens = np.diff(cu)
+    if alignment in ("next_token", pb2.NEXT_TOKEN):
+        lens = np.maximum(lens - 1, 0)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    if off[-1] != len(values):
+        raise ValueError("values have %d rows, cu_seqlens gives %d" % (len(values), off[-1]))
+    return [values[int(off[i]):int(off[i + 1])] for i in range(len(lens))]

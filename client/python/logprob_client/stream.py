@@ -1,0 +1,155 @@
+"""Ordered assembly of a ``ScoreStream``: the caller's requests go out as
+stream messages (a batch over the server's limits as several parts), the
+answers (matched by id, in whatever order they come) come back as one
+``ScoreResult`` or ``LogprobError`` per request, in request order. Shared
+by the sync and asyncio clients, which only move the messages."""
+
+import collections
+import threading
+from typing import Any, Callable, Deque, Dict, List, Optional, Union
+
+import grpc
+
+from ._proto import pb2
+from .errors import InvalidInputError, LogprobError
+from .request import Limits, ScoreCall, decode, status_error
+from .result import ScoreResult
+
+Outcome = Union[ScoreResult, LogprobError]
+
+
+class _Entry:
+    """One caller request: its call (None for a prepared ScoreRequest),
+    the answers by part index, and its outcome once known."""
+
+    def __init__(self, request_id: str, call: Optional[ScoreCall], count: int) -> None:
+        self.id = request_id
+        self.call = call
+        self.count = count
+        self.responses: List[Any] = [None] * count
+        self.received = 0
+        self.outcome: Optional[Outcome] = None
+
+
+class StreamAssembler:
+    """Turns caller items into stream messages (``messages_of``) and
+    stream answers into outcomes in order (``receive``, ``ready``,
+    ``finish``).
+
+    An item is a ``dict`` of ``LogprobClient.score`` keyword arguments
+    (``request_id`` optional) or a prepared ``logprob.v1.ScoreRequest``
+    (sent as is, never split). An item the client refuses
+    (InvalidInputError, TypeError) sends nothing and becomes that item's
+    ``LogprobError`` outcome (code INVALID_ARGUMENT). Thread-safe: the
+    messages may be produced in one thread (gRPC's request iterator) while
+    answers are received in another.
+    """
+
+    def __init__(self, limits: Limits, next_id: Callable[[], str]) -> None:
+        self.limits = limits
+        self.next_id = next_id
+        self._lock = threading.Lock()
+        self._order: Deque[_Entry] = collections.deque()
+        self._by_part: Dict[str, Any] = {}  # part id -> (entry, index)
+        self.sent = 0  # caller items taken
+
+    def messages_of(self, item: Any) -> List[Any]:
+        """The ScoreRequests to send for one caller item (none when it is refused)."""
+        try:
+            if isinstance(item, pb2.ScoreRequest):
+                request_id = item.id or self.next_id()
+                if not item.id:
+                    item = pb2.ScoreRequest(id=request_id, inputs=item.inputs, options=item.options)
+                entry = _Entry(request_id, None, 1)
+                parts = [(request_id, item)]
+            elif isinstance(item, dict):
+                kwargs = dict(item)
+                request_id = kwargs.pop("request_id", None) or self.next_id()
+                call = ScoreCall(request_id, **kwargs)
+                planned = call.parts(self.limits)
+                entry = _Entry(request_id, call, len(planned))
+                parts = [(p.id, p) for p in planned]
+            else:
+                raise InvalidInputError(
+                    "score_stream items are dicts of score() arguments or ScoreRequests, got %s" % type(item).__name__
+                )
+            with self._lock:
+                if any(pid in self._by_part for pid, _ in parts):
+                    raise InvalidInputError("request id %r is already in flight on this stream" % request_id)
+                for i, (pid, _) in enumerate(parts):
+                    self._by_part[pid] = (entry, i)
+                self._order.append(entry)
+                self.sent += 1
+        except (InvalidInputError, TypeError, ValueError) as e:
+            err = e if isinstance(e, LogprobError) else InvalidInputError(str(e))
+            entry = _Entry("", None, 0)
+            entry.outcome = err
+            with self._lock:
+                self._order.append(entry)
+                self.sent += 1
+            return []
+        out = []
+        for pid, p in parts:
+            out.append(p if isinstance(p, pb2.ScoreRequest) else p.request(self.limits.max_bytes))
+        return out
+
+    def receive(self, response: Any) -> None:
+        """Files one answer. Raises LogprobError (INTERNAL) for an answer
+        whose id was not sent on this stream."""
+        with self._lock:
+            found = self._by_part.pop(response.id, None)
+            if found is None:
+                raise LogprobError(grpc.StatusCode.INTERNAL, "the stream answered unknown id %r" % response.id)
+            entry, i = found
+            entry.received += 1
+            if entry.outcome is not None:
+                return  # an earlier part failed; the others are dropped
+            err = status_error(response, (i + 1, entry.count))
+            if err is not None:
+                entry.outcome = err
+                entry.responses = []
+                return
+            entry.responses[i] = response
+            if entry.received == entry.count:
+                responses, entry.responses = entry.responses, []
+                try:
+                    if entry.call is None:
+                        entry.outcome = ScoreResult(decode(responses[0]), entry.id, 1, 1)
+                    else:
+                        entry.outcome = entry.call.result(responses, entry.count)
+                except LogprobError as e:
+                    entry.outcome = e
+
+    def ready(self) -> List[Outcome]:
+        """Outcomes now known, in request order (removed from the stream's
+        pending list)."""
+        out = []
+        with self._lock:
+            while self._order and self._order[0].outcome is not None:
+                out.append(self._order.popleft().outcome)
+        return out
+
+    def finish(self) -> List[Outcome]:
+        """At the stream's end: the remaining outcomes in order, requests
+        left without an answer as INTERNAL errors."""
+        out = self.ready()
+        with self._lock:
+            while self._order:
+                e = self._order.popleft()
+                out.append(
+                    e.outcome
+                    or LogprobError(
+                        grpc.StatusCode.INTERNAL,
+                        "the stream ended without an answer to request %r (%d of %d parts answered)"
+                        % (e.id, e.received, e.count),
+                    )
+                )
+        return out
+
+
+def deliver(outcome: Outcome, return_exceptions: bool) -> Outcome:
+    """What the caller's iteration gets for one outcome: a LogprobError is
+    raised unless ``return_exceptions``; anything else is returned."""
+    if isinstance(outcome, LogprobError) and not return_exceptions:
+        raise outcome
+    return outcome

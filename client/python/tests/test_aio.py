@@ -1,0 +1,185 @@
+"""Tests of the asyncio client (logprob_client.aio.LogprobClient) against
+live logprob-server processes: golden cases, 16 concurrent calls on one
+channel, splitting, retries, the overall deadline, and cancellation seen by
+the server."""
+
+import asyncio
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import support  # noqa: F401  (puts client/python on sys.path)
+from support import LOGITS_CASES, Golden, Server, compare
+
+import grpc
+from logprob_client import LogprobError, RetryPolicy
+from logprob_client import aio
+
+
+class AioTest(unittest.IsolatedAsyncioTestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server(workers=2, metrics=True)
+        cls.addClassCleanup(cls.server.close)
+        cls.split_server = Server(workers=1, extra=["--max-tokens-per-request", "100"])
+        cls.addClassCleanup(cls.split_server.close)
+
+    async def test_golden_cases(self):
+        async with aio.LogprobClient(self.server.address) as c:
+            self.assertTrue(await c.health())
+            info = await c.server_info()
+            self.assertEqual(info.workers, 2)
+            for name in LOGITS_CASES:
+                with self.subTest(case=name):
+                    g = Golden(name)
+                    res = await c.score(**g.score_kwargs())
+                    self.assertEqual(compare(g.expected, res.outputs), "")
+                    self.assertEqual((res.num_parts, res.attempts), (1, 1))
+
+    async def test_sixteen_concurrent_calls_share_one_channel(self):
+        cases = [Golden(name) for name in LOGITS_CASES]
+        async with aio.LogprobClient(self.server.address) as c:
+            channel = c._channel
+            before = self.server.metric("logprob_requests_total", code="OK", method="Score")
+            jobs = [cases[i % len(cases)] for i in range(16)]
+            results = await asyncio.gather(
+                *(c.score(request_id="aio-%d" % i, **g.score_kwargs()) for i, g in enumerate(jobs))
+            )
+            self.assertIs(c._channel, channel)
+        for i, (g, res) in enumerate(zip(jobs, results)):
+            self.assertEqual(res.id, "aio-%d" % i)
+            self.assertEqual(compare(g.expected, res.outputs), "", g.name)
+        after = self.server.metric("logprob_requests_total", code="OK", method="Score")
+        self.assertEqual(after - before, 16)
+
+    async def test_split_batch(self):
+        g = Golden("basic_f32")  # 4 sequences of 64 tokens, 100 tokens per request
+        async with aio.LogprobClient(self.split_server.address) as c:
+            res = await c.score(**g.score_kwargs())
+        self.assertEqual(res.num_parts, 4)
+        self.assertEqual(compare(g.expected, res.outputs), "")
+
+    async def test_server_errors_and_bounded_retries(self):
+        g = Golden("sampling_f32")
+        kw = g.score_kwargs()
+        async with aio.LogprobClient(self.server.address) as c:
+            bad = kw["input_ids"].copy()
+            bad[1, 3] = 10 ** 6
+            with self.assertRaises(LogprobError) as cm:
+                await c.score(**dict(kw, input_ids=bad))
+            self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertEqual(cm.exception.attempts, 1)
+            self.assertIn("sequence 1", cm.exception.message)
+        # Nothing listening: UNAVAILABLE, sent exactly max_attempts times with the policy's backoffs.
+        events = []
+        retry = RetryPolicy(max_attempts=3, initial_backoff=0.05, multiplier=2.0, jitter=0.0)
+        async with aio.LogprobClient("127.0.0.1:%d" % support.free_port(), retry=retry,
+                                     on_retry=lambda *a: events.append(a)) as c:
+            with self.assertRaises(LogprobError) as cm:
+                await c.score_request(_tiny_request())
+        self.assertEqual(cm.exception.code, grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(cm.exception.attempts, 3)
+        self.assertEqual([(a, code, round(d, 6)) for a, code, _, d in events],
+                         [(1, grpc.StatusCode.UNAVAILABLE, 0.05), (2, grpc.StatusCode.UNAVAILABLE, 0.1)])
+
+    async def test_retry_until_the_server_starts(self):
+        # The call is retried while nothing listens; the server is started
+        # once the client has seen a failure, and the call then succeeds.
+        port = support.free_port()
+        g = Golden("sampling_f32")
+        failed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        events = []
+
+        def on_retry(*a):
+            events.append(a)
+            failed.set()
+
+        retry = RetryPolicy(max_attempts=1000, initial_backoff=0.05, max_backoff=0.2)
+        started = {}
+        async with aio.LogprobClient("127.0.0.1:%d" % port, retry=retry, timeout=120, on_retry=on_retry) as c:
+            task = asyncio.ensure_future(c.score(**g.score_kwargs()))
+            await asyncio.wait_for(failed.wait(), 60)
+            try:
+                started["server"] = await loop.run_in_executor(None, lambda: Server(workers=1, port=port))
+                res = await asyncio.wait_for(task, 120)
+            finally:
+                if "server" in started:
+                    started["server"].close()
+        self.assertEqual(compare(g.expected, res.outputs), "")
+        self.assertGreater(len(events), 0)
+        self.assertTrue(all(e[1] == grpc.StatusCode.UNAVAILABLE for e in events), events)
+        # Retries of GetServerInfo (fetched first) and of Score are both in events.
+        self.assertLessEqual(res.attempts, len(events) + 1)
+
+    async def test_timeout_bounds_the_whole_call_across_retries(self):
+        # 1000 attempts would take minutes; the 1 s timeout ends the call.
+        retry = RetryPolicy(max_attempts=1000, initial_backoff=0.05, max_backoff=0.1, jitter=0.0)
+        async with aio.LogprobClient("127.0.0.1:%d" % support.free_port(), retry=retry, timeout=1.0) as c:
+            t0 = time.monotonic()
+            with self.assertRaises(LogprobError) as cm:
+                await c.score_request(_tiny_request())
+            elapsed = time.monotonic() - t0
+        self.assertIn(cm.exception.code, (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
+        self.assertGreater(cm.exception.attempts, 1)
+        self.assertLess(cm.exception.attempts, 1000)
+        self.assertLess(elapsed, 30)  # generous: not 1000 attempts
+        # A per-call timeout on a large request: DEADLINE_EXCEEDED.
+        big = np.zeros((16, 64, 4096), dtype=np.float32)
+        async with aio.LogprobClient(self.server.address) as c:
+            await c.server_info()
+            with self.assertRaises(LogprobError) as cm:
+                await c.score(logits=big, input_ids=np.zeros((16, 64), dtype=np.int64), timeout=0.001)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    async def test_cancelling_the_task_cancels_the_call_on_the_server(self):
+        rng = np.random.default_rng(5)
+        V = 65536
+        async with aio.LogprobClient(self.server.address, timeout=600) as c:
+            await c.server_info()
+            for T in (256, 1024):  # slow on the server (top-p sorts V); larger if it was too fast
+                logits = rng.standard_normal((T, V), dtype=np.float32)
+                ids = rng.integers(0, V, T)
+                cancelled_before = self.server.metric("logprob_requests_total", code="CANCELLED", method="Score")
+                task = asyncio.ensure_future(c.score(logits=logits, input_ids=ids, cu_seqlens=np.arange(0, T + 1, 128),
+                                                     sampling_top_p=0.9, entropy=True))
+                # Wait until the server holds the request (admitted, unanswered).
+                await _until(lambda: task.done() or self.server.metric("logprob_inflight_requests") >= 1,
+                             "the slow request to reach the server")
+                if task.done():
+                    continue
+                task.cancel()
+                with self.assertRaises(asyncio.CancelledError):
+                    await task
+                await _until(
+                    lambda: self.server.metric("logprob_requests_total", code="CANCELLED", method="Score")
+                    > cancelled_before or "status=OK" in self.server.log().split("method=Score")[-1],
+                    "the server to count the request CANCELLED")
+                if self.server.metric("logprob_requests_total", code="CANCELLED", method="Score") > cancelled_before:
+                    self.assertIn("status=CANCELLED", self.server.log())
+                    return
+        self.fail("the slow request always finished before it could be cancelled")
+
+
+def _tiny_request():
+    from logprob_client import logprob_pb2 as pb2
+    from logprob_client.tensors import F32, I64, to_tensor
+
+    return pb2.ScoreRequest(id="tiny", inputs=[to_tensor("logits", F32, np.zeros((1, 2, 4), np.float32)),
+                                               to_tensor("input_ids", I64, np.zeros((1, 2), np.int64))])
+
+
+async def _until(predicate, what, timeout=120.0):
+    """Polls ``predicate`` (run in a thread: it may scrape /metrics) until true."""
+    deadline = time.monotonic() + timeout
+    loop = asyncio.get_running_loop()
+    while not await loop.run_in_executor(None, predicate):
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out after %g s waiting for %s" % (timeout, what))
+        await asyncio.sleep(0.01)
+
+
+if __name__ == "__main__":
+    unittest.main()
