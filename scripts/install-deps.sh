@@ -18,6 +18,8 @@ PACKAGES=(
   python3-kubernetes python3-yaml  # tests/deploy: manifests validated against the Kubernetes API types
   python3 python3-grpcio python3-protobuf python3-numpy  # Python client (client/python) and its ctest py_client_*;
                                                          # its stubs come from protoc + grpc_python_plugin (protobuf-compiler-grpc)
+  python3-torch  # Python client: torch tensors in and out (py_client_TorchTest)
+  python3-venv python3-pip python3-setuptools python3-wheel  # py_client_PackageTest: pip install ./client/python into a venv, offline
 )
 # kubectl for `kubectl kustomize` (tests/deploy): Debian's kubernetes-client,
 # unless a kubectl is installed already (another package owning
