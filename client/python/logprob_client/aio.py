@@ -163,32 +163,19 @@ class LogprobClient(ClientBase):
         limits = self._limits_of(await self.server_info(_deadline=deadline))
         assembler = StreamAssembler(limits, self._next_id)
 
-        async def messages() -> AsyncIterator[Any]:
-            if hasattr(requests, "__aiter__"):
-                async for item in requests:  # type: ignore[union-attr]
-                    for message in assembler.messages_of(item):
-                        yield message
-            else:
-                for item in requests:  # type: ignore[union-attr]
-                    for message in assembler.messages_of(item):
-                        yield message
-
-        remaining = deadline.remaining()
-        if remaining is not None and remaining <= 0:
-            raise deadline.expired_error()
-        call = self._stub.ScoreStream(messages(), timeout=remaining, metadata=self._metadata)
+        call = self._stub.ScoreStream(
+            assembler.amessages(requests), timeout=assembler.timeout(deadline), metadata=self._metadata
+        )
         try:
             try:
                 async for response in call:
-                    assembler.receive(response)
-                    for outcome in assembler.ready():
+                    for outcome in assembler.on_response(response):
                         yield deliver(outcome, return_exceptions)
             except grpc.RpcError as e:
-                for outcome in assembler.ready():
-                    yield deliver(outcome, return_exceptions)
-                code, message = error_of(e)
-                raise LogprobError(code, message, attempts=1) from None
-            for outcome in assembler.finish():
+                tail = assembler.on_failure(e)
+            else:
+                tail = assembler.finish()
+            for outcome in tail:
                 yield deliver(outcome, return_exceptions)
         finally:
             call.cancel()

@@ -212,27 +212,19 @@ class LogprobClient(ClientBase):
         limits = self._limits_of(self.server_info(_deadline=deadline))
         assembler = StreamAssembler(limits, self._next_id)
 
-        def messages() -> Iterator[Any]:
-            for item in requests:
-                for message in assembler.messages_of(item):
-                    yield message
-
-        remaining = deadline.remaining()
-        if remaining is not None and remaining <= 0:
-            raise deadline.expired_error()
-        responses = self._stub.ScoreStream(messages(), timeout=remaining, metadata=self._metadata)
+        responses = self._stub.ScoreStream(
+            assembler.messages(requests), timeout=assembler.timeout(deadline), metadata=self._metadata
+        )
         try:
             try:
                 for response in responses:
-                    assembler.receive(response)
-                    for outcome in assembler.ready():
+                    for outcome in assembler.on_response(response):
                         yield deliver(outcome, return_exceptions)
             except grpc.RpcError as e:
-                for outcome in assembler.ready():
-                    yield deliver(outcome, return_exceptions)
-                code, message = error_of(e)
-                raise LogprobError(code, message, attempts=1) from None
-            for outcome in assembler.finish():
+                tail = assembler.on_failure(e)
+            else:
+                tail = assembler.finish()
+            for outcome in tail:
                 yield deliver(outcome, return_exceptions)
         finally:
             responses.cancel()

@@ -114,7 +114,7 @@ def score_options(
 
 class ScoreCall:
     """A checked, encoded score call (arguments as in
-    ``LogprobClient.score``). No copy of the caller's arrays is made here
+    ``LogprobClient.score``; ``options`` those of ``score_options``). No copy of the caller's arrays is made here
     (except for a dtype conversion); ``parts()`` cuts views of them and
     each ``Part.request`` copies one part into its message.
 
@@ -133,15 +133,9 @@ class ScoreCall:
         attention_mask: Any = None,
         cu_seqlens: Any = None,
         gather_indices: Any = None,
-        alignment: Any = "next_token",
-        entropy: bool = False,
-        topk: int = 0,
-        temperature: Optional[float] = None,
-        sampling_top_k: int = 0,
-        sampling_top_p: Optional[float] = None,
-        ignore_index: Optional[int] = None,
         dtype: Any = None,
         split: bool = True,
+        **options: Any,
     ) -> None:
         if (logits is None) == (hidden_states is None):
             raise InvalidInputError("give exactly one of logits and hidden_states")
@@ -185,10 +179,7 @@ class ScoreCall:
             tensors.append(("seq_lens",) + int_array("seq_lens", seq_lens))
         if gather_indices is not None:
             tensors.append(("gather_indices",) + int_array("gather_indices", gather_indices))
-        options = score_options(
-            alignment, entropy, topk, temperature, sampling_top_k, sampling_top_p, ignore_index
-        )
-        self.inputs = splitter.Inputs(tensors, options)
+        self.inputs = splitter.Inputs(tensors, score_options(**options))
         self.id = request_id
         self.split = split
 

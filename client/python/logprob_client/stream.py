@@ -6,7 +6,7 @@ by the sync and asyncio clients, which only move the messages."""
 
 import collections
 import threading
-from typing import Any, Callable, Deque, Dict, List, Optional, Union
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Union
 
 import grpc
 
@@ -14,8 +14,19 @@ from ._proto import pb2
 from .errors import InvalidInputError, LogprobError
 from .request import Limits, ScoreCall, decode, status_error
 from .result import ScoreResult
+from .retry import Deadline, error_of
 
-Outcome = Union[ScoreResult, LogprobError]
+
+class Fatal:
+    """The end of a stream that fails it as a whole (the RPC failed, or the
+    caller's iterable raised): ``deliver`` raises ``error`` whatever
+    ``return_exceptions`` says."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+Outcome = Union[ScoreResult, LogprobError, Fatal]
 
 
 class _Entry:
@@ -52,6 +63,40 @@ class StreamAssembler:
         self._order: Deque[_Entry] = collections.deque()
         self._by_part: Dict[str, Any] = {}  # part id -> (entry, index)
         self.sent = 0  # caller items taken
+        self._source_error: Optional[BaseException] = None
+
+    @staticmethod
+    def timeout(deadline: Deadline) -> Optional[float]:
+        """The stream RPC's gRPC timeout: what is left of ``deadline``.
+        Raises DEADLINE_EXCEEDED when nothing is."""
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= 0:
+            raise deadline.expired_error()
+        return remaining
+
+    def messages(self, items: Iterable[Any]) -> Iterator[Any]:
+        """The stream's messages for the caller's ``items``. An exception
+        of the iterable ends the messages; it is raised to the caller after
+        the outcomes of the items taken before it."""
+        try:
+            for item in items:
+                yield from self.messages_of(item)
+        except Exception as e:  # the caller's iterable failed
+            self._source_error = e
+
+    async def amessages(self, items: Union[Iterable[Any], AsyncIterable[Any]]) -> AsyncIterator[Any]:
+        """``messages`` of an iterable or async iterable, as an async iterator."""
+        try:
+            if hasattr(items, "__aiter__"):
+                async for item in items:  # type: ignore[union-attr]
+                    for message in self.messages_of(item):
+                        yield message
+            else:
+                for item in items:  # type: ignore[union-attr]
+                    for message in self.messages_of(item):
+                        yield message
+        except Exception as e:  # the caller's iterable failed
+            self._source_error = e
 
     def messages_of(self, item: Any) -> List[Any]:
         """The ScoreRequests to send for one caller item (none when it is refused)."""
@@ -93,6 +138,17 @@ class StreamAssembler:
             out.append(p if isinstance(p, pb2.ScoreRequest) else p.request(self.limits.max_bytes))
         return out
 
+    def on_response(self, response: Any) -> List[Outcome]:
+        """Files one answer; returns the outcomes it completes, in order."""
+        self.receive(response)
+        return self.ready()
+
+    def on_failure(self, e: Any) -> List[Outcome]:
+        """The stream RPC failed with ``e`` (a grpc.RpcError): the outcomes
+        already known, then a Fatal LogprobError of the stream."""
+        code, message = error_of(e)
+        return self.ready() + [Fatal(LogprobError(code, message, attempts=1))]
+
     def receive(self, response: Any) -> None:
         """Files one answer. Raises LogprobError (INTERNAL) for an answer
         whose id was not sent on this stream."""
@@ -131,7 +187,8 @@ class StreamAssembler:
 
     def finish(self) -> List[Outcome]:
         """At the stream's end: the remaining outcomes in order, requests
-        left without an answer as INTERNAL errors."""
+        left without an answer as INTERNAL errors, then a Fatal of the
+        caller's iterable's exception, if it raised."""
         out = self.ready()
         with self._lock:
             while self._order:
@@ -144,12 +201,17 @@ class StreamAssembler:
                         % (e.id, e.received, e.count),
                     )
                 )
+        if self._source_error is not None:
+            out.append(Fatal(self._source_error))
         return out
 
 
 def deliver(outcome: Outcome, return_exceptions: bool) -> Outcome:
     """What the caller's iteration gets for one outcome: a LogprobError is
-    raised unless ``return_exceptions``; anything else is returned."""
+    raised unless ``return_exceptions``; a Fatal's error is raised; a
+    ScoreResult is returned."""
+    if isinstance(outcome, Fatal):
+        raise outcome.error
     if isinstance(outcome, LogprobError) and not return_exceptions:
         raise outcome
     return outcome

@@ -4,7 +4,6 @@ channel, splitting, retries, the overall deadline, and cancellation seen by
 the server."""
 
 import asyncio
-import threading
 import time
 import unittest
 

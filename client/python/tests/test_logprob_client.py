@@ -368,27 +368,36 @@ class RetryTest(unittest.TestCase):
             self.assertGreater(max(delays) - min(delays), 0.1 * base)  # jittered
 
     def test_server_starting_later_is_waited_for(self):
+        # The server is started once the client has seen the call fail
+        # (from on_retry, in another thread); the retried call then succeeds.
         port = support.free_port()
         g = Golden("sampling_f32")
         events = []
         later = {}
 
-        def start_later():
-            time.sleep(1.0)
+        def start_server():
             later["server"] = Server(workers=1, port=port, wait=False)
 
-        t = threading.Thread(target=start_later)
-        t.start()
+        starter = threading.Thread(target=start_server)
+
+        def on_retry(*a):
+            events.append(a)
+            if len(events) == 1:
+                starter.start()
+
         try:
             with LogprobClient(
                 "127.0.0.1:%d" % port,
-                retry=RetryPolicy(max_attempts=100, initial_backoff=0.1, max_backoff=0.5),
-                on_retry=lambda *a: events.append(a),
+                timeout=120,
+                retry=RetryPolicy(max_attempts=1000, initial_backoff=0.1, max_backoff=0.5),
+                on_retry=on_retry,
             ) as c:
                 res = c.score(**g.score_kwargs())
         finally:
-            t.join()
-            later["server"].close()
+            if starter.is_alive() or events:
+                starter.join()
+            if "server" in later:
+                later["server"].close()
         self.assertEqual(compare(g.expected, res.outputs), "")
         self.assertGreater(len(events), 0)
         self.assertTrue(all(e[1] == grpc.StatusCode.UNAVAILABLE for e in events), events)

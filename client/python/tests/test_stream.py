@@ -93,6 +93,21 @@ class StreamTest(unittest.TestCase):
         g = self.cases[0]
         self.assertEqual(compare(g.expected, self.client.score(**g.score_kwargs()).outputs), "")
 
+    def test_an_exception_of_the_requests_iterable_comes_after_the_earlier_results(self):
+        g = self.cases[0]
+
+        def items():
+            yield g.score_kwargs()
+            raise RuntimeError("the rollout source broke")
+
+        got = []
+        with self.assertRaises(RuntimeError) as cm:
+            for res in self.client.score_stream(items()):
+                got.append(res)
+        self.assertIn("rollout source", str(cm.exception))
+        self.assertEqual(len(got), 1)
+        self.assertEqual(compare(g.expected, got[0].outputs), "")
+
     def test_one_deadline_for_the_whole_stream(self):
         self.client.server_info()
         big = {"logits": np.zeros((1, 64, 1 << 16), np.float32), "input_ids": np.zeros((1, 64), np.int64)}
