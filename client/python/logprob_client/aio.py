@@ -20,8 +20,8 @@ from typing import Any, AsyncIterable, AsyncIterator, Iterable, Optional, Tuple,
 import grpc
 import grpc.aio
 
-from ._proto import pb2, pb2_grpc
-from .base import HEALTH_CHECK, HEALTH_SERVING, ClientBase
+from ._proto import pb2
+from .base import HEALTH_SERVING, ClientBase
 from .errors import LogprobError
 from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
@@ -45,10 +45,7 @@ class LogprobClient(ClientBase):
         super().__init__(target, *args, **kwargs)
         self._info_lock = asyncio.Lock()
         self._channel = self._settings.open_aio()
-        self._stub = pb2_grpc.LogprobServiceStub(self._channel)
-        self._health = self._channel.unary_unary(
-            HEALTH_CHECK, request_serializer=lambda x: x, response_deserializer=lambda x: x
-        )
+        self._open_methods(self._channel)
 
     # -- lifecycle -------------------------------------------------------
 
@@ -77,12 +74,12 @@ class LogprobClient(ClientBase):
                 await self._backoff(delay, reconnect=error_of(e)[0] == grpc.StatusCode.UNAVAILABLE)
 
     async def _send_part(self, part: Part, limits: Limits, deadline: Deadline) -> Tuple[Any, int]:
-        """The send path of a score call: one part's ``ScoreRequest`` over
+        """The send path of a score call: one part's serialized ``ScoreRequest`` over
         the unary ``Score`` RPC, retried per the policy within ``deadline``;
         returns ``(ScoreResponse, sends)``."""
-        request = part.request(limits.max_bytes)
-        attempts = self._attempts(deadline, part.where, oversize=request.ByteSize() > limits.server_bytes)
-        return await self._call(self._stub.Score, request, attempts)
+        request = part.serialized(limits.max_bytes)
+        attempts = self._attempts(deadline, part.where, oversize=len(request) > limits.server_bytes)
+        return await self._call(self._score_raw, request, attempts)
 
     async def _backoff(self, delay: float, reconnect: bool) -> None:
         """Waits ``delay`` seconds, meanwhile reconnecting when ``reconnect``
@@ -163,7 +160,7 @@ class LogprobClient(ClientBase):
         limits = self._limits_of(await self.server_info(_deadline=deadline))
         assembler = StreamAssembler(limits, self._next_id)
 
-        call = self._stub.ScoreStream(
+        call = self._score_stream_raw(
             assembler.amessages(requests), timeout=assembler.timeout(deadline), metadata=self._metadata
         )
         try:

@@ -6,11 +6,17 @@ import os
 import random
 from typing import Any, Optional, Sequence, Tuple
 
+from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
 from .request import Limits
 from .retry import Attempts, Deadline, OnRetry, RetryPolicy
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# The scoring RPCs, called with requests serialized by wire.encode_request
+# (request_serializer None: the bytes go as they are).
+_SERVICE = pb2.DESCRIPTOR.services_by_name["LogprobService"].full_name
+SCORE_METHOD = "/%s/Score" % _SERVICE
+SCORE_STREAM_METHOD = "/%s/ScoreStream" % _SERVICE
 # HealthCheckResponse{status = 1 (SERVING)}.
 HEALTH_SERVING = b"\x08\x01"
 
@@ -78,6 +84,19 @@ class ClientBase:
             target, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file, channel_options
         )
         self._metadata = self._settings.metadata
+
+    def _open_methods(self, channel: Any) -> None:
+        """The multicallables of ``channel`` (grpc or grpc.aio): ``_stub``
+        (message requests), ``_score_raw`` / ``_score_stream_raw``
+        (serialized requests), ``_health``."""
+        self._stub = pb2_grpc.LogprobServiceStub(channel)
+        self._score_raw = channel.unary_unary(SCORE_METHOD, response_deserializer=pb2.ScoreResponse.FromString)
+        self._score_stream_raw = channel.stream_stream(
+            SCORE_STREAM_METHOD, response_deserializer=pb2.ScoreResponse.FromString
+        )
+        self._health = channel.unary_unary(
+            HEALTH_CHECK, request_serializer=lambda x: x, response_deserializer=lambda x: x
+        )
 
     def _next_id(self) -> str:
         return "py-%d-%d" % (os.getpid(), next(self._ids))

@@ -7,8 +7,8 @@ from typing import Any, Iterable, Iterator, Optional, Tuple, Union
 
 import grpc
 
-from ._proto import pb2, pb2_grpc
-from .base import HEALTH_CHECK, HEALTH_SERVING, ClientBase
+from ._proto import pb2
+from .base import HEALTH_SERVING, ClientBase
 from .errors import LogprobError
 from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
@@ -26,10 +26,7 @@ class LogprobClient(ClientBase):
         super().__init__(target, *args, **kwargs)
         self._info_lock = threading.Lock()
         self._channel = self._settings.open_sync()
-        self._stub = pb2_grpc.LogprobServiceStub(self._channel)
-        self._health = self._channel.unary_unary(
-            HEALTH_CHECK, request_serializer=lambda x: x, response_deserializer=lambda x: x
-        )
+        self._open_methods(self._channel)
 
     # -- lifecycle -------------------------------------------------------
 
@@ -58,13 +55,13 @@ class LogprobClient(ClientBase):
                 self._backoff(delay, reconnect=error_of(e)[0] == grpc.StatusCode.UNAVAILABLE)
 
     def _send_part(self, part: Part, limits: Limits, deadline: Deadline) -> Tuple[Any, int]:
-        """The send path of a score call: one part's ``ScoreRequest`` over
+        """The send path of a score call: one part's serialized ``ScoreRequest`` over
         the unary ``Score`` RPC, retried per the policy within ``deadline``;
         returns ``(ScoreResponse, sends)``. The request's bytes (the copy of
         the caller's data) exist only during this call."""
-        request = part.request(limits.max_bytes)
-        attempts = self._attempts(deadline, part.where, oversize=request.ByteSize() > limits.server_bytes)
-        return self._call(self._stub.Score, request, attempts)
+        request = part.serialized(limits.max_bytes)
+        attempts = self._attempts(deadline, part.where, oversize=len(request) > limits.server_bytes)
+        return self._call(self._score_raw, request, attempts)
 
     def _wait_connected(self, seconds: float) -> bool:
         """Asks the channel to connect and waits up to ``seconds`` for it to be
@@ -212,7 +209,7 @@ class LogprobClient(ClientBase):
         limits = self._limits_of(self.server_info(_deadline=deadline))
         assembler = StreamAssembler(limits, self._next_id)
 
-        responses = self._stub.ScoreStream(
+        responses = self._score_stream_raw(
             assembler.messages(requests), timeout=assembler.timeout(deadline), metadata=self._metadata
         )
         try:

@@ -14,6 +14,7 @@ from .errors import InvalidInputError, LogprobError
 from .outputs import OutputFormat
 from .result import ScoreResult
 from .tensors import as_numpy, float_array, from_tensor, int_array
+from .wire import encode_request
 
 # Fraction of the server's max_request_bytes a part may fill (like the C++
 # client's kRequestFill), and the limit used when the server reports none.
@@ -51,7 +52,8 @@ class Limits:
 
 class Part:
     """One request of a call: its id, inputs (views of the caller's
-    arrays), ``index`` / ``count`` (1-based ``(i, n)`` as ``where``)."""
+    arrays), ``index`` / ``count`` (1-based ``(i, n)`` as ``where``);
+    ``checked``: planned to fit the limits (its size is checked)."""
 
     def __init__(self, part_id: str, inputs: splitter.Inputs, index: int, count: int, checked: bool) -> None:
         self.id = part_id
@@ -59,12 +61,18 @@ class Part:
         self.where = (index, count)
         self._checked = checked
 
-    def request(self, max_bytes: int) -> Any:
-        """Builds the ``ScoreRequest`` (the copy of the caller's data into
-        the message). Its bytes exist only while the caller holds it."""
-        if self._checked:
-            return splitter.build_part(self.id, self.inputs, max_bytes)
-        return self.inputs.request(self.id)
+    def serialized(self, max_bytes: int) -> bytes:
+        """The serialized ``ScoreRequest`` (``wire.encode_request``: the one
+        copy of the caller's data). Its bytes exist only while the caller
+        holds them. Raises LogprobError (INTERNAL) when a part planned to fit
+        ``max_bytes`` does not (never expected: the plan's estimate is an
+        upper bound)."""
+        data = encode_request(self.id, self.inputs.tensors, self.inputs.options)
+        if self._checked and len(data) > max_bytes:
+            raise LogprobError(
+                grpc.StatusCode.INTERNAL, "part %s has %d bytes, over the limit of %d" % (self.id, len(data), max_bytes)
+            )
+        return data
 
 
 def _mask_to_seq_lens(mask: Any, ids_shape: Tuple[int, ...]) -> np.ndarray:

@@ -99,7 +99,8 @@ class StreamAssembler:
             self._source_error = e
 
     def messages_of(self, item: Any) -> List[Any]:
-        """The ScoreRequests to send for one caller item (none when it is refused)."""
+        """The serialized ScoreRequests to send for one caller item (none
+        when it is refused)."""
         try:
             if isinstance(item, pb2.ScoreRequest):
                 request_id = item.id or self.next_id()
@@ -133,10 +134,8 @@ class StreamAssembler:
                 self._order.append(entry)
                 self.sent += 1
             return []
-        out = []
-        for pid, p in parts:
-            out.append(p if isinstance(p, pb2.ScoreRequest) else p.request(self.limits.max_bytes))
-        return out
+        return [p.SerializeToString() if isinstance(p, pb2.ScoreRequest) else p.serialized(self.limits.max_bytes)
+                for _, p in parts]
 
     def on_response(self, response: Any) -> List[Outcome]:
         """Files one answer; returns the outcomes it completes, in order."""

@@ -626,6 +626,32 @@ class OfflineTest(unittest.TestCase):
         joined = splitter.join([{"a": np.ones((2, 3))}, {"a": np.zeros((0, 3))}, {"a": np.full((1, 3), 2.0)}])
         self.assertEqual(joined["a"].shape, (3, 3))
 
+    def test_wire_encoding_matches_protobuf(self):
+        # encode_request's bytes parse as the ScoreRequest protobuf builds,
+        # for contiguous, strided, bf16 and empty tensors; a contiguous
+        # array's data is joined from its own memory (the one copy).
+        from logprob_client import logprob_pb2 as pb2, splitter, wire
+        from logprob_client.tensors import float_array, int_array
+
+        rng = np.random.default_rng(2)
+        logits = rng.standard_normal((5, 3, 300)).astype(np.float32)
+        ids = rng.integers(0, 300, (3, 5))
+        for rows in (logits, logits.transpose(1, 0, 2), float32_to_bf16_bits(logits)[:, ::2]):
+            kind = "bf16" if rows.dtype == np.uint16 else None
+            tensors = [("logits",) + float_array("logits", rows, kind),
+                       ("input_ids",) + int_array("input_ids", ids if rows.shape[0] == 3 else ids.T),
+                       ("gather_indices",) + int_array("g", np.zeros(rows.shape[:2] + (0,), np.int64))]
+            options = pb2.ScoreOptions(topk=3, temperature=0.5, alignment=pb2.SAME_POSITION)
+            raw = wire.encode_request("r-1", tensors, options)
+            built = splitter.Inputs(tensors, options).request("r-1")
+            self.assertEqual(pb2.ScoreRequest.FromString(raw), built)
+            self.assertEqual(len(raw), built.ByteSize())
+        pieces = wire._tensor_pieces("logits", pb2.F32, logits)
+        self.assertTrue(np.shares_memory(pieces[1], logits))
+        for n in (0, 1, 127, 128, 16383, 16384, 2 ** 35):
+            v = wire.varint(n)
+            self.assertEqual(v, pb2.ServerInfo(max_request_bytes=n).SerializeToString()[1:] if n else b"\x00")
+
     def test_conversions(self):
         from logprob_client.tensors import BF16, F16, F32, I32, I64, float_array, int_array
 
