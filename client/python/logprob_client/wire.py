@@ -1,17 +1,28 @@
 """A ``logprob.v1.ScoreRequest`` serialized straight from the caller's
 arrays: the protobuf wire bytes, with each tensor's ``data`` field filled
-by one copy from the array's memory.
+by one copy from the array's memory, contiguous or not.
 
 Building a ``ScoreRequest`` message instead copies each array three times
 (``tobytes``; into the C++ message; ``SerializeToString``). Here the small
 parts (id, options, each tensor's name / dtype / shape) are serialized by
-protobuf and the data is spliced in with ``bytes.join``, which copies a
-C-contiguous array once, straight into the request's bytes (a strided array
-is made contiguous first: one more copy). The result parses as the same
-``ScoreRequest`` (protobuf allows fields in any order), and the clients
-send it as is (their ``Score`` / ``ScoreStream`` calls take bytes).
+protobuf and the data is copied in once:
+
+- on CPython, into a ``bytes`` object allocated at its final size
+  (``PyBytes_FromStringAndSize(NULL, n)``) and filled through a numpy view
+  of its buffer before anyone else sees it (``np.copyto`` takes any
+  strides). gRPC's Python API takes only ``bytes``, so the request cannot
+  be a ``bytearray``; a fresh, unshared ``bytes`` is filled exactly like
+  CPython's own constructors fill theirs;
+- elsewhere, or for small requests, with ``bytes.join`` over the arrays'
+  buffers (a strided array is made contiguous first: one more copy).
+
+The result parses as the same ``ScoreRequest`` (protobuf allows fields in
+any order), and the clients send it as is (their ``Score`` / ``ScoreStream``
+calls take bytes).
 """
 
+import ctypes
+import platform
 from typing import Any, List, Sequence, Tuple
 
 import numpy as np
@@ -36,25 +47,64 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _tensor_pieces(name: str, wire_dtype: int, arr: np.ndarray) -> List[Any]:
+# Requests below this size are joined (the fill path's setup is not worth it).
+FILL_MIN_BYTES = 1 << 16
+_CPYTHON = platform.python_implementation() == "CPython"
+
+
+def _new_bytes(n: int) -> Tuple[bytes, np.ndarray]:
+    """A new ``bytes`` of ``n`` (>= 2) uninitialised bytes and a writable
+    uint8 view of its buffer (CPython only). Fill it before it is shared."""
+    make = ctypes.pythonapi.PyBytes_FromStringAndSize
+    make.restype = ctypes.py_object
+    make.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+    b = make(None, n)
+    # ob_sval starts 1 byte before the end of PyBytesObject's basic size.
+    buf = (ctypes.c_char * n).from_address(id(b) + bytes.__basicsize__ - 1)
+    return b, np.frombuffer(buf, dtype=np.uint8)
+
+
+def _tensor_parts(name: str, wire_dtype: int, arr: np.ndarray) -> Tuple[bytes, np.ndarray]:
+    """``(prefix, data)``: the Tensor's bytes up to its data, and the data
+    array (wire dtype, the caller's strides)."""
     arr = arr.astype(NUMPY_DTYPE[wire_dtype], copy=False)
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
     head = pb2.Tensor(name=name, dtype=wire_dtype, shape=[int(d) for d in arr.shape]).SerializeToString()
     data_len = arr.nbytes
     if data_len == 0:  # proto3 leaves an empty bytes field out
-        return [_INPUTS_TAG + varint(len(head)) + head]
+        return _INPUTS_TAG + varint(len(head)) + head, arr
     data_head = _DATA_TAG + varint(data_len)
-    prefix = _INPUTS_TAG + varint(len(head) + len(data_head) + data_len) + head + data_head
-    # A flat uint8 view of the C-contiguous array: a plain buffer for join.
-    return [prefix, arr.reshape(-1).view(np.uint8)]
+    return _INPUTS_TAG + varint(len(head) + len(data_head) + data_len) + head + data_head, arr
 
 
-def encode_request(request_id: str, tensors: Sequence[Tuple[str, int, np.ndarray]], options: Any) -> bytes:
+def encode_request(
+    request_id: str, tensors: Sequence[Tuple[str, int, np.ndarray]], options: Any, fill: Any = None
+) -> bytes:
     """The serialized ``ScoreRequest{id, inputs, options}`` of
     ``[(name, wire_dtype, array)]`` (arrays in their wire dtype, any
-    strides). Thread-safe; reads the arrays, never writes them."""
-    pieces: List[Any] = [pb2.ScoreRequest(id=request_id, options=options).SerializeToString()]
-    for name, dt, arr in tensors:
-        pieces.extend(_tensor_pieces(name, dt, arr))
+    strides): each array's data copied once. ``fill`` (tests): force
+    (True) or avoid (False) the CPython fill path. Thread-safe; reads the
+    arrays, never writes them."""
+    head = pb2.ScoreRequest(id=request_id, options=options).SerializeToString()
+    parts = [_tensor_parts(name, dt, arr) for name, dt, arr in tensors]
+    total = len(head) + sum(len(p) + a.nbytes for p, a in parts)
+    if fill is None:
+        fill = _CPYTHON and total >= FILL_MIN_BYTES
+    if fill and total >= 2:
+        out, buf = _new_bytes(total)
+        pos = 0
+        for piece in [(head, None)] + parts:
+            prefix, arr = piece
+            buf[pos:pos + len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+            pos += len(prefix)
+            if arr is not None and arr.nbytes:
+                np.copyto(buf[pos:pos + arr.nbytes].view(arr.dtype).reshape(arr.shape), arr, casting="no")
+                pos += arr.nbytes
+        assert pos == total
+        return out
+    pieces: List[Any] = [head]
+    for prefix, arr in parts:
+        pieces.append(prefix)
+        if arr.nbytes:
+            # A flat uint8 view of a C-contiguous array: a plain buffer for join.
+            pieces.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
     return b"".join(pieces)

@@ -628,8 +628,7 @@ class OfflineTest(unittest.TestCase):
 
     def test_wire_encoding_matches_protobuf(self):
         # encode_request's bytes parse as the ScoreRequest protobuf builds,
-        # for contiguous, strided, bf16 and empty tensors; a contiguous
-        # array's data is joined from its own memory (the one copy).
+        # for contiguous, strided, bf16 and empty tensors, on both paths.
         from logprob_client import logprob_pb2 as pb2, splitter, wire
         from logprob_client.tensors import float_array, int_array
 
@@ -642,12 +641,12 @@ class OfflineTest(unittest.TestCase):
                        ("input_ids",) + int_array("input_ids", ids if rows.shape[0] == 3 else ids.T),
                        ("gather_indices",) + int_array("g", np.zeros(rows.shape[:2] + (0,), np.int64))]
             options = pb2.ScoreOptions(topk=3, temperature=0.5, alignment=pb2.SAME_POSITION)
-            raw = wire.encode_request("r-1", tensors, options)
             built = splitter.Inputs(tensors, options).request("r-1")
-            self.assertEqual(pb2.ScoreRequest.FromString(raw), built)
-            self.assertEqual(len(raw), built.ByteSize())
-        pieces = wire._tensor_pieces("logits", pb2.F32, logits)
-        self.assertTrue(np.shares_memory(pieces[1], logits))
+            for fill in (True, False):  # filled in place (CPython) / joined
+                raw = wire.encode_request("r-1", tensors, options, fill=fill)
+                self.assertIsInstance(raw, bytes)
+                self.assertEqual(pb2.ScoreRequest.FromString(raw), built)
+                self.assertEqual(len(raw), built.ByteSize())
         for n in (0, 1, 127, 128, 16383, 16384, 2 ** 35):
             v = wire.varint(n)
             self.assertEqual(v, pb2.ServerInfo(max_request_bytes=n).SerializeToString()[1:] if n else b"\x00")

@@ -28,7 +28,7 @@ class TorchTest(unittest.TestCase):
         cls.client = cls.server.client()
         cls.addClassCleanup(cls.client.close)
         rng = np.random.default_rng(11)
-        cls.B, cls.S, cls.V = 3, 10, 300
+        cls.B, cls.S, cls.V = 3, 10, 3000  # > wire.FILL_MIN_BYTES: requests filled in place
         cls.logits = (rng.standard_normal((cls.B, cls.S, cls.V)) * 2).astype(np.float32)
         cls.ids = rng.integers(0, cls.V, size=(cls.B, cls.S)).astype(np.int64)
         cls.seq_lens = np.array([10, 7, 4], dtype=np.int64)
