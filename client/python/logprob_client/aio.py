@@ -41,8 +41,7 @@ class LogprobClient(ClientBase):
     cancels the RPC (the server stops the work and counts it CANCELLED).
     """
 
-    def __init__(self, target: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(target, *args, **kwargs)
+    def _open(self) -> None:
         self._info_lock = asyncio.Lock()
         self._channel = self._settings.open_aio()
         self._open_methods(self._channel)

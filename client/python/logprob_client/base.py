@@ -84,6 +84,11 @@ class ClientBase:
             target, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file, channel_options
         )
         self._metadata = self._settings.metadata
+        self._open()
+
+    def _open(self) -> None:
+        """Opens the channel and its methods (``_open_methods``); per client kind."""
+        raise NotImplementedError
 
     def _open_methods(self, channel: Any) -> None:
         """The multicallables of ``channel`` (grpc or grpc.aio): ``_stub``

@@ -81,7 +81,7 @@ class ChannelSettings:
         options.extend(channel_options)
         self.options = options
         if token and self.credentials is None:
-            warnings.warn("logprob_client: bearer token without TLS: the token is sent in plaintext", stacklevel=4)
+            warnings.warn("logprob_client: bearer token without TLS: the token is sent in plaintext", stacklevel=3)
 
     def open_sync(self) -> grpc.Channel:
         """A new ``grpc.Channel``."""

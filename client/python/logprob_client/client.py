@@ -22,8 +22,7 @@ class LogprobClient(ClientBase):
     ``ClientBase``. Thread-safe: threads may share one client (one
     channel); use it as a context manager or ``close()`` it."""
 
-    def __init__(self, target: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(target, *args, **kwargs)
+    def _open(self) -> None:
         self._info_lock = threading.Lock()
         self._channel = self._settings.open_sync()
         self._open_methods(self._channel)
