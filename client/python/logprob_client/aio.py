@@ -153,8 +153,11 @@ class LogprobClient(ClientBase):
         iterator of one outcome per request, in request order. ``requests``
         may be an iterable or an async iterable; everything else (items,
         the whole-stream ``timeout``, ``return_exceptions``, no retries) as
-        in the sync ``LogprobClient.score_stream``. Leaving the ``async
-        for`` early (or cancelling the task) cancels the stream."""
+        in the sync ``LogprobClient.score_stream``. Cancelling the task
+        cancels the stream; to leave the ``async for`` early, close the
+        iterator (``async with contextlib.aclosing(client.score_stream(...))
+        as results``), which cancels the stream at once (an abandoned async
+        generator is only closed when it is garbage-collected)."""
         deadline = self._deadline(timeout)
         limits = self._limits_of(await self.server_info(_deadline=deadline))
         assembler = StreamAssembler(limits, self._next_id)
