@@ -1,5 +1,7 @@
 """Exceptions of the logprob client."""
 
+from typing import Optional, Tuple
+
 import grpc
 
 
@@ -17,7 +19,9 @@ class LogprobError(Exception):
             request split into ``n`` parts, else None.
     """
 
-    def __init__(self, code, message, attempts=0, part=None):
+    def __init__(
+        self, code: grpc.StatusCode, message: str, attempts: int = 0, part: Optional[Tuple[int, int]] = None
+    ) -> None:
         self.code = code
         self.message = message
         self.attempts = attempts
@@ -29,7 +33,7 @@ class LogprobError(Exception):
         super().__init__("%s%s%s: %s" % (code.name, where, tries, message))
 
     @property
-    def retryable(self):
+    def retryable(self) -> bool:
         """True for codes worth retrying later (UNAVAILABLE, RESOURCE_EXHAUSTED)."""
         return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -39,5 +43,5 @@ class InvalidInputError(LogprobError, ValueError):
     ``INVALID_ARGUMENT``): inconsistent shapes, a sequence too large for the
     server's limits, bad options. Also a ``ValueError``."""
 
-    def __init__(self, message):
+    def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, attempts=0)

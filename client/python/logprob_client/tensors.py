@@ -16,6 +16,8 @@ float16, ``"f32"`` casts to float32. float64 input without a dtype is sent
 as float32.
 """
 
+from typing import Any, Optional, Tuple
+
 import numpy as np
 
 from ._proto import pb2
@@ -50,16 +52,16 @@ NUMPY_DTYPE = {
 DTYPE_SIZE = {k: v.itemsize for k, v in NUMPY_DTYPE.items()}
 
 
-def is_torch(x):
+def is_torch(x: Any) -> bool:
     """True for a torch tensor (checked without importing torch)."""
     return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach")
 
 
-def _is_ml_bf16(arr):
+def _is_ml_bf16(arr: np.ndarray) -> bool:
     return arr.dtype.name == "bfloat16"
 
 
-def as_numpy(x):
+def as_numpy(x: Any) -> Tuple[np.ndarray, bool]:
     """Returns ``(array, is_bf16)`` for a numpy array, array-like or torch
     tensor, without copying what is already in host memory: a CPU torch
     tensor (contiguous or not) becomes a numpy view of its memory; a tensor
@@ -81,7 +83,7 @@ def as_numpy(x):
     return arr, False
 
 
-def float32_to_bf16_bits(a):
+def float32_to_bf16_bits(a: Any) -> np.ndarray:
     """Rounds a float32 array to bfloat16 (nearest even; NaN stays NaN) and
     returns the raw ``uint16`` bits."""
     a = np.ascontiguousarray(a, dtype="<f4")
@@ -93,13 +95,13 @@ def float32_to_bf16_bits(a):
     return rounded
 
 
-def bf16_bits_to_float32(bits):
+def bf16_bits_to_float32(bits: Any) -> np.ndarray:
     """float32 values of raw bfloat16 bits (a ``uint16`` array); exact."""
     bits = np.asarray(bits, dtype="<u2")
     return (bits.astype("<u4") << 16).view("<f4")
 
 
-def parse_float_dtype(dtype):
+def parse_float_dtype(dtype: Any) -> Optional[int]:
     """Wire dtype of a name ("f32", "bf16", "f16", "float32", ...), a numpy
     dtype, or a wire dtype value; None stays None."""
     if dtype is None:
@@ -121,7 +123,7 @@ def parse_float_dtype(dtype):
     raise ValueError("unsupported float dtype %r (use 'f32', 'bf16' or 'f16')" % (dtype,))
 
 
-def float_array(name, x, dtype=None):
+def float_array(name: str, x: Any, dtype: Any = None) -> Tuple[int, np.ndarray]:
     """Converts ``x`` (scores: logits or hidden states) into
     ``(wire_dtype, little-endian array)``; BF16 as uint16 bits. Without a
     dtype conversion the array is ``x``'s memory (possibly strided), so
@@ -154,7 +156,7 @@ def float_array(name, x, dtype=None):
     return want, arr.astype(NUMPY_DTYPE[want], copy=False)
 
 
-def int_array(name, x):
+def int_array(name: str, x: Any) -> Tuple[int, np.ndarray]:
     """Converts ``x`` (ids, lengths) into ``(wire_dtype, array)``: int32
     stays I32, int64 stays I64, other integer (and bool) types become I64."""
     arr, is_bf16 = as_numpy(x)
@@ -167,7 +169,7 @@ def int_array(name, x):
     return I64, arr.astype("<i8", copy=False)
 
 
-def to_tensor(name, wire_dtype, arr):
+def to_tensor(name: str, wire_dtype: int, arr: np.ndarray) -> Any:
     """A ``logprob.v1.Tensor`` holding ``arr`` (already in the wire dtype,
     contiguous or not): ``tobytes`` is the one copy of the caller's data
     (row-major, whatever ``arr``'s strides)."""
@@ -176,7 +178,7 @@ def to_tensor(name, wire_dtype, arr):
     return t
 
 
-def from_tensor(t):
+def from_tensor(t: Any) -> np.ndarray:
     """numpy array of a ``logprob.v1.Tensor``: a read-only view of its
     bytes (``np.frombuffer``, no copy); BF16 converted to float32 values.
     Raises ValueError when the bytes do not match the shape."""
