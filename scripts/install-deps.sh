@@ -20,6 +20,7 @@ PACKAGES=(
                                                          # its stubs come from protoc + grpc_python_plugin (protobuf-compiler-grpc)
   python3-torch  # Python client: torch tensors in and out (py_client_TorchTest)
   python3-venv python3-pip python3-setuptools python3-wheel  # py_client_PackageTest: pip install ./client/python into a venv, offline
+  mypy  # py_client_typecheck: the Python client's type hints
 )
 # kubectl for `kubectl kustomize` (tests/deploy): Debian's kubernetes-client,
 # unless a kubectl is installed already (another package owning

@@ -83,7 +83,7 @@ class Deadline:
     def expired_error(self, attempts: int = 0, part: Optional[Tuple[int, int]] = None) -> LogprobError:
         return LogprobError(
             grpc.StatusCode.DEADLINE_EXCEEDED,
-            "the call's timeout of %g s passed" % self.seconds,
+            "the call's timeout of %g s passed" % float(self.seconds or 0.0),
             attempts=attempts,
             part=part,
         )
@@ -147,7 +147,7 @@ class Attempts:
             raise LogprobError(
                 code,
                 "%s (not retried: the call's timeout of %g s ends before the next attempt)"
-                % (message, self.deadline.seconds),
+                % (message, float(self.deadline.seconds or 0.0)),
                 attempts=self.count,
                 part=self.part,
             )

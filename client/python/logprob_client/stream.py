@@ -178,10 +178,14 @@ class StreamAssembler:
     def ready(self) -> List[Outcome]:
         """Outcomes now known, in request order (removed from the stream's
         pending list)."""
-        out = []
+        out: List[Outcome] = []
         with self._lock:
-            while self._order and self._order[0].outcome is not None:
-                out.append(self._order.popleft().outcome)
+            while self._order:
+                outcome = self._order[0].outcome
+                if outcome is None:
+                    break
+                self._order.popleft()
+                out.append(outcome)
         return out
 
     def finish(self) -> List[Outcome]:
@@ -192,20 +196,19 @@ class StreamAssembler:
         with self._lock:
             while self._order:
                 e = self._order.popleft()
-                out.append(
-                    e.outcome
-                    or LogprobError(
+                if e.outcome is None:
+                    e.outcome = LogprobError(
                         grpc.StatusCode.INTERNAL,
                         "the stream ended without an answer to request %r (%d of %d parts answered)"
                         % (e.id, e.received, e.count),
                     )
-                )
+                out.append(e.outcome)
         if self._source_error is not None:
             out.append(Fatal(self._source_error))
         return out
 
 
-def deliver(outcome: Outcome, return_exceptions: bool) -> Outcome:
+def deliver(outcome: Outcome, return_exceptions: bool) -> Union[ScoreResult, LogprobError]:
     """What the caller's iteration gets for one outcome: a LogprobError is
     raised unless ``return_exceptions``; a Fatal's error is raised; a
     ScoreResult is returned."""

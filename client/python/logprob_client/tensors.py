@@ -16,7 +16,7 @@ float16, ``"f32"`` casts to float32. float64 input without a dtype is sent
 as float32.
 """
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -41,7 +41,7 @@ _FLOAT_NAMES = {
 }
 
 # numpy dtype of each wire dtype (BF16 as its raw uint16 bits).
-NUMPY_DTYPE = {
+NUMPY_DTYPE: Dict[int, np.dtype] = {
     F32: np.dtype("<f4"),
     BF16: np.dtype("<u2"),
     F16: np.dtype("<f2"),
@@ -49,7 +49,7 @@ NUMPY_DTYPE = {
     I64: np.dtype("<i8"),
 }
 
-DTYPE_SIZE = {k: v.itemsize for k, v in NUMPY_DTYPE.items()}
+DTYPE_SIZE: Dict[int, int] = {k: v.itemsize for k, v in NUMPY_DTYPE.items()}
 
 
 def is_torch(x: Any) -> bool:

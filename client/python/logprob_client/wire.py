@@ -61,7 +61,7 @@ def _new_bytes(n: int) -> Tuple[bytes, np.ndarray]:
     b = make(None, n)
     # ob_sval starts 1 byte before the end of PyBytesObject's basic size.
     buf = (ctypes.c_char * n).from_address(id(b) + bytes.__basicsize__ - 1)
-    return b, np.frombuffer(buf, dtype=np.uint8)
+    return b, np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
 
 
 def _tensor_parts(name: str, wire_dtype: int, arr: np.ndarray) -> Tuple[bytes, np.ndarray]:
