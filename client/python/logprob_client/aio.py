@@ -28,6 +28,9 @@ from .result import ScoreResult
 from .retry import Attempts, Deadline, error_of
 from .stream import StreamAssembler, deliver
 
+# Parts with at least this many bytes of tensor data are serialized off the event loop.
+OFFLOAD_BYTES = 1 << 20
+
 
 class LogprobClient(ClientBase):
     """An asyncio client of ``logprob.v1.LogprobService`` over one
@@ -75,8 +78,14 @@ class LogprobClient(ClientBase):
     async def _send_part(self, part: Part, limits: Limits, deadline: Deadline) -> Tuple[Any, int]:
         """The send path of a score call: one part's serialized ``ScoreRequest`` over
         the unary ``Score`` RPC, retried per the policy within ``deadline``;
-        returns ``(ScoreResponse, sends)``."""
-        request = part.serialized(limits.max_bytes)
+        returns ``(ScoreResponse, sends)``. A large part is serialized in
+        the loop's default executor, so the copy does not stall the loop's
+        other tasks."""
+        if part.inputs.data_bytes() >= OFFLOAD_BYTES:
+            loop = asyncio.get_running_loop()
+            request = await loop.run_in_executor(None, part.serialized, limits.max_bytes)
+        else:
+            request = part.serialized(limits.max_bytes)
         attempts = self._attempts(deadline, part.where, oversize=len(request) > limits.server_bytes)
         return await self._call(self._score_raw, request, attempts)
 

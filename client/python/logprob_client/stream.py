@@ -4,6 +4,7 @@ answers (matched by id, in whatever order they come) come back as one
 ``ScoreResult`` or ``LogprobError`` per request, in request order. Shared
 by the sync and asyncio clients, which only move the messages."""
 
+import asyncio
 import collections
 import threading
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Union
@@ -85,15 +86,18 @@ class StreamAssembler:
             self._source_error = e
 
     async def amessages(self, items: Union[Iterable[Any], AsyncIterable[Any]]) -> AsyncIterator[Any]:
-        """``messages`` of an iterable or async iterable, as an async iterator."""
+        """``messages`` of an iterable or async iterable, as an async
+        iterator; each item is checked and serialized in the running loop's
+        default executor (the copies do not stall the loop)."""
+        loop = asyncio.get_running_loop()
         try:
             if hasattr(items, "__aiter__"):
                 async for item in items:  # type: ignore[union-attr]
-                    for message in self.messages_of(item):
+                    for message in await loop.run_in_executor(None, self.messages_of, item):
                         yield message
             else:
                 for item in items:  # type: ignore[union-attr]
-                    for message in self.messages_of(item):
+                    for message in await loop.run_in_executor(None, self.messages_of, item):
                         yield message
         except Exception as e:  # the caller's iterable failed
             self._source_error = e
