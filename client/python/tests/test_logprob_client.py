@@ -560,6 +560,26 @@ class AuthTest(unittest.TestCase):
             LogprobClient(self.mtls.address, tls_ca=d + "ca.pem", tls_cert=d + "client.pem")
 
 
+    def test_aio_client_token_and_mutual_tls(self):
+        import asyncio
+        from logprob_client import aio
+
+        d = self.dir + "/"
+
+        async def run():
+            async with aio.LogprobClient(self.mtls.address, token_file=d + "token", **self.mtls_kwargs) as c:
+                res = await c.score(**self.golden.score_kwargs())
+            async with aio.LogprobClient(self.mtls.address, **self.mtls_kwargs) as c:  # no token
+                with self.assertRaises(LogprobError) as cm:
+                    await c.score(**self.golden.score_kwargs())
+            return res, cm.exception
+
+        res, err = asyncio.run(run())
+        self.assertEqual(compare(self.golden.expected, res.outputs), "")
+        self.assertEqual(err.code, grpc.StatusCode.UNAUTHENTICATED)
+        self.assertEqual(err.attempts, 1)
+
+
 class OfflineTest(unittest.TestCase):
     """No server: stub generation at import time, the splitter's parts, and
     the input conversions."""
