@@ -10,10 +10,12 @@ from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
 from .request import Limits
 from .retry import Attempts, Deadline, OnRetry, RetryPolicy
+from .wire import decode_response
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # The scoring RPCs, called with requests serialized by wire.encode_request
-# (request_serializer None: the bytes go as they are).
+# (request_serializer None: the bytes go as they are) and responses read
+# by wire.decode_response.
 _SERVICE = pb2.DESCRIPTOR.services_by_name["LogprobService"].full_name
 SCORE_METHOD = "/%s/Score" % _SERVICE
 SCORE_STREAM_METHOD = "/%s/ScoreStream" % _SERVICE
@@ -92,13 +94,12 @@ class ClientBase:
 
     def _open_methods(self, channel: Any) -> None:
         """The multicallables of ``channel`` (grpc or grpc.aio): ``_stub``
-        (message requests), ``_score_raw`` / ``_score_stream_raw``
-        (serialized requests), ``_health``."""
+        (messages), ``_score_raw`` / ``_score_stream_raw`` (requests
+        serialized by ``wire.encode_request``, responses read by
+        ``wire.decode_response``), ``_health``."""
         self._stub = pb2_grpc.LogprobServiceStub(channel)
-        self._score_raw = channel.unary_unary(SCORE_METHOD, response_deserializer=pb2.ScoreResponse.FromString)
-        self._score_stream_raw = channel.stream_stream(
-            SCORE_STREAM_METHOD, response_deserializer=pb2.ScoreResponse.FromString
-        )
+        self._score_raw = channel.unary_unary(SCORE_METHOD, response_deserializer=decode_response)
+        self._score_stream_raw = channel.stream_stream(SCORE_STREAM_METHOD, response_deserializer=decode_response)
         self._health = channel.unary_unary(
             HEALTH_CHECK, request_serializer=lambda x: x, response_deserializer=lambda x: x
         )

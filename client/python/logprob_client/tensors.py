@@ -179,8 +179,9 @@ def to_tensor(name: str, wire_dtype: int, arr: np.ndarray) -> Any:
 
 
 def from_tensor(t: Any) -> np.ndarray:
-    """numpy array of a ``logprob.v1.Tensor``: a read-only view of its
-    bytes (``np.frombuffer``, no copy); BF16 converted to float32 values.
+    """numpy array of a ``logprob.v1.Tensor`` (or a ``wire.WireTensor``):
+    a read-only view of its data (``np.frombuffer``, no copy); BF16
+    converted to float32 values.
     Raises ValueError when the bytes do not match the shape."""
     if t.dtype not in NUMPY_DTYPE:
         raise ValueError("output '%s' has unsupported dtype %d" % (t.name, t.dtype))
@@ -192,7 +193,7 @@ def from_tensor(t: Any) -> np.ndarray:
             "output '%s' has %d bytes; shape %s of %s needs %d"
             % (t.name, len(t.data), list(shape), pb2.DType.Name(t.dtype), n * dt.itemsize)
         )
-    data = t.data  # one bytes object, viewed by the array
+    data = t.data  # bytes (a protobuf message) or a memoryview (wire.WireTensor), viewed by the array
     arr = np.frombuffer(data, dtype=dt).reshape(shape)
     if t.dtype == BF16:
         return bf16_bits_to_float32(arr).reshape(shape)

@@ -19,11 +19,17 @@ protobuf and the data is copied in once:
 The result parses as the same ``ScoreRequest`` (protobuf allows fields in
 any order), and the clients send it as is (their ``Score`` / ``ScoreStream``
 calls take bytes).
+
+The other way, ``decode_response`` reads a ``ScoreResponse``'s bytes as
+they came from gRPC, leaving each output's data in place (protobuf's
+parser would copy it into the message, and reading ``Tensor.data`` would
+copy it again into a new ``bytes``): the clients' numpy outputs are
+``np.frombuffer`` views of the received bytes.
 """
 
 import ctypes
 import platform
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
@@ -108,3 +114,111 @@ def encode_request(
             # A flat uint8 view of a C-contiguous array: a plain buffer for join.
             pieces.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
     return b"".join(pieces)
+
+
+class WireTensor:
+    """A ``logprob.v1.Tensor`` read from a response's bytes: ``name``,
+    ``dtype`` (wire dtype), ``shape`` (list of ints) and ``data`` (a
+    memoryview of the response's bytes: no copy)."""
+
+    __slots__ = ("name", "dtype", "shape", "data")
+
+    def __init__(self) -> None:
+        self.name = ""
+        self.dtype = 0
+        self.shape: List[int] = []
+        self.data: Any = memoryview(b"")
+
+
+class WireResponse:
+    """A ``logprob.v1.ScoreResponse`` read from its bytes (``id``,
+    ``outputs`` as ``WireTensor``s, ``status_code``, ``status_message``),
+    the tensors' data left in place."""
+
+    __slots__ = ("id", "outputs", "status_code", "status_message")
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.outputs: List[WireTensor] = []
+        self.status_code = 0
+        self.status_message = ""
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> Tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: memoryview, pos: int, end: int) -> Iterator[Tuple[int, int, Any]]:
+    """(field number, wire type, value) of the message in ``buf[pos:end]``:
+    an int for varints, a memoryview for length-delimited fields, None for
+    skipped fixed-size fields."""
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            value, pos = _read_varint(buf, pos, end)
+            yield field, wire_type, value
+        elif wire_type == 2:
+            n, pos = _read_varint(buf, pos, end)
+            if pos + n > end:
+                raise ValueError("a length-delimited field runs past its message")
+            yield field, wire_type, buf[pos:pos + n]
+            pos += n
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+            yield field, wire_type, None
+        else:
+            raise ValueError("unsupported wire type %d" % wire_type)
+    if pos != end:
+        raise ValueError("a field runs past the end of its message")
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _read_tensor(buf: memoryview) -> WireTensor:
+    t = WireTensor()
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        if field == 1 and wire_type == 2:
+            t.name = bytes(value).decode("utf-8")
+        elif field == 2 and wire_type == 0:
+            t.dtype = value
+        elif field == 3 and wire_type == 2:  # packed shape
+            pos = 0
+            while pos < len(value):
+                dim, pos = _read_varint(value, pos, len(value))
+                t.shape.append(_signed64(dim))
+        elif field == 3 and wire_type == 0:
+            t.shape.append(_signed64(value))
+        elif field == 4 and wire_type == 2:
+            t.data = value
+    return t
+
+
+def decode_response(raw: bytes) -> WireResponse:
+    """The ``ScoreResponse`` in ``raw`` (the gRPC response deserializer of
+    the clients' Score / ScoreStream calls), each output's data a view of
+    ``raw``. Unknown fields are skipped. Raises ValueError for malformed
+    bytes (gRPC then fails the call with INTERNAL)."""
+    buf = memoryview(raw)
+    r = WireResponse()
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        if field == 1 and wire_type == 2:
+            r.id = bytes(value).decode("utf-8")
+        elif field == 2 and wire_type == 2:
+            r.outputs.append(_read_tensor(value))
+        elif field == 3 and wire_type == 0:
+            r.status_code = _signed64(value)
+        elif field == 4 and wire_type == 2:
+            r.status_message = bytes(value).decode("utf-8", errors="replace")
+    return r

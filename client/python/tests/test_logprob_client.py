@@ -671,6 +671,42 @@ class OfflineTest(unittest.TestCase):
             v = wire.varint(n)
             self.assertEqual(v, pb2.ServerInfo(max_request_bytes=n).SerializeToString()[1:] if n else b"\x00")
 
+    def test_wire_response_decoding_matches_protobuf(self):
+        from logprob_client import logprob_pb2 as pb2, wire
+        from logprob_client.request import decode
+        from logprob_client.tensors import to_tensor
+
+        rng = np.random.default_rng(4)
+        lp = rng.standard_normal((3, 7)).astype(np.float32)
+        idx = rng.integers(0, 1 << 40, (3, 7, 2))
+        resp = pb2.ScoreResponse(id="r-\u00e9", outputs=[to_tensor("token_logprobs", pb2.F32, lp),
+                                                           to_tensor("topk_indices", pb2.I64, idx),
+                                                           to_tensor("entropy", pb2.F32, np.zeros((3, 0), np.float32))],
+                                 status_code=8, status_message="queue full")
+        raw = resp.SerializeToString()
+        # An unknown field of each wire type (a newer server) is skipped.
+        raw += b"\x28\x05" + b"\x31" + bytes(8) + b"\x3a\x02ab" + b"\x45" + bytes(4)
+        got = wire.decode_response(raw)
+        self.assertEqual((got.id, got.status_code, got.status_message), ("r-\u00e9", 8, "queue full"))
+        self.assertEqual([(t.name, t.dtype, t.shape) for t in got.outputs],
+                         [(t.name, t.dtype, list(t.shape)) for t in resp.outputs])
+        outs = decode(got)
+        np.testing.assert_array_equal(outs["token_logprobs"], lp)
+        np.testing.assert_array_equal(outs["topk_indices"], idx)
+        self.assertEqual(outs["entropy"].shape, (3, 0))
+        self.assertTrue(np.shares_memory(outs["token_logprobs"], np.frombuffer(raw, np.uint8)))
+        # Unpacked shape (allowed by the wire format) and malformed bytes.
+        t = pb2.Tensor(name="x", dtype=pb2.I32, data=np.arange(6, dtype="<i4").tobytes())
+        unpacked = b"\x12" + bytes([len(t.SerializeToString()) + 4]) + t.SerializeToString() + b"\x18\x02\x18\x03"
+        self.assertEqual(decode(wire.decode_response(unpacked))["x"].tolist(), [[0, 1, 2], [3, 4, 5]])
+        for bad in (raw[:-3], b"\x12\x7f\x0a", b"\x0b"):
+            with self.assertRaises(ValueError):
+                wire.decode_response(bad)
+        with self.assertRaises(LogprobError) as cm:  # data that does not fit its shape
+            decode(wire.decode_response(pb2.ScoreResponse(id="q", outputs=[pb2.Tensor(
+                name="token_logprobs", dtype=pb2.F32, shape=[3], data=b"\0" * 8)]).SerializeToString()))
+        self.assertEqual(cm.exception.code, grpc.StatusCode.INTERNAL)
+
     def test_conversions(self):
         from logprob_client.tensors import BF16, F16, F32, I32, I64, float_array, int_array
 

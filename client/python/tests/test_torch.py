@@ -84,7 +84,8 @@ class TorchTest(unittest.TestCase):
             root = arr
             while isinstance(root, np.ndarray):
                 root = root.base
-            self.assertIsInstance(root, bytes)
+            self.assertIsInstance(root, memoryview)  # of the bytes gRPC received
+            self.assertIsInstance(root.obj, bytes)
 
     def test_requires_grad_and_the_aio_client(self):
         import asyncio
