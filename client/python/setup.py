@@ -9,9 +9,9 @@ the source tree), with, in order of preference:
    same versions as the ``python3-protobuf`` / ``python3-grpcio`` runtimes);
 2. the ``grpc_tools.protoc`` module (PyPI ``grpcio-tools``), for machines
    without Debian's compilers. Debian's own ``python3-grpc-tools`` (1.14.1)
-   bundles protoc 3.6, whose output the protobuf 3.21 Python runtime refuses
-   ("Descriptors cannot be created directly"), so it is not a choice on
-   bookworm.
+   bundles protoc 3.5.1, which rejects the proto ("Explicit 'optional'
+   labels are disallowed in the Proto3 syntax": proto3 ``optional`` needs
+   protoc >= 3.15), so it is not a choice on bookworm.
 
 Generated code is not committed: it must match the protobuf runtime it
 runs on, and the proto is the one source of truth. ``grpc_python_plugin``
