@@ -55,7 +55,6 @@ def varint(n: int) -> bytes:
 
 # Requests below this size are joined (the fill path's setup is not worth it).
 FILL_MIN_BYTES = 1 << 16
-_CPYTHON = platform.python_implementation() == "CPython"
 
 
 def _new_bytes(n: int) -> Tuple[bytes, np.ndarray]:
@@ -68,6 +67,22 @@ def _new_bytes(n: int) -> Tuple[bytes, np.ndarray]:
     # ob_sval starts 1 byte before the end of PyBytesObject's basic size.
     buf = (ctypes.c_char * n).from_address(id(b) + bytes.__basicsize__ - 1)
     return b, np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
+
+
+def _fill_works() -> bool:
+    """Whether ``_new_bytes`` fills the bytes object it returns (CPython
+    with the PyBytesObject layout it assumes); checked once at import."""
+    if platform.python_implementation() != "CPython":
+        return False
+    try:
+        b, buf = _new_bytes(16)
+        buf[:] = np.arange(16, dtype=np.uint8)
+        return b == bytes(range(16))
+    except Exception:
+        return False
+
+
+_FILL = _fill_works()
 
 
 def _tensor_parts(name: str, wire_dtype: int, arr: np.ndarray) -> Tuple[bytes, np.ndarray]:
@@ -94,7 +109,7 @@ def encode_request(
     parts = [_tensor_parts(name, dt, arr) for name, dt, arr in tensors]
     total = len(head) + sum(len(p) + a.nbytes for p, a in parts)
     if fill is None:
-        fill = _CPYTHON and total >= FILL_MIN_BYTES
+        fill = _FILL and total >= FILL_MIN_BYTES
     if fill and total >= 2:
         out, buf = _new_bytes(total)
         pos = 0
