@@ -649,13 +649,13 @@ class OfflineTest(unittest.TestCase):
     def test_wire_encoding_matches_protobuf(self):
         # encode_request's bytes parse as the ScoreRequest protobuf builds,
         # for contiguous, strided, bf16 and empty tensors, on both paths.
+        from logprob_client import logprob_pb2 as pb2, splitter, wire
+        from logprob_client.tensors import float_array, int_array
+
         import platform
 
         if platform.python_implementation() == "CPython":
             self.assertTrue(wire._FILL, "the in-place fill path is off on CPython")
-        from logprob_client import logprob_pb2 as pb2, splitter, wire
-        from logprob_client.tensors import float_array, int_array
-
         rng = np.random.default_rng(2)
         logits = rng.standard_normal((5, 3, 300)).astype(np.float32)
         ids = rng.integers(0, 300, (3, 5))
