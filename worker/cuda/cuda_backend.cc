@@ -10,9 +10,6 @@
 namespace logprob::cuda {
 namespace {
 
-static_assert(kRecordHeaderWords == static_cast<int>(kernels::kPartialHeaderWords),
-              "CUDA records must have the CPU record layout");
-
 ElemType ElemOf(DType d) {
   return d == v1::BF16 ? ElemType::kBF16 : d == v1::F16 ? ElemType::kF16 : ElemType::kF32;
 }
