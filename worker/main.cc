@@ -34,6 +34,7 @@
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend_factory.h"
 #include "worker/control_store.h"
+#include "common/status_macros.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, frontend, "", "host:port of the front-end's control service (required)");
@@ -111,7 +112,7 @@ absl::StatusOr<std::unique_ptr<logprob::LmHeadSlice>> ReadLmHeadSlice(const logp
   slice->rows = ve - vb;
   slice->hidden_size = source.hidden_size;
   slice->weight.resize(static_cast<size_t>((ve - vb) * source.hidden_size) * logprob::DTypeSize(source.dtype));
-  if (auto st = logprob::ReadLmHeadRows(source, vb, ve, slice->weight.data()); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(logprob::ReadLmHeadRows(source, vb, ve, slice->weight.data()));
   std::cerr << "logprob-worker: rank " << joined.rank() << " read " << source.tensor << " rows [" << vb << ", " << ve
             << ") x " << source.hidden_size << " " << logprob::DTypeName(source.dtype) << " from " << source.file
             << " (" << (slice->weight.size() >> 20) << " MiB) in "

@@ -79,7 +79,7 @@ class RetryPolicy:
 
 class ScoreResult:
     """The outputs of one score call as numpy arrays (float32; ids int64),
-    shaped like the input's token layout (shared/SPEC.md):
+    shaped like the input's token layout (docs/SPEC.md):
 
     - padded input [B, S, X]: ``[B, S - 1]`` for next_token alignment,
       ``[B, S]`` for same_position (positions past ``seq_lens`` are 0);
@@ -383,7 +383,7 @@ class LogprobClient:
     ):
         """Scores a batch; returns a ``ScoreResult`` of numpy arrays.
 
-        Inputs (numpy arrays, array-likes or torch tensors; shared/SPEC.md):
+        Inputs (numpy arrays, array-likes or torch tensors; docs/SPEC.md):
 
         - ``logits`` [B, S, V] (padded) or [T, V] (packed), or
           ``hidden_states`` [B, S, H] / [T, H] (server started with
