@@ -116,7 +116,7 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     EmptySliceRecords(rows, block.vocab_begin, spec, records);
     return absl::OkStatus();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   const size_t row_bytes = static_cast<size_t>(block.len) * DTypeSize(block.dtype);
   const int64_t sub = std::clamp<int64_t>(static_cast<int64_t>(options_.staging_bytes / row_bytes), 1, rows.count);
@@ -213,7 +213,7 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
     EmptySliceRecords(rows, vocab_begin, spec, records);
     return absl::OkStatus();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   LOGPROB_ASSIGN_OR_RETURN(const void* dev_hidden, UploadHidden(hidden_dtype, hidden, rows.count));
   LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
@@ -240,7 +240,7 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
 absl::Status CudaBackend::HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) {
   if (!gemm_) return NoLmHeadError();
   if (M <= 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   LOGPROB_ASSIGN_OR_RETURN(const void* dev_hidden, UploadHidden(hidden_dtype, hidden, M));
   const int64_t N = gemm_->rows(), H = gemm_->hidden_size(), G = GemmChunkRows(M);
