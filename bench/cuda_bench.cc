@@ -127,7 +127,7 @@ void BenchLogits(const Config& cfg, int device) {
   int32_t* sid = nullptr;
   BENCH_CHECK(cudaMalloc(&d_targets, cfg.T * 8));
   BENCH_CHECK(cudaMemcpy(d_targets, targets.data(), cfg.T * 8, cudaMemcpyHostToDevice));
-  BENCH_CHECK(cudaMalloc(&records, cfg.T * RecordWords(0, 20) * 4));
+  BENCH_CHECK(cudaMalloc(&records, cfg.T * record::Words(0, 20) * 4));
   BENCH_CHECK(cudaMalloc(&sx, cfg.T * 20 * 4));
   BENCH_CHECK(cudaMalloc(&sid, cfg.T * 20 * 4));
   std::printf("logits bf16 [%lld, %lld] on the device (%.2f GB), peak DRAM %.0f GB/s%s\n",

@@ -20,6 +20,7 @@
 #include "client/echo_service.h"
 #include "client/metrics_scrape.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 
 namespace logprob::client {
 namespace {
@@ -171,12 +172,11 @@ struct ServerTimings {
 };
 
 absl::StatusOr<ServerTimings> ScrapeTimings(const std::string& url) {
-  absl::StatusOr<std::string> text = HttpGet(url);
-  if (!text.ok()) return text.status();
-  return ServerTimings{ParseHistogramTotals(*text, "logprob_request_duration_seconds", "method=\"Score\""),
-                       ParseHistogramTotals(*text, "logprob_queue_duration_seconds"),
-                       ParseHistogramTotals(*text, "logprob_worker_call_duration_seconds"),
-                       ParseHistogramTotals(*text, "logprob_compute_duration_seconds")};
+  LOGPROB_ASSIGN_OR_RETURN(const std::string text, HttpGet(url));
+  return ServerTimings{ParseHistogramTotals(text, "logprob_request_duration_seconds", "method=\"Score\""),
+                       ParseHistogramTotals(text, "logprob_queue_duration_seconds"),
+                       ParseHistogramTotals(text, "logprob_worker_call_duration_seconds"),
+                       ParseHistogramTotals(text, "logprob_compute_duration_seconds")};
 }
 
 double MeanOfDelta(const HistogramTotals& before, const HistogramTotals& after) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/request_builder.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace logprob::client {
 namespace {
@@ -72,7 +73,7 @@ absl::Status ValidateBenchShape(const BenchShape& s) {
 
 absl::StatusOr<v1::ScoreRequest> BuildBenchRequest(const BenchShape& s, const v1::ScoreOptions& options,
                                                    const std::string& id) {
-  if (absl::Status st = ValidateBenchShape(s); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(ValidateBenchShape(s));
   std::mt19937_64 rng(20261121);
   const int64_t tokens = ShapeTokens(s);
   const bool packed = s.packed_tokens > 0;

@@ -10,6 +10,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -88,17 +89,13 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ta
     }
     grpc::SslCredentialsOptions ssl;
     if (!options.tls_ca.empty()) {
-      absl::StatusOr<std::string> ca = ReadFlagFile("--tls-ca", options.tls_ca);
-      if (!ca.ok()) return ca.status();
-      ssl.pem_root_certs = *std::move(ca);
+      LOGPROB_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFlagFile("--tls-ca", options.tls_ca));
     }
     if (!options.tls_cert.empty()) {
-      absl::StatusOr<std::string> cert = ReadFlagFile("--tls-cert", options.tls_cert);
-      if (!cert.ok()) return cert.status();
-      absl::StatusOr<std::string> key = ReadFlagFile("--tls-key", options.tls_key);
-      if (!key.ok()) return key.status();
-      ssl.pem_cert_chain = *std::move(cert);
-      ssl.pem_private_key = *std::move(key);
+      LOGPROB_ASSIGN_OR_RETURN(std::string cert, ReadFlagFile("--tls-cert", options.tls_cert));
+      LOGPROB_ASSIGN_OR_RETURN(std::string key, ReadFlagFile("--tls-key", options.tls_key));
+      ssl.pem_cert_chain = std::move(cert);
+      ssl.pem_private_key = std::move(key);
     }
     if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
     creds = grpc::SslCredentials(ssl);
@@ -106,9 +103,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ta
   }
   if (options.auth_token_file.empty()) return grpc::CreateCustomChannel(target, creds, args);
 
-  absl::StatusOr<std::string> token = ReadFlagFile("--auth-token-file", options.auth_token_file);
-  if (!token.ok()) return token.status();
-  const std::string trimmed(absl::StripAsciiWhitespace(*token));
+  LOGPROB_ASSIGN_OR_RETURN(const std::string token, ReadFlagFile("--auth-token-file", options.auth_token_file));
+  const std::string trimmed(absl::StripAsciiWhitespace(token));
   if (trimmed.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--auth-token-file ", options.auth_token_file, ": the file is empty"));
   }

@@ -17,6 +17,7 @@
 #include "client/summary.h"
 #include "common/grpc_status.h"
 #include "common/safetensors.h"
+#include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 
 namespace logprob::client {
@@ -90,22 +91,20 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
                                                double timeout_seconds,
                                                const std::function<void(int, int)>& progress,
                                                int* parts_sent) {
-  absl::StatusOr<std::vector<v1::ScoreRequest>> parts = SplitScoreRequest(request, limits);
-  if (!parts.ok()) return parts.status();
-  const int n = static_cast<int>(parts->size());
+  LOGPROB_ASSIGN_OR_RETURN(std::vector<v1::ScoreRequest> parts, SplitScoreRequest(request, limits));
+  const int n = static_cast<int>(parts.size());
   std::vector<v1::ScoreResponse> responses(n);
   for (int i = 0; i < n; ++i) {
     grpc::ClientContext context;
     SetTimeout(&context, timeout_seconds);
-    const grpc::Status s = stub.Score(&context, (*parts)[i], &responses[i]);
+    const grpc::Status s = stub.Score(&context, parts[i], &responses[i]);
     if (!s.ok()) {
       if (n == 1) return FromGrpc(s);
-      return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                          absl::StrCat("part ", i + 1, "/", n, " (id ", (*parts)[i].id(),
-                                       "): ", s.error_message()));
+      return absl::Status(FromGrpc(s).code(),
+                          absl::StrCat("part ", i + 1, "/", n, " (id ", parts[i].id(), "): ", s.error_message()));
     }
     // Free each part's tensors once it has been sent.
-    (*parts)[i] = v1::ScoreRequest();
+    parts[i] = v1::ScoreRequest();
     if (n > 1 && progress) progress(i + 1, n);
   }
   if (parts_sent != nullptr) *parts_sent = n;

@@ -1,4 +1,4 @@
-// The `health` and `score` commands of logprob-client (shared/SPEC.md
+// The `health` and `score` commands of logprob-client (docs/SPEC.md
 // "Command-line contract").
 #pragma once
 

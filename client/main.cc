@@ -1,5 +1,5 @@
 // logprob-client: command-line client of the logprob scoring service.
-// See UsageText() in client/cli_args.cc and shared/SPEC.md.
+// See UsageText() in client/cli_args.cc and docs/SPEC.md.
 #include <iostream>
 #include <string>
 #include <vector>

@@ -1,5 +1,5 @@
 // Turning a safetensors input file and command-line options into one
-// ScoreRequest (shared/SPEC.md "Inputs").
+// ScoreRequest (docs/SPEC.md "Inputs").
 #pragma once
 
 #include <cstdint>

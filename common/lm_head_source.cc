@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/safetensors.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace logprob {
@@ -79,35 +80,32 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg) {
     tensor = arg.substr(colon + 1);
     if (tensor.empty()) return absl::InvalidArgumentError(absl::StrCat("lm_head: empty tensor name in \"", arg, "\""));
   }
-  absl::StatusOr<std::string> file = CheckpointFile(path);
-  if (!file.ok()) return file.status();
+  LOGPROB_ASSIGN_OR_RETURN(const std::string file, CheckpointFile(path));
   const std::vector<std::string> names =
       tensor.empty() ? std::vector<std::string>{kLmHeadTensor, kTiedEmbeddingTensor} : std::vector<std::string>{tensor};
 
-  if (fs::path(*file).extension() == ".json") {  // sharded: find the shard, then the tensor in it
-    absl::StatusOr<nlohmann::json> weight_map = ReadWeightMap(*file);
-    if (!weight_map.ok()) return weight_map.status();
+  if (fs::path(file).extension() == ".json") {  // sharded: find the shard, then the tensor in it
+    LOGPROB_ASSIGN_OR_RETURN(const nlohmann::json weight_map, ReadWeightMap(file));
     for (const std::string& name : names) {
-      auto it = weight_map->find(name);
-      if (it == weight_map->end()) continue;
+      auto it = weight_map.find(name);
+      if (it == weight_map.end()) continue;
       if (!it->is_string())
-        return absl::InvalidArgumentError(absl::StrCat(*file, ": weight_map[\"", name, "\"] is not a file name"));
-      const std::string shard = (fs::path(*file).parent_path() / it->get<std::string>()).string();
+        return absl::InvalidArgumentError(absl::StrCat(file, ": weight_map[\"", name, "\"] is not a file name"));
+      const std::string shard = (fs::path(file).parent_path() / it->get<std::string>()).string();
       absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(shard);
       if (!header.ok())
-        return absl::Status(header.status().code(), absl::StrCat(*file, ": shard of \"", name, "\": ", header.status().message()));
+        return absl::Status(header.status().code(), absl::StrCat(file, ": shard of \"", name, "\": ", header.status().message()));
       const SafetensorsEntry* e = header->Find(name);
       if (e == nullptr)
-        return absl::NotFoundError(absl::StrCat(*file, " puts tensor \"", name, "\" in ", shard, ", which has no such tensor"));
+        return absl::NotFoundError(absl::StrCat(file, " puts tensor \"", name, "\" in ", shard, ", which has no such tensor"));
       return FromEntry(shard, *header, *e);
     }
   } else {
-    absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(*file);
-    if (!header.ok()) return header.status();
+    LOGPROB_ASSIGN_OR_RETURN(const SafetensorsHeader header, ReadSafetensorsHeader(file));
     for (const std::string& name : names)
-      if (const SafetensorsEntry* e = header->Find(name)) return FromEntry(*file, *header, *e);
+      if (const SafetensorsEntry* e = header.Find(name)) return FromEntry(file, header, *e);
   }
-  return absl::NotFoundError(absl::StrCat("lm_head: no tensor \"", absl::StrJoin(names, "\" or \""), "\" in ", *file));
+  return absl::NotFoundError(absl::StrCat("lm_head: no tensor \"", absl::StrJoin(names, "\" or \""), "\" in ", file));
 }
 
 absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out) {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace logprob {
@@ -110,18 +111,16 @@ const SafetensorsEntry* SafetensorsHeader::Find(const std::string& name) const {
 }
 
 absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
-  absl::StatusOr<uint64_t> n = HeaderLength(bytes.data(), bytes.size());
-  if (!n.ok()) return n.status();
-  absl::StatusOr<SafetensorsHeader> header = ParseHeader(bytes.data() + 8, *n, bytes.size() - 8 - *n);
-  if (!header.ok()) return header.status();
+  LOGPROB_ASSIGN_OR_RETURN(const uint64_t n, HeaderLength(bytes.data(), bytes.size()));
+  LOGPROB_ASSIGN_OR_RETURN(SafetensorsHeader header, ParseHeader(bytes.data() + 8, n, bytes.size() - 8 - n));
   SafetensorsFile file;
-  file.metadata = std::move(header->metadata);
-  for (const SafetensorsEntry& e : header->entries) {
+  file.metadata = std::move(header.metadata);
+  for (const SafetensorsEntry& e : header.entries) {
     v1::Tensor& t = file.tensors.emplace_back();
     t.set_name(e.name);
     t.set_dtype(e.dtype);
     for (int64_t d : e.shape) t.add_shape(d);
-    t.set_data(bytes.data() + header->data_start + e.begin, e.end - e.begin);
+    t.set_data(bytes.data() + header.data_start + e.begin, e.end - e.begin);
   }
   return file;
 }

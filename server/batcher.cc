@@ -3,15 +3,18 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 namespace logprob {
 
 struct Batcher::Entry {
+  // Constant once queued.
   const ScoreJob* job = nullptr;
   internal::v1::Layout layout;  // the job's alone (ChooseLayout), part of its key
   std::string key;
   RunBounds bounds;
   std::chrono::steady_clock::time_point arrived;
+  // Guarded by the batcher's mu_.
   enum class State { kQueued, kRunning, kDone } state = State::kQueued;
   absl::Status status;  // the batch's error, when not OK
   Outcome outcome;
@@ -50,11 +53,11 @@ std::string Batcher::KeyOf(const ScoreJob& job, internal::v1::Layout layout) {
 }
 
 void Batcher::QueueChanged() {
-  cv_.notify_all();
+  cv_.SignalAll();
   if (options_.on_queue_change) options_.on_queue_change(static_cast<int64_t>(queue_.size()));
 }
 
-bool Batcher::WaitToLead(std::unique_lock<std::mutex>& lock, Entry& e) {
+bool Batcher::WaitToLead(Entry& e) {
   const auto until = e.arrived + options_.max_queue_delay;
   for (;;) {
     if (e.ended()) return false;
@@ -63,7 +66,8 @@ bool Batcher::WaitToLead(std::unique_lock<std::mutex>& lock, Entry& e) {
       if (q->key == e.key) tokens += q->job->num_rows();
     const auto now = std::chrono::steady_clock::now();
     if (running_ == 0 || tokens >= options_.max_batch_tokens || now >= until) return true;
-    cv_.wait_until(lock, std::min(until, now + std::chrono::milliseconds(20)));
+    const auto wait = std::min<std::chrono::steady_clock::duration>(until - now, std::chrono::milliseconds(20));
+    cv_.WaitWithTimeout(&mu_, absl::FromChrono(wait));
   }
 }
 
@@ -112,7 +116,7 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
   std::shared_ptr<const std::vector<internal::v1::WorkResult>> shared;
   if (results.ok()) shared = std::make_shared<const std::vector<internal::v1::WorkResult>>(std::move(*results));
 
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   int64_t row = 0;
   for (const auto& m : batch) {
     m->state = Entry::State::kDone;
@@ -129,7 +133,7 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
   }
   if (shared && options_.on_batch) options_.on_batch(batch.front()->outcome, *shared);
   --running_;
-  cv_.notify_all();  // waiting leaders: the workers may be idle now
+  cv_.SignalAll();  // waiting leaders: the workers may be idle now
 }
 
 absl::StatusOr<Batcher::Outcome> Batcher::Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds) {
@@ -139,7 +143,7 @@ absl::StatusOr<Batcher::Outcome> Batcher::Run(const ScoreJob& job, uint64_t job_
   e->key = KeyOf(job, e->layout);
   e->bounds = bounds;
   e->arrived = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   queue_.push_back(e);
   QueueChanged();
   for (;;) {
@@ -153,11 +157,11 @@ absl::StatusOr<Batcher::Outcome> Batcher::Run(const ScoreJob& job, uint64_t job_
     } else {
       const bool leads = std::none_of(queue_.begin(), std::find(queue_.begin(), queue_.end(), e),
                                       [&](const auto& q) { return q->key == e->key; });
-      if (leads && WaitToLead(lock, *e)) {
+      if (leads && WaitToLead(*e)) {
         const auto batch = TakeBatch(*e);
-        lock.unlock();
+        mu_.Unlock();
         RunBatch(batch, job_id);
-        lock.lock();
+        mu_.Lock();
         if (e->ended()) return e->EndedError("its batch was running");
         continue;
       }
@@ -167,7 +171,7 @@ absl::StatusOr<Batcher::Outcome> Batcher::Run(const ScoreJob& job, uint64_t job_
         return e->EndedError("it was queued");
       }
     }
-    cv_.wait_for(lock, std::chrono::milliseconds(20));
+    cv_.WaitWithTimeout(&mu_, absl::Milliseconds(20));
   }
 }
 

@@ -3,16 +3,16 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "server/planner.h"
 #include "server/score_job.h"
@@ -84,7 +84,7 @@ class Batcher {
   /// so, DEADLINE_EXCEEDED or CANCELLED: a queued job leaves the queue; a
   /// job whose batch is running is abandoned (the others still get their
   /// rows; the batch's worker calls stop when every job has gone).
-  absl::StatusOr<Outcome> Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds);
+  absl::StatusOr<Outcome> Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Entry;
@@ -92,22 +92,25 @@ class Batcher {
 
   /// The batch key of `job`, whose layout alone is `layout`.
   static std::string KeyOf(const ScoreJob& job, internal::v1::Layout layout);
-  /// Waits (lock held) until `e`'s batch should start: budget full, delay
-  /// over, or e's bounds end (false: e left the queue).
-  bool WaitToLead(std::unique_lock<std::mutex>& lock, Entry& e);
-  /// Reports the queue length (lock held).
-  void QueueChanged();
-  /// Takes e's batch out of the queue (lock held), oldest first.
-  std::vector<std::shared_ptr<Entry>> TakeBatch(Entry& e);
-  /// Runs `batch` (lock not held) and hands every entry its outcome.
-  void RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_t job_id);
+  /// Waits until `e`'s batch should start: budget full, delay over, or e's
+  /// bounds end (false: e left the queue).
+  bool WaitToLead(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Reports the queue length.
+  void QueueChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Takes e's batch out of the queue, oldest first.
+  std::vector<std::shared_ptr<Entry>> TakeBatch(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Runs `batch` and hands every entry its outcome.
+  void RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_t job_id) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Constant after construction.
   const Options options_;
   const Runner run_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  Queue queue_;
-  int running_ = 0;  // batches between TakeBatch and the end of RunBatch
+
+  absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled when the queue or running_ changes
+  // Guarded by mu_ (so are the state, status and outcome of every Entry).
+  Queue queue_ ABSL_GUARDED_BY(mu_);
+  int running_ ABSL_GUARDED_BY(mu_) = 0;  // batches between TakeBatch and the end of RunBatch
 };
 
 /// The job of a batch: `jobs`' rows concatenated in order (rows, targets,

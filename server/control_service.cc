@@ -4,11 +4,13 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/status_macros.h"
 
 namespace logprob {
 
 namespace {
-constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a Join call looks at its context
+constexpr absl::Duration kPoll = absl::Milliseconds(100);  // how often a Join call looks at its context
 
 /// How a Join stream ends when its generation is over.
 grpc::Status GenerationEnded(int64_t generation) {
@@ -18,9 +20,10 @@ grpc::Status GenerationEnded(int64_t generation) {
 grpc::Status ShuttingDown() { return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the front-end is shutting down"); }
 }  // namespace
 
-ControlService::ControlService(int world_size, internal::v1::JoinReply worker_config, LeaveCallback on_leave)
+ControlService::ControlService(int world_size, internal::v1::JoinReply worker_config, LeaveCallback on_leave,
+                               uint32_t protocol_version)
     : world_size_(world_size), worker_config_(std::move(worker_config)), on_leave_(std::move(on_leave)),
-      addresses_(world_size) {}
+      protocol_version_(protocol_version), addresses_(world_size) {}
 
 void ControlService::AssignIfFull() {
   if (assigned_ || static_cast<int>(waiting_.size()) < world_size_) return;
@@ -32,14 +35,10 @@ void ControlService::AssignIfFull() {
   assigned_ = true;
   std::cerr << "logprob-server: " << world_size_ << " of " << world_size_ << " workers joined generation "
             << generation_ << "; ranks assigned in join order" << std::endl;
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
-grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::JoinRequest* req,
-                                  grpc::ServerWriter<internal::v1::JoinReply>* writer) {
-  Joiner me;
-  me.who = absl::StrCat(req->hostname(), " (pid ", req->pid(), ", peer ", ctx->peer(), ")");
-  std::unique_lock<std::mutex> lock(mu_);
+grpc::Status ControlService::WaitForRank(grpc::ServerContext* ctx, Joiner& me) {
   if (shutdown_) return ShuttingDown();
   if (assigned_ || static_cast<int>(waiting_.size()) >= world_size_)
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -57,27 +56,44 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
       std::cerr << "logprob-server: worker " << me.who << " left before the pool formed" << std::endl;
       return grpc::Status(grpc::StatusCode::CANCELLED, "worker left");
     }
-    cv_.wait_for(lock, kPoll);
+    cv_.WaitWithTimeout(&mu_, kPoll);
   }
   if (me.generation != generation_) return GenerationEnded(me.generation);  // reset since the assignment
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::JoinRequest* req,
+                                  grpc::ServerWriter<internal::v1::JoinReply>* writer) {
+  Joiner me;
+  me.who = absl::StrCat(req->hostname(), " (pid ", req->pid(), ", peer ", ctx->peer(), ")");
+  if (req->protocol_version() != protocol_version_) {
+    const std::string why = ProtocolMismatch(req->protocol_version(), protocol_version_);
+    std::cerr << "logprob-server: refused worker " << me.who << ": " << why << std::endl;
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why);
+  }
   internal::v1::JoinReply reply = worker_config_;
+  {
+    absl::MutexLock lock(&mu_);
+    LOGPROB_RETURN_IF_ERROR(WaitForRank(ctx, me));
+    reply.set_store_prefix(prefix_);
+  }
   reply.set_rank(me.rank);
   reply.set_world_size(world_size_);
   if (reply.comm().empty()) reply.set_comm("gloo");
   if (reply.backend().empty()) reply.set_backend("cpu");
-  reply.set_store_prefix(prefix_);
   reply.set_generation(me.generation);
-  lock.unlock();
+  reply.set_protocol_version(protocol_version_);
   bool gone = !writer->Write(reply);
-  lock.lock();
-  // A member until its generation ends or it goes away.
-  while (!gone && me.generation == generation_ && !shutdown_) {
-    gone = ctx->IsCancelled();
-    if (!gone) cv_.wait_for(lock, kPoll);
+  {
+    absl::MutexLock lock(&mu_);
+    // A member until its generation ends or it goes away.
+    while (!gone && me.generation == generation_ && !shutdown_) {
+      gone = ctx->IsCancelled();
+      if (!gone) cv_.WaitWithTimeout(&mu_, kPoll);
+    }
+    if (shutdown_) return ShuttingDown();
+    if (me.generation != generation_) return GenerationEnded(me.generation);
   }
-  if (shutdown_) return ShuttingDown();
-  if (me.generation != generation_) return GenerationEnded(me.generation);
-  lock.unlock();
   const std::string why = absl::StrCat("worker rank ", me.rank, " ", me.who, " left the control plane");
   if (on_leave_) on_leave_(me.generation, me.rank, why);
   return grpc::Status(grpc::StatusCode::CANCELLED, "worker left");
@@ -85,52 +101,55 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
 
 grpc::Status ControlService::Ready(grpc::ServerContext*, const internal::v1::ReadyRequest* req,
                                    internal::v1::ReadyReply*) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (req->store_prefix() != prefix_ || req->rank() < 0 || req->rank() >= world_size_)
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "not a rank of this pool generation");
   if (addresses_[req->rank()].empty()) ++ready_;
   addresses_[req->rank()] = req->worker_address();
-  cv_.notify_all();
+  cv_.SignalAll();
   return grpc::Status::OK;
 }
 
 grpc::Status ControlService::StoreSet(grpc::ServerContext*, const internal::v1::StoreSetRequest* req,
                                       internal::v1::StoreSetReply*) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   store_[req->key()] = req->value();
-  cv_.notify_all();
+  cv_.SignalAll();
   return grpc::Status::OK;
+}
+
+bool ControlService::HasKeys(const internal::v1::StoreGetRequest& req) {
+  for (const auto& k : req.keys())
+    if (!store_.count(k)) return false;
+  return true;
 }
 
 grpc::Status ControlService::StoreGet(grpc::ServerContext* ctx, const internal::v1::StoreGetRequest* req,
                                       internal::v1::StoreGetReply* reply) {
-  std::unique_lock<std::mutex> lock(mu_);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(req->timeout_ms());
-  auto all_there = [&] {
-    for (const auto& k : req->keys())
-      if (!store_.count(k)) return false;
-    return true;
-  };
-  while (!all_there()) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(req->timeout_ms());
+  while (!HasKeys(*req)) {
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "store get cancelled");
-    if (cv_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(200))) ==
-            std::cv_status::timeout &&
-        std::chrono::steady_clock::now() >= deadline)
+    if (absl::Now() >= deadline)
       return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "store keys did not appear in time");
+    cv_.WaitWithDeadline(&mu_, std::min(deadline, absl::Now() + absl::Milliseconds(200)));
   }
   for (const auto& k : req->keys()) reply->add_values(store_[k]);
   return grpc::Status::OK;
 }
 
 absl::StatusOr<std::vector<std::string>> ControlService::WaitAllReady(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [&] { return ready_ == world_size_; }))
+  absl::MutexLock lock(&mu_);
+  const absl::Time deadline = absl::Now() + absl::FromChrono(timeout);
+  while (ready_ != world_size_ && !cv_.WaitWithDeadline(&mu_, deadline)) {
+  }
+  if (ready_ != world_size_)
     return absl::DeadlineExceededError(absl::StrCat(ready_, " of ", world_size_, " workers became ready in time"));
   return addresses_;
 }
 
 void ControlService::Reset(int64_t generation) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   generation_ = generation;
   prefix_ = absl::StrCat("gen", generation, "/");
   assigned_ = false;
@@ -138,22 +157,22 @@ void ControlService::Reset(int64_t generation) {
   addresses_.assign(world_size_, "");
   store_.clear();
   AssignIfFull();
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void ControlService::Shutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   shutdown_ = true;
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 bool ControlService::all_joined() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return assigned_;
 }
 
 int ControlService::ready_count() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return ready_;
 }
 

@@ -4,14 +4,15 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 
 namespace logprob {
@@ -27,60 +28,79 @@ namespace logprob {
 /// breaks (process gone, network lost) is reported through `on_leave`;
 /// Reset ends the members' streams with UNAVAILABLE so they join again.
 /// A join while the generation has its `world_size` workers gets
-/// RESOURCE_EXHAUSTED. StoreGet blocks until its keys exist or its timeout
-/// passes (DEADLINE_EXCEEDED).
+/// RESOURCE_EXHAUSTED; a join whose protocol_version is not
+/// `protocol_version` (a worker of another release) gets
+/// FAILED_PRECONDITION naming both versions. StoreGet blocks until its keys
+/// exist or its timeout passes (DEADLINE_EXCEEDED). Thread-safe.
 class ControlService final : public internal::v1::Control::Service {
  public:
   /// Called (from a gRPC thread, without locks held) when a worker holding
   /// `rank` of `generation` leaves; `why` describes it.
   using LeaveCallback = std::function<void(int64_t generation, int rank, const std::string& why)>;
 
-  ControlService(int world_size, internal::v1::JoinReply worker_config = {}, LeaveCallback on_leave = {});
+  /// `protocol_version` is the version this front-end speaks (tests give
+  /// another to play a front-end of another release).
+  ControlService(int world_size, internal::v1::JoinReply worker_config = {}, LeaveCallback on_leave = {},
+                 uint32_t protocol_version = kWorkerProtocolVersion);
 
   grpc::Status Join(grpc::ServerContext*, const internal::v1::JoinRequest*,
-                    grpc::ServerWriter<internal::v1::JoinReply>*) override;
-  grpc::Status Ready(grpc::ServerContext*, const internal::v1::ReadyRequest*, internal::v1::ReadyReply*) override;
-  grpc::Status StoreSet(grpc::ServerContext*, const internal::v1::StoreSetRequest*, internal::v1::StoreSetReply*) override;
-  grpc::Status StoreGet(grpc::ServerContext*, const internal::v1::StoreGetRequest*, internal::v1::StoreGetReply*) override;
+                    grpc::ServerWriter<internal::v1::JoinReply>*) override ABSL_LOCKS_EXCLUDED(mu_);
+  grpc::Status Ready(grpc::ServerContext*, const internal::v1::ReadyRequest*, internal::v1::ReadyReply*) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  grpc::Status StoreSet(grpc::ServerContext*, const internal::v1::StoreSetRequest*, internal::v1::StoreSetReply*) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  grpc::Status StoreGet(grpc::ServerContext*, const internal::v1::StoreGetRequest*, internal::v1::StoreGetReply*) override
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   /// Waits until every rank reported Ready; returns their Worker service
   /// addresses by rank. DEADLINE_EXCEEDED names how many joined.
-  absl::StatusOr<std::vector<std::string>> WaitAllReady(std::chrono::milliseconds timeout);
+  absl::StatusOr<std::vector<std::string>> WaitAllReady(std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
   /// True once the current generation's ranks are all given out.
-  bool all_joined();
+  bool all_joined() ABSL_LOCKS_EXCLUDED(mu_);
   /// Number of workers that called Ready.
-  int ready_count();
+  int ready_count() ABSL_LOCKS_EXCLUDED(mu_);
   /// Starts pool generation `generation`: ends the previous members' Join
   /// streams, forgets ranks, addresses and the store. Workers still
   /// waiting for a rank keep their place.
-  void Reset(int64_t generation);
+  void Reset(int64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
   /// Ends every Join stream (UNAVAILABLE) and refuses new joins: the
   /// front-end is stopping. Call before shutting the gRPC server down.
-  void Shutdown();
+  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  /// One Join call: a worker waiting for its rank, then a member.
+  /// One Join call: a worker waiting for its rank, then a member. Lives
+  /// on its Join call's stack; rank and generation are written under mu_
+  /// (by AssignIfFull, from any thread) and read under mu_.
   struct Joiner {
     std::string who;  // "host (pid N, peer P)"
     int rank = -1;
     int64_t generation = -1;
   };
   /// Gives ranks to the waiting joiners once there are world_size of them.
-  void AssignIfFull();
+  void AssignIfFull() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Queues `me` and waits until it has a rank of the current generation.
+  /// Not OK when the join is refused, given up or overtaken by a Reset.
+  grpc::Status WaitForRank(grpc::ServerContext* ctx, Joiner& me) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// True when the store holds every key of `req`.
+  bool HasKeys(const internal::v1::StoreGetRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Constant after construction.
   const int world_size_;
   const internal::v1::JoinReply worker_config_;
   const LeaveCallback on_leave_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int64_t generation_ = 0;
-  std::string prefix_ = "gen0/";
-  bool assigned_ = false;  // the generation's ranks are given out
-  bool shutdown_ = false;
-  std::vector<Joiner*> waiting_;  // in join order
-  std::vector<std::string> addresses_;
-  int ready_ = 0;
-  std::map<std::string, std::string> store_;
+  const uint32_t protocol_version_;
+
+  absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled whenever a field below changes
+  // Guarded by mu_.
+  int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string prefix_ ABSL_GUARDED_BY(mu_) = "gen0/";
+  bool assigned_ ABSL_GUARDED_BY(mu_) = false;  // the generation's ranks are given out
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<Joiner*> waiting_ ABSL_GUARDED_BY(mu_);  // in join order
+  std::vector<std::string> addresses_ ABSL_GUARDED_BY(mu_);
+  int ready_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, std::string> store_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace logprob

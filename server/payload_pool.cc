@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "common/status_macros.h"
+
 namespace logprob {
 
 PayloadPool::PayloadPool(int max_idle) : state_(std::make_shared<State>()) { state_->max_idle = max_idle; }
@@ -22,9 +24,7 @@ absl::StatusOr<std::shared_ptr<SharedRegion>> PayloadPool::Acquire(size_t bytes)
   if (!region) {
     size_t size = size_t{1} << 20;
     while (size < bytes) size *= 2;
-    auto created = SharedRegion::Create(size);
-    if (!created.ok()) return created.status();
-    region = std::move(*created);
+    LOGPROB_ASSIGN_OR_RETURN(region, SharedRegion::Create(size));
   }
   std::weak_ptr<State> home = state_;
   return std::shared_ptr<SharedRegion>(region.release(), [home](SharedRegion* r) {

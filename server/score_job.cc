@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 
 namespace logprob {
 namespace {
@@ -95,9 +96,7 @@ int64_t ScoreJob::num_outputs() const {
 
 absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits,
                                        const LmHeadShape& lm_head) {
-  auto indexed = IndexInputs(req);
-  if (!indexed.ok()) return indexed.status();
-  auto& in = *indexed;
+  LOGPROB_ASSIGN_OR_RETURN(const auto in, IndexInputs(req));
   auto get = [&](const char* n) -> const v1::Tensor* { auto it = in.find(n); return it == in.end() ? nullptr : it->second; };
   const v1::Tensor* hidden = get("hidden_states");
   const v1::Tensor* input = hidden ? hidden : get("logits");  // one row per position
@@ -111,7 +110,7 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   if (!ids) return Invalid("missing tensor \"input_ids\"");
   if (!IsFloatDType(input->dtype()))
     return Invalid(absl::StrCat("\"", name, "\": dtype ", DTypeName(input->dtype()), " is not F32, BF16 or F16"));
-  if (auto st = CheckIntTensor(*ids); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*ids));
   const v1::Tensor* cu = get("cu_seqlens");
   const v1::Tensor* lens = get("seq_lens");
   const bool packed = input->shape_size() == 2;
@@ -137,7 +136,7 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   job.dtype = input->dtype();
   job.vocab_size = V;
   job.row_bytes = static_cast<size_t>(last) * DTypeSize(job.dtype);
-  if (auto st = NormaliseOptions(req.options(), V, limits, &job.options); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(NormaliseOptions(req.options(), V, limits, &job.options));
   const bool next = job.options.alignment() == v1::NEXT_TOKEN;
   const int64_t ignore = job.options.ignore_index();
 
@@ -146,8 +145,8 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   std::vector<Seq> seqs;
   if (packed) {
     const int64_t T = input->shape(0);
-    if (auto st = CheckShape(*ids, {T}, name + "' [T]"); !st.ok()) return st;
-    if (auto st = CheckIntTensor(*cu); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(CheckShape(*ids, {T}, name + "' [T]"));
+    LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*cu));
     if (cu->shape_size() != 1 || cu->shape(0) < 2)
       return Invalid(absl::StrCat("\"cu_seqlens\": shape ", ShapeStr(*cu), " is not [B + 1] with B >= 1"));
     const int64_t B = cu->shape(0) - 1;
@@ -164,11 +163,11 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     job.out_shape = {next ? T - B : T};
   } else {
     const int64_t B = input->shape(0), S = input->shape(1);
-    if (auto st = CheckShape(*ids, {B, S}, name + "' [B, S]"); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(CheckShape(*ids, {B, S}, name + "' [B, S]"));
     if (next && S < 1) return Invalid(absl::StrCat("\"", name, "\": S must be >= 1"));
     if (lens) {
-      if (auto st = CheckIntTensor(*lens); !st.ok()) return st;
-      if (auto st = CheckShape(*lens, {B}, name + "' [B]"); !st.ok()) return st;
+      LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*lens));
+      LOGPROB_RETURN_IF_ERROR(CheckShape(*lens, {B}, name + "' [B]"));
     }
     // With S = 0 the tensors are empty whatever B is: bound the per-sequence
     // work before it.
@@ -192,13 +191,13 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
 
   const v1::Tensor* gather = get("gather_indices");
   if (gather) {
-    if (auto st = CheckIntTensor(*gather); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*gather));
     std::vector<int64_t> want = job.out_shape;
     if (gather->shape_size() != static_cast<int>(want.size()) + 1)
       return Invalid(absl::StrCat("\"gather_indices\": shape ", ShapeStr(*gather), " is not the output shape [",
                                   absl::StrJoin(want, ", "), "] plus [K]"));
     want.push_back(gather->shape(gather->shape_size() - 1));
-    if (auto st = CheckShape(*gather, want, "the output shape plus K"); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(CheckShape(*gather, want, "the output shape plus K"));
     if (want.back() > limits.max_topk)
       return Invalid(absl::StrCat("\"gather_indices\": K = ", want.back(), " exceeds the server's max_topk ", limits.max_topk));
     job.gather_k = static_cast<int>(want.back());

@@ -1,5 +1,5 @@
 // Validation of a public ScoreRequest into a ScoreJob: the list of rows to
-// score, each with its target and output position (shared/SPEC.md
+// score, each with its target and output position (docs/SPEC.md
 // "Inputs" and "Outputs").
 #pragma once
 

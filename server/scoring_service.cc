@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "server/response_builder.h"
 
 namespace logprob {
@@ -60,26 +61,22 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
                                                            grpc::ServerContext* ctx) {
-  auto job = BuildScoreJob(req, config_.limits, config_.lm_head);
-  if (!job.ok()) return job.status();
-  if (stats) stats->rows = job->num_rows();
-  auto ticket = admission_.Admit(job->num_rows(), static_cast<int64_t>(req.ByteSizeLong()));
-  if (!ticket.ok()) return ticket.status();
+  LOGPROB_ASSIGN_OR_RETURN(const ScoreJob job, BuildScoreJob(req, config_.limits, config_.lm_head));
+  if (stats) stats->rows = job.num_rows();
+  LOGPROB_ASSIGN_OR_RETURN(const auto ticket, admission_.Admit(job.num_rows(), static_cast<int64_t>(req.ByteSizeLong())));
   RunBounds bounds;
   if (ctx) {
     bounds.deadline = ctx->deadline();
     bounds.cancelled = [ctx] { return ctx->IsCancelled(); };
   }
-  auto batch = batcher_.Run(*job, next_job_id_++, bounds);
-  if (!batch.ok()) return batch.status();
-  if (metrics_) metrics_->ObserveQueue(batch->queue_seconds);
+  LOGPROB_ASSIGN_OR_RETURN(const Batcher::Outcome batch, batcher_.Run(job, next_job_id_++, bounds));
+  if (metrics_) metrics_->ObserveQueue(batch.queue_seconds);
   if (stats) {
-    stats->queue_seconds = batch->queue_seconds;
-    stats->batch_requests = batch->batch_requests;
+    stats->queue_seconds = batch.queue_seconds;
+    stats->batch_requests = batch.batch_requests;
   }
-  auto resp = BuildResponse(*job, *batch->plan, *batch->results, batch->row_begin);
-  if (!resp.ok()) return resp.status();
-  resp->set_id(req.id());
+  LOGPROB_ASSIGN_OR_RETURN(v1::ScoreResponse resp, BuildResponse(job, *batch.plan, *batch.results, batch.row_begin));
+  resp.set_id(req.id());
   return resp;
 }
 
@@ -118,7 +115,7 @@ grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const
 }
 
 grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
-  if (grpc::Status st = Authorize(context, "Score"); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(Authorize(context, "Score"));
   auto r = Observed(metrics_, "Score", *req, [&](RequestStats* stats) { return ScoreOne(*req, stats, context); });
   if (!r.ok()) return ToGrpc(r.status());
   *resp = std::move(*r);
@@ -127,7 +124,7 @@ grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::Score
 
 grpc::Status ScoringService::ScoreStream(grpc::ServerContext* context,
                                          grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>* stream) {
-  if (grpc::Status st = Authorize(context, "ScoreStream"); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(Authorize(context, "ScoreStream"));
   // Messages are scored concurrently (so they can share worker batches),
   // up to kStreamInFlight at a time; a writer thread answers in order.
   std::mutex mu;
@@ -185,7 +182,7 @@ v1::ScoreResponse ScoringService::AnswerStreamed(const v1::ScoreRequest& req, gr
 
 grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v1::ServerInfoRequest*,
                                            v1::ServerInfo* info) {
-  if (grpc::Status st = Authorize(context, "GetServerInfo"); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(Authorize(context, "GetServerInfo"));
   info->set_version("0.1.0");
   info->set_workers(pool_.size());
   info->set_backend(config_.backend);

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace logprob {
@@ -70,13 +71,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFi
   if (key_file.empty()) return absl::InvalidArgumentError(absl::StrCat("--tls-cert ", cert_file, " needs --tls-key (its private key)"));
   if (cert_file.empty()) return absl::InvalidArgumentError(absl::StrCat("--tls-key ", key_file, " needs --tls-cert (its certificate)"));
 
-  absl::StatusOr<std::string> cert = ReadPem("--tls-cert", cert_file);
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPem("--tls-key", key_file);
-  if (!key.ok()) return key.status();
-  X509Ptr leaf = FirstCert(*cert);
+  LOGPROB_ASSIGN_OR_RETURN(const std::string cert, ReadPem("--tls-cert", cert_file));
+  LOGPROB_ASSIGN_OR_RETURN(const std::string key, ReadPem("--tls-key", key_file));
+  X509Ptr leaf = FirstCert(cert);
   if (!leaf) return Bad("--tls-cert", cert_file, "no PEM certificate in the file");
-  PKeyPtr pkey = PrivateKey(*key);
+  PKeyPtr pkey = PrivateKey(key);
   if (!pkey) return Bad("--tls-key", key_file, "no unencrypted PEM private key in the file");
   if (X509_check_private_key(leaf.get(), pkey.get()) != 1) {
     ERR_clear_error();
@@ -84,12 +83,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFi
   }
 
   grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  options.pem_key_cert_pairs.push_back({*key, *cert});
+  options.pem_key_cert_pairs.push_back({key, cert});
   if (!client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPem("--tls-client-ca", client_ca_file);
-    if (!ca.ok()) return ca.status();
-    if (!FirstCert(*ca)) return Bad("--tls-client-ca", client_ca_file, "no PEM certificate in the file");
-    options.pem_root_certs = *ca;
+    LOGPROB_ASSIGN_OR_RETURN(const std::string ca, ReadPem("--tls-client-ca", client_ca_file));
+    if (!FirstCert(ca)) return Bad("--tls-client-ca", client_ca_file, "no PEM certificate in the file");
+    options.pem_root_certs = ca;
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::SslServerCredentials(options);

@@ -1,9 +1,13 @@
 #include "server/worker_pool.h"
 
+#include <condition_variable>
 #include <iostream>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 
 namespace logprob {
 namespace {
@@ -26,10 +30,10 @@ WorkerPool::WorkerPool(Options options, std::unique_ptr<WorkerLauncher> launcher
 
 WorkerPool::~WorkerPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
+    cv_.SignalAll();
   }
-  cv_.notify_all();
   if (supervisor_.joinable()) supervisor_.join();
   launcher_->Stop();
   if (control_) control_->Shutdown();
@@ -67,10 +71,10 @@ absl::Status WorkerPool::Form(int64_t index) {
   gen->index = index;
   control_->Reset(index);  // ends the previous generation's Join streams
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     gen_ = gen;
   }
-  if (auto st = launcher_->Launch(index, frontend_); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(launcher_->Launch(index, frontend_));
   // Wait for all to be ready, noticing a worker that exits or leaves early.
   using Clock = std::chrono::steady_clock;
   auto deadline = launcher_->waits_for_workers() ? Clock::time_point::max() : Clock::now() + options_.join_timeout;
@@ -80,7 +84,7 @@ absl::Status WorkerPool::Form(int64_t index) {
     if (addresses.ok()) break;
     if (stopping()) return absl::CancelledError("the worker pool is stopping");
     {
-      std::lock_guard<std::mutex> lock(gen->mu);
+      absl::MutexLock lock(&gen->mu);
       if (gen->failed) return absl::UnavailableError(gen->failure);
     }
     if (auto why = launcher_->Poll()) return absl::UnavailableError(absl::StrCat(*why, " during start-up"));
@@ -94,7 +98,7 @@ absl::Status WorkerPool::Form(int64_t index) {
     gen->stubs.push_back(
         internal::v1::Worker::NewStub(grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args)));
   {
-    std::lock_guard<std::mutex> lock(gen->mu);
+    absl::MutexLock lock(&gen->mu);
     if (gen->failed) return absl::UnavailableError(gen->failure);
     gen->ready = true;
   }
@@ -105,20 +109,20 @@ absl::Status WorkerPool::Form(int64_t index) {
 }
 
 std::shared_ptr<WorkerPool::Generation> WorkerPool::current() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return gen_;
 }
 
 bool WorkerPool::stopping() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return stop_;
 }
 
 void WorkerPool::Publish() {
-  std::lock_guard<std::mutex> publish(publish_mu_);
+  absl::MutexLock publish(&publish_mu_);
   bool up = false;
   if (const auto gen = current()) {
-    std::lock_guard<std::mutex> lock(gen->mu);
+    absl::MutexLock lock(&gen->mu);
     up = gen->ready && !gen->failed;
   }
   serving_ = up;
@@ -127,7 +131,7 @@ void WorkerPool::Publish() {
 
 void WorkerPool::Fail(const std::shared_ptr<Generation>& gen, const std::string& why) {
   {
-    std::lock_guard<std::mutex> lock(gen->mu);
+    absl::MutexLock lock(&gen->mu);
     if (gen->failed) return;
     gen->failed = true;
     gen->failure = why;
@@ -136,7 +140,7 @@ void WorkerPool::Fail(const std::shared_ptr<Generation>& gen, const std::string&
   Publish();
   std::cerr << "logprob-server: worker pool generation " << gen->index << " failed: " << why
             << "; re-forming the pool" << std::endl;
-  cv_.notify_all();
+  cv_.SignalAll();  // wakes the supervisor
 }
 
 void WorkerPool::OnLeave(int64_t generation, const std::string& why) {
@@ -149,7 +153,7 @@ void WorkerPool::Supervise() {
     const std::shared_ptr<Generation> gen = current();
     bool failed = !gen;  // none yet (waiting launcher) counts as failed: form one
     if (gen) {
-      std::lock_guard<std::mutex> lock(gen->mu);
+      absl::MutexLock lock(&gen->mu);
       failed = gen->failed;
     }
     if (!failed) {
@@ -157,8 +161,8 @@ void WorkerPool::Supervise() {
         Fail(gen, *why);
         continue;
       }
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, std::chrono::milliseconds(50), [&] { return stop_; });
+      absl::MutexLock lock(&mu_);
+      if (!stop_) cv_.WaitWithTimeout(&mu_, absl::Milliseconds(50));
       continue;
     }
     // Re-form: stop the rest of the failed generation, then form the next.
@@ -167,8 +171,11 @@ void WorkerPool::Supervise() {
       launcher_->Stop();
       if (stopping()) break;
       Fail(current(), absl::StrCat("forming the pool failed: ", st.message()));
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, std::chrono::seconds(1), [&] { return stop_; });
+      // Wait a second before the next try, or until stopped.
+      absl::MutexLock lock(&mu_);
+      const absl::Time until = absl::Now() + absl::Seconds(1);
+      while (!stop_ && !cv_.WaitWithDeadline(&mu_, until)) {
+      }
       continue;  // the next round forms the generation after
     }
     if (gen) {
@@ -179,8 +186,13 @@ void WorkerPool::Supervise() {
 }
 
 absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan& plan, const RunBounds& bounds) {
-  std::unique_lock<std::mutex> collective;
-  if (plan.layout != internal::v1::TOKEN_PARALLEL) collective = std::unique_lock<std::mutex>(collective_mu_);
+  if (plan.layout == internal::v1::TOKEN_PARALLEL) return RunItems(plan, bounds);
+  absl::MutexLock collective(&collective_mu_);
+  return RunItems(plan, bounds);
+}
+
+absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const Plan& plan,
+                                                                           const RunBounds& bounds) {
   const std::shared_ptr<Generation> gen = current();
   if (!gen) return absl::UnavailableError("the worker pool is waiting for its workers to join; retry shortly");
   const size_t n = plan.items.size();
@@ -188,7 +200,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
   auto deadline = std::chrono::system_clock::now() + options_.work_timeout;
   if (bounds.deadline < deadline) deadline = bounds.deadline;
   {
-    std::lock_guard<std::mutex> lock(gen->mu);
+    absl::MutexLock lock(&gen->mu);
     if (gen->failed)
       return absl::UnavailableError("the worker pool is re-forming after a worker failure; retry shortly");
     if (!gen->ready) return absl::UnavailableError("the worker pool is waiting for its workers to join; retry shortly");
@@ -227,7 +239,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
   for (auto& t : threads) t.join();
   std::string failure;
   {
-    std::lock_guard<std::mutex> lock(gen->mu);
+    absl::MutexLock lock(&gen->mu);
     for (auto& ctx : contexts) gen->inflight.erase(ctx.get());
     failure = gen->failed ? gen->failure : "";
   }
@@ -252,7 +264,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
       Fail(gen, msg);
       return absl::UnavailableError(absl::StrCat("worker pool failed (", msg, "); it is being re-formed, retry"));
     }
-    return absl::Status(static_cast<absl::StatusCode>(code), msg);
+    return absl::Status(FromGrpc(statuses[i]).code(), msg);
   }
   return results;
 }

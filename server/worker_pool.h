@@ -6,16 +6,16 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "server/control_service.h"
 #include "server/planner.h"
@@ -48,6 +48,8 @@ struct RunBounds {
 /// (launcher Stop), resets the control plane, which ends the surviving
 /// workers' Join streams, and forms a new generation (new ranks, new
 /// communicator), reporting serving once it is ready.
+///
+/// Thread-safe: Run may be called from any number of threads.
 class WorkerPool {
  public:
   struct Options {
@@ -68,14 +70,14 @@ class WorkerPool {
   };
 
   WorkerPool(Options options, std::unique_ptr<WorkerLauncher> launcher);
-  ~WorkerPool();  // ends the Join streams and stops the workers
+  ~WorkerPool() ABSL_LOCKS_EXCLUDED(mu_);  // ends the Join streams and stops the workers
 
   /// Starts the control plane and supervising. With a launcher that does
   /// not wait for workers, first forms generation 0 and returns its error:
   /// UNAVAILABLE if a worker exits early, DEADLINE_EXCEEDED if they do not
   /// all become ready within join_timeout. With a waiting launcher, returns
   /// at once (not serving until the workers have joined).
-  absl::Status Start();
+  absl::Status Start() ABSL_LOCKS_EXCLUDED(mu_);
   /// host:port of the control plane (after Start).
   const std::string& control_address() const { return frontend_; }
 
@@ -94,53 +96,74 @@ class WorkerPool {
   /// bounds.cancelled() says so: DEADLINE_EXCEEDED / CANCELLED.
   /// UNAVAILABLE (worker named) when the pool is not serving or fails
   /// during the call; other worker errors come back with the worker named.
-  absl::StatusOr<std::vector<internal::v1::WorkResult>> Run(const Plan& plan,
-                                                            const RunBounds& bounds = {});
+  absl::StatusOr<std::vector<internal::v1::WorkResult>> Run(const Plan& plan, const RunBounds& bounds = {})
+      ABSL_LOCKS_EXCLUDED(mu_, collective_mu_);
 
  private:
   /// One set of worker processes with their communicator.
   struct Generation {
+    // Set by Form before `ready` is: constant once a Run can see them.
     int64_t index = 0;
     std::vector<std::unique_ptr<internal::v1::Worker::Stub>> stubs;
-    std::mutex mu;                          // guards ready, failed, inflight
-    bool ready = false;                     // every rank Ready, stubs made
-    bool failed = false;
-    std::string failure;
-    std::set<grpc::ClientContext*> inflight;
+
+    absl::Mutex mu;
+    bool ready ABSL_GUARDED_BY(mu) = false;  // every rank Ready, stubs made
+    bool failed ABSL_GUARDED_BY(mu) = false;
+    std::string failure ABSL_GUARDED_BY(mu);
+    std::set<grpc::ClientContext*> inflight ABSL_GUARDED_BY(mu);  // Run's worker calls, cancelled by Fail
   };
 
   /// Makes generation `index` the current one and forms it: resets the
   /// control plane, launches, waits until every rank is Ready (watching for
   /// failures, time-out and stop), connects to the workers, reports
   /// serving. On error the caller stops the launcher.
-  absl::Status Form(int64_t index);
+  absl::Status Form(int64_t index) ABSL_LOCKS_EXCLUDED(mu_);
   /// Marks `gen` failed (once): not serving, cancels its calls in flight,
   /// wakes the supervisor to re-form the pool.
-  void Fail(const std::shared_ptr<Generation>& gen, const std::string& why);
+  void Fail(const std::shared_ptr<Generation>& gen, const std::string& why) ABSL_LOCKS_EXCLUDED(mu_, gen->mu);
   /// The control plane's report of a member that left: fails its
   /// generation if it is the current one.
-  void OnLeave(int64_t generation, const std::string& why);
+  void OnLeave(int64_t generation, const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
   /// Sets serving_ from the current generation's state and reports it
   /// through on_serving (serialised, so the last report is the truth).
-  void Publish();
-  void Supervise();
-  std::shared_ptr<Generation> current();
-  bool stopping();
+  void Publish() ABSL_LOCKS_EXCLUDED(publish_mu_, mu_);
+  void Supervise() ABSL_LOCKS_EXCLUDED(mu_);
+  /// Runs `plan`'s items on the current generation (Run without the
+  /// collective serialisation).
+  absl::StatusOr<std::vector<internal::v1::WorkResult>> RunItems(const Plan& plan, const RunBounds& bounds)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  std::shared_ptr<Generation> current() ABSL_LOCKS_EXCLUDED(mu_);
+  bool stopping() ABSL_LOCKS_EXCLUDED(mu_);
 
-  Options options_;
-  std::unique_ptr<WorkerLauncher> launcher_;
+  // Constant after construction.
+  const Options options_;
+  // Called from one thread at a time: Start, then the supervisor, then the
+  // destructor (after joining the supervisor); same_host() from any.
+  const std::unique_ptr<WorkerLauncher> launcher_;
+
+  // Set by Start before the supervisor starts and Run may be called;
+  // constant afterwards.
   std::string frontend_;  // control plane address given to workers
   std::unique_ptr<ControlService> control_;
   std::unique_ptr<grpc::Server> control_server_;
-  std::mutex mu_;  // guards gen_, stop_
-  std::condition_variable cv_;
-  std::shared_ptr<Generation> gen_;
-  bool stop_ = false;
-  std::mutex publish_mu_;
+  std::thread supervisor_;
+
+  absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled on stop_ and when a generation fails
+  // Guarded by mu_.
+  std::shared_ptr<Generation> gen_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+
+  /// Serialises Publish, so that the last on_serving report is the truth.
+  absl::Mutex publish_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  /// Serialises the Runs of vocab-parallel and hidden-states plans: their
+  /// workers run collectives (all-to-all, all-gather) on one communicator
+  /// per generation, whose calls of two plans must not interleave. Guards
+  /// no data; token-parallel plans (no collectives) do not take it.
+  absl::Mutex collective_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+
   std::atomic<bool> serving_{false};
   std::atomic<int> restarts_{0};
-  std::thread supervisor_;
-  std::mutex collective_mu_;
 };
 
 }  // namespace logprob

@@ -1,4 +1,4 @@
-// The command-line contract (shared/SPEC.md) end to end: logprob-client
+// The command-line contract (docs/SPEC.md) end to end: logprob-client
 // against a live 2-worker server (with the golden lm_head) scores every
 // golden case, logits and hidden states, into an output file that matches,
 // also when requests are split; health and error exits.

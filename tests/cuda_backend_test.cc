@@ -98,12 +98,13 @@ void ExpectRecordsMatch(const std::vector<uint32_t>& cpu, const std::vector<uint
     SCOPED_TRACE("row " + std::to_string(r));
     const uint32_t* c = cpu.data() + r * words;
     const uint32_t* g = gpu.data() + r * words;
-    EXPECT_EQ(c[0], g[0]) << "m " << F(c[0]) << " vs " << F(g[0]);
-    EXPECT_EQ(c[1], g[1]) << "target x " << F(c[1]) << " vs " << F(g[1]);
-    const double cs = D(c + 2), gs = D(g + 2);
+    constexpr int m = record::kMaxWord, t = record::kTargetWord, s = record::kSWord, u = record::kUWord;
+    EXPECT_EQ(c[m], g[m]) << "m " << F(c[m]) << " vs " << F(g[m]);
+    EXPECT_EQ(c[t], g[t]) << "target x " << F(c[t]) << " vs " << F(g[t]);
+    const double cs = D(c + s), gs = D(g + s);
     EXPECT_NEAR(cs, gs, 2e-5 * cs) << "s";
-    if (spec.entropy) EXPECT_NEAR(D(c + 4), D(g + 4), 2e-5 * (std::abs(D(c + 4)) + cs)) << "u";
-    for (size_t w = kernels::kPartialHeaderWords; w < words; ++w)
+    if (spec.entropy) EXPECT_NEAR(D(c + u), D(g + u), 2e-5 * (std::abs(D(c + u)) + cs)) << "u";
+    for (size_t w = record::kHeaderWords; w < words; ++w)
       EXPECT_EQ(c[w], g[w]) << "word " << w << ": " << F(c[w]) << " vs " << F(g[w]);
   }
 }

@@ -94,7 +94,7 @@ class Cluster : public ::testing::Test {
   }
 
   /// Scores every logits golden case and checks each against its
-  /// expected outputs (shared/SPEC.md tolerance).
+  /// expected outputs (docs/SPEC.md tolerance).
   void ExpectGoldenCasesPass() const {
     for (const auto& name : LogitsGoldenNames()) {
       SCOPED_TRACE(name);

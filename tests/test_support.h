@@ -1,5 +1,5 @@
 // Shared helpers of the integration tests: a live logprob-server process
-// on loopback, golden cases and their comparison (shared/SPEC.md
+// on loopback, golden cases and their comparison (docs/SPEC.md
 // tolerance 2e-4 + 2e-5 * |expected|, ids exact, -inf where expected).
 #pragma once
 

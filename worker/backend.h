@@ -2,7 +2,7 @@
 // block of rows. The scorer (worker/scorer.cc) keeps the orchestration
 // (rounds, collectives, CombinePartials on the host in float64); a backend
 // only turns logits or hidden states into packed partial records
-// (worker/kernels/row_stats.h), the small per-row summaries the scorer
+// (worker/kernels/partial_record.h), the small per-row summaries the scorer
 // exchanges and combines. The big data (logits, GEMM output) stays where
 // the backend computes: on the GPU for the CUDA backend.
 #pragma once
@@ -35,7 +35,7 @@ struct LogitsBlock {
   int64_t len = 0;
 };
 
-/// Sampling filters of a job (shared/SPEC.md "Filters"): top-k (0 or >= V
+/// Sampling filters of a job (docs/SPEC.md "Filters"): top-k (0 or >= V
 /// disables) then top-p (outside (0, 1) disables).
 struct SamplingFilter {
   int top_k = 0;
@@ -50,6 +50,12 @@ struct LmHeadSlice {
   std::vector<char> weight;
   int64_t rows = 0, hidden_size = 0;
 };
+
+/// The error of a hidden-states call on a worker without an lm_head
+/// (FAILED_PRECONDITION).
+inline absl::Status NoLmHeadError() {
+  return absl::FailedPreconditionError("work item: hidden states sent to a worker without an lm_head");
+}
 
 /// Produces packed partial records (kernels::PartialWords(spec) uint32
 /// words per row, the layout of kernels::ComputePartial) for blocks of

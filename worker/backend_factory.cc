@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/backend_choice.h"
+#include "common/status_macros.h"
 #include "worker/cpu_backend.h"
 #include "worker/gloo_communicator.h"
 #include "worker/kernels/lm_head_gemm.h"
@@ -14,23 +15,21 @@
 namespace logprob {
 
 absl::StatusOr<std::unique_ptr<ScoringBackend>> MakeBackend(const BackendConfig& config) {
-  if (auto st = CheckBackendChoice(config.backend, "gloo"); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(CheckBackendChoice(config.backend, "gloo"));
   if (config.backend == "cpu") {
     std::unique_ptr<kernels::LmHeadGemm> gemm;
     if (config.lm_head) {
       LmHeadSlice& s = *config.lm_head;
-      auto g = kernels::LmHeadGemm::Create(s.dtype, std::move(s.weight), s.rows, s.hidden_size, config.threads);
-      if (!g.ok()) return g.status();
-      gemm = std::move(*g);
+      LOGPROB_ASSIGN_OR_RETURN(gemm,
+                               kernels::LmHeadGemm::Create(s.dtype, std::move(s.weight), s.rows, s.hidden_size,
+                                                           config.threads));
     }
     return std::unique_ptr<ScoringBackend>(new CpuBackend(std::move(gemm)));
   }
 #ifdef LOGPROB_HAVE_CUDA
-  auto device = cuda::SelectDevice(config.device, config.rank);
-  if (!device.ok()) return device.status();
-  auto b = cuda::CudaBackend::Create(*device, config.lm_head);
-  if (!b.ok()) return b.status();
-  return std::unique_ptr<ScoringBackend>(std::move(*b));
+  LOGPROB_ASSIGN_OR_RETURN(const int device, cuda::SelectDevice(config.device, config.rank));
+  LOGPROB_ASSIGN_OR_RETURN(auto b, cuda::CudaBackend::Create(device, config.lm_head));
+  return std::unique_ptr<ScoringBackend>(std::move(b));
 #else
   return absl::InternalError("unreachable: CheckBackendChoice accepted cuda in a build without CUDA");
 #endif
@@ -40,23 +39,21 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(const std::string
                                                                gloo::rendezvous::Store& store,
                                                                const std::string& hostname, int rank, int size,
                                                                std::chrono::milliseconds timeout) {
-  if (auto st = CheckBackendChoice(backend.name(), comm); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(CheckBackendChoice(backend.name(), comm));
   if (comm == "gloo") {
-    auto c = GlooCommunicator::Create(store, hostname, rank, size, timeout);
-    if (!c.ok()) return c.status();
-    return std::unique_ptr<Communicator>(std::move(*c));
+    LOGPROB_ASSIGN_OR_RETURN(auto c, GlooCommunicator::Create(store, hostname, rank, size, timeout));
+    return std::unique_ptr<Communicator>(std::move(c));
   }
 #ifdef LOGPROB_HAVE_CUDA
   auto* cuda_backend = dynamic_cast<cuda::CudaBackend*>(&backend);
   if (!cuda_backend) return absl::InvalidArgumentError("--comm nccl needs --backend cuda");
-  auto devices = cuda::DeviceCount();
-  if (!devices.ok()) return devices.status();
-  if (size > *devices)
+  LOGPROB_ASSIGN_OR_RETURN(const int devices, cuda::DeviceCount());
+  if (size > devices)
     return absl::FailedPreconditionError(absl::StrCat("--comm nccl needs one GPU per worker: ", size, " workers, ",
-                                                      *devices, " GPU(s); use --comm gloo to share GPUs"));
-  auto c = cuda::NcclCommunicator::Create(store, rank, size, cuda_backend->device(), cuda_backend->stream(), timeout);
-  if (!c.ok()) return c.status();
-  return std::unique_ptr<Communicator>(std::move(*c));
+                                                      devices, " GPU(s); use --comm gloo to share GPUs"));
+  LOGPROB_ASSIGN_OR_RETURN(
+      auto c, cuda::NcclCommunicator::Create(store, rank, size, cuda_backend->device(), cuda_backend->stream(), timeout));
+  return std::unique_ptr<Communicator>(std::move(c));
 #else
   return absl::InternalError("unreachable: CheckBackendChoice accepted nccl in a build without CUDA");
 #endif

@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "common/status_macros.h"
 #include "worker/kernels/sampling_filter.h"
 
 namespace logprob {
@@ -13,10 +14,6 @@ kernels::SliceRow RowOf(const LogitsBlock& block, const BlockRows& rows, const k
   r.target = rows.targets[i];
   r.gather_ids = spec.gather_k ? rows.gather_ids + i * spec.gather_k : nullptr;
   return r;
-}
-
-absl::Status NoLmHead() {
-  return absl::FailedPreconditionError("work item: hidden states sent to a worker without an lm_head");
 }
 
 }  // namespace
@@ -48,14 +45,14 @@ absl::Status CpuBackend::FilteredRowPartials(const LogitsBlock& block, const Blo
 
 absl::Status CpuBackend::HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin,
                                         const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) {
-  if (!lm_head_) return NoLmHead();
+  if (!lm_head_) return NoLmHeadError();
   std::vector<float> logits(static_cast<size_t>(rows.count * lm_head_->rows()));
-  if (auto st = HiddenLogits(hidden_dtype, hidden, rows.count, logits.data()); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(HiddenLogits(hidden_dtype, hidden, rows.count, logits.data()));
   return SlicePartials(LogitsBlock{v1::F32, logits.data(), vocab_begin, lm_head_->rows()}, rows, spec, records);
 }
 
 absl::Status CpuBackend::HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) {
-  if (!lm_head_) return NoLmHead();
+  if (!lm_head_) return NoLmHeadError();
   return lm_head_->Compute(hidden_dtype, hidden, M, logits);
 }
 

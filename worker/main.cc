@@ -11,6 +11,9 @@
 // (the pool was reset after a peer failed, or the front-end went away) the
 // worker re-executes itself and joins again (--rejoin, the default), or
 // exits (--rejoin=false, as the front-end's locally spawned workers do).
+// A front-end of another release (another kWorkerProtocolVersion,
+// common/worker_protocol.h) refuses the join: the worker then exits with
+// status 1, whatever --rejoin says.
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/prctl.h>
@@ -31,6 +34,8 @@
 #include "common/partition.h"
 #include "absl/strings/str_cat.h"
 #include "common/backend_choice.h"
+#include "common/status_macros.h"
+#include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend_factory.h"
 #include "worker/control_store.h"
@@ -111,7 +116,7 @@ absl::StatusOr<std::unique_ptr<logprob::LmHeadSlice>> ReadLmHeadSlice(const logp
   slice->rows = ve - vb;
   slice->hidden_size = source.hidden_size;
   slice->weight.resize(static_cast<size_t>((ve - vb) * source.hidden_size) * logprob::DTypeSize(source.dtype));
-  if (auto st = logprob::ReadLmHeadRows(source, vb, ve, slice->weight.data()); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(logprob::ReadLmHeadRows(source, vb, ve, slice->weight.data()));
   std::cerr << "logprob-worker: rank " << joined.rank() << " read " << source.tensor << " rows [" << vb << ", " << ve
             << ") x " << source.hidden_size << " " << logprob::DTypeName(source.dtype) << " from " << source.file
             << " (" << (slice->weight.size() >> 20) << " MiB) in "
@@ -178,6 +183,7 @@ int main(int argc, char** argv) {
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
   join.set_hostname(host);
+  join.set_protocol_version(logprob::kWorkerProtocolVersion);
   logprob::internal::v1::JoinReply joined;
   std::unique_ptr<grpc::ClientContext> membership_ctx;  // lives as long as the membership
   std::unique_ptr<grpc::ClientReader<logprob::internal::v1::JoinReply>> membership;
@@ -189,11 +195,19 @@ int main(int argc, char** argv) {
     membership = control->Join(membership_ctx.get(), join);
     if (membership->Read(&joined)) break;
     const grpc::Status st = membership->Finish();
+    // Refused for good (a front-end of another release): retrying cannot help.
+    if (st.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+      return Fail("join " + frontend + " refused: " + st.error_message());
     if (!rejoin) return Fail("join " + frontend + ": " + st.error_message());
     std::cerr << "logprob-worker: join " << frontend << ": " << st.error_message() << "; trying again in 2 s"
               << std::endl;
     std::this_thread::sleep_for(std::chrono::seconds(2));
   }
+  // A front-end of an older release accepts the join without checking.
+  if (joined.protocol_version() != logprob::kWorkerProtocolVersion)
+    EndMembership("cannot join " + frontend + ": " +
+                      logprob::ProtocolMismatch(logprob::kWorkerProtocolVersion, joined.protocol_version()),
+                  false, 1);
   const int rank = joined.rank(), world = joined.world_size();
   std::cerr << "logprob-worker: rank " << rank << "/" << world << " of pool generation " << joined.generation()
             << std::endl;

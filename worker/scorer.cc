@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/partition.h"
+#include "common/status_macros.h"
 #include "worker/kernels/row_stats.h"
 #include "worker/kernels/sampling_filter.h"
 
@@ -89,9 +90,9 @@ absl::Status ScoreFullRows(Job& job, const LogitsBlock& block, int64_t row0, int
   const size_t words = kernels::PartialWords(job.spec);
   job.records.resize(static_cast<size_t>(count) * words);
   const BlockRows rows = job.Range(row0, count);
-  absl::Status st = job.filters ? job.backend.FilteredRowPartials(block, rows, job.spec, job.filter, job.records.data())
-                                : job.backend.SlicePartials(block, rows, job.spec, job.records.data());
-  if (!st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(job.filters
+                              ? job.backend.FilteredRowPartials(block, rows, job.spec, job.filter, job.records.data())
+                              : job.backend.SlicePartials(block, rows, job.spec, job.records.data()));
   for (int64_t i = 0; i < count; ++i) {
     const uint32_t* recs[1] = {job.records.data() + i * words};
     kernels::CombinePartials(recs, 1, job.spec, rows.targets[i] >= 0, out.At(row0 + i - out_row0));
@@ -155,7 +156,7 @@ absl::Status ExchangePartials(Job& job, Communicator& comm, const RoundRows& row
     send_bytes[q] = rows.count[q] * static_cast<int64_t>(words) * 4;
     recv_bytes[q] = mine * static_cast<int64_t>(words) * 4;
   }
-  if (auto st = comm.AllToAllV(send.data(), send_bytes, recv.data(), recv_bytes); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(comm.AllToAllV(send.data(), send_bytes, recv.data(), recv_bytes));
   std::vector<const uint32_t*> recs(W);
   for (int64_t i = 0; i < mine; ++i) {
     const int64_t row = rows.first[me] + i;
@@ -185,7 +186,7 @@ absl::Status ExchangeFullRows(Job& job, Communicator& comm, const RoundRows& row
     total_recv += recv_bytes[q];
   }
   std::vector<char> recv(static_cast<size_t>(std::max<int64_t>(total_recv, 1)));
-  if (auto st = comm.AllToAllV(slice.data, send_bytes, recv.data(), recv_bytes); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(comm.AllToAllV(slice.data, send_bytes, recv.data(), recv_bytes));
   std::vector<char> full(static_cast<size_t>(std::max<int64_t>(mine * V, 1)) * esize);
   for (int64_t i = 0; i < mine; ++i) {
     size_t at = static_cast<size_t>(i * V) * esize;
@@ -207,7 +208,7 @@ absl::Status AgreeToGoOn(Job& job, Communicator& comm) {
   if (!job.should_stop) return absl::OkStatus();
   const char mine = job.should_stop() ? 1 : 0;
   std::vector<char> all(comm.size());
-  if (auto st = comm.AllGather(&mine, 1, all.data()); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(comm.AllGather(&mine, 1, all.data()));
   for (char c : all)
     if (c) return Stopped();
   return absl::OkStatus();
@@ -219,7 +220,7 @@ absl::Status ScoreLogitsSlices(Job& job, Communicator& comm, int64_t own_begin, 
   const int W = comm.size();
   const RoundSlice all{item.dtype(), job.payload.data(), item.vocab_begin(), item.vocab_end() - item.vocab_begin()};
   for (int64_t c0 = 0; c0 < item.num_rows(); c0 += kVocabParallelChunkRows) {
-    if (auto st = AgreeToGoOn(job, comm); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(AgreeToGoOn(job, comm));
     const int64_t c1 = std::min(item.num_rows(), c0 + kVocabParallelChunkRows);
     RoundRows rows(W);
     for (int q = 0; q < W; ++q) {
@@ -229,17 +230,15 @@ absl::Status ScoreLogitsSlices(Job& job, Communicator& comm, int64_t own_begin, 
     }
     RoundSlice slice = all;
     slice.data += c0 * slice.row_bytes();
-    absl::Status st;
     if (job.filters) {
-      st = ExchangeFullRows(job, comm, rows, slice, own_begin, out);
+      LOGPROB_RETURN_IF_ERROR(ExchangeFullRows(job, comm, rows, slice, own_begin, out));
     } else {
       const RoundIds ids(job, rows);
       std::vector<uint32_t> send(static_cast<size_t>(rows.total()) * kernels::PartialWords(job.spec));
-      st = job.backend.SlicePartials(LogitsBlock{slice.dtype, slice.data, slice.begin, slice.len}, ids.rows(),
-                                     job.spec, send.data());
-      if (st.ok()) st = ExchangePartials(job, comm, rows, send, own_begin, out);
+      LOGPROB_RETURN_IF_ERROR(job.backend.SlicePartials(LogitsBlock{slice.dtype, slice.data, slice.begin, slice.len},
+                                                        ids.rows(), job.spec, send.data()));
+      LOGPROB_RETURN_IF_ERROR(ExchangePartials(job, comm, rows, send, own_begin, out));
     }
-    if (!st.ok()) return st;
   }
   return absl::OkStatus();
 }
@@ -262,7 +261,7 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
   std::vector<float> logits;
   std::vector<uint32_t> records;
   for (int64_t l0 = 0; l0 < most; l0 += per_round) {
-    if (auto st = AgreeToGoOn(job, comm); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(AgreeToGoOn(job, comm));
     const int64_t c = std::min(per_round, most - l0);  // padded rows per rank this round
     RoundRows rows(W);
     for (int q = 0; q < W; ++q) {
@@ -273,27 +272,25 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
     send.assign(c * hrow, 0);
     std::copy_n(job.payload.data() + l0 * hrow, rows.count[me] * hrow, send.data());
     gathered.resize(W * c * hrow);
-    if (auto st = comm.AllGather(send.data(), send.size(), gathered.data()); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(comm.AllGather(send.data(), send.size(), gathered.data()));
     // Drop the padding: rank q's rows follow rank q-1's.
     int64_t packed = 0;
     for (int q = 0; q < W; ++q) {
       std::memmove(gathered.data() + packed * hrow, gathered.data() + q * c * hrow, rows.count[q] * hrow);
       packed += rows.count[q];
     }
-    absl::Status st;
     if (job.filters) {
       logits.resize(static_cast<size_t>(packed * N));
-      st = job.backend.HiddenLogits(item.dtype(), gathered.data(), packed, logits.data());
+      LOGPROB_RETURN_IF_ERROR(job.backend.HiddenLogits(item.dtype(), gathered.data(), packed, logits.data()));
       const RoundSlice slice{v1::F32, reinterpret_cast<const char*>(logits.data()), item.vocab_begin(), N};
-      if (st.ok()) st = ExchangeFullRows(job, comm, rows, slice, own_begin, out);
+      LOGPROB_RETURN_IF_ERROR(ExchangeFullRows(job, comm, rows, slice, own_begin, out));
     } else {
       const RoundIds ids(job, rows);
       records.resize(static_cast<size_t>(packed) * kernels::PartialWords(job.spec));
-      st = job.backend.HiddenPartials(item.dtype(), gathered.data(), item.vocab_begin(), ids.rows(), job.spec,
-                                      records.data());
-      if (st.ok()) st = ExchangePartials(job, comm, rows, records, own_begin, out);
+      LOGPROB_RETURN_IF_ERROR(job.backend.HiddenPartials(item.dtype(), gathered.data(), item.vocab_begin(), ids.rows(),
+                                                         job.spec, records.data()));
+      LOGPROB_RETURN_IF_ERROR(ExchangePartials(job, comm, rows, records, own_begin, out));
     }
-    if (!st.ok()) return st;
   }
   return absl::OkStatus();
 }
@@ -331,7 +328,7 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, std::string_view 
       if (should_stop && should_stop()) return Stopped();
       const int64_t count = std::min(kVocabParallelChunkRows, n - r0);
       const LogitsBlock block{dtype, payload.data() + r0 * slice_len * esize, 0, slice_len};
-      if (auto st = ScoreFullRows(job, block, r0, count, 0, rows); !st.ok()) return st;
+      LOGPROB_RETURN_IF_ERROR(ScoreFullRows(job, block, r0, count, 0, rows));
     }
   } else {
     const auto [vb, ve] = SplitRange(item.vocab_size(), comm.size(), comm.rank());
@@ -340,23 +337,20 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, std::string_view 
                                                      item.vocab_end(), ") is not rank ", comm.rank(), "'s"));
     const auto [own_begin, own_end] = SplitRange(n, comm.size(), comm.rank());
     ResultRows rows(job.spec, own_begin, own_end, &res);
-    absl::Status st;
     if (item.layout() == internal::v1::HIDDEN_STATES) {
-      if (!backend.has_lm_head())
-        return absl::FailedPreconditionError("work item: hidden states sent to a worker without an lm_head");
+      if (!backend.has_lm_head()) return NoLmHeadError();
       if (backend.lm_head_rows() != slice_len || backend.lm_head_hidden_size() != item.hidden_size())
         return absl::InvalidArgumentError(absl::StrCat("work item: lm_head slice is [", backend.lm_head_rows(), ", ",
                                                        backend.lm_head_hidden_size(), "], item wants [", slice_len,
                                                        ", ", item.hidden_size(), "]"));
       if (static_cast<int64_t>(payload.size()) != (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: hidden_states size does not match this rank's rows");
-      st = ScoreHiddenStates(job, comm, hidden_chunk_tokens, own_begin, rows);
+      LOGPROB_RETURN_IF_ERROR(ScoreHiddenStates(job, comm, hidden_chunk_tokens, own_begin, rows));
     } else {
       if (static_cast<int64_t>(payload.size()) != n * slice_len * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: logits size does not match num_rows");
-      st = ScoreLogitsSlices(job, comm, own_begin, rows);
+      LOGPROB_RETURN_IF_ERROR(ScoreLogitsSlices(job, comm, own_begin, rows));
     }
-    if (!st.ok()) return st;
   }
   res.set_compute_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return res;

@@ -39,13 +39,18 @@ if(_fuzz_why)
 endif()
 
 message(STATUS "logprob: fuzzers: ${LOGPROB_CLANGXX}, ${LOGPROB_FUZZ_SECONDS} s each in ctest")
+# With CUDA, the thread-safety check covers worker/cuda/cuda_backend.cc too.
+set(_fuzz_cuda_includes "")
+if(LOGPROB_HAVE_CUDA)
+  string(REPLACE ";" "|" _fuzz_cuda_includes "${CUDAToolkit_INCLUDE_DIRS}")
+endif()
 include(ExternalProject)
 set(_fuzz_bin ${CMAKE_BINARY_DIR}/fuzz)
 ExternalProject_Add(logprob_fuzzers
   SOURCE_DIR ${CMAKE_CURRENT_LIST_DIR}
   BINARY_DIR ${_fuzz_bin}
   PREFIX ${CMAKE_BINARY_DIR}/fuzz-ep
-  CMAKE_ARGS -DCMAKE_CXX_COMPILER=${LOGPROB_CLANGXX}
+  CMAKE_ARGS -DCMAKE_CXX_COMPILER=${LOGPROB_CLANGXX} "-DLOGPROB_CUDA_INCLUDE_DIRS=${_fuzz_cuda_includes}"
   INSTALL_COMMAND ""
   BUILD_ALWAYS TRUE
   BUILD_BYPRODUCTS ${_fuzz_bin}/fuzz_score_request ${_fuzz_bin}/fuzz_safetensors)

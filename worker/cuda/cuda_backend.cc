@@ -5,20 +5,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "worker/cuda/row_kernels.h"
 
 namespace logprob::cuda {
 namespace {
 
-static_assert(kRecordHeaderWords == static_cast<int>(kernels::kPartialHeaderWords),
-              "CUDA records must have the CPU record layout");
-
 ElemType ElemOf(DType d) {
   return d == v1::BF16 ? ElemType::kBF16 : d == v1::F16 ? ElemType::kF16 : ElemType::kF32;
-}
-
-absl::Status NoLmHead() {
-  return absl::FailedPreconditionError("work item: hidden states sent to a worker without an lm_head");
 }
 
 /// The kernel arguments shared by every sub-block of a call.
@@ -58,38 +52,37 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, con
   b->device_ = device;
   b->options_ = options;
   b->options_.staging_bytes = std::max<size_t>(b->options_.staging_bytes, 1);
-  if (auto st = b->compute_.Create(); !st.ok()) return st;
-  if (auto st = b->copy_.Create(); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(b->compute_.Create());
+  LOGPROB_RETURN_IF_ERROR(b->copy_.Create());
   for (int i = 0; i < 2; ++i) {
-    if (auto st = b->copied_[i].Create(); !st.ok()) return st;
-    if (auto st = b->computed_[i].Create(); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(b->copied_[i].Create());
+    LOGPROB_RETURN_IF_ERROR(b->computed_[i].Create());
   }
   if (lm_head) {
-    auto g = CublasLtLmHead::Create(lm_head->dtype, lm_head->weight.data(), lm_head->weight.size(), lm_head->rows,
-                                    lm_head->hidden_size);
-    if (!g.ok()) return g.status();
-    b->gemm_ = std::move(*g);
+    LOGPROB_ASSIGN_OR_RETURN(b->gemm_, CublasLtLmHead::Create(lm_head->dtype, lm_head->weight.data(),
+                                                              lm_head->weight.size(), lm_head->rows,
+                                                              lm_head->hidden_size));
   }
   return b;
 }
 
 absl::Status CudaBackend::UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec) {
   const size_t n = static_cast<size_t>(rows.count);
-  if (auto st = targets_dev_.Reserve(n * 8); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(targets_dev_.Reserve(n * 8));
   LOGPROB_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(targets_dev_.get(), rows.targets, n * 8, cudaMemcpyHostToDevice, compute_.get()), "targets");
   if (spec.gather_k > 0) {
     const size_t bytes = n * static_cast<size_t>(spec.gather_k) * 8;
-    if (auto st = gather_dev_.Reserve(bytes); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(gather_dev_.Reserve(bytes));
     LOGPROB_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(gather_dev_.get(), rows.gather_ids, bytes, cudaMemcpyHostToDevice, compute_.get()),
         "gather ids");
   }
   const size_t words = kernels::PartialWords(spec);
-  if (auto st = records_dev_.Reserve(n * words * 4); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(records_dev_.Reserve(n * words * 4));
   if (spec.topk > 0) {
-    if (auto st = topk_x_dev_.Reserve(n * spec.topk * 4); !st.ok()) return st;
-    if (auto st = topk_id_dev_.Reserve(n * spec.topk * 4); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(topk_x_dev_.Reserve(n * spec.topk * 4));
+    LOGPROB_RETURN_IF_ERROR(topk_id_dev_.Reserve(n * spec.topk * 4));
   }
   return absl::OkStatus();
 }
@@ -105,7 +98,7 @@ void CudaBackend::PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& s
 
 absl::Status CudaBackend::FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records) {
   const size_t bytes = static_cast<size_t>(rows) * kernels::PartialWords(spec) * 4;
-  if (auto st = records_host_.Reserve(bytes); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(records_host_.Reserve(bytes));
   LOGPROB_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(records_host_.get(), records_dev_.get(), bytes, cudaMemcpyDeviceToHost, compute_.get()),
       "records download");
@@ -123,16 +116,16 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     EmptySliceRecords(rows, block.vocab_begin, spec, records);
     return absl::OkStatus();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   const size_t row_bytes = static_cast<size_t>(block.len) * DTypeSize(block.dtype);
   const int64_t sub = std::clamp<int64_t>(static_cast<int64_t>(options_.staging_bytes / row_bytes), 1, rows.count);
-  if (auto st = UploadIds(rows, spec); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
   if (filter)
-    if (auto st = keep_min_dev_.Reserve(static_cast<size_t>(rows.count) * 4); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(keep_min_dev_.Reserve(static_cast<size_t>(rows.count) * 4));
   for (int b = 0; b < 2; ++b) {
-    if (auto st = staging_host_[b].Reserve(sub * row_bytes); !st.ok()) return st;
-    if (auto st = staging_dev_[b].Reserve(sub * row_bytes); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(staging_host_[b].Reserve(sub * row_bytes));
+    LOGPROB_RETURN_IF_ERROR(staging_dev_[b].Reserve(sub * row_bytes));
   }
   RowBlockArgs args = BaseArgs(spec);
   args.type = ElemOf(block.dtype);
@@ -189,8 +182,8 @@ absl::StatusOr<const void*> CudaBackend::UploadHidden(DType hidden_dtype, const 
     return absl::InvalidArgumentError(
         absl::StrCat("hidden states dtype must be F32, BF16 or F16, got ", DTypeName(hidden_dtype)));
   const size_t n = static_cast<size_t>(M * gemm_->hidden_size()), bytes = n * DTypeSize(hidden_dtype);
-  if (auto st = staging_host_[0].Reserve(bytes); !st.ok()) return st;
-  if (auto st = hidden_raw_.Reserve(bytes); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(staging_host_[0].Reserve(bytes));
+  LOGPROB_RETURN_IF_ERROR(hidden_raw_.Reserve(bytes));
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_[0].get()), "staging upload");
   std::memcpy(staging_host_[0].get(), hidden, bytes);
   LOGPROB_CUDA_RETURN_IF_ERROR(
@@ -198,7 +191,7 @@ absl::StatusOr<const void*> CudaBackend::UploadHidden(DType hidden_dtype, const 
       "hidden states upload");
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(copied_[0].get(), compute_.get()), "event");
   if (hidden_dtype == gemm_->compute_dtype()) return static_cast<const void*>(hidden_raw_.get());
-  if (auto st = hidden_dev_.Reserve(n * DTypeSize(gemm_->compute_dtype())); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(hidden_dev_.Reserve(n * DTypeSize(gemm_->compute_dtype())));
   LOGPROB_CUDA_RETURN_IF_ERROR(LaunchConvert(hidden_raw_.get(), ElemOf(hidden_dtype), static_cast<int64_t>(n),
                                              hidden_dev_.get(), ElemOf(gemm_->compute_dtype()), compute_.get()),
                                "hidden states conversion");
@@ -214,19 +207,18 @@ int64_t CudaBackend::GemmChunkRows(int64_t M) const {
 
 absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin,
                                          const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) {
-  if (!gemm_) return NoLmHead();
+  if (!gemm_) return NoLmHeadError();
   if (rows.count <= 0) return absl::OkStatus();
   if (lm_head_rows() <= 0) {
     EmptySliceRecords(rows, vocab_begin, spec, records);
     return absl::OkStatus();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  auto dev_hidden = UploadHidden(hidden_dtype, hidden, rows.count);
-  if (!dev_hidden.ok()) return dev_hidden.status();
-  if (auto st = UploadIds(rows, spec); !st.ok()) return st;
+  LOGPROB_ASSIGN_OR_RETURN(const void* dev_hidden, UploadHidden(hidden_dtype, hidden, rows.count));
+  LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
   const int64_t N = gemm_->rows(), H = gemm_->hidden_size(), G = GemmChunkRows(rows.count);
-  if (auto st = logits_dev_.Reserve(static_cast<size_t>(G * N) * 4); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(logits_dev_.Reserve(static_cast<size_t>(G * N) * 4));
   const size_t csize = DTypeSize(gemm_->compute_dtype());
   RowBlockArgs args = BaseArgs(spec);
   args.logits = logits_dev_.get();
@@ -237,10 +229,8 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
     const int64_t n = std::min(G, rows.count - r0);
     // The chunk's logits are consumed by the statistics kernel right after
     // the GEMM on the same stream, then overwritten by the next chunk.
-    if (auto st = gemm_->Compute(static_cast<const char*>(*dev_hidden) + r0 * H * csize, n, logits_dev_.get<float>(),
-                                 compute_.get());
-        !st.ok())
-      return st;
+    LOGPROB_RETURN_IF_ERROR(
+        gemm_->Compute(static_cast<const char*>(dev_hidden) + r0 * H * csize, n, logits_dev_.get<float>(), compute_.get()));
     PointAtRows(r0, n, spec, &args);
     LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRowPartials(args, compute_.get()), "row partials kernel");
   }
@@ -248,21 +238,18 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
 }
 
 absl::Status CudaBackend::HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) {
-  if (!gemm_) return NoLmHead();
+  if (!gemm_) return NoLmHeadError();
   if (M <= 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  auto dev_hidden = UploadHidden(hidden_dtype, hidden, M);
-  if (!dev_hidden.ok()) return dev_hidden.status();
+  LOGPROB_ASSIGN_OR_RETURN(const void* dev_hidden, UploadHidden(hidden_dtype, hidden, M));
   const int64_t N = gemm_->rows(), H = gemm_->hidden_size(), G = GemmChunkRows(M);
-  if (auto st = logits_dev_.Reserve(static_cast<size_t>(G * N) * 4); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(logits_dev_.Reserve(static_cast<size_t>(G * N) * 4));
   const size_t csize = DTypeSize(gemm_->compute_dtype());
   for (int64_t r0 = 0; r0 < M; r0 += G) {
     const int64_t n = std::min(G, M - r0);
-    if (auto st = gemm_->Compute(static_cast<const char*>(*dev_hidden) + r0 * H * csize, n, logits_dev_.get<float>(),
-                                 compute_.get());
-        !st.ok())
-      return st;
+    LOGPROB_RETURN_IF_ERROR(
+        gemm_->Compute(static_cast<const char*>(dev_hidden) + r0 * H * csize, n, logits_dev_.get<float>(), compute_.get()));
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits + r0 * N, logits_dev_.get(), static_cast<size_t>(n * N) * 4,
                                                  cudaMemcpyDeviceToHost, compute_.get()),
                                  "logits download");

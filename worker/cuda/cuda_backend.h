@@ -6,8 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <memory>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "worker/backend.h"
 #include "worker/cuda/device_buffers.h"
 #include "worker/cuda/lm_head_gemm_cublaslt.h"
@@ -45,15 +46,16 @@ class CudaBackend final : public ScoringBackend {
   std::string name() const override { return "cuda"; }
   int64_t device_memory_bytes() const override;
   absl::Status SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
-                             uint32_t* records) override;
+                             uint32_t* records) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status FilteredRowPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
-                                   const SamplingFilter& filter, uint32_t* records) override;
+                                   const SamplingFilter& filter, uint32_t* records) override ABSL_LOCKS_EXCLUDED(mu_);
   bool has_lm_head() const override { return gemm_ != nullptr; }
   int64_t lm_head_rows() const override { return gemm_ ? gemm_->rows() : 0; }
   int64_t lm_head_hidden_size() const override { return gemm_ ? gemm_->hidden_size() : 0; }
   absl::Status HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin, const BlockRows& rows,
-                              const kernels::StatsSpec& spec, uint32_t* records) override;
-  absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) override;
+                              const kernels::StatsSpec& spec, uint32_t* records) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) override
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   int device() const { return device_; }
   /// The compute stream (the NCCL communicator may run its collectives on it).
@@ -64,23 +66,41 @@ class CudaBackend final : public ScoringBackend {
  private:
   CudaBackend() = default;
   absl::Status LogitsPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
-                              const SamplingFilter* filter, uint32_t* records);
-  absl::Status UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec);
-  absl::StatusOr<const void*> UploadHidden(DType hidden_dtype, const void* hidden, int64_t M);
+                              const SamplingFilter* filter, uint32_t* records) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<const void*> UploadHidden(DType hidden_dtype, const void* hidden, int64_t M)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t GemmChunkRows(int64_t M) const;
   /// Points `args` at rows [r0, r0 + n) of the uploaded ids and the records.
-  void PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& spec, RowBlockArgs* args) const;
-  absl::Status FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records);
+  void PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& spec, RowBlockArgs* args) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  std::mutex mu_;
+  // Constant after Create (the stream and event handles too; the work
+  // queued on them, and gemm_->Compute, happen under mu_).
   int device_ = 0;
   Options options_;
   Stream compute_, copy_;
   Event copied_[2], computed_[2];
-  PinnedBuffer staging_host_[2], records_host_;
-  DeviceBuffer staging_dev_[2], hidden_raw_, hidden_dev_, logits_dev_;
-  DeviceBuffer targets_dev_, gather_dev_, keep_min_dev_, records_dev_, topk_x_dev_, topk_id_dev_;
   std::unique_ptr<CublasLtLmHead> gemm_;
+
+  /// Serialises the calls: one device, one compute stream, and the
+  /// buffers below, which every call reuses.
+  absl::Mutex mu_;
+  // Guarded by mu_.
+  PinnedBuffer staging_host_[2] ABSL_GUARDED_BY(mu_);
+  PinnedBuffer records_host_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer staging_dev_[2] ABSL_GUARDED_BY(mu_);
+  DeviceBuffer hidden_raw_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer hidden_dev_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer logits_dev_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer targets_dev_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer gather_dev_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer keep_min_dev_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer records_dev_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer topk_x_dev_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer topk_id_dev_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace logprob::cuda

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace logprob::cuda {
 
@@ -20,10 +21,7 @@ inline absl::Status CudaStatus(cudaError_t e, const char* what) {
 }
 
 /// Returns the Status of a CUDA call from the enclosing function on error.
-#define LOGPROB_CUDA_RETURN_IF_ERROR(call, what)                                  \
-  do {                                                                            \
-    if (auto _st = ::logprob::cuda::CudaStatus((call), what); !_st.ok()) return _st; \
-  } while (0)
+#define LOGPROB_CUDA_RETURN_IF_ERROR(call, what) LOGPROB_RETURN_IF_ERROR(::logprob::cuda::CudaStatus((call), what))
 
 /// Memory that grows on demand (contents are lost on growth), allocated
 /// and freed by `Alloc`'s static Allocate / Free.

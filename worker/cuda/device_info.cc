@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace logprob::cuda {
 
@@ -17,11 +18,10 @@ absl::StatusOr<int> DeviceCount() {
 }
 
 absl::StatusOr<int> SelectDevice(int requested, int rank) {
-  auto n = DeviceCount();
-  if (!n.ok()) return n.status();
-  if (requested >= *n)
-    return absl::InvalidArgumentError(absl::StrCat("--device ", requested, ": only ", *n, " CUDA device(s)"));
-  const int device = requested >= 0 ? requested : rank % *n;
+  LOGPROB_ASSIGN_OR_RETURN(const int n, DeviceCount());
+  if (requested >= n)
+    return absl::InvalidArgumentError(absl::StrCat("--device ", requested, ": only ", n, " CUDA device(s)"));
+  const int device = requested >= 0 ? requested : rank % n;
   if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
     return absl::FailedPreconditionError(absl::StrCat("cudaSetDevice(", device, "): ", cudaGetErrorString(e)));
   return device;

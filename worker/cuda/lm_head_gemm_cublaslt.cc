@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::cuda {
@@ -17,10 +18,7 @@ absl::Status LtStatus(cublasStatus_t s, const char* what) {
   return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": ", cublasLtGetStatusName(s), " (",
                                           cublasLtGetStatusString(s), ")"));
 }
-#define LOGPROB_LT_RETURN_IF_ERROR(call, what)                       \
-  do {                                                               \
-    if (auto _st = LtStatus((call), what); !_st.ok()) return _st;    \
-  } while (0)
+#define LOGPROB_LT_RETURN_IF_ERROR(call, what) LOGPROB_RETURN_IF_ERROR(LtStatus((call), what))
 
 }  // namespace
 
@@ -46,7 +44,7 @@ CublasLtLmHead::~CublasLtLmHead() {
 absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dtype, const void* weight,
                                                                        size_t weight_bytes, int64_t rows,
                                                                        int64_t hidden_size) {
-  if (auto st = kernels::CheckLmHeadWeight(dtype, weight_bytes, rows, hidden_size); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(kernels::CheckLmHeadWeight(dtype, weight_bytes, rows, hidden_size));
   std::unique_ptr<CublasLtLmHead> g(new CublasLtLmHead());
   g->rows_ = rows;
   g->hidden_size_ = hidden_size;
@@ -55,16 +53,16 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
     std::vector<float> wide(n);
     ToFloat(dtype, weight, n, wide.data());
     g->compute_dtype_ = v1::F32;
-    if (auto st = g->weight_.Reserve(n * 4); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(g->weight_.Reserve(n * 4));
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpy(g->weight_.get(), wide.data(), n * 4, cudaMemcpyHostToDevice),
                                  "lm_head upload");
   } else {
     g->compute_dtype_ = dtype;
-    if (auto st = g->weight_.Reserve(weight_bytes); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(g->weight_.Reserve(weight_bytes));
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpy(g->weight_.get(), weight, weight_bytes, cudaMemcpyHostToDevice),
                                  "lm_head upload");
   }
-  if (auto st = g->workspace_.Reserve(kWorkspaceBytes); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(g->workspace_.Reserve(kWorkspaceBytes));
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtCreate(&g->handle_), "create");
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&g->op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace logprob::cuda {
 namespace {
@@ -44,11 +45,11 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo:
   c->timeout_ = timeout;
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cudaSetDevice");
   if (!stream) {
-    if (auto st = c->own_stream_.Create(); !st.ok()) return st;
+    LOGPROB_RETURN_IF_ERROR(c->own_stream_.Create());
     stream = c->own_stream_.get();
   }
   c->stream_ = stream;
-  if (auto st = c->done_.Create(); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(c->done_.Create());
   if (ncclResult_t r = ncclCommInitRank(&c->comm_, size, id, rank); r != ncclSuccess)
     return absl::UnavailableError(absl::StrCat("ncclCommInitRank (rank ", rank, " of ", size, ", device ", device,
                                                "): ", NcclError(r)));
@@ -74,9 +75,9 @@ absl::Status NcclCommunicator::Abort(absl::Status why) {
 absl::Status NcclCommunicator::Begin(const void* in, size_t in_bytes, size_t out_bytes) {
   if (broken_) return absl::UnavailableError("NCCL communicator was aborted after an earlier failure");
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  if (auto st = in_dev_.Reserve(std::max<size_t>(in_bytes, 1)); !st.ok()) return st;
-  if (auto st = out_dev_.Reserve(std::max<size_t>(out_bytes, 1)); !st.ok()) return st;
-  if (auto st = out_host_.Reserve(std::max<size_t>(out_bytes, 1)); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(in_dev_.Reserve(std::max<size_t>(in_bytes, 1)));
+  LOGPROB_RETURN_IF_ERROR(out_dev_.Reserve(std::max<size_t>(out_bytes, 1)));
+  LOGPROB_RETURN_IF_ERROR(out_host_.Reserve(std::max<size_t>(out_bytes, 1)));
   if (in_bytes)
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(in_dev_.get(), in, in_bytes, cudaMemcpyHostToDevice, stream_),
                                  "collective upload");
@@ -114,7 +115,7 @@ absl::Status NcclCommunicator::Finish(const char* what, ncclResult_t enqueued, v
 
 absl::Status NcclCommunicator::AllGather(const void* in, size_t bytes, void* out) {
   const size_t out_bytes = bytes * static_cast<size_t>(size_);
-  if (auto st = Begin(in, bytes, out_bytes); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(Begin(in, bytes, out_bytes));
   const ncclResult_t r = ncclAllGather(in_dev_.get(), out_dev_.get(), bytes, ncclChar, comm_, stream_);
   return Finish("all-gather", r, out, out_bytes);
 }
@@ -128,7 +129,7 @@ absl::Status NcclCommunicator::AllToAllV(const void* in, const std::vector<int64
     in_total += static_cast<size_t>(send_bytes[q]);
     out_total += static_cast<size_t>(recv_bytes[q]);
   }
-  if (auto st = Begin(in, in_total, out_total); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(Begin(in, in_total, out_total));
   ncclResult_t r = ncclGroupStart();
   size_t send_off = 0, recv_off = 0;
   for (int q = 0; q < size_ && r == ncclSuccess; ++q) {

@@ -1,12 +1,11 @@
 // Launchers of the CUDA row kernels (row_partials.cu, sampling_filter.cu,
 // dtype_convert.cu). Plain types only: included by nvcc and g++ alike.
 //
-// The record layout is kernels::ComputePartial's (worker/kernels/row_stats.h):
-// [m f32, target_x f32, s f64, u f64, gather_x[gather_k] f32,
-//  topk_x[topk] f32, topk_id[topk] i32], x = logits / temperature with
-// entries below the row's keep_min removed (-inf); NaN for ids outside
-// the slice; top-k best first (larger x, then lower id), padded with
-// (-inf, INT32_MAX). s and u come from per-thread float online softmax
+// The records have the layout of worker/kernels/partial_record.h (the
+// CPU kernel's): x = logits / temperature with entries below the row's
+// keep_min removed (-inf); record::kAbsentXBits for ids outside the slice;
+// top-k best first (larger x, then lower id), padded with
+// (-inf, record::kNoTopkId). s and u come from per-thread float online softmax
 // sums combined in float64 (the CPU kernel sums differently: equal within
 // float32 rounding, not bitwise); m, target_x, gather_x and the top-k are
 // bitwise those of the CPU kernel.
@@ -16,11 +15,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define LOGPROB_HOST_DEVICE __host__ __device__
-#else
-#define LOGPROB_HOST_DEVICE
-#endif
+#include "worker/kernels/partial_record.h"
 
 namespace logprob::cuda {
 
@@ -29,11 +24,6 @@ enum class ElemType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 /// Bytes per element.
 LOGPROB_HOST_DEVICE inline int ElemSize(ElemType t) { return t == ElemType::kF32 ? 4 : 2; }
-
-/// Words of a record's header (= kernels::kPartialHeaderWords).
-constexpr int kRecordHeaderWords = 6;
-/// Id of a top-k padding entry (= the CPU kernel's).
-constexpr int32_t kNoTopkId = 2147483647;
 
 /// A block of rows on the device and what to compute for them.
 struct RowBlockArgs {
@@ -50,13 +40,10 @@ struct RowBlockArgs {
   int entropy = 0;
   int topk = 0;
   int gather_k = 0;
-  uint32_t* records = nullptr;      // device [rows, words]
+  uint32_t* records = nullptr;      // device [rows, record::Words(gather_k, topk)]
   float* topk_scratch_x = nullptr;  // device [rows, topk] when topk > 0
   int32_t* topk_scratch_id = nullptr;
 };
-
-/// Words per record for (gather_k, topk).
-LOGPROB_HOST_DEVICE inline int64_t RecordWords(int gather_k, int topk) { return kRecordHeaderWords + gather_k + 2 * int64_t{topk}; }
 
 /// One block per row: one pass (online softmax, float32 per thread,
 /// float64 across threads) for m, s, u; the target and gather x; the top-k

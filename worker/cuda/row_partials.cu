@@ -10,7 +10,7 @@
 namespace logprob::cuda {
 namespace {
 
-__device__ __forceinline__ float NanBits() { return __int_as_float(0x7fc00000); }  // = nanf("")
+__device__ __forceinline__ float NanBits() { return __uint_as_float(record::kAbsentXBits); }  // = nanf("")
 
 /// x of global id `id` on this slice, NaN outside it (as the CPU kernel).
 __device__ __forceinline__ float XAt(const RowView& r, int64_t vocab_begin, int64_t id) {
@@ -57,19 +57,19 @@ __global__ void __launch_bounds__(kRowThreads) RowPartialsKernel(RowBlockArgs a)
   const double S = BlockSum(static_cast<double>(s) * w);
   const double U = BlockSum(m > -INFINITY ? (static_cast<double>(u) + s * (static_cast<double>(m) - M)) * w : 0.0);
 
-  uint32_t* rec = a.records + row * RecordWords(a.gather_k, a.topk);
+  uint32_t* rec = a.records + row * record::Words(a.gather_k, a.topk);
   if (threadIdx.x == 0) {
-    rec[0] = __float_as_uint(M);
-    rec[1] = __float_as_uint(a.targets[row] >= 0 ? XAt(r, a.vocab_begin, a.targets[row]) : NanBits());
-    PutDouble(rec + 2, S);
-    PutDouble(rec + 4, U);
+    rec[record::kMaxWord] = __float_as_uint(M);
+    rec[record::kTargetWord] =
+        a.targets[row] >= 0 ? __float_as_uint(XAt(r, a.vocab_begin, a.targets[row])) : record::kAbsentXBits;
+    PutDouble(rec + record::kSWord, S);
+    PutDouble(rec + record::kUWord, U);
   }
-  uint32_t* g = rec + kRecordHeaderWords;
   for (int j = threadIdx.x; j < a.gather_k; j += blockDim.x)
-    g[j] = __float_as_uint(XAt(r, a.vocab_begin, a.gather_ids[row * a.gather_k + j]));
+    rec[record::GatherWord(j)] = __float_as_uint(XAt(r, a.vocab_begin, a.gather_ids[row * a.gather_k + j]));
   if (kTopk) {
-    float* tv = reinterpret_cast<float*>(g + a.gather_k);
-    int32_t* ti = reinterpret_cast<int32_t*>(g + a.gather_k + a.topk);
+    float* tv = reinterpret_cast<float*>(rec + record::TopkValueWord(a.gather_k, 0));
+    int32_t* ti = reinterpret_cast<int32_t*>(rec + record::TopkIdWord(a.gather_k, a.topk, 0));
     BlockTopK(r, a.vocab_begin, a.topk, hist, a.topk_scratch_x + row * a.topk, a.topk_scratch_id + row * a.topk, tv,
               ti);
   }

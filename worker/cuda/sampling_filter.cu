@@ -1,5 +1,5 @@
 // Sampling filters on full rows on the GPU: the smallest kept x per row
-// (the CUDA twin of kernels::SamplingKeepMin, shared/SPEC.md "Filters").
+// (the CUDA twin of kernels::SamplingKeepMin, docs/SPEC.md "Filters").
 #include <cmath>
 
 #include "worker/cuda/row_common.cuh"

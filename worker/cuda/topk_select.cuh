@@ -23,7 +23,7 @@ constexpr int kTopkBins = 1 << kTopkBinBits;
 constexpr int kTopkCandidates = 2048;
 
 /// Writes the row's top-`topk` (x, global id) best first into tv / ti,
-/// padded with (-inf, kNoTopkId) when the slice is shorter than topk.
+/// padded with (-inf, record::kNoTopkId) when the slice is shorter than topk.
 /// `hist` holds the coarse histogram of the row (kTopkBins bins of
 /// Key >> (32 - kTopkBinBits)).
 /// cx / cid are topk entries of global scratch. Called by every thread of
@@ -134,7 +134,7 @@ __device__ __forceinline__ void BlockTopK(const RowView& r, int64_t vocab_begin,
   }
   for (int64_t j = k_eff + threadIdx.x; j < topk; j += blockDim.x) {
     tv[j] = -INFINITY;
-    ti[j] = kNoTopkId;
+    ti[j] = record::kNoTopkId;
   }
 }
 

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace logprob::kernels {
@@ -52,7 +53,7 @@ absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, i
 
 absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(
     DType dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size, int threads) {
-  if (auto st = CheckLmHeadWeight(dtype, weight.size(), rows, hidden_size); !st.ok()) return st;
+  LOGPROB_RETURN_IF_ERROR(CheckLmHeadWeight(dtype, weight.size(), rows, hidden_size));
 
   DType compute = dtype;
   if (dtype == v1::F16) {  // widen once to f32; the f16 buffer is freed on return

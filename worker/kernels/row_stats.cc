@@ -9,7 +9,6 @@ namespace logprob::kernels {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int32_t kNoId = std::numeric_limits<int32_t>::max();
 
 inline uint32_t Bits(float f) {
   uint32_t u;
@@ -57,11 +56,11 @@ class TopK {
     return static_cast<int>(heap_.size()) < k_ ? kNegInf : heap_.front().x;
   }
   bool Full() const { return static_cast<int>(heap_.size()) == k_; }
-  /// Best first; padded with (-inf, kNoId) up to K.
+  /// Best first; padded with (-inf, record::kNoTopkId) up to K.
   std::vector<Candidate> Sorted() {
     std::vector<Candidate> out = heap_;
     std::sort(out.begin(), out.end(), Better);
-    out.resize(k_, Candidate{kNegInf, kNoId});
+    out.resize(k_, Candidate{kNegInf, record::kNoTopkId});
     return out;
   }
 
@@ -73,7 +72,7 @@ class TopK {
 }  // namespace
 
 void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
-                    int64_t len, const StatsSpec& spec, uint32_t* record,
+                    int64_t len, const StatsSpec& spec, uint32_t* out,
                     float* scratch) {
   const size_t esize = DTypeSize(dtype);
   const float temperature = spec.temperature;
@@ -114,20 +113,19 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
 
   // Single values at the target and the gather ids (x as above).
   auto x_at = [&](int64_t id) -> float {
-    if (id < vocab_begin || id >= vocab_begin + len) return std::nanf("");
+    if (id < vocab_begin || id >= vocab_begin + len) return Float(record::kAbsentXBits);
     float v;
     ToFloat(dtype, static_cast<const char*>(row.logits) + (id - vocab_begin) * esize, 1, &v);
     if (scale) v = v / temperature;
     return v < row.keep_min ? kNegInf : v;
   };
-  record[0] = Bits(m);
-  record[1] = Bits(row.target >= 0 ? x_at(row.target) : std::nanf(""));
-  PutDouble(record + 2, s);
-  PutDouble(record + 4, u);
-  uint32_t* g = record + kPartialHeaderWords;
-  for (int j = 0; j < spec.gather_k; ++j) g[j] = Bits(x_at(row.gather_ids[j]));
-  uint32_t* tv = g + spec.gather_k;
-  uint32_t* ti = tv + spec.topk;
+  out[record::kMaxWord] = Bits(m);
+  out[record::kTargetWord] = row.target >= 0 ? Bits(x_at(row.target)) : record::kAbsentXBits;
+  PutDouble(out + record::kSWord, s);
+  PutDouble(out + record::kUWord, u);
+  for (int j = 0; j < spec.gather_k; ++j) out[record::GatherWord(j)] = Bits(x_at(row.gather_ids[j]));
+  uint32_t* tv = out + record::TopkValueWord(spec.gather_k, 0);
+  uint32_t* ti = out + record::TopkIdWord(spec.gather_k, spec.topk, 0);
   if (spec.topk > 0) {
     const auto best = topk.Sorted();
     for (int j = 0; j < spec.topk; ++j) {
@@ -140,20 +138,20 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
 void CombinePartials(const uint32_t* const* records, int count,
                      const StatsSpec& spec, bool has_target, const RowOutput& out) {
   double M = -std::numeric_limits<double>::infinity();
-  for (int r = 0; r < count; ++r) M = std::max<double>(M, Float(records[r][0]));
+  for (int r = 0; r < count; ++r) M = std::max<double>(M, Float(records[r][record::kMaxWord]));
   double S = 0.0, U = 0.0;
   for (int r = 0; r < count; ++r) {
-    const double mr = Float(records[r][0]);
+    const double mr = Float(records[r][record::kMaxWord]);
     if (mr == -std::numeric_limits<double>::infinity()) continue;
     const double w = std::exp(mr - M);
-    const double sr = GetDouble(records[r] + 2);
+    const double sr = GetDouble(records[r] + record::kSWord);
     S += sr * w;
-    U += (GetDouble(records[r] + 4) + sr * (mr - M)) * w;
+    U += (GetDouble(records[r] + record::kUWord) + sr * (mr - M)) * w;
   }
   const double logZ = M + std::log(S);
 
   // The value present in exactly one slice (NaN elsewhere).
-  auto pick = [&](size_t word) -> double {
+  auto pick = [&](int64_t word) -> double {
     for (int r = 0; r < count; ++r) {
       const float v = Float(records[r][word]);
       if (!std::isnan(v)) return v;
@@ -161,7 +159,7 @@ void CombinePartials(const uint32_t* const* records, int count,
     return std::nan("");
   };
   if (out.token_logprob) {
-    *out.token_logprob = has_target ? static_cast<float>(pick(1) - logZ) : 0.0f;
+    *out.token_logprob = has_target ? static_cast<float>(pick(record::kTargetWord) - logZ) : 0.0f;
   }
   if (spec.entropy && out.entropy) {
     const double h = std::log(S) - U / S;  // U = sum exp(x - M) (x - M)
@@ -169,17 +167,17 @@ void CombinePartials(const uint32_t* const* records, int count,
   }
   if (out.gathered) {
     for (int j = 0; j < spec.gather_k; ++j)
-      out.gathered[j] = static_cast<float>(pick(kPartialHeaderWords + j) - logZ);
+      out.gathered[j] = static_cast<float>(pick(record::GatherWord(j)) - logZ);
   }
   if (spec.topk > 0 && (out.topk_logprobs || out.topk_indices)) {
     std::vector<Candidate> all;
     all.reserve(static_cast<size_t>(count) * spec.topk);
     for (int r = 0; r < count; ++r) {
-      const uint32_t* tv = records[r] + kPartialHeaderWords + spec.gather_k;
-      const uint32_t* ti = tv + spec.topk;
+      const uint32_t* tv = records[r] + record::TopkValueWord(spec.gather_k, 0);
+      const uint32_t* ti = records[r] + record::TopkIdWord(spec.gather_k, spec.topk, 0);
       for (int j = 0; j < spec.topk; ++j) {
         const auto id = static_cast<int32_t>(ti[j]);
-        if (id != kNoId) all.push_back({Float(tv[j]), id});
+        if (id != record::kNoTopkId) all.push_back({Float(tv[j]), id});
       }
     }
     const size_t k = std::min<size_t>(spec.topk, all.size());

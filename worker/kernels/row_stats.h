@@ -2,7 +2,7 @@
 // combination across slices (vocab-parallel).
 //
 // One pass over a row slice (online softmax, block by block) yields a
-// packed "partial": running max m, s = sum exp(x - m),
+// packed "partial" (layout: worker/kernels/partial_record.h): running max m, s = sum exp(x - m),
 // u = sum exp(x - m) * (x - m) (relative to m, so entropy
 // H = log s - u / s has no cancellation against m), the target's x, the x at requested gather ids and
 // the slice's top-K candidates. Partials of all slices of a row combine
@@ -11,7 +11,7 @@
 // all-reduces of NeMo-RL `DistributedLogprob` / Megatron
 // `_VocabParallelCrossEntropy`.
 //
-// x = logits / temperature (float32). Outputs follow shared/SPEC.md.
+// x = logits / temperature (float32). Outputs follow docs/SPEC.md.
 #pragma once
 
 #include <cstddef>
@@ -19,6 +19,7 @@
 #include <limits>
 
 #include "common/dtype.h"
+#include "worker/kernels/partial_record.h"
 #include "worker/kernels/simd.h"
 
 namespace logprob::kernels {
@@ -31,13 +32,10 @@ struct StatsSpec {
   int gather_k = 0;          // ids per row for gathered_logprobs
 };
 
-/// Words of a record's header: m (f32), target_x (f32), s (f64), u (f64).
-constexpr size_t kPartialHeaderWords = 6;
-
-/// Size, in 32-bit words, of one packed partial record for `spec`:
-/// [header, gather_x[gather_k], topk_x[topk], topk_id[topk]].
+/// Size, in 32-bit words, of one packed partial record for `spec`
+/// (layout: worker/kernels/partial_record.h).
 inline size_t PartialWords(const StatsSpec& spec) {
-  return kPartialHeaderWords + static_cast<size_t>(spec.gather_k) + 2 * static_cast<size_t>(spec.topk);
+  return static_cast<size_t>(record::Words(spec.gather_k, spec.topk));
 }
 
 /// One row's inputs on one vocab slice [vocab_begin, vocab_begin + len).
@@ -57,7 +55,7 @@ constexpr size_t kPartialScratchFloats = kBlockBufferFloats;
 /// `vocab_begin`. `scratch` holds kPartialScratchFloats floats.
 /// Deterministic: depends only on this row's values.
 void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
-                    int64_t len, const StatsSpec& spec, uint32_t* record,
+                    int64_t len, const StatsSpec& spec, uint32_t* out,
                     float* scratch);
 
 /// Where CombinePartials writes one row's outputs; null pointers are

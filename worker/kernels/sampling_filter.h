@@ -1,5 +1,5 @@
 // Sampling filters on one full row (NeMo-RL `apply_top_k_top_p`
-// semantics, shared/SPEC.md "Filters").
+// semantics, docs/SPEC.md "Filters").
 #pragma once
 
 #include <cstdint>

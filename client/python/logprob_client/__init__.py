@@ -2,7 +2,7 @@
 
 Scores numpy / torch batches of logits or hidden states for RL rollout
 workers: token logprobs, entropy, top-k and gathered logprobs (semantics in
-shared/SPEC.md), splitting batches larger than the server's limits into
+docs/SPEC.md), splitting batches larger than the server's limits into
 requests of whole sequences, retrying UNAVAILABLE / RESOURCE_EXHAUSTED with
 exponential backoff and jitter within one deadline per call, over TLS /
 mutual TLS with a bearer token. ``logprob_client.LogprobClient`` is

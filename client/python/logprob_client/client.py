@@ -124,7 +124,7 @@ class LogprobClient(ClientBase):
         """Scores a batch; returns a ``ScoreResult`` (numpy arrays for numpy
         input, torch tensors on the input's device for torch input).
 
-        Inputs (numpy arrays, array-likes or torch tensors; shared/SPEC.md):
+        Inputs (numpy arrays, array-likes or torch tensors; docs/SPEC.md):
 
         - ``logits`` [B, S, V] (padded) or [T, V] (packed), or
           ``hidden_states`` [B, S, H] / [T, H] (server started with

@@ -10,7 +10,7 @@ from ._proto import pb2
 class ScoreResult:
     """The outputs of one score call: numpy arrays (float32; ids int64) for
     numpy input, torch tensors on the input's device for torch input,
-    shaped like the input's token layout (shared/SPEC.md):
+    shaped like the input's token layout (docs/SPEC.md):
 
     - padded input [B, S, X]: ``[B, S - 1]`` for next_token alignment,
       ``[B, S]`` for same_position (positions past ``seq_lens`` are 0);

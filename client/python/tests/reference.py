@@ -1,4 +1,4 @@
-"""float64 numpy reference of shared/SPEC.md's scoring, for the tests."""
+"""float64 numpy reference of docs/SPEC.md's scoring, for the tests."""
 
 import numpy as np
 

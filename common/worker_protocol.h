@@ -1,0 +1,29 @@
+// The version of the internal front-end <-> worker protocol.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace logprob {
+
+/// Version of the internal front-end <-> worker protocol: the messages of
+/// proto/logprob/internal/v1/worker.proto and what they mean (layouts,
+/// the packed partial record, shared-memory payloads, the control plane).
+/// A worker sends its version in JoinRequest.protocol_version; the
+/// front-end refuses any other (FAILED_PRECONDITION) and sends its own in
+/// JoinReply.protocol_version, which the worker checks too (a front-end of
+/// an older release leaves it 0). Bump it with every change that a worker
+/// or front-end of the previous release would misread.
+constexpr uint32_t kWorkerProtocolVersion = 1;
+
+/// The message both sides give for a version mismatch.
+inline std::string ProtocolMismatch(uint32_t worker_version, uint32_t frontend_version) {
+  return absl::StrCat("worker protocol version ", worker_version, " does not match the front-end's version ",
+                      frontend_version,
+                      " (0: a release from before versioning); run the front-end and the workers from the same "
+                      "release");
+}
+
+}  // namespace logprob
