@@ -35,7 +35,17 @@ class ControlService final : public internal::v1::Control::Service {
   /// `rank` of `generation` leaves; `why` describes it.
   using LeaveCallback = std::function<void(int64_t generation, int rank, const std::string& why)>;
 
-  ControlService(int world_size, internal::v1::JoinReply worker_config = {}, LeaveCallback on_leave = {});
+  /// Observers of membership (metrics; each may be empty), called with the
+  /// service's lock held, so they must not call back into it.
+  struct JoinObservers {
+    /// The number of workers waiting for a rank, whenever it changes.
+    std::function<void(int waiting)> on_waiting;
+    /// A join refused with RESOURCE_EXHAUSTED (the pool already has its workers).
+    std::function<void()> on_refused;
+  };
+
+  ControlService(int world_size, internal::v1::JoinReply worker_config = {}, LeaveCallback on_leave = {},
+                 JoinObservers observers = {});
 
   grpc::Status Join(grpc::ServerContext*, const internal::v1::JoinRequest*,
                     grpc::ServerWriter<internal::v1::JoinReply>*) override;
@@ -67,10 +77,13 @@ class ControlService final : public internal::v1::Control::Service {
   };
   /// Gives ranks to the waiting joiners once there are world_size of them.
   void AssignIfFull();
+  /// Reports waiting_.size() to the observer (lock held).
+  void WaitingChanged();
 
   const int world_size_;
   const internal::v1::JoinReply worker_config_;
   const LeaveCallback on_leave_;
+  const JoinObservers observers_;
   std::mutex mu_;
   std::condition_variable cv_;
   int64_t generation_ = 0;

@@ -370,23 +370,32 @@ class RetryTest(unittest.TestCase):
         g = Golden("sampling_f32")
         events = []
         later = {}
+        refused = threading.Event()
+
+        def on_retry(*a):
+            events.append(a)
+            refused.set()
 
         def start_later():
-            time.sleep(1.0)
-            later["server"] = Server(workers=1, port=port, wait=False)
+            # Once the client has been refused at least once (observed, not
+            # timed), the server starts.
+            if refused.wait(timeout=120):
+                later["server"] = Server(workers=1, port=port, wait=False)
 
         t = threading.Thread(target=start_later)
         t.start()
         try:
             with LogprobClient(
                 "127.0.0.1:%d" % port,
-                retry=RetryPolicy(max_attempts=100, initial_backoff=0.1, max_backoff=0.5),
-                on_retry=lambda *a: events.append(a),
+                retry=RetryPolicy(max_attempts=1000, initial_backoff=0.1, max_backoff=0.5),
+                on_retry=on_retry,
             ) as c:
                 res = c.score(**g.score_kwargs())
         finally:
+            refused.set()
             t.join()
-            later["server"].close()
+            if "server" in later:
+                later["server"].close()
         self.assertEqual(compare(g.expected, res.outputs), "")
         self.assertGreater(len(events), 0)
         self.assertTrue(all(e[1] == grpc.StatusCode.UNAVAILABLE for e in events), events)
