@@ -24,6 +24,7 @@
 #include "tests/in_process_communicator.h"
 #include "worker/cpu_backend.h"
 #include "worker/kernels/lm_head_gemm.h"
+#include "worker/kernels/sampling_filter.h"
 #include "worker/scorer.h"
 
 namespace logprob::testing {
@@ -543,6 +544,69 @@ TEST(Scorer, OneRankAskingToStopStopsEveryRankAfterTheSameRound) {
     const auto results = RunRanks(q, layout, 2, 16, [&](int rank) { return rank == 1 && ++polls > 1; });
     for (const auto& r : results) EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
   }
+}
+
+
+TEST(Scorer, TopPBoundaryInsideAGroupOfEqualBf16LogitsKeepsTheWholeGroup) {
+  // One bf16 row of V = 16: a top logit 2.0, six equal logits 1.0 (ids
+  // 5..10, split between ranks for W = 2) and nine at -2.0. With top-p 0.5
+  // the mass strictly above the group (the top: 0.297) is < 0.5, so the
+  // whole group is kept (shared/SPEC.md: values equal to the smallest kept
+  // value are kept). A rule that walks a sorted order one entry at a time
+  // would keep only part of it, depending on how equal values are sorted.
+  constexpr int64_t V = 16;
+  std::vector<float> z(V, -2.0f);
+  z[12] = 2.0f;
+  for (int64_t v = 5; v <= 10; ++v) z[v] = 1.0f;
+  const std::vector<int64_t> targets = {12, 5, 10, 0, -1};
+  Problem p;
+  p.dtype = v1::BF16;
+  p.n = static_cast<int64_t>(targets.size());
+  p.V = V;
+  p.logits.resize(p.n * V * 2);
+  for (int64_t i = 0; i < p.n; ++i)
+    for (int64_t v = 0; v < V; ++v) {
+      const uint16_t b = FloatToBf16(z[v]);
+      std::memcpy(p.logits.data() + (i * V + v) * 2, &b, 2);
+    }
+  p.targets = targets;
+  p.options.set_entropy(true);
+  p.options.set_topk(8);
+  p.options.set_sampling_top_p(0.5f);
+
+  // Independent float64 expectations: the kept set is the top and the
+  // whole group; the order-dependent rule (ascending cumsum > 1 - p,
+  // entry by entry) would keep only 2 of the 6.
+  const double e_top = std::exp(2.0), e_mid = std::exp(1.0), e_low = std::exp(-2.0);
+  const double z_all = e_top + 6 * e_mid + 9 * e_low;
+  int order_rule_keeps = 0;
+  for (int k = 1; k <= 6; ++k)  // the group's members after the nine low ones, ascending
+    order_rule_keeps += (9 * e_low + k * e_mid) / z_all > 0.5;
+  ASSERT_EQ(order_rule_keeps, 2) << "the boundary must fall inside the group for this test to mean anything";
+  const double log_z = std::log(e_top + 6 * e_mid);
+  const double lp_top = 2.0 - log_z, lp_mid = 1.0 - log_z;
+  const double entropy = -(std::exp(lp_top) * lp_top + 6 * std::exp(lp_mid) * lp_mid);
+  const std::vector<double> want_token = {lp_top, lp_mid, lp_mid, -kInf, 0.0};
+  const std::vector<int64_t> want_ids = {12, 5, 6, 7, 8, 9, 10, 0};  // -inf after the kept, lower id first
+
+  for (Layout layout : {internal::v1::TOKEN_PARALLEL, internal::v1::VOCAB_PARALLEL}) {
+    for (int W : {1, 2}) {
+      SCOPED_TRACE(std::string(LayoutName(layout)) + ", W=" + std::to_string(W));
+      const Scored s = Score(p, layout, W);
+      for (int64_t i = 0; i < p.n; ++i) {
+        EXPECT_TRUE(Close(want_token[i], s.token[i])) << "row " << i << ": " << s.token[i] << " vs " << want_token[i];
+        EXPECT_TRUE(Close(entropy, s.entropy[i])) << "row " << i << ": " << s.entropy[i] << " vs " << entropy;
+        for (int k = 0; k < 8; ++k) {
+          EXPECT_EQ(s.topk_id[i * 8 + k], want_ids[k]) << "row " << i << " top-k " << k;
+          const double want = k == 0 ? lp_top : k < 7 ? lp_mid : -kInf;
+          EXPECT_TRUE(Close(want, s.topk_lp[i * 8 + k])) << "row " << i << " top-k " << k;
+        }
+      }
+    }
+  }
+  // The kernel alone: the smallest kept value is the group's.
+  std::vector<float> x(z.begin(), z.end()), scratch;
+  EXPECT_EQ(kernels::SamplingKeepMin(x.data(), V, 0, 0.5f, &scratch), 1.0f);
 }
 
 }  // namespace
