@@ -101,7 +101,7 @@ Metrics::Metrics(const std::string& backend)
                            .Add({})),
       running_batches_(prometheus::BuildGauge()
                            .Name("logprob_running_batches")
-                           .Help("Worker batches being run on the worker pool (dispatched, results not yet back).")
+                           .Help("Worker batches handed to the worker pool and not yet finished.")
                            .Register(*registry_)
                            .Add({})),
       workers_waiting_(prometheus::BuildGauge()

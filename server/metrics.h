@@ -46,8 +46,9 @@ class Metrics {
   void ObserveQueue(double seconds);
   /// Sets the requests waiting in the batching queue.
   void SetQueued(int64_t requests);
-  /// Sets the worker batches being run on the pool (dispatched, results
-  /// not yet back).
+  /// Sets the worker batches handed to the pool (WorkerPool::Run) and not
+  /// yet finished; vocab-parallel and hidden-states ones may wait there
+  /// for each other's collectives.
   void SetRunningBatches(int64_t batches);
   /// Sets the workers that joined the control plane and wait for the pool
   /// to have all its workers.
