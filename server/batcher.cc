@@ -111,6 +111,11 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
   const Parallelism layout =
       batch.front()->layout == internal::v1::VOCAB_PARALLEL ? Parallelism::kVocab : Parallelism::kToken;
   auto plan = std::make_shared<const Plan>(PlanWork(job, options_.workers, layout, job_id, options_.payload_pool));
+  {
+    absl::MutexLock lock(&mu_);
+    ++calling_;
+    if (options_.on_running_change) options_.on_running_change(calling_);
+  }
   auto results = run_(*plan, bounds);
   const double run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   std::shared_ptr<const std::vector<internal::v1::WorkResult>> shared;
@@ -132,6 +137,8 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
     row += m->job->num_rows();
   }
   if (shared && options_.on_batch) options_.on_batch(batch.front()->outcome, *shared);
+  --calling_;
+  if (options_.on_running_change) options_.on_running_change(calling_);
   --running_;
   cv_.SignalAll();  // waiting leaders: the workers may be idle now
 }

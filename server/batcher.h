@@ -67,6 +67,10 @@ class Batcher {
     /// Called with the number of queued jobs whenever it changes, under
     /// the lock (metrics gauge). May be empty.
     std::function<void(int64_t queued)> on_queue_change;
+    /// Called with the number of batches inside their Runner call (the
+    /// worker pool is busy with them) whenever it changes, under the lock
+    /// (metrics gauge). May be empty.
+    std::function<void(int64_t running)> on_running_change;
     /// Called once per successful batch with its first job's outcome and
     /// the workers' results (metrics). May be empty.
     std::function<void(const Outcome&, const std::vector<internal::v1::WorkResult>&)> on_batch;
@@ -111,6 +115,7 @@ class Batcher {
   // Guarded by mu_ (so are the state, status and outcome of every Entry).
   Queue queue_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;  // batches between TakeBatch and the end of RunBatch
+  int calling_ ABSL_GUARDED_BY(mu_) = 0;  // batches inside their Runner call
 };
 
 /// The job of a batch: `jobs`' rows concatenated in order (rows, targets,

@@ -21,9 +21,13 @@ grpc::Status ShuttingDown() { return grpc::Status(grpc::StatusCode::UNAVAILABLE,
 }  // namespace
 
 ControlService::ControlService(int world_size, internal::v1::JoinReply worker_config, LeaveCallback on_leave,
-                               uint32_t protocol_version)
+                               JoinObservers observers, uint32_t protocol_version)
     : world_size_(world_size), worker_config_(std::move(worker_config)), on_leave_(std::move(on_leave)),
-      protocol_version_(protocol_version), addresses_(world_size) {}
+      observers_(std::move(observers)), protocol_version_(protocol_version), addresses_(world_size) {}
+
+void ControlService::WaitingChanged() {
+  if (observers_.on_waiting) observers_.on_waiting(static_cast<int>(waiting_.size()));
+}
 
 void ControlService::AssignIfFull() {
   if (assigned_ || static_cast<int>(waiting_.size()) < world_size_) return;
@@ -32,6 +36,7 @@ void ControlService::AssignIfFull() {
     waiting_[r]->generation = generation_;
   }
   waiting_.clear();
+  WaitingChanged();
   assigned_ = true;
   std::cerr << "logprob-server: " << world_size_ << " of " << world_size_ << " workers joined generation "
             << generation_ << "; ranks assigned in join order" << std::endl;
@@ -40,11 +45,14 @@ void ControlService::AssignIfFull() {
 
 grpc::Status ControlService::WaitForRank(grpc::ServerContext* ctx, Joiner& me) {
   if (shutdown_) return ShuttingDown();
-  if (assigned_ || static_cast<int>(waiting_.size()) >= world_size_)
+  if (assigned_ || static_cast<int>(waiting_.size()) >= world_size_) {
+    if (observers_.on_refused) observers_.on_refused();
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         absl::StrCat("the pool already has its ", world_size_, " workers (generation ", generation_,
                                      "); join again when a worker leaves"));
+  }
   waiting_.push_back(&me);
+  WaitingChanged();
   std::cerr << "logprob-server: worker " << me.who << " joined (" << waiting_.size() << " of " << world_size_
             << " for generation " << generation_ << ")" << std::endl;
   AssignIfFull();
@@ -52,6 +60,7 @@ grpc::Status ControlService::WaitForRank(grpc::ServerContext* ctx, Joiner& me) {
   while (me.rank < 0) {
     if (shutdown_ || ctx->IsCancelled()) {
       waiting_.erase(std::find(waiting_.begin(), waiting_.end(), &me));
+      WaitingChanged();
       if (shutdown_) return ShuttingDown();
       std::cerr << "logprob-server: worker " << me.who << " left before the pool formed" << std::endl;
       return grpc::Status(grpc::StatusCode::CANCELLED, "worker left");

@@ -38,10 +38,19 @@ class ControlService final : public internal::v1::Control::Service {
   /// `rank` of `generation` leaves; `why` describes it.
   using LeaveCallback = std::function<void(int64_t generation, int rank, const std::string& why)>;
 
+  /// Observers of membership (metrics; each may be empty), called with the
+  /// service's lock held, so they must not call back into it.
+  struct JoinObservers {
+    /// The number of workers waiting for a rank, whenever it changes.
+    std::function<void(int waiting)> on_waiting;
+    /// A join refused with RESOURCE_EXHAUSTED (the pool already has its workers).
+    std::function<void()> on_refused;
+  };
+
   /// `protocol_version` is the version this front-end speaks (tests give
   /// another to play a front-end of another release).
   ControlService(int world_size, internal::v1::JoinReply worker_config = {}, LeaveCallback on_leave = {},
-                 uint32_t protocol_version = kWorkerProtocolVersion);
+                 JoinObservers observers = {}, uint32_t protocol_version = kWorkerProtocolVersion);
 
   grpc::Status Join(grpc::ServerContext*, const internal::v1::JoinRequest*,
                     grpc::ServerWriter<internal::v1::JoinReply>*) override ABSL_LOCKS_EXCLUDED(mu_);
@@ -83,11 +92,14 @@ class ControlService final : public internal::v1::Control::Service {
   grpc::Status WaitForRank(grpc::ServerContext* ctx, Joiner& me) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// True when the store holds every key of `req`.
   bool HasKeys(const internal::v1::StoreGetRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Reports waiting_.size() to the observer.
+  void WaitingChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
   const int world_size_;
   const internal::v1::JoinReply worker_config_;
   const LeaveCallback on_leave_;
+  const JoinObservers observers_;
   const uint32_t protocol_version_;
 
   absl::Mutex mu_;

@@ -229,6 +229,8 @@ int main(int argc, char** argv) {
     metrics.SetWorkersUp(up ? workers : 0);
   };
   pool_opts.on_restart = [&] { metrics.AddWorkerRestart(); };
+  pool_opts.join_observers.on_waiting = [&](int waiting) { metrics.SetWorkersWaiting(waiting); };
+  pool_opts.join_observers.on_refused = [&] { metrics.AddJoinRefused(); };
   logprob::WorkerPool pool(pool_opts, std::move(launcher));
   logprob::ScoringService service(pool, config, &metrics);
 

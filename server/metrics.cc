@@ -99,6 +99,22 @@ Metrics::Metrics(const std::string& backend)
                            .Help("Requests waiting in the batching queue.")
                            .Register(*registry_)
                            .Add({})),
+      running_batches_(prometheus::BuildGauge()
+                           .Name("logprob_running_batches")
+                           .Help("Worker batches handed to the worker pool and not yet finished.")
+                           .Register(*registry_)
+                           .Add({})),
+      workers_waiting_(prometheus::BuildGauge()
+                           .Name("logprob_workers_waiting")
+                           .Help("Workers that joined the control plane and wait for the pool to have all its "
+                                 "workers.")
+                           .Register(*registry_)
+                           .Add({})),
+      joins_refused_(prometheus::BuildCounter()
+                         .Name("logprob_worker_joins_refused_total")
+                         .Help("Worker joins refused because the pool already had its workers (a spare retries).")
+                         .Register(*registry_)
+                         .Add({})),
       gpu_memory_(prometheus::BuildGauge()
                       .Name("logprob_gpu_memory_bytes")
                       .Help("GPU memory in use by each worker (CUDA backend), as of its last batch.")
@@ -148,6 +164,12 @@ void Metrics::ObserveBatch(const BatchStats& batch) {
 void Metrics::ObserveQueue(double seconds) { queue_duration_.Observe(seconds); }
 
 void Metrics::SetQueued(int64_t requests) { queued_requests_.Set(static_cast<double>(requests)); }
+
+void Metrics::SetRunningBatches(int64_t batches) { running_batches_.Set(static_cast<double>(batches)); }
+
+void Metrics::SetWorkersWaiting(int n) { workers_waiting_.Set(n); }
+
+void Metrics::AddJoinRefused() { joins_refused_.Increment(); }
 
 void Metrics::SetGpuMemory(int worker, int64_t bytes) {
   gpu_memory_.Add({{"worker", std::to_string(worker)}}).Set(static_cast<double>(bytes));

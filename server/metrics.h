@@ -46,6 +46,15 @@ class Metrics {
   void ObserveQueue(double seconds);
   /// Sets the requests waiting in the batching queue.
   void SetQueued(int64_t requests);
+  /// Sets the worker batches handed to the pool (WorkerPool::Run) and not
+  /// yet finished; vocab-parallel and hidden-states ones may wait there
+  /// for each other's collectives.
+  void SetRunningBatches(int64_t batches);
+  /// Sets the workers that joined the control plane and wait for the pool
+  /// to have all its workers.
+  void SetWorkersWaiting(int n);
+  /// Counts one join refused because the pool already had its workers.
+  void AddJoinRefused();
   /// Sets the GPU memory in use by worker `worker` (CUDA backend).
   void SetGpuMemory(int worker, int64_t bytes);
   /// Sets the number of worker processes that joined the pool.
@@ -71,6 +80,9 @@ class Metrics {
   prometheus::Histogram& queue_duration_;
   prometheus::Histogram& collective_duration_;
   prometheus::Gauge& queued_requests_;
+  prometheus::Gauge& running_batches_;
+  prometheus::Gauge& workers_waiting_;
+  prometheus::Counter& joins_refused_;
   prometheus::Family<prometheus::Gauge>& gpu_memory_;
 };
 

@@ -29,6 +29,7 @@ Batcher::Options BatcherOptions(const WorkerPool& pool, const ServiceConfig& con
   if (config.shared_memory && pool.same_host()) o.payload_pool = payload_pool;
   if (metrics) {
     o.on_queue_change = [metrics](int64_t queued) { metrics->SetQueued(queued); };
+    o.on_running_change = [metrics](int64_t running) { metrics->SetRunningBatches(running); };
     o.on_batch = [metrics](const Batcher::Outcome& batch, const std::vector<internal::v1::WorkResult>& results) {
       Metrics::BatchStats stats;
       stats.run_seconds = batch.run_seconds;

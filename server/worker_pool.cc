@@ -43,7 +43,8 @@ WorkerPool::~WorkerPool() {
 absl::Status WorkerPool::Start() {
   control_ = std::make_unique<ControlService>(
       options_.workers, options_.worker_config,
-      [this](int64_t generation, int, const std::string& why) { OnLeave(generation, why); });
+      [this](int64_t generation, int, const std::string& why) { OnLeave(generation, why); },
+      options_.join_observers);
   grpc::ServerBuilder builder;
   AddKeepalive(builder);
   int port = 0;

@@ -67,6 +67,9 @@ class WorkerPool {
     std::function<void(bool serving)> on_serving;
     /// Called once per re-formed generation (metrics). May be empty.
     std::function<void()> on_restart;
+    /// The control plane's membership observers (metrics: workers waiting
+    /// for the pool to fill, refused joins). May be empty.
+    ControlService::JoinObservers join_observers;
   };
 
   WorkerPool(Options options, std::unique_ptr<WorkerLauncher> launcher);

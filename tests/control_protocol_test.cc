@@ -97,7 +97,7 @@ CommandResult RunWorker(const std::string& frontend) {
 
 TEST(ControlProtocol, AWorkerRefusedByAFrontEndOfAnotherReleaseExits) {
   const uint32_t theirs = kWorkerProtocolVersion + 1;
-  ControlService control(1, {}, {}, theirs);
+  ControlService control(1, {}, {}, {}, theirs);
   InProcessServer server(&control);
   ASSERT_TRUE(server.ok());
   const CommandResult r = RunWorker(server.address());

@@ -10,9 +10,13 @@
 //   with DEADLINE_EXCEEDED, and the server goes on serving;
 // - the messages of one ScoreStream are scored concurrently, share batches
 //   and are answered in order.
+// Every "while the workers are busy" is observed, not timed: the tests wait
+// until /metrics shows the slow request's batch running on the pool
+// (logprob_running_batches) and the others queued (logprob_queued_requests).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <future>
 #include <string>
@@ -66,12 +70,39 @@ class Batching : public ::testing::Test {
     work_ = nullptr;
   }
   /// A server holding the slow workload's lm_head, with a 10 s queue delay
-  /// and /metrics on metrics_port_, plus `extra` flags.
+  /// (the longest allowed) and /metrics on metrics_port_, plus `extra`
+  /// flags.
   std::unique_ptr<ServerProcess> StartServer(const std::vector<std::string>& extra = {}) {
     std::vector<std::string> flags = {"--max-queue-delay", "10s", "--lm-head", work_->lm_head, "--metrics-listen",
                                       "127.0.0.1:" + std::to_string(metrics_port_)};
     flags.insert(flags.end(), extra.begin(), extra.end());
     return ServerProcess::Start(kWorkers, flags);
+  }
+  /// Starts the slow request and waits until its batch runs on the worker
+  /// pool (its 67 MB may take a while to arrive on a loaded machine).
+  std::future<Scored> StartSlow(v1::LogprobService::Stub& stub) {
+    auto slow = std::async(std::launch::async, [&stub] { return ScoreOnce(stub, work_->slow); });
+    EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_running_batches", 1)) << "the slow request never ran";
+    return slow;
+  }
+  /// Waits until all `n` requests are in the queue at once, while only the
+  /// slow request's batch runs: from then on, which requests share a batch
+  /// no longer depends on timing (each key's oldest request takes all of
+  /// its key's). Fails at once if a batch starts or the slow one ends
+  /// before they have all queued.
+  ::testing::AssertionResult WaitQueuedBehindSlow(int n) {
+    double queued = -1, running = -1;
+    auto r = WaitUntil(std::to_string(n) + " requests queued behind the running slow request", [&] {
+      const CommandResult m = ScrapeMetrics(metrics_port_);
+      if (m.code != 0) return false;
+      queued = MetricSample(m.output, "logprob_queued_requests");
+      running = MetricSample(m.output, "logprob_running_batches");
+      return queued == n || running != 1;
+    });
+    if (r && queued != n)
+      return ::testing::AssertionFailure() << "before all " << n << " requests had queued (" << queued
+                                           << " queued), the running batches became " << running;
+    return r;
   }
   static HiddenWorkload* work_;
   const int metrics_port_ = FreePort();
@@ -117,7 +148,7 @@ TEST_F(Batching, QueuedRequestsShareBatchesAndMatchScoringAlone) {
     const auto t0 = std::chrono::steady_clock::now();
     const Scored s = ScoreOnce(*stub, c.request);
     ASSERT_TRUE(s.status.ok()) << s.status.error_message();
-    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5)
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 8)
         << "an idle pool must not hold a request for the queue delay";
     alone.push_back(OutputBytes(s.response));
   }
@@ -126,11 +157,11 @@ TEST_F(Batching, QueuedRequestsShareBatchesAndMatchScoringAlone) {
 
   // Busy: a slow request occupies the workers, everything else arrives
   // meanwhile, queues, and is batched by key when the workers free up.
-  auto slow = std::async(std::launch::async, [&] { return ScoreOnce(*stub, work_->slow); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto slow = StartSlow(*stub);
   std::vector<std::future<Scored>> together;
   for (const Case& c : cases)
     together.push_back(std::async(std::launch::async, [&stub, &c] { return ScoreOnce(*stub, c.request); }));
+  EXPECT_TRUE(WaitQueuedBehindSlow(static_cast<int>(cases.size())));
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(cases[i].label);
     const Scored s = together[i].get();
@@ -164,16 +195,23 @@ TEST_F(Batching, TokenBudgetSeparatesAndExpiredRequestsLeaveTheQueue) {
   auto stub = server->NewStub();
   // While the slow request runs, a small one with a short deadline waits
   // for company (the budget of 8 rows is not full) and expires queued.
-  auto slow = std::async(std::launch::async, [&] { return ScoreOnce(*stub, work_->slow); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto slow = StartSlow(*stub);
   {
     const v1::ScoreRequest small = RandomPackedRequest("logits", 3, 1000, 1000, 7);
-    const auto t0 = std::chrono::steady_clock::now();
-    const Scored s = ScoreOnce(*stub, small, std::chrono::milliseconds(300));
+    // 2 s: ample to reach the server on a loaded machine, far less than
+    // the rest of the slow request's GEMM (about 2 TFLOP).
+    const Scored s = ScoreOnce(*stub, small, std::chrono::seconds(2));
     EXPECT_EQ(s.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.status.error_message();
-    // Well before the 10 s delay ends: it left the queue at its deadline.
-    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 8);
   }
+  // It left the queue at its deadline, before the 10 s delay would have
+  // started its batch: no batch ever held it (batch count below), and the
+  // queue is empty while the slow request still runs.
+  EXPECT_TRUE(WaitUntil("the expired request to leave the queue", [&] {
+    const CommandResult m = ScrapeMetrics(metrics_port_);
+    return m.code == 0 && MetricSample(m.output, "logprob_queued_requests") == 0;
+  }));
+  EXPECT_EQ(slow.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the slow request must outlast the small one's queueing for this test to mean anything";
   const Scored slow_done = slow.get();
   ASSERT_TRUE(slow_done.status.ok()) << slow_done.status.error_message();
 
@@ -192,7 +230,13 @@ TEST_F(Batching, TokenBudgetSeparatesAndExpiredRequestsLeaveTheQueue) {
   const CommandResult scrape = ScrapeMetrics(metrics_port_);
   ASSERT_EQ(scrape.code, 0) << scrape.output;
   const std::string& m = scrape.output;
-  EXPECT_EQ(MetricSample(m, R"(logprob_requests_total{code="DEADLINE_EXCEEDED",method="Score"})"), 1);
+  // The server saw the deadline pass (DEADLINE_EXCEEDED) or gRPC's deadline
+  // timer cancel the call a moment before its clock reached the deadline
+  // (CANCELLED): either way one request, which never reached a batch.
+  const auto count = [&](const char* code) {
+    return std::max(0.0, MetricSample(m, std::string(R"(logprob_requests_total{code=")") + code + R"(",method="Score"})"));
+  };
+  EXPECT_EQ(count("DEADLINE_EXCEEDED") + count("CANCELLED"), 1);
   EXPECT_EQ(MetricSample(m, "logprob_batch_requests_count"), 4) << "the slow request and three full ones: four batches";
   EXPECT_EQ(MetricSample(m, "logprob_batch_requests_sum"), 4);
   EXPECT_EQ(MetricSample(m, "logprob_queued_requests"), 0);
@@ -219,13 +263,13 @@ TEST_F(Batching, StreamMessagesShareBatchesAndAnswerInOrder) {
 
   // The workers are busy: every message of the stream queues, then they
   // share batches; answers come back in message order.
-  auto slow = std::async(std::launch::async, [&] { return ScoreOnce(*stub, work_->slow); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto slow = StartSlow(*stub);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
   auto stream = stub->ScoreStream(&ctx);
   for (const auto& r : requests) ASSERT_TRUE(stream->Write(r));
   ASSERT_TRUE(stream->WritesDone());
+  EXPECT_TRUE(WaitQueuedBehindSlow(kMessages));
   v1::ScoreResponse resp;
   for (int i = 0; i < kMessages; ++i) {
     SCOPED_TRACE("message " + std::to_string(i));

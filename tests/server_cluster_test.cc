@@ -4,7 +4,9 @@
 // golden cases score correctly, that a worker killed mid-request fails the
 // request with UNAVAILABLE and health with NOT_SERVING, that the surviving
 // worker re-joins by itself and a restarted worker is re-admitted, and that
-// a spare worker waits and takes its place in the next generation.
+// a spare worker waits and takes its place in the next generation. Each
+// step waits for the state it needs, observed through health or /metrics
+// (workers waiting to join, refused joins, batches running on the pool).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -56,11 +58,13 @@ class Cluster : public ::testing::Test {
   static void TearDownTestSuite() { delete work_; }
 
   /// Starts `logprob-server --external-workers 2` on a fixed control port
-  /// (frontend_) and waits until its health answers (NOT_SERVING).
+  /// (frontend_), /metrics on metrics_port_, and waits until its health
+  /// answers (NOT_SERVING).
   void StartServer() {
     frontend_ = "127.0.0.1:" + std::to_string(FreePort());
     server_ = ServerProcess::Launch({"--external-workers", "2", "--control-listen", frontend_, "--backend", "cpu",
-                                     "--lm-head", work_->lm_head});
+                                     "--lm-head", work_->lm_head, "--metrics-listen",
+                                     "127.0.0.1:" + std::to_string(metrics_port_)});
     ASSERT_TRUE(server_);
     ASSERT_EQ(WaitForStatus(ServingStatus::kNotServing), ServingStatus::kNotServing);
     stub_ = server_->NewStub();
@@ -71,12 +75,11 @@ class Cluster : public ::testing::Test {
   ServingStatus WaitForStatus(ServingStatus want) const {
     auto channel = client::MakeChannel(server_->address());
     ServingStatus last = ServingStatus::kUnknown;
-    for (const auto end = Clock::now() + kBound; Clock::now() < end;) {
+    WaitUntil("health " + client::ServingStatusName(want), [&] {
       auto st = client::CheckHealth(channel, std::chrono::system_clock::now() + std::chrono::seconds(2));
       if (st.ok()) last = *st;
-      if (last == want) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
+      return last == want;
+    }, kBound);
     return last;
   }
   /// Health right now (one call).
@@ -114,6 +117,7 @@ class Cluster : public ::testing::Test {
   static const v1::ScoreRequest& Slow() { return work_->slow; }
 
   std::string frontend_;
+  const int metrics_port_ = FreePort();
   std::unique_ptr<ServerProcess> server_;
   std::unique_ptr<v1::LogprobService::Stub> stub_;
   static HiddenWorkload* work_;
@@ -128,7 +132,7 @@ TEST_F(Cluster, WorkersJoinScoreAndARestartedWorkerIsReadmitted) {
 
   // A worker that joins early waits for the second one.
   auto first = std::make_unique<WorkerProcess>(frontend_);
-  std::this_thread::sleep_for(std::chrono::seconds(1));
+  ASSERT_TRUE(WaitForMetric(metrics_port_, "logprob_workers_waiting", 1)) << "the first worker did not join";
   EXPECT_EQ(Health(), ServingStatus::kNotServing) << "one of two workers must not be enough";
   EXPECT_TRUE(first->Alive());
   auto second = std::make_unique<WorkerProcess>(frontend_);
@@ -138,7 +142,7 @@ TEST_F(Cluster, WorkersJoinScoreAndARestartedWorkerIsReadmitted) {
   // Kill the second worker mid-request: the request fails with
   // UNAVAILABLE, health goes NOT_SERVING and stays there (one worker left).
   auto slow = std::async(std::launch::async, [&] { return Score(Slow()); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE(WaitForMetric(metrics_port_, "logprob_running_batches", 1)) << "the slow request never ran";
   second->Kill();
   ASSERT_EQ(slow.wait_for(kBound), std::future_status::ready) << "the request in flight must be answered";
   st = slow.get();
@@ -146,7 +150,7 @@ TEST_F(Cluster, WorkersJoinScoreAndARestartedWorkerIsReadmitted) {
   EXPECT_EQ(WaitForStatus(ServingStatus::kNotServing), ServingStatus::kNotServing);
   st = Score(GoldenRequest(golden));
   EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
-  std::this_thread::sleep_for(std::chrono::seconds(1));
+  ASSERT_TRUE(WaitForMetric(metrics_port_, "logprob_workers_waiting", 1)) << "the survivor did not re-join";
   EXPECT_EQ(Health(), ServingStatus::kNotServing) << "the survivor alone must not form a pool of two";
   EXPECT_TRUE(first->Alive()) << "the survivor re-joins in place instead of exiting";
 
@@ -166,7 +170,10 @@ TEST_F(Cluster, ASpareWorkerWaitsAndTakesTheNextGeneration) {
   ASSERT_EQ(WaitForStatus(ServingStatus::kServing), ServingStatus::kServing);
   // A third worker finds the pool full: it waits (retrying) and disturbs nothing.
   auto spare = std::make_unique<WorkerProcess>(frontend_);
-  std::this_thread::sleep_for(std::chrono::seconds(2));
+  ASSERT_TRUE(WaitUntil("the spare worker's join to be refused", [&] {
+    const CommandResult m = ScrapeMetrics(metrics_port_);
+    return m.code == 0 && MetricSample(m.output, "logprob_worker_joins_refused_total") >= 1;
+  }));
   EXPECT_EQ(Health(), ServingStatus::kServing);
   EXPECT_TRUE(spare->Alive());
   ExpectGoldenCasesPass();
@@ -178,12 +185,11 @@ TEST_F(Cluster, ASpareWorkerWaitsAndTakesTheNextGeneration) {
   a->Kill();
   const GoldenCase golden = LoadGolden("basic_f32");
   grpc::Status st;
-  for (const auto end = Clock::now() + kBound; Clock::now() < end;) {
+  EXPECT_TRUE(WaitUntil("a request to succeed on the next generation", [&] {
     st = Score(GoldenRequest(golden));
-    if (st.ok()) break;
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
+    if (!st.ok()) EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+    return st.ok();
+  }, kBound));
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(Health(), ServingStatus::kServing);
   ExpectGoldenCasesPass();

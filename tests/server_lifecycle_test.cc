@@ -1,7 +1,10 @@
 // Integration: the serving lifecycle under failure and load. A worker
 // killed mid-request, deadlines, client cancellation, SIGTERM drain and
 // overload against a bounded queue. The slow requests are hidden-states
-// requests (a GEMM of T x 32000 x 1024), which take seconds on CPU.
+// requests (a GEMM of T x 32000 x 1024), which take seconds on CPU; each
+// step waits until /metrics shows the slow request running on the worker
+// pool (logprob_running_batches), or health shows the server draining,
+// never for a fixed time.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -28,9 +31,14 @@ class Lifecycle : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { work_ = new HiddenWorkload("lifecycle", kV, kH, 3, 16384, 64); }
   static void TearDownTestSuite() { delete work_; }
-  static std::unique_ptr<ServerProcess> Start(int workers, std::vector<std::string> extra = {}) {
-    extra.insert(extra.end(), {"--lm-head", work_->lm_head});
+  /// A server with the workload's lm_head and /metrics on metrics_port_.
+  std::unique_ptr<ServerProcess> Start(int workers, std::vector<std::string> extra = {}) {
+    extra.insert(extra.end(), {"--lm-head", work_->lm_head, "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port_)});
     return ServerProcess::Start(workers, extra);
+  }
+  /// Waits until a batch (the slow request) runs on the worker pool.
+  ::testing::AssertionResult WaitSlowRunning() const {
+    return WaitForMetric(metrics_port_, "logprob_running_batches", 1);
   }
   /// A request that keeps the workers busy for seconds (built once).
   static const v1::ScoreRequest& Slow() { return work_->slow; }
@@ -49,6 +57,7 @@ class Lifecycle : public ::testing::Test {
     return stub.Score(ctx ? ctx : &local, req, &resp);
   }
   static HiddenWorkload* work_;
+  const int metrics_port_ = FreePort();
 };
 HiddenWorkload* Lifecycle::work_ = nullptr;
 
@@ -59,13 +68,16 @@ TEST_F(Lifecycle, KilledWorkerFailsRequestsFastAndThePoolComesBack) {
   const auto before = server->WorkerPids();
   ASSERT_EQ(before.size(), 2u);
   auto slow = std::async(std::launch::async, [&] { return Score(*stub, Slow()); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE(WaitSlowRunning());
   const auto killed_at = Clock::now();
   kill(before[1], SIGKILL);
   const grpc::Status st = slow.get();
   EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
-  EXPECT_LT(SecondsSince(killed_at), 5.0) << "the failure must not wait for a collective time-out";
-  EXPECT_NE(st.error_message().find("re-formed"), std::string::npos) << st.error_message();
+  // Far below the workers' 60 s collective time-out, however loaded the machine.
+  EXPECT_LT(SecondsSince(killed_at), 20.0) << "the failure must not wait for a collective time-out";
+  // "being re-formed" (the calls were in flight) or "re-forming" (the pool
+  // saw the worker exit a moment before the calls went out).
+  EXPECT_NE(st.error_message().find("re-form"), std::string::npos) << st.error_message();
 
   // Health comes back and later requests succeed on new workers.
   const auto health = client::WaitForServing(client::MakeChannel(server->address()), std::chrono::seconds(60));
@@ -83,10 +95,16 @@ TEST_F(Lifecycle, DeadlineAndCancelStopTheWorkWithoutRestartingThePool) {
   ASSERT_TRUE(server);
   auto stub = ConnectedStub(*server);
   const auto pids = server->WorkerPids();
+  // This machine's pace right now: a quick request alone (32 hidden rows
+  // per worker; a round of the slow request is 4 times that, all of it 256
+  // times).
+  auto t0 = Clock::now();
+  ASSERT_TRUE(Score(*stub, Quick()).ok());
+  const double quick_alone = SecondsSince(t0);
 
   grpc::ClientContext with_deadline;
   with_deadline.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(400));
-  auto t0 = Clock::now();
+  t0 = Clock::now();
   grpc::Status st = Score(*stub, Slow(), &with_deadline);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
   EXPECT_LT(SecondsSince(t0), 2.0);
@@ -94,17 +112,18 @@ TEST_F(Lifecycle, DeadlineAndCancelStopTheWorkWithoutRestartingThePool) {
   grpc::ClientContext cancelled;
   t0 = Clock::now();
   auto slow = std::async(std::launch::async, [&] { return Score(*stub, Slow(), &cancelled); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  ASSERT_TRUE(WaitSlowRunning());
   cancelled.TryCancel();
   st = slow.get();
   EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
 
-  // The workers stopped at a chunk boundary: a quick request does not wait
-  // for the rest of the slow one (several seconds of GEMM).
+  // The workers stopped at a chunk boundary: a quick request waits for at
+  // most the round in progress, not for the rest of the slow one (several
+  // seconds of GEMM). The bound scales with the machine's pace.
   t0 = Clock::now();
   st = Score(*stub, Quick());
   EXPECT_TRUE(st.ok()) << st.error_message();
-  EXPECT_LT(SecondsSince(t0), 1.5);
+  EXPECT_LT(SecondsSince(t0), 1.5 + 20 * quick_alone) << "a quick request alone took " << quick_alone << " s";
   EXPECT_EQ(server->WorkerPids(), pids) << "a deadline or a cancel must not restart the pool";
 }
 
@@ -113,9 +132,16 @@ TEST_F(Lifecycle, SigtermDrainsTheRequestsInFlight) {
   ASSERT_TRUE(server);
   auto stub = ConnectedStub(*server);
   auto slow = std::async(std::launch::async, [&] { return Score(*stub, Slow()); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE(WaitSlowRunning());
+  const std::string address = server->address();
   auto exit_code = std::async(std::launch::async, [&] { return server->SignalAndWait(SIGTERM); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Draining: the server refuses new calls (a fresh connection's health
+  // check fails with UNAVAILABLE, not just NOT_SERVING).
+  ASSERT_TRUE(WaitUntil("the draining server to refuse new calls", [&] {
+    const auto st = client::CheckHealth(client::MakeChannel(address),
+                                        std::chrono::system_clock::now() + std::chrono::seconds(5));
+    return st.status().code() == absl::StatusCode::kUnavailable;
+  }));
   // No new requests once draining.
   grpc::ClientContext late;
   late.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));

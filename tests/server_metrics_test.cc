@@ -88,6 +88,10 @@ TEST(ServerMetrics, ScrapeReportsRequestsAndPassesPromtool) {
   EXPECT_EQ(Sample(m, "logprob_queue_duration_seconds_count"), ok_requests);
   EXPECT_EQ(Sample(m, "logprob_collective_duration_seconds_count"), ok_requests);
   EXPECT_EQ(Sample(m, "logprob_queued_requests"), 0);
+  EXPECT_EQ(Sample(m, "logprob_running_batches"), 0);
+  // Both local workers joined and got their ranks; nobody was refused.
+  EXPECT_EQ(Sample(m, "logprob_workers_waiting"), 0);
+  EXPECT_EQ(Sample(m, "logprob_worker_joins_refused_total"), 0);
 
   // promtool (Debian package `prometheus`) lints the exposition format.
   if (RunCommand("command -v promtool").code != 0) {

@@ -206,6 +206,33 @@ double MetricSample(const std::string& scrape, const std::string& series) {
   return -1;
 }
 
+::testing::AssertionResult WaitUntil(const std::string& what, const std::function<bool()>& condition,
+                                     std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (condition()) return ::testing::AssertionSuccess();
+    if (std::chrono::steady_clock::now() >= end)
+      return ::testing::AssertionFailure() << "timed out after " << timeout.count() / 1000.0 << " s waiting for "
+                                           << what;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // poll interval, not a synchronisation
+  }
+}
+
+::testing::AssertionResult WaitForMetric(int port, const std::string& series, double value,
+                                         std::chrono::milliseconds timeout) {
+  double last = -1;
+  auto r = WaitUntil(
+      series + " == " + std::to_string(value) + " on /metrics of port " + std::to_string(port),
+      [&] {
+        const CommandResult scrape = ScrapeMetrics(port);
+        last = scrape.code == 0 ? MetricSample(scrape.output, series) : -1;
+        return last == value;
+      },
+      timeout);
+  if (!r) r << " (last value seen: " << last << ")";
+  return r;
+}
+
 std::unique_ptr<v1::LogprobService::Stub> ServerProcess::NewStub() const {
   return v1::LogprobService::NewStub(client::MakeChannel(address_));
 }

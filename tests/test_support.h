@@ -3,8 +3,10 @@
 // tolerance 2e-4 + 2e-5 * |expected|, ids exact, -inf where expected).
 #pragma once
 
+#include <gtest/gtest.h>
 #include <sys/types.h>
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -82,6 +84,22 @@ CommandResult ScrapeMetrics(int port);
 /// `logprob_workers_up` or `logprob_requests_total{code="OK",method="Score"}`),
 /// or -1 if there is none.
 double MetricSample(const std::string& scrape, const std::string& series);
+
+/// How long a test waits for a state it needs before failing: generous,
+/// so that a loaded 2-core machine is merely slow, never a failure.
+constexpr std::chrono::seconds kWaitTimeout{120};
+
+/// Polls `condition` (every 50 ms) until it returns true or `timeout`
+/// passes: how tests wait for an observed state (a metric, health, a
+/// process), never for a fixed time. Failure names `what` and the timeout.
+/// Use as ASSERT_TRUE(WaitUntil("...", [&] { return ...; })).
+::testing::AssertionResult WaitUntil(const std::string& what, const std::function<bool()>& condition,
+                                     std::chrono::milliseconds timeout = kWaitTimeout);
+
+/// WaitUntil the /metrics sample `series` (MetricSample) on `port` equals
+/// `value`; the failure also gives the last value seen (-1: none).
+::testing::AssertionResult WaitForMetric(int port, const std::string& series, double value,
+                                         std::chrono::milliseconds timeout = kWaitTimeout);
 
 /// A packed hidden-states request: T random bf16 rows [T, H] (normal(0,1)),
 /// random targets in [0, V), one sequence, entropy on.

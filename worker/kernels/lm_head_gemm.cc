@@ -26,6 +26,21 @@ struct LmHeadGemm::Impl {
   int threads = 0;                       // > 0: omp_set_num_threads before use
 };
 
+bool Bf16MatmulSupported() {
+  static const bool supported = [] {
+    try {
+      const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+      const dnnl::memory::desc a({1, 16}, dt::bf16, tag::ab), b({16, 16}, dt::bf16, tag::ba),
+          c({1, 16}, dt::f32, tag::ab);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), engine);
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return supported;
+}
+
 LmHeadGemm::LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows,
                        int64_t hidden_size)
     : compute_dtype_(compute_dtype),
@@ -63,11 +78,19 @@ absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(
     weight = std::move(wide);
     compute = v1::F32;
   }
+  const bool bf16_operands = dtype == v1::BF16 && !Bf16MatmulSupported();
+  if (bf16_operands) {  // widen the bf16 weights exactly; Compute rounds hidden states to bf16
+    std::vector<char> wide(static_cast<size_t>(rows * hidden_size) * sizeof(float));
+    ToFloat(dtype, weight.data(), static_cast<size_t>(rows * hidden_size), reinterpret_cast<float*>(wide.data()));
+    weight = std::move(wide);
+    compute = v1::F32;
+  }
   // oneDNN's OpenMP runtime sizes its parallel regions by the calling
   // thread's omp_get_max_threads(); the cap is set here and again before
   // each Compute (the OpenMP ICV is per thread).
   if (threads > 0) omp_set_num_threads(threads);
   std::unique_ptr<LmHeadGemm> g(new LmHeadGemm(compute, std::move(weight), rows, hidden_size));
+  g->bf16_operands_ = bf16_operands;
   try {
     g->impl_ = std::make_unique<Impl>();
   } catch (const dnnl::error& e) {
@@ -90,7 +113,7 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
   const size_t n = static_cast<size_t>(M * H);
   // Bring the hidden states to the compute dtype (no copy when they match).
   const void* src = hidden;
-  if (hidden_dtype != compute_dtype_) {
+  if (hidden_dtype != compute_dtype_ || bf16_operands_) {
     auto& buf = impl_->hidden_buf;
     if (compute_dtype_ == v1::BF16) {  // f32 -> bf16 RNE; f16 -> f32 (exact) -> bf16 RNE
       buf.resize(n * sizeof(uint16_t));
@@ -109,7 +132,10 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
       }
     } else {  // compute F32: bf16 / f16 widen exactly
       buf.resize(n * sizeof(float));
-      ToFloat(hidden_dtype, hidden, n, reinterpret_cast<float*>(buf.data()));
+      auto* f = reinterpret_cast<float*>(buf.data());
+      ToFloat(hidden_dtype, hidden, n, f);
+      if (bf16_operands_ && hidden_dtype != v1::BF16)  // as the bf16 matmul would see them
+        for (size_t i = 0; i < n; ++i) f[i] = Bf16ToFloat(FloatToBf16(f[i]));
     }
     src = buf.data();
   }

@@ -23,6 +23,10 @@ namespace logprob::kernels {
 /// element size (without overflow). INVALID_ARGUMENT naming what is wrong.
 absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, int64_t hidden_size);
 
+/// True when oneDNN can run a bf16 x bf16 -> f32 matmul on this CPU
+/// (avx512_core or newer on x86); probed once. Thread-safe.
+bool Bf16MatmulSupported();
+
 /// A worker's lm_head slice and the GEMM that maps hidden states to its
 /// logits columns. Not thread-safe: one Compute at a time.
 class LmHeadGemm {
@@ -41,7 +45,11 @@ class LmHeadGemm {
 
   int64_t rows() const { return rows_; }                 // N: vocab slice length
   int64_t hidden_size() const { return hidden_size_; }   // H
-  DType compute_dtype() const { return compute_dtype_; } // BF16 or F32
+  /// BF16 or F32. BF16 weights compute in F32 when this CPU's oneDNN has no
+  /// bf16 matmul (e.g. AVX2 only): the weights are widened exactly and the
+  /// hidden states rounded to bf16 as for the bf16 matmul, so the operands
+  /// and the f32 accumulation are the same (up to summation order).
+  DType compute_dtype() const { return compute_dtype_; }
   size_t weight_bytes() const { return weight_.size(); }
 
   /// out[M, rows()] (f32, row-major) = hidden[M, H] @ weight^T, `hidden`
@@ -55,6 +63,7 @@ class LmHeadGemm {
   struct Impl;
   LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size);
   DType compute_dtype_;
+  bool bf16_operands_ = false;  // F32 compute of BF16 weights: round hidden states to bf16 first
   std::vector<char> weight_;  // [rows, H] of compute_dtype_
   int64_t rows_, hidden_size_;
   std::unique_ptr<Impl> impl_;

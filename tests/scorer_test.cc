@@ -1,0 +1,613 @@
+// The worker's scorer (worker/scorer.h) on W in-process ranks
+// (tests/in_process_communicator.h) with the CPU backend: every layout
+// (token-parallel, vocab-parallel, hidden states), with and without the
+// sampling filters, with entropy, top-k and gathered outputs, for W = 1, 2
+// and 3 ranks, against a float64 reference computed here (shared/SPEC.md
+// tolerance 2e-4 + 2e-5 * |expected|; top-k ids exact). Threads and
+// condition variables only: no processes, no sockets, no sleeps.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/partition.h"
+#include "tests/in_process_communicator.h"
+#include "worker/cpu_backend.h"
+#include "worker/kernels/lm_head_gemm.h"
+#include "worker/kernels/sampling_filter.h"
+#include "worker/scorer.h"
+
+namespace logprob::testing {
+namespace {
+
+using internal::v1::Layout;
+using internal::v1::WorkItem;
+using internal::v1::WorkResult;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+/// A job's rows as the scorer sees them (already validated and planned):
+/// x = logits / temperature in float32, or hidden states times an lm_head.
+struct Problem {
+  DType dtype = v1::F32;        // of `logits`, or of `hidden` and `lm_head`
+  int64_t n = 0, V = 0, H = 0;  // rows, vocabulary, hidden size (hidden only)
+  std::vector<char> logits;     // [n, V] of dtype (logits problems)
+  std::vector<char> hidden;     // [n, H] of dtype (hidden problems)
+  std::vector<char> lm_head;    // [V, H] of dtype (hidden problems)
+  std::vector<int64_t> targets;     // [n], -1 = ignored
+  int gather_k = 0;
+  std::vector<int64_t> gather_ids;  // [n, gather_k]
+  v1::ScoreOptions options;
+  bool is_hidden() const { return !hidden.empty(); }
+};
+
+/// Element `i` of a float buffer of `dtype` (F32 or BF16).
+double ValueAt(DType dtype, const std::vector<char>& buf, int64_t i) {
+  if (dtype == v1::BF16) {
+    uint16_t b;
+    std::memcpy(&b, buf.data() + 2 * i, 2);
+    return Bf16ToFloat(b);
+  }
+  float f;
+  std::memcpy(&f, buf.data() + 4 * i, 4);
+  return f;
+}
+
+/// Random values of `dtype` (F32 or BF16), normal(0, sigma), count `n`.
+std::vector<char> RandomValues(DType dtype, int64_t n, float sigma, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.f, sigma);
+  std::vector<char> out(static_cast<size_t>(n) * DTypeSize(dtype));
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = normal(rng);
+    if (dtype == v1::BF16) {
+      const uint16_t b = FloatToBf16(v);
+      std::memcpy(out.data() + 2 * i, &b, 2);
+    } else {
+      std::memcpy(out.data() + 4 * i, &v, 4);
+    }
+  }
+  return out;
+}
+
+/// Targets in [0, V) with every 7th row ignored; gather ids in [0, V).
+void RandomIds(Problem& p, std::mt19937& rng) {
+  p.targets.resize(p.n);
+  for (int64_t i = 0; i < p.n; ++i) p.targets[i] = i % 7 == 3 ? -1 : static_cast<int64_t>(rng() % p.V);
+  p.gather_ids.resize(p.n * p.gather_k);
+  for (auto& g : p.gather_ids) g = static_cast<int64_t>(rng() % p.V);
+}
+
+// ---------------------------------------------------------------------------
+// float64 reference (shared/SPEC.md "Outputs", "Filters", with the top-p tie
+// rule: values equal to the smallest kept value are kept).
+
+struct RefRow {
+  double token = 0, entropy = 0;
+  std::vector<double> topk_lp, gathered;
+  std::vector<int64_t> topk_id;
+  std::vector<double> logp;  // [V]
+};
+
+/// x: the row after temperature. The filters as shared/SPEC.md states them
+/// on values: top-k keeps x >= k-th largest; top-p keeps a value when the
+/// probability mass of strictly larger kept values is < p (so all copies
+/// of a value share its fate), the largest always.
+RefRow Reference(const std::vector<double>& x, int64_t target, const int64_t* gather, int gather_k,
+                 const v1::ScoreOptions& o) {
+  const size_t V = x.size();
+  std::vector<bool> keep(V, true);
+  const int top_k = o.sampling_top_k();
+  if (top_k > 0 && static_cast<size_t>(top_k) < V) {
+    std::vector<double> s = x;
+    std::nth_element(s.begin(), s.begin() + (top_k - 1), s.end(), std::greater<double>());
+    for (size_t i = 0; i < V; ++i) keep[i] = x[i] >= s[top_k - 1];
+  }
+  const double p = o.has_sampling_top_p() ? o.sampling_top_p() : 1.0;
+  if (p > 0 && p < 1) {
+    double mx = -kInf, z = 0;
+    for (size_t i = 0; i < V; ++i)
+      if (keep[i]) mx = std::max(mx, x[i]);
+    for (size_t i = 0; i < V; ++i)
+      if (keep[i]) z += std::exp(x[i] - mx);
+    std::vector<bool> kept = keep;
+    for (size_t i = 0; i < V; ++i) {
+      if (!keep[i] || x[i] == mx) continue;
+      double above = 0;
+      for (size_t j = 0; j < V; ++j)
+        if (keep[j] && x[j] > x[i]) above += std::exp(x[j] - mx);
+      kept[i] = above / z < p;
+    }
+    keep = kept;
+  }
+  double mx = -kInf, s = 0;
+  for (size_t i = 0; i < V; ++i)
+    if (keep[i]) mx = std::max(mx, x[i]);
+  for (size_t i = 0; i < V; ++i)
+    if (keep[i]) s += std::exp(x[i] - mx);
+  const double log_z = mx + std::log(s);
+  RefRow r;
+  r.logp.resize(V);
+  for (size_t i = 0; i < V; ++i) {
+    r.logp[i] = keep[i] ? x[i] - log_z : -kInf;
+    if (keep[i]) r.entropy -= std::exp(r.logp[i]) * r.logp[i];
+  }
+  r.token = target >= 0 ? r.logp[target] : 0.0;
+  std::vector<int64_t> order(V);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return r.logp[a] > r.logp[b]; });
+  for (int k = 0; k < o.topk(); ++k) {
+    r.topk_id.push_back(order[k]);
+    r.topk_lp.push_back(r.logp[order[k]]);
+  }
+  for (int k = 0; k < gather_k; ++k) r.gathered.push_back(r.logp[gather[k]]);
+  return r;
+}
+
+/// The row `i` of `p` after temperature, as float64: logits rows are
+/// divided in float32 (as the service does); hidden rows are the exact
+/// float64 product with the lm_head, then divided.
+std::vector<double> RowAfterTemperature(const Problem& p, int64_t i) {
+  const float t = p.options.has_temperature() ? p.options.temperature() : 1.0f;
+  std::vector<double> x(p.V);
+  for (int64_t v = 0; v < p.V; ++v) {
+    if (p.is_hidden()) {
+      double dot = 0;
+      for (int64_t h = 0; h < p.H; ++h) dot += ValueAt(p.dtype, p.hidden, i * p.H + h) * ValueAt(p.dtype, p.lm_head, v * p.H + h);
+      x[v] = dot / t;
+    } else {
+      x[v] = static_cast<float>(static_cast<float>(ValueAt(p.dtype, p.logits, i * p.V + v)) / t);
+    }
+  }
+  return x;
+}
+
+// ---------------------------------------------------------------------------
+// Running the scorer on W in-process ranks.
+
+/// The outputs of every row of a problem, gathered from the ranks' results.
+struct Scored {
+  std::vector<float> token, entropy, topk_lp, gathered;
+  std::vector<int64_t> topk_id;
+};
+
+/// The work item of rank `r` of `W` for `layout` (what the front-end's
+/// planner sends: whole rows SplitRange(n, W, r) for token-parallel; every
+/// row's vocabulary slice SplitRange(V, W, r) for vocab-parallel; the
+/// hidden states of rows SplitRange(n, W, r) for hidden states).
+WorkItem ItemFor(const Problem& p, Layout layout, int W, int r) {
+  WorkItem item;
+  item.set_layout(layout);
+  item.set_dtype(p.dtype);
+  item.set_vocab_size(p.V);
+  item.set_gather_k(p.gather_k);
+  *item.mutable_options() = p.options;
+  const size_t es = DTypeSize(p.dtype);
+  const auto [rb, re] = SplitRange(p.n, W, r);
+  const auto [vb, ve] = SplitRange(p.V, W, r);
+  int64_t first = 0, rows = p.n;
+  if (layout == internal::v1::TOKEN_PARALLEL) {
+    first = rb;
+    rows = re - rb;
+    item.set_vocab_begin(0);
+    item.set_vocab_end(p.V);
+    item.set_logits(p.logits.data() + first * p.V * es, rows * p.V * es);
+  } else {
+    item.set_vocab_begin(vb);
+    item.set_vocab_end(ve);
+    if (layout == internal::v1::VOCAB_PARALLEL) {
+      std::string slice;
+      for (int64_t i = 0; i < p.n; ++i) slice.append(p.logits.data() + (i * p.V + vb) * es, (ve - vb) * es);
+      item.set_logits(slice);
+    } else {
+      item.set_hidden_size(p.H);
+      item.set_hidden_states(p.hidden.data() + rb * p.H * es, (re - rb) * p.H * es);
+    }
+  }
+  item.set_num_rows(rows);
+  for (int64_t i = first; i < first + rows; ++i) {
+    item.add_targets(p.targets[i]);
+    for (int k = 0; k < p.gather_k; ++k) item.add_gather_ids(p.gather_ids[i * p.gather_k + k]);
+  }
+  return item;
+}
+
+/// Rank r's CPU backend: for hidden states, with lm_head rows SplitRange(V, W, r).
+std::unique_ptr<CpuBackend> BackendFor(const Problem& p, int W, int r) {
+  if (!p.is_hidden()) return std::make_unique<CpuBackend>();
+  const auto [vb, ve] = SplitRange(p.V, W, r);
+  const size_t row = static_cast<size_t>(p.H) * DTypeSize(p.dtype);
+  std::vector<char> slice(p.lm_head.begin() + vb * row, p.lm_head.begin() + ve * row);
+  auto gemm = kernels::LmHeadGemm::Create(p.dtype, std::move(slice), ve - vb, p.H, /*threads=*/1);
+  EXPECT_TRUE(gemm.ok()) << gemm.status();
+  return std::make_unique<CpuBackend>(gemm.ok() ? std::move(*gemm) : nullptr);
+}
+
+/// Runs ScoreWorkItem for every rank on its own thread; `should_stop`
+/// (optional) is given rank r's index. A rank that fails aborts the group
+/// so the others do not wait for it. Returns the per-rank results.
+std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, Layout layout, int W,
+                                                 int64_t hidden_chunk_tokens = 16,
+                                                 const std::function<bool(int rank)>& should_stop = {}) {
+  InProcessGroup group(W);
+  std::vector<absl::StatusOr<WorkResult>> results(W, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      const WorkItem item = ItemFor(p, layout, W, r);
+      auto backend = BackendFor(p, W, r);
+      InProcessCommunicator comm(group, r);
+      std::function<bool()> stop;
+      if (should_stop) stop = [&should_stop, r] { return should_stop(r); };
+      // Token-parallel items run alone in the worker (SelfCommunicator).
+      SelfCommunicator self;
+      Communicator& c = layout == internal::v1::TOKEN_PARALLEL ? static_cast<Communicator&>(self) : comm;
+      results[r] = ScoreWorkItem(item, c, *backend, hidden_chunk_tokens, stop);
+      if (!results[r].ok()) group.Abort();
+    });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+/// Scores `p` on W ranks and assembles every row's outputs (fails the
+/// test on a rank error).
+Scored Score(const Problem& p, Layout layout, int W) {
+  const auto results = RunRanks(p, layout, W);
+  const int K = p.options.topk(), G = p.gather_k;
+  Scored s;
+  s.token.assign(p.n, NAN);
+  s.entropy.assign(p.n, NAN);
+  s.topk_lp.assign(p.n * K, NAN);
+  s.topk_id.assign(p.n * K, -1);
+  s.gathered.assign(p.n * G, NAN);
+  for (int r = 0; r < W; ++r) {
+    if (!results[r].ok()) {
+      ADD_FAILURE() << "rank " << r << ": " << results[r].status();
+      continue;
+    }
+    const WorkResult& res = *results[r];
+    // Token-parallel results count from the item's first row.
+    const int64_t offset = layout == internal::v1::TOKEN_PARALLEL ? SplitRange(p.n, W, r).first : 0;
+    const auto [own_b, own_e] = SplitRange(p.n, W, r);
+    EXPECT_EQ(res.row_begin() + offset, own_b) << "rank " << r;
+    EXPECT_EQ(res.row_end() + offset, own_e) << "rank " << r;
+    for (int64_t i = res.row_begin(); i < res.row_end(); ++i) {
+      const int64_t row = i + offset, local = i - res.row_begin();
+      s.token[row] = res.token_logprobs(static_cast<int>(local));
+      if (p.options.entropy()) s.entropy[row] = res.entropy(static_cast<int>(local));
+      for (int k = 0; k < K; ++k) {
+        s.topk_lp[row * K + k] = res.topk_logprobs(static_cast<int>(local * K + k));
+        s.topk_id[row * K + k] = res.topk_indices(static_cast<int>(local * K + k));
+      }
+      for (int k = 0; k < G; ++k) s.gathered[row * G + k] = res.gathered_logprobs(static_cast<int>(local * G + k));
+    }
+  }
+  return s;
+}
+
+bool Close(double expected, double got) {
+  if (std::isinf(expected)) return expected == got;
+  return std::abs(expected - got) <= 2e-4 + 2e-5 * std::abs(expected);
+}
+
+/// Compares every output of `s` with the float64 reference; at most a few
+/// failures are reported. Top-k ids must match exactly, except that for
+/// hidden states (float32 GEMM against float64) two candidates whose
+/// reference logprobs are within tolerance may come in either order.
+void ExpectMatchesReference(const Problem& p, const Scored& s, const std::string& what) {
+  SCOPED_TRACE(what);
+  const int K = p.options.topk(), G = p.gather_k;
+  int bad = 0;
+  auto check = [&](bool ok, const std::string& msg) {
+    if (!ok && bad++ < 8) ADD_FAILURE() << msg;
+  };
+  for (int64_t i = 0; i < p.n; ++i) {
+    const RefRow ref = Reference(RowAfterTemperature(p, i), p.targets[i], p.gather_ids.data() + i * G, G, p.options);
+    const std::string row = "row " + std::to_string(i);
+    check(Close(ref.token, s.token[i]),
+          row + " token_logprob: expected " + std::to_string(ref.token) + " got " + std::to_string(s.token[i]));
+    if (p.options.entropy())
+      check(Close(ref.entropy, s.entropy[i]),
+            row + " entropy: expected " + std::to_string(ref.entropy) + " got " + std::to_string(s.entropy[i]));
+    for (int k = 0; k < K; ++k) {
+      const int64_t id = s.topk_id[i * K + k];
+      const std::string at = row + " top-k " + std::to_string(k);
+      check(Close(ref.topk_lp[k], s.topk_lp[i * K + k]), at + ": expected logprob " + std::to_string(ref.topk_lp[k]) +
+                                                             " got " + std::to_string(s.topk_lp[i * K + k]));
+      if (p.is_hidden()) {
+        check(id >= 0 && id < p.V && Close(ref.logp[id], ref.topk_lp[k]),
+              at + ": id " + std::to_string(id) + " is not a candidate of the reference");
+      } else {
+        check(id == ref.topk_id[k], at + ": expected id " + std::to_string(ref.topk_id[k]) + " got " + std::to_string(id));
+      }
+    }
+    for (int k = 0; k < G; ++k)
+      check(Close(ref.gathered[k], s.gathered[i * G + k]), row + " gathered " + std::to_string(k) + ": expected " +
+                                                              std::to_string(ref.gathered[k]) + " got " +
+                                                              std::to_string(s.gathered[i * G + k]));
+  }
+}
+
+/// Expects `a` and `b` (the same problem on different rank counts) to
+/// agree within the SPEC tolerance, top-k ids exactly.
+void ExpectSameScores(const Scored& a, const Scored& b, const std::string& what) {
+  SCOPED_TRACE(what);
+  ASSERT_EQ(a.token.size(), b.token.size());
+  int bad = 0;
+  auto close_all = [&](const std::vector<float>& x, const std::vector<float>& y, const char* name) {
+    for (size_t i = 0; i < x.size(); ++i)
+      if (!(std::isnan(x[i]) && std::isnan(y[i])) && !Close(x[i], y[i]) && bad++ < 8)
+        ADD_FAILURE() << name << "[" << i << "]: " << x[i] << " vs " << y[i];
+  };
+  close_all(a.token, b.token, "token_logprobs");
+  close_all(a.entropy, b.entropy, "entropy");
+  close_all(a.topk_lp, b.topk_lp, "topk_logprobs");
+  close_all(a.gathered, b.gathered, "gathered_logprobs");
+  EXPECT_EQ(a.topk_id, b.topk_id);
+}
+
+/// A logits problem: n rows over V of `dtype`, entropy, top-k 5, 3
+/// gathered ids, optionally temperature 0.7 with top-k 40 and top-p 0.9.
+Problem LogitsProblem(DType dtype, int64_t n, int64_t V, bool filters, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Problem p;
+  p.dtype = dtype;
+  p.n = n;
+  p.V = V;
+  p.logits = RandomValues(dtype, n * V, 2.0f, rng);
+  p.gather_k = 3;
+  RandomIds(p, rng);
+  p.options.set_entropy(true);
+  p.options.set_topk(5);
+  if (filters) {
+    p.options.set_temperature(0.7f);
+    p.options.set_sampling_top_k(40);
+    p.options.set_sampling_top_p(0.9f);
+  }
+  return p;
+}
+
+/// A hidden-states problem: bf16 hidden [n, H] and lm_head [V, H].
+Problem HiddenProblem(int64_t n, int64_t V, int64_t H, bool filters, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Problem p;
+  p.dtype = v1::BF16;
+  p.n = n;
+  p.V = V;
+  p.H = H;
+  p.hidden = RandomValues(v1::BF16, n * H, 1.0f, rng);
+  p.lm_head = RandomValues(v1::BF16, V * H, 0.3f, rng);
+  p.gather_k = 2;
+  RandomIds(p, rng);
+  p.options.set_entropy(true);
+  p.options.set_topk(4);
+  if (filters) {
+    p.options.set_temperature(1.3f);
+    p.options.set_sampling_top_k(30);
+    p.options.set_sampling_top_p(0.8f);
+  }
+  return p;
+}
+
+const char* LayoutName(Layout l) {
+  return l == internal::v1::TOKEN_PARALLEL ? "token" : l == internal::v1::VOCAB_PARALLEL ? "vocab" : "hidden";
+}
+
+// ---------------------------------------------------------------------------
+
+TEST(InProcessCommunicator, AllGatherAndAllToAllVMoveTheRightBytes) {
+  constexpr int W = 3;
+  InProcessGroup group(W);
+  std::vector<std::vector<int>> gathered(W), exchanged(W);
+  std::vector<absl::Status> status(W);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      InProcessCommunicator comm(group, r);
+      const int mine[2] = {10 * r, 10 * r + 1};
+      gathered[r].resize(2 * W);
+      status[r] = comm.AllGather(mine, sizeof mine, gathered[r].data());
+      // Rank r sends q + 1 ints to rank q, each 100 * r + q.
+      std::vector<int> send;
+      std::vector<int64_t> send_bytes(W), recv_bytes(W);
+      for (int q = 0; q < W; ++q) {
+        for (int k = 0; k <= q; ++k) send.push_back(100 * r + q);
+        send_bytes[q] = (q + 1) * 4;
+        recv_bytes[q] = (r + 1) * 4;
+      }
+      exchanged[r].resize(W * (r + 1));
+      if (status[r].ok()) status[r] = comm.AllToAllV(send.data(), send_bytes, exchanged[r].data(), recv_bytes);
+      if (status[r].ok()) EXPECT_EQ(comm.collectives(), 2);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < W; ++r) {
+    ASSERT_TRUE(status[r].ok()) << status[r];
+    EXPECT_EQ(gathered[r], (std::vector<int>{0, 1, 10, 11, 20, 21}));
+    std::vector<int> want;
+    for (int q = 0; q < W; ++q)
+      for (int k = 0; k <= r; ++k) want.push_back(100 * q + r);
+    EXPECT_EQ(exchanged[r], want) << "rank " << r;
+  }
+}
+
+TEST(InProcessCommunicator, MismatchedSizesAndAbortAreErrorsNotHangs) {
+  InProcessGroup group(2);
+  absl::Status a, b;
+  std::thread t0([&] {
+    InProcessCommunicator comm(group, 0);
+    int x = 1, out[2];
+    a = comm.AllGather(&x, sizeof x, out);
+  });
+  std::thread t1([&] {
+    InProcessCommunicator comm(group, 1);
+    int64_t y = 2, out[2];
+    b = comm.AllGather(&y, sizeof y, out);
+  });
+  t0.join();
+  t1.join();
+  EXPECT_EQ(a.code(), absl::StatusCode::kInvalidArgument) << a;
+  EXPECT_EQ(b.code(), absl::StatusCode::kInvalidArgument) << b;
+
+  // A rank that fails before a collective aborts the group: the peer's
+  // collective returns UNAVAILABLE instead of waiting for it.
+  InProcessGroup second(2);
+  absl::Status waiting;
+  std::thread peer([&] {
+    InProcessCommunicator comm(second, 1);
+    char c = 0, out[2];
+    waiting = comm.AllGather(&c, 1, out);
+  });
+  second.Abort();
+  peer.join();
+  EXPECT_EQ(waiting.code(), absl::StatusCode::kUnavailable) << waiting;
+}
+
+struct LayoutCase {
+  Layout layout;
+  DType dtype;
+  bool filters;
+};
+
+class ScorerLayouts : public ::testing::TestWithParam<LayoutCase> {};
+
+TEST_P(ScorerLayouts, EveryRankCountMatchesFloat64AndOneRank) {
+  const LayoutCase c = GetParam();
+  // 300 rows: vocab-parallel and hidden-states run several collective
+  // rounds (128 rows; 16 hidden rows per rank); V not divisible by 2 or 3.
+  const Problem p = c.layout == internal::v1::HIDDEN_STATES ? HiddenProblem(150, 301, 64, c.filters, 11)
+                                                              : LogitsProblem(c.dtype, 300, 1001, c.filters, 7);
+  const std::string name = std::string(LayoutName(c.layout)) + (c.filters ? " with filters" : "");
+  const Scored one = Score(p, c.layout, 1);
+  ExpectMatchesReference(p, one, name + ", W=1");
+  for (int W : {2, 3}) {
+    const Scored many = Score(p, c.layout, W);
+    ExpectMatchesReference(p, many, name + ", W=" + std::to_string(W));
+    ExpectSameScores(one, many, name + ", W=1 against W=" + std::to_string(W));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllLayouts, ScorerLayouts,
+    ::testing::Values(LayoutCase{internal::v1::TOKEN_PARALLEL, v1::F32, false},
+                      LayoutCase{internal::v1::TOKEN_PARALLEL, v1::BF16, true},
+                      LayoutCase{internal::v1::VOCAB_PARALLEL, v1::F32, false},
+                      LayoutCase{internal::v1::VOCAB_PARALLEL, v1::BF16, false},
+                      LayoutCase{internal::v1::VOCAB_PARALLEL, v1::F32, true},
+                      LayoutCase{internal::v1::VOCAB_PARALLEL, v1::BF16, true},
+                      LayoutCase{internal::v1::HIDDEN_STATES, v1::BF16, false},
+                      LayoutCase{internal::v1::HIDDEN_STATES, v1::BF16, true}),
+    [](const ::testing::TestParamInfo<LayoutCase>& info) {
+      return std::string(LayoutName(info.param.layout)) + "_" + DTypeName(info.param.dtype) +
+             (info.param.filters ? "_filters" : "");
+    });
+
+TEST(Scorer, VocabParallelResultsAreBitwiseTheSameWhoeverFinalisesTheRow) {
+  // The partials of a row are combined in rank order whichever rank owns
+  // it, so W = 2 gives the same bits for every row (worker/scorer.h).
+  const Problem p = LogitsProblem(v1::F32, 10, 257, false, 3);
+  const Scored a = Score(p, internal::v1::VOCAB_PARALLEL, 2);
+  Problem q = p;
+  // The same rows in reverse order: each row is finalised by the other rank.
+  const size_t row = static_cast<size_t>(p.V) * 4;
+  for (int64_t i = 0; i < p.n; ++i) {
+    std::memcpy(q.logits.data() + i * row, p.logits.data() + (p.n - 1 - i) * row, row);
+    q.targets[i] = p.targets[p.n - 1 - i];
+    for (int k = 0; k < p.gather_k; ++k) q.gather_ids[i * p.gather_k + k] = p.gather_ids[(p.n - 1 - i) * p.gather_k + k];
+  }
+  const Scored b = Score(q, internal::v1::VOCAB_PARALLEL, 2);
+  for (int64_t i = 0; i < p.n; ++i) {
+    const int64_t j = p.n - 1 - i;
+    EXPECT_EQ(std::memcmp(&a.token[i], &b.token[j], 4), 0) << "row " << i;
+    EXPECT_EQ(std::memcmp(&a.entropy[i], &b.entropy[j], 4), 0) << "row " << i;
+  }
+}
+
+TEST(Scorer, OneRankAskingToStopStopsEveryRankAfterTheSameRound) {
+  // Rank 1 asks to stop from its second round on; the ranks agree on it
+  // (one all-gather per round), so all of them return CANCELLED and none
+  // waits for a collective the others skipped.
+  const Problem p = LogitsProblem(v1::F32, 400, 301, false, 5);
+  for (Layout layout : {internal::v1::VOCAB_PARALLEL, internal::v1::HIDDEN_STATES}) {
+    SCOPED_TRACE(LayoutName(layout));
+    const Problem q = layout == internal::v1::HIDDEN_STATES ? HiddenProblem(100, 64, 32, false, 6) : p;
+    std::atomic<int> polls{0};
+    const auto results = RunRanks(q, layout, 2, 16, [&](int rank) { return rank == 1 && ++polls > 1; });
+    for (const auto& r : results) EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  }
+}
+
+
+TEST(Scorer, TopPBoundaryInsideAGroupOfEqualBf16LogitsKeepsTheWholeGroup) {
+  // One bf16 row of V = 16: a top logit 2.0, six equal logits 1.0 (ids
+  // 5..10, split between ranks for W = 2) and nine at -2.0. With top-p 0.5
+  // the mass strictly above the group (the top: 0.297) is < 0.5, so the
+  // whole group is kept (shared/SPEC.md: values equal to the smallest kept
+  // value are kept). A rule that walks a sorted order one entry at a time
+  // would keep only part of it, depending on how equal values are sorted.
+  constexpr int64_t V = 16;
+  std::vector<float> z(V, -2.0f);
+  z[12] = 2.0f;
+  for (int64_t v = 5; v <= 10; ++v) z[v] = 1.0f;
+  const std::vector<int64_t> targets = {12, 5, 10, 0, -1};
+  Problem p;
+  p.dtype = v1::BF16;
+  p.n = static_cast<int64_t>(targets.size());
+  p.V = V;
+  p.logits.resize(p.n * V * 2);
+  for (int64_t i = 0; i < p.n; ++i)
+    for (int64_t v = 0; v < V; ++v) {
+      const uint16_t b = FloatToBf16(z[v]);
+      std::memcpy(p.logits.data() + (i * V + v) * 2, &b, 2);
+    }
+  p.targets = targets;
+  p.options.set_entropy(true);
+  p.options.set_topk(8);
+  p.options.set_sampling_top_p(0.5f);
+
+  // Independent float64 expectations: the kept set is the top and the
+  // whole group; the order-dependent rule (ascending cumsum > 1 - p,
+  // entry by entry) would keep only 2 of the 6.
+  const double e_top = std::exp(2.0), e_mid = std::exp(1.0), e_low = std::exp(-2.0);
+  const double z_all = e_top + 6 * e_mid + 9 * e_low;
+  int order_rule_keeps = 0;
+  for (int k = 1; k <= 6; ++k)  // the group's members after the nine low ones, ascending
+    order_rule_keeps += (9 * e_low + k * e_mid) / z_all > 0.5;
+  ASSERT_EQ(order_rule_keeps, 2) << "the boundary must fall inside the group for this test to mean anything";
+  const double log_z = std::log(e_top + 6 * e_mid);
+  const double lp_top = 2.0 - log_z, lp_mid = 1.0 - log_z;
+  const double entropy = -(std::exp(lp_top) * lp_top + 6 * std::exp(lp_mid) * lp_mid);
+  const std::vector<double> want_token = {lp_top, lp_mid, lp_mid, -kInf, 0.0};
+  const std::vector<int64_t> want_ids = {12, 5, 6, 7, 8, 9, 10, 0};  // -inf after the kept, lower id first
+
+  for (Layout layout : {internal::v1::TOKEN_PARALLEL, internal::v1::VOCAB_PARALLEL}) {
+    for (int W : {1, 2}) {
+      SCOPED_TRACE(std::string(LayoutName(layout)) + ", W=" + std::to_string(W));
+      const Scored s = Score(p, layout, W);
+      for (int64_t i = 0; i < p.n; ++i) {
+        EXPECT_TRUE(Close(want_token[i], s.token[i])) << "row " << i << ": " << s.token[i] << " vs " << want_token[i];
+        EXPECT_TRUE(Close(entropy, s.entropy[i])) << "row " << i << ": " << s.entropy[i] << " vs " << entropy;
+        for (int k = 0; k < 8; ++k) {
+          EXPECT_EQ(s.topk_id[i * 8 + k], want_ids[k]) << "row " << i << " top-k " << k;
+          const double want = k == 0 ? lp_top : k < 7 ? lp_mid : -kInf;
+          EXPECT_TRUE(Close(want, s.topk_lp[i * 8 + k])) << "row " << i << " top-k " << k;
+        }
+      }
+    }
+  }
+  // The kernel alone: the smallest kept value is the group's.
+  std::vector<float> x(z.begin(), z.end()), scratch;
+  EXPECT_EQ(kernels::SamplingKeepMin(x.data(), V, 0, 0.5f, &scratch), 1.0f);
+}
+
+}  // namespace
+}  // namespace logprob::testing
