@@ -109,6 +109,8 @@ TEST_F(Lifecycle, DeadlineAndCancelStopTheWorkWithoutRestartingThePool) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
   EXPECT_LT(SecondsSince(t0), 2.0);
 
+  // The expired request's batch has ended, so the gauge will show the next one.
+  ASSERT_TRUE(WaitForMetric(metrics_port_, "logprob_running_batches", 0));
   grpc::ClientContext cancelled;
   t0 = Clock::now();
   auto slow = std::async(std::launch::async, [&] { return Score(*stub, Slow(), &cancelled); });
