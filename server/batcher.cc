@@ -1,6 +1,7 @@
 #include "server/batcher.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -22,7 +23,12 @@ struct Batcher::Entry {
   bool ended() const { return bounds.ended(); }
   /// The error for a job whose bounds ended, saying where it was.
   absl::Status EndedError(const char* where) const {
-    if (bounds.expired()) return absl::DeadlineExceededError(absl::StrCat("the request's deadline passed while ", where));
+    // gRPC's deadline timer may cancel the call a little before the clock
+    // reaches ctx->deadline(): a cancel that close to the deadline is the
+    // deadline passing, not the client cancelling.
+    constexpr auto kDeadlineSlack = std::chrono::milliseconds(50);
+    if (std::chrono::system_clock::now() + kDeadlineSlack >= bounds.deadline)
+      return absl::DeadlineExceededError(absl::StrCat("the request's deadline passed while ", where));
     return absl::CancelledError(absl::StrCat("the request was cancelled by the client while ", where));
   }
 };
