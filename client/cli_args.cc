@@ -135,6 +135,10 @@ absl::Status ApplyScoreFlag(const std::string& flag, const std::string& v, Score
     if (a->max_request_bytes <= 0) return BadValue(flag, v, "a positive byte count");
   } else if (flag == "timeout") {
     return ParseSeconds(flag, v, &a->timeout_seconds);
+  } else if (flag == "chunk-above") {
+    return ParseInt64(flag, v, &a->chunking.above_bytes);
+  } else if (flag == "piece-bytes") {
+    return ParsePositive(flag, v, &a->chunking.piece_bytes);
   } else {
     return absl::InvalidArgumentError(absl::StrCat("score: unknown flag --", flag));
   }
@@ -310,6 +314,10 @@ std::string UsageText() {
     --ignore-index I            target id scored as 0 (default -100)
     --max-request-bytes N       request size limit (default: the server's);
                                 larger inputs are split by sequences
+    --chunk-above N             send requests over N bytes as a stream of
+                                pieces (ScoreChunked; default 8388608 = 8 MiB;
+                                -1: always one Score message)
+    --piece-bytes N             bytes per piece (default 4194304 = 4 MiB)
     --timeout SECONDS           deadline of each call (default: none)
 
   logprob-client bench --server HOST:PORT [shape] [options] [load options]

@@ -86,8 +86,10 @@ int RunHealth(const HealthArgs& args) {
 }
 
 absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface& stub,
+                                               const std::shared_ptr<grpc::Channel>& channel,
                                                const v1::ScoreRequest& request,
                                                const SplitLimits& limits,
+                                               const ChunkOptions& chunking,
                                                double timeout_seconds,
                                                const std::function<void(int, int)>& progress,
                                                int* parts_sent) {
@@ -95,13 +97,19 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
   const int n = static_cast<int>(parts.size());
   std::vector<v1::ScoreResponse> responses(n);
   for (int i = 0; i < n; ++i) {
-    grpc::ClientContext context;
-    SetTimeout(&context, timeout_seconds);
-    const grpc::Status s = stub.Score(&context, parts[i], &responses[i]);
+    absl::Status s;
+    if (channel && UseChunked(chunking, static_cast<int64_t>(parts[i].ByteSizeLong()))) {
+      absl::StatusOr<v1::ScoreResponse> r = ScoreChunked(channel, parts[i], chunking.piece_bytes, timeout_seconds);
+      if (r.ok()) responses[i] = *std::move(r);
+      s = r.status();
+    } else {
+      grpc::ClientContext context;
+      SetTimeout(&context, timeout_seconds);
+      s = FromGrpc(stub.Score(&context, parts[i], &responses[i]));
+    }
     if (!s.ok()) {
-      if (n == 1) return FromGrpc(s);
-      return absl::Status(FromGrpc(s).code(),
-                          absl::StrCat("part ", i + 1, "/", n, " (id ", parts[i].id(), "): ", s.error_message()));
+      if (n == 1) return s;
+      return absl::Status(s.code(), absl::StrCat("part ", i + 1, "/", n, " (id ", parts[i].id(), "): ", s.message()));
     }
     // Free each part's tensors once it has been sent.
     parts[i] = v1::ScoreRequest();
@@ -142,7 +150,7 @@ int RunScore(const ScoreArgs& args) {
   const auto start = std::chrono::steady_clock::now();
   int parts = 1;
   absl::StatusOr<v1::ScoreResponse> response = ScoreInParts(
-      *stub, *request, limits, args.timeout_seconds,
+      *stub, channel, *request, limits, args.chunking, args.timeout_seconds,
       [](int i, int n) { std::cerr << "scored part " << i << "/" << n << std::endl; },
       &parts);
   const double seconds =

@@ -53,7 +53,9 @@ ABSL_FLAG(std::string, metrics_listen, "", "host:port for Prometheus /metrics (o
 ABSL_FLAG(std::string, control_listen, "127.0.0.1:0",
           "address of the internal worker control plane (cluster mode: e.g. 0.0.0.0:50052)");
 ABSL_FLAG(std::string, worker_binary, "", "path of logprob-worker (default: beside this binary)");
-ABSL_FLAG(int64_t, max_request_bytes, 256 << 20, "largest accepted request message, bytes");
+ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
+          "largest accepted request, bytes: one message (Score, ScoreStream), or all parts of a chunked request "
+          "(ScoreChunked)");
 ABSL_FLAG(int64_t, max_tokens_per_request, int64_t{1} << 22, "largest accepted request, token rows");
 ABSL_FLAG(int, max_topk, 1024, "largest K of topk outputs and gather_indices");
 ABSL_FLAG(int, worker_join_timeout, 60,
@@ -243,6 +245,8 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_request_bytes));
   builder.SetMaxSendMessageSize(INT_MAX);
   builder.RegisterService(&service);
+  logprob::ChunkedScoreMethod chunked_method(&service);
+  builder.RegisterService(&chunked_method);
   auto server = builder.BuildAndStart();
   if (!server || port == 0) return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
   server->GetHealthCheckService()->SetServingStatus(false);
