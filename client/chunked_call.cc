@@ -15,8 +15,6 @@ namespace logprob::client {
 namespace {
 
 constexpr char kMethodName[] = "/logprob.v1.LogprobService/ScoreChunked";
-/// Input tensors up to this size travel inside the first part.
-constexpr int64_t kInlineBytes = 64 << 10;
 
 using Stream = grpc::ClientReaderWriter<chunked::OutgoingPart, chunked::IncomingPart>;
 
@@ -50,9 +48,9 @@ absl::StatusOr<v1::ScoreResponse> ReadAnswer(Stream* stream) {
 
 absl::StatusOr<v1::ScoreResponse> ScoreChunked(const std::shared_ptr<grpc::Channel>& channel,
                                                const v1::ScoreRequest& request, int64_t piece_bytes,
-                                               double timeout_seconds) {
+                                               double timeout_seconds, int64_t inline_bytes) {
   // The first part: the request without the bytes that follow in pieces.
-  const std::vector<int> pieced = chunked::PiecedTensors(request.inputs(), kInlineBytes);
+  const std::vector<int> pieced = chunked::PiecedTensors(request.inputs(), inline_bytes);
   v1::ScoreRequestPart first;
   v1::ScoreRequest* header = first.mutable_request();
   header->set_id(request.id());

@@ -28,8 +28,11 @@ inline bool UseChunked(const ChunkOptions& o, int64_t request_bytes) {
   return o.above_bytes >= 0 && request_bytes > o.above_bytes;
 }
 
+/// Input tensors up to this size travel inside the first part.
+inline constexpr int64_t kInlineBytes = 64 << 10;
+
 /// Sends `request` through ScoreChunked on `channel`: first the request
-/// without the data of its tensors over 64 KiB, then those tensors' bytes
+/// without the data of its tensors over `inline_bytes`, then those tensors' bytes
 /// in pieces of `piece_bytes` that view `request`'s memory (no copies in
 /// this process), then half-closes; assembles the answer (pieces of large
 /// outputs are copied once into their tensors). `timeout_seconds` > 0 sets
@@ -37,6 +40,6 @@ inline bool UseChunked(const ChunkOptions& o, int64_t request_bytes) {
 /// message); INTERNAL for an answer that is not a valid chunked response.
 absl::StatusOr<v1::ScoreResponse> ScoreChunked(const std::shared_ptr<grpc::Channel>& channel,
                                                const v1::ScoreRequest& request, int64_t piece_bytes,
-                                               double timeout_seconds);
+                                               double timeout_seconds, int64_t inline_bytes = kInlineBytes);
 
 }  // namespace logprob::client
