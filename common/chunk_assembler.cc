@@ -118,4 +118,54 @@ bool WritePieces(const std::function<bool(const OutgoingPart&)>& write, const st
   return true;
 }
 
+absl::Status ReadChunkedRequest(const std::function<bool(IncomingPart*)>& read, const std::function<bool()>& cancelled,
+                                const std::function<absl::Status(const v1::ScoreRequest&, int64_t)>& admit,
+                                const TensorAssembler::Allocate& allocate, v1::ScoreRequest* req,
+                                std::vector<int>* pieced) {
+  IncomingPart in;
+  if (!read(&in)) {
+    if (cancelled()) return absl::CancelledError("the client cancelled the chunked request before its first part");
+    return absl::InvalidArgumentError("the chunked request ended before its first part (the request)");
+  }
+  absl::StatusOr<ParsedPart> first = ParsePart(in);
+  if (!first.ok()) return first.status();
+  if (first->is_piece())
+    return absl::InvalidArgumentError("the first part of a chunked request must carry the request, not a piece");
+  if (!req->ParseFromString(first->message()))
+    return absl::InvalidArgumentError("the first part's request cannot be parsed as a ScoreRequest");
+  absl::StatusOr<TensorAssembler> assembly = TensorAssembler::Plan(req->mutable_inputs(), "inputs");
+  if (!assembly.ok()) return assembly.status();
+  if (absl::Status st = admit(*req, assembly->pending_bytes()); !st.ok()) return st;
+  assembly->AllocateBuffers(allocate);
+  while (read(&in)) {
+    absl::StatusOr<ParsedPart> part = ParsePart(in);
+    if (!part.ok())
+      return absl::InvalidArgumentError(absl::StrCat(part.status().message(), " (at ", assembly->Position(), ")"));
+    if (!part->is_piece())
+      return absl::InvalidArgumentError(absl::StrCat("a second request part arrived at ", assembly->Position(),
+                                                     "; only the first part carries the request"));
+    if (absl::Status st = assembly->Add(*part); !st.ok()) return st;
+  }
+  if (cancelled())
+    return absl::CancelledError(absl::StrCat("the client cancelled the chunked request at ", assembly->Position()));
+  if (absl::Status st = assembly->Finish(); !st.ok()) return st;
+  *pieced = assembly->pending();
+  return absl::OkStatus();
+}
+
+bool WriteChunkedResponse(const std::function<bool(const OutgoingPart&)>& write, v1::ScoreResponse resp,
+                          int64_t piece_bytes, int64_t inline_bytes) {
+  std::vector<int> pieced;
+  if (static_cast<int64_t>(resp.ByteSizeLong()) > piece_bytes) pieced = PiecedTensors(resp.outputs(), inline_bytes);
+  std::vector<std::string> data(pieced.size());
+  for (size_t k = 0; k < pieced.size(); ++k) data[k].swap(*resp.mutable_outputs(pieced[k])->mutable_data());
+  v1::ScoreResponsePart first;
+  *first.mutable_response() = std::move(resp);
+  OutgoingPart part;
+  part.message = &first;
+  if (!write(part)) return false;
+  const std::vector<std::string_view> views(data.begin(), data.end());
+  return WritePieces(write, pieced, views, piece_bytes);
+}
+
 }  // namespace logprob::chunked

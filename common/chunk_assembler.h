@@ -87,4 +87,26 @@ std::vector<int> PiecedTensors(const google::protobuf::RepeatedPtrField<v1::Tens
 bool WritePieces(const std::function<bool(const OutgoingPart&)>& write, const std::vector<int>& pieced,
                  const std::vector<std::string_view>& data, int64_t piece_bytes);
 
+/// Reads one chunked request through `read` (which returns false at the
+/// end of the stream): the request part into *req; then `admit(*req,
+/// pending_bytes)`, which may refuse it (size limits, backpressure; its
+/// error is returned); then the pieces, each checked and copied once into
+/// buffers from `allocate` (TensorAssembler), until the end of the stream;
+/// then moves the buffers into *req and sets *pieced to their tensors.
+/// Errors: INVALID_ARGUMENT for a first part that is not the request, a
+/// second request part, a bad piece (TensorAssembler::Add) or bytes missing
+/// at the end (naming the tensor and offset); CANCELLED when `cancelled()`
+/// says the client cancelled.
+absl::Status ReadChunkedRequest(const std::function<bool(IncomingPart*)>& read, const std::function<bool()>& cancelled,
+                                const std::function<absl::Status(const v1::ScoreRequest&, int64_t)>& admit,
+                                const TensorAssembler::Allocate& allocate, v1::ScoreRequest* req,
+                                std::vector<int>* pieced);
+
+/// Writes `resp` through `write` as ScoreResponseParts: whole when it
+/// serializes to at most `piece_bytes`, else without the data of its
+/// outputs over `inline_bytes`, which follow in pieces of `piece_bytes`.
+/// Returns false as soon as a write fails.
+bool WriteChunkedResponse(const std::function<bool(const OutgoingPart&)>& write, v1::ScoreResponse resp,
+                          int64_t piece_bytes, int64_t inline_bytes);
+
 }  // namespace logprob::chunked

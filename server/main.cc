@@ -245,8 +245,6 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_request_bytes));
   builder.SetMaxSendMessageSize(INT_MAX);
   builder.RegisterService(&service);
-  logprob::ChunkedScoreMethod chunked_method(&service);
-  builder.RegisterService(&chunked_method);
   auto server = builder.BuildAndStart();
   if (!server || port == 0) return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
   server->GetHealthCheckService()->SetServingStatus(false);

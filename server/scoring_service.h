@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/chunk_codec.h"
+#include "common/chunked_method.h"
 #include "grpcpp/impl/service_type.h"
 #include "grpcpp/support/sync_stream.h"
 #include "logprob/v1/logprob.grpc.pb.h"
@@ -51,10 +52,9 @@ struct ServiceConfig {
 /// gRPC service implementation. Errors: UNAUTHENTICATED without the
 /// bearer token when config.auth is set (every method); INVALID_ARGUMENT /
 /// FAILED_PRECONDITION from validation (see BuildScoreJob), UNAVAILABLE
-/// when a worker fails. ScoreChunked is served by ChunkedScoreMethod (its
-/// parts are parsed by chunked::ParsePart, not protobuf), so the generated
-/// method is marked generic here.
-class ScoringService final : public v1::LogprobService::WithGenericMethod_ScoreChunked<v1::LogprobService::Service> {
+/// when a worker fails. ScoreChunked is served by ServeChunked, whose parts
+/// are parsed by chunked::ParsePart, not protobuf.
+class ScoringService final : public v1::LogprobService::Service {
  public:
   ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics);
 
@@ -77,8 +77,7 @@ class ScoringService final : public v1::LogprobService::WithGenericMethod_ScoreC
   /// client half-closes (INVALID_ARGUMENT if bytes are missing; CANCELLED
   /// if the client cancelled), and answers in parts: the response, then
   /// pieces of kResponsePieceBytes for outputs when it is larger than that.
-  grpc::Status ScoreChunked(grpc::ServerContext* context,
-                            grpc::ServerReaderWriter<chunked::OutgoingPart, chunked::IncomingPart>* stream);
+  grpc::Status ServeChunked(grpc::ServerContext* context, chunked::ServerStream* stream);
   /// Piece size of chunked answers.
   static constexpr int64_t kResponsePieceBytes = chunked::kDefaultPieceBytes;
 
@@ -111,8 +110,7 @@ class ScoringService final : public v1::LogprobService::WithGenericMethod_ScoreC
   /// Reads a ScoreChunked request into *req (its pieced tensors' data in
   /// buffers of assembly_buffers_, their indices in *pooled).
   absl::Status ReceiveChunked(grpc::ServerContext* context,
-                              grpc::ServerReaderWriter<chunked::OutgoingPart, chunked::IncomingPart>* stream,
-                              v1::ScoreRequest* req, std::vector<int>* pooled);
+                              chunked::ServerStream* stream, v1::ScoreRequest* req, std::vector<int>* pooled);
 
   WorkerPool& pool_;
   ServiceConfig config_;
@@ -122,14 +120,6 @@ class ScoringService final : public v1::LogprobService::WithGenericMethod_ScoreC
   Batcher batcher_;
   BufferPool assembly_buffers_;  // ScoreChunked request tensors
   std::atomic<uint64_t> next_job_id_{1};
-};
-
-/// Registers ScoreChunked ("/logprob.v1.LogprobService/ScoreChunked") with
-/// gRPC's sync server for `service` (not owned): register it beside the
-/// ScoringService on the same ServerBuilder.
-class ChunkedScoreMethod final : public grpc::Service {
- public:
-  explicit ChunkedScoreMethod(ScoringService* service);
 };
 
 }  // namespace logprob
