@@ -17,210 +17,144 @@ module sends a request of any size through the ``ScoreChunked`` RPC of
   send buffer; that copy cannot be avoided through grpcio's API).
 
 The answer comes back the same way (the response, then pieces of its large
-outputs), and its outputs are numpy arrays over the assembled bytes (one
-copy from the received parts).
+outputs) and is read into a ``wire.WireResponse`` whose outputs view the
+received bytes (small outputs) or the buffer their pieces were copied into
+(one copy), so the clients turn it into numpy / torch outputs as any
+``Score`` answer.
 """
+
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from ._proto import pb2
-from .tensors import BF16, NUMPY_DTYPE, bf16_bits_to_float32
+from .tensors import NUMPY_DTYPE
+from .wire import WireResponse, _fields, decode_response, varint
 
 METHOD = "/logprob.v1.LogprobService/ScoreChunked"
 # Requests of more bytes than this go chunked (None or < 0: never); pieces
 # carry PIECE_BYTES bytes of data; tensors up to INLINE_BYTES ride in the
-# first part.
+# first part. A client's ``chunk_above`` / ``piece_bytes`` attributes, when
+# set, override the first two.
 CHUNK_ABOVE = 8 << 20
 PIECE_BYTES = 4 << 20
 INLINE_BYTES = 64 << 10
 
 
-def use_chunked(inputs, chunk_above=CHUNK_ABOVE):
+def use_chunked(inputs: Any, chunk_above: Optional[int] = CHUNK_ABOVE) -> bool:
     """True when ``inputs`` (a ``splitter.Inputs``) should go chunked."""
     return chunk_above is not None and chunk_above >= 0 and inputs.data_bytes() > chunk_above
 
 
-def _varint(v):
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
-def piece_header(tensor, offset, size):
+def piece_header(tensor: int, offset: int, size: int) -> bytes:
     """The bytes of a ``ScoreRequestPart{piece}`` (or ``ScoreResponsePart``)
     before the piece's data: field 2's tag and length, then ``tensor``,
     ``offset`` and the data's tag and length."""
-    inner = b"\x08" + _varint(tensor) + b"\x10" + _varint(offset) + b"\x1a" + _varint(size)
-    return b"\x12" + _varint(len(inner) + size) + inner
+    inner = b"\x08" + varint(tensor) + b"\x10" + varint(offset) + b"\x1a" + varint(size)
+    return b"\x12" + varint(len(inner) + size) + inner
 
 
-def _bytes_view(arr):
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
-
-
-def request_parts(request_id, inputs, piece_bytes=PIECE_BYTES, inline_bytes=INLINE_BYTES):
+def request_parts(
+    request_id: str, inputs: Any, piece_bytes: int = PIECE_BYTES, inline_bytes: int = INLINE_BYTES
+) -> Iterator[bytes]:
     """Yields the serialized parts of ``inputs`` (a ``splitter.Inputs``:
     ``tensors`` as ``(name, wire_dtype, array)`` and ``options``) as a
-    ScoreChunked request with id ``request_id``."""
+    ScoreChunked request with id ``request_id``: each piece is its header
+    joined with a ``memoryview`` slice of the array (one copy)."""
     header = pb2.ScoreRequest(id=request_id, options=inputs.options)
-    pieced = []
+    pieced: List[Tuple[int, memoryview]] = []
     for i, (name, dt, arr) in enumerate(inputs.tensors):
+        arr = np.ascontiguousarray(arr, dtype=NUMPY_DTYPE[dt])
         t = header.inputs.add(name=name, dtype=dt, shape=[int(d) for d in arr.shape])
         if arr.nbytes > inline_bytes:
-            pieced.append((i, _bytes_view(np.asarray(arr, dtype=NUMPY_DTYPE[dt]))))
+            pieced.append((i, memoryview(arr.reshape(-1).view(np.uint8))))
         else:
-            t.data = np.ascontiguousarray(arr, dtype=NUMPY_DTYPE[dt]).tobytes()
+            t.data = arr.tobytes()
     first = header.SerializeToString()
-    yield b"\x0a" + _varint(len(first)) + first
+    yield b"\x0a" + varint(len(first)) + first
     for i, view in pieced:
         for off in range(0, len(view), piece_bytes):
             chunk = view[off:off + piece_bytes]
             yield b"".join((piece_header(i, off, len(chunk)), chunk))
 
 
-def _read_varint(buf, pos):
-    result = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift >= 64:
-            raise ValueError("varint too long")
-
-
-def _skip(buf, pos, wire_type):
-    if wire_type == 0:
-        return _read_varint(buf, pos)[1]
-    if wire_type == 1:
-        return pos + 8
-    if wire_type == 2:
-        n, pos = _read_varint(buf, pos)
-        return pos + n
-    if wire_type == 5:
-        return pos + 4
-    raise ValueError("unknown wire type %d" % wire_type)
-
-
-def parse_part(buf):
+def parse_part(raw: Any) -> Tuple[str, Any]:
     """Parses one serialized ``ScoreResponsePart`` (or request part):
-    returns ``("message", memoryview)`` or ``("piece", (tensor, offset,
-    memoryview of data))``. Raises ValueError when malformed."""
-    mv = memoryview(buf)
-    pos, found = 0, None
-    while pos < len(mv):
-        tag, pos = _read_varint(mv, pos)
-        field, wt = tag >> 3, tag & 7
-        if field in (1, 2) and wt == 2:
-            n, pos = _read_varint(mv, pos)
-            if pos + n > len(mv):
-                raise ValueError("truncated part")
-            body = mv[pos:pos + n]
-            pos += n
-            if field == 1:
-                found = ("message", body)
-                continue
-            tensor = offset = 0
-            data = body[0:0]
-            p = 0
-            while p < len(body):
-                t, p = _read_varint(body, p)
-                f, w = t >> 3, t & 7
+    ``("message", memoryview)`` or ``("piece", (tensor, offset, memoryview
+    of data))``. Raises ValueError when malformed."""
+    buf = memoryview(raw)
+    found = None
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        if field == 1 and wire_type == 2:
+            found = ("message", value)
+        elif field == 2 and wire_type == 2:
+            tensor, offset, data = 0, 0, value[0:0]
+            for f, w, v in _fields(value, 0, len(value)):
                 if f == 1 and w == 0:
-                    tensor, p = _read_varint(body, p)
+                    tensor = v
                 elif f == 2 and w == 0:
-                    offset, p = _read_varint(body, p)
+                    offset = v
                 elif f == 3 and w == 2:
-                    k, p = _read_varint(body, p)
-                    data = body[p:p + k]
-                    p += k
-                else:
-                    p = _skip(body, p, w)
+                    data = v
             found = ("piece", (tensor, offset, data))
-        else:
-            pos = _skip(mv, pos, wt)
     if found is None:
         raise ValueError("neither a message nor a piece")
     return found
 
 
-def _numel(shape):
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
-
-
-class ChunkedResponse:
-    """The answer of a ScoreChunked call: ``id`` and ``outputs``, a dict of
-    numpy arrays by name (BF16 as float32, like ``tensors.from_tensor``)."""
-
-    def __init__(self, request_id, outputs):
-        self.id = request_id
-        self.outputs = outputs
-
-
-def assemble_response(parts):
-    """Reads serialized ``ScoreResponsePart``s from the iterator ``parts``
-    into a ``ChunkedResponse``. Raises ValueError for a malformed answer."""
+def assemble_response(parts: Iterator[bytes]) -> WireResponse:
+    """Reads serialized ``ScoreResponsePart``s from ``parts`` into a
+    ``wire.WireResponse``: the first part's response, with the data of its
+    pieced outputs copied from the pieces that follow into one buffer each.
+    Raises ValueError for a malformed answer, StopIteration when ``parts``
+    ends before the response."""
     parts = iter(parts)
     kind, body = parse_part(next(parts))
     if kind != "message":
         raise ValueError("the first answer part is not the response")
-    resp = pb2.ScoreResponse.FromString(bytes(body))
-    buffers, received, meta = {}, {}, []
+    resp = decode_response(body)
+    buffers, received = {}, {}
     for i, t in enumerate(resp.outputs):
-        shape = tuple(int(d) for d in t.shape)
         dt = NUMPY_DTYPE.get(t.dtype)
         if dt is None:
             raise ValueError("output '%s' has unsupported dtype %d" % (t.name, t.dtype))
-        size = _numel(shape) * dt.itemsize
+        size = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize if t.shape else dt.itemsize
         if len(t.data) == 0 and size > 0:
             buffers[i] = bytearray(size)
             received[i] = 0
-            meta.append((t.name, t.dtype, dt, shape, None))
-        else:
-            if len(t.data) != size:
-                raise ValueError("output '%s' has %d bytes; shape %s needs %d" % (t.name, len(t.data), list(shape), size))
-            meta.append((t.name, t.dtype, dt, shape, t.data))
     missing = sum(len(b) for b in buffers.values())
     while missing > 0:
         try:
-            kind, body = parse_part(next(parts))
+            kind, piece = parse_part(next(parts))
         except StopIteration:
             raise ValueError("the answer ended with %d bytes of outputs missing" % missing) from None
         if kind != "piece":
             raise ValueError("a second response part")
-        i, offset, data = body
+        i, offset, data = piece
         if i not in buffers or offset != received[i] or offset + len(data) > len(buffers[i]):
             raise ValueError("unexpected piece for output %d at offset %d" % (i, offset))
         buffers[i][offset:offset + len(data)] = data
         received[i] += len(data)
         missing -= len(data)
-    outputs = {}
-    for i, (name, wire, dt, shape, data) in enumerate(meta):
-        arr = np.frombuffer(buffers[i] if data is None else data, dtype=dt).reshape(shape)
-        outputs[name] = bf16_bits_to_float32(arr).reshape(shape) if wire == BF16 else arr
-    return ChunkedResponse(resp.id, outputs)
+    for i, buf in buffers.items():
+        resp.outputs[i].data = memoryview(buf)
+    return resp
 
 
 class ChunkedScore:
-    """A callable sending one request through ScoreChunked on ``channel``:
-    ``call((request_id, inputs), timeout=None, metadata=None)`` returns a
-    ``ChunkedResponse``; raises ``grpc.RpcError`` for a failed call (like a
-    grpcio multicallable, so retry loops treat both alike)."""
+    """A callable sending one request through ScoreChunked on ``channel``
+    (a ``grpc`` channel): ``call((request_id, inputs), timeout=None,
+    metadata=None)`` returns the answer as a ``wire.WireResponse``; raises
+    ``grpc.RpcError`` for a failed call, like a grpcio multicallable, so
+    the clients' retry loop treats both alike."""
 
-    def __init__(self, channel, piece_bytes=PIECE_BYTES):
+    def __init__(self, channel: Any, piece_bytes: int = PIECE_BYTES) -> None:
         if piece_bytes < 1:
             raise ValueError("piece_bytes must be >= 1")
-        self._method = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=None)
+        self._method = channel.stream_stream(METHOD)
         self.piece_bytes = int(piece_bytes)
 
-    def __call__(self, request, timeout=None, metadata=None):
+    def __call__(self, request: Tuple[str, Any], timeout: Optional[float] = None, metadata: Any = None) -> WireResponse:
         request_id, inputs = request
         answer = self._method(request_parts(request_id, inputs, self.piece_bytes), timeout=timeout, metadata=metadata)
         try:
