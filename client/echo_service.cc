@@ -27,7 +27,8 @@ grpc::Status EchoScoringService::ServeChunked(grpc::ServerContext* context, chun
   const absl::Status st = chunked::ReadChunkedRequest(
       [stream](chunked::IncomingPart* in) { return stream->Read(in); }, [context] { return context->IsCancelled(); },
       [](const v1::ScoreRequest&, int64_t) { return absl::OkStatus(); },
-      [](size_t n) { return std::string(n, '\0'); }, &request, &pieced);
+      [this](size_t n) { return buffers_.Acquire(n); }, &request, &pieced);
+  for (int i : pieced) buffers_.Release(std::move(*request.mutable_inputs(i)->mutable_data()));
   if (!st.ok()) return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
   v1::ScoreResponse response = reply_;
   response.set_id(request.id());

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/buffer_pool.h"
 #include "common/chunked_method.h"
 #include "grpcpp/server.h"
 #include "grpcpp/support/sync_stream.h"
@@ -21,8 +22,7 @@ namespace logprob::client {
 /// front-end, and serializes the reply, so a call moves the same request
 /// and reply bytes through the same code as a real call, minus the
 /// scoring. ScoreChunked likewise: it reads and assembles the parts as
-/// logprob-server does (chunked::ReadChunkedRequest, fresh buffers reused
-/// through the request's lifetime) and answers the reply in parts
+/// logprob-server does (chunked::ReadChunkedRequest into pooled buffers) and answers the reply in parts
 /// (chunked::WriteChunkedResponse). ScoreStream and GetServerInfo are
 /// UNIMPLEMENTED.
 class EchoScoringService final : public v1::LogprobService::Service {
@@ -35,6 +35,7 @@ class EchoScoringService final : public v1::LogprobService::Service {
 
  private:
   const v1::ScoreResponse reply_;
+  BufferPool buffers_{int64_t{2} << 30};  // ScoreChunked request tensors, as logprob-server
 };
 
 /// An EchoScoringService serving plaintext on 127.0.0.1 (a free port) with

@@ -16,7 +16,7 @@
 #include "server/admission.h"
 #include "server/auth.h"
 #include "server/batcher.h"
-#include "server/buffer_pool.h"
+#include "common/buffer_pool.h"
 #include "server/metrics.h"
 #include "server/planner.h"
 #include "server/score_job.h"

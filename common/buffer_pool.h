@@ -1,4 +1,5 @@
-// Reusable byte buffers for assembling chunked requests (ScoreChunked).
+// Reusable byte buffers for assembling chunked requests (ScoreChunked):
+// logprob-server and the echo server of logprob-client bench.
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,4 @@
-#include "server/buffer_pool.h"
+#include "common/buffer_pool.h"
 
 #include <algorithm>
 
