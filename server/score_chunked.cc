@@ -1,4 +1,5 @@
 // ScoringService::ServeChunked: a ScoreChunked request received in pieces.
+#include <chrono>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -48,7 +49,10 @@ grpc::Status ScoringService::ServeChunked(grpc::ServerContext* context, Stream* 
   v1::ScoreRequest req;
   std::vector<int> pooled;
   absl::StatusOr<v1::ScoreResponse> r = Observe(kMethod, req, [&](RequestStats* stats) -> absl::StatusOr<v1::ScoreResponse> {
-    if (absl::Status st = ReceiveChunked(context, stream, &req, &pooled); !st.ok()) return st;
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status received = ReceiveChunked(context, stream, &req, &pooled);
+    stats->receive_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!received.ok()) return received;
     return ScoreOne(req, stats, context);
   });
   for (int i : pooled) assembly_buffers_.Release(std::move(*req.mutable_inputs(i)->mutable_data()));

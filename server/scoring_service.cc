@@ -99,6 +99,7 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::Observe(
   }
   std::clog << "request id=" << req.id() << " method=" << method << " tokens=" << tokens << " seconds=" << secs
             << " queue_seconds=" << stats.queue_seconds << " batch_requests=" << stats.batch_requests
+            << (stats.receive_seconds > 0 ? " receive_seconds=" + std::to_string(stats.receive_seconds) : "")
             << " status=" << code << (resp.ok() ? "" : " message=\"" + std::string(resp.status().message()) + "\"")
             << std::endl;
   return resp;

@@ -86,6 +86,7 @@ class ScoringService final : public v1::LogprobService::Service {
     int64_t rows = 0;           // token positions scored
     double queue_seconds = 0;   // waiting to be batched
     int batch_requests = 0;     // requests in its worker batch
+    double receive_seconds = 0; // ScoreChunked: first part to the last piece
   };
 
   /// Scores one request (the body of Score and of each ScoreStream
