@@ -67,7 +67,7 @@ absl::Status ValidateBenchShape(const BenchShape& s) {
   if (tokens > kMaxLogitsBytes / elem / RowWidth(s)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--batch/--seq/--packed/", s.hidden > 0 ? "--hidden-size: " : "--vocab: ", tokens, " x ", RowWidth(s), " ",
-        DTypeName(s.dtype), s.hidden > 0 ? " hidden states" : " logits", " are 2 GiB or more"));
+        DTypeName(s.dtype), s.hidden > 0 ? " hidden states" : " logits", " are over gRPC's 2 GiB message limit"));
   }
   return absl::OkStatus();
 }
