@@ -51,15 +51,14 @@ absl::StatusOr<v1::ScoreResponse> ScoreChunked(const std::shared_ptr<grpc::Chann
                                                double timeout_seconds, int64_t inline_bytes) {
   // The first part: the request without the bytes that follow in pieces.
   const std::vector<int> pieced = chunked::PiecedTensors(request.inputs(), inline_bytes);
-  v1::ScoreRequestPart first;
-  v1::ScoreRequest* header = first.mutable_request();
-  header->set_id(request.id());
-  *header->mutable_options() = request.options();
+  v1::ScoreRequest header;
+  header.set_id(request.id());
+  *header.mutable_options() = request.options();
   std::vector<std::string_view> data;
   size_t next = 0;
   for (int i = 0; i < request.inputs_size(); ++i) {
     const v1::Tensor& t = request.inputs(i);
-    v1::Tensor* h = header->add_inputs();
+    v1::Tensor* h = header.add_inputs();
     h->set_name(t.name());
     h->set_dtype(t.dtype());
     *h->mutable_shape() = t.shape();
@@ -71,6 +70,15 @@ absl::StatusOr<v1::ScoreResponse> ScoreChunked(const std::shared_ptr<grpc::Chann
     }
   }
 
+  return ScoreChunkedViews(channel, header, pieced, data, piece_bytes, timeout_seconds);
+}
+
+absl::StatusOr<v1::ScoreResponse> ScoreChunkedViews(const std::shared_ptr<grpc::Channel>& channel,
+                                                    const v1::ScoreRequest& header, const std::vector<int>& pieced,
+                                                    const std::vector<std::string_view>& data, int64_t piece_bytes,
+                                                    double timeout_seconds) {
+  v1::ScoreRequestPart first;
+  *first.mutable_request() = header;  // small: the pieced tensors' data is empty
   grpc::ClientContext context;
   SetTimeout(&context, timeout_seconds);
   const grpc::internal::RpcMethod method(kMethodName, grpc::internal::RpcMethod::BIDI_STREAMING, channel);

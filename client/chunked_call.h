@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/chunk_codec.h"
@@ -41,5 +43,14 @@ inline constexpr int64_t kInlineBytes = 64 << 10;
 absl::StatusOr<v1::ScoreResponse> ScoreChunked(const std::shared_ptr<grpc::Channel>& channel,
                                                const v1::ScoreRequest& request, int64_t piece_bytes,
                                                double timeout_seconds, int64_t inline_bytes = kInlineBytes);
+
+/// The same for a request whose large tensors' bytes live elsewhere (e.g.
+/// a mapped file, MappedSafetensors): `header` is the request with the data
+/// of tensors `pieced` (indices, ascending) empty, `data[k]` the bytes of
+/// tensor pieced[k] (viewed, not copied; valid until this returns).
+absl::StatusOr<v1::ScoreResponse> ScoreChunkedViews(const std::shared_ptr<grpc::Channel>& channel,
+                                                    const v1::ScoreRequest& header, const std::vector<int>& pieced,
+                                                    const std::vector<std::string_view>& data, int64_t piece_bytes,
+                                                    double timeout_seconds);
 
 }  // namespace logprob::client
