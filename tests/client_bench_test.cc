@@ -205,7 +205,7 @@ TEST_F(ClientBench, HiddenSizeModeChecksTheServersLmHeadAndSendsInPieces) {
   EXPECT_NE(r.err.find("--hidden-size 64: the server " + server_->address() + " has no lm_head"), std::string::npos)
       << r.err;
 
-  // A small f32 lm_head [512, 64] (f32: oneDNN's bf16 matmul needs AVX-512).
+  // A small f32 lm_head [512, 64].
   std::mt19937 rng(3);
   std::normal_distribution<float> normal(0.f, 0.05f);
   std::vector<float> w(512 * 64);
