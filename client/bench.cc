@@ -109,24 +109,36 @@ void RunThreads(int threads, const std::function<bool()>& more, const std::funct
   for (std::thread& t : pool) t.join();
 }
 
-// One Score call of `request` on `stub`, recorded in `tally` when set.
-void CallOnce(v1::LogprobService::Stub& stub, const v1::ScoreRequest& request, double timeout_seconds,
-              Tally* tally) {
-  grpc::ClientContext context;
-  SetTimeout(&context, timeout_seconds);
-  v1::ScoreResponse reply;
+// Where a phase sends its calls: a unary Score on `stub`, or ScoreChunked
+// on `channel` in pieces of `piece_bytes` when `chunked`.
+struct Target {
+  v1::LogprobService::Stub* stub = nullptr;
+  std::shared_ptr<grpc::Channel> channel;
+  bool chunked = false;
+  int64_t piece_bytes = 0;
+};
+
+// One call of `request` to `target`, recorded in `tally` when set.
+void CallOnce(const Target& target, const v1::ScoreRequest& request, double timeout_seconds, Tally* tally) {
   const Clock::time_point t0 = Clock::now();
-  const grpc::Status s = stub.Score(&context, request, &reply);
+  absl::Status status;
+  if (target.chunked) {
+    status = ScoreChunked(target.channel, request, target.piece_bytes, timeout_seconds).status();
+  } else {
+    grpc::ClientContext context;
+    SetTimeout(&context, timeout_seconds);
+    v1::ScoreResponse reply;
+    status = FromGrpc(target.stub->Score(&context, request, &reply));
+  }
   const double seconds = SecondsSince(t0);
   if (tally == nullptr) return;
-  if (s.ok()) {
+  if (status.ok()) {
     tally->ok.fetch_add(1);
     std::lock_guard<std::mutex> lock(tally->mu);
     tally->latencies.push_back(seconds);
     return;
   }
   tally->failed.fetch_add(1);
-  const absl::Status status = FromGrpc(s);
   std::lock_guard<std::mutex> lock(tally->mu);
   ++tally->failures[absl::StatusCodeToString(status.code())];
   if (tally->first_error.empty()) tally->first_error = status.ToString();
@@ -134,13 +146,13 @@ void CallOnce(v1::LogprobService::Stub& stub, const v1::ScoreRequest& request, d
 
 // Warm-up (every thread makes at least one call when warmup_seconds > 0),
 // then the measured calls of one phase. `before_measuring` runs between.
-PhaseResult RunPhase(const std::string& name, v1::LogprobService::Stub& stub, const v1::ScoreRequest& request,
+PhaseResult RunPhase(const std::string& name, const Target& target, const v1::ScoreRequest& request,
                      const LoadPlan& plan, const std::function<void()>& before_measuring) {
   if (plan.warmup_seconds > 0) {
     const Clock::time_point end = After(Clock::now(), plan.warmup_seconds);
     RunThreads(
         plan.concurrency, [&] { return Clock::now() < end; },
-        [&] { CallOnce(stub, request, plan.timeout_seconds, nullptr); });
+        [&] { CallOnce(target, request, plan.timeout_seconds, nullptr); });
   }
   if (before_measuring) before_measuring();
 
@@ -153,7 +165,7 @@ PhaseResult RunPhase(const std::string& name, v1::LogprobService::Stub& stub, co
     RunThreads(
         plan.concurrency,
         [&] { return plan.requests > 0 ? claimed.fetch_add(1) < plan.requests : Clock::now() < end; },
-        [&] { CallOnce(stub, request, plan.timeout_seconds, &tally); });
+        [&] { CallOnce(target, request, plan.timeout_seconds, &tally); });
   }
   PhaseResult result;
   result.name = name;
@@ -171,9 +183,9 @@ struct ServerTimings {
   HistogramTotals request, queue, worker_call, compute;
 };
 
-absl::StatusOr<ServerTimings> ScrapeTimings(const std::string& url) {
+absl::StatusOr<ServerTimings> ScrapeTimings(const std::string& url, const std::string& method) {
   LOGPROB_ASSIGN_OR_RETURN(const std::string text, HttpGet(url));
-  return ServerTimings{ParseHistogramTotals(text, "logprob_request_duration_seconds", "method=\"Score\""),
+  return ServerTimings{ParseHistogramTotals(text, "logprob_request_duration_seconds", "method=\"" + method + "\""),
                        ParseHistogramTotals(text, "logprob_queue_duration_seconds"),
                        ParseHistogramTotals(text, "logprob_worker_call_duration_seconds"),
                        ParseHistogramTotals(text, "logprob_compute_duration_seconds")};
@@ -198,34 +210,53 @@ ServerSplit SplitOf(const ServerTimings& before, const ServerTimings& after) {
 }  // namespace
 
 int RunBench(const BenchArgs& args) {
-  absl::StatusOr<v1::ScoreRequest> request =
-      BuildBenchRequest(args.shape, ToScoreOptions(args.flags), absl::StrCat("bench-", getpid()));
-  if (!request.ok()) {
-    PrintError(request.status());
-    return kExitBadInput;
-  }
-  BenchReport report;
-  report.server = args.server;
-  report.shape = args.shape;
-  report.options = request->options();
-  report.concurrency = args.concurrency;
-  report.request_bytes = static_cast<int64_t>(request->ByteSizeLong());  // also caches the size before threads share it
-  report.tokens_per_request = ShapeTokens(args.shape);
-
   std::shared_ptr<grpc::Channel> channel = OpenChannel(args.server, args.channel);
   if (!channel) return kExitBadInput;
   std::unique_ptr<v1::LogprobService::Stub> stub = v1::LogprobService::NewStub(channel);
 
-  // The server's limits, then one probe call whose reply the echo sends back.
+  // The server's limits and lm_head, then the request and one probe call
+  // whose reply the echo sends back.
   absl::StatusOr<v1::ServerInfo> server_info = FetchServerInfo(*stub, args.timeout_seconds);
   if (!server_info.ok()) {
     PrintError(server_info.status());
     return kExitFailure;
   }
   const v1::ServerInfo& info = *server_info;
+  BenchShape shape = args.shape;
+  if (shape.hidden > 0) {
+    if (info.hidden_size() == 0) {
+      PrintError(absl::InvalidArgumentError(absl::StrCat("--hidden-size ", shape.hidden, ": the server ", args.server,
+                                                         " has no lm_head (start logprob-server with --lm-head)")));
+      return kExitBadInput;
+    }
+    if (info.hidden_size() != shape.hidden) {
+      PrintError(absl::InvalidArgumentError(absl::StrCat("--hidden-size ", shape.hidden, ": the server's lm_head is [",
+                                                         info.vocab_size(), ", ", info.hidden_size(), "] (H = ",
+                                                         info.hidden_size(), ")")));
+      return kExitBadInput;
+    }
+    shape.vocab = info.vocab_size();
+  }
+  absl::StatusOr<v1::ScoreRequest> request =
+      BuildBenchRequest(shape, ToScoreOptions(args.flags), absl::StrCat("bench-", getpid()));
+  if (!request.ok()) {
+    PrintError(request.status());
+    return kExitBadInput;
+  }
+  BenchReport report;
+  report.server = args.server;
+  report.shape = shape;
+  report.options = request->options();
+  report.concurrency = args.concurrency;
+  report.request_bytes = static_cast<int64_t>(request->ByteSizeLong());  // also caches the size before threads share it
+  report.tokens_per_request = ShapeTokens(shape);
+  report.chunked = UseChunked(args.chunking, report.request_bytes);
+  const std::string method = report.chunked ? "ScoreChunked" : "Score";
+  const Target scoring{stub.get(), channel, report.chunked, args.chunking.piece_bytes};
+
   if (info.max_request_bytes() > 0 && report.request_bytes > info.max_request_bytes()) {
     PrintError(absl::InvalidArgumentError(absl::StrCat(
-        "--batch/--seq/--packed/--vocab/--dtype: the request is ", report.request_bytes,
+        "--batch/--seq/--packed/--vocab/--hidden-size/--dtype: the request is ", report.request_bytes,
         " bytes, over the server's max_request_bytes ", info.max_request_bytes(),
         "; use a smaller shape or start logprob-server with a larger --max-request-bytes")));
     return kExitBadInput;
@@ -233,7 +264,7 @@ int RunBench(const BenchArgs& args) {
   std::optional<ServerTimings> before;
   if (!args.metrics_url.empty()) {
     // Scraped once here so that a wrong URL fails before any load is sent.
-    absl::StatusOr<ServerTimings> t = ScrapeTimings(args.metrics_url);
+    absl::StatusOr<ServerTimings> t = ScrapeTimings(args.metrics_url, method);
     if (!t.ok()) {
       PrintError(t.status());
       return kExitBadInput;
@@ -241,12 +272,20 @@ int RunBench(const BenchArgs& args) {
   }
   v1::ScoreResponse probe_reply;
   {
-    grpc::ClientContext context;
-    SetTimeout(&context, args.timeout_seconds);
-    if (const grpc::Status s = stub->Score(&context, *request, &probe_reply); !s.ok()) {
-      PrintError(absl::Status(FromGrpc(s).code(), absl::StrCat("probe request: ", s.error_message())));
+    absl::StatusOr<v1::ScoreResponse> probe;
+    if (report.chunked) {
+      probe = ScoreChunked(channel, *request, args.chunking.piece_bytes, args.timeout_seconds);
+    } else {
+      grpc::ClientContext context;
+      SetTimeout(&context, args.timeout_seconds);
+      probe = v1::ScoreResponse();
+      if (const grpc::Status s = stub->Score(&context, *request, &*probe); !s.ok()) probe = FromGrpc(s);
+    }
+    if (!probe.ok()) {
+      PrintError(absl::Status(probe.status().code(), absl::StrCat("probe request: ", probe.status().message())));
       return kExitFailure;
     }
+    probe_reply = *std::move(probe);
   }
   report.reply_bytes = static_cast<int64_t>(probe_reply.ByteSizeLong());
 
@@ -258,14 +297,14 @@ int RunBench(const BenchArgs& args) {
   plan.timeout_seconds = args.timeout_seconds;
   plan.progress_seconds = args.progress_seconds;
 
-  report.scoring = RunPhase("scoring", *stub, *request, plan, [&] {
+  report.scoring = RunPhase("scoring", scoring, *request, plan, [&] {
     if (args.metrics_url.empty()) return;
-    absl::StatusOr<ServerTimings> t = ScrapeTimings(args.metrics_url);
+    absl::StatusOr<ServerTimings> t = ScrapeTimings(args.metrics_url, method);
     if (t.ok()) before = *t;
     else std::cerr << "warning: no server-side split: " << t.status() << std::endl;
   });
   if (before) {
-    absl::StatusOr<ServerTimings> after = ScrapeTimings(args.metrics_url);
+    absl::StatusOr<ServerTimings> after = ScrapeTimings(args.metrics_url, method);
     if (after.ok()) {
       report.split = SplitOf(*before, *after);
     } else {
@@ -281,13 +320,16 @@ int RunBench(const BenchArgs& args) {
       PrintError(echo.status());
       return kExitFailure;
     }
-    std::unique_ptr<v1::LogprobService::Stub> echo_stub =
-        v1::LogprobService::NewStub(MakeChannel((*echo)->address()));
-    report.echo = RunPhase("echo", *echo_stub, *request, plan, nullptr);
+    std::shared_ptr<grpc::Channel> echo_channel = MakeChannel((*echo)->address());
+    std::unique_ptr<v1::LogprobService::Stub> echo_stub = v1::LogprobService::NewStub(echo_channel);
+    report.echo = RunPhase("echo", Target{echo_stub.get(), echo_channel, false, 0}, *request, plan, nullptr);
+    report.echo_chunked = RunPhase("echo-chunked", Target{echo_stub.get(), echo_channel, true, args.chunking.piece_bytes},
+                                   *request, plan, nullptr);
   }
 
   std::cout << (args.json ? FormatBenchJson(report) : FormatBenchTable(report)) << std::flush;
-  const bool all_ok = report.scoring.failed == 0 && (!report.echo || report.echo->failed == 0);
+  const bool all_ok = report.scoring.failed == 0 && (!report.echo || report.echo->failed == 0) &&
+                      (!report.echo_chunked || report.echo_chunked->failed == 0);
   return all_ok ? kExitOk : kExitFailure;
 }
 

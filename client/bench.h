@@ -9,6 +9,7 @@
 
 #include "client/bench_payload.h"
 #include "client/channel.h"
+#include "client/chunked_call.h"
 #include "client/request_builder.h"
 
 namespace logprob::client {
@@ -17,7 +18,8 @@ namespace logprob::client {
 struct BenchArgs {
   std::string server;              // --server HOST:PORT
   ChannelOptions channel;          // --tls-*, --auth-token-file
-  BenchShape shape;                // --batch, --seq, --packed, --vocab, --dtype
+  BenchShape shape;                // --batch, --seq, --packed, --vocab, --dtype, --hidden-size
+  ChunkOptions chunking;           // --chunk-above, --piece-bytes: scoring calls over the threshold use ScoreChunked
   ScoreFlags flags;                // --entropy, --topk, ... as for `score`
   int concurrency = 1;             // --concurrency: calls in flight (one thread each, one shared channel)
   double duration_seconds = 10;    // --duration: measured seconds per phase
@@ -31,20 +33,26 @@ struct BenchArgs {
 };
 
 /// Runs the bench:
-///  1. builds the request (BuildBenchRequest), asks the server for its
-///     limits (GetServerInfo) and sends one probe call, whose reply is the
-///     echo's reply;
+///  1. asks the server for its limits and lm_head (GetServerInfo; with
+///     --hidden-size H the server must have an lm_head of that H, whose V
+///     the targets use), builds the request (BuildBenchRequest) and sends
+///     one probe call, whose reply is the echo's reply; the request goes
+///     through ScoreChunked when `chunking` says so (UseChunked), else
+///     Score;
 ///  2. scoring phase: `concurrency` threads call Score back to back on one
 ///     channel for `warmup_seconds` (not measured), then for
 ///     `duration_seconds` or `requests` calls (measured); with
 ///     `metrics_url`, /metrics is scraped around the measured part;
-///  3. echo phase: the same against an EchoServer on 127.0.0.1 (plaintext,
+///  3. echo phases: the same against an EchoServer on 127.0.0.1 (plaintext,
 ///     the server's max_request_bytes) answering with the probe's reply,
-///     so both phases move the same request and reply bytes;
+///     so all phases move the same request and reply bytes: "echo" in one
+///     Score message, "echo-chunked" through ScoreChunked in pieces of
+///     `chunking.piece_bytes` (the transport floor of either way);
 ///  4. prints FormatBenchTable (or FormatBenchJson) to stdout; progress
 ///     lines go to stderr every `progress_seconds`.
 /// Exit codes: kExitOk when every measured and probe call succeeded;
 /// kExitBadInput when the request is over the server's max_request_bytes,
+/// --hidden-size is given and the server has no lm_head or another H,
 /// or a TLS/token file or --metrics-url cannot be used; kExitFailure when
 /// the server cannot be reached, the probe fails, or any measured call
 /// failed (the report is printed first, failures counted by code).

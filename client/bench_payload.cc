@@ -28,9 +28,9 @@ v1::Tensor* AddTensor(v1::ScoreRequest* req, const char* name, v1::DType dtype, 
 
 // `bytes` bytes of `dtype` values uniform in [-8, 8): a random pattern of
 // kPatternElements elements, repeated.
-std::string RandomFloats(v1::DType dtype, size_t bytes, std::mt19937_64& rng) {
+std::string RandomFloats(v1::DType dtype, size_t bytes, float range, std::mt19937_64& rng) {
   const size_t elem = DTypeSize(dtype);
-  std::uniform_real_distribution<float> uniform(-8.f, 8.f);
+  std::uniform_real_distribution<float> uniform(-range, range);
   std::string pattern(std::min(bytes / elem, kPatternElements) * elem, '\0');
   for (size_t i = 0; i < pattern.size(); i += elem) {
     const float f = uniform(rng);
@@ -54,6 +54,7 @@ int64_t ShapeTokens(const BenchShape& s) { return s.packed_tokens > 0 ? s.packed
 absl::Status ValidateBenchShape(const BenchShape& s) {
   if (s.batch <= 0) return absl::InvalidArgumentError(absl::StrCat("--batch ", s.batch, ": must be > 0"));
   if (s.vocab <= 0) return absl::InvalidArgumentError(absl::StrCat("--vocab ", s.vocab, ": must be > 0"));
+  if (s.hidden < 0) return absl::InvalidArgumentError(absl::StrCat("--hidden-size ", s.hidden, ": must be > 0"));
   if (s.packed_tokens < 0) return absl::InvalidArgumentError(absl::StrCat("--packed ", s.packed_tokens, ": must be > 0"));
   if (s.packed_tokens > 0 && s.packed_tokens < s.batch) {
     return absl::InvalidArgumentError(
@@ -63,10 +64,10 @@ absl::Status ValidateBenchShape(const BenchShape& s) {
   if (!IsFloatDType(s.dtype)) return absl::InvalidArgumentError("--dtype: must be bf16, f16 or f32");
   const int64_t tokens = ShapeTokens(s);
   const int64_t elem = static_cast<int64_t>(DTypeSize(s.dtype));
-  if (tokens > kMaxLogitsBytes / elem / s.vocab) {
+  if (tokens > kMaxLogitsBytes / elem / RowWidth(s)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--batch/--seq/--packed/--vocab: ", tokens, " x ", s.vocab, " ", DTypeName(s.dtype),
-        " logits are over gRPC's 2 GiB message limit"));
+        "--batch/--seq/--packed/", s.hidden > 0 ? "--hidden-size: " : "--vocab: ", tokens, " x ", RowWidth(s), " ",
+        DTypeName(s.dtype), s.hidden > 0 ? " hidden states" : " logits", " are over gRPC's 2 GiB message limit"));
   }
   return absl::OkStatus();
 }
@@ -81,10 +82,12 @@ absl::StatusOr<v1::ScoreRequest> BuildBenchRequest(const BenchShape& s, const v1
   req.set_id(id);
   *req.mutable_options() = options;
 
-  v1::Tensor* logits = AddTensor(&req, kLogitsName, s.dtype,
-                                 packed ? std::vector<int64_t>{tokens, s.vocab}
-                                        : std::vector<int64_t>{s.batch, s.seq, s.vocab});
-  *logits->mutable_data() = RandomFloats(s.dtype, static_cast<size_t>(tokens * s.vocab) * DTypeSize(s.dtype), rng);
+  const int64_t width = RowWidth(s);
+  v1::Tensor* rows = AddTensor(&req, s.hidden > 0 ? kHiddenStatesName : kLogitsName, s.dtype,
+                               packed ? std::vector<int64_t>{tokens, width}
+                                      : std::vector<int64_t>{s.batch, s.seq, width});
+  *rows->mutable_data() = RandomFloats(s.dtype, static_cast<size_t>(tokens * width) * DTypeSize(s.dtype),
+                                       s.hidden > 0 ? 1.f : 8.f, rng);
 
   std::vector<int64_t> ids(static_cast<size_t>(tokens));
   std::uniform_int_distribution<int64_t> target(0, s.vocab - 1);

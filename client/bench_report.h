@@ -52,14 +52,17 @@ struct BenchReport {
   int64_t request_bytes = 0;       // serialized ScoreRequest
   int64_t reply_bytes = 0;         // serialized ScoreResponse (the echo sends the same)
   int64_t tokens_per_request = 0;  // B * S or T
+  bool chunked = false;            // the scoring phase used ScoreChunked (pieces), not Score
   PhaseResult scoring;
-  std::optional<PhaseResult> echo;        // absent with --no-echo
+  std::optional<PhaseResult> echo;          // one Score message; absent with --no-echo
+  std::optional<PhaseResult> echo_chunked;  // ScoreChunked in pieces; absent with --no-echo
   std::optional<ServerSplit> split;       // present with --metrics-url
 };
 
-/// Scoring throughput over echo throughput (requests/s over requests/s;
-/// the bytes per call are the same); absent without an echo phase or when
-/// the echo phase completed no call.
+/// Scoring throughput over echo throughput of the same transport
+/// (echo_chunked when `chunked`, else echo; requests/s over requests/s,
+/// the bytes per call are the same); absent without that echo phase or
+/// when it completed no call.
 std::optional<double> ScoringOverEcho(const BenchReport& report);
 
 /// The human-readable report: a header (server, shape, sizes), one table

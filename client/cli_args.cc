@@ -135,6 +135,10 @@ absl::Status ApplyScoreFlag(const std::string& flag, const std::string& v, Score
     if (a->max_request_bytes <= 0) return BadValue(flag, v, "a positive byte count");
   } else if (flag == "timeout") {
     return ParseSeconds(flag, v, &a->timeout_seconds);
+  } else if (flag == "chunk-above") {
+    return ParseInt64(flag, v, &a->chunking.above_bytes);
+  } else if (flag == "piece-bytes") {
+    return ParsePositive(flag, v, &a->chunking.piece_bytes);
   } else {
     return absl::InvalidArgumentError(absl::StrCat("score: unknown flag --", flag));
   }
@@ -160,6 +164,12 @@ absl::Status ApplyBenchFlag(const std::string& flag, const std::string& v, Bench
     return ParsePositive(flag, v, &a->shape.packed_tokens);
   } else if (flag == "vocab") {
     return ParsePositive(flag, v, &a->shape.vocab);
+  } else if (flag == "hidden-size") {
+    return ParsePositive(flag, v, &a->shape.hidden);
+  } else if (flag == "chunk-above") {
+    return ParseInt64(flag, v, &a->chunking.above_bytes);
+  } else if (flag == "piece-bytes") {
+    return ParsePositive(flag, v, &a->chunking.piece_bytes);
   } else if (flag == "dtype") {
     if (v == "bf16") {
       a->shape.dtype = v1::BF16;
@@ -205,6 +215,9 @@ bool IsSwitch(CommandLine::Command command, const std::string& flag) {
 absl::Status CheckBenchArgs(const BenchArgs& a, const std::set<std::string>& given) {
   if (given.count("packed") && given.count("seq")) {
     return absl::InvalidArgumentError("bench: --packed T and --seq S exclude each other (packed [T, V] or padded [B, S, V])");
+  }
+  if (given.count("hidden-size") && given.count("vocab")) {
+    return absl::InvalidArgumentError("bench: --hidden-size H takes V from the server's lm_head; drop --vocab");
   }
   if (given.count("requests") && given.count("duration")) {
     return absl::InvalidArgumentError("bench: --requests and --duration exclude each other");
@@ -310,6 +323,10 @@ std::string UsageText() {
     --ignore-index I            target id scored as 0 (default -100)
     --max-request-bytes N       request size limit (default: the server's);
                                 larger inputs are split by sequences
+    --chunk-above N             send requests over N bytes as a stream of
+                                pieces (ScoreChunked; default 8388608 = 8 MiB;
+                                -1: always one Score message)
+    --piece-bytes N             bytes per piece (default 4194304 = 4 MiB)
     --timeout SECONDS           deadline of each call (default: none)
 
   logprob-client bench --server HOST:PORT [shape] [options] [load options]
@@ -324,7 +341,13 @@ std::string UsageText() {
       command line or a request over the server's max_request_bytes.
     shape: --batch B (default 4) --seq S (default 512) --vocab V (default
            32000) --dtype bf16|f16|f32 (default bf16): padded [B, S, V];
-           or --packed T with --batch B: packed [T, V], B sequences
+           or --packed T with --batch B: packed [T, V], B sequences;
+           --hidden-size H: hidden_states [B, S, H] / [T, H] instead of
+           logits (the server needs an lm_head of that H; V is its V)
+    --chunk-above N, --piece-bytes N
+                                as for score: requests over N bytes go in
+                                pieces (ScoreChunked); the echo phases
+                                report both ways ("echo", "echo-chunked")
     options: as for score (--entropy, --topk K, --temperature T, ...)
     --concurrency N             calls in flight (default 1)
     --duration SECONDS          measured time per phase (default 10)

@@ -86,8 +86,10 @@ int RunHealth(const HealthArgs& args) {
 }
 
 absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface& stub,
+                                               const std::shared_ptr<grpc::Channel>& channel,
                                                const v1::ScoreRequest& request,
                                                const SplitLimits& limits,
+                                               const ChunkOptions& chunking,
                                                double timeout_seconds,
                                                const std::function<void(int, int)>& progress,
                                                int* parts_sent) {
@@ -95,13 +97,19 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
   const int n = static_cast<int>(parts.size());
   std::vector<v1::ScoreResponse> responses(n);
   for (int i = 0; i < n; ++i) {
-    grpc::ClientContext context;
-    SetTimeout(&context, timeout_seconds);
-    const grpc::Status s = stub.Score(&context, parts[i], &responses[i]);
+    absl::Status s;
+    if (channel && UseChunked(chunking, static_cast<int64_t>(parts[i].ByteSizeLong()))) {
+      absl::StatusOr<v1::ScoreResponse> r = ScoreChunked(channel, parts[i], chunking.piece_bytes, timeout_seconds);
+      if (r.ok()) responses[i] = *std::move(r);
+      s = r.status();
+    } else {
+      grpc::ClientContext context;
+      SetTimeout(&context, timeout_seconds);
+      s = FromGrpc(stub.Score(&context, parts[i], &responses[i]));
+    }
     if (!s.ok()) {
-      if (n == 1) return FromGrpc(s);
-      return absl::Status(FromGrpc(s).code(),
-                          absl::StrCat("part ", i + 1, "/", n, " (id ", parts[i].id(), "): ", s.error_message()));
+      if (n == 1) return s;
+      return absl::Status(s.code(), absl::StrCat("part ", i + 1, "/", n, " (id ", parts[i].id(), "): ", s.message()));
     }
     // Free each part's tensors once it has been sent.
     parts[i] = v1::ScoreRequest();
@@ -112,13 +120,14 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
 }
 
 int RunScore(const ScoreArgs& args) {
-  absl::StatusOr<SafetensorsFile> file = ReadSafetensors(args.input);
+  // The file is mapped: a request sent in pieces views its bytes there.
+  absl::StatusOr<MappedSafetensors> file = MappedSafetensors::Open(args.input);
   if (!file.ok()) {
     PrintError(WithPath(args.input, file.status()));
     return kExitBadInput;
   }
   absl::StatusOr<v1::ScoreRequest> request =
-      BuildScoreRequest(*std::move(file), ToScoreOptions(args.flags), MakeRequestId());
+      BuildScoreRequest(std::move(file->file()), ToScoreOptions(args.flags), MakeRequestId());
   if (!request.ok()) {
     PrintError(WithPath(args.input, request.status()));
     return kExitBadInput;
@@ -139,12 +148,36 @@ int RunScore(const ScoreArgs& args) {
   limits.max_bytes = std::max<int64_t>(1, static_cast<int64_t>(limit * kRequestFill));
   limits.max_tokens = info->max_tokens_per_request();
 
+  // The request's tensors without data, and their bytes in the mapping.
+  int64_t request_bytes = static_cast<int64_t>(request->ByteSizeLong());
+  std::vector<int> pieced;
+  std::vector<std::string_view> data;
+  for (int i = 0; i < request->inputs_size(); ++i) {
+    const std::string_view bytes = file->data(request->inputs(i).name());
+    request_bytes += static_cast<int64_t>(bytes.size()) + 16;  // + the field's tag and length
+    if (static_cast<int64_t>(bytes.size()) > kInlineBytes) {
+      pieced.push_back(i);
+      data.push_back(bytes);
+    } else {
+      request->mutable_inputs(i)->set_data(bytes.data(), bytes.size());
+    }
+  }
+  const int64_t tokens = CountInputTokens(*request);
+  const bool one_request = request_bytes <= limits.max_bytes && (limits.max_tokens <= 0 || tokens <= limits.max_tokens);
+
   const auto start = std::chrono::steady_clock::now();
   int parts = 1;
-  absl::StatusOr<v1::ScoreResponse> response = ScoreInParts(
-      *stub, *request, limits, args.timeout_seconds,
-      [](int i, int n) { std::cerr << "scored part " << i << "/" << n << std::endl; },
-      &parts);
+  absl::StatusOr<v1::ScoreResponse> response;
+  if (one_request && UseChunked(args.chunking, request_bytes)) {
+    response = ScoreChunkedViews(channel, *request, pieced, data, args.chunking.piece_bytes, args.timeout_seconds);
+  } else {
+    // One message, or split into parts: the request holds its bytes.
+    for (size_t k = 0; k < pieced.size(); ++k)
+      request->mutable_inputs(pieced[k])->set_data(data[k].data(), data[k].size());
+    response = ScoreInParts(
+        *stub, channel, *request, limits, args.chunking, args.timeout_seconds,
+        [](int i, int n) { std::cerr << "scored part " << i << "/" << n << std::endl; }, &parts);
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!response.ok()) {

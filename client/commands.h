@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/channel.h"
+#include "client/chunked_call.h"
 #include "client/request_builder.h"
 #include "client/request_splitter.h"
 #include "grpcpp/client_context.h"
@@ -64,6 +65,7 @@ struct ScoreArgs {
   int64_t max_request_bytes = 0;   // > 0 overrides the server's limit
   double timeout_seconds = 0;      // deadline of each RPC; 0 = none
   ChannelOptions channel;          // TLS and bearer token (--tls-*, --auth-token-file)
+  ChunkOptions chunking;           // --chunk-above, --piece-bytes
 };
 
 /// Runs `score`: reads the input file, asks the server for its limits
@@ -76,14 +78,17 @@ struct ScoreArgs {
 int RunScore(const ScoreArgs& args);
 
 /// Sends `request` as the parts SplitScoreRequest makes under `limits`,
-/// one unary Score call after another (each with deadline
-/// `timeout_seconds` when > 0), and joins the responses into the
-/// response of `request` (same id). `progress`, when set, is called with
+/// one call after another (each with deadline `timeout_seconds` when > 0):
+/// a part over `chunking.above_bytes` through ScoreChunked on `channel`
+/// (ScoreChunked; when `channel` is null, always Score), others through
+/// a unary Score, and joins the responses into the response of `request`
+/// (same id). `progress`, when set, is called with
 /// (i, n) after part i of n > 1 has been scored. Errors: the first failing
 /// call's status (gRPC code and message), or a splitting/joining error.
 absl::StatusOr<v1::ScoreResponse> ScoreInParts(
-    v1::LogprobService::StubInterface& stub, const v1::ScoreRequest& request,
-    const SplitLimits& limits, double timeout_seconds,
+    v1::LogprobService::StubInterface& stub, const std::shared_ptr<grpc::Channel>& channel,
+    const v1::ScoreRequest& request, const SplitLimits& limits, const ChunkOptions& chunking,
+    double timeout_seconds,
     const std::function<void(int, int)>& progress, int* parts_sent = nullptr);
 
 }  // namespace logprob::client

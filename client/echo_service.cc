@@ -4,6 +4,7 @@
 #include <climits>
 
 #include "absl/strings/str_cat.h"
+#include "common/chunk_assembler.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 
@@ -13,6 +14,26 @@ grpc::Status EchoScoringService::Score(grpc::ServerContext*, const v1::ScoreRequ
                                        v1::ScoreResponse* response) {
   *response = reply_;
   response->set_id(request->id());
+  return grpc::Status::OK;
+}
+
+EchoScoringService::EchoScoringService(v1::ScoreResponse reply) : reply_(std::move(reply)) {
+  MarkMethodStreamed(chunked::kScoreChunkedMethodIndex, chunked::NewChunkedHandler(this));
+}
+
+grpc::Status EchoScoringService::ServeChunked(grpc::ServerContext* context, chunked::ServerStream* stream) {
+  v1::ScoreRequest request;
+  std::vector<int> pieced;
+  const absl::Status st = chunked::ReadChunkedRequest(
+      [stream](chunked::IncomingPart* in) { return stream->Read(in); }, [context] { return context->IsCancelled(); },
+      [](const v1::ScoreRequest&, int64_t) { return absl::OkStatus(); },
+      [this](size_t n) { return buffers_.Acquire(n); }, &request, &pieced);
+  for (int i : pieced) buffers_.Release(std::move(*request.mutable_inputs(i)->mutable_data()));
+  if (!st.ok()) return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+  v1::ScoreResponse response = reply_;
+  response.set_id(request.id());
+  chunked::WriteChunkedResponse([stream](const chunked::OutgoingPart& p) { return stream->Write(p); },
+                                std::move(response), chunked::kDefaultPieceBytes, 64 << 10);
   return grpc::Status::OK;
 }
 

@@ -8,7 +8,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/buffer_pool.h"
+#include "common/chunked_method.h"
 #include "grpcpp/server.h"
+#include "grpcpp/support/sync_stream.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 
 namespace logprob::client {
@@ -18,15 +21,21 @@ namespace logprob::client {
 /// into a ScoreRequest before Score runs, exactly as for logprob-server's
 /// front-end, and serializes the reply, so a call moves the same request
 /// and reply bytes through the same code as a real call, minus the
-/// scoring. ScoreStream and GetServerInfo are UNIMPLEMENTED.
+/// scoring. ScoreChunked likewise: it reads and assembles the parts as
+/// logprob-server does (chunked::ReadChunkedRequest into pooled buffers) and answers the reply in parts
+/// (chunked::WriteChunkedResponse). ScoreStream and GetServerInfo are
+/// UNIMPLEMENTED.
 class EchoScoringService final : public v1::LogprobService::Service {
  public:
-  explicit EchoScoringService(v1::ScoreResponse reply) : reply_(std::move(reply)) {}
+  explicit EchoScoringService(v1::ScoreResponse reply);
   grpc::Status Score(grpc::ServerContext* context, const v1::ScoreRequest* request,
                      v1::ScoreResponse* response) override;
+  /// ScoreChunked (installed with chunked::NewChunkedHandler).
+  grpc::Status ServeChunked(grpc::ServerContext* context, chunked::ServerStream* stream);
 
  private:
   const v1::ScoreResponse reply_;
+  BufferPool buffers_{int64_t{2} << 30};  // ScoreChunked request tensors, as logprob-server
 };
 
 /// An EchoScoringService serving plaintext on 127.0.0.1 (a free port) with

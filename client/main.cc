@@ -1,14 +1,20 @@
 // logprob-client: command-line client of the logprob scoring service.
 // See UsageText() in client/cli_args.cc and docs/SPEC.md.
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "client/cli_args.h"
 #include "client/commands.h"
+#include "common/malloc_tuning.h"
 
 int main(int argc, char** argv) {
   using logprob::client::CommandLine;
+  // Large messages reuse freed pages instead of faulting in fresh ones
+  // (LOGPROB_KEEP_FREED_MEMORY_BYTES=0: glibc's defaults).
+  const char* keep = std::getenv("LOGPROB_KEEP_FREED_MEMORY_BYTES");
+  logprob::KeepFreedMemory(keep != nullptr ? std::atoll(keep) : int64_t{4} << 30);
   const std::vector<std::string> args(argv + 1, argv + argc);
   absl::StatusOr<CommandLine> cl = logprob::client::ParseCommandLine(args);
   if (!cl.ok()) {

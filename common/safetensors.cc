@@ -1,5 +1,10 @@
 #include "common/safetensors.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -110,7 +115,10 @@ const SafetensorsEntry* SafetensorsHeader::Find(const std::string& name) const {
   return nullptr;
 }
 
-absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
+namespace {
+
+/// Parses `bytes` into tensors without data, and each tensor's bytes.
+absl::StatusOr<SafetensorsFile> ParseViews(std::string_view bytes, std::vector<std::string_view>* data) {
   LOGPROB_ASSIGN_OR_RETURN(const uint64_t n, HeaderLength(bytes.data(), bytes.size()));
   LOGPROB_ASSIGN_OR_RETURN(SafetensorsHeader header, ParseHeader(bytes.data() + 8, n, bytes.size() - 8 - n));
   SafetensorsFile file;
@@ -120,17 +128,80 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
     t.set_name(e.name);
     t.set_dtype(e.dtype);
     for (int64_t d : e.shape) t.add_shape(d);
-    t.set_data(bytes.data() + header.data_start + e.begin, e.end - e.begin);
+    data->push_back(bytes.substr(header.data_start + e.begin, e.end - e.begin));
   }
   return file;
 }
 
+}  // namespace
+
+absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string_view bytes) {
+  std::vector<std::string_view> data;
+  absl::StatusOr<SafetensorsFile> file = ParseViews(bytes, &data);
+  if (!file.ok()) return file;
+  for (size_t i = 0; i < data.size(); ++i) file->tensors[i].set_data(data[i].data(), data[i].size());
+  return file;
+}
+
+absl::StatusOr<MappedSafetensors> MappedSafetensors::Open(const std::string& path) {
+  MappedSafetensors m;
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  struct stat st;
+  std::string_view bytes;
+  if (fstat(fd, &st) == 0 && st.st_size > 0) {
+    void* map = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+    if (map != MAP_FAILED) {
+      m.map_ = map;
+      m.size_ = static_cast<size_t>(st.st_size);
+      bytes = std::string_view(static_cast<const char*>(map), m.size_);
+    }
+  }
+  close(fd);
+  if (m.map_ == nullptr) {  // empty, or not mappable (e.g. a pipe): read it
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    m.copy_ = ss.str();
+    bytes = m.copy_;
+  }
+  std::vector<std::string_view> data;
+  absl::StatusOr<SafetensorsFile> file = InFile(path, ParseViews(bytes, &data));
+  if (!file.ok()) return file.status();
+  m.file_ = *std::move(file);
+  for (size_t i = 0; i < data.size(); ++i) m.data_[m.file_.tensors[i].name()] = data[i];
+  return m;
+}
+
+MappedSafetensors::MappedSafetensors(MappedSafetensors&& o) noexcept
+    : file_(std::move(o.file_)), data_(std::move(o.data_)), map_(o.map_), size_(o.size_) {
+  o.map_ = nullptr;
+  // Views into the copy follow its bytes (a short string's move copies them).
+  const char* old = o.copy_.data();
+  copy_ = std::move(o.copy_);
+  if (map_ == nullptr)
+    for (auto& [name, view] : data_) view = std::string_view(copy_.data() + (view.data() - old), view.size());
+}
+
+MappedSafetensors::~MappedSafetensors() {
+  if (map_ != nullptr) munmap(map_, size_);
+}
+
+std::string_view MappedSafetensors::data(const std::string& name) const {
+  auto it = data_.find(name);
+  return it == data_.end() ? std::string_view() : it->second;
+}
+
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return InFile(path, ParseSafetensors(ss.str()));
+  absl::StatusOr<MappedSafetensors> mapped = MappedSafetensors::Open(path);
+  if (!mapped.ok()) return mapped.status();
+  SafetensorsFile file = std::move(mapped->file());
+  for (v1::Tensor& t : file.tensors) {
+    const std::string_view bytes = mapped->data(t.name());
+    t.set_data(bytes.data(), bytes.size());
+  }
+  return file;
 }
 
 absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -29,10 +30,38 @@ struct SafetensorsFile {
 /// Parses safetensors bytes. Errors (INVALID_ARGUMENT) name what is wrong:
 /// a short file, a header that is not JSON, an unsupported dtype, data
 /// offsets that do not match the shape or fall outside the file.
-absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes);
+absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string_view bytes);
 
-/// Reads and parses `path`. NOT_FOUND when the file cannot be opened.
+/// Reads and parses `path` (mapped read-only, so each tensor's bytes are
+/// copied once, from the page cache into its Tensor). NOT_FOUND when the
+/// file cannot be opened.
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path);
+
+/// A safetensors file mapped read-only: its tensors' names, dtypes and
+/// shapes (data empty) and views of their bytes in the mapping, so a
+/// sender can send the bytes without copying them. Move-only; the views
+/// are valid while it lives.
+class MappedSafetensors {
+ public:
+  /// Maps and parses `path`. Errors as ReadSafetensors.
+  static absl::StatusOr<MappedSafetensors> Open(const std::string& path);
+  MappedSafetensors(MappedSafetensors&& o) noexcept;
+  MappedSafetensors& operator=(MappedSafetensors&&) = delete;
+  ~MappedSafetensors();
+
+  /// The tensors, their data empty (BuildScoreRequest may move them out).
+  SafetensorsFile& file() { return file_; }
+  /// The bytes of the tensor called `name`; empty when there is none.
+  std::string_view data(const std::string& name) const;
+
+ private:
+  MappedSafetensors() = default;
+  SafetensorsFile file_;
+  std::map<std::string, std::string_view> data_;
+  void* map_ = nullptr;
+  size_t size_ = 0;
+  std::string copy_;  // the bytes, when the file cannot be mapped (e.g. a pipe)
+};
 
 /// One tensor of a safetensors header: where its bytes are, not the bytes.
 struct SafetensorsEntry {

@@ -21,6 +21,7 @@
 #include "common/flag_names.h"
 #include "common/backend_choice.h"
 #include "common/lm_head_source.h"
+#include "common/malloc_tuning.h"
 #include "common/shared_memory.h"
 #include "absl/strings/str_cat.h"
 #include "server/auth.h"
@@ -53,7 +54,12 @@ ABSL_FLAG(std::string, metrics_listen, "", "host:port for Prometheus /metrics (o
 ABSL_FLAG(std::string, control_listen, "127.0.0.1:0",
           "address of the internal worker control plane (cluster mode: e.g. 0.0.0.0:50052)");
 ABSL_FLAG(std::string, worker_binary, "", "path of logprob-worker (default: beside this binary)");
-ABSL_FLAG(int64_t, max_request_bytes, 256 << 20, "largest accepted request message, bytes");
+ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
+          "largest accepted request, bytes: one message (Score, ScoreStream), or all parts of a chunked request "
+          "(ScoreChunked)");
+ABSL_FLAG(int64_t, keep_freed_memory_bytes, int64_t{2} << 30,
+          "freed heap memory the front-end keeps mapped for reuse (large requests then reuse pages instead of "
+          "faulting in fresh ones, common/malloc_tuning.h); 0: glibc's defaults");
 ABSL_FLAG(int64_t, max_tokens_per_request, int64_t{1} << 22, "largest accepted request, token rows");
 ABSL_FLAG(int, max_topk, 1024, "largest K of topk outputs and gather_indices");
 ABSL_FLAG(int, worker_join_timeout, 60,
@@ -120,6 +126,8 @@ int main(int argc, char** argv) {
   logprob::NormalizeFlagDashes(argc, argv);
   const bool workers_given = logprob::FlagGiven(argc, argv, "workers");
   absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_keep_freed_memory_bytes) < 0) return Fail("--keep-freed-memory-bytes must be >= 0");
+  logprob::KeepFreedMemory(absl::GetFlag(FLAGS_keep_freed_memory_bytes));  // before any thread starts
   const int external = absl::GetFlag(FLAGS_external_workers);
   if (auto st = CheckClusterFlags(external, workers_given,
                                   absl::GetFlag(FLAGS_control_listen));

@@ -58,7 +58,10 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
                    if (metrics) metrics->SetLoad(requests, tokens);
                  }),
       batcher_(BatcherOptions(pool, config_, &payload_pool_, metrics),
-               [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }) {}
+               [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }),
+      assembly_buffers_(config_.max_request_bytes) {
+  MarkMethodStreamed(chunked::kScoreChunkedMethodIndex, chunked::NewChunkedHandler(this));
+}
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
                                                            grpc::ServerContext* ctx) {
@@ -81,27 +84,26 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
   return resp;
 }
 
-namespace {
-
-/// Runs `fn` (which fills the request's stats), records metrics and logs one line for the request.
-template <typename Fn>
-absl::StatusOr<v1::ScoreResponse> Observed(Metrics* metrics, const char* method, const v1::ScoreRequest& req, Fn fn) {
+absl::StatusOr<v1::ScoreResponse> ScoringService::Observe(
+    const char* method, const v1::ScoreRequest& req,
+    const std::function<absl::StatusOr<v1::ScoreResponse>(RequestStats*)>& fn) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (metrics) metrics->ObserveRequestBytes(method, static_cast<int64_t>(req.ByteSizeLong()));
-  ScoringService::RequestStats stats;
+  RequestStats stats;
   auto resp = fn(&stats);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int64_t tokens = resp.ok() ? stats.rows : 0;
   const std::string code = absl::StatusCodeToString(resp.status().code());
-  if (metrics) metrics->ObserveRequest(method, code, secs, tokens);
+  if (metrics_) {
+    metrics_->ObserveRequestBytes(method, static_cast<int64_t>(req.ByteSizeLong()));
+    metrics_->ObserveRequest(method, code, secs, tokens);
+  }
   std::clog << "request id=" << req.id() << " method=" << method << " tokens=" << tokens << " seconds=" << secs
             << " queue_seconds=" << stats.queue_seconds << " batch_requests=" << stats.batch_requests
+            << (stats.receive_seconds > 0 ? " receive_seconds=" + std::to_string(stats.receive_seconds) : "")
             << " status=" << code << (resp.ok() ? "" : " message=\"" + std::string(resp.status().message()) + "\"")
             << std::endl;
   return resp;
 }
-
-}  // namespace
 
 grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const char* method) {
   if (config_.auth == nullptr) return grpc::Status::OK;
@@ -117,7 +119,7 @@ grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const
 
 grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
   LOGPROB_RETURN_IF_ERROR(Authorize(context, "Score"));
-  auto r = Observed(metrics_, "Score", *req, [&](RequestStats* stats) { return ScoreOne(*req, stats, context); });
+  auto r = Observe("Score", *req, [&](RequestStats* stats) { return ScoreOne(*req, stats, context); });
   if (!r.ok()) return ToGrpc(r.status());
   *resp = std::move(*r);
   return grpc::Status::OK;
@@ -172,7 +174,7 @@ grpc::Status ScoringService::ScoreStream(grpc::ServerContext* context,
 }
 
 v1::ScoreResponse ScoringService::AnswerStreamed(const v1::ScoreRequest& req, grpc::ServerContext* context) {
-  auto r = Observed(metrics_, "ScoreStream", req, [&](RequestStats* stats) { return ScoreOne(req, stats, context); });
+  auto r = Observe("ScoreStream", req, [&](RequestStats* stats) { return ScoreOne(req, stats, context); });
   if (r.ok()) return *std::move(r);
   v1::ScoreResponse resp;
   resp.set_id(req.id());

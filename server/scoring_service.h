@@ -5,11 +5,18 @@
 #include <chrono>
 #include <string>
 
+#include <functional>
+
 #include "absl/status/statusor.h"
+#include "common/chunk_codec.h"
+#include "common/chunked_method.h"
+#include "grpcpp/impl/service_type.h"
+#include "grpcpp/support/sync_stream.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 #include "server/admission.h"
 #include "server/auth.h"
 #include "server/batcher.h"
+#include "common/buffer_pool.h"
 #include "server/metrics.h"
 #include "server/planner.h"
 #include "server/score_job.h"
@@ -20,7 +27,9 @@ namespace logprob {
 /// Serving configuration reported by GetServerInfo.
 struct ServiceConfig {
   RequestLimits limits;
-  int64_t max_request_bytes = 256 << 20;
+  /// Largest request, bytes: one message (Score, ScoreStream) or the sum
+  /// of a chunked request's parts (ScoreChunked).
+  int64_t max_request_bytes = int64_t{1} << 30;
   int64_t max_queue_tokens = int64_t{1} << 23;  // admitted, unanswered tokens (backpressure)
   int64_t max_queue_bytes = int64_t{2} << 30;   // admitted, unanswered request bytes
   std::chrono::microseconds max_queue_delay{2000};  // dynamic batching (Batcher::Options)
@@ -43,7 +52,8 @@ struct ServiceConfig {
 /// gRPC service implementation. Errors: UNAUTHENTICATED without the
 /// bearer token when config.auth is set (every method); INVALID_ARGUMENT /
 /// FAILED_PRECONDITION from validation (see BuildScoreJob), UNAVAILABLE
-/// when a worker fails.
+/// when a worker fails. ScoreChunked is served by ServeChunked, whose parts
+/// are parsed by chunked::ParsePart, not protobuf.
 class ScoringService final : public v1::LogprobService::Service {
  public:
   ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics);
@@ -58,11 +68,25 @@ class ScoringService final : public v1::LogprobService::Service {
   static constexpr int kStreamInFlight = 16;
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo*) override;
 
+  /// The server side of ScoreChunked (proto/logprob/v1/logprob.proto): reads
+  /// the request part, checks the announced size against
+  /// max_request_bytes (RESOURCE_EXHAUSTED) and holds it in admission while
+  /// the pieces arrive, checks each piece and copies its bytes once into a
+  /// pooled buffer (chunked::TensorAssembler; INVALID_ARGUMENT naming the
+  /// tensor and offset), scores the assembled request like Score once the
+  /// client half-closes (INVALID_ARGUMENT if bytes are missing; CANCELLED
+  /// if the client cancelled), and answers in parts: the response, then
+  /// pieces of kResponsePieceBytes for outputs when it is larger than that.
+  grpc::Status ServeChunked(grpc::ServerContext* context, chunked::ServerStream* stream);
+  /// Piece size of chunked answers.
+  static constexpr int64_t kResponsePieceBytes = chunked::kDefaultPieceBytes;
+
   /// What one request's log line reports besides its status.
   struct RequestStats {
     int64_t rows = 0;           // token positions scored
     double queue_seconds = 0;   // waiting to be batched
     int batch_requests = 0;     // requests in its worker batch
+    double receive_seconds = 0; // ScoreChunked: first part to the last piece
   };
 
   /// Scores one request (the body of Score and of each ScoreStream
@@ -79,6 +103,15 @@ class ScoringService final : public v1::LogprobService::Service {
   /// One ScoreStream message's response: ScoreOne's, or its status as
   /// status_code / status_message.
   v1::ScoreResponse AnswerStreamed(const v1::ScoreRequest& req, grpc::ServerContext* context);
+  /// Runs `fn` (which fills the request's stats), records the request's
+  /// metrics under `method` and logs one line for it; `req` is read after
+  /// `fn` (its size and id).
+  absl::StatusOr<v1::ScoreResponse> Observe(const char* method, const v1::ScoreRequest& req,
+                                            const std::function<absl::StatusOr<v1::ScoreResponse>(RequestStats*)>& fn);
+  /// Reads a ScoreChunked request into *req (its pieced tensors' data in
+  /// buffers of assembly_buffers_, their indices in *pooled).
+  absl::Status ReceiveChunked(grpc::ServerContext* context,
+                              chunked::ServerStream* stream, v1::ScoreRequest* req, std::vector<int>* pooled);
 
   WorkerPool& pool_;
   ServiceConfig config_;
@@ -86,6 +119,7 @@ class ScoringService final : public v1::LogprobService::Service {
   Admission admission_;
   PayloadPool payload_pool_;
   Batcher batcher_;
+  BufferPool assembly_buffers_;  // ScoreChunked request tensors
   std::atomic<uint64_t> next_job_id_{1};
 };
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <random>
 #include <regex>
 #include <sstream>
 
@@ -194,6 +195,53 @@ TEST_F(ClientBench, ServerSideErrorsAreClear) {
                                         std::to_string(FreePort()) + " --batch 2 --seq 8 --vocab 100 --timeout 2");
   EXPECT_EQ(dead.code, 1) << dead.output;
   EXPECT_NE(dead.output.find("error: "), std::string::npos) << dead.output;
+}
+
+TEST_F(ClientBench, HiddenSizeModeChecksTheServersLmHeadAndSendsInPieces) {
+  ASSERT_TRUE(server_);
+  // The suite's server has no lm_head.
+  BenchRun r = Bench("--hidden-size 64 --batch 1 --seq 8 --requests 1");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("--hidden-size 64: the server " + server_->address() + " has no lm_head"), std::string::npos)
+      << r.err;
+
+  // A small f32 lm_head [512, 64].
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.f, 0.05f);
+  std::vector<float> w(512 * 64);
+  for (float& x : w) x = normal(rng);
+  v1::Tensor t;
+  t.set_name("lm_head.weight");
+  t.set_dtype(v1::F32);
+  t.add_shape(512);
+  t.add_shape(64);
+  t.set_data(reinterpret_cast<const char*>(w.data()), w.size() * 4);
+  const std::string lm = ::testing::TempDir() + "/bench_lm_head." + std::to_string(getpid()) + ".safetensors";
+  ASSERT_TRUE(WriteSafetensors(lm, {t}).ok());
+  auto hidden_server = ServerProcess::Start(2, {"--lm-head", lm});
+  ASSERT_TRUE(hidden_server);
+  const std::string bench = BinDir() + "/logprob-client bench --server " + hidden_server->address();
+  CommandResult c = RunCommand(bench + " --hidden-size 32 --batch 1 --seq 8 --requests 1");
+  EXPECT_EQ(c.code, 2) << c.output;
+  EXPECT_NE(c.output.find("--hidden-size 32: the server's lm_head is [512, 64] (H = 64)"), std::string::npos) << c.output;
+
+  // 256 rows of bf16 [.., 64] (32 kB) over --chunk-above 4096: ScoreChunked in 1000-byte pieces.
+  c = RunCommand(bench + " --hidden-size 64 --packed 256 --batch 2 --requests 3 --warmup 0 --progress 0 --json "
+                 "--chunk-above 4096 --piece-bytes 1000 2>/dev/null");
+  std::remove(lm.c_str());
+  ASSERT_EQ(c.code, 0) << c.output;
+  const nlohmann::json j = nlohmann::json::parse(c.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << c.output;
+  EXPECT_EQ(j.at("transport"), "ScoreChunked");
+  EXPECT_EQ(j.at("shape").at("hidden_size"), 64);
+  EXPECT_EQ(j.at("shape").at("vocab"), 512);
+  const int64_t request_bytes = j.at("request_bytes");
+  EXPECT_GT(request_bytes, 256 * 64 * 2 + 256 * 8);  // hidden_states + input_ids
+  CheckPhase(j.at("scoring"), 256, request_bytes);
+  CheckPhase(j.at("echo"), 256, request_bytes);
+  CheckPhase(j.at("echo_chunked"), 256, request_bytes);
+  EXPECT_NEAR(j.at("scoring_over_echo").get<double>(),
+              j["scoring"]["requests_per_s"].get<double>() / j["echo_chunked"]["requests_per_s"].get<double>(), 1e-9);
 }
 
 }  // namespace

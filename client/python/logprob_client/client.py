@@ -14,6 +14,7 @@ from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
 from .retry import Attempts, Deadline, error_of
 from .stream import StreamAssembler, deliver
+from . import transport
 
 
 class LogprobClient(ClientBase):
@@ -58,6 +59,11 @@ class LogprobClient(ClientBase):
         the unary ``Score`` RPC, retried per the policy within ``deadline``;
         returns ``(ScoreResponse, sends)``. The request's bytes (the copy of
         the caller's data) exist only during this call."""
+        if transport.use_chunked(part.inputs, getattr(self, "chunk_above", transport.CHUNK_ABOVE)):
+            # Large parts go as pieces viewing the arrays (transport.py).
+            chunked = transport.ChunkedScore(self._channel, getattr(self, "piece_bytes", transport.PIECE_BYTES))
+            attempts = self._attempts(deadline, part.where, oversize=part.inputs.data_bytes() > limits.server_bytes)
+            return self._call(chunked, (part.id, part.inputs), attempts)
         request = part.serialized(limits.max_bytes)
         attempts = self._attempts(deadline, part.where, oversize=len(request) > limits.server_bytes)
         return self._call(self._score_raw, request, attempts)

@@ -1,0 +1,66 @@
+// ScoringService::ServeChunked: a ScoreChunked request received in pieces.
+#include <chrono>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/chunk_assembler.h"
+#include "common/grpc_status.h"
+#include "server/scoring_service.h"
+
+namespace logprob {
+
+namespace {
+
+constexpr char kMethod[] = "ScoreChunked";
+/// Output tensors up to this size travel inside the first answer part.
+constexpr int64_t kInlineBytes = 64 << 10;
+
+using Stream = chunked::ServerStream;
+
+}  // namespace
+
+absl::Status ScoringService::ReceiveChunked(grpc::ServerContext* context, Stream* stream, v1::ScoreRequest* req,
+                                            std::vector<int>* pooled) {
+  // The bytes count as admitted work while they arrive (backpressure);
+  // ScoreOne admits the assembled request again once this ticket is gone.
+  std::optional<Admission::Ticket> ticket;
+  auto admit = [&](const v1::ScoreRequest& header, int64_t pending) -> absl::Status {
+    const int64_t total = static_cast<int64_t>(header.ByteSizeLong()) + pending;
+    if (total > config_.max_request_bytes)
+      return absl::ResourceExhaustedError(absl::StrCat("chunked request ", header.id(), " announces ", total,
+                                                       " bytes (", pending,
+                                                       " in pieces), over the server's max_request_bytes ",
+                                                       config_.max_request_bytes));
+    absl::StatusOr<Admission::Ticket> t = admission_.Admit(0, total);
+    if (!t.ok()) return t.status();
+    ticket.emplace(*std::move(t));
+    return absl::OkStatus();
+  };
+  return chunked::ReadChunkedRequest([stream](chunked::IncomingPart* in) { return stream->Read(in); },
+                                     [context] { return context->IsCancelled(); }, admit,
+                                     [this](size_t n) { return assembly_buffers_.Acquire(n); }, req, pooled);
+}
+
+grpc::Status ScoringService::ServeChunked(grpc::ServerContext* context, Stream* stream) {
+  if (grpc::Status st = Authorize(context, kMethod); !st.ok()) return st;
+  v1::ScoreRequest req;
+  std::vector<int> pooled;
+  absl::StatusOr<v1::ScoreResponse> r = Observe(kMethod, req, [&](RequestStats* stats) -> absl::StatusOr<v1::ScoreResponse> {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status received = ReceiveChunked(context, stream, &req, &pooled);
+    stats->receive_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!received.ok()) return received;
+    return ScoreOne(req, stats, context);
+  });
+  for (int i : pooled) assembly_buffers_.Release(std::move(*req.mutable_inputs(i)->mutable_data()));
+  if (!r.ok()) return ToGrpc(r.status());
+  if (!chunked::WriteChunkedResponse([stream](const chunked::OutgoingPart& p) { return stream->Write(p); },
+                                     *std::move(r), kResponsePieceBytes, kInlineBytes))
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away before the answer was sent");
+  return grpc::Status::OK;
+}
+
+}  // namespace logprob

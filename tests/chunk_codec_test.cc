@@ -1,0 +1,155 @@
+// The ScoreChunked part codec (common/chunk_codec.h) against protobuf's own
+// serialization: pieces written by OutgoingPart parse as ScoreRequestPart,
+// protobuf-written parts parse with ParsePart however gRPC slices them,
+// malformed parts are INVALID_ARGUMENT; and TensorAssembler's checks.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "common/chunk_assembler.h"
+#include "common/chunk_codec.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
+#include "logprob/v1/logprob.pb.h"
+
+namespace logprob::chunked {
+namespace {
+
+std::string Flatten(const grpc::ByteBuffer& b) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(b.Dump(&slices).ok());
+  std::string out;
+  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
+
+/// `bytes` as a ByteBuffer cut into slices at the given offsets.
+IncomingPart Sliced(const std::string& bytes, std::vector<size_t> cuts) {
+  cuts.push_back(bytes.size());
+  std::vector<grpc::Slice> slices;
+  size_t at = 0;
+  for (size_t c : cuts) {
+    slices.emplace_back(bytes.data() + at, c - at);
+    at = c;
+  }
+  IncomingPart p;
+  p.buffer = grpc::ByteBuffer(slices.data(), slices.size());
+  return p;
+}
+
+TEST(ChunkCodec, OutgoingPieceIsAScoreRequestPart) {
+  const std::string data = "0123456789abcdef";
+  OutgoingPart out;
+  out.tensor = 2;
+  out.offset = int64_t{1} << 35;
+  out.bytes = data;
+  grpc::ByteBuffer buffer;
+  bool own = false;
+  ASSERT_TRUE((grpc::SerializationTraits<OutgoingPart>::Serialize(out, &buffer, &own)).ok());
+  v1::ScoreRequestPart part;
+  ASSERT_TRUE(part.ParseFromString(Flatten(buffer)));
+  ASSERT_TRUE(part.has_piece());
+  EXPECT_EQ(part.piece().tensor(), 2);
+  EXPECT_EQ(part.piece().offset(), int64_t{1} << 35);
+  EXPECT_EQ(part.piece().data(), data);
+  EXPECT_EQ(PieceHeader(2, int64_t{1} << 35, data.size()) + data, part.SerializeAsString());
+}
+
+TEST(ChunkCodec, ProtobufPartsParseHoweverTheyAreSliced) {
+  std::mt19937 rng(1);
+  std::string data(5000, '\0');
+  for (char& c : data) c = static_cast<char>(rng());
+  v1::ScoreRequestPart part;
+  part.mutable_piece()->set_tensor(1);
+  part.mutable_piece()->set_offset(123456);
+  part.mutable_piece()->set_data(data);
+  const std::string bytes = part.SerializeAsString();
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<size_t> cuts;
+    for (size_t at = 0; at < bytes.size();) {
+      at += 1 + rng() % 700;
+      if (at < bytes.size()) cuts.push_back(at);
+    }
+    absl::StatusOr<ParsedPart> p = ParsePart(Sliced(bytes, cuts));
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(p->is_piece());
+    EXPECT_EQ(p->tensor(), 1);
+    EXPECT_EQ(p->offset(), 123456);
+    ASSERT_EQ(p->size(), 5000);
+    std::string got(5000, '\0');
+    p->CopyData(got.data());
+    EXPECT_EQ(got, data);
+  }
+  v1::ScoreRequestPart first;
+  first.mutable_request()->set_id("r1");
+  absl::StatusOr<ParsedPart> m = ParsePart(Sliced(first.SerializeAsString(), {1}));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(m->is_piece());
+  v1::ScoreRequest req;
+  ASSERT_TRUE(req.ParseFromString(m->message()));
+  EXPECT_EQ(req.id(), "r1");
+}
+
+TEST(ChunkCodec, MalformedPartsAreInvalidArgument) {
+  v1::ScoreRequestPart part;
+  part.mutable_piece()->set_data("abcdef");
+  const std::string bytes = part.SerializeAsString();
+  for (size_t n = 1; n < bytes.size(); ++n) {
+    absl::StatusOr<ParsedPart> p = ParsePart(Sliced(bytes.substr(0, n), {}));
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << n;
+  }
+  EXPECT_EQ(ParsePart(Sliced("", {})).status().code(), absl::StatusCode::kInvalidArgument);  // neither
+  v1::ScoreRequestPart request;
+  request.mutable_request()->set_id("x");
+  const std::string both = request.SerializeAsString() + bytes;
+  absl::StatusOr<ParsedPart> p = ParsePart(Sliced(both, {}));
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("both a message and a piece"), std::string::npos) << p.status();
+}
+
+TEST(TensorAssembler, ChecksAnnouncedSizesAndPieceOrder) {
+  google::protobuf::RepeatedPtrField<v1::Tensor> tensors;
+  v1::Tensor* logits = tensors.Add();
+  logits->set_name("logits");
+  logits->set_dtype(v1::BF16);
+  logits->add_shape(3);
+  logits->add_shape(4);  // 24 bytes in pieces
+  v1::Tensor* ids = tensors.Add();
+  ids->set_name("input_ids");
+  ids->set_dtype(v1::I64);
+  ids->add_shape(3);
+  ids->set_data(std::string(24, '\1'));  // whole in the first part
+  absl::StatusOr<TensorAssembler> a = TensorAssembler::Plan(&tensors, "inputs");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->pending_bytes(), 24);
+  EXPECT_EQ(a->pending(), std::vector<int>{0});
+  a->AllocateBuffers([](size_t n) { return std::string(n, '\0'); });
+  auto piece = [](int tensor, int64_t offset, const std::string& data) {
+    v1::ScoreRequestPart p;
+    p.mutable_piece()->set_tensor(tensor);
+    p.mutable_piece()->set_offset(offset);
+    p.mutable_piece()->set_data(data);
+    return *ParsePart(Sliced(p.SerializeAsString(), {}));
+  };
+  EXPECT_TRUE(a->Add(piece(0, 0, std::string(10, 'a'))).ok());
+  absl::Status st = a->Add(piece(0, 12, "b"));
+  EXPECT_NE(st.message().find("inputs[0] \"logits\" at offset 12: expected offset 10"), std::string::npos) << st;
+  st = a->Add(piece(1, 0, "b"));
+  EXPECT_NE(st.message().find("inputs[1] \"input_ids\", whose data came whole"), std::string::npos) << st;
+  st = a->Add(piece(0, 10, std::string(15, 'c')));
+  EXPECT_NE(st.message().find("ends past the tensor's announced 24 bytes"), std::string::npos) << st;
+  st = a->Finish();
+  EXPECT_NE(st.message().find("inputs[0] \"logits\" at byte 10 of 24"), std::string::npos) << st;
+  EXPECT_TRUE(a->Add(piece(0, 10, std::string(14, 'c'))).ok());
+  ASSERT_TRUE(a->Finish().ok());
+  EXPECT_EQ(tensors.Get(0).data(), std::string(10, 'a') + std::string(14, 'c'));
+
+  google::protobuf::RepeatedPtrField<v1::Tensor> bad;
+  v1::Tensor* t = bad.Add();
+  t->set_name("logits");
+  t->add_shape(2);
+  EXPECT_NE(TensorAssembler::Plan(&bad, "inputs").status().message().find("inputs[0] \"logits\": dtype is unspecified"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace logprob::chunked
