@@ -18,7 +18,7 @@ grpc::Status EchoScoringService::Score(grpc::ServerContext*, const v1::ScoreRequ
 }
 
 EchoScoringService::EchoScoringService(v1::ScoreResponse reply) : reply_(std::move(reply)) {
-  MarkMethodStreamed(chunked::kScoreChunkedMethodIndex, chunked::NewChunkedHandler(this));
+  MarkMethodStreamed(chunked::ScoreChunkedMethodIndex(), chunked::NewChunkedHandler(this));
 }
 
 grpc::Status EchoScoringService::ServeChunked(grpc::ServerContext* context, chunked::ServerStream* stream) {

@@ -3,6 +3,8 @@
 #pragma once
 
 #include "common/chunk_codec.h"
+#include "google/protobuf/descriptor.h"
+#include "logprob/v1/logprob.grpc.pb.h"
 #include "grpcpp/support/method_handler.h"
 #include "grpcpp/support/sync_stream.h"
 
@@ -12,12 +14,19 @@ namespace logprob::chunked {
 using ServerStream = grpc::ServerReaderWriter<OutgoingPart, IncomingPart>;
 
 /// Index of ScoreChunked among the methods of the generated
-/// v1::LogprobService::Service (its order in proto/logprob/v1/logprob.proto).
-inline constexpr int kScoreChunkedMethodIndex = 3;
+/// v1::LogprobService::Service: the generated code registers the methods in
+/// their order in proto/logprob/v1/logprob.proto, which the descriptor gives.
+inline int ScoreChunkedMethodIndex() {
+  static const int index = google::protobuf::DescriptorPool::generated_pool()
+                               ->FindServiceByName(v1::LogprobService::service_full_name())
+                               ->FindMethodByName("ScoreChunked")
+                               ->index();
+  return index;
+}
 
 /// A sync handler calling `impl->ServeChunked(context, stream)`. A class
 /// derived from v1::LogprobService::Service installs it in its constructor
-/// with `MarkMethodStreamed(kScoreChunkedMethodIndex, NewChunkedHandler(this))`
+/// with `MarkMethodStreamed(ScoreChunkedMethodIndex(), NewChunkedHandler(this))`
 /// (gRPC owns the handler).
 template <class Impl>
 grpc::internal::MethodHandler* NewChunkedHandler(Impl* impl) {

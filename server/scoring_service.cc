@@ -60,7 +60,7 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
       batcher_(BatcherOptions(pool, config_, &payload_pool_, metrics),
                [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }),
       assembly_buffers_(config_.max_request_bytes) {
-  MarkMethodStreamed(chunked::kScoreChunkedMethodIndex, chunked::NewChunkedHandler(this));
+  MarkMethodStreamed(chunked::ScoreChunkedMethodIndex(), chunked::NewChunkedHandler(this));
 }
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
