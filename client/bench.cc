@@ -1,4 +1,5 @@
 #include "client/bench.h"
+#include "client/shm_inputs.h"
 
 #include <unistd.h>
 
@@ -110,9 +111,10 @@ void RunThreads(int threads, const std::function<bool()>& more, const std::funct
 
 // One Score call of `request` on `stub`, recorded in `tally` when set.
 void CallOnce(v1::LogprobService::Stub& stub, const v1::ScoreRequest& request, double timeout_seconds,
-              Tally* tally) {
+              const ShmInputs* shm, Tally* tally) {
   grpc::ClientContext context;
   SetTimeout(&context, timeout_seconds);
+  if (shm != nullptr) shm->Attach(&context);
   v1::ScoreResponse reply;
   const Clock::time_point t0 = Clock::now();
   const grpc::Status s = stub.Score(&context, request, &reply);
@@ -133,13 +135,15 @@ void CallOnce(v1::LogprobService::Stub& stub, const v1::ScoreRequest& request, d
 
 // Warm-up (every thread makes at least one call when warmup_seconds > 0),
 // then the measured calls of one phase. `before_measuring` runs between.
+// `shm`: the session whose region `request` references (null: inline bytes).
 PhaseResult RunPhase(const std::string& name, v1::LogprobService::Stub& stub, const v1::ScoreRequest& request,
-                     const LoadPlan& plan, const std::function<void()>& before_measuring) {
+                     const LoadPlan& plan, const std::function<void()>& before_measuring,
+                     const ShmInputs* shm = nullptr) {
   if (plan.warmup_seconds > 0) {
     const Clock::time_point end = After(Clock::now(), plan.warmup_seconds);
     RunThreads(
         plan.concurrency, [&] { return Clock::now() < end; },
-        [&] { CallOnce(stub, request, plan.timeout_seconds, nullptr); });
+        [&] { CallOnce(stub, request, plan.timeout_seconds, shm, nullptr); });
   }
   if (before_measuring) before_measuring();
 
@@ -152,7 +156,7 @@ PhaseResult RunPhase(const std::string& name, v1::LogprobService::Stub& stub, co
     RunThreads(
         plan.concurrency,
         [&] { return plan.requests > 0 ? claimed.fetch_add(1) < plan.requests : Clock::now() < end; },
-        [&] { CallOnce(stub, request, plan.timeout_seconds, &tally); });
+        [&] { CallOnce(stub, request, plan.timeout_seconds, shm, &tally); });
   }
   PhaseResult result;
   result.name = name;
@@ -239,11 +243,31 @@ int RunBench(const BenchArgs& args) {
       return kExitBadInput;
     }
   }
+  // --shared-memory: the scoring phase sends `placed`, whose tensors lie
+  // in a region registered once (every call reads the same bytes).
+  std::unique_ptr<ShmInputs> shm;
+  v1::ScoreRequest placed;
+  if (args.shared_memory) {
+    if (!SameSharedMemoryHost(info)) {
+      PrintError(absl::FailedPreconditionError(
+          "--shared-memory: the server has shared-memory inputs off or does not share this host's /dev/shm"));
+      return kExitFailure;
+    }
+    shm = std::make_unique<ShmInputs>(*stub, args.timeout_seconds);
+    placed = *request;
+    if (absl::Status st = shm->Place(&placed); !st.ok()) {
+      PrintError(st);
+      return kExitFailure;
+    }
+    placed.ByteSizeLong();  // caches the size before threads share it
+  }
+  const v1::ScoreRequest& scored = shm ? placed : *request;
   v1::ScoreResponse probe_reply;
   {
     grpc::ClientContext context;
     SetTimeout(&context, args.timeout_seconds);
-    if (const grpc::Status s = stub->Score(&context, *request, &probe_reply); !s.ok()) {
+    if (shm) shm->Attach(&context);
+    if (const grpc::Status s = stub->Score(&context, scored, &probe_reply); !s.ok()) {
       PrintError(absl::Status(FromGrpc(s).code(), absl::StrCat("probe request: ", s.error_message())));
       return kExitFailure;
     }
@@ -258,12 +282,15 @@ int RunBench(const BenchArgs& args) {
   plan.timeout_seconds = args.timeout_seconds;
   plan.progress_seconds = args.progress_seconds;
 
-  report.scoring = RunPhase("scoring", *stub, *request, plan, [&] {
-    if (args.metrics_url.empty()) return;
-    absl::StatusOr<ServerTimings> t = ScrapeTimings(args.metrics_url);
-    if (t.ok()) before = *t;
-    else std::cerr << "warning: no server-side split: " << t.status() << std::endl;
-  });
+  report.scoring = RunPhase(
+      "scoring", *stub, scored, plan,
+      [&] {
+        if (args.metrics_url.empty()) return;
+        absl::StatusOr<ServerTimings> t = ScrapeTimings(args.metrics_url);
+        if (t.ok()) before = *t;
+        else std::cerr << "warning: no server-side split: " << t.status() << std::endl;
+      },
+      shm.get());
   if (before) {
     absl::StatusOr<ServerTimings> after = ScrapeTimings(args.metrics_url);
     if (after.ok()) {

@@ -89,7 +89,7 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
                                                const SplitLimits& limits,
                                                double timeout_seconds,
                                                const std::function<void(int, int)>& progress,
-                                               int* parts_sent) {
+                                               int* parts_sent, ShmInputs* shm) {
   absl::StatusOr<std::vector<v1::ScoreRequest>> parts = SplitScoreRequest(request, limits);
   if (!parts.ok()) return parts.status();
   const int n = static_cast<int>(parts->size());
@@ -97,6 +97,10 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
   for (int i = 0; i < n; ++i) {
     grpc::ClientContext context;
     SetTimeout(&context, timeout_seconds);
+    if (shm != nullptr) {
+      if (absl::Status st = shm->Place(&(*parts)[i]); !st.ok()) return st;
+      shm->Attach(&context);
+    }
     const grpc::Status s = stub.Score(&context, (*parts)[i], &responses[i]);
     if (!s.ok()) {
       if (n == 1) return FromGrpc(s);
@@ -140,12 +144,22 @@ int RunScore(const ScoreArgs& args) {
   limits.max_bytes = std::max<int64_t>(1, static_cast<int64_t>(limit * kRequestFill));
   limits.max_tokens = info->max_tokens_per_request();
 
+  std::unique_ptr<ShmInputs> shm;
+  if (args.shared_memory) {
+    if (!SameSharedMemoryHost(*info)) {
+      PrintError(absl::FailedPreconditionError(
+          info->shared_memory_inputs() ? "--shared-memory: the server does not share this host's /dev/shm (host_id differs)"
+                                       : "--shared-memory: the server has shared-memory inputs off"));
+      return kExitFailure;
+    }
+    shm = std::make_unique<ShmInputs>(*stub, args.timeout_seconds);
+  }
   const auto start = std::chrono::steady_clock::now();
   int parts = 1;
   absl::StatusOr<v1::ScoreResponse> response = ScoreInParts(
       *stub, *request, limits, args.timeout_seconds,
       [](int i, int n) { std::cerr << "scored part " << i << "/" << n << std::endl; },
-      &parts);
+      &parts, shm.get());
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!response.ok()) {

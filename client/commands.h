@@ -10,6 +10,7 @@
 #include "client/channel.h"
 #include "client/request_builder.h"
 #include "client/request_splitter.h"
+#include "client/shm_inputs.h"
 #include "grpcpp/client_context.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 
@@ -64,6 +65,7 @@ struct ScoreArgs {
   int64_t max_request_bytes = 0;   // > 0 overrides the server's limit
   double timeout_seconds = 0;      // deadline of each RPC; 0 = none
   ChannelOptions channel;          // TLS and bearer token (--tls-*, --auth-token-file)
+  bool shared_memory = false;      // --shared-memory: tensors through a registered region (client/shm_inputs.h)
 };
 
 /// Runs `score`: reads the input file, asks the server for its limits
@@ -79,11 +81,12 @@ int RunScore(const ScoreArgs& args);
 /// one unary Score call after another (each with deadline
 /// `timeout_seconds` when > 0), and joins the responses into the
 /// response of `request` (same id). `progress`, when set, is called with
-/// (i, n) after part i of n > 1 has been scored. Errors: the first failing
+/// (i, n) after part i of n > 1 has been scored. With `shm`, each part's
+/// tensors go through its region (ShmInputs::Place). Errors: the first failing
 /// call's status (gRPC code and message), or a splitting/joining error.
 absl::StatusOr<v1::ScoreResponse> ScoreInParts(
     v1::LogprobService::StubInterface& stub, const v1::ScoreRequest& request,
     const SplitLimits& limits, double timeout_seconds,
-    const std::function<void(int, int)>& progress, int* parts_sent = nullptr);
+    const std::function<void(int, int)>& progress, int* parts_sent = nullptr, ShmInputs* shm = nullptr);
 
 }  // namespace logprob::client

@@ -8,11 +8,16 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/shared_memory.h"
 #include "server/response_builder.h"
+#include "server/shared_inputs.h"
+#include "server/shm_session.h"
 
 namespace logprob {
 
@@ -56,14 +61,41 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
                    if (metrics) metrics->SetLoad(requests, tokens);
                  }),
       batcher_(BatcherOptions(pool, config_, &payload_pool_, metrics),
-               [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }) {}
+               [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }) {
+  if (config_.shared_memory_inputs) {
+    ClientRegions::Options o = config_.shared_memory_regions;
+    if (metrics) o.on_change = [metrics](int64_t regions, int64_t bytes) { metrics->SetSharedMemory(regions, bytes); };
+    regions_ = std::make_unique<ClientRegions>(std::move(o));
+    host_id_ = SharedMemoryHostId();
+  }
+}
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
                                                            grpc::ServerContext* ctx) {
-  auto job = BuildScoreJob(req, config_.limits, config_.lm_head);
+  // Shared-memory references resolve into the views BuildScoreJob checks.
+  std::optional<ResolvedInputs> resolved;
+  std::string session;
+  if (HasSharedMemoryRefs(req)) {
+    if (!regions_) return absl::FailedPreconditionError("shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
+    if (ctx == nullptr) return absl::InvalidArgumentError("shared-memory references need a call's session");
+    auto owner = SharedMemoryOwner(*ctx);
+    if (!owner.ok()) return owner.status();
+    session = *std::move(owner);
+    auto r = ResolveSharedInputs(req, *regions_, session);
+    if (!r.ok()) return r.status();
+    resolved = *std::move(r);
+  }
+  const int64_t request_bytes =
+      static_cast<int64_t>(req.ByteSizeLong()) + (resolved ? resolved->referenced_bytes : 0);
+  if (resolved && request_bytes > config_.max_request_bytes)
+    return absl::ResourceExhaustedError(absl::StrCat("request of ", request_bytes,
+                                                     " bytes (shared-memory tensors included) exceeds the server's "
+                                                     "max_request_bytes ", config_.max_request_bytes));
+  auto job = BuildScoreJob(req, config_.limits, config_.lm_head, resolved ? &resolved->data : nullptr);
   if (!job.ok()) return job.status();
+  if (resolved && resolved->rows_source) job->row_sources.push_back({0, resolved->rows_source});
   if (stats) stats->rows = job->num_rows();
-  auto ticket = admission_.Admit(job->num_rows(), static_cast<int64_t>(req.ByteSizeLong()));
+  auto ticket = admission_.Admit(job->num_rows(), request_bytes);
   if (!ticket.ok()) return ticket.status();
   RunBounds bounds;
   if (ctx) {
@@ -71,7 +103,11 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
     bounds.cancelled = [ctx] { return ctx->IsCancelled(); };
   }
   auto batch = batcher_.Run(*job, next_job_id_++, bounds);
+  if (!session.empty()) regions_->Touch(session);
   if (!batch.ok()) return batch.status();
+  // A client that shrank its region while the batch was planned: its rows were zeros.
+  if (resolved && resolved->rows_source)
+    if (absl::Status st = resolved->rows_source->status(); !st.ok()) return st;
   if (metrics_) metrics_->ObserveQueue(batch->queue_seconds);
   if (stats) {
     stats->queue_seconds = batch->queue_seconds;
@@ -204,6 +240,67 @@ grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v
   info->set_max_queue_bytes(config_.max_queue_bytes);
   info->set_max_queue_delay_seconds(std::chrono::duration<double>(config_.max_queue_delay).count());
   info->set_max_batch_tokens(config_.max_batch_tokens);
+  info->set_shared_memory_inputs(regions_ != nullptr);
+  if (regions_) {
+    const ClientRegions::Options& o = regions_->options();
+    info->set_host_id(host_id_);
+    info->set_max_shared_memory_bytes(o.max_bytes);
+    info->set_max_shared_memory_regions(o.max_regions);
+    info->set_shared_memory_idle_timeout_seconds(std::chrono::duration<double>(o.idle_timeout).count());
+  }
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::string> ScoringService::ShmSession(grpc::ServerContext* context, const char* method) {
+  if (grpc::Status st = Authorize(context, method); !st.ok()) return FromGrpc(st);
+  if (!regions_)
+    return absl::FailedPreconditionError("shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
+  return SharedMemoryOwner(*context);
+}
+
+namespace {
+
+/// Logs one shared-memory call and returns its gRPC status.
+grpc::Status Logged(const char* method, const std::string& what, const absl::Status& st) {
+  std::clog << "request method=" << method << " " << what << " status=" << absl::StatusCodeToString(st.code())
+            << (st.ok() ? "" : " message=\"" + std::string(st.message()) + "\"") << std::endl;
+  return ToGrpc(st);
+}
+
+}  // namespace
+
+grpc::Status ScoringService::RegisterSharedMemory(grpc::ServerContext* context,
+                                                  const v1::RegisterSharedMemoryRequest* req,
+                                                  v1::RegisterSharedMemoryResponse*) {
+  auto session = ShmSession(context, "RegisterSharedMemory");
+  const std::string what = absl::StrCat("region=", req->name(), " shm_name=", req->shm_name(),
+                                        " byte_size=", req->byte_size());
+  if (!session.ok()) return Logged("RegisterSharedMemory", what, session.status());
+  return Logged("RegisterSharedMemory", what,
+                regions_->Register(*session, req->name(), req->shm_name(), req->byte_size()));
+}
+
+grpc::Status ScoringService::UnregisterSharedMemory(grpc::ServerContext* context,
+                                                    const v1::UnregisterSharedMemoryRequest* req,
+                                                    v1::UnregisterSharedMemoryResponse* resp) {
+  auto session = ShmSession(context, "UnregisterSharedMemory");
+  const std::string what = absl::StrCat("region=", req->name());
+  if (!session.ok()) return Logged("UnregisterSharedMemory", what, session.status());
+  auto n = regions_->Unregister(*session, req->name());
+  if (n.ok()) resp->set_unregistered(*n);
+  return Logged("UnregisterSharedMemory", what, n.status());
+}
+
+grpc::Status ScoringService::ListSharedMemory(grpc::ServerContext* context, const v1::ListSharedMemoryRequest*,
+                                              v1::ListSharedMemoryResponse* resp) {
+  auto session = ShmSession(context, "ListSharedMemory");
+  if (!session.ok()) return ToGrpc(session.status());
+  for (const auto& r : regions_->List(*session)) {
+    v1::SharedMemoryRegionStatus* out = resp->add_regions();
+    out->set_name(r->name());
+    out->set_shm_name(r->shm_name());
+    out->set_byte_size(r->byte_size());
+  }
   return grpc::Status::OK;
 }
 

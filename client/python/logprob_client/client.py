@@ -10,7 +10,7 @@ import warnings
 import grpc
 import numpy as np
 
-from . import splitter
+from . import shared_memory, splitter
 from ._proto import pb2, pb2_grpc
 from .errors import InvalidInputError, LogprobError
 from .tensors import as_numpy, float_array, from_tensor, int_array
@@ -181,6 +181,8 @@ class LogprobClient:
         on_retry: optional ``callable(attempt, code, message, delay)`` called
             before each retry's sleep (logging, metrics).
         channel_options: extra ``grpc`` channel options.
+        shared_memory: send tensors through POSIX shared memory when the
+            server is on this host (``shared_memory.py``); False: always inline.
 
     Raises InvalidInputError for unreadable or empty TLS/token files.
     The client is thread-safe; use it as a context manager or ``close()`` it.
@@ -201,6 +203,7 @@ class LogprobClient:
         max_tokens_per_request=None,
         on_retry=None,
         channel_options=(),
+        shared_memory=True,
     ):
         self.target = target
         self.timeout = timeout
@@ -212,6 +215,7 @@ class LogprobClient:
         self._info = None
         self._info_lock = threading.Lock()
         self._rng = random.Random()
+        self._shm = shared_memory  # True: decided at the first score(); then a SharedMemoryInputs or None
 
         if token is not None and token_file is not None:
             raise InvalidInputError("give token or token_file, not both")
@@ -257,7 +261,9 @@ class LogprobClient:
     # -- lifecycle -------------------------------------------------------
 
     def close(self):
-        """Closes the channel."""
+        """Closes the channel (and removes the shared-memory regions)."""
+        if isinstance(self._shm, shared_memory.SharedMemoryInputs):
+            self._shm.close()
         self._channel.close()
 
     def __enter__(self):
@@ -268,13 +274,13 @@ class LogprobClient:
 
     # -- calls -----------------------------------------------------------
 
-    def _call(self, method, request, part=None, oversize=False):
+    def _call(self, method, request, part=None, oversize=False, metadata=None):
         """Sends ``request`` with retries; returns ``(response, attempts)``."""
         attempt = 0
         while True:
             attempt += 1
             try:
-                return method(request, timeout=self.timeout, metadata=self._metadata), attempt
+                return method(request, timeout=self.timeout, metadata=metadata or self._metadata), attempt
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
                 message = e.details() if hasattr(e, "details") else str(e)
@@ -350,6 +356,21 @@ class LogprobClient:
                 min(max_tokens, int(self.max_tokens_per_request)) if max_tokens > 0 else int(self.max_tokens_per_request)
             )
         return server_bytes, max_bytes, max_tokens
+
+    def _shared_memory_send(self, part_id, inputs, part):
+        """Sends one part through shared memory (``shared_memory.py``);
+        None when it is not used (then the caller sends inline)."""
+        if self._shm is True:
+            use = shared_memory.usable(self.server_info())
+            with self._info_lock:
+                if self._shm is True:
+                    self._shm = shared_memory.SharedMemoryInputs(self._stub, self.timeout, self._metadata) if use else None
+        if not self._shm:
+            return None
+        return self._shm.send(
+            part_id, inputs.tensors, inputs.options,
+            lambda req, md: self._call(self._stub.Score, req, part=part, metadata=md),
+        )
 
     def _next_id(self):
         return "py-%d-%d" % (os.getpid(), next(self._ids))
@@ -478,12 +499,16 @@ class LogprobClient:
         n = len(parts)
         outputs, attempts = [], 0
         for i, (part_id, part_inputs) in enumerate(parts):
-            # Each part's bytes exist only while it is sent.
-            request = splitter.build_part(part_id, part_inputs, max_bytes) if split else part_inputs.request(part_id)
-            response, tries = self._call(
-                self._stub.Score, request, part=(i + 1, n), oversize=request.ByteSize() > server_bytes
-            )
-            del request
+            sent = self._shared_memory_send(part_id, part_inputs, (i + 1, n))
+            if sent is not None:
+                response, tries = sent
+            else:
+                # Each part's bytes exist only while it is sent.
+                request = splitter.build_part(part_id, part_inputs, max_bytes) if split else part_inputs.request(part_id)
+                response, tries = self._call(
+                    self._stub.Score, request, part=(i + 1, n), oversize=request.ByteSize() > server_bytes
+                )
+                del request
             attempts += tries
             outputs.append({t.name: from_tensor(t, copy=n == 1) for t in response.outputs})
         return ScoreResult(splitter.join(outputs), request_id, n, attempts)
