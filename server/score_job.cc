@@ -23,8 +23,10 @@ class InputBytes {
  public:
   InputBytes(const v1::ScoreRequest& req, const std::vector<std::string_view>* data) : req_(req), data_(data) {}
   std::string_view operator()(const v1::Tensor* t) const {
-    if (data_ == nullptr) return t->data();
-    return (*data_)[t - &req_.inputs(0)];
+    if (data_ != nullptr)
+      for (int i = 0; i < req_.inputs_size(); ++i)
+        if (&req_.inputs(i) == t) return (*data_)[i];
+    return t->data();
   }
 
  private:

@@ -20,12 +20,15 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <future>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "client/shm_inputs.h"
+#include "common/dtype.h"
+#include "common/safetensors.h"
 #include "common/shared_memory.h"
 #include "tests/test_support.h"
 
@@ -147,6 +150,33 @@ void WaitForMetric(int port, const std::string& series, double want) {
   FAIL() << series << " did not reach " << want << " within 60 s (last " << last << ")";
 }
 
+/// Writes `bf16_path`'s `lm_head.weight` (BF16) as F32 to `path`: the same
+/// values (bf16 widens exactly), so hidden-states results stay within the
+/// SPEC tolerance of the bf16 references, and the F32 GEMM runs on CPUs
+/// without oneDNN bf16 support (AVX2-only machines).
+std::string F32LmHead(const std::string& bf16_path, const std::string& tag) {
+  const std::string path = ::testing::TempDir() + "/" + tag + "_f32_lm_head." + std::to_string(getpid()) + ".safetensors";
+  auto file = ReadSafetensors(bf16_path);
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return path;
+  const v1::Tensor* w = file->Find("lm_head.weight");
+  EXPECT_TRUE(w != nullptr && w->dtype() == v1::BF16);
+  if (w == nullptr) return path;
+  const size_t n = w->data().size() / 2;
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t b;
+    std::memcpy(&b, w->data().data() + 2 * i, 2);
+    f[i] = Bf16ToFloat(b);
+  }
+  v1::Tensor t = *w;
+  t.set_dtype(v1::F32);
+  t.set_data(f.data(), n * sizeof(float));
+  const absl::Status st = WriteSafetensors(path, {t});
+  EXPECT_TRUE(st.ok()) << st;
+  return path;
+}
+
 class SharedMemoryInputs : public ::testing::Test {
  protected:
   std::unique_ptr<ServerProcess> StartServer(const std::vector<std::string>& extra = {}) {
@@ -175,7 +205,8 @@ TEST_F(SharedMemoryInputs, ServerInfoReportsTheHostAndLimits) {
 
 TEST_F(SharedMemoryInputs, GoldenCasesThroughARegionAreBitwiseInline) {
   HiddenWorkload work("shm_golden", 3000, 256, 11, 1, 37);
-  auto server = StartServer({"--lm-head", work.lm_head});
+  const std::string lm_head = F32LmHead(work.lm_head, "shm_golden");
+  auto server = StartServer({"--lm-head", lm_head});
   ASSERT_TRUE(server);
   auto stub = server->NewStub();
   client::ShmInputs shm(*stub, 60);
@@ -207,7 +238,8 @@ TEST_F(SharedMemoryInputs, GoldenCasesThroughARegionAreBitwiseInline) {
     }
   }
   // The hidden-states golden case on a server with its lm_head.
-  auto hidden_server = ServerProcess::Start(kWorkers, {"--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"});
+  const std::string golden_lm_head = F32LmHead(GoldenDir() + "/hidden_bf16.lm_head.safetensors", "shm_golden_case");
+  auto hidden_server = ServerProcess::Start(kWorkers, {"--lm-head", golden_lm_head});
   ASSERT_TRUE(hidden_server);
   auto hidden_stub = hidden_server->NewStub();
   client::ShmInputs hidden_shm(*hidden_stub, 60);
@@ -220,6 +252,8 @@ TEST_F(SharedMemoryInputs, GoldenCasesThroughARegionAreBitwiseInline) {
   ASSERT_TRUE(s.ok()) << s.error_message();
   const std::vector<v1::Tensor> got(resp.outputs().begin(), resp.outputs().end());
   EXPECT_EQ(CompareOutputs(goldens.back().expected.tensors, got), "");
+  std::filesystem::remove(lm_head);
+  std::filesystem::remove(golden_lm_head);
 }
 
 TEST_F(SharedMemoryInputs, RegisterUseListUnregister) {
@@ -403,8 +437,11 @@ TEST_F(SharedMemoryInputs, NamesAndCapsAreChecked) {
 }
 
 TEST_F(SharedMemoryInputs, TruncatedRegionsGiveAClearErrorAndTheServerGoesOn) {
-  HiddenWorkload work("shm_truncate", kV, kH, 21, 32768, 16);
-  auto server = StartServer({"--lm-head", work.lm_head, "--max-queue-delay", "10s"});
+  // The slow request: 8192 rows against an F32 lm_head [32000, 1024]
+  // (seconds of GEMM on 2 cores).
+  HiddenWorkload work("shm_truncate", kV, kH, 21, 8192, 16);
+  const std::string lm_head = F32LmHead(work.lm_head, "shm_truncate");
+  auto server = StartServer({"--lm-head", lm_head, "--max-queue-delay", "10s"});
   ASSERT_TRUE(server);
   auto stub = server->NewStub();
   Session a{"session-truncate-0123456789", *stub};
@@ -463,6 +500,7 @@ TEST_F(SharedMemoryInputs, TruncatedRegionsGiveAClearErrorAndTheServerGoesOn) {
   v1::ScoreResponse resp;
   ASSERT_TRUE(stub->Score(&ctx, GoldenRequest(g), &resp).ok());
   EXPECT_TRUE(OutputBytes(resp) == OutputBytes(inline_resp));
+  std::filesystem::remove(lm_head);
 }
 
 TEST_F(SharedMemoryInputs, IdleSessionsLoseTheirRegions) {
