@@ -357,9 +357,10 @@ class LogprobClient:
             )
         return server_bytes, max_bytes, max_tokens
 
-    def _shared_memory_send(self, part_id, inputs, part):
+    def _shared_memory_send(self, part_id, inputs, part, server_bytes):
         """Sends one part through shared memory (``shared_memory.py``);
-        None when it is not used (then the caller sends inline)."""
+        None when it is not used (then the caller sends inline). The server
+        counts referenced bytes against its max_request_bytes, like inline."""
         if self._shm is True:
             use = shared_memory.usable(self.server_info())
             with self._info_lock:
@@ -369,7 +370,9 @@ class LogprobClient:
             return None
         return self._shm.send(
             part_id, inputs.tensors, inputs.options,
-            lambda req, md: self._call(self._stub.Score, req, part=part, metadata=md),
+            lambda req, md: self._call(
+                self._stub.Score, req, part=part, metadata=md, oversize=inputs.data_bytes() > server_bytes
+            ),
         )
 
     def _next_id(self):
@@ -499,7 +502,7 @@ class LogprobClient:
         n = len(parts)
         outputs, attempts = [], 0
         for i, (part_id, part_inputs) in enumerate(parts):
-            sent = self._shared_memory_send(part_id, part_inputs, (i + 1, n))
+            sent = self._shared_memory_send(part_id, part_inputs, (i + 1, n), server_bytes)
             if sent is not None:
                 response, tries = sent
             else:

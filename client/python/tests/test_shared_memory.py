@@ -72,7 +72,7 @@ class SharedMemoryTest(unittest.TestCase):
                     for k, v in ref.outputs.items():
                         self.assertTrue(np.array_equal(v, got.outputs[k], equal_nan=True), k)
             self.assertIsInstance(shm_client._shm, shared_memory.SharedMemoryInputs)
-            self.assertIsNone(inline_client._shm)
+            self.assertFalse(inline_client._shm)
             self.assertEqual(len(region_names(shm_client)), 1, "one reused region for sequential calls")
             wait_for_metric(self, self.metrics_port, "logprob_shared_memory_regions", 1)
         # close() unregistered it.
