@@ -260,8 +260,9 @@ absl::StatusOr<std::string> ScoringService::ShmSession(grpc::ServerContext* cont
 
 namespace {
 
-/// Logs one shared-memory call and returns its gRPC status.
-grpc::Status Logged(const char* method, const std::string& what, const absl::Status& st) {
+/// Logs and counts (logprob_requests_total) one shared-memory call and returns its gRPC status.
+grpc::Status Logged(Metrics* metrics, const char* method, const std::string& what, const absl::Status& st) {
+  if (metrics) metrics->ObserveRequest(method, absl::StatusCodeToString(st.code()), 0, 0);
   std::clog << "request method=" << method << " " << what << " status=" << absl::StatusCodeToString(st.code())
             << (st.ok() ? "" : " message=\"" + std::string(st.message()) + "\"") << std::endl;
   return ToGrpc(st);
@@ -275,8 +276,8 @@ grpc::Status ScoringService::RegisterSharedMemory(grpc::ServerContext* context,
   auto session = ShmSession(context, "RegisterSharedMemory");
   const std::string what = absl::StrCat("region=", req->name(), " shm_name=", req->shm_name(),
                                         " byte_size=", req->byte_size());
-  if (!session.ok()) return Logged("RegisterSharedMemory", what, session.status());
-  return Logged("RegisterSharedMemory", what,
+  if (!session.ok()) return Logged(metrics_, "RegisterSharedMemory", what, session.status());
+  return Logged(metrics_, "RegisterSharedMemory", what,
                 regions_->Register(*session, req->name(), req->shm_name(), req->byte_size()));
 }
 
@@ -285,10 +286,10 @@ grpc::Status ScoringService::UnregisterSharedMemory(grpc::ServerContext* context
                                                     v1::UnregisterSharedMemoryResponse* resp) {
   auto session = ShmSession(context, "UnregisterSharedMemory");
   const std::string what = absl::StrCat("region=", req->name());
-  if (!session.ok()) return Logged("UnregisterSharedMemory", what, session.status());
+  if (!session.ok()) return Logged(metrics_, "UnregisterSharedMemory", what, session.status());
   auto n = regions_->Unregister(*session, req->name());
   if (n.ok()) resp->set_unregistered(*n);
-  return Logged("UnregisterSharedMemory", what, n.status());
+  return Logged(metrics_, "UnregisterSharedMemory", what, n.status());
 }
 
 grpc::Status ScoringService::ListSharedMemory(grpc::ServerContext* context, const v1::ListSharedMemoryRequest*,

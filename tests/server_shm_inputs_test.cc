@@ -520,6 +520,39 @@ TEST_F(SharedMemoryInputs, IdleSessionsLoseTheirRegions) {
   EXPECT_EQ(a.Score(req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+TEST_F(SharedMemoryInputs, CliScoreAndBenchSendThroughARegion) {
+  auto server = StartServer();
+  ASSERT_TRUE(server);
+  const GoldenCase g = LoadGolden("sampling_f32");
+  const std::string out = ::testing::TempDir() + "/shm_cli_out." + std::to_string(getpid()) + ".safetensors";
+  const std::string client = BinDir() + "/logprob-client";
+  const CommandResult score = RunCommand(client + " score --server " + server->address() + " --input " + GoldenDir() +
+                                         "/sampling_f32.safetensors --output " + out + " --shared-memory" +
+                                         CliOptionFlags(g) + " 2>&1");
+  ASSERT_EQ(score.code, 0) << score.output;
+  auto got = ReadSafetensors(out);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(CompareOutputs(g.expected.tensors, got->tensors), "");
+  std::filesystem::remove(out);
+  const CommandResult bench =
+      RunCommand(client + " bench --server " + server->address() +
+                 " --shared-memory --batch 2 --seq 64 --vocab 1000 --requests 5 --warmup 0 --no-echo --progress 0 2>&1");
+  ASSERT_EQ(bench.code, 0) << bench.output;
+  // Each command registered one region, and removed it when it exited.
+  const CommandResult m = ScrapeMetrics(metrics_port_);
+  ASSERT_EQ(m.code, 0) << m.output;
+  EXPECT_EQ(MetricSample(m.output, R"(logprob_requests_total{code="OK",method="RegisterSharedMemory"})"), 2);
+  EXPECT_EQ(MetricSample(m.output, R"(logprob_requests_total{code="OK",method="UnregisterSharedMemory"})"), 2);
+  EXPECT_EQ(MetricSample(m.output, "logprob_shared_memory_regions"), 0);
+  // The server has shared-memory inputs off: a clear error, exit 1.
+  auto off = ServerProcess::Start(1, {"--shared-memory-inputs=false"});
+  ASSERT_TRUE(off);
+  const CommandResult refused = RunCommand(client + " score --server " + off->address() + " --input " + GoldenDir() +
+                                           "/basic_f32.safetensors --output " + out + " --shared-memory 2>&1");
+  EXPECT_EQ(refused.code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("shared-memory inputs off"), std::string::npos) << refused.output;
+}
+
 TEST_F(SharedMemoryInputs, DisabledByFlag) {
   auto server = StartServer({"--shared-memory-inputs=false"});
   ASSERT_TRUE(server);
