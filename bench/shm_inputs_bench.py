@@ -14,7 +14,7 @@ Per request and path (interleaved rounds, medians):
 
 Usage: PYTHONPATH=client/python:build/python python3 bench/shm_inputs_bench.py
        [--rounds 7] [--tokens 8192] [--hidden 4096] [--vocab 2048] [--workers 2]
-       [--concurrency 2] [--port 45113]
+       [--concurrency 2] [--port 45113] [--lm-head-dtype bf16|f32]
 """
 
 import argparse
@@ -67,6 +67,8 @@ def main():
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--port", type=int, default=45113)
+    ap.add_argument("--lm-head-dtype", choices=("bf16", "f32"), default="bf16",
+                    help="f32 where oneDNN has no bf16 matmul (CPUs without AVX-512)")
     args = ap.parse_args()
     T, H, V = args.tokens, args.hidden, args.vocab
 
@@ -74,7 +76,11 @@ def main():
     tmp = tempfile.mkdtemp(prefix="shm_bench_")
     lm_head = os.path.join(tmp, "lm_head.safetensors")
     w = (rng.standard_normal((V, H), dtype=np.float32) * 0.02).view(np.uint32)
-    safetensors.save(lm_head, {"lm_head.weight": (w >> 16).astype(np.uint16)}, bf16=("lm_head.weight",))
+    w = (w >> 16).astype(np.uint16)  # bf16 bits
+    if args.lm_head_dtype == "bf16":
+        safetensors.save(lm_head, {"lm_head.weight": w}, bf16=("lm_head.weight",))
+    else:  # the same values, widened
+        safetensors.save(lm_head, {"lm_head.weight": (w.astype(np.uint32) << 16).view(np.float32)})
     hidden = (rng.standard_normal((T, H), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
     ids = rng.integers(0, V, size=T, dtype=np.int64)
     cu = np.array([0, T], dtype=np.int32)
@@ -139,8 +145,9 @@ def main():
                 rss[name].append((peak - before) / 1024.0 / C)
 
         mb = T * H * 2 / 2 ** 20
-        print("request: hidden_states [%d, %d] bf16 (%.0f MiB), lm_head [%d, %d] bf16, %d CPU workers; "
-              "%d rounds; shared memory used: %s" % (T, H, mb, V, H, args.workers, args.rounds, used_shm))
+        print("request: hidden_states [%d, %d] bf16 (%.0f MiB), lm_head [%d, %d] %s, %d CPU workers; "
+              "%d rounds; shared memory used: %s" % (T, H, mb, V, H, args.lm_head_dtype, args.workers, args.rounds,
+                                                     used_shm))
         print("| path | client latency p50 (ms) | server handler p50 (ms) | latency - handler p50 (ms) | "
               "peak RSS growth per request in flight, C=%d (MiB) |" % C)
         print("| --- | ---: | ---: | ---: | ---: |")

@@ -229,17 +229,24 @@ absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegions::Find(const st
                                           "of idle sessions expire)"));
 }
 
-void ClientRegions::Touch(const std::string& owner) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(owner);
-  if (it != sessions_.end()) it->second.last_used = std::chrono::steady_clock::now();
+std::shared_ptr<void> ClientRegions::Hold(const std::string& owner) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++sessions_[owner].in_flight;
+  }
+  return std::shared_ptr<void>(nullptr, [this, owner](void*) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Session& s = sessions_[owner];
+    --s.in_flight;
+    s.last_used = std::chrono::steady_clock::now();
+  });
 }
 
 int ClientRegions::ExpireIdle(std::chrono::steady_clock::time_point now) {
   std::vector<std::shared_ptr<const ClientRegion>> gone;  // closed after the lock
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = sessions_.begin(); it != sessions_.end();) {
-    if (now - it->second.last_used < options_.idle_timeout) {
+    if (it->second.in_flight > 0 || now - it->second.last_used < options_.idle_timeout) {
       ++it;
       continue;
     }

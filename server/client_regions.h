@@ -115,10 +115,12 @@ class ClientRegions {
   /// Region `name` of `owner`; NOT_FOUND when the session has none of
   /// that name (whoever else may have one).
   absl::StatusOr<std::shared_ptr<const ClientRegion>> Find(const std::string& owner, const std::string& name);
-  /// Marks the session as active now (every call of it does).
-  void Touch(const std::string& owner);
+  /// Keeps session `owner` from expiring while the returned object lives
+  /// (a request in flight), and marks it active when it goes.
+  std::shared_ptr<void> Hold(const std::string& owner);
   /// Removes the regions of sessions idle for longer than idle_timeout at
-  /// `now`; returns how many regions went (the reaper calls it).
+  /// `now` with no Hold() alive; returns how many regions went (the reaper
+  /// calls it).
   int ExpireIdle(std::chrono::steady_clock::time_point now);
 
   const Options& options() const { return options_; }
@@ -127,6 +129,7 @@ class ClientRegions {
   struct Session {
     std::map<std::string, std::shared_ptr<const ClientRegion>> regions;
     std::chrono::steady_clock::time_point last_used;
+    int in_flight = 0;  // Hold()s alive
   };
   void Changed();  // lock held
 

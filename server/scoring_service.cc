@@ -74,14 +74,14 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
                                                            grpc::ServerContext* ctx) {
   // Shared-memory references resolve into the views BuildScoreJob checks.
   std::optional<ResolvedInputs> resolved;
-  std::string session;
+  std::shared_ptr<void> session_hold;  // the session does not expire while the request runs
   if (HasSharedMemoryRefs(req)) {
     if (!regions_) return absl::FailedPreconditionError("shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
     if (ctx == nullptr) return absl::InvalidArgumentError("shared-memory references need a call's session");
     auto owner = SharedMemoryOwner(*ctx);
     if (!owner.ok()) return owner.status();
-    session = *std::move(owner);
-    auto r = ResolveSharedInputs(req, *regions_, session);
+    session_hold = regions_->Hold(*owner);
+    auto r = ResolveSharedInputs(req, *regions_, *owner);
     if (!r.ok()) return r.status();
     resolved = *std::move(r);
   }
@@ -103,7 +103,6 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
     bounds.cancelled = [ctx] { return ctx->IsCancelled(); };
   }
   auto batch = batcher_.Run(*job, next_job_id_++, bounds);
-  if (!session.empty()) regions_->Touch(session);
   if (!batch.ok()) return batch.status();
   // A client that shrank its region while the batch was planned: its rows were zeros.
   if (resolved && resolved->rows_source)
