@@ -494,6 +494,56 @@ TEST_F(SharedMemoryInputs, TruncatedRegionsGiveAClearErrorAndTheServerGoesOn) {
     EXPECT_TRUE(slow.get().ok());
   }
 
+  // Batched: an inline request and two referencing the region (at
+  // different offsets) queue behind a slow one and run as one worker batch
+  // (ConcatJobs keeps each job's row source); each result is bitwise the
+  // inline one.
+  {
+    TestRegion region(2 * size);
+    ASSERT_TRUE(a.Register("batched", region.name(), 2 * size).ok());
+    v1::ScoreRequest first = GoldenRequest(g);
+    region.Place(&first, "batched");
+    v1::ScoreRequest second = first;  // the same bytes again, `size` bytes further
+    for (auto& t : *second.mutable_inputs()) {
+      const int64_t at = t.shared_memory().offset() + static_cast<int64_t>(size);
+      std::memcpy(region.data() + at, region.data() + t.shared_memory().offset(), t.shared_memory().byte_size());
+      t.mutable_shared_memory()->set_offset(at);
+    }
+    const CommandResult before = ScrapeMetrics(metrics_port_);
+    auto slow = std::async(std::launch::async, [&] {
+      grpc::ClientContext ctx;
+      v1::ScoreResponse r;
+      return stub->Score(&ctx, work.slow, &r);
+    });
+    WaitForMetric(metrics_port_, "logprob_inflight_requests", 1);
+    std::vector<std::future<std::pair<grpc::Status, std::string>>> queued;
+    for (const v1::ScoreRequest* r : {&first, &second}) {
+      queued.push_back(std::async(std::launch::async, [&a, r] {
+        v1::ScoreResponse resp;
+        grpc::Status st = a.Score(*r, &resp);
+        return std::make_pair(st, OutputBytes(resp));
+      }));
+    }
+    queued.push_back(std::async(std::launch::async, [&] {
+      grpc::ClientContext ctx;
+      v1::ScoreResponse resp;
+      grpc::Status st = stub->Score(&ctx, GoldenRequest(g), &resp);
+      return std::make_pair(st, OutputBytes(resp));
+    }));
+    WaitForMetric(metrics_port_, "logprob_queued_requests", 3);
+    for (auto& q : queued) {
+      const auto [st, bytes] = q.get();
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      EXPECT_TRUE(bytes == OutputBytes(inline_resp)) << "batched shared-memory result differs from inline";
+    }
+    ASSERT_TRUE(slow.get().ok());
+    const CommandResult after = ScrapeMetrics(metrics_port_);
+    EXPECT_EQ(MetricSample(after.output, "logprob_batch_requests_count") -
+                  MetricSample(before.output, "logprob_batch_requests_count"),
+              2)
+        << "the slow request's batch and one batch of the three";
+  }
+
   // The server and its workers are fine.
   EXPECT_TRUE(server->Alive());
   grpc::ClientContext ctx;
