@@ -1,4 +1,5 @@
 #include "client/bench.h"
+#include "client/shm_inputs.h"
 
 #include <unistd.h>
 
@@ -116,6 +117,7 @@ struct Target {
   std::shared_ptr<grpc::Channel> channel;
   bool chunked = false;
   int64_t piece_bytes = 0;
+  const ShmInputs* shm = nullptr;  // the session whose region the request references (unary only)
 };
 
 // One call of `request` to `target`, recorded in `tally` when set.
@@ -127,6 +129,7 @@ void CallOnce(const Target& target, const v1::ScoreRequest& request, double time
   } else {
     grpc::ClientContext context;
     SetTimeout(&context, timeout_seconds);
+    if (target.shm != nullptr) target.shm->Attach(&context);
     v1::ScoreResponse reply;
     status = FromGrpc(target.stub->Score(&context, request, &reply));
   }
@@ -250,9 +253,10 @@ int RunBench(const BenchArgs& args) {
   report.concurrency = args.concurrency;
   report.request_bytes = static_cast<int64_t>(request->ByteSizeLong());  // also caches the size before threads share it
   report.tokens_per_request = ShapeTokens(shape);
-  report.chunked = UseChunked(args.chunking, report.request_bytes);
+  // Shared-memory requests carry references only: always one Score message.
+  report.chunked = !args.shared_memory && UseChunked(args.chunking, report.request_bytes);
   const std::string method = report.chunked ? "ScoreChunked" : "Score";
-  const Target scoring{stub.get(), channel, report.chunked, args.chunking.piece_bytes};
+  Target scoring{stub.get(), channel, report.chunked, args.chunking.piece_bytes};
 
   if (info.max_request_bytes() > 0 && report.request_bytes > info.max_request_bytes()) {
     PrintError(absl::InvalidArgumentError(absl::StrCat(
@@ -270,6 +274,26 @@ int RunBench(const BenchArgs& args) {
       return kExitBadInput;
     }
   }
+  // --shared-memory: the scoring phase sends `placed`, whose tensors lie
+  // in a region registered once (every call reads the same bytes).
+  std::unique_ptr<ShmInputs> shm;
+  v1::ScoreRequest placed;
+  if (args.shared_memory) {
+    if (!SameSharedMemoryHost(info)) {
+      PrintError(absl::FailedPreconditionError(
+          "--shared-memory: the server has shared-memory inputs off or does not share this host's /dev/shm"));
+      return kExitFailure;
+    }
+    shm = std::make_unique<ShmInputs>(*stub, args.timeout_seconds);
+    placed = *request;
+    if (absl::Status st = shm->Place(&placed); !st.ok()) {
+      PrintError(st);
+      return kExitFailure;
+    }
+    placed.ByteSizeLong();  // caches the size before threads share it
+  }
+  const v1::ScoreRequest& scored = shm ? placed : *request;
+  scoring.shm = shm.get();
   v1::ScoreResponse probe_reply;
   {
     absl::StatusOr<v1::ScoreResponse> probe;
@@ -278,8 +302,9 @@ int RunBench(const BenchArgs& args) {
     } else {
       grpc::ClientContext context;
       SetTimeout(&context, args.timeout_seconds);
+      if (shm) shm->Attach(&context);
       probe = v1::ScoreResponse();
-      if (const grpc::Status s = stub->Score(&context, *request, &*probe); !s.ok()) probe = FromGrpc(s);
+      if (const grpc::Status s = stub->Score(&context, scored, &*probe); !s.ok()) probe = FromGrpc(s);
     }
     if (!probe.ok()) {
       PrintError(absl::Status(probe.status().code(), absl::StrCat("probe request: ", probe.status().message())));
@@ -297,7 +322,7 @@ int RunBench(const BenchArgs& args) {
   plan.timeout_seconds = args.timeout_seconds;
   plan.progress_seconds = args.progress_seconds;
 
-  report.scoring = RunPhase("scoring", scoring, *request, plan, [&] {
+  report.scoring = RunPhase("scoring", scoring, scored, plan, [&] {
     if (args.metrics_url.empty()) return;
     absl::StatusOr<ServerTimings> t = ScrapeTimings(args.metrics_url, method);
     if (t.ok()) before = *t;

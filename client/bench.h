@@ -26,6 +26,7 @@ struct BenchArgs {
   int64_t requests = 0;            // --requests N > 0: N measured calls per phase instead of --duration
   double warmup_seconds = 1;       // --warmup: seconds of unmeasured calls before each phase
   bool echo = true;                // --no-echo: skip the echo phase
+  bool shared_memory = false;      // --shared-memory: scoring phase's tensors in a registered region
   std::string metrics_url;         // --metrics-url http://HOST:PORT/metrics: server-side split
   bool json = false;               // --json: JSON on stdout instead of the table
   double progress_seconds = 5;     // --progress: seconds between progress lines on stderr; 0 = none

@@ -139,6 +139,8 @@ absl::Status ApplyScoreFlag(const std::string& flag, const std::string& v, Score
     return ParseInt64(flag, v, &a->chunking.above_bytes);
   } else if (flag == "piece-bytes") {
     return ParsePositive(flag, v, &a->chunking.piece_bytes);
+  } else if (flag == "shared-memory") {
+    return ParseBool(flag, v, &a->shared_memory);
   } else {
     return absl::InvalidArgumentError(absl::StrCat("score: unknown flag --", flag));
   }
@@ -195,6 +197,8 @@ absl::Status ApplyBenchFlag(const std::string& flag, const std::string& v, Bench
     a->metrics_url = v;
   } else if (flag == "json") {
     return ParseBool(flag, v, &a->json);
+  } else if (flag == "shared-memory") {
+    return ParseBool(flag, v, &a->shared_memory);
   } else if (flag == "no-echo") {
     bool no_echo = false;
     if (absl::Status s = ParseBool(flag, v, &no_echo); !s.ok()) return s;
@@ -207,7 +211,7 @@ absl::Status ApplyBenchFlag(const std::string& flag, const std::string& v, Bench
 
 // Flags that take no value (given alone they mean "true").
 bool IsSwitch(CommandLine::Command command, const std::string& flag) {
-  if (flag == "entropy") return command != CommandLine::Command::kHealth;
+  if (flag == "entropy" || flag == "shared-memory") return command != CommandLine::Command::kHealth;
   return command == CommandLine::Command::kBench && (flag == "json" || flag == "no-echo");
 }
 
@@ -328,6 +332,9 @@ std::string UsageText() {
                                 -1: always one Score message)
     --piece-bytes N             bytes per piece (default 4194304 = 4 MiB)
     --timeout SECONDS           deadline of each call (default: none)
+    --shared-memory             send the tensors through a POSIX shared-memory
+                                region registered with the server (same host
+                                only; an error if the server cannot use it)
 
   logprob-client bench --server HOST:PORT [shape] [options] [load options]
       [security options]
@@ -354,6 +361,9 @@ std::string UsageText() {
     --requests N                or: N measured calls per phase
     --warmup SECONDS            unmeasured calls before each phase (default 1)
     --no-echo                   skip the echo phase
+    --shared-memory             scoring phase sends the tensors through a
+                                registered shared-memory region (same host);
+                                the echo phase still sends the bytes
     --metrics-url URL           the server's /metrics (http://HOST:PORT/metrics,
                                 see --metrics-listen): adds the server's
                                 time split (queue/validation, dispatch, compute)

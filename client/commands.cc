@@ -92,19 +92,23 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
                                                const ChunkOptions& chunking,
                                                double timeout_seconds,
                                                const std::function<void(int, int)>& progress,
-                                               int* parts_sent) {
+                                               int* parts_sent, ShmInputs* shm) {
   LOGPROB_ASSIGN_OR_RETURN(std::vector<v1::ScoreRequest> parts, SplitScoreRequest(request, limits));
   const int n = static_cast<int>(parts.size());
   std::vector<v1::ScoreResponse> responses(n);
   for (int i = 0; i < n; ++i) {
     absl::Status s;
-    if (channel && UseChunked(chunking, static_cast<int64_t>(parts[i].ByteSizeLong()))) {
+    if (shm == nullptr && channel && UseChunked(chunking, static_cast<int64_t>(parts[i].ByteSizeLong()))) {
       absl::StatusOr<v1::ScoreResponse> r = ScoreChunked(channel, parts[i], chunking.piece_bytes, timeout_seconds);
       if (r.ok()) responses[i] = *std::move(r);
       s = r.status();
     } else {
       grpc::ClientContext context;
       SetTimeout(&context, timeout_seconds);
+      if (shm != nullptr) {
+        LOGPROB_RETURN_IF_ERROR(shm->Place(&parts[i]));
+        shm->Attach(&context);
+      }
       s = FromGrpc(stub.Score(&context, parts[i], &responses[i]));
     }
     if (!s.ok()) {
@@ -148,6 +152,16 @@ int RunScore(const ScoreArgs& args) {
   limits.max_bytes = std::max<int64_t>(1, static_cast<int64_t>(limit * kRequestFill));
   limits.max_tokens = info->max_tokens_per_request();
 
+  std::unique_ptr<ShmInputs> shm;
+  if (args.shared_memory) {
+    if (!SameSharedMemoryHost(*info)) {
+      PrintError(absl::FailedPreconditionError(
+          info->shared_memory_inputs() ? "--shared-memory: the server does not share this host's /dev/shm (host_id differs)"
+                                       : "--shared-memory: the server has shared-memory inputs off"));
+      return kExitFailure;
+    }
+    shm = std::make_unique<ShmInputs>(*stub, args.timeout_seconds);
+  }
   // The request's tensors without data, and their bytes in the mapping.
   int64_t request_bytes = static_cast<int64_t>(request->ByteSizeLong());
   std::vector<int> pieced;
@@ -168,15 +182,16 @@ int RunScore(const ScoreArgs& args) {
   const auto start = std::chrono::steady_clock::now();
   int parts = 1;
   absl::StatusOr<v1::ScoreResponse> response;
-  if (one_request && UseChunked(args.chunking, request_bytes)) {
+  if (!shm && one_request && UseChunked(args.chunking, request_bytes)) {
     response = ScoreChunkedViews(channel, *request, pieced, data, args.chunking.piece_bytes, args.timeout_seconds);
   } else {
-    // One message, or split into parts: the request holds its bytes.
+    // One message, or split into parts, or through shared memory: the request holds its bytes.
     for (size_t k = 0; k < pieced.size(); ++k)
       request->mutable_inputs(pieced[k])->set_data(data[k].data(), data[k].size());
     response = ScoreInParts(
         *stub, channel, *request, limits, args.chunking, args.timeout_seconds,
-        [](int i, int n) { std::cerr << "scored part " << i << "/" << n << std::endl; }, &parts);
+        [](int i, int n) { std::cerr << "scored part " << i << "/" << n << std::endl; }, &parts,
+        shm.get());
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

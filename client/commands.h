@@ -11,6 +11,7 @@
 #include "client/chunked_call.h"
 #include "client/request_builder.h"
 #include "client/request_splitter.h"
+#include "client/shm_inputs.h"
 #include "grpcpp/client_context.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 
@@ -66,6 +67,7 @@ struct ScoreArgs {
   double timeout_seconds = 0;      // deadline of each RPC; 0 = none
   ChannelOptions channel;          // TLS and bearer token (--tls-*, --auth-token-file)
   ChunkOptions chunking;           // --chunk-above, --piece-bytes
+  bool shared_memory = false;      // --shared-memory: tensors through a registered region (client/shm_inputs.h)
 };
 
 /// Runs `score`: reads the input file, asks the server for its limits
@@ -79,16 +81,18 @@ int RunScore(const ScoreArgs& args);
 
 /// Sends `request` as the parts SplitScoreRequest makes under `limits`,
 /// one call after another (each with deadline `timeout_seconds` when > 0):
-/// a part over `chunking.above_bytes` through ScoreChunked on `channel`
-/// (ScoreChunked; when `channel` is null, always Score), others through
-/// a unary Score, and joins the responses into the response of `request`
-/// (same id). `progress`, when set, is called with
-/// (i, n) after part i of n > 1 has been scored. Errors: the first failing
-/// call's status (gRPC code and message), or a splitting/joining error.
+/// with `shm`, each part's tensors go through its region (ShmInputs::Place)
+/// and the part is one unary Score; otherwise a part over
+/// `chunking.above_bytes` goes through ScoreChunked on `channel` (when
+/// `channel` is null, always Score), others through a unary Score. Joins
+/// the responses into the response of `request` (same id). `progress`,
+/// when set, is called with (i, n) after part i of n > 1 has been scored.
+/// Errors: the first failing call's status (gRPC code and message), or a
+/// splitting/joining error.
 absl::StatusOr<v1::ScoreResponse> ScoreInParts(
     v1::LogprobService::StubInterface& stub, const std::shared_ptr<grpc::Channel>& channel,
     const v1::ScoreRequest& request, const SplitLimits& limits, const ChunkOptions& chunking,
     double timeout_seconds,
-    const std::function<void(int, int)>& progress, int* parts_sent = nullptr);
+    const std::function<void(int, int)>& progress, int* parts_sent = nullptr, ShmInputs* shm = nullptr);
 
 }  // namespace logprob::client

@@ -16,7 +16,8 @@ absl::StatusOr<TensorAssembler> TensorAssembler::Plan(google::protobuf::Repeated
     const v1::Tensor& t = tensors->Get(i);
     Slot& slot = a.slots_[i];
     slot.size = -1;
-    if (!t.data().empty()) continue;  // came whole in the first part
+    if (!t.data().empty()) continue;         // came whole in the first part
+    if (t.has_shared_memory()) continue;     // its bytes lie in a registered region (shared-memory inputs)
     const std::string shape = absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
     uint64_t numel = 1;
     for (int64_t d : t.shape()) {

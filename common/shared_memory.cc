@@ -11,8 +11,10 @@
 #include <filesystem>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/sha256.h"
 
 namespace logprob {
 namespace {
@@ -76,6 +78,15 @@ int RemoveStaleRegions() {
     if (shm_unlink(("/" + name).c_str()) == 0) ++removed;
   }
   return removed;
+}
+
+std::string SharedMemoryHostId() {
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  struct stat st;
+  const std::string dev = stat("/dev/shm", &st) == 0 ? std::to_string(static_cast<uint64_t>(st.st_dev)) : "";
+  if (boot_id.empty() && dev.empty()) return "";
+  return Sha256Hex(boot_id + ":" + dev).substr(0, 32);
 }
 
 SharedRegion::~SharedRegion() {

@@ -47,4 +47,12 @@ class SharedRegion {
 /// returns how many. Best effort: errors are ignored.
 int RemoveStaleRegions();
 
+/// This host's shared-memory namespace identity (ServerInfo.host_id): the
+/// first 32 hex digits of SHA-256("<boot_id>:<st_dev of /dev/shm>")
+/// (boot_id from /proc/sys/kernel/random/boot_id, st_dev in decimal), so
+/// two processes agree exactly when they run on one kernel and see one
+/// /dev/shm mount (containers with their own /dev/shm differ). Empty if
+/// neither can be read.
+std::string SharedMemoryHostId();
+
 }  // namespace logprob

@@ -43,7 +43,15 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
   all.row_bytes = first.row_bytes;
   all.gather_k = first.gather_k;
   all.options = first.options;
+  bool any_source = false;
+  for (const ScoreJob* j : jobs) any_source |= !j->row_sources.empty();
   for (const ScoreJob* j : jobs) {
+    if (any_source) {
+      // Each job's rows keep their sources (null: in memory).
+      const int64_t at = all.num_rows();
+      if (j->row_sources.empty() || j->row_sources.front().first_row > 0) all.row_sources.push_back({at, nullptr});
+      for (const auto& s : j->row_sources) all.row_sources.push_back({at + s.first_row, s.reader});
+    }
     all.rows.insert(all.rows.end(), j->rows.begin(), j->rows.end());
     all.targets.insert(all.targets.end(), j->targets.begin(), j->targets.end());
     all.gather_ids.insert(all.gather_ids.end(), j->gather_ids.begin(), j->gather_ids.end());

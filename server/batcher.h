@@ -119,7 +119,7 @@ class Batcher {
 };
 
 /// The job of a batch: `jobs`' rows concatenated in order (rows, targets,
-/// gather ids; out_pos and out_shape are left empty). All must share a
+/// gather ids, row sources; out_pos and out_shape are left empty). All must share a
 /// batch key.
 ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs);
 

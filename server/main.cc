@@ -76,6 +76,15 @@ ABSL_FLAG(absl::Duration, max_queue_delay, absl::Milliseconds(2),
 ABSL_FLAG(int64_t, max_batch_tokens, 8192, "token rows per worker batch (a larger request runs alone)");
 ABSL_FLAG(bool, shared_memory, true,
           "hand payloads to workers on this host through POSIX shared memory (/dev/shm) instead of gRPC");
+ABSL_FLAG(bool, shared_memory_inputs, true,
+          "accept input tensors from same-host clients as references into POSIX shared-memory regions they "
+          "register (RegisterSharedMemory)");
+ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{16} << 30,
+          "byte_size of all clients' registered shared-memory regions together (RESOURCE_EXHAUSTED beyond)");
+ABSL_FLAG(int, max_shared_memory_regions, 64,
+          "registered shared-memory regions of all clients together (RESOURCE_EXHAUSTED beyond)");
+ABSL_FLAG(absl::Duration, shared_memory_idle_timeout, absl::Minutes(5),
+          "a shared-memory session (client) that makes no call for this long loses its regions");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve --listen over TLS (needs --tls-key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -173,6 +182,13 @@ int main(int argc, char** argv) {
   config.max_queue_delay = absl::ToChronoMicroseconds(delay);
   config.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  config.shared_memory_inputs = absl::GetFlag(FLAGS_shared_memory_inputs);
+  config.shared_memory_regions.max_bytes = absl::GetFlag(FLAGS_max_shared_memory_bytes);
+  config.shared_memory_regions.max_regions = absl::GetFlag(FLAGS_max_shared_memory_regions);
+  const absl::Duration idle = absl::GetFlag(FLAGS_shared_memory_idle_timeout);
+  if (idle < absl::Milliseconds(10)) return Fail("--shared-memory-idle-timeout must be >= 10ms");
+  config.shared_memory_regions.idle_timeout =
+      std::chrono::milliseconds(absl::ToInt64Milliseconds(idle));
   if (config.max_batch_tokens < 1) return Fail("--max-batch-tokens must be >= 1");
   config.parallelism = *parallelism;
   config.parallelism_name = absl::GetFlag(FLAGS_parallelism);

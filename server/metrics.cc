@@ -118,7 +118,17 @@ Metrics::Metrics(const std::string& backend)
       gpu_memory_(prometheus::BuildGauge()
                       .Name("logprob_gpu_memory_bytes")
                       .Help("GPU memory in use by each worker (CUDA backend), as of its last batch.")
-                      .Register(*registry_)) {
+                      .Register(*registry_)),
+      shm_regions_(prometheus::BuildGauge()
+                       .Name("logprob_shared_memory_regions")
+                       .Help("Shared-memory regions registered by clients (all sessions).")
+                       .Register(*registry_)
+                       .Add({})),
+      shm_bytes_(prometheus::BuildGauge()
+                     .Name("logprob_shared_memory_bytes")
+                     .Help("byte_size of the shared-memory regions registered by clients (all sessions).")
+                     .Register(*registry_)
+                     .Add({})) {
   prometheus::BuildGauge()
       .Name("logprob_build_info")
       .Help("Build information; the value is 1.")
@@ -162,6 +172,11 @@ void Metrics::ObserveBatch(const BatchStats& batch) {
 }
 
 void Metrics::ObserveQueue(double seconds) { queue_duration_.Observe(seconds); }
+
+void Metrics::SetSharedMemory(int64_t regions, int64_t bytes) {
+  shm_regions_.Set(static_cast<double>(regions));
+  shm_bytes_.Set(static_cast<double>(bytes));
+}
 
 void Metrics::SetQueued(int64_t requests) { queued_requests_.Set(static_cast<double>(requests)); }
 

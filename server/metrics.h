@@ -57,6 +57,8 @@ class Metrics {
   void AddJoinRefused();
   /// Sets the GPU memory in use by worker `worker` (CUDA backend).
   void SetGpuMemory(int worker, int64_t bytes);
+  /// Sets the clients' registered shared-memory regions and their bytes.
+  void SetSharedMemory(int64_t regions, int64_t bytes);
   /// Sets the number of worker processes that joined the pool.
   void SetWorkersUp(int n);
   /// Counts one re-formed worker pool generation.
@@ -84,6 +86,8 @@ class Metrics {
   prometheus::Gauge& workers_waiting_;
   prometheus::Counter& joins_refused_;
   prometheus::Family<prometheus::Gauge>& gpu_memory_;
+  prometheus::Gauge& shm_regions_;
+  prometheus::Gauge& shm_bytes_;
 };
 
 }  // namespace logprob

@@ -68,11 +68,6 @@ class PayloadWriter {
   size_t at_ = 0;
 };
 
-/// Copies the whole input rows of scored rows [begin, end) to `out`.
-void CopyRows(const ScoreJob& job, int64_t begin, int64_t end, char* out) {
-  for (int64_t r = begin; r < end; ++r) std::memcpy(out + (r - begin) * job.row_bytes, job.rows[r], job.row_bytes);
-}
-
 }  // namespace
 
 internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism parallelism) {
@@ -125,7 +120,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
     p.item.set_vocab_end(ve);
     const size_t slice = static_cast<size_t>(ve - vb) * esize;
     char* data = payload.Reserve(p.item, static_cast<size_t>(n) * slice);
-    for (int64_t r = 0; r < n; ++r) std::memcpy(data + r * slice, job.rows[r] + vb * esize, slice);
+    for (int64_t r = 0; r < n; ++r) CopyRowSlice(job, r, vb * esize, slice, data + r * slice);
     plan.items.push_back(std::move(p));
   }
   return plan;

@@ -53,6 +53,10 @@ internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism 
 /// With a `payload_pool` (workers on this host) the payloads are written
 /// to one region of it instead of the items' bytes fields (payload_shm);
 /// if no region can be had (e.g. /dev/shm full) they go inline.
+/// Rows in a client's shared-memory region (ScoreJob::row_sources) are
+/// read with CopyRows / CopyRowSlice; rows that cannot be read (the client
+/// shrank its region) are zero-filled and their RegionReader keeps the
+/// error, which fails their request (ScoringService::ScoreOne).
 Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id,
               PayloadPool* payload_pool = nullptr);
 

@@ -1,11 +1,14 @@
 #include "server/score_job.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "server/client_regions.h"
 
 namespace logprob {
 namespace {
@@ -16,8 +19,25 @@ std::string ShapeStr(const v1::Tensor& t) {
   return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
 }
 
+/// Each input's bytes: `data` by index when given, else its data field.
+class InputBytes {
+ public:
+  InputBytes(const v1::ScoreRequest& req, const std::vector<std::string_view>* data) : req_(req), data_(data) {}
+  std::string_view operator()(const v1::Tensor* t) const {
+    if (data_ != nullptr)
+      for (int i = 0; i < req_.inputs_size(); ++i)
+        if (&req_.inputs(i) == t) return (*data_)[i];
+    return t->data();
+  }
+
+ private:
+  const v1::ScoreRequest& req_;
+  const std::vector<std::string_view>* data_;
+};
+
 /// Checks the byte size of every tensor and indexes them by name.
-absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::ScoreRequest& req) {
+absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::ScoreRequest& req,
+                                                                     const InputBytes& bytes) {
   static const char* const kKnown[] = {"logits", "hidden_states", "input_ids", "seq_lens", "cu_seqlens", "gather_indices"};
   std::map<std::string, const v1::Tensor*> by_name;
   for (int i = 0; i < req.inputs_size(); ++i) {
@@ -44,8 +64,8 @@ absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::S
       extent *= static_cast<uint64_t>(d);
     }
     if (numel != 0) numel = extent;
-    if (t.data().size() != numel * esize)
-      return Invalid(absl::StrCat("\"", t.name(), "\": data is ", t.data().size(), " bytes but shape ", ShapeStr(t),
+    if (bytes(&t).size() != numel * esize)
+      return Invalid(absl::StrCat("\"", t.name(), "\": data is ", bytes(&t).size(), " bytes but shape ", ShapeStr(t),
                                   " of ", DTypeName(t.dtype()), " needs ", numel * esize));
     by_name[t.name()] = &t;
   }
@@ -95,8 +115,11 @@ int64_t ScoreJob::num_outputs() const {
 }
 
 absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits,
-                                       const LmHeadShape& lm_head) {
-  LOGPROB_ASSIGN_OR_RETURN(const auto in, IndexInputs(req));
+                                       const LmHeadShape& lm_head, const std::vector<std::string_view>* data) {
+  if (data != nullptr && static_cast<int>(data->size()) != req.inputs_size())
+    return absl::InternalError("BuildScoreJob: one data view per input expected");
+  const InputBytes bytes(req, data);
+  LOGPROB_ASSIGN_OR_RETURN(const auto in, IndexInputs(req, bytes));
   auto get = [&](const char* n) -> const v1::Tensor* { auto it = in.find(n); return it == in.end() ? nullptr : it->second; };
   const v1::Tensor* hidden = get("hidden_states");
   const v1::Tensor* input = hidden ? hidden : get("logits");  // one row per position
@@ -150,14 +173,14 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     if (cu->shape_size() != 1 || cu->shape(0) < 2)
       return Invalid(absl::StrCat("\"cu_seqlens\": shape ", ShapeStr(*cu), " is not [B + 1] with B >= 1"));
     const int64_t B = cu->shape(0) - 1;
-    if (ReadInt(cu->dtype(), cu->data().data(), 0) != 0) return Invalid("\"cu_seqlens\"[0] must be 0");
+    if (ReadInt(cu->dtype(), bytes(cu).data(), 0) != 0) return Invalid("\"cu_seqlens\"[0] must be 0");
     for (int64_t i = 0; i < B; ++i) {
-      const int64_t a = ReadInt(cu->dtype(), cu->data().data(), i), b = ReadInt(cu->dtype(), cu->data().data(), i + 1);
+      const int64_t a = ReadInt(cu->dtype(), bytes(cu).data(), i), b = ReadInt(cu->dtype(), bytes(cu).data(), i + 1);
       if (b < a) return Invalid(absl::StrCat("\"cu_seqlens\" decreases at index ", i + 1, " (", a, " -> ", b, ")"));
       if (next && b == a) return Invalid(absl::StrCat("\"cu_seqlens\": sequence ", i, " is empty (next_token needs length >= 1)"));
       seqs.push_back({a, b - a, next ? a - i : a});
     }
-    const int64_t end = ReadInt(cu->dtype(), cu->data().data(), B);
+    const int64_t end = ReadInt(cu->dtype(), bytes(cu).data(), B);
     if (end != T)
       return Invalid(absl::StrCat("\"cu_seqlens\"[", B, "] = ", end, " but \"", name, "\" has T = ", T, " rows"));
     job.out_shape = {next ? T - B : T};
@@ -178,7 +201,7 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     for (int64_t b = 0; b < B; ++b) {
       int64_t L = S;
       if (lens) {
-        L = ReadInt(lens->dtype(), lens->data().data(), b);
+        L = ReadInt(lens->dtype(), bytes(lens).data(), b);
         if (L < 0 || L > S) return Invalid(absl::StrCat("\"seq_lens\"[", b, "] = ", L, " is outside [0, S = ", S, "]"));
       }
       seqs.push_back({b * S, L, b * S_out});
@@ -205,7 +228,9 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
 
   // Scored rows: in sequence s, position t scores input_ids[t + shift].
   const int64_t shift = next ? 1 : 0;
-  const char* id_data = ids->data().data();
+  const char* id_data = bytes(ids).data();
+  const char* input_data = bytes(input).data();
+  const char* gather_data = gather ? bytes(gather).data() : nullptr;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const Seq& q = seqs[s];
     for (int64_t t = 0; t + shift < q.len; ++t) {
@@ -214,11 +239,11 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
         return Invalid(absl::StrCat("\"input_ids\": target ", target, " of sequence ", s, " at position ", t + shift,
                                     " is outside [0, V = ", V, ") and is not ignore_index ", ignore));
       const int64_t out = q.out0 + t;
-      job.rows.push_back(input->data().data() + (q.row0 + t) * job.row_bytes);
+      job.rows.push_back(input_data + (q.row0 + t) * job.row_bytes);
       job.targets.push_back(target == ignore ? -1 : target);
       job.out_pos.push_back(out);
       for (int j = 0; j < job.gather_k; ++j) {
-        const int64_t g = ReadInt(gather->dtype(), gather->data().data(), out * job.gather_k + j);
+        const int64_t g = ReadInt(gather->dtype(), gather_data, out * job.gather_k + j);
         if (g < 0 || g >= V)
           return Invalid(absl::StrCat("\"gather_indices\": id ", g, " of sequence ", s, " at position ", t, " (entry ", j,
                                       ") is outside [0, V = ", V, ")"));
@@ -227,6 +252,43 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     }
   }
   return job;
+}
+
+namespace {
+
+/// The reader of row `row` (null: in memory) and the first row after its segment.
+std::pair<const RegionReader*, int64_t> SourceOf(const ScoreJob& job, int64_t row) {
+  auto it = std::upper_bound(job.row_sources.begin(), job.row_sources.end(), row,
+                             [](int64_t r, const ScoreJob::RowSource& s) { return r < s.first_row; });
+  const int64_t segment_end = it == job.row_sources.end() ? job.num_rows() : it->first_row;
+  if (it == job.row_sources.begin()) return {nullptr, segment_end};
+  return {std::prev(it)->reader.get(), segment_end};
+}
+
+bool CopyBytes(const RegionReader* reader, const char* src, size_t n, char* dst) {
+  if (reader) return reader->Read(dst, src, n);
+  std::memcpy(dst, src, n);
+  return true;
+}
+
+}  // namespace
+
+bool CopyRows(const ScoreJob& job, int64_t begin, int64_t end, char* out) {
+  bool ok = true;
+  for (int64_t r = begin; r < end;) {
+    const auto [reader, segment_end] = SourceOf(job, r);
+    const int64_t limit = std::min(end, segment_end);
+    int64_t run = 1;
+    while (r + run < limit && job.rows[r + run] == job.rows[r] + run * job.row_bytes) ++run;
+    ok &= CopyBytes(reader, job.rows[r], static_cast<size_t>(run) * job.row_bytes, out);
+    out += static_cast<size_t>(run) * job.row_bytes;
+    r += run;
+  }
+  return ok;
+}
+
+bool CopyRowSlice(const ScoreJob& job, int64_t row, size_t offset, size_t n, char* dst) {
+  return CopyBytes(SourceOf(job, row).first, job.rows[row] + offset, n, dst);
 }
 
 }  // namespace logprob

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -12,6 +14,8 @@
 #include "logprob/v1/logprob.pb.h"
 
 namespace logprob {
+
+class RegionReader;  // server/client_regions.h
 
 /// Per-request limits enforced by validation.
 struct RequestLimits {
@@ -40,6 +44,16 @@ struct ScoreJob {
   std::vector<int64_t> gather_ids;     // [rows, gather_k]
   std::vector<int64_t> out_shape;      // leading output shape: [B, S'] or [T']
   v1::ScoreOptions options;            // normalised: temperature, top_p, ignore_index set
+  /// Rows that lie in a client's shared-memory region (server/shared_inputs.h):
+  /// (first row, reader) segments in row order; the rows from a segment's
+  /// first row up to the next segment's are read through its reader (a null
+  /// reader: in memory). Empty: every row is in memory. A region's rows
+  /// must be copied with CopyRowBytes, never dereferenced.
+  struct RowSource {
+    int64_t first_row = 0;
+    std::shared_ptr<const RegionReader> reader;
+  };
+  std::vector<RowSource> row_sources;
 
   int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
   int64_t num_outputs() const;         // product of out_shape
@@ -53,7 +67,21 @@ struct ScoreJob {
 /// neither of logits and hidden_states, hidden_states whose H is not the
 /// lm_head's. FAILED_PRECONDITION for hidden_states when `lm_head` has no
 /// shape (the server was started without --lm-head).
+/// `data` (when given) holds each input's bytes by index instead of its
+/// `data` field (shared-memory inputs, server/shared_inputs.h): only the
+/// integer tensors' bytes are read; the rows point into the logits' or
+/// hidden states' view.
 absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits,
-                                       const LmHeadShape& lm_head = {});
+                                       const LmHeadShape& lm_head = {},
+                                       const std::vector<std::string_view>* data = nullptr);
+
+/// Copies the input rows [begin, end) of `job` to `out`, packed (row_bytes
+/// each): from memory, or through their RegionReader (one read per run of
+/// rows that are consecutive in one source). False if a region could not
+/// be read (that part of `out` is zero-filled; the reader keeps the error).
+bool CopyRows(const ScoreJob& job, int64_t begin, int64_t end, char* out);
+/// Copies bytes [offset, offset + n) of input row `row` to `dst` (same
+/// sources and errors as CopyRows).
+bool CopyRowSlice(const ScoreJob& job, int64_t row, size_t offset, size_t n, char* dst);
 
 }  // namespace logprob

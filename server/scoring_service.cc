@@ -8,12 +8,17 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "common/shared_memory.h"
 #include "server/response_builder.h"
+#include "server/shared_inputs.h"
+#include "server/shm_session.h"
 
 namespace logprob {
 
@@ -61,19 +66,47 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
                [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }),
       assembly_buffers_(config_.max_request_bytes) {
   MarkMethodStreamed(chunked::ScoreChunkedMethodIndex(), chunked::NewChunkedHandler(this));
+  if (config_.shared_memory_inputs) {
+    ClientRegions::Options o = config_.shared_memory_regions;
+    if (metrics) o.on_change = [metrics](int64_t regions, int64_t bytes) { metrics->SetSharedMemory(regions, bytes); };
+    regions_ = std::make_unique<ClientRegions>(std::move(o));
+    host_id_ = SharedMemoryHostId();
+  }
 }
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
                                                            grpc::ServerContext* ctx) {
-  LOGPROB_ASSIGN_OR_RETURN(const ScoreJob job, BuildScoreJob(req, config_.limits, config_.lm_head));
+  // Shared-memory references resolve into the views BuildScoreJob checks.
+  std::optional<ResolvedInputs> resolved;
+  std::shared_ptr<void> session_hold;  // the session does not expire while the request runs
+  if (HasSharedMemoryRefs(req)) {
+    if (!regions_)
+      return absl::FailedPreconditionError(
+          "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
+    if (ctx == nullptr) return absl::InvalidArgumentError("shared-memory references need a call's session");
+    LOGPROB_ASSIGN_OR_RETURN(const std::string owner, SharedMemoryOwner(*ctx));
+    session_hold = regions_->Hold(owner);
+    LOGPROB_ASSIGN_OR_RETURN(resolved, ResolveSharedInputs(req, *regions_, owner));
+  }
+  const int64_t request_bytes =
+      static_cast<int64_t>(req.ByteSizeLong()) + (resolved ? resolved->referenced_bytes : 0);
+  if (resolved && request_bytes > config_.max_request_bytes)
+    return absl::ResourceExhaustedError(absl::StrCat("request of ", request_bytes,
+                                                     " bytes (shared-memory tensors included) exceeds the server's "
+                                                     "max_request_bytes ", config_.max_request_bytes));
+  LOGPROB_ASSIGN_OR_RETURN(ScoreJob job, BuildScoreJob(req, config_.limits, config_.lm_head,
+                                                       resolved ? &resolved->data : nullptr));
+  if (resolved && resolved->rows_source) job.row_sources.push_back({0, resolved->rows_source});
   if (stats) stats->rows = job.num_rows();
-  LOGPROB_ASSIGN_OR_RETURN(const auto ticket, admission_.Admit(job.num_rows(), static_cast<int64_t>(req.ByteSizeLong())));
+  LOGPROB_ASSIGN_OR_RETURN(const auto ticket, admission_.Admit(job.num_rows(), request_bytes));
   RunBounds bounds;
   if (ctx) {
     bounds.deadline = ctx->deadline();
     bounds.cancelled = [ctx] { return ctx->IsCancelled(); };
   }
   LOGPROB_ASSIGN_OR_RETURN(const Batcher::Outcome batch, batcher_.Run(job, next_job_id_++, bounds));
+  // A client that shrank its region while the batch was planned: its rows were zeros.
+  if (resolved && resolved->rows_source) LOGPROB_RETURN_IF_ERROR(resolved->rows_source->status());
   if (metrics_) metrics_->ObserveQueue(batch.queue_seconds);
   if (stats) {
     stats->queue_seconds = batch.queue_seconds;
@@ -204,6 +237,68 @@ grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v
   info->set_max_queue_bytes(config_.max_queue_bytes);
   info->set_max_queue_delay_seconds(std::chrono::duration<double>(config_.max_queue_delay).count());
   info->set_max_batch_tokens(config_.max_batch_tokens);
+  info->set_shared_memory_inputs(regions_ != nullptr);
+  if (regions_) {
+    const ClientRegions::Options& o = regions_->options();
+    info->set_host_id(host_id_);
+    info->set_max_shared_memory_bytes(o.max_bytes);
+    info->set_max_shared_memory_regions(o.max_regions);
+    info->set_shared_memory_idle_timeout_seconds(std::chrono::duration<double>(o.idle_timeout).count());
+  }
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::string> ScoringService::ShmSession(grpc::ServerContext* context, const char* method) {
+  if (grpc::Status st = Authorize(context, method); !st.ok()) return FromGrpc(st);
+  if (!regions_)
+    return absl::FailedPreconditionError("shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
+  return SharedMemoryOwner(*context);
+}
+
+namespace {
+
+/// Logs and counts (logprob_requests_total) one shared-memory call and returns its gRPC status.
+grpc::Status Logged(Metrics* metrics, const char* method, const std::string& what, const absl::Status& st) {
+  if (metrics) metrics->ObserveRequest(method, absl::StatusCodeToString(st.code()), 0, 0);
+  std::clog << "request method=" << method << " " << what << " status=" << absl::StatusCodeToString(st.code())
+            << (st.ok() ? "" : " message=\"" + std::string(st.message()) + "\"") << std::endl;
+  return ToGrpc(st);
+}
+
+}  // namespace
+
+grpc::Status ScoringService::RegisterSharedMemory(grpc::ServerContext* context,
+                                                  const v1::RegisterSharedMemoryRequest* req,
+                                                  v1::RegisterSharedMemoryResponse*) {
+  auto session = ShmSession(context, "RegisterSharedMemory");
+  const std::string what = absl::StrCat("region=", req->name(), " shm_name=", req->shm_name(),
+                                        " byte_size=", req->byte_size());
+  if (!session.ok()) return Logged(metrics_, "RegisterSharedMemory", what, session.status());
+  return Logged(metrics_, "RegisterSharedMemory", what,
+                regions_->Register(*session, req->name(), req->shm_name(), req->byte_size()));
+}
+
+grpc::Status ScoringService::UnregisterSharedMemory(grpc::ServerContext* context,
+                                                    const v1::UnregisterSharedMemoryRequest* req,
+                                                    v1::UnregisterSharedMemoryResponse* resp) {
+  auto session = ShmSession(context, "UnregisterSharedMemory");
+  const std::string what = absl::StrCat("region=", req->name());
+  if (!session.ok()) return Logged(metrics_, "UnregisterSharedMemory", what, session.status());
+  auto n = regions_->Unregister(*session, req->name());
+  if (n.ok()) resp->set_unregistered(*n);
+  return Logged(metrics_, "UnregisterSharedMemory", what, n.status());
+}
+
+grpc::Status ScoringService::ListSharedMemory(grpc::ServerContext* context, const v1::ListSharedMemoryRequest*,
+                                              v1::ListSharedMemoryResponse* resp) {
+  auto session = ShmSession(context, "ListSharedMemory");
+  if (!session.ok()) return ToGrpc(session.status());
+  for (const auto& r : regions_->List(*session)) {
+    v1::SharedMemoryRegionStatus* out = resp->add_regions();
+    out->set_name(r->name());
+    out->set_shm_name(r->shm_name());
+    out->set_byte_size(r->byte_size());
+  }
   return grpc::Status::OK;
 }
 

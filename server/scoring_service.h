@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <string>
 
 #include <functional>
@@ -17,6 +18,7 @@
 #include "server/auth.h"
 #include "server/batcher.h"
 #include "common/buffer_pool.h"
+#include "server/client_regions.h"
 #include "server/metrics.h"
 #include "server/planner.h"
 #include "server/score_job.h"
@@ -44,6 +46,10 @@ struct ServiceConfig {
   std::string lm_head_path;         // file holding the tensor
   std::string lm_head_tensor;
   int64_t hidden_chunk_tokens = 0;
+  /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
+  /// Tensor.shared_memory; server/client_regions.h): caps and idle expiry.
+  bool shared_memory_inputs = true;
+  ClientRegions::Options shared_memory_regions;
   /// When set (not owned; outlives the service), every call must carry its
   /// bearer token, else UNAUTHENTICATED.
   const BearerTokenAuth* auth = nullptr;
@@ -67,6 +73,15 @@ class ScoringService final : public v1::LogprobService::Service {
   /// Messages of one ScoreStream scored concurrently.
   static constexpr int kStreamInFlight = 16;
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo*) override;
+  /// Shared-memory regions of the caller's session (server/shm_session.h):
+  /// FAILED_PRECONDITION when the server runs with
+  /// --shared-memory-inputs=false; else ClientRegions' errors.
+  grpc::Status RegisterSharedMemory(grpc::ServerContext*, const v1::RegisterSharedMemoryRequest*,
+                                    v1::RegisterSharedMemoryResponse*) override;
+  grpc::Status UnregisterSharedMemory(grpc::ServerContext*, const v1::UnregisterSharedMemoryRequest*,
+                                      v1::UnregisterSharedMemoryResponse*) override;
+  grpc::Status ListSharedMemory(grpc::ServerContext*, const v1::ListSharedMemoryRequest*,
+                                v1::ListSharedMemoryResponse*) override;
 
   /// The server side of ScoreChunked (proto/logprob/v1/logprob.proto): reads
   /// the request part, checks the announced size against
@@ -92,7 +107,8 @@ class ScoringService final : public v1::LogprobService::Service {
   /// Scores one request (the body of Score and of each ScoreStream
   /// message): validate, admit, batch (server/batcher.h), reply. Fills
   /// *stats if given. `ctx` (may be null) bounds the work by its deadline
-  /// and cancellation.
+  /// and cancellation, and names the session whose shared-memory regions
+  /// the request's tensors may reference (none without it).
   absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, RequestStats* stats = nullptr,
                                              grpc::ServerContext* ctx = nullptr);
 
@@ -100,6 +116,9 @@ class ScoringService final : public v1::LogprobService::Service {
   /// OK, or (config_.auth set and the call lacks the token) UNAUTHENTICATED,
   /// which is counted in the metrics and logged with the peer address.
   grpc::Status Authorize(const grpc::ServerContext* context, const char* method);
+  /// The caller's shared-memory session (SharedMemoryOwner), after
+  /// Authorize; FAILED_PRECONDITION when shared-memory inputs are off.
+  absl::StatusOr<std::string> ShmSession(grpc::ServerContext* context, const char* method);
   /// One ScoreStream message's response: ScoreOne's, or its status as
   /// status_code / status_message.
   v1::ScoreResponse AnswerStreamed(const v1::ScoreRequest& req, grpc::ServerContext* context);
@@ -120,6 +139,8 @@ class ScoringService final : public v1::LogprobService::Service {
   PayloadPool payload_pool_;
   Batcher batcher_;
   BufferPool assembly_buffers_;  // ScoreChunked request tensors
+  std::unique_ptr<ClientRegions> regions_;  // null: shared-memory inputs off
+  std::string host_id_;
   std::atomic<uint64_t> next_job_id_{1};
 };
 

@@ -53,6 +53,11 @@ class ClientBase:
         on_retry: optional ``callable(attempt, code, message, delay)`` called
             before each retry's sleep (logging, metrics).
         channel_options: extra ``grpc`` channel options.
+        shared_memory: when the server reports this host (GetServerInfo's
+            ``host_id``), send the tensors through a POSIX shared-memory
+            region registered with it instead of in the request
+            (``shared_memory.py``; the synchronous client only, the asyncio
+            client always sends inline). False: always inline.
 
     Raises InvalidInputError for unreadable or empty TLS/token files.
     """
@@ -72,6 +77,7 @@ class ClientBase:
         max_tokens_per_request: Optional[int] = None,
         on_retry: Optional[OnRetry] = None,
         channel_options: Sequence[Tuple[str, Any]] = (),
+        shared_memory: bool = True,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -79,6 +85,7 @@ class ClientBase:
         self.max_request_bytes = max_request_bytes
         self.max_tokens_per_request = max_tokens_per_request
         self.on_retry = on_retry
+        self.shared_memory = shared_memory
         self._ids = itertools.count(1)
         self._info: Any = None
         self._rng = random.Random()

@@ -14,7 +14,7 @@ from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
 from .retry import Attempts, Deadline, error_of
 from .stream import StreamAssembler, deliver
-from . import transport
+from . import shared_memory, transport
 
 
 class LogprobClient(ClientBase):
@@ -25,13 +25,18 @@ class LogprobClient(ClientBase):
 
     def _open(self) -> None:
         self._info_lock = threading.Lock()
+        # True: decided at the first score() (GetServerInfo's host_id); then
+        # a SharedMemoryInputs, or None for inline bytes.
+        self._shm: Any = True if self.shared_memory else None
         self._channel = self._settings.open_sync()
         self._open_methods(self._channel)
 
     # -- lifecycle -------------------------------------------------------
 
     def close(self) -> None:
-        """Closes the channel."""
+        """Closes the channel (and removes the shared-memory regions)."""
+        if isinstance(self._shm, shared_memory.SharedMemoryInputs):
+            self._shm.close()
         self._channel.close()
 
     def __enter__(self) -> "LogprobClient":
@@ -42,14 +47,14 @@ class LogprobClient(ClientBase):
 
     # -- calls -----------------------------------------------------------
 
-    def _call(self, method: Any, request: Any, attempts: Attempts) -> Tuple[Any, int]:
-        """Sends ``request`` with ``method`` until it succeeds or
-        ``attempts`` gives up (raising LogprobError); returns
-        ``(response, sends)``."""
+    def _call(self, method: Any, request: Any, attempts: Attempts, metadata: Any = None) -> Tuple[Any, int]:
+        """Sends ``request`` with ``method`` (and ``metadata``, default the
+        client's) until it succeeds or ``attempts`` gives up (raising
+        LogprobError); returns ``(response, sends)``."""
         while True:
             timeout = attempts.timeout()
             try:
-                return method(request, timeout=timeout, metadata=self._metadata), attempts.count
+                return method(request, timeout=timeout, metadata=metadata or self._metadata), attempts.count
             except grpc.RpcError as e:
                 delay = attempts.failed(e)
                 self._backoff(delay, reconnect=error_of(e)[0] == grpc.StatusCode.UNAVAILABLE)
@@ -58,7 +63,12 @@ class LogprobClient(ClientBase):
         """The send path of a score call: one part's serialized ``ScoreRequest`` over
         the unary ``Score`` RPC, retried per the policy within ``deadline``;
         returns ``(ScoreResponse, sends)``. The request's bytes (the copy of
-        the caller's data) exist only during this call."""
+        the caller's data) exist only during this call. Same-host servers get
+        the tensors through shared memory instead (``shared_memory.py``), large
+        parts otherwise go in pieces over ``ScoreChunked`` (``transport.py``)."""
+        sent = self._shared_memory_send(part, limits, deadline)
+        if sent is not None:
+            return sent
         if transport.use_chunked(part.inputs, getattr(self, "chunk_above", transport.CHUNK_ABOVE)):
             # Large parts go as pieces viewing the arrays (transport.py).
             chunked = transport.ChunkedScore(self._channel, getattr(self, "piece_bytes", transport.PIECE_BYTES))
@@ -67,6 +77,31 @@ class LogprobClient(ClientBase):
         request = part.serialized(limits.max_bytes)
         attempts = self._attempts(deadline, part.where, oversize=len(request) > limits.server_bytes)
         return self._call(self._score_raw, request, attempts)
+
+    def _shared_memory_send(self, part: Part, limits: Limits, deadline: Deadline) -> Optional[Tuple[Any, int]]:
+        """Sends ``part`` through this client's shared-memory region
+        (``shared_memory.py``); None when shared memory is not used (off, the
+        server is on another host, or registering failed), and the caller
+        sends inline. The server counts referenced bytes against its
+        max_request_bytes, like inline bytes."""
+        if self._shm is True:
+            use = shared_memory.usable(self.server_info(_deadline=deadline))
+            with self._info_lock:
+                if self._shm is True:
+                    self._shm = shared_memory.SharedMemoryInputs(self._stub, self.timeout, self._metadata) if use else None
+        if not self._shm:
+            return None
+        attempts = self._attempts(deadline, part.where, oversize=part.inputs.data_bytes() > limits.server_bytes)
+        return self._shm.send(
+            part.id,
+            part.inputs.tensors,
+            part.inputs.options,
+            # The request holds references only (small); the answer is read as
+            # views of its bytes, as on the inline path.
+            lambda request, metadata: self._call(
+                self._score_raw, request.SerializeToString(), attempts, metadata=metadata
+            ),
+        )
 
     def _wait_connected(self, seconds: float) -> bool:
         """Asks the channel to connect and waits up to ``seconds`` for it to be

@@ -1,0 +1,226 @@
+"""Shared-memory inputs: a client on the server's host hands its tensors over
+through POSIX shared memory instead of inside the gRPC message
+(``RegisterSharedMemory`` and ``Tensor.shared_memory`` in
+``proto/logprob/v1/logprob.proto``).
+
+``LogprobClient`` uses it on its own when ``GetServerInfo`` reports shared-memory
+inputs and a ``host_id`` equal to this process's (``host_id()``), unless
+``shared_memory=False``. Each request's tensors are copied once (``np.copyto``)
+into a region of this client: a ``/dev/shm`` object it created (mode 0600),
+reserved with ``posix_fallocate`` and pre-faulted, registered once and reused.
+Concurrent calls each lease a region of their own (the pool grows; a region too
+small is replaced by one of the next power of two). The server copies the bytes
+out with ``pread`` when it plans the request's batch: do not change a request's
+arrays' region while the call runs (the client only writes a region it leased).
+
+A region the server does not know any more (its session was idle longer than
+``ServerInfo.shared_memory_idle_timeout_seconds``) gives NOT_FOUND: the part is
+sent again after registering anew. If registering fails (e.g. the server runs in
+a container with its own /dev/shm: NOT_FOUND), the client warns once and sends
+inline from then on.
+"""
+
+import hashlib
+import mmap
+import os
+import secrets
+import threading
+import warnings
+import weakref
+
+import grpc
+import numpy as np
+
+from ._proto import pb2
+from .errors import LogprobError
+
+SESSION_METADATA = "logprob-shm-session"
+_ALIGN = 64
+_MIN_REGION = 1 << 20
+_PAGE = mmap.PAGESIZE
+
+
+def host_id():
+    """This host's shared-memory identity, computed as the server computes
+    ``ServerInfo.host_id``: the first 32 hex digits of
+    SHA-256("<boot_id>:<st_dev of /dev/shm>"). "" if neither can be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().split()[0]
+    except (OSError, IndexError):
+        boot_id = ""
+    try:
+        dev = str(os.stat("/dev/shm").st_dev)
+    except OSError:
+        dev = ""
+    if not boot_id and not dev:
+        return ""
+    return hashlib.sha256(("%s:%s" % (boot_id, dev)).encode()).hexdigest()[:32]
+
+
+def usable(info):
+    """True when the server described by ``info`` (``ServerInfo``) takes
+    shared-memory inputs and shares this process's /dev/shm."""
+    return bool(info.shared_memory_inputs) and bool(info.host_id) and info.host_id == host_id()
+
+
+def _aligned(n):
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class _Region:
+    """One ``/dev/shm`` object of this process, mapped read-write."""
+
+    def __init__(self, size):
+        self.size = size
+        self.shm_name = "/logprob-py-%d-%s" % (os.getpid(), secrets.token_hex(8))
+        self.name = "py-" + secrets.token_hex(6)  # the name registered with the server
+        path = "/dev/shm" + self.shm_name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            # Reserve the pages: a full /dev/shm fails here, not as SIGBUS on a write.
+            os.posix_fallocate(fd, 0, size)
+            self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
+        self._finalizer = weakref.finalize(self, _unlink, path)
+        # Pre-fault: one write per page, so requests pay no page faults.
+        view = np.frombuffer(self.mm, dtype=np.uint8)
+        view[::_PAGE] = 0
+        del view
+
+    def write(self, tensors):
+        """Copies ``[(name, wire_dtype, array)]`` one after another (64-byte
+        aligned); returns their ``Tensor`` messages with references."""
+        out, at = [], 0
+        for name, dt, arr in tensors:
+            n = int(arr.nbytes)
+            if n:
+                dst = np.frombuffer(self.mm, dtype=arr.dtype, count=arr.size, offset=at).reshape(arr.shape)
+                np.copyto(dst, arr, casting="no")
+                del dst
+            t = pb2.Tensor(name=name, dtype=dt, shape=[int(d) for d in arr.shape])
+            t.shared_memory.region = self.name
+            t.shared_memory.offset = at
+            t.shared_memory.byte_size = n
+            out.append(t)
+            at += _aligned(n)
+        return out
+
+    def close(self):
+        try:
+            self.mm.close()
+        except BufferError:  # a view still exists; the mapping goes with it
+            pass
+        self._finalizer()
+
+
+class SharedMemoryInputs:
+    """The regions and session of one ``LogprobClient``. Thread-safe.
+
+    ``call(method, request, metadata)`` sends one request (the client's
+    retrying call); ``metadata`` is the client's own (e.g. authorization),
+    to which the session key is added."""
+
+    def __init__(self, stub, timeout, metadata):
+        self._stub = stub
+        self._timeout = timeout
+        self.session = secrets.token_hex(16)
+        self.metadata = tuple(metadata or ()) + ((SESSION_METADATA, self.session),)
+        self._lock = threading.Lock()
+        self._free = []  # registered regions not leased
+        self._all = []
+        self.failed = None  # the registration error that turned it off
+
+    def _register(self, size):
+        region = _Region(size)
+        try:
+            self._stub.RegisterSharedMemory(
+                pb2.RegisterSharedMemoryRequest(name=region.name, shm_name=region.shm_name, byte_size=size),
+                timeout=self._timeout,
+                metadata=self.metadata,
+            )
+        except grpc.RpcError:
+            region.close()
+            raise
+        return region
+
+    def _lease(self, nbytes):
+        with self._lock:
+            fits = [r for r in self._free if r.size >= nbytes]
+            if fits:
+                region = min(fits, key=lambda r: r.size)
+                self._free.remove(region)
+                return region
+            small = self._free.pop() if self._free else None
+        if small is not None:
+            self._drop(small)
+        size = _MIN_REGION
+        while size < nbytes:
+            size *= 2
+        region = self._register(size)
+        with self._lock:
+            self._all.append(region)
+        return region
+
+    def _give_back(self, region):
+        with self._lock:
+            self._free.append(region)
+
+    def _drop(self, region):
+        with self._lock:
+            if region in self._all:
+                self._all.remove(region)
+        try:
+            self._stub.UnregisterSharedMemory(
+                pb2.UnregisterSharedMemoryRequest(name=region.name), timeout=self._timeout, metadata=self.metadata
+            )
+        except grpc.RpcError:
+            pass  # expired already, or the server is gone
+        region.close()
+
+    def send(self, request_id, inputs, options, call):
+        """Writes ``inputs`` (``[(name, wire_dtype, array)]``) into a leased
+        region and sends the request with ``call(request, metadata)``, which
+        returns ``(response, attempts)``. Returns None (nothing sent) when
+        shared memory cannot be used; the caller then sends inline."""
+        if self.failed is not None:
+            return None
+        nbytes = sum(_aligned(int(a.nbytes)) for _, _, a in inputs)
+        for again in (False, True):
+            try:
+                region = self._lease(max(nbytes, 1))
+            except (grpc.RpcError, OSError) as e:
+                self.failed = e
+                warnings.warn("logprob_client: shared-memory inputs off, sending inline: %s" % (e,), stacklevel=3)
+                return None
+            try:
+                request = pb2.ScoreRequest(id=request_id, options=options)
+                request.inputs.extend(region.write(inputs))
+                return call(request, self.metadata)
+            except LogprobError as e:
+                # The server forgot the region (idle session): register anew, once.
+                if e.code != grpc.StatusCode.NOT_FOUND or again:
+                    raise
+                self._drop(region)
+                region = None
+            finally:
+                if region is not None:
+                    self._give_back(region)
+
+    def close(self):
+        """Unregisters and removes every region (best effort)."""
+        with self._lock:
+            regions, self._all, self._free = list(self._all), [], []
+        for r in regions:
+            self._drop(r)

@@ -1,0 +1,131 @@
+#include "client/shm_inputs.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/shared_memory.h"
+
+namespace logprob::client {
+namespace {
+
+constexpr char kSessionMetadata[] = "logprob-shm-session";
+
+std::string RandomHex(int bytes) {
+  std::random_device rd;
+  static const char* const kHex = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < bytes; ++i) {
+    const unsigned v = rd() & 0xff;
+    s += kHex[v >> 4];
+    s += kHex[v & 15];
+  }
+  return s;
+}
+
+void Deadline(grpc::ClientContext* context, double seconds) {
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                            std::chrono::duration<double>(seconds > 0 ? seconds : 60.0)));
+}
+
+}  // namespace
+
+ShmInputs::ShmInputs(v1::LogprobService::StubInterface& stub, double timeout_seconds)
+    : stub_(stub), timeout_seconds_(timeout_seconds), session_(RandomHex(16)) {}
+
+ShmInputs::~ShmInputs() { Release(); }
+
+void ShmInputs::Attach(grpc::ClientContext* context) const { context->AddMetadata(kSessionMetadata, session_); }
+
+void ShmInputs::Release() {
+  if (!region_.empty()) {
+    grpc::ClientContext context;
+    Deadline(&context, timeout_seconds_);
+    Attach(&context);
+    v1::UnregisterSharedMemoryRequest req;
+    req.set_name(region_);
+    v1::UnregisterSharedMemoryResponse resp;
+    stub_.UnregisterSharedMemory(&context, req, &resp);  // best effort: expires otherwise
+    region_.clear();
+  }
+  if (data_ != nullptr) munmap(data_, size_);
+  if (!shm_name_.empty()) shm_unlink(shm_name_.c_str());
+  data_ = nullptr;
+  size_ = 0;
+  shm_name_.clear();
+}
+
+absl::Status ShmInputs::Grow(size_t bytes) {
+  Release();
+  size_t size = size_t{1} << 20;
+  while (size < bytes) size *= 2;
+  const std::string name = absl::StrCat("/logprob-client-", getpid(), "-", RandomHex(8));
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) return absl::InternalError(absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
+  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    return absl::ResourceExhaustedError(
+        absl::StrCat("reserving ", size, " bytes of /dev/shm for ", name, ": ", std::strerror(err)));
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    return absl::InternalError(absl::StrCat("mmap ", name, ": ", std::strerror(err)));
+  }
+  shm_name_ = name;
+  data_ = static_cast<char*>(p);
+  size_ = size;
+  grpc::ClientContext context;
+  Deadline(&context, timeout_seconds_);
+  Attach(&context);
+  v1::RegisterSharedMemoryRequest req;
+  req.set_name(absl::StrCat("inputs-", RandomHex(4)));
+  req.set_shm_name(name);
+  req.set_byte_size(static_cast<int64_t>(size));
+  v1::RegisterSharedMemoryResponse resp;
+  const grpc::Status s = stub_.RegisterSharedMemory(&context, req, &resp);
+  if (!s.ok()) {
+    Release();
+    return FromGrpc(s);
+  }
+  region_ = req.name();
+  return absl::OkStatus();
+}
+
+absl::Status ShmInputs::Place(v1::ScoreRequest* request) {
+  auto aligned = [](size_t n) { return (n + 63) & ~size_t{63}; };
+  size_t total = 0;
+  for (const v1::Tensor& t : request->inputs()) total += aligned(t.data().size());
+  if (total > size_ || region_.empty())
+    if (absl::Status st = Grow(total); !st.ok()) return st;
+  size_t at = 0;
+  for (v1::Tensor& t : *request->mutable_inputs()) {
+    if (t.has_shared_memory()) continue;
+    const size_t n = t.data().size();
+    std::memcpy(data_ + at, t.data().data(), n);
+    v1::SharedMemoryRef* ref = t.mutable_shared_memory();
+    ref->set_region(region_);
+    ref->set_offset(static_cast<int64_t>(at));
+    ref->set_byte_size(static_cast<int64_t>(n));
+    std::string().swap(*t.mutable_data());
+    at += aligned(n);
+  }
+  return absl::OkStatus();
+}
+
+bool SameSharedMemoryHost(const v1::ServerInfo& info) {
+  return info.shared_memory_inputs() && !info.host_id().empty() && info.host_id() == SharedMemoryHostId();
+}
+
+}  // namespace logprob::client

@@ -1,0 +1,264 @@
+#include "server/client_regions.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace logprob {
+namespace {
+
+bool NameChars(const std::string& s, size_t from) {
+  for (size_t i = from; i < s.size(); ++i) {
+    const char c = s[i];
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+          c == '-'))
+      return false;
+  }
+  return true;
+}
+
+absl::Status CheckNames(const std::string& name, const std::string& shm_name, int64_t byte_size) {
+  if (name.empty() || name.size() > 128 || !NameChars(name, 0))
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared-memory region name \"", name, "\" must be 1..128 of [A-Za-z0-9._-]"));
+  if (shm_name.size() < 2 || shm_name.size() > 251 || shm_name[0] != '/' || !NameChars(shm_name, 1) ||
+      shm_name == "/." || shm_name == "/..")
+    return absl::InvalidArgumentError(absl::StrCat("shm_name \"", shm_name,
+                                                   "\" must be \"/\" followed by 1..250 of [A-Za-z0-9._-]"));
+  // The front-end's own payload regions (SharedRegion::Create:
+  // /logprob-<pid>-<n>) hold other clients' tensors.
+  int pid = 0;
+  char rest = 0;
+  if (std::sscanf(shm_name.c_str(), "/logprob-%d%c", &pid, &rest) >= 1)
+    return absl::PermissionDeniedError(absl::StrCat("shm_name \"", shm_name, "\" is a server payload region"));
+  if (byte_size <= 0)
+    return absl::InvalidArgumentError(absl::StrCat("byte_size of region \"", name, "\" must be > 0, got ", byte_size));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegion::Open(const std::string& name,
+                                                                       const std::string& shm_name,
+                                                                       int64_t byte_size) {
+  if (auto st = CheckNames(name, shm_name, byte_size); !st.ok()) return st;
+  const int fd = shm_open(shm_name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0);
+  if (fd < 0) {
+    const int err = errno;
+    const std::string msg = absl::StrCat("shm_open ", shm_name, ": ", std::strerror(err));
+    if (err == ENOENT) return absl::NotFoundError(msg);
+    if (err == EACCES || err == ELOOP) return absl::PermissionDeniedError(msg);
+    return absl::InternalError(msg);
+  }
+  struct stat st;
+  absl::Status bad;
+  if (fstat(fd, &st) != 0) {
+    bad = absl::InternalError(absl::StrCat("fstat ", shm_name, ": ", std::strerror(errno)));
+  } else if (!S_ISREG(st.st_mode)) {
+    bad = absl::PermissionDeniedError(absl::StrCat(shm_name, " is not a regular shared-memory object"));
+  } else if (st.st_uid != geteuid()) {
+    bad = absl::PermissionDeniedError(
+        absl::StrCat(shm_name, " is owned by uid ", st.st_uid, ", not by the server's uid ", geteuid()));
+  } else if (st.st_size < byte_size) {
+    bad = absl::InvalidArgumentError(absl::StrCat("region \"", name, "\": ", shm_name, " holds ", st.st_size,
+                                                  " bytes, fewer than byte_size ", byte_size));
+  }
+  void* base = MAP_FAILED;
+  if (bad.ok()) {
+    base = mmap(nullptr, static_cast<size_t>(byte_size), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED)
+      bad = absl::ResourceExhaustedError(absl::StrCat("reserving ", byte_size, " bytes of address space for region \"",
+                                                      name, "\": ", std::strerror(errno)));
+  }
+  if (!bad.ok()) {
+    close(fd);
+    return bad;
+  }
+  return std::shared_ptr<const ClientRegion>(new ClientRegion(name, shm_name, byte_size, fd, static_cast<char*>(base)));
+}
+
+ClientRegion::~ClientRegion() {
+  munmap(base_, static_cast<size_t>(byte_size_));
+  close(fd_);
+}
+
+bool RegionReader::Read(char* dst, const char* src, size_t n) const {
+  const ClientRegion& r = *region_;
+  const int64_t begin = src - r.base();
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = pread(r.fd(), dst + done, n - done, static_cast<off_t>(begin + done));
+    if (got > 0) {
+      done += static_cast<size_t>(got);
+      continue;
+    }
+    if (got < 0 && errno == EINTR) continue;
+    const int err = got < 0 ? errno : 0;
+    std::memset(dst + done, 0, n - done);
+    struct stat st;
+    const int64_t now = fstat(r.fd(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok())
+      status_ = absl::FailedPreconditionError(absl::StrCat(
+          "shared-memory region \"", r.name(), "\" (", r.shm_name(), ") changed while the request was in flight: bytes [",
+          begin + done, ", ", begin + n, ") could not be read (the object is now ", now, " bytes",
+          err ? absl::StrCat("; ", std::strerror(err)) : "", ")"));
+    return false;
+  }
+  return true;
+}
+
+absl::Status RegionReader::status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+ClientRegions::ClientRegions(Options options) : options_(std::move(options)) {
+  reaper_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mu_);
+    const auto period = std::max(std::chrono::milliseconds(10), options_.idle_timeout / 4);
+    while (!stop_) {
+      cv_.wait_for(lock, period);
+      if (stop_) break;
+      lock.unlock();
+      ExpireIdle(std::chrono::steady_clock::now());
+      lock.lock();
+    }
+  });
+}
+
+ClientRegions::~ClientRegions() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  reaper_.join();
+}
+
+void ClientRegions::Changed() {
+  if (options_.on_change) options_.on_change(regions_, bytes_);
+}
+
+absl::Status ClientRegions::Register(const std::string& owner, const std::string& name, const std::string& shm_name,
+                                     int64_t byte_size) {
+  if (auto st = CheckNames(name, shm_name, byte_size); !st.ok()) return st;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Session& s = sessions_[owner];
+    s.last_used = std::chrono::steady_clock::now();
+    if (s.regions.count(name))
+      return absl::AlreadyExistsError(absl::StrCat("shared-memory region \"", name, "\" is already registered"));
+  }
+  // Opened without the lock (a system call); the caps are checked again below.
+  auto region = ClientRegion::Open(name, shm_name, byte_size);
+  if (!region.ok()) return region.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  Session& s = sessions_[owner];
+  s.last_used = std::chrono::steady_clock::now();
+  if (s.regions.count(name))
+    return absl::AlreadyExistsError(absl::StrCat("shared-memory region \"", name, "\" is already registered"));
+  if (regions_ + 1 > options_.max_regions)
+    return absl::ResourceExhaustedError(absl::StrCat("the server holds its maximum of ", options_.max_regions,
+                                                     " shared-memory regions (--max-shared-memory-regions)"));
+  if (bytes_ + byte_size > options_.max_bytes)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "registering ", byte_size, " bytes would exceed the server's --max-shared-memory-bytes ", options_.max_bytes,
+        " (", bytes_, " registered)"));
+  s.regions[name] = *std::move(region);
+  ++regions_;
+  bytes_ += byte_size;
+  Changed();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> ClientRegions::Unregister(const std::string& owner, const std::string& name) {
+  std::vector<std::shared_ptr<const ClientRegion>> gone;  // closed after the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(owner);
+  if (it != sessions_.end()) it->second.last_used = std::chrono::steady_clock::now();
+  if (name.empty()) {
+    if (it == sessions_.end()) return 0;
+    for (auto& [n, r] : it->second.regions) gone.push_back(r);
+    it->second.regions.clear();
+  } else {
+    const auto not_found =
+        absl::NotFoundError(absl::StrCat("shared-memory region \"", name, "\" is not registered by this session"));
+    if (it == sessions_.end()) return not_found;
+    auto r = it->second.regions.find(name);
+    if (r == it->second.regions.end()) return not_found;
+    gone.push_back(r->second);
+    it->second.regions.erase(r);
+  }
+  for (const auto& r : gone) {
+    --regions_;
+    bytes_ -= r->byte_size();
+  }
+  if (!gone.empty()) Changed();
+  return static_cast<int>(gone.size());
+}
+
+std::vector<std::shared_ptr<const ClientRegion>> ClientRegions::List(const std::string& owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<const ClientRegion>> out;
+  auto it = sessions_.find(owner);
+  if (it == sessions_.end()) return out;
+  it->second.last_used = std::chrono::steady_clock::now();
+  for (const auto& [n, r] : it->second.regions) out.push_back(r);
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegions::Find(const std::string& owner,
+                                                                        const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(owner);
+  if (it != sessions_.end()) {
+    it->second.last_used = std::chrono::steady_clock::now();
+    auto r = it->second.regions.find(name);
+    if (r != it->second.regions.end()) return r->second;
+  }
+  return absl::NotFoundError(absl::StrCat("shared-memory region \"", name,
+                                          "\" is not registered by this session (RegisterSharedMemory first; regions "
+                                          "of idle sessions expire)"));
+}
+
+std::shared_ptr<void> ClientRegions::Hold(const std::string& owner) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++sessions_[owner].in_flight;
+  }
+  return std::shared_ptr<void>(nullptr, [this, owner](void*) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Session& s = sessions_[owner];
+    --s.in_flight;
+    s.last_used = std::chrono::steady_clock::now();
+  });
+}
+
+int ClientRegions::ExpireIdle(std::chrono::steady_clock::time_point now) {
+  std::vector<std::shared_ptr<const ClientRegion>> gone;  // closed after the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (it->second.in_flight > 0 || now - it->second.last_used < options_.idle_timeout) {
+      ++it;
+      continue;
+    }
+    for (auto& [n, r] : it->second.regions) gone.push_back(r);
+    it = sessions_.erase(it);
+  }
+  for (const auto& r : gone) {
+    --regions_;
+    bytes_ -= r->byte_size();
+  }
+  if (!gone.empty()) Changed();
+  return static_cast<int>(gone.size());
+}
+
+}  // namespace logprob
