@@ -56,17 +56,17 @@ class LogprobClient(ClientBase):
 
     def _send_part(self, part: Part, limits: Limits, deadline: Deadline) -> Tuple[Any, int]:
         """The send path of a score call: one part's serialized ``ScoreRequest`` over
-        the unary ``Score`` RPC, retried per the policy within ``deadline``;
-        returns ``(ScoreResponse, sends)``. The request's bytes (the copy of
-        the caller's data) exist only during this call."""
-        if transport.use_chunked(part.inputs, getattr(self, "chunk_above", transport.CHUNK_ABOVE)):
+        the unary ``Score`` RPC, or for a large part (``chunk_above``) its
+        pieces over ``ScoreChunked``, retried per the policy within
+        ``deadline``; returns ``(ScoreResponse, sends)``. The request's bytes
+        (the copy of the caller's data) exist only during this call."""
+        if self._chunked(part):
             # Large parts go as pieces viewing the arrays (transport.py).
-            chunked = transport.ChunkedScore(self._channel, getattr(self, "piece_bytes", transport.PIECE_BYTES))
-            attempts = self._attempts(deadline, part.where, oversize=part.inputs.data_bytes() > limits.server_bytes)
+            chunked = transport.ChunkedScore(self._score_chunked_raw, self.piece_bytes)
+            attempts = self._part_attempts(part, limits, deadline, part.inputs.data_bytes())
             return self._call(chunked, (part.id, part.inputs), attempts)
         request = part.serialized(limits.max_bytes)
-        attempts = self._attempts(deadline, part.where, oversize=len(request) > limits.server_bytes)
-        return self._call(self._score_raw, request, attempts)
+        return self._call(self._score_raw, request, self._part_attempts(part, limits, deadline, len(request)))
 
     def _wait_connected(self, seconds: float) -> bool:
         """Asks the channel to connect and waits up to ``seconds`` for it to be
