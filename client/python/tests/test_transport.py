@@ -173,13 +173,26 @@ class AioChunkedTest(unittest.IsolatedAsyncioTestCase):
         assert_same_bytes(self, b.outputs, c.outputs)
 
     async def test_timeout_bounds_the_chunked_call(self):
-        big = np.zeros((16, 64, 4096), dtype=np.float32)  # 16 MB: chunked with the default chunk_above
+        # 256 MB, chunked with the default chunk_above, taking seconds on the
+        # server (top-p over V = 65536): the 0.3 s timeout ends the call
+        # after it was sent (attempts 1), and the server stops it.
+        rng = np.random.default_rng(7)
+        T, V = 1024, 65536
+        logits = rng.standard_normal((T, V), dtype=np.float32)
+        ids = rng.integers(0, V, T)
         c = await self.client(chunk_above=transport.CHUNK_ABOVE)
         await c.server_info()
+
+        def ended():
+            return sum(self.requests("ScoreChunked", code=code) for code in ("DEADLINE_EXCEEDED", "CANCELLED"))
+
+        before = ended()
         with self.assertRaises(LogprobError) as cm:
-            await c.score(logits=big, input_ids=np.zeros((16, 64), dtype=np.int64), timeout=0.05)
+            await c.score(logits=logits, input_ids=ids, cu_seqlens=np.arange(0, T + 1, 128), sampling_top_p=0.9,
+                          timeout=0.3)
         self.assertEqual(cm.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
-        self.assertEqual(self.requests("Score", code="DEADLINE_EXCEEDED"), 0)  # it went chunked
+        self.assertEqual(cm.exception.attempts, 1)
+        await support.until(lambda: ended() > before, "the server to end the ScoreChunked call past its deadline")
 
     async def test_chunked_call_retried_until_the_server_comes_back(self):
         # The client knows the server (GetServerInfo), the server stops; the
