@@ -1,7 +1,8 @@
 """``logprob_client.aio.LogprobClient``: the asyncio client (``grpc.aio``),
 with the API, splitting, retries, deadlines, TLS and token of the sync
-``logprob_client.LogprobClient`` (the shared logic is in ``request``,
-``retry``, ``stream``, ``channel`` and ``base``).
+``logprob_client.LogprobClient``, large parts over ``ScoreChunked`` included
+(the shared logic is in ``request``, ``transport``, ``retry``, ``stream``,
+``channel`` and ``base``).
 
 Example::
 
