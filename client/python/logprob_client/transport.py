@@ -152,10 +152,6 @@ class ResponseAssembler:
         self._missing = sum(len(b) for b in self._buffers.values())
         self._resp = resp
 
-    def complete(self) -> bool:
-        """True once the response and all its pieces have been fed."""
-        return self._resp is not None and self._missing == 0
-
     def result(self) -> WireResponse:
         """The assembled answer (its pieced outputs view their buffers).
         Raises ValueError when parts are missing."""

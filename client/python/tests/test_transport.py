@@ -41,6 +41,28 @@ class ChunkedTest(unittest.TestCase):
         kind, (tensor, offset, data) = transport.parse_part(part.SerializeToString())
         self.assertEqual((kind, tensor, offset, bytes(data)), ("piece", 3, 1 << 33, b"abcde"))
 
+    def test_response_assembler_refuses_malformed_answers(self):
+        from logprob_client._proto import pb2
+
+        out = pb2.Tensor(name="topk_indices", dtype=pb2.I64, shape=[2, 3])  # 48 bytes, in pieces
+        data = np.arange(6, dtype=np.int64).tobytes()
+        first = pb2.ScoreResponsePart(response=pb2.ScoreResponse(id="r", outputs=[out])).SerializeToString()
+
+        def piece(offset, chunk):
+            return pb2.ScoreResponsePart(piece=pb2.TensorPiece(tensor=0, offset=offset, data=chunk)).SerializeToString()
+
+        resp = transport.assemble_response([first, piece(0, data[:40]), piece(40, data[40:])])
+        self.assertEqual(bytes(resp.outputs[0].data), data)
+        for parts, message in (([], "without an answer"),
+                               ([piece(0, data)], "first answer part"),
+                               ([first, piece(0, data[:40])], "8 bytes of outputs missing"),
+                               ([first, piece(8, data[8:])], "offset 8"),
+                               ([first, piece(0, data + b"x")], "offset 0"),
+                               ([first, piece(0, data), first], "second response")):
+            with self.subTest(message=message):
+                with self.assertRaisesRegex(ValueError, message):
+                    transport.assemble_response(parts)
+
     def test_golden_cases_in_pieces_equal_one_message(self):
         one = self.client(chunk_above=-1)
         pieces = self.client(chunk_above=0, piece_bytes=1000)
