@@ -1,7 +1,8 @@
 """``logprob_client.aio.LogprobClient``: the asyncio client (``grpc.aio``),
 with the API, splitting, retries, deadlines, TLS and token of the sync
-``logprob_client.LogprobClient`` (the shared logic is in ``request``,
-``retry``, ``stream``, ``channel`` and ``base``).
+``logprob_client.LogprobClient``, large parts over ``ScoreChunked`` included
+(the shared logic is in ``request``, ``transport``, ``retry``, ``stream``,
+``channel`` and ``base``).
 
 Example::
 
@@ -27,6 +28,7 @@ from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
 from .retry import Attempts, Deadline, error_of
 from .stream import StreamAssembler, deliver
+from . import transport
 
 # Parts with at least this many bytes of tensor data are serialized off the event loop.
 OFFLOAD_BYTES = 1 << 20
@@ -76,18 +78,23 @@ class LogprobClient(ClientBase):
                 await self._backoff(delay, reconnect=error_of(e)[0] == grpc.StatusCode.UNAVAILABLE)
 
     async def _send_part(self, part: Part, limits: Limits, deadline: Deadline) -> Tuple[Any, int]:
-        """The send path of a score call: one part's serialized ``ScoreRequest`` over
-        the unary ``Score`` RPC, retried per the policy within ``deadline``;
-        returns ``(ScoreResponse, sends)``. A large part is serialized in
-        the loop's default executor, so the copy does not stall the loop's
-        other tasks."""
+        """The send path of a score call, as the sync client's: one part's
+        serialized ``ScoreRequest`` over the unary ``Score`` RPC, or for a
+        large part (``chunk_above``) its pieces over ``ScoreChunked``,
+        retried per the policy within ``deadline``; returns
+        ``(ScoreResponse, sends)``. A large part is serialized (the request,
+        or each piece) in the loop's default executor, so the copies do not
+        stall the loop's other tasks."""
+        if self._chunked(part):
+            chunked = transport.AioChunkedScore(self._score_chunked_raw, self.piece_bytes, offload_bytes=OFFLOAD_BYTES)
+            attempts = self._part_attempts(part, limits, deadline, part.inputs.data_bytes())
+            return await self._call(chunked, (part.id, part.inputs), attempts)
         if part.inputs.data_bytes() >= OFFLOAD_BYTES:
             loop = asyncio.get_running_loop()
             request = await loop.run_in_executor(None, part.serialized, limits.max_bytes)
         else:
             request = part.serialized(limits.max_bytes)
-        attempts = self._attempts(deadline, part.where, oversize=len(request) > limits.server_bytes)
-        return await self._call(self._score_raw, request, attempts)
+        return await self._call(self._score_raw, request, self._part_attempts(part, limits, deadline, len(request)))
 
     async def _backoff(self, delay: float, reconnect: bool) -> None:
         """Waits ``delay`` seconds, meanwhile reconnecting when ``reconnect``

@@ -8,8 +8,9 @@ from typing import Any, Optional, Sequence, Tuple
 
 from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
-from .request import Limits
+from .request import Limits, Part
 from .retry import Attempts, Deadline, OnRetry, RetryPolicy
+from . import transport
 from .wire import decode_response
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -60,7 +61,15 @@ class ClientBase:
             client always sends inline). False: always inline.
 
     Raises InvalidInputError for unreadable or empty TLS/token files.
+
+    Attributes ``chunk_above`` (bytes; None or < 0: never) and
+    ``piece_bytes``: a part with more bytes of tensor data than
+    ``chunk_above`` goes through the ``ScoreChunked`` RPC in pieces of
+    ``piece_bytes`` (``transport``); set them on a client to change them.
     """
+
+    chunk_above: Optional[int] = transport.CHUNK_ABOVE
+    piece_bytes: int = transport.PIECE_BYTES
 
     def __init__(
         self,
@@ -103,8 +112,10 @@ class ClientBase:
         """The multicallables of ``channel`` (grpc or grpc.aio): ``_stub``
         (messages), ``_score_raw`` / ``_score_stream_raw`` (requests
         serialized by ``wire.encode_request``, responses read by
-        ``wire.decode_response``), ``_health``."""
+        ``wire.decode_response``), ``_score_chunked_raw`` (parts as bytes,
+        ``transport.open_method``), ``_health``."""
         self._stub = pb2_grpc.LogprobServiceStub(channel)
+        self._score_chunked_raw = transport.open_method(channel)
         self._score_raw = channel.unary_unary(SCORE_METHOD, response_deserializer=decode_response)
         self._score_stream_raw = channel.stream_stream(SCORE_STREAM_METHOD, response_deserializer=decode_response)
         self._health = channel.unary_unary(
@@ -120,6 +131,15 @@ class ClientBase:
 
     def _attempts(self, deadline: Deadline, part: Optional[Tuple[int, int]] = None, oversize: bool = False) -> Attempts:
         return Attempts(self.retry, deadline, self._rng, self.on_retry, part=part, oversize=oversize)
+
+    def _chunked(self, part: Part) -> bool:
+        """True when ``part`` goes through ScoreChunked (``chunk_above``)."""
+        return transport.use_chunked(part.inputs, self.chunk_above)
+
+    def _part_attempts(self, part: Part, limits: Limits, deadline: Deadline, size: int) -> Attempts:
+        """The retry loop of a part of ``size`` bytes (not retried when over
+        the server's limit: it would fail the same way each time)."""
+        return self._attempts(deadline, part.where, oversize=size > limits.server_bytes)
 
     def _limits_of(self, info: Any) -> Limits:
         return Limits(info, self.max_request_bytes, self.max_tokens_per_request)

@@ -61,22 +61,22 @@ class LogprobClient(ClientBase):
 
     def _send_part(self, part: Part, limits: Limits, deadline: Deadline) -> Tuple[Any, int]:
         """The send path of a score call: one part's serialized ``ScoreRequest`` over
-        the unary ``Score`` RPC, retried per the policy within ``deadline``;
-        returns ``(ScoreResponse, sends)``. The request's bytes (the copy of
-        the caller's data) exist only during this call. Same-host servers get
-        the tensors through shared memory instead (``shared_memory.py``), large
-        parts otherwise go in pieces over ``ScoreChunked`` (``transport.py``)."""
+        the unary ``Score`` RPC, or for a large part (``chunk_above``) its
+        pieces over ``ScoreChunked``, retried per the policy within
+        ``deadline``; returns ``(ScoreResponse, sends)``. The request's bytes
+        (the copy of the caller's data) exist only during this call. Same-host
+        servers get the tensors through shared memory instead
+        (``shared_memory.py``)."""
         sent = self._shared_memory_send(part, limits, deadline)
         if sent is not None:
             return sent
-        if transport.use_chunked(part.inputs, getattr(self, "chunk_above", transport.CHUNK_ABOVE)):
+        if self._chunked(part):
             # Large parts go as pieces viewing the arrays (transport.py).
-            chunked = transport.ChunkedScore(self._channel, getattr(self, "piece_bytes", transport.PIECE_BYTES))
-            attempts = self._attempts(deadline, part.where, oversize=part.inputs.data_bytes() > limits.server_bytes)
+            chunked = transport.ChunkedScore(self._score_chunked_raw, self.piece_bytes)
+            attempts = self._part_attempts(part, limits, deadline, part.inputs.data_bytes())
             return self._call(chunked, (part.id, part.inputs), attempts)
         request = part.serialized(limits.max_bytes)
-        attempts = self._attempts(deadline, part.where, oversize=len(request) > limits.server_bytes)
-        return self._call(self._score_raw, request, attempts)
+        return self._call(self._score_raw, request, self._part_attempts(part, limits, deadline, len(request)))
 
     def _shared_memory_send(self, part: Part, limits: Limits, deadline: Deadline) -> Optional[Tuple[Any, int]]:
         """Sends ``part`` through this client's shared-memory region
@@ -91,7 +91,7 @@ class LogprobClient(ClientBase):
                     self._shm = shared_memory.SharedMemoryInputs(self._stub, self.timeout, self._metadata) if use else None
         if not self._shm:
             return None
-        attempts = self._attempts(deadline, part.where, oversize=part.inputs.data_bytes() > limits.server_bytes)
+        attempts = self._part_attempts(part, limits, deadline, part.inputs.data_bytes())
         return self._shm.send(
             part.id,
             part.inputs.tensors,

@@ -21,9 +21,14 @@ outputs) and is read into a ``wire.WireResponse`` whose outputs view the
 received bytes (small outputs) or the buffer their pieces were copied into
 (one copy), so the clients turn it into numpy / torch outputs as any
 ``Score`` answer.
+
+The sync client sends with ``ChunkedScore``, the asyncio client with
+``AioChunkedScore``; both make the parts with ``request_parts`` and read
+the answer with ``ResponseAssembler``, to the call's end (its status).
 """
 
-from typing import Any, Iterator, List, Optional, Tuple
+import asyncio
+from typing import Any, AsyncIterator, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -34,8 +39,8 @@ from .wire import WireResponse, _fields, decode_response, varint
 METHOD = "/logprob.v1.LogprobService/ScoreChunked"
 # Requests of more bytes than this go chunked (None or < 0: never); pieces
 # carry PIECE_BYTES bytes of data; tensors up to INLINE_BYTES ride in the
-# first part. A client's ``chunk_above`` / ``piece_bytes`` attributes, when
-# set, override the first two.
+# first part. A client's ``chunk_above`` / ``piece_bytes`` attributes
+# (``base.ClientBase``) default to the first two.
 CHUNK_ABOVE = 8 << 20
 PIECE_BYTES = 4 << 20
 INLINE_BYTES = 64 << 10
@@ -102,62 +107,147 @@ def parse_part(raw: Any) -> Tuple[str, Any]:
     return found
 
 
-def assemble_response(parts: Iterator[bytes]) -> WireResponse:
-    """Reads serialized ``ScoreResponsePart``s from ``parts`` into a
-    ``wire.WireResponse``: the first part's response, with the data of its
-    pieced outputs copied from the pieces that follow into one buffer each.
-    Raises ValueError for a malformed answer, StopIteration when ``parts``
-    ends before the response."""
-    parts = iter(parts)
-    kind, body = parse_part(next(parts))
-    if kind != "message":
-        raise ValueError("the first answer part is not the response")
-    resp = decode_response(body)
-    buffers, received = {}, {}
-    for i, t in enumerate(resp.outputs):
-        dt = NUMPY_DTYPE.get(t.dtype)
-        if dt is None:
-            raise ValueError("output '%s' has unsupported dtype %d" % (t.name, t.dtype))
-        size = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize if t.shape else dt.itemsize
-        if len(t.data) == 0 and size > 0:
-            buffers[i] = bytearray(size)
-            received[i] = 0
-    missing = sum(len(b) for b in buffers.values())
-    while missing > 0:
-        try:
-            kind, piece = parse_part(next(parts))
-        except StopIteration:
-            raise ValueError("the answer ended with %d bytes of outputs missing" % missing) from None
+class ResponseAssembler:
+    """Reads the serialized ``ScoreResponsePart``s of one ScoreChunked
+    answer, fed one at a time (``feed``) by the sync or the asyncio client,
+    into a ``wire.WireResponse``: the first part's response, with the data
+    of its pieced outputs copied from the pieces that follow into one
+    buffer each. Raises ValueError for a malformed answer (a first part
+    that is not the response, a second response, a piece out of order or
+    past its output's size, bytes missing at the end). Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._resp: Optional[WireResponse] = None
+        self._buffers: Dict[int, bytearray] = {}
+        self._received: Dict[int, int] = {}
+        self._missing = 0
+
+    def feed(self, raw: Any) -> None:
+        """Takes the next serialized part of the answer."""
+        kind, body = parse_part(raw)
+        if self._resp is None:
+            if kind != "message":
+                raise ValueError("the first answer part is not the response")
+            self._start(decode_response(body))
+            return
         if kind != "piece":
             raise ValueError("a second response part")
-        i, offset, data = piece
-        if i not in buffers or offset != received[i] or offset + len(data) > len(buffers[i]):
+        i, offset, data = body
+        buf = self._buffers.get(i)
+        if buf is None or offset != self._received[i] or offset + len(data) > len(buf):
             raise ValueError("unexpected piece for output %d at offset %d" % (i, offset))
-        buffers[i][offset:offset + len(data)] = data
-        received[i] += len(data)
-        missing -= len(data)
-    for i, buf in buffers.items():
-        resp.outputs[i].data = memoryview(buf)
-    return resp
+        buf[offset:offset + len(data)] = data
+        self._received[i] += len(data)
+        self._missing -= len(data)
+
+    def _start(self, resp: WireResponse) -> None:
+        for i, t in enumerate(resp.outputs):
+            dt = NUMPY_DTYPE.get(t.dtype)
+            if dt is None:
+                raise ValueError("output '%s' has unsupported dtype %d" % (t.name, t.dtype))
+            size = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize if t.shape else dt.itemsize
+            if len(t.data) == 0 and size > 0:
+                self._buffers[i] = bytearray(size)
+                self._received[i] = 0
+        self._missing = sum(len(b) for b in self._buffers.values())
+        self._resp = resp
+
+    def result(self) -> WireResponse:
+        """The assembled answer (its pieced outputs view their buffers).
+        Raises ValueError when parts are missing."""
+        if self._resp is None:
+            raise ValueError("ScoreChunked ended without an answer")
+        if self._missing > 0:
+            raise ValueError("the answer ended with %d bytes of outputs missing" % self._missing)
+        for i, buf in self._buffers.items():
+            self._resp.outputs[i].data = memoryview(buf)
+        return self._resp
+
+
+def assemble_response(parts: Iterable[Any]) -> WireResponse:
+    """Reads serialized ``ScoreResponsePart``s from ``parts`` to its end (a
+    grpc call's end: its status) into a ``wire.WireResponse`` (see
+    ``ResponseAssembler``). Raises ValueError for a malformed or incomplete
+    answer, ``grpc.RpcError`` for a failed call."""
+    assembler = ResponseAssembler()
+    for raw in parts:
+        assembler.feed(raw)
+    return assembler.result()
+
+
+def open_method(channel: Any) -> Any:
+    """The ScoreChunked multicallable of ``channel`` (``grpc`` or
+    ``grpc.aio``): parts go as the bytes ``request_parts`` makes and come
+    back as bytes (no serializer / deserializer)."""
+    return channel.stream_stream(METHOD)
+
+
+def _check_piece_bytes(piece_bytes: int) -> int:
+    if piece_bytes < 1:
+        raise ValueError("piece_bytes must be >= 1")
+    return int(piece_bytes)
 
 
 class ChunkedScore:
-    """A callable sending one request through ScoreChunked on ``channel``
-    (a ``grpc`` channel): ``call((request_id, inputs), timeout=None,
-    metadata=None)`` returns the answer as a ``wire.WireResponse``; raises
-    ``grpc.RpcError`` for a failed call, like a grpcio multicallable, so
-    the clients' retry loop treats both alike."""
+    """A callable sending one request through ScoreChunked over ``method``
+    (``open_method`` of a ``grpc`` channel): ``call((request_id, inputs),
+    timeout=None, metadata=None)`` returns the answer as a
+    ``wire.WireResponse``; raises ``grpc.RpcError`` for a failed call,
+    like a grpcio multicallable, so the clients' retry loop treats both
+    alike, and ValueError for a malformed answer."""
 
-    def __init__(self, channel: Any, piece_bytes: int = PIECE_BYTES) -> None:
-        if piece_bytes < 1:
-            raise ValueError("piece_bytes must be >= 1")
-        self._method = channel.stream_stream(METHOD)
-        self.piece_bytes = int(piece_bytes)
+    def __init__(self, method: Any, piece_bytes: int = PIECE_BYTES) -> None:
+        self._method = method
+        self.piece_bytes = _check_piece_bytes(piece_bytes)
 
     def __call__(self, request: Tuple[str, Any], timeout: Optional[float] = None, metadata: Any = None) -> WireResponse:
         request_id, inputs = request
         answer = self._method(request_parts(request_id, inputs, self.piece_bytes), timeout=timeout, metadata=metadata)
         try:
             return assemble_response(answer)
-        except StopIteration:
-            raise ValueError("ScoreChunked ended without an answer") from None
+        finally:
+            answer.cancel()  # a no-op once the call has ended
+
+
+class AioChunkedScore:
+    """The asyncio twin of ``ChunkedScore`` over ``method`` (``open_method``
+    of a ``grpc.aio`` channel): ``await call((request_id, inputs),
+    timeout=None, metadata=None)``, same parts, answer and errors. With
+    ``offload_bytes`` set and at least that many bytes of tensor data, each
+    part is made (the one copy of its bytes) in the loop's default
+    executor, so the copies do not stall the loop's other tasks.
+    Cancelling the awaiting task cancels the RPC."""
+
+    def __init__(self, method: Any, piece_bytes: int = PIECE_BYTES, offload_bytes: Optional[int] = None) -> None:
+        self._method = method
+        self.piece_bytes = _check_piece_bytes(piece_bytes)
+        self.offload_bytes = offload_bytes
+
+    async def __call__(
+        self, request: Tuple[str, Any], timeout: Optional[float] = None, metadata: Any = None
+    ) -> WireResponse:
+        request_id, inputs = request
+        parts = request_parts(request_id, inputs, self.piece_bytes)
+        if self.offload_bytes is not None and inputs.data_bytes() >= self.offload_bytes:
+            call = self._method(_in_executor(parts), timeout=timeout, metadata=metadata)
+        else:
+            call = self._method(parts, timeout=timeout, metadata=metadata)
+        try:
+            assembler = ResponseAssembler()
+            async for raw in call:
+                assembler.feed(raw)
+            return assembler.result()
+        finally:
+            call.cancel()  # a no-op once the call has ended
+
+
+async def _in_executor(parts: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """``parts`` as an async iterator whose items are made, one at a time,
+    in the running loop's default executor."""
+    loop = asyncio.get_running_loop()
+    end = object()
+    while True:
+        part = await loop.run_in_executor(None, next, parts, end)
+        if part is end:
+            return
+        yield part  # type: ignore[misc]

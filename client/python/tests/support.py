@@ -6,6 +6,7 @@ Environment (set by ctest, see tests/CMakeLists.txt): ``LOGPROB_BIN_DIR``
 (the built logprob-server / logprob-worker), ``LOGPROB_GOLDEN_DIR``.
 """
 
+import asyncio
 import os
 import shutil
 import signal
@@ -197,6 +198,59 @@ def wait_for(predicate, what, timeout=60.0):
         if time.monotonic() > deadline:
             raise AssertionError("timed out after %g s waiting for %s" % (timeout, what))
         time.sleep(0.01)
+
+
+async def until(predicate, what, timeout=120.0):
+    """``wait_for`` for asyncio tests: polls ``predicate`` (run in the
+    loop's executor: it may scrape /metrics) until it is true."""
+    deadline = time.monotonic() + timeout
+    loop = asyncio.get_running_loop()
+    while not await loop.run_in_executor(None, predicate):
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out after %g s waiting for %s" % (timeout, what))
+        await asyncio.sleep(0.01)
+
+
+async def cancel_on_server(server, client, method):
+    """Starts ``client.score`` (an aio client of ``server``, started with
+    metrics=True) of a request slow on the server (top-p over V = 65536,
+    f32: 64 MB, then 256 MB if it finished too soon), cancels the awaiting
+    task once the server holds the request, and returns True once the
+    server counts it ``logprob_requests_total{code="CANCELLED",
+    method=method}`` (and logs status=CANCELLED); False when it always
+    finished before it could be cancelled. The task must end in
+    CancelledError."""
+    rng = np.random.default_rng(5)
+    V = 65536
+
+    def cancelled():
+        return server.metric("logprob_requests_total", code="CANCELLED", method=method)
+
+    for T in (256, 1024):
+        logits = rng.standard_normal((T, V), dtype=np.float32)
+        ids = rng.integers(0, V, T)
+        before = cancelled()
+        task = asyncio.ensure_future(client.score(logits=logits, input_ids=ids, cu_seqlens=np.arange(0, T + 1, 128),
+                                                  sampling_top_p=0.9, entropy=True))
+        # Wait until the server holds the request (admitted, unanswered).
+        await until(lambda: task.done() or server.metric("logprob_inflight_requests") >= 1,
+                    "the slow request to reach the server")
+        if task.done():
+            continue
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the cancelled task returned a result")
+        await until(lambda: cancelled() > before or "status=OK" in server.log().split("method=" + method)[-1],
+                    "the server to count the %s request CANCELLED" % method)
+        if cancelled() > before:
+            if "status=CANCELLED" not in server.log():
+                raise AssertionError("no status=CANCELLED in the server's log:\n" + server.log())
+            return True
+    return False
 
 
 def as_numpy_outputs(outputs):
