@@ -27,7 +27,9 @@ class ChunkedTest(unittest.TestCase):
         cls.addClassCleanup(cls.server.close)
 
     def client(self, chunk_above, piece_bytes=transport.PIECE_BYTES):
-        c = self.server.client()
+        # Inline bytes: on this host the client would otherwise send the
+        # tensors through shared memory (test_shared_memory.py covers that).
+        c = self.server.client(shared_memory=False)
         c.chunk_above = chunk_above
         c.piece_bytes = piece_bytes
         self.addCleanup(c.close)
@@ -100,7 +102,7 @@ class ChunkedTest(unittest.TestCase):
         lse = x.max() + np.log(np.exp(x - x.max()).sum())
         logits = np.broadcast_to(row, (T, V)).copy()  # 307 MB of bf16 bits
         ids = rng.integers(0, V, T)
-        c = self.server.client()
+        c = self.server.client(shared_memory=False)  # the bytes over gRPC, in pieces
         self.addCleanup(c.close)
         res = c.score(logits=logits, input_ids=ids, cu_seqlens=np.array([0, T]), dtype="bf16")
         self.assertEqual(res.num_parts, 1)
@@ -186,7 +188,7 @@ class AioChunkedTest(unittest.IsolatedAsyncioTestCase):
         for k, v in want.items():
             np.testing.assert_allclose(b.outputs[k], v, rtol=2e-5, atol=2e-4, err_msg=k)
         # The sync client's chunked answer is the same.
-        sync = self.server.client()
+        sync = self.server.client(shared_memory=False)
         sync.chunk_above = 0
         try:
             c = await asyncio.get_running_loop().run_in_executor(None, lambda: sync.score(**kw))
