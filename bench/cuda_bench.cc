@@ -45,12 +45,12 @@ struct Config {
   size_t chunk_mib = 256;
 };
 
-#define BENCH_CHECK(call)                                                             \
-  do {                                                                                \
-    if (cudaError_t _e = (call); _e != cudaSuccess) {                                 \
-      std::cerr << #call << ": " << cudaGetErrorString(_e) << std::endl;              \
-      std::exit(1);                                                                   \
-    }                                                                                 \
+#define BENCH_CHECK(call)                                                \
+  do {                                                                   \
+    if (cudaError_t _e = (call); _e != cudaSuccess) {                    \
+      std::cerr << #call << ": " << cudaGetErrorString(_e) << std::endl; \
+      std::exit(1);                                                      \
+    }                                                                    \
   } while (0)
 
 /// Row-kernel arguments over `rows` device rows of V logits of `type`.

@@ -36,8 +36,8 @@
 
 #include "bench/bench_args.h"
 #include "common/dtype.h"
-#include "worker/communicator.h"
 #include "worker/backend_factory.h"
+#include "worker/communicator.h"
 #include "worker/scorer.h"
 
 namespace logprob {
@@ -195,9 +195,8 @@ int Main(int argc, char** argv) {
     }
   }
   std::printf("backend %s, H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", cfg.backend.c_str(),
-              static_cast<long long>(cfg.H),
-              static_cast<long long>(cfg.chunk), cfg.full ? "token logprobs + entropy + top-20" : "token logprobs",
-              cfg.reps);
+              static_cast<long long>(cfg.H), static_cast<long long>(cfg.chunk),
+              cfg.full ? "token logprobs + entropy + top-20" : "token logprobs", cfg.reps);
   std::printf("%7s %6s %-9s %9s %11s %8s %8s %9s\n", "N", "T", "mode", "seconds", "tokens/s", "GFLOP/s", "vs gemm",
               "peak MiB");
   for (int64_t N : cfg.N) {

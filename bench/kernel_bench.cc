@@ -60,8 +60,8 @@ void BM_Row(benchmark::State& state, DType dtype, bool full) {
     benchmark::DoNotOptimize(lp);
   }
   state.SetItemsProcessed(state.iterations() * kRows * V);
-  state.counters["logits_per_s"] = benchmark::Counter(static_cast<double>(state.iterations()) * kRows * V,
-                                                      benchmark::Counter::kIsRate);
+  state.counters["logits_per_s"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * kRows * V, benchmark::Counter::kIsRate);
 }
 
 void Args(benchmark::internal::Benchmark* b) { b->Arg(32000)->Arg(151936)->Unit(benchmark::kMillisecond); }

@@ -1,5 +1,4 @@
 #include "client/bench.h"
-#include "client/shm_inputs.h"
 
 #include <unistd.h>
 
@@ -20,6 +19,7 @@
 #include "client/commands.h"
 #include "client/echo_service.h"
 #include "client/metrics_scrape.h"
+#include "client/shm_inputs.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 
@@ -166,8 +166,7 @@ PhaseResult RunPhase(const std::string& name, const Target& target, const v1::Sc
   {
     ProgressPrinter progress(name, plan.progress_seconds, tally);
     RunThreads(
-        plan.concurrency,
-        [&] { return plan.requests > 0 ? claimed.fetch_add(1) < plan.requests : Clock::now() < end; },
+        plan.concurrency, [&] { return plan.requests > 0 ? claimed.fetch_add(1) < plan.requests : Clock::now() < end; },
         [&] { CallOnce(target, request, plan.timeout_seconds, &tally); });
   }
   PhaseResult result;
@@ -234,8 +233,8 @@ int RunBench(const BenchArgs& args) {
     }
     if (info.hidden_size() != shape.hidden) {
       PrintError(absl::InvalidArgumentError(absl::StrCat("--hidden-size ", shape.hidden, ": the server's lm_head is [",
-                                                         info.vocab_size(), ", ", info.hidden_size(), "] (H = ",
-                                                         info.hidden_size(), ")")));
+                                                         info.vocab_size(), ", ", info.hidden_size(),
+                                                         "] (H = ", info.hidden_size(), ")")));
       return kExitBadInput;
     }
     shape.vocab = info.vocab_size();
@@ -259,10 +258,10 @@ int RunBench(const BenchArgs& args) {
   Target scoring{stub.get(), channel, report.chunked, args.chunking.piece_bytes};
 
   if (info.max_request_bytes() > 0 && report.request_bytes > info.max_request_bytes()) {
-    PrintError(absl::InvalidArgumentError(absl::StrCat(
-        "--batch/--seq/--packed/--vocab/--hidden-size/--dtype: the request is ", report.request_bytes,
-        " bytes, over the server's max_request_bytes ", info.max_request_bytes(),
-        "; use a smaller shape or start logprob-server with a larger --max-request-bytes")));
+    PrintError(absl::InvalidArgumentError(
+        absl::StrCat("--batch/--seq/--packed/--vocab/--hidden-size/--dtype: the request is ", report.request_bytes,
+                     " bytes, over the server's max_request_bytes ", info.max_request_bytes(),
+                     "; use a smaller shape or start logprob-server with a larger --max-request-bytes")));
     return kExitBadInput;
   }
   std::optional<ServerTimings> before;
@@ -348,8 +347,9 @@ int RunBench(const BenchArgs& args) {
     std::shared_ptr<grpc::Channel> echo_channel = MakeChannel((*echo)->address());
     std::unique_ptr<v1::LogprobService::Stub> echo_stub = v1::LogprobService::NewStub(echo_channel);
     report.echo = RunPhase("echo", Target{echo_stub.get(), echo_channel, false, 0}, *request, plan, nullptr);
-    report.echo_chunked = RunPhase("echo-chunked", Target{echo_stub.get(), echo_channel, true, args.chunking.piece_bytes},
-                                   *request, plan, nullptr);
+    report.echo_chunked =
+        RunPhase("echo-chunked", Target{echo_stub.get(), echo_channel, true, args.chunking.piece_bytes}, *request, plan,
+                 nullptr);
   }
 
   std::cout << (args.json ? FormatBenchJson(report) : FormatBenchTable(report)) << std::flush;

@@ -16,21 +16,21 @@ namespace logprob::client {
 
 /// Arguments of `logprob-client bench` (flags in UsageText()).
 struct BenchArgs {
-  std::string server;              // --server HOST:PORT
-  ChannelOptions channel;          // --tls-*, --auth-token-file
-  BenchShape shape;                // --batch, --seq, --packed, --vocab, --dtype, --hidden-size
-  ChunkOptions chunking;           // --chunk-above, --piece-bytes: scoring calls over the threshold use ScoreChunked
-  ScoreFlags flags;                // --entropy, --topk, ... as for `score`
-  int concurrency = 1;             // --concurrency: calls in flight (one thread each, one shared channel)
-  double duration_seconds = 10;    // --duration: measured seconds per phase
-  int64_t requests = 0;            // --requests N > 0: N measured calls per phase instead of --duration
-  double warmup_seconds = 1;       // --warmup: seconds of unmeasured calls before each phase
-  bool echo = true;                // --no-echo: skip the echo phase
-  bool shared_memory = false;      // --shared-memory: scoring phase's tensors in a registered region
-  std::string metrics_url;         // --metrics-url http://HOST:PORT/metrics: server-side split
-  bool json = false;               // --json: JSON on stdout instead of the table
-  double progress_seconds = 5;     // --progress: seconds between progress lines on stderr; 0 = none
-  double timeout_seconds = 0;      // --timeout: deadline of each call; 0 = none
+  std::string server;            // --server HOST:PORT
+  ChannelOptions channel;        // --tls-*, --auth-token-file
+  BenchShape shape;              // --batch, --seq, --packed, --vocab, --dtype, --hidden-size
+  ChunkOptions chunking;         // --chunk-above, --piece-bytes: scoring calls over the threshold use ScoreChunked
+  ScoreFlags flags;              // --entropy, --topk, ... as for `score`
+  int concurrency = 1;           // --concurrency: calls in flight (one thread each, one shared channel)
+  double duration_seconds = 10;  // --duration: measured seconds per phase
+  int64_t requests = 0;          // --requests N > 0: N measured calls per phase instead of --duration
+  double warmup_seconds = 1;     // --warmup: seconds of unmeasured calls before each phase
+  bool echo = true;              // --no-echo: skip the echo phase
+  bool shared_memory = false;    // --shared-memory: scoring phase's tensors in a registered region
+  std::string metrics_url;       // --metrics-url http://HOST:PORT/metrics: server-side split
+  bool json = false;             // --json: JSON on stdout instead of the table
+  double progress_seconds = 5;   // --progress: seconds between progress lines on stderr; 0 = none
+  double timeout_seconds = 0;    // --timeout: deadline of each call; 0 = none
 };
 
 /// Runs the bench:

@@ -55,12 +55,14 @@ absl::Status ValidateBenchShape(const BenchShape& s) {
   if (s.batch <= 0) return absl::InvalidArgumentError(absl::StrCat("--batch ", s.batch, ": must be > 0"));
   if (s.vocab <= 0) return absl::InvalidArgumentError(absl::StrCat("--vocab ", s.vocab, ": must be > 0"));
   if (s.hidden < 0) return absl::InvalidArgumentError(absl::StrCat("--hidden-size ", s.hidden, ": must be > 0"));
-  if (s.packed_tokens < 0) return absl::InvalidArgumentError(absl::StrCat("--packed ", s.packed_tokens, ": must be > 0"));
+  if (s.packed_tokens < 0)
+    return absl::InvalidArgumentError(absl::StrCat("--packed ", s.packed_tokens, ": must be > 0"));
   if (s.packed_tokens > 0 && s.packed_tokens < s.batch) {
     return absl::InvalidArgumentError(
         absl::StrCat("--packed ", s.packed_tokens, ": fewer tokens than the --batch ", s.batch, " sequences"));
   }
-  if (s.packed_tokens == 0 && s.seq <= 0) return absl::InvalidArgumentError(absl::StrCat("--seq ", s.seq, ": must be > 0"));
+  if (s.packed_tokens == 0 && s.seq <= 0)
+    return absl::InvalidArgumentError(absl::StrCat("--seq ", s.seq, ": must be > 0"));
   if (!IsFloatDType(s.dtype)) return absl::InvalidArgumentError("--dtype: must be bf16, f16 or f32");
   const int64_t tokens = ShapeTokens(s);
   const int64_t elem = static_cast<int64_t>(DTypeSize(s.dtype));
@@ -83,17 +85,16 @@ absl::StatusOr<v1::ScoreRequest> BuildBenchRequest(const BenchShape& s, const v1
   *req.mutable_options() = options;
 
   const int64_t width = RowWidth(s);
-  v1::Tensor* rows = AddTensor(&req, s.hidden > 0 ? kHiddenStatesName : kLogitsName, s.dtype,
-                               packed ? std::vector<int64_t>{tokens, width}
-                                      : std::vector<int64_t>{s.batch, s.seq, width});
-  *rows->mutable_data() = RandomFloats(s.dtype, static_cast<size_t>(tokens * width) * DTypeSize(s.dtype),
-                                       s.hidden > 0 ? 1.f : 8.f, rng);
+  v1::Tensor* rows =
+      AddTensor(&req, s.hidden > 0 ? kHiddenStatesName : kLogitsName, s.dtype,
+                packed ? std::vector<int64_t>{tokens, width} : std::vector<int64_t>{s.batch, s.seq, width});
+  *rows->mutable_data() =
+      RandomFloats(s.dtype, static_cast<size_t>(tokens * width) * DTypeSize(s.dtype), s.hidden > 0 ? 1.f : 8.f, rng);
 
   std::vector<int64_t> ids(static_cast<size_t>(tokens));
   std::uniform_int_distribution<int64_t> target(0, s.vocab - 1);
   for (int64_t& v : ids) v = target(rng);
-  AddTensor(&req, kInputIdsName, v1::I64,
-            packed ? std::vector<int64_t>{tokens} : std::vector<int64_t>{s.batch, s.seq})
+  AddTensor(&req, kInputIdsName, v1::I64, packed ? std::vector<int64_t>{tokens} : std::vector<int64_t>{s.batch, s.seq})
       ->set_data(ids.data(), ids.size() * sizeof(int64_t));
 
   if (packed) {

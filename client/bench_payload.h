@@ -19,7 +19,7 @@ struct BenchShape {
   int64_t packed_tokens = 0;  // T > 0: packed layout [T, V], B sequences split by cu_seqlens
   int64_t vocab = 32000;      // V (hidden mode: the server's lm_head V)
   v1::DType dtype = v1::BF16;
-  int64_t hidden = 0;         // H > 0: `hidden_states` [.., H] instead of logits (--hidden-size)
+  int64_t hidden = 0;  // H > 0: `hidden_states` [.., H] instead of logits (--hidden-size)
 };
 
 /// Width of a row of the scored input: H in hidden mode, else V.

@@ -23,9 +23,9 @@ std::string ShapeText(const BenchShape& s) {
                                ? absl::StrCat("[", s.packed_tokens, ", ", s.vocab, "] packed, ", s.batch, " sequences")
                                : absl::StrCat("[", s.batch, ", ", s.seq, ", ", s.vocab, "]");
   if (s.hidden > 0) {
-    const std::string hdims = s.packed_tokens > 0
-                                  ? absl::StrCat("[", s.packed_tokens, ", ", s.hidden, "] packed, ", s.batch, " sequences")
-                                  : absl::StrCat("[", s.batch, ", ", s.seq, ", ", s.hidden, "]");
+    const std::string hdims =
+        s.packed_tokens > 0 ? absl::StrCat("[", s.packed_tokens, ", ", s.hidden, "] packed, ", s.batch, " sequences")
+                            : absl::StrCat("[", s.batch, ", ", s.seq, ", ", s.hidden, "]");
     return absl::StrCat("hidden_states ", DTypeName(s.dtype), " ", hdims, " (lm_head V = ", s.vocab, ")");
   }
   return absl::StrCat("logits ", DTypeName(s.dtype), " ", dims);
@@ -66,7 +66,12 @@ nlohmann::json PhaseJson(const BenchReport& r, const PhaseResult& p) {
           {"tokens_per_s", TokensPerSecond(r, p)},
           {"request_mb_per_s", MegabytesPerSecond(r, p)},
           {"latency_s",
-           {{"count", l.count}, {"mean", l.mean}, {"min", l.min}, {"p50", l.p50}, {"p90", l.p90}, {"p99", l.p99},
+           {{"count", l.count},
+            {"mean", l.mean},
+            {"min", l.min},
+            {"p50", l.p50},
+            {"p90", l.p90},
+            {"p99", l.p99},
             {"max", l.max}}}};
 }
 
@@ -91,13 +96,13 @@ std::string FormatBenchTable(const BenchReport& r) {
   if (r.echo) absl::StrAppend(&out, PhaseRow(r, *r.echo));
   if (r.echo_chunked) absl::StrAppend(&out, PhaseRow(r, *r.echo_chunked));
   if (const std::optional<double> ratio = ScoringOverEcho(r)) {
-    absl::StrAppendFormat(&out, "\nscoring / %s throughput: %.3f (same request and reply bytes, scoring %s; echo = gRPC "
-                                "transfer alone, in-process server on loopback)\n",
+    absl::StrAppendFormat(&out,
+                          "\nscoring / %s throughput: %.3f (same request and reply bytes, scoring %s; echo = gRPC "
+                          "transfer alone, in-process server on loopback)\n",
                           r.chunked ? "echo-chunked" : "echo", *ratio,
                           r.chunked ? "in pieces (ScoreChunked)" : "in one message (Score)");
   }
-  for (const PhaseResult* p :
-       {&r.scoring, r.echo ? &*r.echo : nullptr, r.echo_chunked ? &*r.echo_chunked : nullptr}) {
+  for (const PhaseResult* p : {&r.scoring, r.echo ? &*r.echo : nullptr, r.echo_chunked ? &*r.echo_chunked : nullptr}) {
     if (p == nullptr || p->failed == 0) continue;
     std::vector<std::string> codes;
     for (const auto& [code, n] : p->failures) codes.push_back(absl::StrCat(code, " x", n));
@@ -114,10 +119,10 @@ std::string FormatBenchTable(const BenchReport& r) {
                           "  validation, planning, reply assembly:        %8.1f ms (%s)\n"
                           "  dispatch to workers and gathering:           %8.1f ms (%s)\n"
                           "  worker compute (slowest worker):             %8.1f ms (%s)\n",
-                          r.chunked ? "ScoreChunked" : "Score", s.requests, s.batches, s.request_mean * 1e3, s.queue_mean * 1e3,
-                          Percent(s.queue_mean, s.request_mean), rest * 1e3, Percent(rest, s.request_mean),
-                          dispatch * 1e3, Percent(dispatch, s.request_mean), s.compute_mean * 1e3,
-                          Percent(s.compute_mean, s.request_mean));
+                          r.chunked ? "ScoreChunked" : "Score", s.requests, s.batches, s.request_mean * 1e3,
+                          s.queue_mean * 1e3, Percent(s.queue_mean, s.request_mean), rest * 1e3,
+                          Percent(rest, s.request_mean), dispatch * 1e3, Percent(dispatch, s.request_mean),
+                          s.compute_mean * 1e3, Percent(s.compute_mean, s.request_mean));
     if (r.scoring.latency.count > 0) {
       absl::StrAppendFormat(&out,
                             "  client latency mean %.1f ms: %.1f ms outside the server's handler "

@@ -17,12 +17,12 @@ namespace logprob::client {
 /// in-process echo server ("echo"), after the warm-up.
 struct PhaseResult {
   std::string name;
-  double seconds = 0;                        // wall time from the first call to the last answer
-  int64_t ok = 0;                            // calls answered OK
-  int64_t failed = 0;                        // calls that failed
-  std::map<std::string, int64_t> failures;   // failed calls by status code name
-  std::string first_error;                   // "CODE: message" of the first failure
-  LatencySummary latency;                    // client-side latency of the OK calls, seconds
+  double seconds = 0;                       // wall time from the first call to the last answer
+  int64_t ok = 0;                           // calls answered OK
+  int64_t failed = 0;                       // calls that failed
+  std::map<std::string, int64_t> failures;  // failed calls by status code name
+  std::string first_error;                  // "CODE: message" of the first failure
+  LatencySummary latency;                   // client-side latency of the OK calls, seconds
 };
 
 /// OK calls per second of `phase` (0 when it took no time).
@@ -35,12 +35,12 @@ double RequestsPerSecond(const PhaseResult& phase);
 /// (dispatch to the workers and gathering) and
 /// logprob_compute_duration_seconds (the slowest worker's compute).
 struct ServerSplit {
-  double requests = 0;           // Score requests the server finished meanwhile
-  double request_mean = 0;       // seconds per request
-  double queue_mean = 0;         // seconds per request waiting in the batching queue
-  double batches = 0;            // worker batches meanwhile (several requests may share one)
-  double worker_call_mean = 0;   // seconds per worker batch
-  double compute_mean = 0;       // seconds per worker batch (slowest worker)
+  double requests = 0;          // Score requests the server finished meanwhile
+  double request_mean = 0;      // seconds per request
+  double queue_mean = 0;        // seconds per request waiting in the batching queue
+  double batches = 0;           // worker batches meanwhile (several requests may share one)
+  double worker_call_mean = 0;  // seconds per worker batch
+  double compute_mean = 0;      // seconds per worker batch (slowest worker)
 };
 
 /// Everything `logprob-client bench` reports.
@@ -56,7 +56,7 @@ struct BenchReport {
   PhaseResult scoring;
   std::optional<PhaseResult> echo;          // one Score message; absent with --no-echo
   std::optional<PhaseResult> echo_chunked;  // ScoreChunked in pieces; absent with --no-echo
-  std::optional<ServerSplit> split;       // present with --metrics-url
+  std::optional<ServerSplit> split;         // present with --metrics-url
 };
 
 /// Scoring throughput over echo throughput of the same transport

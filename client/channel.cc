@@ -99,14 +99,16 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ta
     }
     if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
     creds = grpc::SslCredentials(ssl);
-    if (!creds) return absl::InvalidArgumentError("gRPC could not build TLS credentials from --tls-ca/--tls-cert/--tls-key");
+    if (!creds)
+      return absl::InvalidArgumentError("gRPC could not build TLS credentials from --tls-ca/--tls-cert/--tls-key");
   }
   if (options.auth_token_file.empty()) return grpc::CreateCustomChannel(target, creds, args);
 
   LOGPROB_ASSIGN_OR_RETURN(const std::string token, ReadFlagFile("--auth-token-file", options.auth_token_file));
   const std::string trimmed(absl::StripAsciiWhitespace(token));
   if (trimmed.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--auth-token-file ", options.auth_token_file, ": the file is empty"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth-token-file ", options.auth_token_file, ": the file is empty"));
   }
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<AuthInterceptorFactory>(trimmed));

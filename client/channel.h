@@ -38,7 +38,6 @@ bool UsesTls(const ChannelOptions& options);
 /// against the system's roots. Errors (INVALID_ARGUMENT naming the flag and
 /// file): a file that cannot be read or is empty; only one of tls_cert and
 /// tls_key.
-absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& target,
-                                                           const ChannelOptions& options);
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& target, const ChannelOptions& options);
 
 }  // namespace logprob::client

@@ -88,9 +88,8 @@ absl::StatusOr<v1::ScoreResponse> ScoreChunkedViews(const std::shared_ptr<grpc::
   chunked::OutgoingPart part;
   part.message = &first;
   // A failed write means the server ended the call: Finish says why.
-  if (stream->Write(part) &&
-      chunked::WritePieces([&](const chunked::OutgoingPart& p) { return stream->Write(p); }, pieced, data,
-                           piece_bytes)) {
+  if (stream->Write(part) && chunked::WritePieces([&](const chunked::OutgoingPart& p) { return stream->Write(p); },
+                                                  pieced, data, piece_bytes)) {
     stream->WritesDone();
   }
   absl::StatusOr<v1::ScoreResponse> answer = ReadAnswer(stream.get());

@@ -13,8 +13,7 @@ namespace logprob::client {
 namespace {
 
 absl::Status BadValue(const std::string& flag, const std::string& value, const char* what) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("--", flag, ": '", value, "' is not ", what));
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, ": '", value, "' is not ", what));
 }
 
 absl::Status ParseInt32(const std::string& flag, const std::string& v, int32_t* out) {
@@ -92,8 +91,7 @@ std::optional<absl::Status> ApplyOptionFlag(const std::string& flag, const std::
   if (flag == "alignment") {
     absl::StatusOr<v1::Alignment> alignment = ParseAlignment(v);
     if (!alignment.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--alignment: ", alignment.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat("--alignment: ", alignment.status().message()));
     }
     f->alignment = *alignment;
   } else if (flag == "entropy") {
@@ -218,7 +216,8 @@ bool IsSwitch(CommandLine::Command command, const std::string& flag) {
 // Checks the combinations of `bench` flags given (`given` names them).
 absl::Status CheckBenchArgs(const BenchArgs& a, const std::set<std::string>& given) {
   if (given.count("packed") && given.count("seq")) {
-    return absl::InvalidArgumentError("bench: --packed T and --seq S exclude each other (packed [T, V] or padded [B, S, V])");
+    return absl::InvalidArgumentError(
+        "bench: --packed T and --seq S exclude each other (packed [T, V] or padded [B, S, V])");
   }
   if (given.count("hidden-size") && given.count("vocab")) {
     return absl::InvalidArgumentError("bench: --hidden-size H takes V from the server's lm_head; drop --vocab");
@@ -248,8 +247,8 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
   } else if (command == "bench") {
     cl.command = CommandLine::Command::kBench;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown command '", command, "' (expected health, score or bench)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown command '", command, "' (expected health, score or bench)"));
   }
   std::set<std::string> given;
 

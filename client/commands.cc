@@ -31,23 +31,21 @@ absl::Status WithPath(const std::string& path, const absl::Status& status) {
 
 // An id for a request of this process.
 std::string MakeRequestId() {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                      std::chrono::system_clock::now().time_since_epoch())
-                      .count();
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
   return absl::StrCat("cli-", getpid(), "-", ms);
 }
 
 }  // namespace
 
-void PrintError(const absl::Status& status) {
-  std::cerr << "error: " << status.ToString() << std::endl;
-}
+void PrintError(const absl::Status& status) { std::cerr << "error: " << status.ToString() << std::endl; }
 
 void SetTimeout(grpc::ClientContext* context, double seconds) {
   if (seconds <= 0) return;
-  context->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                            std::chrono::duration<double>(seconds)));
+  context->set_deadline(
+      std::chrono::system_clock::now() +
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(seconds)));
 }
 
 std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const ChannelOptions& options) {
@@ -72,8 +70,8 @@ absl::StatusOr<v1::ServerInfo> FetchServerInfo(v1::LogprobService::StubInterface
 }
 
 int RunHealth(const HealthArgs& args) {
-  const auto wait = std::chrono::milliseconds(
-      static_cast<int64_t>(std::llround(std::max(0.0, args.wait_seconds) * 1000)));
+  const auto wait =
+      std::chrono::milliseconds(static_cast<int64_t>(std::llround(std::max(0.0, args.wait_seconds) * 1000)));
   std::shared_ptr<grpc::Channel> channel = OpenChannel(args.server, args.channel);
   if (!channel) return kExitBadInput;
   absl::Status s = WaitForServing(channel, wait);
@@ -87,12 +85,10 @@ int RunHealth(const HealthArgs& args) {
 
 absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface& stub,
                                                const std::shared_ptr<grpc::Channel>& channel,
-                                               const v1::ScoreRequest& request,
-                                               const SplitLimits& limits,
-                                               const ChunkOptions& chunking,
-                                               double timeout_seconds,
-                                               const std::function<void(int, int)>& progress,
-                                               int* parts_sent, ShmInputs* shm) {
+                                               const v1::ScoreRequest& request, const SplitLimits& limits,
+                                               const ChunkOptions& chunking, double timeout_seconds,
+                                               const std::function<void(int, int)>& progress, int* parts_sent,
+                                               ShmInputs* shm) {
   LOGPROB_ASSIGN_OR_RETURN(std::vector<v1::ScoreRequest> parts, SplitScoreRequest(request, limits));
   const int n = static_cast<int>(parts.size());
   std::vector<v1::ScoreResponse> responses(n);
@@ -156,8 +152,9 @@ int RunScore(const ScoreArgs& args) {
   if (args.shared_memory) {
     if (!SameSharedMemoryHost(*info)) {
       PrintError(absl::FailedPreconditionError(
-          info->shared_memory_inputs() ? "--shared-memory: the server does not share this host's /dev/shm (host_id differs)"
-                                       : "--shared-memory: the server has shared-memory inputs off"));
+          info->shared_memory_inputs()
+              ? "--shared-memory: the server does not share this host's /dev/shm (host_id differs)"
+              : "--shared-memory: the server has shared-memory inputs off"));
       return kExitFailure;
     }
     shm = std::make_unique<ShmInputs>(*stub, args.timeout_seconds);
@@ -190,11 +187,9 @@ int RunScore(const ScoreArgs& args) {
       request->mutable_inputs(pieced[k])->set_data(data[k].data(), data[k].size());
     response = ScoreInParts(
         *stub, channel, *request, limits, args.chunking, args.timeout_seconds,
-        [](int i, int n) { std::cerr << "scored part " << i << "/" << n << std::endl; }, &parts,
-        shm.get());
+        [](int i, int n) { std::cerr << "scored part " << i << "/" << n << std::endl; }, &parts, shm.get());
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!response.ok()) {
     PrintError(response.status());
     return kExitFailure;

@@ -46,9 +46,9 @@ absl::StatusOr<v1::ServerInfo> FetchServerInfo(v1::LogprobService::StubInterface
 
 /// Arguments of `logprob-client health`.
 struct HealthArgs {
-  std::string server;        // HOST:PORT
-  double wait_seconds = 0;   // keep trying this long; 0 = one try
-  ChannelOptions channel;    // TLS and bearer token (--tls-*, --auth-token-file)
+  std::string server;       // HOST:PORT
+  double wait_seconds = 0;  // keep trying this long; 0 = one try
+  ChannelOptions channel;   // TLS and bearer token (--tls-*, --auth-token-file)
 };
 
 /// Runs `health`: exit kExitOk once grpc.health.v1 reports SERVING within
@@ -59,15 +59,15 @@ int RunHealth(const HealthArgs& args);
 
 /// Arguments of `logprob-client score`.
 struct ScoreArgs {
-  std::string server;              // HOST:PORT
-  std::string input;               // IN.safetensors
-  std::string output;              // OUT.safetensors
+  std::string server;  // HOST:PORT
+  std::string input;   // IN.safetensors
+  std::string output;  // OUT.safetensors
   ScoreFlags flags;
-  int64_t max_request_bytes = 0;   // > 0 overrides the server's limit
-  double timeout_seconds = 0;      // deadline of each RPC; 0 = none
-  ChannelOptions channel;          // TLS and bearer token (--tls-*, --auth-token-file)
-  ChunkOptions chunking;           // --chunk-above, --piece-bytes
-  bool shared_memory = false;      // --shared-memory: tensors through a registered region (client/shm_inputs.h)
+  int64_t max_request_bytes = 0;  // > 0 overrides the server's limit
+  double timeout_seconds = 0;     // deadline of each RPC; 0 = none
+  ChannelOptions channel;         // TLS and bearer token (--tls-*, --auth-token-file)
+  ChunkOptions chunking;          // --chunk-above, --piece-bytes
+  bool shared_memory = false;     // --shared-memory: tensors through a registered region (client/shm_inputs.h)
 };
 
 /// Runs `score`: reads the input file, asks the server for its limits
@@ -89,10 +89,11 @@ int RunScore(const ScoreArgs& args);
 /// when set, is called with (i, n) after part i of n > 1 has been scored.
 /// Errors: the first failing call's status (gRPC code and message), or a
 /// splitting/joining error.
-absl::StatusOr<v1::ScoreResponse> ScoreInParts(
-    v1::LogprobService::StubInterface& stub, const std::shared_ptr<grpc::Channel>& channel,
-    const v1::ScoreRequest& request, const SplitLimits& limits, const ChunkOptions& chunking,
-    double timeout_seconds,
-    const std::function<void(int, int)>& progress, int* parts_sent = nullptr, ShmInputs* shm = nullptr);
+absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface& stub,
+                                               const std::shared_ptr<grpc::Channel>& channel,
+                                               const v1::ScoreRequest& request, const SplitLimits& limits,
+                                               const ChunkOptions& chunking, double timeout_seconds,
+                                               const std::function<void(int, int)>& progress, int* parts_sent = nullptr,
+                                               ShmInputs* shm = nullptr);
 
 }  // namespace logprob::client

@@ -36,10 +36,14 @@ bool ReadVarint(const std::string& bytes, size_t* pos, uint64_t* value) {
 
 std::string ServingStatusName(ServingStatus status) {
   switch (status) {
-    case ServingStatus::kUnknown: return "UNKNOWN";
-    case ServingStatus::kServing: return "SERVING";
-    case ServingStatus::kNotServing: return "NOT_SERVING";
-    case ServingStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+    case ServingStatus::kUnknown:
+      return "UNKNOWN";
+    case ServingStatus::kServing:
+      return "SERVING";
+    case ServingStatus::kNotServing:
+      return "NOT_SERVING";
+    case ServingStatus::kServiceUnknown:
+      return "SERVICE_UNKNOWN";
   }
   return absl::StrCat("status ", static_cast<int>(status));
 }
@@ -47,8 +51,7 @@ std::string ServingStatusName(ServingStatus status) {
 absl::StatusOr<ServingStatus> ParseHealthCheckResponse(const std::string& bytes) {
   ServingStatus status = ServingStatus::kUnknown;
   size_t pos = 0;
-  const absl::Status malformed =
-      absl::InvalidArgumentError("malformed grpc.health.v1.HealthCheckResponse");
+  const absl::Status malformed = absl::InvalidArgumentError("malformed grpc.health.v1.HealthCheckResponse");
   while (pos < bytes.size()) {
     uint64_t tag = 0;
     if (!ReadVarint(bytes, &pos, &tag)) return malformed;
@@ -104,8 +107,7 @@ absl::StatusOr<ServingStatus> CheckHealth(const std::shared_ptr<grpc::Channel>& 
   return ParseHealthCheckResponse(bytes);
 }
 
-absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel,
-                            std::chrono::milliseconds wait) {
+absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel, std::chrono::milliseconds wait) {
   using Clock = std::chrono::system_clock;
   const Clock::time_point give_up = Clock::now() + wait;
   std::string last;
@@ -113,13 +115,11 @@ absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel,
     const Clock::time_point deadline = std::max(give_up, Clock::now() + kMinTryDeadline);
     absl::StatusOr<ServingStatus> s = CheckHealth(channel, deadline);
     if (s.ok() && *s == ServingStatus::kServing) return absl::OkStatus();
-    last = s.ok() ? absl::StrCat("server reports ", ServingStatusName(*s))
-                  : s.status().ToString();
+    last = s.ok() ? absl::StrCat("server reports ", ServingStatusName(*s)) : s.status().ToString();
     const Clock::time_point now = Clock::now();
     if (now >= give_up) {
-      return absl::UnavailableError(absl::StrCat(
-          "server not serving after ", attempt, attempt == 1 ? " try" : " tries",
-          ": ", last));
+      return absl::UnavailableError(
+          absl::StrCat("server not serving after ", attempt, attempt == 1 ? " try" : " tries", ": ", last));
     }
     std::this_thread::sleep_for(std::min<Clock::duration>(kRetryInterval, give_up - now));
   }

@@ -32,7 +32,6 @@ absl::StatusOr<ServingStatus> CheckHealth(const std::shared_ptr<grpc::Channel>& 
 /// Calls CheckHealth every ~200 ms until the server reports SERVING or
 /// `wait` has passed (wait <= 0: one try, with a short deadline). OK once
 /// SERVING; otherwise UNAVAILABLE naming the last status or error.
-absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel,
-                            std::chrono::milliseconds wait);
+absl::Status WaitForServing(const std::shared_ptr<grpc::Channel>& channel, std::chrono::milliseconds wait);
 
 }  // namespace logprob::client

@@ -18,8 +18,7 @@ int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   absl::StatusOr<CommandLine> cl = logprob::client::ParseCommandLine(args);
   if (!cl.ok()) {
-    std::cerr << "error: " << cl.status().message() << "\n\n"
-              << logprob::client::UsageText();
+    std::cerr << "error: " << cl.status().message() << "\n\n" << logprob::client::UsageText();
     return logprob::client::kExitBadInput;
   }
   switch (cl->command) {

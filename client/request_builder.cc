@@ -9,8 +9,8 @@ namespace logprob::client {
 absl::StatusOr<v1::Alignment> ParseAlignment(std::string_view name) {
   if (name == "next_token") return v1::NEXT_TOKEN;
   if (name == "same_position") return v1::SAME_POSITION;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown alignment '", std::string(name), "' (expected next_token or same_position)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown alignment '", std::string(name), "' (expected next_token or same_position)"));
 }
 
 v1::ScoreOptions ToScoreOptions(const ScoreFlags& flags) {
@@ -37,18 +37,15 @@ int FindIndex(const SafetensorsFile& file, std::string_view name) {
 
 }  // namespace
 
-absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file,
-                                                   const v1::ScoreOptions& options,
+absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v1::ScoreOptions& options,
                                                    const std::string& id) {
   const int logits = FindIndex(file, kLogitsName);
   const int hidden = FindIndex(file, kHiddenStatesName);
   if (logits >= 0 && hidden >= 0) {
-    return absl::InvalidArgumentError(
-        "input has both 'logits' and 'hidden_states'; keep only one");
+    return absl::InvalidArgumentError("input has both 'logits' and 'hidden_states'; keep only one");
   }
   if (logits < 0 && hidden < 0) {
-    return absl::InvalidArgumentError(
-        "input has neither 'logits' nor 'hidden_states'");
+    return absl::InvalidArgumentError("input has neither 'logits' nor 'hidden_states'");
   }
   if (FindIndex(file, kInputIdsName) < 0) {
     return absl::InvalidArgumentError("input has no 'input_ids'");
@@ -57,9 +54,8 @@ absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file,
   v1::ScoreRequest request;
   request.set_id(id);
   *request.mutable_options() = options;
-  const char* const order[] = {logits >= 0 ? kLogitsName : kHiddenStatesName,
-                                    kInputIdsName, kCuSeqlensName, kSeqLensName,
-                                    kGatherIndicesName};
+  const char* const order[] = {logits >= 0 ? kLogitsName : kHiddenStatesName, kInputIdsName, kCuSeqlensName,
+                               kSeqLensName, kGatherIndicesName};
   for (const char* name : order) {
     const int i = FindIndex(file, name);
     if (i < 0) continue;

@@ -50,8 +50,7 @@ v1::ScoreOptions ToScoreOptions(const ScoreFlags& flags);
 /// ignored. The tensors are moved out of `file`.
 /// Errors (INVALID_ARGUMENT): no `input_ids`, neither or both of `logits`
 /// and `hidden_states`.
-absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file,
-                                                   const v1::ScoreOptions& options,
+absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v1::ScoreOptions& options,
                                                    const std::string& id);
 
 /// Number of token positions of a built request: the product of the

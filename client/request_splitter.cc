@@ -23,35 +23,30 @@ const v1::Tensor* FindInput(const v1::ScoreRequest& request, std::string_view na
   return nullptr;
 }
 
-std::string ShapeString(const v1::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
-}
+std::string ShapeString(const v1::Tensor& t) { return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]"); }
 
 // Checks that `t` has rank >= 1, a known dtype and as many bytes as its
 // shape needs.
 absl::Status CheckTensor(const v1::Tensor& t) {
   const size_t es = DTypeSize(t.dtype());
   if (es == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("input '", t.name(), "' has an unsupported dtype"));
+    return absl::InvalidArgumentError(absl::StrCat("input '", t.name(), "' has an unsupported dtype"));
   }
   if (t.shape_size() < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("input '", t.name(), "' is a scalar; cannot split it"));
+    return absl::InvalidArgumentError(absl::StrCat("input '", t.name(), "' is a scalar; cannot split it"));
   }
   uint64_t n = es;
   for (int64_t d : t.shape()) {
     if (d < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input '", t.name(), "' has a negative dimension in ", ShapeString(t)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("input '", t.name(), "' has a negative dimension in ", ShapeString(t)));
     }
     if (d != 0 && n > t.data().size()) break;  // too large; caught below
     n *= static_cast<uint64_t>(d);
   }
   if (n != t.data().size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "input '", t.name(), "' has ", t.data().size(), " bytes; shape ",
-        ShapeString(t), " of ", DTypeName(t.dtype()), " needs ", n));
+    return absl::InvalidArgumentError(absl::StrCat("input '", t.name(), "' has ", t.data().size(), " bytes; shape ",
+                                                   ShapeString(t), " of ", DTypeName(t.dtype()), " needs ", n));
   }
   return absl::OkStatus();
 }
@@ -92,16 +87,14 @@ absl::StatusOr<Plan> PlanPadded(const v1::ScoreRequest& request, const v1::Tenso
   int64_t bytes_per_seq = 0;
   for (const v1::Tensor& t : request.inputs()) {
     if (t.name() == kCuSeqlensName) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cannot split: 'cu_seqlens' given with 3-D '", rows.name(), "' ",
-          ShapeString(rows)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot split: 'cu_seqlens' given with 3-D '", rows.name(), "' ", ShapeString(rows)));
     }
     if (absl::Status s = CheckTensor(t); !s.ok()) return s;
     if (t.shape(0) != B) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cannot split: input '", t.name(), "' ", ShapeString(t),
-          " does not have B = ", B, " rows like '", rows.name(), "' ",
-          ShapeString(rows)));
+      return absl::InvalidArgumentError(absl::StrCat("cannot split: input '", t.name(), "' ", ShapeString(t),
+                                                     " does not have B = ", B, " rows like '", rows.name(), "' ",
+                                                     ShapeString(rows)));
     }
     bytes_per_seq += RowBytes(t);
   }
@@ -123,15 +116,13 @@ absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tenso
   const v1::Tensor* gather = FindInput(request, kGatherIndicesName);
   for (const v1::Tensor& t : request.inputs()) {
     if (&t != &rows && &t != ids && &t != cu && &t != gather) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cannot split packed input with input '", t.name(), "'"));
+      return absl::InvalidArgumentError(absl::StrCat("cannot split packed input with input '", t.name(), "'"));
     }
     if (absl::Status s = CheckTensor(t); !s.ok()) return s;
   }
   if (ids == nullptr || ids->shape(0) != T) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot split: packed 'input_ids' must have T = ", T, " rows like '",
-        rows.name(), "' ", ShapeString(rows)));
+    return absl::InvalidArgumentError(absl::StrCat("cannot split: packed 'input_ids' must have T = ", T, " rows like '",
+                                                   rows.name(), "' ", ShapeString(rows)));
   }
 
   // Sequence boundaries.
@@ -140,22 +131,20 @@ absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tenso
     cuv = {0, T};
   } else {
     if (!IsIntDType(cu->dtype()) || cu->shape_size() != 1 || cu->shape(0) < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cannot split: 'cu_seqlens' must be a 1-D I32/I64 tensor [B+1], got ",
-          DTypeName(cu->dtype()), " ", ShapeString(*cu)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot split: 'cu_seqlens' must be a 1-D I32/I64 tensor [B+1], got ", DTypeName(cu->dtype()),
+                       " ", ShapeString(*cu)));
     }
     cuv.resize(cu->shape(0));
     for (size_t i = 0; i < cuv.size(); ++i) {
       cuv[i] = ReadInt(cu->dtype(), cu->data().data(), i);
     }
     if (cuv.front() != 0 || cuv.back() != T) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cannot split: 'cu_seqlens' must start at 0 and end at T = ", T));
+      return absl::InvalidArgumentError(absl::StrCat("cannot split: 'cu_seqlens' must start at 0 and end at T = ", T));
     }
     for (size_t i = 1; i < cuv.size(); ++i) {
       if (cuv[i] < cuv[i - 1]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "cannot split: 'cu_seqlens' decreases at index ", i));
+        return absl::InvalidArgumentError(absl::StrCat("cannot split: 'cu_seqlens' decreases at index ", i));
       }
     }
   }
@@ -168,9 +157,8 @@ absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tenso
     out_offset[i + 1] = out_offset[i] + (next_token ? std::max<int64_t>(len - 1, 0) : len);
   }
   if (gather != nullptr && gather->shape(0) != out_offset[B]) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot split: 'gather_indices' ", ShapeString(*gather), " must have ",
-        out_offset[B], " rows, one per output row"));
+    return absl::InvalidArgumentError(absl::StrCat("cannot split: 'gather_indices' ", ShapeString(*gather),
+                                                   " must have ", out_offset[B], " rows, one per output row"));
   }
 
   Plan plan;
@@ -185,8 +173,7 @@ absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tenso
     plan.seq_tokens.push_back(len);
   }
   plan.fill_inputs = [req = &request, rows_t = &rows, ids, cu, gather, cuv = std::move(cuv),
-                      out_offset = std::move(out_offset)](int64_t s0, int64_t s1,
-                                                          v1::ScoreRequest* part) {
+                      out_offset = std::move(out_offset)](int64_t s0, int64_t s1, v1::ScoreRequest* part) {
     for (const v1::Tensor& t : req->inputs()) {
       if (&t == rows_t || &t == ids) {
         *part->add_inputs() = SliceRows(t, cuv[s0], cuv[s1]);
@@ -216,23 +203,21 @@ absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tenso
 
 }  // namespace
 
-absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(
-    const v1::ScoreRequest& request, const SplitLimits& limits) {
+absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(const v1::ScoreRequest& request,
+                                                                const SplitLimits& limits) {
   if (limits.max_bytes <= 0) {
     return absl::InvalidArgumentError("max_bytes must be > 0");
   }
   const int64_t total_bytes = static_cast<int64_t>(request.ByteSizeLong());
   const int64_t total_tokens = CountInputTokens(request);
-  if (total_bytes <= limits.max_bytes &&
-      (limits.max_tokens <= 0 || total_tokens <= limits.max_tokens)) {
+  if (total_bytes <= limits.max_bytes && (limits.max_tokens <= 0 || total_tokens <= limits.max_tokens)) {
     return std::vector<v1::ScoreRequest>{request};
   }
 
   const v1::Tensor* rows = FindInput(request, kLogitsName);
   if (rows == nullptr) rows = FindInput(request, kHiddenStatesName);
   if (rows == nullptr) {
-    return absl::InvalidArgumentError(
-        "cannot split a request without 'logits' or 'hidden_states'");
+    return absl::InvalidArgumentError("cannot split a request without 'logits' or 'hidden_states'");
   }
   if (absl::Status s = CheckTensor(*rows); !s.ok()) return s;
   absl::StatusOr<Plan> plan;
@@ -241,9 +226,8 @@ absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(
   } else if (rows->shape_size() == 2) {
     plan = PlanPacked(request, *rows);
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot split: '", rows->name(), "' ", ShapeString(*rows),
-        " is neither [B, S, X] nor [T, X]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot split: '", rows->name(), "' ", ShapeString(*rows), " is neither [B, S, X] nor [T, X]"));
   }
   if (!plan.ok()) return plan.status();
 
@@ -254,9 +238,9 @@ absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(
   const int64_t overhead = total_bytes - data_bytes + kIdSlackBytes + plan->part_extra_bytes;
   const int64_t budget = limits.max_bytes - overhead;
   if (budget <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a request of at most ", limits.max_bytes,
-        " bytes has no room for tensor data (", overhead, " bytes of overhead)"));
+    return absl::InvalidArgumentError(absl::StrCat("a request of at most ", limits.max_bytes,
+                                                   " bytes has no room for tensor data (", overhead,
+                                                   " bytes of overhead)"));
   }
 
   // Greedy grouping of consecutive sequences.
@@ -267,18 +251,16 @@ absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(
     const int64_t sb = plan->seq_bytes[i];
     const int64_t st = plan->seq_tokens[i];
     if (sb > budget) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sequence ", i, " alone needs ", sb, " bytes of tensor data, more than the ",
-          budget, " that fit in a request of at most ", limits.max_bytes,
-          " bytes; it cannot be sent (raise the server's max request size)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", i, " alone needs ", sb, " bytes of tensor data, more than the ", budget,
+                       " that fit in a request of at most ", limits.max_bytes,
+                       " bytes; it cannot be sent (raise the server's max request size)"));
     }
     if (limits.max_tokens > 0 && st > limits.max_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sequence ", i, " has ", st, " tokens, more than the ", limits.max_tokens,
-          " allowed per request; it cannot be sent"));
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " has ", st, " tokens, more than the ",
+                                                     limits.max_tokens, " allowed per request; it cannot be sent"));
     }
-    if (i > begin && (bytes + sb > budget ||
-                      (limits.max_tokens > 0 && tokens + st > limits.max_tokens))) {
+    if (i > begin && (bytes + sb > budget || (limits.max_tokens > 0 && tokens + st > limits.max_tokens))) {
       groups.emplace_back(begin, i);
       begin = i;
       bytes = 0;
@@ -299,23 +281,20 @@ absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(
     plan->fill_inputs(groups[g].first, groups[g].second, &part);
     const int64_t size = static_cast<int64_t>(part.ByteSizeLong());
     if (size > limits.max_bytes) {
-      return absl::InternalError(absl::StrCat("part ", g + 1, " has ", size,
-                                              " bytes, over the limit of ",
-                                              limits.max_bytes));
+      return absl::InternalError(
+          absl::StrCat("part ", g + 1, " has ", size, " bytes, over the limit of ", limits.max_bytes));
     }
     parts.push_back(std::move(part));
   }
   return parts;
 }
 
-absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(std::vector<v1::ScoreResponse> parts,
-                                                     const std::string& id) {
+absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(std::vector<v1::ScoreResponse> parts, const std::string& id) {
   if (parts.empty()) return absl::InvalidArgumentError("no responses to join");
   for (size_t p = 0; p < parts.size(); ++p) {
     if (parts[p].status_code() != 0) {
       return absl::Status(static_cast<absl::StatusCode>(parts[p].status_code()),
-                          absl::StrCat("part ", p + 1, "/", parts.size(), ": ",
-                                       parts[p].status_message()));
+                          absl::StrCat("part ", p + 1, "/", parts.size(), ": ", parts[p].status_message()));
     }
   }
   if (parts.size() == 1) {
@@ -328,9 +307,8 @@ absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(std::vector<v1::ScoreRespon
   joined.set_id(id);
   for (size_t p = 1; p < parts.size(); ++p) {
     if (parts[p].outputs_size() != parts[0].outputs_size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "part ", p + 1, " has ", parts[p].outputs_size(), " outputs, part 1 has ",
-          parts[0].outputs_size()));
+      return absl::InvalidArgumentError(absl::StrCat("part ", p + 1, " has ", parts[p].outputs_size(),
+                                                     " outputs, part 1 has ", parts[0].outputs_size()));
     }
   }
   for (const v1::Tensor& first : parts[0].outputs()) {
@@ -347,19 +325,15 @@ absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(std::vector<v1::ScoreRespon
         if (t.name() == first.name()) piece = &t;
       }
       if (piece == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "part ", p + 1, " has no output '", first.name(), "'"));
+        return absl::InvalidArgumentError(absl::StrCat("part ", p + 1, " has no output '", first.name(), "'"));
       }
       if (absl::Status s = CheckTensor(*piece); !s.ok()) return s;
-      const bool same_tail =
-          piece->shape_size() == first.shape_size() &&
-          std::equal(piece->shape().begin() + 1, piece->shape().end(),
-                     first.shape().begin() + 1);
+      const bool same_tail = piece->shape_size() == first.shape_size() &&
+                             std::equal(piece->shape().begin() + 1, piece->shape().end(), first.shape().begin() + 1);
       if (piece->dtype() != first.dtype() || !same_tail) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "output '", first.name(), "' of part ", p + 1, " is ",
-            DTypeName(piece->dtype()), " ", ShapeString(*piece), ", of part 1 ",
-            DTypeName(first.dtype()), " ", ShapeString(first)));
+        return absl::InvalidArgumentError(
+            absl::StrCat("output '", first.name(), "' of part ", p + 1, " is ", DTypeName(piece->dtype()), " ",
+                         ShapeString(*piece), ", of part 1 ", DTypeName(first.dtype()), " ", ShapeString(first)));
       }
       pieces.push_back(piece);
       total += piece->data().size();

@@ -41,8 +41,8 @@ struct SplitLimits {
 /// (naming the sequence and its size), or when the inputs are not
 /// consistent enough to cut (shapes, dtypes, byte counts, cu_seqlens
 /// values, unexpected tensors).
-absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(
-    const v1::ScoreRequest& request, const SplitLimits& limits);
+absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(const v1::ScoreRequest& request,
+                                                                const SplitLimits& limits);
 
 /// Joins the responses of the parts made by SplitScoreRequest, given in
 /// part order, into one response with id `id`: each output tensor is the
@@ -53,7 +53,6 @@ absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(
 /// on output names, dtypes or trailing dimensions, or a tensor's bytes do
 /// not match its shape; a part with a non-zero status_code gives that
 /// code and message.
-absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(
-    std::vector<v1::ScoreResponse> parts, const std::string& id);
+absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(std::vector<v1::ScoreResponse> parts, const std::string& id);
 
 }  // namespace logprob::client

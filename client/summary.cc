@@ -11,12 +11,10 @@
 
 namespace logprob::client {
 
-std::string SummarizeScore(const std::vector<v1::Tensor>& outputs, int64_t tokens,
-                           double seconds, int parts) {
+std::string SummarizeScore(const std::vector<v1::Tensor>& outputs, int64_t tokens, double seconds, int parts) {
   std::string out;
   for (const v1::Tensor& t : outputs) {
-    absl::StrAppend(&out, t.name(), " ", DTypeName(t.dtype()), " [",
-                    absl::StrJoin(t.shape(), ", "), "]");
+    absl::StrAppend(&out, t.name(), " ", DTypeName(t.dtype()), " [", absl::StrJoin(t.shape(), ", "), "]");
     if (t.name() == "token_logprobs" && t.dtype() == v1::F32) {
       const size_t n = t.data().size() / sizeof(float);
       double sum = 0;
@@ -50,8 +48,7 @@ std::string SummarizeScore(const std::vector<v1::Tensor>& outputs, int64_t token
     absl::StrAppend(&out, "\n");
   }
   const double rate = seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
-  absl::StrAppendFormat(&out, "scored %d tokens in %.3f s (%.0f tokens/s)", tokens,
-                        seconds, rate);
+  absl::StrAppendFormat(&out, "scored %d tokens in %.3f s (%.0f tokens/s)", tokens, seconds, rate);
   if (parts > 1) absl::StrAppend(&out, " in ", parts, " requests");
   absl::StrAppend(&out, "\n");
   return out;

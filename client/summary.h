@@ -14,7 +14,6 @@ namespace logprob::client {
 /// finite entries and the count of -inf entries. A last line gives the
 /// `tokens` scored, `seconds` taken, tokens/s and, when `parts` > 1, how
 /// many requests were sent. Lines end with '\n'.
-std::string SummarizeScore(const std::vector<v1::Tensor>& outputs, int64_t tokens,
-                           double seconds, int parts);
+std::string SummarizeScore(const std::vector<v1::Tensor>& outputs, int64_t tokens, double seconds, int parts);
 
 }  // namespace logprob::client

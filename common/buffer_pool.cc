@@ -30,8 +30,9 @@ void BufferPool::Release(std::string buffer) {
   idle_bytes_ += cap;
   // Over the bound: drop the smallest buffers first.
   while (idle_bytes_ > max_idle_bytes_) {
-    auto smallest = std::min_element(idle_.begin(), idle_.end(),
-                                     [](const std::string& a, const std::string& b) { return a.capacity() < b.capacity(); });
+    auto smallest = std::min_element(idle_.begin(), idle_.end(), [](const std::string& a, const std::string& b) {
+      return a.capacity() < b.capacity();
+    });
     idle_bytes_ -= static_cast<int64_t>(smallest->capacity());
     idle_.erase(smallest);
   }

@@ -16,8 +16,8 @@ absl::StatusOr<TensorAssembler> TensorAssembler::Plan(google::protobuf::Repeated
     const v1::Tensor& t = tensors->Get(i);
     Slot& slot = a.slots_[i];
     slot.size = -1;
-    if (!t.data().empty()) continue;         // came whole in the first part
-    if (t.has_shared_memory()) continue;     // its bytes lie in a registered region (shared-memory inputs)
+    if (!t.data().empty()) continue;      // came whole in the first part
+    if (t.has_shared_memory()) continue;  // its bytes lie in a registered region (shared-memory inputs)
     const std::string shape = absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
     uint64_t numel = 1;
     for (int64_t d : t.shape()) {
@@ -70,8 +70,8 @@ absl::Status TensorAssembler::Add(const ParsedPart& piece) {
                                                    " (a tensor's pieces come in order, without gaps)"));
   if (piece.size() > s.size - s.received)
     return absl::InvalidArgumentError(absl::StrCat("piece for ", Name(i), " at offset ", piece.offset(), " with ",
-                                                   piece.size(), " bytes ends past the tensor's announced ",
-                                                   s.size, " bytes"));
+                                                   piece.size(), " bytes ends past the tensor's announced ", s.size,
+                                                   " bytes"));
   piece.CopyData(s.buffer.data() + s.received);
   s.received += piece.size();
   received_bytes_ += piece.size();
@@ -89,9 +89,8 @@ std::string TensorAssembler::Position() const {
 
 absl::Status TensorAssembler::Finish() {
   if (!complete())
-    return absl::InvalidArgumentError(
-        absl::StrCat("the stream ended before all pieces arrived: ", Position(), " (", received_bytes_, " of ",
-                     pending_bytes_, " bytes received)"));
+    return absl::InvalidArgumentError(absl::StrCat("the stream ended before all pieces arrived: ", Position(), " (",
+                                                   received_bytes_, " of ", pending_bytes_, " bytes received)"));
   for (size_t i = 0; i < slots_.size(); ++i)
     if (slots_[i].size >= 0) tensors_->Mutable(static_cast<int>(i))->mutable_data()->swap(slots_[i].buffer);
   return absl::OkStatus();

@@ -80,11 +80,16 @@ class Reader {
   bool SkipField(int wt) {
     uint64_t v;
     switch (wt) {
-      case 0: return Varint(&v);
-      case 1: return Take(8, nullptr);
-      case 2: return Varint(&v) && Take(v, nullptr);
-      case 5: return Take(4, nullptr);
-      default: return false;
+      case 0:
+        return Varint(&v);
+      case 1:
+        return Take(8, nullptr);
+      case 2:
+        return Varint(&v) && Take(v, nullptr);
+      case 5:
+        return Take(4, nullptr);
+      default:
+        return false;
     }
   }
 
@@ -186,7 +191,8 @@ absl::StatusOr<ParsedPart> ParsePart(const IncomingPart& part) {
   if (has_message == has_piece)
     return Malformed(has_piece ? "both a message and a piece" : "neither a message nor a piece");
   // A data cursor at the very end of a slice moves to the next one.
-  while (out.size_ > 0 && out.data_slice_ < out.slices_.size() && out.data_pos_ == out.slices_[out.data_slice_].size()) {
+  while (out.size_ > 0 && out.data_slice_ < out.slices_.size() &&
+         out.data_pos_ == out.slices_[out.data_slice_].size()) {
     ++out.data_slice_;
     out.data_pos_ = 0;
   }
@@ -198,8 +204,8 @@ absl::StatusOr<ParsedPart> ParsePart(const IncomingPart& part) {
 
 namespace grpc {
 
-Status SerializationTraits<logprob::chunked::OutgoingPart, void>::Serialize(
-    const logprob::chunked::OutgoingPart& part, ByteBuffer* buffer, bool* own_buffer) {
+Status SerializationTraits<logprob::chunked::OutgoingPart, void>::Serialize(const logprob::chunked::OutgoingPart& part,
+                                                                            ByteBuffer* buffer, bool* own_buffer) {
   if (part.message != nullptr)
     return GenericSerialize<ProtoBufferWriter, protobuf::MessageLite>(*part.message, buffer, own_buffer);
   const std::string header = logprob::chunked::PieceHeader(part.tensor, part.offset, part.bytes.size());

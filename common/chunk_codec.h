@@ -15,8 +15,8 @@
 
 #include "absl/status/statusor.h"
 #include "google/protobuf/message_lite.h"
-#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/impl/serialization_traits.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
 #include "grpcpp/support/status.h"
 

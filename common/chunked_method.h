@@ -4,9 +4,9 @@
 
 #include "common/chunk_codec.h"
 #include "google/protobuf/descriptor.h"
-#include "logprob/v1/logprob.grpc.pb.h"
 #include "grpcpp/support/method_handler.h"
 #include "grpcpp/support/sync_stream.h"
+#include "logprob/v1/logprob.grpc.pb.h"
 
 namespace logprob::chunked {
 

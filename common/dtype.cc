@@ -4,30 +4,43 @@ namespace logprob {
 
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
-    case v1::F32: return 4;
-    case v1::BF16: return 2;
-    case v1::F16: return 2;
-    case v1::I32: return 4;
-    case v1::I64: return 8;
-    default: return 0;
+    case v1::F32:
+      return 4;
+    case v1::BF16:
+      return 2;
+    case v1::F16:
+      return 2;
+    case v1::I32:
+      return 4;
+    case v1::I64:
+      return 8;
+    default:
+      return 0;
   }
 }
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case v1::F32: return "F32";
-    case v1::BF16: return "BF16";
-    case v1::F16: return "F16";
-    case v1::I32: return "I32";
-    case v1::I64: return "I64";
-    default: return "UNSPECIFIED";
+    case v1::F32:
+      return "F32";
+    case v1::BF16:
+      return "BF16";
+    case v1::F16:
+      return "F16";
+    case v1::I32:
+      return "I32";
+    case v1::I64:
+      return "I64";
+    default:
+      return "UNSPECIFIED";
   }
 }
 
 bool ParseDTypeName(std::string_view name, DType* dtype) {
-  static constexpr struct { std::string_view n; DType d; } kNames[] = {
-      {"F32", v1::F32}, {"BF16", v1::BF16}, {"F16", v1::F16},
-      {"I32", v1::I32}, {"I64", v1::I64}};
+  static constexpr struct {
+    std::string_view n;
+    DType d;
+  } kNames[] = {{"F32", v1::F32}, {"BF16", v1::BF16}, {"F16", v1::F16}, {"I32", v1::I32}, {"I64", v1::I64}};
   for (const auto& e : kNames) {
     if (e.n == name) {
       *dtype = e.d;

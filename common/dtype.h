@@ -24,9 +24,7 @@ const char* DTypeName(DType dtype);
 bool ParseDTypeName(std::string_view name, DType* dtype);
 
 /// True for the floating-point dtypes accepted as logits / hidden states.
-inline bool IsFloatDType(DType d) {
-  return d == v1::F32 || d == v1::BF16 || d == v1::F16;
-}
+inline bool IsFloatDType(DType d) { return d == v1::F32 || d == v1::BF16 || d == v1::F16; }
 /// True for the integer dtypes accepted as ids / lengths.
 inline bool IsIntDType(DType d) { return d == v1::I32 || d == v1::I64; }
 

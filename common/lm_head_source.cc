@@ -36,7 +36,8 @@ absl::StatusOr<std::string> CheckpointFile(const std::string& path) {
   if (!fs::is_directory(path, ec)) return path;
   for (const char* name : {kIndexFile, kSingleFile})
     if (Exists(fs::path(path) / name)) return (fs::path(path) / name).string();
-  return absl::NotFoundError(absl::StrCat("lm_head: directory ", path, " holds neither ", kIndexFile, " nor ", kSingleFile));
+  return absl::NotFoundError(
+      absl::StrCat("lm_head: directory ", path, " holds neither ", kIndexFile, " nor ", kSingleFile));
 }
 
 // The "weight_map" object of a sharded checkpoint's index file.
@@ -47,7 +48,8 @@ absl::StatusOr<nlohmann::json> ReadWeightMap(const std::string& index) {
   ss << in.rdbuf();
   nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-    return absl::InvalidArgumentError(absl::StrCat(index, ": not a safetensors index (a JSON object with a \"weight_map\" object)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(index, ": not a safetensors index (a JSON object with a \"weight_map\" object)"));
   return j["weight_map"];
 }
 
@@ -58,8 +60,8 @@ absl::StatusOr<LmHeadSource> FromEntry(const std::string& file, const Safetensor
     return absl::InvalidArgumentError(absl::StrCat(file, ": tensor \"", e.name, "\" has shape [",
                                                    absl::StrJoin(e.shape, ", "), "], not [vocab, hidden]"));
   if (!IsFloatDType(e.dtype))
-    return absl::InvalidArgumentError(absl::StrCat(file, ": tensor \"", e.name, "\" is ", DTypeName(e.dtype),
-                                                   ", not F32, BF16 or F16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": tensor \"", e.name, "\" is ", DTypeName(e.dtype), ", not F32, BF16 or F16"));
   LmHeadSource s;
   s.file = file;
   s.tensor = e.name;
@@ -94,10 +96,12 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg) {
       const std::string shard = (fs::path(file).parent_path() / it->get<std::string>()).string();
       absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(shard);
       if (!header.ok())
-        return absl::Status(header.status().code(), absl::StrCat(file, ": shard of \"", name, "\": ", header.status().message()));
+        return absl::Status(header.status().code(),
+                            absl::StrCat(file, ": shard of \"", name, "\": ", header.status().message()));
       const SafetensorsEntry* e = header->Find(name);
       if (e == nullptr)
-        return absl::NotFoundError(absl::StrCat(file, " puts tensor \"", name, "\" in ", shard, ", which has no such tensor"));
+        return absl::NotFoundError(
+            absl::StrCat(file, " puts tensor \"", name, "\" in ", shard, ", which has no such tensor"));
       return FromEntry(shard, *header, *e);
     }
   } else {

@@ -25,13 +25,13 @@ inline constexpr const char* kTiedEmbeddingTensor = "model.embed_tokens.weight";
 /// Where the lm_head weight lives. Row v (token id v) is H contiguous
 /// elements of `dtype` at file offset data_offset + v * H * DTypeSize(dtype).
 struct LmHeadSource {
-  std::string file;              // safetensors file holding the tensor
-  std::string tensor;            // tensor name inside `file`
+  std::string file;                     // safetensors file holding the tensor
+  std::string tensor;                   // tensor name inside `file`
   DType dtype = v1::DTYPE_UNSPECIFIED;  // F32, BF16 or F16
-  int64_t vocab_size = 0;        // V: rows
-  int64_t hidden_size = 0;       // H: columns
-  uint64_t data_offset = 0;      // absolute byte offset of element [0, 0]
-  bool tied_embeddings = false;  // tensor is kTiedEmbeddingTensor (fallback or named)
+  int64_t vocab_size = 0;               // V: rows
+  int64_t hidden_size = 0;              // H: columns
+  uint64_t data_offset = 0;             // absolute byte offset of element [0, 0]
+  bool tied_embeddings = false;         // tensor is kTiedEmbeddingTensor (fallback or named)
 };
 
 /// Resolves the --lm-head argument "PATH[:TENSOR]".
@@ -59,7 +59,6 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg);
 /// INVALID_ARGUMENT for a range outside [0, V] or with row_begin >
 /// row_end; NOT_FOUND when the file cannot be opened; DATA_LOSS when it is
 /// shorter than the header says or a read fails.
-absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin,
-                            int64_t row_end, void* out);
+absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out);
 
 }  // namespace logprob

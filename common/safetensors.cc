@@ -31,7 +31,8 @@ absl::StatusOr<uint64_t> HeaderLength(const char* prefix, uint64_t file_size) {
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(prefix[i]);
   if (n > kMaxHeaderBytes) return Bad(absl::StrCat("header length ", n, " exceeds ", kMaxHeaderBytes));
-  if (8 + n > file_size) return Bad(absl::StrCat("header length ", n, " runs past the end of the file (", file_size, " bytes)"));
+  if (8 + n > file_size)
+    return Bad(absl::StrCat("header length ", n, " runs past the end of the file (", file_size, " bytes)"));
   return n;
 }
 
@@ -67,7 +68,8 @@ absl::StatusOr<SafetensorsHeader> ParseHeader(const char* json, uint64_t n, uint
     uint64_t numel = 1, extent = 1;
     if (!v["shape"].is_array()) return Bad(absl::StrCat("tensor \"", name, "\": shape is not a list"));
     for (const auto& d : v["shape"]) {
-      if (!d.is_number_unsigned()) return Bad(absl::StrCat("tensor \"", name, "\": shape entry is not a non-negative integer"));
+      if (!d.is_number_unsigned())
+        return Bad(absl::StrCat("tensor \"", name, "\": shape entry is not a non-negative integer"));
       const uint64_t dim = d.get<uint64_t>();
       if (dim == 0) {
         numel = 0;
@@ -84,9 +86,11 @@ absl::StatusOr<SafetensorsHeader> ParseHeader(const char* json, uint64_t n, uint
     e.begin = off[0].get<uint64_t>();
     e.end = off[1].get<uint64_t>();
     if (e.begin > e.end || e.end > data_len)
-      return Bad(absl::StrCat("tensor \"", name, "\": data_offsets [", e.begin, ", ", e.end, "] outside the ", data_len, " data bytes"));
+      return Bad(absl::StrCat("tensor \"", name, "\": data_offsets [", e.begin, ", ", e.end, "] outside the ", data_len,
+                              " data bytes"));
     if (e.end - e.begin != numel * DTypeSize(e.dtype))
-      return Bad(absl::StrCat("tensor \"", name, "\": ", e.end - e.begin, " data bytes but shape and dtype need ", numel * DTypeSize(e.dtype)));
+      return Bad(absl::StrCat("tensor \"", name, "\": ", e.end - e.begin, " data bytes but shape and dtype need ",
+                              numel * DTypeSize(e.dtype)));
     out.entries.push_back(std::move(e));
   }
   std::stable_sort(out.entries.begin(), out.entries.end(),

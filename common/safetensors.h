@@ -96,8 +96,7 @@ std::string SerializeSafetensors(const std::vector<v1::Tensor>& tensors,
                                  const std::map<std::string, std::string>& metadata = {});
 
 /// Writes a safetensors file (via a temporary file and rename).
-absl::Status WriteSafetensors(const std::string& path,
-                              const std::vector<v1::Tensor>& tensors,
+absl::Status WriteSafetensors(const std::string& path, const std::vector<v1::Tensor>& tensors,
                               const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace logprob

@@ -10,8 +10,8 @@
 /// Evaluates `expr` (an absl::Status, or a grpc::Status in a function that
 /// returns one) once and returns it from the enclosing function when it is
 /// not OK.
-#define LOGPROB_RETURN_IF_ERROR(expr)                                          \
-  do {                                                                         \
+#define LOGPROB_RETURN_IF_ERROR(expr)                                                 \
+  do {                                                                                \
     if (auto logprob_status_ = (expr); !logprob_status_.ok()) return logprob_status_; \
   } while (0)
 

@@ -60,8 +60,7 @@ grpc::Status BearerTokenAuth::Check(const grpc::ServerContext& context) const {
   bool ok = false;
   for (auto it = range.first; it != range.second; ++it) {
     const absl::string_view value(it->second.data(), it->second.size());
-    if (value.size() < sizeof kScheme - 1 ||
-        !absl::EqualsIgnoreCase(value.substr(0, sizeof kScheme - 1), kScheme)) {
+    if (value.size() < sizeof kScheme - 1 || !absl::EqualsIgnoreCase(value.substr(0, sizeof kScheme - 1), kScheme)) {
       continue;
     }
     const absl::string_view presented = value.substr(sizeof kScheme - 1);

@@ -44,13 +44,13 @@ class Batcher {
  public:
   /// How one job's batch went.
   struct Outcome {
-    std::shared_ptr<const Plan> plan;  // the batch's plan
+    std::shared_ptr<const Plan> plan;                                      // the batch's plan
     std::shared_ptr<const std::vector<internal::v1::WorkResult>> results;  // one per plan item
-    int64_t row_begin = 0;             // the job's first row among the plan's rows
-    double queue_seconds = 0;          // queued until its batch started
-    double run_seconds = 0;            // the batch's Runner call
-    int batch_requests = 1;            // jobs in the batch
-    int64_t batch_tokens = 0;          // token rows in the batch
+    int64_t row_begin = 0;                                                 // the job's first row among the plan's rows
+    double queue_seconds = 0;                                              // queued until its batch started
+    double run_seconds = 0;                                                // the batch's Runner call
+    int batch_requests = 1;                                                // jobs in the batch
+    int64_t batch_tokens = 0;                                              // token rows in the batch
   };
 
   struct Options {
@@ -77,8 +77,7 @@ class Batcher {
   };
 
   /// Runs a batch's plan (WorkerPool::Run in the service).
-  using Runner =
-      std::function<absl::StatusOr<std::vector<internal::v1::WorkResult>>(const Plan&, const RunBounds&)>;
+  using Runner = std::function<absl::StatusOr<std::vector<internal::v1::WorkResult>>(const Plan&, const RunBounds&)>;
 
   Batcher(Options options, Runner run);
 

@@ -30,8 +30,8 @@ absl::Status CheckNames(const std::string& name, const std::string& shm_name, in
         absl::StrCat("shared-memory region name \"", name, "\" must be 1..128 of [A-Za-z0-9._-]"));
   if (shm_name.size() < 2 || shm_name.size() > 251 || shm_name[0] != '/' || !NameChars(shm_name, 1) ||
       shm_name == "/." || shm_name == "/..")
-    return absl::InvalidArgumentError(absl::StrCat("shm_name \"", shm_name,
-                                                   "\" must be \"/\" followed by 1..250 of [A-Za-z0-9._-]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm_name \"", shm_name, "\" must be \"/\" followed by 1..250 of [A-Za-z0-9._-]"));
   // The front-end's own payload regions (SharedRegion::Create:
   // /logprob-<pid>-<n>) hold other clients' tensors.
   int pid = 0;
@@ -46,8 +46,7 @@ absl::Status CheckNames(const std::string& name, const std::string& shm_name, in
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegion::Open(const std::string& name,
-                                                                       const std::string& shm_name,
-                                                                       int64_t byte_size) {
+                                                                       const std::string& shm_name, int64_t byte_size) {
   if (auto st = CheckNames(name, shm_name, byte_size); !st.ok()) return st;
   const int fd = shm_open(shm_name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0);
   if (fd < 0) {
@@ -106,10 +105,11 @@ bool RegionReader::Read(char* dst, const char* src, size_t n) const {
     const int64_t now = fstat(r.fd(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
     std::lock_guard<std::mutex> lock(mu_);
     if (status_.ok())
-      status_ = absl::FailedPreconditionError(absl::StrCat(
-          "shared-memory region \"", r.name(), "\" (", r.shm_name(), ") changed while the request was in flight: bytes [",
-          begin + done, ", ", begin + n, ") could not be read (the object is now ", now, " bytes",
-          err ? absl::StrCat("; ", std::strerror(err)) : "", ")"));
+      status_ =
+          absl::FailedPreconditionError(absl::StrCat("shared-memory region \"", r.name(), "\" (", r.shm_name(),
+                                                     ") changed while the request was in flight: bytes [", begin + done,
+                                                     ", ", begin + n, ") could not be read (the object is now ", now,
+                                                     " bytes", err ? absl::StrCat("; ", std::strerror(err)) : "", ")"));
     return false;
   }
   return true;
@@ -169,9 +169,9 @@ absl::Status ClientRegions::Register(const std::string& owner, const std::string
     return absl::ResourceExhaustedError(absl::StrCat("the server holds its maximum of ", options_.max_regions,
                                                      " shared-memory regions (--max-shared-memory-regions)"));
   if (bytes_ + byte_size > options_.max_bytes)
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "registering ", byte_size, " bytes would exceed the server's --max-shared-memory-bytes ", options_.max_bytes,
-        " (", bytes_, " registered)"));
+    return absl::ResourceExhaustedError(absl::StrCat("registering ", byte_size,
+                                                     " bytes would exceed the server's --max-shared-memory-bytes ",
+                                                     options_.max_bytes, " (", bytes_, " registered)"));
   s.regions[name] = *std::move(region);
   ++regions_;
   bytes_ += byte_size;

@@ -40,8 +40,8 @@ class ClientRegion {
   /// than byte_size), NOT_FOUND (no such object), PERMISSION_DENIED (not a
   /// regular object owned by this process's effective user, a symlink, or
   /// one of the server's own payload regions), INTERNAL (system errors).
-  static absl::StatusOr<std::shared_ptr<const ClientRegion>> Open(const std::string& name,
-                                                                  const std::string& shm_name, int64_t byte_size);
+  static absl::StatusOr<std::shared_ptr<const ClientRegion>> Open(const std::string& name, const std::string& shm_name,
+                                                                  int64_t byte_size);
   ~ClientRegion();
   ClientRegion(const ClientRegion&) = delete;
   ClientRegion& operator=(const ClientRegion&) = delete;

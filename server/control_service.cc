@@ -14,7 +14,8 @@ constexpr absl::Duration kPoll = absl::Milliseconds(100);  // how often a Join c
 
 /// How a Join stream ends when its generation is over.
 grpc::Status GenerationEnded(int64_t generation) {
-  return grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("pool generation ", generation, " ended; join again"));
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                      absl::StrCat("pool generation ", generation, " ended; join again"));
 }
 /// How a Join stream ends when the front-end stops.
 grpc::Status ShuttingDown() { return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the front-end is shutting down"); }
@@ -22,8 +23,12 @@ grpc::Status ShuttingDown() { return grpc::Status(grpc::StatusCode::UNAVAILABLE,
 
 ControlService::ControlService(int world_size, internal::v1::JoinReply worker_config, LeaveCallback on_leave,
                                JoinObservers observers, uint32_t protocol_version)
-    : world_size_(world_size), worker_config_(std::move(worker_config)), on_leave_(std::move(on_leave)),
-      observers_(std::move(observers)), protocol_version_(protocol_version), addresses_(world_size) {}
+    : world_size_(world_size),
+      worker_config_(std::move(worker_config)),
+      on_leave_(std::move(on_leave)),
+      observers_(std::move(observers)),
+      protocol_version_(protocol_version),
+      addresses_(world_size) {}
 
 void ControlService::WaitingChanged() {
   if (observers_.on_waiting) observers_.on_waiting(static_cast<int>(waiting_.size()));

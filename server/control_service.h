@@ -56,10 +56,10 @@ class ControlService final : public internal::v1::Control::Service {
                     grpc::ServerWriter<internal::v1::JoinReply>*) override ABSL_LOCKS_EXCLUDED(mu_);
   grpc::Status Ready(grpc::ServerContext*, const internal::v1::ReadyRequest*, internal::v1::ReadyReply*) override
       ABSL_LOCKS_EXCLUDED(mu_);
-  grpc::Status StoreSet(grpc::ServerContext*, const internal::v1::StoreSetRequest*, internal::v1::StoreSetReply*) override
-      ABSL_LOCKS_EXCLUDED(mu_);
-  grpc::Status StoreGet(grpc::ServerContext*, const internal::v1::StoreGetRequest*, internal::v1::StoreGetReply*) override
-      ABSL_LOCKS_EXCLUDED(mu_);
+  grpc::Status StoreSet(grpc::ServerContext*, const internal::v1::StoreSetRequest*,
+                        internal::v1::StoreSetReply*) override ABSL_LOCKS_EXCLUDED(mu_);
+  grpc::Status StoreGet(grpc::ServerContext*, const internal::v1::StoreGetRequest*,
+                        internal::v1::StoreGetReply*) override ABSL_LOCKS_EXCLUDED(mu_);
 
   /// Waits until every rank reported Ready; returns their Worker service
   /// addresses by rank. DEADLINE_EXCEEDED names how many joined.

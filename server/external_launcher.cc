@@ -12,8 +12,6 @@ absl::Status ExternalLauncher::Launch(int64_t generation, const std::string& fro
   return absl::OkStatus();
 }
 
-std::string ExternalLauncher::Describe() const {
-  return absl::StrCat("waits for ", workers_, " external worker(s)");
-}
+std::string ExternalLauncher::Describe() const { return absl::StrCat("waits for ", workers_, " external worker(s)"); }
 
 }  // namespace logprob

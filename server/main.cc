@@ -17,13 +17,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "common/flag_names.h"
 #include "common/backend_choice.h"
+#include "common/flag_names.h"
 #include "common/lm_head_source.h"
 #include "common/malloc_tuning.h"
 #include "common/shared_memory.h"
-#include "absl/strings/str_cat.h"
 #include "server/auth.h"
 #include "server/external_launcher.h"
 #include "server/local_launcher.h"
@@ -138,9 +138,7 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_keep_freed_memory_bytes) < 0) return Fail("--keep-freed-memory-bytes must be >= 0");
   logprob::KeepFreedMemory(absl::GetFlag(FLAGS_keep_freed_memory_bytes));  // before any thread starts
   const int external = absl::GetFlag(FLAGS_external_workers);
-  if (auto st = CheckClusterFlags(external, workers_given,
-                                  absl::GetFlag(FLAGS_control_listen));
-      !st.ok())
+  if (auto st = CheckClusterFlags(external, workers_given, absl::GetFlag(FLAGS_control_listen)); !st.ok())
     return Fail(std::string(st.message()));
   const int workers = external > 0 ? external : absl::GetFlag(FLAGS_workers);
   if (workers < 1) return Fail("--workers must be >= 1");
@@ -187,14 +185,14 @@ int main(int argc, char** argv) {
   config.shared_memory_regions.max_regions = absl::GetFlag(FLAGS_max_shared_memory_regions);
   const absl::Duration idle = absl::GetFlag(FLAGS_shared_memory_idle_timeout);
   if (idle < absl::Milliseconds(10)) return Fail("--shared-memory-idle-timeout must be >= 10ms");
-  config.shared_memory_regions.idle_timeout =
-      std::chrono::milliseconds(absl::ToInt64Milliseconds(idle));
+  config.shared_memory_regions.idle_timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(idle));
   if (config.max_batch_tokens < 1) return Fail("--max-batch-tokens must be >= 1");
   config.parallelism = *parallelism;
   config.parallelism_name = absl::GetFlag(FLAGS_parallelism);
   config.backend = absl::GetFlag(FLAGS_backend);
   config.comm = absl::GetFlag(FLAGS_comm);
-  if (config.max_request_bytes <= 0 || config.max_request_bytes > INT_MAX) return Fail("--max-request-bytes must be in (0, 2^31)");
+  if (config.max_request_bytes <= 0 || config.max_request_bytes > INT_MAX)
+    return Fail("--max-request-bytes must be in (0, 2^31)");
 
   const int64_t chunk_tokens = absl::GetFlag(FLAGS_hidden_chunk_tokens);
   if (chunk_tokens < 1) return Fail("--hidden-chunk-tokens must be >= 1");
@@ -231,8 +229,8 @@ int main(int argc, char** argv) {
 
   // Security of the public port. The control plane and the workers' ports
   // carry no TLS: loopback by default, a private network in cluster mode.
-  auto credentials = logprob::ServerCredentialsFromFiles(
-      absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_client_ca));
+  auto credentials = logprob::ServerCredentialsFromFiles(absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                                                         absl::GetFlag(FLAGS_tls_client_ca));
   if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
   std::optional<logprob::BearerTokenAuth> auth;
   if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
@@ -275,11 +273,11 @@ int main(int argc, char** argv) {
   std::signal(SIGINT, OnSignal);
 
   std::cerr << "logprob-server: listening on " << absl::GetFlag(FLAGS_listen)
-            << (absl::GetFlag(FLAGS_tls_cert).empty() ? " (plaintext)"
-                : absl::GetFlag(FLAGS_tls_client_ca).empty() ? " (TLS)" : " (mutual TLS)")
-            << (auth ? " with bearer-token auth" : "") << ", "
-            << (external > 0 ? "waiting for " : "starting ") << workers << (external > 0 ? " external" : "")
-            << " worker(s)" << std::endl;
+            << (absl::GetFlag(FLAGS_tls_cert).empty()        ? " (plaintext)"
+                : absl::GetFlag(FLAGS_tls_client_ca).empty() ? " (TLS)"
+                                                             : " (mutual TLS)")
+            << (auth ? " with bearer-token auth" : "") << ", " << (external > 0 ? "waiting for " : "starting ")
+            << workers << (external > 0 ? " external" : "") << " worker(s)" << std::endl;
   if (auto st = pool.Start(); !st.ok()) {
     server->Shutdown();
     return Fail("worker pool: " + std::string(st.message()));

@@ -8,8 +8,8 @@ namespace {
 
 /// Buckets of the duration histograms, seconds.
 const prometheus::Histogram::BucketBoundaries& SecondsBuckets() {
-  static const prometheus::Histogram::BucketBoundaries kBuckets = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                                                   0.25,  0.5,    1,     2.5,  5,     10,   30, 60};
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                                                   0.5,   1,      2.5,   5,    10,    30,   60};
   return kBuckets;
 }
 

@@ -57,7 +57,8 @@ class PayloadWriter {
       at_ += bytes;
       return p;
     }
-    std::string* s = item.layout() == internal::v1::HIDDEN_STATES ? item.mutable_hidden_states() : item.mutable_logits();
+    std::string* s =
+        item.layout() == internal::v1::HIDDEN_STATES ? item.mutable_hidden_states() : item.mutable_logits();
     s->resize(bytes);
     return s->data();
   }
@@ -77,8 +78,7 @@ internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism 
   return vocab ? internal::v1::VOCAB_PARALLEL : internal::v1::TOKEN_PARALLEL;
 }
 
-Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id,
-              PayloadPool* payload_pool) {
+Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id, PayloadPool* payload_pool) {
   const int64_t n = job.num_rows();
   Plan plan;
   plan.layout = ChooseLayout(job, workers, parallelism);

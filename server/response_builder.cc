@@ -9,8 +9,8 @@ namespace {
 
 /// A zero-filled output tensor [out_shape (, k)] of dtype, returning its data.
 template <typename T>
-T* AddOutput(v1::ScoreResponse* resp, const std::string& name, v1::DType dtype,
-             const std::vector<int64_t>& out_shape, int64_t k, int64_t n) {
+T* AddOutput(v1::ScoreResponse* resp, const std::string& name, v1::DType dtype, const std::vector<int64_t>& out_shape,
+             int64_t k, int64_t n) {
   v1::Tensor* t = resp->add_outputs();
   t->set_name(name);
   t->set_dtype(dtype);
@@ -40,7 +40,8 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
     const auto& r = results[i];
     const int64_t rows = r.row_end() - r.row_begin();
     if (rows < 0 || r.token_logprobs_size() != rows || (ent && r.entropy_size() != rows) ||
-        r.topk_logprobs_size() != rows * K || r.topk_indices_size() != rows * K || r.gathered_logprobs_size() != rows * G)
+        r.topk_logprobs_size() != rows * K || r.topk_indices_size() != rows * K ||
+        r.gathered_logprobs_size() != rows * G)
       return absl::InternalError(absl::StrCat("worker ", plan.items[i].worker, " returned malformed results"));
     for (int64_t j = 0; j < rows; ++j) {
       const int64_t row = plan.items[i].row_offset + r.row_begin() + j - row_begin;

@@ -30,10 +30,9 @@ absl::Status ScoringService::ReceiveChunked(grpc::ServerContext* context, Stream
   auto admit = [&](const v1::ScoreRequest& header, int64_t pending) -> absl::Status {
     const int64_t total = static_cast<int64_t>(header.ByteSizeLong()) + pending;
     if (total > config_.max_request_bytes)
-      return absl::ResourceExhaustedError(absl::StrCat("chunked request ", header.id(), " announces ", total,
-                                                       " bytes (", pending,
-                                                       " in pieces), over the server's max_request_bytes ",
-                                                       config_.max_request_bytes));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("chunked request ", header.id(), " announces ", total, " bytes (", pending,
+                       " in pieces), over the server's max_request_bytes ", config_.max_request_bytes));
     absl::StatusOr<Admission::Ticket> t = admission_.Admit(0, total);
     if (!t.ok()) return t.status();
     ticket.emplace(*std::move(t));
@@ -48,13 +47,14 @@ grpc::Status ScoringService::ServeChunked(grpc::ServerContext* context, Stream* 
   if (grpc::Status st = Authorize(context, kMethod); !st.ok()) return st;
   v1::ScoreRequest req;
   std::vector<int> pooled;
-  absl::StatusOr<v1::ScoreResponse> r = Observe(kMethod, req, [&](RequestStats* stats) -> absl::StatusOr<v1::ScoreResponse> {
-    const auto t0 = std::chrono::steady_clock::now();
-    absl::Status received = ReceiveChunked(context, stream, &req, &pooled);
-    stats->receive_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!received.ok()) return received;
-    return ScoreOne(req, stats, context);
-  });
+  absl::StatusOr<v1::ScoreResponse> r =
+      Observe(kMethod, req, [&](RequestStats* stats) -> absl::StatusOr<v1::ScoreResponse> {
+        const auto t0 = std::chrono::steady_clock::now();
+        absl::Status received = ReceiveChunked(context, stream, &req, &pooled);
+        stats->receive_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (!received.ok()) return received;
+        return ScoreOne(req, stats, context);
+      });
   for (int i : pooled) assembly_buffers_.Release(std::move(*req.mutable_inputs(i)->mutable_data()));
   if (!r.ok()) return ToGrpc(r.status());
   if (!chunked::WriteChunkedResponse([stream](const chunked::OutgoingPart& p) { return stream->Write(p); },

@@ -15,9 +15,7 @@ namespace {
 
 absl::Status Invalid(const std::string& msg) { return absl::InvalidArgumentError(msg); }
 
-std::string ShapeStr(const v1::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
-}
+std::string ShapeStr(const v1::Tensor& t) { return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]"); }
 
 /// Each input's bytes: `data` by index when given, else its data field.
 class InputBytes {
@@ -38,15 +36,17 @@ class InputBytes {
 /// Checks the byte size of every tensor and indexes them by name.
 absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::ScoreRequest& req,
                                                                      const InputBytes& bytes) {
-  static const char* const kKnown[] = {"logits", "hidden_states", "input_ids", "seq_lens", "cu_seqlens", "gather_indices"};
+  static const char* const kKnown[] = {"logits",   "hidden_states", "input_ids",
+                                       "seq_lens", "cu_seqlens",    "gather_indices"};
   std::map<std::string, const v1::Tensor*> by_name;
   for (int i = 0; i < req.inputs_size(); ++i) {
     const v1::Tensor& t = req.inputs(i);
     bool known = false;
     for (const char* k : kKnown) known |= t.name() == k;
     if (!known)
-      return Invalid(absl::StrCat("inputs[", i, "]: unknown tensor \"", t.name(),
-                                  "\" (expected logits, hidden_states, input_ids, seq_lens, cu_seqlens, gather_indices)"));
+      return Invalid(
+          absl::StrCat("inputs[", i, "]: unknown tensor \"", t.name(),
+                       "\" (expected logits, hidden_states, input_ids, seq_lens, cu_seqlens, gather_indices)"));
     if (by_name.count(t.name())) return Invalid(absl::StrCat("inputs[", i, "]: tensor \"", t.name(), "\" given twice"));
     const size_t esize = DTypeSize(t.dtype());
     if (esize == 0) return Invalid(absl::StrCat("inputs[", i, "] \"", t.name(), "\": dtype is unspecified"));
@@ -93,10 +93,12 @@ absl::Status NormaliseOptions(const v1::ScoreOptions& in, int64_t V, const Reque
   if (!in.has_sampling_top_p()) out->set_sampling_top_p(1.0f);
   if (!in.has_ignore_index()) out->set_ignore_index(-100);
   const float t = out->temperature();
-  if (!(t > 0.f) || !std::isfinite(t)) return Invalid(absl::StrCat("options.temperature must be > 0 and finite, got ", t));
+  if (!(t > 0.f) || !std::isfinite(t))
+    return Invalid(absl::StrCat("options.temperature must be > 0 and finite, got ", t));
   const float p = out->sampling_top_p();
   if (!(p > 0.f && p <= 1.f)) return Invalid(absl::StrCat("options.sampling_top_p must be in (0, 1], got ", p));
-  if (in.sampling_top_k() < 0) return Invalid(absl::StrCat("options.sampling_top_k must be >= 0, got ", in.sampling_top_k()));
+  if (in.sampling_top_k() < 0)
+    return Invalid(absl::StrCat("options.sampling_top_k must be >= 0, got ", in.sampling_top_k()));
   if (in.topk() < 0 || in.topk() > V)
     return Invalid(absl::StrCat("options.topk must be in [0, V = ", V, "], got ", in.topk()));
   if (in.topk() > limits.max_topk)
@@ -120,13 +122,17 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     return absl::InternalError("BuildScoreJob: one data view per input expected");
   const InputBytes bytes(req, data);
   LOGPROB_ASSIGN_OR_RETURN(const auto in, IndexInputs(req, bytes));
-  auto get = [&](const char* n) -> const v1::Tensor* { auto it = in.find(n); return it == in.end() ? nullptr : it->second; };
+  auto get = [&](const char* n) -> const v1::Tensor* {
+    auto it = in.find(n);
+    return it == in.end() ? nullptr : it->second;
+  };
   const v1::Tensor* hidden = get("hidden_states");
   const v1::Tensor* input = hidden ? hidden : get("logits");  // one row per position
   if (hidden && get("logits")) return Invalid("give either \"logits\" or \"hidden_states\", not both");
   if (!input) return Invalid("missing tensor \"logits\" (or \"hidden_states\")");
   if (hidden && lm_head.hidden_size == 0)
-    return absl::FailedPreconditionError("hidden_states given but this server has no lm_head loaded (start it with --lm-head)");
+    return absl::FailedPreconditionError(
+        "hidden_states given but this server has no lm_head loaded (start it with --lm-head)");
   const std::string name = input->name();
   const char* last_dim = hidden ? "H" : "V";
   const v1::Tensor* ids = get("input_ids");
@@ -164,7 +170,9 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   const int64_t ignore = job.options.ignore_index();
 
   // Sequences as (first input row, length, first output position).
-  struct Seq { int64_t row0, len, out0; };
+  struct Seq {
+    int64_t row0, len, out0;
+  };
   std::vector<Seq> seqs;
   if (packed) {
     const int64_t T = input->shape(0);
@@ -177,7 +185,8 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     for (int64_t i = 0; i < B; ++i) {
       const int64_t a = ReadInt(cu->dtype(), bytes(cu).data(), i), b = ReadInt(cu->dtype(), bytes(cu).data(), i + 1);
       if (b < a) return Invalid(absl::StrCat("\"cu_seqlens\" decreases at index ", i + 1, " (", a, " -> ", b, ")"));
-      if (next && b == a) return Invalid(absl::StrCat("\"cu_seqlens\": sequence ", i, " is empty (next_token needs length >= 1)"));
+      if (next && b == a)
+        return Invalid(absl::StrCat("\"cu_seqlens\": sequence ", i, " is empty (next_token needs length >= 1)"));
       seqs.push_back({a, b - a, next ? a - i : a});
     }
     const int64_t end = ReadInt(cu->dtype(), bytes(cu).data(), B);
@@ -210,7 +219,8 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   }
   const int64_t total_rows = packed ? input->shape(0) : input->shape(0) * input->shape(1);
   if (total_rows > limits.max_tokens)
-    return Invalid(absl::StrCat("request has ", total_rows, " tokens, over the server's max_tokens_per_request ", limits.max_tokens));
+    return Invalid(absl::StrCat("request has ", total_rows, " tokens, over the server's max_tokens_per_request ",
+                                limits.max_tokens));
 
   const v1::Tensor* gather = get("gather_indices");
   if (gather) {
@@ -222,7 +232,8 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     want.push_back(gather->shape(gather->shape_size() - 1));
     LOGPROB_RETURN_IF_ERROR(CheckShape(*gather, want, "the output shape plus K"));
     if (want.back() > limits.max_topk)
-      return Invalid(absl::StrCat("\"gather_indices\": K = ", want.back(), " exceeds the server's max_topk ", limits.max_topk));
+      return Invalid(
+          absl::StrCat("\"gather_indices\": K = ", want.back(), " exceeds the server's max_topk ", limits.max_topk));
     job.gather_k = static_cast<int>(want.back());
   }
 
@@ -245,8 +256,8 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
       for (int j = 0; j < job.gather_k; ++j) {
         const int64_t g = ReadInt(gather->dtype(), gather_data, out * job.gather_k + j);
         if (g < 0 || g >= V)
-          return Invalid(absl::StrCat("\"gather_indices\": id ", g, " of sequence ", s, " at position ", t, " (entry ", j,
-                                      ") is outside [0, V = ", V, ")"));
+          return Invalid(absl::StrCat("\"gather_indices\": id ", g, " of sequence ", s, " at position ", t, " (entry ",
+                                      j, ") is outside [0, V = ", V, ")"));
         job.gather_ids.push_back(g);
       }
     }

@@ -32,18 +32,18 @@ struct LmHeadShape {
 /// A validated request. Rows are the scored positions only, in output
 /// order; `rows` point into the request, which must outlive the job.
 struct ScoreJob {
-  bool hidden = false;                 // rows are hidden states, not logits
-  DType dtype = v1::DTYPE_UNSPECIFIED; // of the logits or hidden states
-  int64_t vocab_size = 0;              // V
-  int64_t hidden_size = 0;             // H (hidden only)
-  size_t row_bytes = 0;                // (V or H) * sizeof(dtype)
-  std::vector<const char*> rows;       // input row (row_bytes bytes) of each scored row
-  std::vector<int64_t> targets;        // global target id, -1 = ignored
-  std::vector<int64_t> out_pos;        // flat output position of each row
+  bool hidden = false;                  // rows are hidden states, not logits
+  DType dtype = v1::DTYPE_UNSPECIFIED;  // of the logits or hidden states
+  int64_t vocab_size = 0;               // V
+  int64_t hidden_size = 0;              // H (hidden only)
+  size_t row_bytes = 0;                 // (V or H) * sizeof(dtype)
+  std::vector<const char*> rows;        // input row (row_bytes bytes) of each scored row
+  std::vector<int64_t> targets;         // global target id, -1 = ignored
+  std::vector<int64_t> out_pos;         // flat output position of each row
   int gather_k = 0;
-  std::vector<int64_t> gather_ids;     // [rows, gather_k]
-  std::vector<int64_t> out_shape;      // leading output shape: [B, S'] or [T']
-  v1::ScoreOptions options;            // normalised: temperature, top_p, ignore_index set
+  std::vector<int64_t> gather_ids;  // [rows, gather_k]
+  std::vector<int64_t> out_shape;   // leading output shape: [B, S'] or [T']
+  v1::ScoreOptions options;         // normalised: temperature, top_p, ignore_index set
   /// Rows that lie in a client's shared-memory region (server/shared_inputs.h):
   /// (first row, reader) segments in row order; the rows from a segment's
   /// first row up to the next segment's are read through its reader (a null
@@ -56,7 +56,7 @@ struct ScoreJob {
   std::vector<RowSource> row_sources;
 
   int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
-  int64_t num_outputs() const;         // product of out_shape
+  int64_t num_outputs() const;  // product of out_shape
 };
 
 /// Validates `req` and builds its job. Errors are INVALID_ARGUMENT with a

@@ -14,8 +14,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
-#include "common/status_macros.h"
 #include "common/shared_memory.h"
+#include "common/status_macros.h"
 #include "server/response_builder.h"
 #include "server/shared_inputs.h"
 #include "server/shm_session.h"
@@ -88,14 +88,14 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
     session_hold = regions_->Hold(owner);
     LOGPROB_ASSIGN_OR_RETURN(resolved, ResolveSharedInputs(req, *regions_, owner));
   }
-  const int64_t request_bytes =
-      static_cast<int64_t>(req.ByteSizeLong()) + (resolved ? resolved->referenced_bytes : 0);
+  const int64_t request_bytes = static_cast<int64_t>(req.ByteSizeLong()) + (resolved ? resolved->referenced_bytes : 0);
   if (resolved && request_bytes > config_.max_request_bytes)
     return absl::ResourceExhaustedError(absl::StrCat("request of ", request_bytes,
                                                      " bytes (shared-memory tensors included) exceeds the server's "
-                                                     "max_request_bytes ", config_.max_request_bytes));
-  LOGPROB_ASSIGN_OR_RETURN(ScoreJob job, BuildScoreJob(req, config_.limits, config_.lm_head,
-                                                       resolved ? &resolved->data : nullptr));
+                                                     "max_request_bytes ",
+                                                     config_.max_request_bytes));
+  LOGPROB_ASSIGN_OR_RETURN(ScoreJob job,
+                           BuildScoreJob(req, config_.limits, config_.lm_head, resolved ? &resolved->data : nullptr));
   if (resolved && resolved->rows_source) job.row_sources.push_back({0, resolved->rows_source});
   if (stats) stats->rows = job.num_rows();
   LOGPROB_ASSIGN_OR_RETURN(const auto ticket, admission_.Admit(job.num_rows(), request_bytes));
@@ -144,8 +144,8 @@ grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const
   if (!st.ok()) {
     const std::string code = absl::StatusCodeToString(absl::StatusCode::kUnauthenticated);
     if (metrics_) metrics_->ObserveRequest(method, code, 0, 0);
-    std::clog << "request method=" << method << " peer=" << context->peer() << " status=" << code
-              << " message=\"" << st.error_message() << "\"" << std::endl;
+    std::clog << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
+              << st.error_message() << "\"" << std::endl;
   }
   return st;
 }
@@ -251,7 +251,8 @@ grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v
 absl::StatusOr<std::string> ScoringService::ShmSession(grpc::ServerContext* context, const char* method) {
   if (grpc::Status st = Authorize(context, method); !st.ok()) return FromGrpc(st);
   if (!regions_)
-    return absl::FailedPreconditionError("shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
+    return absl::FailedPreconditionError(
+        "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
   return SharedMemoryOwner(*context);
 }
 
@@ -271,8 +272,8 @@ grpc::Status ScoringService::RegisterSharedMemory(grpc::ServerContext* context,
                                                   const v1::RegisterSharedMemoryRequest* req,
                                                   v1::RegisterSharedMemoryResponse*) {
   auto session = ShmSession(context, "RegisterSharedMemory");
-  const std::string what = absl::StrCat("region=", req->name(), " shm_name=", req->shm_name(),
-                                        " byte_size=", req->byte_size());
+  const std::string what =
+      absl::StrCat("region=", req->name(), " shm_name=", req->shm_name(), " byte_size=", req->byte_size());
   if (!session.ok()) return Logged(metrics_, "RegisterSharedMemory", what, session.status());
   return Logged(metrics_, "RegisterSharedMemory", what,
                 regions_->Register(*session, req->name(), req->shm_name(), req->byte_size()));

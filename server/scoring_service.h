@@ -3,12 +3,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
-#include <functional>
-
 #include "absl/status/statusor.h"
+#include "common/buffer_pool.h"
 #include "common/chunk_codec.h"
 #include "common/chunked_method.h"
 #include "grpcpp/impl/service_type.h"
@@ -17,7 +17,6 @@
 #include "server/admission.h"
 #include "server/auth.h"
 #include "server/batcher.h"
-#include "common/buffer_pool.h"
 #include "server/client_regions.h"
 #include "server/metrics.h"
 #include "server/planner.h"
@@ -32,8 +31,8 @@ struct ServiceConfig {
   /// Largest request, bytes: one message (Score, ScoreStream) or the sum
   /// of a chunked request's parts (ScoreChunked).
   int64_t max_request_bytes = int64_t{1} << 30;
-  int64_t max_queue_tokens = int64_t{1} << 23;  // admitted, unanswered tokens (backpressure)
-  int64_t max_queue_bytes = int64_t{2} << 30;   // admitted, unanswered request bytes
+  int64_t max_queue_tokens = int64_t{1} << 23;      // admitted, unanswered tokens (backpressure)
+  int64_t max_queue_bytes = int64_t{2} << 30;       // admitted, unanswered request bytes
   std::chrono::microseconds max_queue_delay{2000};  // dynamic batching (Batcher::Options)
   int64_t max_batch_tokens = 8192;
   bool shared_memory = true;  // payloads to same-host workers through POSIX shared memory
@@ -41,9 +40,9 @@ struct ServiceConfig {
   std::string parallelism_name = "auto";
   std::string backend = "cpu";
   std::string comm = "gloo";
-  LmHeadShape lm_head;              // zeros: no hidden-states scoring
-  std::string lm_head_dtype;        // safetensors name, e.g. "BF16"
-  std::string lm_head_path;         // file holding the tensor
+  LmHeadShape lm_head;        // zeros: no hidden-states scoring
+  std::string lm_head_dtype;  // safetensors name, e.g. "BF16"
+  std::string lm_head_path;   // file holding the tensor
   std::string lm_head_tensor;
   int64_t hidden_chunk_tokens = 0;
   /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
@@ -98,10 +97,10 @@ class ScoringService final : public v1::LogprobService::Service {
 
   /// What one request's log line reports besides its status.
   struct RequestStats {
-    int64_t rows = 0;           // token positions scored
-    double queue_seconds = 0;   // waiting to be batched
-    int batch_requests = 0;     // requests in its worker batch
-    double receive_seconds = 0; // ScoreChunked: first part to the last piece
+    int64_t rows = 0;            // token positions scored
+    double queue_seconds = 0;    // waiting to be batched
+    int batch_requests = 0;      // requests in its worker batch
+    double receive_seconds = 0;  // ScoreChunked: first part to the last piece
   };
 
   /// Scores one request (the body of Score and of each ScoreStream
@@ -129,8 +128,8 @@ class ScoringService final : public v1::LogprobService::Service {
                                             const std::function<absl::StatusOr<v1::ScoreResponse>(RequestStats*)>& fn);
   /// Reads a ScoreChunked request into *req (its pieced tensors' data in
   /// buffers of assembly_buffers_, their indices in *pooled).
-  absl::Status ReceiveChunked(grpc::ServerContext* context,
-                              chunked::ServerStream* stream, v1::ScoreRequest* req, std::vector<int>* pooled);
+  absl::Status ReceiveChunked(grpc::ServerContext* context, chunked::ServerStream* stream, v1::ScoreRequest* req,
+                              std::vector<int>* pooled);
 
   WorkerPool& pool_;
   ServiceConfig config_;
@@ -138,7 +137,7 @@ class ScoringService final : public v1::LogprobService::Service {
   Admission admission_;
   PayloadPool payload_pool_;
   Batcher batcher_;
-  BufferPool assembly_buffers_;  // ScoreChunked request tensors
+  BufferPool assembly_buffers_;             // ScoreChunked request tensors
   std::unique_ptr<ClientRegions> regions_;  // null: shared-memory inputs off
   std::string host_id_;
   std::atomic<uint64_t> next_job_id_{1};

@@ -38,8 +38,8 @@ absl::StatusOr<ResolvedInputs> ResolveSharedInputs(const v1::ScoreRequest& req, 
     const int64_t size = (*region)->byte_size();
     if (ref.offset() < 0 || ref.byte_size() < 0 || ref.offset() > size || ref.byte_size() > size - ref.offset())
       return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", ref.offset(), ", ", ref.offset(), " + ",
-                                                     ref.byte_size(), ") are outside region \"", ref.region(),
-                                                     "\" of ", size, " bytes"));
+                                                     ref.byte_size(), ") are outside region \"", ref.region(), "\" of ",
+                                                     size, " bytes"));
     const size_t esize = DTypeSize(t.dtype());
     if (esize > 1 && ref.offset() % static_cast<int64_t>(esize) != 0)
       return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", ref.offset(), " is not a multiple of ",
@@ -51,14 +51,14 @@ absl::StatusOr<ResolvedInputs> ResolveSharedInputs(const v1::ScoreRequest& req, 
       auto copy = std::make_unique<std::string>(n, '\0');
       RegionReader reader(*region);
       if (!reader.Read(copy->data(), at, n))
-        return absl::FailedPreconditionError(absl::StrCat("inputs[", i, "] \"", t.name(), "\": ",
-                                                          reader.status().message()));
+        return absl::FailedPreconditionError(
+            absl::StrCat("inputs[", i, "] \"", t.name(), "\": ", reader.status().message()));
       out.data.emplace_back(*copy);
       out.owned.push_back(std::move(copy));
     } else {
       if (out.rows_source && &out.rows_source->region() != region->get())
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": logits / hidden_states of one request must lie in one region"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": logits / hidden_states of one request must lie in one region"));
       if (!out.rows_source) out.rows_source = std::make_shared<RegionReader>(*region);
       out.data.emplace_back(at, n);
     }

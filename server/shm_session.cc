@@ -1,6 +1,5 @@
 #include "server/shm_session.h"
 
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/sha256.h"
@@ -33,8 +32,8 @@ bool IsLocalPeer(const std::string& peer) {
 absl::StatusOr<std::string> SharedMemoryOwner(const grpc::ServerContext& context) {
   const std::string peer = context.peer();
   if (!IsLocalPeer(peer))
-    return absl::PermissionDeniedError(absl::StrCat("shared-memory inputs are for clients on the server's host; peer ",
-                                                    peer, " is not local"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("shared-memory inputs are for clients on the server's host; peer ", peer, " is not local"));
   const std::string session = Metadata(context, kShmSessionMetadata);
   bool ok = session.size() >= 16 && session.size() <= 128;
   for (char c : session)

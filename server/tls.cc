@@ -31,9 +31,15 @@ absl::StatusOr<std::string> ReadPem(const char* flag, const std::string& file) {
   return buf.str();
 }
 
-struct BioFree { void operator()(BIO* b) const { BIO_free(b); } };
-struct X509Free { void operator()(X509* x) const { X509_free(x); } };
-struct PKeyFree { void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); } };
+struct BioFree {
+  void operator()(BIO* b) const { BIO_free(b); }
+};
+struct X509Free {
+  void operator()(X509* x) const { X509_free(x); }
+};
+struct PKeyFree {
+  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
+};
 using BioPtr = std::unique_ptr<BIO, BioFree>;
 using X509Ptr = std::unique_ptr<X509, X509Free>;
 using PKeyPtr = std::unique_ptr<EVP_PKEY, PKeyFree>;
@@ -59,17 +65,20 @@ PKeyPtr PrivateKey(const std::string& pem) {
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFiles(
-    const std::string& cert_file, const std::string& key_file, const std::string& client_ca_file) {
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFiles(const std::string& cert_file,
+                                                                                    const std::string& key_file,
+                                                                                    const std::string& client_ca_file) {
   if (cert_file.empty() && key_file.empty()) {
     if (!client_ca_file.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--tls-client-ca ", client_ca_file, " needs --tls-cert and --tls-key (the server's own certificate)"));
+      return absl::InvalidArgumentError(absl::StrCat("--tls-client-ca ", client_ca_file,
+                                                     " needs --tls-cert and --tls-key (the server's own certificate)"));
     }
     return grpc::InsecureServerCredentials();
   }
-  if (key_file.empty()) return absl::InvalidArgumentError(absl::StrCat("--tls-cert ", cert_file, " needs --tls-key (its private key)"));
-  if (cert_file.empty()) return absl::InvalidArgumentError(absl::StrCat("--tls-key ", key_file, " needs --tls-cert (its certificate)"));
+  if (key_file.empty())
+    return absl::InvalidArgumentError(absl::StrCat("--tls-cert ", cert_file, " needs --tls-key (its private key)"));
+  if (cert_file.empty())
+    return absl::InvalidArgumentError(absl::StrCat("--tls-key ", key_file, " needs --tls-cert (its certificate)"));
 
   LOGPROB_ASSIGN_OR_RETURN(const std::string cert, ReadPem("--tls-cert", cert_file));
   LOGPROB_ASSIGN_OR_RETURN(const std::string key, ReadPem("--tls-key", key_file));

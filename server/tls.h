@@ -22,7 +22,8 @@ namespace logprob {
 /// cannot be read; a cert or CA file without a PEM certificate; a key file
 /// without a PEM private key (encrypted keys are not supported); a key that
 /// does not match the certificate.
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFiles(
-    const std::string& cert_file, const std::string& key_file, const std::string& client_ca_file);
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFiles(const std::string& cert_file,
+                                                                                    const std::string& key_file,
+                                                                                    const std::string& client_ca_file);
 
 }  // namespace logprob

@@ -43,8 +43,7 @@ WorkerPool::~WorkerPool() {
 absl::Status WorkerPool::Start() {
   control_ = std::make_unique<ControlService>(
       options_.workers, options_.worker_config,
-      [this](int64_t generation, int, const std::string& why) { OnLeave(generation, why); },
-      options_.join_observers);
+      [this](int64_t generation, int, const std::string& why) { OnLeave(generation, why); }, options_.join_observers);
   grpc::ServerBuilder builder;
   AddKeepalive(builder);
   int port = 0;
@@ -139,8 +138,8 @@ void WorkerPool::Fail(const std::shared_ptr<Generation>& gen, const std::string&
     for (grpc::ClientContext* ctx : gen->inflight) ctx->TryCancel();
   }
   Publish();
-  std::cerr << "logprob-server: worker pool generation " << gen->index << " failed: " << why
-            << "; re-forming the pool" << std::endl;
+  std::cerr << "logprob-server: worker pool generation " << gen->index << " failed: " << why << "; re-forming the pool"
+            << std::endl;
   cv_.SignalAll();  // wakes the supervisor
 }
 
@@ -192,8 +191,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
   return RunItems(plan, bounds);
 }
 
-absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const Plan& plan,
-                                                                           const RunBounds& bounds) {
+absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const Plan& plan, const RunBounds& bounds) {
   const std::shared_ptr<Generation> gen = current();
   if (!gen) return absl::UnavailableError("the worker pool is waiting for its workers to join; retry shortly");
   const size_t n = plan.items.size();
@@ -251,8 +249,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const
     for (const auto& st : statuses)
       if (!st.ok()) return absl::DeadlineExceededError("the request's deadline passed before the workers finished");
   }
-  if (cancelled || bounds.cancelled_now())
-    return absl::CancelledError("the request was cancelled by the client");
+  if (cancelled || bounds.cancelled_now()) return absl::CancelledError("the request was cancelled by the client");
   for (size_t i = 0; i < n; ++i) {
     if (statuses[i].ok()) continue;
     const std::string msg = absl::StrCat("worker ", plan.items[i].worker, ": ", statuses[i].error_message());

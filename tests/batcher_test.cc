@@ -4,6 +4,8 @@
 // holds it until the test releases it; the test waits on the batcher's own
 // queue/running callbacks (condition variables), never on time, so every
 // interleaving below is forced, not hoped for.
+#include "server/batcher.h"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -13,8 +15,6 @@
 #include <mutex>
 #include <string>
 #include <vector>
-
-#include "server/batcher.h"
 
 namespace logprob {
 namespace {
@@ -58,7 +58,8 @@ class FakeRunner {
  private:
   absl::StatusOr<std::vector<WorkResult>> Run(const Plan& plan, const RunBounds& bounds) {
     std::vector<int64_t> targets;
-    for (const PlannedItem& p : plan.items) targets.insert(targets.end(), p.item.targets().begin(), p.item.targets().end());
+    for (const PlannedItem& p : plan.items)
+      targets.insert(targets.end(), p.item.targets().begin(), p.item.targets().end());
     std::unique_lock<std::mutex> lock(mu_);
     calls_.push_back(targets);
     cv_.notify_all();

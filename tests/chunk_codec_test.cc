@@ -2,12 +2,13 @@
 // serialization: pieces written by OutgoingPart parse as ScoreRequestPart,
 // protobuf-written parts parse with ParsePart however gRPC slices them,
 // malformed parts are INVALID_ARGUMENT; and TensorAssembler's checks.
+#include "common/chunk_codec.h"
+
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "common/chunk_assembler.h"
-#include "common/chunk_codec.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "logprob/v1/logprob.pb.h"
 

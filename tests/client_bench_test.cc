@@ -34,10 +34,10 @@ class ClientBench : public ::testing::Test {
     std::string out, err;
   };
   static BenchRun Bench(const std::string& args) {
-    const std::string err_path = ::testing::TempDir() + "/" +
-                                 ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".stderr";
-    const CommandResult r =
-        RunCommand("(" + BinDir() + "/logprob-client bench --server " + server_->address() + " " + args + " 2>" + err_path + ")");
+    const std::string err_path =
+        ::testing::TempDir() + "/" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".stderr";
+    const CommandResult r = RunCommand("(" + BinDir() + "/logprob-client bench --server " + server_->address() + " " +
+                                       args + " 2>" + err_path + ")");
     std::ifstream in(err_path);
     std::stringstream err;
     err << in.rdbuf();
@@ -80,8 +80,10 @@ int64_t CheckPhase(const nlohmann::json& p, int64_t tokens_per_request, int64_t 
 
 TEST_F(ClientBench, JsonReportWithEchoAndServerSplit) {
   ASSERT_TRUE(server_);
-  const BenchRun r = Bench("--batch 2 --seq 64 --vocab 1000 --dtype f32 --entropy --topk 5 --concurrency 2 "
-                           "--duration 1 --warmup 0.2 --progress 0.4 --json --metrics-url " + MetricsUrl());
+  const BenchRun r = Bench(
+      "--batch 2 --seq 64 --vocab 1000 --dtype f32 --entropy --topk 5 --concurrency 2 "
+      "--duration 1 --warmup 0.2 --progress 0.4 --json --metrics-url " +
+      MetricsUrl());
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.out;
@@ -132,14 +134,15 @@ TEST_F(ClientBench, TableWithRequestCountPackedNoEcho) {
   EXPECT_NE(r.out.find("logits BF16 [96, 500] packed, 3 sequences"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("96 tokens"), std::string::npos) << r.out;
   // phase, requests, failed, seconds, req/s, tokens/s, MB/s, mean, p50, p90, p99, max
-  const std::regex row(R"(\nscoring +7 +0 +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+))");
+  const std::regex row(
+      R"(\nscoring +7 +0 +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+))");
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m, row)) << r.out;
-  EXPECT_GT(std::stod(m[2]), 0);                   // req/s
+  EXPECT_GT(std::stod(m[2]), 0);                                                   // req/s
   EXPECT_NEAR(std::stod(m[3]), std::stod(m[2]) * 96, 1 + 0.01 * std::stod(m[3]));  // tokens/s (rounded)
-  EXPECT_LE(std::stod(m[6]), std::stod(m[7]));      // p50 <= p90 (ms, rounded alike)
-  EXPECT_LE(std::stod(m[7]), std::stod(m[8]));      // p90 <= p99
-  EXPECT_LE(std::stod(m[8]), std::stod(m[9]));      // p99 <= max
+  EXPECT_LE(std::stod(m[6]), std::stod(m[7]));                                     // p50 <= p90 (ms, rounded alike)
+  EXPECT_LE(std::stod(m[7]), std::stod(m[8]));                                     // p90 <= p99
+  EXPECT_LE(std::stod(m[8]), std::stod(m[9]));                                     // p99 <= max
   EXPECT_EQ(r.out.find("\necho "), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("scoring / echo"), std::string::npos) << r.out;
 }
@@ -164,7 +167,7 @@ TEST_F(ClientBench, BadFlagsAreClearErrors) {
     SCOPED_TRACE(args);
     const BenchRun r = Bench(args);
     EXPECT_EQ(r.code, 2) << r.out << r.err;
-    EXPECT_NE(r.err.find("error: " ), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("error: "), std::string::npos) << r.err;
     EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
   }
   const CommandResult no_server = RunCommand(BinDir() + "/logprob-client bench --batch 2");
@@ -191,8 +194,9 @@ TEST_F(ClientBench, ServerSideErrorsAreClear) {
   EXPECT_NE(r.err.find("--metrics-url ftp://127.0.0.1/metrics: expected http://HOST:PORT[/PATH]"), std::string::npos)
       << r.err;
 
-  const CommandResult dead = RunCommand(BinDir() + "/logprob-client bench --server 127.0.0.1:" +
-                                        std::to_string(FreePort()) + " --batch 2 --seq 8 --vocab 100 --timeout 2");
+  const CommandResult dead =
+      RunCommand(BinDir() + "/logprob-client bench --server 127.0.0.1:" + std::to_string(FreePort()) +
+                 " --batch 2 --seq 8 --vocab 100 --timeout 2");
   EXPECT_EQ(dead.code, 1) << dead.output;
   EXPECT_NE(dead.output.find("error: "), std::string::npos) << dead.output;
 }
@@ -223,10 +227,12 @@ TEST_F(ClientBench, HiddenSizeModeChecksTheServersLmHeadAndSendsInPieces) {
   const std::string bench = BinDir() + "/logprob-client bench --server " + hidden_server->address();
   CommandResult c = RunCommand(bench + " --hidden-size 32 --batch 1 --seq 8 --requests 1");
   EXPECT_EQ(c.code, 2) << c.output;
-  EXPECT_NE(c.output.find("--hidden-size 32: the server's lm_head is [512, 64] (H = 64)"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("--hidden-size 32: the server's lm_head is [512, 64] (H = 64)"), std::string::npos)
+      << c.output;
 
   // 256 rows of bf16 [.., 64] (32 kB) over --chunk-above 4096: ScoreChunked in 1000-byte pieces.
-  c = RunCommand(bench + " --hidden-size 64 --packed 256 --batch 2 --requests 3 --warmup 0 --progress 0 --json "
+  c = RunCommand(bench +
+                 " --hidden-size 64 --packed 256 --batch 2 --requests 3 --warmup 0 --progress 0 --json "
                  "--chunk-above 4096 --piece-bytes 1000 2>/dev/null");
   std::remove(lm.c_str());
   ASSERT_EQ(c.code, 0) << c.output;

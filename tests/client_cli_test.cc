@@ -24,8 +24,8 @@ class ClientCli : public ::testing::Test {
   static void TearDownTestSuite() { delete server_; }
   /// Output path unique to this test (ctest runs tests in parallel processes).
   std::string Out(const std::string& name) {
-    return ::testing::TempDir() + "/" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "." +
-           name + ".out.safetensors";
+    return ::testing::TempDir() + "/" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "." + name +
+           ".out.safetensors";
   }
   static ServerProcess* server_;
 };
@@ -44,7 +44,7 @@ TEST_F(ClientCli, ScoresEveryLogitsGoldenCase) {
     SCOPED_TRACE(name);
     const GoldenCase c = LoadGolden(name);
     const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
-                            ".safetensors --output " + Out(name) + CliOptionFlags(c));
+                                      ".safetensors --output " + Out(name) + CliOptionFlags(c));
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("token_logprobs"), std::string::npos) << r.output;
     auto got = ReadSafetensors(Out(name));
@@ -61,7 +61,8 @@ TEST_F(ClientCli, SplitsRequestsOverTheMessageLimit) {
     SCOPED_TRACE(name);
     const GoldenCase c = LoadGolden(name);
     const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() + "/" + name +
-                            ".safetensors --output " + Out(name) + CliOptionFlags(c) + " --max-request-bytes " + std::to_string(limit));
+                                      ".safetensors --output " + Out(name) + CliOptionFlags(c) +
+                                      " --max-request-bytes " + std::to_string(limit));
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("part 2/"), std::string::npos) << r.output;
     auto got = ReadSafetensors(Out(name));
@@ -89,7 +90,8 @@ TEST_F(ClientCli, MalformedInputFileIsAClearError) {
   ASSERT_TRUE(server_);
   const std::string bad = ::testing::TempDir() + "/bad.safetensors";
   std::ofstream(bad, std::ios::binary) << std::string("\xff\x00\x00\x00\x00\x00\x00\x00{not json", 17);
-  const CommandResult r = RunClient("score --server " + server_->address() + " --input " + bad + " --output " + Out("bad"));
+  const CommandResult r =
+      RunClient("score --server " + server_->address() + " --input " + bad + " --output " + Out("bad"));
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("malformed safetensors"), std::string::npos) << r.output;
 }
@@ -97,7 +99,7 @@ TEST_F(ClientCli, MalformedInputFileIsAClearError) {
 TEST_F(ClientCli, ServerErrorExitsNonZeroWithItsMessage) {
   ASSERT_TRUE(server_);
   const CommandResult r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() +
-                          "/basic_f32.safetensors --output " + Out("err") + " --topk 5000");
+                                    "/basic_f32.safetensors --output " + Out("err") + " --topk 5000");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("INVALID_ARGUMENT"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("options.topk"), std::string::npos) << r.output;

@@ -1,12 +1,11 @@
 // Tests of the client's request splitter and response joiner
 // (client/request_splitter.h).
-#include "client/request_splitter.h"
-
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "client/request_splitter.h"
 #include "gtest/gtest.h"
 #include "logprob/v1/logprob.pb.h"
 
@@ -18,14 +17,12 @@ using v1::ScoreResponse;
 using v1::Tensor;
 
 template <typename T>
-Tensor MakeTensor(const std::string& name, v1::DType dtype, std::vector<int64_t> shape,
-                  const std::vector<T>& values) {
+Tensor MakeTensor(const std::string& name, v1::DType dtype, std::vector<int64_t> shape, const std::vector<T>& values) {
   Tensor t;
   t.set_name(name);
   t.set_dtype(dtype);
   for (int64_t d : shape) t.add_shape(d);
-  t.set_data(std::string(reinterpret_cast<const char*>(values.data()),
-                         values.size() * sizeof(T)));
+  t.set_data(std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T)));
   return t;
 }
 
@@ -65,8 +62,7 @@ const Tensor& Output(const ScoreResponse& r, const std::string& name) {
 // Checks that the parts' copies of each input of `whole`, concatenated in
 // order along dimension 0, have the same bytes and trailing shape
 // (cu_seqlens excepted), and that each part fits `max_bytes`.
-void ExpectPartsConcatenate(const ScoreRequest& whole, const std::vector<ScoreRequest>& parts,
-                            int64_t max_bytes) {
+void ExpectPartsConcatenate(const ScoreRequest& whole, const std::vector<ScoreRequest>& parts, int64_t max_bytes) {
   for (size_t p = 0; p < parts.size(); ++p) {
     EXPECT_LE(static_cast<int64_t>(parts[p].ByteSizeLong()), max_bytes) << "part " << p;
     EXPECT_EQ(parts[p].id(), whole.id() + "-" + std::to_string(p + 1));
@@ -102,15 +98,14 @@ ScoreRequest PaddedRequest(int64_t B, int64_t S, int64_t V, int64_t K) {
   std::vector<int32_t> lens(B);
   for (int64_t b = 0; b < B; ++b) lens[b] = static_cast<int32_t>(S - b % S);
   *r.add_inputs() = MakeTensor("seq_lens", v1::I32, {B}, lens);
-  *r.add_inputs() =
-      MakeTensor("gather_indices", v1::I64, {B, S - 1, K}, Iota<int64_t>(B * (S - 1) * K, 7));
+  *r.add_inputs() = MakeTensor("gather_indices", v1::I64, {B, S - 1, K}, Iota<int64_t>(B * (S - 1) * K, 7));
   return r;
 }
 
 // Packed request with sequences of `lens`: logits [T, V] F32, input_ids
 // [T] I32, cu_seqlens [B+1] of `cu_dtype`, gather_indices [T-B or T, K].
-ScoreRequest PackedRequest(const std::vector<int64_t>& lens, int64_t V, int64_t K,
-                           v1::Alignment alignment, v1::DType cu_dtype) {
+ScoreRequest PackedRequest(const std::vector<int64_t>& lens, int64_t V, int64_t K, v1::Alignment alignment,
+                           v1::DType cu_dtype) {
   int64_t T = 0;
   std::vector<int64_t> cu = {0};
   for (int64_t l : lens) cu.push_back(T += l);
@@ -127,8 +122,7 @@ ScoreRequest PackedRequest(const std::vector<int64_t>& lens, int64_t V, int64_t 
   } else {
     *r.add_inputs() = MakeTensor("cu_seqlens", v1::I64, {B + 1}, cu);
   }
-  *r.add_inputs() =
-      MakeTensor("gather_indices", v1::I64, {out_rows, K}, Iota<int64_t>(out_rows * K, 3));
+  *r.add_inputs() = MakeTensor("gather_indices", v1::I64, {out_rows, K}, Iota<int64_t>(out_rows * K, 3));
   return r;
 }
 
@@ -196,8 +190,7 @@ ScoreResponse FakeScore(const ScoreRequest& r) {
 void ExpectSameResponse(const ScoreResponse& a, const ScoreResponse& b) {
   ASSERT_EQ(a.outputs_size(), b.outputs_size());
   for (int i = 0; i < a.outputs_size(); ++i) {
-    EXPECT_EQ(a.outputs(i).SerializeAsString(), b.outputs(i).SerializeAsString())
-        << a.outputs(i).name();
+    EXPECT_EQ(a.outputs(i).SerializeAsString(), b.outputs(i).SerializeAsString()) << a.outputs(i).name();
   }
 }
 
@@ -252,8 +245,7 @@ TEST(SplitScoreRequest, PackedSplitsByWholeSequencesAndRebasesCuSeqlens) {
         const int64_t t = Input(part, "logits").shape(0);
         EXPECT_EQ(c.back(), t);
         const int64_t b = static_cast<int64_t>(c.size()) - 1;
-        EXPECT_EQ(Input(part, "gather_indices").shape(0),
-                  alignment == v1::NEXT_TOKEN ? t - b : t);
+        EXPECT_EQ(Input(part, "gather_indices").shape(0), alignment == v1::NEXT_TOKEN ? t - b : t);
         for (size_t i = 0; i + 1 < c.size(); ++i) {
           ASSERT_LT(seq, lens.size());
           EXPECT_EQ(c[i + 1] - c[i], lens[seq++]);
@@ -279,14 +271,12 @@ TEST(SplitScoreRequest, TooLargeSequenceIsAnError) {
   auto parts = SplitScoreRequest(packed, {700, 0});
   ASSERT_FALSE(parts.ok());
   EXPECT_EQ(parts.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(parts.status().message().find("sequence 2"), std::string::npos)
-      << parts.status();
+  EXPECT_NE(parts.status().message().find("sequence 2"), std::string::npos) << parts.status();
 
   const ScoreRequest padded = PaddedRequest(3, 5, 64, 1);  // 1280+ bytes per sequence
   parts = SplitScoreRequest(padded, {1000, 0});
   ASSERT_FALSE(parts.ok());
-  EXPECT_NE(parts.status().message().find("sequence 0"), std::string::npos)
-      << parts.status();
+  EXPECT_NE(parts.status().message().find("sequence 0"), std::string::npos) << parts.status();
 }
 
 TEST(SplitScoreRequest, InconsistentPaddedShapesAreAnError) {

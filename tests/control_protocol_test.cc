@@ -74,8 +74,7 @@ TEST(ControlProtocol, AJoinOfAnotherVersionIsRefusedNamingBothVersions) {
     EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
     EXPECT_NE(st.error_message().find(absl::StrCat("worker protocol version ", other, " ")), std::string::npos)
         << st.error_message();
-    EXPECT_NE(st.error_message().find(absl::StrCat("front-end's version ", kWorkerProtocolVersion)),
-              std::string::npos)
+    EXPECT_NE(st.error_message().find(absl::StrCat("front-end's version ", kWorkerProtocolVersion)), std::string::npos)
         << st.error_message();
   }
   // The refused joins took no place in the pool: a worker of this release

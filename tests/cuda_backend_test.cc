@@ -3,6 +3,8 @@
 // ties at the top-k threshold, vocabulary slices, K > slice length, -inf
 // rows), sampling filters, and the cuBLASLt hidden-states path. Every test
 // skips (GTEST_SKIP) on a machine without a usable CUDA device.
+#include "worker/cuda/cuda_backend.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,7 +16,6 @@
 
 #include "common/dtype.h"
 #include "worker/cpu_backend.h"
-#include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/device_info.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/row_stats.h"
@@ -24,8 +25,8 @@ namespace {
 
 using kernels::StatsSpec;
 
-#define SKIP_WITHOUT_GPU()                                                    \
-  do {                                                                        \
+#define SKIP_WITHOUT_GPU()                                                           \
+  do {                                                                               \
     if (auto n = cuda::DeviceCount(); !n.ok()) GTEST_SKIP() << n.status().message(); \
   } while (0)
 
@@ -306,7 +307,8 @@ TEST(CudaHidden, WithoutLmHeadIsFailedPrecondition) {
   ASSERT_TRUE(b.gpu);
   std::vector<uint32_t> rec(16);
   const int64_t target = 0;
-  const auto st = b.gpu->HiddenPartials(v1::BF16, rec.data(), 0, BlockRows{1, &target, nullptr}, StatsSpec(), rec.data());
+  const auto st =
+      b.gpu->HiddenPartials(v1::BF16, rec.data(), 0, BlockRows{1, &target, nullptr}, StatsSpec(), rec.data());
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
 }
 

@@ -44,8 +44,8 @@ absl::Status InProcessCommunicator::AllGather(const void* in, size_t bytes, void
   for (int q = 0; q < size(); ++q) {
     const auto& from = group_.slots_[q];
     if (from.send_bytes.size() != 1 || from.send_bytes[0] != static_cast<int64_t>(bytes)) {
-      mismatch = absl::InvalidArgumentError(absl::StrCat("all-gather: rank ", q, " contributes other than ", bytes,
-                                                         " bytes (rank ", rank_, ")"));
+      mismatch = absl::InvalidArgumentError(
+          absl::StrCat("all-gather: rank ", q, " contributes other than ", bytes, " bytes (rank ", rank_, ")"));
       continue;
     }
     if (bytes) std::memcpy(static_cast<char*>(out) + q * bytes, from.in, bytes);

@@ -41,8 +41,10 @@ Ref Reference(const std::vector<float>& z, float T, int top_k, float top_p) {
   }
   if (top_p > 0 && top_p < 1) {
     double mx = -kInf, z0 = 0, c = 0;
-    for (size_t i = 0; i < V; ++i) if (keep[i]) mx = std::max(mx, x[i]);
-    for (size_t i = 0; i < V; ++i) if (keep[i]) z0 += std::exp(x[i] - mx);
+    for (size_t i = 0; i < V; ++i)
+      if (keep[i]) mx = std::max(mx, x[i]);
+    for (size_t i = 0; i < V; ++i)
+      if (keep[i]) z0 += std::exp(x[i] - mx);
     for (size_t j = 0; j < V; ++j) {
       const size_t i = order[j];
       if (!keep[i]) continue;
@@ -51,8 +53,10 @@ Ref Reference(const std::vector<float>& z, float T, int top_k, float top_p) {
     }
   }
   double mx = -kInf, s = 0;
-  for (size_t i = 0; i < V; ++i) if (keep[i]) mx = std::max(mx, x[i]);
-  for (size_t i = 0; i < V; ++i) if (keep[i]) s += std::exp(x[i] - mx);
+  for (size_t i = 0; i < V; ++i)
+    if (keep[i]) mx = std::max(mx, x[i]);
+  for (size_t i = 0; i < V; ++i)
+    if (keep[i]) s += std::exp(x[i] - mx);
   const double logZ = mx + std::log(s);
   Ref r;
   r.logp.resize(V);
@@ -272,7 +276,8 @@ TEST(SamplingFilter, TopKTopPMatchNemoSemantics) {
     // Score a kept and (where there is one) a filtered-out target.
     int64_t kept = -1, dropped = -1;
     for (int64_t i = 0; i < 2048; ++i) {
-      if (std::isfinite(ref.logp[i])) kept = i; else dropped = i;
+      if (std::isfinite(ref.logp[i])) kept = i;
+      else dropped = i;
     }
     CheckRow(z, kept, {}, spec, 1, k, p);
     if (dropped >= 0) CheckRow(z, dropped, {}, spec, 1, k, p);
@@ -309,7 +314,8 @@ TEST(Simd, ExpSumsMatchFloat64) {
   std::mt19937 gen(3);
   std::uniform_real_distribution<float> d(-100.f, 0.f);
   std::vector<float> x(kBlock + 64, -std::numeric_limits<float>::infinity());
-  for (size_t i = 0; i < kBlock; ++i) x[i] = i % 97 == 0 ? -std::numeric_limits<float>::infinity() : d(gen) / (1 + i % 7);
+  for (size_t i = 0; i < kBlock; ++i)
+    x[i] = i % 97 == 0 ? -std::numeric_limits<float>::infinity() : d(gen) / (1 + i % 7);
   double s_ref = 0, u_ref = 0;
   for (size_t i = 0; i < kBlock; ++i) {
     const double e = std::exp(static_cast<double>(x[i]));

@@ -56,8 +56,8 @@ std::vector<double> RoundBf16(const std::vector<double>& v) {
 
 /// Checks out[M, N] against sum_k h[m, k] w[n, k] in float64, with
 /// tolerance 1e-5 * sum_k |h w| + 1e-6 (f32 accumulation).
-void ExpectClose(const std::vector<double>& h, const std::vector<double>& w, int64_t M,
-                 int64_t N, int64_t H, const std::vector<float>& out) {
+void ExpectClose(const std::vector<double>& h, const std::vector<double>& w, int64_t M, int64_t N, int64_t H,
+                 const std::vector<float>& out) {
   int bad = 0;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
@@ -69,8 +69,7 @@ void ExpectClose(const std::vector<double>& h, const std::vector<double>& w, int
       }
       const double got = out[m * N + n];
       if (!(std::fabs(got - ref) <= 1e-5 * mag + 1e-6) && ++bad <= 5)
-        ADD_FAILURE() << "out[" << m << ", " << n << "] = " << got << ", want " << ref
-                      << " (sum|hw| = " << mag << ")";
+        ADD_FAILURE() << "out[" << m << ", " << n << "] = " << got << ", want " << ref << " (sum|hw| = " << mag << ")";
     }
   }
   EXPECT_EQ(bad, 0);
@@ -79,8 +78,8 @@ void ExpectClose(const std::vector<double>& h, const std::vector<double>& w, int
 /// Builds a GEMM over random `wdt` weights [N, H], runs it on random
 /// `hdt` hidden states [M, H] and checks against the float64 reference.
 void RunCase(DType wdt, DType hdt, int64_t M, int64_t N, int64_t H) {
-  SCOPED_TRACE(testing::Message() << DTypeName(wdt) << " weights, " << DTypeName(hdt)
-                                  << " hidden, M=" << M << " N=" << N << " H=" << H);
+  SCOPED_TRACE(testing::Message() << DTypeName(wdt) << " weights, " << DTypeName(hdt) << " hidden, M=" << M
+                                  << " N=" << N << " H=" << H);
   Tensor w = Random(wdt, N * H, 1 + N + H), h = Random(hdt, M * H, 7 + M);
   auto g = LmHeadGemm::Create(wdt, w.bytes, N, H);
   ASSERT_TRUE(g.ok()) << g.status();
@@ -143,15 +142,12 @@ TEST(LmHeadGemm, Errors) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(LmHeadGemm::Create(v1::I64, std::vector<char>(8 * 3 * 4), 3, 4).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(LmHeadGemm::Create(v1::F32, {}, 0, 4).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LmHeadGemm::Create(v1::F32, {}, 0, 4).status().code(), absl::StatusCode::kInvalidArgument);
   auto g = LmHeadGemm::Create(v1::F32, std::vector<char>(4 * 3 * 4), 3, 4);
   ASSERT_TRUE(g.ok()) << g.status();
   std::vector<float> h(4), out(3);
-  EXPECT_EQ((*g)->Compute(v1::I64, h.data(), 1, out.data()).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ((*g)->Compute(v1::F32, h.data(), -1, out.data()).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*g)->Compute(v1::I64, h.data(), 1, out.data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*g)->Compute(v1::F32, h.data(), -1, out.data()).code(), absl::StatusCode::kInvalidArgument);
 }
 
 /// Prints GFLOP/s (2 M N H / s, median of 5 after a warm-up) for a
@@ -169,13 +165,11 @@ TEST(LmHeadGemm, DISABLED_Throughput) {
     for (int i = 0; i < 6; ++i) {
       auto t0 = std::chrono::steady_clock::now();
       ASSERT_TRUE((*g)->Compute(dt, h.bytes.data(), M, out.data()).ok());
-      if (i > 0)
-        secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (i > 0) secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     std::sort(secs.begin(), secs.end());
-    std::printf("%s M=%lld N=%lld H=%lld: median %.1f ms, %.1f GFLOP/s\n", DTypeName(dt),
-                static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(H),
-                secs[2] * 1e3, 2.0 * M * N * H / secs[2] * 1e-9);
+    std::printf("%s M=%lld N=%lld H=%lld: median %.1f ms, %.1f GFLOP/s\n", DTypeName(dt), static_cast<long long>(M),
+                static_cast<long long>(N), static_cast<long long>(H), secs[2] * 1e3, 2.0 * M * N * H / secs[2] * 1e-9);
   }
 }
 

@@ -2,13 +2,12 @@
 // dir, and ReadSafetensorsHeader against ParseSafetensors.
 #include "common/lm_head_source.h"
 
+#include <gtest/gtest.h>
 #include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-
-#include <gtest/gtest.h>
 
 #include "common/safetensors.h"
 
@@ -169,8 +168,8 @@ TEST_F(LmHeadSourceTest, NotFoundErrors) {
   for (const char* want : {kLmHeadTensor, kTiedEmbeddingTensor, path.c_str()})
     EXPECT_NE(std::string(st.message()).find(want), std::string::npos) << st;
 
-  const std::string index = WriteText("model.safetensors.index.json",
-                                      R"({"weight_map": {"lm_head.weight": "missing-shard.safetensors"}})");
+  const std::string index =
+      WriteText("model.safetensors.index.json", R"({"weight_map": {"lm_head.weight": "missing-shard.safetensors"}})");
   st = ResolveLmHead(index).status();
   EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
   EXPECT_NE(std::string(st.message()).find("missing-shard.safetensors"), std::string::npos) << st;

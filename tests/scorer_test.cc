@@ -5,6 +5,8 @@
 // and 3 ranks, against a float64 reference computed here (shared/SPEC.md
 // tolerance 2e-4 + 2e-5 * |expected|; top-k ids exact). Threads and
 // condition variables only: no processes, no sockets, no sleeps.
+#include "worker/scorer.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,7 +27,6 @@
 #include "worker/cpu_backend.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/sampling_filter.h"
-#include "worker/scorer.h"
 
 namespace logprob::testing {
 namespace {
@@ -38,12 +39,12 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 /// A job's rows as the scorer sees them (already validated and planned):
 /// x = logits / temperature in float32, or hidden states times an lm_head.
 struct Problem {
-  DType dtype = v1::F32;        // of `logits`, or of `hidden` and `lm_head`
-  int64_t n = 0, V = 0, H = 0;  // rows, vocabulary, hidden size (hidden only)
-  std::vector<char> logits;     // [n, V] of dtype (logits problems)
-  std::vector<char> hidden;     // [n, H] of dtype (hidden problems)
-  std::vector<char> lm_head;    // [V, H] of dtype (hidden problems)
-  std::vector<int64_t> targets;     // [n], -1 = ignored
+  DType dtype = v1::F32;         // of `logits`, or of `hidden` and `lm_head`
+  int64_t n = 0, V = 0, H = 0;   // rows, vocabulary, hidden size (hidden only)
+  std::vector<char> logits;      // [n, V] of dtype (logits problems)
+  std::vector<char> hidden;      // [n, H] of dtype (hidden problems)
+  std::vector<char> lm_head;     // [V, H] of dtype (hidden problems)
+  std::vector<int64_t> targets;  // [n], -1 = ignored
   int gather_k = 0;
   std::vector<int64_t> gather_ids;  // [n, gather_k]
   v1::ScoreOptions options;
@@ -161,7 +162,8 @@ std::vector<double> RowAfterTemperature(const Problem& p, int64_t i) {
   for (int64_t v = 0; v < p.V; ++v) {
     if (p.is_hidden()) {
       double dot = 0;
-      for (int64_t h = 0; h < p.H; ++h) dot += ValueAt(p.dtype, p.hidden, i * p.H + h) * ValueAt(p.dtype, p.lm_head, v * p.H + h);
+      for (int64_t h = 0; h < p.H; ++h)
+        dot += ValueAt(p.dtype, p.hidden, i * p.H + h) * ValueAt(p.dtype, p.lm_head, v * p.H + h);
       x[v] = dot / t;
     } else {
       x[v] = static_cast<float>(static_cast<float>(ValueAt(p.dtype, p.logits, i * p.V + v)) / t);
@@ -327,13 +329,14 @@ void ExpectMatchesReference(const Problem& p, const Scored& s, const std::string
         check(id >= 0 && id < p.V && Close(ref.logp[id], ref.topk_lp[k]),
               at + ": id " + std::to_string(id) + " is not a candidate of the reference");
       } else {
-        check(id == ref.topk_id[k], at + ": expected id " + std::to_string(ref.topk_id[k]) + " got " + std::to_string(id));
+        check(id == ref.topk_id[k],
+              at + ": expected id " + std::to_string(ref.topk_id[k]) + " got " + std::to_string(id));
       }
     }
     for (int k = 0; k < G; ++k)
       check(Close(ref.gathered[k], s.gathered[i * G + k]), row + " gathered " + std::to_string(k) + ": expected " +
-                                                              std::to_string(ref.gathered[k]) + " got " +
-                                                              std::to_string(s.gathered[i * G + k]));
+                                                               std::to_string(ref.gathered[k]) + " got " +
+                                                               std::to_string(s.gathered[i * G + k]));
   }
 }
 
@@ -485,7 +488,7 @@ TEST_P(ScorerLayouts, EveryRankCountMatchesFloat64AndOneRank) {
   // 300 rows: vocab-parallel and hidden-states run several collective
   // rounds (128 rows; 16 hidden rows per rank); V not divisible by 2 or 3.
   const Problem p = c.layout == internal::v1::HIDDEN_STATES ? HiddenProblem(150, 301, 64, c.filters, 11)
-                                                              : LogitsProblem(c.dtype, 300, 1001, c.filters, 7);
+                                                            : LogitsProblem(c.dtype, 300, 1001, c.filters, 7);
   const std::string name = std::string(LayoutName(c.layout)) + (c.filters ? " with filters" : "");
   const Scored one = Score(p, c.layout, 1);
   ExpectMatchesReference(p, one, name + ", W=1");
@@ -496,20 +499,19 @@ TEST_P(ScorerLayouts, EveryRankCountMatchesFloat64AndOneRank) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllLayouts, ScorerLayouts,
-    ::testing::Values(LayoutCase{internal::v1::TOKEN_PARALLEL, v1::F32, false},
-                      LayoutCase{internal::v1::TOKEN_PARALLEL, v1::BF16, true},
-                      LayoutCase{internal::v1::VOCAB_PARALLEL, v1::F32, false},
-                      LayoutCase{internal::v1::VOCAB_PARALLEL, v1::BF16, false},
-                      LayoutCase{internal::v1::VOCAB_PARALLEL, v1::F32, true},
-                      LayoutCase{internal::v1::VOCAB_PARALLEL, v1::BF16, true},
-                      LayoutCase{internal::v1::HIDDEN_STATES, v1::BF16, false},
-                      LayoutCase{internal::v1::HIDDEN_STATES, v1::BF16, true}),
-    [](const ::testing::TestParamInfo<LayoutCase>& info) {
-      return std::string(LayoutName(info.param.layout)) + "_" + DTypeName(info.param.dtype) +
-             (info.param.filters ? "_filters" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(AllLayouts, ScorerLayouts,
+                         ::testing::Values(LayoutCase{internal::v1::TOKEN_PARALLEL, v1::F32, false},
+                                           LayoutCase{internal::v1::TOKEN_PARALLEL, v1::BF16, true},
+                                           LayoutCase{internal::v1::VOCAB_PARALLEL, v1::F32, false},
+                                           LayoutCase{internal::v1::VOCAB_PARALLEL, v1::BF16, false},
+                                           LayoutCase{internal::v1::VOCAB_PARALLEL, v1::F32, true},
+                                           LayoutCase{internal::v1::VOCAB_PARALLEL, v1::BF16, true},
+                                           LayoutCase{internal::v1::HIDDEN_STATES, v1::BF16, false},
+                                           LayoutCase{internal::v1::HIDDEN_STATES, v1::BF16, true}),
+                         [](const ::testing::TestParamInfo<LayoutCase>& info) {
+                           return std::string(LayoutName(info.param.layout)) + "_" + DTypeName(info.param.dtype) +
+                                  (info.param.filters ? "_filters" : "");
+                         });
 
 TEST(Scorer, VocabParallelResultsAreBitwiseTheSameWhoeverFinalisesTheRow) {
   // The partials of a row are combined in rank order whichever rank owns
@@ -522,7 +524,8 @@ TEST(Scorer, VocabParallelResultsAreBitwiseTheSameWhoeverFinalisesTheRow) {
   for (int64_t i = 0; i < p.n; ++i) {
     std::memcpy(q.logits.data() + i * row, p.logits.data() + (p.n - 1 - i) * row, row);
     q.targets[i] = p.targets[p.n - 1 - i];
-    for (int k = 0; k < p.gather_k; ++k) q.gather_ids[i * p.gather_k + k] = p.gather_ids[(p.n - 1 - i) * p.gather_k + k];
+    for (int k = 0; k < p.gather_k; ++k)
+      q.gather_ids[i * p.gather_k + k] = p.gather_ids[(p.n - 1 - i) * p.gather_k + k];
   }
   const Scored b = Score(q, internal::v1::VOCAB_PARALLEL, 2);
   for (int64_t i = 0; i < p.n; ++i) {
@@ -545,7 +548,6 @@ TEST(Scorer, OneRankAskingToStopStopsEveryRankAfterTheSameRound) {
     for (const auto& r : results) EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
   }
 }
-
 
 TEST(Scorer, TopPBoundaryInsideAGroupOfEqualBf16LogitsKeepsTheWholeGroup) {
   // One bf16 row of V = 16: a top logit 2.0, six equal logits 1.0 (ids

@@ -73,8 +73,9 @@ class Batching : public ::testing::Test {
   /// (the longest allowed) and /metrics on metrics_port_, plus `extra`
   /// flags.
   std::unique_ptr<ServerProcess> StartServer(const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> flags = {"--max-queue-delay", "10s", "--lm-head", work_->lm_head, "--metrics-listen",
-                                      "127.0.0.1:" + std::to_string(metrics_port_)};
+    std::vector<std::string> flags = {"--max-queue-delay", "10s",
+                                      "--lm-head",         work_->lm_head,
+                                      "--metrics-listen",  "127.0.0.1:" + std::to_string(metrics_port_)};
     flags.insert(flags.end(), extra.begin(), extra.end());
     return ServerProcess::Start(kWorkers, flags);
   }
@@ -129,7 +130,8 @@ TEST_F(Batching, QueuedRequestsShareBatchesAndMatchScoringAlone) {
   for (const std::string& name : LogitsGoldenNames()) goldens.push_back(LoadGolden(name));
   std::vector<Case> cases;
   for (const GoldenCase& g : goldens)
-    for (int copy = 0; copy < 3; ++copy) cases.push_back({g.name + " copy " + std::to_string(copy), GoldenRequest(g), &g});
+    for (int copy = 0; copy < 3; ++copy)
+      cases.push_back({g.name + " copy " + std::to_string(copy), GoldenRequest(g), &g});
   uint32_t seed = 1;
   for (int64_t T : {3, 17, 64, 130}) {
     v1::ScoreRequest r = RandomPackedRequest("logits", T, 5000, 5000, seed++);
@@ -234,7 +236,8 @@ TEST_F(Batching, TokenBudgetSeparatesAndExpiredRequestsLeaveTheQueue) {
   // timer cancel the call a moment before its clock reached the deadline
   // (CANCELLED): either way one request, which never reached a batch.
   const auto count = [&](const char* code) {
-    return std::max(0.0, MetricSample(m, std::string(R"(logprob_requests_total{code=")") + code + R"(",method="Score"})"));
+    return std::max(0.0,
+                    MetricSample(m, std::string(R"(logprob_requests_total{code=")") + code + R"(",method="Score"})"));
   };
   EXPECT_EQ(count("DEADLINE_EXCEEDED") + count("CANCELLED"), 1);
   EXPECT_EQ(MetricSample(m, "logprob_batch_requests_count"), 4) << "the slow request and three full ones: four batches";

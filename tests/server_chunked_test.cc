@@ -14,9 +14,9 @@
 #include <random>
 
 #include "client/chunked_call.h"
-#include "common/grpc_status.h"
 #include "common/chunk_codec.h"
 #include "common/dtype.h"
+#include "common/grpc_status.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "grpcpp/support/sync_stream.h"
 #include "tests/test_support.h"
@@ -172,8 +172,8 @@ TEST_F(ScoreChunked, BadPieceStreamsGetClearErrorsAndTheServerKeepsServing) {
          call.SendPiece(0, n, all.substr(0, 4));
        },
        grpc::StatusCode::INVALID_ARGUMENT,
-       "piece for inputs[0] \"logits\" at offset " + std::to_string(n) + " with 4 bytes ends past the tensor's announced " +
-           std::to_string(n) + " bytes"},
+       "piece for inputs[0] \"logits\" at offset " + std::to_string(n) +
+           " with 4 bytes ends past the tensor's announced " + std::to_string(n) + " bytes"},
       {"unknown tensor", [&](RawCall& call) { call.SendPiece(9, 0, all.substr(0, 16)); },
        grpc::StatusCode::INVALID_ARGUMENT, "piece at offset 0 names tensor 9 but inputs has"},
   };
@@ -269,8 +269,8 @@ TEST_F(ScoreChunked, A300MBRequestScoresThroughTheCliWithDefaultLimits) {
   const std::string out = in + ".out.safetensors";
   ASSERT_TRUE(WriteSafetensors(in, {logits, ids, cu}).ok());
   logits.Clear();
-  const CommandResult r =
-      RunCommand(BinDir() + "/logprob-client score --server " + server_->address() + " --input " + in + " --output " + out);
+  const CommandResult r = RunCommand(BinDir() + "/logprob-client score --server " + server_->address() + " --input " +
+                                     in + " --output " + out);
   std::remove(in.c_str());
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(r.output.find(" requests"), std::string::npos) << r.output;  // one request, not split

@@ -75,11 +75,14 @@ class Cluster : public ::testing::Test {
   ServingStatus WaitForStatus(ServingStatus want) const {
     auto channel = client::MakeChannel(server_->address());
     ServingStatus last = ServingStatus::kUnknown;
-    WaitUntil("health " + client::ServingStatusName(want), [&] {
-      auto st = client::CheckHealth(channel, std::chrono::system_clock::now() + std::chrono::seconds(2));
-      if (st.ok()) last = *st;
-      return last == want;
-    }, kBound);
+    WaitUntil(
+        "health " + client::ServingStatusName(want),
+        [&] {
+          auto st = client::CheckHealth(channel, std::chrono::system_clock::now() + std::chrono::seconds(2));
+          if (st.ok()) last = *st;
+          return last == want;
+        },
+        kBound);
     return last;
   }
   /// Health right now (one call).
@@ -185,11 +188,14 @@ TEST_F(Cluster, ASpareWorkerWaitsAndTakesTheNextGeneration) {
   a->Kill();
   const GoldenCase golden = LoadGolden("basic_f32");
   grpc::Status st;
-  EXPECT_TRUE(WaitUntil("a request to succeed on the next generation", [&] {
-    st = Score(GoldenRequest(golden));
-    if (!st.ok()) EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
-    return st.ok();
-  }, kBound));
+  EXPECT_TRUE(WaitUntil(
+      "a request to succeed on the next generation",
+      [&] {
+        st = Score(GoldenRequest(golden));
+        if (!st.ok()) EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+        return st.ok();
+      },
+      kBound));
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(Health(), ServingStatus::kServing);
   ExpectGoldenCasesPass();
@@ -198,17 +204,16 @@ TEST_F(Cluster, ASpareWorkerWaitsAndTakesTheNextGeneration) {
 }
 
 TEST(ClusterFlags, BadCombinationsAreClearErrors) {
-  const std::string server = "timeout 30 " + BinDir() + "/logprob-server --listen 127.0.0.1:" +
-                             std::to_string(FreePort()) + " ";
-  auto r = RunCommand(server + "--external-workers 2 --workers 2 --control-listen 127.0.0.1:" +
-                      std::to_string(FreePort()));
+  const std::string server =
+      "timeout 30 " + BinDir() + "/logprob-server --listen 127.0.0.1:" + std::to_string(FreePort()) + " ";
+  auto r =
+      RunCommand(server + "--external-workers 2 --workers 2 --control-listen 127.0.0.1:" + std::to_string(FreePort()));
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_NE(r.output.find("--workers and --external-workers are mutually exclusive"), std::string::npos) << r.output;
 
   r = RunCommand(server + "--external-workers 2");
   EXPECT_EQ(r.code, 1) << r.output;
-  EXPECT_NE(r.output.find("--external-workers needs --control-listen HOST:PORT with a fixed port"),
-            std::string::npos)
+  EXPECT_NE(r.output.find("--external-workers needs --control-listen HOST:PORT with a fixed port"), std::string::npos)
       << r.output;
 
   r = RunCommand(server + "--external-workers -1");

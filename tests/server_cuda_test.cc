@@ -71,7 +71,8 @@ TEST(CudaFlags, NcclWithoutCudaAndUnknownBackendAreRefused) {
 
 TEST(CudaFlags, WithoutAGpuTheServerExitsWithTheWorkersReason) {
   if (Gpus() > 0) GTEST_SKIP() << "a CUDA device is present";
-  const auto r = RunCommand(BinDir() + "/logprob-server --listen 127.0.0.1:0 --worker-join-timeout 5 --backend cuda 2>&1");
+  const auto r =
+      RunCommand(BinDir() + "/logprob-server --listen 127.0.0.1:0 --worker-join-timeout 5 --backend cuda 2>&1");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("CUDA device"), std::string::npos) << r.output;
 }

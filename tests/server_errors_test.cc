@@ -45,7 +45,8 @@ TEST_F(ServerErrors, TargetOutsideVocabNamesSequenceAndPosition) {
     std::memcpy(Input(r, "input_ids")->mutable_data()->data() + (2 * 64 + 7) * 8, &bad, 8);
   });
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(st.error_message().find("target 5000 of sequence 2 at position 7"), std::string::npos) << st.error_message();
+  EXPECT_NE(st.error_message().find("target 5000 of sequence 2 at position 7"), std::string::npos)
+      << st.error_message();
 }
 
 TEST_F(ServerErrors, NegativeTargetOtherThanIgnoreIndex) {
@@ -64,7 +65,8 @@ TEST_F(ServerErrors, ShapeMismatch) {
     ids->mutable_data()->resize(4 * 32 * 8);
   });
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(st.error_message().find("\"input_ids\": shape [4, 32] does not match"), std::string::npos) << st.error_message();
+  EXPECT_NE(st.error_message().find("\"input_ids\": shape [4, 32] does not match"), std::string::npos)
+      << st.error_message();
 }
 
 TEST_F(ServerErrors, DataSizeNotMatchingShape) {
@@ -79,7 +81,8 @@ TEST_F(ServerErrors, WrongDtype) {
     l->set_dtype(v1::I32);
   });
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(st.error_message().find("\"logits\": dtype I32 is not F32, BF16 or F16"), std::string::npos) << st.error_message();
+  EXPECT_NE(st.error_message().find("\"logits\": dtype I32 is not F32, BF16 or F16"), std::string::npos)
+      << st.error_message();
 }
 
 TEST_F(ServerErrors, UnknownTensor) {

@@ -155,7 +155,8 @@ TEST(HiddenCheckpoint, ShardedIndexOverTwoFiles) {
   // The first shard holds a zero embedding: scoring with it would fail the golden case.
   ASSERT_TRUE(WriteSafetensors(dir + "/model-00001-of-00002.safetensors",
                                {Zeros("model.embed_tokens.weight", v1::BF16, {8192, 256}),
-                                Zeros("model.norm.weight", v1::BF16, {256})}).ok());
+                                Zeros("model.norm.weight", v1::BF16, {256})})
+                  .ok());
   ASSERT_TRUE(WriteSafetensors(dir + "/model-00002-of-00002.safetensors", {w}).ok());
   std::ofstream(dir + "/model.safetensors.index.json")
       << R"({"metadata": {"total_size": 0}, "weight_map": {)"
@@ -176,9 +177,9 @@ TEST(HiddenCheckpoint, ShardedIndexOverTwoFiles) {
 
 TEST(HiddenCheckpoint, TiedEmbeddingsFallBackToTheInputEmbedding) {
   const std::string dir = TempDir("tied");
-  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors",
-                               {Zeros("model.norm.weight", v1::BF16, {256}),
-                                Renamed(GoldenWeight(), "model.embed_tokens.weight")}).ok());
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", {Zeros("model.norm.weight", v1::BF16, {256}),
+                                                            Renamed(GoldenWeight(), "model.embed_tokens.weight")})
+                  .ok());
   auto server = ServerProcess::Start(1, {"--lm-head", dir + "/model.safetensors"});
   ASSERT_TRUE(server);
   auto stub = server->NewStub();

@@ -33,7 +33,8 @@ class Lifecycle : public ::testing::Test {
   static void TearDownTestSuite() { delete work_; }
   /// A server with the workload's lm_head and /metrics on metrics_port_.
   std::unique_ptr<ServerProcess> Start(int workers, std::vector<std::string> extra = {}) {
-    extra.insert(extra.end(), {"--lm-head", work_->lm_head, "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port_)});
+    extra.insert(extra.end(),
+                 {"--lm-head", work_->lm_head, "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port_)});
     return ServerProcess::Start(workers, extra);
   }
   /// Waits until a batch (the slow request) runs on the worker pool.
@@ -140,8 +141,8 @@ TEST_F(Lifecycle, SigtermDrainsTheRequestsInFlight) {
   // Draining: the server refuses new calls (a fresh connection's health
   // check fails with UNAVAILABLE, not just NOT_SERVING).
   ASSERT_TRUE(WaitUntil("the draining server to refuse new calls", [&] {
-    const auto st = client::CheckHealth(client::MakeChannel(address),
-                                        std::chrono::system_clock::now() + std::chrono::seconds(5));
+    const auto st =
+        client::CheckHealth(client::MakeChannel(address), std::chrono::system_clock::now() + std::chrono::seconds(5));
     return st.status().code() == absl::StatusCode::kUnavailable;
   }));
   // No new requests once draining.
@@ -163,9 +164,8 @@ TEST_F(Lifecycle, OverloadGetsExactlyOneAnswerPerRequest) {
   auto stub = ConnectedStub(*server);
   std::vector<std::future<grpc::Status>> answers;
   for (int i = 0; i < kClients; ++i)
-    answers.push_back(std::async(std::launch::async, [&, i] {
-      return Score(*stub, RandomHiddenRequest(1024, kH, kV, 100 + i));
-    }));
+    answers.push_back(
+        std::async(std::launch::async, [&, i] { return Score(*stub, RandomHiddenRequest(1024, kH, kV, 100 + i)); }));
   int ok = 0, exhausted = 0;
   for (auto& a : answers) {
     const grpc::Status st = a.get();

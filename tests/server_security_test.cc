@@ -41,9 +41,9 @@ grpc::Status ScoreGolden(const std::shared_ptr<grpc::Channel>& channel, const st
   v1::ScoreResponse resp;
   const grpc::Status st = stub->Score(&ctx, GoldenRequest(golden), &resp);
   if (st.ok()) {
-    EXPECT_EQ(CompareOutputs(golden.expected.tensors,
-                             std::vector<v1::Tensor>(resp.outputs().begin(), resp.outputs().end())),
-              "");
+    EXPECT_EQ(
+        CompareOutputs(golden.expected.tensors, std::vector<v1::Tensor>(resp.outputs().begin(), resp.outputs().end())),
+        "");
   }
   return st;
 }
@@ -59,17 +59,18 @@ class ServerSecurity : public ::testing::Test {
     const std::vector<std::string> steps = {
         // The CA, and an unrelated one.
         "openssl req -x509" + ec + " -keyout " + d + "ca.key -out " + d + "ca.pem -days 2 -subj /CN=logprob-test-ca",
-        "openssl req -x509" + ec + " -keyout " + d + "other_ca.key -out " + d + "other_ca.pem -days 2 -subj /CN=other-ca",
+        "openssl req -x509" + ec + " -keyout " + d + "other_ca.key -out " + d +
+            "other_ca.pem -days 2 -subj /CN=other-ca",
         // The server's certificate, signed by the CA.
         "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth\\n' > " + d + "server.ext",
         "openssl req" + ec + " -keyout " + d + "server.key -out " + d + "server.csr -subj /CN=localhost",
-        "openssl x509 -req -in " + d + "server.csr -CA " + d + "ca.pem -CAkey " + d + "ca.key -set_serial 2 -days 2 -extfile " +
-            d + "server.ext -out " + d + "server.pem",
+        "openssl x509 -req -in " + d + "server.csr -CA " + d + "ca.pem -CAkey " + d +
+            "ca.key -set_serial 2 -days 2 -extfile " + d + "server.ext -out " + d + "server.pem",
         // A client certificate from the CA, and one from the unrelated CA.
         "printf 'extendedKeyUsage=clientAuth\\n' > " + d + "client.ext",
         "openssl req" + ec + " -keyout " + d + "client.key -out " + d + "client.csr -subj /CN=client",
-        "openssl x509 -req -in " + d + "client.csr -CA " + d + "ca.pem -CAkey " + d + "ca.key -set_serial 3 -days 2 -extfile " +
-            d + "client.ext -out " + d + "client.pem",
+        "openssl x509 -req -in " + d + "client.csr -CA " + d + "ca.pem -CAkey " + d +
+            "ca.key -set_serial 3 -days 2 -extfile " + d + "client.ext -out " + d + "client.pem",
         "openssl req" + ec + " -keyout " + d + "other_client.key -out " + d + "other_client.csr -subj /CN=client",
         "openssl x509 -req -in " + d + "other_client.csr -CA " + d + "other_ca.pem -CAkey " + d +
             "other_ca.key -set_serial 4 -days 2 -extfile " + d + "client.ext -out " + d + "other_client.pem",
@@ -148,7 +149,8 @@ TEST_F(ServerSecurity, MutualTlsRequiresAClientCertificateFromItsCa) {
   EXPECT_NE(ScoreGolden(Channel(addr, unrelated)).error_code(), grpc::StatusCode::OK) << "client cert of another CA";
   EXPECT_NE(ScoreGolden(client::MakeChannel(addr)).error_code(), grpc::StatusCode::OK) << "plaintext client";
   // Health is behind mutual TLS too (it is the same port).
-  EXPECT_FALSE(client::CheckHealth(Channel(addr, Tls()), std::chrono::system_clock::now() + std::chrono::seconds(3)).ok());
+  EXPECT_FALSE(
+      client::CheckHealth(Channel(addr, Tls()), std::chrono::system_clock::now() + std::chrono::seconds(3)).ok());
   EXPECT_TRUE(ScoreGolden(Channel(addr, Mtls())).ok()) << "still serving";
 }
 
@@ -238,7 +240,8 @@ TEST_F(ServerSecurity, CliScoresOverTlsWithAToken) {
   const std::string client = BinDir() + "/logprob-client ";
   const std::string out = File("basic_f32.out.safetensors");
   const std::string score = client + "score --server " + server->address() + " --input " + GoldenDir() +
-                            "/basic_f32.safetensors --output " + out + CliOptionFlags(golden) + " --tls-ca " + File("ca.pem");
+                            "/basic_f32.safetensors --output " + out + CliOptionFlags(golden) + " --tls-ca " +
+                            File("ca.pem");
 
   const CommandResult ok = RunCommand(score + " --auth-token-file " + File("token"));
   ASSERT_EQ(ok.code, 0) << ok.output;
@@ -255,8 +258,9 @@ TEST_F(ServerSecurity, CliScoresOverTlsWithAToken) {
   EXPECT_EQ(no_token.output.find(kToken), std::string::npos) << no_token.output;
   EXPECT_FALSE(std::filesystem::exists(out));
 
-  const CommandResult plaintext = RunCommand(client + "score --server " + server->address() + " --input " + GoldenDir() +
-                                             "/basic_f32.safetensors --output " + out + " --auth-token-file " + File("token"));
+  const CommandResult plaintext =
+      RunCommand(client + "score --server " + server->address() + " --input " + GoldenDir() +
+                 "/basic_f32.safetensors --output " + out + " --auth-token-file " + File("token"));
   EXPECT_EQ(plaintext.code, 1) << plaintext.output;
 
   const CommandResult health =
@@ -268,8 +272,8 @@ TEST_F(ServerSecurity, CliScoresOverTlsWithAToken) {
 }
 
 TEST_F(ServerSecurity, BadSecurityFlagsStopTheServer) {
-  const std::string server = BinDir() + "/logprob-server --listen 127.0.0.1:" + std::to_string(FreePort()) +
-                             " --workers 1 --backend cpu ";
+  const std::string server =
+      BinDir() + "/logprob-server --listen 127.0.0.1:" + std::to_string(FreePort()) + " --workers 1 --backend cpu ";
   std::ofstream(File("empty_token")).flush();
   struct Case {
     std::string flags;

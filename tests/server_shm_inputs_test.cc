@@ -50,7 +50,8 @@ std::string OutputBytes(const v1::ScoreResponse& r) {
 /// by the destructor.
 class TestRegion {
  public:
-  explicit TestRegion(size_t size) : name_("/logprob-test-" + std::to_string(getpid()) + "-" + std::to_string(next_++)), size_(size) {
+  explicit TestRegion(size_t size)
+      : name_("/logprob-test-" + std::to_string(getpid()) + "-" + std::to_string(next_++)), size_(size) {
     const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     EXPECT_GE(fd, 0) << name_ << ": " << std::strerror(errno);
     EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
@@ -155,7 +156,8 @@ void WaitForMetric(int port, const std::string& series, double want) {
 /// SPEC tolerance of the bf16 references, and the F32 GEMM runs on CPUs
 /// without oneDNN bf16 support (AVX2-only machines).
 std::string F32LmHead(const std::string& bf16_path, const std::string& tag) {
-  const std::string path = ::testing::TempDir() + "/" + tag + "_f32_lm_head." + std::to_string(getpid()) + ".safetensors";
+  const std::string path =
+      ::testing::TempDir() + "/" + tag + "_f32_lm_head." + std::to_string(getpid()) + ".safetensors";
   auto file = ReadSafetensors(bf16_path);
   EXPECT_TRUE(file.ok()) << file.status();
   if (!file.ok()) return path;
@@ -341,7 +343,8 @@ TEST_F(SharedMemoryInputs, BadReferencesNameTheTensor) {
        grpc::StatusCode::INVALID_ARGUMENT, "outside region"},
       {"negative offset", "logits", [](v1::Tensor& t) { t.mutable_shared_memory()->set_offset(-4); },
        grpc::StatusCode::INVALID_ARGUMENT, "outside region"},
-      {"misaligned", "logits", [](v1::Tensor& t) { t.mutable_shared_memory()->set_offset(t.shared_memory().offset() + 2); },
+      {"misaligned", "logits",
+       [](v1::Tensor& t) { t.mutable_shared_memory()->set_offset(t.shared_memory().offset() + 2); },
        grpc::StatusCode::INVALID_ARGUMENT, "not a multiple of F32's 4 bytes"},
       {"wrong size", "input_ids",
        [](v1::Tensor& t) { t.mutable_shared_memory()->set_byte_size(t.shared_memory().byte_size() - 8); },
@@ -576,17 +579,17 @@ TEST_F(SharedMemoryInputs, CliScoreAndBenchSendThroughARegion) {
   const GoldenCase g = LoadGolden("sampling_f32");
   const std::string out = ::testing::TempDir() + "/shm_cli_out." + std::to_string(getpid()) + ".safetensors";
   const std::string client = BinDir() + "/logprob-client";
-  const CommandResult score = RunCommand(client + " score --server " + server->address() + " --input " + GoldenDir() +
-                                         "/sampling_f32.safetensors --output " + out + " --shared-memory" +
-                                         CliOptionFlags(g) + " 2>&1");
+  const CommandResult score =
+      RunCommand(client + " score --server " + server->address() + " --input " + GoldenDir() +
+                 "/sampling_f32.safetensors --output " + out + " --shared-memory" + CliOptionFlags(g) + " 2>&1");
   ASSERT_EQ(score.code, 0) << score.output;
   auto got = ReadSafetensors(out);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(CompareOutputs(g.expected.tensors, got->tensors), "");
   std::filesystem::remove(out);
-  const CommandResult bench =
-      RunCommand(client + " bench --server " + server->address() +
-                 " --shared-memory --batch 2 --seq 64 --vocab 1000 --requests 5 --warmup 0 --no-echo --progress 0 2>&1");
+  const CommandResult bench = RunCommand(
+      client + " bench --server " + server->address() +
+      " --shared-memory --batch 2 --seq 64 --vocab 1000 --requests 5 --warmup 0 --no-echo --progress 0 2>&1");
   ASSERT_EQ(bench.code, 0) << bench.output;
   // Each command registered one region, and removed it when it exited.
   const CommandResult m = ScrapeMetrics(metrics_port_);

@@ -212,8 +212,8 @@ double MetricSample(const std::string& scrape, const std::string& series) {
   for (;;) {
     if (condition()) return ::testing::AssertionSuccess();
     if (std::chrono::steady_clock::now() >= end)
-      return ::testing::AssertionFailure() << "timed out after " << timeout.count() / 1000.0 << " s waiting for "
-                                           << what;
+      return ::testing::AssertionFailure()
+             << "timed out after " << timeout.count() / 1000.0 << " s waiting for " << what;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // poll interval, not a synchronisation
   }
 }
@@ -253,7 +253,10 @@ GoldenCase LoadGolden(const std::string& name) {
   c.inputs = *in;
   c.expected = *ex;
   const auto& m = c.inputs.metadata;
-  auto get = [&](const char* k) -> std::string { auto it = m.find(k); return it == m.end() ? "" : it->second; };
+  auto get = [&](const char* k) -> std::string {
+    auto it = m.find(k);
+    return it == m.end() ? "" : it->second;
+  };
   if (get("alignment") == "same_position") c.options.set_alignment(v1::SAME_POSITION);
   if (!get("temperature").empty()) c.options.set_temperature(std::stof(get("temperature")));
   if (!get("sampling_top_k").empty()) c.options.set_sampling_top_k(std::stoi(get("sampling_top_k")));
@@ -309,7 +312,8 @@ std::string CompareOutputs(const std::vector<v1::Tensor>& expected, const std::v
       err << "missing output " << e.name() << "\n";
       continue;
     }
-    if (std::vector<int64_t>(e.shape().begin(), e.shape().end()) != std::vector<int64_t>(g->shape().begin(), g->shape().end()) ||
+    if (std::vector<int64_t>(e.shape().begin(), e.shape().end()) !=
+            std::vector<int64_t>(g->shape().begin(), g->shape().end()) ||
         e.dtype() != g->dtype()) {
       err << e.name() << ": shape or dtype differs\n";
       continue;

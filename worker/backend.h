@@ -71,8 +71,8 @@ class ScoringBackend {
 
   /// Records of rows.count rows of the logits slice `block`, without
   /// filters. `records` holds rows.count * PartialWords(spec) words.
-  virtual absl::Status SlicePartials(const LogitsBlock& block, const BlockRows& rows,
-                                     const kernels::StatsSpec& spec, uint32_t* records) = 0;
+  virtual absl::Status SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
+                                     uint32_t* records) = 0;
 
   /// Records of rows.count full rows (block.vocab_begin == 0, block.len ==
   /// V) with sampling filters: x = logits / spec.temperature, the filter's
@@ -99,8 +99,7 @@ class ScoringBackend {
   /// logits exist only inside the backend, a chunk at a time.
   /// FAILED_PRECONDITION without an lm_head.
   virtual absl::Status HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin,
-                                      const BlockRows& rows, const kernels::StatsSpec& spec,
-                                      uint32_t* records) = 0;
+                                      const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) = 0;
 
   /// logits[M, lm_head_rows()] (f32, host memory) = hidden[M, H] @ slice^T,
   /// for the filtered hidden-states path, which exchanges full rows.

@@ -20,9 +20,8 @@ absl::StatusOr<std::unique_ptr<ScoringBackend>> MakeBackend(const BackendConfig&
     std::unique_ptr<kernels::LmHeadGemm> gemm;
     if (config.lm_head) {
       LmHeadSlice& s = *config.lm_head;
-      LOGPROB_ASSIGN_OR_RETURN(gemm,
-                               kernels::LmHeadGemm::Create(s.dtype, std::move(s.weight), s.rows, s.hidden_size,
-                                                           config.threads));
+      LOGPROB_ASSIGN_OR_RETURN(
+          gemm, kernels::LmHeadGemm::Create(s.dtype, std::move(s.weight), s.rows, s.hidden_size, config.threads));
     }
     return std::unique_ptr<ScoringBackend>(new CpuBackend(std::move(gemm)));
   }
@@ -51,8 +50,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(const std::string
   if (size > devices)
     return absl::FailedPreconditionError(absl::StrCat("--comm nccl needs one GPU per worker: ", size, " workers, ",
                                                       devices, " GPU(s); use --comm gloo to share GPUs"));
-  LOGPROB_ASSIGN_OR_RETURN(
-      auto c, cuda::NcclCommunicator::Create(store, rank, size, cuda_backend->device(), cuda_backend->stream(), timeout));
+  LOGPROB_ASSIGN_OR_RETURN(auto c, cuda::NcclCommunicator::Create(store, rank, size, cuda_backend->device(),
+                                                                  cuda_backend->stream(), timeout));
   return std::unique_ptr<Communicator>(std::move(c));
 #else
   return absl::InternalError("unreachable: CheckBackendChoice accepted nccl in a build without CUDA");

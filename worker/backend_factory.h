@@ -17,8 +17,8 @@ namespace logprob {
 struct BackendConfig {
   std::string backend = "cpu";  // cpu | cuda
   int rank = 0;
-  int device = -1;      // cuda: CUDA device; -1: rank % device count (several workers may share one GPU)
-  int threads = 0;      // cpu: GEMM threads (0: library default)
+  int device = -1;                 // cuda: CUDA device; -1: rank % device count (several workers may share one GPU)
+  int threads = 0;                 // cpu: GEMM threads (0: library default)
   LmHeadSlice* lm_head = nullptr;  // this rank's lm_head slice, or null; its weight is moved from
 };
 

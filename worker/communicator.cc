@@ -9,8 +9,8 @@ absl::Status SelfCommunicator::AllGather(const void* in, size_t bytes, void* out
   return absl::OkStatus();
 }
 
-absl::Status SelfCommunicator::AllToAllV(const void* in, const std::vector<int64_t>& send_bytes,
-                                         void* out, const std::vector<int64_t>& recv_bytes) {
+absl::Status SelfCommunicator::AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                                         const std::vector<int64_t>& recv_bytes) {
   if (send_bytes.size() != 1 || recv_bytes.size() != 1 || send_bytes[0] != recv_bytes[0])
     return absl::InvalidArgumentError("AllToAllV on a group of one needs equal sizes");
   if (send_bytes[0]) std::memcpy(out, in, static_cast<size_t>(send_bytes[0]));

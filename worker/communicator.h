@@ -26,8 +26,8 @@ class Communicator {
   /// All-to-all with per-peer sizes: rank r sends send_bytes[q] bytes
   /// (consecutive in `in`, in rank order) to q and receives recv_bytes[q]
   /// bytes from q into `out` (consecutive, in rank order).
-  virtual absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes,
-                                 void* out, const std::vector<int64_t>& recv_bytes) = 0;
+  virtual absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                                 const std::vector<int64_t>& recv_bytes) = 0;
 };
 
 /// A group of one (token-parallel work, tests): collectives are copies.
@@ -36,8 +36,8 @@ class SelfCommunicator final : public Communicator {
   int rank() const override { return 0; }
   int size() const override { return 1; }
   absl::Status AllGather(const void* in, size_t bytes, void* out) override;
-  absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes,
-                         void* out, const std::vector<int64_t>& recv_bytes) override;
+  absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                         const std::vector<int64_t>& recv_bytes) override;
 };
 
 }  // namespace logprob

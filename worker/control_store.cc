@@ -20,8 +20,7 @@ void ControlStore::set(const std::string& key, const std::vector<char>& data) {
   if (!st.ok()) throw gloo::IoException("store set " + key + ": " + st.error_message());
 }
 
-std::vector<std::string> ControlStore::Get(const std::vector<std::string>& keys,
-                                           std::chrono::milliseconds timeout) {
+std::vector<std::string> ControlStore::Get(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   internal::v1::StoreGetRequest req;
   for (const auto& k : keys) req.add_keys(prefix_ + k);
   req.set_timeout_ms(timeout.count());

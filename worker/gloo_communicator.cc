@@ -10,9 +10,10 @@
 
 namespace logprob {
 
-absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
-    gloo::rendezvous::Store& store, const std::string& hostname, int rank, int size,
-    std::chrono::milliseconds timeout) {
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(gloo::rendezvous::Store& store,
+                                                                           const std::string& hostname, int rank,
+                                                                           int size,
+                                                                           std::chrono::milliseconds timeout) {
   try {
     gloo::transport::tcp::attr attr;
     attr.hostname = hostname;
@@ -42,8 +43,8 @@ absl::Status GlooCommunicator::AllGather(const void* in, size_t bytes, void* out
   }
 }
 
-absl::Status GlooCommunicator::AllToAllV(const void* in, const std::vector<int64_t>& send_bytes,
-                                         void* out, const std::vector<int64_t>& recv_bytes) {
+absl::Status GlooCommunicator::AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                                         const std::vector<int64_t>& recv_bytes) {
   try {
     gloo::AlltoallvOptions opts(ctx_);
     opts.setInput(const_cast<char*>(static_cast<const char*>(in)), send_bytes);

@@ -18,15 +18,15 @@ class GlooCommunicator final : public Communicator {
  public:
   /// Connects rank `rank` of `size` through `store`, listening for peers on
   /// `hostname` (an address the other workers can reach).
-  static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
-      gloo::rendezvous::Store& store, const std::string& hostname, int rank, int size,
-      std::chrono::milliseconds timeout);
+  static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(gloo::rendezvous::Store& store,
+                                                                  const std::string& hostname, int rank, int size,
+                                                                  std::chrono::milliseconds timeout);
 
   int rank() const override;
   int size() const override;
   absl::Status AllGather(const void* in, size_t bytes, void* out) override;
-  absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes,
-                         void* out, const std::vector<int64_t>& recv_bytes) override;
+  absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                         const std::vector<int64_t>& recv_bytes) override;
 
  private:
   explicit GlooCommunicator(std::shared_ptr<gloo::Context> ctx) : ctx_(std::move(ctx)) {}

@@ -29,11 +29,11 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "common/backend_choice.h"
 #include "common/flag_names.h"
 #include "common/lm_head_source.h"
 #include "common/partition.h"
-#include "absl/strings/str_cat.h"
-#include "common/backend_choice.h"
 #include "common/status_macros.h"
 #include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
@@ -53,7 +53,8 @@ ABSL_FLAG(bool, rejoin, true,
 ABSL_FLAG(bool, exit_with_parent, false,
           "exit when the parent process exits (the front-end passes it to the workers it spawns)");
 ABSL_FLAG(std::string, backend, "", "compute backend: cpu or cuda (default: as the front-end says, else cpu)");
-ABSL_FLAG(std::string, comm, "", "communicator: gloo or nccl (nccl needs cuda; default: as the front-end says, else gloo)");
+ABSL_FLAG(std::string, comm, "",
+          "communicator: gloo or nccl (nccl needs cuda; default: as the front-end says, else gloo)");
 ABSL_FLAG(int, device, -1, "CUDA device of --backend cuda; -1: rank % device count");
 ABSL_FLAG(int, collective_timeout, 60, "seconds before a collective or rendezvous fails");
 ABSL_FLAG(int, threads, -1, "compute threads (GEMM); -1: as the front-end says, 0: library default");
@@ -151,7 +152,8 @@ int main(int argc, char** argv) {
   if (frontend.empty()) return Fail("--frontend is required");
   if (!absl::GetFlag(FLAGS_backend).empty() || !absl::GetFlag(FLAGS_comm).empty()) {
     const std::string b = absl::GetFlag(FLAGS_backend).empty() ? "cpu" : absl::GetFlag(FLAGS_backend);
-    if (auto st = logprob::CheckBackendChoice(b, absl::GetFlag(FLAGS_comm).empty() ? "gloo" : absl::GetFlag(FLAGS_comm));
+    if (auto st =
+            logprob::CheckBackendChoice(b, absl::GetFlag(FLAGS_comm).empty() ? "gloo" : absl::GetFlag(FLAGS_comm));
         !st.ok())
       return Fail(std::string(st.message()));
   }
@@ -159,9 +161,10 @@ int main(int argc, char** argv) {
   if (listen_host.empty()) listen_host = advertise_host.empty() ? "127.0.0.1" : advertise_host;
   if (advertise_host.empty()) advertise_host = listen_host;
   if (advertise_host == "0.0.0.0" || advertise_host == "::" || advertise_host == "[::]")
-    return Fail("--advertise-host must be an address of this machine that the front-end and the other workers "
-                "reach (e.g. the pod IP), not the wildcard " + advertise_host +
-                " (with --listen-host " + listen_host + ", set --advertise-host)");
+    return Fail(
+        "--advertise-host must be an address of this machine that the front-end and the other workers "
+        "reach (e.g. the pod IP), not the wildcard " +
+        advertise_host + " (with --listen-host " + listen_host + ", set --advertise-host)");
   const bool rejoin = absl::GetFlag(FLAGS_rejoin);
 
   grpc::ChannelArguments args;
@@ -174,7 +177,8 @@ int main(int argc, char** argv) {
   // A front-end that restarts is found again within seconds, not gRPC's default 2 minutes.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
   auto channel = grpc::CreateCustomChannel(frontend, grpc::InsecureChannelCredentials(), args);
-  auto control = std::shared_ptr<logprob::internal::v1::Control::Stub>(logprob::internal::v1::Control::NewStub(channel));
+  auto control =
+      std::shared_ptr<logprob::internal::v1::Control::Stub>(logprob::internal::v1::Control::NewStub(channel));
 
   // Join, then wait in the stream for the rank (given once the pool has
   // all its workers). With --rejoin a refused or failed join is retried.
@@ -230,7 +234,8 @@ int main(int argc, char** argv) {
   // Configuration errors (a backend choice that disagrees with the
   // front-end's, a missing lm_head, no usable GPU): exit.
   std::string choice_error;
-  const std::string backend_name = Choose("backend", absl::GetFlag(FLAGS_backend), joined.backend(), "cpu", &choice_error);
+  const std::string backend_name =
+      Choose("backend", absl::GetFlag(FLAGS_backend), joined.backend(), "cpu", &choice_error);
   const std::string comm_name = Choose("comm", absl::GetFlag(FLAGS_comm), joined.comm(), "gloo", &choice_error);
   if (!choice_error.empty()) EndMembership(choice_error, false, 1);
   if (auto st = logprob::CheckBackendChoice(backend_name, comm_name); !st.ok())

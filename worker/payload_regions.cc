@@ -8,7 +8,7 @@ absl::StatusOr<std::string_view> PayloadRegions::Payload(const internal::v1::Wor
                                                          std::shared_ptr<SharedRegion>* hold) {
   if (item.payload_shm().empty())
     return item.layout() == internal::v1::HIDDEN_STATES ? std::string_view(item.hidden_states())
-                                                         : std::string_view(item.logits());
+                                                        : std::string_view(item.logits());
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = mapped_.begin(); it != mapped_.end(); ++it)

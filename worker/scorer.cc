@@ -126,7 +126,8 @@ struct RoundIds {
     }
   }
   BlockRows rows() const {
-    return BlockRows{static_cast<int64_t>(targets.size()), targets.data(), gather_ids.empty() ? nullptr : gather_ids.data()};
+    return BlockRows{static_cast<int64_t>(targets.size()), targets.data(),
+                     gather_ids.empty() ? nullptr : gather_ids.data()};
   }
 };
 
@@ -249,8 +250,7 @@ absl::Status ScoreLogitsSlices(Job& job, Communicator& comm, int64_t own_begin, 
 /// GEMM + partials, or (sampling filters) host logits exchanged as full
 /// rows. Memory per round: ~chunk_tokens * W rows of hidden states and of
 /// this rank's logits slice.
-absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_tokens, int64_t own_begin,
-                               ResultRows& out) {
+absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_tokens, int64_t own_begin, ResultRows& out) {
   const WorkItem& item = job.item;
   const int W = comm.size(), me = comm.rank();
   const int64_t n = item.num_rows(), H = item.hidden_size();
@@ -308,8 +308,13 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, std::string_view 
                                          const std::function<bool()>& should_stop) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto& o = item.options();
-  Job job{item, payload, SpecOf(item), HasFilters(item),
-          SamplingFilter{o.sampling_top_k(), o.has_sampling_top_p() ? o.sampling_top_p() : 1.0f}, backend, should_stop};
+  Job job{item,
+          payload,
+          SpecOf(item),
+          HasFilters(item),
+          SamplingFilter{o.sampling_top_k(), o.has_sampling_top_p() ? o.sampling_top_p() : 1.0f},
+          backend,
+          should_stop};
   const DType dtype = item.dtype();
   if (!IsFloatDType(dtype)) return absl::InvalidArgumentError("work item: dtype must be F32, BF16 or F16");
   const int64_t n = item.num_rows();
@@ -343,7 +348,8 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, std::string_view 
         return absl::InvalidArgumentError(absl::StrCat("work item: lm_head slice is [", backend.lm_head_rows(), ", ",
                                                        backend.lm_head_hidden_size(), "], item wants [", slice_len,
                                                        ", ", item.hidden_size(), "]"));
-      if (static_cast<int64_t>(payload.size()) != (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(esize))
+      if (static_cast<int64_t>(payload.size()) !=
+          (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: hidden_states size does not match this rank's rows");
       LOGPROB_RETURN_IF_ERROR(ScoreHiddenStates(job, comm, hidden_chunk_tokens, own_begin, rows));
     } else {

@@ -38,8 +38,8 @@ constexpr int64_t kDefaultHiddenChunkTokens = 128;
 /// CANCELLED when it said stop.
 /// INVALID_ARGUMENT for an inconsistent item; UNAVAILABLE when a collective
 /// fails.
-absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item,
-                                                       Communicator& comm, ScoringBackend& backend,
+absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item, Communicator& comm,
+                                                       ScoringBackend& backend,
                                                        int64_t hidden_chunk_tokens = kDefaultHiddenChunkTokens,
                                                        const std::function<bool()>& should_stop = {});
 

@@ -6,8 +6,8 @@
 
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend.h"
-#include "worker/payload_regions.h"
 #include "worker/communicator.h"
+#include "worker/payload_regions.h"
 #include "worker/scorer.h"
 
 namespace logprob {

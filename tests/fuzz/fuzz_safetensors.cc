@@ -10,6 +10,7 @@
 // around the overflow edges, mostly consistent data_offsets) and checked
 // the same way, so the checks after the JSON parse are reached often.
 #include <fcntl.h>
+#include <fuzzer/FuzzedDataProvider.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -17,8 +18,6 @@
 #include <cstdlib>
 #include <map>
 #include <string>
-
-#include <fuzzer/FuzzedDataProvider.h>
 
 #include "common/dtype.h"
 #include "common/safetensors.h"
@@ -84,8 +83,17 @@ bool WriteScratch(const uint8_t* data, size_t size) {
 std::string StructuredFile(FuzzedDataProvider& p) {
   static const char* const kNames[] = {"a", "b", "lm_head.weight", "model.embed_tokens.weight", "", "__metadata__"};
   static const char* const kDTypes[] = {"F32", "BF16", "F16", "I32", "I64", "F64", "U8", "f32", ""};
-  static const uint64_t kDims[] = {0, 1, 2, 3, uint64_t{1} << 31, uint64_t{1} << 32, uint64_t{1} << 61,
-                                   uint64_t{1} << 62, uint64_t{1} << 63, ~uint64_t{0}, (~uint64_t{0}) / 3};
+  static const uint64_t kDims[] = {0,
+                                   1,
+                                   2,
+                                   3,
+                                   uint64_t{1} << 31,
+                                   uint64_t{1} << 32,
+                                   uint64_t{1} << 61,
+                                   uint64_t{1} << 62,
+                                   uint64_t{1} << 63,
+                                   ~uint64_t{0},
+                                   (~uint64_t{0}) / 3};
   nlohmann::json h = nlohmann::json::object();
   uint64_t off = 0;
   const int tensors = p.ConsumeIntegralInRange<int>(0, 4);

@@ -38,13 +38,12 @@ using logprob::v1::ScoreRequest;
 using logprob::v1::Tensor;
 namespace iv1 = logprob::internal::v1;
 
-#define CHECK(cond)                                                                \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
-      std::fprintf(stderr, "fuzz_score_request: invariant violated: %s (line %d)\n", \
-                   #cond, __LINE__);                                               \
-      __builtin_trap();                                                            \
-    }                                                                              \
+#define CHECK(cond)                                                                                    \
+  do {                                                                                                 \
+    if (!(cond)) {                                                                                     \
+      std::fprintf(stderr, "fuzz_score_request: invariant violated: %s (line %d)\n", #cond, __LINE__); \
+      __builtin_trap();                                                                                \
+    }                                                                                                  \
   } while (0)
 
 // ---- structured requests ------------------------------------------------
@@ -60,9 +59,7 @@ int64_t Dim(FuzzedDataProvider& p, int64_t typical) {
 }
 
 // a + b, wrapping (the harness builds broken shapes on purpose).
-int64_t Add(int64_t a, int64_t b) {
-  return static_cast<int64_t>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
-}
+int64_t Add(int64_t a, int64_t b) { return static_cast<int64_t>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b)); }
 
 logprob::DType PickDType(FuzzedDataProvider& p, bool want_float) {
   const uint8_t s = p.ConsumeIntegral<uint8_t>();
@@ -76,15 +73,24 @@ logprob::DType PickDType(FuzzedDataProvider& p, bool want_float) {
 
 float PickFloat(FuzzedDataProvider& p) {
   switch (p.ConsumeIntegralInRange<int>(0, 8)) {
-    case 0: return 1.0f;
-    case 1: return 0.5f;
-    case 2: return 0.0f;
-    case 3: return -1.0f;
-    case 4: return std::numeric_limits<float>::quiet_NaN();
-    case 5: return std::numeric_limits<float>::infinity();
-    case 6: return 1.5f;
-    case 7: return std::numeric_limits<float>::denorm_min();
-    default: return p.ConsumeFloatingPoint<float>();
+    case 0:
+      return 1.0f;
+    case 1:
+      return 0.5f;
+    case 2:
+      return 0.0f;
+    case 3:
+      return -1.0f;
+    case 4:
+      return std::numeric_limits<float>::quiet_NaN();
+    case 5:
+      return std::numeric_limits<float>::infinity();
+    case 6:
+      return 1.5f;
+    case 7:
+      return std::numeric_limits<float>::denorm_min();
+    default:
+      return p.ConsumeFloatingPoint<float>();
   }
 }
 
@@ -115,10 +121,21 @@ int64_t SmallNumel(const Tensor& t, int64_t cap) {
 void PutInt(Tensor* t, size_t i, int64_t v) {
   char* at = &(*t->mutable_data())[0];
   switch (logprob::DTypeSize(t->dtype())) {
-    case 2: { const int16_t w = static_cast<int16_t>(v); std::memcpy(at + i * 2, &w, 2); break; }
-    case 4: { const int32_t w = static_cast<int32_t>(v); std::memcpy(at + i * 4, &w, 4); break; }
-    case 8: std::memcpy(at + i * 8, &v, 8); break;
-    default: break;
+    case 2: {
+      const int16_t w = static_cast<int16_t>(v);
+      std::memcpy(at + i * 2, &w, 2);
+      break;
+    }
+    case 4: {
+      const int32_t w = static_cast<int32_t>(v);
+      std::memcpy(at + i * 4, &w, 4);
+      break;
+    }
+    case 8:
+      std::memcpy(at + i * 8, &v, 8);
+      break;
+    default:
+      break;
   }
 }
 
@@ -186,7 +203,8 @@ ScoreRequest StructuredRequest(FuzzedDataProvider& p) {
   if (!(f & 0x8000) || (f & 0x7000) != 0x6000) {
     Tensor* ids = AddTensor(&r, "input_ids", PickDType(p, false), rows_shape);
     const int64_t n = FillData(p, ids);
-    for (int64_t i = 0; i < n && p.remaining_bytes() > 0; ++i) PutInt(ids, static_cast<size_t>(i), PickId(p, V, ignore));
+    for (int64_t i = 0; i < n && p.remaining_bytes() > 0; ++i)
+      PutInt(ids, static_cast<size_t>(i), PickId(p, V, ignore));
   }
 
   // cu_seqlens for packed rows (usually), seq_lens for padded ones.
@@ -303,7 +321,8 @@ void CheckCommon(const ScoreJob& job, const iv1::WorkItem& it, uint64_t job_id, 
   CHECK(it.targets_size() == it.num_rows());
   CHECK(static_cast<int64_t>(it.gather_ids_size()) == it.num_rows() * job.gather_k);
   for (int64_t i = 0; i < it.num_rows(); ++i) CHECK(it.targets(i) == job.targets[row_begin + i]);
-  for (int i = 0; i < it.gather_ids_size(); ++i) CHECK(it.gather_ids(i) == job.gather_ids[row_begin * job.gather_k + i]);
+  for (int i = 0; i < it.gather_ids_size(); ++i)
+    CHECK(it.gather_ids(i) == job.gather_ids[row_begin * job.gather_k + i]);
   CHECK(it.options().SerializeAsString() == job.options.SerializeAsString());
 }
 

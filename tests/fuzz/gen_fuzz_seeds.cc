@@ -124,17 +124,21 @@ int main(int argc, char** argv) {
   }
   for (size_t i = 0; i < reqs.size(); ++i) {
     std::string bytes;
-    if (!reqs[i].SerializeToString(&bytes) ||
-        !WriteFile(out + "/score_request/" + reqs[i].id() + ".pb", bytes)) {
+    if (!reqs[i].SerializeToString(&bytes) || !WriteFile(out + "/score_request/" + reqs[i].id() + ".pb", bytes)) {
       std::fprintf(stderr, "cannot write seed %s\n", reqs[i].id().c_str());
       return 1;
     }
   }
 
-  struct StFile { const char* name; std::vector<Tensor> tensors; std::map<std::string, std::string> meta; };
+  struct StFile {
+    const char* name;
+    std::vector<Tensor> tensors;
+    std::map<std::string, std::string> meta;
+  };
   const std::vector<StFile> files = {
-      {"all_dtypes", {Make("a", F32, {2, 3}), Make("b", BF16, {4}), Make("c", F16, {1, 1, 2}),
-                      Make("d", I32, {3}, {1, -2, 3}), Make("e", I64, {2}, {-100, 5})},
+      {"all_dtypes",
+       {Make("a", F32, {2, 3}), Make("b", BF16, {4}), Make("c", F16, {1, 1, 2}), Make("d", I32, {3}, {1, -2, 3}),
+        Make("e", I64, {2}, {-100, 5})},
        {{"alignment", "next_token"}, {"topk", "2"}}},
       {"scalar_and_empty", {Make("s", F32, {}), Make("z", I64, {0, 4}), Make("y", BF16, {3, 0})}, {}},
       {"empty", {}, {}},

@@ -11,9 +11,7 @@
 namespace logprob::cuda {
 namespace {
 
-ElemType ElemOf(DType d) {
-  return d == v1::BF16 ? ElemType::kBF16 : d == v1::F16 ? ElemType::kF16 : ElemType::kF32;
-}
+ElemType ElemOf(DType d) { return d == v1::BF16 ? ElemType::kBF16 : d == v1::F16 ? ElemType::kF16 : ElemType::kF32; }
 
 /// The kernel arguments shared by every sub-block of a call.
 RowBlockArgs BaseArgs(const kernels::StatsSpec& spec) {
@@ -59,9 +57,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, con
     LOGPROB_RETURN_IF_ERROR(b->computed_[i].Create());
   }
   if (lm_head) {
-    LOGPROB_ASSIGN_OR_RETURN(b->gemm_, CublasLtLmHead::Create(lm_head->dtype, lm_head->weight.data(),
-                                                              lm_head->weight.size(), lm_head->rows,
-                                                              lm_head->hidden_size));
+    LOGPROB_ASSIGN_OR_RETURN(
+        b->gemm_, CublasLtLmHead::Create(lm_head->dtype, lm_head->weight.data(), lm_head->weight.size(), lm_head->rows,
+                                         lm_head->hidden_size));
   }
   return b;
 }
@@ -121,8 +119,7 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
   const size_t row_bytes = static_cast<size_t>(block.len) * DTypeSize(block.dtype);
   const int64_t sub = std::clamp<int64_t>(static_cast<int64_t>(options_.staging_bytes / row_bytes), 1, rows.count);
   LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
-  if (filter)
-    LOGPROB_RETURN_IF_ERROR(keep_min_dev_.Reserve(static_cast<size_t>(rows.count) * 4));
+  if (filter) LOGPROB_RETURN_IF_ERROR(keep_min_dev_.Reserve(static_cast<size_t>(rows.count) * 4));
   for (int b = 0; b < 2; ++b) {
     LOGPROB_RETURN_IF_ERROR(staging_host_[b].Reserve(sub * row_bytes));
     LOGPROB_RETURN_IF_ERROR(staging_dev_[b].Reserve(sub * row_bytes));
@@ -166,8 +163,8 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
   return FetchRecords(rows.count, spec, records);
 }
 
-absl::Status CudaBackend::SlicePartials(const LogitsBlock& block, const BlockRows& rows,
-                                        const kernels::StatsSpec& spec, uint32_t* records) {
+absl::Status CudaBackend::SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
+                                        uint32_t* records) {
   return LogitsPartials(block, rows, spec, nullptr, records);
 }
 
@@ -229,8 +226,8 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
     const int64_t n = std::min(G, rows.count - r0);
     // The chunk's logits are consumed by the statistics kernel right after
     // the GEMM on the same stream, then overwritten by the next chunk.
-    LOGPROB_RETURN_IF_ERROR(
-        gemm_->Compute(static_cast<const char*>(dev_hidden) + r0 * H * csize, n, logits_dev_.get<float>(), compute_.get()));
+    LOGPROB_RETURN_IF_ERROR(gemm_->Compute(static_cast<const char*>(dev_hidden) + r0 * H * csize, n,
+                                           logits_dev_.get<float>(), compute_.get()));
     PointAtRows(r0, n, spec, &args);
     LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRowPartials(args, compute_.get()), "row partials kernel");
   }
@@ -248,8 +245,8 @@ absl::Status CudaBackend::HiddenLogits(DType hidden_dtype, const void* hidden, i
   const size_t csize = DTypeSize(gemm_->compute_dtype());
   for (int64_t r0 = 0; r0 < M; r0 += G) {
     const int64_t n = std::min(G, M - r0);
-    LOGPROB_RETURN_IF_ERROR(
-        gemm_->Compute(static_cast<const char*>(dev_hidden) + r0 * H * csize, n, logits_dev_.get<float>(), compute_.get()));
+    LOGPROB_RETURN_IF_ERROR(gemm_->Compute(static_cast<const char*>(dev_hidden) + r0 * H * csize, n,
+                                           logits_dev_.get<float>(), compute_.get()));
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits + r0 * N, logits_dev_.get(), static_cast<size_t>(n * N) * 4,
                                                  cudaMemcpyDeviceToHost, compute_.get()),
                                  "logits download");

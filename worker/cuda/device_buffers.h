@@ -43,7 +43,9 @@ class GrowingBuffer {
     return absl::OkStatus();
   }
   template <typename T = void>
-  T* get() const { return static_cast<T*>(ptr_); }
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
   size_t size() const { return size_; }
 
  private:

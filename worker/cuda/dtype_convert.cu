@@ -10,19 +10,20 @@ namespace {
 
 __device__ __forceinline__ float Load(const void* src, ElemType t, int64_t i) {
   switch (t) {
-    case ElemType::kF32: return static_cast<const float*>(src)[i];
-    case ElemType::kBF16: return __uint_as_float(uint32_t{static_cast<const uint16_t*>(src)[i]} << 16);
-    default: return __half2float(__ushort_as_half(static_cast<const unsigned short*>(src)[i]));
+    case ElemType::kF32:
+      return static_cast<const float*>(src)[i];
+    case ElemType::kBF16:
+      return __uint_as_float(uint32_t{static_cast<const uint16_t*>(src)[i]} << 16);
+    default:
+      return __half2float(__ushort_as_half(static_cast<const unsigned short*>(src)[i]));
   }
 }
 
 __global__ void ConvertKernel(const void* src, ElemType src_type, int64_t n, void* dst, ElemType dst_type) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const float f = Load(src, src_type, i);
-    if (dst_type == ElemType::kF32)
-      static_cast<float*>(dst)[i] = f;
-    else
-      static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16_rn(f);
+    if (dst_type == ElemType::kF32) static_cast<float*>(dst)[i] = f;
+    else static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16_rn(f);
   }
 }
 
@@ -34,7 +35,7 @@ cudaError_t LaunchConvert(const void* src, ElemType src_type, int64_t n, void* d
   if (dst_type == ElemType::kF16) return cudaErrorInvalidValue;
   const int64_t blocks = (n + 255) / 256;
   ConvertKernel<<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), 256, 0, stream>>>(src, src_type, n, dst,
-                                                                                           dst_type);
+                                                                                            dst_type);
   return cudaGetLastError();
 }
 

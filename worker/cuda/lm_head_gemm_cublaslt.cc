@@ -15,8 +15,8 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 absl::Status LtStatus(cublasStatus_t s, const char* what) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": ", cublasLtGetStatusName(s), " (",
-                                          cublasLtGetStatusString(s), ")"));
+  return absl::InternalError(
+      absl::StrCat("cuBLASLt ", what, ": ", cublasLtGetStatusName(s), " (", cublasLtGetStatusString(s), ")"));
 }
 #define LOGPROB_LT_RETURN_IF_ERROR(call, what) LOGPROB_RETURN_IF_ERROR(LtStatus((call), what))
 
@@ -71,10 +71,9 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(g->op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb),
                              "transb");
   const cudaDataType_t ab = g->compute_dtype_ == v1::BF16 ? CUDA_R_16BF : CUDA_R_32F;
-  LOGPROB_LT_RETURN_IF_ERROR(
-      cublasLtMatrixLayoutCreate(&g->a_layout_, ab, static_cast<uint64_t>(hidden_size), static_cast<uint64_t>(rows),
-                                 hidden_size),
-      "weight layout");
+  LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&g->a_layout_, ab, static_cast<uint64_t>(hidden_size),
+                                                        static_cast<uint64_t>(rows), hidden_size),
+                             "weight layout");
   return g;
 }
 
@@ -101,8 +100,8 @@ absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logit
     const uint32_t b_align = static_cast<uint32_t>(std::min<uint64_t>(256, row16 & (~row16 + 1)));
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof b_align);
     int found = 0;
-    const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_, op_, a_layout_, plan->b, plan->d, plan->d, pref,
-                                                            1, &plan->heuristic, &found);
+    const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_, op_, a_layout_, plan->b, plan->d, plan->d, pref, 1,
+                                                            &plan->heuristic, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     LOGPROB_LT_RETURN_IF_ERROR(s, "heuristic");
     if (found == 0)

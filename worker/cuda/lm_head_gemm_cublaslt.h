@@ -29,9 +29,9 @@ class CublasLtLmHead {
                                                                 int64_t rows, int64_t hidden_size);
   ~CublasLtLmHead();
 
-  int64_t rows() const { return rows_; }                 // N
-  int64_t hidden_size() const { return hidden_size_; }   // H
-  DType compute_dtype() const { return compute_dtype_; } // BF16 or F32
+  int64_t rows() const { return rows_; }                  // N
+  int64_t hidden_size() const { return hidden_size_; }    // H
+  DType compute_dtype() const { return compute_dtype_; }  // BF16 or F32
   size_t weight_bytes() const { return weight_.size(); }
 
   /// logits[M, rows()] (device, f32, row-major) = hidden[M, H] @ W^T with

@@ -30,13 +30,13 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo:
       store.wait({kUniqueIdKey}, timeout);
       const std::vector<char> v = store.get(kUniqueIdKey);
       if (v.size() != sizeof id.internal)
-        return absl::UnavailableError(absl::StrCat("NCCL unique id in the store has ", v.size(), " bytes, expected ",
-                                                   sizeof id.internal));
+        return absl::UnavailableError(
+            absl::StrCat("NCCL unique id in the store has ", v.size(), " bytes, expected ", sizeof id.internal));
       std::memcpy(id.internal, v.data(), v.size());
     }
   } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("NCCL bootstrap through the front-end store failed for rank ", rank,
-                                               ": ", e.what()));
+    return absl::UnavailableError(
+        absl::StrCat("NCCL bootstrap through the front-end store failed for rank ", rank, ": ", e.what()));
   }
   std::unique_ptr<NcclCommunicator> c(new NcclCommunicator());
   c->rank_ = rank;
@@ -51,18 +51,16 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo:
   c->stream_ = stream;
   LOGPROB_RETURN_IF_ERROR(c->done_.Create());
   if (ncclResult_t r = ncclCommInitRank(&c->comm_, size, id, rank); r != ncclSuccess)
-    return absl::UnavailableError(absl::StrCat("ncclCommInitRank (rank ", rank, " of ", size, ", device ", device,
-                                               "): ", NcclError(r)));
+    return absl::UnavailableError(
+        absl::StrCat("ncclCommInitRank (rank ", rank, " of ", size, ", device ", device, "): ", NcclError(r)));
   return c;
 }
 
 NcclCommunicator::~NcclCommunicator() {
   if (!comm_) return;
   cudaSetDevice(device_);
-  if (broken_)
-    ncclCommAbort(comm_);
-  else
-    ncclCommDestroy(comm_);
+  if (broken_) ncclCommAbort(comm_);
+  else ncclCommDestroy(comm_);
 }
 
 absl::Status NcclCommunicator::Abort(absl::Status why) {
@@ -101,7 +99,8 @@ absl::Status NcclCommunicator::Finish(const char* what, ncclResult_t enqueued, v
       if (out_bytes) std::memcpy(out, out_host_.get(), out_bytes);
       return absl::OkStatus();
     }
-    if (e != cudaErrorNotReady) return Abort(absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", cudaGetErrorString(e))));
+    if (e != cudaErrorNotReady)
+      return Abort(absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", cudaGetErrorString(e))));
     ncclResult_t async = ncclSuccess;
     ncclCommGetAsyncError(comm_, &async);
     if (async != ncclSuccess && async != ncclInProgress)

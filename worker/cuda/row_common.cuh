@@ -32,9 +32,12 @@ struct RowView {
   }
   __device__ __forceinline__ float Raw(int64_t i) const {
     switch (type) {
-      case ElemType::kF32: return reinterpret_cast<const float*>(p)[i];
-      case ElemType::kBF16: return __uint_as_float(uint32_t{reinterpret_cast<const uint16_t*>(p)[i]} << 16);
-      default: return __half2float(__ushort_as_half(reinterpret_cast<const unsigned short*>(p)[i]));
+      case ElemType::kF32:
+        return reinterpret_cast<const float*>(p)[i];
+      case ElemType::kBF16:
+        return __uint_as_float(uint32_t{reinterpret_cast<const uint16_t*>(p)[i]} << 16);
+      default:
+        return __half2float(__ushort_as_half(reinterpret_cast<const unsigned short*>(p)[i]));
     }
   }
   __device__ __forceinline__ float X(int64_t i) const { return Post(Raw(i)); }
@@ -42,7 +45,8 @@ struct RowView {
 
 /// Low / high 16-bit element of a 32-bit word as float.
 __device__ __forceinline__ float Lo16(uint32_t w, ElemType t) {
-  return t == ElemType::kBF16 ? __uint_as_float(w << 16) : __half2float(__ushort_as_half(static_cast<unsigned short>(w)));
+  return t == ElemType::kBF16 ? __uint_as_float(w << 16)
+                              : __half2float(__ushort_as_half(static_cast<unsigned short>(w)));
 }
 __device__ __forceinline__ float Hi16(uint32_t w, ElemType t) {
   return t == ElemType::kBF16 ? __uint_as_float(w & 0xffff0000u)

@@ -27,11 +27,11 @@ LOGPROB_HOST_DEVICE inline int ElemSize(ElemType t) { return t == ElemType::kF32
 
 /// A block of rows on the device and what to compute for them.
 struct RowBlockArgs {
-  const void* logits = nullptr;     // device, rows x row_stride elements of `type`
+  const void* logits = nullptr;  // device, rows x row_stride elements of `type`
   ElemType type = ElemType::kF32;
-  int64_t row_stride = 0;           // elements between consecutive rows
-  int64_t len = 0;                  // columns of the slice (<= row_stride)
-  int64_t vocab_begin = 0;          // global id of column 0
+  int64_t row_stride = 0;   // elements between consecutive rows
+  int64_t len = 0;          // columns of the slice (<= row_stride)
+  int64_t vocab_begin = 0;  // global id of column 0
   int64_t rows = 0;
   const int64_t* targets = nullptr;     // device [rows]; < 0: none
   const int64_t* gather_ids = nullptr;  // device [rows, gather_k] or null
@@ -61,8 +61,8 @@ struct FilterArgs {
   ElemType type = ElemType::kF32;
   int64_t row_stride = 0, len = 0, rows = 0;
   float temperature = 1.0f;
-  int top_k = 0;        // <= 0 or >= len: off
-  float top_p = 1.0f;   // outside (0, 1): off
+  int top_k = 0;              // <= 0 or >= len: off
+  float top_p = 1.0f;         // outside (0, 1): off
   float* keep_min = nullptr;  // device [rows]
 };
 cudaError_t LaunchSamplingKeepMin(const FilterArgs& args, cudaStream_t stream);

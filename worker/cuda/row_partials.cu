@@ -79,10 +79,8 @@ __global__ void __launch_bounds__(kRowThreads) RowPartialsKernel(RowBlockArgs a)
 
 cudaError_t LaunchRowPartials(const RowBlockArgs& a, cudaStream_t stream) {
   if (a.rows <= 0) return cudaSuccess;
-  if (a.topk > 0)
-    RowPartialsKernel<true><<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(a);
-  else
-    RowPartialsKernel<false><<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(a);
+  if (a.topk > 0) RowPartialsKernel<true><<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(a);
+  else RowPartialsKernel<false><<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -41,12 +41,8 @@ bool Bf16MatmulSupported() {
   return supported;
 }
 
-LmHeadGemm::LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows,
-                       int64_t hidden_size)
-    : compute_dtype_(compute_dtype),
-      weight_(std::move(weight)),
-      rows_(rows),
-      hidden_size_(hidden_size) {}
+LmHeadGemm::LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size)
+    : compute_dtype_(compute_dtype), weight_(std::move(weight)), rows_(rows), hidden_size_(hidden_size) {}
 
 LmHeadGemm::~LmHeadGemm() = default;
 
@@ -60,21 +56,19 @@ absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, i
   const int64_t esize = static_cast<int64_t>(DTypeSize(dtype));
   if (rows > std::numeric_limits<int64_t>::max() / hidden_size / esize ||
       static_cast<int64_t>(weight_bytes) != rows * hidden_size * esize)
-    return absl::InvalidArgumentError(
-        absl::StrCat("lm_head weight has ", weight_bytes, " bytes, expected [", rows, ", ",
-                     hidden_size, "] x ", esize));
+    return absl::InvalidArgumentError(absl::StrCat("lm_head weight has ", weight_bytes, " bytes, expected [", rows,
+                                                   ", ", hidden_size, "] x ", esize));
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(
-    DType dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size, int threads) {
+absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, std::vector<char> weight, int64_t rows,
+                                                               int64_t hidden_size, int threads) {
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadWeight(dtype, weight.size(), rows, hidden_size));
 
   DType compute = dtype;
   if (dtype == v1::F16) {  // widen once to f32; the f16 buffer is freed on return
     std::vector<char> wide(static_cast<size_t>(rows * hidden_size) * sizeof(float));
-    ToFloat(dtype, weight.data(), static_cast<size_t>(rows * hidden_size),
-            reinterpret_cast<float*>(wide.data()));
+    ToFloat(dtype, weight.data(), static_cast<size_t>(rows * hidden_size), reinterpret_cast<float*>(wide.data()));
     weight = std::move(wide);
     compute = v1::F32;
   }
@@ -102,12 +96,11 @@ absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(
 
 absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t M, float* out) {
   if (!IsFloatDType(hidden_dtype))
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden states dtype must be F32, BF16 or F16, got ", DTypeName(hidden_dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden states dtype must be F32, BF16 or F16, got ", DTypeName(hidden_dtype)));
   if (M < 0) return absl::InvalidArgumentError(absl::StrCat("negative row count ", M));
   if (M == 0) return absl::OkStatus();
-  if (hidden == nullptr || out == nullptr)
-    return absl::InvalidArgumentError("null hidden or output buffer");
+  if (hidden == nullptr || out == nullptr) return absl::InvalidArgumentError("null hidden or output buffer");
 
   const int64_t H = hidden_size_, N = rows_;
   const size_t n = static_cast<size_t>(M * H);
@@ -154,12 +147,10 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
     dnnl::memory src_m(src_md, impl_->engine, const_cast<void*>(src));
     dnnl::memory w_m(w_md, impl_->engine, const_cast<char*>(weight_.data()));
     dnnl::memory dst_m(dst_md, impl_->engine, out);
-    it->second.execute(impl_->stream,
-                       {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
+    it->second.execute(impl_->stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
     impl_->stream.wait();
   } catch (const dnnl::error& e) {
-    return absl::InternalError(absl::StrCat("oneDNN matmul [", M, ", ", H, "] x [", H, ", ", N,
-                                            "]: ", e.what()));
+    return absl::InternalError(absl::StrCat("oneDNN matmul [", M, ", ", H, "] x [", H, ", ", N, "]: ", e.what()));
   }
   return absl::OkStatus();
 }

@@ -38,13 +38,12 @@ class LmHeadGemm {
   /// each Compute, changing the calling thread's OpenMP default.
   /// INVALID_ARGUMENT for a bad dtype, rows or H <= 0, or a size not
   /// matching rows * H; INTERNAL if oneDNN cannot make a CPU engine.
-  static absl::StatusOr<std::unique_ptr<LmHeadGemm>> Create(
-      DType dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size,
-      int threads = 0);
+  static absl::StatusOr<std::unique_ptr<LmHeadGemm>> Create(DType dtype, std::vector<char> weight, int64_t rows,
+                                                            int64_t hidden_size, int threads = 0);
   ~LmHeadGemm();
 
-  int64_t rows() const { return rows_; }                 // N: vocab slice length
-  int64_t hidden_size() const { return hidden_size_; }   // H
+  int64_t rows() const { return rows_; }                // N: vocab slice length
+  int64_t hidden_size() const { return hidden_size_; }  // H
   /// BF16 or F32. BF16 weights compute in F32 when this CPU's oneDNN has no
   /// bf16 matmul (e.g. AVX2 only): the weights are widened exactly and the
   /// hidden states rounded to bf16 as for the bf16 matmul, so the operands
@@ -64,7 +63,7 @@ class LmHeadGemm {
   LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size);
   DType compute_dtype_;
   bool bf16_operands_ = false;  // F32 compute of BF16 weights: round hidden states to bf16 first
-  std::vector<char> weight_;  // [rows, H] of compute_dtype_
+  std::vector<char> weight_;    // [rows, H] of compute_dtype_
   int64_t rows_, hidden_size_;
   std::unique_ptr<Impl> impl_;
 };

@@ -43,10 +43,10 @@ struct Header {
 };
 
 /// Word offsets of the header fields.
-constexpr int kMaxWord = 0;      // m (f32)
-constexpr int kTargetWord = 1;   // target_x (f32)
-constexpr int kSWord = 2;        // s (f64, 2 words)
-constexpr int kUWord = 4;        // u (f64, 2 words)
+constexpr int kMaxWord = 0;     // m (f32)
+constexpr int kTargetWord = 1;  // target_x (f32)
+constexpr int kSWord = 2;       // s (f64, 2 words)
+constexpr int kUWord = 4;       // u (f64, 2 words)
 /// Words of the header; the gather values start here.
 constexpr int kHeaderWords = 6;
 

@@ -32,9 +32,7 @@ struct Candidate {
   float x;
   int32_t id;
 };
-inline bool Better(const Candidate& a, const Candidate& b) {
-  return a.x > b.x || (a.x == b.x && a.id < b.id);
-}
+inline bool Better(const Candidate& a, const Candidate& b) { return a.x > b.x || (a.x == b.x && a.id < b.id); }
 
 /// Keeps the K best candidates seen, as a min-heap on Better.
 class TopK {
@@ -52,9 +50,7 @@ class TopK {
   }
   /// Lowest kept value; candidates at or below it with a higher id cannot
   /// enter (ids arrive in increasing order).
-  float Floor() const {
-    return static_cast<int>(heap_.size()) < k_ ? kNegInf : heap_.front().x;
-  }
+  float Floor() const { return static_cast<int>(heap_.size()) < k_ ? kNegInf : heap_.front().x; }
   bool Full() const { return static_cast<int>(heap_.size()) == k_; }
   /// Best first; padded with (-inf, record::kNoTopkId) up to K.
   std::vector<Candidate> Sorted() {
@@ -71,9 +67,8 @@ class TopK {
 
 }  // namespace
 
-void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
-                    int64_t len, const StatsSpec& spec, uint32_t* out,
-                    float* scratch) {
+void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin, int64_t len, const StatsSpec& spec,
+                    uint32_t* out, float* scratch) {
   const size_t esize = DTypeSize(dtype);
   const float temperature = spec.temperature;
   const bool scale = temperature != 1.0f;
@@ -135,8 +130,8 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
   }
 }
 
-void CombinePartials(const uint32_t* const* records, int count,
-                     const StatsSpec& spec, bool has_target, const RowOutput& out) {
+void CombinePartials(const uint32_t* const* records, int count, const StatsSpec& spec, bool has_target,
+                     const RowOutput& out) {
   double M = -std::numeric_limits<double>::infinity();
   for (int r = 0; r < count; ++r) M = std::max<double>(M, Float(records[r][record::kMaxWord]));
   double S = 0.0, U = 0.0;
@@ -166,8 +161,7 @@ void CombinePartials(const uint32_t* const* records, int count,
     *out.entropy = static_cast<float>(std::max(0.0, h));
   }
   if (out.gathered) {
-    for (int j = 0; j < spec.gather_k; ++j)
-      out.gathered[j] = static_cast<float>(pick(record::GatherWord(j)) - logZ);
+    for (int j = 0; j < spec.gather_k; ++j) out.gathered[j] = static_cast<float>(pick(record::GatherWord(j)) - logZ);
   }
   if (spec.topk > 0 && (out.topk_logprobs || out.topk_indices)) {
     std::vector<Candidate> all;
@@ -184,8 +178,7 @@ void CombinePartials(const uint32_t* const* records, int count,
     std::partial_sort(all.begin(), all.begin() + k, all.end(), Better);
     for (int j = 0; j < spec.topk; ++j) {
       const bool have = static_cast<size_t>(j) < k;
-      if (out.topk_logprobs)
-        out.topk_logprobs[j] = have ? static_cast<float>(all[j].x - logZ) : kNegInf;
+      if (out.topk_logprobs) out.topk_logprobs[j] = have ? static_cast<float>(all[j].x - logZ) : kNegInf;
       if (out.topk_indices) out.topk_indices[j] = have ? all[j].id : -1;
     }
   }

@@ -40,9 +40,9 @@ inline size_t PartialWords(const StatsSpec& spec) {
 
 /// One row's inputs on one vocab slice [vocab_begin, vocab_begin + len).
 struct SliceRow {
-  const void* logits = nullptr;          // len elements of the job's dtype
-  int64_t target = -1;                   // global id; < 0: no target
-  const int64_t* gather_ids = nullptr;   // spec.gather_k global ids
+  const void* logits = nullptr;         // len elements of the job's dtype
+  int64_t target = -1;                  // global id; < 0: no target
+  const int64_t* gather_ids = nullptr;  // spec.gather_k global ids
   /// Sampling filters: entries with x < keep_min are removed (-inf).
   float keep_min = -std::numeric_limits<float>::infinity();
 };
@@ -54,9 +54,8 @@ constexpr size_t kPartialScratchFloats = kBlockBufferFloats;
 /// over its slice of `len` logits of `dtype` starting at global column
 /// `vocab_begin`. `scratch` holds kPartialScratchFloats floats.
 /// Deterministic: depends only on this row's values.
-void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin,
-                    int64_t len, const StatsSpec& spec, uint32_t* out,
-                    float* scratch);
+void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin, int64_t len, const StatsSpec& spec,
+                    uint32_t* out, float* scratch);
 
 /// Where CombinePartials writes one row's outputs; null pointers are
 /// skipped. topk_* hold spec.topk entries, gathered spec.gather_k.
@@ -73,7 +72,7 @@ struct RowOutput {
 /// token_logprob = x_t - logZ (0 when !has_target, -inf when the target was
 /// filtered out), entropy = log S - U/S >= 0, the top-K of log_softmax
 /// (largest first, equal values by lower id), gathered = x_g - logZ.
-void CombinePartials(const uint32_t* const* records, int count,
-                     const StatsSpec& spec, bool has_target, const RowOutput& out);
+void CombinePartials(const uint32_t* const* records, int count, const StatsSpec& spec, bool has_target,
+                     const RowOutput& out);
 
 }  // namespace logprob::kernels

@@ -7,8 +7,7 @@
 
 namespace logprob::kernels {
 
-float SamplingKeepMin(const float* x, int64_t V, int top_k, float top_p,
-                      std::vector<float>* scratch) {
+float SamplingKeepMin(const float* x, int64_t V, int top_k, float top_p, std::vector<float>* scratch) {
   float keep_min = -std::numeric_limits<float>::infinity();
   const bool use_k = top_k > 0 && top_k < V;
   const bool use_p = top_p > 0.f && top_p < 1.f;

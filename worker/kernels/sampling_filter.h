@@ -14,7 +14,6 @@ namespace logprob::kernels {
 /// disabled) keeps, over the top-k survivors renormalised, each value whose
 /// strictly-greater probability mass is < top_p (the largest always stays).
 /// `scratch` is reused between calls.
-float SamplingKeepMin(const float* x, int64_t V, int top_k, float top_p,
-                      std::vector<float>* scratch);
+float SamplingKeepMin(const float* x, int64_t V, int top_k, float top_p, std::vector<float>* scratch);
 
 }  // namespace logprob::kernels

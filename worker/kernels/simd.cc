@@ -1,11 +1,14 @@
 // Highway per-target implementations of simd.h (compiled once per target
 // through hwy/foreach_target.h).
+// Highway needs this include order (no clang-format sorting).
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "worker/kernels/simd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "worker/kernels/simd.h"
+// clang-format on
 
 #include <cmath>
 #include <limits>
@@ -15,8 +18,8 @@ namespace logprob::kernels {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-float PrepareBlockImpl(DType dtype, const void* src, size_t n, float temperature, float keep_min,
-                       float* dst, size_t* padded) {
+float PrepareBlockImpl(DType dtype, const void* src, size_t n, float temperature, float keep_min, float* dst,
+                       size_t* padded) {
   const hn::ScalableTag<float> df;
   const size_t L = hn::Lanes(df);
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -72,7 +75,7 @@ HWY_INLINE V ExpNonPositive(D d, V x) {
   const V t = hn::Mul(x, hn::Set(d, 1.44269504088896341f));
   const V n = hn::Round(t);
   const V f = hn::Sub(t, n);
-  V p = hn::Set(d, 1.5403530393381606e-4f);                // ln2^6 / 720
+  V p = hn::Set(d, 1.5403530393381606e-4f);                  // ln2^6 / 720
   p = hn::MulAdd(p, f, hn::Set(d, 1.3333558146428443e-3f));  // ln2^5 / 120
   p = hn::MulAdd(p, f, hn::Set(d, 9.6181291076284772e-3f));  // ln2^4 / 24
   p = hn::MulAdd(p, f, hn::Set(d, 5.5504108664821580e-2f));  // ln2^3 / 6
@@ -137,8 +140,8 @@ HWY_EXPORT(PrepareBlockImpl);
 HWY_EXPORT(ExpSumsImpl);
 HWY_EXPORT(NextAboveImpl);
 
-float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, float keep_min,
-                   float* dst, size_t* padded) {
+float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, float keep_min, float* dst,
+                   size_t* padded) {
   return HWY_DYNAMIC_DISPATCH(PrepareBlockImpl)(dtype, src, n, temperature, keep_min, dst, padded);
 }
 

@@ -17,8 +17,8 @@ constexpr size_t kBlockBufferFloats = kBlock + 64;
 /// divides by `temperature` (when != 1), sets values below `keep_min` to
 /// -inf, pads `dst` with -inf to a whole number of vector pairs, and
 /// returns the block's max. Returns the padded length in *padded.
-float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, float keep_min,
-                   float* dst, size_t* padded);
+float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, float keep_min, float* dst,
+                   size_t* padded);
 
 /// Over x[0..n) (n from PrepareBlock's *padded), with d = x - m:
 /// *s = sum exp(d), *u = sum exp(d) * d (terms with exp(d) == 0 skipped).
