@@ -48,7 +48,7 @@ struct ScoreJob {
   /// (first row, reader) segments in row order; the rows from a segment's
   /// first row up to the next segment's are read through its reader (a null
   /// reader: in memory). Empty: every row is in memory. A region's rows
-  /// must be copied with CopyRowBytes, never dereferenced.
+  /// must be copied with CopyRows / CopyRowSlice, never dereferenced.
   struct RowSource {
     int64_t first_row = 0;
     std::shared_ptr<const RegionReader> reader;
