@@ -4,12 +4,17 @@
 
 namespace logprob {
 
+std::array<unsigned char, 32> Sha256(std::string_view text) {
+  static_assert(SHA256_DIGEST_LENGTH == 32);
+  std::array<unsigned char, 32> digest{};
+  SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest.data());
+  return digest;
+}
+
 std::string Sha256Hex(std::string_view text) {
-  unsigned char digest[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
   static const char* const kHex = "0123456789abcdef";
   std::string hex;
-  for (unsigned char b : digest) {
+  for (unsigned char b : Sha256(text)) {
     hex += kHex[b >> 4];
     hex += kHex[b & 15];
   }

@@ -1,7 +1,6 @@
 #include "server/auth.h"
 
 #include <openssl/crypto.h>
-#include <openssl/sha.h>
 
 #include <cerrno>
 #include <cstring>
@@ -11,17 +10,12 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/sha256.h"
 
 namespace logprob {
 namespace {
 
 constexpr char kScheme[] = "bearer ";  // compared case-insensitively
-
-std::array<unsigned char, 32> Sha256(const char* data, size_t size) {
-  std::array<unsigned char, 32> d{};
-  SHA256(reinterpret_cast<const unsigned char*>(data), size, d.data());
-  return d;
-}
 
 absl::Status CheckTokenChars(const std::string& token) {
   if (token.empty()) return absl::InvalidArgumentError("the token is empty");
@@ -36,7 +30,7 @@ absl::Status CheckTokenChars(const std::string& token) {
 
 }  // namespace
 
-BearerTokenAuth::BearerTokenAuth(const std::string& token) : digest_(Sha256(token.data(), token.size())) {}
+BearerTokenAuth::BearerTokenAuth(const std::string& token) : digest_(Sha256(token)) {}
 
 absl::StatusOr<BearerTokenAuth> BearerTokenAuth::FromToken(const std::string& token) {
   const std::string trimmed(absl::StripAsciiWhitespace(token));
@@ -64,7 +58,7 @@ grpc::Status BearerTokenAuth::Check(const grpc::ServerContext& context) const {
       continue;
     }
     const absl::string_view presented = value.substr(sizeof kScheme - 1);
-    const auto d = Sha256(presented.data(), presented.size());
+    const auto d = Sha256(std::string_view(presented.data(), presented.size()));
     ok |= CRYPTO_memcmp(d.data(), digest_.data(), d.size()) == 0;
   }
   if (ok) return grpc::Status::OK;
