@@ -10,10 +10,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "worker/communicator.h"
 #include "worker/kernels/row_stats.h"
 
 namespace logprob {
@@ -50,6 +52,24 @@ struct LmHeadSlice {
   std::vector<char> weight;
   int64_t rows = 0, hidden_size = 0;
 };
+
+/// A whole HIDDEN_STATES work item as one rank sees it, for a backend that
+/// scores it in one pass (ScoringBackend::HiddenItemPartials). The item's
+/// rows are split over the W ranks in rank order: rank q holds item rows
+/// [first[q], first[q] + count[q]) (first[0] == 0, first[q + 1] ==
+/// first[q] + count[q]).
+struct HiddenItemRows {
+  DType dtype = v1::BF16;         // of the hidden states (F32, BF16 or F16)
+  const void* own = nullptr;      // this rank's rows: [count[rank], H] row-major
+  bool own_on_device = false;     // `own` is in this backend's device memory (a CUDA IPC input), else host memory
+  int64_t vocab_begin = 0;        // global id of the lm_head slice's first row
+  std::vector<int64_t> first, count;  // per rank
+  BlockRows rows;                 // targets (and gather ids) of all item rows, in item order
+};
+
+/// Device memory of an item's payload that a backend mapped (a same-host
+/// client's CUDA IPC allocation); unmapped when the last copy goes.
+using DevicePayload = std::shared_ptr<const char>;
 
 /// The error of a hidden-states call on a worker without an lm_head
 /// (FAILED_PRECONDITION).
@@ -105,6 +125,41 @@ class ScoringBackend {
   /// for the filtered hidden-states path, which exchanges full rows.
   /// FAILED_PRECONDITION without an lm_head.
   virtual absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) = 0;
+
+  /// True when HiddenItemPartials scores a HIDDEN_STATES item over `comm`
+  /// in one pass (the CUDA backend with W == 1 or device collectives);
+  /// false: the scorer runs rounds of --hidden-chunk-tokens rows (the CPU
+  /// backend, whose memory those rounds bound).
+  virtual bool OnePassHidden(const Communicator& comm) const { return false; }
+
+  /// One-pass fused hidden-states path, without sampling filters: gathers
+  /// every rank's rows (`comm`), multiplies all of them by this rank's
+  /// lm_head slice in chunks sized by the backend's memory budget, computes
+  /// the packed record (kernels::PartialWords(spec) words) of every item
+  /// row, and exchanges the records so that `own_records` receives, for
+  /// this rank's count[rank] rows, the records of every rank's vocabulary
+  /// slice: [W][count[rank]][words], rank-major, as one all-to-all of the
+  /// round path delivers them. Every rank calls it with the same item.
+  /// UNIMPLEMENTED when OnePassHidden(comm) is false; FAILED_PRECONDITION
+  /// without an lm_head; INVALID_ARGUMENT for an inconsistent item;
+  /// UNAVAILABLE / DEADLINE_EXCEEDED when a collective fails.
+  virtual absl::Status HiddenItemPartials(const HiddenItemRows& item, Communicator& comm,
+                                          const kernels::StatsSpec& spec, uint32_t* own_records);
+
+  /// Host memory the backend may read from directly until
+  /// UnregisterHostMemory(data): the front-end's payload regions, mapped
+  /// read-only by the worker. The CUDA backend page-locks it
+  /// (cudaHostRegister) so uploads from it skip the staging copy. Failure
+  /// only loses that speed-up. Default: nothing. Thread-safe.
+  virtual void RegisterHostMemory(const void* data, size_t bytes) {}
+  virtual void UnregisterHostMemory(const void* data) {}
+
+  /// Maps `bytes` bytes at `offset` of a same-host client's CUDA allocation
+  /// exported with cudaIpcGetMemHandle (`handle`: the 64-byte
+  /// cudaIpcMemHandle_t) into this backend's device memory.
+  /// FAILED_PRECONDITION on backends without a GPU (the default) or when
+  /// the handle cannot be opened; INVALID_ARGUMENT for a bad handle size.
+  virtual absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes);
 };
 
 }  // namespace logprob

@@ -4,6 +4,15 @@
 
 namespace logprob {
 
+absl::Status Communicator::AllGatherDevice(const void*, size_t, void*) {
+  return absl::UnimplementedError("this communicator has no device-memory collectives (host transport)");
+}
+
+absl::Status Communicator::AllToAllVDevice(const void*, const std::vector<int64_t>&, void*,
+                                           const std::vector<int64_t>&) {
+  return absl::UnimplementedError("this communicator has no device-memory collectives (host transport)");
+}
+
 absl::Status SelfCommunicator::AllGather(const void* in, size_t bytes, void* out) {
   if (bytes) std::memcpy(out, in, bytes);
   return absl::OkStatus();

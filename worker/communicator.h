@@ -28,6 +28,18 @@ class Communicator {
   /// bytes from q into `out` (consecutive, in rank order).
   virtual absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
                                  const std::vector<int64_t>& recv_bytes) = 0;
+
+  /// True when AllGatherDevice / AllToAllVDevice take buffers in the device
+  /// memory of the worker's GPU (NCCL), ordered after the work already
+  /// queued on the CUDA backend's compute stream. Host transports: false.
+  virtual bool device_collectives() const { return false; }
+  /// AllGather on device buffers; returns once the collective finished
+  /// (or failed / timed out: UNAVAILABLE / DEADLINE_EXCEEDED).
+  /// UNIMPLEMENTED when device_collectives() is false.
+  virtual absl::Status AllGatherDevice(const void* in, size_t bytes, void* out);
+  /// AllToAllV on device buffers, as AllGatherDevice.
+  virtual absl::Status AllToAllVDevice(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                                       const std::vector<int64_t>& recv_bytes);
 };
 
 /// A group of one (token-parallel work, tests): collectives are copies.

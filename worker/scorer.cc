@@ -303,9 +303,10 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& com
                        backend, hidden_chunk_tokens, should_stop);
 }
 
-absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, std::string_view payload, Communicator& comm,
+absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_payload, Communicator& comm,
                                          ScoringBackend& backend, int64_t hidden_chunk_tokens,
                                          const std::function<bool()>& should_stop) {
+  const std::string_view payload = item_payload.bytes;
   const auto t0 = std::chrono::steady_clock::now();
   const auto& o = item.options();
   Job job{item,

@@ -43,10 +43,19 @@ absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkI
                                                        int64_t hidden_chunk_tokens = kDefaultHiddenChunkTokens,
                                                        const std::function<bool()>& should_stop = {});
 
+/// Where an item's payload is: host bytes, or (a CUDA IPC input) device
+/// memory of the backend's GPU, which only a backend with
+/// OnePassHidden(comm) can score (FAILED_PRECONDITION otherwise).
+struct ItemPayload {
+  ItemPayload(std::string_view b, bool device = false) : bytes(b), on_device(device) {}  // NOLINT: implicit
+  std::string_view bytes;
+  bool on_device = false;
+};
+
 /// As above, with the item's payload (what its `logits`, or for
 /// HIDDEN_STATES its `hidden_states`, would hold) at `payload` instead, e.g.
 /// in a shared memory region (WorkItem.payload_shm).
-absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item, std::string_view payload,
+absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item, ItemPayload payload,
                                                        Communicator& comm, ScoringBackend& backend,
                                                        int64_t hidden_chunk_tokens,
                                                        const std::function<bool()>& should_stop);

@@ -25,4 +25,13 @@ absl::Status TimedCommunicator::AllToAllV(const void* in, const std::vector<int6
   return Timed(&seconds_, [&] { return inner_.AllToAllV(in, send_bytes, out, recv_bytes); });
 }
 
+absl::Status TimedCommunicator::AllGatherDevice(const void* in, size_t bytes, void* out) {
+  return Timed(&seconds_, [&] { return inner_.AllGatherDevice(in, bytes, out); });
+}
+
+absl::Status TimedCommunicator::AllToAllVDevice(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                                                const std::vector<int64_t>& recv_bytes) {
+  return Timed(&seconds_, [&] { return inner_.AllToAllVDevice(in, send_bytes, out, recv_bytes); });
+}
+
 }  // namespace logprob

@@ -16,6 +16,10 @@ class TimedCommunicator final : public Communicator {
   absl::Status AllGather(const void* in, size_t bytes, void* out) override;
   absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
                          const std::vector<int64_t>& recv_bytes) override;
+  bool device_collectives() const override { return inner_.device_collectives(); }
+  absl::Status AllGatherDevice(const void* in, size_t bytes, void* out) override;
+  absl::Status AllToAllVDevice(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                               const std::vector<int64_t>& recv_bytes) override;
   /// Seconds spent in collectives so far.
   double seconds() const { return seconds_; }
 

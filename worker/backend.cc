@@ -1,0 +1,18 @@
+#include "worker/backend.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace logprob {
+
+absl::Status ScoringBackend::HiddenItemPartials(const HiddenItemRows&, Communicator&, const kernels::StatsSpec&,
+                                                uint32_t*) {
+  return absl::UnimplementedError(
+      absl::StrCat("work item: the ", name(), " backend scores hidden states in rounds, not in one pass"));
+}
+
+absl::StatusOr<DevicePayload> ScoringBackend::OpenCudaIpcPayload(std::string_view, int64_t, int64_t) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("CUDA IPC input: this worker's backend (", name(), ") has no GPU to map it into"));
+}
+
+}  // namespace logprob
