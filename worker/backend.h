@@ -59,12 +59,12 @@ struct LmHeadSlice {
 /// [first[q], first[q] + count[q]) (first[0] == 0, first[q + 1] ==
 /// first[q] + count[q]).
 struct HiddenItemRows {
-  DType dtype = v1::BF16;         // of the hidden states (F32, BF16 or F16)
-  const void* own = nullptr;      // this rank's rows: [count[rank], H] row-major
-  bool own_on_device = false;     // `own` is in this backend's device memory (a CUDA IPC input), else host memory
-  int64_t vocab_begin = 0;        // global id of the lm_head slice's first row
+  DType dtype = v1::BF16;             // of the hidden states (F32, BF16 or F16)
+  const void* own = nullptr;          // this rank's rows: [count[rank], H] row-major
+  bool own_on_device = false;         // `own` is in this backend's device memory (a CUDA IPC input), else host memory
+  int64_t vocab_begin = 0;            // global id of the lm_head slice's first row
   std::vector<int64_t> first, count;  // per rank
-  BlockRows rows;                 // targets (and gather ids) of all item rows, in item order
+  BlockRows rows;                     // targets (and gather ids) of all item rows, in item order
 };
 
 /// Device memory of an item's payload that a backend mapped (a same-host

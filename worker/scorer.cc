@@ -299,8 +299,9 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
 
 absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& comm, ScoringBackend& backend,
                                          int64_t hidden_chunk_tokens, const std::function<bool()>& should_stop) {
-  return ScoreWorkItem(item, item.layout() == internal::v1::HIDDEN_STATES ? item.hidden_states() : item.logits(), comm,
-                       backend, hidden_chunk_tokens, should_stop);
+  return ScoreWorkItem(
+      item, std::string_view(item.layout() == internal::v1::HIDDEN_STATES ? item.hidden_states() : item.logits()), comm,
+      backend, hidden_chunk_tokens, should_stop);
 }
 
 absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_payload, Communicator& comm,
