@@ -233,19 +233,79 @@ std::unique_ptr<CpuBackend> BackendFor(const Problem& p, int W, int r) {
   return std::make_unique<CpuBackend>(gemm.ok() ? std::move(*gemm) : nullptr);
 }
 
+/// The one-pass contract (ScoringBackend::HiddenItemPartials) on the host,
+/// as the CUDA backend implements it on the device: all-gather every
+/// rank's rows into equal slots, the inner backend's records for all item
+/// rows, one all-to-all of records. Everything else is forwarded.
+class HostOnePassBackend final : public ScoringBackend {
+ public:
+  explicit HostOnePassBackend(std::unique_ptr<ScoringBackend> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return "host-one-pass"; }
+  absl::Status SlicePartials(const LogitsBlock& b, const BlockRows& r, const kernels::StatsSpec& s,
+                             uint32_t* out) override {
+    return inner_->SlicePartials(b, r, s, out);
+  }
+  absl::Status FilteredRowPartials(const LogitsBlock& b, const BlockRows& r, const kernels::StatsSpec& s,
+                                   const SamplingFilter& f, uint32_t* out) override {
+    return inner_->FilteredRowPartials(b, r, s, f, out);
+  }
+  bool has_lm_head() const override { return inner_->has_lm_head(); }
+  int64_t lm_head_rows() const override { return inner_->lm_head_rows(); }
+  int64_t lm_head_hidden_size() const override { return inner_->lm_head_hidden_size(); }
+  absl::Status HiddenPartials(DType d, const void* h, int64_t vb, const BlockRows& r, const kernels::StatsSpec& s,
+                              uint32_t* out) override {
+    return inner_->HiddenPartials(d, h, vb, r, s, out);
+  }
+  absl::Status HiddenLogits(DType d, const void* h, int64_t M, float* out) override {
+    return inner_->HiddenLogits(d, h, M, out);
+  }
+  bool OnePassHidden(const Communicator&) const override { return true; }
+  absl::Status HiddenItemPartials(const HiddenItemRows& item, Communicator& comm, const kernels::StatsSpec& spec,
+                                  uint32_t* own_records) override {
+    ++one_pass_calls;
+    const int W = comm.size(), me = comm.rank();
+    const size_t row = static_cast<size_t>(lm_head_hidden_size()) * DTypeSize(item.dtype);
+    const size_t words = kernels::PartialWords(spec);
+    int64_t slot = 0;
+    for (int64_t c : item.count) slot = std::max(slot, c);
+    std::vector<char> mine(slot * row), all(W * slot * row), packed;
+    if (item.count[me]) std::memcpy(mine.data(), item.own, item.count[me] * row);
+    if (absl::Status st = comm.AllGather(mine.data(), mine.size(), all.data()); !st.ok()) return st;
+    for (int q = 0; q < W; ++q)
+      packed.insert(packed.end(), all.begin() + q * slot * row, all.begin() + (q * slot + item.count[q]) * row);
+    std::vector<uint32_t> records(static_cast<size_t>(item.rows.count) * words);
+    if (absl::Status st =
+            inner_->HiddenPartials(item.dtype, packed.data(), item.vocab_begin, item.rows, spec, records.data());
+        !st.ok())
+      return st;
+    std::vector<int64_t> send(W), recv(W);
+    for (int q = 0; q < W; ++q) {
+      send[q] = item.count[q] * static_cast<int64_t>(words) * 4;
+      recv[q] = item.count[me] * static_cast<int64_t>(words) * 4;
+    }
+    return comm.AllToAllV(records.data(), send, own_records, recv);
+  }
+  int one_pass_calls = 0;
+
+ private:
+  std::unique_ptr<ScoringBackend> inner_;
+};
+
 /// Runs ScoreWorkItem for every rank on its own thread; `should_stop`
 /// (optional) is given rank r's index. A rank that fails aborts the group
 /// so the others do not wait for it. Returns the per-rank results.
 std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, Layout layout, int W,
                                                  int64_t hidden_chunk_tokens = 16,
-                                                 const std::function<bool(int rank)>& should_stop = {}) {
+                                                 const std::function<bool(int rank)>& should_stop = {},
+                                                 bool one_pass = false) {
   InProcessGroup group(W);
   std::vector<absl::StatusOr<WorkResult>> results(W, absl::UnknownError("not run"));
   std::vector<std::thread> threads;
   for (int r = 0; r < W; ++r) {
     threads.emplace_back([&, r] {
       const WorkItem item = ItemFor(p, layout, W, r);
-      auto backend = BackendFor(p, W, r);
+      std::unique_ptr<ScoringBackend> backend = BackendFor(p, W, r);
+      if (one_pass) backend = std::make_unique<HostOnePassBackend>(std::move(backend));
       InProcessCommunicator comm(group, r);
       std::function<bool()> stop;
       if (should_stop) stop = [&should_stop, r] { return should_stop(r); };
@@ -254,6 +314,9 @@ std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, Layout layout
       Communicator& c = layout == internal::v1::TOKEN_PARALLEL ? static_cast<Communicator&>(self) : comm;
       results[r] = ScoreWorkItem(item, c, *backend, hidden_chunk_tokens, stop);
       if (!results[r].ok()) group.Abort();
+      if (one_pass && layout == internal::v1::HIDDEN_STATES && p.options.sampling_top_k() == 0 &&
+          !p.options.has_sampling_top_p())
+        EXPECT_EQ(static_cast<HostOnePassBackend&>(*backend).one_pass_calls, 1) << "rank " << r;
     });
   }
   for (auto& t : threads) t.join();
@@ -262,8 +325,8 @@ std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, Layout layout
 
 /// Scores `p` on W ranks and assembles every row's outputs (fails the
 /// test on a rank error).
-Scored Score(const Problem& p, Layout layout, int W) {
-  const auto results = RunRanks(p, layout, W);
+Scored Score(const Problem& p, Layout layout, int W, bool one_pass = false) {
+  const auto results = RunRanks(p, layout, W, 16, {}, one_pass);
   const int K = p.options.topk(), G = p.gather_k;
   Scored s;
   s.token.assign(p.n, NAN);
@@ -533,6 +596,44 @@ TEST(Scorer, VocabParallelResultsAreBitwiseTheSameWhoeverFinalisesTheRow) {
     EXPECT_EQ(std::memcmp(&a.token[i], &b.token[j], 4), 0) << "row " << i;
     EXPECT_EQ(std::memcmp(&a.entropy[i], &b.entropy[j], 4), 0) << "row " << i;
   }
+}
+
+TEST(Scorer, HiddenStatesInOnePassGiveTheBitsOfTheRounds) {
+  // A backend that scores the whole item in one pass (the CUDA backend's
+  // contract, here on the host) gives every row the same bits as rounds of
+  // 16 rows, for W = 1..3, and rows split unevenly or not at all (n < W).
+  for (int64_t n : {150, 2}) {
+    const Problem p = HiddenProblem(n, 301, 64, /*filters=*/false, 21);
+    for (int W = 1; W <= 3; ++W) {
+      SCOPED_TRACE("n " + std::to_string(n) + " W " + std::to_string(W));
+      const Scored rounds = Score(p, internal::v1::HIDDEN_STATES, W);
+      const Scored one = Score(p, internal::v1::HIDDEN_STATES, W, /*one_pass=*/true);
+      ExpectMatchesReference(p, one, "one pass");
+      EXPECT_EQ(std::memcmp(rounds.token.data(), one.token.data(), 4 * n), 0);
+      EXPECT_EQ(std::memcmp(rounds.entropy.data(), one.entropy.data(), 4 * n), 0);
+      EXPECT_EQ(rounds.topk_id, one.topk_id);
+      EXPECT_EQ(std::memcmp(rounds.topk_lp.data(), one.topk_lp.data(), 4 * rounds.topk_lp.size()), 0);
+      EXPECT_EQ(std::memcmp(rounds.gathered.data(), one.gathered.data(), 4 * rounds.gathered.size()), 0);
+    }
+  }
+}
+
+TEST(Scorer, HiddenStatesWithSamplingFiltersKeepTheirRoundsOnAOnePassBackend) {
+  // Filters need full rows (all_to_all_vp2sq): the scorer keeps the rounds.
+  const Problem p = HiddenProblem(40, 301, 64, /*filters=*/true, 22);
+  ExpectMatchesReference(p, Score(p, internal::v1::HIDDEN_STATES, 2, /*one_pass=*/true), "filters");
+}
+
+TEST(Scorer, DevicePayloadNeedsAOnePassBackend) {
+  const Problem p = HiddenProblem(8, 64, 32, /*filters=*/false, 23);
+  const WorkItem item = ItemFor(p, internal::v1::HIDDEN_STATES, 1, 0);
+  auto backend = BackendFor(p, 1, 0);
+  SelfCommunicator self;
+  const auto res = ScoreWorkItem(item, ItemPayload(item.hidden_states(), /*device=*/true), self, *backend, 16, {});
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kFailedPrecondition) << res.status();
+  const WorkItem logits = ItemFor(LogitsProblem(v1::F32, 4, 16, false, 2), internal::v1::TOKEN_PARALLEL, 1, 0);
+  const auto bad = ScoreWorkItem(logits, ItemPayload(logits.logits(), /*device=*/true), self, *backend, 16, {});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
 }
 
 TEST(Scorer, OneRankAskingToStopStopsEveryRankAfterTheSameRound) {

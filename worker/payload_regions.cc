@@ -25,6 +25,17 @@ absl::StatusOr<std::string_view> PayloadRegions::Payload(const internal::v1::Wor
           "work item payload in shared memory: ", opened.status().message(),
           " (is this worker on the front-end's host? otherwise start the server with --shared-memory=false)"));
     *hold = std::move(*opened);
+    if (backend_) {
+      // The backend forgets the region before it is unmapped: the returned
+      // pointer's deleter unregisters, then drops the mapping it owns.
+      std::shared_ptr<SharedRegion> mapped = std::move(*hold);
+      backend_->RegisterHostMemory(mapped->data(), mapped->size());
+      ScoringBackend* backend = backend_;
+      *hold = std::shared_ptr<SharedRegion>(mapped.get(), [mapped, backend](SharedRegion* r) mutable {
+        backend->UnregisterHostMemory(r->data());
+        mapped.reset();
+      });
+    }
     std::lock_guard<std::mutex> lock(mu_);
     mapped_.push_front(*hold);
     if (mapped_.size() > capacity_) mapped_.pop_back();

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "common/shared_memory.h"
 #include "logprob/internal/v1/worker.pb.h"
+#include "worker/backend.h"
 
 namespace logprob {
 
@@ -18,7 +19,11 @@ namespace logprob {
 /// so a region is mapped once, not per work item. Thread-safe.
 class PayloadRegions {
  public:
-  explicit PayloadRegions(size_t capacity = 8) : capacity_(capacity) {}
+  /// `backend` (optional, must outlive this) is told about every region
+  /// mapped (ScoringBackend::RegisterHostMemory, e.g. cudaHostRegister) and
+  /// unmapped, so it can upload from the regions directly.
+  explicit PayloadRegions(size_t capacity = 8, ScoringBackend* backend = nullptr)
+      : capacity_(capacity), backend_(backend) {}
 
   /// The payload of `item`: its logits (or, for HIDDEN_STATES, its
   /// hidden_states) field, or its range of the region payload_shm. *hold
@@ -29,6 +34,7 @@ class PayloadRegions {
 
  private:
   const size_t capacity_;
+  ScoringBackend* const backend_;
   std::mutex mu_;
   std::list<std::shared_ptr<SharedRegion>> mapped_;  // most recently used first
 };

@@ -140,6 +140,22 @@ struct RoundSlice {
   size_t row_bytes() const { return static_cast<size_t>(len) * DTypeSize(dtype); }
 };
 
+/// Combines the records of this rank's `mine` rows, item rows [first,
+/// first + mine), from all W vocabulary slices: `recv` is
+/// [W][mine][PartialWords] rank-major (what the all-to-all delivers),
+/// combined in rank order so results do not depend on who finalises.
+void CombineOwnRows(Job& job, int W, int64_t first, int64_t mine, const uint32_t* recv, int64_t out_row0,
+                    ResultRows& out) {
+  const size_t words = kernels::PartialWords(job.spec);
+  std::vector<const uint32_t*> recs(W);
+  for (int64_t i = 0; i < mine; ++i) {
+    const int64_t row = first + i;
+    for (int q = 0; q < W; ++q) recs[q] = recv + (q * mine + i) * words;
+    kernels::CombinePartials(recs.data(), W, job.spec, job.item.targets(static_cast<int>(row)) >= 0,
+                             out.At(row - out_row0));
+  }
+}
+
 /// Finalises the rows this rank owns in one round without sampling
 /// filters: `send` holds the packed partial of every row of the round on
 /// this rank's slice (round order); one all-to-all brings each owner the
@@ -158,13 +174,7 @@ absl::Status ExchangePartials(Job& job, Communicator& comm, const RoundRows& row
     recv_bytes[q] = mine * static_cast<int64_t>(words) * 4;
   }
   LOGPROB_RETURN_IF_ERROR(comm.AllToAllV(send.data(), send_bytes, recv.data(), recv_bytes));
-  std::vector<const uint32_t*> recs(W);
-  for (int64_t i = 0; i < mine; ++i) {
-    const int64_t row = rows.first[me] + i;
-    for (int q = 0; q < W; ++q) recs[q] = recv.data() + (q * mine + i) * words;
-    kernels::CombinePartials(recs.data(), W, job.spec, job.item.targets(static_cast<int>(row)) >= 0,
-                             out.At(row - out_row0));
-  }
+  CombineOwnRows(job, W, rows.first[me], mine, recv.data(), out_row0, out);
   return absl::OkStatus();
 }
 
@@ -295,6 +305,31 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
   return absl::OkStatus();
 }
 
+/// HIDDEN_STATES in one pass (a backend with OnePassHidden(comm), no
+/// sampling filters): the backend gathers, multiplies and exchanges the
+/// whole item on its device; this rank combines its own rows' records.
+absl::Status ScoreHiddenOnePass(Job& job, Communicator& comm, bool on_device, int64_t own_begin, ResultRows& out) {
+  LOGPROB_RETURN_IF_ERROR(AgreeToGoOn(job, comm));
+  const WorkItem& item = job.item;
+  const int W = comm.size(), me = comm.rank();
+  HiddenItemRows h;
+  h.dtype = item.dtype();
+  h.own = job.payload.data();
+  h.own_on_device = on_device;
+  h.vocab_begin = item.vocab_begin();
+  for (int q = 0; q < W; ++q) {
+    const auto [ob, oe] = SplitRange(item.num_rows(), W, q);
+    h.first.push_back(ob);
+    h.count.push_back(oe - ob);
+  }
+  h.rows = job.Range(0, item.num_rows());
+  const int64_t mine = h.count[me];
+  std::vector<uint32_t> recv(static_cast<size_t>(W * mine) * kernels::PartialWords(job.spec));
+  LOGPROB_RETURN_IF_ERROR(job.backend.HiddenItemPartials(h, comm, job.spec, recv.data()));
+  CombineOwnRows(job, W, h.first[me], mine, recv.data(), own_begin, out);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& comm, ScoringBackend& backend,
@@ -318,6 +353,8 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_
           backend,
           should_stop};
   const DType dtype = item.dtype();
+  if (item_payload.on_device && item.layout() != internal::v1::HIDDEN_STATES)
+    return absl::InvalidArgumentError("work item: only hidden states may be passed in device memory");
   if (!IsFloatDType(dtype)) return absl::InvalidArgumentError("work item: dtype must be F32, BF16 or F16");
   const int64_t n = item.num_rows();
   if (item.targets_size() != n || item.gather_ids_size() != n * item.gather_k())
@@ -353,7 +390,17 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_
       if (static_cast<int64_t>(payload.size()) !=
           (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: hidden_states size does not match this rank's rows");
-      LOGPROB_RETURN_IF_ERROR(ScoreHiddenStates(job, comm, hidden_chunk_tokens, own_begin, rows));
+      if (backend.OnePassHidden(comm) && !job.filters) {
+        LOGPROB_RETURN_IF_ERROR(ScoreHiddenOnePass(job, comm, item_payload.on_device, own_begin, rows));
+      } else if (item_payload.on_device) {
+        return absl::FailedPreconditionError(
+            job.filters ? "hidden states passed as a CUDA IPC handle cannot be scored with sampling filters "
+                          "(sampling_top_k / sampling_top_p): send their bytes instead"
+                        : "hidden states passed as a CUDA IPC handle need workers that score hidden states in one "
+                          "pass (the CUDA backend with NCCL, or one worker)");
+      } else {
+        LOGPROB_RETURN_IF_ERROR(ScoreHiddenStates(job, comm, hidden_chunk_tokens, own_begin, rows));
+      }
     } else {
       if (static_cast<int64_t>(payload.size()) != n * slice_len * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: logits size does not match num_rows");

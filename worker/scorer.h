@@ -28,7 +28,10 @@ constexpr int64_t kDefaultHiddenChunkTokens = 128;
 /// - HIDDEN_STATES: the same rows it was given, SplitRange(num_rows, W, r);
 ///   per round the ranks all-gather `hidden_chunk_tokens` hidden rows each,
 ///   multiply them by the backend's lm_head slice (rows
-///   SplitRange(V, comm.size(), comm.rank())) and combine as VOCAB_PARALLEL.
+///   SplitRange(V, comm.size(), comm.rank())) and combine as VOCAB_PARALLEL;
+///   or, when backend.OnePassHidden(comm) and no sampling filters, one pass:
+///   backend.HiddenItemPartials gathers, multiplies and exchanges the whole
+///   item on its device (CUDA), and this rank combines its rows' records.
 /// `backend` computes the packed partial records of every block of rows.
 /// All ranks must call this with items of the same job in the same order.
 /// FAILED_PRECONDITION for a HIDDEN_STATES item on a backend without an lm_head.

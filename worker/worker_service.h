@@ -22,7 +22,10 @@ class WorkerService final : public internal::v1::Worker::Service {
   /// if any); `chunk_tokens`: hidden-states rows per rank per round.
   WorkerService(std::unique_ptr<Communicator> comm, std::unique_ptr<ScoringBackend> backend,
                 int64_t chunk_tokens = kDefaultHiddenChunkTokens)
-      : backend_(std::move(backend)), comm_(std::move(comm)), chunk_tokens_(chunk_tokens) {}
+      : backend_(std::move(backend)),
+        comm_(std::move(comm)),
+        chunk_tokens_(chunk_tokens),
+        payload_regions_(8, backend_.get()) {}
   grpc::Status Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                    internal::v1::WorkResult* result) override;
   grpc::Status Info(grpc::ServerContext* ctx, const internal::v1::WorkerInfoRequest* req,
@@ -34,6 +37,7 @@ class WorkerService final : public internal::v1::Worker::Service {
   std::unique_ptr<Communicator> comm_;
   int64_t chunk_tokens_;
   std::mutex collective_mu_;
+  // Declared after backend_: unmapped (and unregistered from it) first.
   PayloadRegions payload_regions_;
 };
 

@@ -1,6 +1,7 @@
 #include "worker/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -36,6 +37,9 @@ void EmptySliceRecords(const BlockRows& rows, int64_t vocab_begin, const kernels
   }
 }
 
+/// x rounded up to a multiple of 16 (rows: GEMM chunks start aligned).
+int64_t RoundUp16(int64_t x) { return (x + 15) / 16 * 16; }
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, const LmHeadSlice* lm_head,
@@ -52,9 +56,12 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, con
   b->options_.staging_bytes = std::max<size_t>(b->options_.staging_bytes, 1);
   LOGPROB_RETURN_IF_ERROR(b->compute_.Create());
   LOGPROB_RETURN_IF_ERROR(b->copy_.Create());
+  LOGPROB_RETURN_IF_ERROR(b->stats_.Create());
   for (int i = 0; i < 2; ++i) {
     LOGPROB_RETURN_IF_ERROR(b->copied_[i].Create());
     LOGPROB_RETURN_IF_ERROR(b->computed_[i].Create());
+    LOGPROB_RETURN_IF_ERROR(b->gemm_done_[i].Create());
+    LOGPROB_RETURN_IF_ERROR(b->stats_done_[i].Create());
   }
   if (lm_head) {
     LOGPROB_ASSIGN_OR_RETURN(
@@ -94,15 +101,17 @@ void CudaBackend::PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& s
   args->topk_scratch_id = spec.topk ? topk_id_dev_.get<int32_t>() + r0 * spec.topk : nullptr;
 }
 
-absl::Status CudaBackend::FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records) {
-  const size_t bytes = static_cast<size_t>(rows) * kernels::PartialWords(spec) * 4;
-  LOGPROB_RETURN_IF_ERROR(records_host_.Reserve(bytes));
-  LOGPROB_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(records_host_.get(), records_dev_.get(), bytes, cudaMemcpyDeviceToHost, compute_.get()),
-      "records download");
+absl::Status CudaBackend::Download(const void* src, size_t bytes, void* dst) {
+  LOGPROB_RETURN_IF_ERROR(records_host_.Reserve(std::max<size_t>(bytes, 1)));
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(records_host_.get(), src, bytes, cudaMemcpyDeviceToHost, compute_.get()),
+                               "records download");
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_.get()), "row kernels");
-  std::memcpy(records, records_host_.get(), bytes);
+  std::memcpy(dst, records_host_.get(), bytes);
   return absl::OkStatus();
+}
+
+absl::Status CudaBackend::FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records) {
+  return Download(records_dev_.get(), static_cast<size_t>(rows) * kernels::PartialWords(spec) * 4, records);
 }
 
 absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRows& rows,
@@ -210,27 +219,21 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
     EmptySliceRecords(rows, vocab_begin, spec, records);
     return absl::OkStatus();
   }
+  if (!IsFloatDType(hidden_dtype))
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden states dtype must be F32, BF16 or F16, got ", DTypeName(hidden_dtype)));
   absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  LOGPROB_ASSIGN_OR_RETURN(const void* dev_hidden, UploadHidden(hidden_dtype, hidden, rows.count));
   LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
-  const int64_t N = gemm_->rows(), H = gemm_->hidden_size(), G = GemmChunkRows(rows.count);
-  LOGPROB_RETURN_IF_ERROR(logits_dev_.Reserve(static_cast<size_t>(G * N) * 4));
-  const size_t csize = DTypeSize(gemm_->compute_dtype());
-  RowBlockArgs args = BaseArgs(spec);
-  args.logits = logits_dev_.get();
-  args.type = ElemType::kF32;
-  args.row_stride = args.len = N;
-  args.vocab_begin = vocab_begin;
-  for (int64_t r0 = 0; r0 < rows.count; r0 += G) {
-    const int64_t n = std::min(G, rows.count - r0);
-    // The chunk's logits are consumed by the statistics kernel right after
-    // the GEMM on the same stream, then overwritten by the next chunk.
-    LOGPROB_RETURN_IF_ERROR(gemm_->Compute(static_cast<const char*>(dev_hidden) + r0 * H * csize, n,
-                                           logits_dev_.get<float>(), compute_.get()));
-    PointAtRows(r0, n, spec, &args);
-    LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRowPartials(args, compute_.get()), "row partials kernel");
-  }
+  const size_t raw_row = static_cast<size_t>(gemm_->hidden_size()) * DTypeSize(hidden_dtype);
+  const int64_t G = GemmChunkRows(RoundUp16(rows.count));
+  LOGPROB_RETURN_IF_ERROR(hidden_raw_.Reserve(static_cast<size_t>(rows.count) * raw_row));
+  LOGPROB_RETURN_IF_ERROR(UploadRows(static_cast<const char*>(hidden), /*on_device=*/false, rows.count, raw_row, G,
+                                     hidden_raw_.get<char>()));
+  LOGPROB_RETURN_IF_ERROR(GemmAndStats(hidden_raw_.get<char>(), hidden_dtype, 0, rows.count, G, 0,
+                                       /*wait_uploads=*/true, vocab_begin, spec)
+                              .status());
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stats_.get()), "row partials kernel");
   return FetchRecords(rows.count, spec, records);
 }
 
@@ -253,6 +256,199 @@ absl::Status CudaBackend::HiddenLogits(DType hidden_dtype, const void* hidden, i
   }
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_.get()), "lm_head GEMM");
   return absl::OkStatus();
+}
+
+namespace {
+
+/// INVALID_ARGUMENT unless `item`'s per-rank rows tile its rows in rank order.
+absl::Status CheckItemRows(const HiddenItemRows& item, int W, int me) {
+  if (static_cast<int>(item.first.size()) != W || static_cast<int>(item.count.size()) != W)
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden-states item: ", item.first.size(), " rank ranges for ", W, " ranks"));
+  int64_t next = 0;
+  for (int q = 0; q < W; ++q) {
+    if (item.first[q] != next || item.count[q] < 0)
+      return absl::InvalidArgumentError(absl::StrCat("hidden-states item: rank ", q, "'s rows [", item.first[q], ", +",
+                                                     item.count[q], ") do not follow rank ", q - 1, "'s"));
+    next += item.count[q];
+  }
+  if (next != item.rows.count)
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden-states item: ranks hold ", next, " rows, targets ", item.rows.count));
+  if (item.count[me] > 0 && item.own == nullptr) return absl::InvalidArgumentError("hidden-states item: no rows");
+  if (!IsFloatDType(item.dtype))
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden states dtype must be F32, BF16 or F16, got ", DTypeName(item.dtype)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void CudaBackend::RegisterHostMemory(const void* data, size_t bytes) {
+  if (!data || bytes == 0) return;
+  absl::MutexLock lock(&reg_mu_);
+  if (registered_.count(static_cast<const char*>(data))) return;
+  if (cudaSetDevice(device_) != cudaSuccess) return;
+  // Read-only: the worker maps payload regions PROT_READ.
+  const cudaError_t e =
+      cudaHostRegister(const_cast<void*>(data), bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear it
+    if (!register_failed_)
+      std::fprintf(stderr,
+                   "logprob-worker: cudaHostRegister of a %zu-byte payload region failed (%s); uploads "
+                   "from it go through the staging buffers\n",
+                   bytes, cudaGetErrorString(e));
+    register_failed_ = true;
+    return;
+  }
+  registered_[static_cast<const char*>(data)] = bytes;
+}
+
+void CudaBackend::UnregisterHostMemory(const void* data) {
+  absl::MutexLock lock(&reg_mu_);
+  auto it = registered_.find(static_cast<const char*>(data));
+  if (it == registered_.end()) return;
+  cudaSetDevice(device_);
+  cudaHostUnregister(const_cast<char*>(it->first));
+  registered_.erase(it);
+}
+
+bool CudaBackend::IsRegistered(const void* data, size_t bytes) const {
+  const char* p = static_cast<const char*>(data);
+  absl::MutexLock lock(&reg_mu_);
+  auto it = registered_.upper_bound(p);
+  if (it == registered_.begin()) return false;
+  --it;
+  return p >= it->first && p + bytes <= it->first + it->second;
+}
+
+absl::Status CudaBackend::UploadRows(const char* src, bool on_device, int64_t rows, size_t row_bytes,
+                                     int64_t chunk_rows, char* dst) {
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+  while (static_cast<int64_t>(uploaded_.size()) < chunks) {
+    auto e = std::make_unique<Event>();
+    LOGPROB_RETURN_IF_ERROR(e->Create());
+    uploaded_.push_back(std::move(e));
+  }
+  const bool direct = on_device || IsRegistered(src, static_cast<size_t>(rows) * row_bytes);
+  if (!direct)
+    for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(staging_host_[b].Reserve(chunk_rows * row_bytes));
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t r0 = c * chunk_rows, n = std::min(chunk_rows, rows - r0);
+    const size_t bytes = static_cast<size_t>(n) * row_bytes, at = static_cast<size_t>(r0) * row_bytes;
+    if (direct) {
+      LOGPROB_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(dst + at, src + at, bytes, on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice,
+                          copy_.get()),
+          "hidden states upload");
+    } else {
+      // Pageable memory: copy into pinned buffer b (free once its previous
+      // upload finished) while earlier chunks upload and multiply.
+      const int b = static_cast<int>(c % 2);
+      LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_[b].get()), "staging upload");
+      std::memcpy(staging_host_[b].get(), src + at, bytes);
+      LOGPROB_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(dst + at, staging_host_[b].get(), bytes, cudaMemcpyHostToDevice, copy_.get()),
+          "hidden states upload");
+      LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(copied_[b].get(), copy_.get()), "event");
+    }
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(uploaded_[c]->get(), copy_.get()), "event");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CudaBackend::GemmAndStats(const char* hidden, DType dtype, int64_t row0, int64_t rows,
+                                                  int64_t G, int64_t k0, bool wait_uploads, int64_t vocab_begin,
+                                                  const kernels::StatsSpec& spec) {
+  const int64_t N = gemm_->rows(), H = gemm_->hidden_size();
+  const size_t raw_row = static_cast<size_t>(H) * DTypeSize(dtype);
+  const size_t cmp_row = static_cast<size_t>(H) * DTypeSize(gemm_->compute_dtype());
+  const bool convert = dtype != gemm_->compute_dtype();
+  if (convert) LOGPROB_RETURN_IF_ERROR(hidden_dev_.Reserve(static_cast<size_t>(G) * cmp_row));
+  for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(chunk_logits_[b].Reserve(static_cast<size_t>(G * N) * 4));
+  RowBlockArgs args = BaseArgs(spec);
+  args.type = ElemType::kF32;
+  args.row_stride = args.len = N;
+  args.vocab_begin = vocab_begin;
+  int64_t k = k0;
+  for (int64_t l0 = 0; l0 < rows; l0 += G, ++k) {
+    const int64_t n = std::min(G, rows - l0);
+    const int b = static_cast<int>(k % 2);
+    if (wait_uploads)
+      LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), uploaded_[l0 / G]->get(), 0), "wait");
+    const void* a = hidden + static_cast<size_t>(l0) * raw_row;
+    if (convert) {
+      // hidden_dev_ holds one chunk: the previous chunk's GEMM, queued
+      // before on this stream, has read it.
+      LOGPROB_CUDA_RETURN_IF_ERROR(
+          LaunchConvert(a, ElemOf(dtype), n * H, hidden_dev_.get(), ElemOf(gemm_->compute_dtype()), compute_.get()),
+          "hidden states conversion");
+      a = hidden_dev_.get();
+    }
+    // Logits buffer b is free once the statistics of chunk k - 2 read it.
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), stats_done_[b].get(), 0), "wait");
+    LOGPROB_RETURN_IF_ERROR(gemm_->Compute(a, n, chunk_logits_[b].get<float>(), compute_.get()));
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(gemm_done_[b].get(), compute_.get()), "event");
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stats_.get(), gemm_done_[b].get(), 0), "wait");
+    args.logits = chunk_logits_[b].get();
+    PointAtRows(row0 + l0, n, spec, &args);
+    LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRowPartials(args, stats_.get()), "row partials kernel");
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(stats_done_[b].get(), stats_.get()), "event");
+  }
+  return k;
+}
+
+absl::Status CudaBackend::HiddenItemPartials(const HiddenItemRows& item, Communicator& comm,
+                                             const kernels::StatsSpec& spec, uint32_t* own_records) {
+  if (!gemm_) return NoLmHeadError();
+  if (!OnePassHidden(comm))
+    return absl::UnimplementedError("hidden states in one pass need W == 1 or device collectives (NCCL)");
+  const int W = comm.size(), me = comm.rank();
+  LOGPROB_RETURN_IF_ERROR(CheckItemRows(item, W, me));
+  const int64_t n = item.rows.count, mine = item.count[me];
+  if (n == 0) return absl::OkStatus();
+  const int64_t H = gemm_->hidden_size();
+  const size_t raw_row = static_cast<size_t>(H) * DTypeSize(item.dtype), words = kernels::PartialWords(spec);
+  // Every rank's rows sit in a slot of `slot` rows (the largest share,
+  // rounded to 16 rows so each slot and GEMM chunk is aligned as the GEMM
+  // wants); the all-gather fills the slots in place.
+  int64_t most = 0;
+  for (int64_t c : item.count) most = std::max(most, c);
+  const int64_t slot = RoundUp16(std::max<int64_t>(most, 1));
+  absl::MutexLock lock(&mu_);
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+  LOGPROB_RETURN_IF_ERROR(UploadIds(item.rows, spec));
+  LOGPROB_RETURN_IF_ERROR(hidden_raw_.Reserve(static_cast<size_t>(W * slot) * raw_row));
+  char* slots = hidden_raw_.get<char>();
+  const int64_t G = GemmChunkRows(slot);
+  LOGPROB_RETURN_IF_ERROR(UploadRows(static_cast<const char*>(item.own), item.own_on_device, mine, raw_row, G,
+                                     slots + static_cast<size_t>(me * slot) * raw_row));
+  if (W > 1) {
+    // The uploads are done before NCCL reads the slot, whichever stream
+    // the communicator runs on; AllGatherDevice returns once it finished.
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(copy_.get()), "hidden states upload");
+    LOGPROB_RETURN_IF_ERROR(comm.AllGatherDevice(slots + static_cast<size_t>(me * slot) * raw_row,
+                                                 static_cast<size_t>(slot) * raw_row, slots));
+  }
+  int64_t k = 0;
+  for (int q = 0; q < W; ++q) {
+    if (item.count[q] == 0) continue;
+    LOGPROB_ASSIGN_OR_RETURN(k, GemmAndStats(slots + static_cast<size_t>(q * slot) * raw_row, item.dtype, item.first[q],
+                                             item.count[q], G, k, /*wait_uploads=*/W == 1, item.vocab_begin, spec));
+  }
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stats_.get()), "row partials kernel");
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_.get()), "lm_head GEMM");
+  if (W == 1) return Download(records_dev_.get(), static_cast<size_t>(n) * words * 4, own_records);
+  std::vector<int64_t> send_bytes(W), recv_bytes(W);
+  for (int q = 0; q < W; ++q) {
+    send_bytes[q] = item.count[q] * static_cast<int64_t>(words) * 4;
+    recv_bytes[q] = mine * static_cast<int64_t>(words) * 4;
+  }
+  const size_t recv_total = static_cast<size_t>(W * mine) * words * 4;
+  LOGPROB_RETURN_IF_ERROR(exchanged_dev_.Reserve(std::max<size_t>(recv_total, 1)));
+  LOGPROB_RETURN_IF_ERROR(comm.AllToAllVDevice(records_dev_.get(), send_bytes, exchanged_dev_.get(), recv_bytes));
+  return Download(exchanged_dev_.get(), recv_total, own_records);
 }
 
 int64_t CudaBackend::device_memory_bytes() const {

@@ -5,7 +5,9 @@
 
 #include <cuda_runtime.h>
 
+#include <map>
 #include <memory>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -56,6 +58,25 @@ class CudaBackend final : public ScoringBackend {
                               const kernels::StatsSpec& spec, uint32_t* records) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) override
       ABSL_LOCKS_EXCLUDED(mu_);
+  /// One pass needs no host bounce: W == 1, or NCCL's device collectives.
+  bool OnePassHidden(const Communicator& comm) const override {
+    return gemm_ != nullptr && (comm.size() == 1 || comm.device_collectives());
+  }
+  /// The whole item on the device: this rank's rows are uploaded in GEMM
+  /// chunks on the copy stream (straight from registered or device memory,
+  /// else through the two pinned staging buffers), all-gathered in place
+  /// over NCCL (W >= 2), multiplied chunk by chunk on the compute stream
+  /// into two alternating logits buffers while the statistics kernel of the
+  /// previous chunk runs on a second stream, and the records, which stay on
+  /// the device, are exchanged with one device all-to-all; only this rank's
+  /// rows' records come back to the host. Every row runs the same GEMM
+  /// algorithm and kernels whatever M and its position (batch invariance).
+  absl::Status HiddenItemPartials(const HiddenItemRows& item, Communicator& comm, const kernels::StatsSpec& spec,
+                                  uint32_t* own_records) override ABSL_LOCKS_EXCLUDED(mu_);
+  /// cudaHostRegister (read-only, portable) of a payload region; failures
+  /// are logged once and leave uploads on the staging path.
+  void RegisterHostMemory(const void* data, size_t bytes) override ABSL_LOCKS_EXCLUDED(reg_mu_);
+  void UnregisterHostMemory(const void* data) override ABSL_LOCKS_EXCLUDED(reg_mu_);
 
   int device() const { return device_; }
   /// The compute stream (the NCCL communicator may run its collectives on it).
@@ -76,13 +97,32 @@ class CudaBackend final : public ScoringBackend {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Copies `bytes` from device memory `src` to host `dst` through the
+  /// pinned records buffer, after the compute stream's queued work.
+  absl::Status Download(const void* src, size_t bytes, void* dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// True when [data, data + bytes) lies in one registered host range.
+  bool IsRegistered(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(reg_mu_);
+  /// Queues the upload of `rows` rows of `row_bytes` at `src` (host or, with
+  /// `on_device`, device memory) to `dst` on the copy stream in chunks of
+  /// `chunk_rows`, recording uploaded_[c] after chunk c.
+  absl::Status UploadRows(const char* src, bool on_device, int64_t rows, size_t row_bytes, int64_t chunk_rows,
+                          char* dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The GEMM and statistics of `rows` device rows at `hidden` (raw dtype
+  /// `dtype`), the rows [row0, row0 + rows) of the uploaded ids, in chunks
+  /// of G rows numbered from k0 (chunk parity picks the logits buffer);
+  /// `wait_uploads`: chunk c first waits for uploaded_[c]. Records go to
+  /// records_dev_; queued on compute_ (GEMM) and stats_ (statistics).
+  /// Returns the next chunk number.
+  absl::StatusOr<int64_t> GemmAndStats(const char* hidden, DType dtype, int64_t row0, int64_t rows, int64_t G,
+                                       int64_t k0, bool wait_uploads, int64_t vocab_begin,
+                                       const kernels::StatsSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after Create (the stream and event handles too; the work
   // queued on them, and gemm_->Compute, happen under mu_).
   int device_ = 0;
   Options options_;
-  Stream compute_, copy_;
-  Event copied_[2], computed_[2];
+  Stream compute_, copy_, stats_;
+  Event copied_[2], computed_[2], gemm_done_[2], stats_done_[2];
   std::unique_ptr<CublasLtLmHead> gemm_;
 
   /// Serialises the calls: one device, one compute stream, and the
@@ -101,6 +141,14 @@ class CudaBackend final : public ScoringBackend {
   DeviceBuffer records_dev_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer topk_x_dev_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer topk_id_dev_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer chunk_logits_[2] ABSL_GUARDED_BY(mu_);                  // one-pass: alternating GEMM outputs
+  DeviceBuffer exchanged_dev_ ABSL_GUARDED_BY(mu_);                    // one-pass: records after the all-to-all
+  std::vector<std::unique_ptr<Event>> uploaded_ ABSL_GUARDED_BY(mu_);  // one-pass: per upload chunk
+
+  /// Page-locked host ranges (RegisterHostMemory): start -> bytes.
+  mutable absl::Mutex reg_mu_;
+  std::map<const char*, size_t> registered_ ABSL_GUARDED_BY(reg_mu_);
+  bool register_failed_ ABSL_GUARDED_BY(reg_mu_) = false;
 };
 
 }  // namespace logprob::cuda

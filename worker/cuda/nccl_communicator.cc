@@ -70,9 +70,14 @@ absl::Status NcclCommunicator::Abort(absl::Status why) {
   return why;
 }
 
-absl::Status NcclCommunicator::Begin(const void* in, size_t in_bytes, size_t out_bytes) {
+absl::Status NcclCommunicator::Usable() {
   if (broken_) return absl::UnavailableError("NCCL communicator was aborted after an earlier failure");
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::Begin(const void* in, size_t in_bytes, size_t out_bytes) {
+  LOGPROB_RETURN_IF_ERROR(Usable());
   LOGPROB_RETURN_IF_ERROR(in_dev_.Reserve(std::max<size_t>(in_bytes, 1)));
   LOGPROB_RETURN_IF_ERROR(out_dev_.Reserve(std::max<size_t>(out_bytes, 1)));
   LOGPROB_RETURN_IF_ERROR(out_host_.Reserve(std::max<size_t>(out_bytes, 1)));
@@ -119,6 +124,21 @@ absl::Status NcclCommunicator::AllGather(const void* in, size_t bytes, void* out
   return Finish("all-gather", r, out, out_bytes);
 }
 
+ncclResult_t NcclCommunicator::EnqueueAllToAllV(const char* in, const std::vector<int64_t>& send_bytes, char* out,
+                                                const std::vector<int64_t>& recv_bytes) {
+  ncclResult_t r = ncclGroupStart();
+  size_t send_off = 0, recv_off = 0;
+  for (int q = 0; q < size_ && r == ncclSuccess; ++q) {
+    if (send_bytes[q] > 0) r = ncclSend(in + send_off, static_cast<size_t>(send_bytes[q]), ncclChar, q, comm_, stream_);
+    if (r == ncclSuccess && recv_bytes[q] > 0)
+      r = ncclRecv(out + recv_off, static_cast<size_t>(recv_bytes[q]), ncclChar, q, comm_, stream_);
+    send_off += static_cast<size_t>(send_bytes[q]);
+    recv_off += static_cast<size_t>(recv_bytes[q]);
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  return r != ncclSuccess ? r : end;
+}
+
 absl::Status NcclCommunicator::AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
                                          const std::vector<int64_t>& recv_bytes) {
   if (static_cast<int>(send_bytes.size()) != size_ || static_cast<int>(recv_bytes.size()) != size_)
@@ -129,18 +149,24 @@ absl::Status NcclCommunicator::AllToAllV(const void* in, const std::vector<int64
     out_total += static_cast<size_t>(recv_bytes[q]);
   }
   LOGPROB_RETURN_IF_ERROR(Begin(in, in_total, out_total));
-  ncclResult_t r = ncclGroupStart();
-  size_t send_off = 0, recv_off = 0;
-  for (int q = 0; q < size_ && r == ncclSuccess; ++q) {
-    if (send_bytes[q] > 0)
-      r = ncclSend(in_dev_.get<char>() + send_off, static_cast<size_t>(send_bytes[q]), ncclChar, q, comm_, stream_);
-    if (r == ncclSuccess && recv_bytes[q] > 0)
-      r = ncclRecv(out_dev_.get<char>() + recv_off, static_cast<size_t>(recv_bytes[q]), ncclChar, q, comm_, stream_);
-    send_off += static_cast<size_t>(send_bytes[q]);
-    recv_off += static_cast<size_t>(recv_bytes[q]);
-  }
-  const ncclResult_t end = ncclGroupEnd();
-  return Finish("all-to-all", r != ncclSuccess ? r : end, out, out_total);
+  return Finish("all-to-all", EnqueueAllToAllV(in_dev_.get<char>(), send_bytes, out_dev_.get<char>(), recv_bytes), out,
+                out_total);
+}
+
+absl::Status NcclCommunicator::AllGatherDevice(const void* in, size_t bytes, void* out) {
+  LOGPROB_RETURN_IF_ERROR(Usable());
+  const ncclResult_t r = ncclAllGather(in, out, bytes, ncclChar, comm_, stream_);
+  return Finish("all-gather (device buffers)", r, nullptr, 0);
+}
+
+absl::Status NcclCommunicator::AllToAllVDevice(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                                               const std::vector<int64_t>& recv_bytes) {
+  if (static_cast<int>(send_bytes.size()) != size_ || static_cast<int>(recv_bytes.size()) != size_)
+    return absl::InvalidArgumentError("AllToAllVDevice needs one send and one receive size per rank");
+  LOGPROB_RETURN_IF_ERROR(Usable());
+  return Finish("all-to-all (device buffers)",
+                EnqueueAllToAllV(static_cast<const char*>(in), send_bytes, static_cast<char*>(out), recv_bytes),
+                nullptr, 0);
 }
 
 }  // namespace logprob::cuda

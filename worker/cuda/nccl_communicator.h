@@ -16,9 +16,9 @@
 
 namespace logprob::cuda {
 
-/// NCCL group of `size()` ranks. The Communicator interface takes host
-/// buffers: each collective stages them through device buffers (upload,
-/// NCCL on `stream`, download) and waits for completion, polling the
+/// NCCL group of `size()` ranks. The host collectives stage their buffers
+/// through device buffers (upload, NCCL on `stream`, download); the
+/// *Device ones run on device buffers directly. Each waits for completion, polling the
 /// communicator's async error. A failed or timed-out collective aborts the
 /// communicator (ncclCommAbort) and returns UNAVAILABLE or
 /// DEADLINE_EXCEEDED; the group is unusable afterwards (the front-end
@@ -40,8 +40,22 @@ class NcclCommunicator final : public Communicator {
   absl::Status AllGather(const void* in, size_t bytes, void* out) override;
   absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
                          const std::vector<int64_t>& recv_bytes) override;
+  /// Device buffers of this rank's GPU, on `stream` (the CUDA backend's
+  /// compute stream, so ordered after its queued work); waits as the host
+  /// collectives do (timeout, abort), without staging. In-place all-gather
+  /// (in == out + rank * bytes) is allowed.
+  bool device_collectives() const override { return true; }
+  absl::Status AllGatherDevice(const void* in, size_t bytes, void* out) override;
+  absl::Status AllToAllVDevice(const void* in, const std::vector<int64_t>& send_bytes, void* out,
+                               const std::vector<int64_t>& recv_bytes) override;
 
  private:
+  /// Enqueues the grouped sends and receives of an all-to-all between
+  /// device buffers `in` and `out`.
+  ncclResult_t EnqueueAllToAllV(const char* in, const std::vector<int64_t>& send_bytes, char* out,
+                                const std::vector<int64_t>& recv_bytes);
+  /// Fails if the group is broken; makes the device current.
+  absl::Status Usable();
   NcclCommunicator() = default;
   /// Uploads `bytes` of `in`, or fails if the group is already broken.
   absl::Status Begin(const void* in, size_t in_bytes, size_t out_bytes);
