@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -16,14 +18,23 @@ namespace logprob::kernels {
 using dt = dnnl::memory::data_type;
 using tag = dnnl::memory::format_tag;
 
-/// oneDNN state: CPU engine + stream, one matmul primitive per distinct M,
-/// and the scratch buffer for hidden states not already in compute dtype.
+/// The one matmul shape every Compute runs, whatever M: a tile of
+/// kTileRows hidden rows times kTileCols lm_head rows. oneDNN picks its
+/// kernel and K blocking per shape, so one shape makes a row's logits
+/// bitwise independent of M and of the row's position (batch invariance,
+/// tests/lm_head_invariance_test.cc); tiles of 64 x 128 keep the weight
+/// tile (256 x H) in cache across the row tiles that reuse it.
+constexpr int64_t kTileRows = 64, kTileCols = 128;
+
+/// oneDNN state: CPU engine, the tile matmul (user-managed scratchpad, so
+/// threads run it concurrently), and the scratch buffer for hidden states
+/// not already in compute dtype.
 struct LmHeadGemm::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
-  dnnl::stream stream{engine};
-  std::map<int64_t, dnnl::matmul> by_m;  // M -> matmul [M,H] x [H,N] -> [M,N]
-  std::vector<char> hidden_buf;          // [M, H] of compute dtype
-  int threads = 0;                       // > 0: omp_set_num_threads before use
+  dnnl::matmul tile;  // [kTileRows, H] x [H, kTileCols] -> [kTileRows, kTileCols]
+  dnnl::memory::desc src_md, w_md, dst_md, scratch_md;
+  std::vector<char> hidden_buf;  // [M, H] of compute dtype
+  int threads = 0;               // > 0: omp_set_num_threads before use
 };
 
 bool Bf16MatmulSupported() {
@@ -83,12 +94,26 @@ absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, std:
   // thread's omp_get_max_threads(); the cap is set here and again before
   // each Compute (the OpenMP ICV is per thread).
   if (threads > 0) omp_set_num_threads(threads);
+  // Zero rows pad the weights to whole column tiles.
+  const size_t csize = DTypeSize(compute);
+  weight.resize(static_cast<size_t>((rows + kTileCols - 1) / kTileCols * kTileCols * hidden_size) * csize, 0);
   std::unique_ptr<LmHeadGemm> g(new LmHeadGemm(compute, std::move(weight), rows, hidden_size));
   g->bf16_operands_ = bf16_operands;
   try {
     g->impl_ = std::make_unique<Impl>();
+    Impl& im = *g->impl_;
+    const dt cdt = compute == v1::BF16 ? dt::bf16 : dt::f32;
+    im.src_md = dnnl::memory::desc({kTileRows, hidden_size}, cdt, tag::ab);
+    im.w_md = dnnl::memory::desc({hidden_size, kTileCols}, cdt, tag::ba);  // checkpoint [N, H] row-major
+    im.dst_md = dnnl::memory::desc({kTileRows, kTileCols}, dt::f32, tag::ab);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(im.src_md, im.w_md, im.dst_md), attr, im.engine);
+    im.scratch_md = pd.scratchpad_desc();
+    im.tile = dnnl::matmul(pd);
   } catch (const dnnl::error& e) {
-    return absl::InternalError(absl::StrCat("oneDNN engine: ", e.what()));
+    return absl::InternalError(absl::StrCat("oneDNN matmul [", kTileRows, ", ", hidden_size, "] x [", hidden_size, ", ",
+                                            kTileCols, "]: ", e.what()));
   }
   g->impl_->threads = threads;
   return g;
@@ -133,25 +158,52 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
     src = buf.data();
   }
 
-  try {
-    if (impl_->threads > 0) omp_set_num_threads(impl_->threads);
-    const dt cdt = compute_dtype_ == v1::BF16 ? dt::bf16 : dt::f32;
-    const dnnl::memory::desc src_md({M, H}, cdt, tag::ab);
-    const dnnl::memory::desc w_md({H, N}, cdt, tag::ba);  // checkpoint [N, H] row-major
-    const dnnl::memory::desc dst_md({M, N}, dt::f32, tag::ab);
-    auto it = impl_->by_m.find(M);
-    if (it == impl_->by_m.end()) {
-      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_md, dst_md), impl_->engine);
-      it = impl_->by_m.emplace(M, dnnl::matmul(pd)).first;
+  // Column tiles are spread over the OpenMP threads; each runs whole tiles
+  // (oneDNN runs sequentially inside a parallel region), over every row
+  // tile, so a weight tile is read from memory once per Compute.
+  if (impl_->threads > 0) omp_set_num_threads(impl_->threads);
+  const Impl& im = *impl_;
+  const size_t row_bytes = static_cast<size_t>(H) * DTypeSize(compute_dtype_);
+  const int64_t col_tiles = (N + kTileCols - 1) / kTileCols, row_tiles = (M + kTileRows - 1) / kTileRows;
+  std::string error;
+#pragma omp parallel
+  {
+    std::vector<char> src_pad(kTileRows * row_bytes, 0), scratch(im.scratch_md.get_size());
+    std::vector<float> dst(kTileRows * kTileCols);
+    // Exceptions stay inside each iteration: none may leave the worksharing loop.
+#pragma omp for schedule(static)
+    for (int64_t ct = 0; ct < col_tiles; ++ct) {
+      try {
+        dnnl::stream stream(im.engine);
+        dnnl::memory scratch_m(im.scratch_md, im.engine, scratch.data());
+        dnnl::memory dst_m(im.dst_md, im.engine, dst.data());
+        const int64_t c0 = ct * kTileCols, cols = std::min(kTileCols, N - c0);
+        dnnl::memory w_m(im.w_md, im.engine, const_cast<char*>(weight_.data()) + c0 * row_bytes);
+        for (int64_t rt = 0; rt < row_tiles; ++rt) {
+          const int64_t r0 = rt * kTileRows, rows = std::min(kTileRows, M - r0);
+          const char* a = static_cast<const char*>(src) + r0 * row_bytes;
+          if (rows < kTileRows) {  // the last row tile: zero-padded copy
+            std::memcpy(src_pad.data(), a, rows * row_bytes);
+            std::memset(src_pad.data() + rows * row_bytes, 0, (kTileRows - rows) * row_bytes);
+            a = src_pad.data();
+          }
+          dnnl::memory src_m(im.src_md, im.engine, const_cast<char*>(a));
+          im.tile.execute(stream, {{DNNL_ARG_SRC, src_m},
+                                   {DNNL_ARG_WEIGHTS, w_m},
+                                   {DNNL_ARG_DST, dst_m},
+                                   {DNNL_ARG_SCRATCHPAD, scratch_m}});
+          stream.wait();
+          for (int64_t i = 0; i < rows; ++i)
+            std::memcpy(out + (r0 + i) * N + c0, dst.data() + i * kTileCols, cols * sizeof(float));
+        }
+      } catch (const dnnl::error& e) {
+#pragma omp critical
+        error = e.what();
+      }
     }
-    dnnl::memory src_m(src_md, impl_->engine, const_cast<void*>(src));
-    dnnl::memory w_m(w_md, impl_->engine, const_cast<char*>(weight_.data()));
-    dnnl::memory dst_m(dst_md, impl_->engine, out);
-    it->second.execute(impl_->stream, {{DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, w_m}, {DNNL_ARG_DST, dst_m}});
-    impl_->stream.wait();
-  } catch (const dnnl::error& e) {
-    return absl::InternalError(absl::StrCat("oneDNN matmul [", M, ", ", H, "] x [", H, ", ", N, "]: ", e.what()));
   }
+  if (!error.empty())
+    return absl::InternalError(absl::StrCat("oneDNN matmul [", M, ", ", H, "] x [", H, ", ", N, "]: ", error));
   return absl::OkStatus();
 }
 

@@ -49,11 +49,14 @@ class LmHeadGemm {
   /// hidden states rounded to bf16 as for the bf16 matmul, so the operands
   /// and the f32 accumulation are the same (up to summation order).
   DType compute_dtype() const { return compute_dtype_; }
-  size_t weight_bytes() const { return weight_.size(); }
+  /// Bytes of the slice in compute dtype (rows() x H; the padding to whole
+  /// column tiles not counted).
+  size_t weight_bytes() const { return static_cast<size_t>(rows_ * hidden_size_) * DTypeSize(compute_dtype_); }
 
   /// out[M, rows()] (f32, row-major) = hidden[M, H] @ weight^T, `hidden`
-  /// of `hidden_dtype` (F32, BF16 or F16). M may vary between calls (one
-  /// oneDNN primitive is kept per distinct M; M == 0 is a no-op).
+  /// of `hidden_dtype` (F32, BF16 or F16). M may vary between calls (M == 0
+  /// is a no-op): every call runs the same tile matmul, so a row's logits
+  /// are bitwise the same whatever M and the row's position.
   /// INVALID_ARGUMENT for a bad dtype, M < 0 or null buffers, INTERNAL if
   /// oneDNN fails.
   absl::Status Compute(DType hidden_dtype, const void* hidden, int64_t M, float* out);
@@ -63,7 +66,7 @@ class LmHeadGemm {
   LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size);
   DType compute_dtype_;
   bool bf16_operands_ = false;  // F32 compute of BF16 weights: round hidden states to bf16 first
-  std::vector<char> weight_;    // [rows, H] of compute_dtype_
+  std::vector<char> weight_;    // [rows, H] of compute_dtype_, zero rows up to whole column tiles
   int64_t rows_, hidden_size_;
   std::unique_ptr<Impl> impl_;
 };
