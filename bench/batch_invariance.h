@@ -42,9 +42,9 @@ struct InvarianceOptions {
 
 /// What a check saw. ok() when every probe row matched.
 struct InvarianceResult {
-  int64_t batches = 0;       // backend calls
-  int64_t comparisons = 0;   // probe rows compared with their first occurrence
-  int64_t mismatches = 0;    // of those, rows whose record or outputs differ
+  int64_t batches = 0;                        // backend calls
+  int64_t comparisons = 0;                    // probe rows compared with their first occurrence
+  int64_t mismatches = 0;                     // of those, rows whose record or outputs differ
   std::vector<std::string> first_mismatches;  // descriptions of the first 10
   bool ok() const { return mismatches == 0 && comparisons > 0; }
   /// One line: "N batches, C probe-row comparisons, K mismatches" and the

@@ -150,7 +150,8 @@ class PerturbingBackend final : public ScoringBackend {
     if (comm.size() != 1 || item.own_on_device) return absl::UnimplementedError("W = 1 host rows only");
     const size_t words = kernels::PartialWords(spec), row_bytes = lm_head_hidden_size() * DTypeSize(item.dtype);
     for (int64_t i = 0; i < item.rows.count; ++i) {
-      const BlockRows one{1, item.rows.targets + i, item.rows.gather_ids ? item.rows.gather_ids + i * spec.gather_k : nullptr};
+      const BlockRows one{1, item.rows.targets + i,
+                          item.rows.gather_ids ? item.rows.gather_ids + i * spec.gather_k : nullptr};
       LOGPROB_RETURN_IF_ERROR(cpu_->HiddenPartials(item.dtype, static_cast<const char*>(item.own) + i * row_bytes,
                                                    item.vocab_begin, one, spec, own_records + i * words));
     }
