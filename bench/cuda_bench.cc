@@ -226,8 +226,8 @@ void BenchLogits(const Config& cfg, int device, int64_t V) {
   const double peak = PeakMemoryBandwidth(device);
   const double copy_bw = cases[0].ok() ? 2.0 * bytes / (cases[0].median() * 1e-3) : 0;
   if (cases[0].ok())
-    std::printf("copy bandwidth: %.3f ms for %.3f GB = %.1f GB/s (read + written / time)%s\n", cases[0].median(),
-                bytes / 1e9, copy_bw / 1e9,
+    std::printf("copy bandwidth: %.3f ms (spread %.1f%%) for %.3f GB = %.1f GB/s (read + written / time)%s\n",
+                cases[0].median(), cases[0].spread_percent(), bytes / 1e9, copy_bw / 1e9,
                 peak > 0
                     ? absl::StrCat("; peak DRAM ", static_cast<int>(peak / 1e9),
                                    " GB/s (memory clock x bus width), copy = ", static_cast<int>(100 * copy_bw / peak),
@@ -235,7 +235,8 @@ void BenchLogits(const Config& cfg, int device, int64_t V) {
                           .c_str()
                     : "");
   else std::printf("copy bandwidth: ERROR: %s (no fractions below)\n", std::string(cases[0].status.message()).c_str());
-  std::printf("%-34s %10s %14s %12s %8s %8s\n", "case", "ms", "GB/s (read)", "of copy bw", "target", "verdict");
+  std::printf("%-34s %10s %8s %14s %12s %8s %8s\n", "case", "ms", "spread", "GB/s (read)", "of copy bw", "target",
+              "verdict");
   for (size_t i = 1; i < cases.size(); ++i) {
     const BenchCase& c = cases[i];
     const double target = i == 1 ? kTokenLogprobsOfCopy : kFullOfCopy;
@@ -244,8 +245,8 @@ void BenchLogits(const Config& cfg, int device, int64_t V) {
       continue;
     }
     const double bw = bytes / (c.median() * 1e-3), frac = copy_bw > 0 ? bw / copy_bw : 0;
-    std::printf("%-34s %10.3f %14.1f %11.1f%% %7.0f%% %8s\n", c.name.c_str(), c.median(), bw / 1e9, 100 * frac,
-                100 * target, copy_bw > 0 ? Verdict(frac, target) : "-");
+    std::printf("%-34s %10.3f %7.1f%% %14.1f %11.1f%% %7.0f%% %8s\n", c.name.c_str(), c.median(), c.spread_percent(),
+                bw / 1e9, 100 * frac, 100 * target, copy_bw > 0 ? Verdict(frac, target) : "-");
   }
 }
 
@@ -390,7 +391,8 @@ void BenchHidden(const Config& cfg, int device, int64_t V) {
   RunInterleaved(cases, cfg.rounds);
 
   const double base = cases[0].ok() ? cases[0].median() : 0, one = cases[1].ok() ? cases[1].median() : 0;
-  std::printf("%-46s %10s %9s %9s %9s %7s %8s\n", "case", "ms", "TFLOP/s", "vs (a)", "vs (a1)", "target", "verdict");
+  std::printf("%-46s %10s %8s %9s %9s %9s %7s %8s\n", "case", "ms", "spread", "TFLOP/s", "vs (a)", "vs (a1)", "target",
+              "verdict");
   for (size_t i = 0; i < cases.size(); ++i) {
     const BenchCase& c = cases[i];
     if (!c.ok()) {
@@ -399,12 +401,13 @@ void BenchHidden(const Config& cfg, int device, int64_t V) {
     }
     const double ms = c.median(), ratio = base > 0 ? base / ms : 0;
     const double target = i == 2 ? kDeviceTarget : (i == 3 || i == 4) ? kPinnedTarget : 0;
-    std::printf("%-46s %10.3f %9.1f %9.3f %9.3f %7s %8s\n", c.name.c_str(), ms, flops / (ms * 1e-3) / 1e12, ratio,
-                one > 0 ? one / ms : 0.0, target > 0 ? absl::StrCat(">=", target).c_str() : "-",
-                base > 0 ? Verdict(ratio, target) : "-");
+    std::printf("%-46s %10.3f %7.1f%% %9.1f %9.3f %9.3f %7s %8s\n", c.name.c_str(), ms, c.spread_percent(),
+                flops / (ms * 1e-3) / 1e12, ratio, one > 0 ? one / ms : 0.0,
+                target > 0 ? absl::StrCat(">=", target).c_str() : "-", base > 0 ? Verdict(ratio, target) : "-");
   }
   std::printf(
-      "ratio = time of (a) / time of the case (1.0 = as fast as the GEMM alone); TFLOP/s of 2 T V H; "
+      "spread = (max - min) / median of the rounds; ratio = time of (a) / time of the case (1.0 = as fast as the GEMM "
+      "alone); TFLOP/s of 2 T V H; "
       "(a) at %.0f%% of --peak-tflops %.0f\n",
       base > 0 ? 100.0 * flops / (base * 1e-3) / 1e12 / cfg.peak_tflops : 0.0, cfg.peak_tflops);
   if (!page_locked)

@@ -24,6 +24,14 @@ struct BenchCase {
   absl::Status status;     // the first error, if any
   std::vector<double> ms;  // one per successful round
   bool ok() const { return status.ok() && !ms.empty(); }
+  /// (max - min) / median of the rounds, in percent (0 without any): how
+  /// noisy the case was.
+  double spread_percent() const {
+    if (ms.empty()) return 0;
+    const auto [lo, hi] = std::minmax_element(ms.begin(), ms.end());
+    const double m = median();
+    return m > 0 ? 100.0 * (*hi - *lo) / m : 0;
+  }
   /// Median of the rounds' milliseconds (0 without any).
   double median() const {
     if (ms.empty()) return 0;
