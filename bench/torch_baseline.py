@@ -21,7 +21,8 @@ logits  (bf16 logits [T, V] on the device, for each V):
         GB/s = bytes of logits read / time, and its fraction of the copy bandwidth.
 
 Every figure is the median of --rounds interleaved rounds (after one warm-up
-round, which also compiles), timed with CUDA events. A case that fails (out of
+round, which also compiles), timed with CUDA events; spread = (max - min) /
+median of the rounds. A case that fails (out of
 memory, no compiler) prints an ERROR line and the others go on.
 
 Usage: python3 bench/torch_baseline.py [--mode all|hidden|logits] [--t 8192]
@@ -84,7 +85,7 @@ def run_interleaved(cases, rounds):
 
 def report(section, cases, metric, results, v, ratio_base=None, ratio_name="ratio"):
     """Prints a table and appends rows to `results`. metric(case_ms) -> (value, label)."""
-    print("%-50s %10s %12s %10s" % ("case", "ms", metric(None)[1], ratio_name))
+    print("%-50s %10s %8s %12s %10s" % ("case", "ms", "spread", metric(None)[1], ratio_name))
     for c in cases:
         row = {"section": section, "V": v, "case": c.name}
         if c.error is not None or not c.ms:
@@ -94,8 +95,10 @@ def report(section, cases, metric, results, v, ratio_base=None, ratio_name="rati
             ms = c.median()
             value, label = metric(ms)
             ratio = ratio_base(ms) if ratio_base else None
-            print("%-50s %10.3f %12.1f %10s" % (c.name, ms, value, "%.3f" % ratio if ratio is not None else "-"))
-            row.update({"ms": ms, label: value, ratio_name: ratio, "rounds": len(c.ms)})
+            spread = 100.0 * (max(c.ms) - min(c.ms)) / ms if ms > 0 else 0.0
+            print("%-50s %10.3f %7.1f%% %12.1f %10s"
+                  % (c.name, ms, spread, value, "%.3f" % ratio if ratio is not None else "-"))
+            row.update({"ms": ms, "spread_percent": spread, label: value, ratio_name: ratio, "rounds": len(c.ms)})
         results.append(row)
 
 
@@ -142,8 +145,6 @@ def bench_hidden(args, v, results):
     base = cases[0].median() if cases[0].error is None else None
     report("hidden", cases, lambda ms: (flops / (ms * 1e-3) / 1e12 if ms else 0, "TFLOP/s"), results, v,
            (lambda ms: base / ms) if base else None, "vs bf16 GEMM")
-    del h, w, wt, targets
-    torch.cuda.empty_cache()
 
 
 def bench_logits(args, v, results):
@@ -186,8 +187,6 @@ def bench_logits(args, v, results):
               % (copy.median(), nbytes / 1e9, copy_bw / 1e9))
     report("logits", cases, lambda ms: (nbytes / (ms * 1e-3) / 1e9 if ms else 0, "GB/s (read)"), results, v,
            (lambda ms: (nbytes / (ms * 1e-3)) / copy_bw) if copy_bw else None, "of copy bw")
-    del x, dst, targets
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -219,10 +218,12 @@ def main():
     if args.mode in ("all", "logits"):
         for v in vs:
             bench_logits(args, v, results)
+            torch.cuda.empty_cache()  # the section's tensors died with its frame
             sys.stdout.flush()
     if args.mode in ("all", "hidden"):
         for v in vs:
             bench_hidden(args, v, results)
+            torch.cuda.empty_cache()
             sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
