@@ -48,7 +48,8 @@ ABSL_FLAG(std::string, lm_head, "",
           "then model.embed_tokens.weight (tied embeddings)");
 ABSL_FLAG(int64_t, hidden_chunk_tokens, 128,
           "hidden-states rows each worker adds per GEMM round; a worker's logits buffer is about "
-          "this * V * 4 bytes whatever the request size");
+          "this * V * 4 bytes whatever the request size (CPU workers; CUDA workers score an item "
+          "in one pass unless it has sampling filters or the pool runs over Gloo)");
 ABSL_FLAG(int, worker_threads, 0, "compute threads per worker (0: cores / workers)");
 ABSL_FLAG(std::string, metrics_listen, "", "host:port for Prometheus /metrics (off when empty)");
 ABSL_FLAG(std::string, control_listen, "127.0.0.1:0",
