@@ -65,19 +65,18 @@ struct Config {
   int rounds = 7;
 };
 
-std::vector<int64_t> ParseList(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
-  return out;
-}
-
+/// The comma-separated items of `s`.
 std::vector<std::string> ParseNames(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream ss(s);
   std::string item;
   while (std::getline(ss, item, ',')) out.push_back(item);
+  return out;
+}
+
+std::vector<int64_t> ParseList(const std::string& s) {
+  std::vector<int64_t> out;
+  for (const std::string& item : ParseNames(s)) out.push_back(std::stoll(item));
   return out;
 }
 
