@@ -24,8 +24,9 @@
 //                        [--n 32000] [--t 256] ...
 // instead times the `fused` path under each --lm-head-precision (first N
 // and T), one backend per precision in this process, with bf16 and with
-// f32 hidden states: rounds interleave the precisions; it prints medians
-// and each one's ratio to the first precision of the same run.
+// f32 hidden states: rounds interleave the precisions; it prints median
+// seconds and the median over rounds of each one's time divided by the
+// first precision's time in the same round.
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -203,7 +204,7 @@ Measured InChild(const std::string& mode, const Config& cfg, int64_t N, int64_t 
 
 /// --precisions: the fused path of one [T, H] x [H, N] item under each
 /// precision, `rounds` interleaved rounds after a warm-up; medians and
-/// ratios to cfg.precisions[0], for bf16 and f32 hidden states.
+/// per-round ratios to cfg.precisions[0], for bf16 and f32 hidden states.
 int PrecisionMain(const Config& cfg) {
   const int64_t N = cfg.N.front(), T = cfg.T.front();
   std::vector<std::unique_ptr<ScoringBackend>> backends;
@@ -253,14 +254,19 @@ int PrecisionMain(const Config& cfg) {
         if (r >= 0) times[i].push_back(Seconds(t0));
       }
     }
-    double first = 0;
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
     for (size_t i = 0; i < backends.size(); ++i) {
-      std::sort(times[i].begin(), times[i].end());
-      const double med = times[i][times[i].size() / 2];
-      if (i == 0) first = med;
+      // The ratio to the first precision within each round, then its median:
+      // robust to load that drifts between rounds.
+      std::vector<double> ratios;
+      for (int r = 0; r < cfg.rounds; ++r) ratios.push_back(times[i][r] / times[0][r]);
+      const double med = median(times[i]);
       const double flops = 2.0 * static_cast<double>(T) * static_cast<double>(N) * static_cast<double>(cfg.H);
       std::printf("%-7s %-9s %9.4f %8.1f %9.3f\n", DTypeName(hdt), LmHeadPrecisionName(cfg.precisions[i]), med,
-                  flops / med * 1e-9, med / first);
+                  flops / med * 1e-9, median(ratios));
       std::fflush(stdout);
     }
   }

@@ -318,6 +318,22 @@ TEST(HiddenPrecision, BadValueIsAStartupErrorNamingTheFlag) {
       << worker.output;
 }
 
+// Every rank computes alike: a worker given another --lm-head-precision
+// than its front-end's exits with a message naming both.
+TEST(HiddenPrecision, WorkerDisagreeingWithTheFrontEndExits) {
+  const std::string control = "127.0.0.1:" + std::to_string(FreePort());
+  auto server = ServerProcess::Launch({"--external-workers", "1", "--control-listen", control, "--lm-head",
+                                       GoldenLmHead(), "--lm-head-precision", "fp32"});
+  ASSERT_TRUE(server);
+  // --rejoin (the default) waits for the front-end's control port; the
+  // disagreement then ends the worker for good.
+  const CommandResult r =
+      RunCommand("timeout 120 " + BinDir() + "/logprob-worker --frontend " + control + " --lm-head-precision bf16");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("--lm-head-precision bf16 disagrees with the front-end's fp32"), std::string::npos)
+      << r.output;
+}
+
 // The worker's logits buffer is one chunk, whatever T: scoring 16384 tokens
 // (whose full logits would be 2 GiB of float32) must not raise the worker's
 // peak RSS by more than the request's own hidden states and results.
