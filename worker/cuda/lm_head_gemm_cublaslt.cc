@@ -106,47 +106,55 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
 absl::Status CublasLtLmHead::ChooseAlgo() {
   Plan ref;
   LOGPROB_RETURN_IF_ERROR(MakeLayouts(algo_rows_, &ref));
-  cublasLtMatmulPreference_t pref = nullptr;
-  LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
   const size_t ws = workspace_.size();
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-  // Only algorithms that sum each output in one sequence (no split-K
-  // reduction).
   const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_reduction,
-                                       sizeof no_reduction);
   // Callers pass chunks of the hidden states starting at multiples of 16
   // rows: their alignment is that of 16 * H elements (at most 256 bytes).
   const uint64_t row16 = 16 * static_cast<uint64_t>(hidden_size_) * DTypeSize(compute_dtype_);
   const uint32_t b_align = static_cast<uint32_t>(std::min<uint64_t>(256, row16 & (~row16 + 1)));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof b_align);
   constexpr int kCandidates = 8;
-  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
-  int found = 0;
-  const cublasStatus_t s =
-      cublasLtMatmulAlgoGetHeuristic(handle_, op_, a_layout_, ref.b, ref.d, ref.d, pref, kCandidates, results, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  LOGPROB_LT_RETURN_IF_ERROR(s, "heuristic");
-  // The heuristic's best candidate that runs with split-K forced to 1.
-  const int32_t splitk = 1;
-  for (int i = 0; i < found; ++i) {
-    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    cublasLtMatmulAlgo_t algo = results[i].algo;
-    if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk) !=
-            CUBLAS_STATUS_SUCCESS ||
-        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction,
-                                             sizeof no_reduction) != CUBLAS_STATUS_SUCCESS)
-      continue;
-    cublasLtMatmulHeuristicResult_t check{};
-    if (cublasLtMatmulAlgoCheck(handle_, op_, a_layout_, ref.b, ref.d, ref.d, &algo, &check) != CUBLAS_STATUS_SUCCESS ||
-        check.workspaceSize > ws)
-      continue;
-    algo_ = algo;
-    return absl::OkStatus();
+  int found_total = 0;
+  // First only the algorithms that sum each output in one sequence (the
+  // preference's reduction-scheme mask NONE); should that leave none, any
+  // candidate, run with split-K forced to 1 below all the same.
+  for (const bool only_unsplit : {true, false}) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (only_unsplit)
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_reduction,
+                                           sizeof no_reduction);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof b_align);
+    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
+    int found = 0;
+    const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_, op_, a_layout_, ref.b, ref.d, ref.d, pref,
+                                                            kCandidates, results, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED) continue;  // no candidate under this preference
+    LOGPROB_LT_RETURN_IF_ERROR(s, "heuristic");
+    found_total += found;
+    // The heuristic's best candidate that runs with split-K 1, no reduction.
+    const int32_t splitk = 1;
+    for (int i = 0; i < found; ++i) {
+      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+      cublasLtMatmulAlgo_t algo = results[i].algo;
+      if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk) !=
+              CUBLAS_STATUS_SUCCESS ||
+          cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction,
+                                               sizeof no_reduction) != CUBLAS_STATUS_SUCCESS)
+        continue;
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoCheck(handle_, op_, a_layout_, ref.b, ref.d, ref.d, &algo, &check) !=
+              CUBLAS_STATUS_SUCCESS ||
+          check.workspaceSize > ws)
+        continue;
+      algo_ = algo;
+      return absl::OkStatus();
+    }
   }
   return absl::InternalError(absl::StrCat(
       "cuBLASLt has no split-K-free algorithm for the ", LmHeadPrecisionName(precision_), " lm_head GEMM [", algo_rows_,
-      ", ", hidden_size_, "] x [", hidden_size_, ", ", rows_, "] (", found, " heuristic candidate(s))"));
+      ", ", hidden_size_, "] x [", hidden_size_, ", ", rows_, "] (", found_total, " heuristic candidate(s))"));
 }
 
 absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logits, cudaStream_t stream) {
