@@ -19,6 +19,14 @@
 // GPU path (hidden states uploaded, chunked cuBLASLt GEMM + row kernel,
 // records back); `gemm` and `full+lsm` include downloading the [T, N]
 // logits to the host (device-only numbers: logprob_cuda_bench).
+//
+//   logprob_hidden_bench --precisions bf16,tf32,fp32 [--rounds 7] [--h 2048]
+//                        [--n 32000] [--t 256] ...
+// instead times the `fused` path under each --lm-head-precision (first N
+// and T), one backend per precision in this process, with bf16 and with
+// f32 hidden states: rounds interleave the precisions; it prints median
+// seconds and the median over rounds of each one's time divided by the
+// first precision's time in the same round.
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,6 +37,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -36,6 +45,7 @@
 
 #include "bench/bench_args.h"
 #include "common/dtype.h"
+#include "common/lm_head_precision.h"
 #include "worker/backend_factory.h"
 #include "worker/communicator.h"
 #include "worker/scorer.h"
@@ -52,13 +62,22 @@ struct Config {
   bool full = false;
   int threads = 0;
   std::string backend = "cpu";
+  std::vector<LmHeadPrecision> precisions;  // non-empty: compare them (PrecisionMain)
+  int rounds = 7;
 };
+
+/// The comma-separated items of `s`.
+std::vector<std::string> ParseNames(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(item);
+  return out;
+}
 
 std::vector<int64_t> ParseList(const std::string& s) {
   std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
+  for (const std::string& item : ParseNames(s)) out.push_back(std::stoll(item));
   return out;
 }
 
@@ -76,6 +95,27 @@ std::vector<char> RandomBf16(size_t n, float sd, uint32_t seed) {
 
 double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// A HIDDEN_STATES work item of T rows of `hidden` ([T, H] of `dtype`)
+/// over one worker's whole slice [0, N), with `targets`.
+internal::v1::WorkItem HiddenItem(const Config& cfg, int64_t N, int64_t T, DType dtype, const std::vector<char>& hidden,
+                                  const std::vector<int64_t>& targets) {
+  internal::v1::WorkItem item;
+  item.set_layout(internal::v1::HIDDEN_STATES);
+  item.set_num_rows(T);
+  item.set_vocab_size(N);
+  item.set_vocab_begin(0);
+  item.set_vocab_end(N);
+  item.set_dtype(dtype);
+  item.set_hidden_size(cfg.H);
+  item.set_hidden_states(hidden.data(), hidden.size());
+  item.mutable_targets()->Add(targets.begin(), targets.end());
+  if (cfg.full) {
+    item.mutable_options()->set_entropy(true);
+    item.mutable_options()->set_topk(20);
+  }
+  return item;
 }
 
 /// Runs one mode `reps` times (after one untimed run) and returns the
@@ -98,19 +138,7 @@ double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T)
   std::vector<float> logits;
   internal::v1::WorkItem item;
   if (mode == "fused") {
-    item.set_layout(internal::v1::HIDDEN_STATES);
-    item.set_num_rows(T);
-    item.set_vocab_size(N);
-    item.set_vocab_begin(0);
-    item.set_vocab_end(N);
-    item.set_dtype(v1::BF16);
-    item.set_hidden_size(cfg.H);
-    item.set_hidden_states(hidden.data(), hidden.size());
-    item.mutable_targets()->Add(targets.begin(), targets.end());
-    if (cfg.full) {
-      item.mutable_options()->set_entropy(true);
-      item.mutable_options()->set_topk(20);
-    }
+    item = HiddenItem(cfg, N, T, v1::BF16, hidden, targets);
   } else {
     logits.resize(static_cast<size_t>(T * N));
   }
@@ -174,6 +202,77 @@ Measured InChild(const std::string& mode, const Config& cfg, int64_t N, int64_t 
   return m;
 }
 
+/// --precisions: the fused path of one [T, H] x [H, N] item under each
+/// precision, `rounds` interleaved rounds after a warm-up; medians and
+/// per-round ratios to cfg.precisions[0], for bf16 and f32 hidden states.
+int PrecisionMain(const Config& cfg) {
+  const int64_t N = cfg.N.front(), T = cfg.T.front();
+  std::vector<std::unique_ptr<ScoringBackend>> backends;
+  for (LmHeadPrecision p : cfg.precisions) {
+    LmHeadSlice slice{v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H};
+    BackendConfig bc;
+    bc.backend = cfg.backend;
+    bc.threads = cfg.threads;
+    bc.lm_head = &slice;
+    bc.lm_head_precision = p;
+    auto made = MakeBackend(bc);
+    if (!made.ok()) {
+      std::cerr << LmHeadPrecisionName(p) << ": " << made.status() << std::endl;
+      return 1;
+    }
+    backends.push_back(std::move(*made));
+  }
+  std::vector<int64_t> targets(T);
+  for (int64_t i = 0; i < T; ++i) targets[i] = (i * 7919) % N;
+  std::printf("backend %s, BF16 lm_head [%lld, %lld], T=%lld, chunk=%lld, %s, median of %d interleaved rounds\n",
+              cfg.backend.c_str(), static_cast<long long>(N), static_cast<long long>(cfg.H), static_cast<long long>(T),
+              static_cast<long long>(cfg.chunk), cfg.full ? "token logprobs + entropy + top-20" : "token logprobs",
+              cfg.rounds);
+  std::printf("%-7s %-9s %9s %8s %9s\n", "hidden", "precision", "seconds", "GFLOP/s", "vs first");
+  SelfCommunicator self;
+  for (DType hdt : {v1::BF16, v1::F32}) {
+    std::vector<char> hidden = RandomBf16(static_cast<size_t>(T * cfg.H), 1.f, 2);
+    if (hdt == v1::F32) {  // full 24-bit significands: every precision's rounding applies
+      std::mt19937 rng(3);
+      std::normal_distribution<float> dist(0.f, 1.f);
+      hidden.resize(static_cast<size_t>(T * cfg.H) * 4);
+      for (size_t i = 0; i < static_cast<size_t>(T * cfg.H); ++i) {
+        const float f = dist(rng);
+        std::memcpy(hidden.data() + 4 * i, &f, 4);
+      }
+    }
+    const internal::v1::WorkItem item = HiddenItem(cfg, N, T, hdt, hidden, targets);
+    std::vector<std::vector<double>> times(backends.size());
+    for (int r = -1; r < cfg.rounds; ++r) {  // round -1: warm-up
+      for (size_t i = 0; i < backends.size(); ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        auto res = ScoreWorkItem(item, self, *backends[i], cfg.chunk);
+        if (!res.ok()) {
+          std::cerr << res.status() << std::endl;
+          return 1;
+        }
+        if (r >= 0) times[i].push_back(Seconds(t0));
+      }
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    for (size_t i = 0; i < backends.size(); ++i) {
+      // The ratio to the first precision within each round, then its median:
+      // robust to load that drifts between rounds.
+      std::vector<double> ratios;
+      for (int r = 0; r < cfg.rounds; ++r) ratios.push_back(times[i][r] / times[0][r]);
+      const double med = median(times[i]);
+      const double flops = 2.0 * static_cast<double>(T) * static_cast<double>(N) * static_cast<double>(cfg.H);
+      std::printf("%-7s %-9s %9.4f %8.1f %9.3f\n", DTypeName(hdt), LmHeadPrecisionName(cfg.precisions[i]), med,
+                  flops / med * 1e-9, median(ratios));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   Config cfg;
   for (BenchArgs args(argc, argv); args.Next();) {
@@ -187,13 +286,24 @@ int Main(int argc, char** argv) {
     else if (a == "--threads") cfg.threads = std::stoi(next());
     else if (a == "--full") cfg.full = true;
     else if (a == "--backend") cfg.backend = next();
-    else {
+    else if (a == "--rounds") cfg.rounds = std::stoi(next());
+    else if (a == "--precisions") {
+      for (const std::string& name : ParseNames(next())) {
+        auto p = ParseLmHeadPrecision(name, "--precisions");
+        if (!p.ok()) {
+          std::cerr << p.status().message() << std::endl;
+          return 2;
+        }
+        cfg.precisions.push_back(*p);
+      }
+    } else {
       std::cerr << "usage: logprob_hidden_bench [--h H] [--n N1,N2] [--t T1,T2] [--reps R] [--chunk C] [--full] "
-                   "[--threads K] [--backend cpu|cuda]"
+                   "[--threads K] [--backend cpu|cuda] [--precisions bf16,tf32,fp32 [--rounds R]]"
                 << std::endl;
       return 2;
     }
   }
+  if (!cfg.precisions.empty()) return cfg.rounds > 0 ? PrecisionMain(cfg) : 2;
   std::printf("backend %s, H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", cfg.backend.c_str(),
               static_cast<long long>(cfg.H), static_cast<long long>(cfg.chunk),
               cfg.full ? "token logprobs + entropy + top-20" : "token logprobs", cfg.reps);

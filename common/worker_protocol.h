@@ -16,7 +16,9 @@ namespace logprob {
 /// JoinReply.protocol_version, which the worker checks too (a front-end of
 /// an older release leaves it 0). Bump it with every change that a worker
 /// or front-end of the previous release would misread.
-constexpr uint32_t kWorkerProtocolVersion = 1;
+/// 2: JoinReply.lm_head_precision (a version-1 worker would ignore it and
+/// compute in the default precision).
+constexpr uint32_t kWorkerProtocolVersion = 2;
 
 /// The message both sides give for a version mismatch.
 inline std::string ProtocolMismatch(uint32_t worker_version, uint32_t frontend_version) {

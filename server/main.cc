@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "common/backend_choice.h"
 #include "common/flag_names.h"
+#include "common/lm_head_precision.h"
 #include "common/lm_head_source.h"
 #include "common/malloc_tuning.h"
 #include "common/shared_memory.h"
@@ -50,6 +51,11 @@ ABSL_FLAG(int64_t, hidden_chunk_tokens, 128,
           "hidden-states rows each worker adds per GEMM round; a worker's logits buffer is about "
           "this * V * 4 bytes whatever the request size (CPU workers; CUDA workers score an item "
           "in one pass unless it has sampling filters or the pool runs over Gloo)");
+ABSL_FLAG(std::string, lm_head_precision, "auto",
+          "operands of the lm_head GEMM (f32 accumulation and logits in every case): auto (bf16 for BF16 "
+          "weights, fp32 for F32 / F16 weights), bf16 (weights and hidden states rounded to bf16), tf32 (GPU: "
+          "TF32 tensor cores; CPU: both operands rounded to tf32, f32 GEMM) or fp32 (exact f32 operands, e.g. for "
+          "a rollout engine computing the head in fp32)");
 ABSL_FLAG(int, worker_threads, 0, "compute threads per worker (0: cores / workers)");
 ABSL_FLAG(std::string, metrics_listen, "", "host:port for Prometheus /metrics (off when empty)");
 ABSL_FLAG(std::string, control_listen, "127.0.0.1:0",
@@ -131,7 +137,8 @@ absl::Status CheckClusterFlags(int external, bool workers_given, const std::stri
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "logprob-server --listen HOST:PORT (--workers N | --external-workers N --control-listen HOST:PORT) "
-      "[--backend cpu|cuda] [--comm gloo|nccl] [--lm-head FILE[:TENSOR]] [--metrics-listen HOST:PORT] "
+      "[--backend cpu|cuda] [--comm gloo|nccl] [--lm-head FILE[:TENSOR] [--lm-head-precision auto|bf16|tf32|fp32]] "
+      "[--metrics-listen HOST:PORT] "
       "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]");
   logprob::NormalizeFlagDashes(argc, argv);
   const bool workers_given = logprob::FlagGiven(argc, argv, "workers");
@@ -147,6 +154,8 @@ int main(int argc, char** argv) {
     return Fail(std::string(st.message()));
   auto parallelism = logprob::ParseParallelism(absl::GetFlag(FLAGS_parallelism));
   if (!parallelism.ok()) return Fail(std::string(parallelism.status().message()));
+  const auto precision = logprob::ParseLmHeadPrecision(absl::GetFlag(FLAGS_lm_head_precision));
+  if (!precision.ok()) return Fail(std::string(precision.status().message()));
 
   std::unique_ptr<logprob::WorkerLauncher> launcher;
   if (external > 0) {
@@ -201,6 +210,7 @@ int main(int argc, char** argv) {
   worker_config.set_hidden_chunk_tokens(chunk_tokens);
   worker_config.set_backend(absl::GetFlag(FLAGS_backend));
   worker_config.set_comm(absl::GetFlag(FLAGS_comm));
+  worker_config.set_lm_head_precision(logprob::LmHeadPrecisionName(*precision));
   int threads = absl::GetFlag(FLAGS_worker_threads);
   // External workers run on other machines: 0 lets each use its own cores.
   if (threads <= 0 && external == 0)
@@ -226,6 +236,7 @@ int main(int argc, char** argv) {
     config.lm_head_path = source->file;
     config.lm_head_tensor = source->tensor;
     config.hidden_chunk_tokens = chunk_tokens;
+    config.lm_head_precision = logprob::LmHeadPrecisionName(logprob::ResolveLmHeadPrecision(*precision, source->dtype));
   }
 
   // Security of the public port. The control plane and the workers' ports

@@ -233,6 +233,7 @@ grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v
   info->set_lm_head_path(config_.lm_head_path);
   info->set_lm_head_tensor(config_.lm_head_tensor);
   info->set_hidden_chunk_tokens(config_.hidden_chunk_tokens);
+  info->set_lm_head_precision(config_.lm_head_precision);
   info->set_max_queue_tokens(config_.max_queue_tokens);
   info->set_max_queue_bytes(config_.max_queue_bytes);
   info->set_max_queue_delay_seconds(std::chrono::duration<double>(config_.max_queue_delay).count());

@@ -45,6 +45,7 @@ struct ServiceConfig {
   std::string lm_head_path;   // file holding the tensor
   std::string lm_head_tensor;
   int64_t hidden_chunk_tokens = 0;
+  std::string lm_head_precision;  // "bf16" | "tf32" | "fp32" (auto resolved); empty without an lm_head
   /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
   /// Tensor.shared_memory; server/client_regions.h): caps and idle expiry.
   bool shared_memory_inputs = true;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/lm_head_precision.h"
 #include "worker/cpu_backend.h"
 #include "worker/cuda/device_info.h"
 #include "worker/kernels/lm_head_gemm.h"
@@ -298,6 +299,72 @@ TEST(CudaHidden, FusedGemmAndPartialsMatchTheCpuPath) {
         EXPECT_NEAR(ta[j], tb[j], 2e-4 + 2e-5 * std::abs(ta[j]));
       }
     }
+  }
+}
+
+// Batch invariance (docs/SPEC.md): one row's logits are the same bits
+// whatever M its GEMM has and wherever the row sits, in every precision
+// (the cuBLASLt algorithm is chosen once, split-K 1, for every M).
+TEST(CudaHidden, GemmRowIsBitwiseIndependentOfMAndPosition) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 3000, H = 512, kRows = 300;
+  const Rows hidden = MakeRows(v1::F32, kRows, H, 0, N, 0, Values::kNormal, 21);
+  for (LmHeadPrecision p : {LmHeadPrecision::kBf16, LmHeadPrecision::kTf32, LmHeadPrecision::kFp32}) {
+    SCOPED_TRACE(LmHeadPrecisionName(p));
+    LmHeadSlice slice = RandomSlice(N, H, 22);
+    cuda::CudaBackend::Options opts;
+    opts.gemm_chunk_bytes = 512 * N * 4;  // every M below is one GEMM
+    opts.lm_head_precision = p;
+    auto gpu = cuda::CudaBackend::Create(0, &slice, opts);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    std::vector<float> all(kRows * N);
+    ASSERT_TRUE((*gpu)->HiddenLogits(v1::F32, hidden.bytes.data(), kRows, all.data()).ok());
+    const int64_t anchor = 150;
+    for (int64_t M : {1, 2, 3, 17, 64, 129, 257}) {
+      for (int64_t pos : {int64_t{0}, M / 2, M - 1}) {
+        const int64_t first = anchor - pos;
+        std::vector<float> out(M * N);
+        ASSERT_TRUE((*gpu)->HiddenLogits(v1::F32, hidden.bytes.data() + first * H * 4, M, out.data()).ok());
+        ASSERT_EQ(std::memcmp(out.data() + pos * N, all.data() + anchor * N, N * 4), 0)
+            << "row " << anchor << " at position " << pos << " of M = " << M << " differs from M = " << kRows;
+      }
+    }
+  }
+}
+
+// fp32 and tf32 on BF16 weights and F32 hidden states against float64:
+// fp32 within f32 accumulation of the exact operands; tf32 within the
+// rounding of tf32 operands (the tensor cores' rounding mode is theirs).
+TEST(CudaHidden, Fp32AndTf32PrecisionsMatchFloat64) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 1000, H = 256, M = 40;
+  const Rows hidden = MakeRows(v1::F32, M, H, 0, N, 0, Values::kNormal, 31);
+  for (LmHeadPrecision p : {LmHeadPrecision::kFp32, LmHeadPrecision::kTf32}) {
+    SCOPED_TRACE(LmHeadPrecisionName(p));
+    LmHeadSlice slice = RandomSlice(N, H, 32);
+    std::vector<float> w(N * H);
+    ToFloat(v1::BF16, slice.weight.data(), w.size(), w.data());
+    cuda::CudaBackend::Options opts;
+    opts.lm_head_precision = p;
+    auto gpu = cuda::CudaBackend::Create(0, &slice, opts);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    std::vector<float> out(M * N);
+    ASSERT_TRUE((*gpu)->HiddenLogits(v1::F32, hidden.bytes.data(), M, out.data()).ok());
+    // tf32 operands carry 11 significant bits: relative error <= 2^-10 each.
+    const double rel = p == LmHeadPrecision::kFp32 ? 1e-5 : 2.5e-3;
+    int bad = 0;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double ref = 0, mag = 0;
+        for (int64_t k = 0; k < H; ++k) {
+          const double prod = static_cast<double>(hidden.values[m * H + k]) * w[n * H + k];
+          ref += prod;
+          mag += std::fabs(prod);
+        }
+        if (!(std::fabs(out[m * N + n] - ref) <= rel * mag + 1e-6) && ++bad <= 5)
+          ADD_FAILURE() << "logits[" << m << ", " << n << "] = " << out[m * N + n] << ", want " << ref;
+      }
+    EXPECT_EQ(bad, 0);
   }
 }
 

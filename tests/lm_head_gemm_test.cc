@@ -1,6 +1,8 @@
 // LmHeadGemm unit tests: oneDNN matmul against a float64 reference computed
 // here from the exact (dtype-rounded) inputs, for each weight / hidden dtype
-// pair; M-independence of rows; argument errors. DISABLED_Throughput prints
+// pair and each --lm-head-precision (bf16, tf32, fp32; operands rounded here
+// with frexp / ldexp, independently of the code under test);
+// M-independence of rows; argument errors. DISABLED_Throughput prints
 // GFLOP/s for a Llama-sized slice (run with --gtest_also_run_disabled_tests).
 #include "worker/kernels/lm_head_gemm.h"
 
@@ -54,10 +56,11 @@ std::vector<double> RoundBf16(const std::vector<double>& v) {
   return r;
 }
 
-/// Checks out[M, N] against sum_k h[m, k] w[n, k] in float64, with
-/// tolerance 1e-5 * sum_k |h w| + 1e-6 (f32 accumulation).
-void ExpectClose(const std::vector<double>& h, const std::vector<double>& w, int64_t M, int64_t N, int64_t H,
-                 const std::vector<float>& out) {
+/// Entries of out[M, N] farther from sum_k h[m, k] w[n, k] (float64) than
+/// 1e-5 * sum_k |h w| + 1e-6 (f32 accumulation); reports the first 5 as
+/// test failures when `report`.
+int CountOutside(const std::vector<double>& h, const std::vector<double>& w, int64_t M, int64_t N, int64_t H,
+                 const std::vector<float>& out, bool report) {
   int bad = 0;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
@@ -68,11 +71,18 @@ void ExpectClose(const std::vector<double>& h, const std::vector<double>& w, int
         mag += std::fabs(p);
       }
       const double got = out[m * N + n];
-      if (!(std::fabs(got - ref) <= 1e-5 * mag + 1e-6) && ++bad <= 5)
+      if (!(std::fabs(got - ref) <= 1e-5 * mag + 1e-6) && ++bad <= 5 && report)
         ADD_FAILURE() << "out[" << m << ", " << n << "] = " << got << ", want " << ref << " (sum|hw| = " << mag << ")";
     }
   }
-  EXPECT_EQ(bad, 0);
+  return bad;
+}
+
+/// Checks out[M, N] against sum_k h[m, k] w[n, k] in float64, with
+/// tolerance 1e-5 * sum_k |h w| + 1e-6 (f32 accumulation).
+void ExpectClose(const std::vector<double>& h, const std::vector<double>& w, int64_t M, int64_t N, int64_t H,
+                 const std::vector<float>& out) {
+  EXPECT_EQ(CountOutside(h, w, M, N, H, out, true), 0);
 }
 
 /// Builds a GEMM over random `wdt` weights [N, H], runs it on random
@@ -148,6 +158,124 @@ TEST(LmHeadGemm, Errors) {
   std::vector<float> h(4), out(3);
   EXPECT_EQ((*g)->Compute(v1::I64, h.data(), 1, out.data()).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*g)->Compute(v1::F32, h.data(), -1, out.data()).code(), absl::StatusCode::kInvalidArgument);
+}
+
+/// `v` rounded to `bits` significant bits (implicit bit included), round to
+/// nearest even: 8 for bf16, 11 for tf32. Values here are normal floats.
+std::vector<double> RoundSignificand(const std::vector<double>& v, int bits) {
+  std::vector<double> r(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    int e = 0;
+    const double m = std::frexp(v[i], &e);  // v = m 2^e, 0.5 <= |m| < 1
+    r[i] = std::ldexp(std::nearbyint(std::ldexp(m, bits)), e - bits);
+  }
+  return r;
+}
+
+/// Runs `precision` on random `wdt` weights [N, H] and `hdt` hidden states
+/// [M, H]; returns the output and the exact operand values.
+struct PrecisionRun {
+  std::vector<float> out;
+  std::vector<double> h, w;
+  DType compute;
+  LmHeadPrecision precision;
+};
+PrecisionRun RunPrecision(LmHeadPrecision precision, DType wdt, DType hdt, int64_t M, int64_t N, int64_t H) {
+  Tensor w = Random(wdt, N * H, 11 + N), h = Random(hdt, M * H, 13 + M);
+  auto g = LmHeadGemm::Create(wdt, w.bytes, N, H, /*threads=*/0, precision);
+  EXPECT_TRUE(g.ok()) << g.status();
+  PrecisionRun r{std::vector<float>(M * N, NAN), h.exact, w.exact, v1::DTYPE_UNSPECIFIED, LmHeadPrecision::kAuto};
+  if (!g.ok()) return r;
+  EXPECT_EQ((*g)->weight_bytes(), static_cast<size_t>(N * H) * DTypeSize((*g)->compute_dtype()));
+  r.compute = (*g)->compute_dtype();
+  r.precision = (*g)->precision();
+  EXPECT_TRUE((*g)->Compute(hdt, h.bytes.data(), M, r.out.data()).ok());
+  return r;
+}
+
+TEST(LmHeadPrecision, Fp32OfBf16WeightsKeepsF32HiddenStatesUnrounded) {
+  const int64_t M = 7, N = 500, H = 256;
+  const PrecisionRun fp32 = RunPrecision(LmHeadPrecision::kFp32, v1::BF16, v1::F32, M, N, H);
+  EXPECT_EQ(fp32.precision, LmHeadPrecision::kFp32);
+  EXPECT_EQ(fp32.compute, v1::F32);
+  ExpectClose(fp32.h, fp32.w, M, N, H, fp32.out);
+  // The same inputs under bf16 (explicit and auto) match the bf16-rounded
+  // hidden states instead; and the two references are told apart.
+  for (LmHeadPrecision p : {LmHeadPrecision::kBf16, LmHeadPrecision::kAuto}) {
+    SCOPED_TRACE(LmHeadPrecisionName(p));
+    const PrecisionRun bf16 = RunPrecision(p, v1::BF16, v1::F32, M, N, H);
+    EXPECT_EQ(bf16.precision, LmHeadPrecision::kBf16);
+    ExpectClose(RoundSignificand(bf16.h, 8), bf16.w, M, N, H, bf16.out);
+    EXPECT_GT(CountOutside(bf16.h, bf16.w, M, N, H, bf16.out, false), M * N / 2);
+  }
+  EXPECT_GT(CountOutside(RoundSignificand(fp32.h, 8), fp32.w, M, N, H, fp32.out, false), M * N / 2);
+}
+
+TEST(LmHeadPrecision, Tf32RoundsBothF32OperandsToTf32) {
+  const int64_t M = 9, N = 500, H = 256;
+  const PrecisionRun r = RunPrecision(LmHeadPrecision::kTf32, v1::F32, v1::F32, M, N, H);
+  EXPECT_EQ(r.precision, LmHeadPrecision::kTf32);
+  EXPECT_EQ(r.compute, v1::F32);
+  ExpectClose(RoundSignificand(r.h, 11), RoundSignificand(r.w, 11), M, N, H, r.out);
+  EXPECT_GT(CountOutside(r.h, r.w, M, N, H, r.out, false), 0) << "tf32 rounding made no visible difference";
+  // bf16 weights and hidden states are tf32 values already: exact operands.
+  const PrecisionRun b = RunPrecision(LmHeadPrecision::kTf32, v1::BF16, v1::BF16, M, N, H);
+  ExpectClose(b.h, b.w, M, N, H, b.out);
+  // f16 hidden states too (10 explicit mantissa bits, as tf32).
+  const PrecisionRun f = RunPrecision(LmHeadPrecision::kTf32, v1::F32, v1::F16, M, N, H);
+  ExpectClose(f.h, RoundSignificand(f.w, 11), M, N, H, f.out);
+}
+
+TEST(LmHeadPrecision, Bf16RoundsF32AndF16WeightsAndHiddenStates) {
+  const int64_t M = 5, N = 300, H = 100;
+  for (DType wdt : {v1::F32, v1::F16}) {
+    SCOPED_TRACE(DTypeName(wdt));
+    const PrecisionRun r = RunPrecision(LmHeadPrecision::kBf16, wdt, v1::F32, M, N, H);
+    EXPECT_EQ(r.precision, LmHeadPrecision::kBf16);
+    EXPECT_EQ(r.compute, Bf16MatmulSupported() ? v1::BF16 : v1::F32);
+    ExpectClose(RoundSignificand(r.h, 8), RoundSignificand(r.w, 8), M, N, H, r.out);
+  }
+}
+
+TEST(LmHeadPrecision, AutoIsBf16ForBf16WeightsAndFp32Otherwise) {
+  EXPECT_EQ(RunPrecision(LmHeadPrecision::kAuto, v1::F16, v1::F32, 2, 50, 32).precision, LmHeadPrecision::kFp32);
+  EXPECT_EQ(RunPrecision(LmHeadPrecision::kAuto, v1::F32, v1::F32, 2, 50, 32).precision, LmHeadPrecision::kFp32);
+  const PrecisionRun fp32 = RunPrecision(LmHeadPrecision::kFp32, v1::F16, v1::F32, 3, 70, 64);
+  ExpectClose(fp32.h, fp32.w, 3, 70, 64, fp32.out);
+}
+
+TEST(LmHeadPrecision, RoundToTf32MatchesFrexpRounding) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1e3f, 1e3f);
+  std::vector<double> v;
+  for (int i = 0; i < 10000; ++i) v.push_back(u(rng));
+  // Ties: exactly half an ulp of tf32 above an even and an odd significand.
+  v.push_back(1.0 + std::ldexp(1.0, -11));      // -> 1.0 (even)
+  v.push_back(1.0 + 3 * std::ldexp(1.0, -11));  // -> 1 + 2^-9 (even)
+  v.push_back(-(1.0 + 3 * std::ldexp(1.0, -11)));
+  const std::vector<double> want = RoundSignificand(v, 11);
+  for (size_t i = 0; i < v.size(); ++i) ASSERT_EQ(RoundToTf32(static_cast<float>(v[i])), want[i]) << "x = " << v[i];
+  EXPECT_EQ(want[want.size() - 3], 1.0);
+  EXPECT_TRUE(std::isnan(RoundToTf32(NAN)));
+  EXPECT_EQ(RoundToTf32(INFINITY), INFINITY);
+  EXPECT_EQ(RoundToTf32(0.f), 0.f);
+}
+
+TEST(LmHeadPrecision, ParseAndNames) {
+  for (const char* name : {"auto", "bf16", "tf32", "fp32"}) {
+    auto p = ParseLmHeadPrecision(name);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_STREQ(LmHeadPrecisionName(*p), name);
+  }
+  for (const char* bad : {"", "fp16", "FP32", "f32", "bfloat16"}) {
+    auto p = ParseLmHeadPrecision(bad);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(p.status().message().find("--lm-head-precision"), std::string::npos) << p.status();
+    EXPECT_NE(p.status().message().find("auto, bf16, tf32 or fp32"), std::string::npos) << p.status();
+  }
+  EXPECT_EQ(ResolveLmHeadPrecision(LmHeadPrecision::kAuto, v1::BF16), LmHeadPrecision::kBf16);
+  EXPECT_EQ(ResolveLmHeadPrecision(LmHeadPrecision::kAuto, v1::F16), LmHeadPrecision::kFp32);
+  EXPECT_EQ(ResolveLmHeadPrecision(LmHeadPrecision::kTf32, v1::BF16), LmHeadPrecision::kTf32);
 }
 
 /// Prints GFLOP/s (2 M N H / s, median of 5 after a warm-up) for a

@@ -2,11 +2,13 @@
 // lm_head (--lm-head). The golden hidden_bf16 case with 1, 2 and 3 workers;
 // every other output (top-k, gather, temperature, sampling filters) against
 // the logits path on logits computed in float64 in this test; sharded and
-// tied-embedding checkpoints; errors; worker memory flat in T.
+// tied-embedding checkpoints; errors; worker memory flat in T;
+// --lm-head-precision fp32 against a float64 reference computed here.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -171,6 +173,7 @@ TEST(HiddenCheckpoint, ShardedIndexOverTwoFiles) {
   EXPECT_EQ(info.vocab_size(), 8192);
   EXPECT_EQ(info.hidden_size(), 256);
   EXPECT_EQ(info.lm_head_dtype(), "BF16");
+  EXPECT_EQ(info.lm_head_precision(), "bf16");  // --lm-head-precision auto on BF16 weights
   EXPECT_EQ(info.lm_head_tensor(), "lm_head.weight");
   EXPECT_NE(info.lm_head_path().find("model-00002-of-00002.safetensors"), std::string::npos) << info.lm_head_path();
 }
@@ -219,6 +222,116 @@ TEST(HiddenErrors, MismatchedHBothInputsNoLmHeadAndBadCheckpoint) {
                                        " --lm-head " + GoldenDir() + "/missing.safetensors");
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.output.find("missing.safetensors"), std::string::npos) << bad.output;
+}
+
+/// Token logprobs and entropy of packed rows [T, H] (row t scores ids[t +
+/// 1]) under weight [V, H], in float64 from the given operand values.
+struct Reference {
+  std::vector<double> logprobs, entropy;
+};
+Reference ReferenceScores(const std::vector<double>& h, const std::vector<double>& w, const std::vector<int64_t>& ids,
+                          int64_t H, int64_t V) {
+  Reference r;
+  std::vector<double> z(V);
+  for (size_t t = 0; t + 1 < ids.size(); ++t) {
+    double mx = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) {
+      double acc = 0;
+      for (int64_t k = 0; k < H; ++k) acc += h[t * H + k] * w[v * H + k];
+      z[v] = acc;
+      mx = std::max(mx, acc);
+    }
+    double sum = 0, zp = 0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(z[v] - mx);
+    const double lse = mx + std::log(sum);
+    for (int64_t v = 0; v < V; ++v) zp += std::exp(z[v] - lse) * z[v];
+    r.logprobs.push_back(z[ids[t + 1]] - lse);
+    r.entropy.push_back(lse - zp);
+  }
+  return r;
+}
+
+/// Entries of `got` outside docs/SPEC.md's tolerance 2e-4 + 2e-5 |want|.
+int CountOutsideSpec(const std::vector<double>& want, const std::vector<float>& got) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (!(std::fabs(got[i] - want[i]) <= 2e-4 + 2e-5 * std::fabs(want[i]))) ++bad;
+  return bad;
+}
+
+// --lm-head-precision fp32 on the golden BF16 lm_head: F32 hidden states
+// are multiplied unrounded (a bf16 head would round them first), on 2
+// workers (each its vocabulary slice), and ServerInfo says so.
+TEST(HiddenPrecision, Fp32KeepsF32HiddenStatesAndServerInfoReportsIt) {
+  auto server = ServerProcess::Start(2, {"--lm-head", GoldenLmHead(), "--lm-head-precision", "fp32"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  EXPECT_EQ(Info(*stub).lm_head_precision(), "fp32");
+
+  const v1::Tensor weight = GoldenWeight();
+  const int64_t V = weight.shape(0), H = weight.shape(1), T = 24;
+  std::vector<float> wf(V * H);
+  ToFloat(weight.dtype(), weight.data().data(), wf.size(), wf.data());
+  const std::vector<double> w(wf.begin(), wf.end());
+  // F32 hidden states with full 24-bit significands, larger than the
+  // golden case's so that bf16 rounding moves the logprobs visibly.
+  v1::ScoreRequest req = RandomPackedRequest("hidden_states", T, H, V, 31);
+  std::mt19937 rng(32);
+  std::normal_distribution<float> normal(0.f, 4.f);
+  std::vector<float> hf(T * H);
+  for (auto& x : hf) x = normal(rng);
+  v1::Tensor& hidden = *req.mutable_inputs(0);
+  ASSERT_EQ(hidden.name(), "hidden_states");
+  hidden.set_dtype(v1::F32);
+  hidden.set_data(hf.data(), hf.size() * 4);
+  std::vector<int64_t> ids(T);
+  std::memcpy(ids.data(), req.inputs(1).data().data(), ids.size() * 8);
+
+  const std::vector<double> h(hf.begin(), hf.end());
+  std::vector<double> h_bf16(h.size());
+  for (size_t i = 0; i < h.size(); ++i) h_bf16[i] = Bf16ToFloat(FloatToBf16(hf[i]));
+  const Reference want = ReferenceScores(h, w, ids, H, V), rounded = ReferenceScores(h_bf16, w, ids, H, V);
+
+  const v1::ScoreResponse resp = MustScore(*stub, req);
+  const auto lp = Floats(*FindOutput(resp, "token_logprobs")), ent = Floats(*FindOutput(resp, "entropy"));
+  ASSERT_EQ(lp.size(), want.logprobs.size());
+  ASSERT_EQ(ent.size(), want.entropy.size());
+  for (size_t i = 0; i < lp.size(); ++i) {
+    EXPECT_NEAR(lp[i], want.logprobs[i], 2e-4 + 2e-5 * std::fabs(want.logprobs[i])) << "token_logprobs row " << i;
+    EXPECT_NEAR(ent[i], want.entropy[i], 2e-4 + 2e-5 * std::fabs(want.entropy[i])) << "entropy row " << i;
+  }
+  // The case tells the precisions apart: the bf16-rounded reference misses
+  // the tolerance on most rows.
+  EXPECT_GT(CountOutsideSpec(rounded.logprobs, lp), static_cast<int>(lp.size()) / 2);
+}
+
+TEST(HiddenPrecision, BadValueIsAStartupErrorNamingTheFlag) {
+  const CommandResult server = RunCommand(
+      BinDir() + "/logprob-server --listen 127.0.0.1:" + std::to_string(FreePort()) + " --lm-head-precision fp16");
+  EXPECT_NE(server.code, 0);
+  EXPECT_NE(server.output.find("--lm-head-precision 'fp16': must be auto, bf16, tf32 or fp32"), std::string::npos)
+      << server.output;
+  // The worker checks its own flag before contacting any front-end.
+  const CommandResult worker = RunCommand(BinDir() + "/logprob-worker --frontend 127.0.0.1:1 --lm-head-precision FP32");
+  EXPECT_NE(worker.code, 0);
+  EXPECT_NE(worker.output.find("--lm-head-precision 'FP32': must be auto, bf16, tf32 or fp32"), std::string::npos)
+      << worker.output;
+}
+
+// Every rank computes alike: a worker given another --lm-head-precision
+// than its front-end's exits with a message naming both.
+TEST(HiddenPrecision, WorkerDisagreeingWithTheFrontEndExits) {
+  const std::string control = "127.0.0.1:" + std::to_string(FreePort());
+  auto server = ServerProcess::Launch({"--external-workers", "1", "--control-listen", control, "--lm-head",
+                                       GoldenLmHead(), "--lm-head-precision", "fp32"});
+  ASSERT_TRUE(server);
+  // --rejoin (the default) waits for the front-end's control port; the
+  // disagreement then ends the worker for good.
+  const CommandResult r =
+      RunCommand("timeout 120 " + BinDir() + "/logprob-worker --frontend " + control + " --lm-head-precision bf16");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("--lm-head-precision bf16 disagrees with the front-end's fp32"), std::string::npos)
+      << r.output;
 }
 
 // The worker's logits buffer is one chunk, whatever T: scoring 16384 tokens

@@ -20,14 +20,16 @@ absl::StatusOr<std::unique_ptr<ScoringBackend>> MakeBackend(const BackendConfig&
     std::unique_ptr<kernels::LmHeadGemm> gemm;
     if (config.lm_head) {
       LmHeadSlice& s = *config.lm_head;
-      LOGPROB_ASSIGN_OR_RETURN(
-          gemm, kernels::LmHeadGemm::Create(s.dtype, std::move(s.weight), s.rows, s.hidden_size, config.threads));
+      LOGPROB_ASSIGN_OR_RETURN(gemm, kernels::LmHeadGemm::Create(s.dtype, std::move(s.weight), s.rows, s.hidden_size,
+                                                                 config.threads, config.lm_head_precision));
     }
     return std::unique_ptr<ScoringBackend>(new CpuBackend(std::move(gemm)));
   }
 #ifdef LOGPROB_HAVE_CUDA
   LOGPROB_ASSIGN_OR_RETURN(const int device, cuda::SelectDevice(config.device, config.rank));
-  LOGPROB_ASSIGN_OR_RETURN(auto b, cuda::CudaBackend::Create(device, config.lm_head));
+  cuda::CudaBackend::Options options;
+  options.lm_head_precision = config.lm_head_precision;
+  LOGPROB_ASSIGN_OR_RETURN(auto b, cuda::CudaBackend::Create(device, config.lm_head, options));
   return std::unique_ptr<ScoringBackend>(std::move(b));
 #else
   return absl::InternalError("unreachable: CheckBackendChoice accepted cuda in a build without CUDA");

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/lm_head_precision.h"
 #include "gloo/rendezvous/store.h"
 #include "worker/backend.h"
 #include "worker/communicator.h"
@@ -20,6 +21,7 @@ struct BackendConfig {
   int device = -1;                 // cuda: CUDA device; -1: rank % device count (several workers may share one GPU)
   int threads = 0;                 // cpu: GEMM threads (0: library default)
   LmHeadSlice* lm_head = nullptr;  // this rank's lm_head slice, or null; its weight is moved from
+  LmHeadPrecision lm_head_precision = LmHeadPrecision::kAuto;  // operands of its GEMM (common/lm_head_precision.h)
 };
 
 /// The backend named in `config`. INVALID_ARGUMENT for an unknown or

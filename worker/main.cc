@@ -32,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/backend_choice.h"
 #include "common/flag_names.h"
+#include "common/lm_head_precision.h"
 #include "common/lm_head_source.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
@@ -57,6 +58,9 @@ ABSL_FLAG(std::string, comm, "",
           "communicator: gloo or nccl (nccl needs cuda; default: as the front-end says, else gloo)");
 ABSL_FLAG(int, device, -1, "CUDA device of --backend cuda; -1: rank % device count");
 ABSL_FLAG(int, collective_timeout, 60, "seconds before a collective or rendezvous fails");
+ABSL_FLAG(std::string, lm_head_precision, "",
+          "operands of the lm_head GEMM: auto, bf16, tf32 or fp32 (default: as the front-end says; when given it "
+          "must equal the front-end's --lm-head-precision: every rank of a pool computes alike)");
 ABSL_FLAG(int, threads, -1, "compute threads (GEMM); -1: as the front-end says, 0: library default");
 
 namespace {
@@ -157,6 +161,9 @@ int main(int argc, char** argv) {
         !st.ok())
       return Fail(std::string(st.message()));
   }
+  if (const std::string p = absl::GetFlag(FLAGS_lm_head_precision); !p.empty())
+    if (auto parsed = logprob::ParseLmHeadPrecision(p); !parsed.ok())
+      return Fail(std::string(parsed.status().message()));
   std::string listen_host = absl::GetFlag(FLAGS_listen_host), advertise_host = absl::GetFlag(FLAGS_advertise_host);
   if (listen_host.empty()) listen_host = advertise_host.empty() ? "127.0.0.1" : advertise_host;
   if (advertise_host.empty()) advertise_host = listen_host;
@@ -237,7 +244,11 @@ int main(int argc, char** argv) {
   const std::string backend_name =
       Choose("backend", absl::GetFlag(FLAGS_backend), joined.backend(), "cpu", &choice_error);
   const std::string comm_name = Choose("comm", absl::GetFlag(FLAGS_comm), joined.comm(), "gloo", &choice_error);
+  const std::string precision_name = Choose("lm-head-precision", absl::GetFlag(FLAGS_lm_head_precision),
+                                            joined.lm_head_precision(), "auto", &choice_error);
   if (!choice_error.empty()) EndMembership(choice_error, false, 1);
+  const auto precision = logprob::ParseLmHeadPrecision(precision_name);
+  if (!precision.ok()) EndMembership("front-end: " + std::string(precision.status().message()), false, 1);
   if (auto st = logprob::CheckBackendChoice(backend_name, comm_name); !st.ok())
     EndMembership(std::string(st.message()), false, 1);
   auto lm_head = ReadLmHeadSlice(joined);
@@ -248,6 +259,7 @@ int main(int argc, char** argv) {
   backend_config.device = absl::GetFlag(FLAGS_device);
   backend_config.threads = absl::GetFlag(FLAGS_threads) >= 0 ? absl::GetFlag(FLAGS_threads) : joined.threads();
   backend_config.lm_head = lm_head->get();
+  backend_config.lm_head_precision = *precision;
   auto backend = logprob::MakeBackend(backend_config);
   if (!backend.ok())
     EndMembership("--backend " + backend_name + ": " + std::string(backend.status().message()), false, 1);
@@ -256,7 +268,8 @@ int main(int argc, char** argv) {
   auto comm = logprob::MakeCommunicator(comm_name, **backend, store, advertise_host, rank, world,
                                         std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout)));
   if (!comm.ok()) startup_failed("--comm " + comm_name + ": " + std::string(comm.status().message()));
-  std::cerr << "logprob-worker: rank " << rank << " backend " << backend_name << ", comm " << comm_name << std::endl;
+  std::cerr << "logprob-worker: rank " << rank << " backend " << backend_name << ", comm " << comm_name
+            << ", lm_head precision " << precision_name << std::endl;
 
   logprob::WorkerService service(std::move(*comm), std::move(*backend), joined.hidden_chunk_tokens());
   grpc::ServerBuilder builder;

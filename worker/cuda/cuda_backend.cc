@@ -64,9 +64,15 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, con
     LOGPROB_RETURN_IF_ERROR(b->stats_done_[i].Create());
   }
   if (lm_head) {
+    // The GEMM's one algorithm (every M runs it) is chosen for the usual
+    // chunk: GemmChunkRows's gemm_chunk_bytes / 4N rows, 16 to 4096.
+    const int64_t chunk_rows =
+        std::clamp<int64_t>(static_cast<int64_t>(b->options_.gemm_chunk_bytes /
+                                                 (static_cast<size_t>(std::max<int64_t>(lm_head->rows, 1)) * 4)),
+                            16, 4096);
     LOGPROB_ASSIGN_OR_RETURN(
         b->gemm_, CublasLtLmHead::Create(lm_head->dtype, lm_head->weight.data(), lm_head->weight.size(), lm_head->rows,
-                                         lm_head->hidden_size));
+                                         lm_head->hidden_size, options.lm_head_precision, chunk_rows));
   }
   return b;
 }

@@ -33,6 +33,8 @@ class CudaBackend final : public ScoringBackend {
     /// max(16, this / (4 N)) rows. Smaller keeps it in L2, larger makes the
     /// GEMM compute-bound.
     size_t gemm_chunk_bytes = size_t{256} << 20;
+    /// Operands of the lm_head GEMM (common/lm_head_precision.h).
+    LmHeadPrecision lm_head_precision = LmHeadPrecision::kAuto;
   };
 
   /// Uses `device` (made current), uploads `lm_head` (may be null) once.

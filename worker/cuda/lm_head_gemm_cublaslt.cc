@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -27,7 +28,6 @@ absl::Status LtStatus(cublasStatus_t s, const char* what) {
 /// D the logits [N, M] (ld N), i.e. row-major logits[M, N].
 struct CublasLtLmHead::Plan {
   cublasLtMatrixLayout_t b = nullptr, d = nullptr;
-  cublasLtMatmulHeuristicResult_t heuristic{};
   ~Plan() {
     if (b) cublasLtMatrixLayoutDestroy(b);
     if (d) cublasLtMatrixLayoutDestroy(d);
@@ -41,40 +41,120 @@ CublasLtLmHead::~CublasLtLmHead() {
   if (handle_) cublasLtDestroy(handle_);
 }
 
+absl::Status CublasLtLmHead::MakeLayouts(int64_t m, Plan* plan) const {
+  const cudaDataType_t ab = compute_dtype_ == v1::BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, ab, static_cast<uint64_t>(hidden_size_),
+                                                        static_cast<uint64_t>(m), hidden_size_),
+                             "hidden layout");
+  LOGPROB_LT_RETURN_IF_ERROR(
+      cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_32F, static_cast<uint64_t>(rows_), static_cast<uint64_t>(m), rows_),
+      "logits layout");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dtype, const void* weight,
                                                                        size_t weight_bytes, int64_t rows,
-                                                                       int64_t hidden_size) {
+                                                                       int64_t hidden_size, LmHeadPrecision precision,
+                                                                       int64_t algo_rows) {
   LOGPROB_RETURN_IF_ERROR(kernels::CheckLmHeadWeight(dtype, weight_bytes, rows, hidden_size));
+  if (algo_rows <= 0) return absl::InvalidArgumentError(absl::StrCat("algo_rows must be > 0, got ", algo_rows));
   std::unique_ptr<CublasLtLmHead> g(new CublasLtLmHead());
   g->rows_ = rows;
   g->hidden_size_ = hidden_size;
+  g->precision_ = ResolveLmHeadPrecision(precision, dtype);
+  g->algo_rows_ = algo_rows;
   const size_t n = static_cast<size_t>(rows * hidden_size);
-  if (dtype == v1::F16) {  // widen once, as the CPU GEMM does
+  auto upload = [&g](const void* host, size_t bytes) -> absl::Status {
+    LOGPROB_RETURN_IF_ERROR(g->weight_.Reserve(bytes));
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpy(g->weight_.get(), host, bytes, cudaMemcpyHostToDevice), "lm_head upload");
+    return absl::OkStatus();
+  };
+  // Convert the weights once on the host, as the CPU GEMM does.
+  const bool bf16 = g->precision_ == LmHeadPrecision::kBf16;
+  g->compute_dtype_ = bf16 ? v1::BF16 : v1::F32;
+  if (dtype == g->compute_dtype_) {
+    LOGPROB_RETURN_IF_ERROR(upload(weight, weight_bytes));
+  } else {
     std::vector<float> wide(n);
     ToFloat(dtype, weight, n, wide.data());
-    g->compute_dtype_ = v1::F32;
-    LOGPROB_RETURN_IF_ERROR(g->weight_.Reserve(n * 4));
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpy(g->weight_.get(), wide.data(), n * 4, cudaMemcpyHostToDevice),
-                                 "lm_head upload");
-  } else {
-    g->compute_dtype_ = dtype;
-    LOGPROB_RETURN_IF_ERROR(g->weight_.Reserve(weight_bytes));
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpy(g->weight_.get(), weight, weight_bytes, cudaMemcpyHostToDevice),
-                                 "lm_head upload");
+    if (bf16) {  // F32 / F16 -> bf16, round to nearest even
+      std::vector<uint16_t> narrow(n);
+      for (size_t i = 0; i < n; ++i) narrow[i] = FloatToBf16(wide[i]);
+      LOGPROB_RETURN_IF_ERROR(upload(narrow.data(), n * 2));
+    } else {  // BF16 / F16 -> f32, exact
+      LOGPROB_RETURN_IF_ERROR(upload(wide.data(), n * 4));
+    }
   }
   LOGPROB_RETURN_IF_ERROR(g->workspace_.Reserve(kWorkspaceBytes));
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtCreate(&g->handle_), "create");
-  LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&g->op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
+  const cublasComputeType_t compute =
+      g->precision_ == LmHeadPrecision::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&g->op_, compute, CUDA_R_32F), "matmul desc");
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(g->op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta),
                              "transa");
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(g->op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb),
                              "transb");
-  const cudaDataType_t ab = g->compute_dtype_ == v1::BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cudaDataType_t ab = bf16 ? CUDA_R_16BF : CUDA_R_32F;
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&g->a_layout_, ab, static_cast<uint64_t>(hidden_size),
                                                         static_cast<uint64_t>(rows), hidden_size),
                              "weight layout");
+  LOGPROB_RETURN_IF_ERROR(g->ChooseAlgo());
   return g;
+}
+
+absl::Status CublasLtLmHead::ChooseAlgo() {
+  Plan ref;
+  LOGPROB_RETURN_IF_ERROR(MakeLayouts(algo_rows_, &ref));
+  const size_t ws = workspace_.size();
+  const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+  // Callers pass chunks of the hidden states starting at multiples of 16
+  // rows: their alignment is that of 16 * H elements (at most 256 bytes).
+  const uint64_t row16 = 16 * static_cast<uint64_t>(hidden_size_) * DTypeSize(compute_dtype_);
+  const uint32_t b_align = static_cast<uint32_t>(std::min<uint64_t>(256, row16 & (~row16 + 1)));
+  constexpr int kCandidates = 8;
+  int found_total = 0;
+  // First only the algorithms that sum each output in one sequence (the
+  // preference's reduction-scheme mask NONE); should that leave none, any
+  // candidate, run with split-K forced to 1 below all the same.
+  for (const bool only_unsplit : {true, false}) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (only_unsplit)
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_reduction,
+                                           sizeof no_reduction);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof b_align);
+    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
+    int found = 0;
+    const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_, op_, a_layout_, ref.b, ref.d, ref.d, pref,
+                                                            kCandidates, results, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED) continue;  // no candidate under this preference
+    LOGPROB_LT_RETURN_IF_ERROR(s, "heuristic");
+    found_total += found;
+    // The heuristic's best candidate that runs with split-K 1, no reduction.
+    const int32_t splitk = 1;
+    for (int i = 0; i < found; ++i) {
+      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+      cublasLtMatmulAlgo_t algo = results[i].algo;
+      if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk) !=
+              CUBLAS_STATUS_SUCCESS ||
+          cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction,
+                                               sizeof no_reduction) != CUBLAS_STATUS_SUCCESS)
+        continue;
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoCheck(handle_, op_, a_layout_, ref.b, ref.d, ref.d, &algo, &check) !=
+              CUBLAS_STATUS_SUCCESS ||
+          check.workspaceSize > ws)
+        continue;
+      algo_ = algo;
+      return absl::OkStatus();
+    }
+  }
+  return absl::InternalError(absl::StrCat(
+      "cuBLASLt has no split-K-free algorithm for the ", LmHeadPrecisionName(precision_), " lm_head GEMM [", algo_rows_,
+      ", ", hidden_size_, "] x [", hidden_size_, ", ", rows_, "] (", found_total, " heuristic candidate(s))"));
 }
 
 absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logits, cudaStream_t stream) {
@@ -83,36 +163,23 @@ absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logit
   auto it = plans_.find(M);
   if (it == plans_.end()) {
     auto plan = std::make_unique<Plan>();
-    const cudaDataType_t ab = compute_dtype_ == v1::BF16 ? CUDA_R_16BF : CUDA_R_32F;
-    LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, ab, static_cast<uint64_t>(hidden_size_),
-                                                          static_cast<uint64_t>(M), hidden_size_),
-                               "hidden layout");
-    LOGPROB_LT_RETURN_IF_ERROR(
-        cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_32F, static_cast<uint64_t>(rows_), static_cast<uint64_t>(M), rows_),
-        "logits layout");
-    cublasLtMatmulPreference_t pref = nullptr;
-    LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
-    const size_t ws = workspace_.size();
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-    // Callers pass chunks of the hidden states starting at multiples of 16
-    // rows: their alignment is that of 16 * H elements (at most 256 bytes).
-    const uint64_t row16 = 16 * static_cast<uint64_t>(hidden_size_) * DTypeSize(compute_dtype_);
-    const uint32_t b_align = static_cast<uint32_t>(std::min<uint64_t>(256, row16 & (~row16 + 1)));
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof b_align);
-    int found = 0;
-    const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_, op_, a_layout_, plan->b, plan->d, plan->d, pref, 1,
-                                                            &plan->heuristic, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    LOGPROB_LT_RETURN_IF_ERROR(s, "heuristic");
-    if (found == 0)
-      return absl::InternalError(absl::StrCat("cuBLASLt has no algorithm for [", M, ", ", hidden_size_, "] x [",
-                                              hidden_size_, ", ", rows_, "]"));
+    LOGPROB_RETURN_IF_ERROR(MakeLayouts(M, plan.get()));
+    // The one algorithm (batch invariance): never a per-M heuristic choice.
+    cublasLtMatmulHeuristicResult_t check{};
+    const cublasStatus_t s =
+        cublasLtMatmulAlgoCheck(handle_, op_, a_layout_, plan->b, plan->d, plan->d, &algo_, &check);
+    if (s != CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_.size())
+      return absl::InternalError(
+          absl::StrCat("the lm_head GEMM algorithm chosen at M = ", algo_rows_, " does not run [", M, ", ",
+                       hidden_size_, "] x [", hidden_size_, ", ", rows_, "]: ",
+                       s != CUBLAS_STATUS_SUCCESS ? std::string(cublasLtGetStatusString(s))
+                                                  : absl::StrCat("needs ", check.workspaceSize, " workspace bytes")));
     it = plans_.emplace(M, std::move(plan)).first;
   }
   const float alpha = 1.0f, beta = 0.0f;
   const Plan& p = *it->second;
   return LtStatus(cublasLtMatmul(handle_, op_, &alpha, weight_.get(), a_layout_, hidden, p.b, &beta, logits, p.d,
-                                 logits, p.d, &p.heuristic.algo, workspace_.get(), workspace_.size(), stream),
+                                 logits, p.d, &algo_, workspace_.get(), workspace_.size(), stream),
                   "matmul");
 }
 

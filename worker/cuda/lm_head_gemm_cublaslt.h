@@ -1,8 +1,24 @@
 // logits = hidden_states @ W^T for one worker's lm_head slice on the GPU
-// (cuBLASLt), the device twin of kernels::LmHeadGemm with the same compute
-// dtypes: BF16 weights run bf16 x bf16 -> f32 (f32 accumulation); F16
-// weights are widened to F32 once at upload and, like F32 weights, run an
-// f32 GEMM (CUBLAS_COMPUTE_32F, no TF32).
+// (cuBLASLt), the device twin of kernels::LmHeadGemm with the same
+// operands by LmHeadPrecision (common/lm_head_precision.h): bf16 (auto for
+// BF16 weights) runs bf16 x bf16 -> f32 with f32 accumulation (other
+// weights rounded to bf16 once at upload); fp32 (auto for F32 and F16
+// weights) widens the weights to F32 once at upload and runs
+// CUBLAS_COMPUTE_32F (no TF32); tf32 widens them too and runs
+// CUBLAS_COMPUTE_32F_FAST_TF32 (tensor cores round the f32 operands to
+// tf32 as the hardware does, f32 accumulation).
+//
+// Batch invariance: a row's logits must not depend on how many rows share
+// its GEMM (M) or where it sits among them, so that a token scores the same
+// bits alone or in any batch. cuBLASLt's heuristic picks kernels (tile
+// shape, split-K, reduction scheme) by the whole problem shape, and a
+// split-K or differently tiled kernel sums a row's H products in another
+// order. So the algorithm is chosen once, at Create, for a fixed reference
+// M (`algo_rows`), with split-K forced to 1 and no reduction scheme (one
+// dot-product sequence per output), and that one algorithm runs every M;
+// only the matrix layouts are per M. cuBLASLt documents no stream-K switch:
+// the heuristic's descriptor is reused whole, so whatever decomposition it
+// encodes is the same for every call.
 #pragma once
 
 #include <cublasLt.h>
@@ -14,6 +30,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "common/lm_head_precision.h"
 #include "worker/cuda/device_buffers.h"
 
 namespace logprob::cuda {
@@ -22,34 +39,52 @@ namespace logprob::cuda {
 class CublasLtLmHead {
  public:
   /// Uploads `weight` ([rows, hidden_size] row-major host bytes of `dtype`
-  /// F32, BF16 or F16, the checkpoint layout) once, on the current device.
-  /// INVALID_ARGUMENT for a bad dtype, shape or size; INTERNAL for CUDA or
-  /// cuBLASLt failures (e.g. out of memory).
+  /// F32, BF16 or F16, the checkpoint layout) once, on the current device,
+  /// converted for `precision` (header comment; kAuto by `dtype`), and picks
+  /// the GEMM algorithm every M will use: cuBLASLt's heuristic at M =
+  /// `algo_rows` (> 0; e.g. the backend's usual chunk rows), split-K 1, no
+  /// reduction scheme, checked with cublasLtMatmulAlgoCheck.
+  /// INVALID_ARGUMENT for a bad dtype, shape, size or algo_rows; INTERNAL
+  /// for CUDA or cuBLASLt failures (e.g. out of memory, no algorithm).
   static absl::StatusOr<std::unique_ptr<CublasLtLmHead>> Create(DType dtype, const void* weight, size_t weight_bytes,
-                                                                int64_t rows, int64_t hidden_size);
+                                                                int64_t rows, int64_t hidden_size,
+                                                                LmHeadPrecision precision = LmHeadPrecision::kAuto,
+                                                                int64_t algo_rows = kDefaultAlgoRows);
+  /// Reference M of the algorithm choice when the caller names none.
+  static constexpr int64_t kDefaultAlgoRows = 256;
   ~CublasLtLmHead();
 
-  int64_t rows() const { return rows_; }                  // N
-  int64_t hidden_size() const { return hidden_size_; }    // H
-  DType compute_dtype() const { return compute_dtype_; }  // BF16 or F32
+  int64_t rows() const { return rows_; }                    // N
+  int64_t hidden_size() const { return hidden_size_; }      // H
+  DType compute_dtype() const { return compute_dtype_; }    // BF16 or F32
+  LmHeadPrecision precision() const { return precision_; }  // bf16, tf32 or fp32 (kAuto resolved)
   size_t weight_bytes() const { return weight_.size(); }
 
   /// logits[M, rows()] (device, f32, row-major) = hidden[M, H] @ W^T with
   /// `hidden` on the device in compute_dtype(), starting 256-byte aligned or
   /// a multiple of 16 rows after such a start; `logits` 256-byte aligned.
-  /// Asynchronous on `stream`.
-  /// INTERNAL when cuBLASLt finds no algorithm or fails.
+  /// Asynchronous on `stream`. Every M runs the algorithm chosen at Create
+  /// (batch invariance, header comment).
+  /// INTERNAL when that algorithm does not support this M
+  /// (cublasLtMatmulAlgoCheck) or cuBLASLt fails.
   absl::Status Compute(const void* hidden, int64_t M, float* logits, cudaStream_t stream);
 
  private:
-  struct Plan;  // layouts and algorithm for one M
+  struct Plan;  // layouts for one M, checked against algo_
   CublasLtLmHead() = default;
+  /// Hidden [H, m] and logits [N, m] column-major layouts for m rows.
+  absl::Status MakeLayouts(int64_t m, Plan* plan) const;
+  /// Sets algo_: the heuristic's best split-K-free algorithm at algo_rows_.
+  absl::Status ChooseAlgo();
   DType compute_dtype_ = v1::BF16;
+  LmHeadPrecision precision_ = LmHeadPrecision::kBf16;
   int64_t rows_ = 0, hidden_size_ = 0;
   DeviceBuffer weight_, workspace_;
   cublasLtHandle_t handle_ = nullptr;
   cublasLtMatmulDesc_t op_ = nullptr;
   cublasLtMatrixLayout_t a_layout_ = nullptr;
+  cublasLtMatmulAlgo_t algo_{};  // the one algorithm of every M (chosen at Create)
+  int64_t algo_rows_ = 0;        // the M it was chosen for
   std::map<int64_t, std::unique_ptr<Plan>> plans_;
 };
 

@@ -72,23 +72,44 @@ absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, i
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, std::vector<char> weight, int64_t rows,
-                                                               int64_t hidden_size, int threads) {
-  LOGPROB_RETURN_IF_ERROR(CheckLmHeadWeight(dtype, weight.size(), rows, hidden_size));
+namespace {
 
-  DType compute = dtype;
-  if (dtype == v1::F16) {  // widen once to f32; the f16 buffer is freed on return
-    std::vector<char> wide(static_cast<size_t>(rows * hidden_size) * sizeof(float));
-    ToFloat(dtype, weight.data(), static_cast<size_t>(rows * hidden_size), reinterpret_cast<float*>(wide.data()));
-    weight = std::move(wide);
-    compute = v1::F32;
-  }
-  const bool bf16_operands = dtype == v1::BF16 && !Bf16MatmulSupported();
-  if (bf16_operands) {  // widen the bf16 weights exactly; Compute rounds hidden states to bf16
-    std::vector<char> wide(static_cast<size_t>(rows * hidden_size) * sizeof(float));
-    ToFloat(dtype, weight.data(), static_cast<size_t>(rows * hidden_size), reinterpret_cast<float*>(wide.data()));
-    weight = std::move(wide);
-    compute = v1::F32;
+/// `n` elements of float dtype `dtype` widened exactly to f32 bytes.
+std::vector<char> WidenToF32(DType dtype, const std::vector<char>& src, size_t n) {
+  std::vector<char> wide(n * sizeof(float));
+  ToFloat(dtype, src.data(), n, reinterpret_cast<float*>(wide.data()));
+  return wide;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, std::vector<char> weight, int64_t rows,
+                                                               int64_t hidden_size, int threads,
+                                                               LmHeadPrecision precision) {
+  LOGPROB_RETURN_IF_ERROR(CheckLmHeadWeight(dtype, weight.size(), rows, hidden_size));
+  const LmHeadPrecision p = ResolveLmHeadPrecision(precision, dtype);
+  const size_t n = static_cast<size_t>(rows * hidden_size);
+  // Convert the weights once; the checkpoint-dtype buffer is freed on return.
+  DType compute = v1::F32;
+  LmHeadPrecision hidden_rounding = LmHeadPrecision::kFp32;
+  if (p == LmHeadPrecision::kBf16 && Bf16MatmulSupported()) {
+    compute = v1::BF16;
+    if (dtype != v1::BF16) {  // F32 / F16 -> bf16, round to nearest even
+      const std::vector<char> wide = WidenToF32(dtype, weight, n);
+      const auto* f = reinterpret_cast<const float*>(wide.data());
+      std::vector<char> narrow(n * sizeof(uint16_t));
+      auto* b = reinterpret_cast<uint16_t*>(narrow.data());
+      for (size_t i = 0; i < n; ++i) b[i] = FloatToBf16(f[i]);
+      weight = std::move(narrow);
+    }
+  } else {  // f32 compute: widen exactly, then round to the precision's operands
+    if (dtype != v1::F32) weight = WidenToF32(dtype, weight, n);
+    auto* w = reinterpret_cast<float*>(weight.data());
+    if (p == LmHeadPrecision::kBf16 && dtype != v1::BF16)  // as the bf16 matmul would see them
+      for (size_t i = 0; i < n; ++i) w[i] = Bf16ToFloat(FloatToBf16(w[i]));
+    if (p == LmHeadPrecision::kTf32 && dtype == v1::F32)  // bf16 and f16 values are tf32 already
+      for (size_t i = 0; i < n; ++i) w[i] = RoundToTf32(w[i]);
+    if (p != LmHeadPrecision::kFp32) hidden_rounding = p;
   }
   // oneDNN's OpenMP runtime sizes its parallel regions by the calling
   // thread's omp_get_max_threads(); the cap is set here and again before
@@ -98,7 +119,8 @@ absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, std:
   const size_t csize = DTypeSize(compute);
   weight.resize(static_cast<size_t>((rows + kTileCols - 1) / kTileCols * kTileCols * hidden_size) * csize, 0);
   std::unique_ptr<LmHeadGemm> g(new LmHeadGemm(compute, std::move(weight), rows, hidden_size));
-  g->bf16_operands_ = bf16_operands;
+  g->precision_ = p;
+  g->hidden_rounding_ = hidden_rounding;
   try {
     g->impl_ = std::make_unique<Impl>();
     Impl& im = *g->impl_;
@@ -131,7 +153,7 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
   const size_t n = static_cast<size_t>(M * H);
   // Bring the hidden states to the compute dtype (no copy when they match).
   const void* src = hidden;
-  if (hidden_dtype != compute_dtype_ || bf16_operands_) {
+  if (hidden_dtype != compute_dtype_ || hidden_rounding_ != LmHeadPrecision::kFp32) {
     auto& buf = impl_->hidden_buf;
     if (compute_dtype_ == v1::BF16) {  // f32 -> bf16 RNE; f16 -> f32 (exact) -> bf16 RNE
       buf.resize(n * sizeof(uint16_t));
@@ -148,12 +170,14 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
         }
         for (size_t j = 0; j < k; ++j) dst[i + j] = FloatToBf16(f[j]);
       }
-    } else {  // compute F32: bf16 / f16 widen exactly
+    } else {  // compute F32: widen exactly, then round to the precision's operands
       buf.resize(n * sizeof(float));
       auto* f = reinterpret_cast<float*>(buf.data());
       ToFloat(hidden_dtype, hidden, n, f);
-      if (bf16_operands_ && hidden_dtype != v1::BF16)  // as the bf16 matmul would see them
+      if (hidden_rounding_ == LmHeadPrecision::kBf16 && hidden_dtype != v1::BF16)  // as the bf16 matmul sees them
         for (size_t i = 0; i < n; ++i) f[i] = Bf16ToFloat(FloatToBf16(f[i]));
+      if (hidden_rounding_ == LmHeadPrecision::kTf32 && hidden_dtype == v1::F32)  // bf16 / f16 are tf32 already
+        for (size_t i = 0; i < n; ++i) f[i] = RoundToTf32(f[i]);
     }
     src = buf.data();
   }

@@ -2,10 +2,13 @@
 // lm_head (rows [vocab_begin, vocab_end) of the [V, H] weight), with a
 // oneDNN matmul (f32 accumulation, f32 output).
 //
-// Compute dtype: BF16 weights run a bf16 x bf16 -> f32 matmul (hidden
-// states of another dtype are rounded to bf16 first, as a bf16 model's
-// lm_head sees them); F32 and F16 weights run in f32 (F16 weights are
-// widened once at load, hidden states are widened exactly).
+// Operands by LmHeadPrecision (common/lm_head_precision.h): bf16 (auto for
+// BF16 weights) runs a bf16 x bf16 -> f32 matmul (weights and hidden states
+// of another dtype rounded to bf16 first, as a bf16 model's lm_head sees
+// them); fp32 (auto for F32 and F16 weights) widens both exactly and runs
+// in f32; tf32 widens both, rounds them to tf32 (round to nearest even)
+// and runs in f32: the CPU emulates tf32 operand rounding, with f32
+// accumulation. Weights are converted once at load.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "common/lm_head_precision.h"
 
 namespace logprob::kernels {
 
@@ -36,19 +40,24 @@ class LmHeadGemm {
   /// matmul's threads (0: the library default, all cores): oneDNN runs on
   /// OpenMP, so this calls omp_set_num_threads(threads) here and before
   /// each Compute, changing the calling thread's OpenMP default.
+  /// `precision` picks the operands (header comment; kAuto by `dtype`).
   /// INVALID_ARGUMENT for a bad dtype, rows or H <= 0, or a size not
   /// matching rows * H; INTERNAL if oneDNN cannot make a CPU engine.
   static absl::StatusOr<std::unique_ptr<LmHeadGemm>> Create(DType dtype, std::vector<char> weight, int64_t rows,
-                                                            int64_t hidden_size, int threads = 0);
+                                                            int64_t hidden_size, int threads = 0,
+                                                            LmHeadPrecision precision = LmHeadPrecision::kAuto);
   ~LmHeadGemm();
 
   int64_t rows() const { return rows_; }                // N: vocab slice length
   int64_t hidden_size() const { return hidden_size_; }  // H
-  /// BF16 or F32. BF16 weights compute in F32 when this CPU's oneDNN has no
-  /// bf16 matmul (e.g. AVX2 only): the weights are widened exactly and the
-  /// hidden states rounded to bf16 as for the bf16 matmul, so the operands
-  /// and the f32 accumulation are the same (up to summation order).
+  /// BF16 or F32. The bf16 precision computes in F32 when this CPU's oneDNN
+  /// has no bf16 matmul (e.g. AVX2 only): the bf16 weights are widened
+  /// exactly and the hidden states rounded to bf16 as for the bf16 matmul,
+  /// so the operands and the f32 accumulation are the same (up to summation
+  /// order). tf32 and fp32 compute in F32.
   DType compute_dtype() const { return compute_dtype_; }
+  /// The precision in effect: bf16, tf32 or fp32 (kAuto resolved).
+  LmHeadPrecision precision() const { return precision_; }
   /// Bytes of the slice in compute dtype (rows() x H; the padding to whole
   /// column tiles not counted).
   size_t weight_bytes() const { return static_cast<size_t>(rows_ * hidden_size_) * DTypeSize(compute_dtype_); }
@@ -65,8 +74,11 @@ class LmHeadGemm {
   struct Impl;
   LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size);
   DType compute_dtype_;
-  bool bf16_operands_ = false;  // F32 compute of BF16 weights: round hidden states to bf16 first
-  std::vector<char> weight_;    // [rows, H] of compute_dtype_, zero rows up to whole column tiles
+  LmHeadPrecision precision_ = LmHeadPrecision::kFp32;
+  // F32 compute: rounding applied to hidden states first (kBf16 when bf16
+  // runs in f32, kTf32 for tf32; kFp32: none).
+  LmHeadPrecision hidden_rounding_ = LmHeadPrecision::kFp32;
+  std::vector<char> weight_;  // [rows, H] of compute_dtype_, zero rows up to whole column tiles
   int64_t rows_, hidden_size_;
   std::unique_ptr<Impl> impl_;
 };

@@ -1,0 +1,56 @@
+// --lm-head-precision: the arithmetic of the hidden-states lm_head GEMM
+// (logits = hidden_states @ lm_head.weight^T), shared by logprob-server
+// (flag, ServerInfo), logprob-worker and both GEMM backends.
+#pragma once
+
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+
+namespace logprob {
+
+/// What the lm_head GEMM multiplies; every choice accumulates and outputs
+/// float32.
+///  - kAuto: by the checkpoint's dtype: BF16 weights -> kBf16, F32 and F16
+///    weights -> kFp32 (F16 widens exactly).
+///  - kBf16: weights and hidden states rounded to bf16 (round to nearest
+///    even) where they are not already bf16: a bf16 model's lm_head.
+///  - kTf32: weights and hidden states widened to f32, multiplied with tf32
+///    operands (10 explicit mantissa bits): on the GPU cuBLASLt's
+///    CUBLAS_COMPUTE_32F_FAST_TF32 (tensor cores); on the CPU both operands
+///    are rounded to tf32 (round to nearest even) and multiplied in f32,
+///    which emulates tf32 operand rounding with f32 accumulation.
+///  - kFp32: weights and hidden states widened exactly to f32, an f32 GEMM
+///    (on the GPU CUBLAS_COMPUTE_32F, no TF32): for rollout engines that
+///    compute the head in fp32 (e.g. vLLM's head_dtype).
+enum class LmHeadPrecision { kAuto, kBf16, kTf32, kFp32 };
+
+/// Parses a --lm-head-precision value: "auto", "bf16", "tf32" or "fp32"
+/// (exact, lower case). INVALID_ARGUMENT naming `flag` and the accepted
+/// values otherwise.
+absl::StatusOr<LmHeadPrecision> ParseLmHeadPrecision(std::string_view value,
+                                                     std::string_view flag = "--lm-head-precision");
+
+/// The flag spelling of `p` ("auto", "bf16", "tf32", "fp32").
+const char* LmHeadPrecisionName(LmHeadPrecision p);
+
+/// `p` with kAuto resolved for weights of `weight_dtype` (F32, BF16 or F16):
+/// never kAuto.
+LmHeadPrecision ResolveLmHeadPrecision(LmHeadPrecision p, DType weight_dtype);
+
+/// float32 -> the nearest tf32 value (8 exponent bits, 10 explicit mantissa
+/// bits; round to nearest, ties to even), returned as float32. NaN and
+/// infinities pass through; values rounding past FLT_MAX become infinity.
+inline float RoundToTf32(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7f800000u) != 0x7f800000u) {  // finite: add half an ulp (ties to even), drop 13 bits
+    u += 0x0fffu + ((u >> 13) & 1u);
+    u &= ~0x1fffu;
+  }
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+}  // namespace logprob
