@@ -28,7 +28,7 @@ from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
 from .retry import Attempts, Deadline, error_of
 from .stream import StreamAssembler, deliver
-from . import transport
+from . import cuda_ipc, transport
 
 # Parts with at least this many bytes of tensor data are serialized off the event loop.
 OFFLOAD_BYTES = 1 << 20
@@ -149,7 +149,10 @@ class LogprobClient(ClientBase):
         arguments, result and errors). The parts of a split batch are sent
         one after the other; concurrent ``score`` calls share the channel."""
         deadline = self._deadline(options.pop("timeout", "default"))
-        call = ScoreCall(request_id or self._next_id(), logits, input_ids, **options)
+        ipc = self._cuda_ipc_candidate(options) and cuda_ipc.server_accepts(
+            await self.server_info(_deadline=deadline)
+        )
+        call = ScoreCall(request_id or self._next_id(), logits, input_ids, cuda_ipc=ipc, **options)
         limits = self._limits_of(await self.server_info(_deadline=deadline))
         responses, sends = [], 0
         for part in call.parts(limits):
