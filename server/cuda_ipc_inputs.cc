@@ -26,8 +26,7 @@ absl::StatusOr<std::optional<CudaIpcInput>> FindCudaIpcInput(const v1::ScoreRequ
     if (t.name() != "hidden_states")
       return absl::InvalidArgumentError(
           absl::StrCat(what, " is only accepted for \"hidden_states\"; send this tensor's bytes"));
-    if (found)
-      return absl::InvalidArgumentError(absl::StrCat(what, ": tensor \"hidden_states\" given twice"));
+    if (found) return absl::InvalidArgumentError(absl::StrCat(what, ": tensor \"hidden_states\" given twice"));
     if (!t.data().empty())
       return absl::InvalidArgumentError(absl::StrCat(what, " given together with data; send one of them"));
     if (t.has_shared_memory())
@@ -70,10 +69,10 @@ absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& a, const std::stri
     return absl::FailedPreconditionError(
         absl::StrCat("CUDA IPC inputs need CUDA workers; this server's workers run the CPU backend", kInstead));
   if (!a.same_host)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "CUDA IPC inputs need workers on the server's host; this server's workers were started elsewhere "
-        "(--external-workers)",
-        kInstead));
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA IPC inputs need workers on the server's host; this server's workers were started elsewhere "
+                     "(--external-workers)",
+                     kInstead));
   if (!IsLocalPeer(peer))
     return absl::FailedPreconditionError(absl::StrCat("CUDA IPC inputs are for clients on the server's host; peer \"",
                                                       peer, "\" is not local", kInstead));

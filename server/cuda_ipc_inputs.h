@@ -23,9 +23,9 @@ inline constexpr size_t kCudaIpcHandleBytes = 64;
 /// Why CUDA IPC inputs are or are not available on this server: the
 /// --cuda-ipc-inputs flag, the workers' backend and where they run.
 struct CudaIpcAvailability {
-  bool flag = true;            // --cuda-ipc-inputs
-  bool cuda_workers = false;   // --backend cuda
-  bool same_host = false;      // workers started by this server on its host
+  bool flag = true;           // --cuda-ipc-inputs
+  bool cuda_workers = false;  // --backend cuda
+  bool same_host = false;     // workers started by this server on its host
   /// True when every condition holds (ServerInfo.cuda_ipc_inputs).
   bool available() const { return flag && cuda_workers && same_host; }
 };

@@ -293,8 +293,7 @@ grpc::Status Score(v1::LogprobService::Stub& stub, const v1::ScoreRequest& req) 
 }
 
 TEST(CudaIpcServer, CpuPoolReportsNoFeatureAndRefusesReferences) {
-  auto server =
-      ServerProcess::Start(2, {"--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"});
+  auto server = ServerProcess::Start(2, {"--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"});
   ASSERT_TRUE(server);
   auto stub = server->NewStub();
   v1::ServerInfo info;

@@ -25,8 +25,7 @@ AddressRangeFn AddressRange() {
   static const AddressRangeFn fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault, &found) != cudaSuccess ||
         found != cudaDriverEntryPointSuccess) {
       cudaGetLastError();
       return static_cast<AddressRangeFn>(nullptr);

@@ -155,8 +155,8 @@ def _device_uuid(device: Any) -> str:
     import torch
 
     try:
-        uuid = torch.cuda.get_device_properties(device).uuid
-    except (AttributeError, RuntimeError):
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)  # torch >= 2.1
+    except RuntimeError:
         return ""
     return "GPU-%s" % (uuid,) if uuid is not None else ""
 
