@@ -110,9 +110,9 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
     views = &ipc_views;
   }
   LOGPROB_ASSIGN_OR_RETURN(ScoreJob job, BuildScoreJob(req, config_.limits, config_.lm_head, views));
+  if (stats) stats->rows = job.num_rows();  // scored rows (a CUDA IPC job then computes every input row)
   if (ipc) ExpandToInputRows(*ipc, &job);
   if (resolved && resolved->rows_source) job.row_sources.push_back({0, resolved->rows_source});
-  if (stats) stats->rows = job.num_rows();
   LOGPROB_ASSIGN_OR_RETURN(const auto ticket, admission_.Admit(job.num_rows(), request_bytes));
   RunBounds bounds;
   if (ctx) {
