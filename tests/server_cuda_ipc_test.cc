@@ -11,7 +11,8 @@
 //   and scored rows land at their output positions; two CUDA IPC jobs are
 //   never batched together;
 // - a live CPU server: ServerInfo.cuda_ipc_inputs false, references refused
-//   with FAILED_PRECONDITION (or INVALID_ARGUMENT when malformed), the
+//   with FAILED_PRECONDITION (or INVALID_ARGUMENT when malformed; Score and
+//   ScoreChunked), the
 //   flag's message with --cuda-ipc-inputs=false.
 // The GPU path (a real allocation through a --backend cuda server) is in
 // server_cuda_test (CudaIpc) and client/python/tests/test_cuda_ipc.py.
@@ -25,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "client/chunked_call.h"
 #include "common/partition.h"
 #include "server/batcher.h"
 #include "server/cuda_ipc_inputs.h"
@@ -309,6 +311,13 @@ TEST(CudaIpcServer, CpuPoolReportsNoFeatureAndRefusesReferences) {
   EXPECT_NE(st.error_message().find("this server's workers run the CPU backend"), std::string::npos)
       << st.error_message();
   EXPECT_NE(st.error_message().find("send the hidden states as bytes"), std::string::npos) << st.error_message();
+
+  // The same through ScoreChunked (the reference is no tensor to piece together).
+  auto chunked = client::ScoreChunked(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()),
+                                      GoldenIpcRequest(), 1 << 20, 120);
+  EXPECT_EQ(chunked.status().code(), absl::StatusCode::kFailedPrecondition) << chunked.status();
+  EXPECT_NE(chunked.status().message().find("this server's workers run the CPU backend"), std::string::npos)
+      << chunked.status();
 
   // Malformed references are INVALID_ARGUMENT whatever the pool.
   st = Score(*stub, GoldenIpcRequest(-2));
