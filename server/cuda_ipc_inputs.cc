@@ -73,6 +73,11 @@ absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& a, const std::stri
         absl::StrCat("CUDA IPC inputs need workers on the server's host; this server's workers were started elsewhere "
                      "(--external-workers)",
                      kInstead));
+  if (!a.one_pass)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CUDA IPC inputs need one worker or --comm nccl (the workers read the client's GPU memory in one pass "
+        "over device collectives); this server has ",
+        a.workers, " workers over ", a.comm, kInstead));
   if (!IsLocalPeer(peer))
     return absl::FailedPreconditionError(absl::StrCat("CUDA IPC inputs are for clients on the server's host; peer \"",
                                                       peer, "\" is not local", kInstead));

@@ -21,13 +21,19 @@ namespace logprob {
 inline constexpr size_t kCudaIpcHandleBytes = 64;
 
 /// Why CUDA IPC inputs are or are not available on this server: the
-/// --cuda-ipc-inputs flag, the workers' backend and where they run.
+/// --cuda-ipc-inputs flag, the workers' backend, where they run and how
+/// they exchange hidden states (a device pointer can only be scored in one
+/// pass, ScoringBackend::OnePassHidden: one worker, or NCCL's device
+/// collectives).
 struct CudaIpcAvailability {
   bool flag = true;           // --cuda-ipc-inputs
   bool cuda_workers = false;  // --backend cuda
   bool same_host = false;     // workers started by this server on its host
+  bool one_pass = false;      // --workers 1 or --comm nccl
+  int workers = 0;            // for the message
+  std::string comm;           // for the message
   /// True when every condition holds (ServerInfo.cuda_ipc_inputs).
-  bool available() const { return flag && cuda_workers && same_host; }
+  bool available() const { return flag && cuda_workers && same_host && one_pass; }
 };
 
 /// The CUDA IPC input of a request (its hidden_states tensor).
@@ -49,9 +55,9 @@ absl::StatusOr<std::optional<CudaIpcInput>> FindCudaIpcInput(const v1::ScoreRequ
 
 /// OK when a CUDA IPC input from `peer` (grpc::ServerContext::peer(); ""
 /// without a call) can be served; else FAILED_PRECONDITION saying why
-/// (flag off, CPU workers, workers on other hosts, a peer that is not on
-/// this host) and that the client should send the bytes inline or through
-/// shared memory instead.
+/// (flag off, CPU workers, workers on other hosts, several workers over
+/// Gloo, a peer that is not on this host) and that the client should send
+/// the bytes inline or through shared memory instead.
 absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& availability, const std::string& peer);
 
 /// A stand-in for the tensor's bytes that BuildScoreJob can address but

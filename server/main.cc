@@ -81,7 +81,8 @@ ABSL_FLAG(bool, shared_memory_inputs, true,
           "register (RegisterSharedMemory)");
 ABSL_FLAG(bool, cuda_ipc_inputs, true,
           "accept hidden states from same-host clients as CUDA IPC handles of their GPU memory "
-          "(Tensor.cuda_ipc); effective only with --backend cuda and workers started by this server");
+          "(Tensor.cuda_ipc); effective only with --backend cuda, workers started by this server, and one worker "
+          "or --comm nccl");
 ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{16} << 30,
           "byte_size of all clients' registered shared-memory regions together (RESOURCE_EXHAUSTED beyond)");
 ABSL_FLAG(int, max_shared_memory_regions, 64,

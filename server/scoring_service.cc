@@ -75,6 +75,9 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
   cuda_ipc_.flag = config_.cuda_ipc_inputs;
   cuda_ipc_.cuda_workers = config_.backend == "cuda";
   cuda_ipc_.same_host = pool.same_host();
+  cuda_ipc_.workers = pool.size();
+  cuda_ipc_.comm = config_.comm;
+  cuda_ipc_.one_pass = pool.size() == 1 || config_.comm == "nccl";
   if (regions_ || cuda_ipc_.available()) host_id_ = SharedMemoryHostId();
 }
 

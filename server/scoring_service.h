@@ -51,8 +51,8 @@ struct ServiceConfig {
   bool shared_memory_inputs = true;
   ClientRegions::Options shared_memory_regions;
   /// CUDA IPC inputs (Tensor.cuda_ipc; server/cuda_ipc_inputs.h): accepted
-  /// when this is set, `backend` is "cuda" and the pool's workers run on
-  /// this host.
+  /// when this is set, `backend` is "cuda", the pool's workers run on this
+  /// host and there is one of them or `comm` is "nccl".
   bool cuda_ipc_inputs = true;
   /// When set (not owned; outlives the service), every call must carry its
   /// bearer token, else UNAUTHENTICATED.

@@ -121,7 +121,8 @@ TEST(FindCudaIpcInput, MalformedReferencesNameTheTensor) {
 }
 
 TEST(CheckCudaIpcAvailable, SaysWhyAndWhatToSendInstead) {
-  CudaIpcAvailability a{/*flag=*/true, /*cuda_workers=*/true, /*same_host=*/true};
+  CudaIpcAvailability a{/*flag=*/true, /*cuda_workers=*/true, /*same_host=*/true, /*one_pass=*/true, 1,
+                        "gloo"};
   EXPECT_TRUE(a.available());
   EXPECT_TRUE(CheckCudaIpcAvailable(a, "ipv4:127.0.0.1:5000").ok());
   EXPECT_TRUE(CheckCudaIpcAvailable(a, "ipv6:[::1]:5000").ok());
@@ -131,11 +132,17 @@ TEST(CheckCudaIpcAvailable, SaysWhyAndWhatToSendInstead) {
     std::string peer, message;
   };
   const std::vector<Case> cases = {
-      {{false, true, true}, "ipv4:127.0.0.1:1", "disabled on this server (--cuda-ipc-inputs=false)"},
-      {{true, false, true}, "ipv4:127.0.0.1:1", "need CUDA workers; this server's workers run the CPU backend"},
-      {{true, true, false}, "ipv4:127.0.0.1:1", "need workers on the server's host"},
-      {{true, true, true}, "ipv4:10.0.0.7:1", "peer \"ipv4:10.0.0.7:1\" is not local"},
-      {{true, true, true}, "", "peer \"\" is not local"},
+      {{false, true, true, true, 1, "gloo"}, "ipv4:127.0.0.1:1", "disabled on this server (--cuda-ipc-inputs=false)"},
+      {{true, false, true, true, 1, "gloo"},
+       "ipv4:127.0.0.1:1",
+       "need CUDA workers; this server's workers run the CPU backend"},
+      {{true, true, false, true, 1, "gloo"}, "ipv4:127.0.0.1:1", "need workers on the server's host"},
+      {{true, true, true, false, 2, "gloo"},
+       "ipv4:127.0.0.1:1",
+       "need one worker or --comm nccl (the workers read the client's GPU memory in one pass over device "
+       "collectives); this server has 2 workers over gloo"},
+      {{true, true, true, true, 2, "nccl"}, "ipv4:10.0.0.7:1", "peer \"ipv4:10.0.0.7:1\" is not local"},
+      {{true, true, true, true, 1, "gloo"}, "", "peer \"\" is not local"},
   };
   for (const Case& c : cases) {
     EXPECT_FALSE(c.a.available() && c.peer.rfind("ipv4:127", 0) == 0);

@@ -99,18 +99,25 @@ v1::ScoreRequest ByIpc(v1::ScoreRequest req, const DeviceCopy& copy, int64_t off
   return req;
 }
 
+/// The bytes of `req`'s hidden_states tensor ("" without one).
+std::string HiddenBytes(const v1::ScoreRequest& req) {
+  for (const auto& t : req.inputs())
+    if (t.name() == "hidden_states") return t.data();
+  return "";
+}
+
 std::string OutputBytes(const v1::ScoreResponse& r) {
   std::string s;
   for (const auto& t : r.outputs()) s += t.SerializeAsString();
   return s;
 }
 
-class CudaIpc : public ::testing::TestWithParam<int> {};
-
-TEST_P(CudaIpc, HiddenStatesByIpcAreBitwiseTheirBytes) {
-  if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
+/// A server of `workers` CUDA workers over `comm` scores hidden_bf16 by
+/// CUDA IPC: the golden outputs; with every row scored, bitwise the bytes
+/// request; a range past the allocation is INVALID_ARGUMENT.
+void ExpectIpcBitwise(int workers, const std::string& comm) {
   auto server = ServerProcess::Start(
-      GetParam(), {"--backend", "cuda", "--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"});
+      workers, {"--backend", "cuda", "--comm", comm, "--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"});
   ASSERT_TRUE(server);
   auto stub = server->NewStub();
   {
@@ -121,9 +128,7 @@ TEST_P(CudaIpc, HiddenStatesByIpcAreBitwiseTheirBytes) {
   }
   const GoldenCase c = LoadGolden("hidden_bf16");
   const v1::ScoreRequest bytes_req = GoldenRequest(c);
-  std::string hidden;
-  for (const auto& t : bytes_req.inputs())
-    if (t.name() == "hidden_states") hidden = t.data();
+  const std::string hidden = HiddenBytes(bytes_req);
   ASSERT_FALSE(hidden.empty());
   DeviceCopy copy(hidden);
   auto score = [&](const v1::ScoreRequest& req, v1::ScoreResponse* resp) {
@@ -156,7 +161,38 @@ TEST_P(CudaIpc, HiddenStatesByIpcAreBitwiseTheirBytes) {
   EXPECT_EQ(OutputBytes(got), OutputBytes(want));
 }
 
-INSTANTIATE_TEST_SUITE_P(Workers, CudaIpc, ::testing::Values(1, 2));
+TEST(CudaIpc, OneWorkerIsBitwiseTheBytes) {
+  if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
+  ExpectIpcBitwise(1, "gloo");
+}
+
+TEST(CudaIpc, TwoWorkersOverNcclAreBitwiseTheBytes) {
+  if (Gpus() < 2) GTEST_SKIP() << "needs 2 CUDA devices, have " << Gpus();
+  ExpectIpcBitwise(2, "nccl");
+}
+
+TEST(CudaIpc, TwoWorkersOverGlooDoNotOfferIt) {
+  // Host collectives score hidden states in rounds from host memory: the
+  // server says so instead of accepting a device pointer.
+  if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
+  auto server = ServerProcess::Start(
+      2, {"--backend", "cuda", "--comm", "gloo", "--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
+    EXPECT_FALSE(info.cuda_ipc_inputs());
+  }
+  const v1::ScoreRequest req = GoldenRequest(LoadGolden("hidden_bf16"));
+  DeviceCopy copy(HiddenBytes(req));
+  grpc::ClientContext ctx;
+  v1::ScoreResponse resp;
+  const grpc::Status st = stub->Score(&ctx, ByIpc(req, copy), &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_NE(st.error_message().find("need one worker or --comm nccl"), std::string::npos) << st.error_message();
+}
 
 TEST(CudaFlags, NcclWithoutCudaAndUnknownBackendAreRefused) {
   const std::string server = BinDir() + "/logprob-server --listen 127.0.0.1:0 ";
