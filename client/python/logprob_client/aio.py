@@ -154,12 +154,20 @@ class LogprobClient(ClientBase):
         )
         call = ScoreCall(request_id or self._next_id(), logits, input_ids, cuda_ipc=ipc, **options)
         limits = self._limits_of(await self.server_info(_deadline=deadline))
-        responses, sends = [], 0
-        for part in call.parts(limits):
-            response, tries = await self._send_part(part, limits, deadline)
-            responses.append(response)
-            sends += tries
-        return call.result(responses, sends)
+        while True:
+            responses, sends = [], 0
+            try:
+                for part in call.parts(limits):
+                    response, tries = await self._send_part(part, limits, deadline)
+                    responses.append(response)
+                    sends += tries
+                return call.result(responses, sends)
+            except LogprobError as e:
+                # The server refused the CUDA IPC reference (once per call at
+                # most): the call goes again with bytes, and so do later ones.
+                if not call.refused(e):
+                    raise
+                self.cuda_ipc = False
 
     async def score_stream(
         self,

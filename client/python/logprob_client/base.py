@@ -63,7 +63,10 @@ class ClientBase:
             server reports ``cuda_ipc_inputs`` on this host, send a CUDA IPC
             handle of their GPU memory instead of the bytes
             (``cuda_ipc.py``; both clients; ``score(..., cuda_ipc=False)``
-            turns it off for one call). False: always bytes.
+            turns it off for one call). False: always bytes. A server that
+            refuses a reference (FAILED_PRECONDITION about CUDA IPC, e.g. its
+            workers cannot open the handle) gets the call again as bytes, and
+            the client sets ``cuda_ipc`` False.
 
     Raises InvalidInputError for unreadable or empty TLS/token files.
 

@@ -216,12 +216,25 @@ class ScoreCall:
         self.id = request_id
         self.split = split
 
+    def refused(self, error: LogprobError) -> bool:
+        """True when ``error`` is the server refusing this call's CUDA IPC
+        reference (FAILED_PRECONDITION about "CUDA IPC": e.g. a worker that
+        cannot open the handle, in another container); the hidden states
+        then go to the host and ``parts()`` gives parts with bytes. False
+        (nothing changes) for any other error or a call without a reference."""
+        if not self._on_device or error.code != grpc.StatusCode.FAILED_PRECONDITION:
+            return False
+        if "CUDA IPC" not in error.message:
+            return False
+        self._to_host(error.message)
+        return True
+
     def _to_host(self, reason: Any) -> None:
         """Falls back from CUDA IPC: the hidden states are copied to the host
         and sent as bytes like any input (with a warning saying why)."""
         cuda_ipc_mod.warn_fallback(reason)
         name, dt, rows = self.inputs.rows
-        host = (name,) + float_array(name, rows)
+        host = (name,) + float_array(name, rows, dt)
         self.inputs = splitter.Inputs([host] + list(self.inputs.tensors), self._options)
         self._on_device = False
 

@@ -7,12 +7,15 @@
 - CpuServerTest: against a CPU server (which reports ``cuda_ipc_inputs``
   false), a fake CUDA tensor is sent as bytes with the results of numpy
   input; a hand-made reference is refused with FAILED_PRECONDITION saying
-  why and what to send instead, a malformed one with INVALID_ARGUMENT;
+  why and what to send instead, a malformed one with INVALID_ARGUMENT; a
+  client made to send a reference (patched decision and export) gets the
+  refusal and sends the call again as bytes (sync and asyncio);
 - GpuTest (skipped without a CUDA device and a CUDA build): a torch CUDA
   tensor scored through a ``--backend cuda`` server by CUDA IPC is bitwise
   the result of sending its bytes, and matches the golden expectation.
 """
 
+import asyncio
 import os
 import unittest
 import warnings
@@ -46,6 +49,12 @@ class FakeCudaTensor:
 
     def data_ptr(self):
         return 0
+
+    def numel(self):
+        return int(self.arr.size)
+
+    def element_size(self):
+        return int(self.arr.itemsize)
 
     def __array__(self, dtype=None, copy=None):
         return self.arr if dtype is None else self.arr.astype(dtype)
@@ -158,6 +167,50 @@ class CpuServerTest(unittest.TestCase):
             got = client.score(**kw)
             for k, v in ref.outputs.items():
                 self.assertTrue(np.array_equal(v, got.outputs[k], equal_nan=True), k)
+
+    def test_a_refused_reference_goes_again_as_bytes(self):
+        # The client believes the server takes CUDA IPC (patched decision and
+        # export, a fake device tensor): the CPU server refuses the reference,
+        # the call is sent again with bytes, and the client stops trying.
+        g = Golden("hidden_bf16")
+        kw = g.score_kwargs()
+        real = (cuda_ipc.server_accepts, cuda_ipc.device_rows, cuda_ipc.export)
+        exported = []
+
+        def fake_export(t, dt):
+            exported.append(t)
+            return cuda_ipc.Export(t, dt, b"\x01" * 64, 0)
+
+        cuda_ipc.server_accepts = lambda info: True
+        cuda_ipc.device_rows = lambda x, dtype=None: (pb2.BF16, x)
+        cuda_ipc.export = fake_export
+        try:
+            with self.server.client() as client:
+                ref = client.score(**dict(kw, cuda_ipc=False))
+                self.assertEqual(exported, [])
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = client.score(**dict(kw, hidden_states=FakeCudaTensor(kw["hidden_states"])))
+                self.assertEqual(len(exported), 1, "sent by reference first")
+                self.assertTrue(any("CPU backend" in str(w.message) for w in caught), [str(w.message) for w in caught])
+                self.assertFalse(client.cuda_ipc, "later calls send bytes")
+                for k, v in ref.outputs.items():
+                    self.assertTrue(np.array_equal(v, got.outputs[k], equal_nan=True), k)
+
+            async def run_aio():
+                async with aio.LogprobClient(self.server.address) as client:
+                    out = await client.score(**dict(kw, hidden_states=FakeCudaTensor(kw["hidden_states"])))
+                    return out, client.cuda_ipc
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got, still = asyncio.run(run_aio())
+            self.assertEqual(len(exported), 2, "the asyncio client sent a reference too")
+            self.assertFalse(still)
+            for k, v in ref.outputs.items():
+                self.assertTrue(np.array_equal(v, got.outputs[k], equal_nan=True), k)
+        finally:
+            cuda_ipc.server_accepts, cuda_ipc.device_rows, cuda_ipc.export = real
 
     def _request(self, g, handle=b"\x01" * 64, byte_size=None, name="hidden_states"):
         req = pb2.ScoreRequest(id="ipc")
