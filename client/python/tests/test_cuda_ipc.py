@@ -138,7 +138,8 @@ class DecisionTest(unittest.TestCase):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             parts = call.parts(limits)
-        self.assertTrue(any("max_tokens_per_request" in str(w.message) for w in caught), [str(w.message) for w in caught])
+        messages = [str(w.message) for w in caught]
+        self.assertTrue(any("max_tokens_per_request" in m for m in messages), messages)
         self.assertEqual(len(parts), 2)
         self.assertTrue(all(p.cuda_ipc is None for p in parts))
         got = np.concatenate([p.inputs.get("hidden_states")[2] for p in parts])
