@@ -62,6 +62,9 @@ absl::StatusOr<v1::ScoreResponse> ScoreChunked(const std::shared_ptr<grpc::Chann
     h->set_name(t.name());
     h->set_dtype(t.dtype());
     *h->mutable_shape() = t.shape();
+    // References (shared-memory or CUDA IPC inputs) stand for the bytes.
+    if (t.has_shared_memory()) *h->mutable_shared_memory() = t.shared_memory();
+    if (t.has_cuda_ipc()) *h->mutable_cuda_ipc() = t.cuda_ipc();
     if (next < pieced.size() && pieced[next] == i) {
       data.push_back(t.data());
       ++next;

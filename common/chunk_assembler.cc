@@ -18,6 +18,7 @@ absl::StatusOr<TensorAssembler> TensorAssembler::Plan(google::protobuf::Repeated
     slot.size = -1;
     if (!t.data().empty()) continue;      // came whole in the first part
     if (t.has_shared_memory()) continue;  // its bytes lie in a registered region (shared-memory inputs)
+    if (t.has_cuda_ipc()) continue;       // its bytes lie in a client's GPU allocation (CUDA IPC inputs)
     const std::string shape = absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
     uint64_t numel = 1;
     for (int64_t d : t.shape()) {

@@ -62,8 +62,11 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
 Batcher::Batcher(Options options, Runner run) : options_(std::move(options)), run_(std::move(run)) {}
 
 std::string Batcher::KeyOf(const ScoreJob& job, internal::v1::Layout layout) {
+  // A CUDA IPC job's rows are one range of its client's allocation: a key of
+  // its own (the job's address, unique while it is queued) keeps it alone.
+  const std::string alone = job.cuda_ipc ? absl::StrCat("/cuda_ipc:", reinterpret_cast<uintptr_t>(&job)) : "";
   return absl::StrCat(job.hidden, "/", job.dtype, "/", job.vocab_size, "/", job.hidden_size, "/", job.gather_k, "/",
-                      layout, "/", job.options.SerializeAsString());
+                      layout, "/", job.options.SerializeAsString(), alone);
 }
 
 void Batcher::QueueChanged() {

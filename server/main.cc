@@ -86,6 +86,10 @@ ABSL_FLAG(bool, shared_memory, true,
 ABSL_FLAG(bool, shared_memory_inputs, true,
           "accept input tensors from same-host clients as references into POSIX shared-memory regions they "
           "register (RegisterSharedMemory)");
+ABSL_FLAG(bool, cuda_ipc_inputs, true,
+          "accept hidden states from same-host clients as CUDA IPC handles of their GPU memory "
+          "(Tensor.cuda_ipc); effective only with --backend cuda, workers started by this server, and one worker "
+          "or --comm nccl");
 ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{16} << 30,
           "byte_size of all clients' registered shared-memory regions together (RESOURCE_EXHAUSTED beyond)");
 ABSL_FLAG(int, max_shared_memory_regions, 64,
@@ -191,6 +195,7 @@ int main(int argc, char** argv) {
   config.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   config.shared_memory_inputs = absl::GetFlag(FLAGS_shared_memory_inputs);
+  config.cuda_ipc_inputs = absl::GetFlag(FLAGS_cuda_ipc_inputs);
   config.shared_memory_regions.max_bytes = absl::GetFlag(FLAGS_max_shared_memory_bytes);
   config.shared_memory_regions.max_regions = absl::GetFlag(FLAGS_max_shared_memory_regions);
   const absl::Duration idle = absl::GetFlag(FLAGS_shared_memory_idle_timeout);

@@ -82,8 +82,10 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
   const int64_t n = job.num_rows();
   Plan plan;
   plan.layout = ChooseLayout(job, workers, parallelism);
-  // Every layout sends each input byte of the scored rows once.
-  PayloadWriter payload(plan, static_cast<size_t>(n) * job.row_bytes, payload_pool);
+  // Every layout sends each input byte of the scored rows once (none for
+  // CUDA IPC jobs: the workers read the client's allocation).
+  const bool ipc = job.cuda_ipc.has_value();
+  PayloadWriter payload(plan, ipc ? 0 : static_cast<size_t>(n) * job.row_bytes, ipc ? nullptr : payload_pool);
   if (plan.layout == internal::v1::HIDDEN_STATES) {
     for (int w = 0; w < workers; ++w) {
       const auto [vb, ve] = SplitRange(job.vocab_size, workers, w);
@@ -93,7 +95,15 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_vocab_begin(vb);
       p.item.set_vocab_end(ve);
       p.item.set_hidden_size(job.hidden_size);
-      CopyRows(job, b, e, payload.Reserve(p.item, static_cast<size_t>(e - b) * job.row_bytes));
+      const size_t bytes = static_cast<size_t>(e - b) * job.row_bytes;
+      if (ipc) {
+        // The job's rows are the allocation's rows in order (ExpandToInputRows).
+        p.item.set_payload_cuda_ipc_handle(job.cuda_ipc->handle);
+        p.item.set_payload_cuda_ipc_offset(job.cuda_ipc->offset + b * static_cast<int64_t>(job.row_bytes));
+        p.item.set_payload_cuda_ipc_bytes(static_cast<int64_t>(bytes));
+      } else {
+        CopyRows(job, b, e, payload.Reserve(p.item, bytes));
+      }
       plan.items.push_back(std::move(p));
     }
     return plan;

@@ -53,6 +53,9 @@ internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism 
 /// With a `payload_pool` (workers on this host) the payloads are written
 /// to one region of it instead of the items' bytes fields (payload_shm);
 /// if no region can be had (e.g. /dev/shm full) they go inline.
+/// A CUDA IPC job (ScoreJob::cuda_ipc, always HIDDEN_STATES) copies no
+/// bytes: worker w's item carries the allocation's handle and the byte
+/// range of its rows SplitRange(n, W, w) (payload_cuda_ipc_*).
 /// Rows in a client's shared-memory region (ScoreJob::row_sources) are
 /// read with CopyRows / CopyRowSlice; rows that cannot be read (the client
 /// shrank its region) are zero-filled and their RegionReader keeps the

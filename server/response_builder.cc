@@ -47,6 +47,8 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
       const int64_t row = plan.items[i].row_offset + r.row_begin() + j - row_begin;
       if (row < 0 || row >= job.num_rows()) continue;  // another job of the batch
       const int64_t o = job.out_pos[row];
+      ++covered;
+      if (o < 0) continue;  // an unscored row of a CUDA IPC job (ScoreJob::cuda_ipc)
       lp[o] = r.token_logprobs(static_cast<int>(j));
       if (ent) ent[o] = r.entropy(static_cast<int>(j));
       for (int k = 0; k < K; ++k) {
@@ -54,7 +56,6 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
         tki[o * K + k] = r.topk_indices(static_cast<int>(j * K + k));
       }
       for (int g = 0; g < G; ++g) gat[o * G + g] = r.gathered_logprobs(static_cast<int>(j * G + g));
-      ++covered;
     }
   }
   if (covered != job.num_rows())

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -54,6 +55,17 @@ struct ScoreJob {
     std::shared_ptr<const RegionReader> reader;
   };
   std::vector<RowSource> row_sources;
+  /// Hidden states in a same-host client's CUDA allocation
+  /// (server/cuda_ipc_inputs.h): the rows are then every input row in order
+  /// (unscored ones with out_pos -1), at placeholder addresses nothing may
+  /// read; the planner sends each worker the allocation's handle and its
+  /// byte range instead of bytes, and such a job is never batched with others.
+  struct CudaIpc {
+    std::string handle;  // 64-byte cudaIpcMemHandle_t of the allocation
+    int64_t offset = 0;  // bytes from the allocation's base to row 0
+    std::string device_uuid;
+  };
+  std::optional<CudaIpc> cuda_ipc;
 
   int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
   int64_t num_outputs() const;  // product of out_shape

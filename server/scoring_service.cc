@@ -16,6 +16,7 @@
 #include "common/grpc_status.h"
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
+#include "server/cuda_ipc_inputs.h"
 #include "server/response_builder.h"
 #include "server/shared_inputs.h"
 #include "server/shm_session.h"
@@ -70,12 +71,21 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
     ClientRegions::Options o = config_.shared_memory_regions;
     if (metrics) o.on_change = [metrics](int64_t regions, int64_t bytes) { metrics->SetSharedMemory(regions, bytes); };
     regions_ = std::make_unique<ClientRegions>(std::move(o));
-    host_id_ = SharedMemoryHostId();
   }
+  cuda_ipc_.flag = config_.cuda_ipc_inputs;
+  cuda_ipc_.cuda_workers = config_.backend == "cuda";
+  cuda_ipc_.same_host = pool.same_host();
+  cuda_ipc_.workers = pool.size();
+  cuda_ipc_.comm = config_.comm;
+  cuda_ipc_.one_pass = pool.size() == 1 || config_.comm == "nccl";
+  if (regions_ || cuda_ipc_.available()) host_id_ = SharedMemoryHostId();
 }
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
                                                            grpc::ServerContext* ctx) {
+  // A CUDA IPC input: checked first (its tensor must reference nothing else).
+  LOGPROB_ASSIGN_OR_RETURN(const std::optional<CudaIpcInput> ipc, FindCudaIpcInput(req));
+  if (ipc) LOGPROB_RETURN_IF_ERROR(CheckCudaIpcAvailable(cuda_ipc_, ctx ? ctx->peer() : std::string()));
   // Shared-memory references resolve into the views BuildScoreJob checks.
   std::optional<ResolvedInputs> resolved;
   std::shared_ptr<void> session_hold;  // the session does not expire while the request runs
@@ -94,10 +104,18 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
                                                      " bytes (shared-memory tensors included) exceeds the server's "
                                                      "max_request_bytes ",
                                                      config_.max_request_bytes));
-  LOGPROB_ASSIGN_OR_RETURN(ScoreJob job,
-                           BuildScoreJob(req, config_.limits, config_.lm_head, resolved ? &resolved->data : nullptr));
+  const std::vector<std::string_view>* views = resolved ? &resolved->data : nullptr;
+  std::vector<std::string_view> ipc_views;  // the CUDA IPC tensor's bytes: a placeholder never read
+  if (ipc) {
+    if (resolved) ipc_views = resolved->data;
+    for (int i = 0; !resolved && i < req.inputs_size(); ++i) ipc_views.emplace_back(req.inputs(i).data());
+    ipc_views[ipc->index] = CudaIpcPlaceholder(ipc->byte_size);
+    views = &ipc_views;
+  }
+  LOGPROB_ASSIGN_OR_RETURN(ScoreJob job, BuildScoreJob(req, config_.limits, config_.lm_head, views));
+  if (stats) stats->rows = job.num_rows();  // scored rows (a CUDA IPC job then computes every input row)
+  if (ipc) ExpandToInputRows(*ipc, &job);
   if (resolved && resolved->rows_source) job.row_sources.push_back({0, resolved->rows_source});
-  if (stats) stats->rows = job.num_rows();
   LOGPROB_ASSIGN_OR_RETURN(const auto ticket, admission_.Admit(job.num_rows(), request_bytes));
   RunBounds bounds;
   if (ctx) {
@@ -239,9 +257,10 @@ grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v
   info->set_max_queue_delay_seconds(std::chrono::duration<double>(config_.max_queue_delay).count());
   info->set_max_batch_tokens(config_.max_batch_tokens);
   info->set_shared_memory_inputs(regions_ != nullptr);
+  info->set_cuda_ipc_inputs(cuda_ipc_.available());
+  info->set_host_id(host_id_);
   if (regions_) {
     const ClientRegions::Options& o = regions_->options();
-    info->set_host_id(host_id_);
     info->set_max_shared_memory_bytes(o.max_bytes);
     info->set_max_shared_memory_regions(o.max_regions);
     info->set_shared_memory_idle_timeout_seconds(std::chrono::duration<double>(o.idle_timeout).count());

@@ -18,6 +18,7 @@
 #include "server/auth.h"
 #include "server/batcher.h"
 #include "server/client_regions.h"
+#include "server/cuda_ipc_inputs.h"
 #include "server/metrics.h"
 #include "server/planner.h"
 #include "server/score_job.h"
@@ -50,6 +51,10 @@ struct ServiceConfig {
   /// Tensor.shared_memory; server/client_regions.h): caps and idle expiry.
   bool shared_memory_inputs = true;
   ClientRegions::Options shared_memory_regions;
+  /// CUDA IPC inputs (Tensor.cuda_ipc; server/cuda_ipc_inputs.h): accepted
+  /// when this is set, `backend` is "cuda", the pool's workers run on this
+  /// host and there is one of them or `comm` is "nccl".
+  bool cuda_ipc_inputs = true;
   /// When set (not owned; outlives the service), every call must carry its
   /// bearer token, else UNAUTHENTICATED.
   const BearerTokenAuth* auth = nullptr;
@@ -108,7 +113,10 @@ class ScoringService final : public v1::LogprobService::Service {
   /// message): validate, admit, batch (server/batcher.h), reply. Fills
   /// *stats if given. `ctx` (may be null) bounds the work by its deadline
   /// and cancellation, and names the session whose shared-memory regions
-  /// the request's tensors may reference (none without it).
+  /// the request's tensors may reference (none without it) and the peer a
+  /// CUDA IPC input comes from (FindCudaIpcInput, CheckCudaIpcAvailable:
+  /// INVALID_ARGUMENT for a malformed reference, FAILED_PRECONDITION when
+  /// the feature cannot serve this call).
   absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, RequestStats* stats = nullptr,
                                              grpc::ServerContext* ctx = nullptr);
 
@@ -141,6 +149,7 @@ class ScoringService final : public v1::LogprobService::Service {
   BufferPool assembly_buffers_;             // ScoreChunked request tensors
   std::unique_ptr<ClientRegions> regions_;  // null: shared-memory inputs off
   std::string host_id_;
+  CudaIpcAvailability cuda_ipc_;
   std::atomic<uint64_t> next_job_id_{1};
 };
 

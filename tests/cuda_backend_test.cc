@@ -17,6 +17,7 @@
 #include "common/dtype.h"
 #include "common/lm_head_precision.h"
 #include "worker/cpu_backend.h"
+#include "worker/cuda/cuda_ipc.h"
 #include "worker/cuda/device_info.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/row_stats.h"
@@ -388,6 +389,25 @@ TEST(CudaDevice, NoDeviceIsAClearError) {
   } else {
     EXPECT_EQ(n.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_NE(n.status().message().find("CUDA device"), std::string::npos) << n.status();
+  }
+}
+
+TEST(CudaIpcOpen, BadArgumentsAndUnopenableHandlesAreClearErrors) {
+  // Runs everywhere: argument checks come first; a 64-byte handle that is
+  // no export of a live allocation cannot be opened (no GPU: the device
+  // cannot be selected), FAILED_PRECONDITION either way.
+  auto r = cuda::OpenCudaIpc(0, std::string(63, 'x'), 0, 16);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("the handle is 63 bytes; a cudaIpcMemHandle_t is 64"), std::string::npos)
+      << r.status();
+  r = cuda::OpenCudaIpc(0, std::string(64, 'x'), -2, 16);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  r = cuda::OpenCudaIpc(0, std::string(64, 'x'), 0, 16);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("CUDA IPC input: "), std::string::npos) << r.status();
+  if (cuda::DeviceCount().ok()) {
+    // The failed open left no error behind for later CUDA calls.
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   }
 }
 

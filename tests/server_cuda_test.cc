@@ -2,10 +2,14 @@
 // (1 worker, 2 workers sharing GPUs over Gloo, token- and vocab-parallel;
 // NCCL when there are >= 2 GPUs) and the hidden-states golden case with the
 // golden lm_head on the GPU. Skips (GTEST_SKIP) without a usable CUDA
-// device; checks the clear start-up error instead.
+// device; checks the clear start-up error instead. CudaIpc: hidden states
+// in a cudaMalloc allocation of this process, sent as a CUDA IPC reference
+// (Tensor.cuda_ipc), score bitwise as their bytes.
+#include <cuda_runtime.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <tuple>
 
 #include "tests/test_support.h"
@@ -57,6 +61,137 @@ INSTANTIATE_TEST_SUITE_P(Workers, CudaGolden,
 TEST(CudaGoldenNccl, EveryGoldenCaseMatchesWithNcclOnTwoGpus) {
   if (Gpus() < 2) GTEST_SKIP() << "needs 2 CUDA devices, have " << Gpus();
   ExpectGoldenOn(2, {"--backend", "cuda", "--comm", "nccl", "--parallelism", "vocab"}, /*lm_head=*/true);
+}
+
+/// A device allocation of this process holding `bytes` at offset
+/// kOffset, exported with cudaIpcGetMemHandle; freed by the destructor.
+class DeviceCopy {
+ public:
+  static constexpr int64_t kOffset = 256;
+  explicit DeviceCopy(const std::string& bytes) : size_(bytes.size() + 2 * kOffset) {
+    EXPECT_EQ(cudaMalloc(&base_, size_), cudaSuccess);
+    EXPECT_EQ(cudaMemset(base_, 0xff, size_), cudaSuccess);  // NaN bf16 around the tensor
+    EXPECT_EQ(cudaMemcpy(static_cast<char*>(base_) + kOffset, bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    cudaIpcMemHandle_t h;
+    EXPECT_EQ(cudaIpcGetMemHandle(&h, base_), cudaSuccess);
+    handle_.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+  ~DeviceCopy() { cudaFree(base_); }
+  const std::string& handle() const { return handle_; }
+  int64_t size() const { return static_cast<int64_t>(size_); }
+
+ private:
+  void* base_ = nullptr;
+  size_t size_;
+  std::string handle_;
+};
+
+/// `req` with its hidden states replaced by a reference into `copy` at `offset`.
+v1::ScoreRequest ByIpc(v1::ScoreRequest req, const DeviceCopy& copy, int64_t offset = DeviceCopy::kOffset) {
+  for (v1::Tensor& t : *req.mutable_inputs())
+    if (t.name() == "hidden_states") {
+      t.mutable_cuda_ipc()->set_handle(copy.handle());
+      t.mutable_cuda_ipc()->set_offset(offset);
+      t.mutable_cuda_ipc()->set_byte_size(static_cast<int64_t>(t.data().size()));
+      t.clear_data();
+    }
+  return req;
+}
+
+/// The bytes of `req`'s hidden_states tensor ("" without one).
+std::string HiddenBytes(const v1::ScoreRequest& req) {
+  for (const auto& t : req.inputs())
+    if (t.name() == "hidden_states") return t.data();
+  return "";
+}
+
+std::string OutputBytes(const v1::ScoreResponse& r) {
+  std::string s;
+  for (const auto& t : r.outputs()) s += t.SerializeAsString();
+  return s;
+}
+
+/// A server of `workers` CUDA workers over `comm` scores hidden_bf16 by
+/// CUDA IPC: the golden outputs; with every row scored, bitwise the bytes
+/// request; a range past the allocation is INVALID_ARGUMENT.
+void ExpectIpcBitwise(int workers, const std::string& comm) {
+  auto server = ServerProcess::Start(
+      workers, {"--backend", "cuda", "--comm", comm, "--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
+    EXPECT_TRUE(info.cuda_ipc_inputs());
+  }
+  const GoldenCase c = LoadGolden("hidden_bf16");
+  const v1::ScoreRequest bytes_req = GoldenRequest(c);
+  const std::string hidden = HiddenBytes(bytes_req);
+  ASSERT_FALSE(hidden.empty());
+  DeviceCopy copy(hidden);
+  auto score = [&](const v1::ScoreRequest& req, v1::ScoreResponse* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    return stub->Score(&ctx, req, resp);
+  };
+  // The golden alignment matches the expected outputs.
+  v1::ScoreResponse got;
+  grpc::Status st = score(ByIpc(bytes_req, copy), &got);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(CompareOutputs(c.expected.tensors, {got.outputs().begin(), got.outputs().end()}), "");
+  // Every row scored (same_position): the IPC request multiplies the same
+  // rows as the bytes request, bitwise the same outputs.
+  v1::ScoreRequest all = bytes_req;
+  all.mutable_options()->set_alignment(v1::SAME_POSITION);
+  v1::ScoreResponse want;
+  st = score(all, &want);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  st = score(ByIpc(all, copy), &got);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(OutputBytes(got), OutputBytes(want));
+  // A range past the allocation's end: INVALID_ARGUMENT from the workers,
+  // and the server goes on.
+  st = score(ByIpc(all, copy, copy.size() - DeviceCopy::kOffset + 2), &got);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("outside the client's allocation"), std::string::npos) << st.error_message();
+  st = score(ByIpc(all, copy), &got);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(OutputBytes(got), OutputBytes(want));
+}
+
+TEST(CudaIpc, OneWorkerIsBitwiseTheBytes) {
+  if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
+  ExpectIpcBitwise(1, "gloo");
+}
+
+TEST(CudaIpc, TwoWorkersOverNcclAreBitwiseTheBytes) {
+  if (Gpus() < 2) GTEST_SKIP() << "needs 2 CUDA devices, have " << Gpus();
+  ExpectIpcBitwise(2, "nccl");
+}
+
+TEST(CudaIpc, TwoWorkersOverGlooDoNotOfferIt) {
+  // Host collectives score hidden states in rounds from host memory: the
+  // server says so instead of accepting a device pointer.
+  if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
+  auto server = ServerProcess::Start(
+      2, {"--backend", "cuda", "--comm", "gloo", "--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfo info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
+    EXPECT_FALSE(info.cuda_ipc_inputs());
+  }
+  const v1::ScoreRequest req = GoldenRequest(LoadGolden("hidden_bf16"));
+  DeviceCopy copy(HiddenBytes(req));
+  grpc::ClientContext ctx;
+  v1::ScoreResponse resp;
+  const grpc::Status st = stub->Score(&ctx, ByIpc(req, copy), &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_NE(st.error_message().find("need one worker or --comm nccl"), std::string::npos) << st.error_message();
 }
 
 TEST(CudaFlags, NcclWithoutCudaAndUnknownBackendAreRefused) {

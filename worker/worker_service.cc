@@ -1,28 +1,74 @@
 #include "worker/worker_service.h"
 
+#include <optional>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "worker/scorer.h"
 #include "worker/timed_communicator.h"
 
 namespace logprob {
+namespace {
+
+/// OK when every rank's `mine` is OK (one 1-byte all-gather); else this
+/// rank's error, or FAILED_PRECONDITION naming the first rank that failed.
+/// Ranks that mapped a CUDA IPC input agree on it before the item's
+/// collectives, so one rank failing does not leave the others waiting.
+absl::Status AllRanksOk(Communicator& comm, const absl::Status& mine) {
+  const char ok = mine.ok() ? 1 : 0;
+  std::vector<char> all(static_cast<size_t>(comm.size()));
+  if (absl::Status st = comm.AllGather(&ok, 1, all.data()); !st.ok()) return st;
+  if (!mine.ok()) return mine;
+  for (int q = 0; q < comm.size(); ++q)
+    if (all[q] == 0)
+      return absl::FailedPreconditionError(
+          absl::StrCat("CUDA IPC input: worker rank ", q, " could not map its rows (its log says why)"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ItemPayload> WorkerService::OpenPayload(const internal::v1::WorkItem& item,
+                                                       std::shared_ptr<SharedRegion>* region, DevicePayload* device) {
+  if (!item.payload_cuda_ipc_handle().empty()) {
+    auto opened = backend_->OpenCudaIpcPayload(item.payload_cuda_ipc_handle(), item.payload_cuda_ipc_offset(),
+                                               item.payload_cuda_ipc_bytes());
+    if (!opened.ok()) return opened.status();
+    *device = *std::move(opened);
+    return ItemPayload(std::string_view(device->get(), static_cast<size_t>(item.payload_cuda_ipc_bytes())),
+                       /*device=*/true);
+  }
+  auto found = payload_regions_.Payload(item, region);
+  if (!found.ok()) return found.status();
+  return ItemPayload(*found);
+}
 
 grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                                 internal::v1::WorkResult* result) {
   const std::function<bool()> cancelled = [ctx] { return ctx->IsCancelled(); };
-  // The payload: in the item, or in the front-end's shared memory.
+  // The payload: in the item, in the front-end's shared memory, or (a CUDA
+  // IPC input) in a same-host client's GPU allocation, mapped while the
+  // item runs.
   std::shared_ptr<SharedRegion> region;
-  auto found = payload_regions_.Payload(*item, &region);
-  if (!found.ok()) return ToGrpc(found.status());
-  const std::string_view payload = *found;
+  DevicePayload device;
+  const absl::StatusOr<ItemPayload> payload = OpenPayload(*item, &region, &device);
+  const bool ipc = !item->payload_cuda_ipc_handle().empty();
   absl::StatusOr<internal::v1::WorkResult> res;
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     std::lock_guard<std::mutex> lock(collective_mu_);
     TimedCommunicator timed(*comm_);
-    res = ScoreWorkItem(*item, payload, timed, *backend_, chunk_tokens_, cancelled);
+    if (ipc) {
+      if (absl::Status st = AllRanksOk(timed, payload.status()); !st.ok()) return ToGrpc(st);
+    } else if (!payload.ok()) {
+      return ToGrpc(payload.status());
+    }
+    res = ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled);
     if (res.ok()) res->set_collective_seconds(timed.seconds());
   } else {
+    if (!payload.ok()) return ToGrpc(payload.status());
     SelfCommunicator self;
-    res = ScoreWorkItem(*item, payload, self, *backend_, chunk_tokens_, cancelled);
+    res = ScoreWorkItem(*item, *payload, self, *backend_, chunk_tokens_, cancelled);
   }
   if (!res.ok()) return ToGrpc(res.status());
   res->set_device_memory_bytes(backend_->device_memory_bytes());

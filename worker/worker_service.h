@@ -15,7 +15,9 @@ namespace logprob {
 /// Serves Run (score a WorkItem) and Info. Vocab-parallel and
 /// hidden-states items use the communicator and run one at a time (the
 /// front-end sends them in the same order to every rank); token-parallel
-/// items run concurrently.
+/// items run concurrently. A HIDDEN_STATES item from a CUDA IPC input
+/// (WorkItem.payload_cuda_ipc_*) is mapped on the backend's GPU; the ranks
+/// agree that all of them mapped it before scoring.
 class WorkerService final : public internal::v1::Worker::Service {
  public:
   /// `backend` computes every item (and holds this rank's lm_head slice,
@@ -32,6 +34,14 @@ class WorkerService final : public internal::v1::Worker::Service {
                     internal::v1::WorkerInfoReply* reply) override;
 
  private:
+  /// The payload of `item`: its bytes field, its range of the front-end's
+  /// shared memory (*region keeps it mapped), or its range of a same-host
+  /// client's CUDA allocation (WorkItem.payload_cuda_ipc_*, mapped by the
+  /// backend; *device keeps it mapped). Errors of PayloadRegions::Payload
+  /// and ScoringBackend::OpenCudaIpcPayload.
+  absl::StatusOr<ItemPayload> OpenPayload(const internal::v1::WorkItem& item, std::shared_ptr<SharedRegion>* region,
+                                          DevicePayload* device);
+
   // The communicator may use the backend's stream (NCCL): it goes first.
   std::unique_ptr<ScoringBackend> backend_;
   std::unique_ptr<Communicator> comm_;

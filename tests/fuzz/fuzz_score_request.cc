@@ -9,8 +9,11 @@
 // "data size does not match". Each request goes through BuildScoreJob with
 // two limit sets and with and without an lm_head shape; every job that
 // validates is checked for its invariants and planned for 1..3 workers in
-// every parallelism, and every plan is checked against the job. A violated
-// invariant traps.
+// every parallelism, and every plan is checked against the job. The same
+// request with its hidden states as a CUDA IPC reference (and the parsed
+// request's own references) goes through FindCudaIpcInput,
+// ExpandToInputRows and PlanWork (server/cuda_ipc_inputs.h), checked against
+// the job of scored rows. A violated invariant traps.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cmath>
@@ -25,6 +28,7 @@
 #include "common/dtype.h"
 #include "google/protobuf/stubs/logging.h"
 #include "logprob/v1/logprob.pb.h"
+#include "server/cuda_ipc_inputs.h"
 #include "server/planner.h"
 #include "server/score_job.h"
 
@@ -417,6 +421,90 @@ void Exercise(const ScoreRequest& req) {
   }
 }
 
+// Largest CUDA IPC tensor exercised (ExpandToInputRows allocates per row).
+constexpr int64_t kMaxIpcBytes = int64_t{1} << 20;
+
+/// `scored` (BuildScoreJob over CudaIpcPlaceholder) against `all`, its
+/// ExpandToInputRows: every input row, the scored ones with their target,
+/// output position and gather ids, the others unscored.
+void CheckIpcJob(const ScoreJob& scored, const ScoreJob& all, const logprob::CudaIpcInput& in) {
+  CHECK(all.cuda_ipc.has_value() && all.cuda_ipc->handle == in.handle && all.cuda_ipc->offset == in.offset);
+  CHECK(all.row_bytes == scored.row_bytes && all.row_bytes > 0);
+  const int64_t n = in.byte_size / static_cast<int64_t>(all.row_bytes);
+  CHECK(all.num_rows() == n && static_cast<int64_t>(all.targets.size()) == n &&
+        static_cast<int64_t>(all.out_pos.size()) == n);
+  CHECK(static_cast<int64_t>(all.gather_ids.size()) == n * all.gather_k && all.out_shape == scored.out_shape);
+  const char* base = logprob::CudaIpcPlaceholder(0).data();
+  for (int64_t r = 0; r < n; ++r) CHECK(all.rows[r] == base + r * static_cast<int64_t>(all.row_bytes));
+  int64_t unscored = 0;
+  for (int64_t r = 0; r < n; ++r) unscored += all.out_pos[r] < 0 ? 1 : 0;
+  CHECK(unscored == n - scored.num_rows());
+  for (int64_t j = 0; j < scored.num_rows(); ++j) {
+    const int64_t r = (scored.rows[j] - base) / static_cast<int64_t>(scored.row_bytes);
+    CHECK(r >= 0 && r < n);
+    CHECK(all.targets[r] == scored.targets[j] && all.out_pos[r] == scored.out_pos[j]);
+    for (int k = 0; k < scored.gather_k; ++k)
+      CHECK(all.gather_ids[r * all.gather_k + k] == scored.gather_ids[j * scored.gather_k + k]);
+  }
+}
+
+/// The plan of a CUDA IPC job: one HIDDEN_STATES item per worker, no bytes,
+/// the workers' ranges tiling the tensor's bytes in order.
+void CheckIpcPlan(const ScoreJob& job, const logprob::Plan& plan, int workers) {
+  CHECK(plan.layout == iv1::HIDDEN_STATES && static_cast<int>(plan.items.size()) == workers);
+  CHECK(plan.payload_region == nullptr);
+  int64_t at = job.cuda_ipc->offset;
+  for (const auto& p : plan.items) {
+    const auto& it = p.item;
+    CHECK(it.hidden_states().empty() && it.payload_shm().empty() && it.logits().empty());
+    CHECK(it.payload_cuda_ipc_handle() == job.cuda_ipc->handle);
+    CHECK(it.payload_cuda_ipc_offset() == at && it.payload_cuda_ipc_bytes() >= 0);
+    CHECK(it.payload_cuda_ipc_bytes() % static_cast<int64_t>(job.row_bytes) == 0);
+    CHECK(it.num_rows() == job.num_rows());
+    at += it.payload_cuda_ipc_bytes();
+  }
+  CHECK(at == job.cuda_ipc->offset + job.num_rows() * static_cast<int64_t>(job.row_bytes));
+}
+
+/// `req` as ScoringService::ScoreOne takes a CUDA IPC input.
+void ExerciseCudaIpc(const ScoreRequest& req) {
+  auto found = logprob::FindCudaIpcInput(req);
+  if (!found.ok()) {
+    CHECK(found.status().code() == absl::StatusCode::kInvalidArgument && !found.status().message().empty());
+    return;
+  }
+  if (!found->has_value() || (*found)->byte_size > kMaxIpcBytes) return;
+  const logprob::CudaIpcInput& in = **found;
+  CHECK(in.handle.size() == logprob::kCudaIpcHandleBytes && in.offset >= 0 && in.byte_size >= 0);
+  std::vector<std::string_view> views;
+  for (const Tensor& t : req.inputs()) views.emplace_back(t.data());
+  views[in.index] = logprob::CudaIpcPlaceholder(in.byte_size);
+  static const RequestLimits kLimits[] = {RequestLimits{}, RequestLimits{64, 8}};
+  for (const RequestLimits& limits : kLimits) {
+    absl::StatusOr<ScoreJob> job = logprob::BuildScoreJob(req, limits, LmHeadShape{kLmHeadV, kLmHeadH}, &views);
+    if (!job.ok()) continue;
+    CHECK(job->hidden);
+    ScoreJob all = *job;
+    logprob::ExpandToInputRows(in, &all);
+    CheckIpcJob(*job, all, in);
+    for (int workers = 1; workers <= 3; ++workers)
+      CheckIpcPlan(all, logprob::PlanWork(all, workers, Parallelism::kAuto, 1), workers);
+  }
+}
+
+/// `req` with its hidden states (if any, inline) replaced by a reference.
+ScoreRequest ByCudaIpc(const ScoreRequest& req) {
+  ScoreRequest out = req;
+  for (Tensor& t : *out.mutable_inputs())
+    if (t.name() == "hidden_states" && !t.has_cuda_ipc() && !t.has_shared_memory()) {
+      t.mutable_cuda_ipc()->set_handle(std::string(logprob::kCudaIpcHandleBytes, 'h'));
+      t.mutable_cuda_ipc()->set_offset(64);
+      t.mutable_cuda_ipc()->set_byte_size(static_cast<int64_t>(t.data().size()));
+      t.clear_data();
+    }
+  return out;
+}
+
 // FUZZ_DUMP=1 prints each structured request (to read a crash input).
 bool g_dump = false;
 
@@ -431,11 +519,15 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   {
     ScoreRequest req;
-    if (req.ParseFromArray(data, static_cast<int>(size))) Exercise(req);
+    if (req.ParseFromArray(data, static_cast<int>(size))) {
+      Exercise(req);
+      ExerciseCudaIpc(req);
+    }
   }
   FuzzedDataProvider p(data, size);
   const ScoreRequest req = StructuredRequest(p);
   if (g_dump) std::fprintf(stderr, "structured request: %s\n", req.ShortDebugString().c_str());
   Exercise(req);
+  ExerciseCudaIpc(ByCudaIpc(req));
   return 0;
 }

@@ -5,8 +5,10 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/cuda/cuda_ipc.h"
 #include "worker/cuda/row_kernels.h"
 
 namespace logprob::cuda {
@@ -424,6 +426,9 @@ absl::Status CudaBackend::HiddenItemPartials(const HiddenItemRows& item, Communi
   const int64_t slot = RoundUp16(std::max<int64_t>(most, 1));
   absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+  // Whatever the exit, no copy still reads `item.own` (a client's CUDA IPC
+  // allocation is unmapped once this returns).
+  absl::Cleanup uploads_done = [this] { cudaStreamSynchronize(copy_.get()); };
   LOGPROB_RETURN_IF_ERROR(UploadIds(item.rows, spec));
   LOGPROB_RETURN_IF_ERROR(hidden_raw_.Reserve(static_cast<size_t>(W * slot) * raw_row));
   char* slots = hidden_raw_.get<char>();
@@ -455,6 +460,10 @@ absl::Status CudaBackend::HiddenItemPartials(const HiddenItemRows& item, Communi
   LOGPROB_RETURN_IF_ERROR(exchanged_dev_.Reserve(std::max<size_t>(recv_total, 1)));
   LOGPROB_RETURN_IF_ERROR(comm.AllToAllVDevice(records_dev_.get(), send_bytes, exchanged_dev_.get(), recv_bytes));
   return Download(exchanged_dev_.get(), recv_total, own_records);
+}
+
+absl::StatusOr<DevicePayload> CudaBackend::OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes) {
+  return OpenCudaIpc(device_, handle, offset, bytes);
 }
 
 int64_t CudaBackend::device_memory_bytes() const {

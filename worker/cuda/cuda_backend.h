@@ -79,6 +79,8 @@ class CudaBackend final : public ScoringBackend {
   /// are logged once and leave uploads on the staging path.
   void RegisterHostMemory(const void* data, size_t bytes) override ABSL_LOCKS_EXCLUDED(reg_mu_);
   void UnregisterHostMemory(const void* data) override ABSL_LOCKS_EXCLUDED(reg_mu_);
+  /// cuda::OpenCudaIpc on this backend's device (worker/cuda/cuda_ipc.h).
+  absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes) override;
 
   int device() const { return device_; }
   /// The compute stream (the NCCL communicator may run its collectives on it).

@@ -28,7 +28,7 @@ from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
 from .retry import Attempts, Deadline, error_of
 from .stream import StreamAssembler, deliver
-from . import transport
+from . import cuda_ipc, transport
 
 # Parts with at least this many bytes of tensor data are serialized off the event loop.
 OFFLOAD_BYTES = 1 << 20
@@ -149,14 +149,25 @@ class LogprobClient(ClientBase):
         arguments, result and errors). The parts of a split batch are sent
         one after the other; concurrent ``score`` calls share the channel."""
         deadline = self._deadline(options.pop("timeout", "default"))
-        call = ScoreCall(request_id or self._next_id(), logits, input_ids, **options)
+        ipc = self._cuda_ipc_candidate(options) and cuda_ipc.server_accepts(
+            await self.server_info(_deadline=deadline)
+        )
+        call = ScoreCall(request_id or self._next_id(), logits, input_ids, cuda_ipc=ipc, **options)
         limits = self._limits_of(await self.server_info(_deadline=deadline))
-        responses, sends = [], 0
-        for part in call.parts(limits):
-            response, tries = await self._send_part(part, limits, deadline)
-            responses.append(response)
-            sends += tries
-        return call.result(responses, sends)
+        while True:
+            responses, sends = [], 0
+            try:
+                for part in call.parts(limits):
+                    response, tries = await self._send_part(part, limits, deadline)
+                    responses.append(response)
+                    sends += tries
+                return call.result(responses, sends)
+            except LogprobError as e:
+                # The server refused the CUDA IPC reference (once per call at
+                # most): the call goes again with bytes, and so do later ones.
+                if not call.refused(e):
+                    raise
+                self.cuda_ipc = False
 
     async def score_stream(
         self,

@@ -4,13 +4,13 @@ configuration, request ids, the retry loop's state and the limits."""
 import itertools
 import os
 import random
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
 from .request import Limits, Part
 from .retry import Attempts, Deadline, OnRetry, RetryPolicy
-from . import transport
+from . import cuda_ipc, transport
 from .wire import decode_response
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -59,6 +59,14 @@ class ClientBase:
             region registered with it instead of in the request
             (``shared_memory.py``; the synchronous client only, the asyncio
             client always sends inline). False: always inline.
+        cuda_ipc: when the hidden states are a torch CUDA tensor and the
+            server reports ``cuda_ipc_inputs`` on this host, send a CUDA IPC
+            handle of their GPU memory instead of the bytes
+            (``cuda_ipc.py``; both clients; ``score(..., cuda_ipc=False)``
+            turns it off for one call). False: always bytes. A server that
+            refuses a reference (FAILED_PRECONDITION about CUDA IPC, e.g. its
+            workers cannot open the handle) gets the call again as bytes, and
+            the client sets ``cuda_ipc`` False.
 
     Raises InvalidInputError for unreadable or empty TLS/token files.
 
@@ -87,6 +95,7 @@ class ClientBase:
         on_retry: Optional[OnRetry] = None,
         channel_options: Sequence[Tuple[str, Any]] = (),
         shared_memory: bool = True,
+        cuda_ipc: bool = True,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -95,6 +104,7 @@ class ClientBase:
         self.max_tokens_per_request = max_tokens_per_request
         self.on_retry = on_retry
         self.shared_memory = shared_memory
+        self.cuda_ipc = cuda_ipc
         self._ids = itertools.count(1)
         self._info: Any = None
         self._rng = random.Random()
@@ -133,8 +143,16 @@ class ClientBase:
         return Attempts(self.retry, deadline, self._rng, self.on_retry, part=part, oversize=oversize)
 
     def _chunked(self, part: Part) -> bool:
-        """True when ``part`` goes through ScoreChunked (``chunk_above``)."""
-        return transport.use_chunked(part.inputs, self.chunk_above)
+        """True when ``part`` goes through ScoreChunked (``chunk_above``;
+        never a part whose hidden states go by CUDA IPC)."""
+        return part.cuda_ipc is None and transport.use_chunked(part.inputs, self.chunk_above)
+
+    def _cuda_ipc_candidate(self, options: Dict[str, Any]) -> bool:
+        """Pops ``score``'s per-call ``cuda_ipc`` option (default: the
+        client's); True when the call may send its hidden states by CUDA IPC
+        (``cuda_ipc.candidate``), which the server's info then decides
+        (``cuda_ipc.server_accepts``)."""
+        return cuda_ipc.candidate(options.pop("cuda_ipc", self.cuda_ipc), options.get("hidden_states"))
 
     def _part_attempts(self, part: Part, limits: Limits, deadline: Deadline, size: int) -> Attempts:
         """The retry loop of a part of ``size`` bytes (not retried when over

@@ -14,7 +14,7 @@ from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
 from .retry import Attempts, Deadline, error_of
 from .stream import StreamAssembler, deliver
-from . import shared_memory, transport
+from . import cuda_ipc, shared_memory, transport
 
 
 class LogprobClient(ClientBase):
@@ -66,8 +66,10 @@ class LogprobClient(ClientBase):
         ``deadline``; returns ``(ScoreResponse, sends)``. The request's bytes
         (the copy of the caller's data) exist only during this call. Same-host
         servers get the tensors through shared memory instead
-        (``shared_memory.py``)."""
-        sent = self._shared_memory_send(part, limits, deadline)
+        (``shared_memory.py``), and hidden states in CUDA memory as a CUDA IPC
+        reference (``cuda_ipc.py``; the part's bytes are then the small
+        tensors and the reference)."""
+        sent = None if part.cuda_ipc is not None else self._shared_memory_send(part, limits, deadline)
         if sent is not None:
             return sent
         if self._chunked(part):
@@ -198,20 +200,31 @@ class LogprobClient(ClientBase):
 
         The caller's arrays are copied once (into the request message; a
         CUDA tensor is copied to the host first, a dtype conversion makes
-        one more array). Raises InvalidInputError (a ValueError) for inputs
+        one more array). ``cuda_ipc`` (default: the client's): CUDA
+        ``hidden_states`` go to a same-host server with CUDA workers as a
+        CUDA IPC reference, no copy to the host (``cuda_ipc.py``). Raises InvalidInputError (a ValueError) for inputs
         the client can tell are wrong, TypeError for unsupported dtypes,
         LogprobError with the gRPC code and message for a failed call
         (DEADLINE_EXCEEDED when the timeout passes).
         """
         deadline = self._deadline(options.pop("timeout", "default"))
-        call = ScoreCall(request_id or self._next_id(), logits, input_ids, **options)
+        ipc = self._cuda_ipc_candidate(options) and cuda_ipc.server_accepts(self.server_info(_deadline=deadline))
+        call = ScoreCall(request_id or self._next_id(), logits, input_ids, cuda_ipc=ipc, **options)
         limits = self._limits_of(self.server_info(_deadline=deadline))
-        responses, sends = [], 0
-        for part in call.parts(limits):
-            response, tries = self._send_part(part, limits, deadline)
-            responses.append(response)
-            sends += tries
-        return call.result(responses, sends)
+        while True:
+            responses, sends = [], 0
+            try:
+                for part in call.parts(limits):
+                    response, tries = self._send_part(part, limits, deadline)
+                    responses.append(response)
+                    sends += tries
+                return call.result(responses, sends)
+            except LogprobError as e:
+                # The server refused the CUDA IPC reference (once per call at
+                # most): the call goes again with bytes, and so do later ones.
+                if not call.refused(e):
+                    raise
+                self.cuda_ipc = False
 
     def score_stream(
         self,

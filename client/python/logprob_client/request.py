@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import grpc
 import numpy as np
 
+from . import cuda_ipc as cuda_ipc_mod
 from . import splitter
 from ._proto import pb2
 from .errors import InvalidInputError, LogprobError
@@ -53,13 +54,24 @@ class Limits:
 class Part:
     """One request of a call: its id, inputs (views of the caller's
     arrays), ``index`` / ``count`` (1-based ``(i, n)`` as ``where``);
-    ``checked``: planned to fit the limits (its size is checked)."""
+    ``checked``: planned to fit the limits (its size is checked);
+    ``cuda_ipc``: the hidden states' CUDA IPC reference (``cuda_ipc.Export``,
+    kept alive with the part) when they are not among ``inputs.tensors``."""
 
-    def __init__(self, part_id: str, inputs: splitter.Inputs, index: int, count: int, checked: bool) -> None:
+    def __init__(
+        self,
+        part_id: str,
+        inputs: splitter.Inputs,
+        index: int,
+        count: int,
+        checked: bool,
+        cuda_ipc: Optional[cuda_ipc_mod.Export] = None,
+    ) -> None:
         self.id = part_id
         self.inputs = inputs
         self.where = (index, count)
         self._checked = checked
+        self.cuda_ipc = cuda_ipc
 
     def serialized(self, max_bytes: int) -> bytes:
         """The serialized ``ScoreRequest`` (``wire.encode_request``: the one
@@ -68,6 +80,8 @@ class Part:
         ``max_bytes`` does not (never expected: the plan's estimate is an
         upper bound)."""
         data = encode_request(self.id, self.inputs.tensors, self.inputs.options)
+        if self.cuda_ipc is not None:
+            data = bytes(data) + self.cuda_ipc.encoded
         if self._checked and len(data) > max_bytes:
             raise LogprobError(
                 grpc.StatusCode.INTERNAL, "part %s has %d bytes, over the limit of %d" % (self.id, len(data), max_bytes)
@@ -143,6 +157,7 @@ class ScoreCall:
         gather_indices: Any = None,
         dtype: Any = None,
         split: bool = True,
+        cuda_ipc: bool = False,
         **options: Any,
     ) -> None:
         if (logits is None) == (hidden_states is None):
@@ -152,7 +167,13 @@ class ScoreCall:
         rows_name = "logits" if logits is not None else "hidden_states"
         rows_in = logits if logits is not None else hidden_states
         self.output = OutputFormat.of(rows_in)
-        rows_dt, rows = float_array(rows_name, rows_in, dtype)
+        # cuda_ipc (the client's decision, cuda_ipc_mod.use_cuda_ipc): the
+        # hidden states stay on their GPU until parts() exports them.
+        self._on_device = bool(cuda_ipc)
+        if self._on_device:
+            rows_dt, rows = cuda_ipc_mod.device_rows(rows_in, dtype)
+        else:
+            rows_dt, rows = float_array(rows_name, rows_in, dtype)
         ids_dt, ids = int_array("input_ids", input_ids)
         if rows.ndim == 3:
             if ids.shape != rows.shape[:2]:
@@ -187,15 +208,53 @@ class ScoreCall:
             tensors.append(("seq_lens",) + int_array("seq_lens", seq_lens))
         if gather_indices is not None:
             tensors.append(("gather_indices",) + int_array("gather_indices", gather_indices))
-        self.inputs = splitter.Inputs(tensors, score_options(**options))
+        self._options = score_options(**options)
+        if self._on_device:
+            self.inputs = splitter.Inputs(tensors[1:], self._options, rows=tensors[0])
+        else:
+            self.inputs = splitter.Inputs(tensors, self._options)
         self.id = request_id
         self.split = split
+
+    def refused(self, error: LogprobError) -> bool:
+        """True when ``error`` is the server refusing this call's CUDA IPC
+        reference (FAILED_PRECONDITION about "CUDA IPC": e.g. a worker that
+        cannot open the handle, in another container); the hidden states
+        then go to the host and ``parts()`` gives parts with bytes. False
+        (nothing changes) for any other error or a call without a reference."""
+        if not self._on_device or error.code != grpc.StatusCode.FAILED_PRECONDITION:
+            return False
+        if "CUDA IPC" not in error.message:
+            return False
+        self._to_host(error.message)
+        return True
+
+    def _to_host(self, reason: Any) -> None:
+        """Falls back from CUDA IPC: the hidden states are copied to the host
+        and sent as bytes like any input (with a warning saying why)."""
+        cuda_ipc_mod.warn_fallback(reason)
+        name, dt, rows = self.inputs.rows
+        host = (name,) + float_array(name, rows, dt)
+        self.inputs = splitter.Inputs([host] + list(self.inputs.tensors), self._options)
+        self._on_device = False
 
     def parts(self, limits: Limits) -> List[Part]:
         """The requests to send, in order: one when the call fits
         ``limits`` (or ``split=False``), else whole sequences per part
         (ids ``"<id>-<i>"``). Raises InvalidInputError when a sequence
         alone does not fit."""
+        if self._on_device:
+            # One request referencing the GPU memory, when it fits the token limit.
+            if self.split and limits.max_tokens and self.inputs.tokens() > limits.max_tokens:
+                self._to_host("%d tokens exceed max_tokens_per_request %d" % (self.inputs.tokens(), limits.max_tokens))
+            else:
+                _, dt, rows = self.inputs.rows
+                try:
+                    ref = cuda_ipc_mod.export(rows, dt)
+                except cuda_ipc_mod.Unavailable as e:
+                    self._to_host(e)
+                else:
+                    return [Part(self.id, self.inputs, 1, 1, checked=False, cuda_ipc=ref)]
         if not self.split:
             return [Part(self.id, self.inputs, 1, 1, checked=False)]
         planned = splitter.plan(self.inputs, self.id, limits.max_bytes, limits.max_tokens)

@@ -37,10 +37,15 @@ class Inputs:
     sending order, the rows' name (``logits``/``hidden_states``) and the
     options."""
 
-    def __init__(self, tensors, options):
+    def __init__(self, tensors, options, rows=None):
         self.tensors = tensors
         self.options = options
         self.names = [n for n, _, _ in tensors]
+        if rows is not None:
+            # The rows travel apart (a CUDA IPC reference, cuda_ipc.py):
+            # `rows` is (name, wire_dtype, device tensor), not in `tensors`.
+            self.rows = rows
+            return
         rows = [t for t in tensors if t[0] in ROW_NAMES]
         if len(rows) != 1:
             raise InvalidInputError("give exactly one of 'logits' and 'hidden_states'")

@@ -115,6 +115,7 @@ class StreamAssembler:
             elif isinstance(item, dict):
                 kwargs = dict(item)
                 request_id = kwargs.pop("request_id", None) or self.next_id()
+                kwargs.pop("cuda_ipc", None)  # streamed items always send bytes
                 call = ScoreCall(request_id, **kwargs)
                 planned = call.parts(self.limits)
                 entry = _Entry(request_id, call, len(planned))

@@ -1,0 +1,316 @@
+"""CUDA IPC inputs of the Python client (logprob_client/cuda_ipc.py):
+
+- DecisionTest (no server): the decision both clients make, with fakes (a
+  tensor-like object claiming ``is_cuda``, ServerInfo messages with and
+  without the feature, of this host or another), and the request bytes of a
+  part carrying a CUDA IPC reference;
+- CpuServerTest: against a CPU server (which reports ``cuda_ipc_inputs``
+  false), a fake CUDA tensor is sent as bytes with the results of numpy
+  input; a hand-made reference is refused with FAILED_PRECONDITION saying
+  why and what to send instead, a malformed one with INVALID_ARGUMENT; a
+  client made to send a reference (patched decision and export) gets the
+  refusal and sends the call again as bytes (sync and asyncio);
+- GpuTest (skipped without a CUDA device and a CUDA build): a torch CUDA
+  tensor scored through a ``--backend cuda`` server by CUDA IPC is bitwise
+  the result of sending its bytes, and matches the golden expectation.
+"""
+
+import asyncio
+import os
+import unittest
+import warnings
+
+import numpy as np
+
+import support  # noqa: F401  (puts client/python on sys.path)
+from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare
+
+from logprob_client import LogprobError
+from logprob_client import aio
+from logprob_client import cuda_ipc, shared_memory
+from logprob_client import logprob_pb2 as pb2
+from logprob_client.request import Limits, ScoreCall
+
+import grpc
+
+LM_HEAD = os.path.join(GOLDEN_DIR, "hidden_bf16.lm_head.safetensors")
+
+
+class FakeCudaTensor:
+    """A tensor-like object that claims to live on a GPU; its values come
+    from a numpy array (``__array__``, what the bytes path reads)."""
+
+    is_cuda = True
+
+    def __init__(self, arr):
+        self.arr = np.asarray(arr)
+        self.shape = self.arr.shape
+        self.ndim = self.arr.ndim
+
+    def data_ptr(self):
+        return 0
+
+    def numel(self):
+        return int(self.arr.size)
+
+    def element_size(self):
+        return int(self.arr.itemsize)
+
+    def __array__(self, dtype=None, copy=None):
+        return self.arr if dtype is None else self.arr.astype(dtype)
+
+
+def info(feature, host):
+    return pb2.ServerInfo(cuda_ipc_inputs=feature, host_id=host, max_request_bytes=1 << 30,
+                          max_tokens_per_request=1 << 20)
+
+
+class DecisionTest(unittest.TestCase):
+    def test_uses_cuda_ipc_only_when_everything_holds(self):
+        here = shared_memory.host_id()
+        self.assertTrue(here, "this test needs /proc/sys/kernel/random/boot_id or /dev/shm")
+        gpu = FakeCudaTensor(np.zeros((2, 4), np.float32))
+        cpu = np.zeros((2, 4), np.float32)
+        self.assertTrue(cuda_ipc.use_cuda_ipc(True, info(True, here), "hidden_states", gpu))
+        # Each condition alone turns it off.
+        self.assertFalse(cuda_ipc.use_cuda_ipc(False, info(True, here), "hidden_states", gpu), "option off")
+        self.assertFalse(cuda_ipc.use_cuda_ipc(True, info(False, here), "hidden_states", gpu), "server without it")
+        self.assertFalse(cuda_ipc.use_cuda_ipc(True, info(True, "0" * 32), "hidden_states", gpu), "another host")
+        self.assertFalse(cuda_ipc.use_cuda_ipc(True, info(True, ""), "hidden_states", gpu), "no host id")
+        self.assertFalse(cuda_ipc.use_cuda_ipc(True, info(True, here), "logits", gpu), "logits")
+        self.assertFalse(cuda_ipc.use_cuda_ipc(True, info(True, here), "hidden_states", cpu), "host array")
+        self.assertFalse(cuda_ipc.use_cuda_ipc(True, info(True, here), "hidden_states", None), "no tensor")
+        # An old server's ServerInfo has no such field at all.
+        self.assertFalse(cuda_ipc.server_accepts(object.__new__(type("Old", (), {"host_id": here}))))
+
+    def test_client_option_and_per_call_override(self):
+        client_on = object.__new__(aio.LogprobClient)
+        client_on.cuda_ipc = True
+        gpu = FakeCudaTensor(np.zeros((2, 4), np.float32))
+        opts = {"hidden_states": gpu, "cuda_ipc": False}
+        self.assertFalse(client_on._cuda_ipc_candidate(opts))
+        self.assertNotIn("cuda_ipc", opts, "the per-call option is consumed")
+        self.assertTrue(client_on._cuda_ipc_candidate({"hidden_states": gpu}))
+        client_on.cuda_ipc = False
+        self.assertFalse(client_on._cuda_ipc_candidate({"hidden_states": gpu}))
+        self.assertTrue(client_on._cuda_ipc_candidate({"hidden_states": gpu, "cuda_ipc": True}))
+
+    def test_a_part_with_a_reference_carries_it_instead_of_the_bytes(self):
+        # A part built by hand as ScoreCall.parts builds it on a GPU machine.
+        hidden = np.zeros((5, 8), np.float32)
+        call = ScoreCall("r1", None, np.arange(5), hidden_states=hidden, cu_seqlens=[0, 5])
+        rows = call.inputs.rows
+        small = [t for t in call.inputs.tensors if t[0] != "hidden_states"]
+        from logprob_client import splitter
+        from logprob_client.request import Part
+
+        class Dev:  # what export() sees of a contiguous CUDA tensor
+            shape = (5, 8)
+
+            def numel(self):
+                return 40
+
+            def element_size(self):
+                return 4
+
+        ref = cuda_ipc.Export(Dev(), pb2.F32, b"h" * 64, 4096, "GPU-test")
+        part = Part("r1", splitter.Inputs(small, call.inputs.options, rows=rows), 1, 1, False, cuda_ipc=ref)
+        req = pb2.ScoreRequest.FromString(part.serialized(1 << 20))
+        by_name = {t.name: t for t in req.inputs}
+        self.assertEqual(sorted(by_name), ["cu_seqlens", "hidden_states", "input_ids"])
+        h = by_name["hidden_states"]
+        self.assertEqual((h.dtype, list(h.shape), h.data), (pb2.F32, [5, 8], b""))
+        self.assertEqual((h.cuda_ipc.handle, h.cuda_ipc.offset, h.cuda_ipc.byte_size, h.cuda_ipc.device_uuid),
+                         (b"h" * 64, 4096, 160, "GPU-test"))
+        self.assertEqual(np.frombuffer(by_name["input_ids"].data, np.int64).tolist(), [0, 1, 2, 3, 4])
+        with self.assertRaises(ValueError):
+            cuda_ipc.Export(Dev(), pb2.F32, b"short", 0)
+
+    def test_too_many_tokens_fall_back_to_bytes(self):
+        # A call over max_tokens_per_request is split, which only bytes can be:
+        # the device rows are copied to the host (a fake: its numpy values).
+        hidden = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+        call = ScoreCall("r2", None, np.arange(6), hidden_states=hidden, cu_seqlens=[0, 3, 6])
+        call._on_device = True
+        call.inputs = type(call.inputs)(call.inputs.tensors[1:], call.inputs.options,
+                                        rows=("hidden_states", pb2.F32, FakeCudaTensor(hidden)))
+        limits = Limits(pb2.ServerInfo(max_request_bytes=1 << 20, max_tokens_per_request=3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            parts = call.parts(limits)
+        messages = [str(w.message) for w in caught]
+        self.assertTrue(any("max_tokens_per_request" in m for m in messages), messages)
+        self.assertEqual(len(parts), 2)
+        self.assertTrue(all(p.cuda_ipc is None for p in parts))
+        got = np.concatenate([p.inputs.get("hidden_states")[2] for p in parts])
+        self.assertTrue(np.array_equal(got, hidden))
+
+
+class CpuServerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server(workers=2, extra=["--lm-head", LM_HEAD])
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.close()
+
+    def test_server_info_and_fake_cuda_tensor_go_as_bytes(self):
+        g = Golden("hidden_bf16")
+        with self.server.client() as client:
+            i = client.server_info()
+            self.assertFalse(i.cuda_ipc_inputs, "CPU workers")
+            self.assertEqual(i.host_id, shared_memory.host_id())
+            kw = g.score_kwargs()
+            ref = client.score(**kw)
+            self.assertEqual(compare(g.expected, ref.outputs), "")
+            kw["hidden_states"] = FakeCudaTensor(kw["hidden_states"])
+            got = client.score(**kw)
+            for k, v in ref.outputs.items():
+                self.assertTrue(np.array_equal(v, got.outputs[k], equal_nan=True), k)
+
+    def test_a_refused_reference_goes_again_as_bytes(self):
+        # The client believes the server takes CUDA IPC (patched decision and
+        # export, a fake device tensor): the CPU server refuses the reference,
+        # the call is sent again with bytes, and the client stops trying.
+        g = Golden("hidden_bf16")
+        kw = g.score_kwargs()
+        real = (cuda_ipc.server_accepts, cuda_ipc.device_rows, cuda_ipc.export)
+        exported = []
+
+        def fake_export(t, dt):
+            exported.append(t)
+            return cuda_ipc.Export(t, dt, b"\x01" * 64, 0)
+
+        cuda_ipc.server_accepts = lambda info: True
+        cuda_ipc.device_rows = lambda x, dtype=None: (pb2.BF16, x)
+        cuda_ipc.export = fake_export
+        try:
+            with self.server.client() as client:
+                ref = client.score(**dict(kw, cuda_ipc=False))
+                self.assertEqual(exported, [])
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = client.score(**dict(kw, hidden_states=FakeCudaTensor(kw["hidden_states"])))
+                self.assertEqual(len(exported), 1, "sent by reference first")
+                self.assertTrue(any("CPU backend" in str(w.message) for w in caught), [str(w.message) for w in caught])
+                self.assertFalse(client.cuda_ipc, "later calls send bytes")
+                for k, v in ref.outputs.items():
+                    self.assertTrue(np.array_equal(v, got.outputs[k], equal_nan=True), k)
+
+            async def run_aio():
+                async with aio.LogprobClient(self.server.address) as client:
+                    out = await client.score(**dict(kw, hidden_states=FakeCudaTensor(kw["hidden_states"])))
+                    return out, client.cuda_ipc
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got, still = asyncio.run(run_aio())
+            self.assertEqual(len(exported), 2, "the asyncio client sent a reference too")
+            self.assertFalse(still)
+            for k, v in ref.outputs.items():
+                self.assertTrue(np.array_equal(v, got.outputs[k], equal_nan=True), k)
+        finally:
+            cuda_ipc.server_accepts, cuda_ipc.device_rows, cuda_ipc.export = real
+
+    def _request(self, g, handle=b"\x01" * 64, byte_size=None, name="hidden_states"):
+        req = pb2.ScoreRequest(id="ipc")
+        for key in ("hidden_states", "input_ids", "cu_seqlens", "seq_lens"):
+            if key not in g.inputs:
+                continue
+            arr = g.inputs[key]
+            dt = {"BF16": pb2.BF16, "I64": pb2.I64, "I32": pb2.I32, "F32": pb2.F32}[g.dtypes[key]]
+            t = req.inputs.add(name=key, dtype=dt, shape=list(arr.shape))
+            if key == name:
+                t.cuda_ipc.handle = handle
+                t.cuda_ipc.byte_size = arr.nbytes if byte_size is None else byte_size
+            else:
+                t.data = arr.tobytes()
+        return req
+
+    def test_references_are_refused_with_the_reason(self):
+        g = Golden("hidden_bf16")
+        with self.server.client() as client:
+            with self.assertRaises(LogprobError) as e:
+                client.score_request(self._request(g))
+            self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("CPU backend", str(e.exception))
+            self.assertIn("send the hidden states as bytes", str(e.exception))
+            for bad, what in (
+                (self._request(g, handle=b"\x01" * 63), "63 bytes"),
+                (self._request(g, byte_size=2), "byte_size is 2"),
+                (self._request(g, name="input_ids"), "only accepted for \"hidden_states\""),
+            ):
+                with self.subTest(what=what):
+                    with self.assertRaises(LogprobError) as e:
+                        client.score_request(bad)
+                    self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                    self.assertIn(what, str(e.exception))
+
+
+def _cuda_ready():
+    """Why GpuTest cannot run, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "no torch"
+    if not torch.cuda.is_available():
+        return "no CUDA device for torch"
+    if not os.path.exists(os.path.join(BIN_DIR, "cuda_backend_test")):
+        return "the build has no CUDA backend"
+    return None
+
+
+@unittest.skipIf(_cuda_ready() is not None, "CUDA IPC end to end: %s" % _cuda_ready())
+class GpuTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server(workers=1, extra=["--backend", "cuda", "--lm-head", LM_HEAD])
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.close()
+
+    def test_cuda_tensor_by_ipc_is_bitwise_its_bytes(self):
+        import torch
+
+        g = Golden("hidden_bf16")
+        kw = g.score_kwargs()
+        bits = np.ascontiguousarray(kw.pop("hidden_states"))
+        kw.pop("dtype", None)
+        # Same-position scoring of every row: the IPC request and the bytes
+        # request multiply the same rows.
+        kw["alignment"] = "same_position"
+        hidden = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).cuda()
+        exported = []
+        real_export = cuda_ipc.export
+
+        def counting_export(t, dt):
+            ref = real_export(t, dt)
+            exported.append(ref)
+            return ref
+
+        cuda_ipc.export = counting_export
+        try:
+            with self.server.client() as client:
+                self.assertTrue(client.server_info().cuda_ipc_inputs)
+                got = client.score(hidden_states=hidden, **kw)
+                self.assertEqual(len(exported), 1, "sent by CUDA IPC")
+                ref = client.score(hidden_states=hidden, cuda_ipc=False, **kw)
+                self.assertEqual(len(exported), 1, "cuda_ipc=False sends bytes")
+                for k, v in ref.outputs.items():
+                    self.assertTrue(torch.equal(v.cpu(), got.outputs[k].cpu()), k)
+                # The golden alignment (next_token: unscored rows are dropped)
+                # matches the expected outputs.
+                nt = g.score_kwargs()
+                nt.pop("dtype", None)
+                nt["hidden_states"] = hidden
+                res = client.score(**nt)
+                self.assertEqual(len(exported), 2)
+                self.assertEqual(compare(g.expected, {k: v.cpu().numpy() for k, v in res.outputs.items()}), "")
+        finally:
+            cuda_ipc.export = real_export
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,34 @@
+// Mapping a same-host client's CUDA allocation into a worker (CUDA IPC
+// inputs: WorkItem.payload_cuda_ipc_*, public Tensor.cuda_ipc).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "worker/backend.h"
+
+namespace logprob::cuda {
+
+/// Maps bytes [offset, offset + bytes) of the allocation a client exported
+/// with cudaIpcGetMemHandle (`handle`: the 64-byte cudaIpcMemHandle_t of the
+/// allocation's base) into `device`'s context (cudaSetDevice, then
+/// cudaIpcOpenMemHandle with cudaIpcMemLazyEnablePeerAccess, so a client GPU
+/// other than `device` is read over peer access). Returns a device pointer
+/// to byte `offset`; the allocation stays mapped while a copy of it (or of
+/// another DevicePayload of the same handle on the same device) lives, and
+/// the last one unmaps it (cudaIpcCloseMemHandle). The range is checked
+/// against the allocation's size (cuMemGetAddressRange through
+/// cudaGetDriverEntryPointByVersion), so a bad reference cannot make a
+/// kernel read past it.
+/// Errors: INVALID_ARGUMENT for a handle that is not 64 bytes, a negative
+/// offset or size, or a range past the allocation's end;
+/// FAILED_PRECONDITION when the device cannot be selected or the handle
+/// cannot be opened (a client on another host or in another container, a
+/// freed allocation, a GPU this worker cannot reach), or the allocation's
+/// size cannot be queried. A failed CUDA call's error is cleared
+/// (cudaGetLastError) so it does not surface in later kernels.
+/// Thread-safe.
+absl::StatusOr<DevicePayload> OpenCudaIpc(int device, std::string_view handle, int64_t offset, int64_t bytes);
+
+}  // namespace logprob::cuda
