@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "tests/random_values.h"
 #include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::kernels {
@@ -18,18 +19,7 @@ namespace {
 
 std::vector<char> Random(DType dtype, int64_t n, float sigma, uint32_t seed) {
   std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.f, sigma);
-  std::vector<char> out(static_cast<size_t>(n) * DTypeSize(dtype));
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = normal(rng);
-    if (dtype == v1::BF16) {
-      const uint16_t b = FloatToBf16(v);
-      std::memcpy(out.data() + 2 * i, &b, 2);
-    } else {
-      std::memcpy(out.data() + 4 * i, &v, 4);
-    }
-  }
-  return out;
+  return testing::RandomValues(dtype, n, sigma, rng);
 }
 
 /// Rows of one [n, H] batch multiplied as sub-batches of every M, at the

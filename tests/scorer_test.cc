@@ -24,6 +24,7 @@
 #include "common/dtype.h"
 #include "common/partition.h"
 #include "tests/in_process_communicator.h"
+#include "tests/random_values.h"
 #include "worker/cpu_backend.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/sampling_filter.h"
@@ -61,22 +62,6 @@ double ValueAt(DType dtype, const std::vector<char>& buf, int64_t i) {
   float f;
   std::memcpy(&f, buf.data() + 4 * i, 4);
   return f;
-}
-
-/// Random values of `dtype` (F32 or BF16), normal(0, sigma), count `n`.
-std::vector<char> RandomValues(DType dtype, int64_t n, float sigma, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.f, sigma);
-  std::vector<char> out(static_cast<size_t>(n) * DTypeSize(dtype));
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = normal(rng);
-    if (dtype == v1::BF16) {
-      const uint16_t b = FloatToBf16(v);
-      std::memcpy(out.data() + 2 * i, &b, 2);
-    } else {
-      std::memcpy(out.data() + 4 * i, &v, 4);
-    }
-  }
-  return out;
 }
 
 /// Targets in [0, V) with every 7th row ignored; gather ids in [0, V).
