@@ -84,6 +84,15 @@ absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& a, const std::stri
   return absl::OkStatus();
 }
 
+absl::Status CheckCudaIpcOptions(const v1::ScoreOptions& options) {
+  if (options.sampling_top_k() > 0 || (options.has_sampling_top_p() && options.sampling_top_p() < 1.0f))
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA IPC input with options.sampling_top_k / options.sampling_top_p: sampling filters score "
+                     "hidden states in rounds through host memory",
+                     kInstead));
+  return absl::OkStatus();
+}
+
 std::string_view CudaIpcPlaceholder(int64_t byte_size) {
   return std::string_view(PlaceholderBase(), static_cast<size_t>(byte_size));
 }

@@ -60,6 +60,12 @@ absl::StatusOr<std::optional<CudaIpcInput>> FindCudaIpcInput(const v1::ScoreRequ
 /// the bytes inline or through shared memory instead.
 absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& availability, const std::string& peer);
 
+/// OK unless `options` ask for sampling filters (sampling_top_k > 0 or
+/// sampling_top_p < 1): the filtered path exchanges full logits rows
+/// through host memory, so it cannot start from a device pointer.
+/// FAILED_PRECONDITION naming the options and what to send instead.
+absl::Status CheckCudaIpcOptions(const v1::ScoreOptions& options);
+
 /// A stand-in for the tensor's bytes that BuildScoreJob can address but
 /// nothing may read: `byte_size` bytes from a fixed fake address.
 std::string_view CudaIpcPlaceholder(int64_t byte_size);

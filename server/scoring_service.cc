@@ -85,7 +85,10 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
                                                            grpc::ServerContext* ctx) {
   // A CUDA IPC input: checked first (its tensor must reference nothing else).
   LOGPROB_ASSIGN_OR_RETURN(const std::optional<CudaIpcInput> ipc, FindCudaIpcInput(req));
-  if (ipc) LOGPROB_RETURN_IF_ERROR(CheckCudaIpcAvailable(cuda_ipc_, ctx ? ctx->peer() : std::string()));
+  if (ipc) {
+    LOGPROB_RETURN_IF_ERROR(CheckCudaIpcAvailable(cuda_ipc_, ctx ? ctx->peer() : std::string()));
+    LOGPROB_RETURN_IF_ERROR(CheckCudaIpcOptions(req.options()));
+  }
   // Shared-memory references resolve into the views BuildScoreJob checks.
   std::optional<ResolvedInputs> resolved;
   std::shared_ptr<void> session_hold;  // the session does not expire while the request runs

@@ -155,6 +155,23 @@ TEST(CheckCudaIpcAvailable, SaysWhyAndWhatToSendInstead) {
   }
 }
 
+TEST(CheckCudaIpcOptions, SamplingFiltersNeedBytes) {
+  v1::ScoreOptions o;
+  EXPECT_TRUE(CheckCudaIpcOptions(o).ok());
+  o.set_sampling_top_p(1.0f);
+  o.set_topk(5);
+  EXPECT_TRUE(CheckCudaIpcOptions(o).ok());
+  for (int which = 0; which < 2; ++which) {
+    v1::ScoreOptions f;
+    if (which == 0) f.set_sampling_top_k(20);
+    else f.set_sampling_top_p(0.9f);
+    const absl::Status st = CheckCudaIpcOptions(f);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("options.sampling_top_k / options.sampling_top_p"), std::string::npos) << st;
+    EXPECT_NE(st.message().find("send the hidden states as bytes"), std::string::npos) << st;
+  }
+}
+
 /// The job ScoringService::ScoreOne builds for an IPC request.
 ScoreJob IpcJob(const v1::ScoreRequest& req, v1::ScoreOptions options = {}) {
   v1::ScoreRequest r = req;

@@ -169,7 +169,12 @@ class ScoreCall:
         self.output = OutputFormat.of(rows_in)
         # cuda_ipc (the client's decision, cuda_ipc_mod.use_cuda_ipc): the
         # hidden states stay on their GPU until parts() exports them.
-        self._on_device = bool(cuda_ipc)
+        # Sampling filters need the rows on the workers' hosts (the filtered
+        # path exchanges full logits rows), so such calls send bytes.
+        filters = int(options.get("sampling_top_k") or 0) > 0 or float(
+            1.0 if options.get("sampling_top_p") is None else options["sampling_top_p"]
+        ) < 1.0
+        self._on_device = bool(cuda_ipc) and not filters
         if self._on_device:
             rows_dt, rows = cuda_ipc_mod.device_rows(rows_in, dtype)
         else:

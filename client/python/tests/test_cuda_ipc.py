@@ -126,6 +126,19 @@ class DecisionTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             cuda_ipc.Export(Dev(), pb2.F32, b"short", 0)
 
+    def test_sampling_filters_send_bytes(self):
+        # The filtered path exchanges full logits rows through host memory:
+        # a call with sampling_top_k or sampling_top_p never takes the device
+        # path, even when the client decided for CUDA IPC.
+        hidden = np.arange(5 * 4, dtype=np.float32).reshape(5, 4)
+        for filters in ({"sampling_top_k": 20}, {"sampling_top_p": 0.9}):
+            call = ScoreCall("r3", None, np.arange(5), hidden_states=hidden, cu_seqlens=[0, 5], cuda_ipc=True,
+                             **filters)
+            self.assertFalse(call._on_device, filters)
+            parts = call.parts(Limits(pb2.ServerInfo(max_request_bytes=1 << 20)))
+            self.assertTrue(all(p.cuda_ipc is None for p in parts), filters)
+            self.assertTrue(np.array_equal(parts[0].inputs.get("hidden_states")[2], hidden), filters)
+
     def test_too_many_tokens_fall_back_to_bytes(self):
         # A call over max_tokens_per_request is split, which only bytes can be:
         # the device rows are copied to the host (a fake: its numpy values).
