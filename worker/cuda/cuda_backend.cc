@@ -137,8 +137,11 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
   const int64_t sub = std::clamp<int64_t>(static_cast<int64_t>(options_.staging_bytes / row_bytes), 1, rows.count);
   LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
   if (filter) LOGPROB_RETURN_IF_ERROR(keep_min_dev_.Reserve(static_cast<size_t>(rows.count) * 4));
+  // Page-locked logits (a payload region the worker registered) upload
+  // straight from where they are; others through the pinned buffers.
+  const bool direct = IsPageLocked(block.data, static_cast<size_t>(rows.count) * row_bytes);
   for (int b = 0; b < 2; ++b) {
-    LOGPROB_RETURN_IF_ERROR(staging_host_[b].Reserve(sub * row_bytes));
+    if (!direct) LOGPROB_RETURN_IF_ERROR(staging_host_[b].Reserve(sub * row_bytes));
     LOGPROB_RETURN_IF_ERROR(staging_dev_[b].Reserve(sub * row_bytes));
   }
   RowBlockArgs args = BaseArgs(spec);
@@ -150,12 +153,16 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     const int b = static_cast<int>(i % 2);
     // Pinned buffer b is free once its previous upload finished; device
     // buffer b once the kernels that read it finished.
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_[b].get()), "staging upload");
-    std::memcpy(staging_host_[b].get(), static_cast<const char*>(block.data) + r0 * row_bytes, n * row_bytes);
+    const char* from = static_cast<const char*>(block.data) + r0 * row_bytes;
+    if (!direct) {
+      LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_[b].get()), "staging upload");
+      std::memcpy(staging_host_[b].get(), from, n * row_bytes);
+      from = staging_host_[b].get<char>();
+    }
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_.get(), computed_[b].get(), 0), "wait");
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging_dev_[b].get(), staging_host_[b].get(), n * row_bytes,
-                                                 cudaMemcpyHostToDevice, copy_.get()),
-                                 "logits upload");
+    LOGPROB_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(staging_dev_[b].get(), from, n * row_bytes, cudaMemcpyHostToDevice, copy_.get()),
+        "logits upload");
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(copied_[b].get(), copy_.get()), "event");
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), copied_[b].get(), 0), "wait");
     args.logits = staging_dev_[b].get();
@@ -322,13 +329,28 @@ void CudaBackend::UnregisterHostMemory(const void* data) {
   registered_.erase(it);
 }
 
-bool CudaBackend::IsRegistered(const void* data, size_t bytes) const {
+bool CudaBackend::IsPageLocked(const void* data, size_t bytes) const {
   const char* p = static_cast<const char*>(data);
-  absl::MutexLock lock(&reg_mu_);
-  auto it = registered_.upper_bound(p);
-  if (it == registered_.begin()) return false;
-  --it;
-  return p >= it->first && p + bytes <= it->first + it->second;
+  {
+    absl::MutexLock lock(&reg_mu_);
+    auto it = registered_.upper_bound(p);
+    if (it != registered_.begin()) {
+      --it;
+      if (p >= it->first && p + bytes <= it->first + it->second) return true;
+    }
+  }
+  // Page-locked by someone else (cudaMallocHost, cudaHostRegister): both
+  // ends are host memory the driver knows. A copy from pageable memory
+  // would still be correct, only synchronous.
+  auto pinned = [](const char* q) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, q) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return a.type == cudaMemoryTypeHost;
+  };
+  return bytes > 0 && pinned(p) && pinned(p + bytes - 1);
 }
 
 absl::Status CudaBackend::UploadRows(const char* src, bool on_device, int64_t rows, size_t row_bytes,
@@ -339,7 +361,7 @@ absl::Status CudaBackend::UploadRows(const char* src, bool on_device, int64_t ro
     LOGPROB_RETURN_IF_ERROR(e->Create());
     uploaded_.push_back(std::move(e));
   }
-  const bool direct = on_device || IsRegistered(src, static_cast<size_t>(rows) * row_bytes);
+  const bool direct = on_device || IsPageLocked(src, static_cast<size_t>(rows) * row_bytes);
   if (!direct)
     for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(staging_host_[b].Reserve(chunk_rows * row_bytes));
   for (int64_t c = 0; c < chunks; ++c) {

@@ -65,7 +65,7 @@ class CudaBackend final : public ScoringBackend {
     return gemm_ != nullptr && (comm.size() == 1 || comm.device_collectives());
   }
   /// The whole item on the device: this rank's rows are uploaded in GEMM
-  /// chunks on the copy stream (straight from registered or device memory,
+  /// chunks on the copy stream (straight from page-locked or device memory,
   /// else through the two pinned staging buffers), all-gathered in place
   /// over NCCL (W >= 2), multiplied chunk by chunk on the compute stream
   /// into two alternating logits buffers while the statistics kernel of the
@@ -104,8 +104,10 @@ class CudaBackend final : public ScoringBackend {
   /// Copies `bytes` from device memory `src` to host `dst` through the
   /// pinned records buffer, after the compute stream's queued work.
   absl::Status Download(const void* src, size_t bytes, void* dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// True when [data, data + bytes) lies in one registered host range.
-  bool IsRegistered(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(reg_mu_);
+  /// True when [data, data + bytes) lies in one registered host range, or
+  /// both its ends are page-locked host memory (cudaPointerGetAttributes):
+  /// uploads from it need no staging copy.
+  bool IsPageLocked(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(reg_mu_);
   /// Queues the upload of `rows` rows of `row_bytes` at `src` (host or, with
   /// `on_device`, device memory) to `dst` on the copy stream in chunks of
   /// `chunk_rows`, recording uploaded_[c] after chunk c.
