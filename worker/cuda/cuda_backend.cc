@@ -10,6 +10,7 @@
 #include "common/status_macros.h"
 #include "worker/cuda/cuda_ipc.h"
 #include "worker/cuda/row_kernels.h"
+#include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::cuda {
 namespace {
@@ -37,6 +38,12 @@ void EmptySliceRecords(const BlockRows& rows, int64_t vocab_begin, const kernels
     row.gather_ids = rows.gather_ids ? rows.gather_ids + i * spec.gather_k : nullptr;
     kernels::ComputePartial(v1::F32, row, vocab_begin, 0, spec, records + i * words, scratch.data());
   }
+}
+
+/// Rows whose f32 logits over N columns fit in `gemm_chunk_bytes`, at least 16.
+int64_t RowsInBudget(size_t gemm_chunk_bytes, int64_t N) {
+  return std::max<int64_t>(16,
+                           static_cast<int64_t>(gemm_chunk_bytes / (static_cast<size_t>(std::max<int64_t>(N, 1)) * 4)));
 }
 
 /// x rounded up to a multiple of 16 (rows: GEMM chunks start aligned).
@@ -67,11 +74,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, con
   }
   if (lm_head) {
     // The GEMM's one algorithm (every M runs it) is chosen for the usual
-    // chunk: GemmChunkRows's gemm_chunk_bytes / 4N rows, 16 to 4096.
-    const int64_t chunk_rows =
-        std::clamp<int64_t>(static_cast<int64_t>(b->options_.gemm_chunk_bytes /
-                                                 (static_cast<size_t>(std::max<int64_t>(lm_head->rows, 1)) * 4)),
-                            16, 4096);
+    // chunk (GemmChunkRows), at most 4096 rows.
+    const int64_t chunk_rows = std::min<int64_t>(RowsInBudget(b->options_.gemm_chunk_bytes, lm_head->rows), 4096);
     LOGPROB_ASSIGN_OR_RETURN(
         b->gemm_, CublasLtLmHead::Create(lm_head->dtype, lm_head->weight.data(), lm_head->weight.size(), lm_head->rows,
                                          lm_head->hidden_size, options.lm_head_precision, chunk_rows));
@@ -198,30 +202,8 @@ absl::Status CudaBackend::FilteredRowPartials(const LogitsBlock& block, const Bl
   return LogitsPartials(block, rows, spec, &filter, records);
 }
 
-absl::StatusOr<const void*> CudaBackend::UploadHidden(DType hidden_dtype, const void* hidden, int64_t M) {
-  if (!IsFloatDType(hidden_dtype))
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden states dtype must be F32, BF16 or F16, got ", DTypeName(hidden_dtype)));
-  const size_t n = static_cast<size_t>(M * gemm_->hidden_size()), bytes = n * DTypeSize(hidden_dtype);
-  LOGPROB_RETURN_IF_ERROR(staging_host_[0].Reserve(bytes));
-  LOGPROB_RETURN_IF_ERROR(hidden_raw_.Reserve(bytes));
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_[0].get()), "staging upload");
-  std::memcpy(staging_host_[0].get(), hidden, bytes);
-  LOGPROB_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(hidden_raw_.get(), staging_host_[0].get(), bytes, cudaMemcpyHostToDevice, compute_.get()),
-      "hidden states upload");
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(copied_[0].get(), compute_.get()), "event");
-  if (hidden_dtype == gemm_->compute_dtype()) return static_cast<const void*>(hidden_raw_.get());
-  LOGPROB_RETURN_IF_ERROR(hidden_dev_.Reserve(n * DTypeSize(gemm_->compute_dtype())));
-  LOGPROB_CUDA_RETURN_IF_ERROR(LaunchConvert(hidden_raw_.get(), ElemOf(hidden_dtype), static_cast<int64_t>(n),
-                                             hidden_dev_.get(), ElemOf(gemm_->compute_dtype()), compute_.get()),
-                               "hidden states conversion");
-  return static_cast<const void*>(hidden_dev_.get());
-}
-
 int64_t CudaBackend::GemmChunkRows(int64_t M) const {
-  const int64_t by_bytes = static_cast<int64_t>(options_.gemm_chunk_bytes / (static_cast<size_t>(gemm_->rows()) * 4));
-  int64_t g = std::max<int64_t>(16, by_bytes);
+  int64_t g = RowsInBudget(options_.gemm_chunk_bytes, gemm_->rows());
   if (g < M) g -= g % 16;
   return std::min(g, M);
 }
@@ -234,9 +216,7 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
     EmptySliceRecords(rows, vocab_begin, spec, records);
     return absl::OkStatus();
   }
-  if (!IsFloatDType(hidden_dtype))
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden states dtype must be F32, BF16 or F16, got ", DTypeName(hidden_dtype)));
+  LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
   absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
@@ -255,16 +235,20 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
 absl::Status CudaBackend::HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) {
   if (!gemm_) return NoLmHeadError();
   if (M <= 0) return absl::OkStatus();
+  LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
   absl::MutexLock lock(&mu_);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  LOGPROB_ASSIGN_OR_RETURN(const void* dev_hidden, UploadHidden(hidden_dtype, hidden, M));
-  const int64_t N = gemm_->rows(), H = gemm_->hidden_size(), G = GemmChunkRows(M);
+  const int64_t N = gemm_->rows(), G = GemmChunkRows(RoundUp16(M));
+  const size_t raw_row = static_cast<size_t>(gemm_->hidden_size()) * DTypeSize(hidden_dtype);
+  LOGPROB_RETURN_IF_ERROR(hidden_raw_.Reserve(static_cast<size_t>(M) * raw_row));
+  LOGPROB_RETURN_IF_ERROR(
+      UploadRows(static_cast<const char*>(hidden), /*on_device=*/false, M, raw_row, G, hidden_raw_.get<char>()));
   LOGPROB_RETURN_IF_ERROR(logits_dev_.Reserve(static_cast<size_t>(G * N) * 4));
-  const size_t csize = DTypeSize(gemm_->compute_dtype());
   for (int64_t r0 = 0; r0 < M; r0 += G) {
     const int64_t n = std::min(G, M - r0);
-    LOGPROB_RETURN_IF_ERROR(gemm_->Compute(static_cast<const char*>(dev_hidden) + r0 * H * csize, n,
-                                           logits_dev_.get<float>(), compute_.get()));
+    LOGPROB_ASSIGN_OR_RETURN(const void* a,
+                             ChunkOperand(hidden_raw_.get<char>(), hidden_dtype, r0, n, G, /*wait_uploads=*/true));
+    LOGPROB_RETURN_IF_ERROR(gemm_->Compute(a, n, logits_dev_.get<float>(), compute_.get()));
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits + r0 * N, logits_dev_.get(), static_cast<size_t>(n * N) * 4,
                                                  cudaMemcpyDeviceToHost, compute_.get()),
                                  "logits download");
@@ -291,10 +275,7 @@ absl::Status CheckItemRows(const HiddenItemRows& item, int W, int me) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden-states item: ranks hold ", next, " rows, targets ", item.rows.count));
   if (item.count[me] > 0 && item.own == nullptr) return absl::InvalidArgumentError("hidden-states item: no rows");
-  if (!IsFloatDType(item.dtype))
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden states dtype must be F32, BF16 or F16, got ", DTypeName(item.dtype)));
-  return absl::OkStatus();
+  return kernels::CheckHiddenStatesDType(item.dtype);
 }
 
 }  // namespace
@@ -388,14 +369,26 @@ absl::Status CudaBackend::UploadRows(const char* src, bool on_device, int64_t ro
   return absl::OkStatus();
 }
 
+absl::StatusOr<const void*> CudaBackend::ChunkOperand(const char* hidden, DType dtype, int64_t l0, int64_t n, int64_t G,
+                                                      bool wait_uploads) {
+  if (wait_uploads)
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), uploaded_[l0 / G]->get(), 0), "wait");
+  const int64_t H = gemm_->hidden_size();
+  const void* a = hidden + static_cast<size_t>(l0 * H) * DTypeSize(dtype);
+  if (dtype == gemm_->compute_dtype()) return a;
+  // hidden_dev_ holds one chunk: the previous chunk's GEMM, queued before
+  // on this stream, has read it.
+  LOGPROB_RETURN_IF_ERROR(hidden_dev_.Reserve(static_cast<size_t>(G * H) * DTypeSize(gemm_->compute_dtype())));
+  LOGPROB_CUDA_RETURN_IF_ERROR(
+      LaunchConvert(a, ElemOf(dtype), n * H, hidden_dev_.get(), ElemOf(gemm_->compute_dtype()), compute_.get()),
+      "hidden states conversion");
+  return static_cast<const void*>(hidden_dev_.get());
+}
+
 absl::StatusOr<int64_t> CudaBackend::GemmAndStats(const char* hidden, DType dtype, int64_t row0, int64_t rows,
                                                   int64_t G, int64_t k0, bool wait_uploads, int64_t vocab_begin,
                                                   const kernels::StatsSpec& spec) {
-  const int64_t N = gemm_->rows(), H = gemm_->hidden_size();
-  const size_t raw_row = static_cast<size_t>(H) * DTypeSize(dtype);
-  const size_t cmp_row = static_cast<size_t>(H) * DTypeSize(gemm_->compute_dtype());
-  const bool convert = dtype != gemm_->compute_dtype();
-  if (convert) LOGPROB_RETURN_IF_ERROR(hidden_dev_.Reserve(static_cast<size_t>(G) * cmp_row));
+  const int64_t N = gemm_->rows();
   for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(chunk_logits_[b].Reserve(static_cast<size_t>(G * N) * 4));
   RowBlockArgs args = BaseArgs(spec);
   args.type = ElemType::kF32;
@@ -405,17 +398,7 @@ absl::StatusOr<int64_t> CudaBackend::GemmAndStats(const char* hidden, DType dtyp
   for (int64_t l0 = 0; l0 < rows; l0 += G, ++k) {
     const int64_t n = std::min(G, rows - l0);
     const int b = static_cast<int>(k % 2);
-    if (wait_uploads)
-      LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), uploaded_[l0 / G]->get(), 0), "wait");
-    const void* a = hidden + static_cast<size_t>(l0) * raw_row;
-    if (convert) {
-      // hidden_dev_ holds one chunk: the previous chunk's GEMM, queued
-      // before on this stream, has read it.
-      LOGPROB_CUDA_RETURN_IF_ERROR(
-          LaunchConvert(a, ElemOf(dtype), n * H, hidden_dev_.get(), ElemOf(gemm_->compute_dtype()), compute_.get()),
-          "hidden states conversion");
-      a = hidden_dev_.get();
-    }
+    LOGPROB_ASSIGN_OR_RETURN(const void* a, ChunkOperand(hidden, dtype, l0, n, G, wait_uploads));
     // Logits buffer b is free once the statistics of chunk k - 2 read it.
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), stats_done_[b].get(), 0), "wait");
     LOGPROB_RETURN_IF_ERROR(gemm_->Compute(a, n, chunk_logits_[b].get<float>(), compute_.get()));

@@ -93,8 +93,6 @@ class CudaBackend final : public ScoringBackend {
   absl::Status LogitsPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
                               const SamplingFilter* filter, uint32_t* records) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<const void*> UploadHidden(DType hidden_dtype, const void* hidden, int64_t M)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t GemmChunkRows(int64_t M) const;
   /// Points `args` at rows [r0, r0 + n) of the uploaded ids and the records.
   void PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& spec, RowBlockArgs* args) const
@@ -113,6 +111,12 @@ class CudaBackend final : public ScoringBackend {
   /// `chunk_rows`, recording uploaded_[c] after chunk c.
   absl::Status UploadRows(const char* src, bool on_device, int64_t rows, size_t row_bytes, int64_t chunk_rows,
                           char* dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The GEMM operand of rows [l0, l0 + n) of `hidden` (device, raw dtype
+  /// `dtype`, chunks of G rows): after uploaded_[l0 / G] when
+  /// `wait_uploads`, converted into hidden_dev_ on the compute stream when
+  /// `dtype` is not the GEMM's compute dtype.
+  absl::StatusOr<const void*> ChunkOperand(const char* hidden, DType dtype, int64_t l0, int64_t n, int64_t G,
+                                           bool wait_uploads) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// The GEMM and statistics of `rows` device rows at `hidden` (raw dtype
   /// `dtype`), the rows [row0, row0 + rows) of the uploaded ids, in chunks
   /// of G rows numbered from k0 (chunk parity picks the logits buffer);

@@ -141,10 +141,14 @@ absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, std:
   return g;
 }
 
+absl::Status CheckHiddenStatesDType(DType dtype) {
+  if (IsFloatDType(dtype)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("hidden states dtype must be F32, BF16 or F16, got ", DTypeName(dtype)));
+}
+
 absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t M, float* out) {
-  if (!IsFloatDType(hidden_dtype))
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden states dtype must be F32, BF16 or F16, got ", DTypeName(hidden_dtype)));
+  LOGPROB_RETURN_IF_ERROR(CheckHiddenStatesDType(hidden_dtype));
   if (M < 0) return absl::InvalidArgumentError(absl::StrCat("negative row count ", M));
   if (M == 0) return absl::OkStatus();
   if (hidden == nullptr || out == nullptr) return absl::InvalidArgumentError("null hidden or output buffer");

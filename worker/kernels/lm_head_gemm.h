@@ -27,6 +27,10 @@ namespace logprob::kernels {
 /// element size (without overflow). INVALID_ARGUMENT naming what is wrong.
 absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, int64_t hidden_size);
 
+/// OK when hidden states of `dtype` can be multiplied (F32, BF16 or F16);
+/// else INVALID_ARGUMENT naming the dtype. Shared by the CPU and GPU GEMMs.
+absl::Status CheckHiddenStatesDType(DType dtype);
+
 /// True when oneDNN can run a bf16 x bf16 -> f32 matmul on this CPU
 /// (avx512_core or newer on x86); probed once. Thread-safe.
 bool Bf16MatmulSupported();
