@@ -23,7 +23,7 @@ using tag = dnnl::memory::format_tag;
 /// kernel and K blocking per shape, so one shape makes a row's logits
 /// bitwise independent of M and of the row's position (batch invariance,
 /// tests/lm_head_invariance_test.cc); tiles of 64 x 128 keep the weight
-/// tile (256 x H) in cache across the row tiles that reuse it.
+/// tile (128 x H) in cache across the row tiles that reuse it.
 constexpr int64_t kTileRows = 64, kTileCols = 128;
 
 /// oneDNN state: CPU engine, the tile matmul (user-managed scratchpad, so
@@ -81,6 +81,16 @@ std::vector<char> WidenToF32(DType dtype, const std::vector<char>& src, size_t n
   return wide;
 }
 
+/// Rounds `n` f32 values, widened exactly from `source`, to the operands
+/// of precision `p` on an f32 GEMM: bf16 (as the bf16 matmul would see
+/// them) or tf32 (bf16 and f16 values already are); fp32 leaves them.
+void RoundToOperands(float* f, size_t n, DType source, LmHeadPrecision p) {
+  if (p == LmHeadPrecision::kBf16 && source != v1::BF16)
+    for (size_t i = 0; i < n; ++i) f[i] = Bf16ToFloat(FloatToBf16(f[i]));
+  if (p == LmHeadPrecision::kTf32 && source == v1::F32)
+    for (size_t i = 0; i < n; ++i) f[i] = RoundToTf32(f[i]);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, std::vector<char> weight, int64_t rows,
@@ -104,11 +114,7 @@ absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, std:
     }
   } else {  // f32 compute: widen exactly, then round to the precision's operands
     if (dtype != v1::F32) weight = WidenToF32(dtype, weight, n);
-    auto* w = reinterpret_cast<float*>(weight.data());
-    if (p == LmHeadPrecision::kBf16 && dtype != v1::BF16)  // as the bf16 matmul would see them
-      for (size_t i = 0; i < n; ++i) w[i] = Bf16ToFloat(FloatToBf16(w[i]));
-    if (p == LmHeadPrecision::kTf32 && dtype == v1::F32)  // bf16 and f16 values are tf32 already
-      for (size_t i = 0; i < n; ++i) w[i] = RoundToTf32(w[i]);
+    RoundToOperands(reinterpret_cast<float*>(weight.data()), n, dtype, p);
     if (p != LmHeadPrecision::kFp32) hidden_rounding = p;
   }
   // oneDNN's OpenMP runtime sizes its parallel regions by the calling
@@ -178,10 +184,7 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
       buf.resize(n * sizeof(float));
       auto* f = reinterpret_cast<float*>(buf.data());
       ToFloat(hidden_dtype, hidden, n, f);
-      if (hidden_rounding_ == LmHeadPrecision::kBf16 && hidden_dtype != v1::BF16)  // as the bf16 matmul sees them
-        for (size_t i = 0; i < n; ++i) f[i] = Bf16ToFloat(FloatToBf16(f[i]));
-      if (hidden_rounding_ == LmHeadPrecision::kTf32 && hidden_dtype == v1::F32)  // bf16 / f16 are tf32 already
-        for (size_t i = 0; i < n; ++i) f[i] = RoundToTf32(f[i]);
+      RoundToOperands(f, n, hidden_dtype, hidden_rounding_);
     }
     src = buf.data();
   }
