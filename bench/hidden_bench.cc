@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "bench/bench_args.h"
+#include "bench/interleaved_rounds.h"
 #include "common/dtype.h"
 #include "common/lm_head_precision.h"
 #include "worker/backend_factory.h"
@@ -171,8 +172,7 @@ double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T)
     if (!once()) return -1;
     times.push_back(Seconds(t0));
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return Median(times);
 }
 
 struct Measured {
@@ -242,31 +242,25 @@ int PrecisionMain(const Config& cfg) {
       }
     }
     const internal::v1::WorkItem item = HiddenItem(cfg, N, T, hdt, hidden, targets);
-    std::vector<std::vector<double>> times(backends.size());
-    for (int r = -1; r < cfg.rounds; ++r) {  // round -1: warm-up
-      for (size_t i = 0; i < backends.size(); ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        auto res = ScoreWorkItem(item, self, *backends[i], cfg.chunk);
-        if (!res.ok()) {
-          std::cerr << res.status() << std::endl;
-          return 1;
-        }
-        if (r >= 0) times[i].push_back(Seconds(t0));
+    std::vector<BenchCase> cases;
+    for (size_t i = 0; i < backends.size(); ++i)
+      cases.push_back({LmHeadPrecisionName(cfg.precisions[i]),
+                       [&, i] { return ScoreWorkItem(item, self, *backends[i], cfg.chunk).status(); }});
+    RunInterleaved(cases, cfg.rounds);
+    for (const BenchCase& c : cases)
+      if (!c.status.ok()) {
+        std::cerr << c.name << ": " << c.status << std::endl;
+        return 1;
       }
-    }
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
-    for (size_t i = 0; i < backends.size(); ++i) {
+    for (const BenchCase& c : cases) {
       // The ratio to the first precision within each round, then its median:
       // robust to load that drifts between rounds.
       std::vector<double> ratios;
-      for (int r = 0; r < cfg.rounds; ++r) ratios.push_back(times[i][r] / times[0][r]);
-      const double med = median(times[i]);
+      for (size_t r = 0; r < c.ms.size(); ++r) ratios.push_back(c.ms[r] / cases[0].ms[r]);
+      const double med = c.median() * 1e-3;
       const double flops = 2.0 * static_cast<double>(T) * static_cast<double>(N) * static_cast<double>(cfg.H);
-      std::printf("%-7s %-9s %9.4f %8.1f %9.3f\n", DTypeName(hdt), LmHeadPrecisionName(cfg.precisions[i]), med,
-                  flops / med * 1e-9, median(ratios));
+      std::printf("%-7s %-9s %9.4f %8.1f %9.3f\n", DTypeName(hdt), c.name.c_str(), med, flops / med * 1e-9,
+                  Median(ratios));
       std::fflush(stdout);
     }
   }

@@ -14,6 +14,14 @@
 
 namespace logprob {
 
+/// Median of `v` (the mean of the two middle values for an even count; 0
+/// when empty).
+inline double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
 /// One timed case. `run` does the whole operation and returns once it is
 /// complete (synchronised); `timer`, when set, replaces the wall clock: it
 /// runs `run` and returns its milliseconds (e.g. from CUDA events).
@@ -33,12 +41,7 @@ struct BenchCase {
     return m > 0 ? 100.0 * (*hi - *lo) / m : 0;
   }
   /// Median of the rounds' milliseconds (0 without any).
-  double median() const {
-    if (ms.empty()) return 0;
-    std::vector<double> s = ms;
-    std::sort(s.begin(), s.end());
-    return s.size() % 2 ? s[s.size() / 2] : 0.5 * (s[s.size() / 2 - 1] + s[s.size() / 2]);
-  }
+  double median() const { return Median(ms); }
 };
 
 /// One untimed warm-up round, then `rounds` timed rounds over `cases`.
