@@ -1,8 +1,18 @@
 #include "worker/communicator.h"
 
 #include <cstring>
+#include <vector>
 
 namespace logprob {
+
+absl::StatusOr<int> FirstRankFlagged(Communicator& comm, bool flag) {
+  const char mine = flag ? 1 : 0;
+  std::vector<char> all(static_cast<size_t>(comm.size()));
+  if (absl::Status st = comm.AllGather(&mine, 1, all.data()); !st.ok()) return st;
+  for (int q = 0; q < comm.size(); ++q)
+    if (all[q]) return q;
+  return -1;
+}
 
 absl::Status Communicator::AllGatherDevice(const void*, size_t, void*) {
   return absl::UnimplementedError("this communicator has no device-memory collectives (host transport)");

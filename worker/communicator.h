@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace logprob {
 
@@ -41,6 +42,11 @@ class Communicator {
   virtual absl::Status AllToAllVDevice(const void* in, const std::vector<int64_t>& send_bytes, void* out,
                                        const std::vector<int64_t>& recv_bytes);
 };
+
+/// One 1-byte all-gather of every rank's `flag`: the lowest rank whose flag
+/// is set, or -1 when none is (so all ranks decide alike, e.g. to stop).
+/// The collective's error when it fails.
+absl::StatusOr<int> FirstRankFlagged(Communicator& comm, bool flag);
 
 /// A group of one (token-parallel work, tests): collectives are copies.
 class SelfCommunicator final : public Communicator {

@@ -217,12 +217,8 @@ absl::Status Stopped() { return absl::CancelledError("stopped: the request was c
 /// all-gathered), so all stop after the same round. OK to go on.
 absl::Status AgreeToGoOn(Job& job, Communicator& comm) {
   if (!job.should_stop) return absl::OkStatus();
-  const char mine = job.should_stop() ? 1 : 0;
-  std::vector<char> all(comm.size());
-  LOGPROB_RETURN_IF_ERROR(comm.AllGather(&mine, 1, all.data()));
-  for (char c : all)
-    if (c) return Stopped();
-  return absl::OkStatus();
+  LOGPROB_ASSIGN_OR_RETURN(const int stopping, FirstRankFlagged(comm, job.should_stop()));
+  return stopping >= 0 ? Stopped() : absl::OkStatus();
 }
 
 /// VOCAB_PARALLEL: rounds of kVocabParallelChunkRows rows of the item.

@@ -1,8 +1,5 @@
 #include "worker/worker_service.h"
 
-#include <optional>
-#include <vector>
-
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "worker/scorer.h"
@@ -16,14 +13,12 @@ namespace {
 /// Ranks that mapped a CUDA IPC input agree on it before the item's
 /// collectives, so one rank failing does not leave the others waiting.
 absl::Status AllRanksOk(Communicator& comm, const absl::Status& mine) {
-  const char ok = mine.ok() ? 1 : 0;
-  std::vector<char> all(static_cast<size_t>(comm.size()));
-  if (absl::Status st = comm.AllGather(&ok, 1, all.data()); !st.ok()) return st;
+  const absl::StatusOr<int> failed = FirstRankFlagged(comm, !mine.ok());
+  if (!failed.ok()) return failed.status();
   if (!mine.ok()) return mine;
-  for (int q = 0; q < comm.size(); ++q)
-    if (all[q] == 0)
-      return absl::FailedPreconditionError(
-          absl::StrCat("CUDA IPC input: worker rank ", q, " could not map its rows (its log says why)"));
+  if (*failed >= 0)
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA IPC input: worker rank ", *failed, " could not map its rows (its log says why)"));
   return absl::OkStatus();
 }
 
