@@ -10,13 +10,17 @@ namespace logprob {
 
 struct Batcher::Entry {
   // Constant once queued.
-  const ScoreJob* job = nullptr;
+  std::shared_ptr<const ScoreJob> job;
+  int64_t rows = 0;  // job->num_rows()
   internal::v1::Layout layout;  // the job's alone (ChooseLayout), part of its key
   std::string key;
   RunBounds bounds;
   std::chrono::steady_clock::time_point arrived;
   // Guarded by the batcher's mu_.
-  enum class State { kQueued, kRunning, kDone } state = State::kQueued;
+  // kRunning: taken into a batch that is being planned (its input bytes
+  // may be read); kPlanned: the batch's work items hold copies of them.
+  enum class State { kQueued, kRunning, kPlanned, kDone } state = State::kQueued;
+  bool left = false;  // Run returned: `bounds` may refer to a finished call
   absl::Status status;  // the batch's error, when not OK
   Outcome outcome;
 
@@ -80,7 +84,7 @@ bool Batcher::WaitToLead(Entry& e) {
     if (e.ended()) return false;
     int64_t tokens = 0;
     for (const auto& q : queue_)
-      if (q->key == e.key) tokens += q->job->num_rows();
+      if (q->key == e.key) tokens += q->rows;
     const auto now = std::chrono::steady_clock::now();
     if (running_ == 0 || tokens >= options_.max_batch_tokens || now >= until) return true;
     const auto wait = std::min<std::chrono::steady_clock::duration>(until - now, std::chrono::milliseconds(20));
@@ -93,7 +97,7 @@ std::vector<std::shared_ptr<Batcher::Entry>> Batcher::TakeBatch(Entry& e) {
   int64_t tokens = 0;
   for (auto it = queue_.begin(); it != queue_.end();) {
     Entry& q = **it;
-    const int64_t n = q.job->num_rows();
+    const int64_t n = q.rows;
     if (q.key == e.key && (batch.empty() || tokens + n <= options_.max_batch_tokens)) {
       tokens += n;
       q.state = Entry::State::kRunning;
@@ -108,28 +112,41 @@ std::vector<std::shared_ptr<Batcher::Entry>> Batcher::TakeBatch(Entry& e) {
   return batch;
 }
 
+bool Batcher::AllEnded(const std::vector<std::shared_ptr<Entry>>& batch) {
+  // Under mu_: a job that has not left is still inside Run (which sets
+  // `left` under mu_ before returning), so its bounds are safe to call.
+  absl::MutexLock lock(&mu_);
+  return std::all_of(batch.begin(), batch.end(), [](const auto& m) { return m->left || m->ended(); });
+}
+
 void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_t job_id) {
   const auto started = std::chrono::steady_clock::now();
   std::vector<const ScoreJob*> jobs;
   RunBounds bounds;
   bounds.deadline = std::chrono::system_clock::time_point::min();
+  int64_t batch_rows = 0;
   for (const auto& m : batch) {
-    jobs.push_back(m->job);
+    jobs.push_back(m->job.get());
     bounds.deadline = std::max(bounds.deadline, m->bounds.deadline);
+    batch_rows += m->rows;
   }
   // The worker calls stop once no job of the batch wants its rows.
-  bounds.cancelled = [&batch] {
-    return std::all_of(batch.begin(), batch.end(), [](const auto& m) { return m->ended(); });
-  };
-  ScoreJob concat;
-  if (jobs.size() > 1) concat = ConcatJobs(jobs);
-  const ScoreJob& job = jobs.size() > 1 ? concat : *jobs.front();
-  // The layout each job would get alone (equal within a key).
-  const Parallelism layout =
-      batch.front()->layout == internal::v1::VOCAB_PARALLEL ? Parallelism::kVocab : Parallelism::kToken;
-  auto plan = std::make_shared<const Plan>(PlanWork(job, options_.workers, layout, job_id, options_.payload_pool));
+  bounds.cancelled = [this, &batch] { return AllEnded(batch); };
+  std::shared_ptr<const Plan> plan;
   {
+    ScoreJob concat;
+    if (jobs.size() > 1) concat = ConcatJobs(jobs);
+    const ScoreJob& job = jobs.size() > 1 ? concat : *jobs.front();
+    // The layout each job would get alone (equal within a key).
+    const Parallelism layout =
+        batch.front()->layout == internal::v1::VOCAB_PARALLEL ? Parallelism::kVocab : Parallelism::kToken;
+    plan = std::make_shared<const Plan>(PlanWork(job, options_.workers, layout, job_id, options_.payload_pool));
+  }
+  {
+    // The jobs' input bytes are copied into the plan: a job may leave now.
     absl::MutexLock lock(&mu_);
+    for (const auto& m : batch) m->state = Entry::State::kPlanned;
+    cv_.SignalAll();
     ++calling_;
     if (options_.on_running_change) options_.on_running_change(calling_);
   }
@@ -150,8 +167,8 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
     o.queue_seconds = std::chrono::duration<double>(started - m->arrived).count();
     o.run_seconds = run_seconds;
     o.batch_requests = static_cast<int>(batch.size());
-    o.batch_tokens = job.num_rows();
-    row += m->job->num_rows();
+    o.batch_tokens = batch_rows;
+    row += m->rows;
   }
   if (shared && options_.on_batch) options_.on_batch(batch.front()->outcome, *shared);
   --calling_;
@@ -160,25 +177,34 @@ void Batcher::RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_
   cv_.SignalAll();  // waiting leaders: the workers may be idle now
 }
 
-absl::StatusOr<Batcher::Outcome> Batcher::Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds) {
+absl::StatusOr<Batcher::Outcome> Batcher::Run(std::shared_ptr<const ScoreJob> job, uint64_t job_id,
+                                              const RunBounds& bounds) {
   auto e = std::make_shared<Entry>();
-  e->job = &job;
-  e->layout = ChooseLayout(job, options_.workers, options_.parallelism);
-  e->key = KeyOf(job, e->layout);
+  e->layout = ChooseLayout(*job, options_.workers, options_.parallelism);
+  e->key = KeyOf(*job, e->layout);
+  e->rows = job->num_rows();
+  e->job = std::move(job);
   e->bounds = bounds;
   e->arrived = std::chrono::steady_clock::now();
   absl::MutexLock lock(&mu_);
   queue_.push_back(e);
   QueueChanged();
+  absl::StatusOr<Outcome> result = Wait(e, job_id);
+  e->left = true;  // the leader no longer calls e->bounds (AllEnded)
+  return result;
+}
+
+absl::StatusOr<Batcher::Outcome> Batcher::Wait(const std::shared_ptr<Entry>& e, uint64_t job_id) {
   for (;;) {
     if (e->state == Entry::State::kDone) {
       if (!e->status.ok()) return e->status;
       return e->outcome;
     }
-    if (e->state == Entry::State::kRunning) {
-      // Abandoned: the batch's leader stops the workers when every job has gone.
+    if (e->state == Entry::State::kPlanned) {
+      // Abandoned: the batch's leader stops the workers when every job has
+      // gone. (While kRunning the leader may still be copying its bytes.)
       if (e->ended()) return e->EndedError("its batch was running");
-    } else {
+    } else if (e->state == Entry::State::kQueued) {
       const bool leads = std::none_of(queue_.begin(), std::find(queue_.begin(), queue_.end(), e),
                                       [&](const auto& q) { return q->key == e->key; });
       if (leads && WaitToLead(*e)) {

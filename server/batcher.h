@@ -41,6 +41,15 @@ namespace logprob {
 /// Leader/follower, no thread of its own: the oldest queued job of a key
 /// forms the batch and runs it on its request's thread; the others wait
 /// for their rows. Thread-safe.
+///
+/// Lifetimes: every entry of a batch owns its job (shared_ptr), so the
+/// leader never reads a job that its caller has dropped. The input bytes a
+/// job's rows point into belong to the caller (a gRPC request, pooled
+/// ScoreChunked buffers); the leader reads them only while it plans the
+/// batch (PlanWork copies them into the work items), so a job that leaves
+/// a running batch waits until the batch is planned, never for its
+/// workers, and its caller may free the bytes as soon as Run returns. A
+/// job's RunBounds are consulted only while its Run call is in progress.
 class Batcher {
  public:
   /// How one job's batch went.
@@ -82,13 +91,16 @@ class Batcher {
 
   Batcher(Options options, Runner run);
 
-  /// Queues `job` (which must outlive the call) and returns once its batch
-  /// has run: the batch's error, or its Outcome (BuildResponse with
-  /// outcome.row_begin gives the job's response). As soon as `bounds` say
+  /// Queues `job` and returns once its batch has run: the batch's error, or
+  /// its Outcome (BuildResponse with outcome.row_begin gives the job's
+  /// response). The bytes its rows point into must stay valid until Run
+  /// returns, and no longer (see Lifetimes above). As soon as `bounds` say
   /// so, DEADLINE_EXCEEDED or CANCELLED: a queued job leaves the queue; a
-  /// job whose batch is running is abandoned (the others still get their
-  /// rows; the batch's worker calls stop when every job has gone).
-  absl::StatusOr<Outcome> Run(const ScoreJob& job, uint64_t job_id, const RunBounds& bounds) ABSL_LOCKS_EXCLUDED(mu_);
+  /// job whose batch is running is abandoned once the batch is planned (the
+  /// others still get their rows; the batch's worker calls stop when every
+  /// job has gone).
+  absl::StatusOr<Outcome> Run(std::shared_ptr<const ScoreJob> job, uint64_t job_id, const RunBounds& bounds)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Entry;
@@ -103,8 +115,14 @@ class Batcher {
   void QueueChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Takes e's batch out of the queue, oldest first.
   std::vector<std::shared_ptr<Entry>> TakeBatch(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Run's loop for queued entry `e`: leads its batch or waits for it, and
+  /// returns its outcome or the error saying where it left.
+  absl::StatusOr<Outcome> Wait(const std::shared_ptr<Entry>& e, uint64_t job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Runs `batch` and hands every entry its outcome.
   void RunBatch(const std::vector<std::shared_ptr<Entry>>& batch, uint64_t job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  /// True when no job of `batch` still wants its rows: each has left or
+  /// its bounds ended. Reads only the bounds of jobs still inside Run.
+  bool AllEnded(const std::vector<std::shared_ptr<Entry>>& batch) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   const Options options_;

@@ -115,7 +115,10 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
     ipc_views[ipc->index] = CudaIpcPlaceholder(ipc->byte_size);
     views = &ipc_views;
   }
-  LOGPROB_ASSIGN_OR_RETURN(ScoreJob job, BuildScoreJob(req, config_.limits, config_.lm_head, views));
+  LOGPROB_ASSIGN_OR_RETURN(ScoreJob built, BuildScoreJob(req, config_.limits, config_.lm_head, views));
+  // Shared with the batch that runs it (server/batcher.h, Lifetimes).
+  const auto shared_job = std::make_shared<ScoreJob>(std::move(built));
+  ScoreJob& job = *shared_job;
   if (stats) stats->rows = job.num_rows();  // scored rows (a CUDA IPC job then computes every input row)
   if (ipc) ExpandToInputRows(*ipc, &job);
   if (resolved && resolved->rows_source) job.row_sources.push_back({0, resolved->rows_source});
@@ -125,7 +128,7 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
     bounds.deadline = ctx->deadline();
     bounds.cancelled = [ctx] { return ctx->IsCancelled(); };
   }
-  LOGPROB_ASSIGN_OR_RETURN(const Batcher::Outcome batch, batcher_.Run(job, next_job_id_++, bounds));
+  LOGPROB_ASSIGN_OR_RETURN(const Batcher::Outcome batch, batcher_.Run(shared_job, next_job_id_++, bounds));
   // A client that shrank its region while the batch was planned: its rows were zeros.
   if (resolved && resolved->rows_source) LOGPROB_RETURN_IF_ERROR(resolved->rows_source->status());
   if (metrics_) metrics_->ObserveQueue(batch.queue_seconds);

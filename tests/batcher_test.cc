@@ -7,9 +7,19 @@
 #include "server/batcher.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include "absl/strings/str_cat.h"
+#include "common/buffer_pool.h"
+#include "server/client_regions.h"
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
+#include <map>
 #include <condition_variable>
 #include <future>
 #include <mutex>
@@ -58,8 +68,20 @@ class FakeRunner {
  private:
   absl::StatusOr<std::vector<WorkResult>> Run(const Plan& plan, const RunBounds& bounds) {
     std::vector<int64_t> targets;
-    for (const PlannedItem& p : plan.items)
+    for (const PlannedItem& p : plan.items) {
       targets.insert(targets.end(), p.item.targets().begin(), p.item.targets().end());
+      // Every row's logits are its job's tag (Jobs::Make).
+      const std::string& logits = p.item.logits();
+      if (logits.size() != static_cast<size_t>(p.item.num_rows() * kV) * sizeof(float))
+        return absl::InternalError("the plan's payload has the wrong size");
+      for (int64_t r = 0; r < p.item.num_rows(); ++r)
+        for (int64_t v = 0; v < kV; ++v) {
+          float x;
+          std::memcpy(&x, logits.data() + (r * kV + v) * sizeof(float), sizeof(float));
+          if (x != static_cast<float>(p.item.targets(static_cast<int>(r))))
+            return absl::InternalError(absl::StrCat("row ", r, " of the plan carries another request's bytes"));
+        }
+    }
     std::unique_lock<std::mutex> lock(mu_);
     calls_.push_back(targets);
     cv_.notify_all();
@@ -112,30 +134,55 @@ class Observed {
   int64_t queued_ = 0, running_ = 0;
 };
 
-/// Logits jobs of kV f32 columns (zeros: the fake runner ignores values);
-/// a job of `rows` rows has every target equal to its `tag`, and `topk`
-/// decides its batch key.
+/// Logits jobs of kV f32 columns: a job of `rows` rows has every target
+/// and every logit equal to its `tag` (the fake runner checks each row's
+/// payload against its target, so a batch that copied another request's
+/// bytes fails), and `topk` decides its batch key. Each job's logits live
+/// in a buffer of a BufferPool, as ScoreChunked requests' do, which the
+/// test may hand back and reuse once the job's Run has returned.
 class Jobs {
  public:
-  Jobs() : zeros_(kV, 0.f) {}
-  const ScoreJob& Make(int64_t tag, int64_t rows, int topk = 0) {
-    auto job = std::make_unique<ScoreJob>();
+  std::shared_ptr<const ScoreJob> Make(int64_t tag, int64_t rows, int topk = 0) {
+    std::string bytes = pool_.Acquire(static_cast<size_t>(rows * kV) * sizeof(float));
+    const float value = static_cast<float>(tag);
+    for (int64_t i = 0; i < rows * kV; ++i) std::memcpy(bytes.data() + i * sizeof(float), &value, sizeof(float));
+    auto job = std::make_shared<ScoreJob>();
     job->dtype = v1::F32;
     job->vocab_size = kV;
     job->row_bytes = kV * 4;
-    job->rows.assign(rows, reinterpret_cast<const char*>(zeros_.data()));
+    for (int64_t r = 0; r < rows; ++r) job->rows.push_back(bytes.data() + r * job->row_bytes);
     job->targets.assign(rows, tag);
     job->out_pos.resize(rows);
     job->out_shape = {rows};
     job->options.set_topk(topk);
     job->options.set_temperature(1.f);
-    jobs_.push_back(std::move(job));
-    return *jobs_.back();
+    std::lock_guard<std::mutex> lock(mu_);
+    bytes_[job.get()] = std::move(bytes);
+    return job;
+  }
+  /// Gives `job`'s logits back to the pool and hands the buffer to a new
+  /// request that overwrites it (what ScoreChunked does once ScoreOne
+  /// returns): a batch still reading the old job's bytes sees -1s.
+  void Recycle(const ScoreJob* job) {
+    std::string bytes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      bytes = std::move(bytes_.at(job));
+      bytes_.erase(job);
+    }
+    const size_t n = bytes.size();
+    pool_.Release(std::move(bytes));
+    std::string next = pool_.Acquire(n);
+    std::fill(next.begin(), next.end(), '\xff');
+    std::lock_guard<std::mutex> lock(mu_);
+    recycled_.push_back(std::move(next));
   }
 
  private:
-  std::vector<float> zeros_;
-  std::vector<std::unique_ptr<ScoreJob>> jobs_;
+  BufferPool pool_{int64_t{1} << 30};
+  std::mutex mu_;
+  std::map<const ScoreJob*, std::string> bytes_;
+  std::vector<std::string> recycled_;
 };
 
 /// Rows of `tag` repeated `n` times.
@@ -173,19 +220,20 @@ class BatcherTest : public ::testing::Test {
     batcher_ = std::make_unique<Batcher>(o, runner_.runner());
   }
   /// Runs `job` on its own thread.
-  std::future<Result> Start(const ScoreJob& job, RunBounds bounds = {}) {
-    return std::async(std::launch::async, [this, &job, bounds] { return batcher_->Run(job, ++next_id_, bounds); });
+  std::future<Result> Start(std::shared_ptr<const ScoreJob> job, RunBounds bounds = {}) {
+    return std::async(std::launch::async,
+                      [this, job = std::move(job), bounds] { return batcher_->Run(job, ++next_id_, bounds); });
   }
   /// Starts `job` and waits until the queue holds `queued` jobs: the
   /// arrival order of the jobs is then fixed.
-  std::future<Result> Queue(const ScoreJob& job, int64_t queued, RunBounds bounds = {}) {
-    auto f = Start(job, bounds);
+  std::future<Result> Queue(std::shared_ptr<const ScoreJob> job, int64_t queued, RunBounds bounds = {}) {
+    auto f = Start(std::move(job), bounds);
     EXPECT_TRUE(observed_.WaitQueued(queued));
     return f;
   }
   /// Starts a job of key topk=0 whose batch holds the pool until Release().
-  std::future<Result> Occupy(const ScoreJob& job, RunBounds bounds = {}) {
-    auto f = Start(job, bounds);
+  std::future<Result> Occupy(std::shared_ptr<const ScoreJob> job, RunBounds bounds = {}) {
+    auto f = Start(std::move(job), bounds);
     EXPECT_TRUE(runner_.WaitCalls(1));
     EXPECT_TRUE(observed_.WaitRunning(1));
     return f;
@@ -203,7 +251,7 @@ class BatcherTest : public ::testing::Test {
 TEST_F(BatcherTest, AnIdlePoolRunsAJobAtOnce) {
   Make();
   runner_.Release();
-  const ScoreJob& job = jobs_.Make(5, 3);
+  auto job = jobs_.Make(5, 3);
   auto f = Start(job);
   const Result r = Get(f);
   ExpectOwnRows(r, 5, 3, 1);
@@ -324,6 +372,115 @@ TEST_F(BatcherTest, AJobLeavingARunningBatchLeavesTheOthersTheirRows) {
   ExpectOwnRows(Get(x), 40, 2, 2);
   ExpectOwnRows(Get(busy), 1, 1, 1);
   EXPECT_TRUE(observed_.WaitRunning(0));
+}
+
+// Regression (heap-use-after-free under ASan): the leader used to read a
+// job that had left its running batch, and whose caller had freed it, when
+// it set the row offsets of the jobs after it. Now the batch owns its jobs,
+// and the bytes of a job that left may be reused at once.
+TEST_F(BatcherTest, AJobThatLeftARunningBatchMayBeFreedAndItsBytesReused) {
+  Make(/*max_batch_tokens=*/6);
+  auto busy = Occupy(jobs_.Make(1, 1));
+  std::atomic<bool> y_gone{false};
+  RunBounds y_bounds;
+  y_bounds.cancelled = [&y_gone] { return y_gone.load(); };
+  auto x = Queue(jobs_.Make(40, 2), 1);
+  auto y_job = jobs_.Make(41, 2);
+  const ScoreJob* y_ptr = y_job.get();
+  auto y = Queue(std::move(y_job), 2, y_bounds);
+  auto z = Start(jobs_.Make(42, 2));  // fills the budget: {x, y, z} runs
+  ASSERT_TRUE(runner_.WaitCalls(2));
+  EXPECT_EQ(runner_.calls()[1], Rows({{40, 2}, {41, 2}, {42, 2}}));
+  y_gone = true;
+  runner_.Notify();
+  const Result ry = Get(y);
+  EXPECT_EQ(ry.status().code(), absl::StatusCode::kCancelled) << ry.status();
+  y = std::future<Result>();  // y's caller drops its job ...
+  jobs_.Recycle(y_ptr);       // ... and its bytes go to the next request
+  EXPECT_TRUE(observed_.WaitRunning(2)) << "x and z still want their rows";
+  runner_.Release();
+  const Result rx = Get(x), rz = Get(z);
+  ExpectOwnRows(rx, 40, 2, 3);
+  ExpectOwnRows(rz, 42, 2, 3);
+  ASSERT_TRUE(rz.ok());
+  EXPECT_EQ(rz->row_begin, 4) << "z's rows follow y's, which left";
+  EXPECT_EQ(rz->batch_tokens, 6);
+  ExpectOwnRows(Get(busy), 1, 1, 1);
+}
+
+/// A client's shared-memory object holding `rows` rows of kV f32 logits,
+/// all equal to `tag`, registered as a ClientRegion.
+class ShmRows {
+ public:
+  ShmRows(int64_t tag, int64_t rows) : name_(absl::StrCat("/logprob-batcher-test-", getpid(), "-", tag)) {
+    const size_t bytes = static_cast<size_t>(rows * kV) * sizeof(float);
+    const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << name_;
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    std::vector<float> values(rows * kV, static_cast<float>(tag));
+    EXPECT_EQ(pwrite(fd, values.data(), bytes, 0), static_cast<ssize_t>(bytes));
+    fd_ = fd;
+    auto region = ClientRegion::Open("rows", name_, static_cast<int64_t>(bytes));
+    EXPECT_TRUE(region.ok()) << region.status();
+    if (region.ok()) region_ = *std::move(region);
+  }
+  ~ShmRows() { Remove(); }
+  /// A job whose rows are read from the region.
+  std::shared_ptr<const ScoreJob> Job(int64_t tag, int64_t rows) const {
+    auto job = std::make_shared<ScoreJob>();
+    job->dtype = v1::F32;
+    job->vocab_size = kV;
+    job->row_bytes = kV * 4;
+    for (int64_t r = 0; r < rows; ++r) job->rows.push_back(region_->base() + r * job->row_bytes);
+    job->targets.assign(rows, tag);
+    job->out_pos.resize(rows);
+    job->out_shape = {rows};
+    job->options.set_temperature(1.f);
+    job->row_sources.push_back({0, std::make_shared<RegionReader>(region_)});
+    return job;
+  }
+  /// What a client may do once its call returned: unregister, shrink and
+  /// unlink the object.
+  void Remove() {
+    region_.reset();
+    if (fd_ >= 0) {
+      EXPECT_EQ(ftruncate(fd_, 0), 0);
+      close(fd_);
+      shm_unlink(name_.c_str());
+    }
+    fd_ = -1;
+  }
+
+ private:
+  std::string name_;
+  int fd_ = -1;
+  std::shared_ptr<const ClientRegion> region_;
+};
+
+TEST_F(BatcherTest, AJobFromSharedMemoryThatLeftARunningBatchMayRemoveItsRegion) {
+  Make(/*max_batch_tokens=*/6);
+  auto busy = Occupy(jobs_.Make(1, 1));
+  ShmRows x_rows(50, 2), y_rows(51, 2);
+  std::atomic<bool> y_gone{false};
+  RunBounds y_bounds;
+  y_bounds.cancelled = [&y_gone] { return y_gone.load(); };
+  auto x = Queue(x_rows.Job(50, 2), 1);
+  auto y = Queue(y_rows.Job(51, 2), 2, y_bounds);
+  auto z = Start(jobs_.Make(52, 2));
+  ASSERT_TRUE(runner_.WaitCalls(2));
+  y_gone = true;
+  runner_.Notify();
+  const Result ry = Get(y);
+  EXPECT_EQ(ry.status().code(), absl::StatusCode::kCancelled) << ry.status();
+  y = std::future<Result>();
+  y_rows.Remove();
+  runner_.Release();
+  ExpectOwnRows(Get(x), 50, 2, 3);
+  const Result rz = Get(z);
+  ExpectOwnRows(rz, 52, 2, 3);
+  ASSERT_TRUE(rz.ok());
+  EXPECT_EQ(rz->row_begin, 4);
+  ExpectOwnRows(Get(busy), 1, 1, 1);
 }
 
 TEST_F(BatcherTest, ABatchWhoseJobsAllLeftStopsItsWorkerCalls) {

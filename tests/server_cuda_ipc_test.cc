@@ -249,7 +249,7 @@ TEST(CudaIpcJob, IsNeverBatchedWithAnother) {
   // CUDA IPC) are both queued while a batch runs; every batch the runner
   // sees holds one job.
   const v1::ScoreRequest req = IpcRequest(1, 3, {1, 2, 3}, {});
-  const ScoreJob a = IpcJob(req), b = IpcJob(req);
+  const auto a = std::make_shared<const ScoreJob>(IpcJob(req)), b = std::make_shared<const ScoreJob>(IpcJob(req));
   std::mutex mu;
   std::condition_variable cv;
   bool release = false;
