@@ -24,13 +24,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import Any, List, Optional, Tuple
+
+# (logprob_pb2, logprob_pb2_grpc): generated modules, untyped.
+Stubs = Tuple[Any, Any]
 
 _PROTO_REL = os.path.join("logprob", "v1", "logprob.proto")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCE_ROOT = os.path.normpath(os.path.join(_HERE, "..", "..", ".."))
 
 
-def _try_import():
+def _try_import() -> Optional[Stubs]:
     try:
         pb2 = importlib.import_module("logprob.v1.logprob_pb2")
         pb2_grpc = importlib.import_module("logprob.v1.logprob_pb2_grpc")
@@ -39,13 +43,13 @@ def _try_import():
         return None
 
 
-def _has_stubs(folder):
+def _has_stubs(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "logprob", "v1", "logprob_pb2.py")) and os.path.isfile(
         os.path.join(folder, "logprob", "v1", "logprob_pb2_grpc.py")
     )
 
 
-def _import_from(folder):
+def _import_from(folder: str) -> Optional[Stubs]:
     if folder not in sys.path:
         sys.path.insert(0, folder)
     # A namespace package "logprob" imported before recomputes its __path__
@@ -54,7 +58,7 @@ def _import_from(folder):
     return _try_import()
 
 
-def _generate(proto_dir):
+def _generate(proto_dir: str) -> str:
     proto = os.path.join(proto_dir, _PROTO_REL)
     with open(proto, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
@@ -96,7 +100,7 @@ def _generate(proto_dir):
     return out
 
 
-def _packaged():
+def _packaged() -> Optional[Stubs]:
     if not os.path.isfile(os.path.join(_HERE, "_generated", "logprob_pb2_grpc.py")):
         return None
     from ._generated import logprob_pb2, logprob_pb2_grpc
@@ -104,12 +108,12 @@ def _packaged():
     return logprob_pb2, logprob_pb2_grpc
 
 
-def load():
+def load() -> Stubs:
     """Returns the modules ``(logprob_pb2, logprob_pb2_grpc)``; raises ImportError."""
     found = _packaged() or _try_import()
     if found:
         return found
-    candidates = []
+    candidates: List[str] = []
     if os.environ.get("LOGPROB_PY_STUBS_DIR"):
         candidates.append(os.environ["LOGPROB_PY_STUBS_DIR"])
     candidates.append(os.path.join(_SOURCE_ROOT, "build", "python"))

@@ -1,16 +1,37 @@
-"""What the sync and asyncio clients share besides the I/O: their
-configuration, request ids, the retry loop's state and the limits."""
+"""The sans-I/O core of the sync and asyncio clients: their configuration,
+and every client operation (``score``, ``score_request``, ``server_info``,
+``health``, ``score_stream``, shared memory, ``close``) written once as a
+generator of I/O operations (``ops.py``). ``client.LogprobClient`` performs
+those with blocking calls and ``aio.LogprobClient`` by awaiting; they hold
+no logic of their own, so every option behaves the same in both.
+
+What an operation decides here: request building and option checks
+(``request.ScoreCall``), the retry loop and its backoffs (``ops.retried``,
+``retry.Attempts``), the transport of each part (shared memory, CUDA IPC,
+``ScoreChunked`` or one ``Score`` message), the per-call fallback from a
+refused CUDA IPC reference to bytes, response decoding and joining, and the
+stream's ordering (``stream.StreamAssembler``).
+"""
 
 import itertools
 import os
 import random
-from typing import Any, Dict, Optional, Sequence, Tuple
+import threading
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import grpc
 
 from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
-from .request import Limits, Part
-from .retry import Attempts, Deadline, OnRetry, RetryPolicy
-from . import cuda_ipc, transport
+from .errors import LogprobError
+from .ops import Emit, Locked, NextResponse, OpenStream, Ops, Rpc, Work, END, backoff, retried
+from .request import Limits, Part, ScoreCall
+from .result import ScoreResult
+from .retry import Attempts, Deadline, OnRetry, RetryPolicy, error_of
+from .shared_memory import SharedMemoryInputs
+from .stream import StreamAssembler, deliver
+from . import cuda_ipc, shared_memory, transport
 from .wire import decode_response
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -25,7 +46,8 @@ HEALTH_SERVING = b"\x08\x01"
 
 
 class ClientBase:
-    """Configuration of a client of ``logprob.v1.LogprobService``.
+    """Configuration of a client of ``logprob.v1.LogprobService``, and its
+    operations (sans I/O; see the module's docstring).
 
     Args:
         target: ``"HOST:PORT"`` of the server.
@@ -57,16 +79,16 @@ class ClientBase:
         shared_memory: when the server reports this host (GetServerInfo's
             ``host_id``), send the tensors through a POSIX shared-memory
             region registered with it instead of in the request
-            (``shared_memory.py``; the synchronous client only, the asyncio
-            client always sends inline). False: always inline.
+            (``shared_memory.py``; both clients). False: always inline.
         cuda_ipc: when the hidden states are a torch CUDA tensor and the
             server reports ``cuda_ipc_inputs`` on this host, send a CUDA IPC
             handle of their GPU memory instead of the bytes
             (``cuda_ipc.py``; both clients; ``score(..., cuda_ipc=False)``
             turns it off for one call). False: always bytes. A server that
             refuses a reference (FAILED_PRECONDITION about CUDA IPC, e.g. its
-            workers cannot open the handle) gets the call again as bytes, and
-            the client sets ``cuda_ipc`` False.
+            workers cannot open the handle) gets that call again as bytes;
+            the client's ``cuda_ipc`` is left as it is (construct the client
+            with ``cuda_ipc=False`` for such a server).
 
     Raises InvalidInputError for unreadable or empty TLS/token files.
 
@@ -78,6 +100,8 @@ class ClientBase:
 
     chunk_above: Optional[int] = transport.CHUNK_ABOVE
     piece_bytes: int = transport.PIECE_BYTES
+    # The lock of server_info's cache, of the client's kind (made by _open).
+    _info_lock: Any
 
     def __init__(
         self,
@@ -108,14 +132,26 @@ class ClientBase:
         self._ids = itertools.count(1)
         self._info: Any = None
         self._rng = random.Random()
+        # True: decided at the first score() (GetServerInfo's host_id); then
+        # a SharedMemoryInputs, or None for inline bytes.
+        self._shm: Union[bool, SharedMemoryInputs, None] = True if shared_memory else None
+        self._shm_lock = threading.Lock()  # bookkeeping only, never held across I/O
         self._settings = ChannelSettings(
             target, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file, channel_options
         )
         self._metadata = self._settings.metadata
         self._open()
 
+    # -- what each client kind provides ------------------------------------
+
     def _open(self) -> None:
-        """Opens the channel and its methods (``_open_methods``); per client kind."""
+        """Opens the channel and its methods (``_open_methods``) and makes
+        ``_info_lock`` (the lock a ``Locked`` op holds); per client kind."""
+        raise NotImplementedError
+
+    def _chunked_rpc(self) -> Any:
+        """The ScoreChunked callable of a part (``transport.ChunkedScore`` or
+        ``AioChunkedScore``, with this client's ``piece_bytes``); per client kind."""
         raise NotImplementedError
 
     def _open_methods(self, channel: Any) -> None:
@@ -131,6 +167,8 @@ class ClientBase:
         self._health = channel.unary_unary(
             HEALTH_CHECK, request_serializer=lambda x: x, response_deserializer=lambda x: x
         )
+
+    # -- small decisions ---------------------------------------------------
 
     def _next_id(self) -> str:
         return "py-%d-%d" % (os.getpid(), next(self._ids))
@@ -161,3 +199,147 @@ class ClientBase:
 
     def _limits_of(self, info: Any) -> Limits:
         return Limits(info, self.max_request_bytes, self.max_tokens_per_request)
+
+    # -- operations (ops.py) -----------------------------------------------
+
+    def _server_info_ops(self, refresh: bool = False, deadline: Optional[Deadline] = None) -> Ops[Any]:
+        """``server_info``: the server's ``ServerInfo``, fetched once (under
+        ``_info_lock``) and cached."""
+        return (yield Locked(self._info_lock, self._fetch_info_ops(refresh, deadline)))
+
+    def _fetch_info_ops(self, refresh: bool, deadline: Optional[Deadline]) -> Ops[Any]:
+        if self._info is None or refresh:
+            attempts = self._attempts(deadline or self._deadline())
+            self._info, _ = yield from retried(self._stub.GetServerInfo, pb2.ServerInfoRequest(), attempts,
+                                               self._metadata)
+        return self._info
+
+    def _health_ops(self, wait: float) -> Ops[bool]:
+        """``health``: polls ``grpc.health.v1`` for up to ``wait`` seconds."""
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            unreachable = False
+            try:
+                remaining = max(0.5, deadline - time.monotonic())
+                if (yield Rpc(self._health, b"", min(5.0, remaining), None)) == HEALTH_SERVING:
+                    return True
+            except grpc.RpcError as e:
+                unreachable = error_of(e)[0] == grpc.StatusCode.UNAVAILABLE
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            yield from backoff(min(0.2, remaining), reconnect=unreachable)
+
+    def _score_request_ops(self, request: Any) -> Ops[Any]:
+        """``score_request``: a prepared ScoreRequest as is, retried."""
+        response, _ = yield from retried(self._stub.Score, request, self._attempts(self._deadline()), self._metadata)
+        return response
+
+    def _score_ops(self, logits: Any, input_ids: Any, request_id: Optional[str],
+                   options: Dict[str, Any]) -> Ops[ScoreResult]:
+        """``score`` (``options``: its keyword options, consumed)."""
+        deadline = self._deadline(options.pop("timeout", "default"))
+        ipc = False
+        if self._cuda_ipc_candidate(options):
+            ipc = cuda_ipc.server_accepts((yield from self._server_info_ops(deadline=deadline)))
+        call = ScoreCall(request_id or self._next_id(), logits, input_ids, cuda_ipc=ipc, **options)
+        limits = self._limits_of((yield from self._server_info_ops(deadline=deadline)))
+        while True:
+            responses: List[Any] = []
+            sends = 0
+            try:
+                for part in call.parts(limits):
+                    response, tries = yield from self._send_part_ops(part, limits, deadline)
+                    responses.append(response)
+                    sends += tries
+                return call.result(responses, sends)
+            except LogprobError as e:
+                # The server refused the CUDA IPC reference (once per call at
+                # most): this call goes again with bytes. Nothing changes for
+                # other calls (the client's cuda_ipc is the caller's setting).
+                if not call.refused(e):
+                    raise
+
+    def _send_part_ops(self, part: Part, limits: Limits, deadline: Deadline) -> Ops[Tuple[Any, int]]:
+        """The send path of a score call: one part's serialized
+        ``ScoreRequest`` over the unary ``Score`` RPC, or for a large part
+        (``chunk_above``) its pieces over ``ScoreChunked``, retried per the
+        policy within ``deadline``; returns ``(ScoreResponse, sends)``. The
+        request's bytes (the copy of the caller's data) exist only during
+        this call; a large part is serialized as ``Work`` (off the asyncio
+        client's loop). Same-host servers get the tensors through shared
+        memory instead (``shared_memory.py``), and hidden states in CUDA
+        memory as a CUDA IPC reference (``cuda_ipc.py``; the part's bytes are
+        then the small tensors and the reference)."""
+        if part.cuda_ipc is None:
+            sent = yield from self._shared_memory_send_ops(part, limits, deadline)
+            if sent is not None:
+                return sent
+        if self._chunked(part):
+            # Large parts go as pieces viewing the arrays (transport.py).
+            attempts = self._part_attempts(part, limits, deadline, part.inputs.data_bytes())
+            return (yield from retried(self._chunked_rpc(), (part.id, part.inputs), attempts, self._metadata))
+        request: bytes = yield Work(part.serialized, limits.max_bytes, nbytes=part.inputs.data_bytes())
+        attempts = self._part_attempts(part, limits, deadline, len(request))
+        return (yield from retried(self._score_raw, request, attempts, self._metadata))
+
+    def _shared_memory_ops(self, deadline: Deadline) -> Ops[Optional[SharedMemoryInputs]]:
+        """This client's shared-memory session: decided at its first use
+        (the server's info), then kept; None when shared memory is not used
+        (off, or the server is on another host)."""
+        if self._shm is True:
+            use = shared_memory.usable((yield from self._server_info_ops(deadline=deadline)))
+            with self._shm_lock:
+                if self._shm is True:
+                    self._shm = SharedMemoryInputs(self._stub, self.timeout, self._metadata) if use else None
+        return self._shm if isinstance(self._shm, SharedMemoryInputs) else None
+
+    def _shared_memory_send_ops(self, part: Part, limits: Limits, deadline: Deadline) -> Ops[Optional[Tuple[Any, int]]]:
+        """Sends ``part`` through this client's shared-memory region
+        (``shared_memory.py``); None when shared memory is not used (off, the
+        server is on another host, or no region could be had), and the caller
+        sends inline. The server counts referenced bytes against its
+        max_request_bytes, like inline bytes."""
+        shm = yield from self._shared_memory_ops(deadline)
+        if shm is None:
+            return None
+        attempts = self._part_attempts(part, limits, deadline, part.inputs.data_bytes())
+
+        def send(request: Any, metadata: Any) -> Ops[Tuple[Any, int]]:
+            # The request holds references only (small); the answer is read as
+            # views of its bytes, as on the inline path.
+            return retried(self._score_raw, request.SerializeToString(), attempts, metadata)
+
+        return (yield from shm.send(part.id, part.inputs.tensors, part.inputs.options, send))
+
+    def _score_stream_ops(self, requests: Union[Iterable[Any], Any], timeout: Any,
+                          return_exceptions: bool) -> Ops[None]:
+        """``score_stream``: emits (``Emit``) one outcome per request, in
+        request order; cancels the stream when it ends or is closed."""
+        deadline = self._deadline(timeout)
+        limits = self._limits_of((yield from self._server_info_ops(deadline=deadline)))
+        assembler = StreamAssembler(limits, self._next_id)
+        call = yield OpenStream(self._score_stream_raw, assembler, requests, assembler.timeout(deadline),
+                                self._metadata)
+        try:
+            try:
+                while True:
+                    response = yield NextResponse(call)
+                    if response is END:
+                        break
+                    for outcome in assembler.on_response(response):
+                        yield Emit(deliver(outcome, return_exceptions))
+            except grpc.RpcError as e:
+                tail = assembler.on_failure(e)
+            else:
+                tail = assembler.finish()
+            for outcome in tail:
+                yield Emit(deliver(outcome, return_exceptions))
+        finally:
+            call.cancel()
+
+    def _close_ops(self) -> Ops[None]:
+        """``close``, before the channel closes: unregisters and removes the
+        shared-memory regions."""
+        if isinstance(self._shm, SharedMemoryInputs):
+            yield from self._shm.close()

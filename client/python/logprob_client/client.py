@@ -1,43 +1,99 @@
 """``LogprobClient``: scoring numpy / torch batches on a logprob-server
-(synchronous ``grpc``; ``aio.LogprobClient`` is the asyncio twin)."""
+(synchronous ``grpc``; ``aio.LogprobClient`` is the asyncio twin). The
+logic of every call is the shared core's (``base.ClientBase``); this module
+only performs its I/O operations (``ops.py``) with blocking calls."""
 
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, Optional, TypeVar, Union, cast
 
 import grpc
 
-from ._proto import pb2
-from .base import HEALTH_SERVING, ClientBase
+from .base import ClientBase
 from .errors import LogprobError
-from .request import Limits, Part, ScoreCall
+from .ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
 from .result import ScoreResult
-from .retry import Attempts, Deadline, error_of
-from .stream import StreamAssembler, deliver
-from . import cuda_ipc, shared_memory, transport
+from .retry import Deadline
+from . import transport
+
+T = TypeVar("T")
 
 
 class LogprobClient(ClientBase):
     """A client of ``logprob.v1.LogprobService`` over a ``grpc`` channel;
-    arguments (target, timeout, retry, TLS, token, limits) as in
-    ``ClientBase``. Thread-safe: threads may share one client (one
-    channel); use it as a context manager or ``close()`` it."""
+    arguments (target, timeout, retry, TLS, token, limits, shared memory,
+    CUDA IPC) as in ``ClientBase``. Thread-safe: threads may share one
+    client (one channel); use it as a context manager or ``close()`` it."""
 
     def _open(self) -> None:
         self._info_lock = threading.Lock()
-        # True: decided at the first score() (GetServerInfo's host_id); then
-        # a SharedMemoryInputs, or None for inline bytes.
-        self._shm: Any = True if self.shared_memory else None
         self._channel = self._settings.open_sync()
         self._open_methods(self._channel)
+
+    def _chunked_rpc(self) -> Any:
+        return transport.ChunkedScore(self._score_chunked_raw, self.piece_bytes)
+
+    # -- performing the core's operations ----------------------------------
+
+    def _perform(self, op: Op) -> Any:
+        """Performs one I/O operation of the core, blocking."""
+        if isinstance(op, Rpc):
+            return op.method(op.request, timeout=op.timeout, metadata=op.metadata)
+        if isinstance(op, Work):
+            return op.fn(*op.args)
+        if isinstance(op, Sleep):
+            time.sleep(op.seconds)
+            return None
+        if isinstance(op, Connect):
+            future = grpc.channel_ready_future(self._channel)
+            try:
+                future.result(timeout=max(0.0, op.seconds))
+                return True
+            except grpc.FutureTimeoutError:
+                future.cancel()
+                return False
+        if isinstance(op, Locked):
+            with op.lock:
+                return self._run(op.ops)
+        if isinstance(op, OpenStream):
+            return op.method(op.assembler.messages(op.requests), timeout=op.timeout, metadata=op.metadata)
+        if isinstance(op, NextResponse):
+            return next(op.call, END)
+        raise TypeError("cannot perform %r here" % (op,))
+
+    def _drive(self, steps: Stepper) -> Iterator[Any]:
+        """Runs an operation to its end, yielding what it emits (``Emit``);
+        closing this iterator ends the operation."""
+        try:
+            while True:
+                op = steps.next()
+                if op is None:
+                    return
+                if isinstance(op, Emit):
+                    yield op.value
+                    continue
+                try:
+                    steps.resume(self._perform(op))
+                except BaseException as e:  # raised into the operation, where it was waiting
+                    steps.throw(e)
+        finally:
+            steps.close()
+
+    def _run(self, ops: Ops[T]) -> T:
+        """The result of an operation that emits nothing."""
+        steps = Stepper(ops)
+        for _ in self._drive(steps):
+            raise RuntimeError("an operation emitted a value outside an iteration")
+        return cast(T, steps.result)
 
     # -- lifecycle -------------------------------------------------------
 
     def close(self) -> None:
         """Closes the channel (and removes the shared-memory regions)."""
-        if isinstance(self._shm, shared_memory.SharedMemoryInputs):
-            self._shm.close()
-        self._channel.close()
+        try:
+            self._run(self._close_ops())
+        finally:
+            self._channel.close()
 
     def __enter__(self) -> "LogprobClient":
         return self
@@ -47,120 +103,23 @@ class LogprobClient(ClientBase):
 
     # -- calls -----------------------------------------------------------
 
-    def _call(self, method: Any, request: Any, attempts: Attempts, metadata: Any = None) -> Tuple[Any, int]:
-        """Sends ``request`` with ``method`` (and ``metadata``, default the
-        client's) until it succeeds or ``attempts`` gives up (raising
-        LogprobError); returns ``(response, sends)``."""
-        while True:
-            timeout = attempts.timeout()
-            try:
-                return method(request, timeout=timeout, metadata=metadata or self._metadata), attempts.count
-            except grpc.RpcError as e:
-                delay = attempts.failed(e)
-                self._backoff(delay, reconnect=error_of(e)[0] == grpc.StatusCode.UNAVAILABLE)
-
-    def _send_part(self, part: Part, limits: Limits, deadline: Deadline) -> Tuple[Any, int]:
-        """The send path of a score call: one part's serialized ``ScoreRequest`` over
-        the unary ``Score`` RPC, or for a large part (``chunk_above``) its
-        pieces over ``ScoreChunked``, retried per the policy within
-        ``deadline``; returns ``(ScoreResponse, sends)``. The request's bytes
-        (the copy of the caller's data) exist only during this call. Same-host
-        servers get the tensors through shared memory instead
-        (``shared_memory.py``), and hidden states in CUDA memory as a CUDA IPC
-        reference (``cuda_ipc.py``; the part's bytes are then the small
-        tensors and the reference)."""
-        sent = None if part.cuda_ipc is not None else self._shared_memory_send(part, limits, deadline)
-        if sent is not None:
-            return sent
-        if self._chunked(part):
-            # Large parts go as pieces viewing the arrays (transport.py).
-            chunked = transport.ChunkedScore(self._score_chunked_raw, self.piece_bytes)
-            attempts = self._part_attempts(part, limits, deadline, part.inputs.data_bytes())
-            return self._call(chunked, (part.id, part.inputs), attempts)
-        request = part.serialized(limits.max_bytes)
-        return self._call(self._score_raw, request, self._part_attempts(part, limits, deadline, len(request)))
-
-    def _shared_memory_send(self, part: Part, limits: Limits, deadline: Deadline) -> Optional[Tuple[Any, int]]:
-        """Sends ``part`` through this client's shared-memory region
-        (``shared_memory.py``); None when shared memory is not used (off, the
-        server is on another host, or registering failed), and the caller
-        sends inline. The server counts referenced bytes against its
-        max_request_bytes, like inline bytes."""
-        if self._shm is True:
-            use = shared_memory.usable(self.server_info(_deadline=deadline))
-            with self._info_lock:
-                if self._shm is True:
-                    self._shm = shared_memory.SharedMemoryInputs(self._stub, self.timeout, self._metadata) if use else None
-        if not self._shm:
-            return None
-        attempts = self._part_attempts(part, limits, deadline, part.inputs.data_bytes())
-        return self._shm.send(
-            part.id,
-            part.inputs.tensors,
-            part.inputs.options,
-            # The request holds references only (small); the answer is read as
-            # views of its bytes, as on the inline path.
-            lambda request, metadata: self._call(
-                self._score_raw, request.SerializeToString(), attempts, metadata=metadata
-            ),
-        )
-
-    def _wait_connected(self, seconds: float) -> bool:
-        """Asks the channel to connect and waits up to ``seconds`` for it to be
-        READY. (A channel whose connection failed otherwise waits for its own
-        reconnect timer, observed at 10-15 s with grpcio 1.51, before a
-        fail-fast call sees a server that came back.)"""
-        future = grpc.channel_ready_future(self._channel)
-        try:
-            future.result(timeout=max(0.0, seconds))
-            return True
-        except grpc.FutureTimeoutError:
-            future.cancel()
-            return False
-
-    def _backoff(self, delay: float, reconnect: bool) -> None:
-        """Sleeps ``delay`` seconds, meanwhile reconnecting when ``reconnect``."""
-        end = time.monotonic() + delay
-        if reconnect:
-            self._wait_connected(delay)
-        remaining = end - time.monotonic()
-        if remaining > 0:
-            time.sleep(remaining)
-
     def server_info(self, refresh: bool = False, _deadline: Optional[Deadline] = None) -> Any:
         """The server's ``logprob.v1.ServerInfo`` (workers, limits, lm_head
         vocab_size / hidden_size ...), fetched once and cached. Raises
         LogprobError."""
-        with self._info_lock:
-            if self._info is None or refresh:
-                attempts = self._attempts(_deadline or self._deadline())
-                self._info, _ = self._call(self._stub.GetServerInfo, pb2.ServerInfoRequest(), attempts)
-            return self._info
+        return self._run(self._server_info_ops(refresh, _deadline))
 
     def health(self, wait: float = 0.0) -> bool:
         """True once ``grpc.health.v1`` reports SERVING for the server,
         polling for up to ``wait`` seconds; False otherwise (never raises for
         an unreachable server)."""
-        deadline = time.monotonic() + max(0.0, wait)
-        while True:
-            unreachable = False
-            try:
-                remaining = max(0.5, deadline - time.monotonic())
-                if self._health(b"", timeout=min(5.0, remaining)) == HEALTH_SERVING:
-                    return True
-            except grpc.RpcError as e:
-                unreachable = e.code() == grpc.StatusCode.UNAVAILABLE
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self._backoff(min(0.2, remaining), reconnect=unreachable)
+        return self._run(self._health_ops(wait))
 
     def score_request(self, request: Any) -> Any:
         """Sends a prepared ``logprob.v1.ScoreRequest`` as is (no splitting),
         with retries within the client's timeout; returns the
         ``ScoreResponse``. Raises LogprobError."""
-        response, _ = self._call(self._stub.Score, request, self._attempts(self._deadline()))
-        return response
+        return self._run(self._score_request_ops(request))
 
     def score(self, logits: Any = None, input_ids: Any = None, *, request_id: Optional[str] = None,
               **options: Any) -> ScoreResult:
@@ -202,33 +161,17 @@ class LogprobClient(ClientBase):
         CUDA tensor is copied to the host first, a dtype conversion makes
         one more array). ``cuda_ipc`` (default: the client's): CUDA
         ``hidden_states`` go to a same-host server with CUDA workers as a
-        CUDA IPC reference, no copy to the host (``cuda_ipc.py``). Raises InvalidInputError (a ValueError) for inputs
-        the client can tell are wrong, TypeError for unsupported dtypes,
-        LogprobError with the gRPC code and message for a failed call
-        (DEADLINE_EXCEEDED when the timeout passes).
+        CUDA IPC reference, no copy to the host (``cuda_ipc.py``); a refused
+        reference sends this call again as bytes. Raises InvalidInputError
+        (a ValueError) for inputs the client can tell are wrong, TypeError
+        for unsupported dtypes, LogprobError with the gRPC code and message
+        for a failed call (DEADLINE_EXCEEDED when the timeout passes).
         """
-        deadline = self._deadline(options.pop("timeout", "default"))
-        ipc = self._cuda_ipc_candidate(options) and cuda_ipc.server_accepts(self.server_info(_deadline=deadline))
-        call = ScoreCall(request_id or self._next_id(), logits, input_ids, cuda_ipc=ipc, **options)
-        limits = self._limits_of(self.server_info(_deadline=deadline))
-        while True:
-            responses, sends = [], 0
-            try:
-                for part in call.parts(limits):
-                    response, tries = self._send_part(part, limits, deadline)
-                    responses.append(response)
-                    sends += tries
-                return call.result(responses, sends)
-            except LogprobError as e:
-                # The server refused the CUDA IPC reference (once per call at
-                # most): the call goes again with bytes, and so do later ones.
-                if not call.refused(e):
-                    raise
-                self.cuda_ipc = False
+        return self._run(self._score_ops(logits, input_ids, request_id, options))
 
     def score_stream(
         self,
-        requests: Iterable[Union[dict, Any]],
+        requests: Iterable[Union[Dict[str, Any], Any]],
         *,
         timeout: Any = "default",
         return_exceptions: bool = False,
@@ -256,26 +199,6 @@ class LogprobClient(ClientBase):
         errors are not retried.
 
         Breaking out of the loop (or closing the generator) cancels the
-        stream.
+        stream. Nothing is sent before the iteration starts.
         """
-        deadline = self._deadline(timeout)
-        limits = self._limits_of(self.server_info(_deadline=deadline))
-        assembler = StreamAssembler(limits, self._next_id)
-
-        responses = self._score_stream_raw(
-            assembler.messages(requests), timeout=assembler.timeout(deadline), metadata=self._metadata
-        )
-        try:
-            try:
-                for response in responses:
-                    for outcome in assembler.on_response(response):
-                        yield deliver(outcome, return_exceptions)
-            except grpc.RpcError as e:
-                tail = assembler.on_failure(e)
-            else:
-                tail = assembler.finish()
-            for outcome in tail:
-                yield deliver(outcome, return_exceptions)
-        finally:
-            responses.cancel()
-
+        return self._drive(Stepper(self._score_stream_ops(requests, timeout, return_exceptions)))

@@ -18,7 +18,8 @@ Otherwise the tensor is copied to the host (``.cpu()``) and sent as bytes
 (inline, in pieces, or through shared memory), as before. A server that
 refuses the reference (FAILED_PRECONDITION about CUDA IPC: e.g. its workers
 cannot open the handle) gets the call again as bytes
-(``ScoreCall.refused``), and the client turns its ``cuda_ipc`` off.
+(``ScoreCall.refused``); that fallback is the call's own: the client's
+``cuda_ipc`` stays as the caller set it, and later calls try again.
 
 How a tensor is exported (``export``): it is made contiguous in the wire
 dtype (a copy on the GPU only when it is not already), the device is

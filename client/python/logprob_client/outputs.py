@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from .tensors import is_torch
+from .tensors import Array, is_torch
 
 _warned = threading.Lock()
 _warned_done = False
@@ -53,7 +53,7 @@ class OutputFormat:
     def is_torch(self) -> bool:
         return self.device is not None
 
-    def convert(self, outputs: Dict[str, np.ndarray]) -> Dict[str, Any]:
+    def convert(self, outputs: Dict[str, Array]) -> Dict[str, Any]:
         """``{name: ndarray}`` -> the same as this format's arrays (torch:
         float32 / int64 tensors sharing the arrays' memory on the CPU)."""
         if self.device is None:

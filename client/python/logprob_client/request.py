@@ -14,7 +14,7 @@ from ._proto import pb2
 from .errors import InvalidInputError, LogprobError
 from .outputs import OutputFormat
 from .result import ScoreResult
-from .tensors import as_numpy, float_array, from_tensor, int_array
+from .tensors import Array, as_numpy, float_array, from_tensor, int_array
 from .wire import encode_request
 
 # Fraction of the server's max_request_bytes a part may fill (like the C++
@@ -89,13 +89,13 @@ class Part:
         return data
 
 
-def _mask_to_seq_lens(mask: Any, ids_shape: Tuple[int, ...]) -> np.ndarray:
+def _mask_to_seq_lens(mask: Any, ids_shape: Tuple[int, ...]) -> Array:
     m, _ = as_numpy(mask)
     m = np.asarray(m)
     if m.shape != tuple(ids_shape):
         raise InvalidInputError("attention_mask %s must have input_ids' shape %s" % (list(m.shape), list(ids_shape)))
     m = m != 0
-    lens = m.sum(axis=1).astype(np.int64)
+    lens: Array = m.sum(axis=1).astype(np.int64)
     # Right padding only: ones first, then zeros.
     prefix = np.arange(m.shape[1])[None, :] < lens[:, None]
     if not np.array_equal(prefix, m):
@@ -275,7 +275,7 @@ class ScoreCall:
         return ScoreResult(self.output.convert(joined), self.id, len(responses), attempts)
 
 
-def decode(response: Any) -> Dict[str, np.ndarray]:
+def decode(response: Any) -> Dict[str, Array]:
     """``{name: ndarray}`` of a ``ScoreResponse``'s outputs (views of its
     bytes). Raises LogprobError (INTERNAL) for a malformed output."""
     try:

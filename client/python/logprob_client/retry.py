@@ -2,8 +2,8 @@
 (``client.LogprobClient``) and asyncio (``aio.LogprobClient``) clients.
 
 Only the decisions live here (which failure is retried, how long to back
-off, how much time an attempt may take); the clients do the sleeping
-(``time.sleep`` / ``asyncio.sleep``) and the sending.
+off, how much time an attempt may take); the loop is ``ops.retried``,
+whose sends and sleeps the clients perform (blocking / awaiting).
 """
 
 import random

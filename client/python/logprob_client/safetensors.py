@@ -4,8 +4,11 @@ their raw ``uint16`` bits (see ``tensors.bf16_bits_to_float32``)."""
 
 import json
 import struct
+from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
+
+from .tensors import Array
 
 _DTYPES = {
     "F64": "<f8",
@@ -22,7 +25,7 @@ _DTYPES = {
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items() if k != "BF16"}
 
 
-def load(path):
+def load(path: str) -> Tuple[Dict[str, Array], Dict[str, Any]]:
     """Returns ``(tensors, metadata)``: ``{name: ndarray}`` (BF16 as uint16
     bits, with the dtype name in ``dtypes``) and the ``__metadata__`` dict.
     The dtype names by tensor are in ``metadata["__dtypes__"]``."""
@@ -31,8 +34,9 @@ def load(path):
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
     base = 8 + n
-    meta = dict(header.pop("__metadata__", {}) or {})
-    tensors, dtypes = {}, {}
+    meta: Dict[str, Any] = dict(header.pop("__metadata__", {}) or {})
+    tensors: Dict[str, Array] = {}
+    dtypes: Dict[str, str] = {}
     for name, info in header.items():
         b0, b1 = info["data_offsets"]
         dt = np.dtype(_DTYPES[info["dtype"]])
@@ -44,9 +48,12 @@ def load(path):
     return tensors, meta
 
 
-def save(path, tensors, metadata=None, bf16=()):
+def save(path: str, tensors: Mapping[str, Any], metadata: Optional[Mapping[Any, Any]] = None,
+         bf16: Collection[str] = ()) -> None:
     """Writes ``{name: ndarray}``; names in ``bf16`` are uint16 bf16 bits."""
-    header, blobs, off = {}, [], 0
+    header: Dict[str, Any] = {}
+    blobs: List[bytes] = []
+    off = 0
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
         dt = "BF16" if name in bf16 else _NAMES[arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype]

@@ -3,21 +3,29 @@ through POSIX shared memory instead of inside the gRPC message
 (``RegisterSharedMemory`` and ``Tensor.shared_memory`` in
 ``proto/logprob/v1/logprob.proto``).
 
-``LogprobClient`` uses it on its own when ``GetServerInfo`` reports shared-memory
-inputs and a ``host_id`` equal to this process's (``host_id()``), unless
-``shared_memory=False``. Each request's tensors are copied once (``np.copyto``)
-into a region of this client: a ``/dev/shm`` object it created (mode 0600),
-reserved with ``posix_fallocate`` and pre-faulted, registered once and reused.
-Concurrent calls each lease a region of their own (the pool grows; a region too
-small is replaced by one of the next power of two). The server copies the bytes
-out with ``pread`` when it plans the request's batch: do not change a request's
-arrays' region while the call runs (the client only writes a region it leased).
+Both clients (``LogprobClient`` and ``aio.LogprobClient``) use it on their own
+when ``GetServerInfo`` reports shared-memory inputs and a ``host_id`` equal to
+this process's (``host_id()``), unless ``shared_memory=False``. Each request's
+tensors are copied once (``np.copyto``) into a region of this client: a
+``/dev/shm`` object it created (mode 0600), reserved with ``posix_fallocate``
+and pre-faulted, registered once and reused. Concurrent calls each lease a
+region of their own (the pool grows; a region too small is replaced by one of
+the next power of two). The server copies the bytes out with ``pread`` when it
+plans the request's batch: do not change a request's arrays' region while the
+call runs (the client only writes a region it leased).
 
 A region the server does not know any more (its session was idle longer than
 ``ServerInfo.shared_memory_idle_timeout_seconds``) gives NOT_FOUND: the part is
-sent again after registering anew. If registering fails (e.g. the server runs in
-a container with its own /dev/shm: NOT_FOUND), the client warns once and sends
-inline from then on.
+sent again after registering anew. If registering fails because the server
+cannot use this client's regions at all (e.g. it runs in a container with its
+own /dev/shm: NOT_FOUND; PERMISSION_DENIED, FAILED_PRECONDITION, ...), the
+client warns once and sends inline from then on. Any other failure to get a
+region (the server's region caps: RESOURCE_EXHAUSTED; UNAVAILABLE; a full
+/dev/shm here) sends that one call inline, with a warning, and changes nothing
+for later calls.
+
+``SharedMemoryInputs``'s methods are operations of the sans-I/O core
+(``ops.py``): the client that owns it performs their RPCs.
 """
 
 import hashlib
@@ -27,20 +35,43 @@ import secrets
 import threading
 import warnings
 import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
 
 from ._proto import pb2
+from .channel import Metadata
 from .errors import LogprobError
+from .ops import Ops, Rpc, Work
+from .retry import error_of
+from .splitter import Input
 
 SESSION_METADATA = "logprob-shm-session"
 _ALIGN = 64
 _MIN_REGION = 1 << 20
 _PAGE = mmap.PAGESIZE
 
+# Registration failures that mean the server cannot use this client's
+# regions at all: shared memory is then off for the client.
+_OFF_CODES = frozenset(
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
-def host_id():
+# [(name, wire_dtype, array)]: the tensors of one request.
+Tensors = Sequence[Input]
+# What SharedMemoryInputs.send calls to send the request: an operation
+# taking (ScoreRequest, metadata), returning (response, sends).
+SendOp = Callable[[Any, Metadata], Ops[Tuple[Any, int]]]
+
+
+def host_id() -> str:
     """This host's shared-memory identity, computed as the server computes
     ``ServerInfo.host_id``: the first 32 hex digits of
     SHA-256("<boot_id>:<st_dev of /dev/shm>"). "" if neither can be read."""
@@ -58,17 +89,17 @@ def host_id():
     return hashlib.sha256(("%s:%s" % (boot_id, dev)).encode()).hexdigest()[:32]
 
 
-def usable(info):
+def usable(info: Any) -> bool:
     """True when the server described by ``info`` (``ServerInfo``) takes
     shared-memory inputs and shares this process's /dev/shm."""
     return bool(info.shared_memory_inputs) and bool(info.host_id) and info.host_id == host_id()
 
 
-def _aligned(n):
+def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _unlink(path):
+def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:
@@ -78,7 +109,7 @@ def _unlink(path):
 class _Region:
     """One ``/dev/shm`` object of this process, mapped read-write."""
 
-    def __init__(self, size):
+    def __init__(self, size: int) -> None:
         self.size = size
         self.shm_name = "/logprob-py-%d-%s" % (os.getpid(), secrets.token_hex(8))
         self.name = "py-" + secrets.token_hex(6)  # the name registered with the server
@@ -99,7 +130,7 @@ class _Region:
         view[::_PAGE] = 0
         del view
 
-    def write(self, tensors):
+    def write(self, tensors: Tensors) -> List[Any]:
         """Copies ``[(name, wire_dtype, array)]`` one after another (64-byte
         aligned); returns their ``Tensor`` messages with references."""
         out, at = [], 0
@@ -117,7 +148,7 @@ class _Region:
             at += _aligned(n)
         return out
 
-    def close(self):
+    def close(self) -> None:
         try:
             self.mm.close()
         except BufferError:  # a view still exists; the mapping goes with it
@@ -126,36 +157,43 @@ class _Region:
 
 
 class SharedMemoryInputs:
-    """The regions and session of one ``LogprobClient``. Thread-safe.
+    """The regions and session of one client (sync or asyncio), over
+    ``stub`` (a ``LogprobServiceStub`` of the client's channel); RPCs take
+    ``timeout`` and ``metadata`` (the client's own, e.g. authorization, to
+    which the session key is added). Thread-safe.
 
-    ``call(method, request, metadata)`` sends one request (the client's
-    retrying call); ``metadata`` is the client's own (e.g. authorization),
-    to which the session key is added."""
+    ``send`` and ``close`` are operations (``ops.py``) the client drives."""
 
-    def __init__(self, stub, timeout, metadata):
+    def __init__(self, stub: Any, timeout: Optional[float], metadata: Metadata) -> None:
         self._stub = stub
         self._timeout = timeout
         self.session = secrets.token_hex(16)
-        self.metadata = tuple(metadata or ()) + ((SESSION_METADATA, self.session),)
-        self._lock = threading.Lock()
-        self._free = []  # registered regions not leased
-        self._all = []
-        self.failed = None  # the registration error that turned it off
+        self.metadata: Tuple[Tuple[str, str], ...] = tuple(metadata or ()) + ((SESSION_METADATA, self.session),)
+        self._lock = threading.Lock()  # held for bookkeeping only, never across I/O
+        self._free: List[_Region] = []  # registered regions not leased
+        self._all: List[_Region] = []
+        self.failed: Optional[BaseException] = None  # the registration error that turned it off
 
-    def _register(self, size):
-        region = _Region(size)
+    def _register(self, size: int) -> Ops[_Region]:
+        region: _Region = yield Work(_Region, size, nbytes=size)
         try:
-            self._stub.RegisterSharedMemory(
+            yield Rpc(
+                self._stub.RegisterSharedMemory,
                 pb2.RegisterSharedMemoryRequest(name=region.name, shm_name=region.shm_name, byte_size=size),
-                timeout=self._timeout,
-                metadata=self.metadata,
+                self._timeout,
+                self.metadata,
             )
         except grpc.RpcError:
             region.close()
             raise
+        except BaseException:
+            # Interrupted (a cancelled task): the server may hold it; close() unregisters it.
+            with self._lock:
+                self._all.append(region)
+            raise
         return region
 
-    def _lease(self, nbytes):
+    def _lease(self, nbytes: int) -> Ops[_Region]:
         with self._lock:
             fits = [r for r in self._free if r.size >= nbytes]
             if fits:
@@ -164,63 +202,86 @@ class SharedMemoryInputs:
                 return region
             small = self._free.pop() if self._free else None
         if small is not None:
-            self._drop(small)
+            yield from self._drop(small)
         size = _MIN_REGION
         while size < nbytes:
             size *= 2
-        region = self._register(size)
+        region = yield from self._register(size)
         with self._lock:
             self._all.append(region)
         return region
 
-    def _give_back(self, region):
+    def _give_back(self, region: _Region) -> None:
         with self._lock:
             self._free.append(region)
 
-    def _drop(self, region):
+    def _drop(self, region: _Region) -> Ops[None]:
         with self._lock:
             if region in self._all:
                 self._all.remove(region)
         try:
-            self._stub.UnregisterSharedMemory(
-                pb2.UnregisterSharedMemoryRequest(name=region.name), timeout=self._timeout, metadata=self.metadata
+            yield Rpc(
+                self._stub.UnregisterSharedMemory,
+                pb2.UnregisterSharedMemoryRequest(name=region.name),
+                self._timeout,
+                self.metadata,
             )
         except grpc.RpcError:
             pass  # expired already, or the server is gone
-        region.close()
+        finally:
+            region.close()
 
-    def send(self, request_id, inputs, options, call):
+    def _lease_failed(self, e: BaseException) -> None:
+        """Judges a failure to get a region: off for the client when the
+        server cannot use its regions at all, else only this call goes
+        inline."""
+        if isinstance(e, grpc.RpcError):
+            code, message = error_of(e)
+            why = "%s: %s" % (code.name, message)
+            if code in _OFF_CODES:
+                self.failed = e
+                warnings.warn("logprob_client: shared-memory inputs off, sending inline: " + why, stacklevel=2)
+                return
+        else:
+            why = str(e)
+        warnings.warn("logprob_client: no shared-memory region for this call, sending it inline: " + why,
+                      stacklevel=2)
+
+    def send(self, request_id: str, inputs: Tensors, options: Any, call: SendOp) -> Ops[Optional[Tuple[Any, int]]]:
         """Writes ``inputs`` (``[(name, wire_dtype, array)]``) into a leased
-        region and sends the request with ``call(request, metadata)``, which
-        returns ``(response, attempts)``. Returns None (nothing sent) when
-        shared memory cannot be used; the caller then sends inline."""
+        region and sends the request with the operation ``call(request,
+        metadata)``, which returns ``(response, attempts)``. Returns None
+        (nothing sent) when shared memory cannot be used; the caller then
+        sends inline."""
         if self.failed is not None:
             return None
         nbytes = sum(_aligned(int(a.nbytes)) for _, _, a in inputs)
         for again in (False, True):
             try:
-                region = self._lease(max(nbytes, 1))
+                region = yield from self._lease(max(nbytes, 1))
             except (grpc.RpcError, OSError) as e:
-                self.failed = e
-                warnings.warn("logprob_client: shared-memory inputs off, sending inline: %s" % (e,), stacklevel=3)
+                self._lease_failed(e)
                 return None
+            leased = True
             try:
+                tensors = yield Work(region.write, inputs, nbytes=nbytes)
                 request = pb2.ScoreRequest(id=request_id, options=options)
-                request.inputs.extend(region.write(inputs))
-                return call(request, self.metadata)
+                request.inputs.extend(tensors)
+                return (yield from call(request, self.metadata))
             except LogprobError as e:
                 # The server forgot the region (idle session): register anew, once.
                 if e.code != grpc.StatusCode.NOT_FOUND or again:
                     raise
-                self._drop(region)
-                region = None
+                leased = False
+                yield from self._drop(region)
             finally:
-                if region is not None:
+                if leased:
                     self._give_back(region)
+        return None  # not reached: the second try returns or raises
 
-    def close(self):
+    def close(self) -> Ops[None]:
         """Unregisters and removes every region (best effort)."""
         with self._lock:
             regions, self._all, self._free = list(self._all), [], []
         for r in regions:
-            self._drop(r)
+            yield from self._drop(r)

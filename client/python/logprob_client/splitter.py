@@ -16,12 +16,14 @@ sequences, and joining their results (the Python counterpart of
   dimension.
 """
 
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
 import grpc
 import numpy as np
 
 from ._proto import pb2
 from .errors import InvalidInputError, LogprobError
-from .tensors import DTYPE_SIZE, NUMPY_DTYPE, to_tensor
+from .tensors import DTYPE_SIZE, NUMPY_DTYPE, Array, to_tensor
 
 ROW_NAMES = ("logits", "hidden_states")
 
@@ -31,14 +33,22 @@ ROW_NAMES = ("logits", "hidden_states")
 _ID_SLACK = 32
 _TENSOR_SLACK = 12
 
+# One input tensor: (name, wire dtype, array in that dtype; the rows sent by
+# CUDA IPC: a device tensor).
+Input = Tuple[str, int, Any]
+# What _plan_padded / _plan_packed give plan(): each sequence's bytes and
+# token rows, bytes a part adds once, and make(s0, s1): the tensors of
+# sequences [s0, s1).
+_Plan = Tuple[List[int], List[int], int, Callable[[int, int], List[Input]]]
+
 
 class Inputs:
     """The encoded inputs of one request: ``[(name, wire_dtype, array)]`` in
     sending order, the rows' name (``logits``/``hidden_states``) and the
     options."""
 
-    def __init__(self, tensors, options, rows=None):
-        self.tensors = tensors
+    def __init__(self, tensors: Sequence[Input], options: Any, rows: Optional[Input] = None) -> None:
+        self.tensors = list(tensors)
         self.options = options
         self.names = [n for n, _, _ in tensors]
         if rows is not None:
@@ -46,39 +56,43 @@ class Inputs:
             # `rows` is (name, wire_dtype, device tensor), not in `tensors`.
             self.rows = rows
             return
-        rows = [t for t in tensors if t[0] in ROW_NAMES]
-        if len(rows) != 1:
+        found = [t for t in tensors if t[0] in ROW_NAMES]
+        if len(found) != 1:
             raise InvalidInputError("give exactly one of 'logits' and 'hidden_states'")
-        self.rows = rows[0]
+        self.rows = found[0]
 
-    def get(self, name):
+    def get(self, name: str) -> Optional[Input]:
+        """The tensor called ``name``, or None."""
         for t in self.tensors:
             if t[0] == name:
                 return t
         return None
 
-    def tokens(self):
+    def tokens(self) -> int:
+        """Token rows (B*S padded, T packed)."""
         shape = self.rows[2].shape
         return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) >= 1 else 0
 
-    def data_bytes(self):
-        return sum(a.nbytes for _, _, a in self.tensors)
+    def data_bytes(self) -> int:
+        """Bytes of tensor data (not counting rows that travel apart)."""
+        return sum(int(a.nbytes) for _, _, a in self.tensors)
 
-    def header_bytes(self, request_id):
+    def header_bytes(self, request_id: str) -> int:
         """Serialized size of the request without the tensors' data."""
         req = pb2.ScoreRequest(id=request_id, options=self.options)
         for name, dt, arr in self.tensors:
             req.inputs.add(name=name, dtype=dt, shape=[int(d) for d in arr.shape])
-        return req.ByteSize() + _TENSOR_SLACK * len(self.tensors)
+        return int(req.ByteSize()) + _TENSOR_SLACK * len(self.tensors)
 
-    def request(self, request_id):
+    def request(self, request_id: str) -> Any:
+        """The ``ScoreRequest`` (a protobuf message) of these inputs."""
         req = pb2.ScoreRequest(id=request_id, options=self.options)
         for name, dt, arr in self.tensors:
             req.inputs.append(to_tensor(name, dt, arr))
         return req
 
 
-def _plan_padded(inp):
+def _plan_padded(inp: Inputs) -> _Plan:
     rows = inp.rows[2]
     B, S = int(rows.shape[0]), int(rows.shape[1])
     per_seq = 0
@@ -94,13 +108,13 @@ def _plan_padded(inp):
     seq_bytes = [per_seq] * B
     seq_tokens = [S] * B
 
-    def make(s0, s1):
+    def make(s0: int, s1: int) -> List[Input]:
         return [(n, dt, a[s0:s1]) for n, dt, a in inp.tensors]
 
     return seq_bytes, seq_tokens, 0, make
 
 
-def _plan_packed(inp):
+def _plan_packed(inp: Inputs) -> _Plan:
     rows = inp.rows[2]
     T = int(rows.shape[0])
     next_token = inp.options.alignment == pb2.NEXT_TOKEN
@@ -137,8 +151,8 @@ def _plan_packed(inp):
     seq_bytes = [int(lens[i] * token_bytes + cu_entry + outs[i] * gather_row) for i in range(B)]
     seq_tokens = [int(x) for x in lens]
 
-    def make(s0, s1):
-        part = []
+    def make(s0: int, s1: int) -> List[Input]:
+        part: List[Input] = []
         for name, dt, arr in inp.tensors:
             if name in (inp.rows[0], "input_ids"):
                 part.append((name, dt, arr[cuv[s0]:cuv[s1]]))
@@ -151,7 +165,7 @@ def _plan_packed(inp):
     return seq_bytes, seq_tokens, cu_entry, make
 
 
-def plan(inp, request_id, max_bytes, max_tokens=0):
+def plan(inp: Inputs, request_id: str, max_bytes: int, max_tokens: int = 0) -> List[Tuple[str, Inputs]]:
     """Splits ``inp`` (an ``Inputs``) into parts of at most ``max_bytes``
     serialized bytes and ``max_tokens`` token rows (0: no limit), without
     copying: returns ``[(part_id, Inputs)]`` whose arrays are views of
@@ -182,7 +196,7 @@ def plan(inp, request_id, max_bytes, max_tokens=0):
             % (max_bytes, header + _ID_SLACK + extra)
         )
 
-    groups = []
+    groups: List[Tuple[int, int]] = []
     begin = used_bytes = used_tokens = 0
     for i, (sb, st) in enumerate(zip(seq_bytes, seq_tokens)):
         if sb > budget:
@@ -208,7 +222,7 @@ def plan(inp, request_id, max_bytes, max_tokens=0):
     return [("%s-%d" % (request_id, g + 1), Inputs(make(s0, s1), inp.options)) for g, (s0, s1) in enumerate(groups)]
 
 
-def build_part(part_id, part, max_bytes):
+def build_part(part_id: str, part: Inputs, max_bytes: int) -> Any:
     """The ``ScoreRequest`` of one part of ``plan``; checks its size."""
     request = part.request(part_id)
     size = request.ByteSize()
@@ -219,12 +233,12 @@ def build_part(part_id, part, max_bytes):
     return request
 
 
-def split(inp, request_id, max_bytes, max_tokens=0):
+def split(inp: Inputs, request_id: str, max_bytes: int, max_tokens: int = 0) -> List[Any]:
     """``plan`` with every part's ``ScoreRequest`` built: ``[ScoreRequest]``."""
     return [build_part(pid, part, max_bytes) for pid, part in plan(inp, request_id, max_bytes, max_tokens)]
 
 
-def join(outputs_per_part):
+def join(outputs_per_part: List[Dict[str, Array]]) -> Dict[str, Array]:
     """Concatenates the parts' outputs (``[{name: array}]`` in part order)
     along the first dimension into ``{name: array}``."""
     if not outputs_per_part:
@@ -232,7 +246,7 @@ def join(outputs_per_part):
     if len(outputs_per_part) == 1:
         return dict(outputs_per_part[0])
     first = outputs_per_part[0]
-    joined = {}
+    joined: Dict[str, Array] = {}
     for name, arr in first.items():
         pieces = []
         for p, outs in enumerate(outputs_per_part):

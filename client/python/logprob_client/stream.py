@@ -6,6 +6,7 @@ by the sync and asyncio clients, which only move the messages."""
 
 import asyncio
 import collections
+import collections.abc
 import threading
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Union
 
@@ -91,12 +92,12 @@ class StreamAssembler:
         default executor (the copies do not stall the loop)."""
         loop = asyncio.get_running_loop()
         try:
-            if hasattr(items, "__aiter__"):
-                async for item in items:  # type: ignore[union-attr]
+            if isinstance(items, collections.abc.AsyncIterable):
+                async for item in items:
                     for message in await loop.run_in_executor(None, self.messages_of, item):
                         yield message
             else:
-                for item in items:  # type: ignore[union-attr]
+                for item in items:
                     for message in await loop.run_in_executor(None, self.messages_of, item):
                         yield message
         except Exception as e:  # the caller's iterable failed

@@ -19,16 +19,20 @@ as float32.
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
+import numpy.typing as npt
 
 from ._proto import pb2
 
-F32 = pb2.F32
-BF16 = pb2.BF16
-F16 = pb2.F16
-I32 = pb2.I32
-I64 = pb2.I64
+F32: int = pb2.F32
+BF16: int = pb2.BF16
+F16: int = pb2.F16
+I32: int = pb2.I32
+I64: int = pb2.I64
 
-_FLOAT_NAMES = {
+# A numpy array of any dtype and shape.
+Array = npt.NDArray[Any]
+
+_FLOAT_NAMES: Dict[str, int] = {
     "f32": F32,
     "float32": F32,
     "fp32": F32,
@@ -41,7 +45,7 @@ _FLOAT_NAMES = {
 }
 
 # numpy dtype of each wire dtype (BF16 as its raw uint16 bits).
-NUMPY_DTYPE: Dict[int, np.dtype] = {
+NUMPY_DTYPE: Dict[int, np.dtype[Any]] = {
     F32: np.dtype("<f4"),
     BF16: np.dtype("<u2"),
     F16: np.dtype("<f2"),
@@ -57,11 +61,11 @@ def is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach")
 
 
-def _is_ml_bf16(arr: np.ndarray) -> bool:
-    return arr.dtype.name == "bfloat16"
+def _is_ml_bf16(arr: Array) -> bool:
+    return bool(arr.dtype.name == "bfloat16")
 
 
-def as_numpy(x: Any) -> Tuple[np.ndarray, bool]:
+def as_numpy(x: Any) -> Tuple[Array, bool]:
     """Returns ``(array, is_bf16)`` for a numpy array, array-like or torch
     tensor, without copying what is already in host memory: a CPU torch
     tensor (contiguous or not) becomes a numpy view of its memory; a tensor
@@ -83,22 +87,23 @@ def as_numpy(x: Any) -> Tuple[np.ndarray, bool]:
     return arr, False
 
 
-def float32_to_bf16_bits(a: Any) -> np.ndarray:
+def float32_to_bf16_bits(a: Any) -> Array:
     """Rounds a float32 array to bfloat16 (nearest even; NaN stays NaN) and
     returns the raw ``uint16`` bits."""
     a = np.ascontiguousarray(a, dtype="<f4")
     u = a.view("<u4").astype(np.uint64)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+    rounded: Array = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
     nan = np.isnan(a)
     if nan.any():
         rounded[nan] = ((u[nan] >> 16) | 0x40).astype("<u2")
     return rounded
 
 
-def bf16_bits_to_float32(bits: Any) -> np.ndarray:
+def bf16_bits_to_float32(bits: Any) -> Array:
     """float32 values of raw bfloat16 bits (a ``uint16`` array); exact."""
     bits = np.asarray(bits, dtype="<u2")
-    return (bits.astype("<u4") << 16).view("<f4")
+    values: Array = (bits.astype("<u4") << 16).view("<f4")
+    return values
 
 
 def parse_float_dtype(dtype: Any) -> Optional[int]:
@@ -123,7 +128,7 @@ def parse_float_dtype(dtype: Any) -> Optional[int]:
     raise ValueError("unsupported float dtype %r (use 'f32', 'bf16' or 'f16')" % (dtype,))
 
 
-def float_array(name: str, x: Any, dtype: Any = None) -> Tuple[int, np.ndarray]:
+def float_array(name: str, x: Any, dtype: Any = None) -> Tuple[int, Array]:
     """Converts ``x`` (scores: logits or hidden states) into
     ``(wire_dtype, little-endian array)``; BF16 as uint16 bits. Without a
     dtype conversion the array is ``x``'s memory (possibly strided), so
@@ -156,7 +161,7 @@ def float_array(name: str, x: Any, dtype: Any = None) -> Tuple[int, np.ndarray]:
     return want, arr.astype(NUMPY_DTYPE[want], copy=False)
 
 
-def int_array(name: str, x: Any) -> Tuple[int, np.ndarray]:
+def int_array(name: str, x: Any) -> Tuple[int, Array]:
     """Converts ``x`` (ids, lengths) into ``(wire_dtype, array)``: int32
     stays I32, int64 stays I64, other integer (and bool) types become I64."""
     arr, is_bf16 = as_numpy(x)
@@ -169,16 +174,19 @@ def int_array(name: str, x: Any) -> Tuple[int, np.ndarray]:
     return I64, arr.astype("<i8", copy=False)
 
 
-def to_tensor(name: str, wire_dtype: int, arr: np.ndarray) -> Any:
+def to_tensor(name: str, wire_dtype: int, arr: Array) -> Any:
     """A ``logprob.v1.Tensor`` holding ``arr`` (already in the wire dtype,
     contiguous or not): ``tobytes`` is the one copy of the caller's data
-    (row-major, whatever ``arr``'s strides)."""
+    (row-major, whatever ``arr``'s strides). An empty array leaves ``data``
+    unset, as ``wire.encode_request`` does (``data`` is one choice of the
+    ``source`` oneof, where setting it to empty bytes would be sent)."""
     t = pb2.Tensor(name=name, dtype=wire_dtype, shape=[int(d) for d in arr.shape])
-    t.data = arr.astype(NUMPY_DTYPE[wire_dtype], copy=False).tobytes(order="C")
+    if arr.size:
+        t.data = arr.astype(NUMPY_DTYPE[wire_dtype], copy=False).tobytes(order="C")
     return t
 
 
-def from_tensor(t: Any) -> np.ndarray:
+def from_tensor(t: Any) -> Array:
     """numpy array of a ``logprob.v1.Tensor`` (or a ``wire.WireTensor``):
     a read-only view of its data (``np.frombuffer``, no copy); BF16
     converted to float32 values.

@@ -34,7 +34,7 @@ from typing import Any, Iterator, List, Sequence, Tuple
 import numpy as np
 
 from ._proto import pb2
-from .tensors import NUMPY_DTYPE
+from .tensors import NUMPY_DTYPE, Array
 
 _INPUTS_TAG = b"\x12"  # ScoreRequest.inputs: field 2, length-delimited
 _DATA_TAG = b"\x22"  # Tensor.data: field 4, length-delimited
@@ -57,7 +57,7 @@ def varint(n: int) -> bytes:
 FILL_MIN_BYTES = 1 << 16
 
 
-def _new_bytes(n: int) -> Tuple[bytes, np.ndarray]:
+def _new_bytes(n: int) -> Tuple[bytes, Array]:
     """A new ``bytes`` of ``n`` (>= 2) uninitialised bytes and a writable
     uint8 view of its buffer (CPython only). Fill it before it is shared."""
     make = ctypes.pythonapi.PyBytes_FromStringAndSize
@@ -85,7 +85,7 @@ def _fill_works() -> bool:
 _FILL = _fill_works()
 
 
-def _tensor_parts(name: str, wire_dtype: int, arr: np.ndarray) -> Tuple[bytes, np.ndarray]:
+def _tensor_parts(name: str, wire_dtype: int, arr: Array) -> Tuple[bytes, Array]:
     """``(prefix, data)``: the Tensor's bytes up to its data, and the data
     array (wire dtype, the caller's strides)."""
     arr = arr.astype(NUMPY_DTYPE[wire_dtype], copy=False)
@@ -98,7 +98,7 @@ def _tensor_parts(name: str, wire_dtype: int, arr: np.ndarray) -> Tuple[bytes, n
 
 
 def encode_request(
-    request_id: str, tensors: Sequence[Tuple[str, int, np.ndarray]], options: Any, fill: Any = None
+    request_id: str, tensors: Sequence[Tuple[str, int, Array]], options: Any, fill: Any = None
 ) -> bytes:
     """The serialized ``ScoreRequest{id, inputs, options}`` of
     ``[(name, wire_dtype, array)]`` (arrays in their wire dtype, any

@@ -9,7 +9,8 @@
   input; a hand-made reference is refused with FAILED_PRECONDITION saying
   why and what to send instead, a malformed one with INVALID_ARGUMENT; a
   client made to send a reference (patched decision and export) gets the
-  refusal and sends the call again as bytes (sync and asyncio);
+  refusal and sends that call again as bytes, leaving the client's
+  ``cuda_ipc`` as it was (sync and asyncio);
 - GpuTest (skipped without a CUDA device and a CUDA build): a torch CUDA
   tensor scored through a ``--backend cuda`` server by CUDA IPC is bitwise
   the result of sending its bytes, and matches the golden expectation.
@@ -184,8 +185,11 @@ class CpuServerTest(unittest.TestCase):
 
     def test_a_refused_reference_goes_again_as_bytes(self):
         # The client believes the server takes CUDA IPC (patched decision and
-        # export, a fake device tensor): the CPU server refuses the reference,
-        # the call is sent again with bytes, and the client stops trying.
+        # export, a fake device tensor): the CPU server refuses the reference
+        # and the call is sent again with bytes. The fallback is the call's
+        # alone: the client's cuda_ipc stays True (a client shared by threads
+        # or tasks is not changed by one call), so the next call sends a
+        # reference again.
         g = Golden("hidden_bf16")
         kw = g.score_kwargs()
         real = (cuda_ipc.server_accepts, cuda_ipc.device_rows, cuda_ipc.export)
@@ -202,27 +206,36 @@ class CpuServerTest(unittest.TestCase):
             with self.server.client() as client:
                 ref = client.score(**dict(kw, cuda_ipc=False))
                 self.assertEqual(exported, [])
+                fake = dict(kw, hidden_states=FakeCudaTensor(kw["hidden_states"]))
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    got = client.score(**dict(kw, hidden_states=FakeCudaTensor(kw["hidden_states"])))
+                    got = client.score(**fake)
                 self.assertEqual(len(exported), 1, "sent by reference first")
                 self.assertTrue(any("CPU backend" in str(w.message) for w in caught), [str(w.message) for w in caught])
-                self.assertFalse(client.cuda_ipc, "later calls send bytes")
-                for k, v in ref.outputs.items():
-                    self.assertTrue(np.array_equal(v, got.outputs[k], equal_nan=True), k)
+                self.assertTrue(client.cuda_ipc, "the client's option is unchanged by one call's fallback")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    again = client.score(**fake)
+                self.assertEqual(len(exported), 2, "the next call sends a reference again")
+                self.assertTrue(client.cuda_ipc)
+                for res in (got, again):
+                    for k, v in ref.outputs.items():
+                        self.assertTrue(np.array_equal(v, res.outputs[k], equal_nan=True), k)
 
             async def run_aio():
                 async with aio.LogprobClient(self.server.address) as client:
-                    out = await client.score(**dict(kw, hidden_states=FakeCudaTensor(kw["hidden_states"])))
-                    return out, client.cuda_ipc
+                    first = await client.score(**fake)
+                    second = await client.score(**fake)
+                    return [first, second], client.cuda_ipc
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                got, still = asyncio.run(run_aio())
-            self.assertEqual(len(exported), 2, "the asyncio client sent a reference too")
-            self.assertFalse(still)
-            for k, v in ref.outputs.items():
-                self.assertTrue(np.array_equal(v, got.outputs[k], equal_nan=True), k)
+                results, still = asyncio.run(run_aio())
+            self.assertEqual(len(exported), 4, "the asyncio client sent a reference in each call too")
+            self.assertTrue(still)
+            for res in results:
+                for k, v in ref.outputs.items():
+                    self.assertTrue(np.array_equal(v, res.outputs[k], equal_nan=True), k)
         finally:
             cuda_ipc.server_accepts, cuda_ipc.device_rows, cuda_ipc.export = real
 

@@ -148,6 +148,9 @@ class AioChunkedTest(unittest.IsolatedAsyncioTestCase):
         asyncio.get_running_loop().set_debug(False)
 
     async def client(self, chunk_above, piece_bytes=transport.PIECE_BYTES, address=None, **kwargs):
+        # Inline bytes, as ChunkedTest.client: on this host the client would
+        # otherwise send the tensors through shared memory.
+        kwargs.setdefault("shared_memory", False)
         c = aio.LogprobClient(address or self.server.address, **kwargs)
         c.chunk_above = chunk_above
         c.piece_bytes = piece_bytes
