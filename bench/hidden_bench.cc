@@ -110,7 +110,7 @@ internal::v1::WorkItem HiddenItem(const Config& cfg, int64_t N, int64_t T, DType
   item.set_vocab_end(N);
   item.set_dtype(dtype);
   item.set_hidden_size(cfg.H);
-  item.set_hidden_states(hidden.data(), hidden.size());
+  item.set_data(hidden.data(), hidden.size());
   item.mutable_targets()->Add(targets.begin(), targets.end());
   if (cfg.full) {
     item.mutable_options()->set_entropy(true);

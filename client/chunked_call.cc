@@ -7,6 +7,7 @@
 #include "client/commands.h"
 #include "common/chunk_assembler.h"
 #include "common/grpc_status.h"
+#include "common/input_kind.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "grpcpp/support/sync_stream.h"
@@ -62,10 +63,9 @@ absl::StatusOr<v1::ScoreResponse> ScoreChunked(const std::shared_ptr<grpc::Chann
     h->set_name(t.name());
     h->set_dtype(t.dtype());
     *h->mutable_shape() = t.shape();
-    // References (shared-memory or CUDA IPC inputs) stand for the bytes.
-    if (t.has_shared_memory()) *h->mutable_shared_memory() = t.shared_memory();
-    if (t.has_cuda_ipc()) *h->mutable_cuda_ipc() = t.cuda_ipc();
-    if (next < pieced.size() && pieced[next] == i) {
+    if (KindOf(t) != InputKind::kBytes) {
+      *h = t;  // a reference (shared memory, CUDA IPC) stands for the bytes
+    } else if (next < pieced.size() && pieced[next] == i) {
       data.push_back(t.data());
       ++next;
     } else {

@@ -114,11 +114,10 @@ absl::Status ShmInputs::Place(v1::ScoreRequest* request) {
     if (t.has_shared_memory()) continue;
     const size_t n = t.data().size();
     std::memcpy(data_ + at, t.data().data(), n);
-    v1::SharedMemoryRef* ref = t.mutable_shared_memory();
+    v1::SharedMemoryRef* ref = t.mutable_shared_memory();  // replaces (frees) data: Tensor.source is a oneof
     ref->set_region(region_);
     ref->set_offset(static_cast<int64_t>(at));
     ref->set_byte_size(static_cast<int64_t>(n));
-    std::string().swap(*t.mutable_data());
     at += aligned(n);
   }
   return absl::OkStatus();

@@ -7,7 +7,7 @@ namespace logprob {
 std::string BufferPool::Acquire(size_t bytes) {
   std::string buffer;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto best = idle_.end();
     for (auto it = idle_.begin(); it != idle_.end(); ++it)
       if (it->capacity() >= bytes && (best == idle_.end() || it->capacity() < best->capacity())) best = it;
@@ -25,7 +25,7 @@ std::string BufferPool::Acquire(size_t bytes) {
 void BufferPool::Release(std::string buffer) {
   const int64_t cap = static_cast<int64_t>(buffer.capacity());
   if (cap == 0 || cap > max_idle_bytes_) return;
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   idle_.push_back(std::move(buffer));
   idle_bytes_ += cap;
   // Over the bound: drop the smallest buffers first.
@@ -39,7 +39,7 @@ void BufferPool::Release(std::string buffer) {
 }
 
 int64_t BufferPool::idle_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return idle_bytes_;
 }
 

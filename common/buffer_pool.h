@@ -4,9 +4,11 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace logprob {
 
@@ -21,18 +23,18 @@ class BufferPool {
 
   /// A buffer of exactly `bytes` bytes (contents unspecified): the
   /// smallest idle one whose capacity fits, else a new one.
-  std::string Acquire(size_t bytes);
+  std::string Acquire(size_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   /// Gives `buffer` back for reuse (dropped if the pool is full).
-  void Release(std::string buffer);
+  void Release(std::string buffer) ABSL_LOCKS_EXCLUDED(mu_);
 
   /// Idle capacity held, bytes.
-  int64_t idle_bytes() const;
+  int64_t idle_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const int64_t max_idle_bytes_;
-  mutable std::mutex mu_;
-  std::vector<std::string> idle_;
-  int64_t idle_bytes_ = 0;
+  mutable absl::Mutex mu_;
+  std::vector<std::string> idle_ ABSL_GUARDED_BY(mu_);
+  int64_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace logprob

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
+#include "common/input_kind.h"
 
 namespace logprob::chunked {
 
@@ -16,9 +17,8 @@ absl::StatusOr<TensorAssembler> TensorAssembler::Plan(google::protobuf::Repeated
     const v1::Tensor& t = tensors->Get(i);
     Slot& slot = a.slots_[i];
     slot.size = -1;
-    if (!t.data().empty()) continue;      // came whole in the first part
-    if (t.has_shared_memory()) continue;  // its bytes lie in a registered region (shared-memory inputs)
-    if (t.has_cuda_ipc()) continue;       // its bytes lie in a client's GPU allocation (CUDA IPC inputs)
+    if (!t.data().empty()) continue;               // came whole in the first part
+    if (KindOf(t) != InputKind::kBytes) continue;  // a reference: its bytes lie elsewhere (common/input_kind.h)
     const std::string shape = absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
     uint64_t numel = 1;
     for (int64_t d : t.shape()) {

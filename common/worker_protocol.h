@@ -18,7 +18,9 @@ namespace logprob {
 /// or front-end of the previous release would misread.
 /// 2: JoinReply.lm_head_precision (a version-1 worker would ignore it and
 /// compute in the default precision).
-constexpr uint32_t kWorkerProtocolVersion = 2;
+/// 3: WorkItem.payload, one oneof (data, shared_memory, cuda_ipc) instead
+/// of the loose fields 13 and 15-20.
+constexpr uint32_t kWorkerProtocolVersion = 3;
 
 /// The message both sides give for a version mismatch.
 inline std::string ProtocolMismatch(uint32_t worker_version, uint32_t frontend_version) {

@@ -6,7 +6,7 @@ namespace logprob {
 
 Admission::Ticket::~Ticket() {
   if (!owner_) return;
-  std::lock_guard<std::mutex> lock(owner_->mu_);
+  absl::MutexLock lock(&owner_->mu_);
   owner_->tokens_ -= tokens_;
   owner_->bytes_ -= bytes_;
   --owner_->requests_;
@@ -14,7 +14,7 @@ Admission::Ticket::~Ticket() {
 }
 
 absl::StatusOr<Admission::Ticket> Admission::Admit(int64_t tokens, int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (requests_ > 0 && (tokens_ + tokens > max_tokens_ || bytes_ + bytes > max_bytes_))
     return absl::ResourceExhaustedError(absl::StrCat(
         "server at capacity: ", requests_, " requests with ", tokens_, " tokens and ", bytes_,
@@ -28,15 +28,15 @@ absl::StatusOr<Admission::Ticket> Admission::Admit(int64_t tokens, int64_t bytes
 }
 
 int64_t Admission::tokens() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return tokens_;
 }
 int64_t Admission::bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return bytes_;
 }
 int64_t Admission::requests() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return requests_;
 }
 

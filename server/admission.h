@@ -4,9 +4,10 @@
 
 #include <cstdint>
 #include <functional>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 namespace logprob {
 
@@ -40,17 +41,19 @@ class Admission {
   /// RESOURCE_EXHAUSTED with the current load and the limits (the client
   /// should retry with backoff). A request alone over a limit is admitted
   /// when nothing else is in flight (per-request limits are separate).
-  absl::StatusOr<Ticket> Admit(int64_t tokens, int64_t bytes);
+  absl::StatusOr<Ticket> Admit(int64_t tokens, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
-  int64_t tokens() const;  // admitted, not yet released
-  int64_t bytes() const;
-  int64_t requests() const;
+  int64_t tokens() const ABSL_LOCKS_EXCLUDED(mu_);  // admitted, not yet released
+  int64_t bytes() const ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t requests() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const int64_t max_tokens_, max_bytes_;
   const Observer observer_;
-  mutable std::mutex mu_;
-  int64_t tokens_ = 0, bytes_ = 0, requests_ = 0;
+  mutable absl::Mutex mu_;
+  int64_t tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t requests_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace logprob

@@ -11,7 +11,7 @@ namespace logprob {
 struct Batcher::Entry {
   // Constant once queued.
   std::shared_ptr<const ScoreJob> job;
-  int64_t rows = 0;  // job->num_rows()
+  int64_t rows = 0;             // job->num_rows()
   internal::v1::Layout layout;  // the job's alone (ChooseLayout), part of its key
   std::string key;
   RunBounds bounds;
@@ -20,7 +20,7 @@ struct Batcher::Entry {
   // kRunning: taken into a batch that is being planned (its input bytes
   // may be read); kPlanned: the batch's work items hold copies of them.
   enum class State { kQueued, kRunning, kPlanned, kDone } state = State::kQueued;
-  bool left = false;  // Run returned: `bounds` may refer to a finished call
+  bool left = false;    // Run returned: `bounds` may refer to a finished call
   absl::Status status;  // the batch's error, when not OK
   Outcome outcome;
 
@@ -47,15 +47,10 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
   all.row_bytes = first.row_bytes;
   all.gather_k = first.gather_k;
   all.options = first.options;
-  bool any_source = false;
-  for (const ScoreJob* j : jobs) any_source |= !j->row_sources.empty();
   for (const ScoreJob* j : jobs) {
-    if (any_source) {
-      // Each job's rows keep their sources (null: in memory).
-      const int64_t at = all.num_rows();
-      if (j->row_sources.empty() || j->row_sources.front().first_row > 0) all.row_sources.push_back({at, nullptr});
-      for (const auto& s : j->row_sources) all.row_sources.push_back({at + s.first_row, s.reader});
-    }
+    // Each job's rows keep their sources.
+    const int64_t at = all.num_rows();
+    for (const auto& s : j->segments) all.segments.push_back({at + s.first_row, s.source});
     all.rows.insert(all.rows.end(), j->rows.begin(), j->rows.end());
     all.targets.insert(all.targets.end(), j->targets.begin(), j->targets.end());
     all.gather_ids.insert(all.gather_ids.end(), j->gather_ids.begin(), j->gather_ids.end());
@@ -66,9 +61,9 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
 Batcher::Batcher(Options options, Runner run) : options_(std::move(options)), run_(std::move(run)) {}
 
 std::string Batcher::KeyOf(const ScoreJob& job, internal::v1::Layout layout) {
-  // A CUDA IPC job's rows are one range of its client's allocation: a key of
-  // its own (the job's address, unique while it is queued) keeps it alone.
-  const std::string alone = job.cuda_ipc ? absl::StrCat("/cuda_ipc:", reinterpret_cast<uintptr_t>(&job)) : "";
+  // A job that may not share a batch (a source the workers read in place)
+  // gets a key of its own: the job's address, unique while it is queued.
+  const std::string alone = job.batchable() ? "" : absl::StrCat("/alone:", reinterpret_cast<uintptr_t>(&job));
   return absl::StrCat(job.hidden, "/", job.dtype, "/", job.vocab_size, "/", job.hidden_size, "/", job.gather_k, "/",
                       layout, "/", job.options.SerializeAsString(), alone);
 }

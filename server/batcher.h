@@ -29,8 +29,9 @@ namespace logprob {
 ///
 /// Only jobs with the same batch key are packed together: same input kind
 /// (logits or hidden states), dtype, V, H, gather_k, normalised options and
-/// the layout the job would get alone. A job with a CUDA IPC input
-/// (ScoreJob::cuda_ipc) has a key of its own: it always runs alone. Results are therefore bitwise those
+/// the layout the job would get alone. A job that is not batchable
+/// (ScoreJob::batchable: a CUDA IPC input) has a key of its own: it always
+/// runs alone. Results are therefore bitwise those
 /// of scoring each job alone: every row is scored whole by one worker, or
 /// over the same vocab slices SplitRange(V, W, r) whose partials are
 /// combined in rank order whoever owns the row (worker/scorer.h); the
@@ -137,7 +138,7 @@ class Batcher {
 };
 
 /// The job of a batch: `jobs`' rows concatenated in order (rows, targets,
-/// gather ids, row sources; out_pos and out_shape are left empty). All must share a
+/// gather ids, segments; out_pos and out_shape are left empty). All must share a
 /// batch key.
 ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs);
 

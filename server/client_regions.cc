@@ -1,7 +1,7 @@
 #include "server/client_regions.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
+#include <sys/mman.h>  // shm_open
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 namespace logprob {
 namespace {
@@ -69,31 +70,19 @@ absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegion::Open(const std
     bad = absl::InvalidArgumentError(absl::StrCat("region \"", name, "\": ", shm_name, " holds ", st.st_size,
                                                   " bytes, fewer than byte_size ", byte_size));
   }
-  void* base = MAP_FAILED;
-  if (bad.ok()) {
-    base = mmap(nullptr, static_cast<size_t>(byte_size), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (base == MAP_FAILED)
-      bad = absl::ResourceExhaustedError(absl::StrCat("reserving ", byte_size, " bytes of address space for region \"",
-                                                      name, "\": ", std::strerror(errno)));
-  }
   if (!bad.ok()) {
     close(fd);
     return bad;
   }
-  return std::shared_ptr<const ClientRegion>(new ClientRegion(name, shm_name, byte_size, fd, static_cast<char*>(base)));
+  return std::shared_ptr<const ClientRegion>(new ClientRegion(name, shm_name, byte_size, fd));
 }
 
-ClientRegion::~ClientRegion() {
-  munmap(base_, static_cast<size_t>(byte_size_));
-  close(fd_);
-}
+ClientRegion::~ClientRegion() { close(fd_); }
 
-bool RegionReader::Read(char* dst, const char* src, size_t n) const {
-  const ClientRegion& r = *region_;
-  const int64_t begin = src - r.base();
+absl::Status ClientRegion::Read(int64_t offset, size_t n, char* dst) const {
   size_t done = 0;
   while (done < n) {
-    const ssize_t got = pread(r.fd(), dst + done, n - done, static_cast<off_t>(begin + done));
+    const ssize_t got = pread(fd_, dst + done, n - done, static_cast<off_t>(offset + done));
     if (got > 0) {
       done += static_cast<size_t>(got);
       continue;
@@ -102,44 +91,35 @@ bool RegionReader::Read(char* dst, const char* src, size_t n) const {
     const int err = got < 0 ? errno : 0;
     std::memset(dst + done, 0, n - done);
     struct stat st;
-    const int64_t now = fstat(r.fd(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok())
-      status_ =
-          absl::FailedPreconditionError(absl::StrCat("shared-memory region \"", r.name(), "\" (", r.shm_name(),
-                                                     ") changed while the request was in flight: bytes [", begin + done,
-                                                     ", ", begin + n, ") could not be read (the object is now ", now,
-                                                     " bytes", err ? absl::StrCat("; ", std::strerror(err)) : "", ")"));
-    return false;
+    const int64_t now = fstat(fd_, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shared-memory region \"", name_, "\" (", shm_name_, ") changed while the request was in flight: bytes [",
+        offset + done, ", ", offset + n, ") could not be read (the object is now ", now, " bytes",
+        err ? absl::StrCat("; ", std::strerror(err)) : "", ")"));
   }
-  return true;
-}
-
-absl::Status RegionReader::status() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return status_;
+  return absl::OkStatus();
 }
 
 ClientRegions::ClientRegions(Options options) : options_(std::move(options)) {
   reaper_ = std::thread([this] {
-    std::unique_lock<std::mutex> lock(mu_);
-    const auto period = std::max(std::chrono::milliseconds(10), options_.idle_timeout / 4);
-    while (!stop_) {
-      cv_.wait_for(lock, period);
-      if (stop_) break;
-      lock.unlock();
+    const auto period = absl::FromChrono(std::max(std::chrono::milliseconds(10), options_.idle_timeout / 4));
+    for (;;) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (!stop_) cv_.WaitWithTimeout(&mu_, period);
+        if (stop_) return;
+      }
       ExpireIdle(std::chrono::steady_clock::now());
-      lock.lock();
     }
   });
 }
 
 ClientRegions::~ClientRegions() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
+    cv_.SignalAll();
   }
-  cv_.notify_all();
   reaper_.join();
 }
 
@@ -151,7 +131,7 @@ absl::Status ClientRegions::Register(const std::string& owner, const std::string
                                      int64_t byte_size) {
   if (auto st = CheckNames(name, shm_name, byte_size); !st.ok()) return st;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     Session& s = sessions_[owner];
     s.last_used = std::chrono::steady_clock::now();
     if (s.regions.count(name))
@@ -160,7 +140,7 @@ absl::Status ClientRegions::Register(const std::string& owner, const std::string
   // Opened without the lock (a system call); the caps are checked again below.
   auto region = ClientRegion::Open(name, shm_name, byte_size);
   if (!region.ok()) return region.status();
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Session& s = sessions_[owner];
   s.last_used = std::chrono::steady_clock::now();
   if (s.regions.count(name))
@@ -181,7 +161,7 @@ absl::Status ClientRegions::Register(const std::string& owner, const std::string
 
 absl::StatusOr<int> ClientRegions::Unregister(const std::string& owner, const std::string& name) {
   std::vector<std::shared_ptr<const ClientRegion>> gone;  // closed after the lock
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = sessions_.find(owner);
   if (it != sessions_.end()) it->second.last_used = std::chrono::steady_clock::now();
   if (name.empty()) {
@@ -206,7 +186,7 @@ absl::StatusOr<int> ClientRegions::Unregister(const std::string& owner, const st
 }
 
 std::vector<std::shared_ptr<const ClientRegion>> ClientRegions::List(const std::string& owner) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<std::shared_ptr<const ClientRegion>> out;
   auto it = sessions_.find(owner);
   if (it == sessions_.end()) return out;
@@ -217,7 +197,7 @@ std::vector<std::shared_ptr<const ClientRegion>> ClientRegions::List(const std::
 
 absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegions::Find(const std::string& owner,
                                                                         const std::string& name) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = sessions_.find(owner);
   if (it != sessions_.end()) {
     it->second.last_used = std::chrono::steady_clock::now();
@@ -231,11 +211,11 @@ absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegions::Find(const st
 
 std::shared_ptr<void> ClientRegions::Hold(const std::string& owner) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     ++sessions_[owner].in_flight;
   }
   return std::shared_ptr<void>(nullptr, [this, owner](void*) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     Session& s = sessions_[owner];
     --s.in_flight;
     s.last_used = std::chrono::steady_clock::now();
@@ -244,7 +224,7 @@ std::shared_ptr<void> ClientRegions::Hold(const std::string& owner) {
 
 int ClientRegions::ExpireIdle(std::chrono::steady_clock::time_point now) {
   std::vector<std::shared_ptr<const ClientRegion>> gone;  // closed after the lock
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     if (it->second.in_flight > 0 || now - it->second.last_used < options_.idle_timeout) {
       ++it;

@@ -7,32 +7,28 @@
 // of a truncated object raises SIGBUS. The front-end keeps the object's
 // file descriptor instead and copies what a request needs with pread(2),
 // which returns a short count (never a signal) when the object has shrunk;
-// the request then fails with FAILED_PRECONDITION and the server goes on.
-// Each region also reserves an address range (PROT_NONE, no memory) so a
-// request's rows can be named by addresses like inline rows (ScoreJob);
-// touching one faults, so code that forgets to go through RegionReader is
-// caught at once instead of working until a client truncates.
+// the request then fails with FAILED_PRECONDITION and the server goes on
+// (RegionSource, server/shared_inputs.h).
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 namespace logprob {
 
-/// One registered region: the open object (O_RDONLY) and its reserved,
-/// inaccessible address range of byte_size bytes. Immutable; closed when
-/// the last request using it and the registry have let it go.
+/// One registered region: the open object (O_RDONLY). Immutable; closed
+/// when the last request using it and the registry have let it go.
 class ClientRegion {
  public:
   /// Opens POSIX shared-memory object `shm_name` for region `name`.
@@ -50,36 +46,17 @@ class ClientRegion {
   const std::string& shm_name() const { return shm_name_; }
   int64_t byte_size() const { return byte_size_; }
   int fd() const { return fd_; }
-  /// Start of the reserved range: byte i of the region is named base() + i
-  /// (never dereferenced; RegionReader reads it).
-  const char* base() const { return base_; }
+  /// Copies bytes [offset, offset + n) of the object to `dst` with pread.
+  /// If the object has shrunk below them, zero-fills the rest of `dst` and
+  /// returns FAILED_PRECONDITION naming the region and the bytes.
+  absl::Status Read(int64_t offset, size_t n, char* dst) const;
 
  private:
-  ClientRegion(std::string name, std::string shm_name, int64_t byte_size, int fd, char* base)
-      : name_(std::move(name)), shm_name_(std::move(shm_name)), byte_size_(byte_size), fd_(fd), base_(base) {}
+  ClientRegion(std::string name, std::string shm_name, int64_t byte_size, int fd)
+      : name_(std::move(name)), shm_name_(std::move(shm_name)), byte_size_(byte_size), fd_(fd) {}
   std::string name_, shm_name_;
   int64_t byte_size_;
   int fd_;
-  char* base_;
-};
-
-/// One request's reads from one region. Thread-safe.
-class RegionReader {
- public:
-  explicit RegionReader(std::shared_ptr<const ClientRegion> region) : region_(std::move(region)) {}
-  const ClientRegion& region() const { return *region_; }
-  /// Copies bytes [src, src + n) of the region (addresses from base()) to
-  /// `dst` with pread. If the object has shrunk below them, zero-fills the
-  /// rest of `dst`, records FAILED_PRECONDITION naming the region (the
-  /// first failure is kept) and returns false.
-  bool Read(char* dst, const char* src, size_t n) const;
-  /// OK, or the first failed Read's error.
-  absl::Status status() const;
-
- private:
-  std::shared_ptr<const ClientRegion> region_;
-  mutable std::mutex mu_;
-  mutable absl::Status status_;
 };
 
 /// The registered regions of all sessions, with the server's caps and the
@@ -105,23 +82,24 @@ class ClientRegions {
   /// errors). ALREADY_EXISTS if the session has `name`;
   /// RESOURCE_EXHAUSTED beyond max_regions or max_bytes.
   absl::Status Register(const std::string& owner, const std::string& name, const std::string& shm_name,
-                        int64_t byte_size);
+                        int64_t byte_size) ABSL_LOCKS_EXCLUDED(mu_);
   /// Removes `name` of `owner` (all of its regions when empty) and returns
   /// how many went; NOT_FOUND for an unknown name. Requests in flight keep
   /// their reader until they end.
-  absl::StatusOr<int> Unregister(const std::string& owner, const std::string& name);
+  absl::StatusOr<int> Unregister(const std::string& owner, const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   /// The session's regions, by name.
-  std::vector<std::shared_ptr<const ClientRegion>> List(const std::string& owner);
+  std::vector<std::shared_ptr<const ClientRegion>> List(const std::string& owner) ABSL_LOCKS_EXCLUDED(mu_);
   /// Region `name` of `owner`; NOT_FOUND when the session has none of
   /// that name (whoever else may have one).
-  absl::StatusOr<std::shared_ptr<const ClientRegion>> Find(const std::string& owner, const std::string& name);
+  absl::StatusOr<std::shared_ptr<const ClientRegion>> Find(const std::string& owner, const std::string& name)
+      ABSL_LOCKS_EXCLUDED(mu_);
   /// Keeps session `owner` from expiring while the returned object lives
   /// (a request in flight), and marks it active when it goes.
-  std::shared_ptr<void> Hold(const std::string& owner);
+  std::shared_ptr<void> Hold(const std::string& owner) ABSL_LOCKS_EXCLUDED(mu_);
   /// Removes the regions of sessions idle for longer than idle_timeout at
   /// `now` with no Hold() alive; returns how many regions went (the reaper
   /// calls it).
-  int ExpireIdle(std::chrono::steady_clock::time_point now);
+  int ExpireIdle(std::chrono::steady_clock::time_point now) ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options& options() const { return options_; }
 
@@ -131,14 +109,15 @@ class ClientRegions {
     std::chrono::steady_clock::time_point last_used;
     int in_flight = 0;  // Hold()s alive
   };
-  void Changed();  // lock held
+  void Changed() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, Session> sessions_;
-  int64_t regions_ = 0, bytes_ = 0;
-  bool stop_ = false;
+  absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled when stop_ is set
+  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  int64_t regions_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;
 };
 

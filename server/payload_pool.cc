@@ -11,7 +11,7 @@ PayloadPool::PayloadPool(int max_idle) : state_(std::make_shared<State>()) { sta
 absl::StatusOr<std::shared_ptr<SharedRegion>> PayloadPool::Acquire(size_t bytes) {
   std::unique_ptr<SharedRegion> region;
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    absl::MutexLock lock(&state_->mu);
     auto& idle = state_->idle;
     auto best = idle.end();
     for (auto it = idle.begin(); it != idle.end(); ++it)
@@ -31,7 +31,7 @@ absl::StatusOr<std::shared_ptr<SharedRegion>> PayloadPool::Acquire(size_t bytes)
     std::unique_ptr<SharedRegion> owned(r);
     auto state = home.lock();
     if (!state) return;
-    std::lock_guard<std::mutex> lock(state->mu);
+    absl::MutexLock lock(&state->mu);
     state->idle.push_back(std::move(owned));
     if (static_cast<int>(state->idle.size()) > state->max_idle) {
       // Release the smallest: large requests are the ones shared memory helps.

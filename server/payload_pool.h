@@ -3,10 +3,11 @@
 
 #include <cstddef>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/shared_memory.h"
 
 namespace logprob {
@@ -28,9 +29,9 @@ class PayloadPool {
 
  private:
   struct State {
-    std::mutex mu;
-    int max_idle;
-    std::vector<std::unique_ptr<SharedRegion>> idle;
+    absl::Mutex mu;
+    int max_idle = 0;  // constant
+    std::vector<std::unique_ptr<SharedRegion>> idle ABSL_GUARDED_BY(mu);
   };
   std::shared_ptr<State> state_;  // shared with the leases, which may outlive the pool
 };

@@ -46,19 +46,18 @@ class PayloadWriter {
                 << region.status().message() << std::endl;
     }
   }
-  /// Space for `bytes` bytes of `item`'s payload (its hidden_states field
-  /// for HIDDEN_STATES items, else logits).
+  /// Space for `bytes` bytes of `item`'s payload (WorkItem.payload).
   char* Reserve(internal::v1::WorkItem& item, size_t bytes) {
     if (const SharedRegion* region = region_) {
-      item.set_payload_shm(region->name());
-      item.set_payload_offset(static_cast<int64_t>(at_));
-      item.set_payload_bytes(static_cast<int64_t>(bytes));
-      char* p = region->data() + at_;
+      internal::v1::SharedMemoryPayload* p = item.mutable_shared_memory();
+      p->set_name(region->name());
+      p->set_offset(static_cast<int64_t>(at_));
+      p->set_byte_size(static_cast<int64_t>(bytes));
+      char* data = region->data() + at_;
       at_ += bytes;
-      return p;
+      return data;
     }
-    std::string* s =
-        item.layout() == internal::v1::HIDDEN_STATES ? item.mutable_hidden_states() : item.mutable_logits();
+    std::string* s = item.mutable_data();
     s->resize(bytes);
     return s->data();
   }
@@ -82,10 +81,11 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
   const int64_t n = job.num_rows();
   Plan plan;
   plan.layout = ChooseLayout(job, workers, parallelism);
-  // Every layout sends each input byte of the scored rows once (none for
-  // CUDA IPC jobs: the workers read the client's allocation).
-  const bool ipc = job.cuda_ipc.has_value();
-  PayloadWriter payload(plan, ipc ? 0 : static_cast<size_t>(n) * job.row_bytes, ipc ? nullptr : payload_pool);
+  // Every layout sends each input byte of the rows once (none for a source
+  // the workers read themselves: they get a reference to their rows).
+  const InputSource* referenced = job.referenced_source();
+  PayloadWriter payload(plan, referenced ? 0 : static_cast<size_t>(n) * job.row_bytes,
+                        referenced ? nullptr : payload_pool);
   if (plan.layout == internal::v1::HIDDEN_STATES) {
     for (int w = 0; w < workers; ++w) {
       const auto [vb, ve] = SplitRange(job.vocab_size, workers, w);
@@ -96,11 +96,9 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_vocab_end(ve);
       p.item.set_hidden_size(job.hidden_size);
       const size_t bytes = static_cast<size_t>(e - b) * job.row_bytes;
-      if (ipc) {
-        // The job's rows are the allocation's rows in order (ExpandToInputRows).
-        p.item.set_payload_cuda_ipc_handle(job.cuda_ipc->handle);
-        p.item.set_payload_cuda_ipc_offset(job.cuda_ipc->offset + b * static_cast<int64_t>(job.row_bytes));
-        p.item.set_payload_cuda_ipc_bytes(static_cast<int64_t>(bytes));
+      if (referenced) {
+        // The job's rows are the source's rows in order (ExpandToInputRows).
+        referenced->Refer(b * static_cast<int64_t>(job.row_bytes), static_cast<int64_t>(bytes), &p.item);
       } else {
         CopyRows(job, b, e, payload.Reserve(p.item, bytes));
       }

@@ -51,15 +51,15 @@ internal::v1::Layout ChooseLayout(const ScoreJob& job, int workers, Parallelism 
 /// states of rows SplitRange(n, W, w) and owns lm_head rows
 /// SplitRange(V, W, w).
 /// With a `payload_pool` (workers on this host) the payloads are written
-/// to one region of it instead of the items' bytes fields (payload_shm);
-/// if no region can be had (e.g. /dev/shm full) they go inline.
-/// A CUDA IPC job (ScoreJob::cuda_ipc, always HIDDEN_STATES) copies no
-/// bytes: worker w's item carries the allocation's handle and the byte
-/// range of its rows SplitRange(n, W, w) (payload_cuda_ipc_*).
-/// Rows in a client's shared-memory region (ScoreJob::row_sources) are
-/// read with CopyRows / CopyRowSlice; rows that cannot be read (the client
-/// shrank its region) are zero-filled and their RegionReader keeps the
-/// error, which fails their request (ScoringService::ScoreOne).
+/// to one region of it (WorkItem.shared_memory) instead of the items'
+/// bytes (WorkItem.data); if no region can be had (e.g. /dev/shm full)
+/// they go inline. The rows are read from their sources with CopyRows /
+/// CopyRowSlice; rows that cannot be read (a client shrank its region) are
+/// zero-filled and their source keeps the error, which fails their request
+/// (ScoreJob::ReadStatus). A job whose source the workers read themselves
+/// (ScoreJob::referenced_source, always HIDDEN_STATES) copies no bytes:
+/// worker w's item refers to the byte range of its rows SplitRange(n, W, w)
+/// (InputSource::Refer).
 Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_t job_id,
               PayloadPool* payload_pool = nullptr);
 

@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "server/client_regions.h"
 
 namespace logprob {
 namespace {
@@ -17,20 +16,34 @@ absl::Status Invalid(const std::string& msg) { return absl::InvalidArgumentError
 
 std::string ShapeStr(const v1::Tensor& t) { return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]"); }
 
-/// Each input's bytes: `data` by index when given, else its data field.
+/// The bytes of each input's source: the integer tensors' (which
+/// validation reads) in memory, read into `owned` when their source is not.
 class InputBytes {
  public:
-  InputBytes(const v1::ScoreRequest& req, const std::vector<std::string_view>* data) : req_(req), data_(data) {}
-  std::string_view operator()(const v1::Tensor* t) const {
-    if (data_ != nullptr)
-      for (int i = 0; i < req_.inputs_size(); ++i)
-        if (&req_.inputs(i) == t) return (*data_)[i];
-    return t->data();
+  InputBytes(const v1::ScoreRequest& req, const RequestInputs& inputs) : req_(req), inputs_(inputs) {}
+  const std::shared_ptr<const InputSource>& source(const v1::Tensor* t) const { return inputs_.sources[IndexOf(t)]; }
+  /// The bytes of `t`, read if they are not in memory (FAILED_PRECONDITION
+  /// with the source's error if they cannot be read).
+  absl::StatusOr<std::string_view> operator()(const v1::Tensor* t) {
+    const InputSource& src = *source(t);
+    if (auto m = src.memory()) return *m;
+    auto copy = std::make_unique<std::string>(static_cast<size_t>(src.byte_size()), '\0');
+    if (!src.Read(0, copy->size(), copy->data()))
+      return absl::FailedPreconditionError(
+          absl::StrCat("inputs[", IndexOf(t), "] \"", t->name(), "\": ", src.status().message()));
+    owned_.push_back(std::move(copy));
+    return std::string_view(*owned_.back());
   }
 
  private:
+  int IndexOf(const v1::Tensor* t) const {
+    for (int i = 0; i < req_.inputs_size(); ++i)
+      if (&req_.inputs(i) == t) return i;
+    return -1;
+  }
   const v1::ScoreRequest& req_;
-  const std::vector<std::string_view>* data_;
+  const RequestInputs& inputs_;
+  std::vector<std::unique_ptr<std::string>> owned_;
 };
 
 /// Checks the byte size of every tensor and indexes them by name.
@@ -64,9 +77,12 @@ absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::S
       extent *= static_cast<uint64_t>(d);
     }
     if (numel != 0) numel = extent;
-    if (bytes(&t).size() != numel * esize)
-      return Invalid(absl::StrCat("\"", t.name(), "\": data is ", bytes(&t).size(), " bytes but shape ", ShapeStr(t),
-                                  " of ", DTypeName(t.dtype()), " needs ", numel * esize));
+    const InputSource& src = *bytes.source(&t);
+    if (static_cast<uint64_t>(src.byte_size()) != numel * esize)
+      return Invalid(absl::StrCat(
+          "\"", t.name(),
+          "\": ", src.kind() == InputKind::kBytes ? "data is " : absl::StrCat(src.rules().name, " reference is "),
+          src.byte_size(), " bytes but shape ", ShapeStr(t), " of ", DTypeName(t.dtype()), " needs ", numel * esize));
     by_name[t.name()] = &t;
   }
   return by_name;
@@ -117,10 +133,15 @@ int64_t ScoreJob::num_outputs() const {
 }
 
 absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits,
-                                       const LmHeadShape& lm_head, const std::vector<std::string_view>* data) {
-  if (data != nullptr && static_cast<int>(data->size()) != req.inputs_size())
-    return absl::InternalError("BuildScoreJob: one data view per input expected");
-  const InputBytes bytes(req, data);
+                                       const LmHeadShape& lm_head, const RequestInputs* inputs) {
+  RequestInputs inline_inputs;
+  if (inputs == nullptr) {
+    inline_inputs = InlineInputs(req);
+    inputs = &inline_inputs;
+  }
+  if (static_cast<int>(inputs->sources.size()) != req.inputs_size())
+    return absl::InternalError("BuildScoreJob: one source per input expected");
+  InputBytes bytes(req, *inputs);
   LOGPROB_ASSIGN_OR_RETURN(const auto in, IndexInputs(req, bytes));
   auto get = [&](const char* n) -> const v1::Tensor* {
     auto it = in.find(n);
@@ -142,6 +163,14 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*ids));
   const v1::Tensor* cu = get("cu_seqlens");
   const v1::Tensor* lens = get("seq_lens");
+  const v1::Tensor* gather = get("gather_indices");
+  // The integer tensors' bytes (read here when they are not in memory).
+  std::string_view id_bytes, cu_bytes, lens_bytes, gather_bytes;
+  for (const auto& [t, out] : {std::pair{ids, &id_bytes}, std::pair{cu, &cu_bytes}, std::pair{lens, &lens_bytes},
+                               std::pair{gather, &gather_bytes}}) {
+    if (t == nullptr) continue;
+    LOGPROB_ASSIGN_OR_RETURN(*out, bytes(t));
+  }
   const bool packed = input->shape_size() == 2;
   if (input->shape_size() != 3 && !packed)
     return Invalid(absl::StrCat("\"", name, "\": shape ", ShapeStr(*input), " is neither [B, S, ", last_dim,
@@ -181,15 +210,15 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     if (cu->shape_size() != 1 || cu->shape(0) < 2)
       return Invalid(absl::StrCat("\"cu_seqlens\": shape ", ShapeStr(*cu), " is not [B + 1] with B >= 1"));
     const int64_t B = cu->shape(0) - 1;
-    if (ReadInt(cu->dtype(), bytes(cu).data(), 0) != 0) return Invalid("\"cu_seqlens\"[0] must be 0");
+    if (ReadInt(cu->dtype(), cu_bytes.data(), 0) != 0) return Invalid("\"cu_seqlens\"[0] must be 0");
     for (int64_t i = 0; i < B; ++i) {
-      const int64_t a = ReadInt(cu->dtype(), bytes(cu).data(), i), b = ReadInt(cu->dtype(), bytes(cu).data(), i + 1);
+      const int64_t a = ReadInt(cu->dtype(), cu_bytes.data(), i), b = ReadInt(cu->dtype(), cu_bytes.data(), i + 1);
       if (b < a) return Invalid(absl::StrCat("\"cu_seqlens\" decreases at index ", i + 1, " (", a, " -> ", b, ")"));
       if (next && b == a)
         return Invalid(absl::StrCat("\"cu_seqlens\": sequence ", i, " is empty (next_token needs length >= 1)"));
       seqs.push_back({a, b - a, next ? a - i : a});
     }
-    const int64_t end = ReadInt(cu->dtype(), bytes(cu).data(), B);
+    const int64_t end = ReadInt(cu->dtype(), cu_bytes.data(), B);
     if (end != T)
       return Invalid(absl::StrCat("\"cu_seqlens\"[", B, "] = ", end, " but \"", name, "\" has T = ", T, " rows"));
     job.out_shape = {next ? T - B : T};
@@ -210,7 +239,7 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     for (int64_t b = 0; b < B; ++b) {
       int64_t L = S;
       if (lens) {
-        L = ReadInt(lens->dtype(), bytes(lens).data(), b);
+        L = ReadInt(lens->dtype(), lens_bytes.data(), b);
         if (L < 0 || L > S) return Invalid(absl::StrCat("\"seq_lens\"[", b, "] = ", L, " is outside [0, S = ", S, "]"));
       }
       seqs.push_back({b * S, L, b * S_out});
@@ -222,7 +251,6 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     return Invalid(absl::StrCat("request has ", total_rows, " tokens, over the server's max_tokens_per_request ",
                                 limits.max_tokens));
 
-  const v1::Tensor* gather = get("gather_indices");
   if (gather) {
     LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*gather));
     std::vector<int64_t> want = job.out_shape;
@@ -239,9 +267,8 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
 
   // Scored rows: in sequence s, position t scores input_ids[t + shift].
   const int64_t shift = next ? 1 : 0;
-  const char* id_data = bytes(ids).data();
-  const char* input_data = bytes(input).data();
-  const char* gather_data = gather ? bytes(gather).data() : nullptr;
+  const char* id_data = id_bytes.data();
+  const char* gather_data = gather_bytes.data();
   for (size_t s = 0; s < seqs.size(); ++s) {
     const Seq& q = seqs[s];
     for (int64_t t = 0; t + shift < q.len; ++t) {
@@ -250,7 +277,7 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
         return Invalid(absl::StrCat("\"input_ids\": target ", target, " of sequence ", s, " at position ", t + shift,
                                     " is outside [0, V = ", V, ") and is not ignore_index ", ignore));
       const int64_t out = q.out0 + t;
-      job.rows.push_back(input_data + (q.row0 + t) * job.row_bytes);
+      job.rows.push_back(q.row0 + t);
       job.targets.push_back(target == ignore ? -1 : target);
       job.out_pos.push_back(out);
       for (int j = 0; j < job.gather_k; ++j) {
@@ -262,44 +289,77 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
       }
     }
   }
+  const std::shared_ptr<const InputSource>& source = bytes.source(input);
+  job.segments.push_back({0, source});
+  if (source->rules().every_input_row) ExpandToInputRows(total_rows, &job);
   return job;
+}
+
+bool ScoreJob::batchable() const {
+  for (const Segment& s : segments)
+    if (!s.source->rules().batchable) return false;
+  return true;
+}
+
+const InputSource* ScoreJob::referenced_source() const {
+  if (segments.size() != 1 || segments.front().source->rules().readable_here) return nullptr;
+  return segments.front().source.get();
+}
+
+absl::Status ScoreJob::ReadStatus() const {
+  for (const Segment& s : segments) LOGPROB_RETURN_IF_ERROR(s.source->status());
+  return absl::OkStatus();
+}
+
+void ExpandToInputRows(int64_t input_rows, ScoreJob* job) {
+  const int64_t n = input_rows;
+  const int k = job->gather_k;
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  std::vector<int64_t> targets(static_cast<size_t>(n), -1), out_pos(static_cast<size_t>(n), -1);
+  std::vector<int64_t> gather_ids(static_cast<size_t>(n) * k, 0);
+  for (int64_t r = 0; r < n; ++r) rows[r] = r;
+  for (int64_t j = 0; j < job->num_rows(); ++j) {
+    const int64_t r = job->rows[j];
+    targets[r] = job->targets[j];
+    out_pos[r] = job->out_pos[j];
+    std::copy_n(job->gather_ids.begin() + j * k, k, gather_ids.begin() + r * k);
+  }
+  job->rows = std::move(rows);
+  job->targets = std::move(targets);
+  job->out_pos = std::move(out_pos);
+  job->gather_ids = std::move(gather_ids);
 }
 
 namespace {
 
-/// The reader of row `row` (null: in memory) and the first row after its segment.
-std::pair<const RegionReader*, int64_t> SourceOf(const ScoreJob& job, int64_t row) {
-  auto it = std::upper_bound(job.row_sources.begin(), job.row_sources.end(), row,
-                             [](int64_t r, const ScoreJob::RowSource& s) { return r < s.first_row; });
-  const int64_t segment_end = it == job.row_sources.end() ? job.num_rows() : it->first_row;
-  if (it == job.row_sources.begin()) return {nullptr, segment_end};
-  return {std::prev(it)->reader.get(), segment_end};
-}
-
-bool CopyBytes(const RegionReader* reader, const char* src, size_t n, char* dst) {
-  if (reader) return reader->Read(dst, src, n);
-  std::memcpy(dst, src, n);
-  return true;
+/// The source of row `row` and the first row after its segment.
+std::pair<const InputSource*, int64_t> SourceOf(const ScoreJob& job, int64_t row) {
+  auto it = std::upper_bound(job.segments.begin(), job.segments.end(), row,
+                             [](int64_t r, const ScoreJob::Segment& s) { return r < s.first_row; });
+  const int64_t segment_end = it == job.segments.end() ? job.num_rows() : it->first_row;
+  return {std::prev(it)->source.get(), segment_end};
 }
 
 }  // namespace
 
 bool CopyRows(const ScoreJob& job, int64_t begin, int64_t end, char* out) {
   bool ok = true;
+  const auto row_bytes = static_cast<int64_t>(job.row_bytes);
   for (int64_t r = begin; r < end;) {
-    const auto [reader, segment_end] = SourceOf(job, r);
+    const auto [source, segment_end] = SourceOf(job, r);
     const int64_t limit = std::min(end, segment_end);
     int64_t run = 1;
-    while (r + run < limit && job.rows[r + run] == job.rows[r] + run * job.row_bytes) ++run;
-    ok &= CopyBytes(reader, job.rows[r], static_cast<size_t>(run) * job.row_bytes, out);
-    out += static_cast<size_t>(run) * job.row_bytes;
+    while (r + run < limit && job.rows[r + run] == job.rows[r] + run) ++run;
+    ok &= source->Read(job.rows[r] * row_bytes, static_cast<size_t>(run * row_bytes), out);
+    out += run * row_bytes;
     r += run;
   }
   return ok;
 }
 
 bool CopyRowSlice(const ScoreJob& job, int64_t row, size_t offset, size_t n, char* dst) {
-  return CopyBytes(SourceOf(job, row).first, job.rows[row] + offset, n, dst);
+  return SourceOf(job, row).first->Read(
+      job.rows[row] * static_cast<int64_t>(job.row_bytes) + static_cast<int64_t>(offset), n, dst);
 }
 
 }  // namespace logprob

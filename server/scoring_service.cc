@@ -14,11 +14,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/input_kind.h"
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
 #include "server/cuda_ipc_inputs.h"
+#include "server/request_inputs.h"
 #include "server/response_builder.h"
-#include "server/shared_inputs.h"
 #include "server/shm_session.h"
 
 namespace logprob {
@@ -77,51 +78,33 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
   cuda_ipc_.same_host = pool.same_host();
   cuda_ipc_.workers = pool.size();
   cuda_ipc_.comm = config_.comm;
-  cuda_ipc_.one_pass = pool.size() == 1 || config_.comm == "nccl";
+  cuda_ipc_.one_pass = CanScoreInOnePass(pool.size(), /*device_collectives=*/config_.comm == "nccl");
   if (regions_ || cuda_ipc_.available()) host_id_ = SharedMemoryHostId();
 }
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
                                                            grpc::ServerContext* ctx) {
-  // A CUDA IPC input: checked first (its tensor must reference nothing else).
-  LOGPROB_ASSIGN_OR_RETURN(const std::optional<CudaIpcInput> ipc, FindCudaIpcInput(req));
-  if (ipc) {
-    LOGPROB_RETURN_IF_ERROR(CheckCudaIpcAvailable(cuda_ipc_, ctx ? ctx->peer() : std::string()));
-    LOGPROB_RETURN_IF_ERROR(CheckCudaIpcOptions(req.options()));
+  // Every tensor's bytes as a source (inline, pieces, shared memory, CUDA IPC).
+  InputContext input_context;
+  input_context.regions = regions_.get();
+  if (ctx != nullptr) {
+    input_context.session = [ctx] { return SharedMemoryOwner(*ctx); };
+    input_context.peer = ctx->peer();
   }
-  // Shared-memory references resolve into the views BuildScoreJob checks.
-  std::optional<ResolvedInputs> resolved;
-  std::shared_ptr<void> session_hold;  // the session does not expire while the request runs
-  if (HasSharedMemoryRefs(req)) {
-    if (!regions_)
-      return absl::FailedPreconditionError(
-          "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
-    if (ctx == nullptr) return absl::InvalidArgumentError("shared-memory references need a call's session");
-    LOGPROB_ASSIGN_OR_RETURN(const std::string owner, SharedMemoryOwner(*ctx));
-    session_hold = regions_->Hold(owner);
-    LOGPROB_ASSIGN_OR_RETURN(resolved, ResolveSharedInputs(req, *regions_, owner));
-  }
-  const int64_t request_bytes = static_cast<int64_t>(req.ByteSizeLong()) + (resolved ? resolved->referenced_bytes : 0);
-  if (resolved && request_bytes > config_.max_request_bytes)
+  input_context.cuda_ipc = cuda_ipc_;
+  LOGPROB_ASSIGN_OR_RETURN(RequestInputs inputs, ResolveInputs(req, input_context));
+  const int64_t request_bytes = static_cast<int64_t>(req.ByteSizeLong()) + inputs.referenced_bytes;
+  if (inputs.referenced_bytes > 0 && request_bytes > config_.max_request_bytes)
     return absl::ResourceExhaustedError(absl::StrCat("request of ", request_bytes,
-                                                     " bytes (shared-memory tensors included) exceeds the server's "
+                                                     " bytes (referenced tensors included) exceeds the server's "
                                                      "max_request_bytes ",
                                                      config_.max_request_bytes));
-  const std::vector<std::string_view>* views = resolved ? &resolved->data : nullptr;
-  std::vector<std::string_view> ipc_views;  // the CUDA IPC tensor's bytes: a placeholder never read
-  if (ipc) {
-    if (resolved) ipc_views = resolved->data;
-    for (int i = 0; !resolved && i < req.inputs_size(); ++i) ipc_views.emplace_back(req.inputs(i).data());
-    ipc_views[ipc->index] = CudaIpcPlaceholder(ipc->byte_size);
-    views = &ipc_views;
-  }
-  LOGPROB_ASSIGN_OR_RETURN(ScoreJob built, BuildScoreJob(req, config_.limits, config_.lm_head, views));
+  LOGPROB_ASSIGN_OR_RETURN(ScoreJob built, BuildScoreJob(req, config_.limits, config_.lm_head, &inputs));
   // Shared with the batch that runs it (server/batcher.h, Lifetimes).
-  const auto shared_job = std::make_shared<ScoreJob>(std::move(built));
-  ScoreJob& job = *shared_job;
-  if (stats) stats->rows = job.num_rows();  // scored rows (a CUDA IPC job then computes every input row)
-  if (ipc) ExpandToInputRows(*ipc, &job);
-  if (resolved && resolved->rows_source) job.row_sources.push_back({0, resolved->rows_source});
+  const auto shared_job = std::make_shared<const ScoreJob>(std::move(built));
+  const ScoreJob& job = *shared_job;
+  // Scored rows (a job of every input row computes the unscored ones too).
+  if (stats) stats->rows = std::count_if(job.out_pos.begin(), job.out_pos.end(), [](int64_t o) { return o >= 0; });
   LOGPROB_ASSIGN_OR_RETURN(const auto ticket, admission_.Admit(job.num_rows(), request_bytes));
   RunBounds bounds;
   if (ctx) {
@@ -130,7 +113,7 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
   }
   LOGPROB_ASSIGN_OR_RETURN(const Batcher::Outcome batch, batcher_.Run(shared_job, next_job_id_++, bounds));
   // A client that shrank its region while the batch was planned: its rows were zeros.
-  if (resolved && resolved->rows_source) LOGPROB_RETURN_IF_ERROR(resolved->rows_source->status());
+  LOGPROB_RETURN_IF_ERROR(job.ReadStatus());
   if (metrics_) metrics_->ObserveQueue(batch.queue_seconds);
   if (stats) {
     stats->queue_seconds = batch.queue_seconds;

@@ -1,69 +1,60 @@
 #include "server/shared_inputs.h"
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/dtype.h"
 
 namespace logprob {
 namespace {
 
-/// Tensors BuildScoreJob reads (the others it only addresses).
-bool ReadByValidation(const std::string& name) {
-  return name == "input_ids" || name == "seq_lens" || name == "cu_seqlens" || name == "gather_indices";
-}
+class InRegion final : public InputSource {
+ public:
+  InRegion(std::shared_ptr<const ClientRegion> region, int64_t offset, int64_t byte_size)
+      : InputSource(InputKind::kSharedMemory, byte_size), region_(std::move(region)), offset_(offset) {}
+  bool Read(int64_t offset, size_t n, char* dst) const override {
+    absl::Status st = region_->Read(offset_ + offset, n, dst);
+    if (st.ok()) return true;
+    absl::MutexLock lock(&mu_);
+    if (status_.ok()) status_ = std::move(st);
+    return false;
+  }
+  absl::Status status() const override {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+
+ private:
+  const std::shared_ptr<const ClientRegion> region_;
+  const int64_t offset_;
+  mutable absl::Mutex mu_;
+  mutable absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace
 
-bool HasSharedMemoryRefs(const v1::ScoreRequest& req) {
-  for (const v1::Tensor& t : req.inputs())
-    if (t.has_shared_memory()) return true;
-  return false;
+std::shared_ptr<const InputSource> RegionSource(std::shared_ptr<const ClientRegion> region, int64_t offset,
+                                                int64_t byte_size) {
+  return std::make_shared<InRegion>(std::move(region), offset, byte_size);
 }
 
-absl::StatusOr<ResolvedInputs> ResolveSharedInputs(const v1::ScoreRequest& req, ClientRegions& regions,
-                                                   const std::string& owner) {
-  ResolvedInputs out;
-  out.data.reserve(req.inputs_size());
-  for (int i = 0; i < req.inputs_size(); ++i) {
-    const v1::Tensor& t = req.inputs(i);
-    if (!t.has_shared_memory()) {
-      out.data.emplace_back(t.data());
-      continue;
-    }
-    const v1::SharedMemoryRef& ref = t.shared_memory();
-    const std::string what = absl::StrCat("inputs[", i, "] \"", t.name(), "\": shared_memory");
-    if (!t.data().empty())
-      return absl::InvalidArgumentError(absl::StrCat(what, " given together with data; send one of them"));
-    auto region = regions.Find(owner, ref.region());
-    if (!region.ok()) return absl::NotFoundError(absl::StrCat(what, ": ", region.status().message()));
-    const int64_t size = (*region)->byte_size();
-    if (ref.offset() < 0 || ref.byte_size() < 0 || ref.offset() > size || ref.byte_size() > size - ref.offset())
-      return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", ref.offset(), ", ", ref.offset(), " + ",
-                                                     ref.byte_size(), ") are outside region \"", ref.region(), "\" of ",
-                                                     size, " bytes"));
-    const size_t esize = DTypeSize(t.dtype());
-    if (esize > 1 && ref.offset() % static_cast<int64_t>(esize) != 0)
-      return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", ref.offset(), " is not a multiple of ",
-                                                     DTypeName(t.dtype()), "'s ", esize, " bytes"));
-    out.referenced_bytes += ref.byte_size();
-    const char* at = (*region)->base() + ref.offset();
-    const size_t n = static_cast<size_t>(ref.byte_size());
-    if (ReadByValidation(t.name())) {
-      auto copy = std::make_unique<std::string>(n, '\0');
-      RegionReader reader(*region);
-      if (!reader.Read(copy->data(), at, n))
-        return absl::FailedPreconditionError(
-            absl::StrCat("inputs[", i, "] \"", t.name(), "\": ", reader.status().message()));
-      out.data.emplace_back(*copy);
-      out.owned.push_back(std::move(copy));
-    } else {
-      if (out.rows_source && &out.rows_source->region() != region->get())
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, ": logits / hidden_states of one request must lie in one region"));
-      if (!out.rows_source) out.rows_source = std::make_shared<RegionReader>(*region);
-      out.data.emplace_back(at, n);
-    }
-  }
-  return out;
+absl::StatusOr<std::shared_ptr<const InputSource>> ResolveSharedMemory(const v1::Tensor& t, int index,
+                                                                       ClientRegions& regions,
+                                                                       const std::string& owner) {
+  const v1::SharedMemoryRef& ref = t.shared_memory();
+  const std::string what = absl::StrCat("inputs[", index, "] \"", t.name(), "\": shared_memory");
+  auto region = regions.Find(owner, ref.region());
+  if (!region.ok()) return absl::NotFoundError(absl::StrCat(what, ": ", region.status().message()));
+  const int64_t size = (*region)->byte_size();
+  if (ref.offset() < 0 || ref.byte_size() < 0 || ref.offset() > size || ref.byte_size() > size - ref.offset())
+    return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", ref.offset(), ", ", ref.offset(), " + ",
+                                                   ref.byte_size(), ") are outside region \"", ref.region(), "\" of ",
+                                                   size, " bytes"));
+  const size_t esize = DTypeSize(t.dtype());
+  if (esize > 1 && ref.offset() % static_cast<int64_t>(esize) != 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", ref.offset(), " is not a multiple of ",
+                                                   DTypeName(t.dtype()), "'s ", esize, " bytes"));
+  return RegionSource(*std::move(region), ref.offset(), ref.byte_size());
 }
 
 }  // namespace logprob

@@ -1,42 +1,32 @@
-// Resolution of a ScoreRequest's shared-memory references (Tensor.shared_memory)
-// into the byte views BuildScoreJob validates, so batching, planning and
-// replies work as for inline bytes.
+// Shared-memory inputs (Tensor.shared_memory): a reference to bytes of a
+// region the client registered (server/client_regions.h), resolved into an
+// InputSource that reads them with pread when they are needed.
 #pragma once
 
 #include <memory>
 #include <string>
-#include <string_view>
-#include <vector>
 
 #include "absl/status/statusor.h"
 #include "logprob/v1/logprob.pb.h"
 #include "server/client_regions.h"
+#include "server/input_source.h"
 
 namespace logprob {
 
-/// A request's input bytes: data[i] is input i's bytes. Inline tensors
-/// view their `data`; integer tensors (input_ids, cu_seqlens, ...) in a
-/// region are copied into `owned` (they are small, and validation reads
-/// them); the logits / hidden_states in a region stay there: their view
-/// is an address range of the region (ClientRegion::base) that only
-/// `rows_source` may read.
-struct ResolvedInputs {
-  std::vector<std::string_view> data;
-  std::vector<std::unique_ptr<std::string>> owned;
-  std::shared_ptr<RegionReader> rows_source;  // null unless logits / hidden_states are in a region
-  int64_t referenced_bytes = 0;               // bytes of all references
-};
+/// Bytes [offset, offset + byte_size) of a client's registered region,
+/// read with ClientRegion::Read (never mapped: the client may shrink the
+/// object at any time). A failed Read zero-fills and records the first
+/// FAILED_PRECONDITION, which fails the request. Thread-safe.
+std::shared_ptr<const InputSource> RegionSource(std::shared_ptr<const ClientRegion> region, int64_t offset,
+                                                int64_t byte_size);
 
-/// True if some input of `req` references shared memory.
-bool HasSharedMemoryRefs(const v1::ScoreRequest& req);
-
-/// Resolves the references of `req` against session `owner`'s regions.
-/// Errors name the tensor: NOT_FOUND (region not registered by the
-/// session), INVALID_ARGUMENT (both data and a reference, negative offset
-/// or size, range past the region's byte_size, offset not a multiple of
-/// the dtype's size), FAILED_PRECONDITION (the object shrank before an
-/// integer tensor could be read).
-absl::StatusOr<ResolvedInputs> ResolveSharedInputs(const v1::ScoreRequest& req, ClientRegions& regions,
-                                                   const std::string& owner);
+/// The source of input `index` of a request, `tensor`, whose bytes are in
+/// one of session `owner`'s regions (tensor.shared_memory). Errors name
+/// the tensor: NOT_FOUND (region not registered by the session),
+/// INVALID_ARGUMENT (negative offset or size, range past the region's
+/// byte_size, offset not a multiple of the dtype's size).
+absl::StatusOr<std::shared_ptr<const InputSource>> ResolveSharedMemory(const v1::Tensor& tensor, int index,
+                                                                       ClientRegions& regions,
+                                                                       const std::string& owner);
 
 }  // namespace logprob

@@ -6,25 +6,27 @@
 // interleaving below is forced, not hoped for.
 #include "server/batcher.h"
 
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
-
-#include "absl/strings/str_cat.h"
-#include "common/buffer_pool.h"
-#include "server/client_regions.h"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstring>
-#include <map>
 #include <condition_variable>
+#include <cstring>
 #include <future>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/buffer_pool.h"
+#include "server/client_regions.h"
+#include "server/input_source.h"
+#include "server/shared_inputs.h"
 
 namespace logprob {
 namespace {
@@ -71,7 +73,7 @@ class FakeRunner {
     for (const PlannedItem& p : plan.items) {
       targets.insert(targets.end(), p.item.targets().begin(), p.item.targets().end());
       // Every row's logits are its job's tag (Jobs::Make).
-      const std::string& logits = p.item.logits();
+      const std::string& logits = p.item.data();
       if (logits.size() != static_cast<size_t>(p.item.num_rows() * kV) * sizeof(float))
         return absl::InternalError("the plan's payload has the wrong size");
       for (int64_t r = 0; r < p.item.num_rows(); ++r)
@@ -150,12 +152,13 @@ class Jobs {
     job->dtype = v1::F32;
     job->vocab_size = kV;
     job->row_bytes = kV * 4;
-    for (int64_t r = 0; r < rows; ++r) job->rows.push_back(bytes.data() + r * job->row_bytes);
+    for (int64_t r = 0; r < rows; ++r) job->rows.push_back(r);
     job->targets.assign(rows, tag);
     job->out_pos.resize(rows);
     job->out_shape = {rows};
     job->options.set_topk(topk);
     job->options.set_temperature(1.f);
+    job->segments.push_back({0, MemorySource(bytes)});
     std::lock_guard<std::mutex> lock(mu_);
     bytes_[job.get()] = std::move(bytes);
     return job;
@@ -431,12 +434,12 @@ class ShmRows {
     job->dtype = v1::F32;
     job->vocab_size = kV;
     job->row_bytes = kV * 4;
-    for (int64_t r = 0; r < rows; ++r) job->rows.push_back(region_->base() + r * job->row_bytes);
+    for (int64_t r = 0; r < rows; ++r) job->rows.push_back(r);
     job->targets.assign(rows, tag);
     job->out_pos.resize(rows);
     job->out_shape = {rows};
     job->options.set_temperature(1.f);
-    job->row_sources.push_back({0, std::make_shared<RegionReader>(region_)});
+    job->segments.push_back({0, RegionSource(region_, 0, region_->byte_size())});
     return job;
   }
   /// What a client may do once its call returned: unregister, shrink and

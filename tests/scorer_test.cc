@@ -186,17 +186,17 @@ WorkItem ItemFor(const Problem& p, Layout layout, int W, int r) {
     rows = re - rb;
     item.set_vocab_begin(0);
     item.set_vocab_end(p.V);
-    item.set_logits(p.logits.data() + first * p.V * es, rows * p.V * es);
+    item.set_data(p.logits.data() + first * p.V * es, rows * p.V * es);
   } else {
     item.set_vocab_begin(vb);
     item.set_vocab_end(ve);
     if (layout == internal::v1::VOCAB_PARALLEL) {
       std::string slice;
       for (int64_t i = 0; i < p.n; ++i) slice.append(p.logits.data() + (i * p.V + vb) * es, (ve - vb) * es);
-      item.set_logits(slice);
+      item.set_data(slice);
     } else {
       item.set_hidden_size(p.H);
-      item.set_hidden_states(p.hidden.data() + rb * p.H * es, (re - rb) * p.H * es);
+      item.set_data(p.hidden.data() + rb * p.H * es, (re - rb) * p.H * es);
     }
   }
   item.set_num_rows(rows);
@@ -614,10 +614,10 @@ TEST(Scorer, DevicePayloadNeedsAOnePassBackend) {
   const WorkItem item = ItemFor(p, internal::v1::HIDDEN_STATES, 1, 0);
   auto backend = BackendFor(p, 1, 0);
   SelfCommunicator self;
-  const auto res = ScoreWorkItem(item, ItemPayload(item.hidden_states(), /*device=*/true), self, *backend, 16, {});
+  const auto res = ScoreWorkItem(item, ItemPayload(item.data(), /*device=*/true), self, *backend, 16, {});
   EXPECT_EQ(res.status().code(), absl::StatusCode::kFailedPrecondition) << res.status();
   const WorkItem logits = ItemFor(LogitsProblem(v1::F32, 4, 16, false, 2), internal::v1::TOKEN_PARALLEL, 1, 0);
-  const auto bad = ScoreWorkItem(logits, ItemPayload(logits.logits(), /*device=*/true), self, *backend, 16, {});
+  const auto bad = ScoreWorkItem(logits, ItemPayload(logits.data(), /*device=*/true), self, *backend, 16, {});
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
 }
 

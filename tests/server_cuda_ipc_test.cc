@@ -1,11 +1,12 @@
 // CUDA IPC inputs (Tensor.cuda_ipc; server/cuda_ipc_inputs.h) on CPU:
-// - FindCudaIpcInput: INVALID_ARGUMENT naming the tensor for a reference on
-//   another tensor than hidden_states, with data or shared_memory too, a
-//   handle that is not 64 bytes, a negative or misaligned offset, a
-//   byte_size that does not match the shape;
+// - ResolveInputs / ResolveCudaIpc: INVALID_ARGUMENT naming the tensor for
+//   a reference on another tensor than hidden_states, a handle that is not
+//   64 bytes, a negative or misaligned offset, a byte_size that does not
+//   match the shape; FAILED_PRECONDITION with sampling filters; the source
+//   refers workers to byte ranges and is never read;
 // - CheckCudaIpcAvailable: FAILED_PRECONDITION saying why (flag off, CPU
 //   workers, remote workers, remote peer) and to send bytes instead;
-// - ExpandToInputRows + PlanWork + BuildResponse: a padded next_token job
+// - BuildScoreJob + PlanWork + BuildResponse: a padded next_token job
 //   becomes every input row; each worker's item carries the handle and its
 //   contiguous byte range and no bytes; unscored rows' results are dropped
 //   and scored rows land at their output positions; two CUDA IPC jobs are
@@ -31,6 +32,7 @@
 #include "server/batcher.h"
 #include "server/cuda_ipc_inputs.h"
 #include "server/planner.h"
+#include "server/request_inputs.h"
 #include "server/response_builder.h"
 #include "server/score_job.h"
 #include "tests/test_support.h"
@@ -68,21 +70,44 @@ v1::ScoreRequest IpcRequest(int64_t B, int64_t S, const std::vector<int64_t>& id
   return req;
 }
 
-absl::Status FindStatus(const v1::ScoreRequest& req) { return FindCudaIpcInput(req).status(); }
+/// A context in which CUDA IPC inputs are available, for a local peer.
+InputContext IpcContext() {
+  InputContext c;
+  c.cuda_ipc = CudaIpcAvailability{
+      /*flag=*/true, /*cuda_workers=*/true, /*same_host=*/true, /*one_pass=*/true, 1, "gloo"};
+  c.peer = "ipv4:127.0.0.1:5000";
+  return c;
+}
 
-TEST(FindCudaIpcInput, MalformedReferencesNameTheTensor) {
+absl::Status ResolveStatus(const v1::ScoreRequest& req) { return ResolveInputs(req, IpcContext()).status(); }
+
+TEST(ResolveCudaIpc, MalformedReferencesNameTheTensor) {
   const v1::ScoreRequest good = IpcRequest(1, 3, {1, 2, 3}, {});
-  auto found = FindCudaIpcInput(good);
-  ASSERT_TRUE(found.ok()) << found.status();
-  ASSERT_TRUE(found->has_value());
-  EXPECT_EQ((*found)->index, 0);
-  EXPECT_EQ((*found)->offset, 256);
-  EXPECT_EQ((*found)->byte_size, 3 * kH * 4);
+  auto resolved = ResolveInputs(good, IpcContext());
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  ASSERT_EQ(resolved->sources.size(), 2u);
+  EXPECT_EQ(resolved->sources[0]->kind(), InputKind::kCudaIpc);
+  EXPECT_EQ(resolved->sources[0]->byte_size(), 3 * kH * 4);
+  EXPECT_EQ(resolved->sources[1]->kind(), InputKind::kBytes);
+  EXPECT_EQ(resolved->referenced_bytes, 3 * kH * 4);
+  // The reference: bytes [8, 8 + 16) of the tensor are [264, 280) of the allocation.
+  internal::v1::WorkItem item;
+  ASSERT_TRUE(resolved->sources[0]->Refer(8, 16, &item));
+  EXPECT_EQ(item.cuda_ipc().handle(), std::string(64, 'h'));
+  EXPECT_EQ(item.cuda_ipc().offset(), 256 + 8);
+  EXPECT_EQ(item.cuda_ipc().byte_size(), 16);
+  // The front-end never reads it.
+  std::string bytes(4, 'x');
+  EXPECT_FALSE(resolved->sources[0]->Read(0, 4, bytes.data()));
+  EXPECT_EQ(bytes, std::string(4, '\0'));
+  // Tensor.source is one of: data replaces the reference.
   v1::ScoreRequest plain = good;
-  plain.mutable_inputs(0)->clear_cuda_ipc();
-  found = FindCudaIpcInput(plain);
-  ASSERT_TRUE(found.ok());
-  EXPECT_FALSE(found->has_value());
+  plain.mutable_inputs(0)->set_data(std::string(48, '\0'));
+  EXPECT_FALSE(plain.inputs(0).has_cuda_ipc());
+  resolved = ResolveInputs(plain, InputContext{});
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->sources[0]->kind(), InputKind::kBytes);
+  EXPECT_EQ(resolved->referenced_bytes, 0);
 
   struct Case {
     std::function<void(v1::ScoreRequest*)> edit;
@@ -99,22 +124,17 @@ TEST(FindCudaIpcInput, MalformedReferencesNameTheTensor) {
        "offset -4 and byte_size 48 must be >= 0"},
       {[](v1::ScoreRequest* r) { r->mutable_inputs(0)->mutable_cuda_ipc()->set_offset(6); },
        "cuda_ipc.offset 6 is not a multiple of F32's 4 bytes"},
-      {[](v1::ScoreRequest* r) { r->mutable_inputs(0)->set_data(std::string(48, '\0')); },
-       "cuda_ipc given together with data"},
-      {[](v1::ScoreRequest* r) { r->mutable_inputs(0)->mutable_shared_memory()->set_region("r"); },
-       "cuda_ipc given together with shared_memory"},
       {[](v1::ScoreRequest* r) {
          v1::Tensor* ids = r->mutable_inputs(1);
          ids->mutable_cuda_ipc()->set_handle(std::string(64, 'h'));
          ids->mutable_cuda_ipc()->set_byte_size(24);
-         ids->clear_data();
        },
-       "inputs[1] \"input_ids\": cuda_ipc is only accepted for \"hidden_states\""},
+       "inputs[1] \"input_ids\": a CUDA IPC reference is only accepted for \"hidden_states\""},
   };
   for (const Case& c : cases) {
     v1::ScoreRequest bad = good;
     c.edit(&bad);
-    const absl::Status st = FindStatus(bad);
+    const absl::Status st = ResolveStatus(bad);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.message;
     EXPECT_NE(st.message().find(c.message), std::string::npos) << st.message() << "\nwant: " << c.message;
   }
@@ -155,20 +175,21 @@ TEST(CheckCudaIpcAvailable, SaysWhyAndWhatToSendInstead) {
   }
 }
 
-TEST(CheckCudaIpcOptions, SamplingFiltersNeedBytes) {
-  v1::ScoreOptions o;
-  EXPECT_TRUE(CheckCudaIpcOptions(o).ok());
-  o.set_sampling_top_p(1.0f);
-  o.set_topk(5);
-  EXPECT_TRUE(CheckCudaIpcOptions(o).ok());
+TEST(ResolveCudaIpc, SamplingFiltersNeedBytes) {
+  v1::ScoreRequest req = IpcRequest(1, 3, {1, 2, 3}, {});
+  EXPECT_TRUE(ResolveStatus(req).ok());
+  req.mutable_options()->set_sampling_top_p(1.0f);
+  req.mutable_options()->set_topk(5);
+  EXPECT_TRUE(ResolveStatus(req).ok());
   for (int which = 0; which < 2; ++which) {
-    v1::ScoreOptions f;
-    if (which == 0) f.set_sampling_top_k(20);
-    else f.set_sampling_top_p(0.9f);
-    const absl::Status st = CheckCudaIpcOptions(f);
+    v1::ScoreRequest f = IpcRequest(1, 3, {1, 2, 3}, {});
+    if (which == 0) f.mutable_options()->set_sampling_top_k(20);
+    else f.mutable_options()->set_sampling_top_p(0.9f);
+    const absl::Status st = ResolveStatus(f);
     EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
     EXPECT_NE(st.message().find("options.sampling_top_k / options.sampling_top_p"), std::string::npos) << st;
-    EXPECT_NE(st.message().find("send the hidden states as bytes"), std::string::npos) << st;
+    EXPECT_NE(st.message().find("send the tensor as bytes"), std::string::npos) << st;
+    EXPECT_NE(st.message().find("CUDA IPC"), std::string::npos) << st;
   }
 }
 
@@ -176,14 +197,10 @@ TEST(CheckCudaIpcOptions, SamplingFiltersNeedBytes) {
 ScoreJob IpcJob(const v1::ScoreRequest& req, v1::ScoreOptions options = {}) {
   v1::ScoreRequest r = req;
   *r.mutable_options() = options;
-  auto ipc = FindCudaIpcInput(r);
-  EXPECT_TRUE(ipc.ok() && ipc->has_value());
-  std::vector<std::string_view> views;
-  for (const auto& t : r.inputs()) views.emplace_back(t.data());
-  views[(*ipc)->index] = CudaIpcPlaceholder((*ipc)->byte_size);
-  auto job = BuildScoreJob(r, RequestLimits{}, LmHeadShape{kV, kH}, &views);
+  auto inputs = ResolveInputs(r, IpcContext());
+  EXPECT_TRUE(inputs.ok()) << inputs.status();
+  auto job = BuildScoreJob(r, RequestLimits{}, LmHeadShape{kV, kH}, &*inputs);
   EXPECT_TRUE(job.ok()) << job.status();
-  ExpandToInputRows(**ipc, &*job);
   return *std::move(job);
 }
 
@@ -193,8 +210,8 @@ TEST(CudaIpcJob, EveryInputRowWithEachWorkersContiguousRange) {
   // sequence 1) are not scored.
   const v1::ScoreRequest req = IpcRequest(2, 4, {1, 2, 3, 0, 4, 5, 6, 7}, {3, 4});
   const ScoreJob job = IpcJob(req);
-  ASSERT_TRUE(job.cuda_ipc.has_value());
-  EXPECT_EQ(job.cuda_ipc->handle, std::string(64, 'h'));
+  ASSERT_NE(job.referenced_source(), nullptr);
+  EXPECT_FALSE(job.batchable());
   EXPECT_EQ(job.num_rows(), 8);
   EXPECT_EQ(job.targets, (std::vector<int64_t>{2, 3, -1, -1, 5, 6, 7, -1}));
   EXPECT_EQ(job.out_pos, (std::vector<int64_t>{0, 1, -1, -1, 3, 4, 5, -1}));
@@ -210,11 +227,10 @@ TEST(CudaIpcJob, EveryInputRowWithEachWorkersContiguousRange) {
   for (int w = 0; w < kWorkers; ++w) {
     const auto& item = plan.items[w].item;
     const auto [b, e] = SplitRange(8, kWorkers, w);
-    EXPECT_EQ(item.payload_cuda_ipc_handle(), std::string(64, 'h'));
-    EXPECT_EQ(item.payload_cuda_ipc_offset(), 256 + b * row_bytes) << w;
-    EXPECT_EQ(item.payload_cuda_ipc_bytes(), (e - b) * row_bytes) << w;
-    EXPECT_TRUE(item.hidden_states().empty());
-    EXPECT_TRUE(item.payload_shm().empty());
+    ASSERT_TRUE(item.has_cuda_ipc()) << w;
+    EXPECT_EQ(item.cuda_ipc().handle(), std::string(64, 'h'));
+    EXPECT_EQ(item.cuda_ipc().offset(), 256 + b * row_bytes) << w;
+    EXPECT_EQ(item.cuda_ipc().byte_size(), (e - b) * row_bytes) << w;
     EXPECT_EQ(item.num_rows(), 8);
     EXPECT_EQ(std::vector<int64_t>(item.targets().begin(), item.targets().end()), job.targets);
   }
@@ -304,9 +320,9 @@ v1::ScoreRequest GoldenIpcRequest(int64_t byte_size_delta = 0) {
   v1::ScoreRequest req = GoldenRequest(LoadGolden("hidden_bf16"));
   for (v1::Tensor& t : *req.mutable_inputs())
     if (t.name() == "hidden_states") {
-      t.mutable_cuda_ipc()->set_handle(std::string(64, '\x01'));
-      t.mutable_cuda_ipc()->set_byte_size(static_cast<int64_t>(t.data().size()) + byte_size_delta);
-      t.clear_data();
+      const auto bytes = static_cast<int64_t>(t.data().size());
+      t.mutable_cuda_ipc()->set_handle(std::string(64, '\x01'));  // replaces data (Tensor.source is a oneof)
+      t.mutable_cuda_ipc()->set_byte_size(bytes + byte_size_delta);
     }
   return req;
 }
@@ -357,13 +373,13 @@ TEST(CudaIpcServer, CpuPoolReportsNoFeatureAndRefusesReferences) {
   v1::ScoreRequest on_ids = GoldenRequest(LoadGolden("hidden_bf16"));
   for (v1::Tensor& t : *on_ids.mutable_inputs())
     if (t.name() == "input_ids") {
+      const auto bytes = static_cast<int64_t>(t.data().size());
       t.mutable_cuda_ipc()->set_handle(std::string(64, '\x01'));
-      t.mutable_cuda_ipc()->set_byte_size(static_cast<int64_t>(t.data().size()));
-      t.clear_data();
+      t.mutable_cuda_ipc()->set_byte_size(bytes);
     }
   st = Score(*stub, on_ids);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(st.error_message().find("\"input_ids\": cuda_ipc is only accepted for \"hidden_states\""),
+  EXPECT_NE(st.error_message().find("\"input_ids\": a CUDA IPC reference is only accepted for \"hidden_states\""),
             std::string::npos)
       << st.error_message();
 

@@ -75,12 +75,12 @@ class TestRegion {
   void Place(v1::ScoreRequest* req, const std::string& region) {
     size_t at = 0;
     for (v1::Tensor& t : *req->mutable_inputs()) {
-      std::memcpy(data_ + at, t.data().data(), t.data().size());
-      t.mutable_shared_memory()->set_region(region);
+      const size_t n = t.data().size();
+      std::memcpy(data_ + at, t.data().data(), n);
+      t.mutable_shared_memory()->set_region(region);  // replaces data (Tensor.source is a oneof)
       t.mutable_shared_memory()->set_offset(static_cast<int64_t>(at));
-      t.mutable_shared_memory()->set_byte_size(static_cast<int64_t>(t.data().size()));
-      at += (t.data().size() + 63) & ~size_t{63};
-      t.clear_data();
+      t.mutable_shared_memory()->set_byte_size(static_cast<int64_t>(n));
+      at += (n + 63) & ~size_t{63};
     }
     ASSERT_LE(at, size_);
   }
@@ -349,8 +349,9 @@ TEST_F(SharedMemoryInputs, BadReferencesNameTheTensor) {
       {"wrong size", "input_ids",
        [](v1::Tensor& t) { t.mutable_shared_memory()->set_byte_size(t.shared_memory().byte_size() - 8); },
        grpc::StatusCode::INVALID_ARGUMENT, "bytes but shape"},
-      {"data and reference", "logits", [](v1::Tensor& t) { t.set_data("xxxx"); }, grpc::StatusCode::INVALID_ARGUMENT,
-       "together with data"},
+      // Tensor.source is a oneof: data replaces the reference.
+      {"data replaces the reference", "logits", [](v1::Tensor& t) { t.set_data("xxxx"); },
+       grpc::StatusCode::INVALID_ARGUMENT, "data is 4 bytes but shape"},
   };
   for (const Bad& b : bad) {
     SCOPED_TRACE(b.label);

@@ -6,20 +6,19 @@ namespace logprob {
 
 absl::StatusOr<std::string_view> PayloadRegions::Payload(const internal::v1::WorkItem& item,
                                                          std::shared_ptr<SharedRegion>* hold) {
-  if (item.payload_shm().empty())
-    return item.layout() == internal::v1::HIDDEN_STATES ? std::string_view(item.hidden_states())
-                                                        : std::string_view(item.logits());
+  if (!item.has_shared_memory()) return std::string_view(item.data());
+  const internal::v1::SharedMemoryPayload& shm = item.shared_memory();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (auto it = mapped_.begin(); it != mapped_.end(); ++it)
-      if ((*it)->name() == item.payload_shm()) {
+      if ((*it)->name() == shm.name()) {
         *hold = *it;
         mapped_.splice(mapped_.begin(), mapped_, it);
         break;
       }
   }
   if (!*hold) {
-    auto opened = SharedRegion::Open(item.payload_shm());
+    auto opened = SharedRegion::Open(shm.name());
     if (!opened.ok())
       return absl::FailedPreconditionError(absl::StrCat(
           "work item payload in shared memory: ", opened.status().message(),
@@ -36,16 +35,15 @@ absl::StatusOr<std::string_view> PayloadRegions::Payload(const internal::v1::Wor
         mapped.reset();
       });
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     mapped_.push_front(*hold);
     if (mapped_.size() > capacity_) mapped_.pop_back();
   }
-  const int64_t offset = item.payload_offset(), bytes = item.payload_bytes();
+  const int64_t offset = shm.offset(), bytes = shm.byte_size();
   const auto size = static_cast<int64_t>((*hold)->size());
   if (offset < 0 || bytes < 0 || offset > size || bytes > size - offset)
     return absl::InvalidArgumentError(absl::StrCat("work item: payload [", offset, ", ", offset + bytes,
-                                                   ") is outside shared memory ", item.payload_shm(), " of ", size,
-                                                   " bytes"));
+                                                   ") is outside shared memory ", shm.name(), " of ", size, " bytes"));
   return std::string_view((*hold)->data() + offset, static_cast<size_t>(bytes));
 }
 

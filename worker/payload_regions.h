@@ -1,13 +1,14 @@
-// The worker's side of shared-memory payloads (WorkItem.payload_shm).
+// The worker's side of shared-memory payloads (WorkItem.shared_memory).
 #pragma once
 
 #include <list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/shared_memory.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "worker/backend.h"
@@ -25,18 +26,19 @@ class PayloadRegions {
   explicit PayloadRegions(size_t capacity = 8, ScoringBackend* backend = nullptr)
       : capacity_(capacity), backend_(backend) {}
 
-  /// The payload of `item`: its logits (or, for HIDDEN_STATES, its
-  /// hidden_states) field, or its range of the region payload_shm. *hold
+  /// The payload of `item` read on the host: its bytes (WorkItem.data), or
+  /// its range of the front-end's region (WorkItem.shared_memory). *hold
   /// keeps that region mapped while the payload is in use.
   /// FAILED_PRECONDITION when the region cannot be opened (a worker on
   /// another host); INVALID_ARGUMENT when the range is outside it.
-  absl::StatusOr<std::string_view> Payload(const internal::v1::WorkItem& item, std::shared_ptr<SharedRegion>* hold);
+  absl::StatusOr<std::string_view> Payload(const internal::v1::WorkItem& item, std::shared_ptr<SharedRegion>* hold)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const size_t capacity_;
   ScoringBackend* const backend_;
-  std::mutex mu_;
-  std::list<std::shared_ptr<SharedRegion>> mapped_;  // most recently used first
+  absl::Mutex mu_;
+  std::list<std::shared_ptr<SharedRegion>> mapped_ ABSL_GUARDED_BY(mu_);  // most recently used first
 };
 
 }  // namespace logprob

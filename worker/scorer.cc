@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/input_kind.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
 #include "worker/kernels/row_stats.h"
@@ -29,10 +30,7 @@ StatsSpec SpecOf(const WorkItem& item) {
   return spec;
 }
 
-bool HasFilters(const WorkItem& item) {
-  const auto& o = item.options();
-  return o.sampling_top_k() > 0 || (o.has_sampling_top_p() && o.sampling_top_p() < 1.0f);
-}
+bool HasFilters(const WorkItem& item) { return HasSamplingFilters(item.options()); }
 
 /// Output arrays of the rows a rank returns, in WorkResult layout.
 class ResultRows {
@@ -330,9 +328,7 @@ absl::Status ScoreHiddenOnePass(Job& job, Communicator& comm, bool on_device, in
 
 absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& comm, ScoringBackend& backend,
                                          int64_t hidden_chunk_tokens, const std::function<bool()>& should_stop) {
-  return ScoreWorkItem(
-      item, std::string_view(item.layout() == internal::v1::HIDDEN_STATES ? item.hidden_states() : item.logits()), comm,
-      backend, hidden_chunk_tokens, should_stop);
+  return ScoreWorkItem(item, std::string_view(item.data()), comm, backend, hidden_chunk_tokens, should_stop);
 }
 
 absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_payload, Communicator& comm,

@@ -55,9 +55,9 @@ struct ItemPayload {
   bool on_device = false;
 };
 
-/// As above, with the item's payload (what its `logits`, or for
-/// HIDDEN_STATES its `hidden_states`, would hold) at `payload` instead, e.g.
-/// in a shared memory region (WorkItem.payload_shm).
+/// As above, with the item's payload (what its `data` would hold) at
+/// `payload` instead, e.g. in a shared memory region
+/// (WorkItem.shared_memory) or a client's GPU memory (WorkItem.cuda_ipc).
 absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item, ItemPayload payload,
                                                        Communicator& comm, ScoringBackend& backend,
                                                        int64_t hidden_chunk_tokens,

@@ -26,13 +26,12 @@ absl::Status AllRanksOk(Communicator& comm, const absl::Status& mine) {
 
 absl::StatusOr<ItemPayload> WorkerService::OpenPayload(const internal::v1::WorkItem& item,
                                                        std::shared_ptr<SharedRegion>* region, DevicePayload* device) {
-  if (!item.payload_cuda_ipc_handle().empty()) {
-    auto opened = backend_->OpenCudaIpcPayload(item.payload_cuda_ipc_handle(), item.payload_cuda_ipc_offset(),
-                                               item.payload_cuda_ipc_bytes());
+  if (item.has_cuda_ipc()) {
+    const internal::v1::CudaIpcPayload& ipc = item.cuda_ipc();
+    auto opened = backend_->OpenCudaIpcPayload(ipc.handle(), ipc.offset(), ipc.byte_size());
     if (!opened.ok()) return opened.status();
     *device = *std::move(opened);
-    return ItemPayload(std::string_view(device->get(), static_cast<size_t>(item.payload_cuda_ipc_bytes())),
-                       /*device=*/true);
+    return ItemPayload(std::string_view(device->get(), static_cast<size_t>(ipc.byte_size())), /*device=*/true);
   }
   auto found = payload_regions_.Payload(item, region);
   if (!found.ok()) return found.status();
@@ -48,10 +47,10 @@ grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::Wo
   std::shared_ptr<SharedRegion> region;
   DevicePayload device;
   const absl::StatusOr<ItemPayload> payload = OpenPayload(*item, &region, &device);
-  const bool ipc = !item->payload_cuda_ipc_handle().empty();
+  const bool ipc = item->has_cuda_ipc();
   absl::StatusOr<internal::v1::WorkResult> res;
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
-    std::lock_guard<std::mutex> lock(collective_mu_);
+    absl::MutexLock lock(&collective_mu_);
     TimedCommunicator timed(*comm_);
     if (ipc) {
       if (absl::Status st = AllRanksOk(timed, payload.status()); !st.ok()) return ToGrpc(st);

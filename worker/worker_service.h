@@ -2,8 +2,8 @@
 #pragma once
 
 #include <memory>
-#include <mutex>
 
+#include "absl/synchronization/mutex.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend.h"
 #include "worker/communicator.h"
@@ -16,7 +16,7 @@ namespace logprob {
 /// hidden-states items use the communicator and run one at a time (the
 /// front-end sends them in the same order to every rank); token-parallel
 /// items run concurrently. A HIDDEN_STATES item from a CUDA IPC input
-/// (WorkItem.payload_cuda_ipc_*) is mapped on the backend's GPU; the ranks
+/// (WorkItem.cuda_ipc) is mapped on the backend's GPU; the ranks
 /// agree that all of them mapped it before scoring.
 class WorkerService final : public internal::v1::Worker::Service {
  public:
@@ -36,7 +36,7 @@ class WorkerService final : public internal::v1::Worker::Service {
  private:
   /// The payload of `item`: its bytes field, its range of the front-end's
   /// shared memory (*region keeps it mapped), or its range of a same-host
-  /// client's CUDA allocation (WorkItem.payload_cuda_ipc_*, mapped by the
+  /// client's CUDA allocation (WorkItem.cuda_ipc, mapped by the
   /// backend; *device keeps it mapped). Errors of PayloadRegions::Payload
   /// and ScoringBackend::OpenCudaIpcPayload.
   absl::StatusOr<ItemPayload> OpenPayload(const internal::v1::WorkItem& item, std::shared_ptr<SharedRegion>* region,
@@ -46,7 +46,7 @@ class WorkerService final : public internal::v1::Worker::Service {
   std::unique_ptr<ScoringBackend> backend_;
   std::unique_ptr<Communicator> comm_;
   int64_t chunk_tokens_;
-  std::mutex collective_mu_;
+  absl::Mutex collective_mu_;  // one work item's collective sequence at a time
   // Declared after backend_: unmapped (and unregistered from it) first.
   PayloadRegions payload_regions_;
 };

@@ -11,9 +11,9 @@
 // validates is checked for its invariants and planned for 1..3 workers in
 // every parallelism, and every plan is checked against the job. The same
 // request with its hidden states as a CUDA IPC reference (and the parsed
-// request's own references) goes through FindCudaIpcInput,
-// ExpandToInputRows and PlanWork (server/cuda_ipc_inputs.h), checked against
-// the job of scored rows. A violated invariant traps.
+// request's own references) goes through ResolveInputs (server/request_inputs.h),
+// BuildScoreJob (every input row) and PlanWork, checked against the job of
+// scored rows. A violated invariant traps.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cmath>
@@ -26,10 +26,12 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/input_kind.h"
 #include "google/protobuf/stubs/logging.h"
 #include "logprob/v1/logprob.pb.h"
 #include "server/cuda_ipc_inputs.h"
 #include "server/planner.h"
+#include "server/request_inputs.h"
 #include "server/score_job.h"
 
 namespace {
@@ -293,10 +295,11 @@ void CheckJob(const ScoreRequest& req, const ScoreJob& job, const RequestLimits&
   for (int64_t d : job.out_shape) CHECK(d >= 0);
   const int64_t outputs = job.num_outputs();
   CHECK(outputs >= n);
+  CHECK(job.segments.size() == 1 && job.segments[0].first_row == 0);
+  CHECK(job.segments[0].source->byte_size() == static_cast<int64_t>(input->data().size()));
+  CHECK(job.batchable() && job.referenced_source() == nullptr);
   for (int64_t r = 0; r < n; ++r) {
-    const char* base = input->data().data();
-    CHECK(job.rows[r] >= base && job.rows[r] < base + input_rows * job.row_bytes);
-    CHECK((job.rows[r] - base) % job.row_bytes == 0);
+    CHECK(job.rows[r] >= 0 && job.rows[r] < input_rows);
     CHECK(job.targets[r] >= -1 && job.targets[r] < V);
     CHECK(job.out_pos[r] >= 0 && job.out_pos[r] < outputs);
     if (r > 0) CHECK(job.out_pos[r] > job.out_pos[r - 1]);
@@ -312,9 +315,10 @@ void CheckJob(const ScoreRequest& req, const ScoreJob& job, const RequestLimits&
   CHECK(o.alignment() == logprob::v1::NEXT_TOKEN || o.alignment() == logprob::v1::SAME_POSITION);
 }
 
-// The bytes of scored row r, columns [vb, ve).
-std::string RowSlice(const ScoreJob& job, int64_t r, int64_t vb, int64_t ve, size_t esize) {
-  return std::string(job.rows[r] + vb * esize, static_cast<size_t>(ve - vb) * esize);
+// The bytes of scored row r, columns [vb, ve), from the request's tensor `input`.
+std::string RowSlice(const std::string& input, const ScoreJob& job, int64_t r, int64_t vb, int64_t ve, size_t esize) {
+  return input.substr(static_cast<size_t>(job.rows[r]) * job.row_bytes + vb * esize,
+                      static_cast<size_t>(ve - vb) * esize);
 }
 
 void CheckCommon(const ScoreJob& job, const iv1::WorkItem& it, uint64_t job_id, int64_t row_begin) {
@@ -339,7 +343,8 @@ void CheckVocabSlice(const ScoreJob& job, const logprob::PlannedItem& p, uint64_
   *vocab_at = it.vocab_end();
 }
 
-void CheckPlan(const ScoreJob& job, const logprob::Plan& plan, int workers, Parallelism par, uint64_t job_id) {
+void CheckPlan(const std::string& input, const ScoreJob& job, const logprob::Plan& plan, int workers, Parallelism par,
+               uint64_t job_id) {
   const int64_t n = job.num_rows(), V = job.vocab_size;
   const size_t esize = logprob::DTypeSize(job.dtype);
   int last_worker = -1;
@@ -355,12 +360,12 @@ void CheckPlan(const ScoreJob& job, const logprob::Plan& plan, int workers, Para
     for (const auto& p : plan.items) {
       const auto& it = p.item;
       CheckVocabSlice(job, p, job_id, &vocab_at);
-      CHECK(it.hidden_size() == job.hidden_size && it.logits().empty());
-      CHECK(it.hidden_states().size() % job.row_bytes == 0);
-      const int64_t own = static_cast<int64_t>(it.hidden_states().size() / job.row_bytes);
+      CHECK(it.hidden_size() == job.hidden_size && it.payload_case() == iv1::WorkItem::kData);
+      CHECK(it.data().size() % job.row_bytes == 0);
+      const int64_t own = static_cast<int64_t>(it.data().size() / job.row_bytes);
       for (int64_t r = 0; r < own; ++r)
-        CHECK(it.hidden_states().compare(r * job.row_bytes, job.row_bytes,
-                                         RowSlice(job, row_at + r, 0, job.hidden_size, esize)) == 0);
+        CHECK(it.data().compare(r * job.row_bytes, job.row_bytes,
+                                RowSlice(input, job, row_at + r, 0, job.hidden_size, esize)) == 0);
       row_at += own;
     }
     CHECK(vocab_at == V && row_at == n);
@@ -375,9 +380,9 @@ void CheckPlan(const ScoreJob& job, const logprob::Plan& plan, int workers, Para
       CHECK(p.row_offset == row_at && it.num_rows() > 0);
       CheckCommon(job, it, job_id, p.row_offset);
       CHECK(it.vocab_begin() == 0 && it.vocab_end() == V);
-      CHECK(it.logits().size() == static_cast<size_t>(it.num_rows()) * job.row_bytes);
+      CHECK(it.data().size() == static_cast<size_t>(it.num_rows()) * job.row_bytes);
       for (int64_t r = 0; r < it.num_rows(); ++r)
-        CHECK(it.logits().compare(r * job.row_bytes, job.row_bytes, RowSlice(job, row_at + r, 0, V, esize)) == 0);
+        CHECK(it.data().compare(r * job.row_bytes, job.row_bytes, RowSlice(input, job, row_at + r, 0, V, esize)) == 0);
       row_at += it.num_rows();
     }
     CHECK(row_at == n);
@@ -389,9 +394,9 @@ void CheckPlan(const ScoreJob& job, const logprob::Plan& plan, int workers, Para
     const auto& it = p.item;
     CheckVocabSlice(job, p, job_id, &vocab_at);
     const size_t slice = static_cast<size_t>(it.vocab_end() - it.vocab_begin()) * esize;
-    CHECK(it.logits().size() == static_cast<size_t>(n) * slice);
+    CHECK(it.data().size() == static_cast<size_t>(n) * slice);
     for (int64_t r = 0; r < n; ++r)
-      CHECK(it.logits().compare(r * slice, slice, RowSlice(job, r, it.vocab_begin(), it.vocab_end(), esize)) == 0);
+      CHECK(it.data().compare(r * slice, slice, RowSlice(input, job, r, it.vocab_begin(), it.vocab_end(), esize)) == 0);
   }
   CHECK(vocab_at == V);
 }
@@ -410,37 +415,39 @@ void Exercise(const ScoreRequest& req) {
         continue;
       }
       CheckJob(req, *job, limits, head);
+      const std::string& input = FindInput(req, job->hidden ? "hidden_states" : "logits")->data();
       uint64_t id = 1;
       for (int workers = 1; workers <= 3; ++workers)
         for (Parallelism par : kPar) {
           const logprob::Plan plan = logprob::PlanWork(*job, workers, par, id);
-          CheckPlan(*job, plan, workers, par, id);
+          CheckPlan(input, *job, plan, workers, par, id);
           ++id;
         }
     }
   }
 }
 
-// Largest CUDA IPC tensor exercised (ExpandToInputRows allocates per row).
+// Largest CUDA IPC tensor exercised (a job of every input row allocates per row).
 constexpr int64_t kMaxIpcBytes = int64_t{1} << 20;
+// The reference ByCudaIpc writes.
+constexpr int64_t kIpcOffset = 64;
 
-/// `scored` (BuildScoreJob over CudaIpcPlaceholder) against `all`, its
-/// ExpandToInputRows: every input row, the scored ones with their target,
+/// `scored` (the job of the same tensor as bytes) against `all` (its
+/// CUDA IPC job): every input row, the scored ones with their target,
 /// output position and gather ids, the others unscored.
-void CheckIpcJob(const ScoreJob& scored, const ScoreJob& all, const logprob::CudaIpcInput& in) {
-  CHECK(all.cuda_ipc.has_value() && all.cuda_ipc->handle == in.handle && all.cuda_ipc->offset == in.offset);
+void CheckIpcJob(const ScoreJob& scored, const ScoreJob& all, int64_t byte_size) {
+  CHECK(all.referenced_source() != nullptr && !all.batchable());
   CHECK(all.row_bytes == scored.row_bytes && all.row_bytes > 0);
-  const int64_t n = in.byte_size / static_cast<int64_t>(all.row_bytes);
+  const int64_t n = byte_size / static_cast<int64_t>(all.row_bytes);
   CHECK(all.num_rows() == n && static_cast<int64_t>(all.targets.size()) == n &&
         static_cast<int64_t>(all.out_pos.size()) == n);
   CHECK(static_cast<int64_t>(all.gather_ids.size()) == n * all.gather_k && all.out_shape == scored.out_shape);
-  const char* base = logprob::CudaIpcPlaceholder(0).data();
-  for (int64_t r = 0; r < n; ++r) CHECK(all.rows[r] == base + r * static_cast<int64_t>(all.row_bytes));
+  for (int64_t r = 0; r < n; ++r) CHECK(all.rows[r] == r);
   int64_t unscored = 0;
   for (int64_t r = 0; r < n; ++r) unscored += all.out_pos[r] < 0 ? 1 : 0;
   CHECK(unscored == n - scored.num_rows());
   for (int64_t j = 0; j < scored.num_rows(); ++j) {
-    const int64_t r = (scored.rows[j] - base) / static_cast<int64_t>(scored.row_bytes);
+    const int64_t r = scored.rows[j];
     CHECK(r >= 0 && r < n);
     CHECK(all.targets[r] == scored.targets[j] && all.out_pos[r] == scored.out_pos[j]);
     for (int k = 0; k < scored.gather_k; ++k)
@@ -450,45 +457,62 @@ void CheckIpcJob(const ScoreJob& scored, const ScoreJob& all, const logprob::Cud
 
 /// The plan of a CUDA IPC job: one HIDDEN_STATES item per worker, no bytes,
 /// the workers' ranges tiling the tensor's bytes in order.
-void CheckIpcPlan(const ScoreJob& job, const logprob::Plan& plan, int workers) {
+void CheckIpcPlan(const ScoreJob& job, const logprob::Plan& plan, int workers, int64_t offset) {
   CHECK(plan.layout == iv1::HIDDEN_STATES && static_cast<int>(plan.items.size()) == workers);
   CHECK(plan.payload_region == nullptr);
-  int64_t at = job.cuda_ipc->offset;
+  int64_t at = offset;
   for (const auto& p : plan.items) {
     const auto& it = p.item;
-    CHECK(it.hidden_states().empty() && it.payload_shm().empty() && it.logits().empty());
-    CHECK(it.payload_cuda_ipc_handle() == job.cuda_ipc->handle);
-    CHECK(it.payload_cuda_ipc_offset() == at && it.payload_cuda_ipc_bytes() >= 0);
-    CHECK(it.payload_cuda_ipc_bytes() % static_cast<int64_t>(job.row_bytes) == 0);
+    CHECK(it.has_cuda_ipc());
+    CHECK(it.cuda_ipc().handle() == std::string(logprob::kCudaIpcHandleBytes, 'h'));
+    CHECK(it.cuda_ipc().offset() == at && it.cuda_ipc().byte_size() >= 0);
+    CHECK(it.cuda_ipc().byte_size() % static_cast<int64_t>(job.row_bytes) == 0);
     CHECK(it.num_rows() == job.num_rows());
-    at += it.payload_cuda_ipc_bytes();
+    at += it.cuda_ipc().byte_size();
   }
-  CHECK(at == job.cuda_ipc->offset + job.num_rows() * static_cast<int64_t>(job.row_bytes));
+  CHECK(at == offset + job.num_rows() * static_cast<int64_t>(job.row_bytes));
 }
 
-/// `req` as ScoringService::ScoreOne takes a CUDA IPC input.
+/// `req` as ScoringService::ScoreOne takes a CUDA IPC input, on a server
+/// that can serve it.
 void ExerciseCudaIpc(const ScoreRequest& req) {
-  auto found = logprob::FindCudaIpcInput(req);
-  if (!found.ok()) {
-    CHECK(found.status().code() == absl::StatusCode::kInvalidArgument && !found.status().message().empty());
+  logprob::InputContext context;
+  context.cuda_ipc = logprob::CudaIpcAvailability{true, true, true, true, 1, "gloo"};
+  context.peer = "ipv4:127.0.0.1:1";
+  auto inputs = logprob::ResolveInputs(req, context);
+  if (!inputs.ok()) {
+    const absl::StatusCode c = inputs.status().code();
+    CHECK(c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kFailedPrecondition);
+    CHECK(!inputs.status().message().empty());
     return;
   }
-  if (!found->has_value() || (*found)->byte_size > kMaxIpcBytes) return;
-  const logprob::CudaIpcInput& in = **found;
-  CHECK(in.handle.size() == logprob::kCudaIpcHandleBytes && in.offset >= 0 && in.byte_size >= 0);
-  std::vector<std::string_view> views;
-  for (const Tensor& t : req.inputs()) views.emplace_back(t.data());
-  views[in.index] = logprob::CudaIpcPlaceholder(in.byte_size);
+  int ipc = -1;
+  for (int i = 0; i < req.inputs_size(); ++i)
+    if (inputs->sources[i]->kind() == logprob::InputKind::kCudaIpc) {
+      CHECK(req.inputs(i).name() == "hidden_states" && ipc < 0);
+      ipc = i;
+    } else {
+      CHECK(inputs->sources[i]->kind() == logprob::InputKind::kBytes);
+    }
+  if (ipc < 0 || inputs->sources[ipc]->byte_size() > kMaxIpcBytes) return;
+  const int64_t byte_size = inputs->sources[ipc]->byte_size();
+  CHECK(req.inputs(ipc).cuda_ipc().handle().size() == logprob::kCudaIpcHandleBytes && byte_size >= 0);
+  // The same tensor as bytes: the job of the scored rows only.
+  logprob::RequestInputs as_bytes = *inputs;
+  const std::string zeros(static_cast<size_t>(byte_size), '\0');
+  as_bytes.sources[ipc] = logprob::MemorySource(zeros);
   static const RequestLimits kLimits[] = {RequestLimits{}, RequestLimits{64, 8}};
   for (const RequestLimits& limits : kLimits) {
-    absl::StatusOr<ScoreJob> job = logprob::BuildScoreJob(req, limits, LmHeadShape{kLmHeadV, kLmHeadH}, &views);
-    if (!job.ok()) continue;
-    CHECK(job->hidden);
-    ScoreJob all = *job;
-    logprob::ExpandToInputRows(in, &all);
-    CheckIpcJob(*job, all, in);
+    const LmHeadShape head{kLmHeadV, kLmHeadH};
+    absl::StatusOr<ScoreJob> all = logprob::BuildScoreJob(req, limits, head, &*inputs);
+    absl::StatusOr<ScoreJob> scored = logprob::BuildScoreJob(req, limits, head, &as_bytes);
+    CHECK(all.ok() == scored.ok());
+    if (!all.ok()) continue;
+    CHECK(all->hidden);
+    CheckIpcJob(*scored, *all, byte_size);
     for (int workers = 1; workers <= 3; ++workers)
-      CheckIpcPlan(all, logprob::PlanWork(all, workers, Parallelism::kAuto, 1), workers);
+      CheckIpcPlan(*all, logprob::PlanWork(*all, workers, Parallelism::kAuto, 1), workers,
+                   req.inputs(ipc).cuda_ipc().offset());
   }
 }
 
@@ -496,11 +520,11 @@ void ExerciseCudaIpc(const ScoreRequest& req) {
 ScoreRequest ByCudaIpc(const ScoreRequest& req) {
   ScoreRequest out = req;
   for (Tensor& t : *out.mutable_inputs())
-    if (t.name() == "hidden_states" && !t.has_cuda_ipc() && !t.has_shared_memory()) {
+    if (t.name() == "hidden_states" && logprob::KindOf(t) == logprob::InputKind::kBytes) {
+      const auto bytes = static_cast<int64_t>(t.data().size());
       t.mutable_cuda_ipc()->set_handle(std::string(logprob::kCudaIpcHandleBytes, 'h'));
-      t.mutable_cuda_ipc()->set_offset(64);
-      t.mutable_cuda_ipc()->set_byte_size(static_cast<int64_t>(t.data().size()));
-      t.clear_data();
+      t.mutable_cuda_ipc()->set_offset(kIpcOffset);
+      t.mutable_cuda_ipc()->set_byte_size(bytes);
     }
   return out;
 }

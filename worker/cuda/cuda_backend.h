@@ -11,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "common/input_kind.h"
 #include "worker/backend.h"
 #include "worker/cuda/device_buffers.h"
 #include "worker/cuda/lm_head_gemm_cublaslt.h"
@@ -60,9 +61,10 @@ class CudaBackend final : public ScoringBackend {
                               const kernels::StatsSpec& spec, uint32_t* records) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) override
       ABSL_LOCKS_EXCLUDED(mu_);
-  /// One pass needs no host bounce: W == 1, or NCCL's device collectives.
+  /// One pass needs no host bounce: W == 1, or NCCL's device collectives
+  /// (CanScoreInOnePass, the front-end's rule too).
   bool OnePassHidden(const Communicator& comm) const override {
-    return gemm_ != nullptr && (comm.size() == 1 || comm.device_collectives());
+    return gemm_ != nullptr && CanScoreInOnePass(comm.size(), comm.device_collectives());
   }
   /// The whole item on the device: this rank's rows are uploaded in GEMM
   /// chunks on the copy stream (straight from page-locked or device memory,

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Builds the suite with sanitizers and runs it (scripts/test.sh calls it;
+# it can also run alone once scripts/install-deps.sh has run).
+#
+#   bash scripts/sanitize.sh asan   # AddressSanitizer + UndefinedBehaviorSanitizer,
+#                                   # every C++ and Python test (build-asan/)
+#   bash scripts/sanitize.sh tsan   # ThreadSanitizer over the concurrent parts
+#                                   # (ctest label "concurrency", build-tsan/)
+#
+# Extra arguments go to ctest (e.g. -R batcher). A report fails the test
+# that triggered it (halt_on_error / -fno-sanitize-recover). CUDA code and
+# the libFuzzer targets are not part of these builds (the fuzzers have
+# their own ASan/UBSan build in the main tree).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kind="${1:-}"
+shift || true
+case "$kind" in
+  asan)
+    sanitizers="address,undefined"
+    labels=()  # everything
+    # Leaks are reported at exit, so a leak fails the process's test.
+    export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
+    export LSAN_OPTIONS="suppressions=$PWD/scripts/sanitizers/lsan.supp:print_suppressions=0"
+    export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+    ;;
+  tsan)
+    sanitizers="thread"
+    labels=(-L concurrency)
+    export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/scripts/sanitizers/tsan.supp"
+    ;;
+  *)
+    echo "usage: $0 asan|tsan [ctest arguments]" >&2
+    exit 2
+    ;;
+esac
+dir="build-$kind"
+cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOGPROB_SANITIZE="$sanitizers" >/dev/null
+if [ "$kind" = tsan ]; then
+  # Only what the concurrency tests need (tests/CMakeLists.txt).
+  cmake --build "$dir" -j "$(nproc)" --target concurrency_tests
+else
+  cmake --build "$dir" -j "$(nproc)"
+fi
+cd "$dir"
+echo "sanitize.sh: $kind: running ctest ${labels[*]} $*" >&2
+ctest --output-on-failure -j "$(nproc)" --timeout 900 "${labels[@]}" "$@"
