@@ -37,6 +37,9 @@ struct InputKindRules {
   bool hidden_states_only;
   /// The workers must score it in one pass (CanScoreInOnePass).
   bool needs_one_pass;
+  /// The reason (logprob.v1.ErrorReason) of errors that say this server or
+  /// this call cannot use the kind: the client sends the bytes instead.
+  v1::ErrorReason unavailable;
 };
 
 /// The rules of `kind`.

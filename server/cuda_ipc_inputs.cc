@@ -5,6 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/error_reason.h"
+#include "common/input_kind.h"
 #include "common/status_macros.h"
 #include "server/shm_session.h"
 
@@ -37,6 +39,30 @@ class InClientGpu final : public InputSource {
   const std::string handle_;
   const int64_t offset_;  // of the tensor's first byte in the allocation
 };
+
+/// Why CUDA IPC inputs cannot be served (OK when they can).
+absl::Status Unavailable(const CudaIpcAvailability& a, const std::string& peer) {
+  if (!a.flag)
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA IPC inputs are disabled on this server (--cuda-ipc-inputs=false)", kInstead));
+  if (!a.cuda_workers)
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA IPC inputs need CUDA workers; this server's workers run the CPU backend", kInstead));
+  if (!a.same_host)
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA IPC inputs need workers on the server's host; this server's workers were started elsewhere "
+                     "(--external-workers)",
+                     kInstead));
+  if (!a.one_pass)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CUDA IPC inputs need one worker or --comm nccl (the workers read the client's GPU memory in one pass "
+        "over device collectives); this server has ",
+        a.workers, " workers over ", a.comm, kInstead));
+  if (!IsLocalPeer(peer))
+    return absl::FailedPreconditionError(absl::StrCat("CUDA IPC inputs are for clients on the server's host; peer \"",
+                                                      peer, "\" is not local", kInstead));
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -76,26 +102,7 @@ absl::StatusOr<std::shared_ptr<const InputSource>> ResolveCudaIpc(const v1::Tens
 }
 
 absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& a, const std::string& peer) {
-  if (!a.flag)
-    return absl::FailedPreconditionError(
-        absl::StrCat("CUDA IPC inputs are disabled on this server (--cuda-ipc-inputs=false)", kInstead));
-  if (!a.cuda_workers)
-    return absl::FailedPreconditionError(
-        absl::StrCat("CUDA IPC inputs need CUDA workers; this server's workers run the CPU backend", kInstead));
-  if (!a.same_host)
-    return absl::FailedPreconditionError(
-        absl::StrCat("CUDA IPC inputs need workers on the server's host; this server's workers were started elsewhere "
-                     "(--external-workers)",
-                     kInstead));
-  if (!a.one_pass)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "CUDA IPC inputs need one worker or --comm nccl (the workers read the client's GPU memory in one pass "
-        "over device collectives); this server has ",
-        a.workers, " workers over ", a.comm, kInstead));
-  if (!IsLocalPeer(peer))
-    return absl::FailedPreconditionError(absl::StrCat("CUDA IPC inputs are for clients on the server's host; peer \"",
-                                                      peer, "\" is not local", kInstead));
-  return absl::OkStatus();
+  return WithReason(Unavailable(a, peer), RulesOf(InputKind::kCudaIpc).unavailable);
 }
 
 }  // namespace logprob

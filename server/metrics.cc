@@ -1,5 +1,6 @@
 #include "server/metrics.h"
 
+#include "common/version.h"
 #include "prometheus/counter.h"
 
 namespace logprob {
@@ -133,7 +134,7 @@ Metrics::Metrics(const std::string& backend)
       .Name("logprob_build_info")
       .Help("Build information; the value is 1.")
       .Register(*registry_)
-      .Add({{"version", "0.1.0"}, {"backend", backend}})
+      .Add({{"version", kVersion}, {"backend", backend}})
       .Set(1);
 }
 

@@ -1,6 +1,7 @@
 #include "server/request_inputs.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/error_reason.h"
 #include "common/status_macros.h"
 #include "server/shared_inputs.h"
 
@@ -25,10 +26,11 @@ absl::Status CheckTensor(const v1::ScoreRequest& req, int i, const InputKindRule
 absl::Status CheckOptions(const v1::ScoreRequest& req, int i, const InputKindRules& rules) {
   const std::string what = What(req, i);
   if (!rules.sampling_filters && HasSamplingFilters(req.options()))
-    return absl::FailedPreconditionError(absl::StrCat(
+    return WithReason(absl::FailedPreconditionError(absl::StrCat(
         what, ": a ", rules.name,
         " input cannot be scored with options.sampling_top_k / options.sampling_top_p (sampling filters score hidden "
-        "states in rounds through host memory); send the tensor as bytes (inline or through shared memory) instead"));
+        "states in rounds through host memory); send the tensor as bytes (inline or through shared memory) instead")),
+                      rules.unavailable);
   return absl::OkStatus();
 }
 
@@ -55,8 +57,9 @@ absl::StatusOr<RequestInputs> ResolveInputs(const v1::ScoreRequest& req, const I
         break;
       case InputKind::kSharedMemory: {
         if (context.regions == nullptr)
-          return absl::FailedPreconditionError(
-              "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
+          return WithReason(absl::FailedPreconditionError(
+                                "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)"),
+                            RulesOf(kind).unavailable);
         if (!have_owner) {
           if (!context.session) return absl::InvalidArgumentError("shared-memory references need a call's session");
           LOGPROB_ASSIGN_OR_RETURN(owner, context.session());

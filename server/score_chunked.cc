@@ -29,11 +29,11 @@ absl::Status ScoringService::ReceiveChunked(grpc::ServerContext* context, Stream
   std::optional<Admission::Ticket> ticket;
   auto admit = [&](const v1::ScoreRequest& header, int64_t pending) -> absl::Status {
     const int64_t total = static_cast<int64_t>(header.ByteSizeLong()) + pending;
-    if (total > config_.max_request_bytes)
+    if (total > core_.config().max_request_bytes)
       return absl::ResourceExhaustedError(
           absl::StrCat("chunked request ", header.id(), " announces ", total, " bytes (", pending,
-                       " in pieces), over the server's max_request_bytes ", config_.max_request_bytes));
-    absl::StatusOr<Admission::Ticket> t = admission_.Admit(0, total);
+                       " in pieces), over the server's max_request_bytes ", core_.config().max_request_bytes));
+    absl::StatusOr<Admission::Ticket> t = core_.admission().Admit(0, total);
     if (!t.ok()) return t.status();
     ticket.emplace(*std::move(t));
     return absl::OkStatus();
@@ -56,7 +56,7 @@ grpc::Status ScoringService::ServeChunked(grpc::ServerContext* context, Stream* 
         return ScoreOne(req, stats, context);
       });
   for (int i : pooled) assembly_buffers_.Release(std::move(*req.mutable_inputs(i)->mutable_data()));
-  if (!r.ok()) return ToGrpc(r.status());
+  if (!r.ok()) return Reply(context, r.status());
   if (!chunked::WriteChunkedResponse([stream](const chunked::OutgoingPart& p) { return stream->Write(p); },
                                      *std::move(r), kResponsePieceBytes, kInlineBytes))
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away before the answer was sent");

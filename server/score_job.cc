@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/error_reason.h"
 #include "common/status_macros.h"
 
 namespace logprob {
@@ -29,8 +30,9 @@ class InputBytes {
     if (auto m = src.memory()) return *m;
     auto copy = std::make_unique<std::string>(static_cast<size_t>(src.byte_size()), '\0');
     if (!src.Read(0, copy->size(), copy->data()))
-      return absl::FailedPreconditionError(
-          absl::StrCat("inputs[", IndexOf(t), "] \"", t->name(), "\": ", src.status().message()));
+      return WithReason(absl::FailedPreconditionError(
+                            absl::StrCat("inputs[", IndexOf(t), "] \"", t->name(), "\": ", src.status().message())),
+                        ReasonOf(src.status()));
     owned_.push_back(std::move(copy));
     return std::string_view(*owned_.back());
   }
@@ -152,8 +154,9 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   if (hidden && get("logits")) return Invalid("give either \"logits\" or \"hidden_states\", not both");
   if (!input) return Invalid("missing tensor \"logits\" (or \"hidden_states\")");
   if (hidden && lm_head.hidden_size == 0)
-    return absl::FailedPreconditionError(
-        "hidden_states given but this server has no lm_head loaded (start it with --lm-head)");
+    return WithReason(absl::FailedPreconditionError(
+                          "hidden_states given but this server has no lm_head loaded (start it with --lm-head)"),
+                      v1::NO_LM_HEAD);
   const std::string name = input->name();
   const char* last_dim = hidden ? "H" : "V";
   const v1::Tensor* ids = get("input_ids");

@@ -1,8 +1,9 @@
-// The public LogprobService: validate -> plan -> dispatch -> gather -> reply.
+// The public LogprobService over gRPC: the transport adapter of the scoring
+// core (server/scoring_core.h): authentication, sessions and peers from the
+// call, streams and chunked parts, status mapping, per-request logs and
+// metrics.
 #pragma once
 
-#include <atomic>
-#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -14,60 +15,23 @@
 #include "grpcpp/impl/service_type.h"
 #include "grpcpp/support/sync_stream.h"
 #include "logprob/v1/logprob.grpc.pb.h"
-#include "server/admission.h"
 #include "server/auth.h"
-#include "server/batcher.h"
-#include "server/client_regions.h"
-#include "server/cuda_ipc_inputs.h"
 #include "server/metrics.h"
-#include "server/planner.h"
-#include "server/score_job.h"
+#include "server/scoring_core.h"
 #include "server/worker_pool.h"
 
 namespace logprob {
 
-/// Serving configuration reported by GetServerInfo.
-struct ServiceConfig {
-  RequestLimits limits;
-  /// Largest request, bytes: one message (Score, ScoreStream) or the sum
-  /// of a chunked request's parts (ScoreChunked).
-  int64_t max_request_bytes = int64_t{1} << 30;
-  int64_t max_queue_tokens = int64_t{1} << 23;      // admitted, unanswered tokens (backpressure)
-  int64_t max_queue_bytes = int64_t{2} << 30;       // admitted, unanswered request bytes
-  std::chrono::microseconds max_queue_delay{2000};  // dynamic batching (Batcher::Options)
-  int64_t max_batch_tokens = 8192;
-  bool shared_memory = true;  // payloads to same-host workers through POSIX shared memory
-  Parallelism parallelism = Parallelism::kAuto;
-  std::string parallelism_name = "auto";
-  std::string backend = "cpu";
-  std::string comm = "gloo";
-  LmHeadShape lm_head;        // zeros: no hidden-states scoring
-  std::string lm_head_dtype;  // safetensors name, e.g. "BF16"
-  std::string lm_head_path;   // file holding the tensor
-  std::string lm_head_tensor;
-  int64_t hidden_chunk_tokens = 0;
-  std::string lm_head_precision;  // "bf16" | "tf32" | "fp32" (auto resolved); empty without an lm_head
-  /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
-  /// Tensor.shared_memory; server/client_regions.h): caps and idle expiry.
-  bool shared_memory_inputs = true;
-  ClientRegions::Options shared_memory_regions;
-  /// CUDA IPC inputs (Tensor.cuda_ipc; server/cuda_ipc_inputs.h): accepted
-  /// when this is set, `backend` is "cuda", the pool's workers run on this
-  /// host and there is one of them or `comm` is "nccl".
-  bool cuda_ipc_inputs = true;
-  /// When set (not owned; outlives the service), every call must carry its
-  /// bearer token, else UNAUTHENTICATED.
-  const BearerTokenAuth* auth = nullptr;
-};
-
 /// gRPC service implementation. Errors: UNAUTHENTICATED without the
-/// bearer token when config.auth is set (every method); INVALID_ARGUMENT /
-/// FAILED_PRECONDITION from validation (see BuildScoreJob), UNAVAILABLE
-/// when a worker fails. ScoreChunked is served by ServeChunked, whose parts
-/// are parsed by chunked::ParsePart, not protobuf.
+/// bearer token when config.auth is set (every method); ScoringCore's
+/// errors, with a machine-readable reason (common/error_reason.h) in the
+/// status details. ScoreChunked is served by ServeChunked, whose parts are
+/// parsed by chunked::ParsePart, not protobuf.
 class ScoringService final : public v1::LogprobService::Service {
  public:
   ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics);
+  /// The core this adapter serves (tests, in-process callers).
+  ScoringCore& core() { return core_; }
 
   grpc::Status Score(grpc::ServerContext*, const v1::ScoreRequest*, v1::ScoreResponse*) override;
   /// Scores each message like Score, up to kStreamInFlight messages of a
@@ -101,26 +65,16 @@ class ScoringService final : public v1::LogprobService::Service {
   /// Piece size of chunked answers.
   static constexpr int64_t kResponsePieceBytes = chunked::kDefaultPieceBytes;
 
-  /// What one request's log line reports besides its status.
-  struct RequestStats {
-    int64_t rows = 0;            // token positions scored
-    double queue_seconds = 0;    // waiting to be batched
-    int batch_requests = 0;      // requests in its worker batch
-    double receive_seconds = 0;  // ScoreChunked: first part to the last piece
-  };
-
   /// Scores one request (the body of Score and of each ScoreStream
-  /// message): validate, admit, batch (server/batcher.h), reply. Fills
-  /// *stats if given. `ctx` (may be null) bounds the work by its deadline
-  /// and cancellation, and names the session whose shared-memory regions
-  /// the request's tensors may reference (none without it) and the peer a
-  /// CUDA IPC input comes from (FindCudaIpcInput, CheckCudaIpcAvailable:
-  /// INVALID_ARGUMENT for a malformed reference, FAILED_PRECONDITION when
-  /// the feature cannot serve this call).
-  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, RequestStats* stats = nullptr,
-                                             grpc::ServerContext* ctx = nullptr);
+  /// message) on the core, bounded by `ctx`'s deadline and cancellation,
+  /// with its shared-memory session and peer (ScoringCore::Score).
+  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
+                                             grpc::ServerContext* ctx);
 
  private:
+  /// The gRPC status of `st`, its reason (ReasonOf) sent as the trailing
+  /// metadata kReasonMetadataKey of the call.
+  static grpc::Status Reply(grpc::ServerContext* ctx, const absl::Status& st);
   /// OK, or (config_.auth set and the call lacks the token) UNAUTHENTICATED,
   /// which is counted in the metrics and logged with the peer address.
   grpc::Status Authorize(const grpc::ServerContext* context, const char* method);
@@ -140,17 +94,10 @@ class ScoringService final : public v1::LogprobService::Service {
   absl::Status ReceiveChunked(grpc::ServerContext* context, chunked::ServerStream* stream, v1::ScoreRequest* req,
                               std::vector<int>* pooled);
 
-  WorkerPool& pool_;
-  ServiceConfig config_;
-  Metrics* metrics_;
-  Admission admission_;
-  PayloadPool payload_pool_;
-  Batcher batcher_;
-  BufferPool assembly_buffers_;             // ScoreChunked request tensors
-  std::unique_ptr<ClientRegions> regions_;  // null: shared-memory inputs off
-  std::string host_id_;
-  CudaIpcAvailability cuda_ipc_;
-  std::atomic<uint64_t> next_job_id_{1};
+  ScoringCore core_;
+  const BearerTokenAuth* const auth_;  // not owned; null: no token needed
+  Metrics* const metrics_;
+  BufferPool assembly_buffers_;  // ScoreChunked request tensors
 };
 
 }  // namespace logprob

@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/dtype.h"
+#include "common/error_reason.h"
 
 namespace logprob {
 namespace {
@@ -13,7 +14,7 @@ class InRegion final : public InputSource {
   InRegion(std::shared_ptr<const ClientRegion> region, int64_t offset, int64_t byte_size)
       : InputSource(InputKind::kSharedMemory, byte_size), region_(std::move(region)), offset_(offset) {}
   bool Read(int64_t offset, size_t n, char* dst) const override {
-    absl::Status st = region_->Read(offset_ + offset, n, dst);
+    absl::Status st = WithReason(region_->Read(offset_ + offset, n, dst), v1::SHARED_MEMORY_REGION_CHANGED);
     if (st.ok()) return true;
     absl::MutexLock lock(&mu_);
     if (status_.ok()) status_ = std::move(st);

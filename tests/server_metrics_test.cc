@@ -11,6 +11,8 @@
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include "common/version.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {
@@ -68,7 +70,7 @@ TEST(ServerMetrics, ScrapeReportsRequestsAndPassesPromtool) {
   EXPECT_EQ(Sample(m, "logprob_tokens_scored_total"), scored);
   EXPECT_EQ(Sample(m, "logprob_workers_up"), kWorkers);
   EXPECT_EQ(Sample(m, "logprob_worker_restarts_total"), 0);
-  EXPECT_EQ(Sample(m, R"(logprob_build_info{backend="cpu",version="0.1.0"})"), 1);
+  EXPECT_EQ(Sample(m, absl::StrCat(R"(logprob_build_info{backend="cpu",version=")", kVersion, R"("})")), 1);
   // Every received request is sized, the bad one included.
   EXPECT_EQ(Sample(m, R"(logprob_request_bytes_count{method="Score"})"), ok_requests + 1);
   EXPECT_GT(Sample(m, R"(logprob_request_bytes_sum{method="Score"})"), 0);

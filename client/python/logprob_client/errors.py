@@ -17,15 +17,25 @@ class LogprobError(Exception):
             retried, 0 when it was never sent).
         part: ``(i, n)`` when the failing call was part ``i`` (1-based) of a
             request split into ``n`` parts, else None.
+        reason: the server's machine-readable reason (a name of the
+            ``logprob.v1.ErrorReason`` enum, e.g. ``"CUDA_IPC_UNAVAILABLE"``,
+            ``"AT_CAPACITY"``), or ``""`` when it gave none. Act on it rather
+            than on the message.
     """
 
     def __init__(
-        self, code: grpc.StatusCode, message: str, attempts: int = 0, part: Optional[Tuple[int, int]] = None
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        attempts: int = 0,
+        part: Optional[Tuple[int, int]] = None,
+        reason: str = "",
     ) -> None:
         self.code = code
         self.message = message
         self.attempts = attempts
         self.part = part
+        self.reason = reason
         where = ""
         if part is not None and part[1] > 1:
             where = " (part %d/%d)" % part

@@ -223,13 +223,12 @@ class ScoreCall:
 
     def refused(self, error: LogprobError) -> bool:
         """True when ``error`` is the server refusing this call's CUDA IPC
-        reference (FAILED_PRECONDITION about "CUDA IPC": e.g. a worker that
-        cannot open the handle, in another container); the hidden states
-        then go to the host and ``parts()`` gives parts with bytes. False
-        (nothing changes) for any other error or a call without a reference."""
-        if not self._on_device or error.code != grpc.StatusCode.FAILED_PRECONDITION:
-            return False
-        if "CUDA IPC" not in error.message:
+        reference (reason ``CUDA_IPC_UNAVAILABLE``: e.g. CPU workers, or a
+        worker that cannot open the handle, in another container); the
+        hidden states then go to the host and ``parts()`` gives parts with
+        bytes. False (nothing changes) for any other error or a call without
+        a reference."""
+        if not self._on_device or error.reason != "CUDA_IPC_UNAVAILABLE":
             return False
         self._to_host(error.message)
         return True
@@ -290,4 +289,10 @@ def status_error(response: Any, part: Optional[Tuple[int, int]] = None) -> Optio
     if response.status_code == 0:
         return None
     code = _CODES.get(response.status_code, grpc.StatusCode.UNKNOWN)
-    return LogprobError(code, response.status_message, attempts=1, part=part)
+    reason = ""
+    if response.status_reason:
+        try:
+            reason = pb2.ErrorReason.Name(response.status_reason)
+        except ValueError:  # a reason newer than this client
+            reason = str(response.status_reason)
+    return LogprobError(code, response.status_message, attempts=1, part=part, reason=reason)

@@ -96,6 +96,24 @@ def error_of(e: grpc.RpcError) -> Tuple[grpc.StatusCode, str]:
     return code, message or ""
 
 
+#: Trailing metadata key of a failed call's reason (common/error_reason.h).
+REASON_METADATA_KEY = "logprob-error-reason"
+
+
+def reason_of(e: grpc.RpcError) -> str:
+    """The server's reason for a failed call (its ``logprob-error-reason``
+    trailing metadata: a ``logprob.v1.ErrorReason`` name), or ``""``."""
+    trailing = getattr(e, "trailing_metadata", None)
+    try:
+        items = trailing() if callable(trailing) else None
+    except Exception:  # a call that never reached the server has none
+        items = None
+    for key, value in items or ():
+        if key == REASON_METADATA_KEY:
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return ""
+
+
 class Attempts:
     """The retry loop of one call (one part of a score), without the
     sleeping: ``timeout()`` before each send, ``failed(error)`` after a
@@ -140,7 +158,7 @@ class Attempts:
         code, message = error_of(e)
         retry = code in self.policy.retry_codes and self.count < self.policy.max_attempts and not self.oversize
         if not retry:
-            raise LogprobError(code, message, attempts=self.count, part=self.part)
+            raise LogprobError(code, message, attempts=self.count, part=self.part, reason=reason_of(e))
         delay = self.policy.backoff(self.count, self.rng)
         left = self.deadline.remaining()
         if left is not None and delay >= left:

@@ -147,16 +147,17 @@ class WireTensor:
 
 class WireResponse:
     """A ``logprob.v1.ScoreResponse`` read from its bytes (``id``,
-    ``outputs`` as ``WireTensor``s, ``status_code``, ``status_message``),
-    the tensors' data left in place."""
+    ``outputs`` as ``WireTensor``s, ``status_code``, ``status_message``,
+    ``status_reason``), the tensors' data left in place."""
 
-    __slots__ = ("id", "outputs", "status_code", "status_message")
+    __slots__ = ("id", "outputs", "status_code", "status_message", "status_reason")
 
     def __init__(self) -> None:
         self.id = ""
         self.outputs: List[WireTensor] = []
         self.status_code = 0
         self.status_message = ""
+        self.status_reason = 0
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> Tuple[int, int]:
@@ -236,4 +237,6 @@ def decode_response(raw: bytes) -> WireResponse:
             r.status_code = _signed64(value)
         elif field == 4 and wire_type == 2:
             r.status_message = bytes(value).decode("utf-8", errors="replace")
+        elif field == 5 and wire_type == 0:
+            r.status_reason = value
     return r

@@ -260,6 +260,7 @@ class CpuServerTest(unittest.TestCase):
             with self.assertRaises(LogprobError) as e:
                 client.score_request(self._request(g))
             self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertEqual(e.exception.reason, "CUDA_IPC_UNAVAILABLE")
             self.assertIn("CPU backend", str(e.exception))
             self.assertIn("send the hidden states as bytes", str(e.exception))
             for bad, what in (
@@ -271,6 +272,7 @@ class CpuServerTest(unittest.TestCase):
                     with self.assertRaises(LogprobError) as e:
                         client.score_request(bad)
                     self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                    self.assertEqual(e.exception.reason, "", "a malformed reference is no reason to fall back")
                     self.assertIn(what, str(e.exception))
 
 

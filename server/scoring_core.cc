@@ -1,0 +1,176 @@
+#include "server/scoring_core.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/error_reason.h"
+#include "common/input_kind.h"
+#include "common/shared_memory.h"
+#include "common/status_macros.h"
+#include "common/version.h"
+#include "server/request_inputs.h"
+#include "server/response_builder.h"
+
+namespace logprob {
+namespace {
+
+Batcher::Options BatcherOptions(const CoreWorkers& workers, const ServiceConfig& config, PayloadPool* payload_pool,
+                                Metrics* metrics) {
+  Batcher::Options o;
+  o.max_queue_delay = config.max_queue_delay;
+  o.max_batch_tokens = config.max_batch_tokens;
+  o.workers = workers.size;
+  o.parallelism = config.parallelism;
+  if (config.shared_memory && workers.same_host) o.payload_pool = payload_pool;
+  if (metrics) {
+    o.on_queue_change = [metrics](int64_t queued) { metrics->SetQueued(queued); };
+    o.on_running_change = [metrics](int64_t running) { metrics->SetRunningBatches(running); };
+    o.on_batch = [metrics](const Batcher::Outcome& batch, const std::vector<internal::v1::WorkResult>& results) {
+      Metrics::BatchStats stats;
+      stats.run_seconds = batch.run_seconds;
+      stats.rows = batch.batch_tokens;
+      stats.requests = batch.batch_requests;
+      for (size_t i = 0; i < results.size(); ++i) {
+        stats.compute_seconds = std::max(stats.compute_seconds, results[i].compute_seconds());
+        stats.collective_seconds = std::max(stats.collective_seconds, results[i].collective_seconds());
+        if (results[i].device_memory_bytes() > 0)
+          metrics->SetGpuMemory(batch.plan->items[i].worker, results[i].device_memory_bytes());
+      }
+      metrics->ObserveBatch(stats);
+    };
+  }
+  return o;
+}
+
+}  // namespace
+
+ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, Metrics* metrics)
+    : config_(std::move(config)),
+      workers_(workers.size),
+      metrics_(metrics),
+      admission_(config_.max_queue_tokens, config_.max_queue_bytes,
+                 [metrics](int64_t requests, int64_t tokens) {
+                   if (metrics) metrics->SetLoad(requests, tokens);
+                 }),
+      batcher_(BatcherOptions(workers, config_, &payload_pool_, metrics), workers.run) {
+  if (config_.shared_memory_inputs) {
+    ClientRegions::Options o = config_.shared_memory_regions;
+    if (metrics) o.on_change = [metrics](int64_t regions, int64_t bytes) { metrics->SetSharedMemory(regions, bytes); };
+    regions_ = std::make_unique<ClientRegions>(std::move(o));
+  }
+  cuda_ipc_.flag = config_.cuda_ipc_inputs;
+  cuda_ipc_.cuda_workers = config_.backend == "cuda";
+  cuda_ipc_.same_host = workers.same_host;
+  cuda_ipc_.workers = workers.size;
+  cuda_ipc_.comm = config_.comm;
+  cuda_ipc_.one_pass = CanScoreInOnePass(workers.size, /*device_collectives=*/config_.comm == "nccl");
+  if (regions_ || cuda_ipc_.available()) host_id_ = SharedMemoryHostId();
+}
+
+absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req, const CallContext& call,
+                                                     RequestStats* stats) {
+  // Every tensor's bytes as a source (inline, pieces, shared memory, CUDA IPC).
+  InputContext input_context;
+  input_context.regions = regions_.get();
+  input_context.session = call.session;
+  input_context.peer = call.peer;
+  input_context.cuda_ipc = cuda_ipc_;
+  LOGPROB_ASSIGN_OR_RETURN(RequestInputs inputs, ResolveInputs(req, input_context));
+  const int64_t request_bytes = static_cast<int64_t>(req.ByteSizeLong()) + inputs.referenced_bytes;
+  if (inputs.referenced_bytes > 0 && request_bytes > config_.max_request_bytes)
+    return absl::ResourceExhaustedError(absl::StrCat("request of ", request_bytes,
+                                                     " bytes (referenced tensors included) exceeds the server's "
+                                                     "max_request_bytes ",
+                                                     config_.max_request_bytes));
+  LOGPROB_ASSIGN_OR_RETURN(ScoreJob built, BuildScoreJob(req, config_.limits, config_.lm_head, &inputs));
+  // Shared with the batch that runs it (server/batcher.h, Lifetimes).
+  const auto shared_job = std::make_shared<const ScoreJob>(std::move(built));
+  const ScoreJob& job = *shared_job;
+  // Scored rows (a job of every input row computes the unscored ones too).
+  if (stats) stats->rows = std::count_if(job.out_pos.begin(), job.out_pos.end(), [](int64_t o) { return o >= 0; });
+  LOGPROB_ASSIGN_OR_RETURN(const auto ticket, admission_.Admit(job.num_rows(), request_bytes));
+  RunBounds bounds;
+  bounds.deadline = call.deadline;
+  bounds.cancelled = call.cancelled;
+  absl::StatusOr<Batcher::Outcome> ran = batcher_.Run(shared_job, next_job_id_++, bounds);
+  if (!ran.ok()) {
+    // Workers that cannot read a source they read themselves (a CUDA IPC
+    // handle they cannot map) refuse the item: the client sends bytes.
+    const InputSource* referenced = job.referenced_source();
+    if (referenced && ran.status().code() == absl::StatusCode::kFailedPrecondition)
+      return WithReason(ran.status(), referenced->rules().unavailable);
+    return ran.status();
+  }
+  const Batcher::Outcome& batch = *ran;
+  // A client that shrank its region while the batch was planned: its rows were zeros.
+  LOGPROB_RETURN_IF_ERROR(job.ReadStatus());
+  if (metrics_) metrics_->ObserveQueue(batch.queue_seconds);
+  if (stats) {
+    stats->queue_seconds = batch.queue_seconds;
+    stats->batch_requests = batch.batch_requests;
+  }
+  LOGPROB_ASSIGN_OR_RETURN(v1::ScoreResponse resp, BuildResponse(job, *batch.plan, *batch.results, batch.row_begin));
+  resp.set_id(req.id());
+  return resp;
+}
+
+v1::ServerInfo ScoringCore::Info() const {
+  v1::ServerInfo info;
+  info.set_version(kVersion);
+  info.set_workers(workers_);
+  info.set_backend(config_.backend);
+  info.set_comm(config_.comm);
+  info.set_max_request_bytes(config_.max_request_bytes);
+  info.set_max_tokens_per_request(config_.limits.max_tokens);
+  info.set_max_topk(config_.limits.max_topk);
+  info.set_parallelism(config_.parallelism_name);
+  info.set_vocab_size(config_.lm_head.vocab_size);
+  info.set_hidden_size(config_.lm_head.hidden_size);
+  info.set_lm_head_dtype(config_.lm_head_dtype);
+  info.set_lm_head_path(config_.lm_head_path);
+  info.set_lm_head_tensor(config_.lm_head_tensor);
+  info.set_hidden_chunk_tokens(config_.hidden_chunk_tokens);
+  info.set_lm_head_precision(config_.lm_head_precision);
+  info.set_max_queue_tokens(config_.max_queue_tokens);
+  info.set_max_queue_bytes(config_.max_queue_bytes);
+  info.set_max_queue_delay_seconds(std::chrono::duration<double>(config_.max_queue_delay).count());
+  info.set_max_batch_tokens(config_.max_batch_tokens);
+  info.set_shared_memory_inputs(regions_ != nullptr);
+  info.set_cuda_ipc_inputs(cuda_ipc_.available());
+  info.set_host_id(host_id_);
+  if (regions_) {
+    const ClientRegions::Options& o = regions_->options();
+    info.set_max_shared_memory_bytes(o.max_bytes);
+    info.set_max_shared_memory_regions(o.max_regions);
+    info.set_shared_memory_idle_timeout_seconds(std::chrono::duration<double>(o.idle_timeout).count());
+  }
+  return info;
+}
+
+absl::Status ScoringCore::SharedMemoryEnabled() const {
+  if (!regions_)
+    return absl::FailedPreconditionError(
+        "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
+  return absl::OkStatus();
+}
+
+absl::Status ScoringCore::RegisterSharedMemory(const std::string& session,
+                                               const v1::RegisterSharedMemoryRequest& req) {
+  LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
+  return regions_->Register(session, req.name(), req.shm_name(), req.byte_size());
+}
+
+absl::StatusOr<int> ScoringCore::UnregisterSharedMemory(const std::string& session, const std::string& name) {
+  LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
+  return regions_->Unregister(session, name);
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<const ClientRegion>>> ScoringCore::ListSharedMemory(
+    const std::string& session) {
+  LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
+  return regions_->List(session);
+}
+
+}  // namespace logprob
