@@ -3,6 +3,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
 #include "grpcpp/impl/codegen/proto_buffer_writer.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 
@@ -26,39 +28,39 @@ size_t VarintSize(uint64_t v) {
   return n;
 }
 
-// Sequential reads over the slices of a received part.
+absl::Status Malformed(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("malformed chunked part: ", what));
+}
+
+// The largest protobuf field number.
+constexpr uint64_t kMaxFieldNumber = (uint64_t{1} << 29) - 1;
+
+// A field's tag and, for wire type 0, its varint; for wire type 2, its
+// length (the bytes follow, not yet read). Fixed-size fields are skipped.
+struct Field {
+  uint64_t number = 0;
+  int wire_type = 0;
+  uint64_t value = 0;
+};
+
+// Sequential reads over the slices of a received part, up to a limit: the
+// end of the part, or of the piece being read (Limit).
 class Reader {
  public:
   explicit Reader(const std::vector<grpc::Slice>& slices) : slices_(slices) {
     for (const grpc::Slice& s : slices_) left_ += s.size();
   }
-  uint64_t left() const { return left_; }
+  // Bytes before the limit.
+  uint64_t available() const { return left_ - floor_; }
+  // Limits reads to the next n <= available() bytes, until Unlimit.
+  void Limit(uint64_t n) { floor_ = left_ - n; }
+  void Unlimit() { floor_ = 0; }
   size_t slice() const { return slice_; }
   size_t pos() const { return pos_; }
 
-  bool Byte(uint8_t* b) {
-    if (left_ == 0) return false;
-    while (pos_ == slices_[slice_].size()) {
-      ++slice_;
-      pos_ = 0;
-    }
-    *b = slices_[slice_].begin()[pos_++];
-    --left_;
-    return true;
-  }
-  bool Varint(uint64_t* v) {
-    *v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      uint8_t b;
-      if (!Byte(&b)) return false;
-      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
-      if (!(b & 0x80)) return true;
-    }
-    return false;
-  }
-  // Skips (or, with dst, copies) n bytes.
+  // Skips (or, with dst, copies) n bytes; false past the limit.
   bool Take(uint64_t n, char* dst) {
-    if (n > left_) return false;
+    if (n > available()) return false;
     left_ -= n;
     while (n > 0) {
       const grpc::Slice& s = slices_[slice_];
@@ -76,31 +78,123 @@ class Reader {
     }
     return true;
   }
-  // Skips a field of wire type `wt`.
-  bool SkipField(int wt) {
-    uint64_t v;
-    switch (wt) {
-      case 0:
-        return Varint(&v);
-      case 1:
-        return Take(8, nullptr);
-      case 2:
-        return Varint(&v) && Take(v, nullptr);
-      case 5:
-        return Take(4, nullptr);
-      default:
+
+  // Reads a varint of at most 10 bytes and 64 bits; when false,
+  // VarintError says why.
+  bool Varint(uint64_t* v) {
+    *v = 0;
+    overlong_ = false;
+    for (int shift = 0;; shift += 7) {
+      uint8_t b;
+      if (!Byte(&b)) return false;
+      if (shift == 63 && b > 1) {
+        overlong_ = true;
         return false;
+      }
+      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if (!(b & 0x80)) return true;
+    }
+  }
+  // The error of the last Varint that failed; `what` names the varint.
+  absl::Status VarintError(absl::string_view what) const {
+    return Malformed(overlong_ ? absl::StrCat("overlong varint (more than 64 bits) in ", what)
+                               : absl::StrCat("truncated ", what));
+  }
+
+  // Reads the next field's tag and value (see Field) in `where` (the part
+  // or the piece): a valid field number, a supported wire type, its bytes
+  // within the limit.
+  absl::Status NextField(Field* f, absl::string_view where) {
+    uint64_t tag;
+    if (!Varint(&tag)) return VarintError(absl::StrCat("tag in the ", where));
+    f->number = tag >> 3;
+    f->wire_type = static_cast<int>(tag & 7);
+    if (f->number == 0 || f->number > kMaxFieldNumber)
+      return Malformed(absl::StrCat("invalid field number ", f->number, " in the ", where));
+    switch (f->wire_type) {
+      case 0:
+        if (!Varint(&f->value)) return VarintError(absl::StrCat("varint field ", f->number, " of the ", where));
+        return absl::OkStatus();
+      case 1:
+      case 5:
+        if (!Take(f->wire_type == 1 ? 8 : 4, nullptr))
+          return Malformed(absl::StrCat("truncated fixed-size field ", f->number, " of the ", where));
+        return absl::OkStatus();
+      case 2:
+        if (!Varint(&f->value)) return VarintError(absl::StrCat("length of field ", f->number, " of the ", where));
+        if (f->value > available())
+          return Malformed(absl::StrCat("truncated field ", f->number, " of the ", where, ": ", f->value, " bytes, ",
+                                        available(), " left"));
+        return absl::OkStatus();
+      default:
+        return Malformed(
+            absl::StrCat("unsupported wire type ", f->wire_type, " of field ", f->number, " of the ", where));
     }
   }
 
  private:
+  bool Byte(uint8_t* b) {
+    if (available() == 0) return false;
+    while (pos_ == slices_[slice_].size()) {
+      ++slice_;
+      pos_ = 0;
+    }
+    *b = slices_[slice_].begin()[pos_++];
+    --left_;
+    return true;
+  }
+
   const std::vector<grpc::Slice>& slices_;
   size_t slice_ = 0, pos_ = 0;
-  uint64_t left_ = 0;
+  uint64_t left_ = 0, floor_ = 0;
+  bool overlong_ = false;
 };
 
-absl::Status Malformed(const std::string& what) {
-  return absl::InvalidArgumentError(absl::StrCat("malformed chunked part: ", what));
+// A piece's fields; the data is `size` bytes at (data_slice, data_pos).
+struct PieceFields {
+  int32_t tensor = 0;
+  int64_t offset = 0;
+  int64_t size = 0;
+  size_t data_slice = 0, data_pos = 0;
+};
+
+// Reads the n bytes of a TensorPiece at `r` (rules 2 to 8 of
+// tests/data/chunk_codec/README.md).
+absl::Status ReadPiece(Reader& r, uint64_t n, PieceFields* out) {
+  static constexpr const char* kNames[] = {"", "tensor", "offset", "data"};
+  static constexpr int kWireTypes[] = {0, 0, 0, 2};
+  r.Limit(n);
+  bool seen[4] = {false, false, false, false};
+  while (r.available() > 0) {
+    Field f;
+    LOGPROB_RETURN_IF_ERROR(r.NextField(&f, "piece"));
+    if (f.number > 3) {
+      if (f.wire_type == 2) r.Take(f.value, nullptr);  // unknown: skipped
+      continue;
+    }
+    const int k = static_cast<int>(f.number);
+    if (f.wire_type != kWireTypes[k])
+      return Malformed(absl::StrCat("the piece's ", kNames[k], " (field ", k, ") has wire type ", f.wire_type, ", not ",
+                                    kWireTypes[k]));
+    if (seen[k]) return Malformed(absl::StrCat("duplicate ", kNames[k], " in the piece"));
+    seen[k] = true;
+    const int64_t v = static_cast<int64_t>(f.value);
+    if (k == 1) {
+      if (v < 0) return Malformed(absl::StrCat("tensor index ", v, " is negative"));
+      if (v > INT32_MAX) return Malformed(absl::StrCat("tensor index ", v, " is out of range (above 2^31 - 1)"));
+      out->tensor = static_cast<int32_t>(v);
+    } else if (k == 2) {
+      if (v < 0) return Malformed(absl::StrCat("offset ", v, " is negative"));
+      out->offset = v;
+    } else {
+      out->size = v;
+      out->data_slice = r.slice();
+      out->data_pos = r.pos();
+      r.Take(f.value, nullptr);
+    }
+  }
+  r.Unlimit();
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -140,56 +234,36 @@ absl::StatusOr<ParsedPart> ParsePart(const IncomingPart& part) {
   if (grpc::Status st = part.buffer.Dump(&out.slices_); !st.ok()) return Malformed("unreadable buffer");
   Reader r(out.slices_);
   bool has_message = false, has_piece = false;
-  while (r.left() > 0) {
-    uint64_t tag;
-    if (!r.Varint(&tag)) return Malformed("truncated tag");
-    const int field = static_cast<int>(tag >> 3), wt = static_cast<int>(tag & 7);
-    if ((field == 1 || field == 2) && wt != 2) return Malformed("field 1 or 2 is not length-delimited");
-    if (field == 1) {
-      uint64_t n;
-      if (!r.Varint(&n) || n > r.left()) return Malformed("truncated message");
-      out.message_.resize(n);
-      r.Take(n, out.message_.data());
+  while (r.available() > 0) {
+    Field f;
+    LOGPROB_RETURN_IF_ERROR(r.NextField(&f, "part"));
+    if (f.number > 2) {
+      if (f.wire_type == 2) r.Take(f.value, nullptr);  // unknown: skipped
+      continue;
+    }
+    const char* kind = f.number == 1 ? "message" : "piece";
+    if (f.wire_type != 2)
+      return Malformed(absl::StrCat("the ", kind, " (field ", f.number, ") has wire type ", f.wire_type,
+                                    ", not 2 (length-delimited)"));
+    if (has_message || has_piece)
+      return Malformed(has_message == (f.number == 1) ? absl::StrCat("duplicate ", kind)
+                                                      : "both a message and a piece");
+    if (f.number == 1) {
+      out.message_.resize(f.value);
+      r.Take(f.value, out.message_.data());
       has_message = true;
-    } else if (field == 2) {
-      uint64_t n;
-      if (!r.Varint(&n) || n > r.left()) return Malformed("truncated piece");
-      const uint64_t end = r.left() - n;
-      bool has_data = false;
-      while (r.left() > end) {
-        uint64_t t;
-        if (!r.Varint(&t)) return Malformed("truncated piece field");
-        const int f = static_cast<int>(t >> 3), w = static_cast<int>(t & 7);
-        uint64_t v;
-        if (f == 1 && w == 0) {
-          if (!r.Varint(&v)) return Malformed("truncated tensor index");
-          const int64_t s = static_cast<int64_t>(v);
-          if (s < 0 || s > INT32_MAX) return Malformed(absl::StrCat("tensor index ", s, " is out of range"));
-          out.tensor_ = static_cast<int32_t>(s);
-        } else if (f == 2 && w == 0) {
-          if (!r.Varint(&v)) return Malformed("truncated offset");
-          out.offset_ = static_cast<int64_t>(v);
-          if (out.offset_ < 0) return Malformed(absl::StrCat("offset ", out.offset_, " is negative"));
-        } else if (f == 3 && w == 2) {
-          if (!r.Varint(&v) || v > r.left() - end) return Malformed("truncated piece data");
-          out.size_ = static_cast<int64_t>(v);
-          out.data_slice_ = r.slice();
-          out.data_pos_ = r.pos();
-          r.Take(v, nullptr);
-          has_data = true;
-        } else if (!r.SkipField(w)) {
-          return Malformed("truncated unknown field");
-        }
-      }
-      if (r.left() != end) return Malformed("piece fields run past the piece");
-      if (!has_data) out.size_ = 0;
+    } else {
+      PieceFields piece;
+      LOGPROB_RETURN_IF_ERROR(ReadPiece(r, f.value, &piece));
+      out.tensor_ = piece.tensor;
+      out.offset_ = piece.offset;
+      out.size_ = piece.size;
+      out.data_slice_ = piece.data_slice;
+      out.data_pos_ = piece.data_pos;
       has_piece = true;
-    } else if (!r.SkipField(wt)) {
-      return Malformed("truncated unknown field");
     }
   }
-  if (has_message == has_piece)
-    return Malformed(has_piece ? "both a message and a piece" : "neither a message nor a piece");
+  if (!has_message && !has_piece) return Malformed("neither a message nor a piece");
   // A data cursor at the very end of a slice moves to the next one.
   while (out.size_ > 0 && out.data_slice_ < out.slices_.size() &&
          out.data_pos_ == out.slices_[out.data_slice_].size()) {

@@ -6,6 +6,9 @@
 //
 // Both message types share one layout: field 1 = the message (ScoreRequest
 // or ScoreResponse), field 2 = TensorPiece {1: tensor, 2: offset, 3: data}.
+// tests/data/chunk_codec holds the golden parts (and the rules) that this
+// codec and the Python client's (client/python/logprob_client/transport.py)
+// are both tested against.
 #pragma once
 
 #include <cstdint>
@@ -67,9 +70,14 @@ class ParsedPart {
   size_t data_slice_ = 0, data_pos_ = 0;
 };
 
-/// Parses a received part. INVALID_ARGUMENT when the bytes are not a
-/// ScoreRequestPart / ScoreResponsePart holding exactly one of a message
-/// and a piece (truncated varints or fields, a negative tensor or offset).
+/// Parses a received part. INVALID_ARGUMENT ("malformed chunked part: ...")
+/// when the bytes are not a ScoreRequestPart / ScoreResponsePart holding
+/// exactly one message or one piece, by the rules of
+/// tests/data/chunk_codec/README.md, which Python's transport.parse_part
+/// shares: truncated or overlong varints, fields running past the part or
+/// the piece, a known field of the wrong wire type, a duplicate field,
+/// a negative tensor or offset, a tensor above 2^31 - 1. Unknown fields
+/// are skipped.
 absl::StatusOr<ParsedPart> ParsePart(const IncomingPart& part);
 
 /// The serialized header of a piece part (everything before its data):

@@ -1,16 +1,23 @@
 // The ScoreChunked part codec (common/chunk_codec.h) against protobuf's own
 // serialization: pieces written by OutgoingPart parse as ScoreRequestPart,
 // protobuf-written parts parse with ParsePart however gRPC slices them,
-// malformed parts are INVALID_ARGUMENT; and TensorAssembler's checks.
+// malformed parts are INVALID_ARGUMENT; against the golden parts of
+// tests/data/chunk_codec (GoldenParts: the rules shared with the Python
+// client's codec, client/python/tests/test_codec_golden.py); and
+// TensorAssembler's checks.
 #include "common/chunk_codec.h"
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <random>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "common/chunk_assembler.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "logprob/v1/logprob.pb.h"
+#include "nlohmann/json.hpp"
 
 namespace logprob::chunked {
 namespace {
@@ -98,13 +105,100 @@ TEST(ChunkCodec, MalformedPartsAreInvalidArgument) {
     absl::StatusOr<ParsedPart> p = ParsePart(Sliced(bytes.substr(0, n), {}));
     EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << n;
   }
-  EXPECT_EQ(ParsePart(Sliced("", {})).status().code(), absl::StatusCode::kInvalidArgument);  // neither
-  v1::ScoreRequestPart request;
-  request.mutable_request()->set_id("x");
-  const std::string both = request.SerializeAsString() + bytes;
-  absl::StatusOr<ParsedPart> p = ParsePart(Sliced(both, {}));
-  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(p.status().message().find("both a message and a piece"), std::string::npos) << p.status();
+}
+
+/// A case of tests/data/chunk_codec/parts.json (see README.md there).
+struct GoldenPart {
+  std::string name;
+  std::string part;       // the part's bytes
+  nlohmann::json expect;  // {"message": hex} | {"piece": {...}} | {"error": keyword}
+  bool canonical = false;
+};
+
+std::vector<GoldenPart> LoadGoldenParts() {
+  std::ifstream in(std::string(LOGPROB_CHUNK_CODEC_GOLDEN_DIR) + "/parts.json");
+  EXPECT_TRUE(in.good()) << LOGPROB_CHUNK_CODEC_GOLDEN_DIR << "/parts.json";
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  std::vector<GoldenPart> out;
+  for (const nlohmann::json& c : doc.at("cases")) {
+    out.push_back({c.at("name").get<std::string>(), absl::HexStringToBytes(c.at("part").get<std::string>()),
+                   c.at("expect"), c.value("canonical", false)});
+  }
+  return out;
+}
+
+/// Whether ParsePart(`in`) gives the case's expected result.
+testing::AssertionResult GivesGoldenResult(const GoldenPart& c, const IncomingPart& in) {
+  absl::StatusOr<ParsedPart> p = ParsePart(in);
+  if (c.expect.contains("error")) {
+    const std::string keyword = c.expect["error"].get<std::string>();
+    if (p.ok()) return testing::AssertionFailure() << "parsed, expected an error with \"" << keyword << "\"";
+    if (p.status().code() != absl::StatusCode::kInvalidArgument ||
+        !absl::StartsWith(p.status().message(), "malformed chunked part: ") ||
+        !absl::StrContains(p.status().message(), keyword))
+      return testing::AssertionFailure() << p.status() << ", expected INVALID_ARGUMENT \"malformed chunked part: "
+                                         << "...\" with \"" << keyword << "\"";
+    return testing::AssertionSuccess();
+  }
+  if (!p.ok()) return testing::AssertionFailure() << p.status() << ", expected " << c.expect.dump();
+  if (c.expect.contains("message")) {
+    const std::string got = p->is_piece() ? "a piece" : "message " + absl::BytesToHexString(p->message());
+    if (got != "message " + c.expect["message"].get<std::string>())
+      return testing::AssertionFailure() << "got " << got << ", expected " << c.expect.dump();
+    return testing::AssertionSuccess();
+  }
+  if (!p->is_piece()) return testing::AssertionFailure() << "got a message, expected " << c.expect.dump();
+  std::string data(p->size(), '\0');
+  p->CopyData(data.data());
+  const nlohmann::json got = {
+      {"piece", {{"tensor", p->tensor()}, {"offset", p->offset()}, {"data", absl::BytesToHexString(data)}}}};
+  if (got != c.expect) return testing::AssertionFailure() << "got " << got.dump() << ", expected " << c.expect.dump();
+  return testing::AssertionSuccess();
+}
+
+TEST(GoldenParts, ParsePartGivesTheGoldenResultHoweverThePartIsSliced) {
+  const std::vector<GoldenPart> cases = LoadGoldenParts();
+  ASSERT_GE(cases.size(), 50u);
+  for (const GoldenPart& c : cases) {
+    // One slice, two slices cut at every byte, a slice per byte; the
+    // first failure of a case is reported.
+    std::vector<std::pair<std::string, std::vector<size_t>>> slicings = {{"one slice", {}}};
+    std::vector<size_t> every_byte;
+    for (size_t at = 1; at < c.part.size(); ++at) {
+      slicings.push_back({absl::StrCat("two slices cut at byte ", at), {at}});
+      every_byte.push_back(at);
+    }
+    slicings.push_back({"a slice per byte", every_byte});
+    for (const auto& [how, cuts] : slicings) {
+      const testing::AssertionResult result = GivesGoldenResult(c, Sliced(c.part, cuts));
+      EXPECT_TRUE(result) << c.name << " (" << how << ")";
+      if (!result) break;
+    }
+  }
+}
+
+TEST(GoldenParts, PieceHeaderAndOutgoingPartWriteTheCanonicalPieces) {
+  int checked = 0;
+  for (const GoldenPart& c : LoadGoldenParts()) {
+    if (!c.canonical) continue;
+    SCOPED_TRACE(c.name);
+    const nlohmann::json& piece = c.expect.at("piece");
+    const int32_t tensor = piece.at("tensor").get<int32_t>();
+    const int64_t offset = piece.at("offset").get<int64_t>();
+    const std::string data = absl::HexStringToBytes(piece.at("data").get<std::string>());
+    EXPECT_EQ(absl::BytesToHexString(PieceHeader(tensor, offset, data.size())),
+              absl::BytesToHexString(c.part.substr(0, c.part.size() - data.size())));
+    OutgoingPart out;
+    out.tensor = tensor;
+    out.offset = offset;
+    out.bytes = data;
+    grpc::ByteBuffer buffer;
+    bool own = false;
+    ASSERT_TRUE((grpc::SerializationTraits<OutgoingPart>::Serialize(out, &buffer, &own)).ok());
+    EXPECT_EQ(absl::BytesToHexString(Flatten(buffer)), absl::BytesToHexString(c.part));
+    ++checked;
+  }
+  EXPECT_GE(checked, 6);
 }
 
 TEST(TensorAssembler, ChecksAnnouncedSizesAndPieceOrder) {

@@ -34,7 +34,7 @@ import numpy as np
 
 from ._proto import pb2
 from .tensors import NUMPY_DTYPE
-from .wire import WireResponse, _fields, decode_response, varint
+from .wire import WireResponse, _fields, _signed64, decode_response, varint
 
 METHOD = "/logprob.v1.LogprobService/ScoreChunked"
 # Requests of more bytes than this go chunked (None or < 0: never); pieces
@@ -86,25 +86,64 @@ def request_parts(
 def parse_part(raw: Any) -> Tuple[str, Any]:
     """Parses one serialized ``ScoreResponsePart`` (or request part):
     ``("message", memoryview)`` or ``("piece", (tensor, offset, memoryview
-    of data))``. Raises ValueError when malformed."""
-    buf = memoryview(raw)
-    found = None
+    of data))``. Raises ValueError ("malformed chunked part: ...") when the
+    bytes break the rules of ``tests/data/chunk_codec/README.md``, which
+    the server's codec (``common/chunk_codec.h``) shares: not exactly one
+    message or one piece (both, neither, either twice), truncated or
+    overlong varints, a field running past the part or the piece, a known
+    field of the wrong wire type, a duplicate field in the piece, a
+    negative tensor or offset, a tensor above 2^31 - 1. Unknown fields are
+    skipped."""
+    try:
+        return _parse_part(memoryview(raw))
+    except ValueError as e:
+        raise ValueError("malformed chunked part: %s" % e) from None
+
+
+_PART_FIELDS = {1: "message", 2: "piece"}
+# TensorPiece's fields: number -> (name, wire type).
+_PIECE_FIELDS = {1: ("tensor", 0), 2: ("offset", 0), 3: ("data", 2)}
+_INT32_MAX = (1 << 31) - 1
+
+
+def _parse_part(buf: memoryview) -> Tuple[str, Any]:
+    """``parse_part`` without the error prefix."""
+    found: Optional[Tuple[str, Any]] = None
     for field, wire_type, value in _fields(buf, 0, len(buf)):
-        if field == 1 and wire_type == 2:
-            found = ("message", value)
-        elif field == 2 and wire_type == 2:
-            tensor, offset, data = 0, 0, value[0:0]
-            for f, w, v in _fields(value, 0, len(value)):
-                if f == 1 and w == 0:
-                    tensor = v
-                elif f == 2 and w == 0:
-                    offset = v
-                elif f == 3 and w == 2:
-                    data = v
-            found = ("piece", (tensor, offset, data))
+        kind = _PART_FIELDS.get(field)
+        if kind is None:
+            continue  # unknown: skipped
+        if wire_type != 2:
+            raise ValueError("the %s (field %d) has wire type %d, not 2 (length-delimited)" % (kind, field, wire_type))
+        if found is not None:
+            raise ValueError("duplicate %s" % kind if found[0] == kind else "both a message and a piece")
+        found = (kind, value if kind == "message" else _parse_piece(value))
     if found is None:
         raise ValueError("neither a message nor a piece")
     return found
+
+
+def _parse_piece(buf: memoryview) -> Tuple[int, int, memoryview]:
+    """``(tensor, offset, data)`` of the TensorPiece in ``buf`` (missing
+    fields: 0, 0, empty)."""
+    values: Dict[str, Any] = {}
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        known = _PIECE_FIELDS.get(field)
+        if known is None:
+            continue  # unknown: skipped
+        name, expected = known
+        if wire_type != expected:
+            raise ValueError("the piece's %s (field %d) has wire type %d, not %d" % (name, field, wire_type, expected))
+        if name in values:
+            raise ValueError("duplicate %s in the piece" % name)
+        if name != "data":
+            value = _signed64(value)
+            if value < 0:
+                raise ValueError("%s %d is negative" % ("tensor index" if name == "tensor" else name, value))
+            if name == "tensor" and value > _INT32_MAX:
+                raise ValueError("tensor index %d is out of range (above 2^31 - 1)" % value)
+        values[name] = value
+    return values.get("tensor", 0), values.get("offset", 0), values.get("data", buf[0:0])
 
 
 class ResponseAssembler:

@@ -41,7 +41,10 @@ _DATA_TAG = b"\x22"  # Tensor.data: field 4, length-delimited
 
 
 def varint(n: int) -> bytes:
-    """Protobuf base-128 varint of a non-negative int."""
+    """Protobuf base-128 varint of a non-negative int. Raises ValueError
+    for a negative one."""
+    if n < 0:
+        raise ValueError("varint of a negative int (%d)" % n)
     out = bytearray()
     while True:
         byte = n & 0x7F
@@ -160,13 +163,21 @@ class WireResponse:
         self.status_reason = 0
 
 
+# The largest protobuf field number.
+_MAX_FIELD_NUMBER = (1 << 29) - 1
+
+
 def _read_varint(buf: memoryview, pos: int, end: int) -> Tuple[int, int]:
+    """``(value, next pos)`` of the varint at ``buf[pos:end]``: at most 10
+    bytes, 64 bits. Raises ValueError when truncated or overlong."""
     result = shift = 0
     while True:
-        if pos >= end or shift > 63:
-            raise ValueError("truncated or overlong varint")
+        if pos >= end:
+            raise ValueError("truncated varint")
         byte = buf[pos]
         pos += 1
+        if shift == 63 and byte > 1:
+            raise ValueError("overlong varint (more than 64 bits)")
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
             return result, pos
@@ -176,26 +187,32 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> Tuple[int, int]:
 def _fields(buf: memoryview, pos: int, end: int) -> Iterator[Tuple[int, int, Any]]:
     """(field number, wire type, value) of the message in ``buf[pos:end]``:
     an int for varints, a memoryview for length-delimited fields, None for
-    skipped fixed-size fields."""
+    skipped fixed-size fields. Each field is read whole before it is
+    yielded. Raises ValueError for a truncated or overlong varint, a field
+    running past ``end``, a field number outside 1 to 2^29 - 1, or wire
+    types 3, 4 (groups), 6 and 7."""
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
         field, wire_type = key >> 3, key & 7
+        if field == 0 or field > _MAX_FIELD_NUMBER:
+            raise ValueError("invalid field number %d" % field)
         if wire_type == 0:
             value, pos = _read_varint(buf, pos, end)
             yield field, wire_type, value
         elif wire_type == 2:
             n, pos = _read_varint(buf, pos, end)
-            if pos + n > end:
-                raise ValueError("a length-delimited field runs past its message")
+            if n > end - pos:
+                raise ValueError("truncated field %d: %d bytes, %d left" % (field, n, end - pos))
             yield field, wire_type, buf[pos:pos + n]
             pos += n
         elif wire_type in (1, 5):
-            pos += 8 if wire_type == 1 else 4
+            n = 8 if wire_type == 1 else 4
+            if n > end - pos:
+                raise ValueError("truncated fixed-size field %d" % field)
+            pos += n
             yield field, wire_type, None
         else:
-            raise ValueError("unsupported wire type %d" % wire_type)
-    if pos != end:
-        raise ValueError("a field runs past the end of its message")
+            raise ValueError("unsupported wire type %d of field %d" % (wire_type, field))
 
 
 def _signed64(v: int) -> int:

@@ -3,7 +3,8 @@ a free loopback port, the golden cases, and the SPEC comparison
 (``2e-4 + 2e-5 * |expected|``, ids exact, -inf where expected).
 
 Environment (set by ctest, see tests/CMakeLists.txt): ``LOGPROB_BIN_DIR``
-(the built logprob-server / logprob-worker), ``LOGPROB_GOLDEN_DIR``.
+(the built logprob-server / logprob-worker), ``LOGPROB_GOLDEN_DIR``,
+``LOGPROB_CHUNK_CODEC_GOLDEN_DIR`` (the golden parts of the chunk codec).
 """
 
 import asyncio
@@ -28,6 +29,8 @@ from logprob_client import safetensors  # noqa: E402
 
 BIN_DIR = os.environ.get("LOGPROB_BIN_DIR", os.path.join(SOURCE_ROOT, "build", "bin"))
 GOLDEN_DIR = os.environ.get("LOGPROB_GOLDEN_DIR", os.path.join(SOURCE_ROOT, "tests", "data", "golden"))
+CHUNK_CODEC_GOLDEN_DIR = os.environ.get("LOGPROB_CHUNK_CODEC_GOLDEN_DIR",
+                                        os.path.join(SOURCE_ROOT, "tests", "data", "chunk_codec"))
 LOGITS_CASES = ["basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16"]
 
 
