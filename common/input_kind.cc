@@ -5,8 +5,8 @@ namespace logprob {
 const InputKindRules& RulesOf(InputKind kind) {
   // name, readable_here, batchable, every_input_row, sampling_filters, hidden_states_only, needs_one_pass, unavailable
   static const InputKindRules kBytes{"bytes", true, true, false, true, false, false, v1::ERROR_REASON_UNSPECIFIED};
-  static const InputKindRules kShm{"shared memory", true,  true,  false, true,
-                                   false,           false, v1::SHARED_MEMORY_UNAVAILABLE};
+  static const InputKindRules kShm{
+      "shared memory", true, true, false, true, false, false, v1::SHARED_MEMORY_UNAVAILABLE};
   static const InputKindRules kIpc{"CUDA IPC", false, false, true, false, true, true, v1::CUDA_IPC_UNAVAILABLE};
   switch (kind) {
     case InputKind::kSharedMemory:

@@ -17,12 +17,12 @@ Admission::Ticket::~Ticket() {
 absl::StatusOr<Admission::Ticket> Admission::Admit(int64_t tokens, int64_t bytes) {
   absl::MutexLock lock(&mu_);
   if (requests_ > 0 && (tokens_ + tokens > max_tokens_ || bytes_ + bytes > max_bytes_))
-    return WithReason(absl::ResourceExhaustedError(absl::StrCat(
-                          "server at capacity: ", requests_, " requests with ", tokens_, " tokens and ", bytes_,
-                          " bytes in flight; this one (", tokens, " tokens, ", bytes,
-                          " bytes) would exceed --max-queue-tokens ", max_tokens_, " or --max-queue-bytes ",
-                          max_bytes_, "; retry with backoff")),
-                      v1::AT_CAPACITY);
+    return WithReason(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "server at capacity: ", requests_, " requests with ", tokens_, " tokens and ", bytes_,
+            " bytes in flight; this one (", tokens, " tokens, ", bytes, " bytes) would exceed --max-queue-tokens ",
+            max_tokens_, " or --max-queue-bytes ", max_bytes_, "; retry with backoff")),
+        v1::AT_CAPACITY);
   tokens_ += tokens;
   bytes_ += bytes;
   ++requests_;

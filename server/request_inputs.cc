@@ -26,11 +26,13 @@ absl::Status CheckTensor(const v1::ScoreRequest& req, int i, const InputKindRule
 absl::Status CheckOptions(const v1::ScoreRequest& req, int i, const InputKindRules& rules) {
   const std::string what = What(req, i);
   if (!rules.sampling_filters && HasSamplingFilters(req.options()))
-    return WithReason(absl::FailedPreconditionError(absl::StrCat(
-        what, ": a ", rules.name,
-        " input cannot be scored with options.sampling_top_k / options.sampling_top_p (sampling filters score hidden "
-        "states in rounds through host memory); send the tensor as bytes (inline or through shared memory) instead")),
-                      rules.unavailable);
+    return WithReason(
+        absl::FailedPreconditionError(absl::StrCat(what, ": a ", rules.name,
+                                                   " input cannot be scored with options.sampling_top_k / "
+                                                   "options.sampling_top_p (sampling filters score hidden "
+                                                   "states in rounds through host memory); send the tensor as bytes "
+                                                   "(inline or through shared memory) instead")),
+        rules.unavailable);
   return absl::OkStatus();
 }
 

@@ -156,8 +156,7 @@ absl::Status ScoringCore::SharedMemoryEnabled() const {
   return absl::OkStatus();
 }
 
-absl::Status ScoringCore::RegisterSharedMemory(const std::string& session,
-                                               const v1::RegisterSharedMemoryRequest& req) {
+absl::Status ScoringCore::RegisterSharedMemory(const std::string& session, const v1::RegisterSharedMemoryRequest& req) {
   LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
   return regions_->Register(session, req.name(), req.shm_name(), req.byte_size());
 }

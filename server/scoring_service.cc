@@ -37,7 +37,8 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
 
 grpc::Status ScoringService::Reply(grpc::ServerContext* ctx, const absl::Status& st) {
   const v1::ErrorReason reason = ReasonOf(st);
-  if (reason != v1::ERROR_REASON_UNSPECIFIED) ctx->AddTrailingMetadata(kReasonMetadataKey, v1::ErrorReason_Name(reason));
+  if (reason != v1::ERROR_REASON_UNSPECIFIED)
+    ctx->AddTrailingMetadata(kReasonMetadataKey, v1::ErrorReason_Name(reason));
   return ToGrpc(st);
 }
 

@@ -1,0 +1,190 @@
+// The scoring core (server/scoring_core.h) without a server or processes:
+// its Runner scores each plan item in this process with the worker's own
+// code (PayloadRegions for shared-memory payloads, ScoreWorkItem on the CPU
+// backend, W ranks as threads over InProcessCommunicator). Every logits
+// golden case must match its expected outputs through 1 and 2 workers, in
+// both layouts, with payloads inline and through shared memory; errors
+// carry their machine-readable reasons; a cancelled call ends.
+#include "server/scoring_core.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "common/error_reason.h"
+#include "tests/in_process_communicator.h"
+#include "tests/test_support.h"
+#include "worker/communicator.h"
+#include "worker/cpu_backend.h"
+#include "worker/payload_regions.h"
+#include "worker/scorer.h"
+
+namespace logprob::testing {
+namespace {
+
+using internal::v1::WorkResult;
+
+/// Runs a plan's items like the worker pool does, in this process: token-
+/// parallel items alone, the others as the W ranks of one in-process group.
+class InProcessWorkers {
+ public:
+  explicit InProcessWorkers(int workers) : workers_(workers) {}
+
+  CoreWorkers workers(bool same_host) {
+    return CoreWorkers{workers_, same_host, [this](const Plan& plan, const RunBounds& bounds) {
+                         ++runs_;
+                         return Run(plan, bounds);
+                       }};
+  }
+  int runs() const { return runs_; }
+
+ private:
+  absl::StatusOr<std::vector<WorkResult>> Run(const Plan& plan, const RunBounds& bounds) {
+    InProcessGroup group(workers_);
+    std::vector<absl::StatusOr<WorkResult>> results(plan.items.size(), absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    const std::function<bool()> stop = [&bounds] { return bounds.ended(); };
+    for (size_t i = 0; i < plan.items.size(); ++i)
+      threads.emplace_back([&, i] {
+        const internal::v1::WorkItem& item = plan.items[i].item;
+        std::shared_ptr<SharedRegion> hold;
+        auto payload = regions_.Payload(item, &hold);
+        if (!payload.ok()) {
+          results[i] = payload.status();
+          return;
+        }
+        CpuBackend backend;
+        if (item.layout() == internal::v1::TOKEN_PARALLEL) {
+          SelfCommunicator self;
+          results[i] = ScoreWorkItem(item, ItemPayload(*payload), self, backend, kDefaultHiddenChunkTokens, stop);
+        } else {
+          InProcessCommunicator comm(group, plan.items[i].worker);
+          results[i] = ScoreWorkItem(item, ItemPayload(*payload), comm, backend, kDefaultHiddenChunkTokens, stop);
+        }
+      });
+    for (auto& t : threads) t.join();
+    std::vector<WorkResult> out;
+    for (auto& r : results) {
+      if (!r.ok()) return r.status();
+      out.push_back(*std::move(r));
+    }
+    return out;
+  }
+
+  const int workers_;
+  PayloadRegions regions_;
+  std::atomic<int> runs_{0};
+};
+
+ServiceConfig Config(const std::string& parallelism, bool shared_memory) {
+  ServiceConfig c;
+  c.parallelism = parallelism == "vocab" ? Parallelism::kVocab : Parallelism::kToken;
+  c.parallelism_name = parallelism;
+  c.shared_memory = shared_memory;
+  c.max_queue_delay = std::chrono::microseconds(0);
+  return c;
+}
+
+class ScoringCoreGolden : public ::testing::TestWithParam<std::tuple<int, std::string, bool>> {};
+
+TEST_P(ScoringCoreGolden, EveryLogitsCaseMatchesItsExpectedOutputs) {
+  const auto [workers, parallelism, shared_memory] = GetParam();
+  InProcessWorkers pool(workers);
+  ScoringCore core(pool.workers(/*same_host=*/true), Config(parallelism, shared_memory), nullptr);
+  for (const std::string& name : LogitsGoldenNames()) {
+    SCOPED_TRACE(name);
+    const GoldenCase c = LoadGolden(name);
+    RequestStats stats;
+    auto resp = core.Score(GoldenRequest(c), CallContext{}, &stats);
+    ASSERT_TRUE(resp.ok()) << resp.status();
+    EXPECT_EQ(resp->id(), name);
+    EXPECT_GT(stats.rows, 0);
+    EXPECT_EQ(stats.batch_requests, 1);
+    const std::vector<v1::Tensor> got(resp->outputs().begin(), resp->outputs().end());
+    EXPECT_EQ(CompareOutputs(c.expected.tensors, got), "");
+  }
+  EXPECT_EQ(pool.runs(), static_cast<int>(LogitsGoldenNames().size()));
+  EXPECT_EQ(core.admission().requests(), 0) << "every request's admission ends with it";
+}
+
+INSTANTIATE_TEST_SUITE_P(Workers, ScoringCoreGolden,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Values("token", "vocab"),
+                                            ::testing::Bool()));
+
+TEST(ScoringCore, InfoReportsTheConfigurationAndVersion) {
+  InProcessWorkers pool(2);
+  ScoringCore core(pool.workers(true), Config("token", true), nullptr);
+  const v1::ServerInfo info = core.Info();
+  EXPECT_EQ(info.version(), LOGPROB_VERSION);
+  EXPECT_EQ(info.workers(), 2);
+  EXPECT_EQ(info.parallelism(), "token");
+  EXPECT_TRUE(info.shared_memory_inputs());
+  EXPECT_FALSE(info.cuda_ipc_inputs()) << "CPU workers";
+}
+
+TEST(ScoringCore, RefusalsCarryTheirReasons) {
+  InProcessWorkers pool(1);
+  ServiceConfig config = Config("token", false);
+  config.shared_memory_inputs = false;
+  ScoringCore core(pool.workers(true), config, nullptr);
+  const GoldenCase c = LoadGolden(LogitsGoldenNames().front());
+
+  // A CUDA IPC reference on CPU workers: the client should send bytes.
+  v1::ScoreRequest ipc = GoldenRequest(c);
+  v1::Tensor* rows = ipc.mutable_inputs(0);
+  for (auto& t : *ipc.mutable_inputs())
+    if (t.name() == "logits") rows = &t;
+  rows->set_name("hidden_states");
+  const auto bytes = static_cast<int64_t>(rows->data().size());
+  rows->mutable_cuda_ipc()->set_handle(std::string(64, 'h'));
+  rows->mutable_cuda_ipc()->set_byte_size(bytes);
+  CallContext local;
+  local.peer = "ipv4:127.0.0.1:1";
+  auto r = core.Score(ipc, local);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), v1::CUDA_IPC_UNAVAILABLE) << r.status();
+
+  // A shared-memory reference with shared-memory inputs off.
+  v1::ScoreRequest shm = GoldenRequest(c);
+  shm.mutable_inputs(0)->mutable_shared_memory()->set_region("r");
+  r = core.Score(shm, local);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), v1::SHARED_MEMORY_UNAVAILABLE) << r.status();
+  EXPECT_EQ(core.SharedMemoryEnabled().code(), absl::StatusCode::kFailedPrecondition);
+
+  // Hidden states without an lm_head.
+  v1::ScoreRequest hidden = GoldenRequest(c);
+  for (auto& t : *hidden.mutable_inputs())
+    if (t.name() == "logits") t.set_name("hidden_states");
+  r = core.Score(hidden, local);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), v1::NO_LM_HEAD) << r.status();
+
+  // A malformed request has no reason to act on.
+  v1::ScoreRequest bad = GoldenRequest(c);
+  bad.mutable_inputs(0)->set_dtype(v1::DTYPE_UNSPECIFIED);
+  r = core.Score(bad, local);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), v1::ERROR_REASON_UNSPECIFIED);
+  EXPECT_EQ(pool.runs(), 0) << "nothing refused reaches the workers";
+}
+
+TEST(ScoringCore, ACallThatIsAlreadyCancelledOrPastItsDeadlineEnds) {
+  InProcessWorkers pool(1);
+  ScoringCore core(pool.workers(true), Config("token", false), nullptr);
+  const GoldenCase c = LoadGolden(LogitsGoldenNames().front());
+  CallContext cancelled;
+  cancelled.cancelled = [] { return true; };
+  auto r = core.Score(GoldenRequest(c), cancelled);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  CallContext late;
+  late.deadline = std::chrono::system_clock::now() - std::chrono::seconds(1);
+  r = core.Score(GoldenRequest(c), late);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_EQ(core.admission().requests(), 0);
+}
+
+}  // namespace
+}  // namespace logprob::testing
