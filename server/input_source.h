@@ -46,7 +46,7 @@ class InputSource {
   /// For sources the workers read themselves (rules().readable_here
   /// false): sets `item`'s payload to a reference to bytes [offset,
   /// offset + n). Others leave the item alone and return false.
-  virtual bool Refer(int64_t offset, int64_t n, internal::v1::WorkItem* item) const { return false; }
+  virtual bool Refer(int64_t /*offset*/, int64_t /*n*/, internal::v1::WorkItem* /*item*/) const { return false; }
 
  private:
   const InputKind kind_;

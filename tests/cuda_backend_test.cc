@@ -106,7 +106,9 @@ void ExpectRecordsMatch(const std::vector<uint32_t>& cpu, const std::vector<uint
     EXPECT_EQ(c[t], g[t]) << "target x " << F(c[t]) << " vs " << F(g[t]);
     const double cs = D(c + s), gs = D(g + s);
     EXPECT_NEAR(cs, gs, 2e-5 * cs) << "s";
-    if (spec.entropy) EXPECT_NEAR(D(c + u), D(g + u), 2e-5 * (std::abs(D(c + u)) + cs)) << "u";
+    if (spec.entropy) {
+      EXPECT_NEAR(D(c + u), D(g + u), 2e-5 * (std::abs(D(c + u)) + cs)) << "u";
+    }
     for (size_t w = record::kHeaderWords; w < words; ++w)
       EXPECT_EQ(c[w], g[w]) << "word " << w << ": " << F(c[w]) << " vs " << F(g[w]);
   }
@@ -175,7 +177,9 @@ TEST(CudaRecords, Bf16Vocab151936WithEntropyTop20AndGather) {
     const Reference ref = Ref(rows.values.data() + r * rows.len, rows.len, spec.temperature, 20);
     const auto x = [&](int64_t id) { return double(rows.values[r * rows.len + id] / spec.temperature); };
     const auto tol = [](double e) { return 2e-4 + 2e-5 * std::abs(e); };
-    if (rows.targets[r] >= 0) EXPECT_NEAR(lp, x(rows.targets[r]) - ref.logZ, tol(x(rows.targets[r]) - ref.logZ));
+    if (rows.targets[r] >= 0) {
+      EXPECT_NEAR(lp, x(rows.targets[r]) - ref.logZ, tol(x(rows.targets[r]) - ref.logZ));
+    }
     EXPECT_NEAR(ent, ref.entropy, tol(ref.entropy));
     for (int j = 0; j < 20; ++j) {
       EXPECT_EQ(ti[j], ref.topk[j]) << j;

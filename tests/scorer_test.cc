@@ -300,8 +300,9 @@ std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, Layout layout
       results[r] = ScoreWorkItem(item, c, *backend, hidden_chunk_tokens, stop);
       if (!results[r].ok()) group.Abort();
       if (one_pass && layout == internal::v1::HIDDEN_STATES && p.options.sampling_top_k() == 0 &&
-          !p.options.has_sampling_top_p())
+          !p.options.has_sampling_top_p()) {
         EXPECT_EQ(static_cast<HostOnePassBackend&>(*backend).one_pass_calls, 1) << "rank " << r;
+      }
     });
   }
   for (auto& t : threads) t.join();
@@ -477,7 +478,9 @@ TEST(InProcessCommunicator, AllGatherAndAllToAllVMoveTheRightBytes) {
       }
       exchanged[r].resize(W * (r + 1));
       if (status[r].ok()) status[r] = comm.AllToAllV(send.data(), send_bytes, exchanged[r].data(), recv_bytes);
-      if (status[r].ok()) EXPECT_EQ(comm.collectives(), 2);
+      if (status[r].ok()) {
+        EXPECT_EQ(comm.collectives(), 2);
+      }
     });
   }
   for (auto& t : threads) t.join();

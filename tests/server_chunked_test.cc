@@ -112,7 +112,9 @@ TEST_F(ScoreChunked, EveryGoldenCaseIsByteIdenticalToOneMessage) {
     for (int64_t piece : {int64_t{1000}, int64_t{65536}, chunked::kDefaultPieceBytes}) {
       auto chunked = client::ScoreChunked(Channel(server_->address()), GoldenRequest(c), piece, 120, -1);
       EXPECT_EQ(chunked.status(), FromGrpc(st)) << "piece_bytes " << piece;
-      if (chunked.ok()) EXPECT_EQ(chunked->SerializeAsString(), one.SerializeAsString()) << "piece_bytes " << piece;
+      if (chunked.ok()) {
+        EXPECT_EQ(chunked->SerializeAsString(), one.SerializeAsString()) << "piece_bytes " << piece;
+      }
     }
     ASSERT_TRUE(st.ok()) << st.error_message();
     const std::vector<v1::Tensor> got(one.outputs().begin(), one.outputs().end());

@@ -192,7 +192,9 @@ TEST_F(Cluster, ASpareWorkerWaitsAndTakesTheNextGeneration) {
       "a request to succeed on the next generation",
       [&] {
         st = Score(GoldenRequest(golden));
-        if (!st.ok()) EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+        if (!st.ok()) {
+          EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+        }
         return st.ok();
       },
       kBound));

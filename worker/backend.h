@@ -130,7 +130,7 @@ class ScoringBackend {
   /// in one pass (the CUDA backend with W == 1 or device collectives);
   /// false: the scorer runs rounds of --hidden-chunk-tokens rows (the CPU
   /// backend, whose memory those rounds bound).
-  virtual bool OnePassHidden(const Communicator& comm) const { return false; }
+  virtual bool OnePassHidden(const Communicator& /*comm*/) const { return false; }
 
   /// One-pass fused hidden-states path, without sampling filters: gathers
   /// every rank's rows (`comm`), multiplies all of them by this rank's
@@ -151,8 +151,8 @@ class ScoringBackend {
   /// read-only by the worker. The CUDA backend page-locks it
   /// (cudaHostRegister) so uploads from it skip the staging copy. Failure
   /// only loses that speed-up. Default: nothing. Thread-safe.
-  virtual void RegisterHostMemory(const void* data, size_t bytes) {}
-  virtual void UnregisterHostMemory(const void* data) {}
+  virtual void RegisterHostMemory(const void* /*data*/, size_t /*bytes*/) {}
+  virtual void UnregisterHostMemory(const void* /*data*/) {}
 
   /// Maps `bytes` bytes at `offset` of a same-host client's CUDA allocation
   /// exported with cudaIpcGetMemHandle (`handle`: the 64-byte
