@@ -96,8 +96,8 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
     absl::Status s;
     if (shm == nullptr && channel && UseChunked(chunking, static_cast<int64_t>(parts[i].ByteSizeLong()))) {
       absl::StatusOr<v1::ScoreResponse> r = ScoreChunked(channel, parts[i], chunking.piece_bytes, timeout_seconds);
-      if (r.ok()) responses[i] = *std::move(r);
       s = r.status();
+      if (r.ok()) responses[i] = *std::move(r);
     } else {
       grpc::ClientContext context;
       SetTimeout(&context, timeout_seconds);

@@ -1,11 +1,7 @@
 #include "client/shm_inputs.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstring>
 #include <random>
 
@@ -15,8 +11,6 @@
 
 namespace logprob::client {
 namespace {
-
-constexpr char kSessionMetadata[] = "logprob-shm-session";
 
 std::string RandomHex(int bytes) {
   std::random_device rd;
@@ -43,7 +37,7 @@ ShmInputs::ShmInputs(v1::LogprobService::StubInterface& stub, double timeout_sec
 
 ShmInputs::~ShmInputs() { Release(); }
 
-void ShmInputs::Attach(grpc::ClientContext* context) const { context->AddMetadata(kSessionMetadata, session_); }
+void ShmInputs::Attach(grpc::ClientContext* context) const { context->AddMetadata(kShmSessionMetadata, session_); }
 
 void ShmInputs::Release() {
   if (!region_.empty()) {
@@ -56,11 +50,8 @@ void ShmInputs::Release() {
     stub_.UnregisterSharedMemory(&context, req, &resp);  // best effort: expires otherwise
     region_.clear();
   }
-  if (data_ != nullptr) munmap(data_, size_);
-  if (!shm_name_.empty()) shm_unlink(shm_name_.c_str());
-  data_ = nullptr;
+  shm_.reset();  // unmaps and unlinks
   size_ = 0;
-  shm_name_.clear();
 }
 
 absl::Status ShmInputs::Grow(size_t bytes) {
@@ -68,23 +59,9 @@ absl::Status ShmInputs::Grow(size_t bytes) {
   size_t size = size_t{1} << 20;
   while (size < bytes) size *= 2;
   const std::string name = absl::StrCat("/logprob-client-", getpid(), "-", RandomHex(8));
-  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) return absl::InternalError(absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
-  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
-    close(fd);
-    shm_unlink(name.c_str());
-    return absl::ResourceExhaustedError(
-        absl::StrCat("reserving ", size, " bytes of /dev/shm for ", name, ": ", std::strerror(err)));
-  }
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  const int err = errno;
-  close(fd);
-  if (p == MAP_FAILED) {
-    shm_unlink(name.c_str());
-    return absl::InternalError(absl::StrCat("mmap ", name, ": ", std::strerror(err)));
-  }
-  shm_name_ = name;
-  data_ = static_cast<char*>(p);
+  auto created = SharedRegion::Create(size, name);
+  if (!created.ok()) return created.status();
+  shm_ = *std::move(created);
   size_ = size;
   grpc::ClientContext context;
   Deadline(&context, timeout_seconds_);
@@ -113,7 +90,7 @@ absl::Status ShmInputs::Place(v1::ScoreRequest* request) {
   for (v1::Tensor& t : *request->mutable_inputs()) {
     if (t.has_shared_memory()) continue;
     const size_t n = t.data().size();
-    std::memcpy(data_ + at, t.data().data(), n);
+    std::memcpy(shm_->data() + at, t.data().data(), n);
     v1::SharedMemoryRef* ref = t.mutable_shared_memory();  // replaces (frees) data: Tensor.source is a oneof
     ref->set_region(region_);
     ref->set_offset(static_cast<int64_t>(at));

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/shared_memory.h"
 #include "grpcpp/client_context.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 
@@ -52,9 +53,8 @@ class ShmInputs {
   v1::LogprobService::StubInterface& stub_;
   double timeout_seconds_;
   std::string session_;
-  std::string region_;    // registered name ("" when none)
-  std::string shm_name_;  // "/logprob-client-<pid>-<random>"
-  char* data_ = nullptr;
+  std::string region_;                 // registered name ("" when none)
+  std::unique_ptr<SharedRegion> shm_;  // "/logprob-client-<pid>-<random>", or null
   size_t size_ = 0;
 };
 

@@ -30,9 +30,16 @@ absl::Status SystemError(const std::string& what, int err) {
 
 absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(size_t bytes) {
   static std::atomic<uint64_t> counter{0};
-  const std::string name = absl::StrCat("/logprob-", getpid(), "-", counter++);
-  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) return SystemError("shm_open " + name, errno);
+  return Create(bytes, absl::StrCat("/logprob-", getpid(), "-", counter++));
+}
+
+absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(size_t bytes, const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == EEXIST) return absl::AlreadyExistsError(absl::StrCat("shm_open ", name, ": ", std::strerror(err)));
+    return SystemError("shm_open " + name, err);
+  }
   const size_t size = bytes == 0 ? 1 : bytes;  // mmap refuses 0 bytes
   // posix_fallocate returns the error number (it does not set errno).
   if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {

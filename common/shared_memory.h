@@ -21,6 +21,10 @@ class SharedRegion {
   /// /dev/shm is RESOURCE_EXHAUSTED here rather than SIGBUS on first write.
   /// Errors: RESOURCE_EXHAUSTED (no space), INTERNAL (other system errors).
   static absl::StatusOr<std::unique_ptr<SharedRegion>> Create(size_t bytes);
+  /// The same, named `name` ("/" then the name; the creator chooses it,
+  /// e.g. a client's "/logprob-client-<pid>-<random>"); ALREADY_EXISTS if
+  /// an object of that name exists.
+  static absl::StatusOr<std::unique_ptr<SharedRegion>> Create(size_t bytes, const std::string& name);
   /// Maps an existing region, whole and read-only. Errors: NOT_FOUND (no
   /// such name), INTERNAL (other system errors).
   static absl::StatusOr<std::unique_ptr<SharedRegion>> Open(const std::string& name);
@@ -54,5 +58,9 @@ int RemoveStaleRegions();
 /// /dev/shm mount (containers with their own /dev/shm differ). Empty if
 /// neither can be read.
 std::string SharedMemoryHostId();
+
+/// gRPC metadata key naming a client's shared-memory session
+/// (server/shm_session.h; the C++ and Python clients send it).
+inline constexpr char kShmSessionMetadata[] = "logprob-shm-session";
 
 }  // namespace logprob

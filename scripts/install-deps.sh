@@ -15,6 +15,7 @@ PACKAGES=(
   curl        # server_metrics_test scrapes /metrics with it
   prometheus  # promtool: server_metrics_test runs `promtool check metrics` on the scrape
   clang libclang-rt-14-dev  # libFuzzer + ASan/UBSan runtimes: tests/fuzz (ctest fuzz_*)
+  clang-format clang-tidy   # scripts/lint.sh (scripts/test.sh): formatting and .clang-tidy checks
   python3-kubernetes python3-yaml  # tests/deploy: manifests validated against the Kubernetes API types
   python3 python3-grpcio python3-protobuf python3-numpy  # Python client (client/python) and its ctest py_client_*;
                                                          # its stubs come from protoc + grpc_python_plugin (protobuf-compiler-grpc)

@@ -4,12 +4,12 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/shared_memory.h"  // kShmSessionMetadata
 #include "grpcpp/server_context.h"
 
 namespace logprob {
 
 /// Metadata key carrying a client's shared-memory session key.
-inline constexpr char kShmSessionMetadata[] = "logprob-shm-session";
 
 /// The owner key of `context`'s shared-memory regions (ClientRegions).
 /// gRPC C++ gives a server no per-connection hook, so a session is what

@@ -20,6 +20,15 @@
 namespace logprob::testing {
 
 /// Folder of the golden cases copied into the repository.
+/// True when this build runs under AddressSanitizer or ThreadSanitizer
+/// (scripts/sanitize.sh): memory measurements (RSS) are then meaningless.
+constexpr bool kUnderSanitizer =
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    true;
+#else
+    false;
+#endif
+
 std::string GoldenDir();
 /// Folder of the built programs (logprob-server, logprob-worker, ...).
 std::string BinDir();

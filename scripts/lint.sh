@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Static checks of the project's C++ (run by scripts/test.sh):
+#   clang-format: every tracked source formatted (scripts/format.sh --check);
+#   clang-tidy:   the checks of .clang-tidy over the front-end, worker, common
+#                 and client sources (not CUDA, not tests), with the main
+#                 build's compile commands (build/compile_commands.json);
+#                 clang 14 has no _Float16 on x86, so it reads __fp16 (as
+#                 the fuzzers' clang build does).
+# Exit 1 on any finding. Needs scripts/build.sh to have configured build/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/format.sh --check || { echo "lint: files above differ from clang-format (run scripts/format.sh)" >&2; exit 1; }
+command -v clang-tidy >/dev/null || { echo "clang-tidy not found (Debian: clang-tidy)" >&2; exit 2; }
+[ -f build/compile_commands.json ] || { echo "lint: run scripts/build.sh first (build/compile_commands.json)" >&2; exit 2; }
+mapfile -t files < <(git ls-files 'server/*.cc' 'common/*.cc' 'worker/*.cc' 'worker/kernels/*.cc' 'client/*.cc' |
+                     grep -v '^common/tsan_absl_mutex.cc$')
+echo "lint: clang-tidy over ${#files[@]} files" >&2
+printf '%s\n' "${files[@]}" | xargs -P "$(nproc)" -n 4 clang-tidy -p build --quiet --extra-arg=-D_Float16=__fp16 2>&1 |
+  grep -v -E '^[0-9]+ warnings? generated\.$|^Suppressed [0-9]+ warnings|^Use -header-filter|^$' > build/clang-tidy.log || true
+if grep -q -E 'warning:|error:' build/clang-tidy.log; then
+  cat build/clang-tidy.log >&2
+  exit 1
+fi
+echo "lint: clean" >&2
