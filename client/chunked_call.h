@@ -31,7 +31,7 @@ inline bool UseChunked(const ChunkOptions& o, int64_t request_bytes) {
 }
 
 /// Input tensors up to this size travel inside the first part.
-inline constexpr int64_t kInlineBytes = 64 << 10;
+inline constexpr int64_t kInlineBytes = chunked::kDefaultInlineBytes;
 
 /// Sends `request` through ScoreChunked on `channel`: first the request
 /// without the data of its tensors over `inline_bytes`, then those tensors' bytes

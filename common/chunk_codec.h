@@ -30,6 +30,10 @@ namespace logprob::chunked {
 /// 32 MiB mmap threshold (see README "Large requests").
 inline constexpr int64_t kDefaultPieceBytes = int64_t{4} << 20;
 
+/// Tensors up to this size travel inside the first part instead of in
+/// pieces (ServerInfo.chunked_inline_bytes; the clients' default too).
+inline constexpr int64_t kDefaultInlineBytes = int64_t{64} << 10;
+
 /// A part to send. Either `message` (a ScoreRequestPart or
 /// ScoreResponsePart, serialized as is; not owned), or a piece: bytes
 /// [offset, offset + bytes.size()) of tensor `tensor`. `bytes` is not

@@ -15,8 +15,6 @@ namespace logprob {
 namespace {
 
 constexpr char kMethod[] = "ScoreChunked";
-/// Output tensors up to this size travel inside the first answer part.
-constexpr int64_t kInlineBytes = 64 << 10;
 
 using Stream = chunked::ServerStream;
 
@@ -58,7 +56,7 @@ grpc::Status ScoringService::ServeChunked(grpc::ServerContext* context, Stream* 
   for (int i : pooled) assembly_buffers_.Release(std::move(*req.mutable_inputs(i)->mutable_data()));
   if (!r.ok()) return Reply(context, r.status());
   if (!chunked::WriteChunkedResponse([stream](const chunked::OutgoingPart& p) { return stream->Write(p); },
-                                     *std::move(r), kResponsePieceBytes, kInlineBytes))
+                                     *std::move(r), kResponsePieceBytes, chunked::kDefaultInlineBytes))
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away before the answer was sent");
   return grpc::Status::OK;
 }

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/chunk_codec.h"
 #include "common/error_reason.h"
 #include "common/input_kind.h"
 #include "common/shared_memory.h"
@@ -139,6 +140,8 @@ v1::ServerInfo ScoringCore::Info() const {
   info.set_max_batch_tokens(config_.max_batch_tokens);
   info.set_shared_memory_inputs(regions_ != nullptr);
   info.set_cuda_ipc_inputs(cuda_ipc_.available());
+  info.set_chunked_piece_bytes(chunked::kDefaultPieceBytes);
+  info.set_chunked_inline_bytes(chunked::kDefaultInlineBytes);
   info.set_host_id(host_id_);
   if (regions_) {
     const ClientRegions::Options& o = regions_->options();

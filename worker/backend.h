@@ -1,10 +1,27 @@
 // The compute seam of the worker: what a backend (CPU, CUDA) does for a
-// block of rows. The scorer (worker/scorer.cc) keeps the orchestration
-// (rounds, collectives, CombinePartials on the host in float64); a backend
-// only turns logits or hidden states into packed partial records
-// (worker/kernels/partial_record.h), the small per-row summaries the scorer
-// exchanges and combines. The big data (logits, GEMM output) stays where
-// the backend computes: on the GPU for the CUDA backend.
+// work item's rows. There are two contracts between the scorer
+// (worker/scorer.cc) and a backend:
+//
+// 1. The round path (every backend, every layout). The scorer keeps the
+//    orchestration: it cuts the item into rounds of rows, runs the
+//    collectives (all-gather of hidden states, all-to-all of records) on the
+//    host through its Communicator, and combines records with
+//    CombinePartials on the host in float64. The backend only turns one
+//    block of host rows into packed partial records
+//    (worker/kernels/partial_record.h): SlicePartials (logits slices),
+//    FilteredRowPartials (full rows with sampling filters), HiddenPartials
+//    (hidden states times its lm_head slice, fused) and HiddenLogits (the
+//    filtered hidden-states path, which exchanges full rows).
+// 2. The one-pass path (HIDDEN_STATES without sampling filters, when
+//    OnePassHidden(comm): the CUDA backend with one rank or with device
+//    collectives, CanScoreInOnePass in common/input_kind.h). The backend
+//    owns the whole item: HiddenItemPartials gathers every rank's rows,
+//    multiplies and exchanges the records on its device, and hands the
+//    scorer only this rank's rows' records, which it combines as in (1).
+//    Payloads in device memory (CUDA IPC inputs) can only take this path.
+//
+// Either way the big data (logits, GEMM output) stays where the backend
+// computes: on the GPU for the CUDA backend.
 #pragma once
 
 #include <cstdint>

@@ -35,6 +35,15 @@ class ChunkedTest(unittest.TestCase):
         self.addCleanup(c.close)
         return c
 
+    def test_piece_and_inline_sizes_are_the_servers(self):
+        # The client's defaults for its chunked requests are the sizes the
+        # server uses for its answers and reports in ServerInfo (one rule:
+        # common/chunk_codec.h).
+        with self.server.client() as c:
+            info = c.server_info()
+        self.assertEqual(info.chunked_piece_bytes, transport.PIECE_BYTES)
+        self.assertEqual(info.chunked_inline_bytes, transport.INLINE_BYTES)
+
     def test_piece_header_matches_protobuf(self):
         from logprob_client._proto import pb2
 
