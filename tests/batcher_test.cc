@@ -136,6 +136,23 @@ class Observed {
   int64_t queued_ = 0, running_ = 0;
 };
 
+/// A logits job of `rows` rows of kV f32 columns, rows 0.. of `source`,
+/// every target `tag`; `topk` decides its batch key.
+std::shared_ptr<ScoreJob> TaggedJob(int64_t tag, int64_t rows, int topk, std::shared_ptr<const InputSource> source) {
+  auto job = std::make_shared<ScoreJob>();
+  job->dtype = v1::F32;
+  job->vocab_size = kV;
+  job->row_bytes = kV * 4;
+  for (int64_t r = 0; r < rows; ++r) job->rows.push_back(r);
+  job->targets.assign(rows, tag);
+  job->out_pos.resize(rows);
+  job->out_shape = {rows};
+  job->options.set_topk(topk);
+  job->options.set_temperature(1.f);
+  job->segments.push_back({0, std::move(source)});
+  return job;
+}
+
 /// Logits jobs of kV f32 columns: a job of `rows` rows has every target
 /// and every logit equal to its `tag` (the fake runner checks each row's
 /// payload against its target, so a batch that copied another request's
@@ -148,17 +165,7 @@ class Jobs {
     std::string bytes = pool_.Acquire(static_cast<size_t>(rows * kV) * sizeof(float));
     const float value = static_cast<float>(tag);
     for (int64_t i = 0; i < rows * kV; ++i) std::memcpy(bytes.data() + i * sizeof(float), &value, sizeof(float));
-    auto job = std::make_shared<ScoreJob>();
-    job->dtype = v1::F32;
-    job->vocab_size = kV;
-    job->row_bytes = kV * 4;
-    for (int64_t r = 0; r < rows; ++r) job->rows.push_back(r);
-    job->targets.assign(rows, tag);
-    job->out_pos.resize(rows);
-    job->out_shape = {rows};
-    job->options.set_topk(topk);
-    job->options.set_temperature(1.f);
-    job->segments.push_back({0, MemorySource(bytes)});
+    auto job = TaggedJob(tag, rows, topk, MemorySource(bytes));
     std::lock_guard<std::mutex> lock(mu_);
     bytes_[job.get()] = std::move(bytes);
     return job;
@@ -430,17 +437,7 @@ class ShmRows {
   ~ShmRows() { Remove(); }
   /// A job whose rows are read from the region.
   std::shared_ptr<const ScoreJob> Job(int64_t tag, int64_t rows) const {
-    auto job = std::make_shared<ScoreJob>();
-    job->dtype = v1::F32;
-    job->vocab_size = kV;
-    job->row_bytes = kV * 4;
-    for (int64_t r = 0; r < rows; ++r) job->rows.push_back(r);
-    job->targets.assign(rows, tag);
-    job->out_pos.resize(rows);
-    job->out_shape = {rows};
-    job->options.set_temperature(1.f);
-    job->segments.push_back({0, RegionSource(region_, 0, region_->byte_size())});
-    return job;
+    return TaggedJob(tag, rows, /*topk=*/0, RegionSource(region_, 0, region_->byte_size()));
   }
   /// What a client may do once its call returned: unregister, shrink and
   /// unlink the object.
