@@ -4,17 +4,19 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <iostream>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/bench_report.h"
 #include "client/commands.h"
 #include "client/echo_service.h"
@@ -48,10 +50,10 @@ struct LoadPlan {
 struct Tally {
   std::atomic<int64_t> ok{0};
   std::atomic<int64_t> failed{0};
-  std::mutex mu;  // guards the fields below
-  std::vector<double> latencies;
-  std::map<std::string, int64_t> failures;
-  std::string first_error;
+  absl::Mutex mu;
+  std::vector<double> latencies ABSL_GUARDED_BY(mu);
+  std::map<std::string, int64_t> failures ABSL_GUARDED_BY(mu);
+  std::string first_error ABSL_GUARDED_BY(mu);
 };
 
 // Prints a progress line to stderr every `interval` seconds until stopped.
@@ -63,20 +65,23 @@ class ProgressPrinter {
   }
   ~ProgressPrinter() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       stop_ = true;
+      cv_.SignalAll();
     }
-    cv_.notify_all();
     if (thread_.joinable()) thread_.join();
   }
 
  private:
   void Loop() {
     const Clock::time_point start = Clock::now();
-    std::unique_lock<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     int64_t last_ok = 0;
     Clock::time_point last = start;
-    while (!cv_.wait_for(lock, std::chrono::duration<double>(interval_), [this] { return stop_; })) {
+    for (;;) {
+      const absl::Time until = absl::Now() + absl::Seconds(interval_);
+      while (!stop_ && absl::Now() < until) cv_.WaitWithDeadline(&mu_, until);
+      if (stop_) break;
       const int64_t ok = tally_.ok.load();
       const double window = SecondsSince(last);
       std::cerr << absl::StrFormat("bench %s: %.1f s, %d OK (%.2f/s over the last %.1f s), %d failed\n", phase_,
@@ -91,9 +96,9 @@ class ProgressPrinter {
   const std::string phase_;
   const double interval_;
   const Tally& tally_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
+  absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled when stop_ is set
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
@@ -137,12 +142,12 @@ void CallOnce(const Target& target, const v1::ScoreRequest& request, double time
   if (tally == nullptr) return;
   if (status.ok()) {
     tally->ok.fetch_add(1);
-    std::lock_guard<std::mutex> lock(tally->mu);
+    absl::MutexLock lock(&tally->mu);
     tally->latencies.push_back(seconds);
     return;
   }
   tally->failed.fetch_add(1);
-  std::lock_guard<std::mutex> lock(tally->mu);
+  absl::MutexLock lock(&tally->mu);
   ++tally->failures[absl::StatusCodeToString(status.code())];
   if (tally->first_error.empty()) tally->first_error = status.ToString();
 }
@@ -174,9 +179,12 @@ PhaseResult RunPhase(const std::string& name, const Target& target, const v1::Sc
   result.seconds = SecondsSince(start);
   result.ok = tally.ok.load();
   result.failed = tally.failed.load();
-  result.failures = std::move(tally.failures);
-  result.first_error = std::move(tally.first_error);
-  result.latency = Summarize(std::move(tally.latencies));
+  {
+    absl::MutexLock lock(&tally.mu);  // the threads have ended; the lock documents it
+    result.failures = std::move(tally.failures);
+    result.first_error = std::move(tally.first_error);
+    result.latency = Summarize(std::move(tally.latencies));
+  }
   return result;
 }
 

@@ -3,15 +3,15 @@
 #include <cuda.h>  // CUresult, CUdeviceptr (types only: no libcuda link)
 #include <cuda_runtime.h>
 
-#include <condition_variable>
 #include <cstring>
 #include <iostream>
 #include <map>
-#include <mutex>
 #include <string>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 namespace logprob::cuda {
 namespace {
@@ -46,9 +46,9 @@ std::string Failed(const char* call, cudaError_t e) {
 /// being closed; Open waits for its deleter to remove it rather than open
 /// the handle a second time meanwhile.
 struct Mappings {
-  std::mutex mu;
-  std::condition_variable closed;
-  std::map<std::pair<int, std::string>, std::weak_ptr<const char>> open;
+  absl::Mutex mu;
+  absl::CondVar closed;  // signalled when an entry goes
+  std::map<std::pair<int, std::string>, std::weak_ptr<const char>> open ABSL_GUARDED_BY(mu);
 };
 
 Mappings& Registry() {
@@ -77,13 +77,13 @@ absl::StatusOr<DevicePayload> OpenCudaIpc(int device, std::string_view handle, i
   auto key = std::make_pair(device, std::string(handle));
   std::shared_ptr<const char> base;  // destroyed after the lock is released (its deleter takes it)
   {
-    std::unique_lock<std::mutex> lock(reg.mu);
+    absl::MutexLock lock(&reg.mu);
     for (;;) {
       auto it = reg.open.find(key);
       if (it == reg.open.end()) break;
       base = it->second.lock();
       if (base) break;
-      reg.closed.wait(lock);  // its last user is closing it
+      reg.closed.Wait(&reg.mu);  // its last user is closing it
     }
     if (!base) {
       cudaIpcMemHandle_t h;
@@ -96,13 +96,13 @@ absl::StatusOr<DevicePayload> OpenCudaIpc(int device, std::string_view handle, i
             "keep the allocation alive until the reply, and its GPU must be visible to the worker)"));
       base = std::shared_ptr<const char>(static_cast<const char*>(ptr), [device, key](const char* p) {
         Mappings& r = Registry();
-        std::lock_guard<std::mutex> l(r.mu);
+        absl::MutexLock l(&r.mu);
         auto it = r.open.find(key);
         if (it != r.open.end() && it->second.expired()) r.open.erase(it);
         cudaSetDevice(device);
         if (const cudaError_t e = cudaIpcCloseMemHandle(const_cast<char*>(p)); e != cudaSuccess)
           std::cerr << "logprob-worker: CUDA IPC input: " << Failed("cudaIpcCloseMemHandle", e) << std::endl;
-        r.closed.notify_all();
+        r.closed.SignalAll();
       });
       reg.open[key] = base;
     }
