@@ -40,12 +40,16 @@ def scrape(port):
 
 
 def handler_sum(text):
-    """(count, sum) of logprob_request_duration_seconds{method="Score"} (all codes)."""
+    """(count, sum) of logprob_request_duration_seconds of the scoring calls
+    (Score, and ScoreChunked: the client sends a large inline request in
+    pieces), all codes."""
     count = total = 0.0
     for line in text.splitlines():
-        if line.startswith("logprob_request_duration_seconds_sum") and 'method="Score"' in line:
+        if 'method="Score"' not in line and 'method="ScoreChunked"' not in line:
+            continue
+        if line.startswith("logprob_request_duration_seconds_sum"):
             total += float(line.split()[-1])
-        if line.startswith("logprob_request_duration_seconds_count") and 'method="Score"' in line:
+        if line.startswith("logprob_request_duration_seconds_count"):
             count += float(line.split()[-1])
     return count, total
 
