@@ -53,9 +53,9 @@ class InputSource {
   const int64_t byte_size_;
 };
 
-/// Bytes in this process's memory (Tensor.data, assembled ScoreChunked
-/// pieces, or an integer tensor copied out of shared memory). The source
-/// views `data`; `owner` (may be null) keeps them alive with the source.
-std::shared_ptr<const InputSource> MemorySource(std::string_view data, std::shared_ptr<const void> owner = nullptr);
+/// Bytes in this process's memory (Tensor.data, or assembled ScoreChunked
+/// pieces). The source views `data`, which its owner keeps valid while the
+/// request is (Batcher's Lifetimes).
+std::shared_ptr<const InputSource> MemorySource(std::string_view data);
 
 }  // namespace logprob

@@ -24,10 +24,9 @@ absl::Status CheckTensor(const v1::ScoreRequest& req, int i, const InputKindRule
 /// What the request's options need of a kind: checked once its reference
 /// is resolved (a malformed reference is reported first).
 absl::Status CheckOptions(const v1::ScoreRequest& req, int i, const InputKindRules& rules) {
-  const std::string what = What(req, i);
   if (!rules.sampling_filters && HasSamplingFilters(req.options()))
     return WithReason(
-        absl::FailedPreconditionError(absl::StrCat(what, ": a ", rules.name,
+        absl::FailedPreconditionError(absl::StrCat(What(req, i), ": a ", rules.name,
                                                    " input cannot be scored with options.sampling_top_k / "
                                                    "options.sampling_top_p (sampling filters score hidden "
                                                    "states in rounds through host memory); send the tensor as bytes "
