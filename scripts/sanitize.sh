@@ -31,7 +31,9 @@ case "$kind" in
     labels=(-L concurrency -E 'Lifecycle[.](SigtermDrainsTheRequestsInFlight|OverloadGetsExactlyOneAnswerPerRequest)')
     # Suppressions: scripts/sanitizers/tsan.supp plus, below, the Debian
     # libraries (not built with TSan) that the binaries load.
-    export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/build-tsan/tsan.supp"
+    # TSAN_OPTIONS is exported after the build: gtest_discover_tests runs
+    # the test binaries at build time, before the list below exists.
+    tsan_options="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/build-tsan/tsan.supp"
     ;;
   *)
     echo "usage: $0 asan|tsan [ctest arguments]" >&2
@@ -44,6 +46,7 @@ if [ "$kind" = tsan ]; then
   # Only what the concurrency tests need (tests/CMakeLists.txt).
   cmake --build "$dir" -j "$(nproc)" --target concurrency_tests
   cp scripts/sanitizers/tsan.supp "$dir/tsan.supp"
+  export TSAN_OPTIONS="$tsan_options"
   for b in "$dir"/bin/*; do ldd "$b" 2>/dev/null || true; done | awk '{print $1}' |
     grep -E '^lib(absl_|grpc|gpr|protobuf|upb|address_sorting|re2|cares)' | sed -E 's/(\.so)\..*/\1./' | sort -u |
     sed 's/^/called_from_lib:/' >> "$dir/tsan.supp"
