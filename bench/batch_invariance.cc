@@ -176,11 +176,11 @@ std::string InvarianceResult::Summary() const {
   return s.str();
 }
 
-absl::StatusOr<InvarianceResult> CheckHiddenItemInvariance(ScoringBackend& backend, DType dtype, bool on_device,
+absl::StatusOr<InvarianceResult> CheckHiddenItemInvariance(ScoringBackend& backend, const LmHeadWeights& lm_head,
+                                                           DType dtype, bool on_device,
                                                            const InvarianceOptions& options) {
-  if (!backend.has_lm_head()) return NoLmHeadError();
   if (!IsFloatDType(dtype)) return absl::InvalidArgumentError("hidden states dtype must be F32, BF16 or F16");
-  Checker checker(options, dtype, backend.lm_head_hidden_size(), 1.f, backend.lm_head_rows());
+  Checker checker(options, dtype, lm_head.hidden_size(), 1.f, lm_head.rows());
   DeviceScratch device;
   SelfCommunicator self;
   return checker.Run([&](const Batch& b, uint32_t* records) -> absl::Status {
@@ -197,7 +197,7 @@ absl::StatusOr<InvarianceResult> CheckHiddenItemInvariance(ScoringBackend& backe
     item.first = {0};
     item.count = {b.M};
     item.rows = b.rows(options.spec);
-    return backend.HiddenItemPartials(item, self, options.spec, records);
+    return backend.HiddenItemPartials(lm_head, item, self, options.spec, records);
   });
 }
 

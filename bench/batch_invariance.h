@@ -54,13 +54,14 @@ struct InvarianceResult {
 
 /// Hidden-states path, one pass with W = 1 (SelfCommunicator): calls
 /// backend.HiddenItemPartials on batches of M hidden-state rows [M, H] of
-/// `dtype` (H = backend.lm_head_hidden_size(), values uniform(-1, 1)),
-/// targets in [0, lm_head_rows()) (a fifth of the filler rows without one).
+/// `dtype` (H = lm_head.hidden_size(), values uniform(-1, 1)) times
+/// `lm_head` (loaded into `backend`), targets in [0, lm_head.rows()) (a fifth of the filler rows without one).
 /// With `on_device` the rows are in cudaMalloc memory of the current CUDA
 /// device (HiddenItemRows::own_on_device; needs a CUDA build), else in
 /// host memory. Returns the first error of a backend or CUDA call (e.g.
 /// UNIMPLEMENTED from a backend without the one-pass path).
-absl::StatusOr<InvarianceResult> CheckHiddenItemInvariance(ScoringBackend& backend, DType dtype, bool on_device,
+absl::StatusOr<InvarianceResult> CheckHiddenItemInvariance(ScoringBackend& backend, const LmHeadWeights& lm_head,
+                                                           DType dtype, bool on_device,
                                                            const InvarianceOptions& options);
 
 /// Logits path: calls backend.SlicePartials on batches of M full rows of V

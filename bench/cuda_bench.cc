@@ -314,9 +314,12 @@ void BenchHidden(const Config& cfg, int device, int64_t V) {
 
   CudaBackend::Options opts;
   opts.gemm_chunk_bytes = cfg.chunk_mib << 20;
-  auto backend_or = CudaBackend::Create(device, &slice, opts);
+  auto backend_or = CudaBackend::Create(device, opts);
   if (!SetupOk(backend_or.status(), "CudaBackend::Create")) return;
   CudaBackend& backend = **backend_or;
+  auto lm_head_or = backend.LoadLmHead(slice, LmHeadPrecision::kAuto);
+  if (!SetupOk(lm_head_or.status(), "CudaBackend::LoadLmHead")) return;
+  const LmHeadWeights& lm_head = **lm_head_or;
   auto gemm_or = CublasLtLmHead::Create(v1::BF16, slice.weight.data(), slice.weight.size(), V, H);
   if (!SetupOk(gemm_or.status(), "CublasLtLmHead::Create (baseline GEMM)")) return;
   CublasLtLmHead& gemm = **gemm_or;
@@ -369,16 +372,20 @@ void BenchHidden(const Config& cfg, int device, int64_t V) {
                 LOGPROB_RETURN_IF_ERROR(gemm.Compute(d_hidden.get(), T, full_logits.get<float>(), nullptr));
                 return sync();
               }};
-  cases[2] = {"(b) fused, device memory",
-              [&] { return backend.HiddenItemPartials(item(d_hidden.get(), true), self, spec, rec[0].data()); }};
-  cases[3] = {"(c) fused, pinned (cudaMallocHost)",
-              [&] { return backend.HiddenItemPartials(item(pinned.get(), false), self, spec, rec[1].data()); }};
-  cases[4] = {page_locked ? "(c2) fused, RegisterHostMemory'd" : "(c2) fused, RegisterHostMemory'd (NOT locked)",
-              [&] { return backend.HiddenItemPartials(item(registered.get(), false), self, spec, rec[2].data()); }};
-  cases[5] = {"(d) fused, pageable host",
-              [&] { return backend.HiddenItemPartials(item(hidden.data(), false), self, spec, rec[3].data()); }};
+  cases[2] = {"(b) fused, device memory", [&] {
+                return backend.HiddenItemPartials(lm_head, item(d_hidden.get(), true), self, spec, rec[0].data());
+              }};
+  cases[3] = {"(c) fused, pinned (cudaMallocHost)", [&] {
+                return backend.HiddenItemPartials(lm_head, item(pinned.get(), false), self, spec, rec[1].data());
+              }};
+  cases[4] = {page_locked ? "(c2) fused, RegisterHostMemory'd" : "(c2) fused, RegisterHostMemory'd (NOT locked)", [&] {
+                return backend.HiddenItemPartials(lm_head, item(registered.get(), false), self, spec, rec[2].data());
+              }};
+  cases[5] = {"(d) fused, pageable host", [&] {
+                return backend.HiddenItemPartials(lm_head, item(hidden.data(), false), self, spec, rec[3].data());
+              }};
   cases[6] = {"(e) HiddenPartials (rounds), pageable",
-              [&] { return backend.HiddenPartials(v1::BF16, hidden.data(), 0, rows, spec, rec[4].data()); }};
+              [&] { return backend.HiddenPartials(lm_head, v1::BF16, hidden.data(), 0, rows, spec, rec[4].data()); }};
   cases[7] = {"(f) one GEMM + log_softmax + gather", [&]() -> absl::Status {
                 LOGPROB_RETURN_IF_ERROR(full_alloc);
                 LOGPROB_RETURN_IF_ERROR(gemm.Compute(d_hidden.get(), T, full_logits.get<float>(), nullptr));
@@ -458,14 +465,16 @@ bool BenchInvariance(const Config& cfg, int device) {
       "bitwise identical\n",
       static_cast<long long>(V), static_cast<long long>(H), Join(cfg.inv_offsets).c_str(), Join(cfg.inv_m).c_str());
   const LmHeadSlice slice = HashLmHead(V, H, 4);
-  auto backend = CudaBackend::Create(device, &slice);
+  auto backend = CudaBackend::Create(device);
   if (!SetupOk(backend.status(), "CudaBackend::Create")) return false;
+  auto lm_head = (*backend)->LoadLmHead(slice, LmHeadPrecision::kAuto);
+  if (!SetupOk(lm_head.status(), "CudaBackend::LoadLmHead")) return false;
   InvarianceOptions o;
   o.batch_sizes = cfg.inv_m;
   o.offsets = cfg.inv_offsets;
   bool all_ok = true;
   for (bool on_device : {true, false}) {
-    const auto r = CheckHiddenItemInvariance(**backend, v1::BF16, on_device, o);
+    const auto r = CheckHiddenItemInvariance(**backend, **lm_head, v1::BF16, on_device, o);
     const char* where = on_device ? "hidden states in device memory" : "hidden states in host memory  ";
     if (!r.ok()) {
       std::printf("%s: ERROR: %s\n", where, std::string(r.status().message()).c_str());

@@ -126,13 +126,17 @@ double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T)
   BackendConfig backend_config;
   backend_config.backend = cfg.backend;
   backend_config.threads = cfg.threads;
-  backend_config.lm_head = &slice;
   auto made = MakeBackend(backend_config);
   if (!made.ok()) {
     std::cerr << made.status() << std::endl;
     return -1;
   }
   ScoringBackend& backend = **made;
+  auto lm_head = backend.LoadLmHead(std::move(slice), LmHeadPrecision::kAuto);
+  if (!lm_head.ok()) {
+    std::cerr << lm_head.status() << std::endl;
+    return -1;
+  }
   const std::vector<char> hidden = RandomBf16(static_cast<size_t>(T * cfg.H), 1.f, 2);
   std::vector<int64_t> targets(T);
   for (int64_t i = 0; i < T; ++i) targets[i] = (i * 7919) % N;
@@ -147,11 +151,11 @@ double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T)
   std::vector<float> lp(T);
   auto once = [&]() -> bool {
     if (mode == "fused") {
-      auto res = ScoreWorkItem(item, self, backend, cfg.chunk);
+      auto res = ScoreWorkItem(item, self, backend, cfg.chunk, {}, lm_head->get());
       if (!res.ok()) std::cerr << res.status() << std::endl;
       return res.ok();
     }
-    if (!backend.HiddenLogits(v1::BF16, hidden.data(), T, logits.data()).ok()) return false;
+    if (!backend.HiddenLogits(**lm_head, v1::BF16, hidden.data(), T, logits.data()).ok()) return false;
     if (mode == "full+lsm") {
       for (int64_t r = 0; r < T; ++r) {
         float* row = logits.data() + r * N;
@@ -207,20 +211,24 @@ Measured InChild(const std::string& mode, const Config& cfg, int64_t N, int64_t 
 /// per-round ratios to cfg.precisions[0], for bf16 and f32 hidden states.
 int PrecisionMain(const Config& cfg) {
   const int64_t N = cfg.N.front(), T = cfg.T.front();
-  std::vector<std::unique_ptr<ScoringBackend>> backends;
+  BackendConfig bc;
+  bc.backend = cfg.backend;
+  bc.threads = cfg.threads;
+  auto made = MakeBackend(bc);
+  if (!made.ok()) {
+    std::cerr << made.status() << std::endl;
+    return 1;
+  }
+  ScoringBackend& backend = **made;
+  std::vector<std::shared_ptr<const LmHeadWeights>> heads;  // one per precision
   for (LmHeadPrecision p : cfg.precisions) {
     LmHeadSlice slice{v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H};
-    BackendConfig bc;
-    bc.backend = cfg.backend;
-    bc.threads = cfg.threads;
-    bc.lm_head = &slice;
-    bc.lm_head_precision = p;
-    auto made = MakeBackend(bc);
-    if (!made.ok()) {
-      std::cerr << LmHeadPrecisionName(p) << ": " << made.status() << std::endl;
+    auto loaded = backend.LoadLmHead(std::move(slice), p);
+    if (!loaded.ok()) {
+      std::cerr << LmHeadPrecisionName(p) << ": " << loaded.status() << std::endl;
       return 1;
     }
-    backends.push_back(std::move(*made));
+    heads.push_back(*std::move(loaded));
   }
   std::vector<int64_t> targets(T);
   for (int64_t i = 0; i < T; ++i) targets[i] = (i * 7919) % N;
@@ -243,9 +251,9 @@ int PrecisionMain(const Config& cfg) {
     }
     const internal::v1::WorkItem item = HiddenItem(cfg, N, T, hdt, hidden, targets);
     std::vector<BenchCase> cases;
-    for (size_t i = 0; i < backends.size(); ++i)
+    for (size_t i = 0; i < heads.size(); ++i)
       cases.push_back({LmHeadPrecisionName(cfg.precisions[i]),
-                       [&, i] { return ScoreWorkItem(item, self, *backends[i], cfg.chunk).status(); }});
+                       [&, i] { return ScoreWorkItem(item, self, backend, cfg.chunk, {}, heads[i].get()).status(); }});
     RunInterleaved(cases, cfg.rounds);
     for (const BenchCase& c : cases)
       if (!c.status.ok()) {

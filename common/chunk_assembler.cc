@@ -138,20 +138,26 @@ absl::Status ReadChunkedRequest(const std::function<bool(IncomingPart*)>& read, 
   if (!assembly.ok()) return assembly.status();
   if (absl::Status st = admit(*req, assembly->pending_bytes()); !st.ok()) return st;
   assembly->AllocateBuffers(allocate);
+  if (absl::Status st = ReadChunkedPieces(read, cancelled, *assembly); !st.ok()) return st;
+  *pieced = assembly->pending();
+  return absl::OkStatus();
+}
+
+absl::Status ReadChunkedPieces(const std::function<bool(IncomingPart*)>& read, const std::function<bool()>& cancelled,
+                               TensorAssembler& assembly) {
+  IncomingPart in;
   while (read(&in)) {
     absl::StatusOr<ParsedPart> part = ParsePart(in);
     if (!part.ok())
-      return absl::InvalidArgumentError(absl::StrCat(part.status().message(), " (at ", assembly->Position(), ")"));
+      return absl::InvalidArgumentError(absl::StrCat(part.status().message(), " (at ", assembly.Position(), ")"));
     if (!part->is_piece())
-      return absl::InvalidArgumentError(absl::StrCat("a second request part arrived at ", assembly->Position(),
-                                                     "; only the first part carries the request"));
-    if (absl::Status st = assembly->Add(*part); !st.ok()) return st;
+      return absl::InvalidArgumentError(absl::StrCat("a second message part arrived at ", assembly.Position(),
+                                                     "; only the first part carries the message"));
+    if (absl::Status st = assembly.Add(*part); !st.ok()) return st;
   }
   if (cancelled())
-    return absl::CancelledError(absl::StrCat("the client cancelled the chunked request at ", assembly->Position()));
-  if (absl::Status st = assembly->Finish(); !st.ok()) return st;
-  *pieced = assembly->pending();
-  return absl::OkStatus();
+    return absl::CancelledError(absl::StrCat("the client cancelled the chunked message at ", assembly.Position()));
+  return assembly.Finish();
 }
 
 bool WriteChunkedResponse(const std::function<bool(const OutgoingPart&)>& write, v1::ScoreResponse resp,

@@ -87,6 +87,14 @@ std::vector<int> PiecedTensors(const google::protobuf::RepeatedPtrField<v1::Tens
 bool WritePieces(const std::function<bool(const OutgoingPart&)>& write, const std::vector<int>& pieced,
                  const std::vector<std::string_view>& data, int64_t piece_bytes);
 
+/// Reads the pieces of a chunked message's pending tensors through `read`
+/// (after its first part) into `assembly` (buffers allocated), until the
+/// end of the stream, then Finish. Errors: INVALID_ARGUMENT for a part
+/// that is not a piece, a bad piece or bytes missing at the end (naming
+/// the tensor and offset); CANCELLED when `cancelled()` says so.
+absl::Status ReadChunkedPieces(const std::function<bool(IncomingPart*)>& read, const std::function<bool()>& cancelled,
+                               TensorAssembler& assembly);
+
 /// Reads one chunked request through `read` (which returns false at the
 /// end of the stream): the request part into *req; then `admit(*req,
 /// pending_bytes)`, which may refuse it (size limits, backpressure; its

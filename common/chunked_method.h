@@ -13,14 +13,19 @@ namespace logprob::chunked {
 /// The server stream of ScoreChunked as the codec sees it.
 using ServerStream = grpc::ServerReaderWriter<OutgoingPart, IncomingPart>;
 
-/// Index of ScoreChunked among the methods of the generated
+/// Index of method `name` among the methods of the generated
 /// v1::LogprobService::Service: the generated code registers the methods in
 /// their order in proto/logprob/v1/logprob.proto, which the descriptor gives.
+inline int MethodIndex(const char* name) {
+  return google::protobuf::DescriptorPool::generated_pool()
+      ->FindServiceByName(v1::LogprobService::service_full_name())
+      ->FindMethodByName(name)
+      ->index();
+}
+
+/// Index of ScoreChunked (MethodIndex).
 inline int ScoreChunkedMethodIndex() {
-  static const int index = google::protobuf::DescriptorPool::generated_pool()
-                               ->FindServiceByName(v1::LogprobService::service_full_name())
-                               ->FindMethodByName("ScoreChunked")
-                               ->index();
+  static const int index = MethodIndex("ScoreChunked");
   return index;
 }
 

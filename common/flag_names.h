@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstring>
+#include <string>
+#include <vector>
 
 namespace logprob {
 
@@ -31,6 +33,25 @@ inline bool FlagGiven(int argc, char** argv, const char* name) {
     if (std::strncmp(a, name, n) == 0 && (a[n] == '\0' || a[n] == '=')) return true;
   }
   return false;
+}
+
+/// Every value of flag `name` (underscores) on the command line, in order
+/// ("--name=v" or "--name v", one or two dashes), before a bare "--":
+/// for a flag that may be repeated (Abseil keeps only the last). Call after
+/// NormalizeFlagDashes.
+inline std::vector<std::string> FlagValues(int argc, char** argv, const char* name) {
+  std::vector<std::string> values;
+  const size_t n = std::strlen(name);
+  for (int i = 1; i < argc; ++i) {
+    const char* a = argv[i];
+    if (std::strcmp(a, "--") == 0) break;
+    if (a[0] != '-') continue;
+    a += a[1] == '-' ? 2 : 1;
+    if (std::strncmp(a, name, n) != 0) continue;
+    if (a[n] == '=') values.emplace_back(a + n + 1);
+    if (a[n] == '\0' && i + 1 < argc) values.emplace_back(argv[++i]);
+  }
+  return values;
 }
 
 }  // namespace logprob

@@ -8,7 +8,10 @@ const InputKindRules& RulesOf(InputKind kind) {
   static const InputKindRules kShm{
       "shared memory", true, true, false, true, false, false, v1::SHARED_MEMORY_UNAVAILABLE};
   static const InputKindRules kIpc{"CUDA IPC", false, false, true, false, true, true, v1::CUDA_IPC_UNAVAILABLE};
+  static const InputKindRules kFile{"file", true, false, false, true, false, false, v1::ERROR_REASON_UNSPECIFIED};
   switch (kind) {
+    case InputKind::kFile:
+      return kFile;
     case InputKind::kSharedMemory:
       return kShm;
     case InputKind::kCudaIpc:

@@ -9,11 +9,12 @@
 
 namespace logprob {
 
-/// The source of a tensor's bytes (public Tensor.source).
+/// The source of a tensor's bytes (public Tensor.source, or LmHeadRows.file).
 enum class InputKind {
   kBytes,         // Tensor.data, inline or assembled from ScoreChunked pieces
   kSharedMemory,  // Tensor.shared_memory: a region the client registered
   kCudaIpc,       // Tensor.cuda_ipc: a same-host client's CUDA allocation
+  kFile,          // a safetensors checkpoint the server reads (lm_head updates only: LmHeadRows.file)
 };
 
 /// What a kind of source allows.

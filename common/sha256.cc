@@ -1,5 +1,6 @@
 #include "common/sha256.h"
 
+#include <openssl/evp.h>
 #include <openssl/sha.h>
 
 namespace logprob {
@@ -11,14 +12,37 @@ std::array<unsigned char, 32> Sha256(std::string_view text) {
   return digest;
 }
 
-std::string Sha256Hex(std::string_view text) {
+namespace {
+
+std::string Hex(const std::array<unsigned char, 32>& digest) {
   static const char* const kHex = "0123456789abcdef";
   std::string hex;
-  for (unsigned char b : Sha256(text)) {
+  for (unsigned char b : digest) {
     hex += kHex[b >> 4];
     hex += kHex[b & 15];
   }
   return hex;
+}
+
+}  // namespace
+
+std::string Sha256Hex(std::string_view text) { return Hex(Sha256(text)); }
+
+Sha256Stream::Sha256Stream() : ctx_(EVP_MD_CTX_new()) {
+  EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(), nullptr);
+}
+
+Sha256Stream::~Sha256Stream() { EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_)); }
+
+void Sha256Stream::Update(std::string_view bytes) {
+  EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(ctx_), bytes.data(), bytes.size());
+}
+
+std::string Sha256Stream::FinishHex() {
+  std::array<unsigned char, 32> digest{};
+  unsigned int n = 0;
+  EVP_DigestFinal_ex(static_cast<EVP_MD_CTX*>(ctx_), digest.data(), &n);
+  return Hex(digest);
 }
 
 }  // namespace logprob

@@ -20,7 +20,9 @@ namespace logprob {
 /// compute in the default precision).
 /// 3: WorkItem.payload, one oneof (data, shared_memory, cuda_ipc) instead
 /// of the loose fields 13 and 15-20.
-constexpr uint32_t kWorkerProtocolVersion = 3;
+/// 4: named, versioned lm_heads: JoinReply.lm_heads (repeated, instead of
+/// the single lm_head), WorkItem.lm_head, Worker.LoadLmHead / DropLmHead.
+constexpr uint32_t kWorkerProtocolVersion = 4;
 
 /// The message both sides give for a version mismatch.
 inline std::string ProtocolMismatch(uint32_t worker_version, uint32_t frontend_version) {

@@ -47,6 +47,7 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
   all.row_bytes = first.row_bytes;
   all.gather_k = first.gather_k;
   all.options = first.options;
+  all.lm_head = first.lm_head;  // one key: one lm_head version
   for (const ScoreJob* j : jobs) {
     // Each job's rows keep their sources.
     const int64_t at = all.num_rows();
@@ -64,8 +65,10 @@ std::string Batcher::KeyOf(const ScoreJob& job, internal::v1::Layout layout) {
   // A job that may not share a batch (a source the workers read in place)
   // gets a key of its own: the job's address, unique while it is queued.
   const std::string alone = job.batchable() ? "" : absl::StrCat("/alone:", reinterpret_cast<uintptr_t>(&job));
+  // Hidden states of one lm_head version only: a batch is scored with one.
+  const std::string head = job.lm_head ? absl::StrCat(job.lm_head->head, "@", job.lm_head->version) : "";
   return absl::StrCat(job.hidden, "/", job.dtype, "/", job.vocab_size, "/", job.hidden_size, "/", job.gather_k, "/",
-                      layout, "/", job.options.SerializeAsString(), alone);
+                      layout, "/", head.size(), ":", head, "/", job.options.SerializeAsString(), alone);
 }
 
 void Batcher::QueueChanged() {

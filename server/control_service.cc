@@ -97,6 +97,7 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
   if (reply.backend().empty()) reply.set_backend("cpu");
   reply.set_generation(me.generation);
   reply.set_protocol_version(protocol_version_);
+  if (reply_hook_) reply_hook_(&reply);
   bool gone = !writer->Write(reply);
   {
     absl::MutexLock lock(&mu_);

@@ -52,6 +52,10 @@ class ControlService final : public internal::v1::Control::Service {
   ControlService(int world_size, internal::v1::JoinReply worker_config = {}, LeaveCallback on_leave = {},
                  JoinObservers observers = {}, uint32_t protocol_version = kWorkerProtocolVersion);
 
+  /// Completes every JoinReply just before it is sent (the lm_head
+  /// versions to load), without the service's lock. Set before serving.
+  void SetReplyHook(std::function<void(internal::v1::JoinReply*)> hook) { reply_hook_ = std::move(hook); }
+
   grpc::Status Join(grpc::ServerContext*, const internal::v1::JoinRequest*,
                     grpc::ServerWriter<internal::v1::JoinReply>*) override ABSL_LOCKS_EXCLUDED(mu_);
   grpc::Status Ready(grpc::ServerContext*, const internal::v1::ReadyRequest*, internal::v1::ReadyReply*) override
@@ -99,6 +103,7 @@ class ControlService final : public internal::v1::Control::Service {
   const int world_size_;
   const internal::v1::JoinReply worker_config_;
   const LeaveCallback on_leave_;
+  std::function<void(internal::v1::JoinReply*)> reply_hook_;  // set before serving
   const JoinObservers observers_;
   const uint32_t protocol_version_;
 

@@ -24,9 +24,14 @@
 #include "common/lm_head_precision.h"
 #include "common/lm_head_source.h"
 #include "common/malloc_tuning.h"
+#include "common/partition.h"
+#include "common/sha256.h"
 #include "common/shared_memory.h"
+#include "common/status_macros.h"
 #include "server/auth.h"
 #include "server/external_launcher.h"
+#include "server/lm_head_updates.h"
+#include "server/lm_heads.h"
 #include "server/local_launcher.h"
 #include "server/metrics.h"
 #include "server/scoring_service.h"
@@ -44,9 +49,29 @@ ABSL_FLAG(std::string, backend, "cpu",
 ABSL_FLAG(std::string, comm, "gloo", "worker communicator: gloo, or nccl (needs --backend cuda and a GPU per worker)");
 ABSL_FLAG(std::string, parallelism, "auto", "logits layout: auto (by cost), token or vocab");
 ABSL_FLAG(std::string, lm_head, "",
-          "lm_head for hidden-states requests: PATH[:TENSOR], PATH a .safetensors file, a "
-          "model.safetensors.index.json or a checkpoint directory; TENSOR defaults to lm_head.weight, "
-          "then model.embed_tokens.weight (tied embeddings)");
+          "an lm_head for hidden-states requests, repeatable: [NAME=]PATH[:TENSOR], NAME (default \"default\") "
+          "the head's name requests give in `head`, PATH a .safetensors file, a model.safetensors.index.json or "
+          "a checkpoint directory; TENSOR defaults to lm_head.weight, then model.embed_tokens.weight (tied "
+          "embeddings)");
+ABSL_FLAG(std::string, lm_head_version, "initial", "version name of the lm_heads loaded at start");
+ABSL_FLAG(int, lm_head_retain, 1,
+          "committed versions of each lm_head kept servable (requests may pin them with head_version), the "
+          "current one included");
+ABSL_FLAG(bool, allow_lm_head_updates, false,
+          "accept lm_head updates (BeginLmHeadUpdate / PutLmHeadRows / CommitLmHeadUpdate); with "
+          "--auth-token-file they need the token like every call");
+ABSL_FLAG(std::string, lm_head_update_dir, "",
+          "directory lm_head updates may read checkpoints from (LmHeadRows.file, relative to it; no \"..\", no "
+          "symlinks out); empty: file sources refused");
+ABSL_FLAG(std::string, lm_head_store_dir, "",
+          "where updated lm_head versions are written (safetensors; workers read their slices from it, also "
+          "after re-forming: in cluster mode a directory every worker sees at the same path); default a "
+          "directory under $TMPDIR removed at exit");
+ABSL_FLAG(absl::Duration, lm_head_update_timeout, absl::Seconds(300),
+          "an open lm_head update without progress this long is aborted and its memory freed");
+ABSL_FLAG(int64_t, lm_head_memory_bytes, 0,
+          "per worker cap on the bytes of lm_head versions held (retained, pinned and one staged update); an "
+          "update over it is refused; 0: no cap");
 ABSL_FLAG(int64_t, hidden_chunk_tokens, 128,
           "hidden-states rows each worker adds per GEMM round; a worker's logits buffer is about "
           "this * V * 4 bytes whatever the request size (CPU workers; CUDA workers score an item "
@@ -138,6 +163,68 @@ absl::Status CheckClusterFlags(int external, bool workers_given, const std::stri
 
 }  // namespace
 
+namespace {
+
+/// A directory under $TMPDIR, removed with what it holds when this goes.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& stem) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/" + stem + "-XXXXXX";
+    if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+/// A start-up head from "[NAME=]PATH[:TENSOR]": its source, and the
+/// SHA-256 of its weight bytes (read once here).
+absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, const std::string& version,
+                                                       int workers) {
+  logprob::LmHeadVersion v;
+  std::string path = arg;
+  v.head = logprob::kDefaultLmHead;
+  // NAME= when what precedes '=' is a name and the whole is not a path.
+  if (const size_t eq = arg.find('='); eq != std::string::npos && !std::filesystem::exists(arg)) {
+    v.head = arg.substr(0, eq);
+    path = arg.substr(eq + 1);
+  }
+  LOGPROB_RETURN_IF_ERROR(logprob::CheckLmHeadName(v.head, "--lm-head NAME"));
+  LOGPROB_ASSIGN_OR_RETURN(v.source, logprob::ResolveLmHead(path));
+  v.version = version;
+  v.origin = path;
+  const int64_t row_bytes = v.source.hidden_size * static_cast<int64_t>(logprob::DTypeSize(v.source.dtype));
+  v.bytes_per_worker = logprob::SplitRange(v.source.vocab_size, workers, 0).second * row_bytes;
+  const auto t0 = std::chrono::steady_clock::now();
+  logprob::Sha256Stream sha;
+  std::string buf;
+  const int64_t rows_per_read = std::max<int64_t>(1, (int64_t{16} << 20) / row_bytes);
+  for (int64_t r = 0; r < v.source.vocab_size; r += rows_per_read) {
+    const int64_t e = std::min(v.source.vocab_size, r + rows_per_read);
+    buf.resize(static_cast<size_t>((e - r) * row_bytes));
+    LOGPROB_RETURN_IF_ERROR(logprob::ReadLmHeadRows(v.source, r, e, buf.data()));
+    sha.Update(buf);
+  }
+  v.sha256 = sha.FinishHex();
+  std::cerr << "logprob-server: lm_head \"" << v.head << "\" version " << v.version << ": " << v.source.tensor << " ["
+            << v.source.vocab_size << ", " << v.source.hidden_size << "] " << logprob::DTypeName(v.source.dtype)
+            << " from " << v.source.file
+            << (v.source.tied_embeddings ? " (no lm_head.weight: tied embeddings, using the input embedding)" : "")
+            << ", sha256 " << v.sha256.substr(0, 16) << "… ("
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)" << std::endl;
+  return v;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "logprob-server --listen HOST:PORT (--workers N | --external-workers N --control-listen HOST:PORT) "
@@ -145,6 +232,7 @@ int main(int argc, char** argv) {
       "[--metrics-listen HOST:PORT] "
       "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]");
   logprob::NormalizeFlagDashes(argc, argv);
+  const std::vector<std::string> lm_head_args = logprob::FlagValues(argc, argv, "lm_head");
   const bool workers_given = logprob::FlagGiven(argc, argv, "workers");
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_keep_freed_memory_bytes) < 0) return Fail("--keep-freed-memory-bytes must be >= 0");
@@ -222,27 +310,33 @@ int main(int argc, char** argv) {
     threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / workers);
   threads = std::max(threads, 0);
   worker_config.set_threads(threads);
-  if (const std::string arg = absl::GetFlag(FLAGS_lm_head); !arg.empty()) {
-    auto source = logprob::ResolveLmHead(arg);
-    if (!source.ok()) return Fail("--lm-head " + arg + ": " + std::string(source.status().message()));
-    std::cerr << "logprob-server: lm_head " << source->tensor << " [" << source->vocab_size << ", "
-              << source->hidden_size << "] " << logprob::DTypeName(source->dtype) << " from " << source->file
-              << (source->tied_embeddings ? " (no lm_head.weight: tied embeddings, using the input embedding)" : "")
-              << std::endl;
-    auto* proto = worker_config.mutable_lm_head();
-    proto->set_file(source->file);
-    proto->set_tensor(source->tensor);
-    proto->set_dtype(source->dtype);
-    proto->set_vocab_size(source->vocab_size);
-    proto->set_hidden_size(source->hidden_size);
-    proto->set_data_offset(source->data_offset);
-    config.lm_head = {source->vocab_size, source->hidden_size};
-    config.lm_head_dtype = logprob::DTypeName(source->dtype);
-    config.lm_head_path = source->file;
-    config.lm_head_tensor = source->tensor;
-    config.hidden_chunk_tokens = chunk_tokens;
-    config.lm_head_precision = logprob::LmHeadPrecisionName(logprob::ResolveLmHeadPrecision(*precision, source->dtype));
+  config.hidden_chunk_tokens = chunk_tokens;
+  const auto precision_of = [p = *precision](logprob::DType dtype) {
+    return logprob::LmHeadPrecisionName(logprob::ResolveLmHeadPrecision(p, dtype));
+  };
+  config.lm_head_precision = precision_of;
+
+  // Named lm_heads: --lm-head [NAME=]PATH[:TENSOR], repeatable.
+  const int retain = absl::GetFlag(FLAGS_lm_head_retain);
+  if (retain < 1) return Fail("--lm-head-retain must be >= 1");
+  const std::string initial_version = absl::GetFlag(FLAGS_lm_head_version);
+  if (auto st = logprob::CheckLmHeadVersionName(initial_version, "--lm-head-version"); !st.ok())
+    return Fail(std::string(st.message()));
+  auto releases = std::make_shared<logprob::LmHeadReleases>();
+  logprob::LmHeads::Options heads_options;
+  heads_options.retain = retain;
+  heads_options.precision_of = precision_of;
+  heads_options.on_release = [releases](const logprob::LmHeadVersion& v) { releases->Push(v); };
+  logprob::LmHeads heads(heads_options);
+  for (const std::string& arg : lm_head_args) {
+    auto head = LoadStartupHead(arg, initial_version, workers);
+    if (!head.ok()) return Fail("--lm-head " + arg + ": " + std::string(head.status().message()));
+    const std::string name = head->head;
+    if (auto st = heads.Add(*std::move(head)); !st.ok()) return Fail(std::string(st.message()));
   }
+  config.lm_heads = &heads;
+  config.lm_head_updates = absl::GetFlag(FLAGS_allow_lm_head_updates);
+  if (config.lm_head_updates && heads.empty()) return Fail("--allow-lm-head-updates needs an --lm-head to update");
 
   // Security of the public port. The control plane and the workers' ports
   // carry no TLS: loopback by default, a private network in cluster mode.
@@ -259,6 +353,7 @@ int main(int argc, char** argv) {
 
   logprob::WorkerPool::Options pool_opts;
   pool_opts.worker_config = worker_config;
+  pool_opts.lm_heads = [&heads] { return heads.Alive(); };
   pool_opts.workers = workers;
   pool_opts.control_listen = absl::GetFlag(FLAGS_control_listen);
   pool_opts.join_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_worker_join_timeout));
@@ -271,7 +366,40 @@ int main(int argc, char** argv) {
   pool_opts.join_observers.on_waiting = [&](int waiting) { metrics.SetWorkersWaiting(waiting); };
   pool_opts.join_observers.on_refused = [&] { metrics.AddJoinRefused(); };
   logprob::WorkerPool pool(pool_opts, std::move(launcher));
-  logprob::ScoringService service(pool, config, &metrics);
+
+  // lm_head updates: staged in the store directory, loaded by every worker, then committed.
+  logprob::LmHeadUpdates::Options update_options;
+  update_options.allowed = config.lm_head_updates;
+  update_options.update_dir = absl::GetFlag(FLAGS_lm_head_update_dir);
+  update_options.store_dir = absl::GetFlag(FLAGS_lm_head_store_dir);
+  std::optional<TempDir> temp_store;
+  if (update_options.store_dir.empty()) {
+    temp_store.emplace("logprob-lm-heads");
+    update_options.store_dir = temp_store->path();
+  }
+  update_options.timeout = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_lm_head_update_timeout));
+  update_options.memory_bytes = absl::GetFlag(FLAGS_lm_head_memory_bytes);
+  update_options.workers = workers;
+  logprob::LmHeadWorkers update_workers;
+  update_workers.load = [&pool](const logprob::internal::v1::LmHeadLoad& load) { return pool.LoadLmHead(load); };
+  update_workers.serving = [&pool](int64_t generation) { return pool.Serving(generation); };
+  update_workers.drop = [&pool](const logprob::internal::v1::LmHeadRef& ref) { pool.DropLmHead(ref); };
+  logprob::LmHeadUpdateObservers update_observers;
+  const auto publish_heads = [&metrics, &heads] {
+    for (const auto& h : heads.List())
+      metrics.SetLmHead(h.name(), h.version(), h.bytes_per_worker() * h.retained_versions_size());
+  };
+  publish_heads();
+  update_observers.on_end = [&metrics, publish_heads](const std::string& head, const std::string& outcome,
+                                                      double seconds, int64_t) {
+    metrics.ObserveLmHeadUpdate(head, outcome, seconds);
+    if (outcome == "committed") publish_heads();
+  };
+  update_observers.on_bytes = [&metrics](const std::string& head, int64_t bytes) {
+    metrics.AddLmHeadUpdateBytes(head, bytes);
+  };
+  logprob::LmHeadUpdates updates(update_options, &heads, releases, update_workers, update_observers);
+  logprob::ScoringService service(pool, config, &metrics, &updates);
 
   // Serve health (NOT_SERVING until the pool is up) while workers start.
   grpc::EnableDefaultHealthCheckService(true);

@@ -129,7 +129,28 @@ Metrics::Metrics(const std::string& backend)
                      .Name("logprob_shared_memory_bytes")
                      .Help("byte_size of the shared-memory regions registered by clients (all sessions).")
                      .Register(*registry_)
-                     .Add({})) {
+                     .Add({})),
+      lm_head_info_(prometheus::BuildGauge()
+                        .Name("logprob_lm_head_info")
+                        .Help("The current version of each lm_head; the value is 1.")
+                        .Register(*registry_)),
+      lm_head_retained_bytes_(prometheus::BuildGauge()
+                                  .Name("logprob_lm_head_retained_bytes")
+                                  .Help("Bytes per worker of each lm_head's retained versions.")
+                                  .Register(*registry_)),
+      lm_head_updates_(prometheus::BuildCounter()
+                           .Name("logprob_lm_head_updates_total")
+                           .Help("lm_head updates that ended, by head and outcome (committed, aborted, timeout, "
+                                 "worker_error, sha256_mismatch).")
+                           .Register(*registry_)),
+      lm_head_update_duration_(prometheus::BuildHistogram()
+                                   .Name("logprob_lm_head_update_duration_seconds")
+                                   .Help("Time from BeginLmHeadUpdate to the update's end, by head.")
+                                   .Register(*registry_)),
+      lm_head_update_bytes_(prometheus::BuildCounter()
+                                .Name("logprob_lm_head_update_bytes_total")
+                                .Help("Bytes of lm_head rows received by updates, by head.")
+                                .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("logprob_build_info")
       .Help("Build information; the value is 1.")
@@ -173,6 +194,24 @@ void Metrics::ObserveBatch(const BatchStats& batch) {
 }
 
 void Metrics::ObserveQueue(double seconds) { queue_duration_.Observe(seconds); }
+
+void Metrics::SetLmHead(const std::string& head, const std::string& version, int64_t retained_bytes) {
+  absl::MutexLock lock(&lm_head_mu_);
+  if (auto it = lm_head_info_now_.find(head); it != lm_head_info_now_.end()) lm_head_info_.Remove(it->second);
+  prometheus::Gauge& g = lm_head_info_.Add({{"head", head}, {"version", version}});
+  g.Set(1);
+  lm_head_info_now_[head] = &g;
+  lm_head_retained_bytes_.Add({{"head", head}}).Set(static_cast<double>(retained_bytes));
+}
+
+void Metrics::ObserveLmHeadUpdate(const std::string& head, const std::string& outcome, double seconds) {
+  lm_head_updates_.Add({{"head", head}, {"outcome", outcome}}).Increment();
+  lm_head_update_duration_.Add({{"head", head}}, SecondsBuckets()).Observe(seconds);
+}
+
+void Metrics::AddLmHeadUpdateBytes(const std::string& head, int64_t bytes) {
+  lm_head_update_bytes_.Add({{"head", head}}).Increment(static_cast<double>(bytes));
+}
 
 void Metrics::SetSharedMemory(int64_t regions, int64_t bytes) {
   shm_regions_.Set(static_cast<double>(regions));

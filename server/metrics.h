@@ -2,9 +2,12 @@
 // units: *_total counters, *_seconds durations, *_bytes sizes.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
 #include "prometheus/family.h"
@@ -63,6 +66,15 @@ class Metrics {
   void SetWorkersUp(int n);
   /// Counts one re-formed worker pool generation.
   void AddWorkerRestart();
+  /// Sets lm_head `head`'s current version (logprob_lm_head_info) and the
+  /// bytes per worker of its retained versions. Thread-safe.
+  void SetLmHead(const std::string& head, const std::string& version, int64_t retained_bytes)
+      ABSL_LOCKS_EXCLUDED(lm_head_mu_);
+  /// Records one ended lm_head update: `outcome` (committed, aborted,
+  /// timeout, worker_error, sha256_mismatch) and its duration.
+  void ObserveLmHeadUpdate(const std::string& head, const std::string& outcome, double seconds);
+  /// Counts bytes of lm_head rows received for `head`.
+  void AddLmHeadUpdateBytes(const std::string& head, int64_t bytes);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -88,6 +100,13 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& gpu_memory_;
   prometheus::Gauge& shm_regions_;
   prometheus::Gauge& shm_bytes_;
+  prometheus::Family<prometheus::Gauge>& lm_head_info_;
+  prometheus::Family<prometheus::Gauge>& lm_head_retained_bytes_;
+  prometheus::Family<prometheus::Counter>& lm_head_updates_;
+  prometheus::Family<prometheus::Histogram>& lm_head_update_duration_;
+  prometheus::Family<prometheus::Counter>& lm_head_update_bytes_;
+  absl::Mutex lm_head_mu_;
+  std::map<std::string, prometheus::Gauge*> lm_head_info_now_ ABSL_GUARDED_BY(lm_head_mu_);  // head -> its info gauge
 };
 
 }  // namespace logprob

@@ -95,6 +95,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_vocab_begin(vb);
       p.item.set_vocab_end(ve);
       p.item.set_hidden_size(job.hidden_size);
+      if (job.lm_head) *p.item.mutable_lm_head() = job.lm_head->Ref();
       const size_t bytes = static_cast<size_t>(e - b) * job.row_bytes;
       if (referenced) {
         // The job's rows are the source's rows in order (ExpandToInputRows).

@@ -70,9 +70,12 @@ absl::StatusOr<RequestInputs> ResolveInputs(const v1::ScoreRequest& req, const I
         LOGPROB_ASSIGN_OR_RETURN(source, ResolveSharedMemory(t, i, *context.regions, owner));
         break;
       }
-      case InputKind::kCudaIpc:
+      case InputKind::kCudaIpc: {
         LOGPROB_ASSIGN_OR_RETURN(source, ResolveCudaIpc(t, i, context.cuda_ipc, context.peer));
         break;
+      }
+      case InputKind::kFile:  // no Tensor names a file (LmHeadRows.file does)
+        return absl::InvalidArgumentError(absl::StrCat(What(req, i), ": file sources are only for lm_head updates"));
     }
     LOGPROB_RETURN_IF_ERROR(CheckOptions(req, i, RulesOf(kind)));
     if (kind != InputKind::kBytes) out.referenced_bytes += source->byte_size();

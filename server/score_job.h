@@ -12,6 +12,7 @@
 #include "common/dtype.h"
 #include "logprob/v1/logprob.pb.h"
 #include "server/input_source.h"
+#include "server/lm_heads.h"
 #include "server/request_inputs.h"
 
 namespace logprob {
@@ -56,6 +57,9 @@ struct ScoreJob {
     std::shared_ptr<const InputSource> source;
   };
   std::vector<Segment> segments;
+  /// Hidden states: the lm_head version bound at admission (LmHeads::Bind),
+  /// which scores every row; kept alive by the job.
+  std::shared_ptr<const LmHeadVersion> lm_head;
 
   int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
   int64_t num_outputs() const;  // product of out_shape

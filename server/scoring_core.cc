@@ -85,7 +85,20 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
                                                      " bytes (referenced tensors included) exceeds the server's "
                                                      "max_request_bytes ",
                                                      config_.max_request_bytes));
-  LOGPROB_ASSIGN_OR_RETURN(ScoreJob built, BuildScoreJob(req, config_.limits, config_.lm_head, &inputs));
+  // Hidden states: the lm_head version this request is scored with, bound
+  // now (admission) whatever commits while it waits or runs.
+  const bool hidden = std::any_of(req.inputs().begin(), req.inputs().end(),
+                                  [](const v1::Tensor& t) { return t.name() == "hidden_states"; });
+  std::shared_ptr<const LmHeadVersion> head;
+  LmHeadShape shape;
+  if (!hidden && (!req.head().empty() || !req.head_version().empty()))
+    return absl::InvalidArgumentError("head / head_version select an lm_head for hidden_states; this request has none");
+  if (hidden && config_.lm_heads && !config_.lm_heads->empty()) {
+    LOGPROB_ASSIGN_OR_RETURN(head, config_.lm_heads->Bind(req.head(), req.head_version()));
+    shape = {head->source.vocab_size, head->source.hidden_size};
+  }
+  LOGPROB_ASSIGN_OR_RETURN(ScoreJob built, BuildScoreJob(req, config_.limits, shape, &inputs));
+  built.lm_head = head;
   // Shared with the batch that runs it (server/batcher.h, Lifetimes).
   const auto shared_job = std::make_shared<const ScoreJob>(std::move(built));
   const ScoreJob& job = *shared_job;
@@ -114,7 +127,37 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
   }
   LOGPROB_ASSIGN_OR_RETURN(v1::ScoreResponse resp, BuildResponse(job, *batch.plan, *batch.results, batch.row_begin));
   resp.set_id(req.id());
+  if (job.lm_head) {
+    resp.set_head(job.lm_head->head);
+    resp.set_head_version(job.lm_head->version);
+  }
   return resp;
+}
+
+absl::StatusOr<RequestInputs> ScoringCore::ResolveTensor(const v1::Tensor& tensor, const std::string& what,
+                                                         const CallContext& call) {
+  if (KindOf(tensor) == InputKind::kCudaIpc)
+    return WithReason(absl::FailedPreconditionError(absl::StrCat(what,
+                                                                 ": CUDA IPC is not accepted here yet; send "
+                                                                 "the bytes (inline, in pieces or through shared "
+                                                                 "memory)")),
+                      v1::CUDA_IPC_UNAVAILABLE);
+  v1::ScoreRequest one;
+  *one.add_inputs() = tensor;  // its reference, or a view's worth of bytes: see below
+  InputContext input_context;
+  input_context.regions = regions_.get();
+  input_context.session = call.session;
+  input_context.peer = call.peer;
+  if (KindOf(tensor) == InputKind::kBytes) {
+    RequestInputs out;
+    out.sources.push_back(MemorySource(tensor.data()));  // views the caller's tensor, not the copy
+    return out;
+  }
+  absl::StatusOr<RequestInputs> resolved = ResolveInputs(one, input_context);
+  if (!resolved.ok())
+    return absl::Status(resolved.status().code(),
+                        absl::StrCat(what, ": ", resolved.status().message()));  // names the field, not inputs[0]
+  return resolved;
 }
 
 v1::ServerInfo ScoringCore::Info() const {
@@ -127,13 +170,22 @@ v1::ServerInfo ScoringCore::Info() const {
   info.set_max_tokens_per_request(config_.limits.max_tokens);
   info.set_max_topk(config_.limits.max_topk);
   info.set_parallelism(config_.parallelism_name);
-  info.set_vocab_size(config_.lm_head.vocab_size);
-  info.set_hidden_size(config_.lm_head.hidden_size);
-  info.set_lm_head_dtype(config_.lm_head_dtype);
-  info.set_lm_head_path(config_.lm_head_path);
-  info.set_lm_head_tensor(config_.lm_head_tensor);
+  if (config_.lm_heads) {
+    // The single-head fields describe "default", or the only head.
+    absl::StatusOr<std::shared_ptr<const LmHeadVersion>> head = config_.lm_heads->Bind("", "");
+    if (head.ok()) {
+      const LmHeadSource& src = (*head)->source;
+      info.set_vocab_size(src.vocab_size);
+      info.set_hidden_size(src.hidden_size);
+      info.set_lm_head_dtype(DTypeName(src.dtype));
+      info.set_lm_head_path(src.file);
+      info.set_lm_head_tensor(src.tensor);
+      if (config_.lm_head_precision) info.set_lm_head_precision(config_.lm_head_precision(src.dtype));
+    }
+    for (v1::LmHeadInfo& h : config_.lm_heads->List()) *info.add_lm_heads() = std::move(h);
+  }
+  info.set_lm_head_updates(config_.lm_head_updates);
   info.set_hidden_chunk_tokens(config_.hidden_chunk_tokens);
-  info.set_lm_head_precision(config_.lm_head_precision);
   info.set_max_queue_tokens(config_.max_queue_tokens);
   info.set_max_queue_bytes(config_.max_queue_bytes);
   info.set_max_queue_delay_seconds(std::chrono::duration<double>(config_.max_queue_delay).count());

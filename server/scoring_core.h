@@ -18,6 +18,7 @@
 #include "server/batcher.h"
 #include "server/client_regions.h"
 #include "server/cuda_ipc_inputs.h"
+#include "server/lm_heads.h"
 #include "server/metrics.h"
 #include "server/payload_pool.h"
 #include "server/planner.h"
@@ -40,12 +41,15 @@ struct ServiceConfig {
   std::string parallelism_name = "auto";
   std::string backend = "cpu";
   std::string comm = "gloo";
-  LmHeadShape lm_head;        // zeros: no hidden-states scoring
-  std::string lm_head_dtype;  // safetensors name, e.g. "BF16"
-  std::string lm_head_path;   // file holding the tensor
-  std::string lm_head_tensor;
+  /// The named lm_heads for hidden-states requests (not owned; outlives
+  /// the core); null or empty: no hidden-states scoring.
+  const LmHeads* lm_heads = nullptr;
+  /// The GEMM operands' name for weights of a dtype ("bf16", "tf32",
+  /// "fp32": --lm-head-precision resolved); may be empty.
+  std::function<std::string(DType)> lm_head_precision;
+  /// lm_head updates are accepted (ServerInfo.lm_head_updates).
+  bool lm_head_updates = false;
   int64_t hidden_chunk_tokens = 0;
-  std::string lm_head_precision;  // "bf16" | "tf32" | "fp32" (auto resolved); empty without an lm_head
   /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
   /// Tensor.shared_memory; server/client_regions.h): caps and idle expiry.
   bool shared_memory_inputs = true;
@@ -99,6 +103,14 @@ struct CoreWorkers {
 class ScoringCore {
  public:
   ScoringCore(CoreWorkers workers, ServiceConfig config, Metrics* metrics);
+
+  /// Resolves one tensor of a call that is not a ScoreRequest (the rows of
+  /// an lm_head update) into its source, as ResolveInputs does for a
+  /// request's: inline bytes or shared memory; FAILED_PRECONDITION (reason
+  /// CUDA_IPC_UNAVAILABLE) for CUDA IPC, which updates do not take yet.
+  /// `what` names the field in errors.
+  absl::StatusOr<RequestInputs> ResolveTensor(const v1::Tensor& tensor, const std::string& what,
+                                              const CallContext& call);
 
   /// Scores one request: resolve its inputs, validate, admit, batch
   /// (server/batcher.h), answer. Fills *stats if given. The request's

@@ -11,8 +11,10 @@
 #include <optional>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/chunk_assembler.h"
 #include "common/error_reason.h"
 #include "common/grpc_status.h"
 #include "common/input_kind.h"
@@ -25,14 +27,22 @@
 
 namespace logprob {
 
-ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics)
+ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics, LmHeadUpdates* updates)
     : core_(CoreWorkers{pool.size(), pool.same_host(),
                         [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }},
             config, metrics),
+      updates_(updates),
       auth_(config.auth),
       metrics_(metrics),
       assembly_buffers_(config.max_request_bytes) {
   MarkMethodStreamed(chunked::ScoreChunkedMethodIndex(), chunked::NewChunkedHandler(this));
+  MarkMethodStreamed(chunked::MethodIndex("PutLmHeadRows"),
+                     new grpc::internal::BidiStreamingHandler<ScoringService, chunked::IncomingPart, v1::LmHeadUpdate>(
+                         [](ScoringService* s, grpc::ServerContext* context,
+                            grpc::ServerReaderWriter<v1::LmHeadUpdate, chunked::IncomingPart>* stream) {
+                           return s->ServeLmHeadRows(context, stream);
+                         },
+                         this));
 }
 
 grpc::Status ScoringService::Reply(grpc::ServerContext* ctx, const absl::Status& st) {
@@ -210,6 +220,114 @@ grpc::Status ScoringService::ListSharedMemory(grpc::ServerContext* context, cons
     out->set_shm_name(r->shm_name());
     out->set_byte_size(r->byte_size());
   }
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<LmHeadUpdates*> ScoringService::Updates(grpc::ServerContext* context, const char* method) {
+  if (grpc::Status st = Authorize(context, method); !st.ok()) return FromGrpc(st);
+  if (!updates_ || !updates_->options().allowed)
+    return WithReason(
+        absl::FailedPreconditionError("lm_head updates are off on this server (start it with --allow-lm-head-updates)"),
+        v1::LM_HEAD_UPDATES_DISABLED);
+  return updates_;
+}
+
+grpc::Status ScoringService::BeginLmHeadUpdate(grpc::ServerContext* context, const v1::BeginLmHeadUpdateRequest* req,
+                                               v1::LmHeadUpdate* resp) {
+  constexpr char kMethod[] = "BeginLmHeadUpdate";
+  const std::string what = absl::StrCat("head=", req->head(), " version=", req->version());
+  auto updates = Updates(context, kMethod);
+  if (!updates.ok()) {
+    Logged(metrics_, kMethod, what, updates.status());
+    return Reply(context, updates.status());
+  }
+  auto r = (*updates)->Begin(*req);
+  if (r.ok()) *resp = *std::move(r);
+  Logged(metrics_, kMethod, absl::StrCat(what, r.ok() ? " update=" + resp->update_id() : ""), r.status());
+  return Reply(context, r.status());
+}
+
+grpc::Status ScoringService::CommitLmHeadUpdate(grpc::ServerContext* context, const v1::LmHeadUpdateRef* req,
+                                                v1::LmHeadInfo* resp) {
+  constexpr char kMethod[] = "CommitLmHeadUpdate";
+  const std::string what = absl::StrCat("update=", req->update_id());
+  auto updates = Updates(context, kMethod);
+  if (!updates.ok()) {
+    Logged(metrics_, kMethod, what, updates.status());
+    return Reply(context, updates.status());
+  }
+  auto r = (*updates)->Commit(req->update_id());
+  if (r.ok()) *resp = *std::move(r);
+  Logged(metrics_, kMethod, what, r.status());
+  return Reply(context, r.status());
+}
+
+grpc::Status ScoringService::AbortLmHeadUpdate(grpc::ServerContext* context, const v1::LmHeadUpdateRef* req,
+                                               v1::LmHeadUpdate* resp) {
+  constexpr char kMethod[] = "AbortLmHeadUpdate";
+  const std::string what = absl::StrCat("update=", req->update_id());
+  auto updates = Updates(context, kMethod);
+  if (!updates.ok()) {
+    Logged(metrics_, kMethod, what, updates.status());
+    return Reply(context, updates.status());
+  }
+  auto r = (*updates)->Abort(req->update_id());
+  if (r.ok()) *resp = *std::move(r);
+  Logged(metrics_, kMethod, what, r.status());
+  return Reply(context, r.status());
+}
+
+grpc::Status ScoringService::ServeLmHeadRows(
+    grpc::ServerContext* context, grpc::ServerReaderWriter<v1::LmHeadUpdate, chunked::IncomingPart>* stream) {
+  constexpr char kMethod[] = "PutLmHeadRows";
+  v1::LmHeadRows rows;
+  auto put = [&]() -> absl::StatusOr<v1::LmHeadUpdate> {
+    LOGPROB_ASSIGN_OR_RETURN(LmHeadUpdates * updates, Updates(context, kMethod));
+    chunked::IncomingPart in;
+    if (!stream->Read(&in)) return absl::InvalidArgumentError("PutLmHeadRows ended before its first part (the rows)");
+    LOGPROB_ASSIGN_OR_RETURN(chunked::ParsedPart first, chunked::ParsePart(in));
+    if (first.is_piece() || !rows.ParseFromString(first.message()))
+      return absl::InvalidArgumentError("the first part of PutLmHeadRows must carry LmHeadRows");
+    if (rows.has_file()) {
+      if (rows.has_rows()) return absl::InvalidArgumentError("LmHeadRows: give rows or file, not both");
+      if (rows.row_begin() != 0)
+        return absl::InvalidArgumentError("LmHeadRows.file gives every row: row_begin must be 0");
+      return updates->PutFile(rows.update_id(), rows.file().path(), rows.file().tensor());
+    }
+    const v1::Tensor& t = rows.rows();
+    if (t.shape_size() != 2 || t.shape(0) <= 0 || t.shape(1) <= 0)
+      return absl::InvalidArgumentError("LmHeadRows.rows: shape [n, hidden_size] with n, hidden_size > 0 expected");
+    if (!IsFloatDType(t.dtype())) return absl::InvalidArgumentError("LmHeadRows.rows: dtype F32, BF16 or F16 expected");
+    // Bytes announced by the shape but not inline: they follow in pieces.
+    google::protobuf::RepeatedPtrField<v1::Tensor> tensors;
+    *tensors.Add() = t;
+    LOGPROB_ASSIGN_OR_RETURN(chunked::TensorAssembler assembly, chunked::TensorAssembler::Plan(&tensors, "rows"));
+    if (assembly.pending_bytes() > core_.config().max_request_bytes)
+      return absl::ResourceExhaustedError(absl::StrCat("PutLmHeadRows announces ", assembly.pending_bytes(),
+                                                       " bytes, over the server's max_request_bytes ",
+                                                       core_.config().max_request_bytes, "; send fewer rows per call"));
+    const bool pieced = !assembly.pending().empty();
+    if (pieced) assembly.AllocateBuffers([this](size_t n) { return assembly_buffers_.Acquire(n); });
+    LOGPROB_RETURN_IF_ERROR(chunked::ReadChunkedPieces([stream](chunked::IncomingPart* p) { return stream->Read(p); },
+                                                       [context] { return context->IsCancelled(); }, assembly));
+    // The assembled buffer goes back to the pool once the rows are written.
+    auto release = absl::MakeCleanup([&] {
+      if (pieced) assembly_buffers_.Release(std::move(*tensors.Mutable(0)->mutable_data()));
+    });
+    CallContext call;
+    call.session = [context] { return SharedMemoryOwner(*context); };
+    call.peer = context->peer();
+    LOGPROB_ASSIGN_OR_RETURN(RequestInputs inputs, core_.ResolveTensor(tensors.Get(0), "rows", call));
+    return updates->PutRows(rows.update_id(), rows.row_begin(), t.shape(0), t.dtype(), t.shape(1),
+                            *inputs.sources.front());
+  };
+  absl::StatusOr<v1::LmHeadUpdate> r = put();
+  Logged(metrics_, kMethod,
+         absl::StrCat("update=", rows.update_id(), " row_begin=", rows.row_begin(),
+                      " rows=", rows.rows().shape_size() > 0 ? rows.rows().shape(0) : 0),
+         r.status());
+  if (!r.ok()) return Reply(context, r.status());
+  if (!stream->Write(*r)) return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
   return grpc::Status::OK;
 }
 

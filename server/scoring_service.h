@@ -16,6 +16,7 @@
 #include "grpcpp/support/sync_stream.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 #include "server/auth.h"
+#include "server/lm_head_updates.h"
 #include "server/metrics.h"
 #include "server/scoring_core.h"
 #include "server/worker_pool.h"
@@ -29,7 +30,9 @@ namespace logprob {
 /// parsed by chunked::ParsePart, not protobuf.
 class ScoringService final : public v1::LogprobService::Service {
  public:
-  ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics);
+  /// `updates` (not owned; may be null: updates off) serves the lm_head
+  /// update calls.
+  ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics, LmHeadUpdates* updates = nullptr);
   /// The core this adapter serves (tests, in-process callers).
   ScoringCore& core() { return core_; }
 
@@ -51,6 +54,19 @@ class ScoringService final : public v1::LogprobService::Service {
                                       v1::UnregisterSharedMemoryResponse*) override;
   grpc::Status ListSharedMemory(grpc::ServerContext*, const v1::ListSharedMemoryRequest*,
                                 v1::ListSharedMemoryResponse*) override;
+
+  /// lm_head updates (server/lm_head_updates.h): FAILED_PRECONDITION
+  /// (reason LM_HEAD_UPDATES_DISABLED) when off; else its errors.
+  grpc::Status BeginLmHeadUpdate(grpc::ServerContext*, const v1::BeginLmHeadUpdateRequest*, v1::LmHeadUpdate*) override;
+  grpc::Status CommitLmHeadUpdate(grpc::ServerContext*, const v1::LmHeadUpdateRef*, v1::LmHeadInfo*) override;
+  grpc::Status AbortLmHeadUpdate(grpc::ServerContext*, const v1::LmHeadUpdateRef*, v1::LmHeadUpdate*) override;
+  /// PutLmHeadRows, served through the part codec like ScoreChunked: the
+  /// first part's LmHeadRows, then (inline bytes announced by shape) its
+  /// pieces, assembled into a pooled buffer (at most max_request_bytes per
+  /// call: RESOURCE_EXHAUSTED beyond), or its shared-memory reference or
+  /// file; answered with one LmHeadUpdate.
+  grpc::Status ServeLmHeadRows(grpc::ServerContext* context,
+                               grpc::ServerReaderWriter<v1::LmHeadUpdate, chunked::IncomingPart>* stream);
 
   /// The server side of ScoreChunked (proto/logprob/v1/logprob.proto): reads
   /// the request part, checks the announced size against
@@ -94,7 +110,11 @@ class ScoringService final : public v1::LogprobService::Service {
   absl::Status ReceiveChunked(grpc::ServerContext* context, chunked::ServerStream* stream, v1::ScoreRequest* req,
                               std::vector<int>* pooled);
 
+  /// The updates, or FAILED_PRECONDITION when off (after Authorize).
+  absl::StatusOr<LmHeadUpdates*> Updates(grpc::ServerContext* context, const char* method);
+
   ScoringCore core_;
+  LmHeadUpdates* const updates_;
   const BearerTokenAuth* const auth_;  // not owned; null: no token needed
   Metrics* const metrics_;
   BufferPool assembly_buffers_;  // ScoreChunked request tensors

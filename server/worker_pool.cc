@@ -44,6 +44,10 @@ absl::Status WorkerPool::Start() {
   control_ = std::make_unique<ControlService>(
       options_.workers, options_.worker_config,
       [this](int64_t generation, int, const std::string& why) { OnLeave(generation, why); }, options_.join_observers);
+  if (options_.lm_heads)
+    control_->SetReplyHook([this](internal::v1::JoinReply* reply) {
+      for (auto& load : options_.lm_heads()) *reply->add_lm_heads() = std::move(load);
+    });
   grpc::ServerBuilder builder;
   AddKeepalive(builder);
   int port = 0;
@@ -111,6 +115,58 @@ absl::Status WorkerPool::Form(int64_t index) {
 std::shared_ptr<WorkerPool::Generation> WorkerPool::current() {
   absl::MutexLock lock(&mu_);
   return gen_;
+}
+
+absl::StatusOr<int64_t> WorkerPool::OnEveryWorker(
+    const std::function<grpc::Status(internal::v1::Worker::Stub&, grpc::ClientContext*)>& call,
+    std::chrono::milliseconds timeout) {
+  const std::shared_ptr<Generation> gen = current();
+  if (!gen) return absl::UnavailableError("the worker pool is waiting for its workers to join; retry shortly");
+  {
+    absl::MutexLock lock(&gen->mu);
+    if (gen->failed || !gen->ready)
+      return absl::UnavailableError("the worker pool is not serving (re-forming or waiting for workers); retry");
+  }
+  const size_t n = gen->stubs.size();
+  std::vector<grpc::Status> statuses(n);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < n; ++i)
+    threads.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+      statuses[i] = call(*gen->stubs[i], &ctx);
+    });
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < n; ++i)
+    if (!statuses[i].ok())
+      return absl::Status(static_cast<absl::StatusCode>(statuses[i].error_code()),
+                          absl::StrCat("worker rank ", i, ": ", statuses[i].error_message()));
+  return gen->index;
+}
+
+absl::StatusOr<int64_t> WorkerPool::LoadLmHead(const internal::v1::LmHeadLoad& load) {
+  return OnEveryWorker(
+      [&load](internal::v1::Worker::Stub& stub, grpc::ClientContext* ctx) {
+        internal::v1::LoadLmHeadReply reply;
+        return stub.LoadLmHead(ctx, load, &reply);
+      },
+      options_.work_timeout);
+}
+
+void WorkerPool::DropLmHead(const internal::v1::LmHeadRef& head) {
+  (void)OnEveryWorker(
+      [&head](internal::v1::Worker::Stub& stub, grpc::ClientContext* ctx) {
+        internal::v1::DropLmHeadReply reply;
+        return stub.DropLmHead(ctx, head, &reply);
+      },
+      std::chrono::seconds(30));
+}
+
+bool WorkerPool::Serving(int64_t index) {
+  const std::shared_ptr<Generation> gen = current();
+  if (!gen || gen->index != index) return false;
+  absl::MutexLock lock(&gen->mu);
+  return gen->ready && !gen->failed;
 }
 
 bool WorkerPool::stopping() {

@@ -59,9 +59,12 @@ class WorkerPool {
     /// last join to all Ready (joining itself has no time limit).
     std::chrono::milliseconds join_timeout{60000};
     std::chrono::milliseconds work_timeout{600000};
-    /// Sent to every worker in its JoinReply: lm_head source, hidden-states
-    /// chunk, threads (rank, world size and store prefix are filled in).
+    /// Sent to every worker in its JoinReply: hidden-states chunk, threads
+    /// (rank, world size and store prefix are filled in).
     internal::v1::JoinReply worker_config;
+    /// The lm_head versions a joining worker loads (JoinReply.lm_heads),
+    /// asked at each join. May be empty.
+    std::function<std::vector<internal::v1::LmHeadLoad>()> lm_heads;
     /// Called with false when the pool fails and true when a generation is
     /// ready (health status). May be empty.
     std::function<void(bool serving)> on_serving;
@@ -102,6 +105,17 @@ class WorkerPool {
   absl::StatusOr<std::vector<internal::v1::WorkResult>> Run(const Plan& plan, const RunBounds& bounds = {})
       ABSL_LOCKS_EXCLUDED(mu_, collective_mu_);
 
+  /// Loads an lm_head version on every worker of the current generation,
+  /// concurrently, while items run; returns that generation's index (see
+  /// Serving). UNAVAILABLE when the pool is not serving; otherwise the
+  /// first worker's error, worker named. Does not fail the generation.
+  absl::StatusOr<int64_t> LoadLmHead(const internal::v1::LmHeadLoad& load) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Drops an lm_head version on every worker of the current generation
+  /// (best effort: a worker that is gone no longer holds it anyway).
+  void DropLmHead(const internal::v1::LmHeadRef& head) ABSL_LOCKS_EXCLUDED(mu_);
+  /// True while generation `index` is the current one, ready and not failed.
+  bool Serving(int64_t index) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   /// One set of worker processes with their communicator.
   struct Generation {
@@ -136,6 +150,13 @@ class WorkerPool {
   absl::StatusOr<std::vector<internal::v1::WorkResult>> RunItems(const Plan& plan, const RunBounds& bounds)
       ABSL_LOCKS_EXCLUDED(mu_);
   std::shared_ptr<Generation> current() ABSL_LOCKS_EXCLUDED(mu_);
+  /// Calls `call(stub, ctx)` on every worker of the current generation
+  /// concurrently (each with a deadline of `timeout`); the generation's
+  /// index, or UNAVAILABLE when not serving, or the first failed call's
+  /// status with its rank named.
+  absl::StatusOr<int64_t> OnEveryWorker(
+      const std::function<grpc::Status(internal::v1::Worker::Stub&, grpc::ClientContext*)>& call,
+      std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
   bool stopping() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.

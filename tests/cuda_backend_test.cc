@@ -141,9 +141,9 @@ struct Backends {
   std::unique_ptr<CpuBackend> cpu = std::make_unique<CpuBackend>();
   std::unique_ptr<cuda::CudaBackend> gpu;
 };
-Backends Make(const LmHeadSlice* lm_head = nullptr) {
+Backends Make() {
   Backends b;
-  auto g = cuda::CudaBackend::Create(0, lm_head);
+  auto g = cuda::CudaBackend::Create(0);
   EXPECT_TRUE(g.ok()) << g.status();
   if (g.ok()) b.gpu = std::move(*g);
   return b;
@@ -218,7 +218,7 @@ TEST(CudaRecords, ManyRowsAcrossStagingSubBlocks) {
   // 64 KiB staging: several sub-blocks alternate between the two buffers.
   cuda::CudaBackend::Options opts;
   opts.staging_bytes = 64 << 10;
-  auto gpu = cuda::CudaBackend::Create(0, nullptr, opts);
+  auto gpu = cuda::CudaBackend::Create(0, opts);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const Rows rows = MakeRows(v1::BF16, 40, 9000, 0, 9000, 2, Values::kNormal, 7);
   const StatsSpec spec = Spec(5, 2, false);
@@ -271,24 +271,26 @@ TEST(CudaHidden, FusedGemmAndPartialsMatchTheCpuPath) {
   LmHeadSlice slice = RandomSlice(N, H, 9);
   cuda::CudaBackend::Options opts;
   opts.gemm_chunk_bytes = 16 * N * 4;  // chunks of 16 rows
-  auto gpu = cuda::CudaBackend::Create(0, &slice, opts);
+  auto gpu = cuda::CudaBackend::Create(0, opts);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
-  auto gemm = kernels::LmHeadGemm::Create(v1::BF16, slice.weight, N, H);
-  ASSERT_TRUE(gemm.ok());
-  CpuBackend cpu(std::move(*gemm));
+  auto gw = (*gpu)->LoadLmHead(slice, LmHeadPrecision::kAuto);
+  ASSERT_TRUE(gw.ok()) << gw.status();
+  CpuBackend cpu;
+  auto cw = cpu.LoadLmHead(slice, LmHeadPrecision::kAuto);
+  ASSERT_TRUE(cw.ok()) << cw.status();
   for (DType hdt : {v1::BF16, v1::F32, v1::F16}) {
     SCOPED_TRACE(DTypeName(hdt));
     const Rows hidden = MakeRows(hdt, M, H, 0, N, 2, Values::kNormal, 10);
     // Logits: f32 GEMMs agree within accumulation-order rounding.
     std::vector<float> lc(M * N), lg(M * N);
-    ASSERT_TRUE(cpu.HiddenLogits(hdt, hidden.bytes.data(), M, lc.data()).ok());
-    ASSERT_TRUE((*gpu)->HiddenLogits(hdt, hidden.bytes.data(), M, lg.data()).ok());
+    ASSERT_TRUE(cpu.HiddenLogits(**cw, hdt, hidden.bytes.data(), M, lc.data()).ok());
+    ASSERT_TRUE((*gpu)->HiddenLogits(**gw, hdt, hidden.bytes.data(), M, lg.data()).ok());
     for (size_t i = 0; i < lc.size(); ++i) ASSERT_NEAR(lc[i], lg[i], 1e-4 * (1 + std::abs(lc[i]))) << i;
     const StatsSpec spec = Spec(5, 2, true);
     const size_t words = kernels::PartialWords(spec);
     std::vector<uint32_t> rc(M * words), rg(M * words);
-    ASSERT_TRUE(cpu.HiddenPartials(hdt, hidden.bytes.data(), 0, hidden.block(2), spec, rc.data()).ok());
-    ASSERT_TRUE((*gpu)->HiddenPartials(hdt, hidden.bytes.data(), 0, hidden.block(2), spec, rg.data()).ok());
+    ASSERT_TRUE(cpu.HiddenPartials(**cw, hdt, hidden.bytes.data(), 0, hidden.block(2), spec, rc.data()).ok());
+    ASSERT_TRUE((*gpu)->HiddenPartials(**gw, hdt, hidden.bytes.data(), 0, hidden.block(2), spec, rg.data()).ok());
     for (int64_t r = 0; r < M; ++r) {
       float a[2], b[2], ta[5], tb[5], ga[2], gb[2];
       int64_t ia[5], ib[5];
@@ -319,17 +321,18 @@ TEST(CudaHidden, GemmRowIsBitwiseIndependentOfMAndPosition) {
     LmHeadSlice slice = RandomSlice(N, H, 22);
     cuda::CudaBackend::Options opts;
     opts.gemm_chunk_bytes = 512 * N * 4;  // every M below is one GEMM
-    opts.lm_head_precision = p;
-    auto gpu = cuda::CudaBackend::Create(0, &slice, opts);
+    auto gpu = cuda::CudaBackend::Create(0, opts);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
+    auto w = (*gpu)->LoadLmHead(slice, p);
+    ASSERT_TRUE(w.ok()) << w.status();
     std::vector<float> all(kRows * N);
-    ASSERT_TRUE((*gpu)->HiddenLogits(v1::F32, hidden.bytes.data(), kRows, all.data()).ok());
+    ASSERT_TRUE((*gpu)->HiddenLogits(**w, v1::F32, hidden.bytes.data(), kRows, all.data()).ok());
     const int64_t anchor = 150;
     for (int64_t M : {1, 2, 3, 17, 64, 129, 257}) {
       for (int64_t pos : {int64_t{0}, M / 2, M - 1}) {
         const int64_t first = anchor - pos;
         std::vector<float> out(M * N);
-        ASSERT_TRUE((*gpu)->HiddenLogits(v1::F32, hidden.bytes.data() + first * H * 4, M, out.data()).ok());
+        ASSERT_TRUE((*gpu)->HiddenLogits(**w, v1::F32, hidden.bytes.data() + first * H * 4, M, out.data()).ok());
         ASSERT_EQ(std::memcmp(out.data() + pos * N, all.data() + anchor * N, N * 4), 0)
             << "row " << anchor << " at position " << pos << " of M = " << M << " differs from M = " << kRows;
       }
@@ -349,12 +352,12 @@ TEST(CudaHidden, Fp32AndTf32PrecisionsMatchFloat64) {
     LmHeadSlice slice = RandomSlice(N, H, 32);
     std::vector<float> w(N * H);
     ToFloat(v1::BF16, slice.weight.data(), w.size(), w.data());
-    cuda::CudaBackend::Options opts;
-    opts.lm_head_precision = p;
-    auto gpu = cuda::CudaBackend::Create(0, &slice, opts);
+    auto gpu = cuda::CudaBackend::Create(0);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
+    auto lw = (*gpu)->LoadLmHead(slice, p);
+    ASSERT_TRUE(lw.ok()) << lw.status();
     std::vector<float> out(M * N);
-    ASSERT_TRUE((*gpu)->HiddenLogits(v1::F32, hidden.bytes.data(), M, out.data()).ok());
+    ASSERT_TRUE((*gpu)->HiddenLogits(**lw, v1::F32, hidden.bytes.data(), M, out.data()).ok());
     // tf32 operands carry 11 significant bits: relative error <= 2^-10 each.
     const double rel = p == LmHeadPrecision::kFp32 ? 1e-5 : 2.5e-3;
     int bad = 0;
@@ -373,15 +376,12 @@ TEST(CudaHidden, Fp32AndTf32PrecisionsMatchFloat64) {
   }
 }
 
-TEST(CudaHidden, WithoutLmHeadIsFailedPrecondition) {
+TEST(CudaHidden, ABadLmHeadSliceIsInvalidArgument) {
   SKIP_WITHOUT_GPU();
   Backends b = Make();
   ASSERT_TRUE(b.gpu);
-  std::vector<uint32_t> rec(16);
-  const int64_t target = 0;
-  const auto st =
-      b.gpu->HiddenPartials(v1::BF16, rec.data(), 0, BlockRows{1, &target, nullptr}, StatsSpec(), rec.data());
-  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  LmHeadSlice bad{v1::BF16, std::vector<char>(10), 3, 4};  // 10 bytes, not 3 x 4 bf16
+  EXPECT_EQ(b.gpu->LoadLmHead(bad, LmHeadPrecision::kAuto).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CudaDevice, NoDeviceIsAClearError) {

@@ -42,10 +42,26 @@ void ExpectInvariant(const absl::StatusOr<InvarianceResult>& r, const Invariance
   EXPECT_GT(r->comparisons, batches) << "the probe rows must be compared many times";
 }
 
-std::unique_ptr<cuda::CudaBackend> GpuBackend(const LmHeadSlice* slice, const cuda::CudaBackend::Options& opts) {
-  auto b = cuda::CudaBackend::Create(0, slice, opts);
+/// A GPU backend and, when `slice` is given, that lm_head loaded into it.
+struct Gpu {
+  std::unique_ptr<cuda::CudaBackend> backend;
+  std::shared_ptr<const LmHeadWeights> lm_head;
+  explicit operator bool() const { return backend != nullptr; }
+  cuda::CudaBackend& operator*() const { return *backend; }
+};
+Gpu GpuBackend(const LmHeadSlice* slice, const cuda::CudaBackend::Options& opts) {
+  Gpu g;
+  auto b = cuda::CudaBackend::Create(0, opts);
   EXPECT_TRUE(b.ok()) << b.status();
-  return b.ok() ? std::move(*b) : nullptr;
+  if (!b.ok()) return g;
+  g.backend = std::move(*b);
+  if (slice) {
+    auto w = g.backend->LoadLmHead(*slice, LmHeadPrecision::kAuto);
+    EXPECT_TRUE(w.ok()) << w.status();
+    if (!w.ok()) return Gpu{};
+    g.lm_head = *std::move(w);
+  }
+  return g;
 }
 
 // The production shape's vocabulary (Qwen, V = 151936) with a smaller H to
@@ -58,7 +74,7 @@ TEST(CudaInvariance, HiddenItemPartialsBf16FromDeviceMemory) {
   auto gpu = GpuBackend(&slice, {});
   ASSERT_TRUE(gpu);
   const InvarianceOptions o;
-  ExpectInvariant(CheckHiddenItemInvariance(*gpu, v1::BF16, /*on_device=*/true, o), o);
+  ExpectInvariant(CheckHiddenItemInvariance(*gpu, *gpu.lm_head, v1::BF16, /*on_device=*/true, o), o);
 }
 
 TEST(CudaInvariance, HiddenItemPartialsFromHostMemoryBf16AndF32) {
@@ -68,11 +84,11 @@ TEST(CudaInvariance, HiddenItemPartialsFromHostMemoryBf16AndF32) {
   ASSERT_TRUE(gpu);
   InvarianceOptions o;
   o.seed = 2;
-  ExpectInvariant(CheckHiddenItemInvariance(*gpu, v1::BF16, /*on_device=*/false, o), o);
+  ExpectInvariant(CheckHiddenItemInvariance(*gpu, *gpu.lm_head, v1::BF16, /*on_device=*/false, o), o);
   // F32 hidden states go through the conversion kernel first.
   o.batch_sizes = {1, 7, 16, 300, 1024};
   o.spec.temperature = 0.7f;
-  ExpectInvariant(CheckHiddenItemInvariance(*gpu, v1::F32, /*on_device=*/false, o), o);
+  ExpectInvariant(CheckHiddenItemInvariance(*gpu, *gpu.lm_head, v1::F32, /*on_device=*/false, o), o);
 }
 
 TEST(CudaInvariance, HiddenItemPartialsWithSmallGemmChunks) {
@@ -88,7 +104,7 @@ TEST(CudaInvariance, HiddenItemPartialsWithSmallGemmChunks) {
   InvarianceOptions o;
   o.seed = 3;
   o.offsets = {0, 1, 17, 47, 48, 300};
-  ExpectInvariant(CheckHiddenItemInvariance(*gpu, v1::BF16, /*on_device=*/true, o), o);
+  ExpectInvariant(CheckHiddenItemInvariance(*gpu, *gpu.lm_head, v1::BF16, /*on_device=*/true, o), o);
 }
 
 TEST(CudaInvariance, SlicePartialsBf16Logits) {
@@ -134,26 +150,29 @@ class PerturbingBackend final : public ScoringBackend {
                                    const SamplingFilter& filter, uint32_t* records) override {
     return cpu_->FilteredRowPartials(block, rows, spec, filter, records);
   }
-  bool has_lm_head() const override { return cpu_->has_lm_head(); }
-  int64_t lm_head_rows() const override { return cpu_->lm_head_rows(); }
-  int64_t lm_head_hidden_size() const override { return cpu_->lm_head_hidden_size(); }
-  absl::Status HiddenPartials(DType dtype, const void* hidden, int64_t vocab_begin, const BlockRows& rows,
-                              const kernels::StatsSpec& spec, uint32_t* records) override {
-    return cpu_->HiddenPartials(dtype, hidden, vocab_begin, rows, spec, records);
+  absl::StatusOr<std::shared_ptr<const LmHeadWeights>> LoadLmHead(LmHeadSlice slice,
+                                                                  LmHeadPrecision precision) override {
+    return cpu_->LoadLmHead(std::move(slice), precision);
   }
-  absl::Status HiddenLogits(DType dtype, const void* hidden, int64_t M, float* logits) override {
-    return cpu_->HiddenLogits(dtype, hidden, M, logits);
+  absl::Status HiddenPartials(const LmHeadWeights& w, DType dtype, const void* hidden, int64_t vocab_begin,
+                              const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) override {
+    return cpu_->HiddenPartials(w, dtype, hidden, vocab_begin, rows, spec, records);
+  }
+  absl::Status HiddenLogits(const LmHeadWeights& w, DType dtype, const void* hidden, int64_t M,
+                            float* logits) override {
+    return cpu_->HiddenLogits(w, dtype, hidden, M, logits);
   }
   bool OnePassHidden(const Communicator& comm) const override { return comm.size() == 1; }
-  absl::Status HiddenItemPartials(const HiddenItemRows& item, Communicator& comm, const kernels::StatsSpec& spec,
-                                  uint32_t* own_records) override {
+  absl::Status HiddenItemPartials(const LmHeadWeights& lm_head, const HiddenItemRows& item, Communicator& comm,
+                                  const kernels::StatsSpec& spec, uint32_t* own_records) override {
     if (comm.size() != 1 || item.own_on_device) return absl::UnimplementedError("W = 1 host rows only");
-    const size_t words = kernels::PartialWords(spec), row_bytes = lm_head_hidden_size() * DTypeSize(item.dtype);
+    const size_t words = kernels::PartialWords(spec), row_bytes = lm_head.hidden_size() * DTypeSize(item.dtype);
     for (int64_t i = 0; i < item.rows.count; ++i) {
       const BlockRows one{1, item.rows.targets + i,
                           item.rows.gather_ids ? item.rows.gather_ids + i * spec.gather_k : nullptr};
-      LOGPROB_RETURN_IF_ERROR(cpu_->HiddenPartials(item.dtype, static_cast<const char*>(item.own) + i * row_bytes,
-                                                   item.vocab_begin, one, spec, own_records + i * words));
+      LOGPROB_RETURN_IF_ERROR(cpu_->HiddenPartials(lm_head, item.dtype,
+                                                   static_cast<const char*>(item.own) + i * row_bytes, item.vocab_begin,
+                                                   one, spec, own_records + i * words));
     }
     Perturb(item.rows.count, spec, own_records);
     return absl::OkStatus();
@@ -192,19 +211,19 @@ TEST(CudaInvarianceChecker, PassesOnTheCpuRowKernelAndCatchesBatchDependentRecor
 TEST(CudaInvarianceChecker, HiddenItemPathPassesAndCatchesBatchDependentRecords) {
   const int64_t V = 700, H = 48;
   const LmHeadSlice slice = HashLmHead(V, H, 14);
-  auto gemm = kernels::LmHeadGemm::Create(v1::BF16, slice.weight, V, H);
-  ASSERT_TRUE(gemm.ok()) << gemm.status();
-  CpuBackend cpu(std::move(*gemm));
+  CpuBackend cpu;
+  auto w = cpu.LoadLmHead(slice, LmHeadPrecision::kAuto);
+  ASSERT_TRUE(w.ok()) << w.status();
   const InvarianceOptions o = SmallOptions();
   PerturbingBackend invariant(&cpu, 1 << 30);
-  ExpectInvariant(CheckHiddenItemInvariance(invariant, v1::BF16, /*on_device=*/false, o), o);
+  ExpectInvariant(CheckHiddenItemInvariance(invariant, **w, v1::BF16, /*on_device=*/false, o), o);
   PerturbingBackend dependent(&cpu, 7);
-  const auto r = CheckHiddenItemInvariance(dependent, v1::BF16, /*on_device=*/false, o);
+  const auto r = CheckHiddenItemInvariance(dependent, **w, v1::BF16, /*on_device=*/false, o);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->ok());
   EXPECT_NE(r->Summary().find("record word"), std::string::npos) << r->Summary();
   // A backend without the one-pass path is an error, not a pass.
-  const auto unimplemented = CheckHiddenItemInvariance(cpu, v1::BF16, false, o);
+  const auto unimplemented = CheckHiddenItemInvariance(cpu, **w, v1::BF16, false, o);
   EXPECT_EQ(unimplemented.status().code(), absl::StatusCode::kUnimplemented) << unimplemented.status();
 }
 

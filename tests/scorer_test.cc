@@ -207,15 +207,21 @@ WorkItem ItemFor(const Problem& p, Layout layout, int W, int r) {
   return item;
 }
 
-/// Rank r's CPU backend: for hidden states, with lm_head rows SplitRange(V, W, r).
-std::unique_ptr<CpuBackend> BackendFor(const Problem& p, int W, int r) {
-  if (!p.is_hidden()) return std::make_unique<CpuBackend>();
+/// Rank r's CPU backend and, for hidden states, its lm_head rows SplitRange(V, W, r).
+struct RankBackend {
+  std::unique_ptr<ScoringBackend> backend;
+  std::shared_ptr<const LmHeadWeights> lm_head;
+};
+RankBackend BackendFor(const Problem& p, int W, int r) {
+  RankBackend rb{std::make_unique<CpuBackend>(/*threads=*/1), nullptr};
+  if (!p.is_hidden()) return rb;
   const auto [vb, ve] = SplitRange(p.V, W, r);
   const size_t row = static_cast<size_t>(p.H) * DTypeSize(p.dtype);
   std::vector<char> slice(p.lm_head.begin() + vb * row, p.lm_head.begin() + ve * row);
-  auto gemm = kernels::LmHeadGemm::Create(p.dtype, std::move(slice), ve - vb, p.H, /*threads=*/1);
-  EXPECT_TRUE(gemm.ok()) << gemm.status();
-  return std::make_unique<CpuBackend>(gemm.ok() ? std::move(*gemm) : nullptr);
+  auto loaded = rb.backend->LoadLmHead(LmHeadSlice{p.dtype, std::move(slice), ve - vb, p.H}, LmHeadPrecision::kAuto);
+  EXPECT_TRUE(loaded.ok()) << loaded.status();
+  if (loaded.ok()) rb.lm_head = *std::move(loaded);
+  return rb;
 }
 
 /// The one-pass contract (ScoringBackend::HiddenItemPartials) on the host,
@@ -234,22 +240,23 @@ class HostOnePassBackend final : public ScoringBackend {
                                    const SamplingFilter& f, uint32_t* out) override {
     return inner_->FilteredRowPartials(b, r, s, f, out);
   }
-  bool has_lm_head() const override { return inner_->has_lm_head(); }
-  int64_t lm_head_rows() const override { return inner_->lm_head_rows(); }
-  int64_t lm_head_hidden_size() const override { return inner_->lm_head_hidden_size(); }
-  absl::Status HiddenPartials(DType d, const void* h, int64_t vb, const BlockRows& r, const kernels::StatsSpec& s,
-                              uint32_t* out) override {
-    return inner_->HiddenPartials(d, h, vb, r, s, out);
+  absl::StatusOr<std::shared_ptr<const LmHeadWeights>> LoadLmHead(LmHeadSlice slice,
+                                                                  LmHeadPrecision precision) override {
+    return inner_->LoadLmHead(std::move(slice), precision);
   }
-  absl::Status HiddenLogits(DType d, const void* h, int64_t M, float* out) override {
-    return inner_->HiddenLogits(d, h, M, out);
+  absl::Status HiddenPartials(const LmHeadWeights& w, DType d, const void* h, int64_t vb, const BlockRows& r,
+                              const kernels::StatsSpec& s, uint32_t* out) override {
+    return inner_->HiddenPartials(w, d, h, vb, r, s, out);
+  }
+  absl::Status HiddenLogits(const LmHeadWeights& w, DType d, const void* h, int64_t M, float* out) override {
+    return inner_->HiddenLogits(w, d, h, M, out);
   }
   bool OnePassHidden(const Communicator&) const override { return true; }
-  absl::Status HiddenItemPartials(const HiddenItemRows& item, Communicator& comm, const kernels::StatsSpec& spec,
-                                  uint32_t* own_records) override {
+  absl::Status HiddenItemPartials(const LmHeadWeights& lm_head, const HiddenItemRows& item, Communicator& comm,
+                                  const kernels::StatsSpec& spec, uint32_t* own_records) override {
     ++one_pass_calls;
     const int W = comm.size(), me = comm.rank();
-    const size_t row = static_cast<size_t>(lm_head_hidden_size()) * DTypeSize(item.dtype);
+    const size_t row = static_cast<size_t>(lm_head.hidden_size()) * DTypeSize(item.dtype);
     const size_t words = kernels::PartialWords(spec);
     int64_t slot = 0;
     for (int64_t c : item.count) slot = std::max(slot, c);
@@ -259,8 +266,8 @@ class HostOnePassBackend final : public ScoringBackend {
     for (int q = 0; q < W; ++q)
       packed.insert(packed.end(), all.begin() + q * slot * row, all.begin() + (q * slot + item.count[q]) * row);
     std::vector<uint32_t> records(static_cast<size_t>(item.rows.count) * words);
-    if (absl::Status st =
-            inner_->HiddenPartials(item.dtype, packed.data(), item.vocab_begin, item.rows, spec, records.data());
+    if (absl::Status st = inner_->HiddenPartials(lm_head, item.dtype, packed.data(), item.vocab_begin, item.rows, spec,
+                                                 records.data());
         !st.ok())
       return st;
     std::vector<int64_t> send(W), recv(W);
@@ -289,7 +296,8 @@ std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, Layout layout
   for (int r = 0; r < W; ++r) {
     threads.emplace_back([&, r] {
       const WorkItem item = ItemFor(p, layout, W, r);
-      std::unique_ptr<ScoringBackend> backend = BackendFor(p, W, r);
+      RankBackend rb = BackendFor(p, W, r);
+      std::unique_ptr<ScoringBackend> backend = std::move(rb.backend);
       if (one_pass) backend = std::make_unique<HostOnePassBackend>(std::move(backend));
       InProcessCommunicator comm(group, r);
       std::function<bool()> stop;
@@ -297,7 +305,7 @@ std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, Layout layout
       // Token-parallel items run alone in the worker (SelfCommunicator).
       SelfCommunicator self;
       Communicator& c = layout == internal::v1::TOKEN_PARALLEL ? static_cast<Communicator&>(self) : comm;
-      results[r] = ScoreWorkItem(item, c, *backend, hidden_chunk_tokens, stop);
+      results[r] = ScoreWorkItem(item, c, *backend, hidden_chunk_tokens, stop, rb.lm_head.get());
       if (!results[r].ok()) group.Abort();
       if (one_pass && layout == internal::v1::HIDDEN_STATES && p.options.sampling_top_k() == 0 &&
           !p.options.has_sampling_top_p()) {
@@ -615,12 +623,16 @@ TEST(Scorer, HiddenStatesWithSamplingFiltersKeepTheirRoundsOnAOnePassBackend) {
 TEST(Scorer, DevicePayloadNeedsAOnePassBackend) {
   const Problem p = HiddenProblem(8, 64, 32, /*filters=*/false, 23);
   const WorkItem item = ItemFor(p, internal::v1::HIDDEN_STATES, 1, 0);
-  auto backend = BackendFor(p, 1, 0);
+  RankBackend rb = BackendFor(p, 1, 0);
   SelfCommunicator self;
-  const auto res = ScoreWorkItem(item, ItemPayload(item.data(), /*device=*/true), self, *backend, 16, {});
+  const auto res =
+      ScoreWorkItem(item, ItemPayload(item.data(), /*device=*/true), self, *rb.backend, 16, {}, rb.lm_head.get());
   EXPECT_EQ(res.status().code(), absl::StatusCode::kFailedPrecondition) << res.status();
+  // Without the item's lm_head version: FAILED_PRECONDITION naming it.
+  const auto none = ScoreWorkItem(item, self, *rb.backend, 16, {}, nullptr);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition) << none.status();
   const WorkItem logits = ItemFor(LogitsProblem(v1::F32, 4, 16, false, 2), internal::v1::TOKEN_PARALLEL, 1, 0);
-  const auto bad = ScoreWorkItem(logits, ItemPayload(logits.data(), /*device=*/true), self, *backend, 16, {});
+  const auto bad = ScoreWorkItem(logits, ItemPayload(logits.data(), /*device=*/true), self, *rb.backend, 16, {});
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
 }
 

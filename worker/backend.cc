@@ -4,8 +4,8 @@
 
 namespace logprob {
 
-absl::Status ScoringBackend::HiddenItemPartials(const HiddenItemRows&, Communicator&, const kernels::StatsSpec&,
-                                                uint32_t*) {
+absl::Status ScoringBackend::HiddenItemPartials(const LmHeadWeights&, const HiddenItemRows&, Communicator&,
+                                                const kernels::StatsSpec&, uint32_t*) {
   return absl::UnimplementedError(
       absl::StrCat("work item: the ", name(), " backend scores hidden states in rounds, not in one pass"));
 }

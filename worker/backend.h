@@ -31,7 +31,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/lm_head_precision.h"
 #include "worker/communicator.h"
 #include "worker/kernels/row_stats.h"
 
@@ -70,6 +72,27 @@ struct LmHeadSlice {
   int64_t rows = 0, hidden_size = 0;
 };
 
+/// One lm_head vocabulary slice loaded into a backend (ScoringBackend::
+/// LoadLmHead), in the form its GEMM multiplies by: oneDNN-ready host
+/// memory on the CPU, device memory on a GPU. Immutable after loading;
+/// a worker holds one per servable (head, version) and hands the one a work
+/// item names to the hidden-states calls. Freed when the last holder (the
+/// worker's LmHeadRegistry, an item that is scoring) lets it go.
+class LmHeadWeights {
+ public:
+  virtual ~LmHeadWeights() = default;
+  int64_t rows() const { return rows_; }                // N: the vocabulary slice's length
+  int64_t hidden_size() const { return hidden_size_; }  // H
+  /// Bytes the backend holds for it (host or device).
+  virtual size_t bytes() const = 0;
+
+ protected:
+  LmHeadWeights(int64_t rows, int64_t hidden_size) : rows_(rows), hidden_size_(hidden_size) {}
+
+ private:
+  const int64_t rows_, hidden_size_;
+};
+
 /// A whole HIDDEN_STATES work item as one rank sees it, for a backend that
 /// scores it in one pass (ScoringBackend::HiddenItemPartials). The item's
 /// rows are split over the W ranks in rank order: rank q holds item rows
@@ -88,10 +111,11 @@ struct HiddenItemRows {
 /// client's CUDA IPC allocation); unmapped when the last copy goes.
 using DevicePayload = std::shared_ptr<const char>;
 
-/// The error of a hidden-states call on a worker without an lm_head
-/// (FAILED_PRECONDITION).
-inline absl::Status NoLmHeadError() {
-  return absl::FailedPreconditionError("work item: hidden states sent to a worker without an lm_head");
+/// The error of a hidden-states item naming an lm_head version the worker
+/// does not hold (FAILED_PRECONDITION).
+inline absl::Status NoLmHeadError(const std::string& head, const std::string& version) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("work item: this worker holds no lm_head '", head, "' version '", version, "'"));
 }
 
 /// Produces packed partial records (kernels::PartialWords(spec) uint32
@@ -124,24 +148,28 @@ class ScoringBackend {
   /// Reported per work item (metric logprob_gpu_memory_bytes).
   virtual int64_t device_memory_bytes() const { return 0; }
 
-  /// True when the backend holds this rank's lm_head slice.
-  virtual bool has_lm_head() const = 0;
-  /// lm_head slice rows (N, the vocabulary slice length) and H; 0 without one.
-  virtual int64_t lm_head_rows() const = 0;
-  virtual int64_t lm_head_hidden_size() const = 0;
+  /// Loads an lm_head slice (its weight is moved from) for the hidden-states
+  /// calls below: the GEMM's operands in `precision`
+  /// (common/lm_head_precision.h), uploaded to the device on a GPU.
+  /// INVALID_ARGUMENT for a bad slice (kernels::CheckLmHeadWeight);
+  /// RESOURCE_EXHAUSTED / INTERNAL when the memory cannot be had.
+  /// Thread-safe; may run while items are scored.
+  virtual absl::StatusOr<std::shared_ptr<const LmHeadWeights>> LoadLmHead(LmHeadSlice slice,
+                                                                          LmHeadPrecision precision) = 0;
 
   /// Fused hidden-states path: records of rows.count hidden-state rows
   /// `hidden` ([rows.count, H] of `hidden_dtype`, host memory) times the
-  /// lm_head slice, whose first column is global id `vocab_begin`. The
-  /// logits exist only inside the backend, a chunk at a time.
-  /// FAILED_PRECONDITION without an lm_head.
-  virtual absl::Status HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin,
-                                      const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) = 0;
+  /// lm_head slice `lm_head` (LoadLmHead of this backend), whose first
+  /// column is global id `vocab_begin`. The logits exist only inside the
+  /// backend, a chunk at a time.
+  virtual absl::Status HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden,
+                                      int64_t vocab_begin, const BlockRows& rows, const kernels::StatsSpec& spec,
+                                      uint32_t* records) = 0;
 
-  /// logits[M, lm_head_rows()] (f32, host memory) = hidden[M, H] @ slice^T,
+  /// logits[M, lm_head.rows()] (f32, host memory) = hidden[M, H] @ slice^T,
   /// for the filtered hidden-states path, which exchanges full rows.
-  /// FAILED_PRECONDITION without an lm_head.
-  virtual absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) = 0;
+  virtual absl::Status HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
+                                    float* logits) = 0;
 
   /// True when HiddenItemPartials scores a HIDDEN_STATES item over `comm`
   /// in one pass (the CUDA backend with W == 1 or device collectives);
@@ -157,10 +185,10 @@ class ScoringBackend {
   /// this rank's count[rank] rows, the records of every rank's vocabulary
   /// slice: [W][count[rank]][words], rank-major, as one all-to-all of the
   /// round path delivers them. Every rank calls it with the same item.
-  /// UNIMPLEMENTED when OnePassHidden(comm) is false; FAILED_PRECONDITION
-  /// without an lm_head; INVALID_ARGUMENT for an inconsistent item;
-  /// UNAVAILABLE / DEADLINE_EXCEEDED when a collective fails.
-  virtual absl::Status HiddenItemPartials(const HiddenItemRows& item, Communicator& comm,
+  /// UNIMPLEMENTED when OnePassHidden(comm) is false; INVALID_ARGUMENT for
+  /// an inconsistent item; UNAVAILABLE / DEADLINE_EXCEEDED when a
+  /// collective fails.
+  virtual absl::Status HiddenItemPartials(const LmHeadWeights& lm_head, const HiddenItemRows& item, Communicator& comm,
                                           const kernels::StatsSpec& spec, uint32_t* own_records);
 
   /// Host memory the backend may read from directly until

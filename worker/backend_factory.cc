@@ -17,19 +17,11 @@ namespace logprob {
 absl::StatusOr<std::unique_ptr<ScoringBackend>> MakeBackend(const BackendConfig& config) {
   LOGPROB_RETURN_IF_ERROR(CheckBackendChoice(config.backend, "gloo"));
   if (config.backend == "cpu") {
-    std::unique_ptr<kernels::LmHeadGemm> gemm;
-    if (config.lm_head) {
-      LmHeadSlice& s = *config.lm_head;
-      LOGPROB_ASSIGN_OR_RETURN(gemm, kernels::LmHeadGemm::Create(s.dtype, std::move(s.weight), s.rows, s.hidden_size,
-                                                                 config.threads, config.lm_head_precision));
-    }
-    return std::unique_ptr<ScoringBackend>(new CpuBackend(std::move(gemm)));
+    return std::unique_ptr<ScoringBackend>(new CpuBackend(config.threads));
   }
 #ifdef LOGPROB_HAVE_CUDA
   LOGPROB_ASSIGN_OR_RETURN(const int device, cuda::SelectDevice(config.device, config.rank));
-  cuda::CudaBackend::Options options;
-  options.lm_head_precision = config.lm_head_precision;
-  LOGPROB_ASSIGN_OR_RETURN(auto b, cuda::CudaBackend::Create(device, config.lm_head, options));
+  LOGPROB_ASSIGN_OR_RETURN(auto b, cuda::CudaBackend::Create(device, cuda::CudaBackend::Options()));
   return std::unique_ptr<ScoringBackend>(std::move(b));
 #else
   return absl::InternalError("unreachable: CheckBackendChoice accepted cuda in a build without CUDA");

@@ -18,15 +18,14 @@ namespace logprob {
 struct BackendConfig {
   std::string backend = "cpu";  // cpu | cuda
   int rank = 0;
-  int device = -1;                 // cuda: CUDA device; -1: rank % device count (several workers may share one GPU)
-  int threads = 0;                 // cpu: GEMM threads (0: library default)
-  LmHeadSlice* lm_head = nullptr;  // this rank's lm_head slice, or null; its weight is moved from
-  LmHeadPrecision lm_head_precision = LmHeadPrecision::kAuto;  // operands of its GEMM (common/lm_head_precision.h)
+  int device = -1;  // cuda: CUDA device; -1: rank % device count (several workers may share one GPU)
+  int threads = 0;  // cpu: GEMM threads (0: library default)
 };
 
 /// The backend named in `config`. INVALID_ARGUMENT for an unknown or
 /// unbuilt backend (CheckBackendChoice's message); FAILED_PRECONDITION for
-/// cuda without a usable device; errors of the lm_head upload / GEMM setup.
+/// cuda without a usable device or CUDA / cuBLASLt set-up errors.
+/// lm_heads are loaded afterwards (ScoringBackend::LoadLmHead).
 absl::StatusOr<std::unique_ptr<ScoringBackend>> MakeBackend(const BackendConfig& config);
 
 /// The communicator `comm` (gloo | nccl) of rank `rank` of `size`,

@@ -43,17 +43,24 @@ absl::Status CpuBackend::FilteredRowPartials(const LogitsBlock& block, const Blo
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin,
-                                        const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) {
-  if (!lm_head_) return NoLmHeadError();
-  std::vector<float> logits(static_cast<size_t>(rows.count * lm_head_->rows()));
-  LOGPROB_RETURN_IF_ERROR(HiddenLogits(hidden_dtype, hidden, rows.count, logits.data()));
-  return SlicePartials(LogitsBlock{v1::F32, logits.data(), vocab_begin, lm_head_->rows()}, rows, spec, records);
+absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CpuBackend::LoadLmHead(LmHeadSlice slice,
+                                                                            LmHeadPrecision precision) {
+  LOGPROB_ASSIGN_OR_RETURN(auto gemm, kernels::LmHeadGemm::Create(slice.dtype, std::move(slice.weight), slice.rows,
+                                                                  slice.hidden_size, threads_, precision));
+  return std::shared_ptr<const LmHeadWeights>(std::make_shared<CpuLmHead>(std::move(gemm)));
 }
 
-absl::Status CpuBackend::HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) {
-  if (!lm_head_) return NoLmHeadError();
-  return lm_head_->Compute(hidden_dtype, hidden, M, logits);
+absl::Status CpuBackend::HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden,
+                                        int64_t vocab_begin, const BlockRows& rows, const kernels::StatsSpec& spec,
+                                        uint32_t* records) {
+  std::vector<float> logits(static_cast<size_t>(rows.count * lm_head.rows()));
+  LOGPROB_RETURN_IF_ERROR(HiddenLogits(lm_head, hidden_dtype, hidden, rows.count, logits.data()));
+  return SlicePartials(LogitsBlock{v1::F32, logits.data(), vocab_begin, lm_head.rows()}, rows, spec, records);
+}
+
+absl::Status CpuBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
+                                      float* logits) {
+  return static_cast<const CpuLmHead&>(lm_head).gemm().Compute(hidden_dtype, hidden, M, logits);
 }
 
 }  // namespace logprob

@@ -9,28 +9,40 @@
 
 namespace logprob {
 
+/// An lm_head slice for the CPU backend: the oneDNN GEMM holding it.
+class CpuLmHead final : public LmHeadWeights {
+ public:
+  explicit CpuLmHead(std::unique_ptr<kernels::LmHeadGemm> gemm)
+      : LmHeadWeights(gemm->rows(), gemm->hidden_size()), gemm_(std::move(gemm)) {}
+  size_t bytes() const override { return gemm_->weight_bytes(); }
+  kernels::LmHeadGemm& gemm() const { return *gemm_; }
+
+ private:
+  std::unique_ptr<kernels::LmHeadGemm> gemm_;
+};
+
 /// CPU implementation of ScoringBackend. Row work is thread-safe (scratch
-/// per call); the lm_head GEMM is used by one call at a time (the worker
+/// per call); an lm_head's GEMM is used by one call at a time (the worker
 /// runs hidden-states items under its collective lock).
 class CpuBackend final : public ScoringBackend {
  public:
-  /// `lm_head` may be null (no hidden-states scoring).
-  explicit CpuBackend(std::unique_ptr<kernels::LmHeadGemm> lm_head = nullptr) : lm_head_(std::move(lm_head)) {}
+  /// `threads`: GEMM threads of the lm_heads it loads (0: library default).
+  explicit CpuBackend(int threads = 0) : threads_(threads) {}
 
   std::string name() const override { return "cpu"; }
   absl::Status SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
                              uint32_t* records) override;
   absl::Status FilteredRowPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
                                    const SamplingFilter& filter, uint32_t* records) override;
-  bool has_lm_head() const override { return lm_head_ != nullptr; }
-  int64_t lm_head_rows() const override { return lm_head_ ? lm_head_->rows() : 0; }
-  int64_t lm_head_hidden_size() const override { return lm_head_ ? lm_head_->hidden_size() : 0; }
-  absl::Status HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin, const BlockRows& rows,
-                              const kernels::StatsSpec& spec, uint32_t* records) override;
-  absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) override;
+  absl::StatusOr<std::shared_ptr<const LmHeadWeights>> LoadLmHead(LmHeadSlice slice,
+                                                                  LmHeadPrecision precision) override;
+  absl::Status HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t vocab_begin,
+                              const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) override;
+  absl::Status HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
+                            float* logits) override;
 
  private:
-  std::unique_ptr<kernels::LmHeadGemm> lm_head_;
+  const int threads_;
 };
 
 }  // namespace logprob

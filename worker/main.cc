@@ -33,13 +33,13 @@
 #include "common/backend_choice.h"
 #include "common/flag_names.h"
 #include "common/lm_head_precision.h"
-#include "common/lm_head_source.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
 #include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend_factory.h"
 #include "worker/control_store.h"
+#include "worker/lm_head_registry.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, frontend, "", "host:port of the front-end's control service (required)");
@@ -100,33 +100,6 @@ std::vector<std::string> g_argv;
 std::string HostPort(const std::string& host, int port) {
   const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
   return absl::StrCat(v6 ? "[" : "", host, v6 ? "]" : "", ":", port);
-}
-
-/// Reads this rank's vocabulary slice of the lm_head named in the join
-/// reply; null when the front-end has no lm_head.
-absl::StatusOr<std::unique_ptr<logprob::LmHeadSlice>> ReadLmHeadSlice(const logprob::internal::v1::JoinReply& joined) {
-  const auto& src = joined.lm_head();
-  if (src.file().empty()) return nullptr;
-  logprob::LmHeadSource source;
-  source.file = src.file();
-  source.tensor = src.tensor();
-  source.dtype = src.dtype();
-  source.vocab_size = src.vocab_size();
-  source.hidden_size = src.hidden_size();
-  source.data_offset = src.data_offset();
-  const auto [vb, ve] = logprob::SplitRange(source.vocab_size, joined.world_size(), joined.rank());
-  const auto t0 = std::chrono::steady_clock::now();
-  auto slice = std::make_unique<logprob::LmHeadSlice>();
-  slice->dtype = source.dtype;
-  slice->rows = ve - vb;
-  slice->hidden_size = source.hidden_size;
-  slice->weight.resize(static_cast<size_t>((ve - vb) * source.hidden_size) * logprob::DTypeSize(source.dtype));
-  LOGPROB_RETURN_IF_ERROR(logprob::ReadLmHeadRows(source, vb, ve, slice->weight.data()));
-  std::cerr << "logprob-worker: rank " << joined.rank() << " read " << source.tensor << " rows [" << vb << ", " << ve
-            << ") x " << source.hidden_size << " " << logprob::DTypeName(source.dtype) << " from " << source.file
-            << " (" << (slice->weight.size() >> 20) << " MiB) in "
-            << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s" << std::endl;
-  return slice;
 }
 
 /// The front-end's choice for a flag the worker may also be given: an
@@ -251,19 +224,21 @@ int main(int argc, char** argv) {
   if (!precision.ok()) EndMembership("front-end: " + std::string(precision.status().message()), false, 1);
   if (auto st = logprob::CheckBackendChoice(backend_name, comm_name); !st.ok())
     EndMembership(std::string(st.message()), false, 1);
-  auto lm_head = ReadLmHeadSlice(joined);
-  if (!lm_head.ok()) EndMembership("lm_head: " + std::string(lm_head.status().message()), false, 1);
   logprob::BackendConfig backend_config;
   backend_config.backend = backend_name;
   backend_config.rank = rank;
   backend_config.device = absl::GetFlag(FLAGS_device);
   backend_config.threads = absl::GetFlag(FLAGS_threads) >= 0 ? absl::GetFlag(FLAGS_threads) : joined.threads();
-  backend_config.lm_head = lm_head->get();
-  backend_config.lm_head_precision = *precision;
   auto backend = logprob::MakeBackend(backend_config);
   if (!backend.ok())
     EndMembership("--backend " + backend_name + ": " + std::string(backend.status().message()), false, 1);
-  lm_head->reset();  // the backend holds (or has uploaded) the weights
+  // Every lm_head version the front-end serves (or still has requests for).
+  auto lm_heads = std::make_unique<logprob::LmHeadRegistry>(**backend, *precision, rank, world);
+  for (const auto& load : joined.lm_heads())
+    if (auto loaded = lm_heads->Load(load); !loaded.ok())
+      EndMembership("lm_head " + load.head().name() + " version " + load.head().version() + ": " +
+                        std::string(loaded.status().message()),
+                    false, 1);
   logprob::ControlStore store(control, joined.store_prefix());
   auto comm = logprob::MakeCommunicator(comm_name, **backend, store, advertise_host, rank, world,
                                         std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout)));
@@ -271,7 +246,8 @@ int main(int argc, char** argv) {
   std::cerr << "logprob-worker: rank " << rank << " backend " << backend_name << ", comm " << comm_name
             << ", lm_head precision " << precision_name << std::endl;
 
-  logprob::WorkerService service(std::move(*comm), std::move(*backend), joined.hidden_chunk_tokens());
+  logprob::WorkerService service(std::move(*comm), std::move(*backend), std::move(lm_heads),
+                                 joined.hidden_chunk_tokens());
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(HostPort(listen_host, 0), grpc::InsecureServerCredentials(), &port);

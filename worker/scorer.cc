@@ -72,6 +72,7 @@ struct Job {
   SamplingFilter filter;
   ScoringBackend& backend;
   const std::function<bool()>& should_stop;
+  const LmHeadWeights* lm_head;  // HIDDEN_STATES: the item's lm_head slice
   std::vector<uint32_t> records;
 
   /// Rows [row0, row0 + count) of the item, contiguous in its arrays.
@@ -260,7 +261,7 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
   const int64_t n = item.num_rows(), H = item.hidden_size();
   const size_t hrow = static_cast<size_t>(H) * DTypeSize(item.dtype());
   const int64_t most = SplitRange(n, W, 0).second;  // rows of the largest share
-  const int64_t per_round = std::max<int64_t>(1, chunk_tokens), N = job.backend.lm_head_rows();
+  const int64_t per_round = std::max<int64_t>(1, chunk_tokens), N = job.lm_head->rows();
   std::vector<char> send, gathered;
   std::vector<float> logits;
   std::vector<uint32_t> records;
@@ -285,14 +286,15 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
     }
     if (job.filters) {
       logits.resize(static_cast<size_t>(packed * N));
-      LOGPROB_RETURN_IF_ERROR(job.backend.HiddenLogits(item.dtype(), gathered.data(), packed, logits.data()));
+      LOGPROB_RETURN_IF_ERROR(
+          job.backend.HiddenLogits(*job.lm_head, item.dtype(), gathered.data(), packed, logits.data()));
       const RoundSlice slice{v1::F32, reinterpret_cast<const char*>(logits.data()), item.vocab_begin(), N};
       LOGPROB_RETURN_IF_ERROR(ExchangeFullRows(job, comm, rows, slice, own_begin, out));
     } else {
       const RoundIds ids(job, rows);
       records.resize(static_cast<size_t>(packed) * kernels::PartialWords(job.spec));
-      LOGPROB_RETURN_IF_ERROR(job.backend.HiddenPartials(item.dtype(), gathered.data(), item.vocab_begin(), ids.rows(),
-                                                         job.spec, records.data()));
+      LOGPROB_RETURN_IF_ERROR(job.backend.HiddenPartials(*job.lm_head, item.dtype(), gathered.data(),
+                                                         item.vocab_begin(), ids.rows(), job.spec, records.data()));
       LOGPROB_RETURN_IF_ERROR(ExchangePartials(job, comm, rows, records, own_begin, out));
     }
   }
@@ -319,7 +321,7 @@ absl::Status ScoreHiddenOnePass(Job& job, Communicator& comm, bool on_device, in
   h.rows = job.Range(0, item.num_rows());
   const int64_t mine = h.count[me];
   std::vector<uint32_t> recv(static_cast<size_t>(W * mine) * kernels::PartialWords(job.spec));
-  LOGPROB_RETURN_IF_ERROR(job.backend.HiddenItemPartials(h, comm, job.spec, recv.data()));
+  LOGPROB_RETURN_IF_ERROR(job.backend.HiddenItemPartials(*job.lm_head, h, comm, job.spec, recv.data()));
   CombineOwnRows(job, W, h.first[me], mine, recv.data(), own_begin, out);
   return absl::OkStatus();
 }
@@ -327,13 +329,14 @@ absl::Status ScoreHiddenOnePass(Job& job, Communicator& comm, bool on_device, in
 }  // namespace
 
 absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, Communicator& comm, ScoringBackend& backend,
-                                         int64_t hidden_chunk_tokens, const std::function<bool()>& should_stop) {
-  return ScoreWorkItem(item, std::string_view(item.data()), comm, backend, hidden_chunk_tokens, should_stop);
+                                         int64_t hidden_chunk_tokens, const std::function<bool()>& should_stop,
+                                         const LmHeadWeights* lm_head) {
+  return ScoreWorkItem(item, std::string_view(item.data()), comm, backend, hidden_chunk_tokens, should_stop, lm_head);
 }
 
 absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_payload, Communicator& comm,
                                          ScoringBackend& backend, int64_t hidden_chunk_tokens,
-                                         const std::function<bool()>& should_stop) {
+                                         const std::function<bool()>& should_stop, const LmHeadWeights* lm_head) {
   const std::string_view payload = item_payload.bytes;
   const auto t0 = std::chrono::steady_clock::now();
   const auto& o = item.options();
@@ -343,7 +346,8 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_
           HasFilters(item),
           SamplingFilter{o.sampling_top_k(), o.has_sampling_top_p() ? o.sampling_top_p() : 1.0f},
           backend,
-          should_stop};
+          should_stop,
+          lm_head};
   const DType dtype = item.dtype();
   if (item_payload.on_device && item.layout() != internal::v1::HIDDEN_STATES)
     return absl::InvalidArgumentError("work item: only hidden states may be passed in device memory");
@@ -374,11 +378,11 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_
     const auto [own_begin, own_end] = SplitRange(n, comm.size(), comm.rank());
     ResultRows rows(job.spec, own_begin, own_end, &res);
     if (item.layout() == internal::v1::HIDDEN_STATES) {
-      if (!backend.has_lm_head()) return NoLmHeadError();
-      if (backend.lm_head_rows() != slice_len || backend.lm_head_hidden_size() != item.hidden_size())
-        return absl::InvalidArgumentError(absl::StrCat("work item: lm_head slice is [", backend.lm_head_rows(), ", ",
-                                                       backend.lm_head_hidden_size(), "], item wants [", slice_len,
-                                                       ", ", item.hidden_size(), "]"));
+      if (!lm_head) return NoLmHeadError(item.lm_head().name(), item.lm_head().version());
+      if (lm_head->rows() != slice_len || lm_head->hidden_size() != item.hidden_size())
+        return absl::InvalidArgumentError(absl::StrCat("work item: lm_head slice is [", lm_head->rows(), ", ",
+                                                       lm_head->hidden_size(), "], item wants [", slice_len, ", ",
+                                                       item.hidden_size(), "]"));
       if (static_cast<int64_t>(payload.size()) !=
           (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: hidden_states size does not match this rank's rows");

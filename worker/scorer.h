@@ -34,7 +34,9 @@ constexpr int64_t kDefaultHiddenChunkTokens = 128;
 ///   item on its device (CUDA), and this rank combines its rows' records.
 /// `backend` computes the packed partial records of every block of rows.
 /// All ranks must call this with items of the same job in the same order.
-/// FAILED_PRECONDITION for a HIDDEN_STATES item on a backend without an lm_head.
+/// `lm_head`: for HIDDEN_STATES items, this rank's slice of the lm_head
+/// version the item names (LmHeadRegistry::Find); FAILED_PRECONDITION for
+/// a HIDDEN_STATES item without one.
 /// `should_stop` (optional; all ranks must pass one or none) is polled
 /// between chunks; collective layouts agree on it with one 1-byte
 /// all-gather per chunk so every rank stops after the same chunk.
@@ -44,7 +46,8 @@ constexpr int64_t kDefaultHiddenChunkTokens = 128;
 absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item, Communicator& comm,
                                                        ScoringBackend& backend,
                                                        int64_t hidden_chunk_tokens = kDefaultHiddenChunkTokens,
-                                                       const std::function<bool()>& should_stop = {});
+                                                       const std::function<bool()>& should_stop = {},
+                                                       const LmHeadWeights* lm_head = nullptr);
 
 /// Where an item's payload is: host bytes, or (a CUDA IPC input) device
 /// memory of the backend's GPU, which only a backend with
@@ -61,6 +64,7 @@ struct ItemPayload {
 absl::StatusOr<internal::v1::WorkResult> ScoreWorkItem(const internal::v1::WorkItem& item, ItemPayload payload,
                                                        Communicator& comm, ScoringBackend& backend,
                                                        int64_t hidden_chunk_tokens,
-                                                       const std::function<bool()>& should_stop);
+                                                       const std::function<bool()>& should_stop,
+                                                       const LmHeadWeights* lm_head = nullptr);
 
 }  // namespace logprob

@@ -1,5 +1,7 @@
 #include "worker/worker_service.h"
 
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "worker/scorer.h"
@@ -48,6 +50,12 @@ grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::Wo
   DevicePayload device;
   const absl::StatusOr<ItemPayload> payload = OpenPayload(*item, &region, &device);
   const bool ipc = item->has_cuda_ipc();
+  // Hidden states: the lm_head version the item names, alive until it ends.
+  std::shared_ptr<const LmHeadWeights> lm_head;
+  if (item->layout() == internal::v1::HIDDEN_STATES) {
+    lm_head = lm_heads_->Find(item->lm_head());
+    if (!lm_head) return ToGrpc(NoLmHeadError(item->lm_head().name(), item->lm_head().version()));
+  }
   absl::StatusOr<internal::v1::WorkResult> res;
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     absl::MutexLock lock(&collective_mu_);
@@ -57,12 +65,12 @@ grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::Wo
     } else if (!payload.ok()) {
       return ToGrpc(payload.status());
     }
-    res = ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled);
+    res = ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get());
     if (res.ok()) res->set_collective_seconds(timed.seconds());
   } else {
     if (!payload.ok()) return ToGrpc(payload.status());
     SelfCommunicator self;
-    res = ScoreWorkItem(*item, *payload, self, *backend_, chunk_tokens_, cancelled);
+    res = ScoreWorkItem(*item, *payload, self, *backend_, chunk_tokens_, cancelled, lm_head.get());
   }
   if (!res.ok()) return ToGrpc(res.status());
   res->set_device_memory_bytes(backend_->device_memory_bytes());
@@ -74,6 +82,22 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const internal::v1::Worke
                                  internal::v1::WorkerInfoReply* reply) {
   reply->set_rank(comm_->rank());
   reply->set_world_size(comm_->size());
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::LoadLmHead(grpc::ServerContext*, const internal::v1::LmHeadLoad* req,
+                                       internal::v1::LoadLmHeadReply* reply) {
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<int64_t> bytes = lm_heads_->Load(*req);
+  if (!bytes.ok()) return ToGrpc(bytes.status());
+  reply->set_bytes(*bytes);
+  reply->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::DropLmHead(grpc::ServerContext*, const internal::v1::LmHeadRef* req,
+                                       internal::v1::DropLmHeadReply* reply) {
+  reply->set_dropped(lm_heads_->Drop(*req));
   return grpc::Status::OK;
 }
 

@@ -7,12 +7,14 @@
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend.h"
 #include "worker/communicator.h"
+#include "worker/lm_head_registry.h"
 #include "worker/payload_regions.h"
 #include "worker/scorer.h"
 
 namespace logprob {
 
-/// Serves Run (score a WorkItem) and Info. Vocab-parallel and
+/// Serves Run (score a WorkItem), Info, and LoadLmHead / DropLmHead (the
+/// lm_head versions of `lm_heads`, which hidden-states items name). Vocab-parallel and
 /// hidden-states items use the communicator and run one at a time (the
 /// front-end sends them in the same order to every rank); token-parallel
 /// items run concurrently. A HIDDEN_STATES item from a CUDA IPC input
@@ -20,18 +22,24 @@ namespace logprob {
 /// agree that all of them mapped it before scoring.
 class WorkerService final : public internal::v1::Worker::Service {
  public:
-  /// `backend` computes every item (and holds this rank's lm_head slice,
-  /// if any); `chunk_tokens`: hidden-states rows per rank per round.
+  /// `backend` computes every item; `lm_heads` (loaded into `backend`,
+  /// which must outlive it) holds the lm_head slices hidden-states items
+  /// name; `chunk_tokens`: hidden-states rows per rank per round.
   WorkerService(std::unique_ptr<Communicator> comm, std::unique_ptr<ScoringBackend> backend,
-                int64_t chunk_tokens = kDefaultHiddenChunkTokens)
+                std::unique_ptr<LmHeadRegistry> lm_heads, int64_t chunk_tokens = kDefaultHiddenChunkTokens)
       : backend_(std::move(backend)),
         comm_(std::move(comm)),
+        lm_heads_(std::move(lm_heads)),
         chunk_tokens_(chunk_tokens),
         payload_regions_(8, backend_.get()) {}
   grpc::Status Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                    internal::v1::WorkResult* result) override;
   grpc::Status Info(grpc::ServerContext* ctx, const internal::v1::WorkerInfoRequest* req,
                     internal::v1::WorkerInfoReply* reply) override;
+  grpc::Status LoadLmHead(grpc::ServerContext* ctx, const internal::v1::LmHeadLoad* req,
+                          internal::v1::LoadLmHeadReply* reply) override;
+  grpc::Status DropLmHead(grpc::ServerContext* ctx, const internal::v1::LmHeadRef* req,
+                          internal::v1::DropLmHeadReply* reply) override;
 
  private:
   /// The payload of `item`: its bytes field, its range of the front-end's
@@ -45,6 +53,7 @@ class WorkerService final : public internal::v1::Worker::Service {
   // The communicator may use the backend's stream (NCCL): it goes first.
   std::unique_ptr<ScoringBackend> backend_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<LmHeadRegistry> lm_heads_;
   int64_t chunk_tokens_;
   absl::Mutex collective_mu_;  // one work item's collective sequence at a time
   // Declared after backend_: unmapped (and unregistered from it) first.

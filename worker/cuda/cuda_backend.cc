@@ -51,8 +51,7 @@ int64_t RoundUp16(int64_t x) { return (x + 15) / 16 * 16; }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, const LmHeadSlice* lm_head,
-                                                                 const Options& options) {
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, const Options& options) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
     return absl::FailedPreconditionError("--backend cuda: no usable CUDA device (cudaGetDeviceCount found none)");
@@ -72,15 +71,18 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, con
     LOGPROB_RETURN_IF_ERROR(b->gemm_done_[i].Create());
     LOGPROB_RETURN_IF_ERROR(b->stats_done_[i].Create());
   }
-  if (lm_head) {
-    // The GEMM's one algorithm (every M runs it) is chosen for the usual
-    // chunk (GemmChunkRows), at most 4096 rows.
-    const int64_t chunk_rows = std::min<int64_t>(RowsInBudget(b->options_.gemm_chunk_bytes, lm_head->rows), 4096);
-    LOGPROB_ASSIGN_OR_RETURN(
-        b->gemm_, CublasLtLmHead::Create(lm_head->dtype, lm_head->weight.data(), lm_head->weight.size(), lm_head->rows,
-                                         lm_head->hidden_size, options.lm_head_precision, chunk_rows));
-  }
   return b;
+}
+
+absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CudaBackend::LoadLmHead(LmHeadSlice slice,
+                                                                             LmHeadPrecision precision) {
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+  // The GEMM's one algorithm (every M runs it) is chosen for the usual
+  // chunk (GemmChunkRows), at most 4096 rows.
+  const int64_t chunk_rows = std::min<int64_t>(RowsInBudget(options_.gemm_chunk_bytes, slice.rows), 4096);
+  LOGPROB_ASSIGN_OR_RETURN(auto gemm, CublasLtLmHead::Create(slice.dtype, slice.weight.data(), slice.weight.size(),
+                                                             slice.rows, slice.hidden_size, precision, chunk_rows));
+  return std::shared_ptr<const LmHeadWeights>(std::make_shared<CudaLmHead>(std::move(gemm)));
 }
 
 absl::Status CudaBackend::UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec) {
@@ -208,16 +210,17 @@ int64_t CudaBackend::GemmChunkRows(int64_t M) const {
   return std::min(g, M);
 }
 
-absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin,
-                                         const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) {
-  if (!gemm_) return NoLmHeadError();
+absl::Status CudaBackend::HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden,
+                                         int64_t vocab_begin, const BlockRows& rows, const kernels::StatsSpec& spec,
+                                         uint32_t* records) {
   if (rows.count <= 0) return absl::OkStatus();
-  if (lm_head_rows() <= 0) {
+  if (lm_head.rows() <= 0) {
     EmptySliceRecords(rows, vocab_begin, spec, records);
     return absl::OkStatus();
   }
   LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
   absl::MutexLock lock(&mu_);
+  const UsingLmHead using_head(this, lm_head);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
   const size_t raw_row = static_cast<size_t>(gemm_->hidden_size()) * DTypeSize(hidden_dtype);
@@ -232,11 +235,12 @@ absl::Status CudaBackend::HiddenPartials(DType hidden_dtype, const void* hidden,
   return FetchRecords(rows.count, spec, records);
 }
 
-absl::Status CudaBackend::HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) {
-  if (!gemm_) return NoLmHeadError();
+absl::Status CudaBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
+                                       float* logits) {
   if (M <= 0) return absl::OkStatus();
   LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
   absl::MutexLock lock(&mu_);
+  const UsingLmHead using_head(this, lm_head);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   const int64_t N = gemm_->rows(), G = GemmChunkRows(RoundUp16(M));
   const size_t raw_row = static_cast<size_t>(gemm_->hidden_size()) * DTypeSize(hidden_dtype);
@@ -412,16 +416,16 @@ absl::StatusOr<int64_t> CudaBackend::GemmAndStats(const char* hidden, DType dtyp
   return k;
 }
 
-absl::Status CudaBackend::HiddenItemPartials(const HiddenItemRows& item, Communicator& comm,
-                                             const kernels::StatsSpec& spec, uint32_t* own_records) {
-  if (!gemm_) return NoLmHeadError();
+absl::Status CudaBackend::HiddenItemPartials(const LmHeadWeights& lm_head, const HiddenItemRows& item,
+                                             Communicator& comm, const kernels::StatsSpec& spec,
+                                             uint32_t* own_records) {
   if (!OnePassHidden(comm))
     return absl::UnimplementedError("hidden states in one pass need W == 1 or device collectives (NCCL)");
   const int W = comm.size(), me = comm.rank();
   LOGPROB_RETURN_IF_ERROR(CheckItemRows(item, W, me));
   const int64_t n = item.rows.count, mine = item.count[me];
   if (n == 0) return absl::OkStatus();
-  const int64_t H = gemm_->hidden_size();
+  const int64_t H = lm_head.hidden_size();
   const size_t raw_row = static_cast<size_t>(H) * DTypeSize(item.dtype), words = kernels::PartialWords(spec);
   // Every rank's rows sit in a slot of `slot` rows (the largest share,
   // rounded to 16 rows so each slot and GEMM chunk is aligned as the GEMM
@@ -430,6 +434,7 @@ absl::Status CudaBackend::HiddenItemPartials(const HiddenItemRows& item, Communi
   for (int64_t c : item.count) most = std::max(most, c);
   const int64_t slot = RoundUp16(std::max<int64_t>(most, 1));
   absl::MutexLock lock(&mu_);
+  const UsingLmHead using_head(this, lm_head);
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   // Whatever the exit, no copy still reads `item.own` (a client's CUDA IPC
   // allocation is unmapped once this returns).

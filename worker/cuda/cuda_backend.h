@@ -24,6 +24,19 @@ namespace logprob::cuda {
 /// blocks are staged through two pinned buffers so the host copy of one
 /// sub-block and its upload (copy stream) overlap the kernels of the
 /// previous one (compute stream).
+/// An lm_head slice in this backend's device memory: its cuBLASLt GEMM.
+class CudaLmHead final : public LmHeadWeights {
+ public:
+  explicit CudaLmHead(std::unique_ptr<CublasLtLmHead> gemm)
+      : LmHeadWeights(gemm->rows(), gemm->hidden_size()), gemm_(std::move(gemm)) {}
+  size_t bytes() const override { return gemm_->weight_bytes(); }
+  /// Used under the backend's call lock (one GEMM at a time).
+  CublasLtLmHead& gemm() const { return *gemm_; }
+
+ private:
+  std::unique_ptr<CublasLtLmHead> gemm_;
+};
+
 class CudaBackend final : public ScoringBackend {
  public:
   struct Options {
@@ -34,19 +47,13 @@ class CudaBackend final : public ScoringBackend {
     /// max(16, this / (4 N)) rows. Smaller keeps it in L2, larger makes the
     /// GEMM compute-bound.
     size_t gemm_chunk_bytes = size_t{256} << 20;
-    /// Operands of the lm_head GEMM (common/lm_head_precision.h).
-    LmHeadPrecision lm_head_precision = LmHeadPrecision::kAuto;
   };
 
-  /// Uses `device` (made current), uploads `lm_head` (may be null) once.
-  /// FAILED_PRECONDITION without a usable device; INTERNAL for CUDA or
-  /// cuBLASLt failures (e.g. out of memory); INVALID_ARGUMENT for a bad
-  /// lm_head slice.
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device, const LmHeadSlice* lm_head,
-                                                             const Options& options);
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device, const LmHeadSlice* lm_head) {
-    return Create(device, lm_head, Options());
-  }
+  /// Uses `device` (made current); lm_heads come later (LoadLmHead).
+  /// FAILED_PRECONDITION without a usable device; INTERNAL for CUDA
+  /// failures.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device, const Options& options);
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device) { return Create(device, Options()); }
 
   std::string name() const override { return "cuda"; }
   int64_t device_memory_bytes() const override;
@@ -54,17 +61,20 @@ class CudaBackend final : public ScoringBackend {
                              uint32_t* records) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status FilteredRowPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
                                    const SamplingFilter& filter, uint32_t* records) override ABSL_LOCKS_EXCLUDED(mu_);
-  bool has_lm_head() const override { return gemm_ != nullptr; }
-  int64_t lm_head_rows() const override { return gemm_ ? gemm_->rows() : 0; }
-  int64_t lm_head_hidden_size() const override { return gemm_ ? gemm_->hidden_size() : 0; }
-  absl::Status HiddenPartials(DType hidden_dtype, const void* hidden, int64_t vocab_begin, const BlockRows& rows,
-                              const kernels::StatsSpec& spec, uint32_t* records) override ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status HiddenLogits(DType hidden_dtype, const void* hidden, int64_t M, float* logits) override
+  /// Uploads the slice to this device as the cuBLASLt GEMM's operand (one
+  /// algorithm for every M, chosen for the usual chunk). Does not wait for
+  /// the calls in progress.
+  absl::StatusOr<std::shared_ptr<const LmHeadWeights>> LoadLmHead(LmHeadSlice slice,
+                                                                  LmHeadPrecision precision) override;
+  absl::Status HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t vocab_begin,
+                              const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) override
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
+                            float* logits) override ABSL_LOCKS_EXCLUDED(mu_);
   /// One pass needs no host bounce: W == 1, or NCCL's device collectives
   /// (CanScoreInOnePass, the front-end's rule too).
   bool OnePassHidden(const Communicator& comm) const override {
-    return gemm_ != nullptr && CanScoreInOnePass(comm.size(), comm.device_collectives());
+    return CanScoreInOnePass(comm.size(), comm.device_collectives());
   }
   /// The whole item on the device: this rank's rows are uploaded in GEMM
   /// chunks on the copy stream (straight from page-locked or device memory,
@@ -75,8 +85,9 @@ class CudaBackend final : public ScoringBackend {
   /// the device, are exchanged with one device all-to-all; only this rank's
   /// rows' records come back to the host. Every row runs the same GEMM
   /// algorithm and kernels whatever M and its position (batch invariance).
-  absl::Status HiddenItemPartials(const HiddenItemRows& item, Communicator& comm, const kernels::StatsSpec& spec,
-                                  uint32_t* own_records) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status HiddenItemPartials(const LmHeadWeights& lm_head, const HiddenItemRows& item, Communicator& comm,
+                                  const kernels::StatsSpec& spec, uint32_t* own_records) override
+      ABSL_LOCKS_EXCLUDED(mu_);
   /// cudaHostRegister (read-only, portable) of a payload region; failures
   /// are logged once and leave uploads on the staging path.
   void RegisterHostMemory(const void* data, size_t bytes) override ABSL_LOCKS_EXCLUDED(reg_mu_);
@@ -87,15 +98,26 @@ class CudaBackend final : public ScoringBackend {
   int device() const { return device_; }
   /// The compute stream (the NCCL communicator may run its collectives on it).
   cudaStream_t stream() const { return compute_.get(); }
-  /// Device bytes of the lm_head slice (0 without one).
-  size_t lm_head_device_bytes() const { return gemm_ ? gemm_->weight_bytes() : 0; }
 
  private:
   CudaBackend() = default;
   absl::Status LogitsPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
                               const SamplingFilter* filter, uint32_t* records) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int64_t GemmChunkRows(int64_t M) const;
+  /// Points gemm_ at an lm_head's GEMM for one call, made under mu_.
+  class UsingLmHead {
+   public:
+    UsingLmHead(CudaBackend* b, const LmHeadWeights& lm_head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu_) : b_(b) {
+      b_->gemm_ = &static_cast<const CudaLmHead&>(lm_head).gemm();
+    }
+    ~UsingLmHead() ABSL_NO_THREAD_SAFETY_ANALYSIS { b_->gemm_ = nullptr; }
+    UsingLmHead(const UsingLmHead&) = delete;
+    UsingLmHead& operator=(const UsingLmHead&) = delete;
+
+   private:
+    CudaBackend* b_;
+  };
+  int64_t GemmChunkRows(int64_t M) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Points `args` at rows [r0, r0 + n) of the uploaded ids and the records.
   void PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& spec, RowBlockArgs* args) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -130,17 +152,18 @@ class CudaBackend final : public ScoringBackend {
                                        const kernels::StatsSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after Create (the stream and event handles too; the work
-  // queued on them, and gemm_->Compute, happen under mu_).
+  // queued on them, and the GEMMs, happen under mu_).
   int device_ = 0;
   Options options_;
   Stream compute_, copy_, stats_;
   Event copied_[2], computed_[2], gemm_done_[2], stats_done_[2];
-  std::unique_ptr<CublasLtLmHead> gemm_;
 
   /// Serialises the calls: one device, one compute stream, and the
   /// buffers below, which every call reuses.
   absl::Mutex mu_;
   // Guarded by mu_.
+  /// The lm_head of the hidden-states call in progress (its LmHeadWeights).
+  CublasLtLmHead* gemm_ ABSL_GUARDED_BY(mu_) = nullptr;
   PinnedBuffer staging_host_[2] ABSL_GUARDED_BY(mu_);
   PinnedBuffer records_host_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer staging_dev_[2] ABSL_GUARDED_BY(mu_);

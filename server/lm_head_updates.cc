@@ -1,0 +1,509 @@
+#include "server/lm_head_updates.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <random>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/error_reason.h"
+#include "common/lm_head_source.h"
+#include "common/partition.h"
+#include "common/sha256.h"
+#include "common/status_macros.h"
+
+namespace logprob {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kCopyBytes = size_t{16} << 20;  // one read + write of rows
+constexpr size_t kEndedKept = 64;                // ended updates remembered for their error messages
+
+std::string RandomId() {
+  std::random_device rd;
+  static const char* const kHex = "0123456789abcdef";
+  std::string id;
+  for (int i = 0; i < 24; ++i) id += kHex[rd() % 16];
+  return id;
+}
+
+/// The safetensors header of one tensor "lm_head.weight" [V, H] of `dtype`,
+/// with its 8-byte length prefix, padded to a multiple of 8 bytes.
+std::string SafetensorsHeader(DType dtype, int64_t V, int64_t H) {
+  const int64_t bytes = V * H * static_cast<int64_t>(DTypeSize(dtype));
+  std::string json = absl::StrCat("{\"", kLmHeadTensor, "\":{\"dtype\":\"", DTypeName(dtype), "\",\"shape\":[", V, ",",
+                                  H, "],\"data_offsets\":[0,", bytes, "]}}");
+  while ((json.size() + 8) % 8 != 0) json += ' ';
+  std::string out(8, '\0');
+  uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + json;
+}
+
+bool WriteAll(int fd, const char* p, size_t n, uint64_t offset) {
+  while (n > 0) {
+    const ssize_t w = pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+  return true;
+}
+
+bool ReadAll(int fd, char* p, size_t n, uint64_t offset) {
+  while (n > 0) {
+    const ssize_t r = pread(fd, p, n, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+  return true;
+}
+
+/// Rows of a checkpoint's lm_head tensor, read with positioned reads.
+class CheckpointSource final : public InputSource {
+ public:
+  explicit CheckpointSource(LmHeadSource source)
+      : InputSource(InputKind::kFile,
+                    source.vocab_size * source.hidden_size * static_cast<int64_t>(DTypeSize(source.dtype))),
+        source_(std::move(source)),
+        fd_(open(source_.file.c_str(), O_RDONLY | O_CLOEXEC)) {}
+  ~CheckpointSource() override {
+    if (fd_ >= 0) close(fd_);
+  }
+  bool Read(int64_t offset, size_t n, char* dst) const override {
+    if (fd_ >= 0 && ReadAll(fd_, dst, n, source_.data_offset + static_cast<uint64_t>(offset))) return true;
+    std::memset(dst, 0, n);
+    absl::MutexLock lock(&mu_);
+    if (error_.ok())
+      error_ = absl::DataLossError(absl::StrCat("cannot read ", n, " bytes at ", offset, " of ", source_.tensor, " in ",
+                                                source_.file, ": ", fd_ < 0 ? "cannot open it" : "short read"));
+    return false;
+  }
+  absl::Status status() const override {
+    absl::MutexLock lock(&mu_);
+    return error_;
+  }
+
+ private:
+  const LmHeadSource source_;
+  const int fd_;
+  mutable absl::Mutex mu_;
+  mutable absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+/// `path` (relative, under `root`) resolved with every symlink; PERMISSION_DENIED
+/// when it is absolute, has "..", or leads outside `root`.
+absl::StatusOr<std::string> Confined(const std::string& root, const std::string& path, const std::string& field) {
+  if (root.empty())
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, ": file sources are off on this server (start it with --lm-head-update-dir DIR)"));
+  const fs::path rel(path);
+  if (path.empty() || rel.is_absolute())
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, " \"", path, "\": give a path relative to the server's --lm-head-update-dir"));
+  for (const auto& part : rel)
+    if (part == "..") return absl::PermissionDeniedError(absl::StrCat(field, " \"", path, "\": \"..\" is not allowed"));
+  std::error_code ec;
+  const fs::path base = fs::canonical(root, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("--lm-head-update-dir ", root, ": ", ec.message()));
+  const fs::path real = fs::canonical(base / rel, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat(field, " \"", path, "\": ", ec.message()));
+  const std::string b = base.string() + "/", r = real.string();
+  if (r.compare(0, b.size(), b) != 0)
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, " \"", path, "\" leads outside --lm-head-update-dir (through a symlink)"));
+  return r;
+}
+
+}  // namespace
+
+void LmHeadReleases::Push(const LmHeadVersion& version) {
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(version);
+}
+
+std::vector<LmHeadVersion> LmHeadReleases::Take() {
+  absl::MutexLock lock(&mu_);
+  return std::exchange(queue_, {});
+}
+
+struct LmHeadUpdates::Update {
+  std::string id, head, version, expected_sha256;
+  LmHeadVersion next;   // what commits: source.file is the final path
+  std::string partial;  // the file while staged
+  int fd = -1;
+  int64_t row_bytes = 0;
+  std::map<int64_t, int64_t> ranges;  // rows received or being received: begin -> end
+  int64_t rows_received = 0, bytes = 0;
+  int busy = 0;  // PutRows in progress
+  bool committing = false, ended = false;
+  Clock::time_point begun, last_progress;
+
+  ~Update() {
+    if (fd >= 0) close(fd);
+  }
+  v1::LmHeadUpdate Proto() const {
+    v1::LmHeadUpdate p;
+    p.set_update_id(id);
+    p.set_head(head);
+    p.set_version(version);
+    p.set_vocab_size(next.source.vocab_size);
+    p.set_rows_received(rows_received);
+    return p;
+  }
+};
+
+LmHeadUpdates::LmHeadUpdates(Options options, LmHeads* heads, std::shared_ptr<LmHeadReleases> releases,
+                             LmHeadWorkers workers, LmHeadUpdateObservers observers)
+    : options_(std::move(options)),
+      heads_(heads),
+      workers_(std::move(workers)),
+      observers_(std::move(observers)),
+      releases_(std::move(releases)) {
+  loop_ = std::thread([this] { Loop(); });
+}
+
+LmHeadUpdates::~LmHeadUpdates() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    while (!open_.empty()) End(open_.begin()->second, "aborted", "the server is stopping");
+    cv_.SignalAll();
+  }
+  loop_.join();
+}
+
+absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const std::string& id) {
+  if (auto it = open_.find(id); it != open_.end()) return it->second;
+  if (auto it = ended_.find(id); it != ended_.end())
+    return absl::NotFoundError(absl::StrCat("lm_head update \"", id, "\" has ended: ", it->second));
+  return absl::NotFoundError(absl::StrCat("lm_head update \"", id, "\" is not open (unknown id)"));
+}
+
+void LmHeadUpdates::End(const std::shared_ptr<Update>& u, const std::string& outcome, const std::string& why) {
+  u->ended = true;
+  open_.erase(u->id);
+  if (ended_.size() >= kEndedKept) ended_.erase(ended_.begin());
+  ended_[u->id] = outcome == "committed" ? "it was committed" : absl::StrCat("aborted: ", why);
+  if (outcome != "committed") {
+    unlink(u->partial.c_str());
+    unlink(u->next.source.file.c_str());
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - u->begun).count();
+  std::cerr << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
+                            "): ", outcome, outcome == "committed" ? "" : absl::StrCat(" (", why, ")"), " after ",
+                            seconds, " s, ", u->bytes, " bytes received\n");
+  if (observers_.on_end) observers_.on_end(u->head, outcome, seconds, u->bytes);
+}
+
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdateRequest& req) {
+  if (!options_.allowed)
+    return WithReason(absl::FailedPreconditionError("lm_head updates are off on this server (start it with "
+                                                    "--allow-lm-head-updates)"),
+                      v1::LM_HEAD_UPDATES_DISABLED);
+  LOGPROB_RETURN_IF_ERROR(CheckLmHeadName(req.head(), "head"));
+  LOGPROB_RETURN_IF_ERROR(CheckLmHeadVersionName(req.version(), "version"));
+  std::string sha = absl::AsciiStrToLower(req.sha256());
+  if (!sha.empty() && (sha.size() != 64 || sha.find_first_not_of("0123456789abcdef") != std::string::npos))
+    return absl::InvalidArgumentError(absl::StrCat("sha256 \"", req.sha256(), "\": 64 hex digits expected"));
+  absl::StatusOr<std::shared_ptr<const LmHeadVersion>> current = heads_->Bind(req.head(), "");
+  if (!current.ok() || (*current)->head != req.head())
+    return absl::NotFoundError(absl::StrCat("head \"", req.head(), "\": the server holds no such lm_head"));
+  const LmHeadSource& cur = (*current)->source;
+  if (req.vocab_size() != cur.vocab_size || req.hidden_size() != cur.hidden_size || req.dtype() != cur.dtype)
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head \"", req.head(), "\" is [", cur.vocab_size, ", ", cur.hidden_size, "] ",
+                     DTypeName(cur.dtype), "; the update announces [", req.vocab_size(), ", ", req.hidden_size(), "] ",
+                     DTypeName(req.dtype()), " (vocab_size, hidden_size and dtype must be the head's)"));
+  if (auto held = heads_->Find(req.head(), req.version())) {
+    if (!sha.empty() && sha == held->sha256) {
+      v1::LmHeadUpdate done;
+      done.set_head(req.head());
+      done.set_version(req.version());
+      done.set_vocab_size(cur.vocab_size);
+      done.set_rows_received(cur.vocab_size);
+      done.set_already_committed(true);
+      return done;
+    }
+    return absl::AlreadyExistsError(absl::StrCat(
+        "lm_head \"", req.head(), "\" already holds version \"", req.version(), "\" (sha256 ", held->sha256,
+        sha.empty() ? "; give it to confirm" : ", not the one given", "); choose a new version name"));
+  }
+  const int64_t V = cur.vocab_size, H = cur.hidden_size;
+  const int64_t row_bytes = H * static_cast<int64_t>(DTypeSize(cur.dtype));
+  const int64_t per_worker = SplitRange(V, options_.workers, 0).second * row_bytes;
+  if (options_.memory_bytes > 0 && heads_->AliveBytesPerWorker() + per_worker > options_.memory_bytes)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("lm_head update: each worker would hold ", heads_->AliveBytesPerWorker() + per_worker,
+                     " bytes of lm_head versions (", heads_->AliveBytesPerWorker(), " held, ", per_worker,
+                     " staged), over --lm-head-memory-bytes ", options_.memory_bytes,
+                     "; lower --lm-head-retain or wait for pinned requests of old versions to end"));
+
+  auto u = std::make_shared<Update>();
+  u->id = RandomId();
+  u->head = req.head();
+  u->version = req.version();
+  u->expected_sha256 = sha;
+  u->row_bytes = row_bytes;
+  u->begun = u->last_progress = Clock::now();
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, o] : open_)
+      if (o->head == req.head())
+        return absl::FailedPreconditionError(absl::StrCat("lm_head \"", req.head(), "\" has an open update (", id,
+                                                          ", version \"", o->version, "\"): commit or abort it first"));
+    const std::string stem = absl::StrCat(options_.store_dir, "/", req.head(), "-", next_file_++);
+    u->next.source.file = stem + ".safetensors";
+    u->partial = stem + ".safetensors.partial";
+    open_[u->id] = u;
+  }
+  u->next.head = req.head();
+  u->next.version = req.version();
+  u->next.origin = "update";
+  u->next.bytes_per_worker = per_worker;
+  LmHeadSource& s = u->next.source;
+  s.tensor = kLmHeadTensor;
+  s.dtype = cur.dtype;
+  s.vocab_size = V;
+  s.hidden_size = H;
+  const std::string header = SafetensorsHeader(cur.dtype, V, H);
+  s.data_offset = header.size();
+  std::error_code ec;
+  fs::create_directories(options_.store_dir, ec);
+  u->fd = open(u->partial.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (u->fd < 0 || !WriteAll(u->fd, header.data(), header.size(), 0) ||
+      ftruncate(u->fd, static_cast<off_t>(header.size() + static_cast<size_t>(V * row_bytes))) != 0) {
+    const std::string why = absl::StrCat("cannot create ", u->partial, ": ", strerror(errno));
+    absl::MutexLock lock(&mu_);
+    End(u, "aborted", why);
+    return absl::InternalError(absl::StrCat("lm_head update: ", why, " (--lm-head-store-dir)"));
+  }
+  std::cerr << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
+                            ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype), "\n");
+  return u->Proto();
+}
+
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, int64_t row_begin, int64_t rows,
+                                                        DType dtype, int64_t columns, const InputSource& source) {
+  std::shared_ptr<Update> u;
+  {
+    absl::MutexLock lock(&mu_);
+    LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
+    const int64_t V = u->next.source.vocab_size, row_end = row_begin + rows;
+    if (u->committing) return absl::FailedPreconditionError(absl::StrCat("lm_head update ", id, " is being committed"));
+    if (rows <= 0 || row_begin < 0 || row_end > V)
+      return absl::InvalidArgumentError(
+          absl::StrCat("rows [", row_begin, ", ", row_end, ") are not a non-empty range of the head's [0, ", V, ")"));
+    if (dtype != u->next.source.dtype || columns != u->next.source.hidden_size)
+      return absl::InvalidArgumentError(absl::StrCat("rows: [", rows, ", ", columns, "] ", DTypeName(dtype),
+                                                     " given; the update's rows are [n, ", u->next.source.hidden_size,
+                                                     "] ", DTypeName(u->next.source.dtype)));
+    if (source.byte_size() != rows * u->row_bytes)
+      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_end, "): ", source.byte_size(),
+                                                     " bytes given, ", rows * u->row_bytes, " expected (", rows,
+                                                     " rows of ", u->row_bytes, " bytes)"));
+    // The first range at or after row_begin, and the one before it.
+    auto next = u->ranges.lower_bound(row_begin);
+    if ((next != u->ranges.end() && next->first < row_end) ||
+        (next != u->ranges.begin() && std::prev(next)->second > row_begin)) {
+      auto clash = (next != u->ranges.begin() && std::prev(next)->second > row_begin) ? std::prev(next) : next;
+      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_end, ") overlap rows [",
+                                                     clash->first, ", ", clash->second,
+                                                     ") already given to this update; every row comes exactly once"));
+    }
+    u->ranges[row_begin] = row_end;
+    ++u->busy;
+    u->last_progress = Clock::now();
+  }
+  return Write(u, row_begin, rows, source);
+}
+
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
+                                                      const InputSource& source) {
+  const int64_t total = rows * u->row_bytes;
+  const uint64_t base = u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes);
+  std::string buf;
+  absl::Status failed;
+  const std::optional<std::string_view> memory = source.memory();
+  for (int64_t off = 0; off < total && failed.ok();) {
+    const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
+    const char* p;
+    if (memory) {
+      p = memory->data() + off;
+    } else {
+      buf.resize(n);
+      if (!source.Read(off, n, buf.data())) {
+        failed = source.status().ok() ? absl::DataLossError("the rows' source could not be read") : source.status();
+        break;
+      }
+      p = buf.data();
+    }
+    if (!WriteAll(u->fd, p, n, base + static_cast<uint64_t>(off))) {
+      failed = absl::InternalError(absl::StrCat("writing the staged lm_head: ", strerror(errno)));
+      break;
+    }
+    off += static_cast<int64_t>(n);
+    absl::MutexLock lock(&mu_);
+    u->last_progress = Clock::now();
+  }
+  if (failed.ok() && observers_.on_bytes) observers_.on_bytes(u->head, total);
+  absl::MutexLock lock(&mu_);
+  --u->busy;
+  u->last_progress = Clock::now();
+  if (!failed.ok()) {
+    u->ranges.erase(row_begin);  // the rows may be sent again
+    return failed;
+  }
+  u->rows_received += rows;
+  u->bytes += total;
+  if (u->ended)
+    return absl::NotFoundError(absl::StrCat(
+        "lm_head update ", u->id, " ended while its rows arrived: ", ended_.count(u->id) ? ended_[u->id] : "aborted"));
+  return u->Proto();
+}
+
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, const std::string& path,
+                                                        const std::string& tensor) {
+  LOGPROB_ASSIGN_OR_RETURN(const std::string real, Confined(options_.update_dir, path, "file.path"));
+  LOGPROB_ASSIGN_OR_RETURN(LmHeadSource src, ResolveLmHead(tensor.empty() ? real : real + ":" + tensor));
+  // A sharded index may name shards anywhere: they must be inside too.
+  const std::string base = fs::canonical(options_.update_dir).string() + "/";
+  std::error_code ec;
+  const std::string shard = fs::canonical(src.file, ec).string();
+  if (ec || shard.compare(0, base.size(), base) != 0)
+    return absl::PermissionDeniedError(
+        absl::StrCat("file.path \"", path, "\": its tensor lies in ", src.file, ", outside --lm-head-update-dir"));
+  int64_t V = 0, H = 0;
+  DType dtype = v1::DTYPE_UNSPECIFIED;
+  {
+    absl::MutexLock lock(&mu_);
+    LOGPROB_ASSIGN_OR_RETURN(auto u, Open(id));
+    V = u->next.source.vocab_size;
+    H = u->next.source.hidden_size;
+    dtype = u->next.source.dtype;
+  }
+  if (src.vocab_size != V || src.hidden_size != H || src.dtype != dtype)
+    return absl::InvalidArgumentError(absl::StrCat("file.path \"", path, "\": ", src.tensor, " is [", src.vocab_size,
+                                                   ", ", src.hidden_size, "] ", DTypeName(src.dtype),
+                                                   "; the update is [", V, ", ", H, "] ", DTypeName(dtype)));
+  const CheckpointSource source(src);
+  return PutRows(id, 0, V, dtype, H, source);
+}
+
+absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
+  std::shared_ptr<Update> u;
+  {
+    absl::MutexLock lock(&mu_);
+    LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
+    if (u->committing) return absl::FailedPreconditionError(absl::StrCat("lm_head update ", id, " is being committed"));
+    if (u->busy > 0)
+      return absl::FailedPreconditionError(
+          absl::StrCat("lm_head update ", id, ": ", u->busy, " PutLmHeadRows call(s) still in progress"));
+    const int64_t V = u->next.source.vocab_size;
+    if (u->rows_received != V) {
+      int64_t gap = 0;
+      for (const auto& [b, e] : u->ranges) {
+        if (b > gap) break;
+        gap = e;
+      }
+      auto after = u->ranges.upper_bound(gap);
+      const int64_t gap_end = after == u->ranges.end() ? V : after->first;
+      return absl::FailedPreconditionError(absl::StrCat("lm_head update ", id, ": ", V - u->rows_received,
+                                                        " rows missing, first [", gap, ", ", gap_end,
+                                                        "); send them before committing"));
+    }
+    u->committing = true;
+  }
+  auto fail = [&](const std::string& outcome, absl::Status st) -> absl::Status {
+    if (workers_.drop) workers_.drop(u->next.Ref());
+    absl::MutexLock lock(&mu_);
+    if (!u->ended) End(u, outcome, std::string(st.message()));
+    return st;
+  };
+  // The weight's SHA-256, from the staged file.
+  Sha256Stream sha;
+  {
+    const int64_t total = u->next.source.vocab_size * u->row_bytes;
+    std::string buf(std::min<int64_t>(kCopyBytes, std::max<int64_t>(total, 1)), '\0');
+    for (int64_t off = 0; off < total; off += static_cast<int64_t>(buf.size())) {
+      const size_t n = static_cast<size_t>(std::min<int64_t>(buf.size(), total - off));
+      if (!ReadAll(u->fd, buf.data(), n, u->next.source.data_offset + static_cast<uint64_t>(off)))
+        return fail("aborted", absl::InternalError("reading the staged lm_head back failed"));
+      sha.Update(std::string_view(buf.data(), n));
+    }
+  }
+  u->next.sha256 = sha.FinishHex();
+  if (!u->expected_sha256.empty() && u->expected_sha256 != u->next.sha256)
+    return fail("sha256_mismatch", absl::InvalidArgumentError(absl::StrCat(
+                                       "lm_head update ", id, ": the rows' sha256 is ", u->next.sha256,
+                                       ", the update announced ", u->expected_sha256, "; nothing changed")));
+  if (rename(u->partial.c_str(), u->next.source.file.c_str()) != 0)
+    return fail("aborted", absl::InternalError(absl::StrCat("cannot rename ", u->partial, ": ", strerror(errno))));
+  // Every worker loads its slice while scoring goes on with the current version.
+  absl::StatusOr<int64_t> generation = workers_.load(u->next.Load());
+  if (!generation.ok())
+    return fail("worker_error", absl::Status(generation.status().code(),
+                                             absl::StrCat("lm_head update ", id, ": loading on the workers failed: ",
+                                                          generation.status().message(), "; nothing changed")));
+  const int64_t g = *generation;
+  const auto serving = workers_.serving;
+  if (absl::Status st = heads_->Commit(u->next, [&serving, g] { return !serving || serving(g); }); !st.ok())
+    return fail("worker_error", st);
+  {
+    absl::MutexLock lock(&mu_);
+    End(u, "committed", "");
+  }
+  for (const v1::LmHeadInfo& info : heads_->List())
+    if (info.name() == u->head) return info;
+  return absl::InternalError("the committed head vanished");
+}
+
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Abort(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  LOGPROB_ASSIGN_OR_RETURN(auto u, Open(id));
+  if (u->committing)
+    return absl::FailedPreconditionError(
+        absl::StrCat("lm_head update ", id, " is being committed; it cannot be aborted"));
+  End(u, "aborted", "the client aborted it");
+  v1::LmHeadUpdate p = u->Proto();
+  p.set_aborted(true);
+  p.set_abort_reason("the client aborted it");
+  return p;
+}
+
+void LmHeadUpdates::Loop() {
+  for (;;) {
+    // Released versions: the workers drop them; the store's files go.
+    for (const LmHeadVersion& v : releases_->Take()) {
+      if (workers_.drop) workers_.drop(v.Ref());
+      if (v.origin == "update") unlink(v.source.file.c_str());
+    }
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    const auto now = Clock::now();
+    std::vector<std::shared_ptr<Update>> idle;
+    for (const auto& [id, u] : open_)
+      if (u->busy == 0 && !u->committing && now - u->last_progress > options_.timeout) idle.push_back(u);
+    for (const auto& u : idle)
+      End(u, "timeout",
+          absl::StrCat("no progress for ", std::chrono::duration<double>(options_.timeout).count(),
+                       " s (--lm-head-update-timeout)"));
+    cv_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
+  }
+}
+
+}  // namespace logprob

@@ -1,0 +1,153 @@
+// Staged, all-or-nothing updates of named lm_heads (refit): an update is
+// opened for a head and a new version, filled with rows from any input
+// source, and committed (every worker loads the new version while scoring
+// goes on; then it becomes current) or aborted. The rows are written into
+// a safetensors file in the store directory, which workers read their
+// slices from, so re-formed workers load committed versions from it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "logprob/internal/v1/worker.pb.h"
+#include "logprob/v1/logprob.pb.h"
+#include "server/input_source.h"
+#include "server/lm_heads.h"
+
+namespace logprob {
+
+/// Versions LmHeads released (LmHeads::Options::on_release pushes them),
+/// waiting for LmHeadUpdates' thread to have the workers drop them and to
+/// remove their store files. Thread-safe; Push takes only its own lock.
+class LmHeadReleases {
+ public:
+  void Push(const LmHeadVersion& version) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<LmHeadVersion> Take() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  absl::Mutex mu_;
+  std::vector<LmHeadVersion> queue_ ABSL_GUARDED_BY(mu_);
+};
+
+/// What an update's workers do: load a version on every worker of the
+/// current pool generation (returning that generation's index, or the
+/// first worker error), tell whether that generation is still the one
+/// serving, and drop a version on every worker (best effort).
+struct LmHeadWorkers {
+  std::function<absl::StatusOr<int64_t>(const internal::v1::LmHeadLoad&)> load;
+  std::function<bool(int64_t generation)> serving;
+  std::function<void(const internal::v1::LmHeadRef&)> drop;
+};
+
+/// Outcome counters and timings of updates, for metrics. May be empty.
+struct LmHeadUpdateObservers {
+  /// An update ended: head, "committed" or the abort reason's class
+  /// ("aborted", "timeout", "worker_error", "sha256_mismatch", "rows_missing"),
+  /// seconds from Begin to the end, bytes received.
+  std::function<void(const std::string& head, const std::string& outcome, double seconds, int64_t bytes)> on_end;
+  /// Rows' bytes received (PutRows).
+  std::function<void(const std::string& head, int64_t bytes)> on_bytes;
+};
+
+/// The open updates of a server's heads. Thread-safe.
+class LmHeadUpdates {
+ public:
+  struct Options {
+    bool allowed = false;    // --allow-lm-head-updates
+    std::string store_dir;   // where staged and committed versions are written
+    std::string update_dir;  // --lm-head-update-dir: file sources are confined to it; empty: none allowed
+    std::chrono::milliseconds timeout{300000};  // an open update without progress is aborted
+    int64_t memory_bytes = 0;                   // per worker, every held version plus the staged one; 0: no cap
+    int workers = 1;                            // W: slices are SplitRange(V, W, rank)
+  };
+
+  /// `heads` and the callbacks outlive this; `releases` is the queue
+  /// `heads` pushes released versions to. Starts the time-out and release
+  /// thread.
+  LmHeadUpdates(Options options, LmHeads* heads, std::shared_ptr<LmHeadReleases> releases, LmHeadWorkers workers,
+                LmHeadUpdateObservers observers = {});
+  /// Aborts the open updates (their files are removed).
+  ~LmHeadUpdates();
+
+  /// Opens an update (BeginLmHeadUpdateRequest). Errors: FAILED_PRECONDITION
+  /// (reason LM_HEAD_UPDATES_DISABLED) when updates are off; NOT_FOUND for
+  /// an unknown head; INVALID_ARGUMENT for a bad version name, a shape or
+  /// dtype other than the head's, a malformed sha256; FAILED_PRECONDITION
+  /// when the head has an open update; ALREADY_EXISTS when the version is
+  /// held with another (or no given) sha256; RESOURCE_EXHAUSTED over
+  /// memory_bytes; INTERNAL when the store file cannot be made. A version
+  /// held with the same sha256 gives already_committed and opens nothing.
+  absl::StatusOr<v1::LmHeadUpdate> Begin(const v1::BeginLmHeadUpdateRequest& req) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Writes rows [row_begin, row_begin + rows) of update `id` from `source`
+  /// (rows * H * sizeof(dtype) bytes, row-major; `dtype` and `columns` as
+  /// the sender announced them, which must be the update's dtype and H). Every row must come
+  /// exactly once over all calls (concurrent calls of disjoint ranges are
+  /// fine). NOT_FOUND for an unknown, ended or aborted update (with why);
+  /// INVALID_ARGUMENT for a range outside [0, V), rows already given (or
+  /// being given), a source of the wrong size; DATA_LOSS when the source
+  /// cannot be read.
+  absl::StatusOr<v1::LmHeadUpdate> PutRows(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
+                                           int64_t columns, const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// PutRows of every row of a safetensors checkpoint under update_dir
+  /// (`path` relative to it, "PATH[:TENSOR]" semantics of ResolveLmHead
+  /// with `tensor`). PERMISSION_DENIED for a path that leads outside
+  /// update_dir (.., symlinks) or when no update_dir is set; the
+  /// checkpoint's shape and dtype must be the update's.
+  absl::StatusOr<v1::LmHeadUpdate> PutFile(const std::string& id, const std::string& path, const std::string& tensor)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Checks every row arrived and the sha256, loads the version on every
+  /// worker, and makes it current. On any failure the update is aborted
+  /// (workers drop what they loaded) and the current version keeps
+  /// serving. FAILED_PRECONDITION for rows missing (naming the first
+  /// range) or when the pool changed while loading; INVALID_ARGUMENT for a
+  /// sha256 mismatch (both named); UNAVAILABLE / the worker's error when a
+  /// worker fails to load.
+  absl::StatusOr<v1::LmHeadInfo> Commit(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Aborts update `id` (its file is removed). NOT_FOUND when not open.
+  absl::StatusOr<v1::LmHeadUpdate> Abort(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const Options& options() const { return options_; }
+
+ private:
+  struct Update;
+  /// The open update `id` (NOT_FOUND with why otherwise). mu_ held.
+  absl::StatusOr<std::shared_ptr<Update>> Open(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Ends `u` (aborted: why), removes its file, reports it. mu_ held.
+  void End(const std::shared_ptr<Update>& u, const std::string& outcome, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The rows of update `u` from `source` (PutRows after its checks).
+  absl::StatusOr<v1::LmHeadUpdate> Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
+                                         const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
+  /// The time-out and release thread.
+  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const Options options_;
+  LmHeads* const heads_;
+  const LmHeadWorkers workers_;
+  const LmHeadUpdateObservers observers_;
+  const std::shared_ptr<LmHeadReleases> releases_;
+
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  std::map<std::string, std::shared_ptr<Update>> open_ ABSL_GUARDED_BY(mu_);  // by id
+  std::map<std::string, std::string> ended_ ABSL_GUARDED_BY(mu_);             // id -> why (recent)
+  int64_t next_file_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread loop_;
+};
+
+}  // namespace logprob

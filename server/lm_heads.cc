@@ -1,0 +1,191 @@
+#include "server/lm_heads.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/error_reason.h"
+
+namespace logprob {
+namespace {
+
+bool AllOf(const std::string& s, const char* extra) {
+  return std::all_of(s.begin(), s.end(), [extra](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           std::string_view(extra).find(c) != std::string_view::npos;
+  });
+}
+
+}  // namespace
+
+internal::v1::LmHeadRef LmHeadVersion::Ref() const {
+  internal::v1::LmHeadRef ref;
+  ref.set_name(head);
+  ref.set_version(version);
+  return ref;
+}
+
+internal::v1::LmHeadLoad LmHeadVersion::Load() const {
+  internal::v1::LmHeadLoad load;
+  *load.mutable_head() = Ref();
+  auto* s = load.mutable_source();
+  s->set_file(source.file);
+  s->set_tensor(source.tensor);
+  s->set_dtype(source.dtype);
+  s->set_vocab_size(source.vocab_size);
+  s->set_hidden_size(source.hidden_size);
+  s->set_data_offset(source.data_offset);
+  return load;
+}
+
+absl::Status CheckLmHeadName(const std::string& name, const std::string& field) {
+  if (name.empty() || name.size() > 64 || !AllOf(name, "._-"))
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " \"", name, "\": an lm_head name is 1..64 characters of [A-Za-z0-9._-]"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckLmHeadVersionName(const std::string& version, const std::string& field) {
+  if (version.empty() || version.size() > 128 || !AllOf(version, "._:+-"))
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " \"", version, "\": an lm_head version is 1..128 characters of [A-Za-z0-9._:+-]"));
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const LmHeadVersion> LmHeads::Share(LmHeadVersion v) {
+  auto on_release = options_.on_release;
+  return std::shared_ptr<const LmHeadVersion>(new LmHeadVersion(std::move(v)), [on_release](const LmHeadVersion* p) {
+    if (on_release) on_release(*p);
+    delete p;
+  });
+}
+
+absl::Status LmHeads::Add(LmHeadVersion first) {
+  auto shared = Share(std::move(first));
+  absl::MutexLock lock(&mu_);
+  if (heads_.count(shared->head))
+    return absl::AlreadyExistsError(absl::StrCat("--lm-head: a second head named \"", shared->head, "\""));
+  alive_.push_back(shared);
+  heads_[shared->head].retained.push_front(std::move(shared));
+  return absl::OkStatus();
+}
+
+bool LmHeads::empty() const {
+  absl::MutexLock lock(&mu_);
+  return heads_.empty();
+}
+
+absl::StatusOr<const LmHeads::Head*> LmHeads::Named(const std::string& name) const {
+  if (name.empty() && heads_.size() == 1) return &heads_.begin()->second;
+  const std::string& want = name.empty() ? std::string(kDefaultLmHead) : name;
+  if (auto it = heads_.find(want); it != heads_.end()) return &it->second;
+  std::vector<std::string> names;
+  for (const auto& [n, h] : heads_) names.push_back(n);
+  return WithReason(
+      absl::NotFoundError(
+          absl::StrCat(name.empty() ? "the request names no lm_head (field head) and the server has no head \"default\""
+                                    : absl::StrCat("head \"", name, "\": the server holds no such lm_head"),
+                       names.empty() ? "; it was started without --lm-head"
+                                     : absl::StrCat("; it holds: ", absl::StrJoin(names, ", ")))),
+      names.empty() ? v1::NO_LM_HEAD : v1::ERROR_REASON_UNSPECIFIED);
+}
+
+absl::StatusOr<std::shared_ptr<const LmHeadVersion>> LmHeads::Bind(const std::string& name,
+                                                                   const std::string& pinned) const {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<const Head*> head = Named(name);
+  if (!head.ok()) return head.status();
+  const auto& retained = (*head)->retained;
+  if (pinned.empty()) return retained.front();
+  for (const auto& v : retained)
+    if (v->version == pinned) return v;
+  std::vector<std::string> held;
+  for (const auto& v : retained) held.push_back(v->version);
+  return WithReason(
+      absl::FailedPreconditionError(absl::StrCat("head_version \"", pinned, "\": lm_head \"", retained.front()->head,
+                                                 "\" does not hold this version (it holds ", absl::StrJoin(held, ", "),
+                                                 "; current: ", held.front(), ")")),
+      v1::LM_HEAD_VERSION_UNAVAILABLE);
+}
+
+std::shared_ptr<const LmHeadVersion> LmHeads::Find(const std::string& name, const std::string& version) const {
+  absl::MutexLock lock(&mu_);
+  auto it = heads_.find(name);
+  if (it == heads_.end()) return nullptr;
+  for (const auto& v : it->second.retained)
+    if (v->version == version) return v;
+  return nullptr;
+}
+
+absl::Status LmHeads::Commit(LmHeadVersion next, const std::function<bool()>& still_valid) {
+  auto shared = Share(std::move(next));
+  std::vector<std::shared_ptr<const LmHeadVersion>> leaving;  // released outside the lock
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = heads_.find(shared->head);
+    if (it == heads_.end())
+      return absl::NotFoundError(absl::StrCat("lm_head \"", shared->head, "\": the server holds no such head"));
+    if (still_valid && !still_valid())
+      return absl::FailedPreconditionError(
+          absl::StrCat("lm_head \"", shared->head, "\" version \"", shared->version,
+                       "\": the worker pool was re-formed while the version loaded; nothing changed, update again"));
+    auto& retained = it->second.retained;
+    retained.push_front(shared);
+    alive_.push_back(shared);
+    while (static_cast<int>(retained.size()) > std::max(options_.retain, 1)) {
+      leaving.push_back(std::move(retained.back()));
+      retained.pop_back();
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<internal::v1::LmHeadLoad> LmHeads::Alive() const {
+  std::vector<std::shared_ptr<const LmHeadVersion>> alive;  // released outside the lock
+  std::vector<internal::v1::LmHeadLoad> loads;
+  absl::MutexLock lock(&mu_);
+  alive_.erase(std::remove_if(alive_.begin(), alive_.end(), [](const auto& w) { return w.expired(); }), alive_.end());
+  for (const auto& w : alive_)
+    if (auto v = w.lock()) {
+      loads.push_back(v->Load());
+      alive.push_back(std::move(v));
+    }
+  return loads;
+}
+
+int64_t LmHeads::AliveBytesPerWorker() const {
+  std::vector<std::shared_ptr<const LmHeadVersion>> alive;  // released outside the lock
+  int64_t bytes = 0;
+  absl::MutexLock lock(&mu_);
+  for (const auto& w : alive_)
+    if (auto v = w.lock()) {
+      bytes += v->bytes_per_worker;
+      alive.push_back(std::move(v));
+    }
+  return bytes;
+}
+
+std::vector<v1::LmHeadInfo> LmHeads::List() const {
+  std::vector<v1::LmHeadInfo> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, head] : heads_) {
+    const LmHeadVersion& cur = *head.retained.front();
+    v1::LmHeadInfo info;
+    info.set_name(name);
+    info.set_version(cur.version);
+    for (const auto& v : head.retained) info.add_retained_versions(v->version);
+    info.set_vocab_size(cur.source.vocab_size);
+    info.set_hidden_size(cur.source.hidden_size);
+    info.set_dtype(cur.source.dtype);
+    if (options_.precision_of) info.set_precision(options_.precision_of(cur.source.dtype));
+    info.set_sha256(cur.sha256);
+    info.set_bytes_per_worker(cur.bytes_per_worker);
+    info.set_source(cur.origin);
+    info.set_tied_embeddings(cur.source.tied_embeddings);
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+}  // namespace logprob

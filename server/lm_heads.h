@@ -1,0 +1,123 @@
+// The front-end's named lm_heads and their versions: which version of which
+// head a request is scored with (bound at admission), which versions stay
+// servable (--lm-head-retain), and which every worker must hold.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/lm_head_source.h"
+#include "logprob/internal/v1/worker.pb.h"
+#include "logprob/v1/logprob.pb.h"
+
+namespace logprob {
+
+/// The head a request with an empty ScoreRequest.head uses.
+inline constexpr const char* kDefaultLmHead = "default";
+/// The version name of a head loaded at start (unless --lm-head-version).
+inline constexpr const char* kInitialLmHeadVersion = "initial";
+
+/// One version of a named lm_head: where its [V, H] weight is (a
+/// safetensors tensor each worker reads its rows SplitRange(V, W, rank) of)
+/// and what it is. Immutable.
+struct LmHeadVersion {
+  std::string head;              // the head's name
+  std::string version;           // opaque
+  LmHeadSource source;           // the weight's file, tensor, dtype, shape
+  std::string sha256;            // hex SHA-256 of the weight bytes, row-major
+  int64_t bytes_per_worker = 0;  // the largest worker's slice, in source.dtype
+  std::string origin;            // "PATH[:TENSOR]" given at start, or "update"
+
+  /// The worker protocol's name for it.
+  internal::v1::LmHeadRef Ref() const;
+  /// What a worker loads (LmHeadRegistry::Load).
+  internal::v1::LmHeadLoad Load() const;
+};
+
+/// Checks a head name: 1..64 characters of [A-Za-z0-9._-].
+/// INVALID_ARGUMENT naming `field` otherwise.
+absl::Status CheckLmHeadName(const std::string& name, const std::string& field);
+/// Checks a version name: 1..128 characters of [A-Za-z0-9._:+-].
+absl::Status CheckLmHeadVersionName(const std::string& version, const std::string& field);
+
+/// The heads of a server and their servable versions. A head has a current
+/// version (new requests use it) and up to `retain` committed versions
+/// (the current one included) that requests may pin. A version leaves when
+/// it is neither retained nor bound to a request: `on_release` is called
+/// then (from the thread that dropped the last binding; it must not block
+/// or call back into LmHeads). Thread-safe.
+class LmHeads {
+ public:
+  struct Options {
+    int retain = 1;  // >= 1
+    /// The GEMM operands' name per weight dtype ("bf16", "tf32", "fp32"),
+    /// for ServerInfo; may be empty.
+    std::function<std::string(DType)> precision_of;
+    std::function<void(const LmHeadVersion&)> on_release;
+  };
+
+  explicit LmHeads(Options options) : options_(std::move(options)) {}
+
+  /// Adds a head with its first version. ALREADY_EXISTS for a second head
+  /// of the same name.
+  absl::Status Add(LmHeadVersion first) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// True when no head was added.
+  bool empty() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// The version a request scores with: head `name` (empty: "default", or
+  /// the only head), at version `pinned` if set (it must be retained), else
+  /// its current version. The binding keeps the version alive.
+  /// NOT_FOUND for an unknown head (naming the heads held);
+  /// FAILED_PRECONDITION (reason LM_HEAD_VERSION_UNAVAILABLE) for a
+  /// version not retained, naming the retained ones.
+  absl::StatusOr<std::shared_ptr<const LmHeadVersion>> Bind(const std::string& name, const std::string& pinned) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// The retained version `version` of head `name`, or null.
+  std::shared_ptr<const LmHeadVersion> Find(const std::string& name, const std::string& version) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Makes `next` its head's current version if `still_valid()` (asked
+  /// under the lock Alive takes, so a worker joining sees either the old or
+  /// the new set; may be empty); the oldest versions beyond `retain` stop
+  /// being servable (and are released once unbound). NOT_FOUND for an
+  /// unknown head; FAILED_PRECONDITION when still_valid() says no.
+  absl::Status Commit(LmHeadVersion next, const std::function<bool()>& still_valid = {}) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Every version not yet released (retained, or bound to a request), for
+  /// the workers that join: LmHeadLoad of each.
+  std::vector<internal::v1::LmHeadLoad> Alive() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// ServerInfo.lm_heads, by name.
+  std::vector<v1::LmHeadInfo> List() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Bytes per worker of every version not yet released.
+  int64_t AliveBytesPerWorker() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Head {
+    std::deque<std::shared_ptr<const LmHeadVersion>> retained;  // newest first; front is current
+  };
+  /// The head a request names (see Bind). mu_ held.
+  absl::StatusOr<const Head*> Named(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// A shared version whose last release calls on_release.
+  std::shared_ptr<const LmHeadVersion> Share(LmHeadVersion v);
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Head> heads_ ABSL_GUARDED_BY(mu_);
+  /// Every version shared so far and not yet released (expired entries are
+  /// pruned as they are seen).
+  mutable std::vector<std::weak_ptr<const LmHeadVersion>> alive_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace logprob

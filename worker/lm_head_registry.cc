@@ -1,0 +1,77 @@
+#include "worker/lm_head_registry.h"
+
+#include <chrono>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "common/lm_head_source.h"
+#include "common/partition.h"
+#include "common/status_macros.h"
+
+namespace logprob {
+
+absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& load) {
+  const internal::v1::LmHeadRef& ref = load.head();
+  if (ref.name().empty() || ref.version().empty())
+    return absl::InvalidArgumentError("LoadLmHead: the head's name and version must not be empty");
+  const Key key{ref.name(), ref.version()};
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = held_.find(key); it != held_.end()) return static_cast<int64_t>(it->second->bytes());
+  }
+  const internal::v1::LmHeadSource& src = load.source();
+  LmHeadSource source;
+  source.file = src.file();
+  source.tensor = src.tensor();
+  source.dtype = src.dtype();
+  source.vocab_size = src.vocab_size();
+  source.hidden_size = src.hidden_size();
+  source.data_offset = src.data_offset();
+  if (source.vocab_size <= 0 || source.hidden_size <= 0 || !IsFloatDType(source.dtype))
+    return absl::InvalidArgumentError(absl::StrCat("LoadLmHead ", ref.name(), "@", ref.version(), ": bad shape [",
+                                                   source.vocab_size, ", ", source.hidden_size, "] or dtype"));
+  const auto [vb, ve] = SplitRange(source.vocab_size, world_, rank_);
+  const auto t0 = std::chrono::steady_clock::now();
+  LmHeadSlice slice;
+  slice.dtype = source.dtype;
+  slice.rows = ve - vb;
+  slice.hidden_size = source.hidden_size;
+  slice.weight.resize(static_cast<size_t>((ve - vb) * source.hidden_size) * DTypeSize(source.dtype));
+  LOGPROB_RETURN_IF_ERROR(ReadLmHeadRows(source, vb, ve, slice.weight.data()));
+  const size_t read_bytes = slice.weight.size();
+  LOGPROB_ASSIGN_OR_RETURN(std::shared_ptr<const LmHeadWeights> weights,
+                           backend_.LoadLmHead(std::move(slice), precision_));
+  const int64_t bytes = static_cast<int64_t>(weights->bytes());
+  {
+    absl::MutexLock lock(&mu_);
+    held_.emplace(key, std::move(weights));  // a concurrent Load of the same version: the first stays
+  }
+  std::cerr << absl::StrCat("logprob-worker: rank ", rank_, " loaded lm_head ", ref.name(), " version ", ref.version(),
+                            ": ", source.tensor, " rows [", vb, ", ", ve, ") x ", source.hidden_size, " ",
+                            DTypeName(source.dtype), " from ", source.file, " (", read_bytes >> 20, " MiB) in ",
+                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s\n");
+  return bytes;
+}
+
+std::shared_ptr<const LmHeadWeights> LmHeadRegistry::Find(const internal::v1::LmHeadRef& head) const {
+  absl::MutexLock lock(&mu_);
+  auto it = held_.find(Key{head.name(), head.version()});
+  return it == held_.end() ? nullptr : it->second;
+}
+
+bool LmHeadRegistry::Drop(const internal::v1::LmHeadRef& head) {
+  std::shared_ptr<const LmHeadWeights> dropped;  // freed outside the lock
+  absl::MutexLock lock(&mu_);
+  auto it = held_.find(Key{head.name(), head.version()});
+  if (it == held_.end()) return false;
+  dropped = std::move(it->second);
+  held_.erase(it);
+  return true;
+}
+
+size_t LmHeadRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return held_.size();
+}
+
+}  // namespace logprob

@@ -1,0 +1,59 @@
+// The lm_head versions a worker holds: each (head name, version) as this
+// rank's vocabulary slice loaded into the backend (ScoringBackend::
+// LoadLmHead). The front-end decides which versions exist (server/
+// lm_heads.h) and names one in every hidden-states work item.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/lm_head_precision.h"
+#include "logprob/internal/v1/worker.pb.h"
+#include "worker/backend.h"
+
+namespace logprob {
+
+/// A worker's servable lm_head versions by (name, version). Thread-safe:
+/// Load and Drop run while items are scored; an item keeps the weights it
+/// found (Find) alive until it ends, so Drop never frees weights in use.
+class LmHeadRegistry {
+ public:
+  /// Slices are rows SplitRange(V, world, rank) of each head; `precision`
+  /// picks the GEMM operands (common/lm_head_precision.h). `backend`
+  /// outlives the registry.
+  LmHeadRegistry(ScoringBackend& backend, LmHeadPrecision precision, int rank, int world)
+      : backend_(backend), precision_(precision), rank_(rank), world_(world) {}
+
+  /// Reads this rank's rows of `load.source` (common/lm_head_source.h
+  /// ReadLmHeadRows) and loads them into the backend, unless `load.head` is
+  /// held already (then nothing is read). Returns the bytes the backend
+  /// holds for it. Errors: INVALID_ARGUMENT for an empty name or version or
+  /// a bad shape; NOT_FOUND / DATA_LOSS reading the file; the backend's
+  /// LoadLmHead errors (memory).
+  absl::StatusOr<int64_t> Load(const internal::v1::LmHeadLoad& load) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// The weights of `head`, or null when this worker does not hold it.
+  std::shared_ptr<const LmHeadWeights> Find(const internal::v1::LmHeadRef& head) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Forgets `head` (freed when the items using it end); false if not held.
+  bool Drop(const internal::v1::LmHeadRef& head) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Versions held.
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  using Key = std::pair<std::string, std::string>;  // (name, version)
+
+  ScoringBackend& backend_;
+  const LmHeadPrecision precision_;
+  const int rank_, world_;
+  mutable absl::Mutex mu_;
+  std::map<Key, std::shared_ptr<const LmHeadWeights>> held_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace logprob
