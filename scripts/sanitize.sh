@@ -48,7 +48,7 @@ if [ "$kind" = tsan ]; then
   cp scripts/sanitizers/tsan.supp "$dir/tsan.supp"
   export TSAN_OPTIONS="$tsan_options"
   for b in "$dir"/bin/*; do ldd "$b" 2>/dev/null || true; done | awk '{print $1}' |
-    grep -E '^lib(absl_|grpc|gpr|protobuf|upb|address_sorting|re2|cares)' | sed -E 's/(\.so)\..*/\1./' | sort -u |
+    grep -E '^lib(absl_|grpc|gpr|protobuf|upb|address_sorting|re2|cares|dnnl)' | sed -E 's/(\.so)\..*/\1./' | sort -u |
     sed 's/^/called_from_lib:/' >> "$dir/tsan.supp"
 else
   cmake --build "$dir" -j "$(nproc)"
