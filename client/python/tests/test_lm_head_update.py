@@ -1,0 +1,181 @@
+"""lm_head updates on live servers: outputs after an update are bitwise
+those of a server started with the new weights; requests report and pin
+versions; retained versions; each bad update is refused and changes
+nothing; updates are off by default."""
+import os
+import unittest
+
+import grpc
+import numpy as np
+
+from support import Server, temp_dir
+from logprob_client import LogprobError
+from logprob_client import safetensors
+from logprob_client._proto import pb2
+
+V, H, T = 301, 64, 24
+
+
+def weights(seed):
+    return np.random.default_rng(seed).standard_normal((V, H)).astype(np.float32) * 0.2
+
+
+def save(path, w):
+    safetensors.save(path, {"lm_head.weight": w})
+    return path
+
+
+HIDDEN = np.random.default_rng(7).standard_normal((T, H)).astype(np.float32)
+IDS = (np.arange(T) * 37 % V).astype(np.int64)
+
+
+def score(client, **kw):
+    return client.score(hidden_states=HIDDEN, input_ids=IDS, cu_seqlens=np.array([0, 10, T]), entropy=True, topk=5,
+                        **kw)
+
+
+def same(a, b):
+    for name in ("token_logprobs", "entropy", "topk_logprobs", "topk_indices"):
+        np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
+
+
+class UpdateTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = temp_dir("lm_head_update")
+        cls.update_dir = os.path.join(cls.dir, "updates")
+        os.makedirs(cls.update_dir)
+        cls.w0, cls.w1, cls.w2 = weights(1), weights(2), weights(3)
+        cls.p0 = save(os.path.join(cls.dir, "w0.safetensors"), cls.w0)
+        cls.p1 = save(os.path.join(cls.update_dir, "w1.safetensors"), cls.w1)
+        cls.ref = save(os.path.join(cls.dir, "ref.safetensors"), weights(9))
+        cls.server = Server(workers=2, extra=[
+            "--lm-head", "policy=" + cls.p0, "--lm-head", "reference=" + cls.ref, "--allow-lm-head-updates",
+            "--lm-head-retain", "2", "--lm-head-update-dir", cls.update_dir])
+        # Servers started with each version: the outputs an update must reproduce bitwise.
+        cls.expect = {}
+        for name, w in (("w1", cls.w1), ("w2", cls.w2)):
+            path = save(os.path.join(cls.dir, name + "-start.safetensors"), w)
+            with Server(workers=2, extra=["--lm-head", path]) as s, s.client() as c:
+                cls.expect[name] = score(c)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.close()
+
+    def test_updates_from_pieces_and_files_score_as_a_server_started_with_them(self):
+        with self.server.client() as c:
+            ref_before = score(c, head="reference")
+            before = score(c, head="policy")
+            self.assertEqual((before.head, before.head_version), ("policy", "initial"))
+            self.assertEqual(c.update_lm_head("policy", self.w1, version="pieces-1"), "pieces-1")
+            after = score(c, head="policy")
+            self.assertEqual(after.head_version, "pieces-1")
+            same(after, self.expect["w1"])
+            # A file under --lm-head-update-dir, through the raw API.
+            info = {h.name: h for h in c.lm_heads()}
+            upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                head="policy", version="file-1", vocab_size=V, hidden_size=H, dtype=pb2.F32,
+                sha256=info["policy"].sha256))
+            c._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                update_id=upd.update_id, file=pb2.LmHeadFile(path="w1.safetensors")))]))
+            committed = c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+            self.assertEqual(committed.version, "file-1")
+            self.assertEqual(list(committed.retained_versions), ["file-1", "pieces-1"])
+            same(score(c, head="policy"), self.expect["w1"])
+            # Row ranges from two senders, in any order.
+            upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                head="policy", version="ranges-2", vocab_size=V, hidden_size=H, dtype=pb2.F32))
+            for r0, r1 in ((150, V), (0, 150)):
+                rows = np.ascontiguousarray(self.w2[r0:r1])
+                c._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                    update_id=upd.update_id, row_begin=r0,
+                    rows=pb2.Tensor(name="rows", dtype=pb2.F32, shape=list(rows.shape), data=rows.tobytes())))]))
+            c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+            now = score(c, head="policy")
+            self.assertEqual(now.head_version, "ranges-2")
+            same(now, self.expect["w2"])
+            # Retained: the previous version may be pinned, the one before is gone.
+            same(score(c, head="policy", head_version="file-1"), self.expect["w1"])
+            with self.assertRaises(LogprobError) as e:
+                score(c, head="policy", head_version="pieces-1")
+            self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertEqual(e.exception.reason, "LM_HEAD_VERSION_UNAVAILABLE")
+            self.assertIn("ranges-2", e.exception.message)
+            # The reference head was never touched.
+            same(score(c, head="reference"), ref_before)
+            # Re-sending a committed (head, version, sha256) does nothing.
+            sha = {h.name: h for h in c.lm_heads()}["policy"].sha256
+            self.assertEqual(c.update_lm_head("policy", self.w2, version="ranges-2", sha256=sha), "ranges-2")
+
+    def test_bad_updates_are_refused_and_change_nothing(self):
+        with self.server.client() as c:
+            stub = c._stub
+            current = {h.name: h for h in c.lm_heads()}["policy"]
+            before = score(c, head="policy")
+
+            def code(fn):
+                with self.assertRaises(grpc.RpcError) as e:
+                    fn()
+                return e.exception.code(), e.exception.details()
+
+            begin = lambda **kw: stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(**dict(
+                dict(head="policy", version="bad", vocab_size=V, hidden_size=H, dtype=pb2.F32), **kw)))
+            self.assertEqual(code(lambda: begin(head="nope"))[0], grpc.StatusCode.NOT_FOUND)
+            c_, msg = code(lambda: begin(hidden_size=H + 1))
+            self.assertEqual(c_, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("[%d, %d]" % (V, H), msg)
+            self.assertEqual(code(lambda: begin(dtype=pb2.BF16))[0], grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertEqual(code(lambda: begin(version="a/b"))[0], grpc.StatusCode.INVALID_ARGUMENT)
+            # sha256 mismatch: aborted at commit.
+            upd = begin(sha256="0" * 64)
+            rows = np.ascontiguousarray(weights(5))
+            put = lambda u, r0, arr: stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                update_id=u, row_begin=r0,
+                rows=pb2.Tensor(name="rows", dtype=pb2.F32, shape=list(arr.shape), data=arr.tobytes())))]))
+            put(upd.update_id, 0, rows)
+            c_, msg = code(lambda: stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id)))
+            self.assertEqual(c_, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("sha256", msg)
+            self.assertEqual(code(lambda: stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id)))[0],
+                             grpc.StatusCode.NOT_FOUND)
+            # Rows missing, rows twice, a second update of the head while one is open.
+            upd = begin()
+            put(upd.update_id, 0, rows[:100])
+            self.assertEqual(code(lambda: put(upd.update_id, 50, rows[50:60]))[0], grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertEqual(code(lambda: begin(version="other"))[0], grpc.StatusCode.FAILED_PRECONDITION)
+            c_, msg = code(lambda: stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id)))
+            self.assertEqual(c_, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("[100, %d)" % V, msg)
+            stub.AbortLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+            # Files outside the update directory, directly or through a symlink.
+            link = os.path.join(self.update_dir, "escape.safetensors")
+            if not os.path.exists(link):
+                os.symlink(self.p0, link)
+            for path in ("../w0.safetensors", "escape.safetensors", self.p0):
+                upd = begin()
+                c_, _ = code(lambda: stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                    update_id=upd.update_id, file=pb2.LmHeadFile(path=path)))])))
+                self.assertEqual(c_, grpc.StatusCode.PERMISSION_DENIED, path)
+                stub.AbortLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+            after = {h.name: h for h in c.lm_heads()}["policy"]
+            self.assertEqual((after.version, after.sha256), (current.version, current.sha256))
+            same(score(c, head="policy"), before)
+
+
+class UpdatesOffTest(unittest.TestCase):
+    def test_updates_are_off_unless_allowed(self):
+        d = temp_dir("lm_head_off")
+        path = save(os.path.join(d, "w.safetensors"), weights(1))
+        with Server(extra=["--lm-head", path]) as s, s.client() as c:
+            self.assertFalse(c.server_info().lm_head_updates)
+            with self.assertRaises(LogprobError) as e:
+                c.update_lm_head("default", weights(2), version="v1")
+            self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertEqual(e.exception.reason, "LM_HEAD_UPDATES_DISABLED")
+            r = score(c)
+            self.assertEqual((r.head, r.head_version), ("default", "initial"))
+
+
+if __name__ == "__main__":
+    unittest.main()
