@@ -2,13 +2,16 @@
 those of a server started with the new weights; requests report and pin
 versions; retained versions; each bad update is refused and changes
 nothing; updates are off by default."""
+import glob
 import os
+import signal
+import threading
 import unittest
 
 import grpc
 import numpy as np
 
-from support import Server, temp_dir
+from support import Server, temp_dir, wait_for
 from logprob_client import LogprobError
 from logprob_client import safetensors
 from logprob_client._proto import pb2
@@ -161,6 +164,145 @@ class UpdateTest(unittest.TestCase):
             after = {h.name: h for h in c.lm_heads()}["policy"]
             self.assertEqual((after.version, after.sha256), (current.version, current.sha256))
             same(score(c, head="policy"), before)
+
+
+def worker_pids(server):
+    """The server's worker processes (its children)."""
+    pids = []
+    for f in glob.glob("/proc/%d/task/*/children" % server.proc.pid):
+        with open(f) as fh:
+            pids += [int(p) for p in fh.read().split()]
+    return sorted(set(pids))
+
+
+def kill_a_worker_and_wait_for_the_pool(server, client):
+    """SIGKILLs one worker, then waits until the pool was re-formed and serves."""
+    restarts = server.metric("logprob_worker_restarts_total")
+    os.kill(worker_pids(server)[0], signal.SIGKILL)
+    wait_for(lambda: server.metric("logprob_worker_restarts_total") > restarts, "the pool to re-form", 120)
+    wait_for(lambda: client.health(wait=1.0), "SERVING after the re-formation", 120)
+
+
+class FaultTest(unittest.TestCase):
+    """Worker deaths around updates; the time-out and the memory cap."""
+
+    def setUp(self):
+        self.dir = temp_dir("lm_head_faults")
+        self.w0, self.w1 = weights(1), weights(2)
+        p0 = save(os.path.join(self.dir, "w0.safetensors"), self.w0)
+        with Server(workers=2, extra=["--lm-head", p0]) as s, s.client() as c:
+            self.expect0 = score(c)
+        with Server(workers=2, extra=["--lm-head", save(os.path.join(self.dir, "w1.safetensors"), self.w1)]) as s, \
+                s.client() as c:
+            self.expect1 = score(c)
+        self.server = Server(workers=2, metrics=True, extra=[
+            "--lm-head", p0, "--allow-lm-head-updates", "--lm-head-update-timeout", "1s"])
+        self.addCleanup(self.server.close)
+
+    def test_a_worker_killed_during_an_update_fails_it_and_the_old_version_serves(self):
+        with self.server.client() as c:
+            upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                head="default", version="v1", vocab_size=V, hidden_size=H, dtype=pb2.F32))
+            c._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                update_id=upd.update_id, rows=pb2.Tensor(name="rows", dtype=pb2.F32, shape=[V, H],
+                                                         data=self.w1.tobytes())))]))
+            kill_a_worker_and_wait_for_the_pool(self.server, c)
+            # The update either failed at commit (the pool changed under it)
+            # or loads on the re-formed pool: whichever, every answer after it
+            # is bitwise one version's, and that version is the one reported.
+            try:
+                c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+                committed = True
+            except grpc.RpcError as e:
+                self.assertIn(e.code(), (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
+                                         grpc.StatusCode.NOT_FOUND), e.details())
+                committed = False
+            r = score(c)
+            self.assertEqual(r.head_version, "v1" if committed else "initial")
+            same(r, self.expect1 if committed else self.expect0)
+
+    def test_a_worker_killed_after_a_commit_comes_back_with_the_committed_version(self):
+        with self.server.client() as c:
+            self.assertEqual(c.update_lm_head("default", self.w1, version="v1"), "v1")
+            same(score(c), self.expect1)
+            kill_a_worker_and_wait_for_the_pool(self.server, c)
+            r = score(c)
+            self.assertEqual(r.head_version, "v1")
+            same(r, self.expect1)
+
+    def test_an_update_without_progress_times_out_and_one_over_the_memory_cap_is_refused(self):
+        with self.server.client() as c:
+            upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                head="default", version="slow", vocab_size=V, hidden_size=H, dtype=pb2.F32))
+
+            def ended():
+                try:
+                    c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+                except grpc.RpcError as e:
+                    return e.code() == grpc.StatusCode.NOT_FOUND and "no progress" in e.details()
+                return False
+
+            wait_for(ended, "the idle update to be aborted", 60)
+            self.assertEqual(self.server.metric("logprob_lm_head_updates_total", head="default", outcome="timeout"), 1)
+            same(score(c), self.expect0)
+        d = temp_dir("lm_head_cap")
+        p0 = save(os.path.join(d, "w0.safetensors"), self.w0)
+        per_worker = (V + 1) // 2 * H * 4
+        with Server(workers=2, extra=["--lm-head", p0, "--allow-lm-head-updates",
+                                      "--lm-head-memory-bytes", str(per_worker + per_worker // 2)]) as s, \
+                s.client() as c:
+            with self.assertRaises(LogprobError) as e:
+                c.update_lm_head("default", self.w1, version="v1")
+            self.assertEqual(e.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("--lm-head-memory-bytes", e.exception.message)
+
+
+class ConcurrentUpdateTest(unittest.TestCase):
+    def test_requests_during_back_and_forth_updates_each_match_the_version_they_report(self):
+        d = temp_dir("lm_head_concurrent")
+        w = {"a": weights(1), "b": weights(2)}
+        expect = {}
+        for k in w:
+            with Server(workers=2, extra=["--lm-head", save(os.path.join(d, k + ".safetensors"), w[k])]) as s, \
+                    s.client() as c:
+                expect[k] = score(c)
+        with Server(workers=2, extra=["--lm-head", os.path.join(d, "a.safetensors"), "--lm-head-version", "a-0",
+                                      "--allow-lm-head-updates", "--lm-head-retain", "2"]) as s:
+            stop = threading.Event()
+            errors = []
+            seen = set()
+
+            def scorer():
+                with s.client() as c:
+                    while not stop.is_set():
+                        try:
+                            r = score(c)
+                            same(r, expect[r.head_version[0]])
+                            seen.add(r.head_version)
+                            # Pinned to what it just got: that version, or gone.
+                            try:
+                                p = score(c, head_version=r.head_version)
+                                self.assertEqual(p.head_version, r.head_version)
+                                same(p, expect[r.head_version[0]])
+                            except LogprobError as e:
+                                self.assertEqual(e.code, grpc.StatusCode.FAILED_PRECONDITION)
+                        except BaseException as e:  # reported below
+                            errors.append(e)
+                            return
+
+            threads = [threading.Thread(target=scorer) for _ in range(3)]
+            for t in threads:
+                t.start()
+            with s.client() as c:
+                for i in range(1, 7):
+                    k = "b" if i % 2 else "a"
+                    self.assertEqual(c.update_lm_head("default", w[k], version="%s-%d" % (k, i)), "%s-%d" % (k, i))
+            stop.set()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            self.assertGreater(len(seen), 1, seen)
 
 
 class UpdatesOffTest(unittest.TestCase):
