@@ -5,13 +5,14 @@ nothing; updates are off by default."""
 import glob
 import os
 import signal
+import subprocess
 import threading
 import unittest
 
 import grpc
 import numpy as np
 
-from support import Server, temp_dir, wait_for
+from support import BIN_DIR, Server, temp_dir, wait_for
 from logprob_client import LogprobError
 from logprob_client import safetensors
 from logprob_client._proto import pb2
@@ -303,6 +304,42 @@ class ConcurrentUpdateTest(unittest.TestCase):
             if errors:
                 raise errors[0]
             self.assertGreater(len(seen), 1, seen)
+
+
+class CliTest(unittest.TestCase):
+    def test_update_lm_head_and_heads_commands(self):
+        d = temp_dir("lm_head_cli")
+        p0 = save(os.path.join(d, "w0.safetensors"), weights(1))
+        w1 = weights(2)
+        # The new weight as a tied checkpoint (no lm_head.weight).
+        p1 = os.path.join(d, "w1.safetensors")
+        safetensors.save(p1, {"model.embed_tokens.weight": w1})
+        with Server(workers=2, extra=["--lm-head", save(os.path.join(d, "w1-start.safetensors"), w1)]) as s, \
+                s.client() as c:
+            expect = score(c)
+        cli = os.path.join(BIN_DIR, "logprob-client")
+        with Server(workers=2, extra=["--lm-head", "policy=" + p0, "--allow-lm-head-updates"]) as s, s.client() as c:
+            r = subprocess.run([cli, "update-lm-head", "--server", s.address, "--head", "policy", "--version", "cli-1",
+                                "--input", p1, "--rows-per-call", "100"], capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("policy version cli-1 sha256 ", r.stdout)
+            self.assertIn("%d/%d rows" % (V, V), r.stderr)  # progress, 4 calls of <= 100 rows
+            self.assertEqual(r.stderr.count(" rows ("), 4, r.stderr)
+            got = score(c)
+            self.assertEqual(got.head_version, "cli-1")
+            same(got, expect)
+            r = subprocess.run([cli, "heads", "--server", s.address], capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("policy  version cli-1  retained [cli-1]  [%d, %d] F32" % (V, H), r.stdout)
+            # A missing checkpoint is a bad input (2); the server's refusal is 1.
+            r = subprocess.run([cli, "update-lm-head", "--server", s.address, "--head", "policy", "--version", "x",
+                                "--input", os.path.join(d, "nope.safetensors")], capture_output=True, text=True,
+                               timeout=60)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            r = subprocess.run([cli, "update-lm-head", "--server", s.address, "--head", "other", "--version", "x",
+                                "--input", p1], capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("NOT_FOUND", r.stderr)
 
 
 class UpdatesOffTest(unittest.TestCase):
