@@ -151,6 +151,12 @@ struct LmHeadUpdates::Update {
   int64_t rows_received = 0, bytes = 0;
   int busy = 0;  // PutRows in progress
   bool committing = false, ended = false;
+  // SHA-256 of rows [0, hashed_rows), fed as they are written while rows
+  // arrive in order (one put at a time may extend it: `hashing`); Commit
+  // reads the file for whatever it did not cover.
+  Sha256Stream sha;
+  int64_t hashed_rows = 0;
+  bool hashing = false;
   Clock::time_point begun, last_progress;
 
   ~Update() {
@@ -300,6 +306,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, int64_t row_begin, int64_t rows,
                                                         DType dtype, int64_t columns, const InputSource& source) {
   std::shared_ptr<Update> u;
+  bool hash = false;
   {
     absl::MutexLock lock(&mu_);
     LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
@@ -328,12 +335,14 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, i
     u->ranges[row_begin] = row_end;
     ++u->busy;
     u->last_progress = Clock::now();
+    hash = !u->hashing && u->hashed_rows == row_begin;
+    if (hash) u->hashing = true;
   }
-  return Write(u, row_begin, rows, source);
+  return Write(u, row_begin, rows, source, hash);
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                                      const InputSource& source) {
+                                                      const InputSource& source, bool hash) {
   const int64_t total = rows * u->row_bytes;
   const uint64_t base = u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes);
   std::string buf;
@@ -356,6 +365,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
       failed = absl::InternalError(absl::StrCat("writing the staged lm_head: ", strerror(errno)));
       break;
     }
+    if (hash) u->sha.Update(std::string_view(p, n));  // only this put feeds it (`hashing`)
     off += static_cast<int64_t>(n);
     absl::MutexLock lock(&mu_);
     u->last_progress = Clock::now();
@@ -364,6 +374,12 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
   absl::MutexLock lock(&mu_);
   --u->busy;
   u->last_progress = Clock::now();
+  if (hash) {
+    u->hashing = false;
+    // A failed put fed part of its rows: the stream no longer matches a
+    // row prefix, so Commit reads the whole file instead.
+    u->hashed_rows = failed.ok() ? row_begin + rows : -1;
+  }
   if (!failed.ok()) {
     u->ranges.erase(row_begin);  // the rows may be sent again
     return failed;
@@ -434,12 +450,15 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     if (!u->ended) End(u, outcome, std::string(st.message()));
     return st;
   };
-  // The weight's SHA-256, from the staged file.
-  Sha256Stream sha;
-  {
-    const int64_t total = u->next.source.vocab_size * u->row_bytes;
-    std::string buf(std::min<int64_t>(kCopyBytes, std::max<int64_t>(total, 1)), '\0');
-    for (int64_t off = 0; off < total; off += static_cast<int64_t>(buf.size())) {
+  // The weight's SHA-256: fed while the rows arrived in order, else (or
+  // for the rows it missed) read back from the staged file.
+  const int64_t total = u->next.source.vocab_size * u->row_bytes;
+  Sha256Stream reread;
+  Sha256Stream& sha = u->hashed_rows >= 0 ? u->sha : reread;
+  const int64_t from = u->hashed_rows >= 0 ? u->hashed_rows * u->row_bytes : 0;
+  if (from < total) {
+    std::string buf(std::min<int64_t>(kCopyBytes, total - from), '\0');
+    for (int64_t off = from; off < total; off += static_cast<int64_t>(buf.size())) {
       const size_t n = static_cast<size_t>(std::min<int64_t>(buf.size(), total - off));
       if (!ReadAll(u->fd, buf.data(), n, u->next.source.data_offset + static_cast<uint64_t>(off)))
         return fail("aborted", absl::InternalError("reading the staged lm_head back failed"));

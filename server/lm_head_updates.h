@@ -129,9 +129,10 @@ class LmHeadUpdates {
   /// Ends `u` (aborted: why), removes its file, reports it. mu_ held.
   void End(const std::shared_ptr<Update>& u, const std::string& outcome, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// The rows of update `u` from `source` (PutRows after its checks).
+  /// The rows of update `u` from `source` (PutRows after its checks);
+  /// `hash`: this put extends the update's running SHA-256.
   absl::StatusOr<v1::LmHeadUpdate> Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                         const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
+                                         const InputSource& source, bool hash) ABSL_LOCKS_EXCLUDED(mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -134,9 +134,9 @@ class LogprobClient(ClientBase):
         return await self._run(self._server_info_ops(refresh, _deadline))
 
     async def update_lm_head(self, head: str, weight: Any, *, version: str, sha256: Optional[str] = None,
-                             timeout: Any = "default") -> str:
+                             timeout: Any = "default", dtype: Any = None) -> str:
         """As ``LogprobClient.update_lm_head`` (same core)."""
-        return await self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout))
+        return await self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout, dtype))
 
     async def lm_heads(self) -> List[Any]:
         """As ``LogprobClient.lm_heads``."""

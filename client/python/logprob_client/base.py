@@ -25,7 +25,7 @@ import grpc
 from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
 from .errors import LogprobError
-from .lm_head_update import UPDATE_PUT_BYTES, lm_head_rows, lm_head_rows_parts
+from .lm_head_update import PUT_ROWS_METHOD, UPDATE_PUT_BYTES, lm_head_rows, lm_head_rows_parts
 from .ops import Emit, Locked, NextResponse, OpenStream, Ops, Rpc, Work, END, backoff, retried
 from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
@@ -167,6 +167,9 @@ class ClientBase:
         self._score_stream_raw = channel.stream_stream(SCORE_STREAM_METHOD, response_deserializer=decode_response)
         self._health = channel.unary_unary(
             HEALTH_CHECK, request_serializer=lambda x: x, response_deserializer=lambda x: x
+        )
+        self._put_lm_head_rows_raw = channel.stream_unary(
+            PUT_ROWS_METHOD, request_serializer=lambda x: x, response_deserializer=pb2.LmHeadUpdate.FromString
         )
 
     # -- small decisions ---------------------------------------------------
@@ -346,11 +349,11 @@ class ClientBase:
             call.cancel()
 
     def _update_lm_head_ops(self, head: str, weight: Any, version: str, sha256: Optional[str],
-                            timeout: Any) -> Ops[str]:
+                            timeout: Any, dtype: Any = None) -> Ops[str]:
         """``update_lm_head``: Begin, the rows in puts of at most
         ``UPDATE_PUT_BYTES`` (each sent in pieces), Commit; Abort on failure."""
         deadline = self._deadline(timeout)
-        dt, rows = lm_head_rows(weight)
+        dt, rows = lm_head_rows(weight, dtype)
         V, H = int(rows.shape[0]), int(rows.shape[1])
         begin = pb2.BeginLmHeadUpdateRequest(head=head, version=version, vocab_size=V, hidden_size=H, dtype=dt,
                                              sha256=sha256 or "")
@@ -367,7 +370,7 @@ class ClientBase:
                 # caller retries the whole update (a new Begin) if it wants.
                 parts = lm_head_rows_parts(update.update_id, r0, rows[r0:r0 + per_put], dt, self.piece_bytes)
                 try:
-                    yield Rpc(self._stub.PutLmHeadRows, parts, deadline.remaining(), self._metadata)
+                    yield Rpc(self._put_lm_head_rows_raw, parts, deadline.remaining(), self._metadata)
                 except grpc.RpcError as e:
                     code, message = error_of(e)
                     raise LogprobError(code, message, reason=reason_of(e)) from None

@@ -170,12 +170,12 @@ class LogprobClient(ClientBase):
         return self._run(self._score_ops(logits, input_ids, request_id, options))
 
     def update_lm_head(self, head: str, weight: Any, *, version: str, sha256: Optional[str] = None,
-                       timeout: Any = "default") -> str:
+                       timeout: Any = "default", dtype: Any = None) -> str:
         """Replaces the server's lm_head ``head`` by ``weight`` as version
         ``version`` and returns the committed version (server started with
         ``--allow-lm-head-updates``). ``weight``: [V, H] torch tensor (CPU or
-        CUDA), numpy array or safetensors path, of the head's shape and
-        dtype. The rows travel in pieces; the server stages them, every
+        CUDA), numpy array (uint16 bf16 bits with ``dtype="bf16"``) or
+        safetensors path, of the head's shape and dtype. The rows travel in pieces; the server stages them, every
         worker loads them while scoring goes on, and only then requests
         admitted afterwards use the new version (earlier ones finish on the
         old). ``sha256`` (hex of the weight's bytes) is checked at commit.
@@ -184,7 +184,7 @@ class LogprobClient(ClientBase):
         Raises LogprobError (NOT_FOUND unknown head, INVALID_ARGUMENT shape,
         dtype or sha256 mismatch, FAILED_PRECONDITION updates off or another
         update open, ALREADY_EXISTS version taken)."""
-        return self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout))
+        return self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout, dtype))
 
     def lm_heads(self) -> List[Any]:
         """The server's lm_heads (``LmHeadInfo``: name, version,

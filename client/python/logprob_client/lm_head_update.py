@@ -10,6 +10,8 @@ from ._proto import pb2
 from . import safetensors
 from .errors import InvalidInputError
 from .tensors import Array, float_array
+from .transport import piece_header
+from .wire import varint
 
 # Bytes of rows one PutLmHeadRows call carries at most (also bounded by the
 # server's max_request_bytes): the server assembles one call's rows in memory.
@@ -18,32 +20,44 @@ UPDATE_PUT_BYTES = 64 << 20
 _TENSOR_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 
 
-def lm_head_rows(weight: Any) -> Tuple[int, Array]:
+def lm_head_rows(weight: Any, dtype: Any = None) -> Tuple[int, Array]:
     """``(wire dtype, [V, H] array)`` of ``weight``: a torch tensor (CPU or
     CUDA; copied to the host), a numpy array (float32, float16, or bf16 as
-    ``float_array`` takes it), or the path of a safetensors file holding
+    ``float_array`` takes it: ml_dtypes bf16, or uint16 bits with
+    ``dtype="bf16"``), or the path of a safetensors file holding
     ``lm_head.weight`` (or the tied ``model.embed_tokens.weight``). Raises
     InvalidInputError for another rank or a missing tensor."""
     if isinstance(weight, str):
-        tensors, _ = safetensors.load(weight)
+        tensors, meta = safetensors.load(weight)
         for name in _TENSOR_NAMES:
             if name in tensors:
+                if meta["__dtypes__"][name] == "BF16":
+                    dtype = "bf16"
                 weight = tensors[name]
                 break
         else:
             raise InvalidInputError("%s holds neither of %s" % (weight, ", ".join(_TENSOR_NAMES)))
-    dt, rows = float_array("weight", weight)
+    dt, rows = float_array("weight", weight, dtype)
     if rows.ndim != 2:
         raise InvalidInputError("an lm_head weight is [vocab_size, hidden_size], got %s" % (list(rows.shape),))
     return dt, np.ascontiguousarray(rows)
 
 
+# PutLmHeadRows with parts serialized here (bytes in, LmHeadUpdate out).
+PUT_ROWS_METHOD = "/logprob.v1.LogprobService/PutLmHeadRows"
+
+
 def lm_head_rows_parts(update_id: str, row_begin: int, rows: Array, dt: int,
-                       piece_bytes: int) -> Iterator[Any]:
-    """The ``LmHeadRowsPart``s of rows ``[row_begin, row_begin + len(rows))``."""
+                       piece_bytes: int) -> Iterator[bytes]:
+    """The serialized ``LmHeadRowsPart``s of rows ``[row_begin, row_begin +
+    len(rows))``: ``LmHeadRows`` (the shape, no data), then the bytes in
+    pieces of ``piece_bytes``, each its header joined with a slice of the
+    rows (one copy), as ScoreChunked's parts (``transport.request_parts``)."""
     tensor = pb2.Tensor(name="rows", dtype=dt, shape=[int(d) for d in rows.shape])
-    yield pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(update_id=update_id, row_begin=row_begin, rows=tensor))
+    first = pb2.LmHeadRows(update_id=update_id, row_begin=row_begin, rows=tensor).SerializeToString()
+    yield b"\x0a" + varint(len(first)) + first
     flat = memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data)
     step = max(1, int(piece_bytes))
     for off in range(0, len(flat), step):
-        yield pb2.LmHeadRowsPart(piece=pb2.TensorPiece(tensor=0, offset=off, data=bytes(flat[off:off + step])))
+        chunk = flat[off:off + step]
+        yield b"".join((piece_header(0, off, len(chunk)), chunk))

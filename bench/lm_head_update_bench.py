@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""lm_head updates (docs/benchmarks.md, "lm_head updates"): a random bf16
+head [V, H] (default Qwen's [151936, 4096], 1.24 GB) on a server with CPU
+workers.
+
+1. Update time from the Python client (``update_lm_head``: rows in pieces)
+   against the same bytes through ``logprob-client bench``'s echo-chunked
+   phase (ScoreChunked to an in-process echo server on loopback), measured
+   in interleaved rounds: ratio = update seconds / (head bytes /
+   echo-chunked bytes per second of the same round). Medians.
+2. Scoring during updates: CONCURRENCY threads send hidden-states requests
+   ([T, H] bf16) back to back; p50 / p99 latency while nothing happens,
+   then while the head is updated UPDATES times; every request must
+   succeed, and each reports the version that scored it.
+
+Usage: PYTHONPATH=client/python:build/python python3 bench/lm_head_update_bench.py
+       [--vocab 151936] [--hidden 4096] [--workers 2] [--rounds 3] [--updates 10]
+       [--tokens 16] [--concurrency 2] [--port 45117]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from logprob_client import LogprobClient, safetensors
+from logprob_client.tensors import float32_to_bf16_bits
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+BIN = os.path.join(ROOT, "build", "bin")
+
+
+def random_head(V, H, seed):
+    """bf16 bits [V, H] of N(0, 0.02), made in row blocks (memory: the result)."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((V, H), dtype=np.uint16)
+    for r0 in range(0, V, 8192):
+        r1 = min(V, r0 + 8192)
+        out[r0:r1] = float32_to_bf16_bits(rng.standard_normal((r1 - r0, H), dtype=np.float32) * 0.02)
+    return out
+
+
+def echo_chunked_bytes_per_s(address, nbytes):
+    """Request bytes per second of logprob-client bench's echo-chunked phase,
+    one request of about ``nbytes`` bf16 logits (no scoring phase worth
+    timing: one small warm-up call)."""
+    vocab = 32768
+    seq = max(1, nbytes // (2 * vocab))
+    out = subprocess.run(
+        [os.path.join(BIN, "logprob-client"), "bench", "--server", address, "--batch", "1", "--seq", str(seq),
+         "--vocab", str(vocab), "--dtype", "bf16", "--requests", "3", "--warmup", "0", "--chunk-above", "0",
+         "--json", "--progress", "0"], capture_output=True, text=True, check=True).stdout
+    report = json.loads(out)
+    return report["echo_chunked"]["request_mb_per_s"] * 1e6
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--updates", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--port", type=int, default=45117)
+    a = ap.parse_args()
+    V, H = a.vocab, a.hidden
+    tmp = tempfile.mkdtemp(prefix="lm_head_bench_")
+    heads = [random_head(V, H, 1), random_head(V, H, 2)]
+    path = os.path.join(tmp, "head.safetensors")
+    safetensors.save(path, {"lm_head.weight": heads[0]}, bf16={"lm_head.weight"})
+    nbytes = heads[0].nbytes
+    address = "127.0.0.1:%d" % a.port
+    log = open(os.path.join(tmp, "server.log"), "wb")
+    server = subprocess.Popen([os.path.join(BIN, "logprob-server"), "--listen", address, "--workers",
+                               str(a.workers), "--lm-head", path, "--allow-lm-head-updates",
+                               "--max-request-bytes", str(1 << 30)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with LogprobClient(address, timeout=600) as c:
+            if not c.health(wait=300):
+                raise SystemExit("server did not become SERVING; log in %s" % tmp)
+            print("lm_head bf16 [%d, %d] = %.2f GB, %d CPU workers, %d interleaved rounds" %
+                  (V, H, nbytes / 1e9, a.workers, a.rounds))
+            ratios, update_s, echo_s = [], [], []
+            for r in range(a.rounds):
+                t0 = time.perf_counter()
+                c.update_lm_head("default", heads[(r + 1) % 2], version="round-%d" % r, dtype="bf16")
+                u = time.perf_counter() - t0
+                e = nbytes / echo_chunked_bytes_per_s(address, min(nbytes, 256 << 20))
+                update_s.append(u)
+                echo_s.append(e)
+                ratios.append(u / e)
+                print("round %d: update %.2f s, same bytes echo-chunked %.2f s, ratio %.2f" % (r, u, e, u / e),
+                      flush=True)
+            print("median: update %.2f s (%.0f MB/s), echo-chunked %.2f s, ratio %.2f" %
+                  (statistics.median(update_s), nbytes / statistics.median(update_s) / 1e6,
+                   statistics.median(echo_s), statistics.median(ratios)))
+
+            rng = np.random.default_rng(5)
+            hidden = float32_to_bf16_bits(rng.standard_normal((a.tokens, H), dtype=np.float32))
+            ids = rng.integers(0, V, a.tokens)
+            cu = np.array([0, a.tokens])
+
+            def stream(stop, lat, versions, failures):
+                with LogprobClient(address, timeout=600) as s:
+                    while not stop.is_set():
+                        t0 = time.perf_counter()
+                        try:
+                            res = s.score(hidden_states=hidden, input_ids=ids, cu_seqlens=cu, dtype="bf16")
+                            lat.append(time.perf_counter() - t0)
+                            versions.add(res.head_version)
+                        except Exception as e:  # counted: no request may fail
+                            failures.append(repr(e))
+
+            def run(seconds=None, updates=0):
+                stop, lat, versions, failures = threading.Event(), [], set(), []
+                threads = [threading.Thread(target=stream, args=(stop, lat, versions, failures))
+                           for _ in range(a.concurrency)]
+                for t in threads:
+                    t.start()
+                if updates:
+                    for i in range(updates):
+                        c.update_lm_head("default", heads[i % 2], version="stream-%d" % i, dtype="bf16")
+                else:
+                    time.sleep(seconds)  # a measured period of steady load, not synchronisation
+                stop.set()
+                for t in threads:
+                    t.join()
+                return lat, versions, failures
+
+            t0 = time.perf_counter()
+            lat_u, ver_u, fail_u = run(updates=a.updates)
+            during = time.perf_counter() - t0
+            lat_q, _, fail_q = run(seconds=min(during, 120))
+            for name, lat, fails in (("no updates", lat_q, fail_q), ("%d updates" % a.updates, lat_u, fail_u)):
+                print("%-12s %5d requests  p50 %.3f s  p99 %.3f s  failed %d" %
+                      (name, len(lat), percentile(lat, 0.5), percentile(lat, 0.99), len(fails)))
+            print("versions seen during the updates: %d; p50 ratio %.2f, p99 ratio %.2f" %
+                  (len(ver_u), percentile(lat_u, 0.5) / percentile(lat_q, 0.5),
+                   percentile(lat_u, 0.99) / percentile(lat_q, 0.99)))
+            if fail_u or fail_q:
+                print("FAILURES:", (fail_u + fail_q)[:3])
+                return 1
+    finally:
+        server.terminate()
+        server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
