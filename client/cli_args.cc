@@ -84,6 +84,31 @@ absl::Status ApplyHealthFlag(const std::string& flag, const std::string& v, Heal
   return absl::InvalidArgumentError(absl::StrCat("health: unknown flag --", flag));
 }
 
+// Applies one "--flag value" of `heads` and `update-lm-head`.
+absl::Status ApplyLmHeadFlag(const std::string& flag, const std::string& v, LmHeadArgs* a) {
+  if (ApplyChannelFlag(flag, v, &a->channel)) return absl::OkStatus();
+  if (flag == "server") {
+    a->server = v;
+  } else if (flag == "head") {
+    a->head = v;
+  } else if (flag == "version") {
+    a->version = v;
+  } else if (flag == "input") {
+    a->input = v;
+  } else if (flag == "tensor") {
+    a->tensor = v;
+  } else if (flag == "sha256") {
+    a->sha256 = v;
+  } else if (flag == "rows-per-call") {
+    return ParsePositive(flag, v, &a->rows_per_call);
+  } else if (flag == "timeout") {
+    return ParseSeconds(flag, v, &a->timeout_seconds);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown flag --", flag));
+  }
+  return absl::OkStatus();
+}
+
 // Applies one scoring-option flag (--alignment, --entropy, --topk,
 // --temperature, --sampling-top-k, --sampling-top-p, --ignore-index) of
 // `score` and `bench`; nullopt if `flag` is not one of them.
@@ -246,9 +271,13 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
     cl.command = CommandLine::Command::kScore;
   } else if (command == "bench") {
     cl.command = CommandLine::Command::kBench;
+  } else if (command == "heads") {
+    cl.command = CommandLine::Command::kHeads;
+  } else if (command == "update-lm-head") {
+    cl.command = CommandLine::Command::kUpdateLmHead;
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("unknown command '", command, "' (expected health, score or bench)"));
+        absl::StrCat("unknown command '", command, "' (expected health, score, bench, heads or update-lm-head)"));
   }
   std::set<std::string> given;
 
@@ -278,6 +307,11 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
       case CommandLine::Command::kScore:
         s = ApplyScoreFlag(flag, value, &cl.score);
         break;
+      case CommandLine::Command::kHeads:
+      case CommandLine::Command::kUpdateLmHead:
+        s = ApplyLmHeadFlag(flag, value, &cl.lm_head);
+        if (!s.ok()) s = absl::InvalidArgumentError(absl::StrCat(command, ": ", s.message()));
+        break;
       default:
         s = ApplyBenchFlag(flag, value, &cl.bench);
         break;
@@ -288,9 +322,16 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
 
   const bool health = cl.command == CommandLine::Command::kHealth;
   const bool score = cl.command == CommandLine::Command::kScore;
-  const std::string& server = health ? cl.health.server : score ? cl.score.server : cl.bench.server;
+  const bool lm_head = cl.command == CommandLine::Command::kHeads || cl.command == CommandLine::Command::kUpdateLmHead;
+  const std::string& server = health    ? cl.health.server
+                              : score   ? cl.score.server
+                              : lm_head ? cl.lm_head.server
+                                        : cl.bench.server;
   if (server.empty()) return absl::InvalidArgumentError(command + ": --server is required");
-  const ChannelOptions& channel = health ? cl.health.channel : score ? cl.score.channel : cl.bench.channel;
+  const ChannelOptions& channel = health    ? cl.health.channel
+                                  : score   ? cl.score.channel
+                                  : lm_head ? cl.lm_head.channel
+                                            : cl.bench.channel;
   if (channel.tls_cert.empty() != channel.tls_key.empty()) {
     return absl::InvalidArgumentError(command + ": --tls-cert and --tls-key go together");
   }
@@ -301,11 +342,31 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
   if (cl.command == CommandLine::Command::kBench) {
     if (absl::Status s = CheckBenchArgs(cl.bench, given); !s.ok()) return s;
   }
+  if (cl.command == CommandLine::Command::kUpdateLmHead) {
+    for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{"head", cl.lm_head.head},
+                                      {"version", cl.lm_head.version},
+                                      {"input", cl.lm_head.input}})
+      if (value.empty()) return absl::InvalidArgumentError(absl::StrCat("update-lm-head: --", flag, " is required"));
+  }
   return cl;
 }
 
 std::string UsageText() {
   return R"(usage:
+  logprob-client heads --server HOST:PORT [security options]
+      Lists the server's lm_heads: name, current and retained versions,
+      shape, dtype, GEMM precision, sha256, source.
+
+  logprob-client update-lm-head --server HOST:PORT --head NAME --version V
+      --input PATH [--tensor NAME] [--sha256 HEX] [--rows-per-call N]
+      [--timeout SECONDS] [security options]
+      Replaces lm_head NAME by the weight in PATH (a .safetensors file, a
+      model.safetensors.index.json or a checkpoint directory; TENSOR as the
+      server's --lm-head: lm_head.weight, then model.embed_tokens.weight) as
+      version V; progress on stderr. The server must run with
+      --allow-lm-head-updates. Exit 0 once committed, 1 if the server
+      refused (the update is aborted), 2 on a bad command line or file.
+
   logprob-client health --server HOST:PORT [--wait SECONDS] [security options]
       Exit 0 once the server reports SERVING (grpc.health.v1), trying every
       200 ms for up to SECONDS (default 0: one try); else exit 1.

@@ -2,6 +2,8 @@
 //   logprob-client health --server HOST:PORT [--wait SECONDS]
 //   logprob-client score --server HOST:PORT --input IN --output OUT [options]
 //   logprob-client bench --server HOST:PORT [shape] [options] [load options]
+//   logprob-client heads --server HOST:PORT
+//   logprob-client update-lm-head --server HOST:PORT --head NAME --version V --input PATH [--tensor NAME]
 #pragma once
 
 #include <string>
@@ -10,16 +12,18 @@
 #include "absl/status/statusor.h"
 #include "client/bench.h"
 #include "client/commands.h"
+#include "client/lm_head_command.h"
 
 namespace logprob::client {
 
 /// A parsed command line.
 struct CommandLine {
-  enum class Command { kHelp, kHealth, kScore, kBench };
+  enum class Command { kHelp, kHealth, kScore, kBench, kHeads, kUpdateLmHead };
   Command command = Command::kHelp;
-  HealthArgs health;  // set for kHealth
-  ScoreArgs score;    // set for kScore
-  BenchArgs bench;    // set for kBench
+  HealthArgs health;   // set for kHealth
+  ScoreArgs score;     // set for kScore
+  BenchArgs bench;     // set for kBench
+  LmHeadArgs lm_head;  // set for kHeads and kUpdateLmHead
 };
 
 /// Parses the arguments after the program name. Flags are "--name VALUE"
@@ -28,7 +32,8 @@ struct CommandLine {
 /// or "--help" / "-h" anywhere, gives kHelp. INVALID_ARGUMENT names the
 /// problem: no or unknown command, unknown flag, missing value, a value
 /// that is not a number or out of range, a missing required flag
-/// (--server; --input and --output for score), --tls-cert without
+/// (--server; --input and --output for score; --head, --version and
+/// --input for update-lm-head), --tls-cert without
 /// --tls-key or the reverse; for bench, --packed with --seq, --requests
 /// with --duration, and shapes ValidateBenchShape refuses. Every command
 /// takes the security flags

@@ -31,6 +31,10 @@ int main(int argc, char** argv) {
       return logprob::client::RunScore(cl->score);
     case CommandLine::Command::kBench:
       return logprob::client::RunBench(cl->bench);
+    case CommandLine::Command::kHeads:
+      return logprob::client::RunHeads(cl->lm_head);
+    case CommandLine::Command::kUpdateLmHead:
+      return logprob::client::RunUpdateLmHead(cl->lm_head);
   }
   return logprob::client::kExitBadInput;
 }

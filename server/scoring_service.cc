@@ -232,49 +232,35 @@ absl::StatusOr<LmHeadUpdates*> ScoringService::Updates(grpc::ServerContext* cont
   return updates_;
 }
 
+template <class Resp>
+grpc::Status ScoringService::UpdateCall(grpc::ServerContext* context, const char* method, const std::string& what,
+                                        const std::function<absl::StatusOr<Resp>(LmHeadUpdates&)>& call, Resp* resp) {
+  absl::StatusOr<LmHeadUpdates*> updates = Updates(context, method);
+  absl::StatusOr<Resp> r = updates.ok() ? call(**updates) : absl::StatusOr<Resp>(updates.status());
+  if (r.ok()) *resp = *r;
+  Logged(metrics_, method, what, r.status());
+  return Reply(context, r.status());
+}
+
 grpc::Status ScoringService::BeginLmHeadUpdate(grpc::ServerContext* context, const v1::BeginLmHeadUpdateRequest* req,
                                                v1::LmHeadUpdate* resp) {
-  constexpr char kMethod[] = "BeginLmHeadUpdate";
-  const std::string what = absl::StrCat("head=", req->head(), " version=", req->version());
-  auto updates = Updates(context, kMethod);
-  if (!updates.ok()) {
-    Logged(metrics_, kMethod, what, updates.status());
-    return Reply(context, updates.status());
-  }
-  auto r = (*updates)->Begin(*req);
-  if (r.ok()) *resp = *std::move(r);
-  Logged(metrics_, kMethod, absl::StrCat(what, r.ok() ? " update=" + resp->update_id() : ""), r.status());
-  return Reply(context, r.status());
+  return UpdateCall<v1::LmHeadUpdate>(
+      context, "BeginLmHeadUpdate", absl::StrCat("head=", req->head(), " version=", req->version()),
+      [req](LmHeadUpdates& u) { return u.Begin(*req); }, resp);
 }
 
 grpc::Status ScoringService::CommitLmHeadUpdate(grpc::ServerContext* context, const v1::LmHeadUpdateRef* req,
                                                 v1::LmHeadInfo* resp) {
-  constexpr char kMethod[] = "CommitLmHeadUpdate";
-  const std::string what = absl::StrCat("update=", req->update_id());
-  auto updates = Updates(context, kMethod);
-  if (!updates.ok()) {
-    Logged(metrics_, kMethod, what, updates.status());
-    return Reply(context, updates.status());
-  }
-  auto r = (*updates)->Commit(req->update_id());
-  if (r.ok()) *resp = *std::move(r);
-  Logged(metrics_, kMethod, what, r.status());
-  return Reply(context, r.status());
+  return UpdateCall<v1::LmHeadInfo>(
+      context, "CommitLmHeadUpdate", absl::StrCat("update=", req->update_id()),
+      [req](LmHeadUpdates& u) { return u.Commit(req->update_id()); }, resp);
 }
 
 grpc::Status ScoringService::AbortLmHeadUpdate(grpc::ServerContext* context, const v1::LmHeadUpdateRef* req,
                                                v1::LmHeadUpdate* resp) {
-  constexpr char kMethod[] = "AbortLmHeadUpdate";
-  const std::string what = absl::StrCat("update=", req->update_id());
-  auto updates = Updates(context, kMethod);
-  if (!updates.ok()) {
-    Logged(metrics_, kMethod, what, updates.status());
-    return Reply(context, updates.status());
-  }
-  auto r = (*updates)->Abort(req->update_id());
-  if (r.ok()) *resp = *std::move(r);
-  Logged(metrics_, kMethod, what, r.status());
-  return Reply(context, r.status());
+  return UpdateCall<v1::LmHeadUpdate>(
+      context, "AbortLmHeadUpdate", absl::StrCat("update=", req->update_id()),
+      [req](LmHeadUpdates& u) { return u.Abort(req->update_id()); }, resp);
 }
 
 grpc::Status ScoringService::ServeLmHeadRows(

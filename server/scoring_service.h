@@ -112,6 +112,11 @@ class ScoringService final : public v1::LogprobService::Service {
 
   /// The updates, or FAILED_PRECONDITION when off (after Authorize).
   absl::StatusOr<LmHeadUpdates*> Updates(grpc::ServerContext* context, const char* method);
+  /// One unary update call: `call` on the updates, logged and counted
+  /// under `method` with `what`, its result in *resp.
+  template <class Resp>
+  grpc::Status UpdateCall(grpc::ServerContext* context, const char* method, const std::string& what,
+                          const std::function<absl::StatusOr<Resp>(LmHeadUpdates&)>& call, Resp* resp);
 
   ScoringCore core_;
   LmHeadUpdates* const updates_;

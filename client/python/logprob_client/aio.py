@@ -16,7 +16,7 @@ Example::
 """
 
 import asyncio
-from typing import Any, AsyncIterable, AsyncIterator, Iterable, Optional, TypeVar, Union, cast
+from typing import Any, AsyncIterable, AsyncIterator, Iterable, List, Optional, TypeVar, Union, cast
 
 from .base import ClientBase
 from .errors import LogprobError
@@ -132,6 +132,15 @@ class LogprobClient(ClientBase):
         """The server's ``logprob.v1.ServerInfo``, fetched once and cached.
         Raises LogprobError."""
         return await self._run(self._server_info_ops(refresh, _deadline))
+
+    async def update_lm_head(self, head: str, weight: Any, *, version: str, sha256: Optional[str] = None,
+                             timeout: Any = "default") -> str:
+        """As ``LogprobClient.update_lm_head`` (same core)."""
+        return await self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout))
+
+    async def lm_heads(self) -> List[Any]:
+        """As ``LogprobClient.lm_heads``."""
+        return list((await self.server_info(refresh=True)).lm_heads)
 
     async def health(self, wait: float = 0.0) -> bool:
         """True once ``grpc.health.v1`` reports SERVING, polling for up to

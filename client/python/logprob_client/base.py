@@ -25,10 +25,11 @@ import grpc
 from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
 from .errors import LogprobError
+from .lm_head_update import UPDATE_PUT_BYTES, lm_head_rows, lm_head_rows_parts
 from .ops import Emit, Locked, NextResponse, OpenStream, Ops, Rpc, Work, END, backoff, retried
 from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
-from .retry import Attempts, Deadline, OnRetry, RetryPolicy, error_of
+from .retry import Attempts, Deadline, OnRetry, RetryPolicy, error_of, reason_of
 from .shared_memory import SharedMemoryInputs
 from .stream import StreamAssembler, deliver
 from . import cuda_ipc, shared_memory, transport
@@ -248,10 +249,16 @@ class ClientBase:
             responses: List[Any] = []
             sends = 0
             try:
-                for part in call.parts(limits):
+                parts = call.parts(limits)
+                for part in parts:
                     response, tries = yield from self._send_part_ops(part, limits, deadline)
                     responses.append(response)
                     sends += tries
+                    # Every part is scored with the version the first got.
+                    version = getattr(response, "head_version", "")
+                    if len(responses) == 1 and version and not part.inputs.head_version:
+                        for later in parts[1:]:
+                            later.inputs.head_version = version
                 return call.result(responses, sends)
             except LogprobError as e:
                 # The server refused the CUDA IPC reference (once per call at
@@ -310,7 +317,7 @@ class ClientBase:
             # views of its bytes, as on the inline path.
             return retried(self._score_raw, request.SerializeToString(), attempts, metadata)
 
-        return (yield from shm.send(part.id, part.inputs.tensors, part.inputs.options, send))
+        return (yield from shm.send(part.inputs.header(part.id), part.inputs.tensors, send))
 
     def _score_stream_ops(self, requests: Union[Iterable[Any], Any], timeout: Any,
                           return_exceptions: bool) -> Ops[None]:
@@ -337,6 +344,44 @@ class ClientBase:
                 yield Emit(deliver(outcome, return_exceptions))
         finally:
             call.cancel()
+
+    def _update_lm_head_ops(self, head: str, weight: Any, version: str, sha256: Optional[str],
+                            timeout: Any) -> Ops[str]:
+        """``update_lm_head``: Begin, the rows in puts of at most
+        ``UPDATE_PUT_BYTES`` (each sent in pieces), Commit; Abort on failure."""
+        deadline = self._deadline(timeout)
+        dt, rows = lm_head_rows(weight)
+        V, H = int(rows.shape[0]), int(rows.shape[1])
+        begin = pb2.BeginLmHeadUpdateRequest(head=head, version=version, vocab_size=V, hidden_size=H, dtype=dt,
+                                             sha256=sha256 or "")
+        update, _ = yield from retried(self._stub.BeginLmHeadUpdate, begin, self._attempts(deadline), self._metadata)
+        if update.already_committed:
+            return version
+        try:
+            info = yield from self._server_info_ops(deadline=deadline)
+            limit = int(info.max_request_bytes) or UPDATE_PUT_BYTES
+            row_bytes = max(1, int(rows[:1].nbytes))
+            per_put = max(1, min(UPDATE_PUT_BYTES, int(limit * 0.9)) // row_bytes)
+            for r0 in range(0, V, per_put):
+                # A failed put frees its rows on the server: sent once here; the
+                # caller retries the whole update (a new Begin) if it wants.
+                parts = lm_head_rows_parts(update.update_id, r0, rows[r0:r0 + per_put], dt, self.piece_bytes)
+                try:
+                    yield Rpc(self._stub.PutLmHeadRows, parts, deadline.remaining(), self._metadata)
+                except grpc.RpcError as e:
+                    code, message = error_of(e)
+                    raise LogprobError(code, message, reason=reason_of(e)) from None
+            ref = pb2.LmHeadUpdateRef(update_id=update.update_id)
+            committed, _ = yield from retried(self._stub.CommitLmHeadUpdate, ref, self._attempts(deadline),
+                                              self._metadata)
+            return str(committed.version)
+        except BaseException:
+            try:  # best effort: the server aborts it on its own after --lm-head-update-timeout
+                yield Rpc(self._stub.AbortLmHeadUpdate, pb2.LmHeadUpdateRef(update_id=update.update_id), 10.0,
+                          self._metadata)
+            except grpc.RpcError:
+                pass
+            raise
 
     def _close_ops(self) -> Ops[None]:
         """``close``, before the channel closes: unregisters and removes the

@@ -5,7 +5,7 @@ only performs its I/O operations (``ops.py``) with blocking calls."""
 
 import threading
 import time
-from typing import Any, Dict, Iterable, Iterator, Optional, TypeVar, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Optional, TypeVar, Union, cast
 
 import grpc
 
@@ -168,6 +168,28 @@ class LogprobClient(ClientBase):
         for a failed call (DEADLINE_EXCEEDED when the timeout passes).
         """
         return self._run(self._score_ops(logits, input_ids, request_id, options))
+
+    def update_lm_head(self, head: str, weight: Any, *, version: str, sha256: Optional[str] = None,
+                       timeout: Any = "default") -> str:
+        """Replaces the server's lm_head ``head`` by ``weight`` as version
+        ``version`` and returns the committed version (server started with
+        ``--allow-lm-head-updates``). ``weight``: [V, H] torch tensor (CPU or
+        CUDA), numpy array or safetensors path, of the head's shape and
+        dtype. The rows travel in pieces; the server stages them, every
+        worker loads them while scoring goes on, and only then requests
+        admitted afterwards use the new version (earlier ones finish on the
+        old). ``sha256`` (hex of the weight's bytes) is checked at commit.
+        Re-sending a committed (head, version, sha256) does nothing. On any
+        failure the update is aborted and the old version keeps serving.
+        Raises LogprobError (NOT_FOUND unknown head, INVALID_ARGUMENT shape,
+        dtype or sha256 mismatch, FAILED_PRECONDITION updates off or another
+        update open, ALREADY_EXISTS version taken)."""
+        return self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout))
+
+    def lm_heads(self) -> List[Any]:
+        """The server's lm_heads (``LmHeadInfo``: name, version,
+        retained_versions, shape, dtype, sha256), fetched now."""
+        return list(self.server_info(refresh=True).lm_heads)
 
     def score_stream(
         self,

@@ -79,7 +79,8 @@ class Part:
         holds them. Raises LogprobError (INTERNAL) when a part planned to fit
         ``max_bytes`` does not (never expected: the plan's estimate is an
         upper bound)."""
-        data = encode_request(self.id, self.inputs.tensors, self.inputs.options)
+        data = encode_request(self.id, self.inputs.tensors, self.inputs.options, head=self.inputs.head,
+                              head_version=self.inputs.head_version)
         if self.cuda_ipc is not None:
             data = bytes(data) + self.cuda_ipc.encoded
         if self._checked and len(data) > max_bytes:
@@ -213,11 +214,16 @@ class ScoreCall:
             tensors.append(("seq_lens",) + int_array("seq_lens", seq_lens))
         if gather_indices is not None:
             tensors.append(("gather_indices",) + int_array("gather_indices", gather_indices))
+        head = str(options.pop("head", "") or "")
+        head_version = str(options.pop("head_version", "") or "")
+        if (head or head_version) and rows_name != "hidden_states":
+            raise InvalidInputError("head / head_version select an lm_head for hidden_states; this call has logits")
         self._options = score_options(**options)
         if self._on_device:
-            self.inputs = splitter.Inputs(tensors[1:], self._options, rows=tensors[0])
+            self.inputs = splitter.Inputs(tensors[1:], self._options, rows=tensors[0], head=head,
+                                          head_version=head_version)
         else:
-            self.inputs = splitter.Inputs(tensors, self._options)
+            self.inputs = splitter.Inputs(tensors, self._options, head=head, head_version=head_version)
         self.id = request_id
         self.split = split
 
@@ -271,7 +277,10 @@ class ScoreCall:
         (INTERNAL) for responses that do not fit together."""
         outputs = [decode(r) for r in responses]
         joined = splitter.join(outputs)
-        return ScoreResult(self.output.convert(joined), self.id, len(responses), attempts)
+        result = ScoreResult(self.output.convert(joined), self.id, len(responses), attempts)
+        result.head = getattr(responses[0], "head", "") or ""
+        result.head_version = getattr(responses[0], "head_version", "") or ""
+        return result
 
 
 def decode(response: Any) -> Dict[str, Array]:

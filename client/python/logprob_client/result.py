@@ -25,7 +25,9 @@ class ScoreResult:
     Attributes: ``token_logprobs``, ``entropy``, ``topk_logprobs``,
     ``topk_indices``, ``gathered_logprobs``, ``outputs`` (dict of all by
     name), ``id``, ``num_parts`` (requests the batch was split into),
-    ``attempts`` (calls sent, retries included).
+    ``attempts`` (calls sent, retries included), ``head`` and
+    ``head_version`` (hidden states: the lm_head version that scored every
+    row; empty for logits).
     """
 
     def __init__(self, outputs: Dict[str, Any], request_id: str, num_parts: int, attempts: int) -> None:
@@ -33,6 +35,8 @@ class ScoreResult:
         self.id = request_id
         self.num_parts = num_parts
         self.attempts = attempts
+        self.head = ""
+        self.head_version = ""
 
     @property
     def token_logprobs(self) -> Any:

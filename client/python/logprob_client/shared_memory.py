@@ -247,9 +247,10 @@ class SharedMemoryInputs:
         warnings.warn("logprob_client: no shared-memory region for this call, sending it inline: " + why,
                       stacklevel=2)
 
-    def send(self, request_id: str, inputs: Tensors, options: Any, call: SendOp) -> Ops[Optional[Tuple[Any, int]]]:
+    def send(self, header: Any, inputs: Tensors, call: SendOp) -> Ops[Optional[Tuple[Any, int]]]:
         """Writes ``inputs`` (``[(name, wire_dtype, array)]``) into a leased
-        region and sends the request with the operation ``call(request,
+        region and sends the request (``header``: a ``ScoreRequest`` without
+        inputs: id, options, head) with the operation ``call(request,
         metadata)``, which returns ``(response, attempts)``. Returns None
         (nothing sent) when shared memory cannot be used; the caller then
         sends inline."""
@@ -265,7 +266,8 @@ class SharedMemoryInputs:
             leased = True
             try:
                 tensors = yield Work(region.write, inputs, nbytes=nbytes)
-                request = pb2.ScoreRequest(id=request_id, options=options)
+                request = pb2.ScoreRequest()
+                request.CopyFrom(header)
                 request.inputs.extend(tensors)
                 return (yield from call(request, self.metadata))
             except LogprobError as e:

@@ -47,9 +47,13 @@ class Inputs:
     sending order, the rows' name (``logits``/``hidden_states``) and the
     options."""
 
-    def __init__(self, tensors: Sequence[Input], options: Any, rows: Optional[Input] = None) -> None:
+    def __init__(self, tensors: Sequence[Input], options: Any, rows: Optional[Input] = None,
+                 head: str = "", head_version: str = "") -> None:
         self.tensors = list(tensors)
         self.options = options
+        # The lm_head (and pinned version) hidden states are scored with.
+        self.head = head
+        self.head_version = head_version
         self.names = [n for n, _, _ in tensors]
         if rows is not None:
             # The rows travel apart (a CUDA IPC reference, cuda_ipc.py):
@@ -77,16 +81,22 @@ class Inputs:
         """Bytes of tensor data (not counting rows that travel apart)."""
         return sum(int(a.nbytes) for _, _, a in self.tensors)
 
+    def header(self, request_id: str) -> Any:
+        """The ``ScoreRequest`` of these inputs without its tensors: id,
+        options, head and head_version (every request of a call is built
+        from it)."""
+        return pb2.ScoreRequest(id=request_id, options=self.options, head=self.head, head_version=self.head_version)
+
     def header_bytes(self, request_id: str) -> int:
         """Serialized size of the request without the tensors' data."""
-        req = pb2.ScoreRequest(id=request_id, options=self.options)
+        req = self.header(request_id)
         for name, dt, arr in self.tensors:
             req.inputs.add(name=name, dtype=dt, shape=[int(d) for d in arr.shape])
         return int(req.ByteSize()) + _TENSOR_SLACK * len(self.tensors)
 
     def request(self, request_id: str) -> Any:
         """The ``ScoreRequest`` (a protobuf message) of these inputs."""
-        req = pb2.ScoreRequest(id=request_id, options=self.options)
+        req = self.header(request_id)
         for name, dt, arr in self.tensors:
             req.inputs.append(to_tensor(name, dt, arr))
         return req
@@ -219,7 +229,10 @@ def plan(inp: Inputs, request_id: str, max_bytes: int, max_tokens: int = 0) -> L
         groups.append((begin, len(seq_bytes)))
     if len(groups) <= 1:
         return [(request_id, inp)]
-    return [("%s-%d" % (request_id, g + 1), Inputs(make(s0, s1), inp.options)) for g, (s0, s1) in enumerate(groups)]
+    return [
+        ("%s-%d" % (request_id, g + 1), Inputs(make(s0, s1), inp.options, head=inp.head, head_version=inp.head_version))
+        for g, (s0, s1) in enumerate(groups)
+    ]
 
 
 def build_part(part_id: str, part: Inputs, max_bytes: int) -> Any:

@@ -66,7 +66,7 @@ def request_parts(
     ``tensors`` as ``(name, wire_dtype, array)`` and ``options``) as a
     ScoreChunked request with id ``request_id``: each piece is its header
     joined with a ``memoryview`` slice of the array (one copy)."""
-    header = pb2.ScoreRequest(id=request_id, options=inputs.options)
+    header = inputs.header(request_id)
     pieced: List[Tuple[int, memoryview]] = []
     for i, (name, dt, arr) in enumerate(inputs.tensors):
         arr = np.ascontiguousarray(arr, dtype=NUMPY_DTYPE[dt])

@@ -101,22 +101,23 @@ def _tensor_parts(name: str, wire_dtype: int, arr: Array) -> Tuple[bytes, Array]
 
 
 def encode_request(
-    request_id: str, tensors: Sequence[Tuple[str, int, Array]], options: Any, fill: Any = None
+    request_id: str, tensors: Sequence[Tuple[str, int, Array]], options: Any, fill: Any = None,
+    head: str = "", head_version: str = "",
 ) -> bytes:
-    """The serialized ``ScoreRequest{id, inputs, options}`` of
+    """The serialized ``ScoreRequest{id, inputs, options, head, head_version}`` of
     ``[(name, wire_dtype, array)]`` (arrays in their wire dtype, any
     strides): each array's data copied once. ``fill`` (tests): force
     (True) or avoid (False) the CPython fill path. Thread-safe; reads the
     arrays, never writes them."""
-    head = pb2.ScoreRequest(id=request_id, options=options).SerializeToString()
+    header = pb2.ScoreRequest(id=request_id, options=options, head=head, head_version=head_version).SerializeToString()
     parts = [_tensor_parts(name, dt, arr) for name, dt, arr in tensors]
-    total = len(head) + sum(len(p) + a.nbytes for p, a in parts)
+    total = len(header) + sum(len(p) + a.nbytes for p, a in parts)
     if fill is None:
         fill = _FILL and total >= FILL_MIN_BYTES
     if fill and total >= 2:
         out, buf = _new_bytes(total)
         pos = 0
-        for piece in [(head, None)] + parts:
+        for piece in [(header, None)] + parts:
             prefix, arr = piece
             buf[pos:pos + len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
             pos += len(prefix)
@@ -125,7 +126,7 @@ def encode_request(
                 pos += arr.nbytes
         assert pos == total
         return out
-    pieces: List[Any] = [head]
+    pieces: List[Any] = [header]
     for prefix, arr in parts:
         pieces.append(prefix)
         if arr.nbytes:
@@ -151,9 +152,10 @@ class WireTensor:
 class WireResponse:
     """A ``logprob.v1.ScoreResponse`` read from its bytes (``id``,
     ``outputs`` as ``WireTensor``s, ``status_code``, ``status_message``,
-    ``status_reason``), the tensors' data left in place."""
+    ``status_reason``, ``head``, ``head_version``), the tensors' data left
+    in place."""
 
-    __slots__ = ("id", "outputs", "status_code", "status_message", "status_reason")
+    __slots__ = ("id", "outputs", "status_code", "status_message", "status_reason", "head", "head_version")
 
     def __init__(self) -> None:
         self.id = ""
@@ -161,6 +163,8 @@ class WireResponse:
         self.status_code = 0
         self.status_message = ""
         self.status_reason = 0
+        self.head = ""
+        self.head_version = ""
 
 
 # The largest protobuf field number.
@@ -256,4 +260,8 @@ def decode_response(raw: bytes) -> WireResponse:
             r.status_message = bytes(value).decode("utf-8", errors="replace")
         elif field == 5 and wire_type == 0:
             r.status_reason = value
+        elif field == 6 and wire_type == 2:
+            r.head = bytes(value).decode("utf-8")
+        elif field == 7 and wire_type == 2:
+            r.head_version = bytes(value).decode("utf-8")
     return r

@@ -142,6 +142,12 @@ class Server:
         self.stop()
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def client(self, **kwargs):
         kw = dict(self._client_kwargs)
         kw.update(kwargs)

@@ -1,0 +1,360 @@
+"""lm_head updates on live servers: outputs after an update are bitwise
+those of a server started with the new weights; requests report and pin
+versions; retained versions; each bad update is refused and changes
+nothing; updates are off by default."""
+import glob
+import os
+import signal
+import subprocess
+import threading
+import unittest
+
+import grpc
+import numpy as np
+
+from support import BIN_DIR, Server, temp_dir, wait_for
+from logprob_client import LogprobError
+from logprob_client import safetensors
+from logprob_client._proto import pb2
+
+V, H, T = 301, 64, 24
+
+
+def weights(seed):
+    return np.random.default_rng(seed).standard_normal((V, H)).astype(np.float32) * 0.2
+
+
+def save(path, w):
+    safetensors.save(path, {"lm_head.weight": w})
+    return path
+
+
+HIDDEN = np.random.default_rng(7).standard_normal((T, H)).astype(np.float32)
+IDS = (np.arange(T) * 37 % V).astype(np.int64)
+
+
+def score(client, **kw):
+    return client.score(hidden_states=HIDDEN, input_ids=IDS, cu_seqlens=np.array([0, 10, T]), entropy=True, topk=5,
+                        **kw)
+
+
+def same(a, b):
+    for name in ("token_logprobs", "entropy", "topk_logprobs", "topk_indices"):
+        np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
+
+
+class UpdateTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = temp_dir("lm_head_update")
+        cls.update_dir = os.path.join(cls.dir, "updates")
+        os.makedirs(cls.update_dir)
+        cls.w0, cls.w1, cls.w2 = weights(1), weights(2), weights(3)
+        cls.p0 = save(os.path.join(cls.dir, "w0.safetensors"), cls.w0)
+        cls.p1 = save(os.path.join(cls.update_dir, "w1.safetensors"), cls.w1)
+        cls.ref = save(os.path.join(cls.dir, "ref.safetensors"), weights(9))
+        cls.server = Server(workers=2, extra=[
+            "--lm-head", "policy=" + cls.p0, "--lm-head", "reference=" + cls.ref, "--allow-lm-head-updates",
+            "--lm-head-retain", "2", "--lm-head-update-dir", cls.update_dir])
+        # Servers started with each version: the outputs an update must reproduce bitwise.
+        cls.expect = {}
+        for name, w in (("w1", cls.w1), ("w2", cls.w2)):
+            path = save(os.path.join(cls.dir, name + "-start.safetensors"), w)
+            with Server(workers=2, extra=["--lm-head", path]) as s, s.client() as c:
+                cls.expect[name] = score(c)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.close()
+
+    def test_updates_from_pieces_and_files_score_as_a_server_started_with_them(self):
+        with self.server.client() as c:
+            ref_before = score(c, head="reference")
+            before = score(c, head="policy")
+            self.assertEqual((before.head, before.head_version), ("policy", "initial"))
+            self.assertEqual(c.update_lm_head("policy", self.w1, version="pieces-1"), "pieces-1")
+            after = score(c, head="policy")
+            self.assertEqual(after.head_version, "pieces-1")
+            same(after, self.expect["w1"])
+            # A file under --lm-head-update-dir, through the raw API.
+            info = {h.name: h for h in c.lm_heads()}
+            upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                head="policy", version="file-1", vocab_size=V, hidden_size=H, dtype=pb2.F32,
+                sha256=info["policy"].sha256))
+            c._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                update_id=upd.update_id, file=pb2.LmHeadFile(path="w1.safetensors")))]))
+            committed = c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+            self.assertEqual(committed.version, "file-1")
+            self.assertEqual(list(committed.retained_versions), ["file-1", "pieces-1"])
+            same(score(c, head="policy"), self.expect["w1"])
+            # Row ranges from two senders, in any order.
+            upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                head="policy", version="ranges-2", vocab_size=V, hidden_size=H, dtype=pb2.F32))
+            for r0, r1 in ((150, V), (0, 150)):
+                rows = np.ascontiguousarray(self.w2[r0:r1])
+                c._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                    update_id=upd.update_id, row_begin=r0,
+                    rows=pb2.Tensor(name="rows", dtype=pb2.F32, shape=list(rows.shape), data=rows.tobytes())))]))
+            c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+            now = score(c, head="policy")
+            self.assertEqual(now.head_version, "ranges-2")
+            same(now, self.expect["w2"])
+            # Retained: the previous version may be pinned, the one before is gone.
+            same(score(c, head="policy", head_version="file-1"), self.expect["w1"])
+            with self.assertRaises(LogprobError) as e:
+                score(c, head="policy", head_version="pieces-1")
+            self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertEqual(e.exception.reason, "LM_HEAD_VERSION_UNAVAILABLE")
+            self.assertIn("ranges-2", e.exception.message)
+            # The reference head was never touched.
+            same(score(c, head="reference"), ref_before)
+            # Re-sending a committed (head, version, sha256) does nothing.
+            sha = {h.name: h for h in c.lm_heads()}["policy"].sha256
+            self.assertEqual(c.update_lm_head("policy", self.w2, version="ranges-2", sha256=sha), "ranges-2")
+
+    def test_bad_updates_are_refused_and_change_nothing(self):
+        with self.server.client() as c:
+            stub = c._stub
+            current = {h.name: h for h in c.lm_heads()}["policy"]
+            before = score(c, head="policy")
+
+            def code(fn):
+                with self.assertRaises(grpc.RpcError) as e:
+                    fn()
+                return e.exception.code(), e.exception.details()
+
+            begin = lambda **kw: stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(**dict(
+                dict(head="policy", version="bad", vocab_size=V, hidden_size=H, dtype=pb2.F32), **kw)))
+            self.assertEqual(code(lambda: begin(head="nope"))[0], grpc.StatusCode.NOT_FOUND)
+            c_, msg = code(lambda: begin(hidden_size=H + 1))
+            self.assertEqual(c_, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("[%d, %d]" % (V, H), msg)
+            self.assertEqual(code(lambda: begin(dtype=pb2.BF16))[0], grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertEqual(code(lambda: begin(version="a/b"))[0], grpc.StatusCode.INVALID_ARGUMENT)
+            # sha256 mismatch: aborted at commit.
+            upd = begin(sha256="0" * 64)
+            rows = np.ascontiguousarray(weights(5))
+            put = lambda u, r0, arr: stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                update_id=u, row_begin=r0,
+                rows=pb2.Tensor(name="rows", dtype=pb2.F32, shape=list(arr.shape), data=arr.tobytes())))]))
+            put(upd.update_id, 0, rows)
+            c_, msg = code(lambda: stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id)))
+            self.assertEqual(c_, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("sha256", msg)
+            self.assertEqual(code(lambda: stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id)))[0],
+                             grpc.StatusCode.NOT_FOUND)
+            # Rows missing, rows twice, a second update of the head while one is open.
+            upd = begin()
+            put(upd.update_id, 0, rows[:100])
+            self.assertEqual(code(lambda: put(upd.update_id, 50, rows[50:60]))[0], grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertEqual(code(lambda: begin(version="other"))[0], grpc.StatusCode.FAILED_PRECONDITION)
+            c_, msg = code(lambda: stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id)))
+            self.assertEqual(c_, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("[100, %d)" % V, msg)
+            stub.AbortLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+            # Files outside the update directory, directly or through a symlink.
+            link = os.path.join(self.update_dir, "escape.safetensors")
+            if not os.path.exists(link):
+                os.symlink(self.p0, link)
+            for path in ("../w0.safetensors", "escape.safetensors", self.p0):
+                upd = begin()
+                c_, _ = code(lambda: stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                    update_id=upd.update_id, file=pb2.LmHeadFile(path=path)))])))
+                self.assertEqual(c_, grpc.StatusCode.PERMISSION_DENIED, path)
+                stub.AbortLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+            after = {h.name: h for h in c.lm_heads()}["policy"]
+            self.assertEqual((after.version, after.sha256), (current.version, current.sha256))
+            same(score(c, head="policy"), before)
+
+
+def worker_pids(server):
+    """The server's worker processes (its children)."""
+    pids = []
+    for f in glob.glob("/proc/%d/task/*/children" % server.proc.pid):
+        with open(f) as fh:
+            pids += [int(p) for p in fh.read().split()]
+    return sorted(set(pids))
+
+
+def kill_a_worker_and_wait_for_the_pool(server, client):
+    """SIGKILLs one worker, then waits until the pool was re-formed and serves."""
+    restarts = server.metric("logprob_worker_restarts_total")
+    os.kill(worker_pids(server)[0], signal.SIGKILL)
+    wait_for(lambda: server.metric("logprob_worker_restarts_total") > restarts, "the pool to re-form", 120)
+    wait_for(lambda: client.health(wait=1.0), "SERVING after the re-formation", 120)
+
+
+class FaultTest(unittest.TestCase):
+    """Worker deaths around updates; the time-out and the memory cap."""
+
+    def setUp(self):
+        self.dir = temp_dir("lm_head_faults")
+        self.w0, self.w1 = weights(1), weights(2)
+        p0 = save(os.path.join(self.dir, "w0.safetensors"), self.w0)
+        with Server(workers=2, extra=["--lm-head", p0]) as s, s.client() as c:
+            self.expect0 = score(c)
+        with Server(workers=2, extra=["--lm-head", save(os.path.join(self.dir, "w1.safetensors"), self.w1)]) as s, \
+                s.client() as c:
+            self.expect1 = score(c)
+        self.server = Server(workers=2, metrics=True, extra=[
+            "--lm-head", p0, "--allow-lm-head-updates", "--lm-head-update-timeout", "1s"])
+        self.addCleanup(self.server.close)
+
+    def test_a_worker_killed_during_an_update_fails_it_and_the_old_version_serves(self):
+        with self.server.client() as c:
+            upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                head="default", version="v1", vocab_size=V, hidden_size=H, dtype=pb2.F32))
+            c._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                update_id=upd.update_id, rows=pb2.Tensor(name="rows", dtype=pb2.F32, shape=[V, H],
+                                                         data=self.w1.tobytes())))]))
+            kill_a_worker_and_wait_for_the_pool(self.server, c)
+            # The update either failed at commit (the pool changed under it)
+            # or loads on the re-formed pool: whichever, every answer after it
+            # is bitwise one version's, and that version is the one reported.
+            try:
+                c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+                committed = True
+            except grpc.RpcError as e:
+                self.assertIn(e.code(), (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
+                                         grpc.StatusCode.NOT_FOUND), e.details())
+                committed = False
+            r = score(c)
+            self.assertEqual(r.head_version, "v1" if committed else "initial")
+            same(r, self.expect1 if committed else self.expect0)
+
+    def test_a_worker_killed_after_a_commit_comes_back_with_the_committed_version(self):
+        with self.server.client() as c:
+            self.assertEqual(c.update_lm_head("default", self.w1, version="v1"), "v1")
+            same(score(c), self.expect1)
+            kill_a_worker_and_wait_for_the_pool(self.server, c)
+            r = score(c)
+            self.assertEqual(r.head_version, "v1")
+            same(r, self.expect1)
+
+    def test_an_update_without_progress_times_out_and_one_over_the_memory_cap_is_refused(self):
+        with self.server.client() as c:
+            upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                head="default", version="slow", vocab_size=V, hidden_size=H, dtype=pb2.F32))
+
+            def ended():
+                try:
+                    c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+                except grpc.RpcError as e:
+                    return e.code() == grpc.StatusCode.NOT_FOUND and "no progress" in e.details()
+                return False
+
+            wait_for(ended, "the idle update to be aborted", 60)
+            self.assertEqual(self.server.metric("logprob_lm_head_updates_total", head="default", outcome="timeout"), 1)
+            same(score(c), self.expect0)
+        d = temp_dir("lm_head_cap")
+        p0 = save(os.path.join(d, "w0.safetensors"), self.w0)
+        per_worker = (V + 1) // 2 * H * 4
+        with Server(workers=2, extra=["--lm-head", p0, "--allow-lm-head-updates",
+                                      "--lm-head-memory-bytes", str(per_worker + per_worker // 2)]) as s, \
+                s.client() as c:
+            with self.assertRaises(LogprobError) as e:
+                c.update_lm_head("default", self.w1, version="v1")
+            self.assertEqual(e.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("--lm-head-memory-bytes", e.exception.message)
+
+
+class ConcurrentUpdateTest(unittest.TestCase):
+    def test_requests_during_back_and_forth_updates_each_match_the_version_they_report(self):
+        d = temp_dir("lm_head_concurrent")
+        w = {"a": weights(1), "b": weights(2)}
+        expect = {}
+        for k in w:
+            with Server(workers=2, extra=["--lm-head", save(os.path.join(d, k + ".safetensors"), w[k])]) as s, \
+                    s.client() as c:
+                expect[k] = score(c)
+        with Server(workers=2, extra=["--lm-head", os.path.join(d, "a.safetensors"), "--lm-head-version", "a-0",
+                                      "--allow-lm-head-updates", "--lm-head-retain", "2"]) as s:
+            stop = threading.Event()
+            errors = []
+            seen = set()
+
+            def scorer():
+                with s.client() as c:
+                    while not stop.is_set():
+                        try:
+                            r = score(c)
+                            same(r, expect[r.head_version[0]])
+                            seen.add(r.head_version)
+                            # Pinned to what it just got: that version, or gone.
+                            try:
+                                p = score(c, head_version=r.head_version)
+                                self.assertEqual(p.head_version, r.head_version)
+                                same(p, expect[r.head_version[0]])
+                            except LogprobError as e:
+                                self.assertEqual(e.code, grpc.StatusCode.FAILED_PRECONDITION)
+                        except BaseException as e:  # reported below
+                            errors.append(e)
+                            return
+
+            threads = [threading.Thread(target=scorer) for _ in range(3)]
+            for t in threads:
+                t.start()
+            with s.client() as c:
+                for i in range(1, 7):
+                    k = "b" if i % 2 else "a"
+                    self.assertEqual(c.update_lm_head("default", w[k], version="%s-%d" % (k, i)), "%s-%d" % (k, i))
+            stop.set()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            self.assertGreater(len(seen), 1, seen)
+
+
+class CliTest(unittest.TestCase):
+    def test_update_lm_head_and_heads_commands(self):
+        d = temp_dir("lm_head_cli")
+        p0 = save(os.path.join(d, "w0.safetensors"), weights(1))
+        w1 = weights(2)
+        # The new weight as a tied checkpoint (no lm_head.weight).
+        p1 = os.path.join(d, "w1.safetensors")
+        safetensors.save(p1, {"model.embed_tokens.weight": w1})
+        with Server(workers=2, extra=["--lm-head", save(os.path.join(d, "w1-start.safetensors"), w1)]) as s, \
+                s.client() as c:
+            expect = score(c)
+        cli = os.path.join(BIN_DIR, "logprob-client")
+        with Server(workers=2, extra=["--lm-head", "policy=" + p0, "--allow-lm-head-updates"]) as s, s.client() as c:
+            r = subprocess.run([cli, "update-lm-head", "--server", s.address, "--head", "policy", "--version", "cli-1",
+                                "--input", p1, "--rows-per-call", "100"], capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("policy version cli-1 sha256 ", r.stdout)
+            self.assertIn("%d/%d rows" % (V, V), r.stderr)  # progress, 4 calls of <= 100 rows
+            self.assertEqual(r.stderr.count(" rows ("), 4, r.stderr)
+            got = score(c)
+            self.assertEqual(got.head_version, "cli-1")
+            same(got, expect)
+            r = subprocess.run([cli, "heads", "--server", s.address], capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("policy  version cli-1  retained [cli-1]  [%d, %d] F32" % (V, H), r.stdout)
+            # A missing checkpoint is a bad input (2); the server's refusal is 1.
+            r = subprocess.run([cli, "update-lm-head", "--server", s.address, "--head", "policy", "--version", "x",
+                                "--input", os.path.join(d, "nope.safetensors")], capture_output=True, text=True,
+                               timeout=60)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            r = subprocess.run([cli, "update-lm-head", "--server", s.address, "--head", "other", "--version", "x",
+                                "--input", p1], capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("NOT_FOUND", r.stderr)
+
+
+class UpdatesOffTest(unittest.TestCase):
+    def test_updates_are_off_unless_allowed(self):
+        d = temp_dir("lm_head_off")
+        path = save(os.path.join(d, "w.safetensors"), weights(1))
+        with Server(extra=["--lm-head", path]) as s, s.client() as c:
+            self.assertFalse(c.server_info().lm_head_updates)
+            with self.assertRaises(LogprobError) as e:
+                c.update_lm_head("default", weights(2), version="v1")
+            self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertEqual(e.exception.reason, "LM_HEAD_UPDATES_DISABLED")
+            r = score(c)
+            self.assertEqual((r.head, r.head_version), ("default", "initial"))
+
+
+if __name__ == "__main__":
+    unittest.main()
