@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "bench/synthetic_rows.h"
 #include "worker/communicator.h"
+#include "worker/cuda/device_buffers.h"
 
 namespace logprob {
 namespace {
@@ -157,8 +158,8 @@ class DeviceScratch {
         return absl::InternalError(absl::StrCat("cudaMalloc of ", bytes.size(), " bytes: ", cudaGetErrorString(e)));
       size_ = bytes.size();
     }
-    if (cudaError_t e = cudaMemcpy(p_, bytes.data(), bytes.size(), cudaMemcpyHostToDevice); e != cudaSuccess)
-      return absl::InternalError(absl::StrCat("cudaMemcpy of the hidden states: ", cudaGetErrorString(e)));
+    // On the device before the backend's (non-blocking) streams read it.
+    if (absl::Status st = cuda::UploadAndWait(p_, bytes.data(), bytes.size()); !st.ok()) return st;
     return p_;
   }
 

@@ -182,13 +182,11 @@ void BenchLogits(const Config& cfg, int device, int64_t V) {
   const int64_t pattern_rows = 64;
   const std::vector<char> pattern = HashBytes(1, pattern_rows * V, 8.f, v1::BF16);
   for (int64_t r = 0; st.ok() && r < T; r += pattern_rows)
-    st = CudaStatus(cudaMemcpy(logits.get() + r * row_bytes, pattern.data(),
-                               std::min<int64_t>(pattern_rows, T - r) * row_bytes, cudaMemcpyHostToDevice),
-                    "logits upload");
+    st =
+        UploadAndWait(logits.get() + r * row_bytes, pattern.data(), std::min<int64_t>(pattern_rows, T - r) * row_bytes);
   std::vector<int64_t> host_targets(T);
   for (int64_t i = 0; i < T; ++i) host_targets[i] = (i * 7919) % V;
-  if (st.ok())
-    st = CudaStatus(cudaMemcpy(targets.get(), host_targets.data(), T * 8, cudaMemcpyHostToDevice), "targets");
+  if (st.ok()) st = UploadAndWait(targets.get(), host_targets.data(), T * 8);
   if (!st.ok()) {
     std::printf("ERROR: setup: %s\n", std::string(st.message()).c_str());
     return;
@@ -334,10 +332,8 @@ void BenchHidden(const Config& cfg, int device, int64_t V) {
   if (!SetupOk(d_targets.Alloc(T * 8), "targets") || !SetupOk(d_logprobs.Alloc(T * 4), "logprobs")) return;
   std::memcpy(pinned.get(), hidden.data(), hidden_bytes);
   std::memcpy(registered.get(), hidden.data(), hidden_bytes);
-  if (!SetupOk(CudaStatus(cudaMemcpy(d_hidden.get(), hidden.data(), hidden_bytes, cudaMemcpyHostToDevice), "upload"),
-               "hidden states upload") ||
-      !SetupOk(CudaStatus(cudaMemcpy(d_targets.get(), targets.data(), T * 8, cudaMemcpyHostToDevice), "upload"),
-               "targets upload"))
+  if (!SetupOk(UploadAndWait(d_hidden.get(), hidden.data(), hidden_bytes), "hidden states upload") ||
+      !SetupOk(UploadAndWait(d_targets.get(), targets.data(), T * 8), "targets upload"))
     return;
   backend.RegisterHostMemory(registered.get(), hidden_bytes);
   cudaPointerAttributes attr{};

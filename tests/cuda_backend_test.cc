@@ -5,6 +5,7 @@
 // skips (GTEST_SKIP) on a machine without a usable CUDA device.
 #include "worker/cuda/cuda_backend.h"
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +13,8 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "common/dtype.h"
@@ -309,28 +312,188 @@ TEST(CudaHidden, FusedGemmAndPartialsMatchTheCpuPath) {
   }
 }
 
+/// A one-rank one-pass item over `hidden`'s rows (host memory).
+HiddenItemRows OneRankItem(const Rows& hidden, int gather_k) {
+  HiddenItemRows item;
+  item.dtype = hidden.dtype;
+  item.own = hidden.bytes.data();
+  item.first = {0};
+  item.count = {hidden.n};
+  item.rows = hidden.block(gather_k);
+  return item;
+}
+
+// One pass in passes of bounded memory (Options::pass_bytes): 16-row
+// passes give every record the bits of a single pass, and the records of
+// the round path within float32 summation rounding.
+TEST(CudaOnePass, PassesOfBoundedMemoryGiveTheBitsOfOnePass) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 3000, H = 256, M = 75;
+  LmHeadSlice slice = RandomSlice(N, H, 31);
+  const Rows hidden = MakeRows(v1::BF16, M, H, 0, N, 2, Values::kNormal, 32);
+  const StatsSpec spec = Spec(5, 2, true);
+  const size_t words = kernels::PartialWords(spec);
+  std::vector<std::vector<uint32_t>> records;
+  for (size_t pass_bytes : {size_t{1} << 30, size_t{16} * H * 2}) {
+    cuda::CudaBackend::Options opts;
+    opts.gemm_chunk_bytes = 16 * N * 4;
+    opts.pass_bytes = pass_bytes;
+    auto gpu = cuda::CudaBackend::Create(0, opts);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    auto w = (*gpu)->LoadLmHead(slice, LmHeadPrecision::kAuto);
+    ASSERT_TRUE(w.ok()) << w.status();
+    SelfCommunicator self;
+    records.emplace_back(M * words);
+    const absl::Status st = (*gpu)->HiddenItemPartials(**w, OneRankItem(hidden, 2), self, spec, records.back().data());
+    ASSERT_TRUE(st.ok()) << st;
+    if (records.size() == 1) {
+      std::vector<uint32_t> rounds(M * words);
+      ASSERT_TRUE(
+          (*gpu)->HiddenPartials(**w, v1::BF16, hidden.bytes.data(), 0, hidden.block(2), spec, rounds.data()).ok());
+      ExpectRecordsMatch(rounds, records.back(), M, spec);
+    }
+  }
+  EXPECT_EQ(records[0], records[1]);
+}
+
+// An item cancelled between passes returns CANCELLED; the backend scores
+// the next item.
+TEST(CudaOnePass, StopsBetweenPasses) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 1000, H = 128, M = 64;
+  cuda::CudaBackend::Options opts;
+  opts.pass_bytes = 16 * H * 2;  // passes of 16 rows
+  auto gpu = cuda::CudaBackend::Create(0, opts);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto w = (*gpu)->LoadLmHead(RandomSlice(N, H, 33), LmHeadPrecision::kAuto);
+  ASSERT_TRUE(w.ok()) << w.status();
+  const Rows hidden = MakeRows(v1::BF16, M, H, 0, N, 0, Values::kNormal, 34);
+  const StatsSpec spec = Spec(0, 0, false);
+  std::vector<uint32_t> out(M * kernels::PartialWords(spec));
+  SelfCommunicator self;
+  HiddenItemRows item = OneRankItem(hidden, 0);
+  int polls = 0;
+  item.should_stop = [&polls] { return ++polls > 2; };
+  EXPECT_EQ((*gpu)->HiddenItemPartials(**w, item, self, spec, out.data()).code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(polls, 3);  // the agreement before pass 0, then passes 1 and 2
+  item.should_stop = nullptr;
+  EXPECT_TRUE((*gpu)->HiddenItemPartials(**w, item, self, spec, out.data()).ok());
+}
+
+// Fix of the review (issue 2): a GEMM that fails after chunks were queued
+// (Options::fail_gemm_after, the LOGPROB_TEST_FAIL_GEMM_AFTER hook) leaves
+// nothing running; a logits item running concurrently and the next hidden
+// item give the CPU kernel's records.
+TEST(CudaOnePass, InjectedGemmFailureThenConcurrentLogitsItemAndNextItemScore) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 3000, H = 256, M = 80;
+  LmHeadSlice slice = RandomSlice(N, H, 35);
+  cuda::CudaBackend::Options opts;
+  opts.gemm_chunk_bytes = 16 * N * 4;  // 5 chunks
+  opts.fail_gemm_after = 2;
+  auto gpu = cuda::CudaBackend::Create(0, opts);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto gw = (*gpu)->LoadLmHead(slice, LmHeadPrecision::kAuto);
+  ASSERT_TRUE(gw.ok()) << gw.status();
+  CpuBackend cpu;
+  auto cw = cpu.LoadLmHead(slice, LmHeadPrecision::kAuto);
+  ASSERT_TRUE(cw.ok()) << cw.status();
+  const Rows hidden = MakeRows(v1::BF16, M, H, 0, N, 0, Values::kNormal, 36);
+  const Rows logits = MakeRows(v1::BF16, 300, 5000, 0, 5000, 2, Values::kNormal, 37);
+  const StatsSpec spec = Spec(5, 0, true), lspec = Spec(5, 2, true);
+  const size_t words = kernels::PartialWords(spec), lwords = kernels::PartialWords(lspec);
+  SelfCommunicator self;
+  std::vector<uint32_t> failed(M * words);
+  const absl::Status st = (*gpu)->HiddenItemPartials(**gw, OneRankItem(hidden, 0), self, spec, failed.data());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_NE(std::string(st.message()).find("injected"), std::string::npos) << st;
+  // A logits item concurrently with the next hidden item.
+  std::vector<uint32_t> lcpu(300 * lwords), lgpu(300 * lwords);
+  ASSERT_TRUE(cpu.SlicePartials(logits.logits(), logits.block(2), lspec, lcpu.data()).ok());
+  absl::Status logits_st;
+  std::thread t([&] { logits_st = (*gpu)->SlicePartials(logits.logits(), logits.block(2), lspec, lgpu.data()); });
+  std::vector<uint32_t> again(M * words), rounds(M * words);
+  const absl::Status st2 = (*gpu)->HiddenItemPartials(**gw, OneRankItem(hidden, 0), self, spec, again.data());
+  t.join();
+  ASSERT_TRUE(st2.ok()) << st2;
+  ASSERT_TRUE(logits_st.ok()) << logits_st;
+  ExpectRecordsMatch(lcpu, lgpu, 300, lspec);
+  ASSERT_TRUE(
+      (*gpu)->HiddenPartials(**gw, v1::BF16, hidden.bytes.data(), 0, hidden.block(0), spec, rounds.data()).ok());
+  EXPECT_EQ(again, rounds);  // same GEMM algorithm and kernels: the same bits
+  std::vector<uint32_t> rc(M * words);
+  ASSERT_TRUE(cpu.HiddenPartials(**cw, v1::BF16, hidden.bytes.data(), 0, hidden.block(0), spec, rc.data()).ok());
+  for (int64_t r = 0; r < M; ++r) {
+    const uint32_t* pc = rc.data() + r * words;
+    const uint32_t* pg = again.data() + r * words;
+    float a[2], b[2], ta[5], tb[5];
+    int64_t ia[5], ib[5];
+    kernels::CombinePartials(&pc, 1, spec, hidden.targets[r] >= 0, {&a[0], &a[1], ta, ia, nullptr});
+    kernels::CombinePartials(&pg, 1, spec, hidden.targets[r] >= 0, {&b[0], &b[1], tb, ib, nullptr});
+    for (int j = 0; j < 2; ++j) EXPECT_NEAR(a[j], b[j], 2e-4 + 2e-5 * std::abs(a[j])) << "row " << r;
+  }
+}
+
+// Fix of the review (issue 6): a range is page-locked only when every byte
+// is: a registered range followed by a pageable gap is not.
+TEST(CudaPinned, IsPageLockedChecksTheWholeRange) {
+  SKIP_WITHOUT_GPU();
+  auto gpu = cuda::CudaBackend::Create(0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  void* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, 1 << 20), cudaSuccess);
+  const char* p = static_cast<const char*>(pinned);
+  EXPECT_TRUE((*gpu)->IsPageLocked(p, 1 << 20));
+  EXPECT_TRUE((*gpu)->IsPageLocked(p + 100, 1000));
+  EXPECT_FALSE((*gpu)->IsPageLocked(p, 0));
+  cudaFreeHost(pinned);
+  // Three pages-aligned parts; the first and the third registered.
+  const size_t part = size_t{1} << 21;
+  void* mem = nullptr;
+  ASSERT_EQ(posix_memalign(&mem, 4096, 3 * part), 0);
+  std::memset(mem, 1, 3 * part);
+  char* m = static_cast<char*>(mem);
+  (*gpu)->RegisterHostMemory(m, part);
+  (*gpu)->RegisterHostMemory(m + 2 * part, part);
+  int read_only = 0;
+  cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, 0);
+  EXPECT_EQ((*gpu)->IsPageLocked(m, part), read_only != 0);
+  EXPECT_EQ((*gpu)->IsPageLocked(m + 2 * part + 5, 100), read_only != 0);
+  EXPECT_FALSE((*gpu)->IsPageLocked(m, 3 * part));         // the pageable gap
+  EXPECT_FALSE((*gpu)->IsPageLocked(m + part - 10, 20));   // ends in the gap
+  EXPECT_FALSE((*gpu)->IsPageLocked(m + part + 7, part));  // starts in the gap
+  (*gpu)->UnregisterHostMemory(m);
+  (*gpu)->UnregisterHostMemory(m + 2 * part);
+  EXPECT_FALSE((*gpu)->IsPageLocked(m, part));
+  std::free(mem);
+}
+
 // Batch invariance (docs/SPEC.md): one row's logits are the same bits
 // whatever M its GEMM has and wherever the row sits, in every precision
 // (the cuBLASLt algorithm is chosen once, split-K 1, for every M).
 TEST(CudaHidden, GemmRowIsBitwiseIndependentOfMAndPosition) {
   SKIP_WITHOUT_GPU();
-  const int64_t N = 3000, H = 512, kRows = 300;
+  // Every (M, pos) below reads rows [anchor - pos, anchor - pos + M) of
+  // `hidden`: anchor >= max pos = kMaxM - 1 and anchor + kMaxM <= kRows.
+  const std::vector<int64_t> kMs = {1, 2, 3, 17, 64, 129, 257};
+  const int64_t kMaxM = *std::max_element(kMs.begin(), kMs.end());
+  const int64_t N = 3000, H = 512, anchor = kMaxM - 1, kRows = anchor + kMaxM;
   const Rows hidden = MakeRows(v1::F32, kRows, H, 0, N, 0, Values::kNormal, 21);
   for (LmHeadPrecision p : {LmHeadPrecision::kBf16, LmHeadPrecision::kTf32, LmHeadPrecision::kFp32}) {
     SCOPED_TRACE(LmHeadPrecisionName(p));
     LmHeadSlice slice = RandomSlice(N, H, 22);
     cuda::CudaBackend::Options opts;
-    opts.gemm_chunk_bytes = 512 * N * 4;  // every M below is one GEMM
+    opts.gemm_chunk_bytes = 1024 * N * 4;  // every M below, and kRows, is one GEMM
     auto gpu = cuda::CudaBackend::Create(0, opts);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     auto w = (*gpu)->LoadLmHead(slice, p);
     ASSERT_TRUE(w.ok()) << w.status();
     std::vector<float> all(kRows * N);
     ASSERT_TRUE((*gpu)->HiddenLogits(**w, v1::F32, hidden.bytes.data(), kRows, all.data()).ok());
-    const int64_t anchor = 150;
-    for (int64_t M : {1, 2, 3, 17, 64, 129, 257}) {
+    for (int64_t M : kMs) {
       for (int64_t pos : {int64_t{0}, M / 2, M - 1}) {
         const int64_t first = anchor - pos;
+        ASSERT_TRUE(first >= 0 && first + M <= kRows) << "M = " << M << ", pos = " << pos;
         std::vector<float> out(M * N);
         ASSERT_TRUE((*gpu)->HiddenLogits(**w, v1::F32, hidden.bytes.data() + first * H * 4, M, out.data()).ok());
         ASSERT_EQ(std::memcmp(out.data() + pos * N, all.data() + anchor * N, N * 4), 0)

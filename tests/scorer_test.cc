@@ -28,6 +28,7 @@
 #include "worker/cpu_backend.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/sampling_filter.h"
+#include "worker/one_pass_layout.h"
 
 namespace logprob::testing {
 namespace {
@@ -225,12 +226,16 @@ RankBackend BackendFor(const Problem& p, int W, int r) {
 }
 
 /// The one-pass contract (ScoringBackend::HiddenItemPartials) on the host,
-/// as the CUDA backend implements it on the device: all-gather every
-/// rank's rows into equal slots, the inner backend's records for all item
-/// rows, one all-to-all of records. Everything else is forwarded.
+/// as the CUDA backend implements it on the device, with the same
+/// arithmetic (worker/one_pass_layout.h): passes of `pass_rows` rows of
+/// every rank's share, an agreement before each pass, an all-gather of
+/// every rank's rows into aligned slots, the inner backend's records for
+/// the pass's rows (rank order), one all-to-all of records, scattered into
+/// [W][rows][words]. Everything else is forwarded.
 class HostOnePassBackend final : public ScoringBackend {
  public:
-  explicit HostOnePassBackend(std::unique_ptr<ScoringBackend> inner) : inner_(std::move(inner)) {}
+  explicit HostOnePassBackend(std::unique_ptr<ScoringBackend> inner, int64_t pass_rows = 7)
+      : inner_(std::move(inner)), pass_rows_(pass_rows) {}
   std::string name() const override { return "host-one-pass"; }
   absl::Status SlicePartials(const LogitsBlock& b, const BlockRows& r, const kernels::StatsSpec& s,
                              uint32_t* out) override {
@@ -256,31 +261,55 @@ class HostOnePassBackend final : public ScoringBackend {
                                   const kernels::StatsSpec& spec, uint32_t* own_records) override {
     ++one_pass_calls;
     const int W = comm.size(), me = comm.rank();
+    RankRows ranks{item.first, item.count};
+    if (absl::Status st = CheckRankRows(ranks, W, item.rows.count); !st.ok()) return st;
     const size_t row = static_cast<size_t>(lm_head.hidden_size()) * DTypeSize(item.dtype);
     const size_t words = kernels::PartialWords(spec);
-    int64_t slot = 0;
-    for (int64_t c : item.count) slot = std::max(slot, c);
-    std::vector<char> mine(slot * row), all(W * slot * row), packed;
-    if (item.count[me]) std::memcpy(mine.data(), item.own, item.count[me] * row);
-    if (absl::Status st = comm.AllGather(mine.data(), mine.size(), all.data()); !st.ok()) return st;
-    for (int q = 0; q < W; ++q)
-      packed.insert(packed.end(), all.begin() + q * slot * row, all.begin() + (q * slot + item.count[q]) * row);
-    std::vector<uint32_t> records(static_cast<size_t>(item.rows.count) * words);
-    if (absl::Status st = inner_->HiddenPartials(lm_head, item.dtype, packed.data(), item.vocab_begin, item.rows, spec,
-                                                 records.data());
-        !st.ok())
-      return st;
-    std::vector<int64_t> send(W), recv(W);
-    for (int q = 0; q < W; ++q) {
-      send[q] = item.count[q] * static_cast<int64_t>(words) * 4;
-      recv[q] = item.count[me] * static_cast<int64_t>(words) * 4;
+    const OnePassLayout layout(std::move(ranks), pass_rows_);
+    for (int64_t p = 0; p < layout.passes(); ++p) {
+      const bool stop = item.should_stop && item.should_stop();
+      if (auto agreed = AgreeOnPass(comm, stop ? PassVote::kCancelled : PassVote::kGo, pass_rows_, absl::OkStatus());
+          !agreed.ok())
+        return agreed.status();
+      ++passes;
+      const PassLayout pass = layout.Pass(p);
+      std::vector<char> slot(pass.SlotBytes(row)), all(W * pass.SlotBytes(row)), packed;
+      if (pass.count[me])
+        std::memcpy(slot.data(), static_cast<const char*>(item.own) + pass.pass_row0 * row, pass.count[me] * row);
+      if (absl::Status st = comm.AllGather(slot.data(), slot.size(), all.data()); !st.ok()) return st;
+      for (int q = 0; q < W; ++q) {
+        const char* from = all.data() + pass.SlotOffset(q, row);
+        packed.insert(packed.end(), from, from + pass.count[q] * row);
+      }
+      // The pass's targets in pass order (rank q's from record_row[q]).
+      std::vector<int64_t> targets, gather;
+      for (int q = 0; q < W; ++q) {
+        const int64_t f = pass.item_first[q], c = pass.count[q], k = spec.gather_k;
+        targets.insert(targets.end(), item.rows.targets + f, item.rows.targets + f + c);
+        if (k) gather.insert(gather.end(), item.rows.gather_ids + f * k, item.rows.gather_ids + (f + c) * k);
+      }
+      const BlockRows ids{pass.total(), targets.data(), spec.gather_k ? gather.data() : nullptr};
+      std::vector<uint32_t> records(static_cast<size_t>(pass.total()) * words);
+      if (absl::Status st =
+              inner_->HiddenPartials(lm_head, item.dtype, packed.data(), item.vocab_begin, ids, spec, records.data());
+          !st.ok())
+        return st;
+      std::vector<int64_t> send, recv;
+      pass.RecordExchange(me, words, &send, &recv);
+      std::vector<uint32_t> got(static_cast<size_t>(W * pass.count[me]) * words);
+      if (absl::Status st = comm.AllToAllV(records.data(), send, got.data(), recv); !st.ok()) return st;
+      for (int q = 0; q < W; ++q)
+        std::memcpy(own_records + RecordIndex(q, pass.pass_row0, item.count[me], words),
+                    got.data() + RecordIndex(q, 0, pass.count[me], words), pass.count[me] * words * 4);
     }
-    return comm.AllToAllV(records.data(), send, own_records, recv);
+    return absl::OkStatus();
   }
+  int passes = 0;
   int one_pass_calls = 0;
 
  private:
   std::unique_ptr<ScoringBackend> inner_;
+  int64_t pass_rows_;
 };
 
 /// Runs ScoreWorkItem for every rank on its own thread; `should_stop`
@@ -598,9 +627,11 @@ TEST(Scorer, HiddenStatesInOnePassGiveTheBitsOfTheRounds) {
   // A backend that scores the whole item in one pass (the CUDA backend's
   // contract, here on the host) gives every row the same bits as rounds of
   // 16 rows, for W = 1..3, and rows split unevenly or not at all (n < W).
-  for (int64_t n : {150, 2}) {
+  // The double runs passes of 7 rows per rank (worker/one_pass_layout.h,
+  // the CUDA backend's arithmetic), so 150 rows take several passes.
+  for (int64_t n : {150, 37, 2}) {
     const Problem p = HiddenProblem(n, 301, 64, /*filters=*/false, 21);
-    for (int W = 1; W <= 3; ++W) {
+    for (int W : {1, 2, 3, 5, 8}) {
       SCOPED_TRACE("n " + std::to_string(n) + " W " + std::to_string(W));
       const Scored rounds = Score(p, internal::v1::HIDDEN_STATES, W);
       const Scored one = Score(p, internal::v1::HIDDEN_STATES, W, /*one_pass=*/true);
@@ -648,6 +679,19 @@ TEST(Scorer, OneRankAskingToStopStopsEveryRankAfterTheSameRound) {
     const auto results = RunRanks(q, layout, 2, 16, [&](int rank) { return rank == 1 && ++polls > 1; });
     for (const auto& r : results) EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
   }
+}
+
+TEST(Scorer, OneRankAskingToStopStopsEveryRankAfterTheSameOnePassPass) {
+  // The one-pass path polls should_stop once per pass and the ranks agree
+  // (AgreeOnPass): rank 1 asks to stop from its third poll on (the
+  // scorer's own check and the first pass go through), so every rank
+  // returns CANCELLED after the same pass and none waits in a collective.
+  const Problem p = HiddenProblem(100, 64, 32, /*filters=*/false, 6);
+  std::atomic<int> polls{0};
+  const auto results = RunRanks(
+      p, internal::v1::HIDDEN_STATES, 3, 16, [&](int rank) { return rank == 1 && ++polls > 2; },
+      /*one_pass=*/true);
+  for (const auto& r : results) EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
 }
 
 TEST(Scorer, TopPBoundaryInsideAGroupOfEqualBf16LogitsKeepsTheWholeGroup) {

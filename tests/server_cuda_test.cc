@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "tests/test_support.h"
+#include "worker/cuda/device_buffers.h"
 #include "worker/cuda/device_info.h"
 
 namespace logprob::testing {
@@ -71,8 +72,9 @@ class DeviceCopy {
   explicit DeviceCopy(const std::string& bytes) : size_(bytes.size() + 2 * kOffset) {
     EXPECT_EQ(cudaMalloc(&base_, size_), cudaSuccess);
     EXPECT_EQ(cudaMemset(base_, 0xff, size_), cudaSuccess);  // NaN bf16 around the tensor
-    EXPECT_EQ(cudaMemcpy(static_cast<char*>(base_) + kOffset, bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
-              cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);         // before the upload's own stream writes
+    // Landed before the workers (other processes) read it.
+    EXPECT_TRUE(cuda::UploadAndWait(static_cast<char*>(base_) + kOffset, bytes.data(), bytes.size()).ok());
     cudaIpcMemHandle_t h;
     EXPECT_EQ(cudaIpcGetMemHandle(&h, base_), cudaSuccess);
     handle_.assign(reinterpret_cast<const char*>(&h), sizeof(h));

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -105,6 +106,9 @@ struct HiddenItemRows {
   int64_t vocab_begin = 0;            // global id of the lm_head slice's first row
   std::vector<int64_t> first, count;  // per rank
   BlockRows rows;                     // targets (and gather ids) of all item rows, in item order
+  /// Polled between passes (null: never stop); the ranks agree, so all
+  /// stop after the same pass and HiddenItemPartials returns CANCELLED.
+  std::function<bool()> should_stop;
 };
 
 /// Device memory of an item's payload that a backend mapped (a same-host

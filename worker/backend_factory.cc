@@ -44,8 +44,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(const std::string
   if (size > devices)
     return absl::FailedPreconditionError(absl::StrCat("--comm nccl needs one GPU per worker: ", size, " workers, ",
                                                       devices, " GPU(s); use --comm gloo to share GPUs"));
+  // NCCL on a stream of its own: the backend's one-pass items wait for
+  // their inputs before a device collective and do not hold the backend's
+  // streams while it runs, so token-parallel items never queue behind one.
   LOGPROB_ASSIGN_OR_RETURN(auto c, cuda::NcclCommunicator::Create(store, rank, size, cuda_backend->device(),
-                                                                  cuda_backend->stream(), timeout));
+                                                                  /*stream=*/nullptr, timeout));
   return std::unique_ptr<Communicator>(std::move(c));
 #else
   return absl::InternalError("unreachable: CheckBackendChoice accepted nccl in a build without CUDA");

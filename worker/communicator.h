@@ -31,8 +31,9 @@ class Communicator {
                                  const std::vector<int64_t>& recv_bytes) = 0;
 
   /// True when AllGatherDevice / AllToAllVDevice take buffers in the device
-  /// memory of the worker's GPU (NCCL), ordered after the work already
-  /// queued on the CUDA backend's compute stream. Host transports: false.
+  /// memory of the worker's GPU (NCCL). The caller makes sure the input
+  /// buffers are complete before the call (the CUDA backend waits for its
+  /// streams' work first). Host transports: false.
   virtual bool device_collectives() const { return false; }
   /// AllGather on device buffers; returns once the collective finished
   /// (or failed / timed out: UNAVAILABLE / DEADLINE_EXCEEDED).

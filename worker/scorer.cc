@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "worker/kernels/row_stats.h"
 #include "worker/kernels/sampling_filter.h"
+#include "worker/one_pass_layout.h"
 
 namespace logprob {
 namespace {
@@ -149,7 +150,7 @@ void CombineOwnRows(Job& job, int W, int64_t first, int64_t mine, const uint32_t
   std::vector<const uint32_t*> recs(W);
   for (int64_t i = 0; i < mine; ++i) {
     const int64_t row = first + i;
-    for (int q = 0; q < W; ++q) recs[q] = recv + (q * mine + i) * words;
+    for (int q = 0; q < W; ++q) recs[q] = recv + RecordIndex(q, i, mine, words);
     kernels::CombinePartials(recs.data(), W, job.spec, job.item.targets(static_cast<int>(row)) >= 0,
                              out.At(row - out_row0));
   }
@@ -303,7 +304,8 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
 
 /// HIDDEN_STATES in one pass (a backend with OnePassHidden(comm), no
 /// sampling filters): the backend gathers, multiplies and exchanges the
-/// whole item on its device; this rank combines its own rows' records.
+/// whole item on its device (in passes of bounded memory, polling
+/// should_stop between them); this rank combines its own rows' records.
 absl::Status ScoreHiddenOnePass(Job& job, Communicator& comm, bool on_device, int64_t own_begin, ResultRows& out) {
   LOGPROB_RETURN_IF_ERROR(AgreeToGoOn(job, comm));
   const WorkItem& item = job.item;
@@ -313,12 +315,11 @@ absl::Status ScoreHiddenOnePass(Job& job, Communicator& comm, bool on_device, in
   h.own = job.payload.data();
   h.own_on_device = on_device;
   h.vocab_begin = item.vocab_begin();
-  for (int q = 0; q < W; ++q) {
-    const auto [ob, oe] = SplitRange(item.num_rows(), W, q);
-    h.first.push_back(ob);
-    h.count.push_back(oe - ob);
-  }
+  RankRows ranks = SplitRows(item.num_rows(), W);
+  h.first = std::move(ranks.first);
+  h.count = std::move(ranks.count);
   h.rows = job.Range(0, item.num_rows());
+  h.should_stop = job.should_stop;
   const int64_t mine = h.count[me];
   std::vector<uint32_t> recv(static_cast<size_t>(W * mine) * kernels::PartialWords(job.spec));
   LOGPROB_RETURN_IF_ERROR(job.backend.HiddenItemPartials(*job.lm_head, h, comm, job.spec, recv.data()));

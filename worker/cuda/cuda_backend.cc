@@ -1,8 +1,12 @@
 #include "worker/cuda/cuda_backend.h"
 
+#include <cuda.h>  // CUpointer_attribute, CUdeviceptr (types only: the function comes from the runtime)
+
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -46,10 +50,82 @@ int64_t RowsInBudget(size_t gemm_chunk_bytes, int64_t N) {
                            static_cast<int64_t>(gemm_chunk_bytes / (static_cast<size_t>(std::max<int64_t>(N, 1)) * 4)));
 }
 
-/// x rounded up to a multiple of 16 (rows: GEMM chunks start aligned).
-int64_t RoundUp16(int64_t x) { return (x + 15) / 16 * 16; }
+using CuPointerGetAttributesFn = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+
+/// cuPointerGetAttributes from the driver the runtime loaded; null if missing.
+CuPointerGetAttributesFn PointerAttributes() {
+  static const CuPointerGetAttributesFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &p, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<CuPointerGetAttributesFn>(nullptr);
+    }
+    return reinterpret_cast<CuPointerGetAttributesFn>(p);
+  }();
+  return fn;
+}
+
+/// The extent [begin, end) of the page-locked host allocation holding `p`
+/// (cudaMallocHost, cudaHostRegister by anyone), or {p, p} when `p` is not
+/// page-locked host memory the driver knows or the driver cannot say.
+std::pair<const char*, const char*> PinnedExtent(const char* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return {p, p};
+  }
+  if (a.type != cudaMemoryTypeHost) return {p, p};
+  CuPointerGetAttributesFn get = PointerAttributes();
+  if (!get) return {p, p};
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+  void* data[2] = {&start, &size};
+  if (get(2, attrs, data, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS || size == 0) return {p, p};
+  const char* begin = reinterpret_cast<const char*>(start);
+  if (p < begin || p >= begin + size) return {p, p};
+  return {begin, begin + size};
+}
+
+/// The pass's targets and gather ids in pass order (rank q's rows from
+/// record row pass.record_row[q]), for UploadIds.
+BlockRows PassIds(const BlockRows& item_rows, const PassLayout& pass, const kernels::StatsSpec& spec,
+                  std::vector<int64_t>* targets, std::vector<int64_t>* gather_ids) {
+  const int k = spec.gather_k;
+  targets->clear();
+  gather_ids->clear();
+  for (size_t q = 0; q < pass.count.size(); ++q) {
+    const int64_t f = pass.item_first[q], c = pass.count[q];
+    targets->insert(targets->end(), item_rows.targets + f, item_rows.targets + f + c);
+    if (k) gather_ids->insert(gather_ids->end(), item_rows.gather_ids + f * k, item_rows.gather_ids + (f + c) * k);
+  }
+  return BlockRows{static_cast<int64_t>(targets->size()), targets->data(), k ? gather_ids->data() : nullptr};
+}
 
 }  // namespace
+
+absl::Status CudaBackend::Workspace::Create() {
+  for (int i = 0; i < 2; ++i) {
+    LOGPROB_RETURN_IF_ERROR(copied[i].Create());
+    LOGPROB_RETURN_IF_ERROR(computed[i].Create());
+    LOGPROB_RETURN_IF_ERROR(gemm_done[i].Create());
+    LOGPROB_RETURN_IF_ERROR(stats_done[i].Create());
+  }
+  for (Event& e : tail) LOGPROB_RETURN_IF_ERROR(e.Create());
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Workspace::ReserveUploadEvents(int64_t chunks) {
+  while (static_cast<int64_t>(uploaded.size()) < chunks) {
+    auto e = std::make_unique<Event>();
+    LOGPROB_RETURN_IF_ERROR(e->Create());
+    uploaded.push_back(std::move(e));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, const Options& options) {
   int n = 0;
@@ -62,15 +138,23 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, con
   b->device_ = device;
   b->options_ = options;
   b->options_.staging_bytes = std::max<size_t>(b->options_.staging_bytes, 1);
+  if (const char* env = std::getenv("LOGPROB_TEST_FAIL_GEMM_AFTER"); env && *env)
+    b->options_.fail_gemm_after = std::strtoll(env, nullptr, 10);
+  int read_only = 0;
+  if (cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, device) != cudaSuccess) {
+    cudaGetLastError();
+    read_only = 0;
+  }
+  b->read_only_register_ = read_only != 0;
   LOGPROB_RETURN_IF_ERROR(b->compute_.Create());
   LOGPROB_RETURN_IF_ERROR(b->copy_.Create());
   LOGPROB_RETURN_IF_ERROR(b->stats_.Create());
-  for (int i = 0; i < 2; ++i) {
-    LOGPROB_RETURN_IF_ERROR(b->copied_[i].Create());
-    LOGPROB_RETURN_IF_ERROR(b->computed_[i].Create());
-    LOGPROB_RETURN_IF_ERROR(b->gemm_done_[i].Create());
-    LOGPROB_RETURN_IF_ERROR(b->stats_done_[i].Create());
+  {
+    absl::MutexLock lock(&b->mu_);
+    LOGPROB_RETURN_IF_ERROR(b->ws_.Create());
   }
+  absl::MutexLock lock(&b->item_mu_);
+  LOGPROB_RETURN_IF_ERROR(b->item_ws_.Create());
   return b;
 }
 
@@ -85,47 +169,69 @@ absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CudaBackend::LoadLmHead(LmH
   return std::shared_ptr<const LmHeadWeights>(std::make_shared<CudaLmHead>(std::move(gemm)));
 }
 
-absl::Status CudaBackend::UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec) {
+void CudaBackend::WaitForStreams() const {
+  for (const Stream* s : {&copy_, &compute_, &stats_})
+    if (cudaStreamSynchronize(s->get()) != cudaSuccess) cudaGetLastError();
+}
+
+void CudaBackend::RecordTails(Workspace& w) const {
+  const Stream* streams[3] = {&copy_, &compute_, &stats_};
+  for (int i = 0; i < 3; ++i)
+    if (cudaEventRecord(w.tail[i].get(), streams[i]->get()) != cudaSuccess) {
+      // The event keeps its older record; wait for the stream instead.
+      cudaGetLastError();
+      if (cudaStreamSynchronize(streams[i]->get()) != cudaSuccess) cudaGetLastError();
+    }
+}
+
+absl::Status CudaBackend::WaitTails(Workspace& w) {
+  absl::Status st;
+  for (Event& e : w.tail)
+    if (cudaError_t r = cudaEventSynchronize(e.get()); r != cudaSuccess && st.ok()) st = CudaStatus(r, "device work");
+  return st;
+}
+
+absl::Status CudaBackend::UploadIds(Workspace& w, const BlockRows& rows, const kernels::StatsSpec& spec) {
   const size_t n = static_cast<size_t>(rows.count);
-  LOGPROB_RETURN_IF_ERROR(targets_dev_.Reserve(n * 8));
+  LOGPROB_RETURN_IF_ERROR(w.targets.Reserve(std::max<size_t>(n * 8, 1)));
   LOGPROB_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(targets_dev_.get(), rows.targets, n * 8, cudaMemcpyHostToDevice, compute_.get()), "targets");
+      cudaMemcpyAsync(w.targets.get(), rows.targets, n * 8, cudaMemcpyHostToDevice, compute_.get()), "targets");
   if (spec.gather_k > 0) {
     const size_t bytes = n * static_cast<size_t>(spec.gather_k) * 8;
-    LOGPROB_RETURN_IF_ERROR(gather_dev_.Reserve(bytes));
+    LOGPROB_RETURN_IF_ERROR(w.gather.Reserve(std::max<size_t>(bytes, 1)));
     LOGPROB_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(gather_dev_.get(), rows.gather_ids, bytes, cudaMemcpyHostToDevice, compute_.get()),
-        "gather ids");
+        cudaMemcpyAsync(w.gather.get(), rows.gather_ids, bytes, cudaMemcpyHostToDevice, compute_.get()), "gather ids");
   }
   const size_t words = kernels::PartialWords(spec);
-  LOGPROB_RETURN_IF_ERROR(records_dev_.Reserve(n * words * 4));
+  LOGPROB_RETURN_IF_ERROR(w.records.Reserve(std::max<size_t>(n * words * 4, 1)));
   if (spec.topk > 0) {
-    LOGPROB_RETURN_IF_ERROR(topk_x_dev_.Reserve(n * spec.topk * 4));
-    LOGPROB_RETURN_IF_ERROR(topk_id_dev_.Reserve(n * spec.topk * 4));
+    LOGPROB_RETURN_IF_ERROR(w.topk_x.Reserve(std::max<size_t>(n * spec.topk * 4, 1)));
+    LOGPROB_RETURN_IF_ERROR(w.topk_id.Reserve(std::max<size_t>(n * spec.topk * 4, 1)));
   }
   return absl::OkStatus();
 }
 
-void CudaBackend::PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& spec, RowBlockArgs* args) const {
+void CudaBackend::PointAtRows(const Workspace& w, int64_t r0, int64_t n, const kernels::StatsSpec& spec,
+                              RowBlockArgs* args) {
   args->rows = n;
-  args->targets = targets_dev_.get<int64_t>() + r0;
-  args->gather_ids = spec.gather_k ? gather_dev_.get<int64_t>() + r0 * spec.gather_k : nullptr;
-  args->records = records_dev_.get<uint32_t>() + r0 * static_cast<int64_t>(kernels::PartialWords(spec));
-  args->topk_scratch_x = spec.topk ? topk_x_dev_.get<float>() + r0 * spec.topk : nullptr;
-  args->topk_scratch_id = spec.topk ? topk_id_dev_.get<int32_t>() + r0 * spec.topk : nullptr;
+  args->targets = w.targets.get<int64_t>() + r0;
+  args->gather_ids = spec.gather_k ? w.gather.get<int64_t>() + r0 * spec.gather_k : nullptr;
+  args->records = w.records.get<uint32_t>() + r0 * static_cast<int64_t>(kernels::PartialWords(spec));
+  args->topk_scratch_x = spec.topk ? w.topk_x.get<float>() + r0 * spec.topk : nullptr;
+  args->topk_scratch_id = spec.topk ? w.topk_id.get<int32_t>() + r0 * spec.topk : nullptr;
 }
 
-absl::Status CudaBackend::Download(const void* src, size_t bytes, void* dst) {
-  LOGPROB_RETURN_IF_ERROR(records_host_.Reserve(std::max<size_t>(bytes, 1)));
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(records_host_.get(), src, bytes, cudaMemcpyDeviceToHost, compute_.get()),
-                               "records download");
+absl::Status CudaBackend::Download(Workspace& w, const void* src, size_t bytes, void* dst) {
+  LOGPROB_RETURN_IF_ERROR(w.records_host.Reserve(std::max<size_t>(bytes, 1)));
+  LOGPROB_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(w.records_host.get(), src, bytes, cudaMemcpyDeviceToHost, compute_.get()), "records download");
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_.get()), "row kernels");
-  std::memcpy(dst, records_host_.get(), bytes);
+  std::memcpy(dst, w.records_host.get(), bytes);
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records) {
-  return Download(records_dev_.get(), static_cast<size_t>(rows) * kernels::PartialWords(spec) * 4, records);
+absl::Status CudaBackend::FetchRecords(Workspace& w, int64_t rows, const kernels::StatsSpec& spec, uint32_t* records) {
+  return Download(w, w.records.get(), static_cast<size_t>(rows) * kernels::PartialWords(spec) * 4, records);
 }
 
 absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRows& rows,
@@ -138,17 +244,21 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     return absl::OkStatus();
   }
   absl::MutexLock lock(&mu_);
+  // Whatever the exit, nothing queued here still runs (declared after the
+  // lock, so it runs before the unlock).
+  absl::Cleanup drain = [this] { WaitForStreams(); };
+  Workspace& w = ws_;
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   const size_t row_bytes = static_cast<size_t>(block.len) * DTypeSize(block.dtype);
   const int64_t sub = std::clamp<int64_t>(static_cast<int64_t>(options_.staging_bytes / row_bytes), 1, rows.count);
-  LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
-  if (filter) LOGPROB_RETURN_IF_ERROR(keep_min_dev_.Reserve(static_cast<size_t>(rows.count) * 4));
+  LOGPROB_RETURN_IF_ERROR(UploadIds(w, rows, spec));
+  if (filter) LOGPROB_RETURN_IF_ERROR(w.keep_min.Reserve(static_cast<size_t>(rows.count) * 4));
   // Page-locked logits (a payload region the worker registered) upload
   // straight from where they are; others through the pinned buffers.
   const bool direct = IsPageLocked(block.data, static_cast<size_t>(rows.count) * row_bytes);
   for (int b = 0; b < 2; ++b) {
-    if (!direct) LOGPROB_RETURN_IF_ERROR(staging_host_[b].Reserve(sub * row_bytes));
-    LOGPROB_RETURN_IF_ERROR(staging_dev_[b].Reserve(sub * row_bytes));
+    if (!direct) LOGPROB_RETURN_IF_ERROR(w.staging_host[b].Reserve(sub * row_bytes));
+    LOGPROB_RETURN_IF_ERROR(w.staging_dev[b].Reserve(sub * row_bytes));
   }
   RowBlockArgs args = BaseArgs(spec);
   args.type = ElemOf(block.dtype);
@@ -161,18 +271,18 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     // buffer b once the kernels that read it finished.
     const char* from = static_cast<const char*>(block.data) + r0 * row_bytes;
     if (!direct) {
-      LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_[b].get()), "staging upload");
-      std::memcpy(staging_host_[b].get(), from, n * row_bytes);
-      from = staging_host_[b].get<char>();
+      LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(w.copied[b].get()), "staging upload");
+      std::memcpy(w.staging_host[b].get(), from, n * row_bytes);
+      from = w.staging_host[b].get<char>();
     }
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_.get(), computed_[b].get(), 0), "wait");
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_.get(), w.computed[b].get(), 0), "wait");
     LOGPROB_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(staging_dev_[b].get(), from, n * row_bytes, cudaMemcpyHostToDevice, copy_.get()),
+        cudaMemcpyAsync(w.staging_dev[b].get(), from, n * row_bytes, cudaMemcpyHostToDevice, copy_.get()),
         "logits upload");
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(copied_[b].get(), copy_.get()), "event");
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), copied_[b].get(), 0), "wait");
-    args.logits = staging_dev_[b].get();
-    PointAtRows(r0, n, spec, &args);
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(w.copied[b].get(), copy_.get()), "event");
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), w.copied[b].get(), 0), "wait");
+    args.logits = w.staging_dev[b].get();
+    PointAtRows(w, r0, n, spec, &args);
     args.keep_min = nullptr;
     if (filter) {
       FilterArgs f;
@@ -183,14 +293,14 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
       f.temperature = spec.temperature;
       f.top_k = filter->top_k;
       f.top_p = filter->top_p;
-      f.keep_min = keep_min_dev_.get<float>() + r0;
+      f.keep_min = w.keep_min.get<float>() + r0;
       LOGPROB_CUDA_RETURN_IF_ERROR(LaunchSamplingKeepMin(f, compute_.get()), "sampling filter kernel");
       args.keep_min = f.keep_min;
     }
     LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRowPartials(args, compute_.get()), "row partials kernel");
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(computed_[b].get(), compute_.get()), "event");
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(w.computed[b].get(), compute_.get()), "event");
   }
-  return FetchRecords(rows.count, spec, records);
+  return FetchRecords(w, rows.count, spec, records);
 }
 
 absl::Status CudaBackend::SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
@@ -204,10 +314,105 @@ absl::Status CudaBackend::FilteredRowPartials(const LogitsBlock& block, const Bl
   return LogitsPartials(block, rows, spec, &filter, records);
 }
 
-int64_t CudaBackend::GemmChunkRows(int64_t M) const {
-  int64_t g = RowsInBudget(options_.gemm_chunk_bytes, gemm_->rows());
-  if (g < M) g -= g % 16;
+int64_t CudaBackend::GemmChunkRows(const CublasLtLmHead& gemm, int64_t M) const {
+  int64_t g = RowsInBudget(options_.gemm_chunk_bytes, gemm.rows());
+  if (g < M) g -= g % kSlotAlignRows;
   return std::min(g, M);
+}
+
+absl::Status CudaBackend::Gemm(CublasLtLmHead& gemm, const void* a, int64_t n, float* out) {
+  if (options_.fail_gemm_after >= 0) {
+    const int64_t done = gemms_.load(std::memory_order_relaxed);
+    if (done == options_.fail_gemm_after) {
+      gemms_.store(done + 1, std::memory_order_relaxed);  // once
+      return absl::InternalError(absl::StrCat("lm_head GEMM: injected failure after ", done, " GEMMs"));
+    }
+  }
+  LOGPROB_RETURN_IF_ERROR(gemm.Compute(a, n, out, compute_.get()));
+  gemms_.fetch_add(1, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ReserveStaging(Workspace& w, const char* src, bool on_device, int64_t rows, size_t row_bytes,
+                                         int64_t G, bool* direct) const {
+  *direct = on_device || IsPageLocked(src, static_cast<size_t>(rows) * row_bytes);
+  if (!*direct)
+    for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(w.staging_host[b].Reserve(static_cast<size_t>(G) * row_bytes));
+  return w.ReserveUploadEvents((rows + G - 1) / G);
+}
+
+absl::Status CudaBackend::UploadChunk(Workspace& w, const char* src, bool on_device, bool direct, int64_t c, int64_t G,
+                                      int64_t n, size_t row_bytes, char* dst) {
+  const size_t bytes = static_cast<size_t>(n) * row_bytes, at = static_cast<size_t>(c * G) * row_bytes;
+  if (direct) {
+    LOGPROB_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst + at, src + at, bytes, on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice,
+                        copy_.get()),
+        "hidden states upload");
+  } else {
+    // Pageable memory: copy into pinned buffer b (free once its previous
+    // upload finished) while earlier chunks upload and multiply.
+    const int b = static_cast<int>(c % 2);
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(w.copied[b].get()), "staging upload");
+    std::memcpy(w.staging_host[b].get(), src + at, bytes);
+    LOGPROB_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst + at, w.staging_host[b].get(), bytes, cudaMemcpyHostToDevice, copy_.get()),
+        "hidden states upload");
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(w.copied[b].get(), copy_.get()), "event");
+  }
+  return CudaStatus(cudaEventRecord(w.uploaded[c]->get(), copy_.get()), "event");
+}
+
+template <typename Consume>
+absl::Status CudaBackend::Pipeline(Workspace& w, const char* src, bool on_device, int64_t rows, size_t row_bytes,
+                                   int64_t G, char* dst, Consume consume) {
+  bool direct = false;
+  LOGPROB_RETURN_IF_ERROR(ReserveStaging(w, src, on_device, rows, row_bytes, G, &direct));
+  const int64_t chunks = (rows + G - 1) / G;
+  for (int64_t c = 0; c < chunks; ++c) {
+    LOGPROB_RETURN_IF_ERROR(UploadChunk(w, src, on_device, direct, c, G, std::min(G, rows - c * G), row_bytes, dst));
+    if (c > 0) LOGPROB_RETURN_IF_ERROR(consume(c - 1));
+  }
+  if (chunks > 0) LOGPROB_RETURN_IF_ERROR(consume(chunks - 1));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const void*> CudaBackend::ChunkOperand(Workspace& w, const CublasLtLmHead& gemm, const char* hidden,
+                                                      DType dtype, int64_t l0, int64_t n, int64_t G, int64_t upload) {
+  if (upload >= 0)
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), w.uploaded[upload]->get(), 0), "wait");
+  const int64_t H = gemm.hidden_size();
+  const void* a = hidden + static_cast<size_t>(l0 * H) * DTypeSize(dtype);
+  if (dtype == gemm.compute_dtype()) return a;
+  // hidden_dev holds one chunk: the previous chunk's GEMM, queued before
+  // on this stream, has read it.
+  LOGPROB_RETURN_IF_ERROR(w.hidden_dev.Reserve(static_cast<size_t>(G * H) * DTypeSize(gemm.compute_dtype())));
+  LOGPROB_CUDA_RETURN_IF_ERROR(
+      LaunchConvert(a, ElemOf(dtype), n * H, w.hidden_dev.get(), ElemOf(gemm.compute_dtype()), compute_.get()),
+      "hidden states conversion");
+  return static_cast<const void*>(w.hidden_dev.get());
+}
+
+absl::Status CudaBackend::GemmAndStatsChunk(Workspace& w, CublasLtLmHead& gemm, const char* hidden, DType dtype,
+                                            int64_t row0, int64_t n, int64_t G, int64_t k, int64_t upload,
+                                            int64_t vocab_begin, const kernels::StatsSpec& spec) {
+  const int64_t N = gemm.rows();
+  for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(w.chunk_logits[b].Reserve(static_cast<size_t>(G * N) * 4));
+  RowBlockArgs args = BaseArgs(spec);
+  args.type = ElemType::kF32;
+  args.row_stride = args.len = N;
+  args.vocab_begin = vocab_begin;
+  const int b = static_cast<int>(k % 2);
+  LOGPROB_ASSIGN_OR_RETURN(const void* a, ChunkOperand(w, gemm, hidden, dtype, 0, n, G, upload));
+  // Logits buffer b is free once the statistics of chunk k - 2 read it.
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), w.stats_done[b].get(), 0), "wait");
+  LOGPROB_RETURN_IF_ERROR(Gemm(gemm, a, n, w.chunk_logits[b].get<float>()));
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(w.gemm_done[b].get(), compute_.get()), "event");
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stats_.get(), w.gemm_done[b].get(), 0), "wait");
+  args.logits = w.chunk_logits[b].get();
+  PointAtRows(w, row0, n, spec, &args);
+  LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRowPartials(args, stats_.get()), "row partials kernel");
+  return CudaStatus(cudaEventRecord(w.stats_done[b].get(), stats_.get()), "event");
 }
 
 absl::Status CudaBackend::HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden,
@@ -219,77 +424,228 @@ absl::Status CudaBackend::HiddenPartials(const LmHeadWeights& lm_head, DType hid
     return absl::OkStatus();
   }
   LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
+  CublasLtLmHead& gemm = static_cast<const CudaLmHead&>(lm_head).gemm();
   absl::MutexLock lock(&mu_);
-  const UsingLmHead using_head(this, lm_head);
+  absl::Cleanup drain = [this] { WaitForStreams(); };
+  Workspace& w = ws_;
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  LOGPROB_RETURN_IF_ERROR(UploadIds(rows, spec));
-  const size_t raw_row = static_cast<size_t>(gemm_->hidden_size()) * DTypeSize(hidden_dtype);
-  const int64_t G = GemmChunkRows(RoundUp16(rows.count));
-  LOGPROB_RETURN_IF_ERROR(hidden_raw_.Reserve(static_cast<size_t>(rows.count) * raw_row));
-  LOGPROB_RETURN_IF_ERROR(UploadRows(static_cast<const char*>(hidden), /*on_device=*/false, rows.count, raw_row, G,
-                                     hidden_raw_.get<char>()));
-  LOGPROB_RETURN_IF_ERROR(GemmAndStats(hidden_raw_.get<char>(), hidden_dtype, 0, rows.count, G, 0,
-                                       /*wait_uploads=*/true, vocab_begin, spec)
-                              .status());
+  LOGPROB_RETURN_IF_ERROR(UploadIds(w, rows, spec));
+  const size_t raw_row = static_cast<size_t>(gemm.hidden_size()) * DTypeSize(hidden_dtype);
+  const int64_t G = GemmChunkRows(gemm, AlignRows(rows.count));
+  LOGPROB_RETURN_IF_ERROR(w.hidden_raw.Reserve(static_cast<size_t>(rows.count) * raw_row));
+  char* dev = w.hidden_raw.get<char>();
+  // Chunk c uploads while chunk c - 1 multiplies.
+  LOGPROB_RETURN_IF_ERROR(Pipeline(w, static_cast<const char*>(hidden), /*on_device=*/false, rows.count, raw_row, G,
+                                   dev, [&](int64_t c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                     const int64_t l0 = c * G;
+                                     return GemmAndStatsChunk(w, gemm, dev + l0 * raw_row, hidden_dtype, l0,
+                                                              std::min(G, rows.count - l0), G, c, c, vocab_begin, spec);
+                                   }));
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stats_.get()), "row partials kernel");
-  return FetchRecords(rows.count, spec, records);
+  return FetchRecords(w, rows.count, spec, records);
 }
 
 absl::Status CudaBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
                                        float* logits) {
   if (M <= 0) return absl::OkStatus();
   LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
+  CublasLtLmHead& gemm = static_cast<const CudaLmHead&>(lm_head).gemm();
   absl::MutexLock lock(&mu_);
-  const UsingLmHead using_head(this, lm_head);
+  // Also: no download into `logits` still runs once this returns.
+  absl::Cleanup drain = [this] { WaitForStreams(); };
+  Workspace& w = ws_;
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  const int64_t N = gemm_->rows(), G = GemmChunkRows(RoundUp16(M));
-  const size_t raw_row = static_cast<size_t>(gemm_->hidden_size()) * DTypeSize(hidden_dtype);
-  LOGPROB_RETURN_IF_ERROR(hidden_raw_.Reserve(static_cast<size_t>(M) * raw_row));
-  LOGPROB_RETURN_IF_ERROR(
-      UploadRows(static_cast<const char*>(hidden), /*on_device=*/false, M, raw_row, G, hidden_raw_.get<char>()));
-  LOGPROB_RETURN_IF_ERROR(logits_dev_.Reserve(static_cast<size_t>(G * N) * 4));
-  for (int64_t r0 = 0; r0 < M; r0 += G) {
-    const int64_t n = std::min(G, M - r0);
-    LOGPROB_ASSIGN_OR_RETURN(const void* a,
-                             ChunkOperand(hidden_raw_.get<char>(), hidden_dtype, r0, n, G, /*wait_uploads=*/true));
-    LOGPROB_RETURN_IF_ERROR(gemm_->Compute(a, n, logits_dev_.get<float>(), compute_.get()));
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits + r0 * N, logits_dev_.get(), static_cast<size_t>(n * N) * 4,
-                                                 cudaMemcpyDeviceToHost, compute_.get()),
-                                 "logits download");
-  }
+  const int64_t N = gemm.rows(), G = GemmChunkRows(gemm, AlignRows(M));
+  const size_t raw_row = static_cast<size_t>(gemm.hidden_size()) * DTypeSize(hidden_dtype);
+  LOGPROB_RETURN_IF_ERROR(w.hidden_raw.Reserve(static_cast<size_t>(M) * raw_row));
+  LOGPROB_RETURN_IF_ERROR(w.logits_dev.Reserve(static_cast<size_t>(G * N) * 4));
+  char* dev = w.hidden_raw.get<char>();
+  LOGPROB_RETURN_IF_ERROR(Pipeline(
+      w, static_cast<const char*>(hidden), /*on_device=*/false, M, raw_row, G, dev,
+      [&](int64_t c) ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+        const int64_t r0 = c * G, n = std::min(G, M - r0);
+        LOGPROB_ASSIGN_OR_RETURN(const void* a, ChunkOperand(w, gemm, dev + r0 * raw_row, hidden_dtype, 0, n, G, c));
+        LOGPROB_RETURN_IF_ERROR(Gemm(gemm, a, n, w.logits_dev.get<float>()));
+        return CudaStatus(cudaMemcpyAsync(logits + r0 * N, w.logits_dev.get(), static_cast<size_t>(n * N) * 4,
+                                          cudaMemcpyDeviceToHost, compute_.get()),
+                          "logits download");
+      }));
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_.get()), "lm_head GEMM");
   return absl::OkStatus();
 }
 
-namespace {
-
-/// INVALID_ARGUMENT unless `item`'s per-rank rows tile its rows in rank order.
-absl::Status CheckItemRows(const HiddenItemRows& item, int W, int me) {
-  if (static_cast<int>(item.first.size()) != W || static_cast<int>(item.count.size()) != W)
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden-states item: ", item.first.size(), " rank ranges for ", W, " ranks"));
-  int64_t next = 0;
-  for (int q = 0; q < W; ++q) {
-    if (item.first[q] != next || item.count[q] < 0)
-      return absl::InvalidArgumentError(absl::StrCat("hidden-states item: rank ", q, "'s rows [", item.first[q], ", +",
-                                                     item.count[q], ") do not follow rank ", q - 1, "'s"));
-    next += item.count[q];
+absl::Status CudaBackend::ReserveItem(Workspace& w, const CublasLtLmHead& gemm, const HiddenItemRows& item, int me,
+                                      const OnePassLayout& layout, const kernels::StatsSpec& spec) const {
+  const int W = layout.rows().size();
+  const int64_t H = gemm.hidden_size(), N = gemm.rows();
+  const size_t raw_row = static_cast<size_t>(H) * DTypeSize(item.dtype), words = kernels::PartialWords(spec);
+  const int64_t slot = layout.max_slot_rows(), total = layout.max_total_rows();
+  const int64_t mine = std::min(layout.pass_rows(), layout.rows().count[me]);
+  const int64_t G = GemmChunkRows(gemm, slot);
+  int64_t chunks = 0;
+  for (int64_t p = 0; p < layout.passes(); ++p) {
+    const PassLayout pass = layout.Pass(p);
+    const int64_t g = GemmChunkRows(gemm, pass.slot_rows);
+    chunks = std::max(chunks, (pass.count[me] + g - 1) / g);
   }
-  if (next != item.rows.count)
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden-states item: ranks hold ", next, " rows, targets ", item.rows.count));
-  if (item.count[me] > 0 && item.own == nullptr) return absl::InvalidArgumentError("hidden-states item: no rows");
-  return kernels::CheckHiddenStatesDType(item.dtype);
+  LOGPROB_RETURN_IF_ERROR(w.ReserveUploadEvents(chunks));
+  LOGPROB_RETURN_IF_ERROR(w.hidden_raw.Reserve(static_cast<size_t>(W * slot) * raw_row));
+  if (item.dtype != gemm.compute_dtype())
+    LOGPROB_RETURN_IF_ERROR(w.hidden_dev.Reserve(static_cast<size_t>(G * H) * DTypeSize(gemm.compute_dtype())));
+  for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(w.chunk_logits[b].Reserve(static_cast<size_t>(G * N) * 4));
+  const size_t t = static_cast<size_t>(std::max<int64_t>(total, 1));
+  LOGPROB_RETURN_IF_ERROR(w.targets.Reserve(t * 8));
+  if (spec.gather_k) LOGPROB_RETURN_IF_ERROR(w.gather.Reserve(t * spec.gather_k * 8));
+  LOGPROB_RETURN_IF_ERROR(w.records.Reserve(t * words * 4));
+  if (spec.topk) {
+    LOGPROB_RETURN_IF_ERROR(w.topk_x.Reserve(t * spec.topk * 4));
+    LOGPROB_RETURN_IF_ERROR(w.topk_id.Reserve(t * spec.topk * 4));
+  }
+  const size_t exchanged = static_cast<size_t>(std::max<int64_t>(W * mine, 1)) * words * 4;
+  if (W > 1) LOGPROB_RETURN_IF_ERROR(w.exchanged.Reserve(exchanged));
+  LOGPROB_RETURN_IF_ERROR(w.records_host.Reserve(std::max(exchanged, t * words * 4)));
+  if (mine > 0 && !item.own_on_device &&
+      !IsPageLocked(item.own, static_cast<size_t>(layout.rows().count[me]) * raw_row))
+    for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(w.staging_host[b].Reserve(static_cast<size_t>(G) * raw_row));
+  return absl::OkStatus();
 }
 
-}  // namespace
+absl::Status CudaBackend::RunPass(Workspace& w, CublasLtLmHead& gemm, const HiddenItemRows& item, Communicator& comm,
+                                  const PassLayout& pass, bool check_stop, const kernels::StatsSpec& spec,
+                                  uint32_t* own_records) {
+  const int W = comm.size(), me = comm.rank();
+  const size_t raw_row = static_cast<size_t>(gemm.hidden_size()) * DTypeSize(item.dtype);
+  const size_t words = kernels::PartialWords(spec);
+  const int64_t mine = pass.count[me], G = GemmChunkRows(gemm, pass.slot_rows);
+  char* slots = w.hidden_raw.get<char>();
+  const char* own = static_cast<const char*>(item.own) + static_cast<size_t>(pass.pass_row0) * raw_row;
+  const BlockRows ids = PassIds(item.rows, pass, spec, &w.targets_host, &w.gather_host);
+  // Queues (under the stream lock, recording w.tail on every exit) the
+  // work `queue` returns the status of.
+  auto queued = [&](auto&& queue) -> absl::Status {
+    absl::MutexLock lock(&mu_);
+    absl::Cleanup tails = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { RecordTails(w); };
+    return queue();
+  };
+  // 1. Upload this rank's rows into its slot (W == 1: multiply as they
+  // land), unless this rank must stop; then all ranks agree to go on, so
+  // none enters the all-gather alone.
+  const bool stopping = check_stop && item.should_stop && item.should_stop();
+  const absl::Status uploaded =
+      stopping ? absl::OkStatus() : queued([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+        LOGPROB_RETURN_IF_ERROR(UploadIds(w, ids, spec));
+        char* dst = slots + pass.SlotOffset(me, raw_row);
+        if (W > 1)
+          return Pipeline(w, own, item.own_on_device, mine, raw_row, G, dst, [](int64_t) { return absl::OkStatus(); });
+        return Pipeline(w, own, item.own_on_device, mine, raw_row, G, dst,
+                        [&](int64_t c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                          const int64_t l0 = c * G;
+                          return GemmAndStatsChunk(w, gemm, dst + l0 * raw_row, item.dtype, pass.record_row[me] + l0,
+                                                   std::min(G, mine - l0), G, c, c, item.vocab_begin, spec);
+                        });
+      });
+  LOGPROB_RETURN_IF_ERROR(AgreeOnPass(comm,
+                                      !uploaded.ok() ? PassVote::kFailed
+                                      : stopping     ? PassVote::kCancelled
+                                                     : PassVote::kGo,
+                                      pass.slot_rows, uploaded)
+                              .status());
+  const void* result = w.records.get();
+  if (W > 1) {
+    // 2. All-gather the slots in place, once the upload landed (the
+    // collective runs on the communicator's stream; it returns once done).
+    LOGPROB_RETURN_IF_ERROR(WaitTails(w));
+    LOGPROB_RETURN_IF_ERROR(comm.AllGatherDevice(slots + pass.SlotOffset(me, raw_row), pass.SlotBytes(raw_row), slots));
+    // 3. Every rank's rows times this rank's slice.
+    const absl::Status gemms = queued([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+      int64_t k = 0;
+      for (int q = 0; q < W; ++q)
+        for (int64_t l0 = 0; l0 < pass.count[q]; l0 += G, ++k)
+          LOGPROB_RETURN_IF_ERROR(GemmAndStatsChunk(w, gemm, slots + pass.SlotOffset(q, raw_row) + l0 * raw_row,
+                                                    item.dtype, pass.record_row[q] + l0,
+                                                    std::min(G, pass.count[q] - l0), G, k, -1, item.vocab_begin, spec));
+      return absl::OkStatus();
+    });
+    absl::Status done = gemms.ok() ? WaitTails(w) : gemms;
+    // 4. Nobody enters the exchange unless every rank has its records.
+    LOGPROB_RETURN_IF_ERROR(
+        AgreeOnPass(comm, done.ok() ? PassVote::kGo : PassVote::kFailed, pass.slot_rows, done).status());
+    std::vector<int64_t> send_bytes, recv_bytes;
+    pass.RecordExchange(me, words, &send_bytes, &recv_bytes);
+    LOGPROB_RETURN_IF_ERROR(comm.AllToAllVDevice(w.records.get(), send_bytes, w.exchanged.get(), recv_bytes));
+    result = w.exchanged.get();
+  }
+  // 5. This rank's rows' records, [W][mine][words], into their place in
+  // the item's [W][count[me]][words].
+  const size_t bytes = static_cast<size_t>(W * mine) * words * 4;
+  LOGPROB_RETURN_IF_ERROR(queued([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    // After this rank's statistics kernels (W == 1: nothing else ran).
+    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_.get(), w.tail[2].get(), 0), "wait");
+    return CudaStatus(cudaMemcpyAsync(w.records_host.get(), result, bytes, cudaMemcpyDeviceToHost, copy_.get()),
+                      "records download");
+  }));
+  LOGPROB_RETURN_IF_ERROR(WaitTails(w));
+  const int64_t rows_me = item.count[me];
+  for (int q = 0; q < W; ++q)
+    std::memcpy(own_records + RecordIndex(q, pass.pass_row0, rows_me, words),
+                w.records_host.get<uint32_t>() + RecordIndex(q, 0, mine, words), static_cast<size_t>(mine) * words * 4);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::HiddenItemPartials(const LmHeadWeights& lm_head, const HiddenItemRows& item,
+                                             Communicator& comm, const kernels::StatsSpec& spec,
+                                             uint32_t* own_records) {
+  if (!OnePassHidden(comm))
+    return absl::UnimplementedError("hidden states in one pass need W == 1 or device collectives (NCCL)");
+  const int W = comm.size(), me = comm.rank();
+  RankRows ranks{item.first, item.count};
+  LOGPROB_RETURN_IF_ERROR(CheckRankRows(ranks, W, item.rows.count));
+  if (item.count[me] > 0 && item.own == nullptr) return absl::InvalidArgumentError("hidden-states item: no rows");
+  LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(item.dtype));
+  if (item.rows.count == 0) return absl::OkStatus();
+  CublasLtLmHead& gemm = static_cast<const CudaLmHead&>(lm_head).gemm();
+  const size_t raw_row = static_cast<size_t>(gemm.hidden_size()) * DTypeSize(item.dtype);
+  absl::MutexLock item_lock(&item_mu_);
+  Workspace& w = item_ws_;
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+  // Whatever the exit, nothing this item queued still runs: no GEMM or
+  // kernel on item_ws_ (the next item rewrites it) and no copy reading
+  // `item.own` (a CUDA IPC mapping or payload region may go once this
+  // returns).
+  absl::Cleanup drain = [&w]() ABSL_NO_THREAD_SAFETY_ANALYSIS { WaitTails(w).IgnoreError(); };
+  auto stop = [&item] { return item.should_stop && item.should_stop(); };
+  // Reserve the largest pass, then agree before any device collective.
+  int64_t pass_rows = PassRowsForBudget(options_.pass_bytes, W, raw_row);
+  const absl::Status reserved = ReserveItem(w, gemm, item, me, OnePassLayout(ranks, pass_rows), spec);
+  LOGPROB_ASSIGN_OR_RETURN(pass_rows, AgreeOnPass(comm,
+                                                  !reserved.ok() ? PassVote::kFailed
+                                                  : stop()       ? PassVote::kCancelled
+                                                                 : PassVote::kGo,
+                                                  pass_rows, reserved));
+  const OnePassLayout layout(std::move(ranks), pass_rows);
+  // Pass 0's cancellation was part of the agreement above.
+  for (int64_t p = 0; p < layout.passes(); ++p)
+    LOGPROB_RETURN_IF_ERROR(RunPass(w, gemm, item, comm, layout.Pass(p), /*check_stop=*/p > 0, spec, own_records));
+  return absl::OkStatus();
+}
 
 void CudaBackend::RegisterHostMemory(const void* data, size_t bytes) {
   if (!data || bytes == 0) return;
   absl::MutexLock lock(&reg_mu_);
+  if (!read_only_register_) {
+    // Payload regions are mapped PROT_READ: without the read-only flag
+    // every registration would fail; say so once, try none.
+    if (!register_failed_)
+      std::fprintf(stderr,
+                   "logprob-worker: CUDA device %d cannot register read-only host memory "
+                   "(cudaDevAttrHostRegisterReadOnlySupported = 0); uploads from payload regions go through "
+                   "the staging buffers\n",
+                   device_);
+    register_failed_ = true;
+    return;
+  }
   if (registered_.count(static_cast<const char*>(data))) return;
   if (cudaSetDevice(device_) != cudaSuccess) return;
-  // Read-only: the worker maps payload regions PROT_READ.
   const cudaError_t e =
       cudaHostRegister(const_cast<void*>(data), bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
   if (e != cudaSuccess) {
@@ -315,161 +671,27 @@ void CudaBackend::UnregisterHostMemory(const void* data) {
 }
 
 bool CudaBackend::IsPageLocked(const void* data, size_t bytes) const {
+  if (!data || bytes == 0) return false;
   const char* p = static_cast<const char*>(data);
-  {
-    absl::MutexLock lock(&reg_mu_);
-    auto it = registered_.upper_bound(p);
-    if (it != registered_.begin()) {
-      --it;
-      if (p >= it->first && p + bytes <= it->first + it->second) return true;
+  const char* const end = p + bytes;
+  // Walk the range allocation by allocation: each step must start inside a
+  // registered range or a page-locked allocation the driver knows, and
+  // continues at its end; a pageable byte anywhere stops it.
+  while (p < end) {
+    const char* next = p;
+    {
+      absl::MutexLock lock(&reg_mu_);
+      auto it = registered_.upper_bound(p);
+      if (it != registered_.begin()) {
+        --it;
+        if (p < it->first + it->second) next = it->first + it->second;
+      }
     }
+    if (next == p) next = PinnedExtent(p).second;
+    if (next <= p) return false;
+    p = next;
   }
-  // Page-locked by someone else (cudaMallocHost, cudaHostRegister): both
-  // ends are host memory the driver knows. A copy from pageable memory
-  // would still be correct, only synchronous.
-  auto pinned = [](const char* q) {
-    cudaPointerAttributes a{};
-    if (cudaPointerGetAttributes(&a, q) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return a.type == cudaMemoryTypeHost;
-  };
-  return bytes > 0 && pinned(p) && pinned(p + bytes - 1);
-}
-
-absl::Status CudaBackend::UploadRows(const char* src, bool on_device, int64_t rows, size_t row_bytes,
-                                     int64_t chunk_rows, char* dst) {
-  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-  while (static_cast<int64_t>(uploaded_.size()) < chunks) {
-    auto e = std::make_unique<Event>();
-    LOGPROB_RETURN_IF_ERROR(e->Create());
-    uploaded_.push_back(std::move(e));
-  }
-  const bool direct = on_device || IsPageLocked(src, static_cast<size_t>(rows) * row_bytes);
-  if (!direct)
-    for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(staging_host_[b].Reserve(chunk_rows * row_bytes));
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t r0 = c * chunk_rows, n = std::min(chunk_rows, rows - r0);
-    const size_t bytes = static_cast<size_t>(n) * row_bytes, at = static_cast<size_t>(r0) * row_bytes;
-    if (direct) {
-      LOGPROB_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(dst + at, src + at, bytes, on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice,
-                          copy_.get()),
-          "hidden states upload");
-    } else {
-      // Pageable memory: copy into pinned buffer b (free once its previous
-      // upload finished) while earlier chunks upload and multiply.
-      const int b = static_cast<int>(c % 2);
-      LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_[b].get()), "staging upload");
-      std::memcpy(staging_host_[b].get(), src + at, bytes);
-      LOGPROB_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(dst + at, staging_host_[b].get(), bytes, cudaMemcpyHostToDevice, copy_.get()),
-          "hidden states upload");
-      LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(copied_[b].get(), copy_.get()), "event");
-    }
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(uploaded_[c]->get(), copy_.get()), "event");
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<const void*> CudaBackend::ChunkOperand(const char* hidden, DType dtype, int64_t l0, int64_t n, int64_t G,
-                                                      bool wait_uploads) {
-  if (wait_uploads)
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), uploaded_[l0 / G]->get(), 0), "wait");
-  const int64_t H = gemm_->hidden_size();
-  const void* a = hidden + static_cast<size_t>(l0 * H) * DTypeSize(dtype);
-  if (dtype == gemm_->compute_dtype()) return a;
-  // hidden_dev_ holds one chunk: the previous chunk's GEMM, queued before
-  // on this stream, has read it.
-  LOGPROB_RETURN_IF_ERROR(hidden_dev_.Reserve(static_cast<size_t>(G * H) * DTypeSize(gemm_->compute_dtype())));
-  LOGPROB_CUDA_RETURN_IF_ERROR(
-      LaunchConvert(a, ElemOf(dtype), n * H, hidden_dev_.get(), ElemOf(gemm_->compute_dtype()), compute_.get()),
-      "hidden states conversion");
-  return static_cast<const void*>(hidden_dev_.get());
-}
-
-absl::StatusOr<int64_t> CudaBackend::GemmAndStats(const char* hidden, DType dtype, int64_t row0, int64_t rows,
-                                                  int64_t G, int64_t k0, bool wait_uploads, int64_t vocab_begin,
-                                                  const kernels::StatsSpec& spec) {
-  const int64_t N = gemm_->rows();
-  for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(chunk_logits_[b].Reserve(static_cast<size_t>(G * N) * 4));
-  RowBlockArgs args = BaseArgs(spec);
-  args.type = ElemType::kF32;
-  args.row_stride = args.len = N;
-  args.vocab_begin = vocab_begin;
-  int64_t k = k0;
-  for (int64_t l0 = 0; l0 < rows; l0 += G, ++k) {
-    const int64_t n = std::min(G, rows - l0);
-    const int b = static_cast<int>(k % 2);
-    LOGPROB_ASSIGN_OR_RETURN(const void* a, ChunkOperand(hidden, dtype, l0, n, G, wait_uploads));
-    // Logits buffer b is free once the statistics of chunk k - 2 read it.
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_.get(), stats_done_[b].get(), 0), "wait");
-    LOGPROB_RETURN_IF_ERROR(gemm_->Compute(a, n, chunk_logits_[b].get<float>(), compute_.get()));
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(gemm_done_[b].get(), compute_.get()), "event");
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stats_.get(), gemm_done_[b].get(), 0), "wait");
-    args.logits = chunk_logits_[b].get();
-    PointAtRows(row0 + l0, n, spec, &args);
-    LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRowPartials(args, stats_.get()), "row partials kernel");
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(stats_done_[b].get(), stats_.get()), "event");
-  }
-  return k;
-}
-
-absl::Status CudaBackend::HiddenItemPartials(const LmHeadWeights& lm_head, const HiddenItemRows& item,
-                                             Communicator& comm, const kernels::StatsSpec& spec,
-                                             uint32_t* own_records) {
-  if (!OnePassHidden(comm))
-    return absl::UnimplementedError("hidden states in one pass need W == 1 or device collectives (NCCL)");
-  const int W = comm.size(), me = comm.rank();
-  LOGPROB_RETURN_IF_ERROR(CheckItemRows(item, W, me));
-  const int64_t n = item.rows.count, mine = item.count[me];
-  if (n == 0) return absl::OkStatus();
-  const int64_t H = lm_head.hidden_size();
-  const size_t raw_row = static_cast<size_t>(H) * DTypeSize(item.dtype), words = kernels::PartialWords(spec);
-  // Every rank's rows sit in a slot of `slot` rows (the largest share,
-  // rounded to 16 rows so each slot and GEMM chunk is aligned as the GEMM
-  // wants); the all-gather fills the slots in place.
-  int64_t most = 0;
-  for (int64_t c : item.count) most = std::max(most, c);
-  const int64_t slot = RoundUp16(std::max<int64_t>(most, 1));
-  absl::MutexLock lock(&mu_);
-  const UsingLmHead using_head(this, lm_head);
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  // Whatever the exit, no copy still reads `item.own` (a client's CUDA IPC
-  // allocation is unmapped once this returns).
-  absl::Cleanup uploads_done = [this] { cudaStreamSynchronize(copy_.get()); };
-  LOGPROB_RETURN_IF_ERROR(UploadIds(item.rows, spec));
-  LOGPROB_RETURN_IF_ERROR(hidden_raw_.Reserve(static_cast<size_t>(W * slot) * raw_row));
-  char* slots = hidden_raw_.get<char>();
-  const int64_t G = GemmChunkRows(slot);
-  LOGPROB_RETURN_IF_ERROR(UploadRows(static_cast<const char*>(item.own), item.own_on_device, mine, raw_row, G,
-                                     slots + static_cast<size_t>(me * slot) * raw_row));
-  if (W > 1) {
-    // The uploads are done before NCCL reads the slot, whichever stream
-    // the communicator runs on; AllGatherDevice returns once it finished.
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(copy_.get()), "hidden states upload");
-    LOGPROB_RETURN_IF_ERROR(comm.AllGatherDevice(slots + static_cast<size_t>(me * slot) * raw_row,
-                                                 static_cast<size_t>(slot) * raw_row, slots));
-  }
-  int64_t k = 0;
-  for (int q = 0; q < W; ++q) {
-    if (item.count[q] == 0) continue;
-    LOGPROB_ASSIGN_OR_RETURN(k, GemmAndStats(slots + static_cast<size_t>(q * slot) * raw_row, item.dtype, item.first[q],
-                                             item.count[q], G, k, /*wait_uploads=*/W == 1, item.vocab_begin, spec));
-  }
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stats_.get()), "row partials kernel");
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_.get()), "lm_head GEMM");
-  if (W == 1) return Download(records_dev_.get(), static_cast<size_t>(n) * words * 4, own_records);
-  std::vector<int64_t> send_bytes(W), recv_bytes(W);
-  for (int q = 0; q < W; ++q) {
-    send_bytes[q] = item.count[q] * static_cast<int64_t>(words) * 4;
-    recv_bytes[q] = mine * static_cast<int64_t>(words) * 4;
-  }
-  const size_t recv_total = static_cast<size_t>(W * mine) * words * 4;
-  LOGPROB_RETURN_IF_ERROR(exchanged_dev_.Reserve(std::max<size_t>(recv_total, 1)));
-  LOGPROB_RETURN_IF_ERROR(comm.AllToAllVDevice(records_dev_.get(), send_bytes, exchanged_dev_.get(), recv_bytes));
-  return Download(exchanged_dev_.get(), recv_total, own_records);
+  return true;
 }
 
 absl::StatusOr<DevicePayload> CudaBackend::OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes) {

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <vector>
@@ -16,27 +17,36 @@
 #include "worker/cuda/device_buffers.h"
 #include "worker/cuda/lm_head_gemm_cublaslt.h"
 #include "worker/cuda/row_kernels.h"
+#include "worker/one_pass_layout.h"
 
 namespace logprob::cuda {
 
-/// CUDA implementation of ScoringBackend on one device. Calls are
-/// serialised by a mutex (one device, one compute stream); host logits
-/// blocks are staged through two pinned buffers so the host copy of one
-/// sub-block and its upload (copy stream) overlap the kernels of the
-/// previous one (compute stream).
 /// An lm_head slice in this backend's device memory: its cuBLASLt GEMM.
 class CudaLmHead final : public LmHeadWeights {
  public:
   explicit CudaLmHead(std::unique_ptr<CublasLtLmHead> gemm)
       : LmHeadWeights(gemm->rows(), gemm->hidden_size()), gemm_(std::move(gemm)) {}
   size_t bytes() const override { return gemm_->weight_bytes(); }
-  /// Used under the backend's call lock (one GEMM at a time).
+  /// Queued on the backend's compute stream under its stream lock (one
+  /// stream, so GEMMs never share the cuBLASLt workspace concurrently).
   CublasLtLmHead& gemm() const { return *gemm_; }
 
  private:
   std::unique_ptr<CublasLtLmHead> gemm_;
 };
 
+/// CUDA implementation of ScoringBackend on one device. Work is queued on
+/// three streams (copy, compute, statistics) under one stream lock; host
+/// logits blocks and pageable hidden states are staged through two pinned
+/// buffers so the host copy of one chunk and its upload (copy stream)
+/// overlap the kernels of the previous one. Every call waits, on every
+/// exit, for all the work it queued (so an error never leaves GEMMs or
+/// copies running on buffers the next call rewrites or memory the caller
+/// frees). Thread-safe: logits and round-path calls run one at a time;
+/// a one-pass hidden-states item (HiddenItemPartials) has buffers of its
+/// own and holds the stream lock only while it queues work, not while it
+/// waits for the device or for collectives, so token-parallel items run
+/// between its steps.
 class CudaBackend final : public ScoringBackend {
  public:
   struct Options {
@@ -47,6 +57,15 @@ class CudaBackend final : public ScoringBackend {
     /// max(16, this / (4 N)) rows. Smaller keeps it in L2, larger makes the
     /// GEMM compute-bound.
     size_t gemm_chunk_bytes = size_t{256} << 20;
+    /// Device bytes of gathered hidden states (W slots) one pass of a
+    /// one-pass item may hold: bounds its rows per rank and pass
+    /// (PassRowsForBudget), so device memory does not grow with the item.
+    /// Ranks agree on the smallest value (AgreeOnPass).
+    size_t pass_bytes = size_t{1} << 30;
+    /// Test hook: when >= 0, the GEMM call after this many successful ones
+    /// fails with INTERNAL ("injected"), once. Create also reads it from
+    /// the environment variable LOGPROB_TEST_FAIL_GEMM_AFTER.
+    int64_t fail_gemm_after = -1;
   };
 
   /// Uses `device` (made current); lm_heads come later (LoadLmHead).
@@ -66,6 +85,7 @@ class CudaBackend final : public ScoringBackend {
   /// the calls in progress.
   absl::StatusOr<std::shared_ptr<const LmHeadWeights>> LoadLmHead(LmHeadSlice slice,
                                                                   LmHeadPrecision precision) override;
+  /// Uploads chunk c while the GEMM and statistics of chunk c - 1 run.
   absl::Status HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t vocab_begin,
                               const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) override
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -76,109 +96,151 @@ class CudaBackend final : public ScoringBackend {
   bool OnePassHidden(const Communicator& comm) const override {
     return CanScoreInOnePass(comm.size(), comm.device_collectives());
   }
-  /// The whole item on the device: this rank's rows are uploaded in GEMM
-  /// chunks on the copy stream (straight from page-locked or device memory,
-  /// else through the two pinned staging buffers), all-gathered in place
-  /// over NCCL (W >= 2), multiplied chunk by chunk on the compute stream
-  /// into two alternating logits buffers while the statistics kernel of the
-  /// previous chunk runs on a second stream, and the records, which stay on
-  /// the device, are exchanged with one device all-to-all; only this rank's
-  /// rows' records come back to the host. Every row runs the same GEMM
-  /// algorithm and kernels whatever M and its position (batch invariance).
+  /// The whole item on the device, in passes of at most
+  /// PassRowsForBudget(Options::pass_bytes) rows of every rank's share
+  /// (worker/one_pass_layout.h), so device memory is bounded. Before the
+  /// first pass every rank reserves the buffers of the largest pass and the
+  /// ranks agree (AgreeOnPass) that all succeeded; before each pass they
+  /// agree that none is cancelled (HiddenItemRows::should_stop), and before
+  /// each record exchange that none failed to queue its GEMMs: no rank
+  /// waits in a device collective for a peer that left. Per pass, this
+  /// rank's rows are uploaded in GEMM chunks on the copy stream (straight
+  /// from page-locked or device memory, else through the two pinned
+  /// staging buffers), all-gathered in place (W >= 2), multiplied chunk by
+  /// chunk on the compute stream into two alternating logits buffers while
+  /// the statistics kernel of the previous chunk runs on a second stream
+  /// (W == 1: chunk c uploads while chunk c - 1 multiplies), and the
+  /// records, which stay on the device, are exchanged with one device
+  /// all-to-all; only this rank's rows' records come back to the host.
+  /// Every row runs the same GEMM algorithm and kernels whatever M and its
+  /// position (batch invariance). CANCELLED when stopped between passes;
+  /// RESOURCE_EXHAUSTED when a peer could not reserve its buffers.
   absl::Status HiddenItemPartials(const LmHeadWeights& lm_head, const HiddenItemRows& item, Communicator& comm,
                                   const kernels::StatsSpec& spec, uint32_t* own_records) override
-      ABSL_LOCKS_EXCLUDED(mu_);
-  /// cudaHostRegister (read-only, portable) of a payload region; failures
-  /// are logged once and leave uploads on the staging path.
+      ABSL_LOCKS_EXCLUDED(mu_, item_mu_);
+  /// cudaHostRegister (read-only, portable) of a payload region, when the
+  /// device supports read-only registration (queried once at Create;
+  /// otherwise nothing is registered). Failures are logged once and leave
+  /// uploads on the staging path.
   void RegisterHostMemory(const void* data, size_t bytes) override ABSL_LOCKS_EXCLUDED(reg_mu_);
   void UnregisterHostMemory(const void* data) override ABSL_LOCKS_EXCLUDED(reg_mu_);
   /// cuda::OpenCudaIpc on this backend's device (worker/cuda/cuda_ipc.h).
   absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes) override;
 
   int device() const { return device_; }
-  /// The compute stream (the NCCL communicator may run its collectives on it).
-  cudaStream_t stream() const { return compute_.get(); }
+  /// True when [data, data + bytes) is page-locked host memory all along:
+  /// covered by registered ranges (RegisterHostMemory) and other
+  /// page-locked allocations (cudaMallocHost, cudaHostRegister: their
+  /// extents from the driver), with no pageable gap. Uploads from it need
+  /// no staging copy. False for bytes == 0. Thread-safe.
+  bool IsPageLocked(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(reg_mu_);
 
  private:
   CudaBackend() = default;
+
+  /// Device and pinned buffers and events of the call in progress: one set
+  /// for the calls serialised by mu_, one for the one-pass item (item_mu_).
+  struct Workspace {
+    PinnedBuffer staging_host[2], records_host;
+    DeviceBuffer staging_dev[2], hidden_raw, hidden_dev, logits_dev, targets, gather, keep_min, records, topk_x,
+        topk_id;
+    DeviceBuffer chunk_logits[2];  // alternating GEMM outputs
+    DeviceBuffer exchanged;        // one-pass: records after the all-to-all
+    Event copied[2], computed[2], gemm_done[2], stats_done[2];
+    Event tail[3];                                   // one-pass: last work queued on copy, compute, stats
+    std::vector<std::unique_ptr<Event>> uploaded;    // per upload chunk
+    std::vector<int64_t> targets_host, gather_host;  // one-pass: the pass's ids in pass order
+    absl::Status Create();
+    /// At least `chunks` upload events.
+    absl::Status ReserveUploadEvents(int64_t chunks);
+  };
+
+  /// Waits for everything queued on the copy, compute and statistics
+  /// streams (errors are cleared: this runs on error exits). The cleanup
+  /// of every call that holds mu_ for its whole length.
+  void WaitForStreams() const;
+  /// Records w.tail on the three streams (after the work just queued).
+  void RecordTails(Workspace& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Waits for w.tail: everything the one-pass item queued so far.
+  static absl::Status WaitTails(Workspace& w);
+
   absl::Status LogitsPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
                               const SamplingFilter* filter, uint32_t* records) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status UploadIds(const BlockRows& rows, const kernels::StatsSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// Points gemm_ at an lm_head's GEMM for one call, made under mu_.
-  class UsingLmHead {
-   public:
-    UsingLmHead(CudaBackend* b, const LmHeadWeights& lm_head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu_) : b_(b) {
-      b_->gemm_ = &static_cast<const CudaLmHead&>(lm_head).gemm();
-    }
-    ~UsingLmHead() ABSL_NO_THREAD_SAFETY_ANALYSIS { b_->gemm_ = nullptr; }
-    UsingLmHead(const UsingLmHead&) = delete;
-    UsingLmHead& operator=(const UsingLmHead&) = delete;
-
-   private:
-    CudaBackend* b_;
-  };
-  int64_t GemmChunkRows(int64_t M) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// Points `args` at rows [r0, r0 + n) of the uploaded ids and the records.
-  void PointAtRows(int64_t r0, int64_t n, const kernels::StatsSpec& spec, RowBlockArgs* args) const
+  absl::Status UploadIds(Workspace& w, const BlockRows& rows, const kernels::StatsSpec& spec)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status FetchRecords(int64_t rows, const kernels::StatsSpec& spec, uint32_t* records)
+  /// Rows of a GEMM chunk for M rows: RowsInBudget(gemm_chunk_bytes, N),
+  /// a multiple of 16 when below M, at most M.
+  int64_t GemmChunkRows(const CublasLtLmHead& gemm, int64_t M) const;
+  /// Points `args` at rows [r0, r0 + n) of the uploaded ids and the records.
+  static void PointAtRows(const Workspace& w, int64_t r0, int64_t n, const kernels::StatsSpec& spec,
+                          RowBlockArgs* args);
+  absl::Status FetchRecords(Workspace& w, int64_t rows, const kernels::StatsSpec& spec, uint32_t* records)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Copies `bytes` from device memory `src` to host `dst` through the
   /// pinned records buffer, after the compute stream's queued work.
-  absl::Status Download(const void* src, size_t bytes, void* dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// True when [data, data + bytes) lies in one registered host range, or
-  /// both its ends are page-locked host memory (cudaPointerGetAttributes):
-  /// uploads from it need no staging copy.
-  bool IsPageLocked(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(reg_mu_);
-  /// Queues the upload of `rows` rows of `row_bytes` at `src` (host or, with
-  /// `on_device`, device memory) to `dst` on the copy stream in chunks of
-  /// `chunk_rows`, recording uploaded_[c] after chunk c.
-  absl::Status UploadRows(const char* src, bool on_device, int64_t rows, size_t row_bytes, int64_t chunk_rows,
-                          char* dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Download(Workspace& w, const void* src, size_t bytes, void* dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Queues the upload of chunk c (rows [c * G, c * G + n) of `row_bytes`)
+  /// from `src` (host, or device with `on_device`; `direct`: no staging)
+  /// to `dst` on the copy stream and records w.uploaded[c] after it.
+  absl::Status UploadChunk(Workspace& w, const char* src, bool on_device, bool direct, int64_t c, int64_t G, int64_t n,
+                           size_t row_bytes, char* dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Uploads `rows` rows in chunks of G and calls consume(c) for chunk c
+  /// once chunk c + 1's upload is queued (host staging of chunk c + 1
+  /// overlaps the device work of chunk c). Staging buffers must be
+  /// reserved when the source is pageable (ReserveStaging).
+  template <typename Consume>
+  absl::Status Pipeline(Workspace& w, const char* src, bool on_device, int64_t rows, size_t row_bytes, int64_t G,
+                        char* dst, Consume consume) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The pinned staging buffers for chunks of G rows of `row_bytes` unless
+  /// `src` (rows * row_bytes) is device or page-locked memory; sets *direct.
+  absl::Status ReserveStaging(Workspace& w, const char* src, bool on_device, int64_t rows, size_t row_bytes, int64_t G,
+                              bool* direct) const;
   /// The GEMM operand of rows [l0, l0 + n) of `hidden` (device, raw dtype
-  /// `dtype`, chunks of G rows): after uploaded_[l0 / G] when
-  /// `wait_uploads`, converted into hidden_dev_ on the compute stream when
-  /// `dtype` is not the GEMM's compute dtype.
-  absl::StatusOr<const void*> ChunkOperand(const char* hidden, DType dtype, int64_t l0, int64_t n, int64_t G,
-                                           bool wait_uploads) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// The GEMM and statistics of `rows` device rows at `hidden` (raw dtype
-  /// `dtype`), the rows [row0, row0 + rows) of the uploaded ids, in chunks
-  /// of G rows numbered from k0 (chunk parity picks the logits buffer);
-  /// `wait_uploads`: chunk c first waits for uploaded_[c]. Records go to
-  /// records_dev_; queued on compute_ (GEMM) and stats_ (statistics).
-  /// Returns the next chunk number.
-  absl::StatusOr<int64_t> GemmAndStats(const char* hidden, DType dtype, int64_t row0, int64_t rows, int64_t G,
-                                       int64_t k0, bool wait_uploads, int64_t vocab_begin,
-                                       const kernels::StatsSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// `dtype`): after w.uploaded[upload] when upload >= 0, converted into
+  /// w.hidden_dev on the compute stream when `dtype` is not the GEMM's
+  /// compute dtype (chunks of G rows).
+  absl::StatusOr<const void*> ChunkOperand(Workspace& w, const CublasLtLmHead& gemm, const char* hidden, DType dtype,
+                                           int64_t l0, int64_t n, int64_t G, int64_t upload)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// gemm.Compute, or the injected failure (Options::fail_gemm_after).
+  absl::Status Gemm(CublasLtLmHead& gemm, const void* a, int64_t n, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// The GEMM and statistics of `n` device rows at `hidden` (raw dtype
+  /// `dtype`), the rows [row0, row0 + n) of the uploaded ids, as chunk
+  /// number k (its parity picks the logits buffer); first waits for
+  /// w.uploaded[upload] when upload >= 0. Records go to w.records; queued on
+  /// compute_ (GEMM) and stats_ (statistics).
+  absl::Status GemmAndStatsChunk(Workspace& w, CublasLtLmHead& gemm, const char* hidden, DType dtype, int64_t row0,
+                                 int64_t n, int64_t G, int64_t k, int64_t upload, int64_t vocab_begin,
+                                 const kernels::StatsSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Reserves every buffer the item's passes use, on w (before AgreeOnPass).
+  absl::Status ReserveItem(Workspace& w, const CublasLtLmHead& gemm, const HiddenItemRows& item, int me,
+                           const OnePassLayout& layout, const kernels::StatsSpec& spec) const;
+  /// One pass of a one-pass item (worker/one_pass_layout.h): upload,
+  /// agreement (failure, or cancellation when `check_stop`), all-gather,
+  /// GEMMs and statistics, agreement, record all-to-all, download into
+  /// `own_records` ([W][item.count[me]][words]).
+  absl::Status RunPass(Workspace& w, CublasLtLmHead& gemm, const HiddenItemRows& item, Communicator& comm,
+                       const PassLayout& pass, bool check_stop, const kernels::StatsSpec& spec, uint32_t* own_records)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(item_mu_) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after Create (the stream and event handles too; the work
-  // queued on them, and the GEMMs, happen under mu_).
+  // queued on them happens under mu_).
   int device_ = 0;
   Options options_;
   Stream compute_, copy_, stats_;
-  Event copied_[2], computed_[2], gemm_done_[2], stats_done_[2];
+  /// cudaHostRegister's read-only flag is supported (queried once).
+  bool read_only_register_ = false;
+  /// GEMMs done (Options::fail_gemm_after).
+  std::atomic<int64_t> gemms_{0};
 
-  /// Serialises the calls: one device, one compute stream, and the
-  /// buffers below, which every call reuses.
-  absl::Mutex mu_;
-  // Guarded by mu_.
-  /// The lm_head of the hidden-states call in progress (its LmHeadWeights).
-  CublasLtLmHead* gemm_ ABSL_GUARDED_BY(mu_) = nullptr;
-  PinnedBuffer staging_host_[2] ABSL_GUARDED_BY(mu_);
-  PinnedBuffer records_host_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer staging_dev_[2] ABSL_GUARDED_BY(mu_);
-  DeviceBuffer hidden_raw_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer hidden_dev_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer logits_dev_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer targets_dev_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer gather_dev_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer keep_min_dev_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer records_dev_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer topk_x_dev_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer topk_id_dev_ ABSL_GUARDED_BY(mu_);
-  DeviceBuffer chunk_logits_[2] ABSL_GUARDED_BY(mu_);                  // one-pass: alternating GEMM outputs
-  DeviceBuffer exchanged_dev_ ABSL_GUARDED_BY(mu_);                    // one-pass: records after the all-to-all
-  std::vector<std::unique_ptr<Event>> uploaded_ ABSL_GUARDED_BY(mu_);  // one-pass: per upload chunk
+  /// The stream lock: work is queued on the three streams under it, and it
+  /// guards ws_, which the calls other than HiddenItemPartials reuse.
+  mutable absl::Mutex mu_;
+  Workspace ws_ ABSL_GUARDED_BY(mu_);
+  /// One one-pass item at a time (the front-end runs hidden-states plans
+  /// one at a time anyway); guards item_ws_.
+  absl::Mutex item_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  Workspace item_ws_ ABSL_GUARDED_BY(item_mu_);
 
   /// Page-locked host ranges (RegisterHostMemory): start -> bytes.
   mutable absl::Mutex reg_mu_;

@@ -104,4 +104,19 @@ class Event {
   cudaEvent_t e_ = nullptr;
 };
 
+/// Copies `bytes` from host memory `src` (pageable or page-locked) to
+/// device memory `dst` and returns once the data is on the device. A plain
+/// cudaMemcpy from pageable memory may return once the bytes are staged,
+/// before the DMA lands, and the backend's streams are non-blocking (not
+/// ordered after the legacy stream), so this copies on a stream of its own
+/// and synchronises that stream: other streams' work is not waited for.
+/// INTERNAL on a CUDA error. Thread-safe.
+inline absl::Status UploadAndWait(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  Stream s;
+  LOGPROB_RETURN_IF_ERROR(s.Create());
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s.get()), "upload");
+  return CudaStatus(cudaStreamSynchronize(s.get()), "upload");
+}
+
 }  // namespace logprob::cuda

@@ -66,8 +66,8 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
   const size_t n = static_cast<size_t>(rows * hidden_size);
   auto upload = [&g](const void* host, size_t bytes) -> absl::Status {
     LOGPROB_RETURN_IF_ERROR(g->weight_.Reserve(bytes));
-    LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpy(g->weight_.get(), host, bytes, cudaMemcpyHostToDevice), "lm_head upload");
-    return absl::OkStatus();
+    // Landed before any stream reads it (the host vectors are pageable).
+    return UploadAndWait(g->weight_.get(), host, bytes);
   };
   // Convert the weights once on the host, as the CPU GEMM does.
   const bool bf16 = g->precision_ == LmHeadPrecision::kBf16;

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/one_pass_layout.h"
 
 namespace logprob::cuda {
 namespace {
@@ -126,14 +127,14 @@ absl::Status NcclCommunicator::AllGather(const void* in, size_t bytes, void* out
 
 ncclResult_t NcclCommunicator::EnqueueAllToAllV(const char* in, const std::vector<int64_t>& send_bytes, char* out,
                                                 const std::vector<int64_t>& recv_bytes) {
+  // Blocks consecutive in rank order (worker/one_pass_layout.h).
+  const std::vector<int64_t> send_off = Displacements(send_bytes), recv_off = Displacements(recv_bytes);
   ncclResult_t r = ncclGroupStart();
-  size_t send_off = 0, recv_off = 0;
   for (int q = 0; q < size_ && r == ncclSuccess; ++q) {
-    if (send_bytes[q] > 0) r = ncclSend(in + send_off, static_cast<size_t>(send_bytes[q]), ncclChar, q, comm_, stream_);
+    if (send_bytes[q] > 0)
+      r = ncclSend(in + send_off[q], static_cast<size_t>(send_bytes[q]), ncclChar, q, comm_, stream_);
     if (r == ncclSuccess && recv_bytes[q] > 0)
-      r = ncclRecv(out + recv_off, static_cast<size_t>(recv_bytes[q]), ncclChar, q, comm_, stream_);
-    send_off += static_cast<size_t>(send_bytes[q]);
-    recv_off += static_cast<size_t>(recv_bytes[q]);
+      r = ncclRecv(out + recv_off[q], static_cast<size_t>(recv_bytes[q]), ncclChar, q, comm_, stream_);
   }
   const ncclResult_t end = ncclGroupEnd();
   return r != ncclSuccess ? r : end;

@@ -40,10 +40,11 @@ class NcclCommunicator final : public Communicator {
   absl::Status AllGather(const void* in, size_t bytes, void* out) override;
   absl::Status AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,
                          const std::vector<int64_t>& recv_bytes) override;
-  /// Device buffers of this rank's GPU, on `stream` (the CUDA backend's
-  /// compute stream, so ordered after its queued work); waits as the host
-  /// collectives do (timeout, abort), without staging. In-place all-gather
-  /// (in == out + rank * bytes) is allowed.
+  /// Device buffers of this rank's GPU, on `stream`; the caller makes sure
+  /// its inputs are complete first (the CUDA backend waits for its uploads
+  /// and kernels). Waits as the host collectives do (timeout, abort),
+  /// without staging. In-place all-gather (in == out + AllGatherOffset(
+  /// rank, bytes)) is allowed.
   bool device_collectives() const override { return true; }
   absl::Status AllGatherDevice(const void* in, size_t bytes, void* out) override;
   absl::Status AllToAllVDevice(const void* in, const std::vector<int64_t>& send_bytes, void* out,
