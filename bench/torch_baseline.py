@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Torch baselines for `logprob_cuda_bench` (docs/benchmarks.md "GPU (issue 14):
-how to measure"): the same shapes on the same GPU, in the same session, so the
+"""Torch baselines for `logprob_cuda_bench` (docs/benchmarks.md "GPU: how to
+measure"): the same shapes on the same GPU, in the same session, so the
 CUDA backend's figures can be read against what a trainer would do in torch.
 
 hidden  (hidden states bf16 [T, H] x lm_head bf16 [V, H], for each V):

@@ -174,6 +174,7 @@ int RunScore(const ScoreArgs& args) {
     }
   }
   const int64_t tokens = CountInputTokens(*request);
+  const int64_t scored_tokens = CountScoredTokens(*request, [&](const std::string& name) { return file->data(name); });
   const bool one_request = request_bytes <= limits.max_bytes && (limits.max_tokens <= 0 || tokens <= limits.max_tokens);
 
   const auto start = std::chrono::steady_clock::now();
@@ -201,7 +202,7 @@ int RunScore(const ScoreArgs& args) {
     PrintError(WithPath(args.output, s));
     return kExitFailure;
   }
-  std::cout << SummarizeScore(outputs, CountInputTokens(*request), seconds, parts);
+  std::cout << SummarizeScore(outputs, scored_tokens, tokens, seconds, parts);
   return kExitOk;
 }
 

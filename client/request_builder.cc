@@ -1,6 +1,9 @@
 #include "client/request_builder.h"
 
+#include <algorithm>
+#include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -73,6 +76,71 @@ int64_t CountInputTokens(const v1::ScoreRequest& request) {
     return n;
   }
   return 0;
+}
+
+namespace {
+
+/// Integer values of an I32 / I64 tensor's bytes; false for another dtype
+/// or a size that does not match `count`.
+bool ReadInts(const v1::Tensor& t, std::string_view bytes, int64_t count, std::vector<int64_t>* out) {
+  const size_t width = t.dtype() == v1::I64 ? 8 : t.dtype() == v1::I32 ? 4 : 0;
+  if (width == 0 || count < 0 || bytes.size() != static_cast<size_t>(count) * width) return false;
+  out->resize(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    if (width == 8) {
+      int64_t v;
+      std::memcpy(&v, bytes.data() + i * 8, 8);
+      (*out)[i] = v;
+    } else {
+      int32_t v;
+      std::memcpy(&v, bytes.data() + i * 4, 4);
+      (*out)[i] = v;
+    }
+  }
+  return true;
+}
+
+const v1::Tensor* FindInput(const v1::ScoreRequest& request, const char* name) {
+  for (const v1::Tensor& t : request.inputs())
+    if (t.name() == name) return &t;
+  return nullptr;
+}
+
+}  // namespace
+
+int64_t CountScoredTokens(const v1::ScoreRequest& request, const TensorBytes& bytes_of) {
+  const v1::Tensor* ids_t = FindInput(request, kInputIdsName);
+  if (ids_t == nullptr || ids_t->shape_size() < 1 || ids_t->shape_size() > 2) return -1;
+  int64_t count = 1;
+  for (int64_t d : ids_t->shape()) count *= d;
+  std::vector<int64_t> ids;
+  if (!ReadInts(*ids_t, bytes_of(kInputIdsName), count, &ids)) return -1;
+  // Each sequence as [begin, end) of ids (flattened).
+  std::vector<std::pair<int64_t, int64_t>> sequences;
+  if (ids_t->shape_size() == 2) {
+    const int64_t b = ids_t->shape(0), s = ids_t->shape(1);
+    std::vector<int64_t> lens(static_cast<size_t>(b), s);
+    if (const v1::Tensor* sl = FindInput(request, kSeqLensName); sl != nullptr) {
+      if (!ReadInts(*sl, bytes_of(kSeqLensName), b, &lens)) return -1;
+    }
+    for (int64_t i = 0; i < b; ++i) sequences.emplace_back(i * s, i * s + std::clamp<int64_t>(lens[i], 0, s));
+  } else {
+    const v1::Tensor* cu_t = FindInput(request, kCuSeqlensName);
+    if (cu_t == nullptr || cu_t->shape_size() != 1) return -1;
+    std::vector<int64_t> cu;
+    if (!ReadInts(*cu_t, bytes_of(kCuSeqlensName), cu_t->shape(0), &cu)) return -1;
+    for (size_t i = 0; i + 1 < cu.size(); ++i) {
+      if (cu[i] < 0 || cu[i] > cu[i + 1] || cu[i + 1] > count) return -1;
+      sequences.emplace_back(cu[i], cu[i + 1]);
+    }
+  }
+  const bool next = request.options().alignment() == v1::NEXT_TOKEN;
+  const int64_t ignore = request.options().has_ignore_index() ? request.options().ignore_index() : -100;
+  int64_t scored = 0;
+  for (const auto& [begin, end] : sequences) {
+    for (int64_t t = begin + (next ? 1 : 0); t < end; ++t) scored += ids[t] != ignore ? 1 : 0;
+  }
+  return scored;
 }
 
 }  // namespace logprob::client

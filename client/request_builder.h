@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -57,5 +58,18 @@ absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v
 /// leading dimensions (all but the last) of `logits` / `hidden_states`,
 /// i.e. B*S for padded and T for packed input; 0 when absent.
 int64_t CountInputTokens(const v1::ScoreRequest& request);
+
+/// The bytes of input tensor `name` of a request (its `data`, or where the
+/// caller keeps them when they travel apart, e.g. in pieces).
+using TensorBytes = std::function<std::string_view(const std::string& name)>;
+
+/// Number of token positions the server scores for a built request
+/// (docs/SPEC.md): per sequence its length (`seq_lens`, `cu_seqlens`, else
+/// S) minus one for `next_token`, less the positions whose target is
+/// `ignore_index` (default -100), which score 0. Padding and the last
+/// position of each sequence are not counted. -1 when the request's
+/// `input_ids`, `seq_lens` or `cu_seqlens` cannot be read (bad dtype or
+/// size: the server refuses such requests).
+int64_t CountScoredTokens(const v1::ScoreRequest& request, const TensorBytes& bytes_of);
 
 }  // namespace logprob::client

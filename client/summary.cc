@@ -11,7 +11,8 @@
 
 namespace logprob::client {
 
-std::string SummarizeScore(const std::vector<v1::Tensor>& outputs, int64_t tokens, double seconds, int parts) {
+std::string SummarizeScore(const std::vector<v1::Tensor>& outputs, int64_t scored_tokens, int64_t input_rows,
+                           double seconds, int parts) {
   std::string out;
   for (const v1::Tensor& t : outputs) {
     absl::StrAppend(&out, t.name(), " ", DTypeName(t.dtype()), " [", absl::StrJoin(t.shape(), ", "), "]");
@@ -47,8 +48,16 @@ std::string SummarizeScore(const std::vector<v1::Tensor>& outputs, int64_t token
     }
     absl::StrAppend(&out, "\n");
   }
+  const int64_t tokens = scored_tokens >= 0 ? scored_tokens : input_rows;
   const double rate = seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
-  absl::StrAppendFormat(&out, "scored %d tokens in %.3f s (%.0f tokens/s)", tokens, seconds, rate);
+  if (scored_tokens < 0) {
+    absl::StrAppendFormat(&out, "scored %d input rows in %.3f s (%.0f rows/s)", input_rows, seconds, rate);
+  } else if (scored_tokens == input_rows) {
+    absl::StrAppendFormat(&out, "scored %d tokens in %.3f s (%.0f tokens/s)", tokens, seconds, rate);
+  } else {
+    absl::StrAppendFormat(&out, "scored %d tokens (of %d input rows) in %.3f s (%.0f tokens/s)", tokens, input_rows,
+                          seconds, rate);
+  }
   if (parts > 1) absl::StrAppend(&out, " in ", parts, " requests");
   absl::StrAppend(&out, "\n");
   return out;

@@ -22,6 +22,8 @@ PACKAGES=(
   python3-torch  # Python client: torch tensors in and out (py_client_TorchTest)
   python3-venv python3-pip python3-setuptools python3-wheel  # py_client_PackageTest: pip install ./client/python into a venv, offline
   mypy  # py_client_typecheck: the Python client's type hints
+  python3-requests python3-typing-extensions  # examples/: transformers' dependencies that its virtual environment
+                                              # takes from Debian (scripts/setup-examples.sh, ctest example_*)
 )
 # kubectl for `kubectl kustomize` (tests/deploy): Debian's kubernetes-client,
 # unless a kubectl is installed already (another package owning

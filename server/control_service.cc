@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/log_line.h"
 #include "common/status_macros.h"
 
 namespace logprob {
@@ -43,8 +44,8 @@ void ControlService::AssignIfFull() {
   waiting_.clear();
   WaitingChanged();
   assigned_ = true;
-  std::cerr << "logprob-server: " << world_size_ << " of " << world_size_ << " workers joined generation "
-            << generation_ << "; ranks assigned in join order" << std::endl;
+  LogLine() << "logprob-server: " << world_size_ << " of " << world_size_ << " workers joined generation "
+            << generation_ << "; ranks assigned in join order";
   cv_.SignalAll();
 }
 
@@ -58,8 +59,8 @@ grpc::Status ControlService::WaitForRank(grpc::ServerContext* ctx, Joiner& me) {
   }
   waiting_.push_back(&me);
   WaitingChanged();
-  std::cerr << "logprob-server: worker " << me.who << " joined (" << waiting_.size() << " of " << world_size_
-            << " for generation " << generation_ << ")" << std::endl;
+  LogLine() << "logprob-server: worker " << me.who << " joined (" << waiting_.size() << " of " << world_size_
+            << " for generation " << generation_ << ")";
   AssignIfFull();
   // Wait for the rank; a joiner that goes away before gives up its place.
   while (me.rank < 0) {
@@ -67,7 +68,7 @@ grpc::Status ControlService::WaitForRank(grpc::ServerContext* ctx, Joiner& me) {
       waiting_.erase(std::find(waiting_.begin(), waiting_.end(), &me));
       WaitingChanged();
       if (shutdown_) return ShuttingDown();
-      std::cerr << "logprob-server: worker " << me.who << " left before the pool formed" << std::endl;
+      LogLine() << "logprob-server: worker " << me.who << " left before the pool formed";
       return grpc::Status(grpc::StatusCode::CANCELLED, "worker left");
     }
     cv_.WaitWithTimeout(&mu_, kPoll);
@@ -82,7 +83,7 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
   me.who = absl::StrCat(req->hostname(), " (pid ", req->pid(), ", peer ", ctx->peer(), ")");
   if (req->protocol_version() != protocol_version_) {
     const std::string why = ProtocolMismatch(req->protocol_version(), protocol_version_);
-    std::cerr << "logprob-server: refused worker " << me.who << ": " << why << std::endl;
+    LogLine() << "logprob-server: refused worker " << me.who << ": " << why;
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why);
   }
   internal::v1::JoinReply reply = worker_config_;

@@ -3,12 +3,13 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "common/log_line.h"
 
 namespace logprob {
 
 absl::Status ExternalLauncher::Launch(int64_t generation, const std::string& frontend) {
-  std::cerr << "logprob-server: generation " << generation << ": waiting for " << workers_
-            << " external worker(s) to join the control plane at " << frontend << std::endl;
+  LogLine() << "logprob-server: generation " << generation << ": waiting for " << workers_
+            << " external worker(s) to join the control plane at " << frontend;
   return absl::OkStatus();
 }
 

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/error_reason.h"
 #include "common/lm_head_source.h"
+#include "common/log_line.h"
 #include "common/partition.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
@@ -210,9 +211,9 @@ void LmHeadUpdates::End(const std::shared_ptr<Update>& u, const std::string& out
     unlink(u->next.source.file.c_str());
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - u->begun).count();
-  std::cerr << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
+  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
                             "): ", outcome, outcome == "committed" ? "" : absl::StrCat(" (", why, ")"), " after ",
-                            seconds, " s, ", u->bytes, " bytes received\n");
+                            seconds, " s, ", u->bytes, " bytes received");
   if (observers_.on_end) observers_.on_end(u->head, outcome, seconds, u->bytes);
 }
 
@@ -298,8 +299,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     End(u, "aborted", why);
     return absl::InternalError(absl::StrCat("lm_head update: ", why, " (--lm-head-store-dir)"));
   }
-  std::cerr << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
-                            ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype), "\n");
+  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
+                            ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype));
   return u->Proto();
 }
 

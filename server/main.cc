@@ -23,6 +23,7 @@
 #include "common/flag_names.h"
 #include "common/lm_head_precision.h"
 #include "common/lm_head_source.h"
+#include "common/log_line.h"
 #include "common/malloc_tuning.h"
 #include "common/partition.h"
 #include "common/sha256.h"
@@ -129,13 +130,15 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "file holding a bearer token every LogprobService call must send as 'authorization: Bearer TOKEN' "
           "(health and reflection stay open)");
 
+using logprob::LogLine;
+
 namespace {
 
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
 
 int Fail(const std::string& msg) {
-  std::cerr << "logprob-server: " << msg << std::endl;
+  LogLine() << "logprob-server: " << msg;
   return 1;
 }
 
@@ -156,8 +159,8 @@ absl::Status CheckClusterFlags(int external, bool workers_given, const std::stri
         control_listen));
   const std::string host = control_listen.substr(0, colon);
   if (host == "127.0.0.1" || host == "localhost" || host == "[::1]")
-    std::cerr << "logprob-server: --control-listen " << control_listen
-              << " is loopback: only workers on this host can join (use 0.0.0.0:PORT for a cluster)" << std::endl;
+    LogLine() << "logprob-server: --control-listen " << control_listen
+              << " is loopback: only workers on this host can join (use 0.0.0.0:PORT for a cluster)";
   return absl::OkStatus();
 }
 
@@ -214,12 +217,13 @@ absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, c
     sha.Update(buf);
   }
   v.sha256 = sha.FinishHex();
-  std::cerr << "logprob-server: lm_head \"" << v.head << "\" version " << v.version << ": " << v.source.tensor << " ["
-            << v.source.vocab_size << ", " << v.source.hidden_size << "] " << logprob::DTypeName(v.source.dtype)
-            << " from " << v.source.file
-            << (v.source.tied_embeddings ? " (no lm_head.weight: tied embeddings, using the input embedding)" : "")
-            << ", sha256 " << v.sha256.substr(0, 16) << "… ("
-            << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)" << std::endl;
+  logprob::LogLine() << "logprob-server: lm_head \"" << v.head << "\" version " << v.version << ": " << v.source.tensor
+                     << " [" << v.source.vocab_size << ", " << v.source.hidden_size << "] "
+                     << logprob::DTypeName(v.source.dtype) << " from " << v.source.file
+                     << (v.source.tied_embeddings ? " (no lm_head.weight: tied embeddings, using the input embedding)"
+                                                  : "")
+                     << ", sha256 " << v.sha256.substr(0, 16) << "… ("
+                     << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)";
   return v;
 }
 
@@ -261,7 +265,7 @@ int main(int argc, char** argv) {
   }
 
   if (const int stale = logprob::RemoveStaleRegions(); stale > 0)
-    std::cerr << "logprob-server: removed " << stale << " shared memory region(s) left by exited servers" << std::endl;
+    LogLine() << "logprob-server: removed " << stale << " shared memory region(s) left by exited servers";
   logprob::Metrics metrics(absl::GetFlag(FLAGS_backend));
   if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
     try {
@@ -417,25 +421,25 @@ int main(int argc, char** argv) {
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
 
-  std::cerr << "logprob-server: listening on " << absl::GetFlag(FLAGS_listen)
+  LogLine() << "logprob-server: listening on " << absl::GetFlag(FLAGS_listen)
             << (absl::GetFlag(FLAGS_tls_cert).empty()        ? " (plaintext)"
                 : absl::GetFlag(FLAGS_tls_client_ca).empty() ? " (TLS)"
                                                              : " (mutual TLS)")
             << (auth ? " with bearer-token auth" : "") << ", " << (external > 0 ? "waiting for " : "starting ")
-            << workers << (external > 0 ? " external" : "") << " worker(s)" << std::endl;
+            << workers << (external > 0 ? " external" : "") << " worker(s)";
   if (auto st = pool.Start(); !st.ok()) {
     server->Shutdown();
     return Fail("worker pool: " + std::string(st.message()));
   }
-  if (external == 0) std::cerr << "logprob-server: " << workers << " worker(s) joined; SERVING" << std::endl;
+  if (external == 0) LogLine() << "logprob-server: " << workers << " worker(s) joined; SERVING";
 
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   // Drain: NOT_SERVING first, then refuse new calls and give the ones in
   // flight --shutdown-grace seconds before cancelling them.
   const int grace = absl::GetFlag(FLAGS_shutdown_grace);
-  std::cerr << "logprob-server: SIGTERM: NOT_SERVING, draining for up to " << grace << " s" << std::endl;
+  LogLine() << "logprob-server: SIGTERM: NOT_SERVING, draining for up to " << grace << " s";
   server->GetHealthCheckService()->SetServingStatus(false);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(grace));
-  std::cerr << "logprob-server: drained; stopping workers" << std::endl;
+  LogLine() << "logprob-server: drained; stopping workers";
   return 0;
 }

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
+#include "common/log_line.h"
 #include "common/status_macros.h"
 
 namespace logprob {
@@ -58,7 +59,7 @@ absl::Status WorkerPool::Start() {
     return absl::UnavailableError(absl::StrCat("cannot listen on control address ", options_.control_listen));
   const std::string host = options_.control_listen.substr(0, options_.control_listen.rfind(':'));
   frontend_ = absl::StrCat(host, ":", port);
-  std::cerr << "logprob-server: control plane on " << frontend_ << "; the pool " << launcher_->Describe() << std::endl;
+  LogLine() << "logprob-server: control plane on " << frontend_ << "; the pool " << launcher_->Describe();
 
   if (!launcher_->waits_for_workers()) {
     if (auto st = Form(0); !st.ok()) {
@@ -106,8 +107,7 @@ absl::Status WorkerPool::Form(int64_t index) {
     if (gen->failed) return absl::UnavailableError(gen->failure);
     gen->ready = true;
   }
-  std::cerr << "logprob-server: worker pool generation " << index << " ready (" << options_.workers << " workers)"
-            << std::endl;
+  LogLine() << "logprob-server: worker pool generation " << index << " ready (" << options_.workers << " workers)";
   Publish();
   return absl::OkStatus();
 }
@@ -194,8 +194,7 @@ void WorkerPool::Fail(const std::shared_ptr<Generation>& gen, const std::string&
     for (grpc::ClientContext* ctx : gen->inflight) ctx->TryCancel();
   }
   Publish();
-  std::cerr << "logprob-server: worker pool generation " << gen->index << " failed: " << why << "; re-forming the pool"
-            << std::endl;
+  LogLine() << "logprob-server: worker pool generation " << gen->index << " failed: " << why << "; re-forming the pool";
   cv_.SignalAll();  // wakes the supervisor
 }
 

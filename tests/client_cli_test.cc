@@ -7,8 +7,10 @@
 
 #include <array>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {
@@ -47,6 +49,22 @@ TEST_F(ClientCli, ScoresEveryLogitsGoldenCase) {
                                       ".safetensors --output " + Out(name) + CliOptionFlags(c));
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("token_logprobs"), std::string::npos) << r.output;
+    // The summary counts the positions that got a score: those of the
+    // expected token_logprobs that are not 0 (padding, ignored targets).
+    const v1::Tensor* want = c.expected.Find("token_logprobs");
+    ASSERT_NE(want, nullptr);
+    int64_t scored = 0, rows = 1;
+    for (size_t i = 0; i < want->data().size() / sizeof(float); ++i) {
+      float v;
+      std::memcpy(&v, want->data().data() + i * sizeof(float), sizeof v);
+      scored += v != 0.0f ? 1 : 0;
+    }
+    const v1::Tensor* logits = c.inputs.Find("logits");
+    ASSERT_NE(logits, nullptr);
+    for (int d = 0; d + 1 < logits->shape_size(); ++d) rows *= logits->shape(d);
+    EXPECT_NE(r.output.find(absl::StrCat("scored ", scored, " tokens (of ", rows, " input rows) in ")),
+              std::string::npos)
+        << r.output;
     auto got = ReadSafetensors(Out(name));
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(CompareOutputs(c.expected.tensors, got->tensors), "");

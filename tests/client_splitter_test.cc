@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "client/request_builder.h"
 #include "client/request_splitter.h"
 #include "gtest/gtest.h"
 #include "logprob/v1/logprob.pb.h"
@@ -346,6 +347,43 @@ TEST(SplitAndJoin, EqualsUnsplitResult) {
     EXPECT_EQ(joined->id(), r.id());
     ExpectSameResponse(*joined, FakeScore(r));
   }
+}
+
+// The token positions the CLI reports as scored: each sequence's length
+// (seq_lens, cu_seqlens, else S) less one for next_token, less ignored
+// targets; padding and unreadable inputs are not counted.
+TEST(CountScoredTokens, LeavesOutPaddingLastPositionsAndIgnoredTargets) {
+  const auto bytes_of = [](const ScoreRequest* r) {
+    return [r](const std::string& name) -> std::string_view { return Input(*r, name).data(); };
+  };
+  ScoreRequest padded;  // [2, 5]: 2 * 4 next-token targets
+  *padded.add_inputs() = MakeTensor<int64_t>("input_ids", v1::I64, {2, 5}, Iota<int64_t>(10, 1));
+  EXPECT_EQ(CountScoredTokens(padded, bytes_of(&padded)), 8);
+  EXPECT_EQ(CountInputTokens(padded), 0);  // no logits / hidden_states: rows unknown
+  padded.mutable_options()->set_alignment(v1::SAME_POSITION);
+  EXPECT_EQ(CountScoredTokens(padded, bytes_of(&padded)), 10);
+  padded.mutable_options()->set_alignment(v1::NEXT_TOKEN);
+  *padded.add_inputs() = MakeTensor<int32_t>("seq_lens", v1::I32, {2}, {3, 0});  // 2 + 0 targets
+  EXPECT_EQ(CountScoredTokens(padded, bytes_of(&padded)), 2);
+
+  ScoreRequest ignored;  // -100 (the default ignore_index) as a target, and as a first token (no target)
+  *ignored.add_inputs() = MakeTensor<int32_t>("input_ids", v1::I32, {1, 4}, {-100, 5, -100, 7});
+  EXPECT_EQ(CountScoredTokens(ignored, bytes_of(&ignored)), 2);
+  ignored.mutable_options()->set_ignore_index(7);
+  EXPECT_EQ(CountScoredTokens(ignored, bytes_of(&ignored)), 2);  // -100 is scored now (the server refuses it)
+
+  ScoreRequest packed;  // T = 9 in sequences of 4, 1 and 4: 3 + 0 + 3 targets
+  *packed.add_inputs() = MakeTensor<int64_t>("input_ids", v1::I64, {9}, Iota<int64_t>(9));
+  *packed.add_inputs() = MakeTensor<int64_t>("cu_seqlens", v1::I64, {4}, {0, 4, 5, 9});
+  EXPECT_EQ(CountScoredTokens(packed, bytes_of(&packed)), 6);
+
+  ScoreRequest bad;  // cu_seqlens past T, and a wrong dtype: unknown
+  *bad.add_inputs() = MakeTensor<int64_t>("input_ids", v1::I64, {4}, Iota<int64_t>(4));
+  *bad.add_inputs() = MakeTensor<int64_t>("cu_seqlens", v1::I64, {2}, {0, 5});
+  EXPECT_EQ(CountScoredTokens(bad, bytes_of(&bad)), -1);
+  ScoreRequest floats;
+  *floats.add_inputs() = MakeTensor<float>("input_ids", v1::F32, {2}, {1, 2});
+  EXPECT_EQ(CountScoredTokens(floats, bytes_of(&floats)), -1);
 }
 
 }  // namespace

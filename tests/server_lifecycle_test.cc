@@ -12,9 +12,16 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <fstream>
 #include <future>
+#include <map>
+#include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/channel.h"
 #include "client/health_check.h"
 #include "tests/test_support.h"
@@ -182,6 +189,42 @@ TEST_F(Lifecycle, OverloadGetsExactlyOneAnswerPerRequest) {
   EXPECT_GE(exhausted, 1) << "12 x 1023 tokens at once must exceed a 3000-token queue";
   EXPECT_TRUE(client::WaitForServing(client::MakeChannel(server->address()), std::chrono::seconds(5)).ok());
   EXPECT_TRUE(Score(*server->NewStub(), Quick()).ok());
+}
+
+// The server and its workers share one stderr: each line of the start-up
+// log (and of the shutdown) is written whole (common/log_line.h), so the
+// lines of four workers starting together never interleave.
+TEST(ServerLog, WorkersStartUpLinesAreWhole) {
+  const std::string log = ::testing::TempDir() + "/server_log." + std::to_string(getpid()) + ".txt";
+  const std::string address = "127.0.0.1:" + std::to_string(FreePort());
+  const CommandResult r = RunCommand(
+      "set -e; " + BinDir() + "/logprob-server --listen " + address + " --workers 4 --backend cpu --lm-head " +
+      GoldenDir() + "/hidden_bf16.lm_head.safetensors 2> " + log + " & pid=$!; " + BinDir() +
+      "/logprob-client health --server " + address + " --wait 120; kill $pid; wait $pid");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ifstream in(log);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  std::remove(log.c_str());
+  std::map<std::string, int> seen;
+  for (const std::string& line : lines) {
+    SCOPED_TRACE(line);
+    // One program's prefix, once, at the start of the line.
+    const bool server = line.rfind("logprob-server: ", 0) == 0, worker = line.rfind("logprob-worker: ", 0) == 0;
+    EXPECT_TRUE(server || worker);
+    EXPECT_EQ(line.find("logprob-server: ", 1), std::string::npos);  // no second line inside this one
+    EXPECT_EQ(line.find("logprob-worker: ", 1), std::string::npos);
+    for (int rank = 0; rank < 4; ++rank) {
+      for (const std::string& what : {absl::StrCat("rank ", rank, "/4 of pool generation 0"),
+                                      absl::StrCat("rank ", rank, " read lm_head.weight rows ["),
+                                      absl::StrCat("rank ", rank, " backend cpu, comm gloo"),
+                                      absl::StrCat("rank ", rank, "/4 serving on 127.0.0.1:")}) {
+        if (line.rfind("logprob-worker: " + what, 0) == 0) ++seen[what];
+      }
+    }
+  }
+  EXPECT_EQ(seen.size(), 16u) << absl::StrJoin(lines, "\n");
+  for (const auto& [what, n] : seen) EXPECT_EQ(n, 1) << what;
 }
 
 }  // namespace

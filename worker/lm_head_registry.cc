@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/lm_head_source.h"
+#include "common/log_line.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
 
@@ -46,10 +47,10 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
     absl::MutexLock lock(&mu_);
     held_.emplace(key, std::move(weights));  // a concurrent Load of the same version: the first stays
   }
-  std::cerr << absl::StrCat("logprob-worker: rank ", rank_, " loaded lm_head ", ref.name(), " version ", ref.version(),
+  LogLine() << absl::StrCat("logprob-worker: rank ", rank_, " loaded lm_head ", ref.name(), " version ", ref.version(),
                             ": ", source.tensor, " rows [", vb, ", ", ve, ") x ", source.hidden_size, " ",
                             DTypeName(source.dtype), " from ", source.file, " (", read_bytes >> 20, " MiB) in ",
-                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s\n");
+                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s");
   return bytes;
 }
 

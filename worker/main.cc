@@ -33,6 +33,7 @@
 #include "common/backend_choice.h"
 #include "common/flag_names.h"
 #include "common/lm_head_precision.h"
+#include "common/log_line.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
 #include "common/worker_protocol.h"
@@ -63,10 +64,12 @@ ABSL_FLAG(std::string, lm_head_precision, "",
           "must equal the front-end's --lm-head-precision: every rank of a pool computes alike)");
 ABSL_FLAG(int, threads, -1, "compute threads (GEMM); -1: as the front-end says, 0: library default");
 
+using logprob::LogLine;
+
 namespace {
 
 int Fail(const std::string& msg) {
-  std::cerr << "logprob-worker: " << msg << std::endl;
+  LogLine() << "logprob-worker: " << msg;
   return 1;
 }
 
@@ -80,10 +83,10 @@ std::vector<std::string> g_argv;
   static std::mutex once;
   once.lock();  // never unlocked
   if (!rejoin) {
-    std::cerr << "logprob-worker: " << why << "; exiting" << std::endl;
+    LogLine() << "logprob-worker: " << why << "; exiting";
     _exit(code);
   }
-  std::cerr << "logprob-worker: " << why << "; re-executing to join again" << std::endl;
+  LogLine() << "logprob-worker: " << why << "; re-executing to join again";
   for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
     const int fd = std::atoi(entry.path().filename().c_str());
     if (fd > 2) fcntl(fd, F_SETFD, FD_CLOEXEC);
@@ -92,7 +95,7 @@ std::vector<std::string> g_argv;
   for (auto& a : g_argv) argv.push_back(a.data());
   argv.push_back(nullptr);
   execv("/proc/self/exe", argv.data());
-  std::cerr << "logprob-worker: cannot re-execute " << g_argv[0] << ": " << strerror(errno) << std::endl;
+  LogLine() << "logprob-worker: cannot re-execute " << g_argv[0] << ": " << strerror(errno);
   _exit(1);
 }
 
@@ -171,7 +174,7 @@ int main(int argc, char** argv) {
   logprob::internal::v1::JoinReply joined;
   std::unique_ptr<grpc::ClientContext> membership_ctx;  // lives as long as the membership
   std::unique_ptr<grpc::ClientReader<logprob::internal::v1::JoinReply>> membership;
-  std::cerr << "logprob-worker: joining " << frontend << std::endl;
+  LogLine() << "logprob-worker: joining " << frontend;
   while (true) {
     membership.reset();
     membership_ctx = std::make_unique<grpc::ClientContext>();
@@ -183,8 +186,7 @@ int main(int argc, char** argv) {
     if (st.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
       return Fail("join " + frontend + " refused: " + st.error_message());
     if (!rejoin) return Fail("join " + frontend + ": " + st.error_message());
-    std::cerr << "logprob-worker: join " << frontend << ": " << st.error_message() << "; trying again in 2 s"
-              << std::endl;
+    LogLine() << "logprob-worker: join " << frontend << ": " << st.error_message() << "; trying again in 2 s";
     std::this_thread::sleep_for(std::chrono::seconds(2));
   }
   // A front-end of an older release accepts the join without checking.
@@ -193,8 +195,7 @@ int main(int argc, char** argv) {
                       logprob::ProtocolMismatch(logprob::kWorkerProtocolVersion, joined.protocol_version()),
                   false, 1);
   const int rank = joined.rank(), world = joined.world_size();
-  std::cerr << "logprob-worker: rank " << rank << "/" << world << " of pool generation " << joined.generation()
-            << std::endl;
+  LogLine() << "logprob-worker: rank " << rank << "/" << world << " of pool generation " << joined.generation();
   // The membership ends when the stream does: the front-end reset the pool
   // (a peer failed), stops, or is gone.
   std::thread([&membership, rejoin] {
@@ -243,8 +244,8 @@ int main(int argc, char** argv) {
   auto comm = logprob::MakeCommunicator(comm_name, **backend, store, advertise_host, rank, world,
                                         std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout)));
   if (!comm.ok()) startup_failed("--comm " + comm_name + ": " + std::string(comm.status().message()));
-  std::cerr << "logprob-worker: rank " << rank << " backend " << backend_name << ", comm " << comm_name
-            << ", lm_head precision " << precision_name << std::endl;
+  LogLine() << "logprob-worker: rank " << rank << " backend " << backend_name << ", comm " << comm_name
+            << ", lm_head precision " << precision_name;
 
   logprob::WorkerService service(std::move(*comm), std::move(*backend), std::move(lm_heads),
                                  joined.hidden_chunk_tokens());
@@ -268,7 +269,7 @@ int main(int argc, char** argv) {
     auto st = control->Ready(&ctx, ready, &ready_reply);
     if (!st.ok()) startup_failed("ready: " + st.error_message());
   }
-  std::cerr << "logprob-worker: rank " << rank << "/" << world << " serving on " << ready.worker_address() << std::endl;
+  LogLine() << "logprob-worker: rank " << rank << "/" << world << " serving on " << ready.worker_address();
   server->Wait();
   return 0;
 }

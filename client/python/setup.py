@@ -23,6 +23,7 @@ The proto is found in ``LOGPROB_PROTO_DIR`` or ``../../proto`` of this
 folder (the repository's ``proto/``).
 """
 
+import atexit
 import os
 import re
 import shutil
@@ -98,4 +99,13 @@ class BuildPyWithStubs(build_py):
         return super().get_outputs(include_bytecode) + list(getattr(self, "_stubs", []))
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs})
+# Build outputs (build/, *.egg-info) go to a temporary folder, removed when
+# this process ends, so that `pip install ./client/python` leaves the
+# checkout as it was. `python setup.py build --build-base DIR` still wins.
+_SCRATCH = tempfile.mkdtemp(prefix="logprob_client_build_")
+atexit.register(shutil.rmtree, _SCRATCH, True)
+
+setup(
+    cmdclass={"build_py": BuildPyWithStubs},
+    options={"build": {"build_base": os.path.join(_SCRATCH, "build")}, "egg_info": {"egg_base": _SCRATCH}},
+)

@@ -32,9 +32,50 @@ def _check_token(token: str, where: str) -> str:
     return token
 
 
+# gRPC name-resolver schemes a target may start with (passed on as is).
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def check_target(target: str) -> str:
+    """``target`` when it is a gRPC target this client can dial:
+    ``HOST:PORT`` (``[V6]:PORT`` for IPv6), or a gRPC resolver URI
+    (``unix:/path``, ``dns:///HOST:PORT``, ...). Raises InvalidInputError
+    saying what to change for the usual slips: a URL scheme
+    (``http://HOST:PORT``) or a missing port."""
+    if not isinstance(target, str) or not target.strip():
+        raise InvalidInputError("target must be 'HOST:PORT' (e.g. '127.0.0.1:50051'), got %r" % (target,))
+    target = target.strip()
+    lower = target.lower()
+    if lower.startswith(_GRPC_SCHEMES):
+        return target
+    if "://" in target:
+        scheme, _, rest = target.partition("://")
+        rest = rest.rstrip("/")
+        tls = " (for TLS pass tls_ca=..., a URL scheme does not turn it on)" if scheme.lower() in ("https", "grpcs") else ""
+        raise InvalidInputError(
+            "target %r: drop the scheme, give 'HOST:PORT' such as %r%s" % (target, rest or "127.0.0.1:50051", tls)
+        )
+    if target.startswith("["):
+        host, sep, port = target.partition("]:")
+        if not sep:
+            raise InvalidInputError("target %r: add the port, e.g. '%s]:50051'" % (target, target.rstrip("]")))
+    else:
+        host, sep, port = target.rpartition(":")
+        if not sep:
+            raise InvalidInputError("target %r: add the port, e.g. '%s:50051'" % (target, target))
+        if ":" in host:
+            raise InvalidInputError("target %r: put an IPv6 address in brackets, e.g. '[%s]:%s'" % (target, host, port))
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInputError("target %r: the port must be a number in 1..65535, got %r" % (target, port))
+    if not host.strip("[]"):
+        raise InvalidInputError("target %r: add the host, e.g. '127.0.0.1:%s'" % (target, port))
+    return target
+
+
 class ChannelSettings:
     """What a channel to ``target`` needs (arguments as in
-    ``LogprobClient``). Raises InvalidInputError for unreadable or empty
+    ``LogprobClient``). Raises InvalidInputError for a target that is not
+    ``HOST:PORT`` (``check_target``), unreadable or empty
     TLS / token files, an empty token, or ``tls_cert`` without ``tls_key``;
     warns when a token would travel without TLS."""
 
@@ -49,7 +90,7 @@ class ChannelSettings:
         token_file: Optional[str] = None,
         channel_options: Sequence[Tuple[str, Any]] = (),
     ) -> None:
-        self.target = target
+        self.target = check_target(target)
         if token is not None and token_file is not None:
             raise InvalidInputError("give token or token_file, not both")
         if token_file is not None:

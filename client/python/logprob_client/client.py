@@ -149,7 +149,9 @@ class LogprobClient(ClientBase):
         off), ``sampling_top_p`` (1 or None off); ``ignore_index`` (default
         -100 at the server: such targets score 0); ``request_id`` (default
         ``py-<pid>-<n>``); ``timeout`` (seconds for this call, overriding
-        the client's).
+        the client's); ``head`` / ``head_version`` (hidden states: the
+        lm_head to score with, empty for the default one, and a version to
+        pin; the result's ``head`` / ``head_version`` say which scored it).
 
         A batch larger than the server's limits (``max_request_bytes``,
         ``max_tokens_per_request`` from GetServerInfo, or the client's own)

@@ -45,7 +45,7 @@ from typing import Any, Optional, Tuple
 
 from ._proto import pb2
 from . import shared_memory
-from .tensors import BF16, F16, F32, parse_float_dtype
+from .tensors import BF16, F16, F32, float64_refused, parse_float_dtype
 
 HANDLE_BYTES = 64
 
@@ -86,15 +86,18 @@ def use_cuda_ipc(enabled: Any, info: Any, name: str, x: Any) -> bool:
 
 def device_rows(x: Any, dtype: Any = None) -> Tuple[int, Any]:
     """``(wire_dtype, tensor)``: ``x`` as a contiguous CUDA tensor of the wire
-    dtype (``dtype``, else x's: float32 / bfloat16 / float16; float64 becomes
-    float32), converted on its GPU. Raises TypeError for other dtypes."""
+    dtype (``dtype``, else x's: float32 / bfloat16 / float16; float64 only
+    with an explicit ``dtype``), converted on its GPU. Raises TypeError for
+    other dtypes."""
     import torch  # only reached for a torch CUDA tensor
 
     torch_of = {F32: torch.float32, BF16: torch.bfloat16, F16: torch.float16}
-    wire_of = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16, torch.float64: F32}
+    wire_of = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
     t = x.detach()
     want = parse_float_dtype(dtype)
     if want is None:
+        if t.dtype == torch.float64:
+            raise float64_refused("hidden_states")
         if t.dtype not in wire_of:
             raise TypeError("'hidden_states' must be a float tensor (f32, bf16 or f16), got dtype %s" % (t.dtype,))
         want = wire_of[t.dtype]

@@ -3,7 +3,9 @@ cutting them into parts that fit the server's limits, decoding the parts'
 responses and joining them into a ``ScoreResult``. Shared by the sync and
 asyncio clients (which only send the parts)."""
 
-from typing import Any, Dict, List, Optional, Tuple
+import difflib
+import inspect
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import grpc
 import numpy as np
@@ -135,6 +137,27 @@ def score_options(
     return options
 
 
+def unknown_keyword(name: str) -> TypeError:
+    """The error for a keyword ``score`` does not take (instead of Python's
+    own, which names the internal ``score_options``), naming the closest
+    keyword it does take."""
+    known = sorted(score_keywords())
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = " (did you mean %r?)" % close[0] if close else ""
+    return TypeError("score() got an unexpected keyword argument %r%s; it takes: %s" % (name, hint, ", ".join(known)))
+
+
+def score_keywords() -> FrozenSet[str]:
+    """``score``'s keyword arguments: ScoreCall's, score_options' and those
+    the clients consume before making a ScoreCall (timeout, cuda_ipc)."""
+    names = {"timeout", "cuda_ipc"}
+    fns: Tuple[Callable[..., Any], ...] = (ScoreCall.__init__, score_options)
+    for fn in fns:
+        names.update(p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self")
+    return frozenset(names)
+
+
 class ScoreCall:
     """A checked, encoded score call (arguments as in
     ``LogprobClient.score``; ``options`` those of ``score_options``). No copy of the caller's arrays is made here
@@ -159,8 +182,13 @@ class ScoreCall:
         dtype: Any = None,
         split: bool = True,
         cuda_ipc: bool = False,
+        head: str = "",
+        head_version: str = "",
         **options: Any,
     ) -> None:
+        unknown = set(options) - set(inspect.signature(score_options).parameters)
+        if unknown:
+            raise unknown_keyword(sorted(unknown)[0])
         if (logits is None) == (hidden_states is None):
             raise InvalidInputError("give exactly one of logits and hidden_states")
         if input_ids is None:
@@ -214,8 +242,7 @@ class ScoreCall:
             tensors.append(("seq_lens",) + int_array("seq_lens", seq_lens))
         if gather_indices is not None:
             tensors.append(("gather_indices",) + int_array("gather_indices", gather_indices))
-        head = str(options.pop("head", "") or "")
-        head_version = str(options.pop("head_version", "") or "")
+        head, head_version = str(head or ""), str(head_version or "")
         if (head or head_version) and rows_name != "hidden_states":
             raise InvalidInputError("head / head_version select an lm_head for hidden_states; this call has logits")
         self._options = score_options(**options)

@@ -114,6 +114,14 @@ def reason_of(e: grpc.RpcError) -> str:
     return ""
 
 
+#: What an UNAVAILABLE error that ends the retries adds to its message.
+UNAVAILABLE_HINT = (
+    " [gave up after %d attempt%s: if the server is still starting (its workers join in"
+    " seconds), wait for it first with client.health(wait=SECONDS), or allow more attempts with"
+    " RetryPolicy(max_attempts=...)]"
+)
+
+
 class Attempts:
     """The retry loop of one call (one part of a score), without the
     sleeping: ``timeout()`` before each send, ``failed(error)`` after a
@@ -152,20 +160,26 @@ class Attempts:
             raise self.deadline.expired_error(self.count - 1, self.part)
         return left
 
+    def _unavailable_hint(self) -> str:
+        return UNAVAILABLE_HINT % (self.count, "" if self.count == 1 else "s")
+
     def failed(self, e: grpc.RpcError) -> float:
         """Judges a failed attempt: returns the backoff (seconds) before the
         next one, or raises ``LogprobError`` (chained to nothing)."""
         code, message = error_of(e)
         retry = code in self.policy.retry_codes and self.count < self.policy.max_attempts and not self.oversize
         if not retry:
+            if code == grpc.StatusCode.UNAVAILABLE and code in self.policy.retry_codes:
+                message += self._unavailable_hint()
             raise LogprobError(code, message, attempts=self.count, part=self.part, reason=reason_of(e))
         delay = self.policy.backoff(self.count, self.rng)
         left = self.deadline.remaining()
         if left is not None and delay >= left:
             raise LogprobError(
                 code,
-                "%s (not retried: the call's timeout of %g s ends before the next attempt)"
-                % (message, float(self.deadline.seconds or 0.0)),
+                "%s (not retried: the call's timeout of %g s ends before the next attempt)%s"
+                % (message, float(self.deadline.seconds or 0.0),
+                   self._unavailable_hint() if code == grpc.StatusCode.UNAVAILABLE else ""),
                 attempts=self.count,
                 part=self.part,
             )

@@ -12,8 +12,10 @@ numpy has no bfloat16. A bf16 array is accepted as
 
 Float arrays can also be converted on the way: ``dtype="bf16"`` on a
 float32 array rounds it to bf16 (round to nearest even), ``"f16"`` casts to
-float16, ``"f32"`` casts to float32. float64 input without a dtype is sent
-as float32.
+float16, ``"f32"`` casts to float32. float64 input needs an explicit
+``dtype`` (``"f32"``: rounded to float32), as the service has no float64
+(``logprob-client`` refuses float64 files too): a float64 array passed
+as is raises TypeError rather than losing precision silently.
 """
 
 from typing import Any, Dict, Optional, Tuple
@@ -128,6 +130,14 @@ def parse_float_dtype(dtype: Any) -> Optional[int]:
     raise ValueError("unsupported float dtype %r (use 'f32', 'bf16' or 'f16')" % (dtype,))
 
 
+def float64_refused(name: str) -> TypeError:
+    """The error for float64 scores sent without a ``dtype``."""
+    return TypeError(
+        "'%s' is float64, which the service does not take (f32, bf16 or f16): pass dtype='f32' to send it "
+        "rounded to float32 (or convert it first, e.g. .astype(np.float32) / .float())" % name
+    )
+
+
 def float_array(name: str, x: Any, dtype: Any = None) -> Tuple[int, Array]:
     """Converts ``x`` (scores: logits or hidden states) into
     ``(wire_dtype, little-endian array)``; BF16 as uint16 bits. Without a
@@ -155,6 +165,8 @@ def float_array(name: str, x: Any, dtype: Any = None) -> Tuple[int, Array]:
     if kind != "f":
         raise TypeError("'%s' must be a float array (f32, bf16 or f16), got dtype %s" % (name, arr.dtype))
     if want is None:
+        if arr.dtype.itemsize > 4:
+            raise float64_refused(name)
         want = F16 if arr.dtype.itemsize == 2 else F32
     if want == BF16:
         return BF16, float32_to_bf16_bits(arr.astype("<f4", copy=False))

@@ -355,6 +355,9 @@ class RetryTest(unittest.TestCase):
             server.close()
         self.assertEqual(cm.exception.code, grpc.StatusCode.UNAVAILABLE)
         self.assertEqual(cm.exception.attempts, 4)
+        # The message says what to do when the server is merely still starting.
+        self.assertIn("gave up after 4 attempts", cm.exception.message)
+        self.assertIn("client.health(wait=SECONDS)", cm.exception.message)
         self.assertEqual([(a, c) for a, c, _ in events], [(i, grpc.StatusCode.UNAVAILABLE) for i in (1, 2, 3)])
         self.assertEqual([round(d, 6) for _, _, d in events], [0.05, 0.1, 0.2])
         self.assertGreaterEqual(elapsed, 0.35)
@@ -584,6 +587,47 @@ class OfflineTest(unittest.TestCase):
     """No server: stub generation at import time, the splitter's parts, and
     the input conversions."""
 
+    def test_target_slips_say_what_to_change(self):
+        from logprob_client import aio
+
+        for target, says in (("http://127.0.0.1:50051", "drop the scheme"),
+                             ("https://scorer.example:443", "tls_ca"),
+                             ("127.0.0.1", "add the port"),
+                             ("scorer.example", "'scorer.example:50051'"),
+                             ("[::1]", "add the port"),
+                             ("::1:50051", "brackets"),
+                             ("127.0.0.1:0", "1..65535"),
+                             ("127.0.0.1:http", "1..65535"),
+                             (":50051", "add the host")):
+            with self.assertRaises(InvalidInputError, msg=target) as cm:
+                LogprobClient(target)
+            self.assertIn(says, cm.exception.message, target)
+            with self.assertRaises(InvalidInputError, msg=target):
+                aio.LogprobClient(target)
+        for target in ("127.0.0.1:50051", "scorer.example:50051", "[::1]:50051", "unix:/tmp/logprob.sock",
+                       "dns:///scorer.example:50051"):
+            LogprobClient(target).close()
+
+    def test_float64_and_misspelled_keywords_are_refused_clearly(self):
+        with LogprobClient("127.0.0.1:%d" % support.free_port()) as c:
+            ids = np.zeros((1, 4), dtype=np.int64)
+            with self.assertRaises(TypeError) as cm:
+                c.score(logits=np.zeros((1, 4, 8)), input_ids=ids)  # float64, nothing sent
+            self.assertIn("'logits' is float64", str(cm.exception))
+            self.assertIn("dtype='f32'", str(cm.exception))
+            with self.assertRaises(TypeError) as cm:
+                c.score(logits=np.zeros((1, 4, 8), np.float32), input_ids=ids, entropyy=True)
+            self.assertIn("score() got an unexpected keyword argument 'entropyy' (did you mean 'entropy'?)",
+                          str(cm.exception))
+            self.assertNotIn("score_options", str(cm.exception))
+            try:
+                import torch
+            except ImportError:
+                return
+            with self.assertRaises(TypeError) as cm:
+                c.score(hidden_states=torch.zeros(1, 4, 8, dtype=torch.float64), input_ids=ids)
+            self.assertIn("'hidden_states' is float64", str(cm.exception))
+
     def test_stubs_generated_at_import_time(self):
         # A copy of the package outside the source tree (no build/python next
         # to it): the stubs are generated from LOGPROB_PROTO_DIR into the cache.
@@ -715,7 +759,12 @@ class OfflineTest(unittest.TestCase):
         from logprob_client.tensors import BF16, F16, F32, I32, I64, float_array, int_array
 
         x = np.linspace(-3, 3, 12, dtype=np.float64).reshape(3, 4)
-        self.assertEqual(float_array("logits", x)[0], F32)  # float64 -> f32
+        # float64 is refused unless a dtype says how to send it (as the CLI refuses float64 files).
+        with self.assertRaises(TypeError) as cm:
+            float_array("logits", x)
+        self.assertIn("dtype='f32'", str(cm.exception))
+        dt, arr = float_array("logits", x, dtype="f32")
+        self.assertEqual((dt, arr.dtype), (F32, np.dtype("<f4")))
         self.assertEqual(float_array("logits", x.astype(np.float16))[0], F16)
         dt, bits = float_array("logits", x, dtype="bf16")
         self.assertEqual((dt, bits.dtype), (BF16, np.dtype("<u2")))

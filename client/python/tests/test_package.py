@@ -50,8 +50,8 @@ class PackageTest(unittest.TestCase):
     def test_pip_install_into_a_fresh_venv_and_score(self):
         d = temp_dir("pyclient_package")
         self.addCleanup(shutil.rmtree, d, True)
-        # A copy of what a checkout holds (client/python and proto/), so the
-        # build's files (build/, *.egg-info) stay out of the source tree.
+        # A copy of what a checkout holds (client/python and proto/), so that
+        # the test can tell that installing writes nothing into it.
         src = os.path.join(d, "src")
         shutil.copytree(os.path.join(support.SOURCE_ROOT, "client", "python"), os.path.join(src, "client", "python"),
                         ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info", "_generated", "tests"))
@@ -68,7 +68,10 @@ class PackageTest(unittest.TestCase):
         run(sys.executable, "-m", "venv", "--system-site-packages", venv)
         python = os.path.join(venv, "bin", "python")
         # Offline: setuptools / wheel / the dependencies are Debian's (system site packages).
+        before = sorted(os.listdir(os.path.join(src, "client", "python")))
         run(python, "-m", "pip", "install", "--no-build-isolation", "--no-index", os.path.join(src, "client", "python"))
+        # The install leaves the checkout as it was: no build/, no *.egg-info (setup.py builds in a temporary folder).
+        self.assertEqual(sorted(os.listdir(os.path.join(src, "client", "python"))), before)
 
         g = Golden("packed_bf16")
         server = Server(workers=1)

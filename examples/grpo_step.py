@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""One GRPO step with a Hugging Face model, its logprobs from the service.
+
+What a trainer does each step, on a small randomly initialised
+``LlamaForCausalLM`` (config built here, fixed seed, no download):
+
+1. rollouts: G completions of each prompt sampled with ``generate``, a toy
+   reward per completion, group-normalised advantages;
+2. old-policy and reference logprobs of the sampled tokens from the service:
+   the policy's and the frozen reference model's final hidden states go to
+   one logprob-server that holds both ``lm_head``s (heads ``policy`` and
+   ``reference``), each call pinned to a head version;
+3. the clipped-ratio policy loss and the k3 KL to the reference in torch,
+   from the policy's own forward pass (the only one with a gradient), and
+   one optimizer step;
+4. the policy's new ``lm_head`` pushed to the server (``update_lm_head``),
+   and the next step's scores: the new version against the model's own
+   logits, and against the scores of the version before.
+
+It needs a server with lm_head updates. By default it starts one from
+``--bin-dir`` (build/bin):
+
+    logprob-server --workers 2 --backend cpu --lm-head policy=POLICY.safetensors \\
+        --lm-head reference=REF.safetensors --allow-lm-head-updates --lm-head-retain 2
+
+(``--server HOST:PORT`` uses a running server with those two heads, of this
+script's model: ``--vocab`` and the seed must match). Run it in the
+examples' environment (``bash scripts/setup-examples.sh``):
+
+    .venv-examples/bin/python examples/grpo_step.py
+
+Exit status 0 when the step ran and the service's scores match the model's
+own logprobs (float32: within 1e-4), 1 otherwise, 2 when something needed
+is missing (transformers, the binaries, lm_head updates in the server).
+"""
+
+import argparse
+import copy
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built here: never reach the Hugging Face Hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    import logprob_client  # noqa: F401  (installed, or on PYTHONPATH)
+except ImportError:
+    sys.path.insert(0, os.path.join(REPO, "client", "python"))  # the checkout's client (stubs from build/python)
+
+import torch  # noqa: E402
+
+from logprob_client import LogprobClient  # noqa: E402
+
+TOLERANCE = 1e-4  # float32 weights and hidden states, f32 GEMM on the server (see examples/hf_logprobs.py)
+HIDDEN = 64
+
+
+def tiny_llama(seed, vocab_size):
+    """The policy: an untied LlamaForCausalLM small enough for the CPU, its
+    output layer drawn wider than the default so distributions are peaked."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, attn_implementation="eager", torch_dtype=torch.float32,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    return model
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(bin_dir, heads, folder):
+    """A logprob-server with the named heads ({name: safetensors path}),
+    updates allowed, two versions kept per head. Returns (process, address)."""
+    binary = os.path.join(bin_dir, "logprob-server")
+    if not os.access(binary, os.X_OK):
+        print("grpo_step: %s not found: build the tree (bash scripts/build.sh) or pass --bin-dir / --server"
+              % binary, file=sys.stderr)
+        sys.exit(2)
+    address = "127.0.0.1:%d" % free_port()
+    args = [binary, "--listen", address, "--workers", "2", "--backend", "cpu",
+            "--allow-lm-head-updates", "--lm-head-retain", "2"]
+    for name, path in heads.items():
+        args += ["--lm-head", "%s=%s" % (name, path)]
+    log = open(os.path.join(folder, "server.log"), "wb")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), address
+
+
+def head_versions(client):
+    """{head name: version} of the server's heads; exits (2) with a message
+    when the server has no lm_head updates."""
+    info = client.server_info(refresh=True)
+    heads = getattr(info, "lm_heads", None)
+    if heads is None:
+        print("grpo_step: this server (%s) has no lm_head updates (ServerInfo.lm_heads): it needs a build with "
+              "--allow-lm-head-updates and named heads" % info.version, file=sys.stderr)
+        sys.exit(2)
+    return {h.name: h.version for h in heads}
+
+
+def final_hidden(model, input_ids, attention_mask):
+    """The model's final hidden states [B, S, H] (after the final norm: the
+    lm_head's input), without gradient."""
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    return out.hidden_states[-1]
+
+
+def torch_logprobs(model, input_ids, attention_mask):
+    """Logprobs of input_ids[:, t + 1] at row t under ``model``, in torch
+    (with gradient when enabled): [B, S - 1]."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def service_logprobs(client, hidden, input_ids, attention_mask, head, version):
+    """The same from the service: [B, S - 1], row t scores input_ids[:, t + 1]
+    (0 past each sequence), scored by ``head`` at ``version``."""
+    res = client.score(hidden_states=hidden, input_ids=input_ids, attention_mask=attention_mask,
+                       head=head, head_version=version)
+    assert (res.head, res.head_version) == (head, version), (res.head, res.head_version, head, version)
+    return res.token_logprobs
+
+
+def rollouts(policy, args, generator):
+    """``args.prompts`` random prompts, ``args.group`` sampled completions
+    each, of ``args.new_tokens`` tokens (no EOS: every completion has the
+    same length, so no padding). Returns (sequences [B, S], prompt length)."""
+    prompts = torch.randint(0, args.vocab, (args.prompts, args.prompt_len), generator=generator)
+    prompts = prompts.repeat_interleave(args.group, dim=0)
+    torch.manual_seed(args.seed + 2)  # generate samples with torch's global generator
+    with torch.no_grad():
+        sequences = policy.generate(
+            prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+            max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0, eos_token_id=None)
+    return sequences, args.prompt_len
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bin-dir", default=os.environ.get("LOGPROB_BIN_DIR", os.path.join(REPO, "build", "bin")))
+    parser.add_argument("--server", help="HOST:PORT of a running server with heads 'policy' and 'reference'")
+    parser.add_argument("--vocab", type=int, default=1031)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--group", type=int, default=4, help="completions per prompt (the GRPO group)")
+    parser.add_argument("--prompt-len", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    parser.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon")
+    parser.add_argument("--kl-coef", type=float, default=0.04, help="beta of the k3 KL term")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        import transformers
+        from safetensors.torch import save_file
+    except ImportError:
+        print("grpo_step: transformers is missing: run bash scripts/setup-examples.sh, then "
+              ".venv-examples/bin/python examples/grpo_step.py", file=sys.stderr)
+        return 2
+    print("transformers %s, torch %s" % (transformers.__version__, torch.__version__))
+
+    policy = tiny_llama(args.seed, args.vocab)
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)  # frozen at the start of training
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
+    g = torch.Generator().manual_seed(args.seed + 1)
+
+    with tempfile.TemporaryDirectory(prefix="grpo_step_") as folder:
+        server = None
+        address = args.server
+        if address is None:
+            heads = {}
+            for name, model in (("policy", policy), ("reference", reference)):
+                heads[name] = os.path.join(folder, name + ".safetensors")
+                save_file({"lm_head.weight": model.lm_head.weight.detach().contiguous()}, heads[name])
+            server, address = start_server(args.bin_dir, heads, folder)
+        try:
+            with LogprobClient(address, timeout=120) as client:
+                for _ in range(120):
+                    if client.health(wait=1):
+                        break
+                    if server is not None and server.poll() is not None:  # e.g. a build without lm_head updates
+                        with open(os.path.join(folder, "server.log"), errors="replace") as f:
+                            log = f.read()
+                        print("grpo_step: logprob-server exited (status %d); it needs lm_head updates (named heads, "
+                              "--allow-lm-head-updates). Its log:\n%s" % (server.returncode, log[-2000:]),
+                              file=sys.stderr)
+                        return 2
+                else:
+                    print("grpo_step: the server at %s did not become ready" % address, file=sys.stderr)
+                    return 2
+                return step(client, policy, reference, optimizer, args, g)
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait()
+
+
+def step(client, policy, reference, optimizer, args, g):
+    versions = head_versions(client)
+    missing = {"policy", "reference"} - set(versions)
+    if missing:
+        print("grpo_step: the server has no head %s (heads: %s)" % (sorted(missing), sorted(versions)),
+              file=sys.stderr)
+        return 2
+    v_old, v_ref = versions["policy"], versions["reference"]
+    print("heads: policy %s, reference %s" % (v_old, v_ref))
+
+    # 1. Rollouts and rewards (a toy reward: the share of sampled ids below V / 2).
+    policy.eval()
+    sequences, prompt_len = rollouts(policy, args, g)
+    mask = torch.ones_like(sequences)  # no padding: every completion has new_tokens tokens
+    completions = sequences[:, prompt_len:]
+    rewards = (completions < args.vocab // 2).float().mean(dim=1)
+    grouped = rewards.view(args.prompts, args.group)
+    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+    # Row t scores sequences[:, t + 1]: the completion's tokens are rows prompt_len - 1 ...
+    response = torch.zeros(sequences.shape[0], sequences.shape[1] - 1)
+    response[:, prompt_len - 1:] = 1.0
+    print("rollouts: %d sequences of %d tokens (%d prompt + %d sampled), mean reward %.3f"
+          % (sequences.shape[0], sequences.shape[1], prompt_len, completions.shape[1], rewards.mean()))
+
+    # 2. Old-policy and reference logprobs from the service (no gradient needed).
+    old_logp = service_logprobs(client, final_hidden(policy, sequences, mask), sequences, mask, "policy", v_old)
+    ref_logp = service_logprobs(client, final_hidden(reference, sequences, mask), sequences, mask, "reference", v_ref)
+
+    # 3. The loss from the policy's own forward pass, and one optimizer step.
+    policy.train()
+    logp = torch_logprobs(policy, sequences, mask)
+    worst = (logp.detach() - old_logp).abs().mul(response).max().item()  # the service scored this very policy
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages[:, None]
+    pg = -torch.min(ratio * adv, ratio.clamp(1 - args.clip, 1 + args.clip) * adv)
+    kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3 estimator of KL(policy || reference)
+    per_token = pg + args.kl_coef * kl
+    loss = (per_token * response).sum() / response.sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    print("step: loss %.4f, KL(policy || reference) %.2e, |policy logprobs - service's| max %.2e"
+          % (loss.item(), ((kl * response).sum() / response.sum()).item(), worst))
+
+    # 4. Push the policy's new lm_head; the next step's scores use it.
+    policy.eval()
+    v_new = client.update_lm_head("policy", policy.lm_head.weight.detach(), version="step-1")
+    print("pushed the policy's lm_head: version %s (heads now: %s)" % (v_new, head_versions(client)))
+    hidden = final_hidden(policy, sequences, mask)
+    new_logp = service_logprobs(client, hidden, sequences, mask, "policy", v_new)
+    stale = service_logprobs(client, hidden, sequences, mask, "policy", v_old)  # the old head, still retained
+    with torch.no_grad():
+        model_logp = torch_logprobs(policy, sequences, mask)
+    worst_new = (new_logp - model_logp).abs().mul(response).max().item()
+    n = response.sum()
+    print("next step: mean logprob of the sampled tokens %.4f -> %.4f (policy version %s -> %s)"
+          % ((old_logp * response).sum() / n, (new_logp * response).sum() / n, v_old, v_new))
+    print("  |new version - model's own logprobs| max %.2e; |new - old version, same hidden states| mean %.2e"
+          % (worst_new, ((new_logp - stale).abs() * response).sum() / n))
+    # GRPO's effect: sampled tokens of completions better than their group's
+    # mean become more likely, those of worse ones less likely.
+    delta = ((new_logp - old_logp) * response).sum(1) / response.sum(1)
+    for sign, pick in (("> 0", advantages > 0), ("< 0", advantages < 0)):
+        if pick.any():
+            print("  completions with advantage %s: mean logprob change %+.4f (%d sequences)"
+                  % (sign, delta[pick].mean(), int(pick.sum())))
+    ok = max(worst, worst_new) <= TOLERANCE
+    print("largest difference from the model %.3g: %s (tolerance %g)"
+          % (max(worst, worst_new), "OK" if ok else "FAILED", TOLERANCE))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Token logprobs, entropy and top-k of a Hugging Face model, from the service.
+
+A small ``LlamaForCausalLM`` (config built here, random weights with a fixed
+seed: no download) runs a padded batch; its final hidden states (the last
+entry of ``output_hidden_states``, after the final norm) go to a
+logprob-server that holds the model's ``lm_head``, and the service returns
+per-token logprobs, entropy and top-k. The script checks them against the
+model's own ``model(...).logits`` (log-softmax in float64) and prints the
+largest difference of each output.
+
+It does this twice, for the two ways a checkpoint holds the output layer:
+
+- untied: ``lm_head.weight`` saved alone as a ``.safetensors`` file, as a
+  trainer would export its head (``--lm-head FILE``);
+- tied (``tie_word_embeddings=True``): ``save_pretrained`` writes only
+  ``model.embed_tokens.weight``; the server, given the checkpoint directory
+  (``--lm-head DIR``), falls back to it.
+
+Each variant starts its own ``logprob-server --workers 2 --backend cpu`` from
+``--bin-dir`` (default: ``build/bin`` of this repository) and stops it at the
+end. Run it in the examples' environment (``bash scripts/setup-examples.sh``:
+transformers from PyPI, Debian's torch):
+
+    .venv-examples/bin/python examples/hf_logprobs.py
+
+Exit status 0 when every output is within the tolerance, 1 when one is not,
+2 when something is missing. The tolerance: the weights and hidden states are
+float32 and the server computes the ``lm_head`` GEMM in float32
+(``--lm-head-precision auto`` is ``fp32`` for F32 weights), so the only
+differences from the model's logits are float32 rounding in another
+summation order: a few 1e-6 here, far below the 1e-4 checked (docs/SPEC.md
+allows 2e-4 + 2e-5 |x|).
+"""
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built here: never reach the Hugging Face Hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    import logprob_client  # noqa: F401  (installed, or on PYTHONPATH)
+except ImportError:
+    sys.path.insert(0, os.path.join(REPO, "client", "python"))  # the checkout's client (stubs from build/python)
+
+import torch  # noqa: E402
+
+from logprob_client import LogprobClient  # noqa: E402
+
+TOLERANCE = 1e-4  # float32 weights and hidden states (see the docstring)
+
+
+def tiny_llama(tied, seed, vocab_size):
+    """A randomly initialised LlamaForCausalLM small enough for a CPU test.
+    Its output layer is re-drawn wider than the default initialisation so
+    that the distributions are peaked (distinct top-k) rather than flat."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=tied, attn_implementation="eager", torch_dtype=torch.float32,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0.0, 0.5)  # tied: the input embedding too
+    return model
+
+
+def save_lm_head(model, tied, folder):
+    """The model's output layer as a checkpoint the server reads: untied, a
+    file holding ``lm_head.weight`` alone; tied, the model's own
+    ``save_pretrained`` folder (its ``model.safetensors`` holds only
+    ``model.embed_tokens.weight``). Returns (path for --lm-head, tensor the
+    server should report)."""
+    if tied:
+        model.save_pretrained(folder, safe_serialization=True)
+        return folder, "model.embed_tokens.weight"
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "lm_head.safetensors")
+    save_file({"lm_head.weight": model.lm_head.weight.detach().contiguous()}, path)
+    return path, "lm_head.weight"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``logprob-server --workers 2 --backend cpu --lm-head PATH`` on a free
+    loopback port; its log goes to ``log_path``."""
+
+    def __init__(self, bin_dir, lm_head, log_path, workers=2):
+        binary = os.path.join(bin_dir, "logprob-server")
+        if not os.access(binary, os.X_OK):
+            raise SystemExit("hf_logprobs: %s not found: build the tree first (bash scripts/build.sh) or pass "
+                             "--bin-dir" % binary)
+        self.address = "127.0.0.1:%d" % free_port()
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [binary, "--listen", self.address, "--workers", str(workers), "--backend", "cpu", "--lm-head", lm_head],
+            stdout=self._log, stderr=subprocess.STDOUT)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def log(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def reference(logits, input_ids, lengths, k):
+    """What the service computes (docs/SPEC.md, next_token alignment), from
+    the model's logits in float64: row t scores input_ids[:, t + 1]."""
+    logp = torch.log_softmax(logits.double()[:, :-1], dim=-1)  # [B, S - 1, V]
+    token = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    topk_values, topk_ids = logp.topk(k, dim=-1)
+    # Position t is scored when its target t + 1 lies within the sequence.
+    scored = torch.arange(logits.shape[1] - 1)[None, :] + 1 < lengths[:, None]
+    return logp, token, entropy, topk_values, topk_ids, scored
+
+
+def check_variant(tied, args, folder):
+    """Runs one variant; returns the largest difference of any output."""
+    name = "tied (model.embed_tokens.weight)" if tied else "untied (lm_head.weight)"
+    model = tiny_llama(tied, args.seed, args.vocab)
+    lm_head, tensor = save_lm_head(model, tied, os.path.join(folder, "tied" if tied else "untied"))
+
+    # A padded batch, right padding: lengths B, S - 3, S // 2.
+    g = torch.Generator().manual_seed(args.seed + 1)
+    b, s = 3, args.seq
+    input_ids = torch.randint(0, args.vocab, (b, s), generator=g)
+    lengths = torch.tensor([s, s - 3, s // 2])
+    attention_mask = (torch.arange(s)[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    hidden = out.hidden_states[-1]  # [B, S, H] float32, after the final norm: logits = hidden @ W^T
+
+    server = Server(args.bin_dir, lm_head, os.path.join(folder, "server-%s.log" % ("tied" if tied else "untied")))
+    try:
+        with LogprobClient(server.address, timeout=120) as client:
+            if not client.health(wait=120):
+                raise SystemExit("hf_logprobs: the server did not become ready:\n" + server.log())
+            info = client.server_info()
+            assert (info.vocab_size, info.hidden_size) == (args.vocab, 64), info
+            assert info.lm_head_tensor == tensor, (info.lm_head_tensor, tensor)
+            t0 = time.monotonic()
+            res = client.score(hidden_states=hidden, input_ids=input_ids, attention_mask=attention_mask,
+                               entropy=True, topk=args.topk)
+            seconds = time.monotonic() - t0
+    finally:
+        server.close()
+
+    logp, token, entropy, topk_values, topk_ids, scored = reference(out.logits, input_ids, lengths, args.topk)
+    diffs = {
+        "token_logprobs": (res.token_logprobs.double() - token).abs()[scored].max().item(),
+        "entropy": (res.entropy.double() - entropy).abs()[scored].max().item(),
+        "topk_logprobs": (res.topk_logprobs.double() - topk_values).abs()[scored].max().item(),
+    }
+    # Top-k ids: the same ids, except where two candidates tie within the
+    # tolerance (then either order is right): compare the model's logprob
+    # at the service's ids with the reference's values.
+    at_ids = logp.gather(-1, res.topk_indices)
+    diffs["logprob at top-k ids"] = (at_ids - topk_values).abs()[scored].max().item()
+    same_ids = (res.topk_indices == topk_ids)[scored].float().mean().item()
+    # Positions past each length come back as 0.
+    padding_zero = bool((res.token_logprobs[~scored] == 0).all())
+
+    print("%s: lm_head %s [%d, %d] %s, %s precision, %d workers; scored %d positions in %.3f s" % (
+        name, info.lm_head_tensor, info.vocab_size, info.hidden_size, info.lm_head_dtype,
+        info.lm_head_precision, info.workers, int(scored.sum()), seconds))
+    for what, d in diffs.items():
+        print("  max |service - model log_softmax (float64)| %-22s %.3g" % (what, d))
+    print("  top-%d ids equal to the reference's: %.1f %% of positions; padding scored 0: %s"
+          % (args.topk, 100 * same_ids, padding_zero))
+    worst = max(diffs.values())
+    if not padding_zero:
+        worst = float("inf")
+    return worst
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bin-dir", default=os.environ.get("LOGPROB_BIN_DIR", os.path.join(REPO, "build", "bin")),
+                        help="folder of logprob-server and logprob-worker (default: build/bin)")
+    parser.add_argument("--vocab", type=int, default=1031, help="vocabulary size (uneven slices over 2 workers)")
+    parser.add_argument("--seq", type=int, default=24, help="padded sequence length")
+    parser.add_argument("--topk", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        import transformers
+    except ImportError:
+        print("hf_logprobs: transformers is missing: run bash scripts/setup-examples.sh, then "
+              ".venv-examples/bin/python examples/hf_logprobs.py", file=sys.stderr)
+        return 2
+    print("transformers %s, torch %s" % (transformers.__version__, torch.__version__))
+    with tempfile.TemporaryDirectory(prefix="hf_logprobs_") as folder:
+        worst = max(check_variant(tied, args, folder) for tied in (False, True))
+    ok = worst <= TOLERANCE
+    print("largest difference %.3g: %s (tolerance %g)" % (worst, "OK" if ok else "FAILED", TOLERANCE))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
