@@ -33,7 +33,7 @@ from .retry import Attempts, Deadline, OnRetry, RetryPolicy, error_of, reason_of
 from .shared_memory import SharedMemoryInputs
 from .stream import StreamAssembler, deliver
 from . import cuda_ipc, shared_memory, transport
-from .wire import decode_response
+from .wire import decode_response, varint
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # The scoring RPCs, called with requests serialized by wire.encode_request
@@ -315,12 +315,14 @@ class ClientBase:
             return None
         attempts = self._part_attempts(part, limits, deadline, part.inputs.data_bytes())
 
-        def send(request: Any, metadata: Any) -> Ops[Tuple[Any, int]]:
+        def send(tensors: List[Any], metadata: Any) -> Ops[Tuple[Any, int]]:
             # The request holds references only (small); the answer is read as
             # views of its bytes, as on the inline path.
+            request = part.inputs.header(part.id)
+            request.inputs.extend(tensors)
             return retried(self._score_raw, request.SerializeToString(), attempts, metadata)
 
-        return (yield from shm.send(part.inputs.header(part.id), part.inputs.tensors, send))
+        return (yield from shm.send(part.inputs.tensors, send))
 
     def _score_stream_ops(self, requests: Union[Iterable[Any], Any], timeout: Any,
                           return_exceptions: bool) -> Ops[None]:
@@ -348,10 +350,20 @@ class ClientBase:
         finally:
             call.cancel()
 
+    def _put_rows_ops(self, parts: Any, deadline: Deadline, metadata: Any) -> Ops[Any]:
+        """One PutLmHeadRows call of serialized ``parts``, sent once (a failed
+        put frees its rows on the server: the caller may update again)."""
+        try:
+            return (yield Rpc(self._put_lm_head_rows_raw, parts, deadline.remaining(), metadata))
+        except grpc.RpcError as e:
+            code, message = error_of(e)
+            raise LogprobError(code, message, reason=reason_of(e)) from None
+
     def _update_lm_head_ops(self, head: str, weight: Any, version: str, sha256: Optional[str],
                             timeout: Any, dtype: Any = None) -> Ops[str]:
         """``update_lm_head``: Begin, the rows in puts of at most
-        ``UPDATE_PUT_BYTES`` (each sent in pieces), Commit; Abort on failure."""
+        ``UPDATE_PUT_BYTES`` (through this client's shared-memory region on
+        the server's host, else in pieces), Commit; Abort on failure."""
         deadline = self._deadline(timeout)
         dt, rows = lm_head_rows(weight, dtype)
         V, H = int(rows.shape[0]), int(rows.shape[1])
@@ -365,15 +377,23 @@ class ClientBase:
             limit = int(info.max_request_bytes) or UPDATE_PUT_BYTES
             row_bytes = max(1, int(rows[:1].nbytes))
             per_put = max(1, min(UPDATE_PUT_BYTES, int(limit * 0.9)) // row_bytes)
+            shm = yield from self._shared_memory_ops(deadline)
             for r0 in range(0, V, per_put):
-                # A failed put frees its rows on the server: sent once here; the
-                # caller retries the whole update (a new Begin) if it wants.
-                parts = lm_head_rows_parts(update.update_id, r0, rows[r0:r0 + per_put], dt, self.piece_bytes)
-                try:
-                    yield Rpc(self._put_lm_head_rows_raw, parts, deadline.remaining(), self._metadata)
-                except grpc.RpcError as e:
-                    code, message = error_of(e)
-                    raise LogprobError(code, message, reason=reason_of(e)) from None
+                chunk = rows[r0:r0 + per_put]
+                sent = None
+                if shm is not None:
+                    # Same host: the rows go through this client's region.
+                    def put(tensors: List[Any], metadata: Any, r0: int = r0) -> Ops[Any]:
+                        first = pb2.LmHeadRows(update_id=update.update_id, row_begin=r0, rows=tensors[0])
+                        serialized = first.SerializeToString()
+                        return self._put_rows_ops(iter([b"\x0a" + varint(len(serialized)) + serialized]), deadline,
+                                                  metadata)
+
+                    sent = yield from shm.send([("rows", dt, chunk)], put)
+                if sent is None:
+                    # Otherwise (or without a region) the bytes in pieces.
+                    parts = lm_head_rows_parts(update.update_id, r0, chunk, dt, self.piece_bytes)
+                    yield from self._put_rows_ops(parts, deadline, self._metadata)
             ref = pb2.LmHeadUpdateRef(update_id=update.update_id)
             committed, _ = yield from retried(self._stub.CommitLmHeadUpdate, ref, self._attempts(deadline),
                                               self._metadata)

@@ -177,7 +177,9 @@ class LogprobClient(ClientBase):
         ``version`` and returns the committed version (server started with
         ``--allow-lm-head-updates``). ``weight``: [V, H] torch tensor (CPU or
         CUDA), numpy array (uint16 bf16 bits with ``dtype="bf16"``) or
-        safetensors path, of the head's shape and dtype. The rows travel in pieces; the server stages them, every
+        safetensors path, of the head's shape and dtype. The rows go through this client's shared-memory region when
+        the server is on this host (unless ``shared_memory=False``), else
+        in pieces; the server stages them, every
         worker loads them while scoring goes on, and only then requests
         admitted afterwards use the new version (earlier ones finish on the
         old). ``sha256`` (hex of the weight's bytes) is checked at commit.

@@ -35,7 +35,7 @@ import secrets
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import grpc
 import numpy as np
@@ -46,6 +46,8 @@ from .errors import LogprobError
 from .ops import Ops, Rpc, Work
 from .retry import error_of
 from .splitter import Input
+
+T = TypeVar("T")
 
 SESSION_METADATA = "logprob-shm-session"
 _ALIGN = 64
@@ -247,13 +249,13 @@ class SharedMemoryInputs:
         warnings.warn("logprob_client: no shared-memory region for this call, sending it inline: " + why,
                       stacklevel=2)
 
-    def send(self, header: Any, inputs: Tensors, call: SendOp) -> Ops[Optional[Tuple[Any, int]]]:
+    def send(self, inputs: Tensors, call: "Callable[[List[Any], Metadata], Ops[T]]") -> Ops[Optional[T]]:
         """Writes ``inputs`` (``[(name, wire_dtype, array)]``) into a leased
-        region and sends the request (``header``: a ``ScoreRequest`` without
-        inputs: id, options, head) with the operation ``call(request,
-        metadata)``, which returns ``(response, attempts)``. Returns None
-        (nothing sent) when shared memory cannot be used; the caller then
-        sends inline."""
+        region and performs ``call(tensors, metadata)``: ``tensors`` are the
+        inputs' ``Tensor`` messages referencing the region, ``metadata``
+        carries the session; its result is returned. Returns None (nothing
+        sent) when shared memory cannot be used; the caller then sends the
+        bytes."""
         if self.failed is not None:
             return None
         nbytes = sum(_aligned(int(a.nbytes)) for _, _, a in inputs)
@@ -266,10 +268,7 @@ class SharedMemoryInputs:
             leased = True
             try:
                 tensors = yield Work(region.write, inputs, nbytes=nbytes)
-                request = pb2.ScoreRequest()
-                request.CopyFrom(header)
-                request.inputs.extend(tensors)
-                return (yield from call(request, self.metadata))
+                return (yield from call(tensors, self.metadata))
             except LogprobError as e:
                 # The server forgot the region (idle session): register anew, once.
                 if e.code != grpc.StatusCode.NOT_FOUND or again:

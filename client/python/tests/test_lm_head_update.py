@@ -72,10 +72,17 @@ class UpdateTest(unittest.TestCase):
             ref_before = score(c, head="reference")
             before = score(c, head="policy")
             self.assertEqual((before.head, before.head_version), ("policy", "initial"))
-            self.assertEqual(c.update_lm_head("policy", self.w1, version="pieces-1"), "pieces-1")
+            with self.server.client(shared_memory=False) as pieces:
+                self.assertEqual(pieces.update_lm_head("policy", self.w1, version="pieces-1"), "pieces-1")
             after = score(c, head="policy")
             self.assertEqual(after.head_version, "pieces-1")
             same(after, self.expect["w1"])
+            # Same host: through the client's shared-memory region (the
+            # server's metrics count it: no PutLmHeadRows bytes in pieces).
+            self.assertEqual(c.update_lm_head("policy", self.w2, version="shm-2"), "shm-2")
+            self.assertTrue(c._shm and c._shm._all and c._shm.failed is None, "shared memory should be in use")
+            same(score(c, head="policy"), self.expect["w2"])
+            self.assertEqual(c.update_lm_head("policy", self.w1, version="shm-3"), "shm-3")
             # A file under --lm-head-update-dir, through the raw API.
             info = {h.name: h for h in c.lm_heads()}
             upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
@@ -85,7 +92,7 @@ class UpdateTest(unittest.TestCase):
                 update_id=upd.update_id, file=pb2.LmHeadFile(path="w1.safetensors")))]))
             committed = c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
             self.assertEqual(committed.version, "file-1")
-            self.assertEqual(list(committed.retained_versions), ["file-1", "pieces-1"])
+            self.assertEqual(list(committed.retained_versions), ["file-1", "shm-3"])
             same(score(c, head="policy"), self.expect["w1"])
             # Row ranges from two senders, in any order.
             upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
@@ -102,7 +109,7 @@ class UpdateTest(unittest.TestCase):
             # Retained: the previous version may be pinned, the one before is gone.
             same(score(c, head="policy", head_version="file-1"), self.expect["w1"])
             with self.assertRaises(LogprobError) as e:
-                score(c, head="policy", head_version="pieces-1")
+                score(c, head="policy", head_version="shm-3")
             self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
             self.assertEqual(e.exception.reason, "LM_HEAD_VERSION_UNAVAILABLE")
             self.assertIn("ranges-2", e.exception.message)
