@@ -3,11 +3,14 @@
 head [V, H] (default Qwen's [151936, 4096], 1.24 GB) on a server with CPU
 workers.
 
-1. Update time from the Python client (``update_lm_head``: rows in pieces)
-   against the same bytes through ``logprob-client bench``'s echo-chunked
-   phase (ScoreChunked to an in-process echo server on loopback), measured
-   in interleaved rounds: ratio = update seconds / (head bytes /
-   echo-chunked bytes per second of the same round). Medians.
+1. Update time from the Python client, in interleaved rounds (medians):
+   - rows in pieces (``shared_memory=False``) against the same bytes
+     through ``logprob-client bench``'s echo-chunked phase (ScoreChunked
+     to an in-process echo server on loopback): update seconds / (head
+     bytes / echo-chunked bytes per second of the same round);
+   - rows through shared memory (a torch CPU bf16 tensor, the client's
+     default on the server's host) against one memcpy of the head in this
+     process (``np.copyto``) in the same round.
 2. Scoring during updates: CONCURRENCY threads send hidden-states requests
    ([T, H] bf16) back to back; p50 / p99 latency while nothing happens,
    then while the head is updated UPDATES times; every request must
@@ -94,20 +97,35 @@ def main():
                 raise SystemExit("server did not become SERVING; log in %s" % tmp)
             print("lm_head bf16 [%d, %d] = %.2f GB, %d CPU workers, %d interleaved rounds" %
                   (V, H, nbytes / 1e9, a.workers, a.rounds))
-            ratios, update_s, echo_s = [], [], []
-            for r in range(a.rounds):
-                t0 = time.perf_counter()
-                c.update_lm_head("default", heads[(r + 1) % 2], version="round-%d" % r, dtype="bf16")
-                u = time.perf_counter() - t0
-                e = nbytes / echo_chunked_bytes_per_s(address, min(nbytes, 256 << 20))
-                update_s.append(u)
-                echo_s.append(e)
-                ratios.append(u / e)
-                print("round %d: update %.2f s, same bytes echo-chunked %.2f s, ratio %.2f" % (r, u, e, u / e),
-                      flush=True)
-            print("median: update %.2f s (%.0f MB/s), echo-chunked %.2f s, ratio %.2f" %
-                  (statistics.median(update_s), nbytes / statistics.median(update_s) / 1e6,
-                   statistics.median(echo_s), statistics.median(ratios)))
+            import torch  # the shared-memory path's input: a torch CPU tensor
+            tensors = [torch.from_numpy(h.view(np.int16)).view(torch.bfloat16) for h in heads]
+            copy_dst = np.empty_like(heads[0])
+            rows = {k: [] for k in ("pieces", "echo", "shm", "memcpy")}
+            with LogprobClient(address, timeout=600, shared_memory=False) as pieces:
+                for r in range(a.rounds):
+                    t0 = time.perf_counter()
+                    pieces.update_lm_head("default", heads[(r + 1) % 2], version="pieces-%d" % r, dtype="bf16")
+                    rows["pieces"].append(time.perf_counter() - t0)
+                    rows["echo"].append(nbytes / echo_chunked_bytes_per_s(address, min(nbytes, 256 << 20)))
+                    t0 = time.perf_counter()
+                    c.update_lm_head("default", tensors[r % 2], version="shm-%d" % r)
+                    rows["shm"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    np.copyto(copy_dst, heads[r % 2])
+                    rows["memcpy"].append(time.perf_counter() - t0)
+                    print("round %d: pieces %.2f s, echo-chunked %.2f s (ratio %.2f); shared memory %.2f s, "
+                          "memcpy %.3f s (ratio %.1f)" % (r, rows["pieces"][-1], rows["echo"][-1],
+                                                          rows["pieces"][-1] / rows["echo"][-1], rows["shm"][-1],
+                                                          rows["memcpy"][-1], rows["shm"][-1] / rows["memcpy"][-1]),
+                          flush=True)
+            med = {k: statistics.median(v) for k, v in rows.items()}
+            ratio_p = statistics.median([p / e for p, e in zip(rows["pieces"], rows["echo"])])
+            ratio_s = statistics.median([x / m for x, m in zip(rows["shm"], rows["memcpy"])])
+            print("median: pieces %.2f s (%.0f MB/s), echo-chunked %.2f s, ratio %.2f; shared memory %.2f s "
+                  "(%.0f MB/s), memcpy %.3f s, ratio %.1f" %
+                  (med["pieces"], nbytes / med["pieces"] / 1e6, med["echo"], ratio_p, med["shm"],
+                   nbytes / med["shm"] / 1e6, med["memcpy"], ratio_s))
+            del copy_dst
 
             rng = np.random.default_rng(5)
             hidden = float32_to_bf16_bits(rng.standard_normal((a.tokens, H), dtype=np.float32))
