@@ -18,7 +18,7 @@ workers.
 
 Usage: PYTHONPATH=client/python:build/python python3 bench/lm_head_update_bench.py
        [--vocab 151936] [--hidden 4096] [--workers 2] [--rounds 3] [--updates 10]
-       [--tokens 16] [--concurrency 2] [--port 45117]
+       [--tokens 16] [--concurrency 2] [--port 45117] [--store-dir DIR]
 """
 
 import argparse
@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--port", type=int, default=45117)
+    ap.add_argument("--store-dir", default="", help="the server's --lm-head-store-dir (default: its own)")
     a = ap.parse_args()
     V, H = a.vocab, a.hidden
     tmp = tempfile.mkdtemp(prefix="lm_head_bench_")
@@ -90,7 +91,9 @@ def main():
     log = open(os.path.join(tmp, "server.log"), "wb")
     server = subprocess.Popen([os.path.join(BIN, "logprob-server"), "--listen", address, "--workers",
                                str(a.workers), "--lm-head", path, "--allow-lm-head-updates",
-                               "--max-request-bytes", str(1 << 30)], stdout=log, stderr=subprocess.STDOUT)
+                               "--max-request-bytes", str(1 << 30)] +
+                              (["--lm-head-store-dir", a.store_dir] if a.store_dir else []),
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
         with LogprobClient(address, timeout=600) as c:
             if not c.health(wait=300):

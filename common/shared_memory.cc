@@ -82,6 +82,10 @@ int RemoveStaleRegions() {
     int pid = 0;
     if (std::sscanf(name.c_str(), "logprob-%d-", &pid) != 1 || pid <= 0) continue;
     if (kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    if (entry.is_directory(ec)) {                       // an exited server's lm_head store
+      if (std::filesystem::remove_all(entry.path(), ec) > 0) ++removed;
+      continue;
+    }
     if (shm_unlink(("/" + name).c_str()) == 0) ++removed;
   }
   return removed;

@@ -48,7 +48,8 @@ class SharedRegion {
 
 /// Unlinks the regions SharedRegion::Create made in processes that no
 /// longer exist (/dev/shm/logprob-<pid>-<n>, e.g. after a SIGKILL), and
-/// returns how many. Best effort: errors are ignored.
+/// their lm_head stores (the directories /dev/shm/logprob-<pid>-lm-heads),
+/// and returns how many. Best effort: errors are ignored.
 int RemoveStaleRegions();
 
 /// This host's shared-memory namespace identity (ServerInfo.host_id): the

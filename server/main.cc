@@ -66,8 +66,8 @@ ABSL_FLAG(std::string, lm_head_update_dir, "",
           "symlinks out); empty: file sources refused");
 ABSL_FLAG(std::string, lm_head_store_dir, "",
           "where updated lm_head versions are written (safetensors; workers read their slices from it, also "
-          "after re-forming: in cluster mode a directory every worker sees at the same path); default a "
-          "directory under $TMPDIR removed at exit");
+          "after re-forming: in cluster mode a directory every worker sees at the same path); default "
+          "/dev/shm/logprob-PID-lm-heads (memory), else a directory under $TMPDIR, removed at exit");
 ABSL_FLAG(absl::Duration, lm_head_update_timeout, absl::Seconds(300),
           "an open lm_head update without progress this long is aborted and its memory freed");
 ABSL_FLAG(int64_t, lm_head_memory_bytes, 0,
@@ -168,20 +168,29 @@ absl::Status CheckClusterFlags(int external, bool workers_given, const std::stri
 
 namespace {
 
-/// A directory under $TMPDIR, removed with what it holds when this goes.
-class TempDir {
+/// The default lm_head store: /dev/shm/logprob-<pid>-lm-heads (memory: no
+/// disk writeback on the update path; a server that dies leaves it, and the
+/// next server's RemoveStaleRegions removes it), else a directory under
+/// $TMPDIR. Removed with what it holds when this goes.
+class StoreDir {
  public:
-  explicit TempDir(const std::string& stem) {
+  StoreDir() {
+    std::error_code ec;
+    const std::string shm = "/dev/shm/logprob-" + std::to_string(getpid()) + "-lm-heads";
+    if (std::filesystem::create_directory(shm, ec) && !ec) {
+      path_ = shm;
+      return;
+    }
     const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/" + stem + "-XXXXXX";
+    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/logprob-lm-heads-XXXXXX";
     if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
   }
-  ~TempDir() {
+  ~StoreDir() {
     std::error_code ec;
     if (!path_.empty()) std::filesystem::remove_all(path_, ec);
   }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
+  StoreDir(const StoreDir&) = delete;
+  StoreDir& operator=(const StoreDir&) = delete;
   const std::string& path() const { return path_; }
 
  private:
@@ -376,10 +385,10 @@ int main(int argc, char** argv) {
   update_options.allowed = config.lm_head_updates;
   update_options.update_dir = absl::GetFlag(FLAGS_lm_head_update_dir);
   update_options.store_dir = absl::GetFlag(FLAGS_lm_head_store_dir);
-  std::optional<TempDir> temp_store;
+  std::optional<StoreDir> default_store;
   if (update_options.store_dir.empty()) {
-    temp_store.emplace("logprob-lm-heads");
-    update_options.store_dir = temp_store->path();
+    default_store.emplace();
+    update_options.store_dir = default_store->path();
   }
   update_options.timeout = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_lm_head_update_timeout));
   update_options.memory_bytes = absl::GetFlag(FLAGS_lm_head_memory_bytes);

@@ -10,6 +10,11 @@
 #include "common/status_macros.h"
 
 namespace logprob {
+namespace {
+
+constexpr int64_t kPadRows = 128;
+
+}  // namespace
 
 absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& load) {
   const internal::v1::LmHeadRef& ref = load.head();
@@ -37,7 +42,11 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   slice.dtype = source.dtype;
   slice.rows = ve - vb;
   slice.hidden_size = source.hidden_size;
-  slice.weight.resize(static_cast<size_t>((ve - vb) * source.hidden_size) * DTypeSize(source.dtype));
+  const size_t row_bytes = static_cast<size_t>(source.hidden_size) * DTypeSize(source.dtype);
+  // Slack rows: the CPU GEMM pads its weights to whole column tiles (128
+  // rows) in place, which then needs no second buffer and copy.
+  slice.weight.reserve(static_cast<size_t>(ve - vb + kPadRows) * row_bytes);
+  slice.weight.resize(static_cast<size_t>(ve - vb) * row_bytes);
   LOGPROB_RETURN_IF_ERROR(ReadLmHeadRows(source, vb, ve, slice.weight.data()));
   const size_t read_bytes = slice.weight.size();
   LOGPROB_ASSIGN_OR_RETURN(std::shared_ptr<const LmHeadWeights> weights,
