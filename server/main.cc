@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/backend_choice.h"
+#include "common/exclusive_port.h"
 #include "common/flag_names.h"
 #include "common/lm_head_precision.h"
 #include "common/lm_head_source.h"
@@ -280,7 +281,8 @@ int main(int argc, char** argv) {
     try {
       metrics.Expose(absl::GetFlag(FLAGS_metrics_listen));
     } catch (const std::exception& e) {
-      return Fail("--metrics-listen " + absl::GetFlag(FLAGS_metrics_listen) + ": " + e.what());
+      return Fail(logprob::CannotListen("--metrics-listen", absl::GetFlag(FLAGS_metrics_listen)) + " (" + e.what() +
+                  ")");
     }
   }
 
@@ -418,13 +420,14 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  logprob::ExclusivePorts(builder);
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_request_bytes));
   builder.SetMaxSendMessageSize(INT_MAX);
   builder.RegisterService(&service);
   auto server = builder.BuildAndStart();
-  if (!server || port == 0) return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
+  if (!server || port == 0) return Fail(logprob::CannotListen("--listen", absl::GetFlag(FLAGS_listen)));
   server->GetHealthCheckService()->SetServingStatus(false);
   public_server = server.get();
   std::signal(SIGTERM, OnSignal);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/exclusive_port.h"
 #include "common/grpc_status.h"
 #include "common/log_line.h"
 #include "common/status_macros.h"
@@ -51,12 +52,13 @@ absl::Status WorkerPool::Start() {
     });
   grpc::ServerBuilder builder;
   AddKeepalive(builder);
+  ExclusivePorts(builder);
   int port = 0;
   builder.AddListeningPort(options_.control_listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(control_.get());
   control_server_ = builder.BuildAndStart();
   if (!control_server_ || port == 0)
-    return absl::UnavailableError(absl::StrCat("cannot listen on control address ", options_.control_listen));
+    return absl::UnavailableError(CannotListen("the control address (--control-listen)", options_.control_listen));
   const std::string host = options_.control_listen.substr(0, options_.control_listen.rfind(':'));
   frontend_ = absl::StrCat(host, ":", port);
   LogLine() << "logprob-server: control plane on " << frontend_ << "; the pool " << launcher_->Describe();
