@@ -216,7 +216,7 @@ TEST(ServerLog, WorkersStartUpLinesAreWhole) {
     EXPECT_EQ(line.find("logprob-worker: ", 1), std::string::npos);
     for (int rank = 0; rank < 4; ++rank) {
       for (const std::string& what : {absl::StrCat("rank ", rank, "/4 of pool generation 0"),
-                                      absl::StrCat("rank ", rank, " read lm_head.weight rows ["),
+                                      absl::StrCat("rank ", rank, " loaded lm_head default version initial: "),
                                       absl::StrCat("rank ", rank, " backend cpu, comm gloo"),
                                       absl::StrCat("rank ", rank, "/4 serving on 127.0.0.1:")}) {
         if (line.rfind("logprob-worker: " + what, 0) == 0) ++seen[what];

@@ -265,13 +265,15 @@ int main(int argc, char** argv) {
   ready.set_worker_address(HostPort(advertise_host, port));
   ready.set_store_prefix(joined.store_prefix());
   logprob::internal::v1::ReadyReply ready_reply;
+  // Logged before Ready: once the front-end has every Ready it reports
+  // SERVING, and a line written after that could be lost if it then stops.
+  LogLine() << "logprob-worker: rank " << rank << "/" << world << " serving on " << ready.worker_address();
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     auto st = control->Ready(&ctx, ready, &ready_reply);
     if (!st.ok()) startup_failed("ready: " + st.error_message());
   }
-  LogLine() << "logprob-worker: rank " << rank << "/" << world << " serving on " << ready.worker_address();
   server->Wait();
   return 0;
 }
