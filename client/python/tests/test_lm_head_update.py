@@ -349,6 +349,21 @@ class CliTest(unittest.TestCase):
             self.assertIn("NOT_FOUND", r.stderr)
 
 
+class OneWorkerTest(unittest.TestCase):
+    def test_an_update_on_one_worker_scores_as_a_server_started_with_it(self):
+        d = temp_dir("lm_head_one")
+        w1 = weights(2)
+        with Server(workers=1, extra=["--lm-head", save(os.path.join(d, "w1.safetensors"), w1)]) as s, \
+                s.client() as c:
+            expect = score(c)
+        with Server(workers=1, extra=["--lm-head", save(os.path.join(d, "w0.safetensors"), weights(1)),
+                                      "--allow-lm-head-updates"]) as s, s.client() as c:
+            self.assertEqual(c.update_lm_head("default", w1, version="v1"), "v1")
+            r = score(c)
+            self.assertEqual(r.head_version, "v1")
+            same(r, expect)
+
+
 class UpdatesOffTest(unittest.TestCase):
     def test_updates_are_off_unless_allowed(self):
         d = temp_dir("lm_head_off")
