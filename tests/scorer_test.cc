@@ -298,9 +298,10 @@ class HostOnePassBackend final : public ScoringBackend {
       pass.RecordExchange(me, words, &send, &recv);
       std::vector<uint32_t> got(static_cast<size_t>(W * pass.count[me]) * words);
       if (absl::Status st = comm.AllToAllV(records.data(), send, got.data(), recv); !st.ok()) return st;
-      for (int q = 0; q < W; ++q)
-        std::memcpy(own_records + RecordIndex(q, pass.pass_row0, item.count[me], words),
-                    got.data() + RecordIndex(q, 0, pass.count[me], words), pass.count[me] * words * 4);
+      if (pass.count[me] > 0)  // `got` is empty (its data() may be null) when this rank has no rows here
+        for (int q = 0; q < W; ++q)
+          std::memcpy(own_records + RecordIndex(q, pass.pass_row0, item.count[me], words),
+                      got.data() + RecordIndex(q, 0, pass.count[me], words), pass.count[me] * words * 4);
     }
     return absl::OkStatus();
   }
