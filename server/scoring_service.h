@@ -51,6 +51,8 @@ class ScoringService final : public v1::LogprobService::Service {
                                       v1::UnregisterSharedMemoryResponse*) override;
   grpc::Status ListSharedMemory(grpc::ServerContext*, const v1::ListSharedMemoryRequest*,
                                 v1::ListSharedMemoryResponse*) override;
+  grpc::Status ConfirmSharedMemory(grpc::ServerContext*, const v1::ConfirmSharedMemoryRequest*,
+                                   v1::ConfirmSharedMemoryResponse*) override;
 
   /// The server side of ScoreChunked (proto/logprob/v1/logprob.proto): reads
   /// the request part, checks the announced size against
