@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/backend_choice.h"
+#include "common/exclusive_port.h"
 #include "common/flag_names.h"
 #include "common/lm_head_precision.h"
 #include "common/lm_head_source.h"
@@ -179,7 +180,8 @@ int main(int argc, char** argv) {
     try {
       metrics.Expose(absl::GetFlag(FLAGS_metrics_listen));
     } catch (const std::exception& e) {
-      return Fail("--metrics-listen " + absl::GetFlag(FLAGS_metrics_listen) + ": " + e.what());
+      return Fail("cannot listen on --metrics-listen " + logprob::ListenFailure(absl::GetFlag(FLAGS_metrics_listen)) +
+                  " (" + e.what() + ")");
     }
   }
 
@@ -278,12 +280,14 @@ int main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
+  logprob::ExclusivePorts(builder);  // a second server on this port fails instead of sharing it
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_request_bytes));
   builder.SetMaxSendMessageSize(INT_MAX);
   builder.RegisterService(&service);
   auto server = builder.BuildAndStart();
-  if (!server || port == 0) return Fail("cannot listen on " + absl::GetFlag(FLAGS_listen));
+  if (!server || port == 0)
+    return Fail("cannot listen on --listen " + logprob::ListenFailure(absl::GetFlag(FLAGS_listen)));
   server->GetHealthCheckService()->SetServingStatus(false);
   public_server = server.get();
   std::signal(SIGTERM, OnSignal);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/exclusive_port.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 
@@ -46,12 +47,14 @@ absl::Status WorkerPool::Start() {
       [this](int64_t generation, int, const std::string& why) { OnLeave(generation, why); }, options_.join_observers);
   grpc::ServerBuilder builder;
   AddKeepalive(builder);
+  ExclusivePorts(builder);
   int port = 0;
   builder.AddListeningPort(options_.control_listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(control_.get());
   control_server_ = builder.BuildAndStart();
   if (!control_server_ || port == 0)
-    return absl::UnavailableError(absl::StrCat("cannot listen on control address ", options_.control_listen));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on --control-listen ", ListenFailure(options_.control_listen)));
   const std::string host = options_.control_listen.substr(0, options_.control_listen.rfind(':'));
   frontend_ = absl::StrCat(host, ":", port);
   std::cerr << "logprob-server: control plane on " << frontend_ << "; the pool " << launcher_->Describe() << std::endl;

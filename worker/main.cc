@@ -31,6 +31,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "common/backend_choice.h"
+#include "common/exclusive_port.h"
 #include "common/flag_names.h"
 #include "common/lm_head_precision.h"
 #include "common/lm_head_source.h"
@@ -274,6 +275,7 @@ int main(int argc, char** argv) {
   logprob::WorkerService service(std::move(*comm), std::move(*backend), joined.hidden_chunk_tokens());
   grpc::ServerBuilder builder;
   int port = 0;
+  logprob::ExclusivePorts(builder);
   builder.AddListeningPort(HostPort(listen_host, 0), grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
