@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/chunk_assembler.h"
+#include "common/exclusive_port.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 
@@ -41,6 +42,7 @@ absl::StatusOr<std::unique_ptr<EchoServer>> EchoServer::Start(v1::ScoreResponse 
   std::unique_ptr<EchoServer> echo(new EchoServer(std::move(reply)));
   grpc::ServerBuilder builder;
   int port = 0;
+  ExclusivePorts(builder);
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(max_request_bytes);
   builder.SetMaxSendMessageSize(INT_MAX);

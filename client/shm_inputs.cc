@@ -59,24 +59,47 @@ absl::Status ShmInputs::Grow(size_t bytes) {
   size_t size = size_t{1} << 20;
   while (size < bytes) size *= 2;
   const std::string name = absl::StrCat("/logprob-client-", getpid(), "-", RandomHex(8));
-  auto created = SharedRegion::Create(size, name);
+  // The object's last kShmProofBytes, past the usable bytes, take the
+  // registration's challenge (the proof of write access).
+  auto created = SharedRegion::Create(size + kShmProofBytes, name);
   if (!created.ok()) return created.status();
   shm_ = *std::move(created);
   size_ = size;
-  grpc::ClientContext context;
-  Deadline(&context, timeout_seconds_);
-  Attach(&context);
   v1::RegisterSharedMemoryRequest req;
   req.set_name(absl::StrCat("inputs-", RandomHex(4)));
   req.set_shm_name(name);
   req.set_byte_size(static_cast<int64_t>(size));
   v1::RegisterSharedMemoryResponse resp;
-  const grpc::Status s = stub_.RegisterSharedMemory(&context, req, &resp);
-  if (!s.ok()) {
+  {
+    grpc::ClientContext context;
+    Deadline(&context, timeout_seconds_);
+    Attach(&context);
+    const grpc::Status s = stub_.RegisterSharedMemory(&context, req, &resp);
+    if (!s.ok()) {
+      Release();
+      return FromGrpc(s);
+    }
+  }
+  region_ = req.name();
+  if (resp.challenge().empty()) return absl::OkStatus();  // a server that asks for no proof
+  const int64_t at = resp.proof_offset();
+  if (static_cast<int64_t>(resp.challenge().size()) != kShmProofBytes || at < static_cast<int64_t>(size) ||
+      at > static_cast<int64_t>(shm_->size()) - kShmProofBytes) {
+    Release();
+    return absl::InternalError(absl::StrCat("RegisterSharedMemory answered a challenge of ", resp.challenge().size(),
+                                            " bytes at offset ", at, " of a ", shm_->size(), "-byte object"));
+  }
+  std::memcpy(shm_->data() + at, resp.challenge().data(), resp.challenge().size());
+  grpc::ClientContext context;
+  Deadline(&context, timeout_seconds_);
+  Attach(&context);
+  v1::ConfirmSharedMemoryRequest confirm;
+  confirm.set_name(region_);
+  v1::ConfirmSharedMemoryResponse confirmed;
+  if (const grpc::Status s = stub_.ConfirmSharedMemory(&context, confirm, &confirmed); !s.ok()) {
     Release();
     return FromGrpc(s);
   }
-  region_ = req.name();
   return absl::OkStatus();
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -63,5 +64,11 @@ std::string SharedMemoryHostId();
 /// gRPC metadata key naming a client's shared-memory session
 /// (server/shm_session.h; the C++ and Python clients send it).
 inline constexpr char kShmSessionMetadata[] = "logprob-shm-session";
+
+/// Bytes of a client region's proof of write access (logprob.v1
+/// RegisterSharedMemoryResponse.challenge): the object's last bytes, past
+/// the registered byte_size, hold the server's challenge when the client
+/// confirms (server/client_regions.h, docs/security.md).
+inline constexpr int64_t kShmProofBytes = 32;
 
 }  // namespace logprob

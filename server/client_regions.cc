@@ -11,6 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "openssl/crypto.h"  // CRYPTO_memcmp
+#include "openssl/rand.h"
 
 namespace logprob {
 namespace {
@@ -66,15 +68,34 @@ absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegion::Open(const std
   } else if (st.st_uid != geteuid()) {
     bad = absl::PermissionDeniedError(
         absl::StrCat(shm_name, " is owned by uid ", st.st_uid, ", not by the server's uid ", geteuid()));
-  } else if (st.st_size < byte_size) {
+  } else if (st.st_size - kProofBytes < byte_size) {
     bad = absl::InvalidArgumentError(absl::StrCat("region \"", name, "\": ", shm_name, " holds ", st.st_size,
-                                                  " bytes, fewer than byte_size ", byte_size));
+                                                  " bytes, fewer than byte_size ", byte_size, " + ", kProofBytes,
+                                                  " (the proof of write access, past byte_size)"));
   }
   if (!bad.ok()) {
     close(fd);
     return bad;
   }
-  return std::shared_ptr<const ClientRegion>(new ClientRegion(name, shm_name, byte_size, fd));
+  return std::shared_ptr<const ClientRegion>(
+      new ClientRegion(name, shm_name, byte_size, static_cast<int64_t>(st.st_size) - kProofBytes, fd));
+}
+
+bool ClientRegion::HoldsProof(const std::string& challenge) const {
+  if (challenge.size() != static_cast<size_t>(kProofBytes)) return false;
+  char got[kProofBytes];
+  size_t done = 0;
+  while (done < sizeof(got)) {
+    const ssize_t n = pread(fd_, got + done, sizeof(got) - done, static_cast<off_t>(proof_offset_ + done));
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return false;  // shrunk below the proof, or an error
+    }
+  }
+  return CRYPTO_memcmp(got, challenge.data(), sizeof(got)) == 0;
 }
 
 ClientRegion::~ClientRegion() { close(fd_); }
@@ -127,8 +148,8 @@ void ClientRegions::Changed() {
   if (options_.on_change) options_.on_change(regions_, bytes_);
 }
 
-absl::Status ClientRegions::Register(const std::string& owner, const std::string& name, const std::string& shm_name,
-                                     int64_t byte_size) {
+absl::StatusOr<RegionChallenge> ClientRegions::Register(const std::string& owner, const std::string& name,
+                                                        const std::string& shm_name, int64_t byte_size) {
   if (auto st = CheckNames(name, shm_name, byte_size); !st.ok()) return st;
   {
     absl::MutexLock lock(&mu_);
@@ -140,6 +161,11 @@ absl::Status ClientRegions::Register(const std::string& owner, const std::string
   // Opened without the lock (a system call); the caps are checked again below.
   auto region = ClientRegion::Open(name, shm_name, byte_size);
   if (!region.ok()) return region.status();
+  RegionChallenge out;
+  out.challenge.resize(kProofBytes);
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.challenge.data()), kProofBytes) != 1)
+    return absl::InternalError("no random bytes for the shared-memory challenge (RAND_bytes)");
+  out.proof_offset = (*region)->proof_offset();
   absl::MutexLock lock(&mu_);
   Session& s = sessions_[owner];
   s.last_used = std::chrono::steady_clock::now();
@@ -152,11 +178,53 @@ absl::Status ClientRegions::Register(const std::string& owner, const std::string
     return absl::ResourceExhaustedError(absl::StrCat("registering ", byte_size,
                                                      " bytes would exceed the server's --max-shared-memory-bytes ",
                                                      options_.max_bytes, " (", bytes_, " registered)"));
-  s.regions[name] = *std::move(region);
+  s.regions[name] = Entry{*std::move(region), out.challenge, false};
   ++regions_;
   bytes_ += byte_size;
   Changed();
-  return absl::OkStatus();
+  return out;
+}
+
+absl::Status ClientRegions::Confirm(const std::string& owner, const std::string& name) {
+  const auto not_found =
+      absl::NotFoundError(absl::StrCat("shared-memory region \"", name, "\" is not registered by this session"));
+  std::shared_ptr<const ClientRegion> region;
+  std::string challenge;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(owner);
+    if (it == sessions_.end()) return not_found;
+    it->second.last_used = std::chrono::steady_clock::now();
+    auto r = it->second.regions.find(name);
+    if (r == it->second.regions.end()) return not_found;
+    if (r->second.confirmed) return absl::OkStatus();
+    region = r->second.region;
+    challenge = r->second.challenge;
+  }
+  // Read without the lock (a system call), through the registration's own descriptor.
+  const bool proven = region->HoldsProof(challenge);
+  std::shared_ptr<const ClientRegion> gone;  // closed after the lock
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(owner);
+  if (it == sessions_.end()) return not_found;
+  auto r = it->second.regions.find(name);
+  // Unregistered (and perhaps registered anew) meanwhile: that registration has its own challenge.
+  if (r == it->second.regions.end() || r->second.region != region) return not_found;
+  if (proven) {
+    r->second.confirmed = true;
+    r->second.challenge.clear();
+    return absl::OkStatus();
+  }
+  gone = std::move(r->second.region);
+  it->second.regions.erase(r);
+  --regions_;
+  bytes_ -= gone->byte_size();
+  Changed();
+  return absl::PermissionDeniedError(
+      absl::StrCat("shared-memory region \"", name, "\" (", gone->shm_name(),
+                   "): the registration's challenge is not at offset ", gone->proof_offset(),
+                   " of the object: only a process that can write the object may register it "
+                   "(RegisterSharedMemory answers the challenge to write there); the registration is removed"));
 }
 
 absl::StatusOr<int> ClientRegions::Unregister(const std::string& owner, const std::string& name) {
@@ -166,7 +234,7 @@ absl::StatusOr<int> ClientRegions::Unregister(const std::string& owner, const st
   if (it != sessions_.end()) it->second.last_used = std::chrono::steady_clock::now();
   if (name.empty()) {
     if (it == sessions_.end()) return 0;
-    for (auto& [n, r] : it->second.regions) gone.push_back(r);
+    for (auto& [n, e] : it->second.regions) gone.push_back(e.region);
     it->second.regions.clear();
   } else {
     const auto not_found =
@@ -174,7 +242,7 @@ absl::StatusOr<int> ClientRegions::Unregister(const std::string& owner, const st
     if (it == sessions_.end()) return not_found;
     auto r = it->second.regions.find(name);
     if (r == it->second.regions.end()) return not_found;
-    gone.push_back(r->second);
+    gone.push_back(r->second.region);
     it->second.regions.erase(r);
   }
   for (const auto& r : gone) {
@@ -185,13 +253,13 @@ absl::StatusOr<int> ClientRegions::Unregister(const std::string& owner, const st
   return static_cast<int>(gone.size());
 }
 
-std::vector<std::shared_ptr<const ClientRegion>> ClientRegions::List(const std::string& owner) {
+std::vector<ClientRegions::Listed> ClientRegions::List(const std::string& owner) {
   absl::MutexLock lock(&mu_);
-  std::vector<std::shared_ptr<const ClientRegion>> out;
+  std::vector<Listed> out;
   auto it = sessions_.find(owner);
   if (it == sessions_.end()) return out;
   it->second.last_used = std::chrono::steady_clock::now();
-  for (const auto& [n, r] : it->second.regions) out.push_back(r);
+  for (const auto& [n, e] : it->second.regions) out.push_back({e.region, e.confirmed});
   return out;
 }
 
@@ -202,7 +270,13 @@ absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegions::Find(const st
   if (it != sessions_.end()) {
     it->second.last_used = std::chrono::steady_clock::now();
     auto r = it->second.regions.find(name);
-    if (r != it->second.regions.end()) return r->second;
+    if (r != it->second.regions.end()) {
+      if (r->second.confirmed) return r->second.region;
+      return absl::PermissionDeniedError(
+          absl::StrCat("shared-memory region \"", name,
+                       "\" is not confirmed: write the registration's challenge into the object and call "
+                       "ConfirmSharedMemory first (only a process that can write the object may use it)"));
+    }
   }
   return absl::NotFoundError(absl::StrCat("shared-memory region \"", name,
                                           "\" is not registered by this session (RegisterSharedMemory first; regions "
@@ -230,7 +304,7 @@ int ClientRegions::ExpireIdle(std::chrono::steady_clock::time_point now) {
       ++it;
       continue;
     }
-    for (auto& [n, r] : it->second.regions) gone.push_back(r);
+    for (auto& [n, e] : it->second.regions) gone.push_back(e.region);
     it = sessions_.erase(it);
   }
   for (const auto& r : gone) {

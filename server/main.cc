@@ -281,8 +281,8 @@ int main(int argc, char** argv) {
     try {
       metrics.Expose(absl::GetFlag(FLAGS_metrics_listen));
     } catch (const std::exception& e) {
-      return Fail(logprob::CannotListen("--metrics-listen", absl::GetFlag(FLAGS_metrics_listen)) + " (" + e.what() +
-                  ")");
+      return Fail("cannot listen on --metrics-listen " + logprob::ListenFailure(absl::GetFlag(FLAGS_metrics_listen)) +
+                  " (" + e.what() + ")");
     }
   }
 
@@ -420,14 +420,15 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  logprob::ExclusivePorts(builder);
   int port = 0;
+  logprob::ExclusivePorts(builder);  // a second server on this port fails instead of sharing it
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_request_bytes));
   builder.SetMaxSendMessageSize(INT_MAX);
   builder.RegisterService(&service);
   auto server = builder.BuildAndStart();
-  if (!server || port == 0) return Fail(logprob::CannotListen("--listen", absl::GetFlag(FLAGS_listen)));
+  if (!server || port == 0)
+    return Fail("cannot listen on --listen " + logprob::ListenFailure(absl::GetFlag(FLAGS_listen)));
   server->GetHealthCheckService()->SetServingStatus(false);
   public_server = server.get();
   std::signal(SIGTERM, OnSignal);

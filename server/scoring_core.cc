@@ -211,9 +211,20 @@ absl::Status ScoringCore::SharedMemoryEnabled() const {
   return absl::OkStatus();
 }
 
-absl::Status ScoringCore::RegisterSharedMemory(const std::string& session, const v1::RegisterSharedMemoryRequest& req) {
+absl::StatusOr<v1::RegisterSharedMemoryResponse> ScoringCore::RegisterSharedMemory(
+    const std::string& session, const v1::RegisterSharedMemoryRequest& req) {
   LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
-  return regions_->Register(session, req.name(), req.shm_name(), req.byte_size());
+  auto challenge = regions_->Register(session, req.name(), req.shm_name(), req.byte_size());
+  if (!challenge.ok()) return challenge.status();
+  v1::RegisterSharedMemoryResponse resp;
+  resp.set_challenge(challenge->challenge);
+  resp.set_proof_offset(challenge->proof_offset);
+  return resp;
+}
+
+absl::Status ScoringCore::ConfirmSharedMemory(const std::string& session, const std::string& name) {
+  LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
+  return regions_->Confirm(session, name);
 }
 
 absl::StatusOr<int> ScoringCore::UnregisterSharedMemory(const std::string& session, const std::string& name) {
@@ -221,8 +232,7 @@ absl::StatusOr<int> ScoringCore::UnregisterSharedMemory(const std::string& sessi
   return regions_->Unregister(session, name);
 }
 
-absl::StatusOr<std::vector<std::shared_ptr<const ClientRegion>>> ScoringCore::ListSharedMemory(
-    const std::string& session) {
+absl::StatusOr<std::vector<ClientRegions::Listed>> ScoringCore::ListSharedMemory(const std::string& session) {
   LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
   return regions_->List(session);
 }

@@ -122,10 +122,13 @@ class ScoringCore {
   v1::ServerInfo Info() const;
 
   /// Shared-memory regions of session `session` (ClientRegions' errors);
-  /// FAILED_PRECONDITION when shared-memory inputs are off.
-  absl::Status RegisterSharedMemory(const std::string& session, const v1::RegisterSharedMemoryRequest& req);
+  /// FAILED_PRECONDITION when shared-memory inputs are off. A registered
+  /// region is usable once confirmed (the proof of write access).
+  absl::StatusOr<v1::RegisterSharedMemoryResponse> RegisterSharedMemory(const std::string& session,
+                                                                        const v1::RegisterSharedMemoryRequest& req);
+  absl::Status ConfirmSharedMemory(const std::string& session, const std::string& name);
   absl::StatusOr<int> UnregisterSharedMemory(const std::string& session, const std::string& name);
-  absl::StatusOr<std::vector<std::shared_ptr<const ClientRegion>>> ListSharedMemory(const std::string& session);
+  absl::StatusOr<std::vector<ClientRegions::Listed>> ListSharedMemory(const std::string& session);
   /// OK when shared-memory inputs are on, else FAILED_PRECONDITION saying so.
   absl::Status SharedMemoryEnabled() const;
 

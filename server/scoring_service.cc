@@ -189,12 +189,23 @@ grpc::Status Logged(Metrics* metrics, const char* method, const std::string& wha
 
 grpc::Status ScoringService::RegisterSharedMemory(grpc::ServerContext* context,
                                                   const v1::RegisterSharedMemoryRequest* req,
-                                                  v1::RegisterSharedMemoryResponse*) {
+                                                  v1::RegisterSharedMemoryResponse* resp) {
   auto session = ShmSession(context, "RegisterSharedMemory");
   const std::string what =
       absl::StrCat("region=", req->name(), " shm_name=", req->shm_name(), " byte_size=", req->byte_size());
   if (!session.ok()) return Logged(metrics_, "RegisterSharedMemory", what, session.status());
-  return Logged(metrics_, "RegisterSharedMemory", what, core_.RegisterSharedMemory(*session, *req));
+  auto r = core_.RegisterSharedMemory(*session, *req);
+  if (r.ok()) *resp = *std::move(r);
+  return Logged(metrics_, "RegisterSharedMemory", what, r.status());
+}
+
+grpc::Status ScoringService::ConfirmSharedMemory(grpc::ServerContext* context,
+                                                 const v1::ConfirmSharedMemoryRequest* req,
+                                                 v1::ConfirmSharedMemoryResponse*) {
+  auto session = ShmSession(context, "ConfirmSharedMemory");
+  const std::string what = absl::StrCat("region=", req->name());
+  if (!session.ok()) return Logged(metrics_, "ConfirmSharedMemory", what, session.status());
+  return Logged(metrics_, "ConfirmSharedMemory", what, core_.ConfirmSharedMemory(*session, req->name()));
 }
 
 grpc::Status ScoringService::UnregisterSharedMemory(grpc::ServerContext* context,
@@ -214,11 +225,12 @@ grpc::Status ScoringService::ListSharedMemory(grpc::ServerContext* context, cons
   if (!session.ok()) return ToGrpc(session.status());
   auto regions = core_.ListSharedMemory(*session);
   if (!regions.ok()) return ToGrpc(regions.status());
-  for (const auto& r : *regions) {
+  for (const auto& [r, confirmed] : *regions) {
     v1::SharedMemoryRegionStatus* out = resp->add_regions();
     out->set_name(r->name());
     out->set_shm_name(r->shm_name());
     out->set_byte_size(r->byte_size());
+    out->set_confirmed(confirmed);
   }
   return grpc::Status::OK;
 }

@@ -54,6 +54,8 @@ class ScoringService final : public v1::LogprobService::Service {
                                       v1::UnregisterSharedMemoryResponse*) override;
   grpc::Status ListSharedMemory(grpc::ServerContext*, const v1::ListSharedMemoryRequest*,
                                 v1::ListSharedMemoryResponse*) override;
+  grpc::Status ConfirmSharedMemory(grpc::ServerContext*, const v1::ConfirmSharedMemoryRequest*,
+                                   v1::ConfirmSharedMemoryResponse*) override;
 
   /// lm_head updates (server/lm_head_updates.h): FAILED_PRECONDITION
   /// (reason LM_HEAD_UPDATES_DISABLED) when off; else its errors.

@@ -23,6 +23,7 @@ std::shared_ptr<const InputSource> RegionSource(std::shared_ptr<const ClientRegi
 /// The source of input `index` of a request, `tensor`, whose bytes are in
 /// one of session `owner`'s regions (tensor.shared_memory). Errors name
 /// the tensor: NOT_FOUND (region not registered by the session),
+/// PERMISSION_DENIED (registered but not confirmed: nothing is read),
 /// INVALID_ARGUMENT (negative offset or size, range past the region's
 /// byte_size, offset not a multiple of the dtype's size).
 absl::StatusOr<std::shared_ptr<const InputSource>> ResolveSharedMemory(const v1::Tensor& tensor, int index,

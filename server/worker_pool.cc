@@ -8,24 +8,11 @@
 #include "absl/time/time.h"
 #include "common/exclusive_port.h"
 #include "common/grpc_status.h"
+#include "common/keepalive.h"
 #include "common/log_line.h"
 #include "common/status_macros.h"
 
 namespace logprob {
-namespace {
-
-/// Keepalive on the Join streams, so a worker host that vanishes without
-/// closing its connection (power, network) is noticed within ~20 s.
-void AddKeepalive(grpc::ServerBuilder& builder) {
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  // Accept the workers' own keepalive pings (logprob-worker pings every 10 s).
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-}
-
-}  // namespace
 
 WorkerPool::WorkerPool(Options options, std::unique_ptr<WorkerLauncher> launcher)
     : options_(std::move(options)), launcher_(std::move(launcher)) {}
@@ -51,14 +38,17 @@ absl::Status WorkerPool::Start() {
       for (auto& load : options_.lm_heads()) *reply->add_lm_heads() = std::move(load);
     });
   grpc::ServerBuilder builder;
-  AddKeepalive(builder);
+  // Keepalive on the Join streams: a worker host that vanishes without
+  // closing its connection (power, network) is noticed within seconds.
+  SetKeepalive(builder);
   ExclusivePorts(builder);
   int port = 0;
   builder.AddListeningPort(options_.control_listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(control_.get());
   control_server_ = builder.BuildAndStart();
   if (!control_server_ || port == 0)
-    return absl::UnavailableError(CannotListen("the control address (--control-listen)", options_.control_listen));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on --control-listen ", ListenFailure(options_.control_listen)));
   const std::string host = options_.control_listen.substr(0, options_.control_listen.rfind(':'));
   frontend_ = absl::StrCat(host, ":", port);
   LogLine() << "logprob-server: control plane on " << frontend_ << "; the pool " << launcher_->Describe();
@@ -101,6 +91,7 @@ absl::Status WorkerPool::Form(int64_t index) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
+  SetKeepalive(args);  // a call to a worker whose host is gone fails within seconds
   for (const auto& addr : *addresses)
     gen->stubs.push_back(
         internal::v1::Worker::NewStub(grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args)));

@@ -426,7 +426,8 @@ class ShmRows {
     const size_t bytes = static_cast<size_t>(rows * kV) * sizeof(float);
     const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     EXPECT_GE(fd, 0) << name_;
-    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    // The object holds the rows and the proof of write access after them.
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes + kProofBytes)), 0);
     std::vector<float> values(rows * kV, static_cast<float>(tag));
     EXPECT_EQ(pwrite(fd, values.data(), bytes, 0), static_cast<ssize_t>(bytes));
     fd_ = fd;

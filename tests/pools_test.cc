@@ -113,6 +113,14 @@ class ShmObject {
   }
   ~ShmObject() { shm_unlink(name_.c_str()); }
   const std::string& name() const { return name_; }
+  /// Writes a registration's challenge where it asks (the proof of write access).
+  void Prove(const RegionChallenge& c) const {
+    const int fd = shm_open(name_.c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0) << name_ << ": " << std::strerror(errno);
+    EXPECT_EQ(pwrite(fd, c.challenge.data(), c.challenge.size(), c.proof_offset),
+              static_cast<ssize_t>(c.challenge.size()));
+    close(fd);
+  }
 
  private:
   std::string name_;
@@ -130,13 +138,17 @@ TEST(ClientRegionsConcurrency, SessionsRegisterFindHoldAndUnregisterAtOnce) {
   ClientRegions regions(o);
   std::vector<std::unique_ptr<ShmObject>> objects;
   for (int t = 0; t < kThreads; ++t)
-    objects.push_back(std::make_unique<ShmObject>(absl::StrCat("/pools-test-", getpid(), "-", t), 4096));
+    objects.push_back(std::make_unique<ShmObject>(absl::StrCat("/pools-test-", getpid(), "-", t), 4096 + kProofBytes));
   OnThreads([&](int t) {
     const std::string owner = absl::StrCat("session-", t % 2);  // two threads per session
     const std::string name = absl::StrCat("r", t);
     for (int i = 0; i < kRounds / 4; ++i) {
       auto hold = regions.Hold(owner);  // in flight: the reaper leaves the session alone
-      ASSERT_TRUE(regions.Register(owner, name, objects[t]->name(), 4096).ok());
+      auto challenge = regions.Register(owner, name, objects[t]->name(), 4096);
+      ASSERT_TRUE(challenge.ok()) << challenge.status();
+      EXPECT_EQ(regions.Find(owner, name).status().code(), absl::StatusCode::kPermissionDenied) << "unconfirmed";
+      objects[t]->Prove(*challenge);
+      ASSERT_TRUE(regions.Confirm(owner, name).ok());
       auto found = regions.Find(owner, name);
       ASSERT_TRUE(found.ok()) << found.status();
       EXPECT_EQ((*found)->shm_name(), objects[t]->name());

@@ -1,4 +1,6 @@
-// Integration: the serving lifecycle under failure and load. A worker
+// Integration: the serving lifecycle under failure and load. Ports are
+// exclusive: a second server on a busy API, metrics or control port exits
+// 1 naming the port and its holder. A worker
 // killed mid-request, deadlines, client cancellation, SIGTERM drain and
 // overload against a bounded queue. The slow requests are hidden-states
 // requests (a GEMM of T x 32000 x 1024), which take seconds on CPU; each
@@ -225,6 +227,45 @@ TEST(ServerLog, WorkersStartUpLinesAreWhole) {
   }
   EXPECT_EQ(seen.size(), 16u) << absl::StrJoin(lines, "\n");
   for (const auto& [what, n] : seen) EXPECT_EQ(n, 1) << what;
+}
+
+// Two servers on one port: the second one must not share it (gRPC's
+// default SO_REUSEPORT would let both listen and split new connections),
+// for each port the server listens on. It exits 1 before starting any
+// worker, naming the flag, the address and the process holding it.
+TEST(ExclusivePorts, ASecondServerOnABusyPortExitsNamingIt) {
+  const std::string metrics = "127.0.0.1:" + std::to_string(FreePort());
+  const std::string control = "127.0.0.1:" + std::to_string(FreePort());
+  auto first = ServerProcess::Start(1, {"--metrics-listen", metrics, "--control-listen", control});
+  ASSERT_TRUE(first);
+  const std::string holder = "(by pid " + std::to_string(first->pid()) + ", logprob-server";
+  struct Case {
+    std::string port, flags;
+  };
+  const std::vector<Case> cases = {
+      {"--listen " + first->address(), " --listen " + first->address()},
+      {"--metrics-listen " + metrics,
+       " --listen 127.0.0.1:" + std::to_string(FreePort()) + " --metrics-listen " + metrics},
+      {"--control-listen " + control,
+       " --listen 127.0.0.1:" + std::to_string(FreePort()) + " --control-listen " + control},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.port);
+    // `timeout`: a second server that starts anyway would serve forever.
+    const CommandResult second =
+        RunCommand("timeout 120 " + BinDir() + "/logprob-server --workers 1 --backend cpu" + c.flags + " 2>&1");
+    EXPECT_EQ(second.code, 1) << second.output;
+    EXPECT_NE(second.output.find("cannot listen on " + c.port + " is already in use " + holder), std::string::npos)
+        << second.output;
+    EXPECT_EQ(second.output.find("SERVING"), std::string::npos) << second.output;
+  }
+  // The first server keeps every port, and serves.
+  EXPECT_TRUE(first->Alive());
+  auto stub = first->NewStub();
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub->GetServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
+  EXPECT_EQ(ScrapeMetrics(std::stoi(metrics.substr(metrics.rfind(':') + 1))).code, 0);
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 // - a region truncated before a request, and while the request waits in
 //   the queue: a clear FAILED_PRECONDITION, and the server keeps serving;
 // - a second session cannot use or remove the first one's region;
+// - a session that only names another's object (cannot write it) gets no
+//   usable region: the proof of write access fails, nothing is read;
 // - names that are not plain shm names, the server's own payload regions,
 //   missing session keys are refused; the count and byte caps give
 //   RESOURCE_EXHAUSTED; --shared-memory-inputs=false turns it all off;
@@ -54,7 +56,8 @@ class TestRegion {
       : name_("/logprob-test-" + std::to_string(getpid()) + "-" + std::to_string(next_++)), size_(size) {
     const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     EXPECT_GE(fd, 0) << name_ << ": " << std::strerror(errno);
-    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
+    // The last kShmProofBytes past `size`: the proof of write access.
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size + kShmProofBytes)), 0);
     fd_ = fd;
     void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     EXPECT_NE(p, MAP_FAILED);
@@ -102,15 +105,38 @@ struct Session {
     ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
     if (!key.empty()) ctx->AddMetadata("logprob-shm-session", key);
   }
-  grpc::Status Register(const std::string& name, const std::string& shm_name, int64_t size) const {
+  /// RegisterSharedMemory only: the region stays unconfirmed.
+  grpc::Status RegisterUnconfirmed(const std::string& name, const std::string& shm_name, int64_t size,
+                                   v1::RegisterSharedMemoryResponse* resp) const {
     grpc::ClientContext ctx;
     Attach(&ctx);
     v1::RegisterSharedMemoryRequest req;
     req.set_name(name);
     req.set_shm_name(shm_name);
     req.set_byte_size(size);
+    return stub.RegisterSharedMemory(&ctx, req, resp);
+  }
+  grpc::Status Confirm(const std::string& name) const {
+    grpc::ClientContext ctx;
+    Attach(&ctx);
+    v1::ConfirmSharedMemoryRequest req;
+    req.set_name(name);
+    v1::ConfirmSharedMemoryResponse resp;
+    return stub.ConfirmSharedMemory(&ctx, req, &resp);
+  }
+  /// What a client that can write the object does: register, write the
+  /// challenge where the server says, confirm.
+  grpc::Status Register(const std::string& name, const std::string& shm_name, int64_t size) const {
     v1::RegisterSharedMemoryResponse resp;
-    return stub.RegisterSharedMemory(&ctx, req, &resp);
+    grpc::Status s = RegisterUnconfirmed(name, shm_name, size, &resp);
+    if (!s.ok()) return s;
+    EXPECT_EQ(resp.challenge().size(), static_cast<size_t>(kShmProofBytes));
+    const int fd = shm_open(shm_name.c_str(), O_RDWR, 0);
+    EXPECT_GE(fd, 0) << shm_name << ": " << std::strerror(errno);
+    EXPECT_EQ(pwrite(fd, resp.challenge().data(), resp.challenge().size(), resp.proof_offset()),
+              static_cast<ssize_t>(resp.challenge().size()));
+    close(fd);
+    return Confirm(name);
   }
   grpc::Status Unregister(const std::string& name, int* n = nullptr) const {
     grpc::ClientContext ctx;
@@ -129,7 +155,8 @@ struct Session {
     const grpc::Status s = stub.ListSharedMemory(&ctx, v1::ListSharedMemoryRequest(), &resp);
     EXPECT_TRUE(s.ok()) << s.error_message();
     std::vector<std::string> names;
-    for (const auto& r : resp.regions()) names.push_back(r.name() + ":" + std::to_string(r.byte_size()));
+    for (const auto& r : resp.regions())
+      names.push_back(r.name() + ":" + std::to_string(r.byte_size()) + (r.confirmed() ? "" : ":unconfirmed"));
     return names;
   }
   grpc::Status Score(const v1::ScoreRequest& req, v1::ScoreResponse* resp) const {
@@ -392,6 +419,83 @@ TEST_F(SharedMemoryInputs, RegionsAreInvisibleToOtherSessions) {
   EXPECT_EQ(a.List(), std::vector<std::string>{"mine:1048576"});
   s = a.Score(req, &resp);
   EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// The attack of a second local user: a 0600 object of the server's user,
+// whose name anyone sees in /dev/shm, registered by a session that can
+// only name it (it cannot write the object; here: it does not). The
+// registration stays unconfirmed, a request referencing it is refused
+// before any byte is read, the proof fails, and nothing about the object's
+// contents comes back. A real second uid: the Python client's
+// test_shared_memory.SharedMemoryTest.test_second_user_cannot_register.
+TEST_F(SharedMemoryInputs, ANameAloneDoesNotGiveTheRegion) {
+  auto server = StartServer();
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  TestRegion victim(1 << 20);
+  Session owner{"session-victim-0123456789ab", *stub};
+  ASSERT_TRUE(owner.Register("in", victim.name(), 1 << 20).ok());
+  const v1::ScoreRequest plain = GoldenRequest(LoadGolden("basic_f32"));
+  v1::ScoreRequest req = plain;
+  victim.Place(&req, "in");
+  v1::ScoreResponse owners;
+  ASSERT_TRUE(owner.Score(req, &owners).ok());
+  ASSERT_GT(owners.outputs_size(), 0);
+
+  Session attacker{"session-attacker-0123456789", *stub};
+  v1::RegisterSharedMemoryResponse challenge;
+  ASSERT_TRUE(attacker.RegisterUnconfirmed("stolen", victim.name(), 1 << 20, &challenge).ok());
+  EXPECT_EQ(challenge.challenge().size(), static_cast<size_t>(kShmProofBytes));
+  EXPECT_EQ(challenge.proof_offset(), 1 << 20);
+  EXPECT_EQ(attacker.List(), std::vector<std::string>{"stolen:1048576:unconfirmed"});
+  v1::ScoreRequest stolen = req;
+  for (auto& t : *stolen.mutable_inputs()) t.mutable_shared_memory()->set_region("stolen");
+  auto refused = [&](grpc::StatusCode code, const std::string& says) {
+    v1::ScoreResponse resp;
+    const grpc::Status s = attacker.Score(stolen, &resp);
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_NE(s.error_message().find(says), std::string::npos) << s.error_message();
+    EXPECT_EQ(resp.outputs_size(), 0) << "nothing computed from the object may come back";
+    // A stream answers the same, in the message.
+    grpc::ClientContext ctx;
+    attacker.Attach(&ctx);
+    auto stream = stub->ScoreStream(&ctx);
+    ASSERT_TRUE(stream->Write(stolen));
+    stream->WritesDone();
+    v1::ScoreResponse r;
+    ASSERT_TRUE(stream->Read(&r));
+    EXPECT_EQ(r.status_code(), static_cast<int>(code)) << r.status_message();
+    EXPECT_EQ(r.outputs_size(), 0);
+    EXPECT_TRUE(stream->Finish().ok());
+  };
+  refused(grpc::StatusCode::PERMISSION_DENIED, "\"stolen\" is not confirmed");
+
+  // The object holds its owner's challenge (or nothing), never this one.
+  const grpc::Status confirm = attacker.Confirm("stolen");
+  EXPECT_EQ(confirm.error_code(), grpc::StatusCode::PERMISSION_DENIED) << confirm.error_message();
+  EXPECT_NE(confirm.error_message().find("\"stolen\""), std::string::npos) << confirm.error_message();
+  EXPECT_NE(confirm.error_message().find("only a process that can write the object"), std::string::npos)
+      << confirm.error_message();
+  EXPECT_TRUE(attacker.List().empty()) << "a failed proof removes the registration";
+  refused(grpc::StatusCode::NOT_FOUND, "\"stolen\"");
+  // The owner's region, named from the attacker's session: not there.
+  EXPECT_EQ(attacker.Confirm("in").error_code(), grpc::StatusCode::NOT_FOUND);
+  v1::ScoreResponse resp;
+  EXPECT_EQ(attacker.Score(req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(resp.outputs_size(), 0);
+  // Registering anew gives a new challenge; the old one proves nothing.
+  v1::RegisterSharedMemoryResponse again;
+  ASSERT_TRUE(attacker.RegisterUnconfirmed("stolen", victim.name(), 1 << 20, &again).ok());
+  EXPECT_NE(again.challenge(), challenge.challenge());
+  EXPECT_EQ(attacker.Confirm("stolen").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+
+  // The owner is unaffected.
+  v1::ScoreResponse after;
+  ASSERT_TRUE(owner.Score(req, &after).ok());
+  EXPECT_TRUE(OutputBytes(after) == OutputBytes(owners));
+  const CommandResult m = ScrapeMetrics(metrics_port_);
+  EXPECT_EQ(MetricSample(m.output, R"(logprob_requests_total{code="PERMISSION_DENIED",method="ConfirmSharedMemory"})"),
+            2);
 }
 
 TEST_F(SharedMemoryInputs, NamesAndCapsAreChecked) {

@@ -33,6 +33,7 @@
 #include "common/backend_choice.h"
 #include "common/exclusive_port.h"
 #include "common/flag_names.h"
+#include "common/keepalive.h"
 #include "common/lm_head_precision.h"
 #include "common/log_line.h"
 #include "common/partition.h"
@@ -153,11 +154,9 @@ int main(int argc, char** argv) {
 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
-  // Keepalive on the Join stream: a front-end host that vanishes is noticed.
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // Keepalive on the Join stream: a front-end host that vanishes, or this
+  // host's link, is noticed within seconds (common/keepalive.h).
+  logprob::SetKeepalive(args);
   // A front-end that restarts is found again within seconds, not gRPC's default 2 minutes.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
   auto channel = grpc::CreateCustomChannel(frontend, grpc::InsecureChannelCredentials(), args);
@@ -253,6 +252,7 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   logprob::ExclusivePorts(builder);
+  logprob::SetKeepalive(builder);  // accepts the front-end's pings; pings it back
   builder.AddListeningPort(HostPort(listen_host, 0), grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);

@@ -24,6 +24,13 @@ region (the server's region caps: RESOURCE_EXHAUSTED; UNAVAILABLE; a full
 /dev/shm here) sends that one call inline, with a warning, and changes nothing
 for later calls.
 
+Registering a region proves write access to it (``docs/security.md``): the
+object holds ``PROOF_BYTES`` more than the region's usable bytes, the server
+answers ``RegisterSharedMemory`` with a random challenge and where to write it
+(the object's last ``PROOF_BYTES``), the client writes it there and calls
+``ConfirmSharedMemory``; only then does the server read the region. A server
+that answers no challenge needs no confirmation.
+
 ``SharedMemoryInputs``'s methods are operations of the sans-I/O core
 (``ops.py``): the client that owns it performs their RPCs.
 """
@@ -50,6 +57,9 @@ from .splitter import Input
 T = TypeVar("T")
 
 SESSION_METADATA = "logprob-shm-session"
+# Bytes of the proof of write access past a region's usable bytes (the
+# challenge of RegisterSharedMemoryResponse).
+PROOF_BYTES = 32
 _ALIGN = 64
 _MIN_REGION = 1 << 20
 _PAGE = mmap.PAGESIZE
@@ -109,18 +119,20 @@ def _unlink(path: str) -> None:
 
 
 class _Region:
-    """One ``/dev/shm`` object of this process, mapped read-write."""
+    """One ``/dev/shm`` object of this process, mapped read-write: ``size``
+    usable bytes, then ``PROOF_BYTES`` for the proof of write access."""
 
     def __init__(self, size: int) -> None:
         self.size = size
+        total = size + PROOF_BYTES
         self.shm_name = "/logprob-py-%d-%s" % (os.getpid(), secrets.token_hex(8))
         self.name = "py-" + secrets.token_hex(6)  # the name registered with the server
         path = "/dev/shm" + self.shm_name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             # Reserve the pages: a full /dev/shm fails here, not as SIGBUS on a write.
-            os.posix_fallocate(fd, 0, size)
-            self.mm = mmap.mmap(fd, size)
+            os.posix_fallocate(fd, 0, total)
+            self.mm = mmap.mmap(fd, total)
         except BaseException:
             os.close(fd)
             _unlink(path)
@@ -149,6 +161,16 @@ class _Region:
             out.append(t)
             at += _aligned(n)
         return out
+
+    def prove(self, challenge: bytes, offset: int) -> None:
+        """Writes the registration's ``challenge`` at ``offset`` (past the
+        usable bytes, where the server reads it back on confirmation)."""
+        if len(challenge) != PROOF_BYTES or not self.size <= offset <= len(self.mm) - PROOF_BYTES:
+            raise OSError(
+                "RegisterSharedMemory answered a challenge of %d bytes at offset %d of a %d-byte object"
+                % (len(challenge), offset, len(self.mm))
+            )
+        self.mm[offset : offset + PROOF_BYTES] = challenge
 
     def close(self) -> None:
         try:
@@ -179,7 +201,7 @@ class SharedMemoryInputs:
     def _register(self, size: int) -> Ops[_Region]:
         region: _Region = yield Work(_Region, size, nbytes=size)
         try:
-            yield Rpc(
+            reply = yield Rpc(
                 self._stub.RegisterSharedMemory,
                 pb2.RegisterSharedMemoryRequest(name=region.name, shm_name=region.shm_name, byte_size=size),
                 self._timeout,
@@ -190,6 +212,23 @@ class SharedMemoryInputs:
             raise
         except BaseException:
             # Interrupted (a cancelled task): the server may hold it; close() unregisters it.
+            with self._lock:
+                self._all.append(region)
+            raise
+        if not reply.challenge:
+            return region  # a server that asks for no proof
+        try:
+            region.prove(reply.challenge, reply.proof_offset)
+            yield Rpc(
+                self._stub.ConfirmSharedMemory,
+                pb2.ConfirmSharedMemoryRequest(name=region.name),
+                self._timeout,
+                self.metadata,
+            )
+        except (grpc.RpcError, OSError):
+            yield from self._drop(region)  # best effort: a refused proof removed it already
+            raise
+        except BaseException:
             with self._lock:
                 self._all.append(region)
             raise

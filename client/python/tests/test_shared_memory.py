@@ -2,9 +2,14 @@
 against live servers: used on its own on the same host, bitwise the inline
 results, one region per concurrent call, regions removed on close(),
 re-registered after the server expired an idle session, inline when the
-server has shared-memory inputs off."""
+server has shared-memory inputs off; a second local user who only knows a
+region's object name gets nothing from it (the proof of write access)."""
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 import unittest
@@ -109,6 +114,125 @@ class SharedMemoryTest(unittest.TestCase):
             res = client.score(**g.score_kwargs())
             self.assertEqual(compare(g.expected, res.outputs), "")
             self.assertEqual(len(region_names(client)), 1)
+
+
+# What a second local user runs against a region of the server's user:
+# argv = server address, the victim's shm_name, its byte_size. Prints a
+# JSON report of what it got.
+_ATTACKER = r"""
+import json, os, sys
+import grpc
+from logprob_client import logprob_pb2 as pb2, logprob_pb2_grpc as pb2_grpc
+
+address, shm_name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out = {"uid": os.geteuid()}
+try:
+    os.close(os.open("/dev/shm" + shm_name, os.O_RDONLY))
+    out["open"] = "opened"
+except OSError as e:
+    out["open"] = e.errno
+stub = pb2_grpc.LogprobServiceStub(grpc.insecure_channel(address))
+md = (("logprob-shm-session", "second-user-session-0123456789"),)
+
+def call(fn):
+    try:
+        return "OK", fn()
+    except grpc.RpcError as e:
+        return e.code().name, None
+
+code, reply = call(lambda: stub.RegisterSharedMemory(
+    pb2.RegisterSharedMemoryRequest(name="stolen", shm_name=shm_name, byte_size=size), timeout=30, metadata=md))
+out["register"] = code
+if reply is not None:
+    out["challenge"] = len(reply.challenge)
+    try:  # the proof needs write access
+        fd = os.open("/dev/shm" + shm_name, os.O_WRONLY)
+        os.pwrite(fd, reply.challenge, reply.proof_offset)
+        os.close(fd)
+        out["write"] = "written"
+    except OSError as e:
+        out["write"] = e.errno
+req = pb2.ScoreRequest(id="steal")
+t = req.inputs.add(name="logits", dtype=pb2.F32, shape=[4, 8])
+t.shared_memory.region, t.shared_memory.offset, t.shared_memory.byte_size = "stolen", 0, 128
+t = req.inputs.add(name="input_ids", dtype=pb2.I64, shape=[4])
+t.shared_memory.region, t.shared_memory.offset, t.shared_memory.byte_size = "stolen", 4096, 32
+
+def score():
+    code, resp = call(lambda: stub.Score(req, timeout=30, metadata=md))
+    return [code, len(resp.outputs) if resp is not None else 0]
+
+out["score_unconfirmed"] = score()
+out["confirm"] = call(lambda: stub.ConfirmSharedMemory(
+    pb2.ConfirmSharedMemoryRequest(name="stolen"), timeout=30, metadata=md))[0]
+out["score_after"] = score()
+print(json.dumps(out))
+"""
+
+
+class SecondUserTest(unittest.TestCase):
+    """The attack with a real second uid: needs root (to drop to ``nobody``
+    with setpriv) and a source tree ``nobody`` can read; skipped otherwise."""
+
+    def test_second_user_cannot_use_a_region_it_can_only_name(self):
+        if os.geteuid() != 0 or shutil.which("setpriv") is None:
+            self.skipTest("needs root and setpriv(1) to run a second, unprivileged local user")
+        import logprob_client
+
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths.append(os.path.dirname(os.path.dirname(os.path.abspath(logprob_client.__file__))))
+        unreadable = [p for p in paths if not _world_readable(p)]
+        if unreadable:
+            self.skipTest("user nobody cannot read %s" % ", ".join(unreadable))
+        server = Server(workers=1)
+        try:
+            with server.client() as victim:
+                g = Golden("basic_f32")
+                self.assertEqual(compare(g.expected, victim.score(**g.score_kwargs()).outputs), "")
+                shm = victim._shm
+                reply = victim._stub.ListSharedMemory(pb2.ListSharedMemoryRequest(), timeout=30, metadata=shm.metadata)
+                self.assertEqual(len(reply.regions), 1)
+                region = reply.regions[0]
+                self.assertTrue(region.confirmed)
+                self.assertEqual(os.stat("/dev/shm" + region.shm_name).st_mode & 0o777, 0o600)
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HOME="/nonexistent",
+                           XDG_CACHE_HOME="/nonexistent")
+                run = subprocess.run(
+                    ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", _ATTACKER,
+                     "127.0.0.1:%d" % server.port, region.shm_name, str(region.byte_size)],
+                    env=env, capture_output=True, text=True, timeout=120)
+                self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+                got = json.loads(run.stdout.strip().splitlines()[-1])
+                self.assertEqual(got["uid"], 65534)
+                self.assertEqual(got["open"], 13, "nobody cannot open the 0600 object itself (EACCES)")
+                # The server opens it (it is the owner) but answers only a challenge...
+                self.assertEqual(got["register"], "OK")
+                self.assertEqual(got["challenge"], 32)
+                self.assertEqual(got["write"], 13)
+                # ... and nothing computed from the object comes back.
+                self.assertEqual(got["score_unconfirmed"], ["PERMISSION_DENIED", 0])
+                self.assertEqual(got["confirm"], "PERMISSION_DENIED")
+                self.assertEqual(got["score_after"], ["NOT_FOUND", 0])
+                # The victim goes on.
+                self.assertEqual(compare(g.expected, victim.score(**g.score_kwargs()).outputs), "")
+        finally:
+            server.close()
+
+
+def _world_readable(path):
+    """True when every folder from / to ``path`` lets others in and read."""
+    path = os.path.abspath(path)
+    while True:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return False
+        if mode & 0o005 != 0o005:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path = parent
 
 
 class SharedMemoryOffTest(unittest.TestCase):
