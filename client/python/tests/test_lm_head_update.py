@@ -4,6 +4,7 @@ versions; retained versions; each bad update is refused and changes
 nothing; updates are off by default."""
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -12,7 +13,7 @@ import unittest
 import grpc
 import numpy as np
 
-from support import BIN_DIR, Server, temp_dir, wait_for
+from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, temp_dir, wait_for
 from logprob_client import LogprobError
 from logprob_client import safetensors
 from logprob_client._proto import pb2
@@ -376,6 +377,144 @@ class UpdatesOffTest(unittest.TestCase):
             self.assertEqual(e.exception.reason, "LM_HEAD_UPDATES_DISABLED")
             r = score(c)
             self.assertEqual((r.head, r.head_version), ("default", "initial"))
+
+
+class GoldenUpdateTest(unittest.TestCase):
+    """The golden hidden-states case after an update to its lm_head: within
+    the SPEC tolerance of the float64 expected outputs and bitwise those of
+    a server started with that lm_head, for every source of rows (pieces,
+    shared memory, a file under --lm-head-update-dir, row ranges from two
+    senders), on 1 and 2 workers, token- and vocab-parallel."""
+
+    CONFIGS = ((1, "auto"), (2, "token"), (2, "vocab"))
+
+    @classmethod
+    def setUpClass(cls):
+        cls.case = Golden("hidden_bf16")
+        golden_head = os.path.join(GOLDEN_DIR, cls.case.meta["lm_head"])
+        cls.golden_w = safetensors.load(golden_head)[0]["lm_head.weight"]  # uint16 bf16 bits
+        cls.dir = temp_dir("lm_head_golden")
+        cls.update_dir = os.path.join(cls.dir, "updates")
+        os.makedirs(cls.update_dir)
+        shutil.copy(golden_head, os.path.join(cls.update_dir, "golden.safetensors"))
+        # The start version: other bf16 weights of the same shape.
+        rng = np.random.default_rng(5)
+        magnitude = rng.integers(0x3c00, 0x3e00, size=cls.golden_w.shape, dtype=np.uint16)  # 2^-7 .. 2^-3
+        cls.other_w = magnitude | (rng.integers(0, 2, size=magnitude.shape, dtype=np.uint16) << 15)
+        cls.start = os.path.join(cls.dir, "start.safetensors")
+        safetensors.save(cls.start, {"lm_head.weight": cls.other_w}, bf16=["lm_head.weight"])
+
+    def score(self, client):
+        return client.score(**self.case.score_kwargs())
+
+    def check(self, result, version, expect):
+        self.assertEqual(result.head_version, version)
+        got = {k: np.asarray(v) for k, v in result.outputs.items()}
+        self.assertEqual(compare(self.case.expected, got), "")
+        for name, e in expect.outputs.items():
+            np.testing.assert_array_equal(got[name], np.asarray(e), err_msg=name)
+
+    def put_ranges(self, stub, update_id, r0, r1):
+        rows = np.ascontiguousarray(self.golden_w[r0:r1])
+        stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+            update_id=update_id, row_begin=r0,
+            rows=pb2.Tensor(name="rows", dtype=pb2.BF16, shape=list(rows.shape), data=rows.tobytes())))]))
+
+    def test_every_source_scores_the_golden_case_as_a_server_started_with_its_lm_head(self):
+        vocab, hidden = self.golden_w.shape
+        for workers, parallelism in self.CONFIGS:
+            with self.subTest(workers=workers, parallelism=parallelism):
+                flags = ["--parallelism", parallelism]
+                with Server(workers=workers, extra=flags + ["--lm-head", os.path.join(
+                        GOLDEN_DIR, self.case.meta["lm_head"])]) as s, s.client() as c:
+                    expect = self.score(c)
+                self.assertEqual(compare(self.case.expected, {k: np.asarray(v) for k, v in expect.outputs.items()}),
+                                 "")
+                with Server(workers=workers, extra=flags + [
+                        "--lm-head", self.start, "--allow-lm-head-updates",
+                        "--lm-head-update-dir", self.update_dir]) as s, \
+                        s.client() as c, s.client(shared_memory=False) as pieces:
+                    self.assertNotEqual(compare(self.case.expected,
+                                                {k: np.asarray(v) for k, v in self.score(c).outputs.items()}), "",
+                                        "the start weights must score differently")
+                    self.assertEqual(pieces.update_lm_head("default", self.golden_w, version="pieces", dtype="bf16"),
+                                     "pieces")
+                    self.check(self.score(c), "pieces", expect)
+                    c.update_lm_head("default", self.other_w, version="other-1", dtype="bf16")
+                    self.assertEqual(c.update_lm_head("default", self.golden_w, version="shm", dtype="bf16"), "shm")
+                    self.assertTrue(c._shm and c._shm._all and c._shm.failed is None,
+                                    "shared memory should be in use")
+                    self.check(self.score(c), "shm", expect)
+                    c.update_lm_head("default", self.other_w, version="other-2", dtype="bf16")
+                    upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                        head="default", version="file", vocab_size=vocab, hidden_size=hidden, dtype=pb2.BF16))
+                    c._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                        update_id=upd.update_id, file=pb2.LmHeadFile(path="golden.safetensors")))]))
+                    c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+                    self.check(self.score(c), "file", expect)
+                    c.update_lm_head("default", self.other_w, version="other-3", dtype="bf16")
+                    # Two senders (two clients, two threads), each its half of the vocabulary.
+                    upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                        head="default", version="ranges", vocab_size=vocab, hidden_size=hidden, dtype=pb2.BF16))
+                    half = vocab // 2 + 3
+                    errors = []
+
+                    def send(stub, r0, r1):
+                        try:
+                            self.put_ranges(stub, upd.update_id, r0, r1)
+                        except grpc.RpcError as e:  # pragma: no cover - reported below
+                            errors.append(e)
+                    senders = [threading.Thread(target=send, args=(c._stub, half, vocab)),
+                               threading.Thread(target=send, args=(pieces._stub, 0, half))]
+                    for t in senders:
+                        t.start()
+                    for t in senders:
+                        t.join()
+                    self.assertEqual(errors, [])
+                    c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+                    self.check(self.score(c), "ranges", expect)
+
+
+class UnconfirmedRegionTest(unittest.TestCase):
+    """Update rows from shared memory follow the rule of scoring inputs: a
+    region whose registration never proved write access (the challenge
+    written into the object, ConfirmSharedMemory) is never read."""
+
+    def test_rows_from_an_unconfirmed_region_are_refused_and_change_nothing(self):
+        d = temp_dir("lm_head_unconfirmed")
+        w0 = weights(1)
+        shm_name = "/logprob-update-test-%d" % os.getpid()
+        byte_size = V * H * 4
+        fd = os.open("/dev/shm" + shm_name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.pwrite(fd, weights(2).tobytes(), 0)
+            os.ftruncate(fd, byte_size + 32)
+            with Server(extra=["--lm-head", save(os.path.join(d, "w0.safetensors"), w0),
+                               "--allow-lm-head-updates"]) as s, s.client() as c:
+                before = score(c)
+                md = (("logprob-shm-session", "unconfirmed-update-session-0123"),)
+                reply = c._stub.RegisterSharedMemory(pb2.RegisterSharedMemoryRequest(
+                    name="rows", shm_name=shm_name, byte_size=byte_size), metadata=md)
+                self.assertEqual(len(reply.challenge), 32)
+                upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                    head="default", version="stolen", vocab_size=V, hidden_size=H, dtype=pb2.F32))
+                rows = pb2.Tensor(name="rows", dtype=pb2.F32, shape=[V, H])
+                rows.shared_memory.region, rows.shared_memory.offset, rows.shared_memory.byte_size = \
+                    "rows", 0, byte_size
+                with self.assertRaises(grpc.RpcError) as e:
+                    c._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                        update_id=upd.update_id, rows=rows))]), metadata=md)
+                self.assertEqual(e.exception.code(), grpc.StatusCode.PERMISSION_DENIED)
+                self.assertIn("not confirmed", e.exception.details())
+                with self.assertRaises(grpc.RpcError) as e:
+                    c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+                self.assertNotIn("stolen", [h.version for h in c.lm_heads()])
+                after = score(c)
+                self.assertEqual(after.head_version, "initial")
+                same(after, before)
+        finally:
+            os.close(fd)
+            os.unlink("/dev/shm" + shm_name)
 
 
 if __name__ == "__main__":
