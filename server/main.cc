@@ -35,6 +35,7 @@
 #include "server/lm_head_updates.h"
 #include "server/lm_heads.h"
 #include "server/local_launcher.h"
+#include "server/memory_bound.h"
 #include "server/metrics.h"
 #include "server/scoring_service.h"
 #include "server/tls.h"
@@ -91,9 +92,12 @@ ABSL_FLAG(std::string, worker_binary, "", "path of logprob-worker (default: besi
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "largest accepted request, bytes: one message (Score, ScoreStream), or all parts of a chunked request "
           "(ScoreChunked)");
-ABSL_FLAG(int64_t, keep_freed_memory_bytes, int64_t{2} << 30,
+ABSL_FLAG(int64_t, keep_freed_memory_bytes, -1,
           "freed heap memory the front-end keeps mapped for reuse (large requests then reuse pages instead of "
-          "faulting in fresh ones, common/malloc_tuning.h); 0: glibc's defaults");
+          "faulting in fresh ones, common/malloc_tuning.h); -1 (default): --max-request-bytes, one largest "
+          "request's pages; 0: glibc's defaults");
+ABSL_FLAG(bool, print_memory_bound, false,
+          "print the front-end's memory bound for the other flags (docs/serving.md, Memory sizing) and exit");
 ABSL_FLAG(int64_t, max_tokens_per_request, int64_t{1} << 22, "largest accepted request, token rows");
 ABSL_FLAG(int, max_topk, 1024, "largest K of topk outputs and gather_indices");
 ABSL_FLAG(int, worker_join_timeout, 60,
@@ -249,13 +253,25 @@ int main(int argc, char** argv) {
   const std::vector<std::string> lm_head_args = logprob::FlagValues(argc, argv, "lm_head");
   const bool workers_given = logprob::FlagGiven(argc, argv, "workers");
   absl::ParseCommandLine(argc, argv);
-  if (absl::GetFlag(FLAGS_keep_freed_memory_bytes) < 0) return Fail("--keep-freed-memory-bytes must be >= 0");
-  logprob::KeepFreedMemory(absl::GetFlag(FLAGS_keep_freed_memory_bytes));  // before any thread starts
+  int64_t keep_freed = absl::GetFlag(FLAGS_keep_freed_memory_bytes);
+  if (keep_freed < -1) return Fail("--keep-freed-memory-bytes must be >= 0, or -1 for --max-request-bytes");
+  if (keep_freed == -1) keep_freed = absl::GetFlag(FLAGS_max_request_bytes);
+  logprob::KeepFreedMemory(keep_freed);  // before any thread starts
   const int external = absl::GetFlag(FLAGS_external_workers);
   if (auto st = CheckClusterFlags(external, workers_given, absl::GetFlag(FLAGS_control_listen)); !st.ok())
     return Fail(std::string(st.message()));
   const int workers = external > 0 ? external : absl::GetFlag(FLAGS_workers);
   if (workers < 1) return Fail("--workers must be >= 1");
+  const logprob::FrontendMemoryBound memory_bound = logprob::ComputeFrontendMemoryBound(
+      {absl::GetFlag(FLAGS_max_queue_bytes), absl::GetFlag(FLAGS_max_request_bytes), keep_freed,
+       /*payload_regions=*/external == 0 && absl::GetFlag(FLAGS_shared_memory)});
+  if (absl::GetFlag(FLAGS_print_memory_bound)) {
+    // One line for people and scripts (tests/deploy/check_deploy.py reads the key=value fields).
+    std::cout << "frontend_bytes=" << memory_bound.total() << " local_workers=" << (external > 0 ? 0 : workers)
+              << " worker_base_bytes=" << logprob::kWorkerBaseBytes << " (front-end " << memory_bound.Describe()
+              << "; each local worker adds its lm_head slice and one hidden-states round)" << std::endl;
+    return 0;
+  }
   if (auto st = logprob::CheckBackendChoice(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_comm)); !st.ok())
     return Fail(std::string(st.message()));
   auto parallelism = logprob::ParseParallelism(absl::GetFlag(FLAGS_parallelism));
@@ -292,6 +308,8 @@ int main(int argc, char** argv) {
   config.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   config.max_queue_tokens = absl::GetFlag(FLAGS_max_queue_tokens);
   config.max_queue_bytes = absl::GetFlag(FLAGS_max_queue_bytes);
+  metrics.memory().SetBound(memory_bound.total());
+  LogLine() << "logprob-server: memory bound " << memory_bound.Describe();
   const absl::Duration delay = absl::GetFlag(FLAGS_max_queue_delay);
   if (delay < absl::ZeroDuration() || delay > absl::Seconds(10)) return Fail("--max-queue-delay must be in [0, 10s]");
   config.max_queue_delay = absl::ToChronoMicroseconds(delay);

@@ -162,6 +162,7 @@ Metrics::Metrics(const std::string& backend)
 void Metrics::Expose(const std::string& listen) {
   exposer_ = std::make_unique<prometheus::Exposer>(listen);
   exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(memory_);
 }
 
 void Metrics::ObserveRequest(const std::string& method, const std::string& code, double seconds, int64_t tokens) {

@@ -14,6 +14,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "server/memory_metrics.h"
 
 namespace logprob {
 
@@ -25,6 +26,9 @@ class Metrics {
   /// Starts the HTTP exposer on `listen` (host:port). Throws on bind errors
   /// (prometheus-cpp / civetweb).
   void Expose(const std::string& listen);
+
+  /// The memory gauges read at scrape time (pools register there).
+  MemoryMetrics& memory() { return *memory_; }
 
   /// Records one finished request of `method` with gRPC status `code` name.
   void ObserveRequest(const std::string& method, const std::string& code, double seconds, int64_t tokens);
@@ -79,6 +83,7 @@ class Metrics {
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<MemoryMetrics> memory_ = std::make_shared<MemoryMetrics>();
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& duration_;
   prometheus::Counter& tokens_;

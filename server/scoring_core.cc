@@ -55,6 +55,8 @@ ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, Metrics* met
                  [metrics](int64_t requests, int64_t tokens) {
                    if (metrics) metrics->SetLoad(requests, tokens);
                  }),
+      payload_pool_(/*max_idle=*/4, static_cast<int64_t>(PayloadPool::RegionSize(
+                                        static_cast<size_t>(config_.max_request_bytes)))),  // FrontendMemoryBound
       batcher_(BatcherOptions(workers, config_, &payload_pool_, metrics), workers.run) {
   if (config_.shared_memory_inputs) {
     ClientRegions::Options o = config_.shared_memory_regions;

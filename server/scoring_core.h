@@ -136,6 +136,8 @@ class ScoringCore {
   /// here while the pieces arrive).
   Admission& admission() { return admission_; }
   const ServiceConfig& config() const { return config_; }
+  /// Idle payload regions kept for reuse, bytes.
+  int64_t payload_idle_bytes() const { return payload_pool_.idle_bytes(); }
 
  private:
   const ServiceConfig config_;

@@ -35,6 +35,11 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
       auth_(config.auth),
       metrics_(metrics),
       assembly_buffers_(config.max_request_bytes) {
+  if (metrics) {
+    pool_gauges_.push_back(
+        metrics->memory().AddPool("chunk_buffers", [this] { return assembly_buffers_.idle_bytes(); }));
+    pool_gauges_.push_back(metrics->memory().AddPool("payload_regions", [this] { return core_.payload_idle_bytes(); }));
+  }
   MarkMethodStreamed(chunked::ScoreChunkedMethodIndex(), chunked::NewChunkedHandler(this));
   MarkMethodStreamed(chunked::MethodIndex("PutLmHeadRows"),
                      new grpc::internal::BidiStreamingHandler<ScoringService, chunked::IncomingPart, v1::LmHeadUpdate>(

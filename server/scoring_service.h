@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/buffer_pool.h"
@@ -125,6 +126,8 @@ class ScoringService final : public v1::LogprobService::Service {
   const BearerTokenAuth* const auth_;  // not owned; null: no token needed
   Metrics* const metrics_;
   BufferPool assembly_buffers_;  // ScoreChunked request tensors
+  // logprob_pooled_bytes of the pools above; destroyed first.
+  std::vector<std::unique_ptr<MemoryMetrics::PoolRegistration>> pool_gauges_;
 };
 
 }  // namespace logprob

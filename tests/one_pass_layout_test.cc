@@ -156,8 +156,7 @@ TEST(OnePassLayout, PassesGatherAndExchangeEveryRowOnce) {
               ASSERT_EQ(send[r][me], recv[me][r]) << "rank " << r << " -> " << me;
               const std::vector<int64_t> send_off = Displacements(send[r]);
               if (send[r][me] > 0)  // an empty buffer's data() may be null
-                std::memcpy(received.data() + recv_off[r],
-                            reinterpret_cast<const char*>(sent[r].data()) + send_off[me],
+                std::memcpy(received.data() + recv_off[r], reinterpret_cast<const char*>(sent[r].data()) + send_off[me],
                             static_cast<size_t>(send[r][me]));
             }
             // The received buffer is [W][count[me]][words]; scatter into own.

@@ -94,6 +94,22 @@ TEST(ServerMetrics, ScrapeReportsRequestsAndPassesPromtool) {
   // Both local workers joined and got their ranks; nobody was refused.
   EXPECT_EQ(Sample(m, "logprob_workers_waiting"), 0);
   EXPECT_EQ(Sample(m, "logprob_worker_joins_refused_total"), 0);
+  // Memory: the bound is the one `--print-memory-bound` gives for the same
+  // flags, the process is within it, the pools within their caps.
+  const CommandResult bound =
+      RunCommand(BinDir() + "/logprob-server --print-memory-bound --workers " + std::to_string(kWorkers));
+  ASSERT_EQ(bound.code, 0) << bound.output;
+  ASSERT_EQ(bound.output.rfind("frontend_bytes=", 0), 0u) << bound.output;
+  const double bound_bytes = std::strtod(bound.output.c_str() + std::string("frontend_bytes=").size(), nullptr);
+  EXPECT_GT(bound_bytes, 1 << 30);
+  EXPECT_EQ(Sample(m, "logprob_memory_bound_bytes"), bound_bytes);
+  EXPECT_GT(Sample(m, "process_resident_memory_bytes"), 0);
+  EXPECT_LT(Sample(m, "process_resident_memory_bytes"), bound_bytes);
+  EXPECT_GE(Sample(m, "logprob_kept_freed_bytes"), 0);
+  EXPECT_EQ(Sample(m, R"(logprob_pooled_bytes{pool="chunk_buffers"})"), 0);  // no ScoreChunked request came
+  const double payload_idle = Sample(m, R"(logprob_pooled_bytes{pool="payload_regions"})");
+  EXPECT_GE(payload_idle, 0);
+  EXPECT_LE(payload_idle, 1 << 30);  // the pool's cap with --max-request-bytes 1 GiB
 
   // promtool (Debian package `prometheus`) lints the exposition format.
   if (RunCommand("command -v promtool").code != 0) {

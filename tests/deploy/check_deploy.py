@@ -32,6 +32,8 @@ import yaml
 SKIP = 77
 
 # The kustomize directories that must build, and what each one is.
+SERVER_BINARY = ""  # --server-binary
+
 KUSTOMIZE_DIRS = {
     "base": "base",
     "cluster": "cluster",
@@ -258,6 +260,29 @@ def parse_flags(args):
     return out, errs
 
 
+QUANTITY_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def quantity_bytes(q):
+    """A Kubernetes memory quantity ("16Gi", "512M", "1000") in bytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?)?", str(q))
+    if not m:
+        raise ValueError(f"memory quantity {q!r}")
+    return int(float(m.group(1)) * QUANTITY_UNITS.get(m.group(2) or "", 1))
+
+
+def memory_bound(server_binary, args):
+    """The front-end's memory bound for `args` from `logprob-server
+    --print-memory-bound` (the formula lives in server/memory_bound.cc
+    only): {frontend_bytes, local_workers, worker_base_bytes}, and the line."""
+    r = subprocess.run([server_binary, "--print-memory-bound"] + [str(a) for a in args],
+                       capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise RuntimeError(f"logprob-server --print-memory-bound exited {r.returncode}: {r.stderr.strip()}")
+    fields = dict(kv.split("=", 1) for kv in r.stdout.split(" (", 1)[0].split())
+    return {k: int(v) for k, v in fields.items()}, r.stdout.strip()
+
+
 def labels_match(selector, labels):
     ml = (selector or {}).get("matchLabels", selector or {})
     return bool(ml) and all((labels or {}).get(k) == v for k, v in ml.items())
@@ -353,6 +378,18 @@ def cross_check(objs, flavour, root, fail):
                 for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
                     if not c.get(probe_name):
                         fail.add(f"{cw}: no {probe_name}")
+                limit = (res.get("limits") or {}).get("memory")
+                if SERVER_BINARY and limit:
+                    # The container's limit covers the front-end's bound and its local workers' base.
+                    try:
+                        bound, line = memory_bound(SERVER_BINARY, c.get("args") or [])
+                        need = bound["frontend_bytes"] + bound["local_workers"] * bound["worker_base_bytes"]
+                        have = quantity_bytes(limit)
+                        if have < need:
+                            fail.add(f"{cw}: limits.memory {limit} is below the memory bound of its flags, "
+                                     f"{need / 2**30:.1f} GiB: {line}")
+                    except (RuntimeError, ValueError, KeyError) as e:
+                        fail.add(f"{cw}: {e}")
             elif cmd == "logprob-worker":
                 for f in flags:
                     if f not in worker_flags:
@@ -527,6 +564,9 @@ def self_test_manifests(schema, good, root, kubectl):
         "PDB without selector": lambda o: find(o, "PodDisruptionBudget", "logprob-worker")["spec"].pop("selector"),
         "unknown kind": lambda o: o.append({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}}),
     }
+    if SERVER_BINARY:
+        mutations["front-end memory limit below its bound"] = lambda o: fe(o)["resources"]["limits"].update(
+            memory="4Gi")
     for what, mutate in mutations.items():
         objs = copy.deepcopy(good)
         mutate(objs)
@@ -958,7 +998,11 @@ def main():
     ap.add_argument("check", choices=["manifests", "monitoring", "dockerfile"])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     ap.add_argument("--binaries", nargs="*", default=[])
+    ap.add_argument("--server-binary", default="",
+                    help="logprob-server, to check the front-end's memory limits against its bound")
     a = ap.parse_args()
+    global SERVER_BINARY
+    SERVER_BINARY = a.server_binary
     root = os.path.abspath(a.root)
     if a.check == "manifests":
         rc = cmd_manifests(root)

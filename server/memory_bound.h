@@ -1,0 +1,52 @@
+// The front-end's memory bound, derived from its limits (docs/serving.md,
+// "Memory sizing"): what an operator can give the process (a container's
+// memory limit) knowing it never needs more.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace logprob {
+
+/// The limits the front-end's memory follows from (server flags).
+struct FrontendMemoryLimits {
+  int64_t max_queue_bytes = 0;    // --max-queue-bytes: admitted, unanswered request bytes
+  int64_t max_request_bytes = 0;  // --max-request-bytes
+  int64_t keep_freed_bytes = 0;   // --keep-freed-memory-bytes (resolved; 0: glibc's defaults)
+  bool payload_regions = false;   // local workers with --shared-memory: payloads in /dev/shm
+};
+
+/// Upper bound of the front-end's resident memory (VmRSS, anonymous plus
+/// the /dev/shm pages it maps), by part, bytes:
+///   base            fixed: code, gRPC's threads and buffers, the registries;
+///   requests        1.5 x max_queue_bytes: each admitted request's bytes
+///                   (the parsed message, or a ScoreChunked request's
+///                   assembled buffers) plus its outputs and working copies;
+///   payloads        the in-flight work items' payload regions, in
+///                   power-of-two regions: <= 2 x max_queue_bytes (0
+///                   without payload regions);
+///   idle_payloads   payload regions kept for reuse: <= the PayloadPool's
+///                   byte cap, RegionSize(max_request_bytes);
+///   chunk_buffers   idle ScoreChunked buffers: <= max_request_bytes;
+///   kept_freed      freed heap kept mapped: keep_freed_bytes (malloc's
+///                   trim threshold; KeepFreedMemory).
+/// The request bytes of registered client shared-memory regions are the
+/// clients' pages and are read with pread, never mapped: not counted.
+/// Thread-compatible value type.
+struct FrontendMemoryBound {
+  int64_t base = 0, requests = 0, payloads = 0, idle_payloads = 0, chunk_buffers = 0, kept_freed = 0;
+
+  int64_t total() const { return base + requests + payloads + idle_payloads + chunk_buffers + kept_freed; }
+  /// One line: "N MiB (base .., requests .., ...)".
+  std::string Describe() const;
+};
+
+/// The bound for `limits` (see FrontendMemoryBound).
+FrontendMemoryBound ComputeFrontendMemoryBound(const FrontendMemoryLimits& limits);
+
+/// Fixed part of each CPU worker's resident memory, bytes (oneDNN, Gloo,
+/// gRPC, libraries); a worker adds its lm_head slice, one hidden-states
+/// round (--hidden-chunk-tokens x V x 4) and the payload regions it maps.
+inline constexpr int64_t kWorkerBaseBytes = int64_t{256} << 20;
+
+}  // namespace logprob
