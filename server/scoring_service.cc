@@ -200,8 +200,9 @@ grpc::Status ScoringService::RegisterSharedMemory(grpc::ServerContext* context,
       absl::StrCat("region=", req->name(), " shm_name=", req->shm_name(), " byte_size=", req->byte_size());
   if (!session.ok()) return Logged(metrics_, "RegisterSharedMemory", what, session.status());
   auto r = core_.RegisterSharedMemory(*session, *req);
+  const absl::Status st = r.status();
   if (r.ok()) *resp = *std::move(r);
-  return Logged(metrics_, "RegisterSharedMemory", what, r.status());
+  return Logged(metrics_, "RegisterSharedMemory", what, st);
 }
 
 grpc::Status ScoringService::ConfirmSharedMemory(grpc::ServerContext* context,
