@@ -34,7 +34,7 @@ int64_t ResidentBytes() {
 }  // namespace
 
 std::unique_ptr<MemoryMetrics::PoolRegistration> MemoryMetrics::AddPool(std::string name,
-                                                                         std::function<int64_t()> idle_bytes) {
+                                                                        std::function<int64_t()> idle_bytes) {
   absl::MutexLock lock(&mu_);
   const int id = next_id_++;
   pools_[id] = Pool{std::move(name), std::move(idle_bytes)};
@@ -50,13 +50,14 @@ std::vector<prometheus::MetricFamily> MemoryMetrics::Collect() const {
   std::vector<prometheus::MetricFamily> out;
   out.push_back(Gauge("process_resident_memory_bytes", "Resident memory of the front-end (VmRSS), bytes"));
   Add(out.back(), static_cast<double>(ResidentBytes()));
-  out.push_back(Gauge("logprob_kept_freed_bytes",
-                      "Free heap memory malloc keeps mapped for reuse (mallinfo2 fordblks), bytes"));
+  out.push_back(
+      Gauge("logprob_kept_freed_bytes", "Free heap memory malloc keeps mapped for reuse (mallinfo2 fordblks), bytes"));
   Add(out.back(), static_cast<double>(mallinfo2().fordblks));
   out.push_back(Gauge("logprob_pooled_bytes", "Idle bytes kept for reuse, by pool"));
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, pool] : pools_) Add(out.back(), static_cast<double>(pool.idle_bytes()), {{"pool", pool.name}});
+    for (const auto& [id, pool] : pools_)
+      Add(out.back(), static_cast<double>(pool.idle_bytes()), {{"pool", pool.name}});
   }
   out.push_back(Gauge("logprob_memory_bound_bytes",
                       "Upper bound of the front-end's resident memory from its limits (docs/serving.md), bytes"));

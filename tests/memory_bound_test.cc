@@ -22,8 +22,8 @@ TEST(FrontendMemoryBound, EachPartFollowsFromItsLimit) {
       {/*max_queue_bytes=*/2048 * kMiB, /*max_request_bytes=*/600 * kMiB, /*keep_freed_bytes=*/600 * kMiB,
        /*payload_regions=*/true});
   EXPECT_EQ(local.base, 64 * kMiB);
-  EXPECT_EQ(local.requests, 3072 * kMiB);      // 1.5 x the queue
-  EXPECT_EQ(local.payloads, 4096 * kMiB);      // 2 x the queue, power-of-two regions
+  EXPECT_EQ(local.requests, 3072 * kMiB);       // 1.5 x the queue
+  EXPECT_EQ(local.payloads, 4096 * kMiB);       // 2 x the queue, power-of-two regions
   EXPECT_EQ(local.idle_payloads, 1024 * kMiB);  // the pool's cap: RegionSize(600 MiB)
   EXPECT_EQ(local.chunk_buffers, 600 * kMiB);
   EXPECT_EQ(local.kept_freed, 600 * kMiB);
