@@ -9,12 +9,13 @@ import signal
 import subprocess
 import threading
 import unittest
+import warnings
 
 import grpc
 import numpy as np
 
 from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, temp_dir, wait_for
-from logprob_client import LogprobError
+from logprob_client import LogprobClient, LogprobError
 from logprob_client import safetensors
 from logprob_client._proto import pb2
 
@@ -515,6 +516,41 @@ class UnconfirmedRegionTest(unittest.TestCase):
         finally:
             os.close(fd)
             os.unlink("/dev/shm" + shm_name)
+
+
+class UpdateAuthTest(unittest.TestCase):
+    """With --auth-token-file, updates need the token like any call: every
+    update RPC without it is UNAUTHENTICATED and nothing changes."""
+
+    def test_updates_need_the_bearer_token(self):
+        d = temp_dir("lm_head_auth")
+        token = os.path.join(d, "token")
+        with open(token, "w") as f:
+            f.write("update-token-0123456789\n")
+        w1 = weights(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the token over plaintext loopback
+            with Server(extra=["--lm-head", save(os.path.join(d, "w0.safetensors"), weights(1)),
+                               "--allow-lm-head-updates", "--auth-token-file", token],
+                        client_kwargs={"token": "update-token-0123456789"}) as s, \
+                    s.client() as c, LogprobClient(s.address) as anonymous:
+                before = score(c)
+                with self.assertRaises(LogprobError) as e:
+                    anonymous.update_lm_head("default", w1, version="v1")
+                self.assertEqual(e.exception.code, grpc.StatusCode.UNAUTHENTICATED)
+                for call in (lambda: anonymous._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                                 head="default", version="v1", vocab_size=V, hidden_size=H, dtype=pb2.F32)),
+                             lambda: anonymous._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id="x")),
+                             lambda: anonymous._stub.AbortLmHeadUpdate(pb2.LmHeadUpdateRef(update_id="x")),
+                             lambda: anonymous._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(
+                                 rows=pb2.LmHeadRows(update_id="x"))]))):
+                    with self.assertRaises(grpc.RpcError) as e:
+                        call()
+                    self.assertEqual(e.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+                same(score(c), before)
+                self.assertEqual(score(c).head_version, "initial")
+                self.assertEqual(c.update_lm_head("default", w1, version="v1"), "v1")
+                self.assertEqual(score(c).head_version, "v1")
 
 
 if __name__ == "__main__":
