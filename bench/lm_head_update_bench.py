@@ -37,7 +37,7 @@ from logprob_client import LogprobClient, safetensors
 from logprob_client.tensors import float32_to_bf16_bits
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-BIN = os.path.join(ROOT, "build", "bin")
+BIN = os.environ.get("LOGPROB_BIN_DIR", os.path.join(ROOT, "build", "bin"))
 
 
 def random_head(V, H, seed):

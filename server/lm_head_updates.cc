@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <iostream>
 #include <random>
 #include <utility>
@@ -346,11 +347,16 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
                                                       const InputSource& source, bool hash) {
   const int64_t total = rows * u->row_bytes;
   const uint64_t base = u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes);
-  std::string buf;
+  // Two buffers: chunk k is read and written while chunk k-1 is hashed on
+  // another thread (only this put feeds the stream: `hashing`), so the
+  // SHA-256 is off the copy's path.
+  std::string bufs[2];
+  std::future<void> hashing;
   absl::Status failed;
   const std::optional<std::string_view> memory = source.memory();
-  for (int64_t off = 0; off < total && failed.ok();) {
+  for (int64_t off = 0, k = 0; off < total && failed.ok(); ++k) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
+    std::string& buf = bufs[k % 2];  // not the buffer being hashed
     const char* p;
     if (memory) {
       p = memory->data() + off;
@@ -366,11 +372,15 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
       failed = absl::InternalError(absl::StrCat("writing the staged lm_head: ", strerror(errno)));
       break;
     }
-    if (hash) u->sha.Update(std::string_view(p, n));  // only this put feeds it (`hashing`)
+    if (hash) {
+      if (hashing.valid()) hashing.get();
+      hashing = std::async(std::launch::async, [&sha = u->sha, p, n] { sha.Update(std::string_view(p, n)); });
+    }
     off += static_cast<int64_t>(n);
     absl::MutexLock lock(&mu_);
     u->last_progress = Clock::now();
   }
+  if (hashing.valid()) hashing.get();
   if (failed.ok() && observers_.on_bytes) observers_.on_bytes(u->head, total);
   absl::MutexLock lock(&mu_);
   --u->busy;
