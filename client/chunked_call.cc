@@ -16,6 +16,9 @@ namespace logprob::client {
 namespace {
 
 constexpr char kMethodName[] = "/logprob.v1.LogprobService/ScoreChunked";
+// The most output bytes an answer may announce: a server's answer beyond
+// this (a broken or hostile one) is an error, not an allocation.
+constexpr int64_t kMaxResponseBytes = int64_t{16} << 30;
 
 using Stream = grpc::ClientReaderWriter<chunked::OutgoingPart, chunked::IncomingPart>;
 
@@ -23,26 +26,13 @@ absl::Status BadAnswer(const absl::Status& s) {
   return absl::InternalError(absl::StrCat("malformed ScoreChunked answer: ", s.message()));
 }
 
-/// Reads the answer parts of `stream` into a response.
+/// Reads the answer parts of `stream` into a response (chunked::ReadChunkedResponse).
 absl::StatusOr<v1::ScoreResponse> ReadAnswer(Stream* stream) {
-  chunked::IncomingPart in;
-  if (!stream->Read(&in)) return absl::InternalError("no answer");  // the status tells why
-  absl::StatusOr<chunked::ParsedPart> first = chunked::ParsePart(in);
-  if (!first.ok()) return BadAnswer(first.status());
-  if (first->is_piece()) return BadAnswer(absl::InvalidArgumentError("the first part is a piece"));
-  v1::ScoreResponse resp;
-  if (!resp.ParseFromString(first->message())) return BadAnswer(absl::InvalidArgumentError("unparsable response"));
-  absl::StatusOr<chunked::TensorAssembler> assembly = chunked::TensorAssembler::Plan(resp.mutable_outputs(), "outputs");
-  if (!assembly.ok()) return BadAnswer(assembly.status());
-  assembly->AllocateBuffers([](size_t n) { return std::string(n, '\0'); });
-  while (!assembly->complete() && stream->Read(&in)) {
-    absl::StatusOr<chunked::ParsedPart> part = chunked::ParsePart(in);
-    if (!part.ok()) return BadAnswer(part.status());
-    if (!part->is_piece()) return BadAnswer(absl::InvalidArgumentError("a second response part"));
-    if (absl::Status s = assembly->Add(*part); !s.ok()) return BadAnswer(s);
-  }
-  if (absl::Status s = assembly->Finish(); !s.ok()) return BadAnswer(s);
-  return resp;
+  absl::StatusOr<v1::ScoreResponse> resp =
+      chunked::ReadChunkedResponse([stream](chunked::IncomingPart* in) { return stream->Read(in); }, kMaxResponseBytes);
+  if (resp.ok()) return resp;
+  if (absl::IsNotFound(resp.status())) return absl::InternalError("no answer");  // the call's status tells why
+  return BadAnswer(resp.status());
 }
 
 }  // namespace

@@ -160,6 +160,32 @@ absl::Status ReadChunkedPieces(const std::function<bool(IncomingPart*)>& read, c
   return assembly.Finish();
 }
 
+absl::StatusOr<v1::ScoreResponse> ReadChunkedResponse(const std::function<bool(IncomingPart*)>& read,
+                                                      int64_t max_bytes) {
+  IncomingPart in;
+  if (!read(&in)) return absl::NotFoundError("the chunked response ended before its first part");
+  absl::StatusOr<ParsedPart> first = ParsePart(in);
+  if (!first.ok()) return first.status();
+  if (first->is_piece()) return absl::InvalidArgumentError("the first part of a chunked response is a piece");
+  v1::ScoreResponse resp;
+  if (!resp.ParseFromString(first->message()))
+    return absl::InvalidArgumentError("the first part's response cannot be parsed as a ScoreResponse");
+  absl::StatusOr<TensorAssembler> assembly = TensorAssembler::Plan(resp.mutable_outputs(), "outputs");
+  if (!assembly.ok()) return assembly.status();
+  if (assembly->pending_bytes() > max_bytes)
+    return absl::ResourceExhaustedError(absl::StrCat("the response announces ", assembly->pending_bytes(),
+                                                     " bytes in pieces, over the reader's limit of ", max_bytes));
+  assembly->AllocateBuffers([](size_t n) { return std::string(n, '\0'); });
+  while (!assembly->complete() && read(&in)) {
+    absl::StatusOr<ParsedPart> part = ParsePart(in);
+    if (!part.ok()) return part.status();
+    if (!part->is_piece()) return absl::InvalidArgumentError("a second response part");
+    if (absl::Status st = assembly->Add(*part); !st.ok()) return st;
+  }
+  if (absl::Status st = assembly->Finish(); !st.ok()) return st;
+  return resp;
+}
+
 bool WriteChunkedResponse(const std::function<bool(const OutgoingPart&)>& write, v1::ScoreResponse resp,
                           int64_t piece_bytes, int64_t inline_bytes) {
   std::vector<int> pieced;

@@ -110,6 +110,18 @@ absl::Status ReadChunkedRequest(const std::function<bool(IncomingPart*)>& read, 
                                 const TensorAssembler::Allocate& allocate, v1::ScoreRequest* req,
                                 std::vector<int>* pieced);
 
+/// Reads one chunked response through `read` (which returns false at the
+/// end of the stream): the response part, then the pieces of its pending
+/// outputs until every byte has arrived (later parts are not read).
+/// INVALID_ARGUMENT for a malformed part, a first part that is a piece or
+/// not a ScoreResponse, a second response part, a bad piece
+/// (TensorAssembler::Add), or bytes missing when the stream ends;
+/// RESOURCE_EXHAUSTED when its outputs announce more than `max_bytes` in
+/// pieces (nothing is allocated for them); NOT_FOUND when the stream ends
+/// before its first part.
+absl::StatusOr<v1::ScoreResponse> ReadChunkedResponse(const std::function<bool(IncomingPart*)>& read,
+                                                      int64_t max_bytes);
+
 /// Writes `resp` through `write` as ScoreResponseParts: whole when it
 /// serializes to at most `piece_bytes`, else without the data of its
 /// outputs over `inline_bytes`, which follow in pieces of `piece_bytes`.

@@ -20,6 +20,7 @@ PACKAGES=(
   python3 python3-grpcio python3-protobuf python3-numpy  # Python client (client/python) and its ctest py_client_*;
                                                          # its stubs come from protoc + grpc_python_plugin (protobuf-compiler-grpc)
   python3-torch  # Python client: torch tensors in and out (py_client_TorchTest)
+  python3-hypothesis  # py_client_ReassemblyPropertyTest: property tests of the ScoreChunked answer reassembly
   python3-venv python3-pip python3-setuptools python3-wheel  # py_client_PackageTest: pip install ./client/python into a venv, offline
   mypy  # py_client_typecheck: the Python client's type hints
   python3-requests python3-typing-extensions  # examples/: transformers' dependencies that its virtual environment

@@ -246,5 +246,43 @@ TEST(TensorAssembler, ChecksAnnouncedSizesAndPieceOrder) {
             std::string::npos);
 }
 
+// A response's outputs are allocated only within the reader's limit: an
+// answer announcing more (a broken or hostile server) is an error, found
+// by fuzz_chunked; a well-formed one reassembles, later parts unread.
+TEST(ReadChunkedResponse, AnnouncedBytesOverTheLimitAreRefusedAndAValidStreamReassembles) {
+  auto reader = [](std::vector<std::string> parts) {
+    return [parts = std::move(parts), at = size_t{0}](IncomingPart* in) mutable {
+      if (at == parts.size()) return false;
+      *in = Sliced(parts[at++], {});
+      return true;
+    };
+  };
+  v1::ScoreResponsePart first;
+  v1::Tensor* out = first.mutable_response()->add_outputs();
+  out->set_name("token_logprobs");
+  out->set_dtype(v1::F32);
+  out->add_shape(int64_t{1} << 40);  // 4 TiB announced
+  absl::StatusOr<v1::ScoreResponse> r = ReadChunkedResponse(reader({first.SerializeAsString()}), int64_t{1} << 30);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("announces 4398046511104 bytes in pieces, over the reader's limit of 1073741824"),
+            std::string::npos)
+      << r.status();
+
+  out->set_shape(0, 3);  // 12 bytes, in two pieces
+  v1::ScoreResponsePart a, b;
+  a.mutable_piece()->set_tensor(0);
+  a.mutable_piece()->set_data(std::string(8, 'a'));
+  b.mutable_piece()->set_tensor(0);
+  b.mutable_piece()->set_offset(8);
+  b.mutable_piece()->set_data(std::string(4, 'b'));
+  r = ReadChunkedResponse(reader({first.SerializeAsString(), a.SerializeAsString(), b.SerializeAsString(), "junk"}),
+                          12);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->outputs(0).data(), "aaaaaaaabbbb");
+  r = ReadChunkedResponse(reader({first.SerializeAsString(), a.SerializeAsString()}), 12);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_EQ(ReadChunkedResponse(reader({}), 12).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace logprob::chunked

@@ -1,15 +1,19 @@
 // Writes the seed inputs of the fuzzers: OUT/score_request/* (serialized
 // valid ScoreRequests of each shape and option family) and
 // OUT/safetensors/* (small files of every dtype, scalars, empty tensors,
-// metadata). Usage: gen_fuzz_seeds OUT
+// metadata), OUT/chunked/* (those requests, and responses of the same
+// tensors, as ScoreChunked part streams for fuzz_chunked). Usage:
+// gen_fuzz_seeds OUT
 #include <sys/stat.h>
 
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/chunk_codec.h"
 #include "common/dtype.h"
 #include "common/safetensors.h"
 #include "logprob/v1/logprob.pb.h"
@@ -49,6 +53,24 @@ Tensor Make(const std::string& name, DType dtype, std::vector<int64_t> shape, co
   return t;
 }
 
+/// Protobuf's base-128 varint of `n`.
+std::string Varint(uint64_t n) {
+  std::string out;
+  do {
+    out.push_back(static_cast<char>((n & 0x7f) | (n > 0x7f ? 0x80 : 0)));
+    n >>= 7;
+  } while (n);
+  return out;
+}
+
+/// `part` framed for fuzz_chunked: [u32 little-endian length][part].
+std::string Frame(const std::string& part) {
+  const uint32_t n = static_cast<uint32_t>(part.size());
+  return std::string{static_cast<char>(n & 0xff), static_cast<char>((n >> 8) & 0xff),
+                     static_cast<char>((n >> 16) & 0xff), static_cast<char>(n >> 24)} +
+         part;
+}
+
 bool WriteFile(const std::string& path, const std::string& bytes) {
   FILE* f = std::fopen(path.c_str(), "wb");
   if (!f) return false;
@@ -64,7 +86,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string out = argv[1];
-  for (const std::string& d : {out, out + "/score_request", out + "/safetensors"}) mkdir(d.c_str(), 0755);
+  for (const std::string& d : {out, out + "/score_request", out + "/safetensors", out + "/chunked"})
+    mkdir(d.c_str(), 0755);
   using namespace logprob::v1;
   std::vector<ScoreRequest> reqs;
   {  // padded f32 [2, 3, 5], next_token
@@ -127,6 +150,38 @@ int main(int argc, char** argv) {
     if (!reqs[i].SerializeToString(&bytes) || !WriteFile(out + "/score_request/" + reqs[i].id() + ".pb", bytes)) {
       std::fprintf(stderr, "cannot write seed %s\n", reqs[i].id().c_str());
       return 1;
+    }
+  }
+  // fuzz_chunked: each request, and a response of the same tensors as
+  // outputs, as the parts of a ScoreChunked stream (every tensor in pieces
+  // of 7 and of 64 bytes), framed [u32 length][part].
+  for (const ScoreRequest& r : reqs) {
+    for (int response = 0; response < 2; ++response) {
+      for (size_t piece : {size_t{7}, size_t{64}}) {
+        logprob::v1::ScoreResponse resp;
+        ScoreRequest header = r;
+        auto* tensors = response ? resp.mutable_outputs() : header.mutable_inputs();
+        if (response) *tensors = r.inputs();
+        std::vector<std::string> parts(1);
+        std::vector<std::pair<int, std::string>> pieced;
+        for (int i = 0; i < tensors->size(); ++i)
+          if (!tensors->Get(i).data().empty()) pieced.push_back({i, std::move(*tensors->Mutable(i)->mutable_data())});
+        const std::string message = response ? resp.SerializeAsString() : header.SerializeAsString();
+        parts[0] = Frame(std::string(1, '\x0a') + Varint(message.size()) + message);
+        for (const auto& [i, bytes] : pieced)
+          for (size_t off = 0; off < bytes.size(); off += piece) {
+            const std::string data = bytes.substr(off, piece);
+            parts.push_back(Frame(logprob::chunked::PieceHeader(i, static_cast<int64_t>(off), data.size()) + data));
+          }
+        std::string stream(1, static_cast<char>(2 | response));
+        for (const std::string& p : parts) stream += p;
+        const std::string name =
+            out + "/chunked/" + r.id() + (response ? ".response." : ".request.") + std::to_string(piece);
+        if (!WriteFile(name, stream)) {
+          std::fprintf(stderr, "cannot write seed %s\n", name.c_str());
+          return 1;
+        }
+      }
     }
   }
 

@@ -28,6 +28,7 @@ the answer with ``ResponseAssembler``, to the call's end (its status).
 """
 
 import asyncio
+import math
 from typing import Any, AsyncIterator, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -44,6 +45,10 @@ METHOD = "/logprob.v1.LogprobService/ScoreChunked"
 CHUNK_ABOVE = 8 << 20
 PIECE_BYTES = 4 << 20
 INLINE_BYTES = 64 << 10
+# The most output bytes a ScoreChunked answer may announce in pieces, as
+# the C++ client's limit (client/chunked_call.cc): beyond it the answer is
+# refused, not allocated.
+MAX_RESPONSE_BYTES = 16 << 30
 
 
 def use_chunked(inputs: Any, chunk_above: Optional[int] = CHUNK_ABOVE) -> bool:
@@ -180,15 +185,24 @@ class ResponseAssembler:
         self._missing -= len(data)
 
     def _start(self, resp: WireResponse) -> None:
+        sizes = {}
         for i, t in enumerate(resp.outputs):
             dt = NUMPY_DTYPE.get(t.dtype)
             if dt is None:
                 raise ValueError("output '%s' has unsupported dtype %d" % (t.name, t.dtype))
-            size = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize if t.shape else dt.itemsize
+            if any(int(d) < 0 for d in t.shape):
+                raise ValueError("output '%s' has a negative dimension in %s" % (t.name, list(t.shape)))
+            size = math.prod(int(d) for d in t.shape) * dt.itemsize  # exact: no int64 wrap-around
             if len(t.data) == 0 and size > 0:
-                self._buffers[i] = bytearray(size)
-                self._received[i] = 0
-        self._missing = sum(len(b) for b in self._buffers.values())
+                sizes[i] = size
+        total = sum(sizes.values())
+        if total > MAX_RESPONSE_BYTES:  # a broken or hostile answer: an error, not an allocation
+            raise ValueError("the answer announces %d bytes in pieces, over the client's limit of %d"
+                             % (total, MAX_RESPONSE_BYTES))
+        for i, size in sizes.items():
+            self._buffers[i] = bytearray(size)
+            self._received[i] = 0
+        self._missing = total
         self._resp = resp
 
     def result(self) -> WireResponse:
