@@ -56,7 +56,7 @@ def assemble(parts):
 
 
 class ReassemblyPropertyTest(unittest.TestCase):
-    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
     @given(answers())
     def test_any_cut_of_a_response_reassembles_to_its_outputs(self, answer):
         resp, _, parts = answer
@@ -66,7 +66,7 @@ class ReassemblyPropertyTest(unittest.TestCase):
             self.assertEqual((g.name, g.dtype, list(g.shape)), (e.name, e.dtype, list(e.shape)))
             self.assertEqual(bytes(g.data), e.data)
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
     @given(answers(), st.data())
     def test_a_broken_stream_raises_and_never_returns_other_data(self, answer, data):
         resp, pieced, parts = answer
