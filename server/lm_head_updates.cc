@@ -202,7 +202,7 @@ absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const
   return absl::NotFoundError(absl::StrCat("lm_head update \"", id, "\" is not open (unknown id)"));
 }
 
-void LmHeadUpdates::End(const std::shared_ptr<Update>& u, const std::string& outcome, const std::string& why) {
+void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why) {
   u->ended = true;
   open_.erase(u->id);
   if (ended_.size() >= kEndedKept) ended_.erase(ended_.begin());
@@ -312,11 +312,13 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, i
   {
     absl::MutexLock lock(&mu_);
     LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
-    const int64_t V = u->next.source.vocab_size, row_end = row_begin + rows;
+    const int64_t V = u->next.source.vocab_size;
     if (u->committing) return absl::FailedPreconditionError(absl::StrCat("lm_head update ", id, " is being committed"));
-    if (rows <= 0 || row_begin < 0 || row_end > V)
-      return absl::InvalidArgumentError(
-          absl::StrCat("rows [", row_begin, ", ", row_end, ") are not a non-empty range of the head's [0, ", V, ")"));
+    // Compared without forming row_begin + rows first: both come from the sender (any int64).
+    if (rows <= 0 || row_begin < 0 || row_begin >= V || rows > V - row_begin)
+      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_begin, " + ", rows,
+                                                     ") are not a non-empty range of the head's [0, ", V, ")"));
+    const int64_t row_end = row_begin + rows;
     if (dtype != u->next.source.dtype || columns != u->next.source.hidden_size)
       return absl::InvalidArgumentError(absl::StrCat("rows: [", rows, ", ", columns, "] ", DTypeName(dtype),
                                                      " given; the update's rows are [n, ", u->next.source.hidden_size,

@@ -127,7 +127,8 @@ class LmHeadUpdates {
   /// The open update `id` (NOT_FOUND with why otherwise). mu_ held.
   absl::StatusOr<std::shared_ptr<Update>> Open(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Ends `u` (aborted: why), removes its file, reports it. mu_ held.
-  void End(const std::shared_ptr<Update>& u, const std::string& outcome, const std::string& why)
+  /// `u` by value: it erases open_'s copy (a caller may pass that one).
+  void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// The rows of update `u` from `source` (PutRows after its checks);
   /// `hash`: this put extends the update's running SHA-256.

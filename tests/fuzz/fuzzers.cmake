@@ -28,7 +28,7 @@ else()
   endif()
 endif()
 
-set(_fuzzers fuzz_score_request fuzz_safetensors fuzz_chunked)
+set(_fuzzers fuzz_score_request fuzz_safetensors fuzz_chunked fuzz_lm_head_update)
 if(_fuzz_why)
   message(STATUS "logprob: fuzzers skipped: ${_fuzz_why}")
   foreach(t ${_fuzzers})
@@ -53,7 +53,8 @@ ExternalProject_Add(logprob_fuzzers
   CMAKE_ARGS -DCMAKE_CXX_COMPILER=${LOGPROB_CLANGXX} "-DLOGPROB_CUDA_INCLUDE_DIRS=${_fuzz_cuda_includes}"
   INSTALL_COMMAND ""
   BUILD_ALWAYS TRUE
-  BUILD_BYPRODUCTS ${_fuzz_bin}/fuzz_score_request ${_fuzz_bin}/fuzz_safetensors ${_fuzz_bin}/fuzz_chunked)
+  BUILD_BYPRODUCTS ${_fuzz_bin}/fuzz_score_request ${_fuzz_bin}/fuzz_safetensors ${_fuzz_bin}/fuzz_chunked
+    ${_fuzz_bin}/fuzz_lm_head_update)
 
 set(_run bash ${CMAKE_CURRENT_LIST_DIR}/run_fuzzer.sh)
 add_test(NAME fuzz_score_request
@@ -66,5 +67,7 @@ add_test(NAME fuzz_safetensors
 add_test(NAME fuzz_chunked
   COMMAND ${_run} ${_fuzz_bin}/fuzz_chunked ${LOGPROB_FUZZ_SECONDS}
     ${_fuzz_bin}/seeds/chunked ${CMAKE_CURRENT_LIST_DIR}/corpus/chunked)
+add_test(NAME fuzz_lm_head_update
+  COMMAND ${_run} ${_fuzz_bin}/fuzz_lm_head_update ${LOGPROB_FUZZ_SECONDS} ${CMAKE_CURRENT_LIST_DIR}/corpus/lm_head_update)
 math(EXPR _timeout "${LOGPROB_FUZZ_SECONDS} + 120")
 set_tests_properties(${_fuzzers} PROPERTIES TIMEOUT ${_timeout} LABELS fuzz)
