@@ -83,8 +83,8 @@ TEST_F(LmHeadUpdatesTest, RowRangesWhoseEndOverflowsAreInvalidArgument) {
   ASSERT_TRUE(opened.ok()) << opened.status();
   const std::string none;
   constexpr int64_t kMin = std::numeric_limits<int64_t>::min(), kMax = std::numeric_limits<int64_t>::max();
-  for (const auto& [begin, rows] : {std::pair<int64_t, int64_t>{-2, kMin}, {kMax, kMax}, {5, kMax}, {kMax, 1},
-                                    {36, 2}, {37, 1}, {0, 0}}) {
+  for (const auto& [begin, rows] :
+       {std::pair<int64_t, int64_t>{-2, kMin}, {kMax, kMax}, {5, kMax}, {kMax, 1}, {36, 2}, {37, 1}, {0, 0}}) {
     SCOPED_TRACE(std::to_string(begin) + " + " + std::to_string(rows));
     const auto put = updates->PutRows(opened->update_id(), begin, rows, v1::F32, kH, *MemorySource(none));
     EXPECT_EQ(put.status().code(), absl::StatusCode::kInvalidArgument) << put.status();

@@ -34,12 +34,12 @@ using logprob::LmHeads;
 using logprob::LmHeadUpdates;
 namespace v1 = logprob::v1;
 
-#define CHECK(cond)                                                                                       \
-  do {                                                                                                    \
-    if (!(cond)) {                                                                                        \
+#define CHECK(cond)                                                                                     \
+  do {                                                                                                  \
+    if (!(cond)) {                                                                                      \
       std::fprintf(stderr, "fuzz_lm_head_update: invariant violated: %s (line %d)\n", #cond, __LINE__); \
-      __builtin_trap();                                                                                   \
-    }                                                                                                     \
+      __builtin_trap();                                                                                 \
+    }                                                                                                   \
   } while (0)
 
 constexpr int64_t kV = 37, kH = 4, kRowBytes = kH * 4;
@@ -131,17 +131,16 @@ void Run(FuzzedDataProvider& p) {
   begin.set_vocab_size(p.ConsumeIntegralInRange(0, 15) == 0 ? p.ConsumeIntegral<int64_t>() : kV);
   begin.set_hidden_size(p.ConsumeIntegralInRange(0, 15) == 0 ? p.ConsumeIntegral<int64_t>() : kH);
   begin.set_dtype(p.ConsumeIntegralInRange(0, 15) == 0 ? static_cast<v1::DType>(p.ConsumeIntegralInRange(0, 6))
-                                                        : v1::F32);
+                                                       : v1::F32);
   if (p.ConsumeIntegralInRange(0, 3) == 0) begin.set_sha256(p.ConsumeRandomLengthString(70));
   const absl::StatusOr<v1::LmHeadUpdate> opened = updates.Begin(begin);
   if (!opened.ok()) {
-    CHECK(Is(opened.status(), {absl::StatusCode::kNotFound, absl::StatusCode::kInvalidArgument,
-                               absl::StatusCode::kAlreadyExists}));
+    CHECK(Is(opened.status(),
+             {absl::StatusCode::kNotFound, absl::StatusCode::kInvalidArgument, absl::StatusCode::kAlreadyExists}));
     CHECK(heads.Bind("default", "").value()->version == "initial");
     return;
   }
-  CHECK(begin.head() == "default" && begin.vocab_size() == kV && begin.hidden_size() == kH &&
-        begin.dtype() == v1::F32);
+  CHECK(begin.head() == "default" && begin.vocab_size() == kV && begin.hidden_size() == kH && begin.dtype() == v1::F32);
   const std::string id = opened->update_id();
 
   // The bytes of every row put successfully, and how often.
@@ -154,8 +153,8 @@ void Run(FuzzedDataProvider& p) {
     const int what = p.ConsumeIntegralInRange(0, 9);
     const std::string target = p.ConsumeIntegralInRange(0, 15) == 0 ? p.ConsumeRandomLengthString(24) : id;
     if (what <= 6) {
-      const int64_t row_begin = p.ConsumeBool() ? p.ConsumeIntegralInRange<int64_t>(-2, kV + 2)
-                                                : p.ConsumeIntegral<int64_t>();
+      const int64_t row_begin =
+          p.ConsumeBool() ? p.ConsumeIntegralInRange<int64_t>(-2, kV + 2) : p.ConsumeIntegral<int64_t>();
       const int64_t n = p.ConsumeBool() ? p.ConsumeIntegralInRange<int64_t>(-1, kV + 1) : p.ConsumeIntegral<int64_t>();
       const v1::DType dtype = p.ConsumeIntegralInRange(0, 15) == 0 ? v1::BF16 : v1::F32;
       const int64_t columns = p.ConsumeIntegralInRange(0, 15) == 0 ? kH + 1 : kH;
