@@ -8,6 +8,7 @@ Environment (set by ctest, see tests/CMakeLists.txt): ``LOGPROB_BIN_DIR``
 """
 
 import asyncio
+import glob
 import os
 import shutil
 import signal
@@ -193,6 +194,18 @@ class Golden:
             if name in self.inputs:
                 kw[name] = self.inputs[name]
         return kw
+
+
+def worker_pids(server):
+    """The worker processes of ``server`` (a ``Server``): its children."""
+    pids = []
+    for f in glob.glob("/proc/%d/task/*/children" % server.proc.pid):
+        try:
+            with open(f) as fh:
+                pids += [int(p) for p in fh.read().split()]
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(set(pids))
 
 
 def wait_for(predicate, what, timeout=60.0):
