@@ -308,13 +308,8 @@ class Soak:
 
     def requests_by_method_code(self):
         """{(method, code): count} of logprob_requests_total."""
-        out = {}
-        for line in self.server.metrics().splitlines():
-            if line.startswith("logprob_requests_total{"):
-                head, _, value = line.rpartition(" ")
-                labels = dict(kv.split("=", 1) for kv in head[head.index("{") + 1:-1].split(","))
-                out[(labels["method"].strip('"'), labels["code"].strip('"'))] = float(value)
-        return out
+        return {(labels["method"], labels["code"]): value
+                for labels, value in self.server.samples("logprob_requests_total")}
 
     # -- checks ------------------------------------------------------------
 

@@ -102,9 +102,10 @@ class Server:
         with urllib.request.urlopen(url, timeout=10) as r:
             return r.read().decode()
 
-    def metric(self, name, **labels):
-        """Value of the sample ``name{labels}`` (labels matched exactly, in
-        any order) in the /metrics scrape; 0.0 when absent."""
+    def samples(self, name):
+        """[(labels, value)] of every sample of ``name`` in the /metrics
+        scrape (labels: a dict)."""
+        out = []
         for line in self.metrics().splitlines():
             if not line.startswith(name) or line.startswith("#"):
                 continue
@@ -115,9 +116,15 @@ class Server:
                 got = {k: v.strip('"') for k, v in got.items()}
             else:
                 metric, got = head, {}
-            if metric == name and got == {k: str(v) for k, v in labels.items()}:
-                return float(value)
-        return 0.0
+            if metric == name:
+                out.append((got, float(value)))
+        return out
+
+    def metric(self, name, **labels):
+        """Value of the sample ``name{labels}`` (labels matched exactly, in
+        any order) in the /metrics scrape; 0.0 when absent."""
+        want = {k: str(v) for k, v in labels.items()}
+        return next((value for got, value in self.samples(name) if got == want), 0.0)
 
     def log(self):
         try:
