@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "client", "python", "tests"))
 
 from support import Server, temp_dir, wait_for, worker_pids  # noqa: E402
-from logprob_client import LogprobClient, LogprobError, RetryPolicy, safetensors  # noqa: E402
+from logprob_client import LogprobError, RetryPolicy, safetensors  # noqa: E402
 from logprob_client import aio  # noqa: E402
 
 V, H = 4096, 256  # the lm_head; logits inputs have V columns too
@@ -295,6 +295,10 @@ class Soak:
                 self.violations.append(str(e))
             self.metrics_now = self.requests_by_method_code()
             self.server_log = self.server.log()
+            with open(self.server.log_path, errors="replace") as f:
+                # Pool failures and worker crashes (gloo's "terminate called ...").
+                self.pool_events = [line.rstrip() for line in f if " failed: " in line and "generation" in line
+                                    or line.startswith(("terminate called", "  what():"))]
             self.log_copy = os.path.join(d, "server.log")
             shutil.copyfile(self.server.log_path, self.log_copy)
         self.records_path = os.path.join(d, "requests.tsv")
@@ -369,6 +373,10 @@ class Soak:
                              (what, a, b, slack))
         else:
             v.append("too few samples to compare the first and last quarters")
+        failures = sum(1 for line in self.pool_events if "generation" in line)
+        if failures > len(self.windows):
+            v.append("the worker pool failed %d times for %d injected faults (see the pool events)" %
+                     (failures, len(self.windows)))
         self.check_metrics()
 
     def check_metrics(self):
@@ -423,6 +431,9 @@ class Soak:
             p("samples: %d; second half: front-end VmRSS %s MiB, worker VmRSS %s MiB; whole run: fds %s, threads %s" %
               (len(self.samples), mm([s[1] for s in half], 1 << 20), mm(w, 1 << 20) if w else "-",
                mm([s[2] for s in self.samples]), mm([s[3] for s in self.samples])))
+        p("pool events (server log):")
+        for line in self.pool_events:
+            p("  " + line[:300])
         p("/metrics logprob_requests_total vs clients (method code client server):")
         for row in self.metric_rows:
             p("  %-12s %-18s %6d %6d" % row)
