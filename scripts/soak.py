@@ -192,7 +192,8 @@ class Soak:
                 i += 4
 
         async def main():
-            async with aio.LogprobClient(self.server.address, retry=NO_RETRY, timeout=TIMEOUT, shared_memory=False) as c:
+            async with aio.LogprobClient(self.server.address, retry=NO_RETRY, timeout=TIMEOUT,
+                                         shared_memory=False) as c:
                 await asyncio.gather(*(lane(c, k) for k in range(4)))
 
         asyncio.run(main())
