@@ -8,6 +8,7 @@ Environment (set by ctest, see tests/CMakeLists.txt): ``LOGPROB_BIN_DIR``
 """
 
 import asyncio
+import glob
 import os
 import shutil
 import signal
@@ -101,9 +102,10 @@ class Server:
         with urllib.request.urlopen(url, timeout=10) as r:
             return r.read().decode()
 
-    def metric(self, name, **labels):
-        """Value of the sample ``name{labels}`` (labels matched exactly, in
-        any order) in the /metrics scrape; 0.0 when absent."""
+    def samples(self, name):
+        """[(labels, value)] of every sample of ``name`` in the /metrics
+        scrape (labels: a dict)."""
+        out = []
         for line in self.metrics().splitlines():
             if not line.startswith(name) or line.startswith("#"):
                 continue
@@ -114,9 +116,15 @@ class Server:
                 got = {k: v.strip('"') for k, v in got.items()}
             else:
                 metric, got = head, {}
-            if metric == name and got == {k: str(v) for k, v in labels.items()}:
-                return float(value)
-        return 0.0
+            if metric == name:
+                out.append((got, float(value)))
+        return out
+
+    def metric(self, name, **labels):
+        """Value of the sample ``name{labels}`` (labels matched exactly, in
+        any order) in the /metrics scrape; 0.0 when absent."""
+        want = {k: str(v) for k, v in labels.items()}
+        return next((value for got, value in self.samples(name) if got == want), 0.0)
 
     def log(self):
         try:
@@ -193,6 +201,18 @@ class Golden:
             if name in self.inputs:
                 kw[name] = self.inputs[name]
         return kw
+
+
+def worker_pids(server):
+    """The worker processes of ``server`` (a ``Server``): its children."""
+    pids = []
+    for f in glob.glob("/proc/%d/task/*/children" % server.proc.pid):
+        try:
+            with open(f) as fh:
+                pids += [int(p) for p in fh.read().split()]
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(set(pids))
 
 
 def wait_for(predicate, what, timeout=60.0):

@@ -2,7 +2,6 @@
 those of a server started with the new weights; requests report and pin
 versions; retained versions; each bad update is refused and changes
 nothing; updates are off by default."""
-import glob
 import os
 import shutil
 import signal
@@ -14,7 +13,7 @@ import warnings
 import grpc
 import numpy as np
 
-from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, temp_dir, wait_for
+from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, temp_dir, wait_for, worker_pids
 from logprob_client import LogprobClient, LogprobError
 from logprob_client import safetensors
 from logprob_client._proto import pb2
@@ -174,15 +173,6 @@ class UpdateTest(unittest.TestCase):
             after = {h.name: h for h in c.lm_heads()}["policy"]
             self.assertEqual((after.version, after.sha256), (current.version, current.sha256))
             same(score(c, head="policy"), before)
-
-
-def worker_pids(server):
-    """The server's worker processes (its children)."""
-    pids = []
-    for f in glob.glob("/proc/%d/task/*/children" % server.proc.pid):
-        with open(f) as fh:
-            pids += [int(p) for p in fh.read().split()]
-    return sorted(set(pids))
 
 
 def kill_a_worker_and_wait_for_the_pool(server, client):
