@@ -2,8 +2,8 @@
 
 #include <atomic>
 #include <cstring>
-#include <iostream>
 
+#include "common/log_line.h"
 #include "common/partition.h"
 
 namespace logprob {
@@ -42,8 +42,8 @@ class PayloadWriter {
       plan.payload_region = std::move(*region);
       region_ = plan.payload_region.get();
     } else if (!warned_.exchange(true)) {
-      std::clog << "logprob-server: sending payloads inline instead of through shared memory: "
-                << region.status().message() << std::endl;
+      LogLine() << "logprob-server: sending payloads inline instead of through shared memory: "
+                << region.status().message();
     }
   }
   /// Space for `bytes` bytes of `item`'s payload (WorkItem.payload).

@@ -18,6 +18,7 @@
 #include "common/error_reason.h"
 #include "common/grpc_status.h"
 #include "common/input_kind.h"
+#include "common/log_line.h"
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
 #include "server/cuda_ipc_inputs.h"
@@ -80,11 +81,10 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::Observe(
     metrics_->ObserveRequestBytes(method, static_cast<int64_t>(req.ByteSizeLong()));
     metrics_->ObserveRequest(method, code, secs, tokens);
   }
-  std::clog << "request id=" << req.id() << " method=" << method << " tokens=" << tokens << " seconds=" << secs
+  LogLine() << "request id=" << req.id() << " method=" << method << " tokens=" << tokens << " seconds=" << secs
             << " queue_seconds=" << stats.queue_seconds << " batch_requests=" << stats.batch_requests
             << (stats.receive_seconds > 0 ? " receive_seconds=" + std::to_string(stats.receive_seconds) : "")
-            << " status=" << code << (resp.ok() ? "" : " message=\"" + std::string(resp.status().message()) + "\"")
-            << std::endl;
+            << " status=" << code << (resp.ok() ? "" : " message=\"" + std::string(resp.status().message()) + "\"");
   return resp;
 }
 
@@ -94,8 +94,8 @@ grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const
   if (!st.ok()) {
     const std::string code = absl::StatusCodeToString(absl::StatusCode::kUnauthenticated);
     if (metrics_) metrics_->ObserveRequest(method, code, 0, 0);
-    std::clog << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
-              << st.error_message() << "\"" << std::endl;
+    LogLine() << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
+              << st.error_message() << "\"";
   }
   return st;
 }
@@ -185,8 +185,8 @@ namespace {
 /// Logs and counts (logprob_requests_total) one shared-memory call and returns its gRPC status.
 grpc::Status Logged(Metrics* metrics, const char* method, const std::string& what, const absl::Status& st) {
   if (metrics) metrics->ObserveRequest(method, absl::StatusCodeToString(st.code()), 0, 0);
-  std::clog << "request method=" << method << " " << what << " status=" << absl::StatusCodeToString(st.code())
-            << (st.ok() ? "" : " message=\"" + std::string(st.message()) + "\"") << std::endl;
+  LogLine() << "request method=" << method << " " << what << " status=" << absl::StatusCodeToString(st.code())
+            << (st.ok() ? "" : " message=\"" + std::string(st.message()) + "\"");
   return ToGrpc(st);
 }
 
