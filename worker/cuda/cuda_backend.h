@@ -91,8 +91,11 @@ class CudaBackend final : public ScoringBackend {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
                             float* logits) override ABSL_LOCKS_EXCLUDED(mu_);
-  /// One pass needs no host bounce: W == 1, or NCCL's device collectives
-  /// (CanScoreInOnePass, the front-end's rule too).
+  /// W == 1, or device collectives: NCCL's, or Gloo's staged through host
+  /// memory (HostStagedDeviceCollectives), which the worker always gives a
+  /// CUDA backend (CanScoreInOnePass, the front-end's rule too). So every
+  /// unfiltered hidden-states item takes the one-pass path; the round path
+  /// is left to sampling filters (HiddenLogits: see the scorer).
   bool OnePassHidden(const Communicator& comm) const override {
     return CanScoreInOnePass(comm.size(), comm.device_collectives());
   }
