@@ -14,7 +14,11 @@
 #   1. the CUDA tests (ctest -R Cuda);
 #   2. the injected Compute failure followed by a concurrent logits item
 #      (CudaOnePass.*, Options::fail_gemm_after / LOGPROB_TEST_FAIL_GEMM_AFTER);
-#   3. 2 workers over Gloo on one GPU (server tests with --comm gloo);
+#   3. 2 workers over Gloo on one GPU (server tests with --comm gloo): the
+#      W = 2 one-pass path over device collectives staged through host
+#      memory (worker/host_staged_device_collectives.h); the CUDA IPC test
+#      can only pass on that path (a device pointer is never scored in
+#      rounds);
 #   4-7. the one-pass and CUDA IPC tests under compute-sanitizer memcheck
 #      and racecheck;
 #   8-11. commands 1-4 of docs/benchmarks.md (bench, precision, server, torch).
