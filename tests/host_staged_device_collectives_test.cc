@@ -35,7 +35,8 @@ struct Rank {
 /// in-process group (a rank stuck in a collective fails the test with
 /// DEADLINE_EXCEEDED after 20 s instead of hanging). `setup` may arm the
 /// fake copies before the threads start.
-void OnRanks(int W, const std::function<void(Rank&)>& body, const std::function<void(int, FakeDeviceCopy&)>& setup = {}) {
+void OnRanks(int W, const std::function<void(Rank&)>& body,
+             const std::function<void(int, FakeDeviceCopy&)>& setup = {}) {
   InProcessGroup group(W, std::chrono::seconds(20));
   std::vector<Rank> ranks(W);
   for (int r = 0; r < W; ++r) {

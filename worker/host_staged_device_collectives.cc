@@ -34,8 +34,8 @@ absl::Status HostStagedDeviceCollectives::Agree(const absl::Status& mine, Step s
   if (step == Step::kStageIn)
     return absl::ResourceExhaustedError(absl::StrCat("device collective over host memory: rank ", failed,
                                                      " could not stage its input (host memory or device copy)"));
-  return absl::InternalError(absl::StrCat("device collective over host memory: rank ", failed,
-                                          " could not copy the result to its device"));
+  return absl::InternalError(
+      absl::StrCat("device collective over host memory: rank ", failed, " could not copy the result to its device"));
 }
 
 absl::Status HostStagedDeviceCollectives::AllGatherDevice(const void* in, size_t bytes, void* out) {
