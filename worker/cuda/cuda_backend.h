@@ -92,7 +92,7 @@ class CudaBackend final : public ScoringBackend {
   /// ScoringBackend contract for tests and benchmarks.
   absl::Status HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t vocab_begin,
                               const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) override
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_LOCKS_EXCLUDED(mu_, item_mu_);
   /// The round path of hidden states with sampling filters, the only one
   /// left on the GPU: a filter's threshold (top-k / top-p of the whole
   /// row) needs all V logits of a row in one place, which the one-pass
