@@ -1,8 +1,10 @@
 // CUDA backend against the CPU backend and a float64 reference: packed
 // partial records of random rows (bf16 / f16 / f32, V = 151936 with top-k,
 // ties at the top-k threshold, vocabulary slices, K > slice length, -inf
-// rows), sampling filters, and the cuBLASLt hidden-states path. Every test
-// skips (GTEST_SKIP) on a machine without a usable CUDA device.
+// rows), sampling filters, the cuBLASLt hidden-states path, and the
+// one-pass path on ranks sharing one GPU over device collectives staged
+// through host memory. Every test skips (GTEST_SKIP) on a machine without
+// a usable CUDA device.
 #include "worker/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
