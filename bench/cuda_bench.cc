@@ -18,7 +18,9 @@
 //              (c) from pinned host memory (cudaMallocHost); (c2) from
 //                  malloc'd memory page-locked by RegisterHostMemory;
 //              (d) from pageable host memory;
-//              (e) CudaBackend::HiddenPartials (the round path), pageable;
+//              (e) CudaBackend::HiddenPartials, pageable: since there is
+//                  one CUDA fused path, the one-pass path of a one-rank
+//                  item, so (e) costs as (d);
 //              (f) one [T, V] GEMM, then an in-place f32 log_softmax and
 //                  the target gather (bench/log_softmax_baseline.cu).
 //              Wall-clock times of the synchronous calls; TFLOP/s =
@@ -380,7 +382,7 @@ void BenchHidden(const Config& cfg, int device, int64_t V) {
   cases[5] = {"(d) fused, pageable host", [&] {
                 return backend.HiddenItemPartials(lm_head, item(hidden.data(), false), self, spec, rec[3].data());
               }};
-  cases[6] = {"(e) HiddenPartials (rounds), pageable",
+  cases[6] = {"(e) HiddenPartials (= one pass), pageable",
               [&] { return backend.HiddenPartials(lm_head, v1::BF16, hidden.data(), 0, rows, spec, rec[4].data()); }};
   cases[7] = {"(f) one GEMM + log_softmax + gather", [&]() -> absl::Status {
                 LOGPROB_RETURN_IF_ERROR(full_alloc);

@@ -14,7 +14,12 @@
 #   1. the CUDA tests (ctest -R Cuda);
 #   2. the injected Compute failure followed by a concurrent logits item
 #      (CudaOnePass.*, Options::fail_gemm_after / LOGPROB_TEST_FAIL_GEMM_AFTER);
-#   3. 2 workers over Gloo on one GPU (server tests with --comm gloo);
+#   3. 2 workers over Gloo on one GPU: the W >= 2 one-pass path over
+#      device collectives staged through host memory
+#      (worker/host_staged_device_collectives.h), in process
+#      (CudaOnePass.*StagedCollectives*) and through servers with --comm
+#      gloo, whose CUDA IPC test can only pass on that path (a device
+#      pointer is never scored in rounds);
 #   4-7. the one-pass and CUDA IPC tests under compute-sanitizer memcheck
 #      and racecheck;
 #   8-11. commands 1-4 of docs/benchmarks.md (bench, precision, server, torch).
@@ -83,8 +88,8 @@ ipc='CudaIpc.*'
 step ctest-cuda 150 "cd build && ctest -R Cuda --output-on-failure"
 step inject-failure 45 \
   "build/bin/cuda_backend_test --gtest_filter='CudaOnePass.InjectedGemmFailure*' && { echo '-- the hook from the environment: this run must fail with an injected INTERNAL error'; ! LOGPROB_TEST_FAIL_GEMM_AFTER=2 build/bin/cuda_backend_test --gtest_filter='CudaOnePass.PassesOfBoundedMemory*'; }"
-step gloo-2-workers 90 \
-  "build/bin/server_cuda_test --gtest_filter='Workers/CudaGolden.*:CudaIpc.TwoWorkersOverGloo*' && build/bin/server_cuda_batching_test --gtest_filter='Workers/*'"
+step gloo-2-workers 120 \
+  "build/bin/cuda_backend_test --gtest_filter='CudaOnePass.*StagedCollectives*' && build/bin/server_cuda_test --gtest_filter='Workers/CudaGolden.*:CudaIpc.TwoWorkersOverGloo*' && build/bin/server_cuda_batching_test --gtest_filter='Workers/*'"
 step memcheck-one-pass 60 "$san --tool memcheck build/bin/cuda_backend_test --gtest_filter='$one_pass' && $san --tool memcheck build/bin/cuda_invariance_test --gtest_filter='CudaInvariance.HiddenItemPartials*'"
 step memcheck-ipc 45 "$san --tool memcheck --target-processes all build/bin/server_cuda_test --gtest_filter='$ipc'"
 step racecheck-one-pass 60 "$san --tool racecheck build/bin/cuda_backend_test --gtest_filter='$one_pass'"

@@ -55,7 +55,8 @@ bool HasSamplingFilters(const v1::ScoreOptions& options);
 
 /// True when hidden states spread over `workers` workers can be scored in
 /// one pass on the device: one worker, or a communicator with device
-/// collectives (NCCL: --comm nccl). The front-end (whether CUDA IPC inputs
+/// collectives (CUDA workers: NCCL's, or Gloo's staged through host
+/// memory). The front-end (whether CUDA IPC inputs
 /// can be served) and the CUDA backend (ScoringBackend::OnePassHidden)
 /// both decide by it.
 bool CanScoreInOnePass(int workers, bool device_collectives);

@@ -55,8 +55,8 @@ absl::Status Unavailable(const CudaIpcAvailability& a, const std::string& peer) 
                      kInstead));
   if (!a.one_pass)
     return absl::FailedPreconditionError(absl::StrCat(
-        "CUDA IPC inputs need one worker or --comm nccl (the workers read the client's GPU memory in one pass "
-        "over device collectives); this server has ",
+        "CUDA IPC inputs need one worker or workers with device collectives (the workers read the client's GPU "
+        "memory in one pass); this server has ",
         a.workers, " workers over ", a.comm, kInstead));
   if (!IsLocalPeer(peer))
     return absl::FailedPreconditionError(absl::StrCat("CUDA IPC inputs are for clients on the server's host; peer \"",

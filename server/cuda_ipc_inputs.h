@@ -21,13 +21,13 @@ inline constexpr size_t kCudaIpcHandleBytes = 64;
 /// Why CUDA IPC inputs are or are not available on this server: the
 /// --cuda-ipc-inputs flag, the workers' backend, where they run and how
 /// they exchange hidden states (a device pointer can only be scored in one
-/// pass, ScoringBackend::OnePassHidden: one worker, or NCCL's device
-/// collectives).
+/// pass, ScoringBackend::OnePassHidden: one worker, or device collectives,
+/// which CUDA workers have over NCCL and over Gloo).
 struct CudaIpcAvailability {
   bool flag = true;           // --cuda-ipc-inputs
   bool cuda_workers = false;  // --backend cuda
   bool same_host = false;     // workers started by this server on its host
-  bool one_pass = false;      // --workers 1 or --comm nccl
+  bool one_pass = false;      // --workers 1 or device collectives (CUDA workers, NCCL or Gloo)
   int workers = 0;            // for the message
   std::string comm;           // for the message
   /// True when every condition holds (ServerInfo.cuda_ipc_inputs).
@@ -36,8 +36,8 @@ struct CudaIpcAvailability {
 
 /// OK when a CUDA IPC input from `peer` (grpc::ServerContext::peer(); ""
 /// without a call) can be served; else FAILED_PRECONDITION saying why
-/// (flag off, CPU workers, workers on other hosts, several workers over
-/// Gloo, a peer that is not on this host) and that the client should send
+/// (flag off, CPU workers, workers on other hosts, several workers without
+/// device collectives, a peer that is not on this host) and that the client should send
 /// the bytes inline or through shared memory instead.
 absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& availability, const std::string& peer);
 

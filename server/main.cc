@@ -78,7 +78,7 @@ ABSL_FLAG(int64_t, lm_head_memory_bytes, 0,
 ABSL_FLAG(int64_t, hidden_chunk_tokens, 128,
           "hidden-states rows each worker adds per GEMM round; a worker's logits buffer is about "
           "this * V * 4 bytes whatever the request size (CPU workers; CUDA workers score an item "
-          "in one pass unless it has sampling filters or the pool runs over Gloo)");
+          "in one pass unless it has sampling filters)");
 ABSL_FLAG(std::string, lm_head_precision, "auto",
           "operands of the lm_head GEMM (f32 accumulation and logits in every case): auto (bf16 for BF16 "
           "weights, fp32 for F32 / F16 weights), bf16 (weights and hidden states rounded to bf16), tf32 (GPU: "
@@ -119,8 +119,7 @@ ABSL_FLAG(bool, shared_memory_inputs, true,
           "register (RegisterSharedMemory)");
 ABSL_FLAG(bool, cuda_ipc_inputs, true,
           "accept hidden states from same-host clients as CUDA IPC handles of their GPU memory "
-          "(Tensor.cuda_ipc); effective only with --backend cuda, workers started by this server, and one worker "
-          "or --comm nccl");
+          "(Tensor.cuda_ipc); effective only with --backend cuda and workers started by this server");
 ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{16} << 30,
           "byte_size of all clients' registered shared-memory regions together (RESOURCE_EXHAUSTED beyond)");
 ABSL_FLAG(int, max_shared_memory_regions, 64,

@@ -68,7 +68,9 @@ ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, Metrics* met
   cuda_ipc_.same_host = workers.same_host;
   cuda_ipc_.workers = workers.size;
   cuda_ipc_.comm = config_.comm;
-  cuda_ipc_.one_pass = CanScoreInOnePass(workers.size, /*device_collectives=*/config_.comm == "nccl");
+  // CUDA workers have device collectives over either communicator (NCCL's
+  // own, Gloo's staged through host memory: worker/backend_factory.h).
+  cuda_ipc_.one_pass = CanScoreInOnePass(workers.size, /*device_collectives=*/config_.backend == "cuda");
   if (regions_ || cuda_ipc_.available()) host_id_ = SharedMemoryHostId();
 }
 

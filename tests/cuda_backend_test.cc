@@ -1,8 +1,10 @@
 // CUDA backend against the CPU backend and a float64 reference: packed
 // partial records of random rows (bf16 / f16 / f32, V = 151936 with top-k,
 // ties at the top-k threshold, vocabulary slices, K > slice length, -inf
-// rows), sampling filters, and the cuBLASLt hidden-states path. Every test
-// skips (GTEST_SKIP) on a machine without a usable CUDA device.
+// rows), sampling filters, the cuBLASLt hidden-states path, and the
+// one-pass path on ranks sharing one GPU over device collectives staged
+// through host memory. Every test skips (GTEST_SKIP) on a machine without
+// a usable CUDA device.
 #include "worker/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
@@ -19,11 +21,16 @@
 
 #include "common/dtype.h"
 #include "common/lm_head_precision.h"
+#include "common/partition.h"
+#include "tests/in_process_communicator.h"
 #include "worker/cpu_backend.h"
+#include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/cuda_ipc.h"
 #include "worker/cuda/device_info.h"
+#include "worker/host_staged_device_collectives.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/row_stats.h"
+#include "worker/one_pass_layout.h"
 
 namespace logprob {
 namespace {
@@ -324,8 +331,8 @@ HiddenItemRows OneRankItem(const Rows& hidden, int gather_k) {
 }
 
 // One pass in passes of bounded memory (Options::pass_bytes): 16-row
-// passes give every record the bits of a single pass, and the records of
-// the round path within float32 summation rounding.
+// passes give every record the bits of a single pass, and HiddenPartials
+// (the same path on one rank) those bits too.
 TEST(CudaOnePass, PassesOfBoundedMemoryGiveTheBitsOfOnePass) {
   SKIP_WITHOUT_GPU();
   const int64_t N = 3000, H = 256, M = 75;
@@ -350,10 +357,125 @@ TEST(CudaOnePass, PassesOfBoundedMemoryGiveTheBitsOfOnePass) {
       std::vector<uint32_t> rounds(M * words);
       ASSERT_TRUE(
           (*gpu)->HiddenPartials(**w, v1::BF16, hidden.bytes.data(), 0, hidden.block(2), spec, rounds.data()).ok());
-      ExpectRecordsMatch(rounds, records.back(), M, spec);
+      EXPECT_EQ(rounds, records.back());
     }
   }
   EXPECT_EQ(records[0], records[1]);
+}
+
+/// Rows [begin, end) of `slice` (an lm_head vocabulary slice of a slice).
+LmHeadSlice SubSlice(const LmHeadSlice& slice, int64_t begin, int64_t end) {
+  const size_t row = static_cast<size_t>(slice.hidden_size) * DTypeSize(slice.dtype);
+  LmHeadSlice s = slice;
+  s.rows = end - begin;
+  s.weight.assign(slice.weight.begin() + static_cast<int64_t>(begin * row),
+                  slice.weight.begin() + static_cast<int64_t>(end * row));
+  return s;
+}
+
+/// Runs a W-rank one-pass item on W threads sharing device 0 over device
+/// collectives staged through host memory (what two CUDA workers over Gloo
+/// run; NCCL refuses two ranks on one GPU): rank r holds lm_head rows
+/// SplitRange(N, W, r) and item rows SplitRows(M, W). `fail_gemm_after[r]`
+/// is rank r's Options::fail_gemm_after. Returns each rank's status and
+/// own records ([W][count[r]][words]).
+std::vector<std::pair<absl::Status, std::vector<uint32_t>>> RunStagedRanks(
+    int W, const LmHeadSlice& lm_head, const Rows& hidden, const StatsSpec& spec, int gather_k,
+    const std::vector<int64_t>& fail_gemm_after) {
+  const int64_t N = lm_head.rows, H = lm_head.hidden_size;
+  const RankRows split = SplitRows(hidden.n, W);
+  const size_t words = kernels::PartialWords(spec);
+  testing::InProcessGroup group(W, std::chrono::seconds(120));
+  std::vector<std::pair<absl::Status, std::vector<uint32_t>>> out(W);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      absl::Status& st = out[r].first;
+      std::vector<uint32_t>& records = out[r].second;
+      records.assign(static_cast<size_t>(W * split.count[r]) * words, 0);
+      auto fail = [&](absl::Status why) {
+        st = std::move(why);
+        group.Abort();  // the others must not wait for this rank
+      };
+      cuda::CudaBackend::Options opts;
+      opts.gemm_chunk_bytes = 16 * N * 4;
+      opts.pass_bytes = 16 * H * 2;  // passes of 16 rows per rank
+      opts.fail_gemm_after = fail_gemm_after[r];
+      auto gpu = cuda::CudaBackend::Create(0, opts);
+      if (!gpu.ok()) return fail(gpu.status());
+      const auto [vb, ve] = SplitRange(N, W, r);
+      auto w = (*gpu)->LoadLmHead(SubSlice(lm_head, vb, ve), LmHeadPrecision::kAuto);
+      if (!w.ok()) return fail(w.status());
+      auto copy = cuda::CudaDeviceCopy::Create(0);
+      if (!copy.ok()) return fail(copy.status());
+      HostStagedDeviceCollectives comm(std::make_unique<testing::InProcessCommunicator>(group, r), std::move(*copy));
+      HiddenItemRows item;
+      item.dtype = hidden.dtype;
+      item.own = hidden.bytes.data() + split.first[r] * H * static_cast<int64_t>(DTypeSize(hidden.dtype));
+      item.vocab_begin = vb;
+      item.first = split.first;
+      item.count = split.count;
+      item.rows = hidden.block(gather_k);
+      st = (*gpu)->HiddenItemPartials(**w, item, comm, spec, records.data());
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+// Two ranks on one GPU over staged device collectives (the Gloo path of
+// CUDA workers): each rank's records of every slice are the bits of that
+// slice's one-rank item (same GEMM algorithm and kernels whatever M and
+// position), for W = 2 and 3 with uneven shares and several passes.
+TEST(CudaOnePass, RanksSharingOneGpuOverStagedCollectivesGiveTheBitsOfOneRank) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 3001, H = 256, M = 75;
+  const LmHeadSlice lm_head = RandomSlice(N, H, 41);
+  const Rows hidden = MakeRows(v1::BF16, M, H, 0, N, 2, Values::kNormal, 42);
+  const StatsSpec spec = Spec(5, 2, true);
+  const size_t words = kernels::PartialWords(spec);
+  for (int W : {2, 3}) {
+    SCOPED_TRACE(W);
+    const auto ranks = RunStagedRanks(W, lm_head, hidden, spec, 2, std::vector<int64_t>(W, -1));
+    const RankRows split = SplitRows(M, W);
+    for (int q = 0; q < W; ++q) {
+      // Slice q alone on one rank: all M rows.
+      cuda::CudaBackend::Options opts;
+      opts.gemm_chunk_bytes = 16 * N * 4;
+      auto gpu = cuda::CudaBackend::Create(0, opts);
+      ASSERT_TRUE(gpu.ok()) << gpu.status();
+      const auto [vb, ve] = SplitRange(N, W, q);
+      auto w = (*gpu)->LoadLmHead(SubSlice(lm_head, vb, ve), LmHeadPrecision::kAuto);
+      ASSERT_TRUE(w.ok()) << w.status();
+      std::vector<uint32_t> alone(M * words);
+      ASSERT_TRUE(
+          (*gpu)->HiddenPartials(**w, v1::BF16, hidden.bytes.data(), vb, hidden.block(2), spec, alone.data()).ok());
+      for (int r = 0; r < W; ++r) {
+        ASSERT_TRUE(ranks[r].first.ok()) << "rank " << r << ": " << ranks[r].first;
+        for (int64_t i = 0; i < split.count[r]; ++i) {
+          const uint32_t* got = ranks[r].second.data() + RecordIndex(q, i, split.count[r], words);
+          const uint32_t* want = alone.data() + (split.first[r] + i) * words;
+          ASSERT_TRUE(std::equal(got, got + words, want)) << "rank " << r << " slice " << q << " row " << i;
+        }
+      }
+    }
+  }
+}
+
+// A GEMM failing on one rank of two sharing a GPU over staged collectives:
+// that rank returns the injected error, its peer RESOURCE_EXHAUSTED naming
+// it (the agreement before the record exchange), neither waits for the
+// collective timeout.
+TEST(CudaOnePass, AFailingRankOverStagedCollectivesFailsItsPeerToo) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 2000, H = 128, M = 64;
+  const LmHeadSlice lm_head = RandomSlice(N, H, 43);
+  const Rows hidden = MakeRows(v1::BF16, M, H, 0, N, 0, Values::kNormal, 44);
+  const auto ranks = RunStagedRanks(2, lm_head, hidden, Spec(0, 0, false), 0, {-1, 1});
+  EXPECT_EQ(ranks[1].first.code(), absl::StatusCode::kInternal) << ranks[1].first;
+  EXPECT_NE(std::string(ranks[1].first.message()).find("injected"), std::string::npos) << ranks[1].first;
+  EXPECT_EQ(ranks[0].first.code(), absl::StatusCode::kResourceExhausted) << ranks[0].first;
+  EXPECT_NE(std::string(ranks[0].first.message()).find("rank 1"), std::string::npos) << ranks[0].first;
 }
 
 // An item cancelled between passes returns CANCELLED; the backend scores

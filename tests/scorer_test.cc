@@ -23,9 +23,11 @@
 
 #include "common/dtype.h"
 #include "common/partition.h"
+#include "tests/fake_device_copy.h"
 #include "tests/in_process_communicator.h"
 #include "tests/random_values.h"
 #include "worker/cpu_backend.h"
+#include "worker/host_staged_device_collectives.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/sampling_filter.h"
 #include "worker/one_pass_layout.h"
@@ -231,7 +233,10 @@ RankBackend BackendFor(const Problem& p, int W, int r) {
 /// every rank's share, an agreement before each pass, an all-gather of
 /// every rank's rows into aligned slots, the inner backend's records for
 /// the pass's rows (rank order), one all-to-all of records, scattered into
-/// [W][rows][words]. Everything else is forwarded.
+/// [W][rows][words]. Its collectives are the device ones, as the CUDA
+/// backend's (RunRanks gives it HostStagedDeviceCollectives with "device
+/// memory" in host memory, the Gloo staging of CUDA workers). Everything
+/// else is forwarded.
 class HostOnePassBackend final : public ScoringBackend {
  public:
   explicit HostOnePassBackend(std::unique_ptr<ScoringBackend> inner, int64_t pass_rows = 7)
@@ -276,7 +281,7 @@ class HostOnePassBackend final : public ScoringBackend {
       std::vector<char> slot(pass.SlotBytes(row)), all(W * pass.SlotBytes(row)), packed;
       if (pass.count[me])
         std::memcpy(slot.data(), static_cast<const char*>(item.own) + pass.pass_row0 * row, pass.count[me] * row);
-      if (absl::Status st = comm.AllGather(slot.data(), slot.size(), all.data()); !st.ok()) return st;
+      if (absl::Status st = comm.AllGatherDevice(slot.data(), slot.size(), all.data()); !st.ok()) return st;
       for (int q = 0; q < W; ++q) {
         const char* from = all.data() + pass.SlotOffset(q, row);
         packed.insert(packed.end(), from, from + pass.count[q] * row);
@@ -297,7 +302,7 @@ class HostOnePassBackend final : public ScoringBackend {
       std::vector<int64_t> send, recv;
       pass.RecordExchange(me, words, &send, &recv);
       std::vector<uint32_t> got(static_cast<size_t>(W * pass.count[me]) * words);
-      if (absl::Status st = comm.AllToAllV(records.data(), send, got.data(), recv); !st.ok()) return st;
+      if (absl::Status st = comm.AllToAllVDevice(records.data(), send, got.data(), recv); !st.ok()) return st;
       if (pass.count[me] > 0)  // `got` is empty (its data() may be null) when this rank has no rows here
         for (int q = 0; q < W; ++q)
           std::memcpy(own_records + RecordIndex(q, pass.pass_row0, item.count[me], words),
@@ -329,12 +334,16 @@ std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, Layout layout
       RankBackend rb = BackendFor(p, W, r);
       std::unique_ptr<ScoringBackend> backend = std::move(rb.backend);
       if (one_pass) backend = std::make_unique<HostOnePassBackend>(std::move(backend));
-      InProcessCommunicator comm(group, r);
+      // One-pass backends take device collectives: staged through host
+      // memory as for CUDA workers over Gloo.
+      std::unique_ptr<Communicator> comm = std::make_unique<InProcessCommunicator>(group, r);
+      if (one_pass)
+        comm = std::make_unique<HostStagedDeviceCollectives>(std::move(comm), std::make_unique<FakeDeviceCopy>());
       std::function<bool()> stop;
       if (should_stop) stop = [&should_stop, r] { return should_stop(r); };
       // Token-parallel items run alone in the worker (SelfCommunicator).
       SelfCommunicator self;
-      Communicator& c = layout == internal::v1::TOKEN_PARALLEL ? static_cast<Communicator&>(self) : comm;
+      Communicator& c = layout == internal::v1::TOKEN_PARALLEL ? static_cast<Communicator&>(self) : *comm;
       results[r] = ScoreWorkItem(item, c, *backend, hidden_chunk_tokens, stop, rb.lm_head.get());
       if (!results[r].ok()) group.Abort();
       if (one_pass && layout == internal::v1::HIDDEN_STATES && p.options.sampling_top_k() == 0 &&

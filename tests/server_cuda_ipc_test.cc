@@ -159,8 +159,8 @@ TEST(CheckCudaIpcAvailable, SaysWhyAndWhatToSendInstead) {
       {{true, true, false, true, 1, "gloo"}, "ipv4:127.0.0.1:1", "need workers on the server's host"},
       {{true, true, true, false, 2, "gloo"},
        "ipv4:127.0.0.1:1",
-       "need one worker or --comm nccl (the workers read the client's GPU memory in one pass over device "
-       "collectives); this server has 2 workers over gloo"},
+       "need one worker or workers with device collectives (the workers read the client's GPU memory in one "
+       "pass); this server has 2 workers over gloo"},
       {{true, true, true, true, 2, "nccl"}, "ipv4:10.0.0.7:1", "peer \"ipv4:10.0.0.7:1\" is not local"},
       {{true, true, true, true, 1, "gloo"}, "", "peer \"\" is not local"},
   };

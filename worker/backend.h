@@ -14,7 +14,9 @@
 //    filtered hidden-states path, which exchanges full rows).
 // 2. The one-pass path (HIDDEN_STATES without sampling filters, when
 //    OnePassHidden(comm): the CUDA backend with one rank or with device
-//    collectives, CanScoreInOnePass in common/input_kind.h). The backend
+//    collectives, CanScoreInOnePass in common/input_kind.h; CUDA workers
+//    always have them: NCCL's, or Gloo's staged through host memory,
+//    worker/host_staged_device_collectives.h). The backend
 //    owns the whole item: HiddenItemPartials gathers every rank's rows,
 //    multiplies and exchanges the records on its device, and hands the
 //    scorer only this rank's rows' records, which it combines as in (1).

@@ -5,9 +5,11 @@
 #include "common/status_macros.h"
 #include "worker/cpu_backend.h"
 #include "worker/gloo_communicator.h"
+#include "worker/host_staged_device_collectives.h"
 #include "worker/kernels/lm_head_gemm.h"
 #ifdef LOGPROB_HAVE_CUDA
 #include "worker/cuda/cuda_backend.h"
+#include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/device_info.h"
 #include "worker/cuda/nccl_communicator.h"
 #endif
@@ -33,12 +35,24 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(const std::string
                                                                const std::string& hostname, int rank, int size,
                                                                std::chrono::milliseconds timeout) {
   LOGPROB_RETURN_IF_ERROR(CheckBackendChoice(backend.name(), comm));
-  if (comm == "gloo") {
-    LOGPROB_ASSIGN_OR_RETURN(auto c, GlooCommunicator::Create(store, hostname, rank, size, timeout));
-    return std::unique_ptr<Communicator>(std::move(c));
-  }
 #ifdef LOGPROB_HAVE_CUDA
   auto* cuda_backend = dynamic_cast<cuda::CudaBackend*>(&backend);
+#endif
+  if (comm == "gloo") {
+    LOGPROB_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c,
+                             GlooCommunicator::Create(store, hostname, rank, size, timeout));
+#ifdef LOGPROB_HAVE_CUDA
+    // CUDA workers over Gloo get device collectives staged through host
+    // memory, so they score hidden states in one pass as over NCCL (and
+    // several workers may share one GPU, which NCCL refuses).
+    if (cuda_backend) {
+      LOGPROB_ASSIGN_OR_RETURN(std::unique_ptr<DeviceCopy> copy, cuda::CudaDeviceCopy::Create(cuda_backend->device()));
+      c = std::make_unique<HostStagedDeviceCollectives>(std::move(c), std::move(copy));
+    }
+#endif
+    return c;
+  }
+#ifdef LOGPROB_HAVE_CUDA
   if (!cuda_backend) return absl::InvalidArgumentError("--comm nccl needs --backend cuda");
   LOGPROB_ASSIGN_OR_RETURN(const int devices, cuda::DeviceCount());
   if (size > devices)

@@ -31,7 +31,9 @@ absl::StatusOr<std::unique_ptr<ScoringBackend>> MakeBackend(const BackendConfig&
 /// The communicator `comm` (gloo | nccl) of rank `rank` of `size`,
 /// bootstrapped through `store` (the front-end's key-value store). nccl
 /// needs a cuda `backend` with a GPU per rank (FAILED_PRECONDITION when
-/// ranks would share one). `hostname`: where Gloo listens. UNAVAILABLE when
+/// ranks would share one). gloo with a cuda `backend` has device
+/// collectives staged through host memory (HostStagedDeviceCollectives),
+/// so both CUDA communicators score hidden states in one pass. `hostname`: where Gloo listens. UNAVAILABLE when
 /// the rendezvous fails.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(const std::string& comm, ScoringBackend& backend,
                                                                gloo::rendezvous::Store& store,

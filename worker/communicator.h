@@ -31,9 +31,10 @@ class Communicator {
                                  const std::vector<int64_t>& recv_bytes) = 0;
 
   /// True when AllGatherDevice / AllToAllVDevice take buffers in the device
-  /// memory of the worker's GPU (NCCL). The caller makes sure the input
-  /// buffers are complete before the call (the CUDA backend waits for its
-  /// streams' work first). Host transports: false.
+  /// memory of the worker's GPU (NCCL; Gloo for CUDA workers, staged
+  /// through host memory by HostStagedDeviceCollectives). The caller makes
+  /// sure the input buffers are complete before the call (the CUDA backend
+  /// waits for its streams' work first). Host transports alone: false.
   virtual bool device_collectives() const { return false; }
   /// AllGather on device buffers; returns once the collective finished
   /// (or failed / timed out: UNAVAILABLE / DEADLINE_EXCEEDED).

@@ -1,4 +1,5 @@
-// Communicator over Gloo's TCP transport (CPU workers).
+// Communicator over Gloo's TCP transport (CPU workers; CUDA workers wrap it
+// in HostStagedDeviceCollectives for device collectives).
 #pragma once
 
 #include <chrono>

@@ -387,6 +387,10 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_
       if (static_cast<int64_t>(payload.size()) !=
           (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(esize))
         return absl::InvalidArgumentError("work item: hidden_states size does not match this rank's rows");
+      // Sampling filters keep the rounds on every backend: a row's top-k /
+      // top-p threshold needs all V of its logits in one place, and the
+      // one-pass records are per-slice statistics, so the rounds bring the
+      // logits to the host (HiddenLogits) and exchange full rows.
       if (backend.OnePassHidden(comm) && !job.filters) {
         LOGPROB_RETURN_IF_ERROR(ScoreHiddenOnePass(job, comm, item_payload.on_device, own_begin, rows));
       } else if (item_payload.on_device) {

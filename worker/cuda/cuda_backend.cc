@@ -12,6 +12,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/communicator.h"
 #include "worker/cuda/cuda_ipc.h"
 #include "worker/cuda/row_kernels.h"
 #include "worker/kernels/lm_head_gemm.h"
@@ -423,26 +424,17 @@ absl::Status CudaBackend::HiddenPartials(const LmHeadWeights& lm_head, DType hid
     EmptySliceRecords(rows, vocab_begin, spec, records);
     return absl::OkStatus();
   }
-  LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
-  CublasLtLmHead& gemm = static_cast<const CudaLmHead&>(lm_head).gemm();
-  absl::MutexLock lock(&mu_);
-  absl::Cleanup drain = [this] { WaitForStreams(); };
-  Workspace& w = ws_;
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  LOGPROB_RETURN_IF_ERROR(UploadIds(w, rows, spec));
-  const size_t raw_row = static_cast<size_t>(gemm.hidden_size()) * DTypeSize(hidden_dtype);
-  const int64_t G = GemmChunkRows(gemm, AlignRows(rows.count));
-  LOGPROB_RETURN_IF_ERROR(w.hidden_raw.Reserve(static_cast<size_t>(rows.count) * raw_row));
-  char* dev = w.hidden_raw.get<char>();
-  // Chunk c uploads while chunk c - 1 multiplies.
-  LOGPROB_RETURN_IF_ERROR(Pipeline(w, static_cast<const char*>(hidden), /*on_device=*/false, rows.count, raw_row, G,
-                                   dev, [&](int64_t c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                     const int64_t l0 = c * G;
-                                     return GemmAndStatsChunk(w, gemm, dev + l0 * raw_row, hidden_dtype, l0,
-                                                              std::min(G, rows.count - l0), G, c, c, vocab_begin, spec);
-                                   }));
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stats_.get()), "row partials kernel");
-  return FetchRecords(w, rows.count, spec, records);
+  // One fused path on the GPU: a block of rows is a one-rank item of the
+  // one-pass path, whose records are [1][rows.count][words].
+  HiddenItemRows item;
+  item.dtype = hidden_dtype;
+  item.own = hidden;
+  item.vocab_begin = vocab_begin;
+  item.first = {0};
+  item.count = {rows.count};
+  item.rows = rows;
+  SelfCommunicator self;
+  return HiddenItemPartials(lm_head, item, self, spec, records);
 }
 
 absl::Status CudaBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,

@@ -42,7 +42,7 @@ class CudaLmHead final : public LmHeadWeights {
 /// overlap the kernels of the previous one. Every call waits, on every
 /// exit, for all the work it queued (so an error never leaves GEMMs or
 /// copies running on buffers the next call rewrites or memory the caller
-/// frees). Thread-safe: logits and round-path calls run one at a time;
+/// frees). Thread-safe: logits calls and HiddenLogits run one at a time;
 /// a one-pass hidden-states item (HiddenItemPartials) has buffers of its
 /// own and holds the stream lock only while it queues work, not while it
 /// waits for the device or for collectives, so token-parallel items run
@@ -85,14 +85,27 @@ class CudaBackend final : public ScoringBackend {
   /// the calls in progress.
   absl::StatusOr<std::shared_ptr<const LmHeadWeights>> LoadLmHead(LmHeadSlice slice,
                                                                   LmHeadPrecision precision) override;
-  /// Uploads chunk c while the GEMM and statistics of chunk c - 1 run.
+  /// The one-pass path on one rank (HiddenItemPartials of a one-rank item
+  /// over a SelfCommunicator): the GPU has one fused hidden-states path.
+  /// The scorer no longer calls it for CUDA workers, whose unfiltered
+  /// items all take the one-pass path (OnePassHidden); it keeps the
+  /// ScoringBackend contract for tests and benchmarks.
   absl::Status HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t vocab_begin,
                               const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) override
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_LOCKS_EXCLUDED(mu_, item_mu_);
+  /// The round path of hidden states with sampling filters, the only one
+  /// left on the GPU: a filter's threshold (top-k / top-p of the whole
+  /// row) needs all V logits of a row in one place, which the one-pass
+  /// path's records (per-slice statistics) cannot give, so the scorer
+  /// downloads these logits and exchanges full rows on the host
+  /// (worker/scorer.h).
   absl::Status HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
                             float* logits) override ABSL_LOCKS_EXCLUDED(mu_);
-  /// One pass needs no host bounce: W == 1, or NCCL's device collectives
-  /// (CanScoreInOnePass, the front-end's rule too).
+  /// W == 1, or device collectives: NCCL's, or Gloo's staged through host
+  /// memory (HostStagedDeviceCollectives), which the worker always gives a
+  /// CUDA backend (CanScoreInOnePass, the front-end's rule too). So every
+  /// unfiltered hidden-states item takes the one-pass path; the round path
+  /// is left to sampling filters (HiddenLogits: see the scorer).
   bool OnePassHidden(const Communicator& comm) const override {
     return CanScoreInOnePass(comm.size(), comm.device_collectives());
   }

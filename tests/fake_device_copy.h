@@ -1,0 +1,40 @@
+// A DeviceCopy (worker/host_staged_device_collectives.h) for CPU tests:
+// "device memory" is host memory, copies are memcpy. Records every call
+// and can fail the next copy in either direction, so tests check what the
+// staging moved and how the ranks agree on a failure.
+#pragma once
+
+#include <cstring>
+#include <vector>
+
+#include "worker/host_staged_device_collectives.h"
+
+namespace logprob::testing {
+
+/// Host-memory DeviceCopy with a call log and injected failures. Not
+/// thread-safe (one per rank's thread).
+class FakeDeviceCopy final : public DeviceCopy {
+ public:
+  /// One recorded copy.
+  struct Call {
+    bool to_device;      // ToDevice, else ToHost
+    const void* device;  // the "device" pointer
+    size_t bytes;
+  };
+  absl::Status ToHost(void* host, const void* device, size_t bytes) override {
+    calls.push_back({false, device, bytes});
+    if (fail_to_host) return absl::InternalError("injected ToHost failure");
+    if (bytes) std::memcpy(host, device, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status ToDevice(void* device, const void* host, size_t bytes) override {
+    calls.push_back({true, device, bytes});
+    if (fail_to_device) return absl::InternalError("injected ToDevice failure");
+    if (bytes) std::memcpy(device, host, bytes);
+    return absl::OkStatus();
+  }
+  std::vector<Call> calls;
+  bool fail_to_host = false, fail_to_device = false;
+};
+
+}  // namespace logprob::testing
