@@ -91,7 +91,9 @@ bool WritePieces(const std::function<bool(const OutgoingPart&)>& write, const st
 /// (after its first part) into `assembly` (buffers allocated), until the
 /// end of the stream, then Finish. Errors: INVALID_ARGUMENT for a part
 /// that is not a piece, a bad piece or bytes missing at the end (naming
-/// the tensor and offset); CANCELLED when `cancelled()` says so.
+/// the tensor and offset); CANCELLED when `cancelled()`, asked once the
+/// stream has ended, says the client ended the call (it may wait a moment
+/// for the transport to say so: server/call_ended.h).
 absl::Status ReadChunkedPieces(const std::function<bool(IncomingPart*)>& read, const std::function<bool()>& cancelled,
                                TensorAssembler& assembly);
 
@@ -103,8 +105,8 @@ absl::Status ReadChunkedPieces(const std::function<bool(IncomingPart*)>& read, c
 /// then moves the buffers into *req and sets *pieced to their tensors.
 /// Errors: INVALID_ARGUMENT for a first part that is not the request, a
 /// second request part, a bad piece (TensorAssembler::Add) or bytes missing
-/// at the end (naming the tensor and offset); CANCELLED when `cancelled()`
-/// says the client cancelled.
+/// at the end (naming the tensor and offset); CANCELLED when `cancelled()`,
+/// asked once the stream has ended, says the client ended the call.
 absl::Status ReadChunkedRequest(const std::function<bool(IncomingPart*)>& read, const std::function<bool()>& cancelled,
                                 const std::function<absl::Status(const v1::ScoreRequest&, int64_t)>& admit,
                                 const TensorAssembler::Allocate& allocate, v1::ScoreRequest* req,

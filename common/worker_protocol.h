@@ -22,7 +22,13 @@ namespace logprob {
 /// of the loose fields 13 and 15-20.
 /// 4: named, versioned lm_heads: JoinReply.lm_heads (repeated, instead of
 /// the single lm_head), WorkItem.lm_head, Worker.LoadLmHead / DropLmHead.
-constexpr uint32_t kWorkerProtocolVersion = 4;
+/// 5: Worker.Stop and the run id of every Run call (kRunIdMetadataKey): the
+/// front-end stops a run's items with Stop instead of cancelling the calls.
+constexpr uint32_t kWorkerProtocolVersion = 5;
+
+/// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
+/// same for all items of one WorkerPool::Run, which Worker.Stop names.
+inline constexpr char kRunIdMetadataKey[] = "logprob-run-id";
 
 /// The message both sides give for a version mismatch.
 inline std::string ProtocolMismatch(uint32_t worker_version, uint32_t frontend_version) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/chunk_assembler.h"
 #include "common/grpc_status.h"
+#include "server/call_ended.h"
 #include "server/scoring_service.h"
 
 namespace logprob {
@@ -37,7 +38,7 @@ absl::Status ScoringService::ReceiveChunked(grpc::ServerContext* context, Stream
     return absl::OkStatus();
   };
   return chunked::ReadChunkedRequest([stream](chunked::IncomingPart* in) { return stream->Read(in); },
-                                     [context] { return context->IsCancelled(); }, admit,
+                                     [context] { return CallEnded(context); }, admit,
                                      [this](size_t n) { return assembly_buffers_.Acquire(n); }, req, pooled);
 }
 

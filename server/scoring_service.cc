@@ -21,6 +21,7 @@
 #include "common/log_line.h"
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
+#include "server/call_ended.h"
 #include "server/cuda_ipc_inputs.h"
 #include "server/request_inputs.h"
 #include "server/response_builder.h"
@@ -313,7 +314,7 @@ grpc::Status ScoringService::ServeLmHeadRows(
     const bool pieced = !assembly.pending().empty();
     if (pieced) assembly.AllocateBuffers([this](size_t n) { return assembly_buffers_.Acquire(n); });
     LOGPROB_RETURN_IF_ERROR(chunked::ReadChunkedPieces([stream](chunked::IncomingPart* p) { return stream->Read(p); },
-                                                       [context] { return context->IsCancelled(); }, assembly));
+                                                       [context] { return CallEnded(context); }, assembly));
     // The assembled buffer goes back to the pool once the rows are written.
     auto release = absl::MakeCleanup([&] {
       if (pieced) assembly_buffers_.Release(std::move(*tensors.Mutable(0)->mutable_data()));

@@ -11,6 +11,7 @@
 #include "common/keepalive.h"
 #include "common/log_line.h"
 #include "common/status_macros.h"
+#include "common/worker_protocol.h"
 
 namespace logprob {
 
@@ -239,13 +240,36 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::Run(const Plan
   return RunItems(plan, bounds);
 }
 
+void WorkerPool::StopRun(Generation& gen, const Plan& plan, uint64_t run_id) {
+  std::set<int> workers;
+  for (const PlannedItem& p : plan.items) workers.insert(p.worker);
+  std::vector<std::thread> threads;
+  for (const int w : workers)
+    threads.emplace_back([&gen, w, run_id] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      internal::v1::StopRequest req;
+      req.set_run_id(run_id);
+      internal::v1::StopReply reply;
+      // A worker that cannot be told is gone or hung: its Run call fails
+      // (UNAVAILABLE, or work_timeout) and the pool re-forms.
+      (void)gen.stubs[w]->Stop(&ctx, req, &reply);
+    });
+  for (auto& t : threads) t.join();
+}
+
 absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const Plan& plan, const RunBounds& bounds) {
   const std::shared_ptr<Generation> gen = current();
   if (!gen) return absl::UnavailableError("the worker pool is waiting for its workers to join; retry shortly");
   const size_t n = plan.items.size();
+  const uint64_t run_id = next_run_id_.fetch_add(1);
+  // The calls are bounded by work_timeout only (a hung worker), never by
+  // the client's deadline or cancellation: cancelling a call could keep a
+  // rank from ever starting its item while its peers wait in the item's
+  // collectives, and the ranks would then pair one item's collectives
+  // with the next one's. The client's end is sent to the workers as Stop.
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts(n);
-  auto deadline = std::chrono::system_clock::now() + options_.work_timeout;
-  if (bounds.deadline < deadline) deadline = bounds.deadline;
+  const auto deadline = std::chrono::system_clock::now() + options_.work_timeout;
   {
     absl::MutexLock lock(&gen->mu);
     if (gen->failed)
@@ -254,6 +278,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const
     for (auto& ctx : contexts) {
       ctx = std::make_unique<grpc::ClientContext>();
       ctx->set_deadline(deadline);
+      ctx->AddMetadata(kRunIdMetadataKey, absl::StrCat(run_id));
       gen->inflight.insert(ctx.get());
     }
   }
@@ -272,14 +297,19 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const
       done_cv.notify_all();
     });
   }
-  // Wait, cancelling the worker calls if the client goes away.
+  // Wait for every call, stopping the run once the client goes away or
+  // its deadline passes.
   bool cancelled = false;
+  bool stopped = false;
   {
     std::unique_lock<std::mutex> lock(done_mu);
     while (!done_cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return done == n; })) {
-      if (!cancelled && bounds.cancelled_now()) {
-        cancelled = true;
-        for (auto& ctx : contexts) ctx->TryCancel();
+      if (!stopped && bounds.ended()) {
+        stopped = true;
+        cancelled = bounds.cancelled_now();
+        lock.unlock();
+        StopRun(*gen, plan, run_id);
+        lock.lock();
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -98,8 +99,10 @@ class WorkerPool {
   /// Runs every item of `plan` on its worker concurrently and returns the
   /// results in plan order. Vocab-parallel and hidden-states plans run one
   /// at a time (their collectives must not interleave).
-  /// `bounds` limit the worker calls by a deadline and cancel them when
-  /// bounds.cancelled() says so: DEADLINE_EXCEEDED / CANCELLED.
+  /// Once `bounds` end (deadline passed, or bounds.cancelled() says so)
+  /// the workers are told to stop the run (Worker.Stop; every rank of a
+  /// collective plan stops at the same round) and Run returns, after every
+  /// call has ended, DEADLINE_EXCEEDED / CANCELLED.
   /// UNAVAILABLE (worker named) when the pool is not serving or fails
   /// during the call; other worker errors come back with the worker named.
   absl::StatusOr<std::vector<internal::v1::WorkResult>> Run(const Plan& plan, const RunBounds& bounds = {})
@@ -149,6 +152,10 @@ class WorkerPool {
   /// collective serialisation).
   absl::StatusOr<std::vector<internal::v1::WorkResult>> RunItems(const Plan& plan, const RunBounds& bounds)
       ABSL_LOCKS_EXCLUDED(mu_);
+  /// Tells every worker of `plan` in `gen` to stop run `run_id`
+  /// (Worker.Stop, concurrently; a worker that does not answer within 10 s
+  /// is left to its Run call's failure).
+  static void StopRun(Generation& gen, const Plan& plan, uint64_t run_id);
   std::shared_ptr<Generation> current() ABSL_LOCKS_EXCLUDED(mu_);
   /// Calls `call(stub, ctx)` on every worker of the current generation
   /// concurrently (each with a deadline of `timeout`); the generation's
@@ -186,6 +193,9 @@ class WorkerPool {
   /// no data; token-parallel plans (no collectives) do not take it.
   absl::Mutex collective_mu_ ABSL_ACQUIRED_BEFORE(mu_);
 
+  /// The next Run's id (kRunIdMetadataKey), from a random start so that
+  /// workers outliving a front-end (cluster mode) never see an id again.
+  std::atomic<uint64_t> next_run_id_{std::random_device{}() * (uint64_t{1} << 32)};
   std::atomic<bool> serving_{false};
   std::atomic<int> restarts_{0};
 };

@@ -139,6 +139,41 @@ TEST_F(Lifecycle, DeadlineAndCancelStopTheWorkWithoutRestartingThePool) {
   EXPECT_EQ(server->WorkerPids(), pids) << "a deadline or a cancel must not restart the pool";
 }
 
+/// Hidden-states requests (collectives on 2 workers) whose deadlines pass
+/// around the moment their items go out to the workers, each followed by
+/// a request that must come back as it did alone: a stopped item must end
+/// on every rank at the same round, so that no rank pairs its collectives
+/// with the next item's (a worker dying in Gloo, or the pool stalling).
+TEST_F(Lifecycle, DeadlinesPassingAsItemsStartLeaveTheWorkersInStep) {
+  auto server = Start(2);
+  ASSERT_TRUE(server);
+  auto stub = ConnectedStub(*server);
+  const auto pids = server->WorkerPids();
+  v1::ScoreResponse want;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Score(&ctx, Quick(), &want).ok());
+  }
+  int expired = 0;
+  for (int i = 0; i < 60; ++i) {
+    grpc::ClientContext short_lived;
+    short_lived.set_deadline(std::chrono::system_clock::now() + std::chrono::microseconds(250 * (i % 40)));
+    v1::ScoreResponse ignored;
+    const grpc::Status st = stub->Score(&short_lived, Quick(), &ignored);
+    if (!st.ok()) {
+      ++expired;
+      ASSERT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << "round " << i << ": " << st.error_message();
+    }
+    grpc::ClientContext ctx;
+    v1::ScoreResponse got;
+    const grpc::Status again = stub->Score(&ctx, Quick(), &got);
+    ASSERT_TRUE(again.ok()) << "round " << i << ": " << again.error_message();
+    ASSERT_EQ(got.SerializeAsString(), want.SerializeAsString()) << "round " << i;
+  }
+  EXPECT_GT(expired, 0) << "no deadline passed: the test exercised nothing";
+  EXPECT_EQ(server->WorkerPids(), pids) << "an expired request must not restart the pool";
+}
+
 TEST_F(Lifecycle, SigtermDrainsTheRequestsInFlight) {
   auto server = Start(1, {"--shutdown-grace", "60"});
   ASSERT_TRUE(server);

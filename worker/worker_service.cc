@@ -1,9 +1,12 @@
 #include "worker/worker_service.h"
 
 #include <chrono>
+#include <optional>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/worker_protocol.h"
 #include "worker/scorer.h"
 #include "worker/timed_communicator.h"
 
@@ -12,16 +15,29 @@ namespace {
 
 /// OK when every rank's `mine` is OK (one 1-byte all-gather); else this
 /// rank's error, or FAILED_PRECONDITION naming the first rank that failed.
-/// Ranks that mapped a CUDA IPC input agree on it before the item's
-/// collectives, so one rank failing does not leave the others waiting.
+/// The ranks of a collective item agree on it before the item's
+/// collectives, so one rank failing to open its payload (a CUDA IPC
+/// mapping, a shared-memory range) or lacking the lm_head does not leave
+/// the others waiting.
 absl::Status AllRanksOk(Communicator& comm, const absl::Status& mine) {
   const absl::StatusOr<int> failed = FirstRankFlagged(comm, !mine.ok());
   if (!failed.ok()) return failed.status();
   if (!mine.ok()) return mine;
   if (*failed >= 0)
     return absl::FailedPreconditionError(
-        absl::StrCat("CUDA IPC input: worker rank ", *failed, " could not map its rows (its log says why)"));
+        absl::StrCat("worker rank ", *failed, " could not start its part of the item (its reply says why)"));
   return absl::OkStatus();
+}
+
+/// The run id the front-end put in the call's metadata (kRunIdMetadataKey),
+/// or nullopt (a caller that sends none, e.g. a test).
+std::optional<uint64_t> RunId(const grpc::ServerContext& ctx) {
+  const auto& md = ctx.client_metadata();
+  const auto it = md.find(kRunIdMetadataKey);
+  uint64_t id = 0;
+  if (it == md.end() || !absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &id))
+    return std::nullopt;
+  return id;
 }
 
 }  // namespace
@@ -42,39 +58,45 @@ absl::StatusOr<ItemPayload> WorkerService::OpenPayload(const internal::v1::WorkI
 
 grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                                 internal::v1::WorkResult* result) {
-  const std::function<bool()> cancelled = [ctx] { return ctx->IsCancelled(); };
+  // Stopped by the front-end's Stop for this run, or by the call ending
+  // (the pool failing, the front-end gone).
+  const std::optional<uint64_t> run_id = RunId(*ctx);
+  const std::function<bool()> cancelled = [this, ctx, run_id] {
+    return ctx->IsCancelled() || (run_id && stops_.Stopped(*run_id));
+  };
   // The payload: in the item, in the front-end's shared memory, or (a CUDA
   // IPC input) in a same-host client's GPU allocation, mapped while the
   // item runs.
   std::shared_ptr<SharedRegion> region;
   DevicePayload device;
   const absl::StatusOr<ItemPayload> payload = OpenPayload(*item, &region, &device);
-  const bool ipc = item->has_cuda_ipc();
+  absl::Status ready = payload.status();
   // Hidden states: the lm_head version the item names, alive until it ends.
   std::shared_ptr<const LmHeadWeights> lm_head;
   if (item->layout() == internal::v1::HIDDEN_STATES) {
     lm_head = lm_heads_->Find(item->lm_head());
-    if (!lm_head) return ToGrpc(NoLmHeadError(item->lm_head().name(), item->lm_head().version()));
+    if (!lm_head && ready.ok()) ready = NoLmHeadError(item->lm_head().name(), item->lm_head().version());
   }
   absl::StatusOr<internal::v1::WorkResult> res;
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     absl::MutexLock lock(&collective_mu_);
     TimedCommunicator timed(*comm_);
-    if (ipc) {
-      if (absl::Status st = AllRanksOk(timed, payload.status()); !st.ok()) return ToGrpc(st);
-    } else if (!payload.ok()) {
-      return ToGrpc(payload.status());
-    }
+    if (absl::Status st = AllRanksOk(timed, ready); !st.ok()) return ToGrpc(st);
     res = ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get());
     if (res.ok()) res->set_collective_seconds(timed.seconds());
   } else {
-    if (!payload.ok()) return ToGrpc(payload.status());
+    if (!ready.ok()) return ToGrpc(ready);
     SelfCommunicator self;
     res = ScoreWorkItem(*item, *payload, self, *backend_, chunk_tokens_, cancelled, lm_head.get());
   }
   if (!res.ok()) return ToGrpc(res.status());
   res->set_device_memory_bytes(backend_->device_memory_bytes());
   *result = std::move(*res);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Stop(grpc::ServerContext*, const internal::v1::StopRequest* req, internal::v1::StopReply*) {
+  stops_.Stop(req->run_id());
   return grpc::Status::OK;
 }
 

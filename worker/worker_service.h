@@ -10,6 +10,7 @@
 #include "worker/lm_head_registry.h"
 #include "worker/payload_regions.h"
 #include "worker/scorer.h"
+#include "worker/stop_signals.h"
 
 namespace logprob {
 
@@ -18,8 +19,10 @@ namespace logprob {
 /// hidden-states items use the communicator and run one at a time (the
 /// front-end sends them in the same order to every rank); token-parallel
 /// items run concurrently. A HIDDEN_STATES item from a CUDA IPC input
-/// (WorkItem.cuda_ipc) is mapped on the backend's GPU; the ranks
-/// agree that all of them mapped it before scoring.
+/// (WorkItem.cuda_ipc) is mapped on the backend's GPU. The ranks of a
+/// collective item agree that all of them opened its payload and hold its
+/// lm_head before scoring, and stop together (Stop, or a cancelled call)
+/// at the same round.
 class WorkerService final : public internal::v1::Worker::Service {
  public:
   /// `backend` computes every item; `lm_heads` (loaded into `backend`,
@@ -34,6 +37,10 @@ class WorkerService final : public internal::v1::Worker::Service {
         payload_regions_(8, backend_.get()) {}
   grpc::Status Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                    internal::v1::WorkResult* result) override;
+  /// Marks a run stopped: its items (running or not yet started) end
+  /// CANCELLED at their next stop check.
+  grpc::Status Stop(grpc::ServerContext* ctx, const internal::v1::StopRequest* req,
+                    internal::v1::StopReply* reply) override;
   grpc::Status Info(grpc::ServerContext* ctx, const internal::v1::WorkerInfoRequest* req,
                     internal::v1::WorkerInfoReply* reply) override;
   grpc::Status LoadLmHead(grpc::ServerContext* ctx, const internal::v1::LmHeadLoad* req,
@@ -56,6 +63,7 @@ class WorkerService final : public internal::v1::Worker::Service {
   std::unique_ptr<LmHeadRegistry> lm_heads_;
   int64_t chunk_tokens_;
   absl::Mutex collective_mu_;  // one work item's collective sequence at a time
+  StopSignals stops_;
   // Declared after backend_: unmapped (and unregistered from it) first.
   PayloadRegions payload_regions_;
 };
