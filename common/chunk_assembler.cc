@@ -155,7 +155,10 @@ absl::Status ReadChunkedPieces(const std::function<bool(IncomingPart*)>& read, c
                                                      "; only the first part carries the message"));
     if (absl::Status st = assembly.Add(*part); !st.ok()) return st;
   }
-  if (cancelled())
+  // Every byte arrived: the message is whole, however the stream ended.
+  // Otherwise the client either ended the call (cancel, deadline) or
+  // closed its side too early; only then is `cancelled` asked (it may wait).
+  if (!assembly.complete() && cancelled())
     return absl::CancelledError(absl::StrCat("the client cancelled the chunked message at ", assembly.Position()));
   return assembly.Finish();
 }

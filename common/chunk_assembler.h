@@ -91,9 +91,9 @@ bool WritePieces(const std::function<bool(const OutgoingPart&)>& write, const st
 /// (after its first part) into `assembly` (buffers allocated), until the
 /// end of the stream, then Finish. Errors: INVALID_ARGUMENT for a part
 /// that is not a piece, a bad piece or bytes missing at the end (naming
-/// the tensor and offset); CANCELLED when `cancelled()`, asked once the
-/// stream has ended, says the client ended the call (it may wait a moment
-/// for the transport to say so: server/call_ended.h).
+/// the tensor and offset); CANCELLED when `cancelled()`, asked only when
+/// the stream ended with bytes missing, says the client ended the call (it
+/// may wait a moment for the transport to say so: server/call_ended.h).
 absl::Status ReadChunkedPieces(const std::function<bool(IncomingPart*)>& read, const std::function<bool()>& cancelled,
                                TensorAssembler& assembly);
 

@@ -246,6 +246,53 @@ TEST(TensorAssembler, ChecksAnnouncedSizesAndPieceOrder) {
             std::string::npos);
 }
 
+// The end of a request stream: a whole message is whole however the
+// stream ended, and `cancelled` (which on the server may wait up to a
+// second for gRPC to report a cancel: server/call_ended.h) is asked only
+// when bytes are missing; then it decides CANCELLED or INVALID_ARGUMENT.
+TEST(ReadChunkedPieces, CancelledIsAskedOnlyWhenBytesAreMissing) {
+  auto plan = [](google::protobuf::RepeatedPtrField<v1::Tensor>* tensors) {
+    v1::Tensor* t = tensors->Add();
+    t->set_name("rows");
+    t->set_dtype(v1::F32);
+    t->add_shape(3);  // 12 bytes in pieces
+    absl::StatusOr<TensorAssembler> a = TensorAssembler::Plan(tensors, "rows");
+    EXPECT_TRUE(a.ok()) << a.status();
+    a->AllocateBuffers([](size_t n) { return std::string(n, '\0'); });
+    return *std::move(a);
+  };
+  auto reader = [](std::vector<std::string> parts) {
+    return [parts = std::move(parts), at = size_t{0}](IncomingPart* in) mutable {
+      if (at == parts.size()) return false;
+      *in = Sliced(parts[at++], {});
+      return true;
+    };
+  };
+  v1::ScoreRequestPart a, b;
+  a.mutable_piece()->set_data(std::string(8, 'a'));
+  b.mutable_piece()->set_offset(8);
+  b.mutable_piece()->set_data(std::string(4, 'b'));
+  for (const bool client_cancelled : {false, true}) {
+    int asked = 0;
+    auto cancelled = [&] {
+      ++asked;
+      return client_cancelled;
+    };
+    google::protobuf::RepeatedPtrField<v1::Tensor> whole;
+    TensorAssembler w = plan(&whole);
+    EXPECT_TRUE(ReadChunkedPieces(reader({a.SerializeAsString(), b.SerializeAsString()}), cancelled, w).ok());
+    EXPECT_EQ(whole.Get(0).data(), "aaaaaaaabbbb");
+    EXPECT_EQ(asked, 0) << "a whole message must not wait for a cancellation";
+
+    google::protobuf::RepeatedPtrField<v1::Tensor> cut;
+    TensorAssembler c = plan(&cut);
+    const absl::Status st = ReadChunkedPieces(reader({a.SerializeAsString()}), cancelled, c);
+    EXPECT_EQ(asked, 1);
+    EXPECT_EQ(st.code(), client_cancelled ? absl::StatusCode::kCancelled : absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("rows[0] \"rows\" at byte 8 of 12"), std::string::npos) << st;
+  }
+}
+
 // A response's outputs are allocated only within the reader's limit: an
 // answer announcing more (a broken or hostile server) is an error, found
 // by fuzz_chunked; a well-formed one reassembles, later parts unread.
