@@ -18,8 +18,8 @@
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
 #include "common/partition.h"
-#include "common/sha256.h"
 #include "common/status_macros.h"
+#include "server/staged_file_hasher.h"
 
 namespace logprob {
 namespace {
@@ -153,15 +153,14 @@ struct LmHeadUpdates::Update {
   int64_t rows_received = 0, bytes = 0;
   int busy = 0;  // PutRows in progress
   bool committing = false, ended = false;
-  // SHA-256 of rows [0, hashed_rows), fed as they are written while rows
-  // arrive in order (one put at a time may extend it: `hashing`); Commit
-  // reads the file for whatever it did not cover.
-  Sha256Stream sha;
-  int64_t hashed_rows = 0;
-  bool hashing = false;
+  // SHA-256 of the rows, read back from the staged file in order as the
+  // written rows form a longer prefix, on its own thread: no put waits for
+  // it; Commit waits for the tail while the workers load.
+  std::unique_ptr<StagedFileHasher> hasher;
   Clock::time_point begun, last_progress;
 
   ~Update() {
+    hasher.reset();  // its thread reads fd
     if (fd >= 0) close(fd);
   }
   v1::LmHeadUpdate Proto() const {
@@ -300,6 +299,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     End(u, "aborted", why);
     return absl::InternalError(absl::StrCat("lm_head update: ", why, " (--lm-head-store-dir)"));
   }
+  u->hasher = std::make_unique<StagedFileHasher>(u->fd, s.data_offset, V * row_bytes);
   LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
                             ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype));
   return u->Proto();
@@ -308,7 +308,6 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, int64_t row_begin, int64_t rows,
                                                         DType dtype, int64_t columns, const InputSource& source) {
   std::shared_ptr<Update> u;
-  bool hash = false;
   {
     absl::MutexLock lock(&mu_);
     LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
@@ -339,26 +338,20 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, i
     u->ranges[row_begin] = row_end;
     ++u->busy;
     u->last_progress = Clock::now();
-    hash = !u->hashing && u->hashed_rows == row_begin;
-    if (hash) u->hashing = true;
   }
-  return Write(u, row_begin, rows, source, hash);
+  return Write(u, row_begin, rows, source);
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                                      const InputSource& source, bool hash) {
+                                                      const InputSource& source) {
   const int64_t total = rows * u->row_bytes;
-  const uint64_t base = u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes);
-  // Two buffers: chunk k is read and written while chunk k-1 is hashed on
-  // another thread (only this put feeds the stream: `hashing`), so the
-  // SHA-256 is off the copy's path.
-  std::string bufs[2];
-  std::future<void> hashing;
+  const int64_t first_byte = row_begin * u->row_bytes;
+  const uint64_t base = u->next.source.data_offset + static_cast<uint64_t>(first_byte);
+  std::string buf;
   absl::Status failed;
   const std::optional<std::string_view> memory = source.memory();
-  for (int64_t off = 0, k = 0; off < total && failed.ok(); ++k) {
+  for (int64_t off = 0; off < total && failed.ok();) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
-    std::string& buf = bufs[k % 2];  // not the buffer being hashed
     const char* p;
     if (memory) {
       p = memory->data() + off;
@@ -374,25 +367,16 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
       failed = absl::InternalError(absl::StrCat("writing the staged lm_head: ", strerror(errno)));
       break;
     }
-    if (hash) {
-      if (hashing.valid()) hashing.get();
-      hashing = std::async(std::launch::async, [&sha = u->sha, p, n] { sha.Update(std::string_view(p, n)); });
-    }
     off += static_cast<int64_t>(n);
     absl::MutexLock lock(&mu_);
     u->last_progress = Clock::now();
   }
-  if (hashing.valid()) hashing.get();
+  // Only whole, written puts are hashed: a failed put's rows may come again.
+  if (failed.ok()) u->hasher->Written(first_byte, first_byte + total);
   if (failed.ok() && observers_.on_bytes) observers_.on_bytes(u->head, total);
   absl::MutexLock lock(&mu_);
   --u->busy;
   u->last_progress = Clock::now();
-  if (hash) {
-    u->hashing = false;
-    // A failed put fed part of its rows: the stream no longer matches a
-    // row prefix, so Commit reads the whole file instead.
-    u->hashed_rows = failed.ok() ? row_begin + rows : -1;
-  }
   if (!failed.ok()) {
     u->ranges.erase(row_begin);  // the rows may be sent again
     return failed;
@@ -463,30 +447,20 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     if (!u->ended) End(u, outcome, std::string(st.message()));
     return st;
   };
-  // The weight's SHA-256: fed while the rows arrived in order, else (or
-  // for the rows it missed) read back from the staged file.
-  const int64_t total = u->next.source.vocab_size * u->row_bytes;
-  Sha256Stream reread;
-  Sha256Stream& sha = u->hashed_rows >= 0 ? u->sha : reread;
-  const int64_t from = u->hashed_rows >= 0 ? u->hashed_rows * u->row_bytes : 0;
-  if (from < total) {
-    std::string buf(std::min<int64_t>(kCopyBytes, total - from), '\0');
-    for (int64_t off = from; off < total; off += static_cast<int64_t>(buf.size())) {
-      const size_t n = static_cast<size_t>(std::min<int64_t>(buf.size(), total - off));
-      if (!ReadAll(u->fd, buf.data(), n, u->next.source.data_offset + static_cast<uint64_t>(off)))
-        return fail("aborted", absl::InternalError("reading the staged lm_head back failed"));
-      sha.Update(std::string_view(buf.data(), n));
-    }
-  }
-  u->next.sha256 = sha.FinishHex();
+  if (rename(u->partial.c_str(), u->next.source.file.c_str()) != 0)
+    return fail("aborted", absl::InternalError(absl::StrCat("cannot rename ", u->partial, ": ", strerror(errno))));
+  // Every worker loads its slice while scoring goes on with the current
+  // version, and meanwhile the hasher finishes the weight's SHA-256.
+  std::future<absl::StatusOr<int64_t>> loading =
+      std::async(std::launch::async, [this, load = u->next.Load()] { return workers_.load(load); });
+  absl::StatusOr<std::string> sha = u->hasher->Finish();
+  absl::StatusOr<int64_t> generation = loading.get();
+  if (!sha.ok()) return fail("aborted", sha.status());
+  u->next.sha256 = *sha;
   if (!u->expected_sha256.empty() && u->expected_sha256 != u->next.sha256)
     return fail("sha256_mismatch", absl::InvalidArgumentError(absl::StrCat(
                                        "lm_head update ", id, ": the rows' sha256 is ", u->next.sha256,
                                        ", the update announced ", u->expected_sha256, "; nothing changed")));
-  if (rename(u->partial.c_str(), u->next.source.file.c_str()) != 0)
-    return fail("aborted", absl::InternalError(absl::StrCat("cannot rename ", u->partial, ": ", strerror(errno))));
-  // Every worker loads its slice while scoring goes on with the current version.
-  absl::StatusOr<int64_t> generation = workers_.load(u->next.Load());
   if (!generation.ok())
     return fail("worker_error", absl::Status(generation.status().code(),
                                              absl::StrCat("lm_head update ", id, ": loading on the workers failed: ",

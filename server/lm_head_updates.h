@@ -130,10 +130,10 @@ class LmHeadUpdates {
   /// `u` by value: it erases open_'s copy (a caller may pass that one).
   void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// The rows of update `u` from `source` (PutRows after its checks);
-  /// `hash`: this put extends the update's running SHA-256.
+  /// The rows of update `u` from `source` (PutRows after its checks),
+  /// written into the staged file, then handed to its hasher.
   absl::StatusOr<v1::LmHeadUpdate> Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                         const InputSource& source, bool hash) ABSL_LOCKS_EXCLUDED(mu_);
+                                         const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -1,0 +1,95 @@
+#include "server/staged_file_hasher.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace logprob {
+namespace {
+
+constexpr int64_t kReadBytes = int64_t{4} << 20;
+
+bool ReadAt(int fd, char* p, size_t n, uint64_t offset) {
+  while (n > 0) {
+    const ssize_t r = pread(fd, p, n, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+  return true;
+}
+
+}  // namespace
+
+StagedFileHasher::StagedFileHasher(int fd, uint64_t data_offset, int64_t total)
+    : fd_(fd), data_offset_(data_offset), total_(total), thread_([this] { Loop(); }) {}
+
+StagedFileHasher::~StagedFileHasher() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+void StagedFileHasher::Written(int64_t begin, int64_t end) {
+  if (end <= begin) return;
+  absl::MutexLock lock(&mu_);
+  pending_[begin] = end;
+}
+
+void StagedFileHasher::Loop() {
+  std::vector<char> buf(static_cast<size_t>(kReadBytes));
+  for (;;) {
+    int64_t from = 0, to = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      // Wait for written bytes right after the hashed prefix.
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || failed_ || hashed_ == total_ || (!pending_.empty() && pending_.begin()->first == hashed_);
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_ || failed_ || hashed_ == total_) return;
+      from = hashed_;
+      to = std::min(pending_.begin()->second, from + kReadBytes);
+    }
+    const size_t n = static_cast<size_t>(to - from);
+    const bool ok = ReadAt(fd_, buf.data(), n, data_offset_ + static_cast<uint64_t>(from));
+    if (ok) sha_.Update(std::string_view(buf.data(), n));
+    absl::MutexLock lock(&mu_);
+    if (!ok) {
+      failed_ = true;
+      return;
+    }
+    hashed_ = to;
+    auto first = pending_.begin();
+    if (first->second == to) {
+      pending_.erase(first);
+    } else {
+      const int64_t end = first->second;
+      pending_.erase(first);
+      pending_[to] = end;
+    }
+  }
+}
+
+absl::StatusOr<std::string> StagedFileHasher::Finish() {
+  {
+    absl::MutexLock lock(&mu_);
+    auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return failed_ || hashed_ == total_; };
+    mu_.Await(absl::Condition(&done));
+    if (failed_)
+      return absl::InternalError(absl::StrCat("reading the staged lm_head back for its sha256 failed at byte ",
+                                              data_offset_ + static_cast<uint64_t>(hashed_)));
+  }
+  return sha_.FinishHex();
+}
+
+}  // namespace logprob

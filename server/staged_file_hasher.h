@@ -1,0 +1,55 @@
+// The SHA-256 of a file being written in any order, computed in order on
+// its own thread as the written bytes form a longer prefix.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/sha256.h"
+
+namespace logprob {
+
+/// Hashes bytes [data_offset, data_offset + total) of the file `fd` (which
+/// must stay open until this is destroyed) with SHA-256, on a thread of its
+/// own: each Written(begin, end) says that those bytes (relative to
+/// data_offset) are in the file; the thread reads and hashes the written
+/// prefix as it grows, in 4 MiB positioned reads, so writers never wait
+/// for the hash (an lm_head update's rows: LmHeadUpdates). Thread-safe.
+class StagedFileHasher {
+ public:
+  StagedFileHasher(int fd, uint64_t data_offset, int64_t total);
+  /// Stops the thread (a Finish not yet called is abandoned).
+  ~StagedFileHasher();
+  StagedFileHasher(const StagedFileHasher&) = delete;
+  StagedFileHasher& operator=(const StagedFileHasher&) = delete;
+
+  /// Bytes [begin, end) are in the file. Ranges may come in any order and
+  /// must not overlap (the caller's rows come exactly once).
+  void Written(int64_t begin, int64_t end) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Waits until every byte [0, total) was written and hashed, then the
+  /// lower-case hex digest. INTERNAL when the file could not be read back.
+  /// Call once.
+  absl::StatusOr<std::string> Finish() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const int fd_;
+  const uint64_t data_offset_;
+  const int64_t total_;
+  Sha256Stream sha_;  // the thread's only
+
+  absl::Mutex mu_;
+  std::map<int64_t, int64_t> pending_ ABSL_GUARDED_BY(mu_);  // written, not yet hashed: begin -> end
+  int64_t hashed_ ABSL_GUARDED_BY(mu_) = 0;                  // [0, hashed_) is in sha_
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: started once the members above exist
+};
+
+}  // namespace logprob
