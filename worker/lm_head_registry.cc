@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "common/huge_pages.h"
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
 #include "common/partition.h"
@@ -46,6 +47,8 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   // Slack rows: the CPU GEMM pads its weights to whole column tiles (128
   // rows) in place, which then needs no second buffer and copy.
   slice.weight.reserve(static_cast<size_t>(ve - vb + kPadRows) * row_bytes);
+  // Untouched yet: huge pages take the slice in a few hundred page faults.
+  AdviseHugePages(slice.weight.data(), slice.weight.capacity());
   slice.weight.resize(static_cast<size_t>(ve - vb) * row_bytes);
   LOGPROB_RETURN_IF_ERROR(ReadLmHeadRows(source, vb, ve, slice.weight.data()));
   const size_t read_bytes = slice.weight.size();
