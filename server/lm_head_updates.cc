@@ -18,6 +18,7 @@
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
 #include "common/partition.h"
+#include "common/positioned_io.h"
 #include "common/status_macros.h"
 #include "server/staged_file_hasher.h"
 
@@ -51,30 +52,6 @@ std::string SafetensorsHeader(DType dtype, int64_t V, int64_t H) {
   return out + json;
 }
 
-bool WriteAll(int fd, const char* p, size_t n, uint64_t offset) {
-  while (n > 0) {
-    const ssize_t w = pwrite(fd, p, n, static_cast<off_t>(offset));
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-    offset += static_cast<uint64_t>(w);
-  }
-  return true;
-}
-
-bool ReadAll(int fd, char* p, size_t n, uint64_t offset) {
-  while (n > 0) {
-    const ssize_t r = pread(fd, p, n, static_cast<off_t>(offset));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
-    offset += static_cast<uint64_t>(r);
-  }
-  return true;
-}
-
 /// Rows of a checkpoint's lm_head tensor, read with positioned reads.
 class CheckpointSource final : public InputSource {
  public:
@@ -87,7 +64,7 @@ class CheckpointSource final : public InputSource {
     if (fd_ >= 0) close(fd_);
   }
   bool Read(int64_t offset, size_t n, char* dst) const override {
-    if (fd_ >= 0 && ReadAll(fd_, dst, n, source_.data_offset + static_cast<uint64_t>(offset))) return true;
+    if (fd_ >= 0 && PreadAll(fd_, dst, n, source_.data_offset + static_cast<uint64_t>(offset))) return true;
     std::memset(dst, 0, n);
     absl::MutexLock lock(&mu_);
     if (error_.ok())
@@ -292,7 +269,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   std::error_code ec;
   fs::create_directories(options_.store_dir, ec);
   u->fd = open(u->partial.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (u->fd < 0 || !WriteAll(u->fd, header.data(), header.size(), 0) ||
+  if (u->fd < 0 || !PwriteAll(u->fd, header.data(), header.size(), 0) ||
       ftruncate(u->fd, static_cast<off_t>(header.size() + static_cast<size_t>(V * row_bytes))) != 0) {
     const std::string why = absl::StrCat("cannot create ", u->partial, ": ", strerror(errno));
     absl::MutexLock lock(&mu_);
@@ -363,7 +340,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
       }
       p = buf.data();
     }
-    if (!WriteAll(u->fd, p, n, base + static_cast<uint64_t>(off))) {
+    if (!PwriteAll(u->fd, p, n, base + static_cast<uint64_t>(off))) {
       failed = absl::InternalError(absl::StrCat("writing the staged lm_head: ", strerror(errno)));
       break;
     }

@@ -1,30 +1,16 @@
 #include "server/staged_file_hasher.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/positioned_io.h"
 
 namespace logprob {
 namespace {
 
 constexpr int64_t kReadBytes = int64_t{4} << 20;
-
-bool ReadAt(int fd, char* p, size_t n, uint64_t offset) {
-  while (n > 0) {
-    const ssize_t r = pread(fd, p, n, static_cast<off_t>(offset));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
-    offset += static_cast<uint64_t>(r);
-  }
-  return true;
-}
 
 }  // namespace
 
@@ -61,7 +47,7 @@ void StagedFileHasher::Loop() {
       to = std::min(pending_.begin()->second, from + kReadBytes);
     }
     const size_t n = static_cast<size_t>(to - from);
-    const bool ok = ReadAt(fd_, buf.data(), n, data_offset_ + static_cast<uint64_t>(from));
+    const bool ok = PreadAll(fd_, buf.data(), n, data_offset_ + static_cast<uint64_t>(from));
     if (ok) sha_.Update(std::string_view(buf.data(), n));
     absl::MutexLock lock(&mu_);
     if (!ok) {
