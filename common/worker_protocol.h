@@ -24,7 +24,9 @@ namespace logprob {
 /// the single lm_head), WorkItem.lm_head, Worker.LoadLmHead / DropLmHead.
 /// 5: Worker.Stop and the run id of every Run call (kRunIdMetadataKey): the
 /// front-end stops a run's items with Stop instead of cancelling the calls.
-constexpr uint32_t kWorkerProtocolVersion = 5;
+/// 6: Worker.StageLmHeadRows (lm_head update rows from a CUDA IPC handle,
+/// copied by a worker into the staged store file).
+constexpr uint32_t kWorkerProtocolVersion = 6;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.

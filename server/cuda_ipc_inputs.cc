@@ -13,7 +13,10 @@
 namespace logprob {
 namespace {
 
-constexpr char kInstead[] = "; send the hidden states as bytes (inline or through shared memory) instead";
+/// The advice that ends every "cannot serve it" message.
+std::string Instead(const std::string& payload) {
+  return absl::StrCat("; send ", payload, " as bytes (inline, in pieces or through shared memory) instead");
+}
 
 /// Bytes of a client's CUDA allocation: never read here, referred to.
 class InClientGpu final : public InputSource {
@@ -41,7 +44,8 @@ class InClientGpu final : public InputSource {
 };
 
 /// Why CUDA IPC inputs cannot be served (OK when they can).
-absl::Status Unavailable(const CudaIpcAvailability& a, const std::string& peer) {
+absl::Status Unavailable(const CudaIpcAvailability& a, const std::string& peer, const std::string& payload) {
+  const std::string kInstead = Instead(payload);
   if (!a.flag)
     return absl::FailedPreconditionError(
         absl::StrCat("CUDA IPC inputs are disabled on this server (--cuda-ipc-inputs=false)", kInstead));
@@ -68,7 +72,7 @@ absl::Status Unavailable(const CudaIpcAvailability& a, const std::string& peer) 
 
 absl::StatusOr<std::shared_ptr<const InputSource>> ResolveCudaIpc(const v1::Tensor& t, int index,
                                                                   const CudaIpcAvailability& availability,
-                                                                  const std::string& peer) {
+                                                                  const std::string& peer, const std::string& payload) {
   const std::string what = absl::StrCat("inputs[", index, "] \"", t.name(), "\": cuda_ipc");
   const v1::CudaIpcRef& ref = t.cuda_ipc();
   if (ref.handle().size() != kCudaIpcHandleBytes)
@@ -97,12 +101,12 @@ absl::StatusOr<std::shared_ptr<const InputSource>> ResolveCudaIpc(const v1::Tens
                                                    too_large ? std::string("more than 2^60") : absl::StrCat(want)));
   // A malformed reference is INVALID_ARGUMENT whatever the server; then
   // whether this server can serve it.
-  LOGPROB_RETURN_IF_ERROR(CheckCudaIpcAvailable(availability, peer));
+  LOGPROB_RETURN_IF_ERROR(CheckCudaIpcAvailable(availability, peer, payload));
   return std::shared_ptr<const InputSource>(std::make_shared<InClientGpu>(ref.handle(), ref.offset(), ref.byte_size()));
 }
 
-absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& a, const std::string& peer) {
-  return WithReason(Unavailable(a, peer), RulesOf(InputKind::kCudaIpc).unavailable);
+absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& a, const std::string& peer, const std::string& payload) {
+  return WithReason(Unavailable(a, peer, payload), RulesOf(InputKind::kCudaIpc).unavailable);
 }
 
 }  // namespace logprob

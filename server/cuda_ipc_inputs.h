@@ -38,8 +38,10 @@ struct CudaIpcAvailability {
 /// without a call) can be served; else FAILED_PRECONDITION saying why
 /// (flag off, CPU workers, workers on other hosts, several workers without
 /// device collectives, a peer that is not on this host) and that the client should send
-/// the bytes inline or through shared memory instead.
-absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& availability, const std::string& peer);
+/// `payload` ("the hidden states", "the rows") as bytes (inline, in pieces or
+/// through shared memory) instead; the reason is CUDA_IPC_UNAVAILABLE.
+absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& availability, const std::string& peer,
+                                   const std::string& payload = "the hidden states");
 
 /// The source of input `index` of a request, `tensor`, whose bytes are in
 /// a same-host client's CUDA allocation (tensor.cuda_ipc): the front-end
@@ -48,9 +50,12 @@ absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& availability, cons
 /// INVALID_ARGUMENT (naming the tensor) for a handle that is not 64 bytes,
 /// a negative offset or byte_size, an offset that is not a multiple of the
 /// dtype's size, byte_size != product(shape) * sizeof(dtype). Which
-/// tensors and options may use it: RulesOf(InputKind::kCudaIpc).
+/// tensors and options may use it: RulesOf(InputKind::kCudaIpc); the rows
+/// of an lm_head update too (ScoringCore::ResolveTensor; `payload` names
+/// them in the advice to send bytes instead).
 absl::StatusOr<std::shared_ptr<const InputSource>> ResolveCudaIpc(const v1::Tensor& tensor, int index,
                                                                   const CudaIpcAvailability& availability,
-                                                                  const std::string& peer);
+                                                                  const std::string& peer,
+                                                                  const std::string& payload = "the hidden states");
 
 }  // namespace logprob

@@ -303,6 +303,12 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, i
       return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_end, "): ", source.byte_size(),
                                                      " bytes given, ", rows * u->row_bytes, " expected (", rows,
                                                      " rows of ", u->row_bytes, " bytes)"));
+    if (!source.rules().readable_here && !workers_.stage)
+      return WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              "rows [", row_begin, ", ", row_end, "): this server has no worker that can read ", source.rules().name,
+              " rows into the update; send the rows as bytes (in pieces or through shared memory)")),
+          source.rules().unavailable);
     // The first range at or after row_begin, and the one before it.
     auto next = u->ranges.lower_bound(row_begin);
     if ((next != u->ranges.end() && next->first < row_end) ||
@@ -327,7 +333,10 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
   std::string buf;
   absl::Status failed;
   const std::optional<std::string_view> memory = source.memory();
-  for (int64_t off = 0; off < total && failed.ok();) {
+  // Bytes the front-end cannot read (a client's GPU memory): a worker on
+  // this host writes them into the staged file.
+  if (!source.rules().readable_here) failed = Stage(u, row_begin, rows, source);
+  for (int64_t off = 0; off < total && failed.ok() && source.rules().readable_here;) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
     const char* p;
     if (memory) {
@@ -364,6 +373,28 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
     return absl::NotFoundError(absl::StrCat(
         "lm_head update ", u->id, " ended while its rows arrived: ", ended_.count(u->id) ? ended_[u->id] : "aborted"));
   return u->Proto();
+}
+
+absl::Status LmHeadUpdates::Stage(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
+                                  const InputSource& source) {
+  const int64_t total = rows * u->row_bytes;
+  const std::string what = absl::StrCat("rows [", row_begin, ", ", row_begin + rows, ")");
+  internal::v1::WorkItem item;
+  if (!source.Refer(0, total, &item) || !item.has_cuda_ipc())
+    return absl::InternalError(
+        absl::StrCat(what, ": the front-end can neither read their ", source.rules().name, " source nor refer to it"));
+  internal::v1::LmHeadStage stage;
+  *stage.mutable_source() = std::move(*item.mutable_cuda_ipc());
+  stage.set_file(u->partial);
+  stage.set_file_offset(static_cast<int64_t>(u->next.source.data_offset) + row_begin * u->row_bytes);
+  const absl::Status st = workers_.stage(stage);
+  if (st.ok()) return st;
+  const absl::Status named(st.code(), absl::StrCat(what, ": copying them from the client's ", source.rules().name,
+                                                   " memory on a worker failed: ", st.message(),
+                                                   "; send them again, or as bytes (in pieces or through shared "
+                                                   "memory)"));
+  // A worker that cannot open the reference: the client sends bytes.
+  return st.code() == absl::StatusCode::kFailedPrecondition ? WithReason(named, source.rules().unavailable) : named;
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, const std::string& path,

@@ -42,11 +42,19 @@ class LmHeadReleases {
 /// What an update's workers do: load a version on every worker of the
 /// current pool generation (returning that generation's index, or the
 /// first worker error), tell whether that generation is still the one
-/// serving, and drop a version on every worker (best effort).
+/// serving, drop a version on every worker (best effort), and stage rows
+/// the front-end cannot read itself.
 struct LmHeadWorkers {
   std::function<absl::StatusOr<int64_t>(const internal::v1::LmHeadLoad&)> load;
   std::function<bool(int64_t generation)> serving;
   std::function<void(const internal::v1::LmHeadRef&)> drop;
+  /// Has one worker on the front-end's host copy the bytes of a source
+  /// the front-end cannot read (InputKindRules::readable_here false: a
+  /// same-host client's CUDA IPC allocation) into the staged file
+  /// (Worker.StageLmHeadRows): OK only when every byte was written. Called
+  /// concurrently for disjoint ranges. Empty when no worker can (sources
+  /// of such kinds are then refused with the kind's `unavailable` reason).
+  std::function<absl::Status(const internal::v1::LmHeadStage&)> stage;
 };
 
 /// Outcome counters and timings of updates, for metrics. May be empty.
@@ -96,7 +104,14 @@ class LmHeadUpdates {
   /// fine). NOT_FOUND for an unknown, ended or aborted update (with why);
   /// INVALID_ARGUMENT for a range outside [0, V), rows already given (or
   /// being given), a source of the wrong size; DATA_LOSS when the source
-  /// cannot be read.
+  /// cannot be read. A source the front-end cannot read (a CUDA IPC
+  /// reference, InputSource::Refer) is copied into the staged file by a
+  /// worker (LmHeadWorkers::stage), then counts like any other:
+  /// FAILED_PRECONDITION with the kind's unavailable reason
+  /// (CUDA_IPC_UNAVAILABLE) when there is no stage callback, and the
+  /// worker's error (the reason added to a FAILED_PRECONDITION: the worker
+  /// cannot open the handle) when staging fails; the rows are then not
+  /// counted and may be sent again.
   absl::StatusOr<v1::LmHeadUpdate> PutRows(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
                                            int64_t columns, const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -134,6 +149,11 @@ class LmHeadUpdates {
   /// written into the staged file, then handed to its hasher.
   absl::StatusOr<v1::LmHeadUpdate> Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
                                          const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Has a worker copy the rows of `source` (not readable here: it
+  /// refers to them, InputSource::Refer) into `u`'s staged file at their
+  /// byte offset (LmHeadWorkers::stage). The stage's error, named.
+  absl::Status Stage(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
+      ABSL_LOCKS_EXCLUDED(mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 

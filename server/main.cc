@@ -416,6 +416,11 @@ int main(int argc, char** argv) {
   update_workers.load = [&pool](const logprob::internal::v1::LmHeadLoad& load) { return pool.LoadLmHead(load); };
   update_workers.serving = [&pool](int64_t generation) { return pool.Serving(generation); };
   update_workers.drop = [&pool](const logprob::internal::v1::LmHeadRef& ref) { pool.DropLmHead(ref); };
+  // Rows sent as a CUDA IPC handle (accepted only where CUDA IPC inputs are
+  // offered: ScoringCore::ResolveTensor) are copied by a worker on this host.
+  update_workers.stage = [&pool](const logprob::internal::v1::LmHeadStage& stage) {
+    return pool.StageLmHeadRows(stage);
+  };
   logprob::LmHeadUpdateObservers update_observers;
   const auto publish_heads = [&metrics, &heads] {
     for (const auto& h : heads.List())

@@ -140,12 +140,20 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
 
 absl::StatusOr<RequestInputs> ScoringCore::ResolveTensor(const v1::Tensor& tensor, const std::string& what,
                                                          const CallContext& call) {
-  if (KindOf(tensor) == InputKind::kCudaIpc)
-    return WithReason(absl::FailedPreconditionError(absl::StrCat(what,
-                                                                 ": CUDA IPC is not accepted here yet; send "
-                                                                 "the bytes (inline, in pieces or through shared "
-                                                                 "memory)")),
-                      v1::CUDA_IPC_UNAVAILABLE);
+  if (KindOf(tensor) == InputKind::kCudaIpc) {
+    // Offered as for scoring inputs (ServerInfo.cuda_ipc_inputs, a local
+    // peer); a worker copies the rows (LmHeadUpdates' stage). Not through
+    // ResolveInputs, whose rules keep CUDA IPC to hidden_states.
+    absl::StatusOr<std::shared_ptr<const InputSource>> source =
+        ResolveCudaIpc(tensor, 0, cuda_ipc_, call.peer, "the rows");
+    if (!source.ok())
+      return WithReason(absl::Status(source.status().code(), absl::StrCat(what, ": ", source.status().message())),
+                        ReasonOf(source.status()));
+    RequestInputs out;
+    out.referenced_bytes = (*source)->byte_size();
+    out.sources.push_back(*std::move(source));
+    return out;
+  }
   v1::ScoreRequest one;
   *one.add_inputs() = tensor;  // its reference, or a view's worth of bytes: see below
   InputContext input_context;

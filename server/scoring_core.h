@@ -106,8 +106,9 @@ class ScoringCore {
 
   /// Resolves one tensor of a call that is not a ScoreRequest (the rows of
   /// an lm_head update) into its source, as ResolveInputs does for a
-  /// request's: inline bytes or shared memory; FAILED_PRECONDITION (reason
-  /// CUDA_IPC_UNAVAILABLE) for CUDA IPC, which updates do not take yet.
+  /// request's: inline bytes, shared memory, or a CUDA IPC reference
+  /// (ResolveCudaIpc, offered under the same conditions as for scoring
+  /// inputs: FAILED_PRECONDITION, reason CUDA_IPC_UNAVAILABLE, otherwise).
   /// `what` names the field in errors.
   absl::StatusOr<RequestInputs> ResolveTensor(const v1::Tensor& tensor, const std::string& what,
                                               const CallContext& call);

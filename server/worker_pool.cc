@@ -1,6 +1,8 @@
 #include "server/worker_pool.h"
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstdint>
 #include <iostream>
 #include <mutex>
 
@@ -114,6 +116,19 @@ std::shared_ptr<WorkerPool::Generation> WorkerPool::current() {
 absl::StatusOr<int64_t> WorkerPool::OnEveryWorker(
     const std::function<grpc::Status(internal::v1::Worker::Stub&, grpc::ClientContext*)>& call,
     std::chrono::milliseconds timeout) {
+  return OnWorkers(0, SIZE_MAX, call, timeout);
+}
+
+absl::StatusOr<int64_t> WorkerPool::OnWorker(
+    size_t rank, const std::function<grpc::Status(internal::v1::Worker::Stub&, grpc::ClientContext*)>& call,
+    std::chrono::milliseconds timeout) {
+  return OnWorkers(rank, rank + 1, call, timeout);
+}
+
+absl::StatusOr<int64_t> WorkerPool::OnWorkers(
+    size_t first, size_t last,
+    const std::function<grpc::Status(internal::v1::Worker::Stub&, grpc::ClientContext*)>& call,
+    std::chrono::milliseconds timeout) {
   const std::shared_ptr<Generation> gen = current();
   if (!gen) return absl::UnavailableError("the worker pool is waiting for its workers to join; retry shortly");
   {
@@ -121,17 +136,17 @@ absl::StatusOr<int64_t> WorkerPool::OnEveryWorker(
     if (gen->failed || !gen->ready)
       return absl::UnavailableError("the worker pool is not serving (re-forming or waiting for workers); retry");
   }
-  const size_t n = gen->stubs.size();
+  const size_t n = std::min(last, gen->stubs.size());
   std::vector<grpc::Status> statuses(n);
   std::vector<std::thread> threads;
-  for (size_t i = 0; i < n; ++i)
+  for (size_t i = first; i < n; ++i)
     threads.emplace_back([&, i] {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + timeout);
       statuses[i] = call(*gen->stubs[i], &ctx);
     });
   for (auto& t : threads) t.join();
-  for (size_t i = 0; i < n; ++i)
+  for (size_t i = first; i < n; ++i)
     if (!statuses[i].ok())
       return absl::Status(static_cast<absl::StatusCode>(statuses[i].error_code()),
                           absl::StrCat("worker rank ", i, ": ", statuses[i].error_message()));
@@ -154,6 +169,17 @@ void WorkerPool::DropLmHead(const internal::v1::LmHeadRef& head) {
         return stub.DropLmHead(ctx, head, &reply);
       },
       std::chrono::seconds(30));
+}
+
+absl::Status WorkerPool::StageLmHeadRows(const internal::v1::LmHeadStage& stage) {
+  return OnWorker(
+             0,
+             [&stage](internal::v1::Worker::Stub& stub, grpc::ClientContext* ctx) {
+               internal::v1::LmHeadStageReply reply;
+               return stub.StageLmHeadRows(ctx, stage, &reply);
+             },
+             options_.work_timeout)
+      .status();
 }
 
 bool WorkerPool::Serving(int64_t index) {

@@ -118,6 +118,12 @@ class WorkerPool {
   void DropLmHead(const internal::v1::LmHeadRef& head) ABSL_LOCKS_EXCLUDED(mu_);
   /// True while generation `index` is the current one, ready and not failed.
   bool Serving(int64_t index) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Has one worker of the current generation (rank 0; every worker is on
+  /// this host when same_host()) copy an update's rows from a CUDA IPC
+  /// reference into the staged store file (Worker.StageLmHeadRows), while
+  /// items run. UNAVAILABLE when the pool is not serving; otherwise the
+  /// worker's error, worker named. Does not fail the generation.
+  absl::Status StageLmHeadRows(const internal::v1::LmHeadStage& stage) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   /// One set of worker processes with their communicator.
@@ -162,6 +168,16 @@ class WorkerPool {
   /// index, or UNAVAILABLE when not serving, or the first failed call's
   /// status with its rank named.
   absl::StatusOr<int64_t> OnEveryWorker(
+      const std::function<grpc::Status(internal::v1::Worker::Stub&, grpc::ClientContext*)>& call,
+      std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  /// OnEveryWorker on rank `rank` only.
+  absl::StatusOr<int64_t> OnWorker(
+      size_t rank, const std::function<grpc::Status(internal::v1::Worker::Stub&, grpc::ClientContext*)>& call,
+      std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Calls `call` on ranks [first, last) of the current generation
+  /// (OnEveryWorker's semantics; last is clamped to the generation's size).
+  absl::StatusOr<int64_t> OnWorkers(
+      size_t first, size_t last,
       const std::function<grpc::Status(internal::v1::Worker::Stub&, grpc::ClientContext*)>& call,
       std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
   bool stopping() ABSL_LOCKS_EXCLUDED(mu_);

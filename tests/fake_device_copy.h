@@ -23,7 +23,8 @@ class FakeDeviceCopy final : public DeviceCopy {
   };
   absl::Status ToHost(void* host, const void* device, size_t bytes) override {
     calls.push_back({false, device, bytes});
-    if (fail_to_host) return absl::InternalError("injected ToHost failure");
+    if (fail_to_host || fail_to_host_after == 0) return absl::InternalError("injected ToHost failure");
+    if (fail_to_host_after > 0) --fail_to_host_after;
     if (bytes) std::memcpy(host, device, bytes);
     return absl::OkStatus();
   }
@@ -35,6 +36,9 @@ class FakeDeviceCopy final : public DeviceCopy {
   }
   std::vector<Call> calls;
   bool fail_to_host = false, fail_to_device = false;
+  /// >= 0: ToHost fails once this many more ToHost calls have succeeded
+  /// (and from then on); -1: never (unless fail_to_host).
+  int fail_to_host_after = -1;
 };
 
 }  // namespace logprob::testing

@@ -1,17 +1,30 @@
 // LmHeadUpdates without a server: the findings of fuzz_lm_head_update stay
 // fixed (a server stopping with an update open; row ranges whose end does
-// not fit in int64).
+// not fit in int64); rows from a source the front-end cannot read (a CUDA
+// IPC reference) are staged by a (fake) worker at their byte offset and
+// then count, hash and commit like bytes; without a worker that can, or
+// when staging fails, they are refused and may be sent again.
 #include "server/lm_head_updates.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "common/error_reason.h"
+#include "common/positioned_io.h"
+#include "common/sha256.h"
+#include "server/cuda_ipc_inputs.h"
 #include "server/input_source.h"
 #include "server/lm_heads.h"
 
@@ -37,7 +50,8 @@ class LmHeadUpdatesTest : public ::testing::Test {
   }
   void TearDown() override { std::filesystem::remove_all(store_); }
 
-  std::unique_ptr<LmHeadUpdates> Make() {
+  using Stage = std::function<absl::Status(const internal::v1::LmHeadStage&)>;
+  std::unique_ptr<LmHeadUpdates> Make(Stage stage = nullptr, LmHeadUpdateObservers observers = {}) {
     LmHeadUpdates::Options o;
     o.allowed = true;
     o.store_dir = store_;
@@ -46,7 +60,8 @@ class LmHeadUpdatesTest : public ::testing::Test {
     w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
     w.serving = [](int64_t) { return true; };
     w.drop = [](const internal::v1::LmHeadRef&) {};
-    return std::make_unique<LmHeadUpdates>(o, &heads_, std::make_shared<LmHeadReleases>(), w);
+    w.stage = std::move(stage);
+    return std::make_unique<LmHeadUpdates>(o, &heads_, std::make_shared<LmHeadReleases>(), w, std::move(observers));
   }
   static v1::BeginLmHeadUpdateRequest Begin(const std::string& version) {
     v1::BeginLmHeadUpdateRequest b;
@@ -91,6 +106,187 @@ TEST_F(LmHeadUpdatesTest, RowRangesWhoseEndOverflowsAreInvalidArgument) {
     EXPECT_NE(put.status().message().find("are not a non-empty range of the head's [0, 37)"), std::string::npos)
         << put.status();
   }
+}
+
+/// `rows` rows of kH F32 values, distinct per row and `salt`.
+std::string Rows(int64_t first, int64_t rows, float salt) {
+  std::vector<float> v(static_cast<size_t>(rows * kH));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = salt + static_cast<float>(first * kH + static_cast<int64_t>(i)) * 0.25f;
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+
+/// A fake of the workers' CUDA IPC staging: "GPU allocations" are host
+/// strings by handle; stage() writes the referenced bytes into the file at
+/// the offset as Worker.StageLmHeadRows does, and records each call.
+struct FakeGpuWorker {
+  std::map<std::string, std::string> allocations;  // handle -> bytes
+  std::vector<internal::v1::LmHeadStage> calls;
+  std::vector<absl::Status> fail;  // returned (front first) instead of copying
+  absl::Status Stage(const internal::v1::LmHeadStage& s) {
+    calls.push_back(s);
+    if (!fail.empty()) {
+      absl::Status st = fail.front();
+      fail.erase(fail.begin());
+      return st;
+    }
+    const std::string& alloc = allocations.at(s.source().handle());
+    const int fd = open(s.file().c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return absl::NotFoundError("no staged file");
+    const bool ok = PwriteAll(fd, alloc.data() + s.source().offset(), static_cast<size_t>(s.source().byte_size()),
+                              static_cast<uint64_t>(s.file_offset()));
+    close(fd);
+    return ok ? absl::OkStatus() : absl::InternalError("write failed");
+  }
+};
+
+/// A CUDA IPC source of `rows` rows from `alloc` at byte `offset`, resolved
+/// as the server resolves LmHeadRows.rows (a same-host server with CUDA
+/// workers, a local peer).
+std::shared_ptr<const InputSource> IpcRows(const std::string& handle, int64_t offset, int64_t rows) {
+  v1::Tensor t;
+  t.set_name("rows");
+  t.set_dtype(v1::F32);
+  t.add_shape(rows);
+  t.add_shape(kH);
+  t.mutable_cuda_ipc()->set_handle(handle);
+  t.mutable_cuda_ipc()->set_offset(offset);
+  t.mutable_cuda_ipc()->set_byte_size(rows * kH * 4);
+  CudaIpcAvailability a;
+  a.cuda_workers = a.same_host = a.one_pass = true;
+  a.workers = 1;
+  return ResolveCudaIpc(t, 0, a, "ipv4:127.0.0.1:1", "the rows").value();
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST_F(LmHeadUpdatesTest, RowsTheFrontEndCannotReadAreStagedByAWorkerThenCountLikeBytes) {
+  FakeGpuWorker gpu;
+  const std::string handle(64, 'h');
+  constexpr int64_t kAllocOffset = 64;
+  const std::string ipc_rows = Rows(20, kV - 20, 1.0f);
+  gpu.allocations[handle] = std::string(kAllocOffset, '\0') + ipc_rows + std::string(32, '\0');
+  std::vector<int64_t> bytes_seen;
+  LmHeadUpdateObservers observers;
+  observers.on_bytes = [&](const std::string&, int64_t n) { bytes_seen.push_back(n); };
+  auto updates = Make([&gpu](const internal::v1::LmHeadStage& s) { return gpu.Stage(s); }, observers);
+  auto opened = updates->Begin(Begin("v1"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+
+  const std::string host_rows = Rows(0, 20, 1.0f);
+  ASSERT_TRUE(updates->PutRows(opened->update_id(), 0, 20, v1::F32, kH, *MemorySource(host_rows)).ok());
+  auto put = updates->PutRows(opened->update_id(), 20, kV - 20, v1::F32, kH, *IpcRows(handle, kAllocOffset, kV - 20));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->rows_received(), kV);
+  EXPECT_EQ(bytes_seen, (std::vector<int64_t>{20 * kH * 4, (kV - 20) * kH * 4}));
+
+  // One stage call: the reference, the staged file, the rows' byte offset.
+  ASSERT_EQ(gpu.calls.size(), 1u);
+  const internal::v1::LmHeadStage& s = gpu.calls[0];
+  EXPECT_EQ(s.source().handle(), handle);
+  EXPECT_EQ(s.source().offset(), kAllocOffset);
+  EXPECT_EQ(s.source().byte_size(), (kV - 20) * kH * 4);
+  EXPECT_NE(s.file().find(store_), std::string::npos) << s.file();
+  EXPECT_NE(s.file().find(".partial"), std::string::npos) << s.file();
+
+  auto committed = updates->Commit(opened->update_id());
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  const std::string all = host_rows + ipc_rows;
+  EXPECT_EQ(committed->version(), "v1");
+  EXPECT_EQ(committed->sha256(), Sha256Hex(all));
+  const auto v = heads_.Find("default", "v1");
+  ASSERT_NE(v, nullptr);
+  EXPECT_EQ(s.file_offset(), static_cast<int64_t>(v->source.data_offset) + 20 * kH * 4);
+  const std::string file = ReadAll(v->source.file);
+  ASSERT_EQ(file.size(), v->source.data_offset + all.size());
+  EXPECT_EQ(file.substr(v->source.data_offset), all);
+  EXPECT_EQ(heads_.Bind("default", "").value()->version, "v1");
+}
+
+TEST_F(LmHeadUpdatesTest, WithoutAWorkerThatCanStageThemIpcRowsAreRefusedAndNothingChanges) {
+  auto updates = Make();  // no stage callback
+  auto opened = updates->Begin(Begin("v1"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  auto put = updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *IpcRows(std::string(64, 'h'), 0, kV));
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kFailedPrecondition) << put.status();
+  EXPECT_EQ(ReasonOf(put.status()), v1::CUDA_IPC_UNAVAILABLE) << put.status();
+  EXPECT_NE(put.status().message().find("send the rows as bytes (in pieces or through shared memory)"),
+            std::string::npos)
+      << put.status();
+  // The range was not claimed: the same rows come as bytes, and commit.
+  const std::string rows = Rows(0, kV, 2.0f);
+  put = updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->rows_received(), kV);
+  auto committed = updates->Commit(opened->update_id());
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->sha256(), Sha256Hex(rows));
+}
+
+TEST_F(LmHeadUpdatesTest, AFailedStageIsAClearErrorAndTheRowsMayComeAgain) {
+  FakeGpuWorker gpu;
+  const std::string handle(64, 'g');
+  const std::string rows = Rows(0, kV, 3.0f);
+  gpu.allocations[handle] = rows;
+  gpu.fail = {absl::FailedPreconditionError("cudaIpcOpenMemHandle: invalid argument"),
+              absl::InternalError("copying bytes [0, 592) of 592 from the device: an illegal memory access")};
+  auto updates = Make([&gpu](const internal::v1::LmHeadStage& s) { return gpu.Stage(s); });
+  auto opened = updates->Begin(Begin("v1"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+
+  // The worker cannot open the handle: the client should send bytes.
+  auto put = updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *IpcRows(handle, 0, kV));
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kFailedPrecondition) << put.status();
+  EXPECT_EQ(ReasonOf(put.status()), v1::CUDA_IPC_UNAVAILABLE) << put.status();
+  EXPECT_NE(put.status().message().find("rows [0, 37): copying them from the client's CUDA IPC memory on a worker "
+                                        "failed: cudaIpcOpenMemHandle: invalid argument"),
+            std::string::npos)
+      << put.status();
+  // A copy that fails on the device: its own code, no reason.
+  put = updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *IpcRows(handle, 0, kV));
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kInternal) << put.status();
+  EXPECT_EQ(ReasonOf(put.status()), v1::ERROR_REASON_UNSPECIFIED) << put.status();
+  EXPECT_NE(put.status().message().find("an illegal memory access"), std::string::npos) << put.status();
+  // Neither counted: committing now names the missing rows.
+  auto early = updates->Commit(opened->update_id());
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition) << early.status();
+  EXPECT_NE(early.status().message().find("37 rows missing"), std::string::npos) << early.status();
+
+  // Sent again, they stage, count and commit (hashed once).
+  put = updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *IpcRows(handle, 0, kV));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(gpu.calls.size(), 3u);
+  auto committed = updates->Commit(opened->update_id());
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->sha256(), Sha256Hex(rows));
+}
+
+TEST_F(LmHeadUpdatesTest, IpcRowsGoThroughTheSameChecksAsBytes) {
+  FakeGpuWorker gpu;
+  const std::string handle(64, 'k');
+  gpu.allocations[handle] = Rows(0, kV, 4.0f);
+  auto updates = Make([&gpu](const internal::v1::LmHeadStage& s) { return gpu.Stage(s); });
+  auto opened = updates->Begin(Begin("v1"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->update_id();
+  // Outside [0, V), a dtype or H other than the update's, a size that is not the rows'.
+  EXPECT_EQ(updates->PutRows(id, 30, 10, v1::F32, kH, *IpcRows(handle, 0, 10)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(updates->PutRows(id, 0, 10, v1::BF16, kH, *IpcRows(handle, 0, 10)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(updates->PutRows(id, 0, 5, v1::F32, kH, *IpcRows(handle, 0, 10)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(updates->PutRows("no-such-update", 0, 10, v1::F32, kH, *IpcRows(handle, 0, 10)).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(gpu.calls.empty()) << "nothing refused reaches a worker";
+  // Exactly once: rows given by IPC cannot come again as bytes.
+  ASSERT_TRUE(updates->PutRows(id, 0, 10, v1::F32, kH, *IpcRows(handle, 0, 10)).ok());
+  const std::string again = Rows(0, 10, 4.0f);
+  EXPECT_EQ(updates->PutRows(id, 5, 10, v1::F32, kH, *MemorySource(again)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu.calls.size(), 1u);
 }
 
 }  // namespace

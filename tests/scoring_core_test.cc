@@ -171,6 +171,62 @@ TEST(ScoringCore, RefusalsCarryTheirReasons) {
   EXPECT_EQ(pool.runs(), 0) << "nothing refused reaches the workers";
 }
 
+// The rows of an lm_head update by CUDA IPC resolve where scoring inputs
+// by CUDA IPC are offered (CUDA workers on this host, a local peer) into a
+// source the workers read (it refers to them); elsewhere the refusal tells
+// the client to send the rows as bytes.
+TEST(ScoringCore, UpdateRowsByCudaIpcResolveWhereCudaIpcInputsAreOffered) {
+  v1::Tensor rows;
+  rows.set_name("rows");
+  rows.set_dtype(v1::F32);
+  rows.add_shape(3);
+  rows.add_shape(4);
+  rows.mutable_cuda_ipc()->set_handle(std::string(64, 'h'));
+  rows.mutable_cuda_ipc()->set_offset(256);
+  rows.mutable_cuda_ipc()->set_byte_size(3 * 4 * 4);
+  CallContext local;
+  local.peer = "ipv4:127.0.0.1:1";
+  CallContext remote;
+  remote.peer = "ipv4:10.0.0.2:1";
+
+  InProcessWorkers pool(2);
+  ServiceConfig cpu = Config("token", false);
+  ScoringCore cpu_core(pool.workers(true), cpu, nullptr);
+  auto r = cpu_core.ResolveTensor(rows, "rows", local);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), v1::CUDA_IPC_UNAVAILABLE) << r.status();
+  EXPECT_NE(r.status().message().find("rows: "), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("send the rows as bytes"), std::string::npos) << r.status();
+
+  ServiceConfig cuda = Config("token", false);
+  cuda.backend = "cuda";
+  ScoringCore cuda_core(pool.workers(true), cuda, nullptr);
+  ASSERT_TRUE(cuda_core.Info().cuda_ipc_inputs());
+  r = cuda_core.ResolveTensor(rows, "rows", local);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->sources.size(), 1u);
+  const InputSource& src = *r->sources[0];
+  EXPECT_EQ(src.kind(), InputKind::kCudaIpc);
+  EXPECT_FALSE(src.rules().readable_here);
+  EXPECT_EQ(src.byte_size(), 48);
+  EXPECT_EQ(r->referenced_bytes, 48);
+  internal::v1::WorkItem item;
+  ASSERT_TRUE(src.Refer(16, 32, &item));
+  EXPECT_EQ(item.cuda_ipc().handle(), std::string(64, 'h'));
+  EXPECT_EQ(item.cuda_ipc().offset(), 256 + 16);
+  EXPECT_EQ(item.cuda_ipc().byte_size(), 32);
+
+  // A client on another host; a malformed reference (named, no reason).
+  r = cuda_core.ResolveTensor(rows, "rows", remote);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), v1::CUDA_IPC_UNAVAILABLE) << r.status();
+  rows.mutable_cuda_ipc()->set_byte_size(47);
+  r = cuda_core.ResolveTensor(rows, "rows", local);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), v1::ERROR_REASON_UNSPECIFIED) << r.status();
+  EXPECT_EQ(pool.runs(), 0);
+}
+
 TEST(ScoringCore, ACallThatIsAlreadyCancelledOrPastItsDeadlineEnds) {
   InProcessWorkers pool(1);
   ScoringCore core(pool.workers(true), Config("token", false), nullptr);

@@ -15,4 +15,8 @@ absl::StatusOr<DevicePayload> ScoringBackend::OpenCudaIpcPayload(std::string_vie
       absl::StrCat("CUDA IPC input: this worker's backend (", name(), ") has no GPU to map it into"));
 }
 
+absl::StatusOr<std::unique_ptr<DeviceCopy>> ScoringBackend::NewDeviceCopy() {
+  return absl::FailedPreconditionError(absl::StrCat("this worker's backend (", name(), ") has no device memory"));
+}
+
 }  // namespace logprob

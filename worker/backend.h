@@ -38,6 +38,7 @@
 #include "common/dtype.h"
 #include "common/lm_head_precision.h"
 #include "worker/communicator.h"
+#include "worker/host_staged_device_collectives.h"
 #include "worker/kernels/row_stats.h"
 
 namespace logprob {
@@ -211,6 +212,14 @@ class ScoringBackend {
   /// FAILED_PRECONDITION on backends without a GPU (the default) or when
   /// the handle cannot be opened; INVALID_ARGUMENT for a bad handle size.
   virtual absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes);
+
+  /// A new DeviceCopy between host memory and this backend's device memory
+  /// (the CUDA backend: cuda::CudaDeviceCopy on its device, with a stream
+  /// of its own), for copies outside work items (the rows of an lm_head
+  /// update staged from a CUDA IPC handle: worker/device_file_copy.h).
+  /// FAILED_PRECONDITION on backends without a GPU (the default);
+  /// INTERNAL when the stream cannot be created. Thread-safe.
+  virtual absl::StatusOr<std::unique_ptr<DeviceCopy>> NewDeviceCopy();
 };
 
 }  // namespace logprob

@@ -1,12 +1,19 @@
 #include "worker/worker_service.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <optional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/worker_protocol.h"
+#include "worker/device_file_copy.h"
 #include "worker/scorer.h"
 #include "worker/timed_communicator.h"
 
@@ -121,6 +128,53 @@ grpc::Status WorkerService::DropLmHead(grpc::ServerContext*, const internal::v1:
                                        internal::v1::DropLmHeadReply* reply) {
   reply->set_dropped(lm_heads_->Drop(*req));
   return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::StageLmHeadRows(grpc::ServerContext*, const internal::v1::LmHeadStage* req,
+                                            internal::v1::LmHeadStageReply* reply) {
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<int64_t> bytes = logprob::StageLmHeadRows(*backend_, *req);
+  if (!bytes.ok()) return ToGrpc(bytes.status());
+  reply->set_bytes(*bytes);
+  reply->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal::v1::LmHeadStage& stage) {
+  const internal::v1::CudaIpcPayload& src = stage.source();
+  const std::string what = absl::StrCat("staging lm_head rows into ", stage.file());
+  if (stage.file_offset() < 0 || src.offset() < 0 || src.byte_size() < 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": file_offset ", stage.file_offset(), ", offset ",
+                                                   src.offset(), " and byte_size ", src.byte_size(), " must be >= 0"));
+  // A backend without a GPU says so before anything is opened.
+  absl::StatusOr<std::unique_ptr<DeviceCopy>> copy = backend.NewDeviceCopy();
+  if (!copy.ok()) return absl::Status(copy.status().code(), absl::StrCat(what, ": ", copy.status().message()));
+  const int fd = open(stage.file().c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat(what, ": cannot open it: ", std::strerror(errno)));
+  struct stat st {};
+  absl::Status failed;
+  if (fstat(fd, &st) != 0) {
+    failed = absl::InternalError(absl::StrCat(what, ": fstat: ", std::strerror(errno)));
+  } else if (stage.file_offset() > st.st_size || src.byte_size() > st.st_size - stage.file_offset()) {
+    failed = absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", stage.file_offset(), ", ", stage.file_offset(),
+                                                     " + ", src.byte_size(), ") are outside the file's ", st.st_size,
+                                                     " bytes"));
+  }
+  if (failed.ok()) {
+    absl::StatusOr<DevicePayload> device = backend.OpenCudaIpcPayload(src.handle(), src.offset(), src.byte_size());
+    if (!device.ok()) {
+      failed = device.status();
+    } else {
+      std::vector<char> buffer;
+      failed = CopyDeviceToFile(**copy, device->get(), static_cast<size_t>(src.byte_size()), fd,
+                                static_cast<uint64_t>(stage.file_offset()), &buffer);
+      if (!failed.ok()) failed = absl::Status(failed.code(), absl::StrCat(what, ": ", failed.message()));
+    }
+  }
+  if (close(fd) != 0 && failed.ok())
+    failed = absl::InternalError(absl::StrCat(what, ": close: ", std::strerror(errno)));
+  if (!failed.ok()) return failed;
+  return src.byte_size();
 }
 
 }  // namespace logprob

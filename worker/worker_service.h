@@ -14,8 +14,9 @@
 
 namespace logprob {
 
-/// Serves Run (score a WorkItem), Info, and LoadLmHead / DropLmHead (the
-/// lm_head versions of `lm_heads`, which hidden-states items name). Vocab-parallel and
+/// Serves Run (score a WorkItem), Info, LoadLmHead / DropLmHead (the
+/// lm_head versions of `lm_heads`, which hidden-states items name) and
+/// StageLmHeadRows (update rows from a CUDA IPC handle into a file). Vocab-parallel and
 /// hidden-states items use the communicator and run one at a time (the
 /// front-end sends them in the same order to every rank); token-parallel
 /// items run concurrently. A HIDDEN_STATES item from a CUDA IPC input
@@ -47,6 +48,12 @@ class WorkerService final : public internal::v1::Worker::Service {
                           internal::v1::LoadLmHeadReply* reply) override;
   grpc::Status DropLmHead(grpc::ServerContext* ctx, const internal::v1::LmHeadRef* req,
                           internal::v1::DropLmHeadReply* reply) override;
+  /// Copies an lm_head update's rows from a same-host client's GPU memory
+  /// (req->source, a CUDA IPC reference) into the staged store file
+  /// req->file at req->file_offset (StageLmHeadRows below). Concurrent
+  /// calls are fine (each maps the handle and copies on its own stream).
+  grpc::Status StageLmHeadRows(grpc::ServerContext* ctx, const internal::v1::LmHeadStage* req,
+                               internal::v1::LmHeadStageReply* reply) override;
 
  private:
   /// The payload of `item`: its bytes field, its range of the front-end's
@@ -67,5 +74,17 @@ class WorkerService final : public internal::v1::Worker::Service {
   // Declared after backend_: unmapped (and unregistered from it) first.
   PayloadRegions payload_regions_;
 };
+
+/// What Worker.StageLmHeadRows does on `backend`: checks `stage` (a
+/// non-negative offset and size, a range inside the existing file
+/// stage.file, which it neither creates nor extends), takes a DeviceCopy
+/// (ScoringBackend::NewDeviceCopy), maps the CUDA IPC reference
+/// (ScoringBackend::OpenCudaIpcPayload) and copies it into the file
+/// (CopyDeviceToFile). Returns the bytes written (all of them). Errors:
+/// FAILED_PRECONDITION on a backend without a GPU or a handle it cannot
+/// open; INVALID_ARGUMENT for a bad range (of the file or the
+/// allocation); NOT_FOUND when the file cannot be opened; CopyDeviceToFile's
+/// errors. Thread-safe.
+absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal::v1::LmHeadStage& stage);
 
 }  // namespace logprob

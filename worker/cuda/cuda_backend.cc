@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/communicator.h"
+#include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/cuda_ipc.h"
 #include "worker/cuda/row_kernels.h"
 #include "worker/kernels/lm_head_gemm.h"
@@ -688,6 +689,11 @@ bool CudaBackend::IsPageLocked(const void* data, size_t bytes) const {
 
 absl::StatusOr<DevicePayload> CudaBackend::OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes) {
   return OpenCudaIpc(device_, handle, offset, bytes);
+}
+
+absl::StatusOr<std::unique_ptr<DeviceCopy>> CudaBackend::NewDeviceCopy() {
+  LOGPROB_ASSIGN_OR_RETURN(std::unique_ptr<CudaDeviceCopy> copy, CudaDeviceCopy::Create(device_));
+  return std::unique_ptr<DeviceCopy>(std::move(copy));
 }
 
 int64_t CudaBackend::device_memory_bytes() const {

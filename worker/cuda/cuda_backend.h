@@ -139,6 +139,8 @@ class CudaBackend final : public ScoringBackend {
   void UnregisterHostMemory(const void* data) override ABSL_LOCKS_EXCLUDED(reg_mu_);
   /// cuda::OpenCudaIpc on this backend's device (worker/cuda/cuda_ipc.h).
   absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes) override;
+  /// cuda::CudaDeviceCopy on this backend's device (worker/cuda/cuda_device_copy.h).
+  absl::StatusOr<std::unique_ptr<DeviceCopy>> NewDeviceCopy() override;
 
   int device() const { return device_; }
   /// True when [data, data + bytes) is page-locked host memory all along:

@@ -25,7 +25,8 @@ import grpc
 from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
 from .errors import LogprobError
-from .lm_head_update import PUT_ROWS_METHOD, UPDATE_PUT_BYTES, lm_head_rows, lm_head_rows_parts
+from .lm_head_update import (PUT_ROWS_METHOD, UPDATE_PUT_BYTES, lm_head_device_rows, lm_head_ipc_parts, lm_head_rows,
+                             lm_head_rows_parts)
 from .ops import Emit, Locked, NextResponse, OpenStream, Ops, Rpc, Work, END, backoff, retried
 from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
@@ -361,41 +362,42 @@ class ClientBase:
 
     def _update_lm_head_ops(self, head: str, weight: Any, version: str, sha256: Optional[str],
                             timeout: Any, dtype: Any = None) -> Ops[str]:
-        """``update_lm_head``: Begin, the rows in puts of at most
+        """``update_lm_head``: Begin, the rows, Commit; Abort on failure. The
+        rows of a CUDA weight go as one CUDA IPC reference when the server
+        offers CUDA IPC on this host (``cuda_ipc.offered``, as for scoring
+        inputs; the client's ``cuda_ipc`` option); otherwise, or when the
+        server refuses the reference (reason ``CUDA_IPC_UNAVAILABLE``), they
+        are copied to the host and sent in puts of at most
         ``UPDATE_PUT_BYTES`` (through this client's shared-memory region on
-        the server's host, else in pieces), Commit; Abort on failure."""
+        the server's host, else in pieces)."""
         deadline = self._deadline(timeout)
-        dt, rows = lm_head_rows(weight, dtype)
-        V, H = int(rows.shape[0]), int(rows.shape[1])
+        ref = yield from self._update_ipc_ops(weight, dtype, deadline)
+        rows: Any = None
+        if ref is not None:
+            dt, V, H = ref.wire_dtype, int(ref.tensor.shape[0]), int(ref.tensor.shape[1])
+        else:
+            dt, rows = lm_head_rows(weight, dtype)
+            V, H = int(rows.shape[0]), int(rows.shape[1])
         begin = pb2.BeginLmHeadUpdateRequest(head=head, version=version, vocab_size=V, hidden_size=H, dtype=dt,
                                              sha256=sha256 or "")
         update, _ = yield from retried(self._stub.BeginLmHeadUpdate, begin, self._attempts(deadline), self._metadata)
         if update.already_committed:
             return version
         try:
-            info = yield from self._server_info_ops(deadline=deadline)
-            limit = int(info.max_request_bytes) or UPDATE_PUT_BYTES
-            row_bytes = max(1, int(rows[:1].nbytes))
-            per_put = max(1, min(UPDATE_PUT_BYTES, int(limit * 0.9)) // row_bytes)
-            shm = yield from self._shared_memory_ops(deadline)
-            for r0 in range(0, V, per_put):
-                chunk = rows[r0:r0 + per_put]
-                sent = None
-                if shm is not None:
-                    # Same host: the rows go through this client's region.
-                    def put(tensors: List[Any], metadata: Any, r0: int = r0) -> Ops[Any]:
-                        first = pb2.LmHeadRows(update_id=update.update_id, row_begin=r0, rows=tensors[0])
-                        serialized = first.SerializeToString()
-                        return self._put_rows_ops(iter([b"\x0a" + varint(len(serialized)) + serialized]), deadline,
-                                                  metadata)
-
-                    sent = yield from shm.send([("rows", dt, chunk)], put)
-                if sent is None:
-                    # Otherwise (or without a region) the bytes in pieces.
-                    parts = lm_head_rows_parts(update.update_id, r0, chunk, dt, self.piece_bytes)
-                    yield from self._put_rows_ops(parts, deadline, self._metadata)
-            ref = pb2.LmHeadUpdateRef(update_id=update.update_id)
-            committed, _ = yield from retried(self._stub.CommitLmHeadUpdate, ref, self._attempts(deadline),
+            if ref is not None:
+                try:
+                    # A worker on the server's host copies them into the store.
+                    yield from self._put_rows_ops(lm_head_ipc_parts(update.update_id, 0, ref), deadline,
+                                                  self._metadata)
+                except LogprobError as e:
+                    if not cuda_ipc.refused(e):
+                        raise
+                    cuda_ipc.warn_fallback(e.message)  # the rows were not taken: send them as bytes
+                    dt, rows = lm_head_rows(weight, dtype)
+            if rows is not None:
+                yield from self._put_host_rows_ops(update.update_id, rows, dt, deadline)
+            ref_msg = pb2.LmHeadUpdateRef(update_id=update.update_id)
+            committed, _ = yield from retried(self._stub.CommitLmHeadUpdate, ref_msg, self._attempts(deadline),
                                               self._metadata)
             return str(committed.version)
         except BaseException:
@@ -405,6 +407,49 @@ class ClientBase:
             except grpc.RpcError:
                 pass
             raise
+
+    def _update_ipc_ops(self, weight: Any, dtype: Any, deadline: Deadline) -> Ops[Optional[cuda_ipc.Export]]:
+        """The CUDA IPC reference of ``weight``'s rows when they go that way
+        (``cuda_ipc.offered``: a CUDA tensor, the client's ``cuda_ipc``
+        option, a server on this host offering it), else None; a weight whose
+        memory cannot be exported warns and goes as bytes."""
+        if not cuda_ipc.candidate(self.cuda_ipc, weight):
+            return None
+        if not cuda_ipc.offered(self.cuda_ipc, (yield from self._server_info_ops(deadline=deadline)), weight):
+            return None
+        dt, dev = lm_head_device_rows(weight, dtype)
+        try:
+            return cuda_ipc.export(dev, dt)
+        except cuda_ipc.Unavailable as e:
+            cuda_ipc.warn_fallback(e)
+            return None
+
+    def _put_host_rows_ops(self, update_id: str, rows: Any, dt: int, deadline: Deadline) -> Ops[None]:
+        """The host rows ``[V, H]`` of an update in puts of at most
+        ``UPDATE_PUT_BYTES`` (and 90% of the server's max_request_bytes):
+        through this client's shared-memory region on the server's host,
+        else in pieces."""
+        info = yield from self._server_info_ops(deadline=deadline)
+        limit = int(info.max_request_bytes) or UPDATE_PUT_BYTES
+        row_bytes = max(1, int(rows[:1].nbytes))
+        per_put = max(1, min(UPDATE_PUT_BYTES, int(limit * 0.9)) // row_bytes)
+        shm = yield from self._shared_memory_ops(deadline)
+        for r0 in range(0, int(rows.shape[0]), per_put):
+            chunk = rows[r0:r0 + per_put]
+            sent = None
+            if shm is not None:
+                # Same host: the rows go through this client's region.
+                def put(tensors: List[Any], metadata: Any, r0: int = r0) -> Ops[Any]:
+                    first = pb2.LmHeadRows(update_id=update_id, row_begin=r0, rows=tensors[0])
+                    serialized = first.SerializeToString()
+                    return self._put_rows_ops(iter([b"\x0a" + varint(len(serialized)) + serialized]), deadline,
+                                              metadata)
+
+                sent = yield from shm.send([("rows", dt, chunk)], put)
+            if sent is None:
+                # Otherwise (or without a region) the bytes in pieces.
+                parts = lm_head_rows_parts(update_id, r0, chunk, dt, self.piece_bytes)
+                yield from self._put_rows_ops(parts, deadline, self._metadata)
 
     def _close_ops(self) -> Ops[None]:
         """``close``, before the channel closes: unregisters and removes the

@@ -14,6 +14,10 @@ Both clients use it on their own (option ``cuda_ipc=True``, the default) when
 - the call fits one request (``max_tokens_per_request``),
 - and the tensor's memory can be exported.
 
+``update_lm_head`` decides the same way (``offered``) for a CUDA weight:
+its rows go as one reference (``LmHeadRows.rows.cuda_ipc``), which a worker
+on the server's host copies into the update's store file.
+
 Otherwise the tensor is copied to the host (``.cpu()``) and sent as bytes
 (inline, in pieces, or through shared memory), as before. A server that
 refuses the reference (FAILED_PRECONDITION about CUDA IPC: e.g. its workers
@@ -76,19 +80,28 @@ def candidate(enabled: Any, hidden_states: Any) -> bool:
     return bool(enabled) and is_cuda_tensor(hidden_states)
 
 
+def offered(enabled: Any, info: Any, x: Any) -> bool:
+    """True when ``x`` goes to the server described by ``info`` as a CUDA
+    IPC reference: ``candidate`` (``enabled`` and ``x`` a CUDA tensor), then
+    ``server_accepts`` (CUDA IPC offered, same host). The one decision for
+    scoring inputs (``use_cuda_ipc``) and lm_head update rows
+    (``update_lm_head``: the server offers CUDA IPC rows exactly where it
+    offers CUDA IPC inputs)."""
+    return candidate(enabled, x) and server_accepts(info)
+
+
 def use_cuda_ipc(enabled: Any, info: Any, name: str, x: Any) -> bool:
-    """The decision both clients make for one call (``candidate``, then
-    ``server_accepts``): ``name`` is ``hidden_states``, ``x`` is a CUDA
-    tensor, ``enabled`` and the server (``info``) accepts CUDA IPC inputs
-    from this host."""
-    return name == "hidden_states" and candidate(enabled, x) and server_accepts(info)
+    """The decision both clients make for one scoring call (``offered``):
+    ``name`` is ``hidden_states``, ``x`` is a CUDA tensor, ``enabled`` and
+    the server (``info``) accepts CUDA IPC inputs from this host."""
+    return name == "hidden_states" and offered(enabled, info, x)
 
 
-def device_rows(x: Any, dtype: Any = None) -> Tuple[int, Any]:
+def device_rows(x: Any, dtype: Any = None, name: str = "hidden_states") -> Tuple[int, Any]:
     """``(wire_dtype, tensor)``: ``x`` as a contiguous CUDA tensor of the wire
     dtype (``dtype``, else x's: float32 / bfloat16 / float16; float64 only
     with an explicit ``dtype``), converted on its GPU. Raises TypeError for
-    other dtypes."""
+    other dtypes (``name`` names the tensor in messages)."""
     import torch  # only reached for a torch CUDA tensor
 
     torch_of = {F32: torch.float32, BF16: torch.bfloat16, F16: torch.float16}
@@ -97,9 +110,9 @@ def device_rows(x: Any, dtype: Any = None) -> Tuple[int, Any]:
     want = parse_float_dtype(dtype)
     if want is None:
         if t.dtype == torch.float64:
-            raise float64_refused("hidden_states")
+            raise float64_refused(name)
         if t.dtype not in wire_of:
-            raise TypeError("'hidden_states' must be a float tensor (f32, bf16 or f16), got dtype %s" % (t.dtype,))
+            raise TypeError("'%s' must be a float tensor (f32, bf16 or f16), got dtype %s" % (name, t.dtype))
         want = wire_of[t.dtype]
     return want, t.to(torch_of[want]).contiguous()
 
@@ -150,12 +163,18 @@ class Export:
         self.offset = int(offset)
         self.byte_size = int(tensor.numel()) * int(tensor.element_size())
         self.device_uuid = device_uuid
-        t = pb2.Tensor(name="hidden_states", dtype=wire_dtype, shape=[int(d) for d in tensor.shape])
-        t.cuda_ipc.handle = handle
+        self.wire_dtype = wire_dtype
+        self.encoded: bytes = pb2.ScoreRequest(inputs=[self.tensor_pb("hidden_states")]).SerializeToString()
+
+    def tensor_pb(self, name: str) -> Any:
+        """The ``Tensor`` named ``name`` (the tensor's wire dtype and shape)
+        whose source is this reference (``Tensor.cuda_ipc``, no data)."""
+        t = pb2.Tensor(name=name, dtype=self.wire_dtype, shape=[int(d) for d in self.tensor.shape])
+        t.cuda_ipc.handle = self.handle
         t.cuda_ipc.offset = self.offset
         t.cuda_ipc.byte_size = self.byte_size
-        t.cuda_ipc.device_uuid = device_uuid
-        self.encoded: bytes = pb2.ScoreRequest(inputs=[t]).SerializeToString()
+        t.cuda_ipc.device_uuid = self.device_uuid
+        return t
 
 
 def _device_uuid(device: Any) -> str:
@@ -195,3 +214,11 @@ def warn_fallback(reason: Any) -> None:
     if text != _warned:
         _warned = text
         warnings.warn("logprob_client: CUDA IPC input unavailable, sending the bytes: %s" % text, stacklevel=4)
+
+
+def refused(error: Any) -> bool:
+    """True when ``error`` (a LogprobError) is the server refusing a CUDA IPC
+    reference (reason ``CUDA_IPC_UNAVAILABLE``: CPU workers, a client on
+    another host, a worker that cannot open the handle): the caller sends
+    the bytes instead."""
+    return getattr(error, "reason", "") == "CUDA_IPC_UNAVAILABLE"

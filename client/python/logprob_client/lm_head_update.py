@@ -7,7 +7,7 @@ from typing import Any, Iterator, Tuple
 import numpy as np
 
 from ._proto import pb2
-from . import safetensors
+from . import cuda_ipc, safetensors
 from .errors import InvalidInputError
 from .tensors import Array, float_array
 from .transport import piece_header
@@ -45,6 +45,25 @@ def lm_head_rows(weight: Any, dtype: Any = None) -> Tuple[int, Array]:
 
 # PutLmHeadRows with parts serialized here (bytes in, LmHeadUpdate out).
 PUT_ROWS_METHOD = "/logprob.v1.LogprobService/PutLmHeadRows"
+
+
+def lm_head_ipc_parts(update_id: str, row_begin: int, ref: Any) -> Iterator[bytes]:
+    """The one serialized ``LmHeadRowsPart`` of rows ``[row_begin, row_begin +
+    V')`` given as a CUDA IPC reference (``cuda_ipc.Export`` of a contiguous
+    ``[V', H]`` CUDA tensor): ``LmHeadRows`` whose ``rows`` carry the
+    reference and no bytes (a worker on the server's host copies them)."""
+    first = pb2.LmHeadRows(update_id=update_id, row_begin=row_begin, rows=ref.tensor_pb("rows")).SerializeToString()
+    yield b"\x0a" + varint(len(first)) + first
+
+
+def lm_head_device_rows(weight: Any, dtype: Any = None) -> Tuple[int, Any]:
+    """``(wire dtype, [V, H] contiguous CUDA tensor)`` of a CUDA ``weight``
+    (``cuda_ipc.device_rows``, converted on its GPU). Raises
+    InvalidInputError for another rank, TypeError for a non-float dtype."""
+    dt, rows = cuda_ipc.device_rows(weight, dtype, "weight")
+    if rows.dim() != 2:
+        raise InvalidInputError("an lm_head weight is [vocab_size, hidden_size], got %s" % (list(rows.shape),))
+    return dt, rows
 
 
 def lm_head_rows_parts(update_id: str, row_begin: int, rows: Array, dt: int,

@@ -261,7 +261,7 @@ class ScoreCall:
         hidden states then go to the host and ``parts()`` gives parts with
         bytes. False (nothing changes) for any other error or a call without
         a reference."""
-        if not self._on_device or error.reason != "CUDA_IPC_UNAVAILABLE":
+        if not self._on_device or not cuda_ipc_mod.refused(error):
             return False
         self._to_host(error.message)
         return True

@@ -13,7 +13,14 @@
   ``cuda_ipc`` as it was (sync and asyncio);
 - GpuTest (skipped without a CUDA device and a CUDA build): a torch CUDA
   tensor scored through a ``--backend cuda`` server by CUDA IPC is bitwise
-  the result of sending its bytes, and matches the golden expectation.
+  the result of sending its bytes, and matches the golden expectation;
+- UpdateRowsTest: ``update_lm_head`` with a CUDA weight makes the same
+  decision (``cuda_ipc.offered``); against a CPU server with updates a
+  reference is refused (FAILED_PRECONDITION, CUDA_IPC_UNAVAILABLE, "send the
+  rows as bytes") and the client sends the rows again as bytes, sync and
+  asyncio; host weights never export;
+- GpuUpdateTest (skipped like GpuTest): a head updated from a torch CUDA
+  tensor by CUDA IPC scores bitwise as a server started with those weights.
 """
 
 import asyncio
@@ -21,14 +28,16 @@ import os
 import unittest
 import warnings
 
+import hashlib
+
 import numpy as np
 
 import support  # noqa: F401  (puts client/python on sys.path)
-from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare
+from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, temp_dir
 
 from logprob_client import LogprobError
 from logprob_client import aio
-from logprob_client import cuda_ipc, shared_memory
+from logprob_client import cuda_ipc, lm_head_update, safetensors, shared_memory
 from logprob_client import logprob_pb2 as pb2
 from logprob_client.request import Limits, ScoreCall
 
@@ -50,6 +59,9 @@ class FakeCudaTensor:
 
     def data_ptr(self):
         return 0
+
+    def dim(self):
+        return self.ndim
 
     def numel(self):
         return int(self.arr.size)
@@ -126,6 +138,41 @@ class DecisionTest(unittest.TestCase):
         self.assertEqual(np.frombuffer(by_name["input_ids"].data, np.int64).tolist(), [0, 1, 2, 3, 4])
         with self.assertRaises(ValueError):
             cuda_ipc.Export(Dev(), pb2.F32, b"short", 0)
+
+    def test_update_rows_make_the_same_decision(self):
+        here = shared_memory.host_id()
+        gpu = FakeCudaTensor(np.zeros((3, 4), np.float32))
+        for enabled, inf, x, want in (
+                (True, info(True, here), gpu, True),
+                (False, info(True, here), gpu, False),
+                (True, info(False, here), gpu, False),
+                (True, info(True, "0" * 32), gpu, False),
+                (True, info(True, here), np.zeros((3, 4), np.float32), False)):
+            self.assertEqual(cuda_ipc.offered(enabled, inf, x), want)
+            self.assertEqual(cuda_ipc.use_cuda_ipc(enabled, inf, "hidden_states", x), want)
+
+    def test_update_rows_by_reference_carry_it_instead_of_bytes(self):
+        class Dev:  # a contiguous [3, 4] bf16 CUDA tensor as export() sees it
+            shape = (3, 4)
+
+            def numel(self):
+                return 12
+
+            def element_size(self):
+                return 2
+
+        ref = cuda_ipc.Export(Dev(), pb2.BF16, b"r" * 64, 512, "GPU-x")
+        parts = list(lm_head_update.lm_head_ipc_parts("u1", 7, ref))
+        self.assertEqual(len(parts), 1, "one part: no pieces follow a reference")
+        rows = pb2.LmHeadRowsPart.FromString(parts[0]).rows
+        self.assertEqual((rows.update_id, rows.row_begin), ("u1", 7))
+        t = rows.rows
+        self.assertEqual((t.name, t.dtype, list(t.shape), t.data), ("rows", pb2.BF16, [3, 4], b""))
+        self.assertEqual((t.cuda_ipc.handle, t.cuda_ipc.offset, t.cuda_ipc.byte_size, t.cuda_ipc.device_uuid),
+                         (b"r" * 64, 512, 24, "GPU-x"))
+        # The scoring request's encoding is unchanged.
+        h = pb2.ScoreRequest.FromString(ref.encoded).inputs[0]
+        self.assertEqual((h.name, h.cuda_ipc.byte_size), ("hidden_states", 24))
 
     def test_sampling_filters_send_bytes(self):
         # The filtered path exchanges full logits rows through host memory:
@@ -276,6 +323,95 @@ class CpuServerTest(unittest.TestCase):
                     self.assertIn(what, str(e.exception))
 
 
+class UpdateRowsTest(unittest.TestCase):
+    """update_lm_head with a CUDA weight against a CPU server that takes
+    updates: the server refuses the reference, the rows go again as bytes."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.golden = safetensors.load(LM_HEAD)[0]["lm_head.weight"]  # uint16 bf16 bits
+        cls.server = Server(workers=2, extra=["--lm-head", LM_HEAD, "--allow-lm-head-updates"])
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.close()
+
+    def weights(self, seed):
+        return (self.golden ^ np.uint16(seed)).astype(np.uint16)  # other bf16 bits of the same shape
+
+    def head(self, client):
+        return [h for h in client.lm_heads() if h.name == "default"][0]
+
+    def test_a_refused_reference_goes_again_as_bytes(self):
+        real = (cuda_ipc.server_accepts, cuda_ipc.device_rows, cuda_ipc.export)
+        exported = []
+
+        def fake_export(t, dt):
+            exported.append(t)
+            return cuda_ipc.Export(t, dt, b"\x01" * 64, 0)
+
+        cuda_ipc.server_accepts = lambda info: True
+        cuda_ipc.device_rows = lambda x, dtype=None, name="hidden_states": (pb2.BF16, x)
+        cuda_ipc.export = fake_export
+        try:
+            with self.server.client() as client:
+                w = self.weights(1)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    self.assertEqual(client.update_lm_head("default", FakeCudaTensor(w), version="ipc-1",
+                                                           dtype="bf16"), "ipc-1")
+                self.assertEqual(len(exported), 1, "sent by reference first")
+                messages = [str(m.message) for m in caught]
+                self.assertTrue(any("CPU backend" in m and "send the rows as bytes" in m for m in messages), messages)
+                self.assertTrue(client.cuda_ipc, "the client's option is unchanged by one update's fallback")
+                h = self.head(client)
+                self.assertEqual((h.version, h.sha256), ("ipc-1", hashlib.sha256(w.tobytes()).hexdigest()))
+                # A host weight never takes the device path.
+                self.assertEqual(client.update_lm_head("default", self.weights(2), version="host", dtype="bf16"),
+                                 "host")
+                self.assertEqual(len(exported), 1)
+
+            async def run_aio():
+                async with aio.LogprobClient(self.server.address) as client:
+                    version = await client.update_lm_head("default", FakeCudaTensor(self.weights(3)),
+                                                          version="ipc-aio", dtype="bf16")
+                    return version, [h for h in await client.lm_heads() if h.name == "default"][0]
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                version, h = asyncio.run(run_aio())
+            self.assertEqual(len(exported), 2, "the asyncio client sent a reference too")
+            self.assertEqual((version, h.version, h.sha256),
+                             ("ipc-aio", "ipc-aio", hashlib.sha256(self.weights(3).tobytes()).hexdigest()))
+        finally:
+            cuda_ipc.server_accepts, cuda_ipc.device_rows, cuda_ipc.export = real
+
+    def test_a_raw_reference_is_refused_with_the_reason_and_changes_nothing(self):
+        with self.server.client() as client:
+            before = self.head(client)
+            V, H = self.golden.shape
+            upd = client._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
+                head="default", version="raw", vocab_size=V, hidden_size=H, dtype=pb2.BF16))
+            rows = pb2.Tensor(name="rows", dtype=pb2.BF16, shape=[V, H])
+            rows.cuda_ipc.handle = b"\x01" * 64
+            rows.cuda_ipc.byte_size = V * H * 2
+            with self.assertRaises(grpc.RpcError) as e:
+                client._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                    update_id=upd.update_id, rows=rows))]))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("send the rows as bytes", e.exception.details())
+            reasons = [v for k, v in (e.exception.trailing_metadata() or ()) if k == "logprob-error-reason"]
+            self.assertEqual(reasons, ["CUDA_IPC_UNAVAILABLE"])
+            # Nothing was taken: the same rows come as bytes and commit.
+            w = self.weights(4)
+            client._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
+                update_id=upd.update_id,
+                rows=pb2.Tensor(name="rows", dtype=pb2.BF16, shape=[V, H], data=w.tobytes())))]))
+            self.assertEqual(self.head(client).version, before.version, "nothing changes before the commit")
+            client._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
+            self.assertEqual(self.head(client).sha256, hashlib.sha256(w.tobytes()).hexdigest())
+
+
 def _cuda_ready():
     """Why GpuTest cannot run, or None."""
     try:
@@ -336,6 +472,52 @@ class GpuTest(unittest.TestCase):
                 res = client.score(**nt)
                 self.assertEqual(len(exported), 2)
                 self.assertEqual(compare(g.expected, {k: v.cpu().numpy() for k, v in res.outputs.items()}), "")
+        finally:
+            cuda_ipc.export = real_export
+
+
+@unittest.skipIf(_cuda_ready() is not None, "CUDA IPC update rows end to end: %s" % _cuda_ready())
+class GpuUpdateTest(unittest.TestCase):
+    """A head updated from a torch CUDA tensor by CUDA IPC (a worker copies
+    the rows into the store) scores bitwise as a server started with those
+    weights, and its sha256 is the weights' bytes'."""
+
+    def test_update_from_a_cuda_tensor_by_ipc_scores_as_a_server_started_with_it(self):
+        import torch
+
+        g = Golden("hidden_bf16")
+        golden = safetensors.load(LM_HEAD)[0]["lm_head.weight"]  # uint16 bf16 bits
+        start = os.path.join(temp_dir("cuda_ipc_update"), "start.safetensors")
+        safetensors.save(start, {"lm_head.weight": (golden ^ np.uint16(0x5)).astype(np.uint16)},
+                         bf16=["lm_head.weight"])
+        kw = g.score_kwargs()
+        with Server(workers=1, extra=["--backend", "cuda", "--lm-head", LM_HEAD]) as s, s.client() as c:
+            expect = c.score(**kw)
+        self.assertEqual(compare(g.expected, expect.outputs), "")
+        weight = torch.from_numpy(golden.view(np.int16)).view(torch.bfloat16).cuda()
+        exported = []
+        real_export = cuda_ipc.export
+
+        def counting_export(t, dt):
+            ref = real_export(t, dt)
+            exported.append(ref)
+            return ref
+
+        cuda_ipc.export = counting_export
+        try:
+            with Server(workers=1, extra=["--backend", "cuda", "--lm-head", start, "--allow-lm-head-updates"]) as s, \
+                    s.client() as c:
+                self.assertTrue(c.server_info().cuda_ipc_inputs)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # no fallback to bytes
+                    self.assertEqual(c.update_lm_head("default", weight, version="ipc"), "ipc")
+                self.assertEqual(len(exported), 1, "sent by CUDA IPC")
+                h = [x for x in c.lm_heads() if x.name == "default"][0]
+                self.assertEqual(h.sha256, hashlib.sha256(golden.tobytes()).hexdigest())
+                got = c.score(**kw)
+                self.assertEqual(got.head_version, "ipc")
+                for k, v in expect.outputs.items():
+                    self.assertTrue(np.array_equal(np.asarray(v), np.asarray(got.outputs[k]), equal_nan=True), k)
         finally:
             cuda_ipc.export = real_export
 
