@@ -15,7 +15,7 @@ namespace {
 
 /// The advice that ends every "cannot serve it" message.
 std::string Instead(const std::string& payload) {
-  return absl::StrCat("; send ", payload, " as bytes (inline, in pieces or through shared memory) instead");
+  return absl::StrCat("; send ", payload, " as bytes (inline or through shared memory) instead");
 }
 
 /// Bytes of a client's CUDA allocation: never read here, referred to.

@@ -38,8 +38,8 @@ struct CudaIpcAvailability {
 /// without a call) can be served; else FAILED_PRECONDITION saying why
 /// (flag off, CPU workers, workers on other hosts, several workers without
 /// device collectives, a peer that is not on this host) and that the client should send
-/// `payload` ("the hidden states", "the rows") as bytes (inline, in pieces or
-/// through shared memory) instead; the reason is CUDA_IPC_UNAVAILABLE.
+/// `payload` ("the hidden states", "the rows") as bytes (inline or through
+/// shared memory) instead; the reason is CUDA_IPC_UNAVAILABLE.
 absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& availability, const std::string& peer,
                                    const std::string& payload = "the hidden states");
 

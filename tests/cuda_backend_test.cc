@@ -8,11 +8,15 @@
 #include "worker/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <string>
@@ -27,6 +31,7 @@
 #include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/cuda_ipc.h"
 #include "worker/cuda/device_info.h"
+#include "worker/device_file_copy.h"
 #include "worker/host_staged_device_collectives.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/row_stats.h"
@@ -698,6 +703,43 @@ TEST(CudaIpcOpen, BadArgumentsAndUnopenableHandlesAreClearErrors) {
     // The failed open left no error behind for later CUDA calls.
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   }
+}
+
+// The copy behind Worker.StageLmHeadRows on a GPU: device memory (what a
+// mapped CUDA IPC allocation is) through the backend's DeviceCopy into a
+// file at an offset, in several chunks and a tail, every byte as it was;
+// a CPU backend has no DeviceCopy (runs everywhere).
+TEST(CudaStageRows, DeviceBytesLandInTheFileAtTheOffset) {
+  CpuBackend cpu(1);
+  EXPECT_EQ(cpu.NewDeviceCopy().status().code(), absl::StatusCode::kFailedPrecondition);
+  SKIP_WITHOUT_GPU();
+  auto gpu = cuda::CudaBackend::Create(0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto copy = (*gpu)->NewDeviceCopy();
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  constexpr size_t kBytes = (size_t{3} << 20) + 12345, kOffset = 4096 + 24;
+  std::string bytes(kBytes, '\0');
+  std::mt19937 rng(11);
+  for (char& c : bytes) c = static_cast<char>(rng());
+  void* device = nullptr;
+  ASSERT_EQ(cudaMalloc(&device, kBytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device, bytes.data(), kBytes, cudaMemcpyHostToDevice), cudaSuccess);
+  const std::string path = ::testing::TempDir() + "/cuda_stage_rows." + std::to_string(getpid());
+  std::ofstream(path, std::ios::binary) << std::string(kOffset + kBytes + 8, '\xEE');
+  const int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  std::vector<char> buffer;
+  const absl::Status st = CopyDeviceToFile(**copy, device, kBytes, fd, kOffset, &buffer, size_t{1} << 20);
+  close(fd);
+  cudaFree(device);
+  ASSERT_TRUE(st.ok()) << st;
+  std::ifstream in(path, std::ios::binary);
+  const std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  unlink(path.c_str());
+  ASSERT_EQ(got.size(), kOffset + kBytes + 8);
+  EXPECT_EQ(got.substr(0, kOffset), std::string(kOffset, '\xEE'));
+  EXPECT_TRUE(got.compare(kOffset, kBytes, bytes) == 0);
+  EXPECT_EQ(got.substr(kOffset + kBytes), std::string(8, '\xEE'));
 }
 
 }  // namespace
