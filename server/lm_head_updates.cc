@@ -334,9 +334,10 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
   absl::Status failed;
   const std::optional<std::string_view> memory = source.memory();
   // Bytes the front-end cannot read (a client's GPU memory): a worker on
-  // this host writes them into the staged file.
-  if (!source.rules().readable_here) failed = Stage(u, row_begin, rows, source);
-  for (int64_t off = 0; off < total && failed.ok() && source.rules().readable_here;) {
+  // this host writes them into the staged file; the others are copied here.
+  const bool by_worker = !source.rules().readable_here;
+  if (by_worker) failed = Stage(u, row_begin, rows, source);
+  for (int64_t off = 0; !by_worker && off < total && failed.ok();) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
     const char* p;
     if (memory) {
