@@ -11,6 +11,10 @@ workers.
    - rows through shared memory (a torch CPU bf16 tensor, the client's
      default on the server's host) against one memcpy of the head in this
      process (``np.copyto``) in the same round.
+   With ``--cuda`` (CUDA workers, a GPU for torch): also a torch CUDA
+   tensor by CUDA IPC (a worker copies the rows into the store) against
+   the same tensor with ``cuda_ipc=False`` (the client copies it to the
+   host, then shared memory).
 2. Scoring during updates: CONCURRENCY threads send hidden-states requests
    ([T, H] bf16) back to back; p50 / p99 latency while nothing happens,
    then while the head is updated UPDATES times; every request must
@@ -18,7 +22,7 @@ workers.
 
 Usage: PYTHONPATH=client/python:build/python python3 bench/lm_head_update_bench.py
        [--vocab 151936] [--hidden 4096] [--workers 2] [--rounds 3] [--updates 10]
-       [--tokens 16] [--concurrency 2] [--port 45117] [--store-dir DIR]
+       [--tokens 16] [--concurrency 2] [--port 45117] [--store-dir DIR] [--cuda]
 """
 
 import argparse
@@ -80,6 +84,8 @@ def main():
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--port", type=int, default=45117)
     ap.add_argument("--store-dir", default="", help="the server's --lm-head-store-dir (default: its own)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="CUDA workers; also time updates from a CUDA tensor by CUDA IPC and by a host copy")
     a = ap.parse_args()
     V, H = a.vocab, a.hidden
     tmp = tempfile.mkdtemp(prefix="lm_head_bench_")
@@ -92,14 +98,15 @@ def main():
     server = subprocess.Popen([os.path.join(BIN, "logprob-server"), "--listen", address, "--workers",
                                str(a.workers), "--lm-head", path, "--allow-lm-head-updates",
                                "--max-request-bytes", str(1 << 30)] +
-                              (["--lm-head-store-dir", a.store_dir] if a.store_dir else []),
+                              (["--lm-head-store-dir", a.store_dir] if a.store_dir else []) +
+                              (["--backend", "cuda"] if a.cuda else []),
                               stdout=log, stderr=subprocess.STDOUT)
     try:
         with LogprobClient(address, timeout=600) as c:
             if not c.health(wait=300):
                 raise SystemExit("server did not become SERVING; log in %s" % tmp)
-            print("lm_head bf16 [%d, %d] = %.2f GB, %d CPU workers, %d interleaved rounds" %
-                  (V, H, nbytes / 1e9, a.workers, a.rounds))
+            print("lm_head bf16 [%d, %d] = %.2f GB, %d %s workers, %d interleaved rounds" %
+                  (V, H, nbytes / 1e9, a.workers, "CUDA" if a.cuda else "CPU", a.rounds))
             import torch  # the shared-memory path's input: a torch CPU tensor
             tensors = [torch.from_numpy(h.view(np.int16)).view(torch.bfloat16) for h in heads]
             copy_dst = np.empty_like(heads[0])
@@ -121,6 +128,27 @@ def main():
                                                           rows["pieces"][-1] / rows["echo"][-1], rows["shm"][-1],
                                                           rows["memcpy"][-1], rows["shm"][-1] / rows["memcpy"][-1]),
                           flush=True)
+            if a.cuda:
+                if not c.server_info().cuda_ipc_inputs:
+                    raise SystemExit("--cuda: the server does not offer CUDA IPC (see its log in %s)" % tmp)
+                on_gpu = [t.cuda() for t in tensors]
+                gpu_rows = {"ipc": [], "gpu-host": []}
+                with LogprobClient(address, timeout=600, cuda_ipc=False) as host:
+                    for r in range(a.rounds):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        c.update_lm_head("default", on_gpu[(r + 1) % 2], version="ipc-%d" % r)
+                        gpu_rows["ipc"].append(time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+                        host.update_lm_head("default", on_gpu[r % 2], version="gpu-host-%d" % r)
+                        gpu_rows["gpu-host"].append(time.perf_counter() - t0)
+                        print("round %d: CUDA tensor by CUDA IPC %.2f s, by a host copy %.2f s (ratio %.2f)" %
+                              (r, gpu_rows["ipc"][-1], gpu_rows["gpu-host"][-1],
+                               gpu_rows["ipc"][-1] / gpu_rows["gpu-host"][-1]), flush=True)
+                gm = {k: statistics.median(v) for k, v in gpu_rows.items()}
+                print("median: CUDA tensor by CUDA IPC %.2f s (%.0f MB/s), by a host copy %.2f s (%.0f MB/s)" %
+                      (gm["ipc"], nbytes / gm["ipc"] / 1e6, gm["gpu-host"], nbytes / gm["gpu-host"] / 1e6))
+                del on_gpu
             med = {k: statistics.median(v) for k, v in rows.items()}
             ratio_p = statistics.median([p / e for p, e in zip(rows["pieces"], rows["echo"])])
             ratio_s = statistics.median([x / m for x, m in zip(rows["shm"], rows["memcpy"])])

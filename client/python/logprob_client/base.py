@@ -82,8 +82,9 @@ class ClientBase:
             ``host_id``), send the tensors through a POSIX shared-memory
             region registered with it instead of in the request
             (``shared_memory.py``; both clients). False: always inline.
-        cuda_ipc: when the hidden states are a torch CUDA tensor and the
-            server reports ``cuda_ipc_inputs`` on this host, send a CUDA IPC
+        cuda_ipc: when the hidden states (or the weight of
+            ``update_lm_head``) are a torch CUDA tensor and the server
+            reports ``cuda_ipc_inputs`` on this host, send a CUDA IPC
             handle of their GPU memory instead of the bytes
             (``cuda_ipc.py``; both clients; ``score(..., cuda_ipc=False)``
             turns it off for one call). False: always bytes. A server that

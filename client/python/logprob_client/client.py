@@ -177,7 +177,11 @@ class LogprobClient(ClientBase):
         ``version`` and returns the committed version (server started with
         ``--allow-lm-head-updates``). ``weight``: [V, H] torch tensor (CPU or
         CUDA), numpy array (uint16 bf16 bits with ``dtype="bf16"``) or
-        safetensors path, of the head's shape and dtype. The rows go through this client's shared-memory region when
+        safetensors path, of the head's shape and dtype. A CUDA tensor goes
+        as a CUDA IPC handle when the server offers CUDA IPC on this host
+        (unless ``cuda_ipc=False``; a worker there copies the rows into the
+        server's store), else it is copied to the host once. Host rows go
+        through this client's shared-memory region when
         the server is on this host (unless ``shared_memory=False``), else
         in pieces; the server stages them, every
         worker loads them while scoring goes on, and only then requests
