@@ -32,7 +32,9 @@ void StagedFileHasher::Written(int64_t begin, int64_t end) {
 }
 
 void StagedFileHasher::Loop() {
-  std::vector<char> buf(static_cast<size_t>(kReadBytes));
+  // No larger than the file: a small head's update does not pay for
+  // zeroing and faulting in 4 MiB.
+  std::vector<char> buf(static_cast<size_t>(std::min(kReadBytes, std::max<int64_t>(total_, 1))));
   for (;;) {
     int64_t from = 0, to = 0;
     {

@@ -79,9 +79,18 @@ std::string ReadFile(const std::string& path, uint64_t offset, size_t n) {
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   google::protobuf::SetLogHandler(nullptr);
-  char dir[] = "/tmp/fuzz_lm_head_update.XXXXXX";
-  CHECK(mkdtemp(dir) != nullptr);
+  // The store in memory when the machine has /dev/shm (as the server's
+  // default store): no file system journal per input.
+  char shm_dir[] = "/dev/shm/fuzz_lm_head_update.XXXXXX";
+  char tmp_dir[] = "/tmp/fuzz_lm_head_update.XXXXXX";
+  const char* dir = mkdtemp(shm_dir);
+  if (dir == nullptr) dir = mkdtemp(tmp_dir);
+  CHECK(dir != nullptr);
   store_dir = new std::string(dir);
+  std::atexit([] {
+    std::error_code ec;
+    std::filesystem::remove_all(*store_dir, ec);
+  });
   return 0;
 }
 
