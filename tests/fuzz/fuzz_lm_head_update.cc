@@ -1,8 +1,9 @@
 // libFuzzer target: lm_head updates (server/lm_head_updates.h): Begin with
 // fuzzed shapes, dtypes, versions and sha256s, then a fuzzed sequence of
 // PutRows (row ranges anywhere, overlapping, repeated, of the wrong size,
-// dtype or width, from sources that fail midway), Commit and Abort, on a
-// [37, 4] F32 head over 2 fake workers.
+// dtype or width, from sources that fail midway, from sources the
+// front-end cannot read that a fake worker stages or fails to), Commit and
+// Abort, on a [37, 4] F32 head over 2 fake workers.
 //
 // Invariants: every call answers a documented status; a Commit succeeds
 // only when every row came exactly once through successful puts, and then
@@ -10,9 +11,12 @@
 // puts, its sha256 is theirs, and the workers were asked to load that
 // version; the current version is then the committed one, and an aborted
 // or failed update never changes it. A violated invariant traps.
+#include <fcntl.h>
 #include <fuzzer/FuzzedDataProvider.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -60,6 +64,27 @@ class FailingSource final : public logprob::InputSource {
  private:
   const int64_t good_;
 };
+
+/// Rows the front-end cannot read (as a client's CUDA IPC allocation): it
+/// refers a worker to them (the fuzzer's stage callback writes them).
+class ReferredSource final : public logprob::InputSource {
+ public:
+  explicit ReferredSource(int64_t size) : InputSource(logprob::InputKind::kCudaIpc, size) {}
+  bool Read(int64_t, size_t n, char* dst) const override {
+    std::fill(dst, dst + n, '\0');
+    return false;
+  }
+  bool Refer(int64_t offset, int64_t n, logprob::internal::v1::WorkItem* item) const override {
+    logprob::internal::v1::CudaIpcPayload* p = item->mutable_cuda_ipc();
+    p->set_handle(std::string(64, 'h'));
+    p->set_offset(offset);
+    p->set_byte_size(n);
+    return true;
+  }
+};
+
+/// The bytes the fake worker stages for a ReferredSource.
+constexpr char kStagedByte = '\x3c';
 
 bool Is(const absl::Status& st, std::initializer_list<absl::StatusCode> codes) {
   for (absl::StatusCode c : codes)
@@ -128,6 +153,23 @@ void Run(FuzzedDataProvider& p) {
   };
   workers.serving = [](int64_t) { return true; };
   workers.drop = [](const logprob::internal::v1::LmHeadRef&) {};
+  // A worker that stages referred rows (CUDA workers on this host), or none.
+  bool stage_failed = false;
+  if (p.ConsumeIntegralInRange(0, 3) != 0)
+    workers.stage = [&p, &stage_failed](const logprob::internal::v1::LmHeadStage& stage) -> absl::Status {
+      stage_failed = p.ConsumeIntegralInRange(0, 7) == 0;
+      if (stage_failed) return absl::InternalError("the worker's device copy failed");
+      const int fd = open(stage.file().c_str(), O_WRONLY | O_CLOEXEC);
+      CHECK(fd >= 0);
+      struct stat st {};
+      CHECK(fstat(fd, &st) == 0);
+      CHECK(stage.file_offset() >= 0 && stage.source().byte_size() > 0 &&
+            stage.file_offset() + stage.source().byte_size() <= st.st_size);
+      const std::string bytes(static_cast<size_t>(stage.source().byte_size()), kStagedByte);
+      CHECK(pwrite(fd, bytes.data(), bytes.size(), stage.file_offset()) == static_cast<ssize_t>(bytes.size()));
+      close(fd);
+      return absl::OkStatus();
+    };
   LmHeadUpdates::Options options;
   options.allowed = true;
   options.store_dir = *store_dir;
@@ -173,7 +215,12 @@ void Run(FuzzedDataProvider& p) {
       std::shared_ptr<const logprob::InputSource> source;
       std::string content;  // the bytes a successful put must have written
       bool readable = true;
-      if (p.ConsumeIntegralInRange(0, 15) == 0) {
+      const int source_kind = p.ConsumeIntegralInRange(0, 15);
+      stage_failed = false;
+      if (source_kind == 1) {
+        source = std::make_shared<ReferredSource>(bytes);
+        content.assign(static_cast<size_t>(bytes), kStagedByte);
+      } else if (source_kind == 0) {
         const int64_t good = p.ConsumeIntegralInRange<int64_t>(0, bytes);
         source = std::make_shared<FailingSource>(bytes, good);
         readable = good == bytes;
@@ -187,11 +234,13 @@ void Run(FuzzedDataProvider& p) {
       const absl::StatusOr<v1::LmHeadUpdate> put = updates.PutRows(target, row_begin, n, dtype, columns, *source);
       if (!put.ok()) {
         CHECK(Is(put.status(), {absl::StatusCode::kNotFound, absl::StatusCode::kInvalidArgument,
-                                absl::StatusCode::kDataLoss, absl::StatusCode::kFailedPrecondition}));
+                                absl::StatusCode::kDataLoss, absl::StatusCode::kFailedPrecondition}) ||
+              (source_kind == 1 && stage_failed && Is(put.status(), {absl::StatusCode::kInternal})));
         continue;
       }
       CHECK(target == id && row_begin >= 0 && n > 0 && row_begin + n <= kV && dtype == v1::F32 && columns == kH);
       CHECK(readable);
+      CHECK(source_kind != 1 || (workers.stage && !stage_failed));
       CHECK(!content.empty() && static_cast<int64_t>(content.size()) == n * kRowBytes);
       for (int64_t r = 0; r < n; ++r) {
         CHECK(given[row_begin + r] == 0);  // exactly once
