@@ -12,17 +12,19 @@
 #
 # Steps, most important first:
 #   1. the CUDA tests (ctest -R Cuda);
-#   2. the injected Compute failure followed by a concurrent logits item
+#   2. the Python client's torch CUDA tests (ctest -R py_client_Gpu: CUDA
+#      IPC scoring inputs and lm_head update rows);
+#   3. the injected Compute failure followed by a concurrent logits item
 #      (CudaOnePass.*, Options::fail_gemm_after / LOGPROB_TEST_FAIL_GEMM_AFTER);
-#   3. 2 workers over Gloo on one GPU: the W >= 2 one-pass path over
+#   4. 2 workers over Gloo on one GPU: the W >= 2 one-pass path over
 #      device collectives staged through host memory
 #      (worker/host_staged_device_collectives.h), in process
 #      (CudaOnePass.*StagedCollectives*) and through servers with --comm
 #      gloo, whose CUDA IPC test can only pass on that path (a device
 #      pointer is never scored in rounds);
-#   4-7. the one-pass and CUDA IPC tests under compute-sanitizer memcheck
+#   5-8. the one-pass and CUDA IPC tests under compute-sanitizer memcheck
 #      and racecheck;
-#   8-11. commands 1-4 of docs/benchmarks.md (bench, precision, server, torch).
+#   9-12. commands 1-4 of docs/benchmarks.md (bench, precision, server, torch).
 set -u
 dry=0
 [ "${1:-}" = "--dry-run" ] && dry=1
@@ -86,6 +88,9 @@ one_pass='CudaOnePass.*:CudaInvariance.HiddenItemPartials*:CudaHidden.FusedGemmA
 ipc='CudaIpc.*'
 
 step ctest-cuda 150 "cd build && ctest -R Cuda --output-on-failure"
+# The Python client with torch CUDA tensors: scoring inputs and lm_head
+# update rows by CUDA IPC, bitwise against their bytes.
+step python-gpu 90 "cd build && ctest -R 'py_client_Gpu' --output-on-failure"
 step inject-failure 45 \
   "build/bin/cuda_backend_test --gtest_filter='CudaOnePass.InjectedGemmFailure*' && { echo '-- the hook from the environment: this run must fail with an injected INTERNAL error'; ! LOGPROB_TEST_FAIL_GEMM_AFTER=2 build/bin/cuda_backend_test --gtest_filter='CudaOnePass.PassesOfBoundedMemory*'; }"
 step gloo-2-workers 120 \
