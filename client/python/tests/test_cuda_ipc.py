@@ -24,6 +24,7 @@
 """
 
 import asyncio
+import contextlib
 import os
 import unittest
 import warnings
@@ -425,6 +426,25 @@ def _cuda_ready():
     return None
 
 
+@contextlib.contextmanager
+def counting_exports():
+    """``cuda_ipc.export`` recording every reference it makes: yields the
+    list the references are appended to."""
+    exported = []
+    real_export = cuda_ipc.export
+
+    def counting_export(t, dt):
+        ref = real_export(t, dt)
+        exported.append(ref)
+        return ref
+
+    cuda_ipc.export = counting_export
+    try:
+        yield exported
+    finally:
+        cuda_ipc.export = real_export
+
+
 @unittest.skipIf(_cuda_ready() is not None, "CUDA IPC end to end: %s" % _cuda_ready())
 class GpuTest(unittest.TestCase):
     @classmethod
@@ -446,16 +466,7 @@ class GpuTest(unittest.TestCase):
         # request multiply the same rows.
         kw["alignment"] = "same_position"
         hidden = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).cuda()
-        exported = []
-        real_export = cuda_ipc.export
-
-        def counting_export(t, dt):
-            ref = real_export(t, dt)
-            exported.append(ref)
-            return ref
-
-        cuda_ipc.export = counting_export
-        try:
+        with counting_exports() as exported:
             with self.server.client() as client:
                 self.assertTrue(client.server_info().cuda_ipc_inputs)
                 got = client.score(hidden_states=hidden, **kw)
@@ -472,8 +483,6 @@ class GpuTest(unittest.TestCase):
                 res = client.score(**nt)
                 self.assertEqual(len(exported), 2)
                 self.assertEqual(compare(g.expected, {k: v.cpu().numpy() for k, v in res.outputs.items()}), "")
-        finally:
-            cuda_ipc.export = real_export
 
 
 @unittest.skipIf(_cuda_ready() is not None, "CUDA IPC update rows end to end: %s" % _cuda_ready())
@@ -495,16 +504,7 @@ class GpuUpdateTest(unittest.TestCase):
             expect = c.score(**kw)
         self.assertEqual(compare(g.expected, expect.outputs), "")
         weight = torch.from_numpy(golden.view(np.int16)).view(torch.bfloat16).cuda()
-        exported = []
-        real_export = cuda_ipc.export
-
-        def counting_export(t, dt):
-            ref = real_export(t, dt)
-            exported.append(ref)
-            return ref
-
-        cuda_ipc.export = counting_export
-        try:
+        with counting_exports() as exported:
             with Server(workers=1, extra=["--backend", "cuda", "--lm-head", start, "--allow-lm-head-updates"]) as s, \
                     s.client() as c:
                 self.assertTrue(c.server_info().cuda_ipc_inputs)
@@ -518,8 +518,6 @@ class GpuUpdateTest(unittest.TestCase):
                 self.assertEqual(got.head_version, "ipc")
                 for k, v in expect.outputs.items():
                     self.assertTrue(np.array_equal(np.asarray(v), np.asarray(got.outputs[k]), equal_nan=True), k)
-        finally:
-            cuda_ipc.export = real_export
 
 
 if __name__ == "__main__":
