@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Static checks of the project's C++ (run by scripts/test.sh):
 #   clang-format: every tracked source formatted (scripts/format.sh --check);
+#   no absl::Mutex Await / LockWhen (the TSan build cannot see them);
 #   clang-tidy:   the checks of .clang-tidy over the front-end, worker, common
 #                 and client sources (not CUDA, not tests), with the main
 #                 build's compile commands (build/compile_commands.json);
@@ -10,6 +11,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/format.sh --check || { echo "lint: files above differ from clang-format (run scripts/format.sh)" >&2; exit 1; }
+# The TSan build sees absl::Mutex Lock / Unlock and CondVar waits only
+# (common/tsan_absl_mutex.cc): a Mutex::Await or LockWhen releases the
+# mutex unseen, and TSan then reports a double lock. Use a CondVar.
+if git grep -n -E '\.(Await|AwaitWithTimeout|AwaitWithDeadline|LockWhen|LockWhenWithTimeout|ReaderLockWhen)\(' -- \
+    'server/*.cc' 'server/*.h' 'common/*.cc' 'common/*.h' 'worker/*.cc' 'worker/*.h' 'client/*.cc' 'client/*.h' >&2; then
+  echo "lint: absl::Mutex conditions above: wait on an absl::CondVar instead (the TSan build cannot see them)" >&2
+  exit 1
+fi
 command -v clang-tidy >/dev/null || { echo "clang-tidy not found (Debian: clang-tidy)" >&2; exit 2; }
 [ -f build/compile_commands.json ] || { echo "lint: run scripts/build.sh first (build/compile_commands.json)" >&2; exit 2; }
 mapfile -t files < <(git ls-files 'server/*.cc' 'common/*.cc' 'worker/*.cc' 'worker/kernels/*.cc' 'client/*.cc' |

@@ -21,6 +21,7 @@ StagedFileHasher::~StagedFileHasher() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    cv_.SignalAll();
   }
   thread_.join();
 }
@@ -29,6 +30,7 @@ void StagedFileHasher::Written(int64_t begin, int64_t end) {
   if (end <= begin) return;
   absl::MutexLock lock(&mu_);
   pending_[begin] = end;
+  cv_.SignalAll();
 }
 
 void StagedFileHasher::Loop() {
@@ -39,11 +41,11 @@ void StagedFileHasher::Loop() {
     int64_t from = 0, to = 0;
     {
       absl::MutexLock lock(&mu_);
-      // Wait for written bytes right after the hashed prefix.
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || failed_ || hashed_ == total_ || (!pending_.empty() && pending_.begin()->first == hashed_);
-      };
-      mu_.Await(absl::Condition(&ready));
+      // Wait for written bytes right after the hashed prefix. (A CondVar,
+      // not Mutex::Await: the TSan build sees CondVar waits release mu_,
+      // common/tsan_absl_mutex.cc.)
+      while (!(stop_ || failed_ || hashed_ == total_ || (!pending_.empty() && pending_.begin()->first == hashed_)))
+        cv_.Wait(&mu_);
       if (stop_ || failed_ || hashed_ == total_) return;
       from = hashed_;
       to = std::min(pending_.begin()->second, from + kReadBytes);
@@ -52,6 +54,7 @@ void StagedFileHasher::Loop() {
     const bool ok = PreadAll(fd_, buf.data(), n, data_offset_ + static_cast<uint64_t>(from));
     if (ok) sha_.Update(std::string_view(buf.data(), n));
     absl::MutexLock lock(&mu_);
+    cv_.SignalAll();  // Finish waits for hashed_ or failed_
     if (!ok) {
       failed_ = true;
       return;
@@ -71,8 +74,7 @@ void StagedFileHasher::Loop() {
 absl::StatusOr<std::string> StagedFileHasher::Finish() {
   {
     absl::MutexLock lock(&mu_);
-    auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return failed_ || hashed_ == total_; };
-    mu_.Await(absl::Condition(&done));
+    while (!failed_ && hashed_ != total_) cv_.Wait(&mu_);
     if (failed_)
       return absl::InternalError(absl::StrCat("reading the staged lm_head back for its sha256 failed at byte ",
                                               data_offset_ + static_cast<uint64_t>(hashed_)));

@@ -45,6 +45,7 @@ class StagedFileHasher {
   Sha256Stream sha_;  // the thread's only
 
   absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled when pending_, hashed_, failed_ or stop_ change
   std::map<int64_t, int64_t> pending_ ABSL_GUARDED_BY(mu_);  // written, not yet hashed: begin -> end
   int64_t hashed_ ABSL_GUARDED_BY(mu_) = 0;                  // [0, hashed_) is in sha_
   bool failed_ ABSL_GUARDED_BY(mu_) = false;
