@@ -166,18 +166,6 @@ struct Session {
   }
 };
 
-/// Waits (up to 60 s) until `series` on /metrics at `port` equals `want`.
-void WaitForMetric(int port, const std::string& series, double want) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  double last = -2;
-  while (std::chrono::steady_clock::now() < until) {
-    const CommandResult m = ScrapeMetrics(port);
-    if (m.code == 0 && (last = MetricSample(m.output, series)) == want) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  FAIL() << series << " did not reach " << want << " within 60 s (last " << last << ")";
-}
-
 /// Writes `bf16_path`'s `lm_head.weight` (BF16) as F32 to `path`: the same
 /// values (bf16 widens exactly), so hidden-states results stay within the
 /// SPEC tolerance of the bf16 references, and the F32 GEMM runs on CPUs
@@ -295,8 +283,8 @@ TEST_F(SharedMemoryInputs, RegisterUseListUnregister) {
   ASSERT_TRUE(a.Register("in", region.name(), 4 << 20).ok());
   EXPECT_EQ(a.Register("in", region.name(), 4 << 20).error_code(), grpc::StatusCode::ALREADY_EXISTS);
   EXPECT_EQ(a.List(), std::vector<std::string>{"in:4194304"});
-  WaitForMetric(metrics_port_, "logprob_shared_memory_regions", 1);
-  WaitForMetric(metrics_port_, "logprob_shared_memory_bytes", 4 << 20);
+  EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_shared_memory_regions", 1));
+  EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_shared_memory_bytes", 4 << 20));
 
   v1::ScoreRequest req = GoldenRequest(g);
   v1::ScoreResponse inline_resp;
@@ -332,7 +320,7 @@ TEST_F(SharedMemoryInputs, RegisterUseListUnregister) {
   ASSERT_TRUE(a.Unregister("in", &n).ok());
   EXPECT_EQ(n, 1);
   EXPECT_TRUE(a.List().empty());
-  WaitForMetric(metrics_port_, "logprob_shared_memory_regions", 0);
+  EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_shared_memory_regions", 0));
   EXPECT_EQ(a.Unregister("in").error_code(), grpc::StatusCode::NOT_FOUND);
   s = a.Score(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
@@ -587,12 +575,12 @@ TEST_F(SharedMemoryInputs, TruncatedRegionsGiveAClearErrorAndTheServerGoesOn) {
       v1::ScoreResponse r;
       return stub->Score(&ctx, work.slow, &r);
     });
-    WaitForMetric(metrics_port_, "logprob_inflight_requests", 1);
+    EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_inflight_requests", 1));
     auto queued = std::async(std::launch::async, [&] {
       v1::ScoreResponse r;
       return a.Score(req, &r);
     });
-    WaitForMetric(metrics_port_, "logprob_queued_requests", 1);
+    EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_queued_requests", 1));
     region.Truncate(4096);  // the integer tensors' copies were taken; the logits rows are gone
     const grpc::Status s = queued.get();
     EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
@@ -623,7 +611,7 @@ TEST_F(SharedMemoryInputs, TruncatedRegionsGiveAClearErrorAndTheServerGoesOn) {
       v1::ScoreResponse r;
       return stub->Score(&ctx, work.slow, &r);
     });
-    WaitForMetric(metrics_port_, "logprob_inflight_requests", 1);
+    EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_inflight_requests", 1));
     std::vector<std::future<std::pair<grpc::Status, std::string>>> queued;
     for (const v1::ScoreRequest* r : {&first, &second}) {
       queued.push_back(std::async(std::launch::async, [&a, r] {
@@ -638,7 +626,7 @@ TEST_F(SharedMemoryInputs, TruncatedRegionsGiveAClearErrorAndTheServerGoesOn) {
       grpc::Status st = stub->Score(&ctx, GoldenRequest(g), &resp);
       return std::make_pair(st, OutputBytes(resp));
     }));
-    WaitForMetric(metrics_port_, "logprob_queued_requests", 3);
+    EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_queued_requests", 3));
     for (auto& q : queued) {
       const auto [st, bytes] = q.get();
       ASSERT_TRUE(st.ok()) << st.error_message();
@@ -670,7 +658,7 @@ TEST_F(SharedMemoryInputs, IdleSessionsLoseTheirRegions) {
   ASSERT_TRUE(a.Register("r", region.name(), 1 << 20).ok());
   // The reaper removes it once the session has been idle for 300 ms
   // (observed on /metrics, which does not count as a call of the session).
-  WaitForMetric(metrics_port_, "logprob_shared_memory_regions", 0);
+  EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_shared_memory_regions", 0));
   EXPECT_TRUE(a.List().empty());
   v1::ScoreRequest req = GoldenRequest(LoadGolden("basic_f32"));
   region.Place(&req, "r");
