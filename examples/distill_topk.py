@@ -38,70 +38,18 @@ server), 1 when one is not, 2 when something is missing.
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the models are built here: never reach the Hugging Face Hub
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import logprob_client  # noqa: F401  (installed, or on PYTHONPATH)
-except ImportError:
-    sys.path.insert(0, os.path.join(REPO, "client", "python"))  # the checkout's client (stubs from build/python)
+from example_support import REPO, start_server, tiny_llama  # noqa: E402  (first: it sets up the environment)
 
 import torch  # noqa: E402
 
 from logprob_client import LogprobClient  # noqa: E402
 
 TOLERANCE = 1e-4  # float32 weights and hidden states, f32 GEMM on the server (see examples/hf_logprobs.py)
-HIDDEN = 64
-
-
-def tiny_llama(seed, vocab_size):
-    """An untied LlamaForCausalLM small enough for the CPU, its output layer
-    drawn wider than the default so distributions are peaked (distinct
-    top-k) rather than flat."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, attn_implementation="eager", torch_dtype=torch.float32,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.5)
-    return model
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(bin_dir, heads, folder):
-    """A logprob-server with 2 CPU workers and the named heads ({name:
-    safetensors path}). Returns (process, address, log path)."""
-    binary = os.path.join(bin_dir, "logprob-server")
-    if not os.access(binary, os.X_OK):
-        print("distill_topk: %s not found: build the tree (bash scripts/build.sh) or pass --bin-dir" % binary,
-              file=sys.stderr)
-        sys.exit(2)
-    address = "127.0.0.1:%d" % free_port()
-    args = [binary, "--listen", address, "--workers", "2", "--backend", "cpu"]
-    for name, path in heads.items():
-        args += ["--lm-head", "%s=%s" % (name, path)]
-    log_path = os.path.join(folder, "server.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    return proc, address, log_path
 
 
 def final_hidden_and_logits(model, input_ids, attention_mask):
@@ -166,7 +114,7 @@ def main():
         for name, model in (("teacher", teacher), ("student", student)):
             heads[name] = os.path.join(folder, name + ".safetensors")
             save_file({"lm_head.weight": model.lm_head.weight.detach().contiguous()}, heads[name])
-        server, address, log_path = start_server(args.bin_dir, heads, folder)
+        server, address, log_path = start_server(args.bin_dir, heads, folder, "distill_topk")
         try:
             with LogprobClient(address, timeout=120) as client:
                 for _ in range(120):

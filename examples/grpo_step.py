@@ -37,67 +37,16 @@ is missing (transformers, the binaries, lm_head updates in the server).
 import argparse
 import copy
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built here: never reach the Hugging Face Hub
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import logprob_client  # noqa: F401  (installed, or on PYTHONPATH)
-except ImportError:
-    sys.path.insert(0, os.path.join(REPO, "client", "python"))  # the checkout's client (stubs from build/python)
+from example_support import REPO, start_server, tiny_llama  # noqa: E402  (first: it sets up the environment)
 
 import torch  # noqa: E402
 
 from logprob_client import LogprobClient  # noqa: E402
 
 TOLERANCE = 1e-4  # float32 weights and hidden states, f32 GEMM on the server (see examples/hf_logprobs.py)
-HIDDEN = 64
-
-
-def tiny_llama(seed, vocab_size):
-    """The policy: an untied LlamaForCausalLM small enough for the CPU, its
-    output layer drawn wider than the default so distributions are peaked."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, attn_implementation="eager", torch_dtype=torch.float32,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.5)
-    return model
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(bin_dir, heads, folder):
-    """A logprob-server with the named heads ({name: safetensors path}),
-    updates allowed, two versions kept per head. Returns (process, address)."""
-    binary = os.path.join(bin_dir, "logprob-server")
-    if not os.access(binary, os.X_OK):
-        print("grpo_step: %s not found: build the tree (bash scripts/build.sh) or pass --bin-dir / --server"
-              % binary, file=sys.stderr)
-        sys.exit(2)
-    address = "127.0.0.1:%d" % free_port()
-    args = [binary, "--listen", address, "--workers", "2", "--backend", "cpu",
-            "--allow-lm-head-updates", "--lm-head-retain", "2"]
-    for name, path in heads.items():
-        args += ["--lm-head", "%s=%s" % (name, path)]
-    log = open(os.path.join(folder, "server.log"), "wb")
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), address
 
 
 def head_versions(client):
@@ -187,7 +136,8 @@ def main():
             for name, model in (("policy", policy), ("reference", reference)):
                 heads[name] = os.path.join(folder, name + ".safetensors")
                 save_file({"lm_head.weight": model.lm_head.weight.detach().contiguous()}, heads[name])
-            server, address = start_server(args.bin_dir, heads, folder)
+            server, address, _ = start_server(args.bin_dir, heads, folder, "grpo_step",
+                                                ["--allow-lm-head-updates", "--lm-head-retain", "2"])
         try:
             with LogprobClient(address, timeout=120) as client:
                 for _ in range(120):

@@ -35,45 +35,18 @@ allows 2e-4 + 2e-5 |x|).
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built here: never reach the Hugging Face Hub
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import logprob_client  # noqa: F401  (installed, or on PYTHONPATH)
-except ImportError:
-    sys.path.insert(0, os.path.join(REPO, "client", "python"))  # the checkout's client (stubs from build/python)
+from example_support import REPO, free_port, tiny_llama  # noqa: E402  (first: it sets up the environment)
 
 import torch  # noqa: E402
 
 from logprob_client import LogprobClient  # noqa: E402
 
 TOLERANCE = 1e-4  # float32 weights and hidden states (see the docstring)
-
-
-def tiny_llama(tied, seed, vocab_size):
-    """A randomly initialised LlamaForCausalLM small enough for a CPU test.
-    Its output layer is re-drawn wider than the default initialisation so
-    that the distributions are peaked (distinct top-k) rather than flat."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=tied, attn_implementation="eager", torch_dtype=torch.float32,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.normal_(0.0, 0.5)  # tied: the input embedding too
-    return model
 
 
 def save_lm_head(model, tied, folder):
@@ -91,12 +64,6 @@ def save_lm_head(model, tied, folder):
     path = os.path.join(folder, "lm_head.safetensors")
     save_file({"lm_head.weight": model.lm_head.weight.detach().contiguous()}, path)
     return path, "lm_head.weight"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -145,7 +112,7 @@ def reference(logits, input_ids, lengths, k):
 def check_variant(tied, args, folder):
     """Runs one variant; returns the largest difference of any output."""
     name = "tied (model.embed_tokens.weight)" if tied else "untied (lm_head.weight)"
-    model = tiny_llama(tied, args.seed, args.vocab)
+    model = tiny_llama(args.seed, args.vocab, tied=tied)
     lm_head, tensor = save_lm_head(model, tied, os.path.join(folder, "tied" if tied else "untied"))
 
     # A padded batch, right padding: lengths B, S - 3, S // 2.
