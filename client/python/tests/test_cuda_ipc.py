@@ -118,16 +118,8 @@ class DecisionTest(unittest.TestCase):
         from logprob_client import splitter
         from logprob_client.request import Part
 
-        class Dev:  # what export() sees of a contiguous CUDA tensor
-            shape = (5, 8)
-
-            def numel(self):
-                return 40
-
-            def element_size(self):
-                return 4
-
-        ref = cuda_ipc.Export(Dev(), pb2.F32, b"h" * 64, 4096, "GPU-test")
+        dev = FakeCudaTensor(np.zeros((5, 8), np.float32))  # what export() sees of a contiguous CUDA tensor
+        ref = cuda_ipc.Export(dev, pb2.F32, b"h" * 64, 4096, "GPU-test")
         part = Part("r1", splitter.Inputs(small, call.inputs.options, rows=rows), 1, 1, False, cuda_ipc=ref)
         req = pb2.ScoreRequest.FromString(part.serialized(1 << 20))
         by_name = {t.name: t for t in req.inputs}
@@ -138,7 +130,7 @@ class DecisionTest(unittest.TestCase):
                          (b"h" * 64, 4096, 160, "GPU-test"))
         self.assertEqual(np.frombuffer(by_name["input_ids"].data, np.int64).tolist(), [0, 1, 2, 3, 4])
         with self.assertRaises(ValueError):
-            cuda_ipc.Export(Dev(), pb2.F32, b"short", 0)
+            cuda_ipc.Export(dev, pb2.F32, b"short", 0)
 
     def test_update_rows_make_the_same_decision(self):
         here = shared_memory.host_id()
@@ -153,16 +145,8 @@ class DecisionTest(unittest.TestCase):
             self.assertEqual(cuda_ipc.use_cuda_ipc(enabled, inf, "hidden_states", x), want)
 
     def test_update_rows_by_reference_carry_it_instead_of_bytes(self):
-        class Dev:  # a contiguous [3, 4] bf16 CUDA tensor as export() sees it
-            shape = (3, 4)
-
-            def numel(self):
-                return 12
-
-            def element_size(self):
-                return 2
-
-        ref = cuda_ipc.Export(Dev(), pb2.BF16, b"r" * 64, 512, "GPU-x")
+        dev = FakeCudaTensor(np.zeros((3, 4), np.uint16))  # a contiguous [3, 4] bf16 CUDA tensor, as export() sees it
+        ref = cuda_ipc.Export(dev, pb2.BF16, b"r" * 64, 512, "GPU-x")
         parts = list(lm_head_update.lm_head_ipc_parts("u1", 7, ref))
         self.assertEqual(len(parts), 1, "one part: no pieces follow a reference")
         rows = pb2.LmHeadRowsPart.FromString(parts[0]).rows
