@@ -42,7 +42,7 @@ int RunHeads(const LmHeadArgs& args) {
   for (const v1::LmHeadInfo& h : info->lm_heads())
     std::cout << h.name() << "  version " << h.version() << "  retained [" << absl::StrJoin(h.retained_versions(), ", ")
               << "]  [" << h.vocab_size() << ", " << h.hidden_size() << "] " << DTypeName(h.dtype()) << "  "
-              << h.precision() << "  sha256 " << h.sha256() << "  " << h.source() << std::endl;
+              << h.precision() << "  sha256 " << (h.sha256().empty() ? "(computing)" : h.sha256()) << "  " << h.source() << std::endl;
   std::cout << "updates " << (info->lm_head_updates() ? "allowed" : "off (--allow-lm-head-updates)") << std::endl;
   return kExitOk;
 }
@@ -130,7 +130,9 @@ int RunUpdateLmHead(const LmHeadArgs& args) {
   }
   std::cerr << "update-lm-head: committed in "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s" << std::endl;
-  std::cout << committed.name() << " version " << committed.version() << " sha256 " << committed.sha256() << std::endl;
+  // Without --sha256 the server hashes the rows after the commit: `heads` lists it once done.
+  std::cout << committed.name() << " version " << committed.version() << " sha256 "
+            << (committed.sha256().empty() ? "(computing; see heads)" : committed.sha256()) << std::endl;
   return kExitOk;
 }
 

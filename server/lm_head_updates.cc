@@ -1,6 +1,7 @@
 #include "server/lm_head_updates.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,12 +41,15 @@ std::string RandomId() {
 }
 
 /// The safetensors header of one tensor "lm_head.weight" [V, H] of `dtype`,
-/// with its 8-byte length prefix, padded to a multiple of 8 bytes.
+/// with its 8-byte length prefix, padded with spaces to a whole page: the
+/// weight starts at a page boundary, so workers map their rows aligned
+/// (HostBytes::MapMemoryFile).
 std::string SafetensorsHeader(DType dtype, int64_t V, int64_t H) {
+  constexpr size_t kPage = 4096;
   const int64_t bytes = V * H * static_cast<int64_t>(DTypeSize(dtype));
   std::string json = absl::StrCat("{\"", kLmHeadTensor, "\":{\"dtype\":\"", DTypeName(dtype), "\",\"shape\":[", V, ",",
                                   H, "],\"data_offsets\":[0,", bytes, "]}}");
-  while ((json.size() + 8) % 8 != 0) json += ' ';
+  json.resize((json.size() + 8 + kPage - 1) / kPage * kPage - 8, ' ');
   std::string out(8, '\0');
   uint64_t n = json.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
@@ -132,7 +136,8 @@ struct LmHeadUpdates::Update {
   bool committing = false, ended = false;
   // SHA-256 of the rows, read back from the staged file in order as the
   // written rows form a longer prefix, on its own thread: no put waits for
-  // it; Commit waits for the tail while the workers load.
+  // it. Commit waits for the tail (while the workers load) only to check
+  // an announced sha256; otherwise the hash finishes in the background.
   std::unique_ptr<StagedFileHasher> hasher;
   Clock::time_point begun, last_progress;
 
@@ -169,6 +174,8 @@ LmHeadUpdates::~LmHeadUpdates() {
     cv_.SignalAll();
   }
   loop_.join();
+  absl::MutexLock lock(&mu_);
+  for (const auto& [head, spare] : spares_) unlink(spare.c_str());
 }
 
 absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const std::string& id) {
@@ -201,6 +208,9 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
                       v1::LM_HEAD_UPDATES_DISABLED);
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadName(req.head(), "head"));
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadVersionName(req.version(), "version"));
+  // Versions the last commit let go: dropped now, so their files can take
+  // this update's rows (an RL loop updates right after the last commit).
+  Release();
   std::string sha = absl::AsciiStrToLower(req.sha256());
   if (!sha.empty() && (sha.size() != 64 || sha.find_first_not_of("0123456789abcdef") != std::string::npos))
     return absl::InvalidArgumentError(absl::StrCat("sha256 \"", req.sha256(), "\": 64 hex digits expected"));
@@ -214,7 +224,9 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
                      DTypeName(cur.dtype), "; the update announces [", req.vocab_size(), ", ", req.hidden_size(), "] ",
                      DTypeName(req.dtype()), " (vocab_size, hidden_size and dtype must be the head's)"));
   if (auto held = heads_->Find(req.head(), req.version())) {
-    if (!sha.empty() && sha == held->sha256) {
+    // A digest still being computed is waited for (at most one hash of the head).
+    const std::string held_sha = held->sha256.valid() ? held->sha256.get() : "";
+    if (!sha.empty() && sha == held_sha) {
       v1::LmHeadUpdate done;
       done.set_head(req.head());
       done.set_version(req.version());
@@ -224,7 +236,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
       return done;
     }
     return absl::AlreadyExistsError(absl::StrCat(
-        "lm_head \"", req.head(), "\" already holds version \"", req.version(), "\" (sha256 ", held->sha256,
+        "lm_head \"", req.head(), "\" already holds version \"", req.version(), "\" (sha256 ", held_sha,
         sha.empty() ? "; give it to confirm" : ", not the one given", "); choose a new version name"));
   }
   const int64_t V = cur.vocab_size, H = cur.hidden_size;
@@ -257,7 +269,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   }
   u->next.head = req.head();
   u->next.version = req.version();
-  u->next.origin = "update";
+  u->next.origin = kUpdateOrigin;
   u->next.bytes_per_worker = per_worker;
   LmHeadSource& s = u->next.source;
   s.tensor = kLmHeadTensor;
@@ -268,15 +280,14 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   s.data_offset = header.size();
   std::error_code ec;
   fs::create_directories(options_.store_dir, ec);
-  u->fd = open(u->partial.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (u->fd < 0 || !PwriteAll(u->fd, header.data(), header.size(), 0) ||
-      ftruncate(u->fd, static_cast<off_t>(header.size() + static_cast<size_t>(V * row_bytes))) != 0) {
+  u->fd = StagedFile(u->head, u->partial, header.size() + static_cast<uint64_t>(V * row_bytes));
+  if (u->fd < 0 || !PwriteAll(u->fd, header.data(), header.size(), 0)) {
     const std::string why = absl::StrCat("cannot create ", u->partial, ": ", strerror(errno));
     absl::MutexLock lock(&mu_);
     End(u, "aborted", why);
     return absl::InternalError(absl::StrCat("lm_head update: ", why, " (--lm-head-store-dir)"));
   }
-  u->hasher = std::make_unique<StagedFileHasher>(u->fd, s.data_offset, V * row_bytes);
+  u->hasher = std::make_unique<StagedFileHasher>(u->fd, s.data_offset, V * row_bytes, /*background=*/sha.empty());
   LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
                             ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype));
   return u->Proto();
@@ -459,17 +470,18 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   if (rename(u->partial.c_str(), u->next.source.file.c_str()) != 0)
     return fail("aborted", absl::InternalError(absl::StrCat("cannot rename ", u->partial, ": ", strerror(errno))));
   // Every worker loads its slice while scoring goes on with the current
-  // version, and meanwhile the hasher finishes the weight's SHA-256.
+  // version; meanwhile the hasher finishes the weight's SHA-256, which the
+  // commit waits for only to check an announced one.
   std::future<absl::StatusOr<int64_t>> loading =
       std::async(std::launch::async, [this, load = u->next.Load()] { return workers_.load(load); });
-  absl::StatusOr<std::string> sha = u->hasher->Finish();
+  const absl::StatusOr<std::string> sha = u->expected_sha256.empty() ? std::string() : u->hasher->Finish();
   absl::StatusOr<int64_t> generation = loading.get();
   if (!sha.ok()) return fail("aborted", sha.status());
-  u->next.sha256 = *sha;
-  if (!u->expected_sha256.empty() && u->expected_sha256 != u->next.sha256)
+  if (!u->expected_sha256.empty() && u->expected_sha256 != *sha)
     return fail("sha256_mismatch", absl::InvalidArgumentError(absl::StrCat(
-                                       "lm_head update ", id, ": the rows' sha256 is ", u->next.sha256,
+                                       "lm_head update ", id, ": the rows' sha256 is ", *sha,
                                        ", the update announced ", u->expected_sha256, "; nothing changed")));
+  u->next.sha256 = u->expected_sha256.empty() ? u->hasher->digest() : KnownSha256(*sha);
   if (!generation.ok())
     return fail("worker_error", absl::Status(generation.status().code(),
                                              absl::StrCat("lm_head update ", id, ": loading on the workers failed: ",
@@ -481,6 +493,8 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   {
     absl::MutexLock lock(&mu_);
     End(u, "committed", "");
+    // The digest may still be computing: the hasher lives on until it is.
+    hashing_.push_back(std::move(u->hasher));
   }
   for (const v1::LmHeadInfo& info : heads_->List())
     if (info.name() == u->head) return info;
@@ -500,15 +514,72 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Abort(const std::string& id) {
   return p;
 }
 
+void LmHeadUpdates::Release() {
+  for (const LmHeadVersion& v : releases_->Take()) {
+    const bool dropped = !workers_.drop || workers_.drop(v.Ref());
+    if (v.origin == kUpdateOrigin) Recycle(v, dropped);
+  }
+}
+
+void LmHeadUpdates::Recycle(const LmHeadVersion& v, bool dropped) {
+  const std::string spare = absl::StrCat(options_.store_dir, "/", v.head, ".spare");
+  {
+    absl::MutexLock lock(&mu_);
+    // One spare per head, and only a file no worker maps any more and no
+    // hasher reads (one still reading keeps its removed file open).
+    if (dropped && !stop_ && !v.Sha256IfKnown().empty() && spares_.count(v.head) == 0 && rename(v.source.file.c_str(), spare.c_str()) == 0) {
+      spares_[v.head] = spare;
+      return;
+    }
+  }
+  unlink(v.source.file.c_str());
+}
+
+int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, uint64_t size) {
+  std::string spare;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = spares_.find(head); it != spares_.end()) {
+      spare = it->second;
+      spares_.erase(it);
+    }
+  }
+  if (!spare.empty()) {
+    struct stat st {};
+    if (stat(spare.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_size) == size &&
+        rename(spare.c_str(), path.c_str()) == 0) {
+      const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+      if (fd >= 0) {
+        LogLine() << absl::StrCat("logprob-server: lm_head ", head, ": the update writes into the store file a "
+                                  "released version left (",
+                                  size, " bytes)");
+        return fd;
+      }
+    }
+    unlink(spare.c_str());  // another size (or gone): a new file
+  }
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    const int err = errno;
+    close(fd);
+    errno = err;
+    return -1;
+  }
+  return fd;
+}
+
 void LmHeadUpdates::Loop() {
   for (;;) {
     // Released versions: the workers drop them; the store's files go.
-    for (const LmHeadVersion& v : releases_->Take()) {
-      if (workers_.drop) workers_.drop(v.Ref());
-      if (v.origin == "update") unlink(v.source.file.c_str());
-    }
+    Release();
     absl::MutexLock lock(&mu_);
     if (stop_) return;
+    hashing_.erase(std::remove_if(hashing_.begin(), hashing_.end(),
+                                  [](const std::unique_ptr<StagedFileHasher>& h) {
+                                    return h->digest().wait_for(std::chrono::seconds(0)) ==
+                                           std::future_status::ready;
+                                  }),
+                   hashing_.end());
     const auto now = Clock::now();
     std::vector<std::shared_ptr<Update>> idle;
     for (const auto& [id, u] : open_)

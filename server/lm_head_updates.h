@@ -23,6 +23,7 @@
 #include "logprob/v1/logprob.pb.h"
 #include "server/input_source.h"
 #include "server/lm_heads.h"
+#include "server/staged_file_hasher.h"
 
 namespace logprob {
 
@@ -47,7 +48,8 @@ class LmHeadReleases {
 struct LmHeadWorkers {
   std::function<absl::StatusOr<int64_t>(const internal::v1::LmHeadLoad&)> load;
   std::function<bool(int64_t generation)> serving;
-  std::function<void(const internal::v1::LmHeadRef&)> drop;
+  /// True when every worker let it go (its file may then be rewritten).
+  std::function<bool(const internal::v1::LmHeadRef&)> drop;
   /// Has one worker on the front-end's host copy the bytes of a source
   /// the front-end cannot read (InputKindRules::readable_here false: a
   /// same-host client's CUDA IPC allocation) into the staged file
@@ -154,6 +156,18 @@ class LmHeadUpdates {
   /// byte offset (LmHeadWorkers::stage). The stage's error, named.
   absl::Status Stage(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
       ABSL_LOCKS_EXCLUDED(mu_);
+  /// Has the workers drop the versions LmHeads released since the last
+  /// call, and recycles their store files. (Loop and Begin.)
+  void Release() ABSL_LOCKS_EXCLUDED(mu_);
+  /// A released version's store file: kept as its head's spare (the next
+  /// update of that head writes into it: its pages are already allocated)
+  /// when every worker `dropped` the version and the head has no spare yet,
+  /// else removed.
+  void Recycle(const LmHeadVersion& v, bool dropped) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Opens `path` read-write as a staged file of `size` bytes: the head's
+  /// spare renamed if it has that size, else a new file. -1 (errno set) on
+  /// failure.
+  int StagedFile(const std::string& head, const std::string& path, uint64_t size) ABSL_LOCKS_EXCLUDED(mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -168,6 +182,9 @@ class LmHeadUpdates {
   std::map<std::string, std::shared_ptr<Update>> open_ ABSL_GUARDED_BY(mu_);  // by id
   std::map<std::string, std::string> ended_ ABSL_GUARDED_BY(mu_);             // id -> why (recent)
   int64_t next_file_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, std::string> spares_ ABSL_GUARDED_BY(mu_);
+  // Committed versions' hashers whose digest is still computing.
+  std::vector<std::unique_ptr<StagedFileHasher>> hashing_ ABSL_GUARDED_BY(mu_);  // head -> a released store file to reuse
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread loop_;
 };

@@ -1,6 +1,7 @@
 #include "server/lm_heads.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,6 +27,17 @@ internal::v1::LmHeadRef LmHeadVersion::Ref() const {
   return ref;
 }
 
+std::shared_future<std::string> KnownSha256(std::string hex) {
+  std::promise<std::string> known;
+  known.set_value(std::move(hex));
+  return known.get_future().share();
+}
+
+std::string LmHeadVersion::Sha256IfKnown() const {
+  if (!sha256.valid() || sha256.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return "";
+  return sha256.get();
+}
+
 internal::v1::LmHeadLoad LmHeadVersion::Load() const {
   internal::v1::LmHeadLoad load;
   *load.mutable_head() = Ref();
@@ -36,6 +48,7 @@ internal::v1::LmHeadLoad LmHeadVersion::Load() const {
   s->set_vocab_size(source.vocab_size);
   s->set_hidden_size(source.hidden_size);
   s->set_data_offset(source.data_offset);
+  s->set_immutable(origin == kUpdateOrigin);
   return load;
 }
 
@@ -179,7 +192,7 @@ std::vector<v1::LmHeadInfo> LmHeads::List() const {
     info.set_hidden_size(cur.source.hidden_size);
     info.set_dtype(cur.source.dtype);
     if (options_.precision_of) info.set_precision(options_.precision_of(cur.source.dtype));
-    info.set_sha256(cur.sha256);
+    info.set_sha256(cur.Sha256IfKnown());
     info.set_bytes_per_worker(cur.bytes_per_worker);
     info.set_source(cur.origin);
     info.set_tied_embeddings(cur.source.tied_embeddings);

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -25,6 +26,10 @@ inline constexpr const char* kDefaultLmHead = "default";
 /// The version name of a head loaded at start (unless --lm-head-version).
 inline constexpr const char* kInitialLmHeadVersion = "initial";
 
+/// LmHeadVersion::origin of a version an update committed (its file is in
+/// the server's store: immutable while a worker holds the version).
+inline constexpr char kUpdateOrigin[] = "update";
+
 /// One version of a named lm_head: where its [V, H] weight is (a
 /// safetensors tensor each worker reads its rows SplitRange(V, W, rank) of)
 /// and what it is. Immutable.
@@ -32,15 +37,23 @@ struct LmHeadVersion {
   std::string head;              // the head's name
   std::string version;           // opaque
   LmHeadSource source;           // the weight's file, tensor, dtype, shape
-  std::string sha256;            // hex SHA-256 of the weight bytes, row-major
+  // Hex SHA-256 of the weight bytes, row-major: known at load (a head
+  // loaded at start, an update that announced it) or computed in the
+  // background after the commit ("" if reading the file back failed).
+  std::shared_future<std::string> sha256;
   int64_t bytes_per_worker = 0;  // the largest worker's slice, in source.dtype
-  std::string origin;            // "PATH[:TENSOR]" given at start, or "update"
+  std::string origin;            // "PATH[:TENSOR]" given at start, or kUpdateOrigin
 
+  /// sha256 if computed, else "" (never waits).
+  std::string Sha256IfKnown() const;
   /// The worker protocol's name for it.
   internal::v1::LmHeadRef Ref() const;
   /// What a worker loads (LmHeadRegistry::Load).
   internal::v1::LmHeadLoad Load() const;
 };
+
+/// A digest already known, as LmHeadVersion::sha256.
+std::shared_future<std::string> KnownSha256(std::string hex);
 
 /// Checks a head name: 1..64 characters of [A-Za-z0-9._-].
 /// INVALID_ARGUMENT naming `field` otherwise.

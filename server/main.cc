@@ -229,13 +229,13 @@ absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, c
     LOGPROB_RETURN_IF_ERROR(logprob::ReadLmHeadRows(v.source, r, e, buf.data()));
     sha.Update(buf);
   }
-  v.sha256 = sha.FinishHex();
+  v.sha256 = logprob::KnownSha256(sha.FinishHex());
   logprob::LogLine() << "logprob-server: lm_head \"" << v.head << "\" version " << v.version << ": " << v.source.tensor
                      << " [" << v.source.vocab_size << ", " << v.source.hidden_size << "] "
                      << logprob::DTypeName(v.source.dtype) << " from " << v.source.file
                      << (v.source.tied_embeddings ? " (no lm_head.weight: tied embeddings, using the input embedding)"
                                                   : "")
-                     << ", sha256 " << v.sha256.substr(0, 16) << "… ("
+                     << ", sha256 " << v.sha256.get().substr(0, 16) << "… ("
                      << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)";
   return v;
 }
@@ -415,7 +415,7 @@ int main(int argc, char** argv) {
   logprob::LmHeadWorkers update_workers;
   update_workers.load = [&pool](const logprob::internal::v1::LmHeadLoad& load) { return pool.LoadLmHead(load); };
   update_workers.serving = [&pool](int64_t generation) { return pool.Serving(generation); };
-  update_workers.drop = [&pool](const logprob::internal::v1::LmHeadRef& ref) { pool.DropLmHead(ref); };
+  update_workers.drop = [&pool](const logprob::internal::v1::LmHeadRef& ref) { return pool.DropLmHead(ref); };
   // Rows sent as a CUDA IPC handle (accepted only where CUDA IPC inputs are
   // offered: ScoringCore::ResolveTensor) are copied by a worker on this host.
   update_workers.stage = [&pool](const logprob::internal::v1::LmHeadStage& stage) {

@@ -1,5 +1,10 @@
 #include "server/staged_file_hasher.h"
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <string_view>
 #include <vector>
@@ -14,8 +19,13 @@ constexpr int64_t kReadBytes = int64_t{4} << 20;
 
 }  // namespace
 
-StagedFileHasher::StagedFileHasher(int fd, uint64_t data_offset, int64_t total)
-    : fd_(fd), data_offset_(data_offset), total_(total), thread_([this] { Loop(); }) {}
+StagedFileHasher::StagedFileHasher(int fd, uint64_t data_offset, int64_t total, bool background)
+    : fd_(fcntl(fd, F_DUPFD_CLOEXEC, 0)),
+      data_offset_(data_offset),
+      total_(total),
+      background_(background),
+      digest_(promise_.get_future().share()),
+      thread_([this] { Loop(); }) {}
 
 StagedFileHasher::~StagedFileHasher() {
   {
@@ -24,6 +34,7 @@ StagedFileHasher::~StagedFileHasher() {
     cv_.SignalAll();
   }
   thread_.join();
+  if (fd_ >= 0) close(fd_);
 }
 
 void StagedFileHasher::Written(int64_t begin, int64_t end) {
@@ -34,9 +45,17 @@ void StagedFileHasher::Written(int64_t begin, int64_t end) {
 }
 
 void StagedFileHasher::Loop() {
+  // Linux: the nice value of this thread only.
+  if (background_) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
   // No larger than the file: a small head's update does not pay for
   // zeroing and faulting in 4 MiB.
   std::vector<char> buf(static_cast<size_t>(std::min(kReadBytes, std::max<int64_t>(total_, 1))));
+  Hash(buf);
+  absl::MutexLock lock(&mu_);
+  promise_.set_value(hex_);  // "" when it failed or was stopped
+}
+
+void StagedFileHasher::Hash(std::vector<char>& buf) {
   for (;;) {
     int64_t from = 0, to = 0;
     {
@@ -46,6 +65,10 @@ void StagedFileHasher::Loop() {
       // common/tsan_absl_mutex.cc.)
       while (!(stop_ || failed_ || hashed_ == total_ || (!pending_.empty() && pending_.begin()->first == hashed_)))
         cv_.Wait(&mu_);
+      if (hashed_ == total_ && !failed_) {
+        hex_ = sha_.FinishHex();
+        cv_.SignalAll();  // Finish waits for hex_
+      }
       if (stop_ || failed_ || hashed_ == total_) return;
       from = hashed_;
       to = std::min(pending_.begin()->second, from + kReadBytes);
@@ -72,14 +95,12 @@ void StagedFileHasher::Loop() {
 }
 
 absl::StatusOr<std::string> StagedFileHasher::Finish() {
-  {
-    absl::MutexLock lock(&mu_);
-    while (!failed_ && hashed_ != total_) cv_.Wait(&mu_);
-    if (failed_)
-      return absl::InternalError(absl::StrCat("reading the staged lm_head back for its sha256 failed at byte ",
-                                              data_offset_ + static_cast<uint64_t>(hashed_)));
-  }
-  return sha_.FinishHex();
+  absl::MutexLock lock(&mu_);
+  while (!failed_ && hex_.empty()) cv_.Wait(&mu_);
+  if (failed_)
+    return absl::InternalError(absl::StrCat("reading the staged lm_head back for its sha256 failed at byte ",
+                                            data_offset_ + static_cast<uint64_t>(hashed_)));
+  return hex_;
 }
 
 }  // namespace logprob

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdint>
+#include <future>
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -14,15 +16,18 @@
 
 namespace logprob {
 
-/// Hashes bytes [data_offset, data_offset + total) of the file `fd` (which
-/// must stay open until this is destroyed) with SHA-256, on a thread of its
-/// own: each Written(begin, end) says that those bytes (relative to
-/// data_offset) are in the file; the thread reads and hashes the written
-/// prefix as it grows, in 4 MiB positioned reads, so writers never wait
-/// for the hash (an lm_head update's rows: LmHeadUpdates). Thread-safe.
+/// Hashes bytes [data_offset, data_offset + total) of the file `fd` with
+/// SHA-256, on a thread of its own (reading through a duplicate of `fd`,
+/// so the caller may close it): each Written(begin, end) says that those
+/// bytes (relative to data_offset) are in the file; the thread reads and
+/// hashes the written prefix as it grows, in 4 MiB positioned reads, so
+/// writers never wait for the hash (an lm_head update's rows:
+/// LmHeadUpdates). `background`: nobody waits for the digest soon (it is
+/// not checked before a commit), so the thread runs at the lowest CPU
+/// priority (nice 19) and yields to transfers and scoring. Thread-safe.
 class StagedFileHasher {
  public:
-  StagedFileHasher(int fd, uint64_t data_offset, int64_t total);
+  StagedFileHasher(int fd, uint64_t data_offset, int64_t total, bool background = false);
   /// Stops the thread (a Finish not yet called is abandoned).
   ~StagedFileHasher();
   StagedFileHasher(const StagedFileHasher&) = delete;
@@ -33,22 +38,31 @@ class StagedFileHasher {
   void Written(int64_t begin, int64_t end) ABSL_LOCKS_EXCLUDED(mu_);
   /// Waits until every byte [0, total) was written and hashed, then the
   /// lower-case hex digest. INTERNAL when the file could not be read back.
-  /// Call once.
   absl::StatusOr<std::string> Finish() ABSL_LOCKS_EXCLUDED(mu_);
+  /// The digest as a future: ready once every byte was hashed; "" when
+  /// the file could not be read back or this was destroyed first.
+  std::shared_future<std::string> digest() const { return digest_; }
 
  private:
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  /// Loop's work until every byte is hashed (hex_ set), a read fails or
+  /// stop_; `buf` is its read buffer.
+  void Hash(std::vector<char>& buf) ABSL_LOCKS_EXCLUDED(mu_);
 
-  const int fd_;
+  const int fd_;  // a duplicate, closed by the destructor
   const uint64_t data_offset_;
   const int64_t total_;
+  const bool background_;
   Sha256Stream sha_;  // the thread's only
+  std::promise<std::string> promise_;  // set once, by the thread as it ends
+  std::shared_future<std::string> digest_;
 
   absl::Mutex mu_;
   absl::CondVar cv_;  // signalled when pending_, hashed_, failed_ or stop_ change
   std::map<int64_t, int64_t> pending_ ABSL_GUARDED_BY(mu_);  // written, not yet hashed: begin -> end
   int64_t hashed_ ABSL_GUARDED_BY(mu_) = 0;                  // [0, hashed_) is in sha_
   bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  std::string hex_ ABSL_GUARDED_BY(mu_);  // the digest once hashed_ == total_
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: started once the members above exist
 };

@@ -114,8 +114,9 @@ class WorkerPool {
   /// first worker's error, worker named. Does not fail the generation.
   absl::StatusOr<int64_t> LoadLmHead(const internal::v1::LmHeadLoad& load) ABSL_LOCKS_EXCLUDED(mu_);
   /// Drops an lm_head version on every worker of the current generation
-  /// (best effort: a worker that is gone no longer holds it anyway).
-  void DropLmHead(const internal::v1::LmHeadRef& head) ABSL_LOCKS_EXCLUDED(mu_);
+  /// (best effort: a worker that is gone no longer holds it anyway). True
+  /// when every worker answered.
+  bool DropLmHead(const internal::v1::LmHeadRef& head) ABSL_LOCKS_EXCLUDED(mu_);
   /// True while generation `index` is the current one, ready and not failed.
   bool Serving(int64_t index) ABSL_LOCKS_EXCLUDED(mu_);
   /// Has one worker of the current generation (rank 0; every worker is on

@@ -270,13 +270,14 @@ LmHeadSlice RandomSlice(int64_t rows, int64_t H, uint32_t seed) {
   s.dtype = v1::BF16;
   s.rows = rows;
   s.hidden_size = H;
-  s.weight = r.bytes;
-  for (size_t i = 0; i < s.weight.size(); i += 2) {  // scale to normal(0, ~0.05)
+  std::vector<char> w = r.bytes;
+  for (size_t i = 0; i < w.size(); i += 2) {  // scale to normal(0, ~0.05)
     uint16_t h;
-    std::memcpy(&h, s.weight.data() + i, 2);
+    std::memcpy(&h, w.data() + i, 2);
     h = FloatToBf16(Bf16ToFloat(h) / 64.f);
-    std::memcpy(s.weight.data() + i, &h, 2);
+    std::memcpy(w.data() + i, &h, 2);
   }
+  s.weight = std::move(w);
   return s;
 }
 
@@ -373,8 +374,7 @@ LmHeadSlice SubSlice(const LmHeadSlice& slice, int64_t begin, int64_t end) {
   const size_t row = static_cast<size_t>(slice.hidden_size) * DTypeSize(slice.dtype);
   LmHeadSlice s = slice;
   s.rows = end - begin;
-  s.weight.assign(slice.weight.begin() + static_cast<int64_t>(begin * row),
-                  slice.weight.begin() + static_cast<int64_t>(end * row));
+  s.weight = std::vector<char>(slice.weight.data() + begin * row, slice.weight.data() + end * row);
   return s;
 }
 

@@ -36,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/host_bytes.h"
 #include "common/lm_head_precision.h"
 #include "worker/communicator.h"
 #include "worker/host_staged_device_collectives.h"
@@ -69,10 +70,11 @@ struct SamplingFilter {
 
 /// A worker's lm_head vocabulary slice as read from the checkpoint: rows
 /// [vocab_begin, vocab_end) of the [V, H] weight, row-major, `dtype` F32,
-/// BF16 or F16.
+/// BF16 or F16: a copy, or a read-only mapping of an in-memory store file
+/// (HostBytes::MapMemoryFile).
 struct LmHeadSlice {
   DType dtype = v1::BF16;
-  std::vector<char> weight;
+  HostBytes weight;
   int64_t rows = 0, hidden_size = 0;
 };
 

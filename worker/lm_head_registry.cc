@@ -11,11 +11,6 @@
 #include "common/status_macros.h"
 
 namespace logprob {
-namespace {
-
-constexpr int64_t kPadRows = 128;
-
-}  // namespace
 
 absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& load) {
   const internal::v1::LmHeadRef& ref = load.head();
@@ -44,14 +39,25 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   slice.rows = ve - vb;
   slice.hidden_size = source.hidden_size;
   const size_t row_bytes = static_cast<size_t>(source.hidden_size) * DTypeSize(source.dtype);
-  // Slack rows: the CPU GEMM pads its weights to whole column tiles (128
-  // rows) in place, which then needs no second buffer and copy.
-  slice.weight.reserve(static_cast<size_t>(ve - vb + kPadRows) * row_bytes);
-  // Untouched yet: huge pages take the slice in a few hundred page faults.
-  AdviseHugePages(slice.weight.data(), slice.weight.capacity());
-  slice.weight.resize(static_cast<size_t>(ve - vb) * row_bytes);
-  LOGPROB_RETURN_IF_ERROR(ReadLmHeadRows(source, vb, ve, slice.weight.data()));
-  const size_t read_bytes = slice.weight.size();
+  const size_t read_bytes = static_cast<size_t>(ve - vb) * row_bytes;
+  // A committed update's store file in memory: its pages become the
+  // slice's (no copy, no second copy of the head in memory).
+  absl::StatusOr<HostBytes> mapped = absl::UnimplementedError("a checkpoint is copied");
+  if (src.immutable())
+    mapped = HostBytes::MapMemoryFile(source.file, source.data_offset + static_cast<uint64_t>(vb) * row_bytes,
+                                      read_bytes);
+  if (mapped.ok()) {
+    slice.weight = *std::move(mapped);
+  } else {
+    std::vector<char> copy;
+    copy.reserve(read_bytes);
+    // Untouched yet: huge pages take the slice in a few hundred page faults.
+    AdviseHugePages(copy.data(), copy.capacity());
+    copy.resize(read_bytes);
+    LOGPROB_RETURN_IF_ERROR(ReadLmHeadRows(source, vb, ve, copy.data()));
+    slice.weight = HostBytes(std::move(copy));
+  }
+  const bool was_mapped = slice.weight.mapped();
   LOGPROB_ASSIGN_OR_RETURN(std::shared_ptr<const LmHeadWeights> weights,
                            backend_.LoadLmHead(std::move(slice), precision_));
   const int64_t bytes = static_cast<int64_t>(weights->bytes());
@@ -61,7 +67,8 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   }
   LogLine() << absl::StrCat("logprob-worker: rank ", rank_, " loaded lm_head ", ref.name(), " version ", ref.version(),
                             ": ", source.tensor, " rows [", vb, ", ", ve, ") x ", source.hidden_size, " ",
-                            DTypeName(source.dtype), " from ", source.file, " (", read_bytes >> 20, " MiB) in ",
+                            DTypeName(source.dtype), was_mapped ? " mapped from " : " from ", source.file, " (",
+                            read_bytes >> 20, " MiB) in ",
                             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s");
   return bytes;
 }

@@ -141,7 +141,7 @@ void Run(FuzzedDataProvider& p) {
   first.source.dtype = v1::F32;
   first.source.vocab_size = kV;
   first.source.hidden_size = kH;
-  first.sha256 = std::string(64, '0');
+  first.sha256 = logprob::KnownSha256(std::string(64, '0'));
   first.bytes_per_worker = (kV + 1) / 2 * kRowBytes;
   CHECK(heads.Add(first).ok());
   std::vector<std::string> loaded;  // versions the workers were asked to load
@@ -152,7 +152,7 @@ void Run(FuzzedDataProvider& p) {
     return 0;
   };
   workers.serving = [](int64_t) { return true; };
-  workers.drop = [](const logprob::internal::v1::LmHeadRef&) {};
+  workers.drop = [](const logprob::internal::v1::LmHeadRef&) { return true; };
   // A worker that stages referred rows (CUDA workers on this host), or none.
   bool stage_failed = false;
   if (p.ConsumeIntegralInRange(0, 3) != 0)
@@ -267,7 +267,7 @@ void Run(FuzzedDataProvider& p) {
       CHECK(ReadFile(now->source.file, now->source.data_offset, all.size()) == all);
       logprob::Sha256Stream sha;
       sha.Update(all);
-      CHECK(now->sha256 == sha.FinishHex());
+      CHECK(now->sha256.get() == sha.FinishHex());  // waits for a digest computing in the background
       ended = true;
     } else {
       const absl::StatusOr<v1::LmHeadUpdate> aborted = updates.Abort(target);

@@ -52,8 +52,18 @@ bool Bf16MatmulSupported() {
   return supported;
 }
 
-LmHeadGemm::LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size)
-    : compute_dtype_(compute_dtype), weight_(std::move(weight)), rows_(rows), hidden_size_(hidden_size) {}
+LmHeadGemm::LmHeadGemm(DType compute_dtype, HostBytes weight, int64_t rows, int64_t hidden_size)
+    : compute_dtype_(compute_dtype), weight_(std::move(weight)), rows_(rows), hidden_size_(hidden_size) {
+  // The last column tile when rows_ is not a whole number of tiles: its
+  // rows then zero rows, in a buffer of its own (the weight may be a
+  // read-only mapping, and whole tiles are read in place).
+  const int64_t full = rows_ / kTileCols * kTileCols;
+  if (full < rows_) {
+    const size_t row_bytes = static_cast<size_t>(hidden_size_) * DTypeSize(compute_dtype_);
+    tail_.assign(static_cast<size_t>(kTileCols) * row_bytes, 0);
+    std::memcpy(tail_.data(), weight_.data() + full * row_bytes, static_cast<size_t>(rows_ - full) * row_bytes);
+  }
+}
 
 LmHeadGemm::~LmHeadGemm() = default;
 
@@ -75,9 +85,9 @@ absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, i
 namespace {
 
 /// `n` elements of float dtype `dtype` widened exactly to f32 bytes.
-std::vector<char> WidenToF32(DType dtype, const std::vector<char>& src, size_t n) {
+std::vector<char> WidenToF32(DType dtype, const char* src, size_t n) {
   std::vector<char> wide(n * sizeof(float));
-  ToFloat(dtype, src.data(), n, reinterpret_cast<float*>(wide.data()));
+  ToFloat(dtype, src, n, reinterpret_cast<float*>(wide.data()));
   return wide;
 }
 
@@ -93,37 +103,37 @@ void RoundToOperands(float* f, size_t n, DType source, LmHeadPrecision p) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, std::vector<char> weight, int64_t rows,
+absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, HostBytes weight, int64_t rows,
                                                                int64_t hidden_size, int threads,
                                                                LmHeadPrecision precision) {
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadWeight(dtype, weight.size(), rows, hidden_size));
   const LmHeadPrecision p = ResolveLmHeadPrecision(precision, dtype);
   const size_t n = static_cast<size_t>(rows * hidden_size);
-  // Convert the weights once; the checkpoint-dtype buffer is freed on return.
+  // Convert the weights once (the checkpoint-dtype bytes are let go on
+  // return); weights already in compute dtype are used as given.
   DType compute = v1::F32;
   LmHeadPrecision hidden_rounding = LmHeadPrecision::kFp32;
   if (p == LmHeadPrecision::kBf16 && Bf16MatmulSupported()) {
     compute = v1::BF16;
     if (dtype != v1::BF16) {  // F32 / F16 -> bf16, round to nearest even
-      const std::vector<char> wide = WidenToF32(dtype, weight, n);
+      const std::vector<char> wide = WidenToF32(dtype, weight.data(), n);
       const auto* f = reinterpret_cast<const float*>(wide.data());
       std::vector<char> narrow(n * sizeof(uint16_t));
       auto* b = reinterpret_cast<uint16_t*>(narrow.data());
       for (size_t i = 0; i < n; ++i) b[i] = FloatToBf16(f[i]);
-      weight = std::move(narrow);
+      weight = HostBytes(std::move(narrow));
     }
-  } else {  // f32 compute: widen exactly, then round to the precision's operands
-    if (dtype != v1::F32) weight = WidenToF32(dtype, weight, n);
-    RoundToOperands(reinterpret_cast<float*>(weight.data()), n, dtype, p);
+  } else if (dtype != v1::F32 || p != LmHeadPrecision::kFp32) {
+    // f32 compute: widen exactly, then round to the precision's operands
+    std::vector<char> wide = WidenToF32(dtype, weight.data(), n);
+    RoundToOperands(reinterpret_cast<float*>(wide.data()), n, dtype, p);
     if (p != LmHeadPrecision::kFp32) hidden_rounding = p;
+    weight = HostBytes(std::move(wide));
   }
   // oneDNN's OpenMP runtime sizes its parallel regions by the calling
   // thread's omp_get_max_threads(); the cap is set here and again before
   // each Compute (the OpenMP ICV is per thread).
   if (threads > 0) omp_set_num_threads(threads);
-  // Zero rows pad the weights to whole column tiles.
-  const size_t csize = DTypeSize(compute);
-  weight.resize(static_cast<size_t>((rows + kTileCols - 1) / kTileCols * kTileCols * hidden_size) * csize, 0);
   std::unique_ptr<LmHeadGemm> g(new LmHeadGemm(compute, std::move(weight), rows, hidden_size));
   g->precision_ = p;
   g->hidden_rounding_ = hidden_rounding;
@@ -209,7 +219,8 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
         dnnl::memory scratch_m(im.scratch_md, im.engine, scratch.data());
         dnnl::memory dst_m(im.dst_md, im.engine, dst.data());
         const int64_t c0 = ct * kTileCols, cols = std::min(kTileCols, N - c0);
-        dnnl::memory w_m(im.w_md, im.engine, const_cast<char*>(weight_.data()) + c0 * row_bytes);
+        const char* w = cols == kTileCols ? weight_.data() + c0 * row_bytes : tail_.data();
+        dnnl::memory w_m(im.w_md, im.engine, const_cast<char*>(w));
         for (int64_t rt = 0; rt < row_tiles; ++rt) {
           const int64_t r0 = rt * kTileRows, rows = std::min(kTileRows, M - r0);
           const char* a = static_cast<const char*>(src) + r0 * row_bytes;

@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "common/host_bytes.h"
 #include "common/lm_head_precision.h"
 
 namespace logprob::kernels {
@@ -40,14 +41,17 @@ bool Bf16MatmulSupported();
 class LmHeadGemm {
  public:
   /// Takes the slice `weight` ([rows, hidden_size] row-major, `dtype` F32,
-  /// BF16 or F16, as read from the checkpoint). `threads` > 0 caps the
+  /// BF16 or F16, as read from the checkpoint; owned or a read-only mapping
+  /// of a store file). Weights already in the compute dtype are multiplied
+  /// in place (a mapping stays shared with the file); others are converted
+  /// into a buffer of their own. `threads` > 0 caps the
   /// matmul's threads (0: the library default, all cores): oneDNN runs on
   /// OpenMP, so this calls omp_set_num_threads(threads) here and before
   /// each Compute, changing the calling thread's OpenMP default.
   /// `precision` picks the operands (header comment; kAuto by `dtype`).
   /// INVALID_ARGUMENT for a bad dtype, rows or H <= 0, or a size not
   /// matching rows * H; INTERNAL if oneDNN cannot make a CPU engine.
-  static absl::StatusOr<std::unique_ptr<LmHeadGemm>> Create(DType dtype, std::vector<char> weight, int64_t rows,
+  static absl::StatusOr<std::unique_ptr<LmHeadGemm>> Create(DType dtype, HostBytes weight, int64_t rows,
                                                             int64_t hidden_size, int threads = 0,
                                                             LmHeadPrecision precision = LmHeadPrecision::kAuto);
   ~LmHeadGemm();
@@ -76,13 +80,14 @@ class LmHeadGemm {
 
  private:
   struct Impl;
-  LmHeadGemm(DType compute_dtype, std::vector<char> weight, int64_t rows, int64_t hidden_size);
+  LmHeadGemm(DType compute_dtype, HostBytes weight, int64_t rows, int64_t hidden_size);
   DType compute_dtype_;
   LmHeadPrecision precision_ = LmHeadPrecision::kFp32;
   // F32 compute: rounding applied to hidden states first (kBf16 when bf16
   // runs in f32, kTf32 for tf32; kFp32: none).
   LmHeadPrecision hidden_rounding_ = LmHeadPrecision::kFp32;
-  std::vector<char> weight_;  // [rows, H] of compute_dtype_, zero rows up to whole column tiles
+  HostBytes weight_;          // [rows, H] of compute_dtype_ (whole column tiles are read in place)
+  std::vector<char> tail_;    // the last column tile if partial: its rows, then zero rows to kTileCols
   int64_t rows_, hidden_size_;
   std::unique_ptr<Impl> impl_;
 };

@@ -229,6 +229,16 @@ def wait_for(predicate, what, timeout=60.0):
         time.sleep(0.01)
 
 
+def hashed_head(client, name, timeout=120.0):
+    """The ``lm_heads()`` entry of head ``name`` once its sha256 is known:
+    an update that announced none is hashed in the background after its
+    commit (the listing shows "" until then)."""
+    def known():
+        h = [x for x in client.lm_heads() if x.name == name][0]
+        return h if h.sha256 else None
+    return wait_for(known, "the sha256 of lm_head %s" % name, timeout)
+
+
 async def until(predicate, what, timeout=120.0):
     """``wait_for`` for asyncio tests: polls ``predicate`` (run in the
     loop's executor: it may scrape /metrics) until it is true."""

@@ -349,7 +349,7 @@ class UpdateRowsTest(unittest.TestCase):
                 messages = [str(m.message) for m in caught]
                 self.assertTrue(any("CPU backend" in m and "send the rows as bytes" in m for m in messages), messages)
                 self.assertTrue(client.cuda_ipc, "the client's option is unchanged by one update's fallback")
-                h = self.head(client)
+                h = support.hashed_head(client, "default")
                 self.assertEqual((h.version, h.sha256), ("ipc-1", hashlib.sha256(w.tobytes()).hexdigest()))
                 # A host weight never takes the device path.
                 self.assertEqual(client.update_lm_head("default", self.weights(2), version="host", dtype="bf16"),
@@ -366,6 +366,8 @@ class UpdateRowsTest(unittest.TestCase):
                 warnings.simplefilter("ignore")
                 version, h = asyncio.run(run_aio())
             self.assertEqual(len(exported), 2, "the asyncio client sent a reference too")
+            with self.server.client() as client:
+                h = support.hashed_head(client, "default")
             self.assertEqual((version, h.version, h.sha256),
                              ("ipc-aio", "ipc-aio", hashlib.sha256(self.weights(3).tobytes()).hexdigest()))
         finally:
@@ -394,7 +396,7 @@ class UpdateRowsTest(unittest.TestCase):
                 rows=pb2.Tensor(name="rows", dtype=pb2.BF16, shape=[V, H], data=w.tobytes())))]))
             self.assertEqual(self.head(client).version, before.version, "nothing changes before the commit")
             client._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
-            self.assertEqual(self.head(client).sha256, hashlib.sha256(w.tobytes()).hexdigest())
+            self.assertEqual(support.hashed_head(client, "default").sha256, hashlib.sha256(w.tobytes()).hexdigest())
 
 
 def _cuda_ready():
@@ -496,7 +498,7 @@ class GpuUpdateTest(unittest.TestCase):
                     warnings.simplefilter("error")  # no fallback to bytes
                     self.assertEqual(c.update_lm_head("default", weight, version="ipc"), "ipc")
                 self.assertEqual(len(exported), 1, "sent by CUDA IPC")
-                h = [x for x in c.lm_heads() if x.name == "default"][0]
+                h = support.hashed_head(c, "default")
                 self.assertEqual(h.sha256, hashlib.sha256(golden.tobytes()).hexdigest())
                 got = c.score(**kw)
                 self.assertEqual(got.head_version, "ipc")

@@ -13,7 +13,7 @@ import warnings
 import grpc
 import numpy as np
 
-from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, temp_dir, wait_for, worker_pids
+from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, hashed_head, temp_dir, wait_for, worker_pids
 from logprob_client import LogprobClient, LogprobError
 from logprob_client import safetensors
 from logprob_client._proto import pb2
@@ -85,10 +85,9 @@ class UpdateTest(unittest.TestCase):
             same(score(c, head="policy"), self.expect["w2"])
             self.assertEqual(c.update_lm_head("policy", self.w1, version="shm-3"), "shm-3")
             # A file under --lm-head-update-dir, through the raw API.
-            info = {h.name: h for h in c.lm_heads()}
             upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
                 head="policy", version="file-1", vocab_size=V, hidden_size=H, dtype=pb2.F32,
-                sha256=info["policy"].sha256))
+                sha256=hashed_head(c, "policy").sha256))
             c._stub.PutLmHeadRows(iter([pb2.LmHeadRowsPart(rows=pb2.LmHeadRows(
                 update_id=upd.update_id, file=pb2.LmHeadFile(path="w1.safetensors")))]))
             committed = c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
@@ -117,13 +116,13 @@ class UpdateTest(unittest.TestCase):
             # The reference head was never touched.
             same(score(c, head="reference"), ref_before)
             # Re-sending a committed (head, version, sha256) does nothing.
-            sha = {h.name: h for h in c.lm_heads()}["policy"].sha256
+            sha = hashed_head(c, "policy").sha256
             self.assertEqual(c.update_lm_head("policy", self.w2, version="ranges-2", sha256=sha), "ranges-2")
 
     def test_bad_updates_are_refused_and_change_nothing(self):
         with self.server.client() as c:
             stub = c._stub
-            current = {h.name: h for h in c.lm_heads()}["policy"]
+            current = hashed_head(c, "policy")
             before = score(c, head="policy")
 
             def code(fn):
