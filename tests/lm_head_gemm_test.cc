@@ -7,6 +7,7 @@
 #include "worker/kernels/lm_head_gemm.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace logprob::kernels {
@@ -126,6 +128,72 @@ TEST(LmHeadGemm, F32WeightsBf16Hidden) { RunCase(v1::F32, v1::BF16, 7, 1000, 100
 TEST(LmHeadGemm, F16WeightsF32AndF16Hidden) {
   RunCase(v1::F16, v1::F32, 7, 1000, 256);
   RunCase(v1::F16, v1::F16, 64, 1001, 100);
+}
+
+TEST(LmHeadGemm, WeightsMappedFromAFileInMemoryGiveBitwiseTheOwnedWeightsLogits) {
+  // A store file in /dev/shm: a worker maps its rows (HostBytes::MapMemoryFile)
+  // at an offset that is not page-aligned, over a ragged last column tile.
+  const int64_t N = 300, H = 96, M = 70;
+  for (DType wdt : {v1::BF16, v1::F32}) {
+    SCOPED_TRACE(DTypeName(wdt));
+    Tensor w = Random(wdt, N * H, 11), h = Random(v1::BF16, M * H, 12);
+    const std::string path = "/dev/shm/lm_head_gemm_test." + std::to_string(getpid());
+    const size_t offset = 4096 + 3 * w.bytes.size() / static_cast<size_t>(N);  // after 3 rows of another slice
+    {
+      FILE* f = std::fopen(path.c_str(), "wb");
+      ASSERT_NE(f, nullptr);
+      const std::vector<char> before(offset, '\x7f');  // not zeros: the tail tile must not read past N
+      std::fwrite(before.data(), 1, before.size(), f);
+      std::fwrite(w.bytes.data(), 1, w.bytes.size(), f);
+      std::fwrite(before.data(), 1, 4096, f);
+      std::fclose(f);
+    }
+    absl::StatusOr<HostBytes> mapped = HostBytes::MapMemoryFile(path, offset, w.bytes.size());
+    std::remove(path.c_str());  // the mapping keeps the file's pages
+    if (absl::IsUnimplemented(mapped.status())) GTEST_SKIP() << mapped.status();  // /dev/shm is not tmpfs here
+    ASSERT_TRUE(mapped.ok()) << mapped.status();
+    ASSERT_TRUE(mapped->mapped());
+    ASSERT_EQ(std::memcmp(mapped->data(), w.bytes.data(), w.bytes.size()), 0);
+    auto owned = LmHeadGemm::Create(wdt, w.bytes, N, H), shared = LmHeadGemm::Create(wdt, *mapped, N, H);
+    ASSERT_TRUE(owned.ok() && shared.ok());
+    std::vector<float> a(M * N), b(M * N);
+    ASSERT_TRUE((*owned)->Compute(v1::BF16, h.bytes.data(), M, a.data()).ok());
+    ASSERT_TRUE((*shared)->Compute(v1::BF16, h.bytes.data(), M, b.data()).ok());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+    ExpectClose(h.exact, w.exact, M, N, H, b);
+  }
+}
+
+TEST(HostBytes, MapsOnlyFilesInMemoryAndRangesInsideThem) {
+  const std::string shm = "/dev/shm/host_bytes_test." + std::to_string(getpid());
+  const std::string disk = "host_bytes_test." + std::to_string(getpid());  // the test's working directory
+  for (const std::string& path : {shm, disk}) {
+    FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr) << path;
+    std::fwrite("0123456789", 1, 10, f);
+    std::fclose(f);
+  }
+  absl::StatusOr<HostBytes> a = HostBytes::MapMemoryFile(shm, 3, 5);
+  if (a.ok()) {
+    const HostBytes copy = *a;  // shares the mapping
+    a = HostBytes();
+    EXPECT_TRUE(copy.mapped());
+    EXPECT_EQ(std::string(copy.data(), copy.size()), "34567");
+    EXPECT_EQ(HostBytes::MapMemoryFile(shm, 6, 5).status().code(), absl::StatusCode::kOutOfRange);
+  } else {
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kUnimplemented) << a.status();
+  }
+  const absl::StatusOr<HostBytes> on_disk = HostBytes::MapMemoryFile(disk, 0, 10);
+  if (!on_disk.ok()) {
+    EXPECT_EQ(on_disk.status().code(), absl::StatusCode::kUnimplemented) << on_disk.status();
+  }
+  EXPECT_EQ(HostBytes::MapMemoryFile(shm + ".missing", 0, 1).status().code(), absl::StatusCode::kNotFound);
+  const HostBytes owned(std::vector<char>{'a', 'b'});
+  HostBytes moved = owned;
+  EXPECT_FALSE(moved.mapped());
+  EXPECT_EQ(std::string(moved.data(), moved.size()), "ab");
+  std::remove(shm.c_str());
+  std::remove(disk.c_str());
 }
 
 TEST(LmHeadGemm, ReusesPrimitivesAcrossM) {

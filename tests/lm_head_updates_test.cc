@@ -7,9 +7,11 @@
 #include "server/lm_head_updates.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "common/error_reason.h"
+#include "common/lm_head_source.h"
 #include "common/positioned_io.h"
 #include "common/sha256.h"
 #include "server/cuda_ipc_inputs.h"
@@ -293,4 +296,82 @@ TEST_F(LmHeadUpdatesTest, IpcRowsGoThroughTheSameChecksAsBytes) {
 }
 
 }  // namespace
+TEST_F(LmHeadUpdatesTest, AReleasedVersionsFileTakesTheNextUpdateAndDigestsComeAfterOrAtTheCommit) {
+  // Heads that hand released versions to the updates (as the server wires them).
+  auto releases = std::make_shared<LmHeadReleases>();
+  LmHeads::Options ho;
+  ho.retain = 1;
+  ho.on_release = [releases](const LmHeadVersion& v) { releases->Push(v); };
+  LmHeads heads(ho);
+  LmHeadVersion first = *heads_.Bind("default", "").value();
+  ASSERT_TRUE(heads.Add(first).ok());
+  LmHeadUpdates::Options o;
+  o.allowed = true;
+  o.store_dir = store_;
+  o.workers = 2;
+  LmHeadWorkers w;
+  w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
+  w.serving = [](int64_t) { return true; };
+  std::vector<std::string> dropped;
+  w.drop = [&dropped](const internal::v1::LmHeadRef& ref) {
+    dropped.push_back(ref.version());
+    return true;
+  };
+  LmHeadUpdates updates(o, &heads, releases, w);
+  auto inode = [](const std::string& path) {
+    struct stat st {};
+    return stat(path.c_str(), &st) == 0 ? st.st_ino : 0;
+  };
+  auto commit = [&](const std::string& version, const std::string& rows, const std::string& sha) {
+    v1::BeginLmHeadUpdateRequest b = Begin(version);
+    b.set_sha256(sha);
+    auto opened = updates.Begin(b);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    EXPECT_TRUE(updates.PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows)).ok());
+    auto committed = updates.Commit(opened->update_id());
+    EXPECT_TRUE(committed.ok()) << committed.status();
+    return committed.ok() ? *committed : v1::LmHeadInfo();
+  };
+
+  // No sha256 announced: the commit does not wait for the digest; it comes.
+  const std::string rows1 = Rows(0, kV, 1.0f), rows2 = Rows(0, kV, 2.0f), rows3 = Rows(0, kV, 3.0f);
+  commit("v1", rows1, "");
+  ino_t v1_inode = 0;
+  {
+    const auto v1 = heads.Find("default", "v1");  // holds v1 while in scope
+    ASSERT_NE(v1, nullptr);
+    EXPECT_EQ(v1->sha256.get(), Sha256Hex(rows1));
+    v1_inode = inode(v1->source.file);
+  }
+  ASSERT_NE(v1_inode, 0u);
+  // Announced: checked before the commit, and listed at once.
+  EXPECT_EQ(commit("v2", rows2, Sha256Hex(rows2)).sha256(), Sha256Hex(rows2));
+  // v1 left at v2's commit: the next update drops it and writes into its file.
+  auto opened = updates.Begin(Begin("v3"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_NE(std::find(dropped.begin(), dropped.end(), "v1"), dropped.end());
+  std::string partial;
+  for (const auto& e : std::filesystem::directory_iterator(store_))
+    if (e.path().string().find(".partial") != std::string::npos) partial = e.path().string();
+  EXPECT_EQ(inode(partial), v1_inode) << partial;
+  ASSERT_TRUE(updates.PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows3)).ok());
+  ASSERT_TRUE(updates.Commit(opened->update_id()).ok());
+  const auto v3 = heads.Find("default", "v3");
+  ASSERT_NE(v3, nullptr);
+  EXPECT_EQ(inode(v3->source.file), v1_inode);
+  // Every byte of the reused file is v3's: the header, then rows3 exactly.
+  EXPECT_EQ(std::filesystem::file_size(v3->source.file), v3->source.data_offset + rows3.size());
+  EXPECT_EQ(v3->source.data_offset % 4096, 0u) << "the weight starts at a page boundary";
+  std::string back(rows3.size(), '\0');
+  const int fd = open(v3->source.file.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  EXPECT_TRUE(PreadAll(fd, back.data(), back.size(), v3->source.data_offset));
+  close(fd);
+  EXPECT_EQ(back, rows3);
+  EXPECT_EQ(v3->sha256.get(), Sha256Hex(rows3));
+  auto resolved = ResolveLmHead(v3->source.file);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->data_offset, v3->source.data_offset);
+}
+
 }  // namespace logprob

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <random>
 #include <string>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -94,4 +95,36 @@ TEST(StagedFileHasher, DestroyedWithRowsMissingReturnsAtOnce) {
 }
 
 }  // namespace
+TEST(StagedFileHasher, InTheBackgroundTheDigestFutureIsTheHashAfterTheCallerClosedItsFd) {
+  const std::string data = RandomBytes((size_t{5} << 20) + 7, 3);
+  TempFile f(data.size());
+  f.Write(data, 0);
+  const int fd = dup(f.fd());
+  StagedFileHasher hasher(fd, 0, static_cast<int64_t>(data.size()), /*background=*/true);
+  close(fd);  // the hasher reads through its own duplicate (an update ends before its hash)
+  const std::shared_future<std::string> digest = hasher.digest();
+  hasher.Written(0, static_cast<int64_t>(data.size()));
+  EXPECT_EQ(digest.get(), Sha256Hex(data));
+  EXPECT_EQ(hasher.Finish().value(), Sha256Hex(data));
+}
+
+TEST(StagedFileHasher, TheDigestFutureIsEmptyWhenDestroyedOrFailed) {
+  std::shared_future<std::string> abandoned, failed;
+  {
+    TempFile f(64);
+    StagedFileHasher hasher(f.fd(), 0, 64);
+    abandoned = hasher.digest();
+    hasher.Written(0, 32);  // half: the rest never comes
+  }
+  EXPECT_EQ(abandoned.get(), "");
+  {
+    TempFile f(100);
+    StagedFileHasher hasher(f.fd(), 0, 200);
+    failed = hasher.digest();
+    hasher.Written(0, 200);
+    EXPECT_FALSE(hasher.Finish().ok());
+  }
+  EXPECT_EQ(failed.get(), "");
+}
+
 }  // namespace logprob
