@@ -42,7 +42,8 @@ int RunHeads(const LmHeadArgs& args) {
   for (const v1::LmHeadInfo& h : info->lm_heads())
     std::cout << h.name() << "  version " << h.version() << "  retained [" << absl::StrJoin(h.retained_versions(), ", ")
               << "]  [" << h.vocab_size() << ", " << h.hidden_size() << "] " << DTypeName(h.dtype()) << "  "
-              << h.precision() << "  sha256 " << (h.sha256().empty() ? "(computing)" : h.sha256()) << "  " << h.source() << std::endl;
+              << h.precision() << "  sha256 " << (h.sha256().empty() ? "(computing)" : h.sha256()) << "  " << h.source()
+              << std::endl;
   std::cout << "updates " << (info->lm_head_updates() ? "allowed" : "off (--allow-lm-head-updates)") << std::endl;
   return kExitOk;
 }

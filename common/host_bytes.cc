@@ -15,8 +15,7 @@
 
 namespace logprob {
 
-HostBytes::HostBytes(std::vector<char> bytes)
-    : owned_(std::move(bytes)), data_(owned_.data()), size_(owned_.size()) {}
+HostBytes::HostBytes(std::vector<char> bytes) : owned_(std::move(bytes)), data_(owned_.data()), size_(owned_.size()) {}
 
 HostBytes::HostBytes(const HostBytes& other)
     : owned_(other.owned_),

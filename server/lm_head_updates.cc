@@ -242,9 +242,9 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
       done.set_already_committed(true);
       return done;
     }
-    return absl::AlreadyExistsError(absl::StrCat(
-        "lm_head \"", req.head(), "\" already holds version \"", req.version(), "\" (sha256 ", held_sha,
-        sha.empty() ? "; give it to confirm" : ", not the one given", "); choose a new version name"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("lm_head \"", req.head(), "\" already holds version \"", req.version(), "\" (sha256 ", held_sha,
+                     sha.empty() ? "; give it to confirm" : ", not the one given", "); choose a new version name"));
   }
   const int64_t V = cur.vocab_size, H = cur.hidden_size;
   const int64_t row_bytes = H * static_cast<int64_t>(DTypeSize(cur.dtype));
@@ -487,8 +487,8 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   if (!sha.ok()) return fail("aborted", sha.status());
   if (!u->expected_sha256.empty() && u->expected_sha256 != *sha)
     return fail("sha256_mismatch", absl::InvalidArgumentError(absl::StrCat(
-                                       "lm_head update ", id, ": the rows' sha256 is ", *sha,
-                                       ", the update announced ", u->expected_sha256, "; nothing changed")));
+                                       "lm_head update ", id, ": the rows' sha256 is ", *sha, ", the update announced ",
+                                       u->expected_sha256, "; nothing changed")));
   u->next.sha256 = u->expected_sha256.empty() ? u->hasher->digest() : KnownSha256(*sha);
   if (!generation.ok())
     return fail("worker_error", absl::Status(generation.status().code(),
@@ -535,7 +535,8 @@ void LmHeadUpdates::Recycle(const LmHeadVersion& v, bool dropped) {
     absl::MutexLock lock(&mu_);
     // One spare per head, and only a file no worker maps any more and no
     // hasher reads (one still reading keeps its removed file open).
-    if (dropped && !stop_ && !v.Sha256IfKnown().empty() && spares_.count(v.head) == 0 && rename(v.source.file.c_str(), spare.c_str()) == 0) {
+    if (dropped && !stop_ && !v.Sha256IfKnown().empty() && spares_.count(v.head) == 0 &&
+        rename(v.source.file.c_str(), spare.c_str()) == 0) {
       spares_[v.head] = spare;
       return;
     }
@@ -558,7 +559,8 @@ int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, 
         rename(spare.c_str(), path.c_str()) == 0) {
       const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
       if (fd >= 0) {
-        LogLine() << absl::StrCat("logprob-server: lm_head ", head, ": the update writes into the store file a "
+        LogLine() << absl::StrCat("logprob-server: lm_head ", head,
+                                  ": the update writes into the store file a "
                                   "released version left (",
                                   size, " bytes)");
         return fd;
@@ -586,8 +588,7 @@ void LmHeadUpdates::Loop() {
     if (stop_) return;
     hashing_.erase(std::remove_if(hashing_.begin(), hashing_.end(),
                                   [](const std::unique_ptr<StagedFileHasher>& h) {
-                                    return h->digest().wait_for(std::chrono::seconds(0)) ==
-                                           std::future_status::ready;
+                                    return h->digest().wait_for(std::chrono::seconds(0)) == std::future_status::ready;
                                   }),
                    hashing_.end());
     const auto now = Clock::now();

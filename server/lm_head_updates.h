@@ -184,7 +184,8 @@ class LmHeadUpdates {
   int64_t next_file_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, std::string> spares_ ABSL_GUARDED_BY(mu_);
   // Committed versions' hashers whose digest is still computing.
-  std::vector<std::unique_ptr<StagedFileHasher>> hashing_ ABSL_GUARDED_BY(mu_);  // head -> a released store file to reuse
+  std::vector<std::unique_ptr<StagedFileHasher>> hashing_
+      ABSL_GUARDED_BY(mu_);  // head -> a released store file to reuse
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread loop_;
 };

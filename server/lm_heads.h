@@ -34,9 +34,9 @@ inline constexpr char kUpdateOrigin[] = "update";
 /// safetensors tensor each worker reads its rows SplitRange(V, W, rank) of)
 /// and what it is. Immutable.
 struct LmHeadVersion {
-  std::string head;              // the head's name
-  std::string version;           // opaque
-  LmHeadSource source;           // the weight's file, tensor, dtype, shape
+  std::string head;     // the head's name
+  std::string version;  // opaque
+  LmHeadSource source;  // the weight's file, tensor, dtype, shape
   // Hex SHA-256 of the weight bytes, row-major: known at load (a head
   // loaded at start, an update that announced it) or computed in the
   // background after the commit ("" if reading the file back failed).

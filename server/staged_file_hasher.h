@@ -53,7 +53,7 @@ class StagedFileHasher {
   const uint64_t data_offset_;
   const int64_t total_;
   const bool background_;
-  Sha256Stream sha_;  // the thread's only
+  Sha256Stream sha_;                   // the thread's only
   std::promise<std::string> promise_;  // set once, by the thread as it ends
   std::shared_future<std::string> digest_;
 

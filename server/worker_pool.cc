@@ -164,11 +164,12 @@ absl::StatusOr<int64_t> WorkerPool::LoadLmHead(const internal::v1::LmHeadLoad& l
 
 bool WorkerPool::DropLmHead(const internal::v1::LmHeadRef& head) {
   return OnEveryWorker(
-      [&head](internal::v1::Worker::Stub& stub, grpc::ClientContext* ctx) {
-        internal::v1::DropLmHeadReply reply;
-        return stub.DropLmHead(ctx, head, &reply);
-      },
-      std::chrono::seconds(30)).ok();
+             [&head](internal::v1::Worker::Stub& stub, grpc::ClientContext* ctx) {
+               internal::v1::DropLmHeadReply reply;
+               return stub.DropLmHead(ctx, head, &reply);
+             },
+             std::chrono::seconds(30))
+      .ok();
 }
 
 absl::Status WorkerPool::StageLmHeadRows(const internal::v1::LmHeadStage& stage) {

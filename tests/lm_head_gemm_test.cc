@@ -149,7 +149,7 @@ TEST(LmHeadGemm, WeightsMappedFromAFileInMemoryGiveBitwiseTheOwnedWeightsLogits)
       std::fclose(f);
     }
     absl::StatusOr<HostBytes> mapped = HostBytes::MapMemoryFile(path, offset, w.bytes.size());
-    std::remove(path.c_str());  // the mapping keeps the file's pages
+    std::remove(path.c_str());                                                    // the mapping keeps the file's pages
     if (absl::IsUnimplemented(mapped.status())) GTEST_SKIP() << mapped.status();  // /dev/shm is not tmpfs here
     ASSERT_TRUE(mapped.ok()) << mapped.status();
     ASSERT_TRUE(mapped->mapped());

@@ -7,9 +7,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <future>
 #include <random>
 #include <string>
-#include <future>
 #include <thread>
 #include <vector>
 

@@ -44,8 +44,8 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   // slice's (no copy, no second copy of the head in memory).
   absl::StatusOr<HostBytes> mapped = absl::UnimplementedError("a checkpoint is copied");
   if (src.immutable())
-    mapped = HostBytes::MapMemoryFile(source.file, source.data_offset + static_cast<uint64_t>(vb) * row_bytes,
-                                      read_bytes);
+    mapped =
+        HostBytes::MapMemoryFile(source.file, source.data_offset + static_cast<uint64_t>(vb) * row_bytes, read_bytes);
   if (mapped.ok()) {
     slice.weight = *std::move(mapped);
   } else {

@@ -86,8 +86,8 @@ class LmHeadGemm {
   // F32 compute: rounding applied to hidden states first (kBf16 when bf16
   // runs in f32, kTf32 for tf32; kFp32: none).
   LmHeadPrecision hidden_rounding_ = LmHeadPrecision::kFp32;
-  HostBytes weight_;          // [rows, H] of compute_dtype_ (whole column tiles are read in place)
-  std::vector<char> tail_;    // the last column tile if partial: its rows, then zero rows to kTileCols
+  HostBytes weight_;        // [rows, H] of compute_dtype_ (whole column tiles are read in place)
+  std::vector<char> tail_;  // the last column tile if partial: its rows, then zero rows to kTileCols
   int64_t rows_, hidden_size_;
   std::unique_ptr<Impl> impl_;
 };
