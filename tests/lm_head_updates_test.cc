@@ -54,7 +54,11 @@ class LmHeadUpdatesTest : public ::testing::Test {
   void TearDown() override { std::filesystem::remove_all(store_); }
 
   using Stage = std::function<absl::Status(const internal::v1::LmHeadStage&)>;
-  std::unique_ptr<LmHeadUpdates> Make(Stage stage = nullptr, LmHeadUpdateObservers observers = {}) {
+  /// Updates of `heads` (default: heads_) whose workers load and drop
+  /// (reported to `dropped` when given) and stage with `stage`.
+  std::unique_ptr<LmHeadUpdates> Make(Stage stage = nullptr, LmHeadUpdateObservers observers = {},
+                                      LmHeads* heads = nullptr, std::shared_ptr<LmHeadReleases> releases = nullptr,
+                                      std::vector<std::string>* dropped = nullptr) {
     LmHeadUpdates::Options o;
     o.allowed = true;
     o.store_dir = store_;
@@ -62,9 +66,13 @@ class LmHeadUpdatesTest : public ::testing::Test {
     LmHeadWorkers w;
     w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
     w.serving = [](int64_t) { return true; };
-    w.drop = [](const internal::v1::LmHeadRef&) { return true; };
+    w.drop = [dropped](const internal::v1::LmHeadRef& ref) {
+      if (dropped) dropped->push_back(ref.version());
+      return true;
+    };
     w.stage = std::move(stage);
-    return std::make_unique<LmHeadUpdates>(o, &heads_, std::make_shared<LmHeadReleases>(), w, std::move(observers));
+    return std::make_unique<LmHeadUpdates>(
+        o, heads ? heads : &heads_, releases ? releases : std::make_shared<LmHeadReleases>(), w, std::move(observers));
   }
   static v1::BeginLmHeadUpdateRequest Begin(const std::string& version) {
     v1::BeginLmHeadUpdateRequest b;
@@ -305,19 +313,9 @@ TEST_F(LmHeadUpdatesTest, AReleasedVersionsFileTakesTheNextUpdateAndDigestsComeA
   LmHeads heads(ho);
   LmHeadVersion first = *heads_.Bind("default", "").value();
   ASSERT_TRUE(heads.Add(first).ok());
-  LmHeadUpdates::Options o;
-  o.allowed = true;
-  o.store_dir = store_;
-  o.workers = 2;
-  LmHeadWorkers w;
-  w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
-  w.serving = [](int64_t) { return true; };
   std::vector<std::string> dropped;
-  w.drop = [&dropped](const internal::v1::LmHeadRef& ref) {
-    dropped.push_back(ref.version());
-    return true;
-  };
-  LmHeadUpdates updates(o, &heads, releases, w);
+  const std::unique_ptr<LmHeadUpdates> made = Make(nullptr, {}, &heads, releases, &dropped);
+  LmHeadUpdates& updates = *made;
   auto inode = [](const std::string& path) {
     struct stat st {};
     return stat(path.c_str(), &st) == 0 ? st.st_ino : 0;
