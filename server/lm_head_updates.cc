@@ -133,8 +133,9 @@ struct LmHeadUpdates::Update {
   // The staged file mapped read-write (its blocks allocated at Begin, so
   // no write through it can fault for space): rows are copied in with
   // memcpy, which on a tmpfs store runs several times faster than pwrite.
-  char* map = nullptr;
-  size_t map_bytes = 0;
+  // Kept with the committed file (LmHeadUpdates::maps_), so the update
+  // that reuses the file finds its page tables populated.
+  FileMap map;
   int64_t row_bytes = 0;
   std::map<int64_t, int64_t> ranges;  // rows received or being received: begin -> end
   int64_t rows_received = 0, bytes = 0;
@@ -149,7 +150,6 @@ struct LmHeadUpdates::Update {
 
   ~Update() {
     hasher.reset();  // its thread reads fd
-    if (map != nullptr) munmap(map, map_bytes);
     if (fd >= 0) close(fd);
   }
   v1::LmHeadUpdate Proto() const {
@@ -182,7 +182,7 @@ LmHeadUpdates::~LmHeadUpdates() {
   }
   loop_.join();
   absl::MutexLock lock(&mu_);
-  for (const auto& [head, spare] : spares_) unlink(spare.c_str());
+  for (const auto& [head, spare] : spares_) unlink(spare.path.c_str());
 }
 
 absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const std::string& id) {
@@ -288,13 +288,10 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   std::error_code ec;
   fs::create_directories(options_.store_dir, ec);
   const uint64_t file_bytes = header.size() + static_cast<uint64_t>(V * row_bytes);
-  u->fd = StagedFile(u->head, u->partial, file_bytes);
-  if (u->fd >= 0) {
+  u->fd = StagedFile(u->head, u->partial, file_bytes, &u->map);
+  if (u->fd >= 0 && u->map == nullptr) {
     void* m = mmap(nullptr, file_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, u->fd, 0);
-    if (m != MAP_FAILED) {
-      u->map = static_cast<char*>(m);
-      u->map_bytes = file_bytes;
-    }
+    if (m != MAP_FAILED) u->map = FileMap(static_cast<char*>(m), [file_bytes](char* q) { munmap(q, file_bytes); });
   }
   if (u->map == nullptr || !PwriteAll(u->fd, header.data(), header.size(), 0)) {
     const int err = errno;
@@ -366,7 +363,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
   if (by_worker) failed = Stage(u, row_begin, rows, source);
   for (int64_t off = 0; !by_worker && off < total && failed.ok();) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
-    char* dst = u->map + base + static_cast<uint64_t>(off);
+    char* dst = u->map.get() + base + static_cast<uint64_t>(off);
     if (memory) {
       std::memcpy(dst, memory->data() + off, n);
     } else if (!source.Read(off, n, dst)) {
@@ -503,6 +500,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     End(u, "committed", "");
     // The digest may still be computing: the hasher lives on until it is.
     hashing_.push_back(std::move(u->hasher));
+    maps_[u->next.source.file] = std::move(u->map);
   }
   for (const v1::LmHeadInfo& info : heads_->List())
     if (info.name() == u->head) return info;
@@ -531,42 +529,45 @@ void LmHeadUpdates::Release() {
 
 void LmHeadUpdates::Recycle(const LmHeadVersion& v, bool dropped) {
   const std::string spare = absl::StrCat(options_.store_dir, "/", v.head, ".spare");
-  {
-    absl::MutexLock lock(&mu_);
-    // One spare per head, and only a file no worker maps any more and no
-    // hasher reads (one still reading keeps its removed file open).
-    if (dropped && !stop_ && !v.Sha256IfKnown().empty() && spares_.count(v.head) == 0 &&
-        rename(v.source.file.c_str(), spare.c_str()) == 0) {
-      spares_[v.head] = spare;
-      return;
-    }
+  absl::MutexLock lock(&mu_);
+  FileMap map;
+  if (auto it = maps_.find(v.source.file); it != maps_.end()) {
+    map = std::move(it->second);
+    maps_.erase(it);
+  }
+  // One spare per head, and only a file no worker maps any more and no
+  // hasher reads (one still reading keeps its removed file open).
+  if (dropped && !stop_ && !v.Sha256IfKnown().empty() && spares_.count(v.head) == 0 &&
+      rename(v.source.file.c_str(), spare.c_str()) == 0) {
+    spares_[v.head] = Spare{spare, std::move(map)};
+    return;
   }
   unlink(v.source.file.c_str());
 }
 
-int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, uint64_t size) {
-  std::string spare;
+int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, uint64_t size, FileMap* map) {
+  Spare spare;
   {
     absl::MutexLock lock(&mu_);
     if (auto it = spares_.find(head); it != spares_.end()) {
-      spare = it->second;
+      spare = std::move(it->second);
       spares_.erase(it);
     }
   }
-  if (!spare.empty()) {
+  if (!spare.path.empty()) {
     struct stat st {};
-    if (stat(spare.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_size) == size &&
-        rename(spare.c_str(), path.c_str()) == 0) {
+    if (stat(spare.path.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_size) == size &&
+        rename(spare.path.c_str(), path.c_str()) == 0) {
       const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
       if (fd >= 0) {
         LogLine() << absl::StrCat("logprob-server: lm_head ", head,
-                                  ": the update writes into the store file a "
-                                  "released version left (",
-                                  size, " bytes)");
+                                  ": the update writes into the store file a released version left (", size,
+                                  " bytes)");
+        *map = std::move(spare.map);  // still populated (or null: the caller maps it)
         return fd;
       }
     }
-    unlink(spare.c_str());  // another size (or gone): a new file
+    unlink(spare.path.c_str());  // another size (or gone): a new file
   }
   const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   // Blocks allocated now: writes through the mapping never run out of space.

@@ -27,6 +27,9 @@
 
 namespace logprob {
 
+/// A store file mapped read-write (munmap when the last holder goes).
+using FileMap = std::shared_ptr<char>;
+
 /// Versions LmHeads released (LmHeads::Options::on_release pushes them),
 /// waiting for LmHeadUpdates' thread to have the workers drop them and to
 /// remove their store files. Thread-safe; Push takes only its own lock.
@@ -165,9 +168,11 @@ class LmHeadUpdates {
   /// else removed.
   void Recycle(const LmHeadVersion& v, bool dropped) ABSL_LOCKS_EXCLUDED(mu_);
   /// Opens `path` read-write as a staged file of `size` bytes: the head's
-  /// spare renamed if it has that size, else a new file. -1 (errno set) on
+  /// spare renamed if it has that size (`map` then takes its mapping, if
+  /// any), else a new file with its blocks allocated. -1 (errno set) on
   /// failure.
-  int StagedFile(const std::string& head, const std::string& path, uint64_t size) ABSL_LOCKS_EXCLUDED(mu_);
+  int StagedFile(const std::string& head, const std::string& path, uint64_t size, FileMap* map)
+      ABSL_LOCKS_EXCLUDED(mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -182,7 +187,12 @@ class LmHeadUpdates {
   std::map<std::string, std::shared_ptr<Update>> open_ ABSL_GUARDED_BY(mu_);  // by id
   std::map<std::string, std::string> ended_ ABSL_GUARDED_BY(mu_);             // id -> why (recent)
   int64_t next_file_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, std::string> spares_ ABSL_GUARDED_BY(mu_);
+  struct Spare {
+    std::string path;
+    FileMap map;  // its read-write mapping, page tables populated (may be null)
+  };
+  std::map<std::string, Spare> spares_ ABSL_GUARDED_BY(mu_);  // head -> a released store file to reuse
+  std::map<std::string, FileMap> maps_ ABSL_GUARDED_BY(mu_);  // committed store file -> its mapping
   // Committed versions' hashers whose digest is still computing.
   std::vector<std::unique_ptr<StagedFileHasher>> hashing_
       ABSL_GUARDED_BY(mu_);  // head -> a released store file to reuse
