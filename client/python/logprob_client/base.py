@@ -435,21 +435,22 @@ class ClientBase:
         row_bytes = max(1, int(rows[:1].nbytes))
         per_put = max(1, min(UPDATE_PUT_BYTES, int(limit * 0.9)) // row_bytes)
         shm = yield from self._shared_memory_ops(deadline)
-        for r0 in range(0, int(rows.shape[0]), per_put):
-            chunk = rows[r0:r0 + per_put]
-            sent = None
-            if shm is not None:
-                # Same host: the rows go through this client's region.
-                def put(tensors: List[Any], metadata: Any, r0: int = r0) -> Ops[Any]:
-                    first = pb2.LmHeadRows(update_id=update_id, row_begin=r0, rows=tensors[0])
-                    serialized = first.SerializeToString()
-                    return self._put_rows_ops(iter([b"\x0a" + varint(len(serialized)) + serialized]), deadline,
-                                              metadata)
+        starts = list(range(0, int(rows.shape[0]), per_put))
+        sent: List[Any] = [None] * len(starts)
+        if shm is not None:
+            # Same host: the rows go through this client's regions, the copy
+            # of one put overlapping the call of the one before.
+            def put(i: int, tensors: List[Any], metadata: Any) -> Ops[Any]:
+                first = pb2.LmHeadRows(update_id=update_id, row_begin=starts[i], rows=tensors[0])
+                serialized = first.SerializeToString()
+                return self._put_rows_ops(iter([b"\x0a" + varint(len(serialized)) + serialized]), deadline,
+                                          metadata)
 
-                sent = yield from shm.send([("rows", dt, chunk)], put)
-            if sent is None:
+            sent = yield from shm.send_each([[("rows", dt, rows[r0:r0 + per_put])] for r0 in starts], put)
+        for i, r0 in enumerate(starts):
+            if sent[i] is None:
                 # Otherwise (or without a region) the bytes in pieces.
-                parts = lm_head_rows_parts(update_id, r0, chunk, dt, self.piece_bytes)
+                parts = lm_head_rows_parts(update_id, r0, rows[r0:r0 + per_put], dt, self.piece_bytes)
                 yield from self._put_rows_ops(parts, deadline, self._metadata)
 
     def _close_ops(self) -> Ops[None]:

@@ -35,6 +35,7 @@ that answers no challenge needs no confirmation.
 (``ops.py``): the client that owns it performs their RPCs.
 """
 
+import concurrent.futures
 import hashlib
 import mmap
 import os
@@ -105,6 +106,19 @@ def usable(info: Any) -> bool:
     """True when the server described by ``info`` (``ServerInfo``) takes
     shared-memory inputs and shares this process's /dev/shm."""
     return bool(info.shared_memory_inputs) and bool(info.host_id) and info.host_id == host_id()
+
+
+_COPIER: "Optional[concurrent.futures.ThreadPoolExecutor]" = None
+_COPIER_LOCK = threading.Lock()
+
+
+def _copier() -> "concurrent.futures.ThreadPoolExecutor":
+    """The threads ``send_each`` copies on (created on first use)."""
+    global _COPIER
+    with _COPIER_LOCK:
+        if _COPIER is None:
+            _COPIER = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="logprob-shm-copy")
+        return _COPIER
 
 
 def _aligned(n: int) -> int:
@@ -318,6 +332,66 @@ class SharedMemoryInputs:
                 if leased:
                     self._give_back(region)
         return None  # not reached: the second try returns or raises
+
+    def send_each(self, batches: Sequence[Tensors],
+                  call: "Callable[[int, List[Any], Metadata], Ops[T]]") -> Ops[List[Optional[T]]]:
+        """``send`` of each of ``batches`` in turn (``call(i, tensors,
+        metadata)``), with the copy of batch i + 1 into a second region, on
+        a copying thread (numpy's copy releases the GIL), overlapping the
+        call of batch i: a large transfer (an lm_head update's puts) takes
+        about the longer of the two instead of their sum. Returns each
+        batch's result, None for a batch not sent (shared memory off, or no
+        region): the caller sends those as bytes. A region the server
+        forgot (NOT_FOUND) sends the remaining batches through ``send``,
+        which registers anew."""
+        results: List[Optional[T]] = [None] * len(batches)
+        if self.failed is not None or not batches:
+            return results
+        nbytes = max(sum(_aligned(int(a.nbytes)) for _, _, a in b) for b in batches)
+        regions: List[_Region] = []
+        for _ in range(min(2, len(batches))):
+            try:
+                regions.append((yield from self._lease(max(nbytes, 1))))
+            except (grpc.RpcError, OSError) as e:
+                if not regions:
+                    self._lease_failed(e)
+                    return results
+                break
+        pending: "Optional[concurrent.futures.Future[List[Any]]]" = None
+        resume_at = len(batches)
+        try:
+            pending = _copier().submit(regions[0].write, batches[0])
+            for i in range(len(batches)):
+                copied, pending = pending, None
+                assert copied is not None  # each iteration's batch was submitted before it
+                tensors = yield Work(copied.result, nbytes=nbytes)  # the asyncio client waits off its loop
+                if i + 1 < len(batches):
+                    if len(regions) > 1:
+                        pending = _copier().submit(regions[(i + 1) % 2].write, batches[i + 1])
+                try:
+                    results[i] = yield from call(i, tensors, self.metadata)
+                except LogprobError as e:
+                    if e.code != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    resume_at = i
+                    break
+                if pending is None and i + 1 < len(batches):  # one region: copy after the call
+                    pending = _copier().submit(regions[0].write, batches[i + 1])
+        finally:
+            if pending is not None:  # a copy into a region must end before the region is leased again
+                concurrent.futures.wait([pending])
+            if resume_at == len(batches):
+                for r in regions:
+                    self._give_back(r)
+        if resume_at < len(batches):
+            for r in regions:  # forgotten by the server
+                yield from self._drop(r)
+            for i in range(resume_at, len(batches)):
+                def again(tensors: List[Any], metadata: Metadata, i: int = i) -> Ops[T]:
+                    return call(i, tensors, metadata)
+
+                results[i] = yield from self.send(batches[i], again)
+        return results
 
     def close(self) -> Ops[None]:
         """Unregisters and removes every region (best effort)."""
