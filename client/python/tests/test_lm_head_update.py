@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 import unittest
+from unittest import mock
 import warnings
 
 import grpc
@@ -15,7 +16,7 @@ import numpy as np
 
 from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, hashed_head, temp_dir, wait_for, worker_pids
 from logprob_client import LogprobClient, LogprobError
-from logprob_client import safetensors
+from logprob_client import base, safetensors
 from logprob_client._proto import pb2
 
 V, H, T = 301, 64, 24
@@ -83,6 +84,11 @@ class UpdateTest(unittest.TestCase):
             self.assertEqual(c.update_lm_head("policy", self.w2, version="shm-2"), "shm-2")
             self.assertTrue(c._shm and c._shm._all and c._shm.failed is None, "shared memory should be in use")
             same(score(c, head="policy"), self.expect["w2"])
+            # In many puts, the client copying each into one of two regions
+            # while the server takes the one before: the same weights.
+            with mock.patch.object(base, "UPDATE_PUT_BYTES", 7 * self.w1[:1].nbytes):
+                self.assertEqual(c.update_lm_head("policy", self.w1, version="shm-puts"), "shm-puts")
+            same(score(c, head="policy"), self.expect["w1"])
             self.assertEqual(c.update_lm_head("policy", self.w1, version="shm-3"), "shm-3")
             # A file under --lm-head-update-dir, through the raw API.
             upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(

@@ -16,11 +16,13 @@ import unittest
 import urllib.request
 import warnings
 
+import grpc
 import numpy as np
 
 import support  # noqa: F401  (puts client/python on sys.path)
 from support import LOGITS_CASES, Golden, Server, compare, free_port
 
+from logprob_client import LogprobError
 from logprob_client import logprob_pb2 as pb2
 from logprob_client import shared_memory
 
@@ -104,6 +106,37 @@ class SharedMemoryTest(unittest.TestCase):
             for r in results:
                 self.assertEqual(compare(g.expected, r.outputs), "")
             self.assertGreaterEqual(len(region_names(client)), 1)
+
+    def test_send_each_copies_into_two_regions_and_registers_again_when_forgotten(self):
+        # An lm_head update's puts: batch i + 1 is copied into the other
+        # region while batch i's call runs; each call must see its own
+        # bytes. At batch 2 the call says the server forgot the region
+        # (NOT_FOUND): the remaining batches go through fresh regions.
+        with self.server.client() as client:
+            shm = client._run(client._shared_memory_ops(client._deadline(30)))
+            self.assertIsNotNone(shm)
+            batches = [[("x", pb2.F32, np.full(300000, i, np.float32))] for i in range(6)]
+            seen = []
+
+            def call(i, tensors, metadata):
+                ref = tensors[0].shared_memory
+                region = [r for r in shm._all if r.name == ref.region][0]
+                got = np.frombuffer(region.mm, np.float32, count=300000, offset=ref.offset)
+                seen.append((i, ref.region, bool((got == i).all())))
+                del got
+                if i == 2 and [s[0] for s in seen].count(2) == 1:
+                    raise LogprobError(grpc.StatusCode.NOT_FOUND, "region forgotten (test)")
+                return "put %d" % i
+                yield  # an operation (ops.py): a generator
+
+            results = client._run(shm.send_each(batches, call))
+            self.assertEqual(results, ["put %d" % i for i in range(6)])
+            self.assertEqual([s[0] for s in seen], [0, 1, 2, 2, 3, 4, 5])
+            self.assertTrue(all(s[2] for s in seen), seen)  # every call read its own batch
+            self.assertNotEqual(seen[0][1], seen[1][1], "two regions alternate")
+            self.assertEqual(seen[2][1], seen[0][1])
+            forgotten = {seen[0][1], seen[1][1]}
+            self.assertTrue(all(s[1] not in forgotten for s in seen[3:]), seen)
 
     def test_idle_session_expires_and_the_client_registers_again(self):
         g = Golden("basic_f32")
