@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <iostream>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/huge_pages.h"
@@ -17,11 +18,16 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   if (ref.name().empty() || ref.version().empty())
     return absl::InvalidArgumentError("LoadLmHead: the head's name and version must not be empty");
   const Key key{ref.name(), ref.version()};
+  const internal::v1::LmHeadSource& src = load.source();
+  // Held from the same file: nothing to read. From another one, the copy is
+  // stale (a drop this worker missed, then the name committed again with
+  // other bytes) and is replaced.
+  auto same_source = [&src](const Held& h) { return h.file == src.file() && h.data_offset == src.data_offset(); };
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = held_.find(key); it != held_.end()) return static_cast<int64_t>(it->second->bytes());
+    if (auto it = held_.find(key); it != held_.end() && same_source(it->second))
+      return static_cast<int64_t>(it->second.weights->bytes());
   }
-  const internal::v1::LmHeadSource& src = load.source();
   LmHeadSource source;
   source.file = src.file();
   source.tensor = src.tensor();
@@ -61,9 +67,17 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   LOGPROB_ASSIGN_OR_RETURN(std::shared_ptr<const LmHeadWeights> weights,
                            backend_.LoadLmHead(std::move(slice), precision_));
   const int64_t bytes = static_cast<int64_t>(weights->bytes());
+  std::shared_ptr<const LmHeadWeights> stale;  // freed outside the lock
   {
     absl::MutexLock lock(&mu_);
-    held_.emplace(key, std::move(weights));  // a concurrent Load of the same version: the first stays
+    auto it = held_.find(key);
+    if (it == held_.end()) {
+      held_.emplace(key, Held{std::move(weights), src.file(), src.data_offset()});
+    } else if (!same_source(it->second)) {
+      stale = std::exchange(it->second.weights, std::move(weights));
+      it->second.file = src.file();
+      it->second.data_offset = src.data_offset();
+    }  // else a concurrent Load of the same version: the first stays
   }
   LogLine() << absl::StrCat("logprob-worker: rank ", rank_, " loaded lm_head ", ref.name(), " version ", ref.version(),
                             ": ", source.tensor, " rows [", vb, ", ", ve, ") x ", source.hidden_size, " ",
@@ -76,7 +90,7 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
 std::shared_ptr<const LmHeadWeights> LmHeadRegistry::Find(const internal::v1::LmHeadRef& head) const {
   absl::MutexLock lock(&mu_);
   auto it = held_.find(Key{head.name(), head.version()});
-  return it == held_.end() ? nullptr : it->second;
+  return it == held_.end() ? nullptr : it->second.weights;
 }
 
 bool LmHeadRegistry::Drop(const internal::v1::LmHeadRef& head) {
@@ -84,7 +98,7 @@ bool LmHeadRegistry::Drop(const internal::v1::LmHeadRef& head) {
   absl::MutexLock lock(&mu_);
   auto it = held_.find(Key{head.name(), head.version()});
   if (it == held_.end()) return false;
-  dropped = std::move(it->second);
+  dropped = std::move(it->second.weights);
   held_.erase(it);
   return true;
 }

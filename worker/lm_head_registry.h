@@ -4,6 +4,7 @@
 // lm_heads.h) and names one in every hidden-states work item.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -30,8 +31,10 @@ class LmHeadRegistry {
       : backend_(backend), precision_(precision), rank_(rank), world_(world) {}
 
   /// Reads this rank's rows of `load.source` (common/lm_head_source.h
-  /// ReadLmHeadRows) and loads them into the backend, unless `load.head` is
-  /// held already (then nothing is read). Returns the bytes the backend
+  /// ReadLmHeadRows; a committed update's file in memory is mapped, not
+  /// read) and loads them into the backend, unless `load.head` is held
+  /// already from the same file and offset (then nothing is read; held
+  /// from another file, the old copy is stale and is replaced). Returns the bytes the backend
   /// holds for it. Errors: INVALID_ARGUMENT for an empty name or version or
   /// a bad shape; NOT_FOUND / DATA_LOSS reading the file; the backend's
   /// LoadLmHead errors (memory).
@@ -53,7 +56,12 @@ class LmHeadRegistry {
   const LmHeadPrecision precision_;
   const int rank_, world_;
   mutable absl::Mutex mu_;
-  std::map<Key, std::shared_ptr<const LmHeadWeights>> held_ ABSL_GUARDED_BY(mu_);
+  struct Held {
+    std::shared_ptr<const LmHeadWeights> weights;
+    std::string file;  // where they were loaded from (LmHeadSource.file, data_offset)
+    uint64_t data_offset = 0;
+  };
+  std::map<Key, Held> held_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace logprob
