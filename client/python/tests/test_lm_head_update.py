@@ -2,6 +2,7 @@
 those of a server started with the new weights; requests report and pin
 versions; retained versions; each bad update is refused and changes
 nothing; updates are off by default."""
+import asyncio
 import os
 import shutil
 import signal
@@ -16,7 +17,7 @@ import numpy as np
 
 from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, hashed_head, temp_dir, wait_for, worker_pids
 from logprob_client import LogprobClient, LogprobError
-from logprob_client import base, safetensors
+from logprob_client import aio, base, safetensors
 from logprob_client._proto import pb2
 
 V, H, T = 301, 64, 24
@@ -89,6 +90,16 @@ class UpdateTest(unittest.TestCase):
             with mock.patch.object(base, "UPDATE_PUT_BYTES", 7 * self.w1[:1].nbytes):
                 self.assertEqual(c.update_lm_head("policy", self.w1, version="shm-puts"), "shm-puts")
             same(score(c, head="policy"), self.expect["w1"])
+
+            async def aio_update():  # the asyncio client waits for each copy off its loop
+                async with aio.LogprobClient(self.server.address) as a:
+                    return await a.update_lm_head("policy", self.w2, version="shm-puts-aio"), a._shm
+
+            with mock.patch.object(base, "UPDATE_PUT_BYTES", 7 * self.w2[:1].nbytes):
+                version, aio_shm = asyncio.run(aio_update())
+            self.assertEqual(version, "shm-puts-aio")
+            self.assertTrue(aio_shm and aio_shm.failed is None, "the asyncio client used shared memory")
+            same(score(c, head="policy"), self.expect["w2"])
             self.assertEqual(c.update_lm_head("policy", self.w1, version="shm-3"), "shm-3")
             # A file under --lm-head-update-dir, through the raw API.
             upd = c._stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(
