@@ -15,6 +15,9 @@ workers.
    tensor by CUDA IPC (a worker copies the rows into the store) against
    the same tensor with ``cuda_ipc=False`` (the client copies it to the
    host, then shared memory).
+   After each update the bench waits until the server lists the head's
+   sha256 (computed after a commit that announced none) and reports that
+   wait, so no timing overlaps the hash.
 2. Scoring during updates: CONCURRENCY threads send hidden-states requests
    ([T, H] bf16) back to back; p50 / p99 latency while nothing happens,
    then while the head is updated UPDATES times; every request must
@@ -68,6 +71,16 @@ def echo_chunked_bytes_per_s(address, nbytes):
     return report["echo_chunked"]["request_mb_per_s"] * 1e6
 
 
+def digest_wait(client, head="default"):
+    """Seconds until the server lists the head's sha256 (computed after a
+    commit that announced none), so the next timing starts on an idle
+    machine."""
+    t0 = time.perf_counter()
+    while not [h for h in client.lm_heads() if h.name == head][0].sha256:
+        time.sleep(0.005)  # polling observed state; not in a timed section
+    return time.perf_counter() - t0
+
+
 def percentile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -110,24 +123,26 @@ def main():
             import torch  # the shared-memory path's input: a torch CPU tensor
             tensors = [torch.from_numpy(h.view(np.int16)).view(torch.bfloat16) for h in heads]
             copy_dst = np.empty_like(heads[0])
-            rows = {k: [] for k in ("pieces", "echo", "shm", "memcpy")}
+            rows = {k: [] for k in ("pieces", "echo", "shm", "memcpy", "digest")}
             with LogprobClient(address, timeout=600, shared_memory=False) as pieces:
                 for r in range(a.rounds):
                     t0 = time.perf_counter()
                     pieces.update_lm_head("default", heads[(r + 1) % 2], version="pieces-%d" % r, dtype="bf16")
                     rows["pieces"].append(time.perf_counter() - t0)
+                    rows["digest"].append(digest_wait(c))
                     rows["echo"].append(nbytes / echo_chunked_bytes_per_s(address, min(nbytes, 256 << 20)))
                     t0 = time.perf_counter()
                     c.update_lm_head("default", tensors[r % 2], version="shm-%d" % r)
                     rows["shm"].append(time.perf_counter() - t0)
+                    rows["digest"].append(digest_wait(c))
                     t0 = time.perf_counter()
                     np.copyto(copy_dst, heads[r % 2])
                     rows["memcpy"].append(time.perf_counter() - t0)
                     print("round %d: pieces %.2f s, echo-chunked %.2f s (ratio %.2f); shared memory %.2f s, "
-                          "memcpy %.3f s (ratio %.1f)" % (r, rows["pieces"][-1], rows["echo"][-1],
-                                                          rows["pieces"][-1] / rows["echo"][-1], rows["shm"][-1],
-                                                          rows["memcpy"][-1], rows["shm"][-1] / rows["memcpy"][-1]),
-                          flush=True)
+                          "memcpy %.3f s (ratio %.1f); sha256 listed %.2f / %.2f s after the commits" %
+                          (r, rows["pieces"][-1], rows["echo"][-1], rows["pieces"][-1] / rows["echo"][-1],
+                           rows["shm"][-1], rows["memcpy"][-1], rows["shm"][-1] / rows["memcpy"][-1],
+                           rows["digest"][-2], rows["digest"][-1]), flush=True)
             if a.cuda:
                 if not c.server_info().cuda_ipc_inputs:
                     raise SystemExit("--cuda: the server does not offer CUDA IPC (see its log in %s)" % tmp)
@@ -139,9 +154,11 @@ def main():
                         t0 = time.perf_counter()
                         c.update_lm_head("default", on_gpu[(r + 1) % 2], version="ipc-%d" % r)
                         gpu_rows["ipc"].append(time.perf_counter() - t0)
+                        digest_wait(c)
                         t0 = time.perf_counter()
                         host.update_lm_head("default", on_gpu[r % 2], version="gpu-host-%d" % r)
                         gpu_rows["gpu-host"].append(time.perf_counter() - t0)
+                        digest_wait(c)
                         print("round %d: CUDA tensor by CUDA IPC %.2f s, by a host copy %.2f s (ratio %.2f)" %
                               (r, gpu_rows["ipc"][-1], gpu_rows["gpu-host"][-1],
                                gpu_rows["ipc"][-1] / gpu_rows["gpu-host"][-1]), flush=True)
@@ -153,9 +170,9 @@ def main():
             ratio_p = statistics.median([p / e for p, e in zip(rows["pieces"], rows["echo"])])
             ratio_s = statistics.median([x / m for x, m in zip(rows["shm"], rows["memcpy"])])
             print("median: pieces %.2f s (%.0f MB/s), echo-chunked %.2f s, ratio %.2f; shared memory %.2f s "
-                  "(%.0f MB/s), memcpy %.3f s, ratio %.1f" %
+                  "(%.0f MB/s), memcpy %.3f s, ratio %.1f; sha256 listed %.2f s after a commit" %
                   (med["pieces"], nbytes / med["pieces"] / 1e6, med["echo"], ratio_p, med["shm"],
-                   nbytes / med["shm"] / 1e6, med["memcpy"], ratio_s))
+                   nbytes / med["shm"] / 1e6, med["memcpy"], ratio_s, med["digest"]))
             del copy_dst
 
             rng = np.random.default_rng(5)

@@ -499,6 +499,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     absl::MutexLock lock(&mu_);
     End(u, "committed", "");
     // The digest may still be computing: the hasher lives on until it is.
+    u->hasher->Start();
     hashing_.push_back(std::move(u->hasher));
     maps_[u->next.source.file] = std::move(u->map);
   }

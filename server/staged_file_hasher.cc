@@ -25,6 +25,7 @@ StagedFileHasher::StagedFileHasher(int fd, uint64_t data_offset, int64_t total, 
       total_(total),
       background_(background),
       digest_(promise_.get_future().share()),
+      started_(!background),
       thread_([this] { Loop(); }) {}
 
 StagedFileHasher::~StagedFileHasher() {
@@ -35,6 +36,12 @@ StagedFileHasher::~StagedFileHasher() {
   }
   thread_.join();
   if (fd_ >= 0) close(fd_);
+}
+
+void StagedFileHasher::Start() {
+  absl::MutexLock lock(&mu_);
+  started_ = true;
+  cv_.SignalAll();
 }
 
 void StagedFileHasher::Written(int64_t begin, int64_t end) {
@@ -63,7 +70,8 @@ void StagedFileHasher::Hash(std::vector<char>& buf) {
       // Wait for written bytes right after the hashed prefix. (A CondVar,
       // not Mutex::Await: the TSan build sees CondVar waits release mu_,
       // common/tsan_absl_mutex.cc.)
-      while (!(stop_ || failed_ || hashed_ == total_ || (!pending_.empty() && pending_.begin()->first == hashed_)))
+      while (!(stop_ || failed_ || hashed_ == total_ ||
+               (started_ && !pending_.empty() && pending_.begin()->first == hashed_)))
         cv_.Wait(&mu_);
       if (hashed_ == total_ && !failed_) {
         hex_ = sha_.FinishHex();

@@ -23,8 +23,10 @@ namespace logprob {
 /// hashes the written prefix as it grows, in 4 MiB positioned reads, so
 /// writers never wait for the hash (an lm_head update's rows:
 /// LmHeadUpdates). `background`: nobody waits for the digest soon (it is
-/// not checked before a commit), so the thread runs at the lowest CPU
-/// priority (nice 19) and yields to transfers and scoring. Thread-safe.
+/// not checked before a commit), so the thread hashes nothing before
+/// Start() (the rows' transfer keeps the CPU and memory bandwidth) and
+/// then runs at the lowest CPU priority (nice 19), yielding to scoring.
+/// Thread-safe.
 class StagedFileHasher {
  public:
   StagedFileHasher(int fd, uint64_t data_offset, int64_t total, bool background = false);
@@ -36,8 +38,10 @@ class StagedFileHasher {
   /// Bytes [begin, end) are in the file. Ranges may come in any order and
   /// must not overlap (the caller's rows come exactly once).
   void Written(int64_t begin, int64_t end) ABSL_LOCKS_EXCLUDED(mu_);
+  /// A background hasher may begin (see the class comment); no-op otherwise.
+  void Start() ABSL_LOCKS_EXCLUDED(mu_);
   /// Waits until every byte [0, total) was written and hashed, then the
-  /// lower-case hex digest. INTERNAL when the file could not be read back.
+  /// lower-case hex digest (a background hasher must have been started). INTERNAL when the file could not be read back.
   absl::StatusOr<std::string> Finish() ABSL_LOCKS_EXCLUDED(mu_);
   /// The digest as a future: ready once every byte was hashed; "" when
   /// the file could not be read back or this was destroyed first.
@@ -62,6 +66,7 @@ class StagedFileHasher {
   std::map<int64_t, int64_t> pending_ ABSL_GUARDED_BY(mu_);  // written, not yet hashed: begin -> end
   int64_t hashed_ ABSL_GUARDED_BY(mu_) = 0;                  // [0, hashed_) is in sha_
   bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool started_ ABSL_GUARDED_BY(mu_);  // false for a background hasher until Start()
   std::string hex_ ABSL_GUARDED_BY(mu_);  // the digest once hashed_ == total_
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: started once the members above exist
