@@ -30,8 +30,10 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kCopyBytes = size_t{16} << 20;  // rows copied between two progress marks
-constexpr size_t kEndedKept = 64;                // ended updates remembered for their error messages
+constexpr size_t kCopyBytes = size_t{16} << 20;        // rows copied between two progress marks
+constexpr size_t kEndedKept = 64;                      // ended updates remembered for their error messages
+constexpr size_t kSparesPerHead = 2;                   // released store files kept for the next updates
+constexpr auto kSpareIdle = std::chrono::seconds(60);  // then a spare is removed
 
 std::string RandomId() {
   std::random_device rd;
@@ -182,7 +184,8 @@ LmHeadUpdates::~LmHeadUpdates() {
   }
   loop_.join();
   absl::MutexLock lock(&mu_);
-  for (const auto& [head, spare] : spares_) unlink(spare.path.c_str());
+  for (const auto& [head, spares] : spares_)
+    for (const Spare& spare : spares) unlink(spare.path.c_str());
 }
 
 absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const std::string& id) {
@@ -500,7 +503,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     End(u, "committed", "");
     // The digest may still be computing: the hasher lives on until it is.
     u->hasher->Start();
-    hashing_.push_back(std::move(u->hasher));
+    hashing_[u->next.source.file] = std::move(u->hasher);
     maps_[u->next.source.file] = std::move(u->map);
   }
   for (const v1::LmHeadInfo& info : heads_->List())
@@ -529,18 +532,34 @@ void LmHeadUpdates::Release() {
 }
 
 void LmHeadUpdates::Recycle(const LmHeadVersion& v, bool dropped) {
-  const std::string spare = absl::StrCat(options_.store_dir, "/", v.head, ".spare");
-  absl::MutexLock lock(&mu_);
+  std::unique_ptr<StagedFileHasher> hasher;
   FileMap map;
-  if (auto it = maps_.find(v.source.file); it != maps_.end()) {
-    map = std::move(it->second);
-    maps_.erase(it);
+  std::string spare;
+  {
+    absl::MutexLock lock(&mu_);
+    // A released version's digest is listed nowhere any more: a hash still
+    // running is abandoned, so the file can be rewritten.
+    if (auto it = hashing_.find(v.source.file); it != hashing_.end()) {
+      hasher = std::move(it->second);
+      hashing_.erase(it);
+    }
+    if (auto it = maps_.find(v.source.file); it != maps_.end()) {
+      map = std::move(it->second);
+      maps_.erase(it);
+    }
+    // Only a file no worker maps any more, up to kSparesPerHead per head.
+    if (dropped && !stop_ && spares_[v.head].size() < kSparesPerHead)
+      spare = absl::StrCat(options_.store_dir, "/", v.head, ".spare-", next_file_++);
   }
-  // One spare per head, and only a file no worker maps any more and no
-  // hasher reads (one still reading keeps its removed file open).
-  if (dropped && !stop_ && !v.Sha256IfKnown().empty() && spares_.count(v.head) == 0 &&
-      rename(v.source.file.c_str(), spare.c_str()) == 0) {
-    spares_[v.head] = Spare{spare, std::move(map)};
+  hasher.reset();  // its thread stops reading the file
+  if (!spare.empty() && rename(v.source.file.c_str(), spare.c_str()) == 0) {
+    absl::MutexLock lock(&mu_);
+    std::vector<Spare>& spares = spares_[v.head];
+    if (!stop_ && spares.size() < kSparesPerHead) {
+      spares.push_back(Spare{spare, std::move(map), Clock::now()});
+      return;
+    }
+    unlink(spare.c_str());
     return;
   }
   unlink(v.source.file.c_str());
@@ -550,9 +569,9 @@ int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, 
   Spare spare;
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = spares_.find(head); it != spares_.end()) {
-      spare = std::move(it->second);
-      spares_.erase(it);
+    if (auto it = spares_.find(head); it != spares_.end() && !it->second.empty()) {
+      spare = std::move(it->second.back());  // the most recent: its pages are the likeliest in memory
+      it->second.pop_back();
     }
   }
   if (!spare.path.empty()) {
@@ -562,8 +581,7 @@ int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, 
       const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
       if (fd >= 0) {
         LogLine() << absl::StrCat("logprob-server: lm_head ", head,
-                                  ": the update writes into the store file a released version left (", size,
-                                  " bytes)");
+                                  ": the update writes into the store file a released version left (", size, " bytes)");
         *map = std::move(spare.map);  // still populated (or null: the caller maps it)
         return fd;
       }
@@ -588,12 +606,19 @@ void LmHeadUpdates::Loop() {
     Release();
     absl::MutexLock lock(&mu_);
     if (stop_) return;
-    hashing_.erase(std::remove_if(hashing_.begin(), hashing_.end(),
-                                  [](const std::unique_ptr<StagedFileHasher>& h) {
-                                    return h->digest().wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-                                  }),
-                   hashing_.end());
+    for (auto it = hashing_.begin(); it != hashing_.end();)
+      it = it->second->digest().wait_for(std::chrono::seconds(0)) == std::future_status::ready ? hashing_.erase(it)
+                                                                                               : std::next(it);
     const auto now = Clock::now();
+    // Spares nobody took for a while give their memory back.
+    for (auto& [head, spares] : spares_)
+      spares.erase(std::remove_if(spares.begin(), spares.end(),
+                                  [now](const Spare& s) {
+                                    if (now - s.since < kSpareIdle) return false;
+                                    unlink(s.path.c_str());
+                                    return true;
+                                  }),
+                   spares.end());
     std::vector<std::shared_ptr<Update>> idle;
     for (const auto& [id, u] : open_)
       if (u->busy == 0 && !u->committing && now - u->last_progress > options_.timeout) idle.push_back(u);

@@ -162,10 +162,11 @@ class LmHeadUpdates {
   /// Has the workers drop the versions LmHeads released since the last
   /// call, and recycles their store files. (Loop and Begin.)
   void Release() ABSL_LOCKS_EXCLUDED(mu_);
-  /// A released version's store file: kept as its head's spare (the next
-  /// update of that head writes into it: its pages are already allocated)
-  /// when every worker `dropped` the version and the head has no spare yet,
-  /// else removed.
+  /// A released version's store file: kept as one of its head's spares
+  /// (the next updates of that head write into them: their pages are
+  /// already allocated; a spare idle for a minute is removed) when every
+  /// worker `dropped` the version and the head has fewer than two, else
+  /// removed. A hash of the file still running is abandoned.
   void Recycle(const LmHeadVersion& v, bool dropped) ABSL_LOCKS_EXCLUDED(mu_);
   /// Opens `path` read-write as a staged file of `size` bytes: the head's
   /// spare renamed if it has that size (`map` then takes its mapping, if
@@ -189,13 +190,14 @@ class LmHeadUpdates {
   int64_t next_file_ ABSL_GUARDED_BY(mu_) = 0;
   struct Spare {
     std::string path;
-    FileMap map;  // its read-write mapping, page tables populated (may be null)
+    FileMap map;                                  // its read-write mapping, page tables populated (may be null)
+    std::chrono::steady_clock::time_point since;  // released then; removed when idle for long
   };
-  std::map<std::string, Spare> spares_ ABSL_GUARDED_BY(mu_);  // head -> a released store file to reuse
+  // head -> released store files to reuse (kSparesPerHead at most)
+  std::map<std::string, std::vector<Spare>> spares_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, FileMap> maps_ ABSL_GUARDED_BY(mu_);  // committed store file -> its mapping
-  // Committed versions' hashers whose digest is still computing.
-  std::vector<std::unique_ptr<StagedFileHasher>> hashing_
-      ABSL_GUARDED_BY(mu_);  // head -> a released store file to reuse
+  // Committed versions' hashers whose digest is still computing, by file.
+  std::map<std::string, std::unique_ptr<StagedFileHasher>> hashing_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread loop_;
 };
