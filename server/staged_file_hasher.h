@@ -66,7 +66,7 @@ class StagedFileHasher {
   std::map<int64_t, int64_t> pending_ ABSL_GUARDED_BY(mu_);  // written, not yet hashed: begin -> end
   int64_t hashed_ ABSL_GUARDED_BY(mu_) = 0;                  // [0, hashed_) is in sha_
   bool failed_ ABSL_GUARDED_BY(mu_) = false;
-  bool started_ ABSL_GUARDED_BY(mu_);  // false for a background hasher until Start()
+  bool started_ ABSL_GUARDED_BY(mu_);     // false for a background hasher until Start()
   std::string hex_ ABSL_GUARDED_BY(mu_);  // the digest once hashed_ == total_
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: started once the members above exist
