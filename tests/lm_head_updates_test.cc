@@ -370,6 +370,26 @@ TEST_F(LmHeadUpdatesTest, AReleasedVersionsFileTakesTheNextUpdateAndDigestsComeA
   auto resolved = ResolveLmHead(v3->source.file);
   ASSERT_TRUE(resolved.ok()) << resolved.status();
   EXPECT_EQ(resolved->data_offset, v3->source.data_offset);
+
+  // Back to back, some pinned by a "request" across the next commit: every
+  // committed file holds exactly its rows, and the store keeps at most
+  // retained + staged + two spares + the pinned ones.
+  std::shared_ptr<const LmHeadVersion> pinned;
+  for (int i = 4; i < 12; ++i) {
+    const std::string version = "v" + std::to_string(i), rows = Rows(0, kV, static_cast<float>(i));
+    commit(version, rows, "");
+    const auto v = heads.Find("default", version);
+    ASSERT_NE(v, nullptr);
+    std::string got(rows.size(), '\0');
+    const int f = open(v->source.file.c_str(), O_RDONLY);
+    ASSERT_GE(f, 0);
+    EXPECT_TRUE(PreadAll(f, got.data(), got.size(), v->source.data_offset));
+    close(f);
+    EXPECT_EQ(got, rows) << version;
+    EXPECT_EQ(v->sha256.get(), Sha256Hex(rows)) << version;
+    pinned = i % 3 == 0 ? v : nullptr;  // held across the next commit, then let go
+    EXPECT_LE(StoreFiles(), 5u) << version;
+  }
 }
 
 }  // namespace logprob
