@@ -56,6 +56,14 @@ void TensorAssembler::AllocateBuffers(const Allocate& allocate) {
     if (s.size >= 0) s.buffer = allocate(static_cast<size_t>(s.size));
 }
 
+absl::Status TensorAssembler::AssembleInto(char* dst) {
+  const std::vector<int> p = pending();
+  if (p.size() != 1)
+    return absl::InvalidArgumentError(absl::StrCat(what_, ": one tensor in pieces expected, ", p.size(), " announced"));
+  slots_[static_cast<size_t>(p[0])].dst = dst;
+  return absl::OkStatus();
+}
+
 absl::Status TensorAssembler::Add(const ParsedPart& piece) {
   const int i = piece.tensor();
   if (i < 0 || i >= static_cast<int>(slots_.size()))
@@ -73,7 +81,7 @@ absl::Status TensorAssembler::Add(const ParsedPart& piece) {
     return absl::InvalidArgumentError(absl::StrCat("piece for ", Name(i), " at offset ", piece.offset(), " with ",
                                                    piece.size(), " bytes ends past the tensor's announced ", s.size,
                                                    " bytes"));
-  piece.CopyData(s.buffer.data() + s.received);
+  piece.CopyData((s.dst != nullptr ? s.dst : s.buffer.data()) + s.received);
   s.received += piece.size();
   received_bytes_ += piece.size();
   return absl::OkStatus();
@@ -93,7 +101,8 @@ absl::Status TensorAssembler::Finish() {
     return absl::InvalidArgumentError(absl::StrCat("the stream ended before all pieces arrived: ", Position(), " (",
                                                    received_bytes_, " of ", pending_bytes_, " bytes received)"));
   for (size_t i = 0; i < slots_.size(); ++i)
-    if (slots_[i].size >= 0) tensors_->Mutable(static_cast<int>(i))->mutable_data()->swap(slots_[i].buffer);
+    if (slots_[i].size >= 0 && slots_[i].dst == nullptr)
+      tensors_->Mutable(static_cast<int>(i))->mutable_data()->swap(slots_[i].buffer);
   return absl::OkStatus();
 }
 

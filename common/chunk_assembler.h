@@ -40,6 +40,12 @@ class TensorAssembler {
   /// Takes each pending tensor's buffer from `allocate`. Call once,
   /// before Add.
   void AllocateBuffers(const Allocate& allocate);
+  /// Has every pending tensor's bytes written to `dst` (its announced
+  /// size, the caller's memory: an lm_head update's staged file) instead
+  /// of a buffer; Finish then leaves the tensors' data empty. One pending
+  /// tensor expected (INVALID_ARGUMENT otherwise). Call once, before Add,
+  /// instead of AllocateBuffers.
+  absl::Status AssembleInto(char* dst);
 
   /// Checks `piece` (a known, pending tensor; offset = the bytes of that
   /// tensor received so far; not past its size) and copies its bytes.
@@ -63,6 +69,7 @@ class TensorAssembler {
     int64_t size = 0;      // announced bytes; -1 when not pending
     int64_t received = 0;  // bytes so far
     std::string buffer;
+    char* dst = nullptr;  // AssembleInto's memory, else null (buffer)
   };
   TensorAssembler(google::protobuf::RepeatedPtrField<v1::Tensor>* tensors, const char* what)
       : tensors_(tensors), what_(what) {}
@@ -88,8 +95,8 @@ bool WritePieces(const std::function<bool(const OutgoingPart&)>& write, const st
                  const std::vector<std::string_view>& data, int64_t piece_bytes);
 
 /// Reads the pieces of a chunked message's pending tensors through `read`
-/// (after its first part) into `assembly` (buffers allocated), until the
-/// end of the stream, then Finish. Errors: INVALID_ARGUMENT for a part
+/// (after its first part) into `assembly` (buffers allocated, or
+/// AssembleInto), until the end of the stream, then Finish. Errors: INVALID_ARGUMENT for a part
 /// that is not a piece, a bad piece or bytes missing at the end (naming
 /// the tensor and offset); CANCELLED when `cancelled()`, asked only when
 /// the stream ended with bytes missing, says the client ended the call (it

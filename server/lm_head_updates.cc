@@ -30,7 +30,7 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kCopyBytes = size_t{16} << 20;        // rows copied between two progress marks
+constexpr size_t kCopyBytes = size_t{16} << 20;        // rows a source reads at a time
 constexpr size_t kEndedKept = 64;                      // ended updates remembered for their error messages
 constexpr size_t kSparesPerHead = 2;                   // released store files kept for the next updates
 constexpr auto kSpareIdle = std::chrono::seconds(60);  // then a spare is removed
@@ -312,6 +312,21 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, int64_t row_begin, int64_t rows,
                                                         DType dtype, int64_t columns, const InputSource& source) {
+  return Put(id, row_begin, rows, dtype, columns, &source,
+             [&](const std::shared_ptr<Update>& u) { return Write(u, row_begin, rows, source); });
+}
+
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows,
+                                                            DType dtype, int64_t columns,
+                                                            const std::function<absl::Status(char* dst)>& write) {
+  return Put(id, row_begin, rows, dtype, columns, nullptr, [&](const std::shared_ptr<Update>& u) {
+    return write(u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes));
+  });
+}
+
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(
+    const std::string& id, int64_t row_begin, int64_t rows, DType dtype, int64_t columns, const InputSource* source,
+    const std::function<absl::Status(const std::shared_ptr<Update>&)>& fill) {
   std::shared_ptr<Update> u;
   {
     absl::MutexLock lock(&mu_);
@@ -327,16 +342,16 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, i
       return absl::InvalidArgumentError(absl::StrCat("rows: [", rows, ", ", columns, "] ", DTypeName(dtype),
                                                      " given; the update's rows are [n, ", u->next.source.hidden_size,
                                                      "] ", DTypeName(u->next.source.dtype)));
-    if (source.byte_size() != rows * u->row_bytes)
-      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_end, "): ", source.byte_size(),
+    if (source != nullptr && source->byte_size() != rows * u->row_bytes)
+      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_end, "): ", source->byte_size(),
                                                      " bytes given, ", rows * u->row_bytes, " expected (", rows,
                                                      " rows of ", u->row_bytes, " bytes)"));
-    if (!source.rules().readable_here && !workers_.stage)
+    if (source != nullptr && !source->rules().readable_here && !workers_.stage)
       return WithReason(
           absl::FailedPreconditionError(absl::StrCat(
-              "rows [", row_begin, ", ", row_end, "): this server has no worker that can read ", source.rules().name,
+              "rows [", row_begin, ", ", row_end, "): this server has no worker that can read ", source->rules().name,
               " rows into the update; send the rows as bytes (in pieces or through shared memory)")),
-          source.rules().unavailable);
+          source->rules().unavailable);
     // The first range at or after row_begin, and the one before it.
     auto next = u->ranges.lower_bound(row_begin);
     if ((next != u->ranges.end() && next->first < row_end) ||
@@ -350,33 +365,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, i
     ++u->busy;
     u->last_progress = Clock::now();
   }
-  return Write(u, row_begin, rows, source);
-}
-
-absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                                      const InputSource& source) {
-  const int64_t total = rows * u->row_bytes;
-  const int64_t first_byte = row_begin * u->row_bytes;
-  const uint64_t base = u->next.source.data_offset + static_cast<uint64_t>(first_byte);
-  absl::Status failed;
-  const std::optional<std::string_view> memory = source.memory();
-  // Bytes the front-end cannot read (a client's GPU memory): a worker on
-  // this host writes them into the staged file; the others are copied here.
-  const bool by_worker = !source.rules().readable_here;
-  if (by_worker) failed = Stage(u, row_begin, rows, source);
-  for (int64_t off = 0; !by_worker && off < total && failed.ok();) {
-    const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
-    char* dst = u->map.get() + base + static_cast<uint64_t>(off);
-    if (memory) {
-      std::memcpy(dst, memory->data() + off, n);
-    } else if (!source.Read(off, n, dst)) {
-      failed = source.status().ok() ? absl::DataLossError("the rows' source could not be read") : source.status();
-      break;
-    }
-    off += static_cast<int64_t>(n);
-    absl::MutexLock lock(&mu_);
-    u->last_progress = Clock::now();
-  }
+  const absl::Status failed = fill(u);
+  const int64_t total = rows * u->row_bytes, first_byte = row_begin * u->row_bytes;
   // Only whole, written puts are hashed: a failed put's rows may come again.
   if (failed.ok()) u->hasher->Written(first_byte, first_byte + total);
   if (failed.ok() && observers_.on_bytes) observers_.on_bytes(u->head, total);
@@ -393,6 +383,27 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Write(const std::shared_ptr<Upda
     return absl::NotFoundError(absl::StrCat(
         "lm_head update ", u->id, " ended while its rows arrived: ", ended_.count(u->id) ? ended_[u->id] : "aborted"));
   return u->Proto();
+}
+
+absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
+                                  const InputSource& source) {
+  // Bytes the front-end cannot read (a client's GPU memory): a worker on
+  // this host writes them into the staged file; the others are copied here.
+  if (!source.rules().readable_here) return Stage(u, row_begin, rows, source);
+  const int64_t total = rows * u->row_bytes;
+  const uint64_t base = u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes);
+  const std::optional<std::string_view> memory = source.memory();
+  for (int64_t off = 0; off < total;) {
+    const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
+    char* dst = u->map.get() + base + static_cast<uint64_t>(off);
+    if (memory) {
+      std::memcpy(dst, memory->data() + off, n);
+    } else if (!source.Read(off, n, dst)) {
+      return source.status().ok() ? absl::DataLossError("the rows' source could not be read") : source.status();
+    }
+    off += static_cast<int64_t>(n);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LmHeadUpdates::Stage(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,

@@ -120,6 +120,16 @@ class LmHeadUpdates {
   absl::StatusOr<v1::LmHeadUpdate> PutRows(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
                                            int64_t columns, const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
 
+  /// PutRows for a writer that fills the rows itself: the same checks
+  /// (no source: its size and kind are the caller's), then
+  /// `write(dst)` with dst the rows' rows * H * sizeof(dtype) bytes in the
+  /// staged file; OK when it wrote every one (a PutLmHeadRows call's
+  /// pieces, written as they arrive: no buffer, no second copy). Its error
+  /// frees the range, as a failed source does.
+  absl::StatusOr<v1::LmHeadUpdate> PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
+                                               int64_t columns, const std::function<absl::Status(char* dst)>& write)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   /// PutRows of every row of a safetensors checkpoint under update_dir
   /// (`path` relative to it, "PATH[:TENSOR]" semantics of ResolveLmHead
   /// with `tensor`). PERMISSION_DENIED for a path that leads outside
@@ -150,10 +160,17 @@ class LmHeadUpdates {
   /// `u` by value: it erases open_'s copy (a caller may pass that one).
   void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// The rows of update `u` from `source` (PutRows after its checks),
-  /// written into the staged file, then handed to its hasher.
-  absl::StatusOr<v1::LmHeadUpdate> Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                         const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
+  /// PutRows / PutRowsWith: the checks (`source`'s too when not null),
+  /// the range claimed, `fill(u)` writes the rows, then they count (the
+  /// hasher, metrics) or, on its error, the range is freed.
+  absl::StatusOr<v1::LmHeadUpdate> Put(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
+                                       int64_t columns, const InputSource* source,
+                                       const std::function<absl::Status(const std::shared_ptr<Update>&)>& fill)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  /// The rows of update `u` from `source` written into the staged file
+  /// (copied here, or by a worker: Stage).
+  absl::Status Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
+      ABSL_LOCKS_EXCLUDED(mu_);
   /// Has a worker copy the rows of `source` (not readable here: it
   /// refers to them, InputSource::Refer) into `u`'s staged file at their
   /// byte offset (LmHeadWorkers::stage). The stage's error, named.

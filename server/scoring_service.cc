@@ -311,14 +311,18 @@ grpc::Status ScoringService::ServeLmHeadRows(
       return absl::ResourceExhaustedError(absl::StrCat("PutLmHeadRows announces ", assembly.pending_bytes(),
                                                        " bytes, over the server's max_request_bytes ",
                                                        core_.config().max_request_bytes, "; send fewer rows per call"));
-    const bool pieced = !assembly.pending().empty();
-    if (pieced) assembly.AllocateBuffers([this](size_t n) { return assembly_buffers_.Acquire(n); });
-    LOGPROB_RETURN_IF_ERROR(chunked::ReadChunkedPieces([stream](chunked::IncomingPart* p) { return stream->Read(p); },
-                                                       [context] { return CallEnded(context); }, assembly));
-    // The assembled buffer goes back to the pool once the rows are written.
-    auto release = absl::MakeCleanup([&] {
-      if (pieced) assembly_buffers_.Release(std::move(*tensors.Mutable(0)->mutable_data()));
-    });
+    if (!assembly.pending().empty()) {
+      // The pieces land in the update's staged file as they arrive (the
+      // range claimed first, as for any source): no buffer, no copy.
+      return updates->PutRowsWith(
+          rows.update_id(), rows.row_begin(), t.shape(0), t.dtype(), t.shape(1), [&](char* dst) -> absl::Status {
+            LOGPROB_RETURN_IF_ERROR(assembly.AssembleInto(dst));
+            LOGPROB_RETURN_IF_ERROR(
+                chunked::ReadChunkedPieces([stream](chunked::IncomingPart* p) { return stream->Read(p); },
+                                           [context] { return CallEnded(context); }, assembly));
+            return absl::OkStatus();
+          });
+    }
     CallContext call;
     call.session = [context] { return SharedMemoryOwner(*context); };
     call.peer = context->peer();

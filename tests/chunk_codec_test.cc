@@ -246,6 +246,47 @@ TEST(TensorAssembler, ChecksAnnouncedSizesAndPieceOrder) {
             std::string::npos);
 }
 
+TEST(TensorAssembler, AssembleIntoWritesThePiecesToTheCallersMemory) {
+  // An lm_head update's rows: one tensor in pieces, written straight into
+  // the staged file; Finish leaves the tensor's data empty.
+  google::protobuf::RepeatedPtrField<v1::Tensor> tensors;
+  v1::Tensor* rows = tensors.Add();
+  rows->set_name("rows");
+  rows->set_dtype(v1::F32);
+  rows->add_shape(2);
+  rows->add_shape(3);  // 24 bytes in pieces
+  absl::StatusOr<TensorAssembler> a = TensorAssembler::Plan(&tensors, "rows");
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::string staged(32, '.');
+  ASSERT_TRUE(a->AssembleInto(staged.data() + 4).ok());
+  auto piece = [](int64_t offset, const std::string& data) {
+    v1::ScoreRequestPart p;
+    p.mutable_piece()->set_tensor(0);
+    p.mutable_piece()->set_offset(offset);
+    p.mutable_piece()->set_data(data);
+    return *ParsePart(Sliced(p.SerializeAsString(), {}));
+  };
+  EXPECT_TRUE(a->Add(piece(0, std::string(10, 'a'))).ok());
+  EXPECT_FALSE(a->Add(piece(12, "b")).ok());  // the same checks as into a buffer
+  EXPECT_FALSE(a->Finish().ok());
+  EXPECT_TRUE(a->Add(piece(10, std::string(14, 'c'))).ok());
+  ASSERT_TRUE(a->Finish().ok());
+  EXPECT_EQ(staged, "...." + std::string(10, 'a') + std::string(14, 'c') + "....");
+  EXPECT_TRUE(tensors.Get(0).data().empty());
+
+  // More than one tensor in pieces: refused.
+  google::protobuf::RepeatedPtrField<v1::Tensor> two;
+  for (int i = 0; i < 2; ++i) {
+    v1::Tensor* t = two.Add();
+    t->set_name("t");
+    t->set_dtype(v1::F32);
+    t->add_shape(1);
+  }
+  absl::StatusOr<TensorAssembler> b = TensorAssembler::Plan(&two, "rows");
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->AssembleInto(staged.data()).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // The end of a request stream: a whole message is whole however the
 // stream ended, and `cancelled` (which on the server may wait up to a
 // second for gRPC to report a cancel: server/call_ended.h) is asked only
