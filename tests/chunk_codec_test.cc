@@ -201,6 +201,15 @@ TEST(GoldenParts, PieceHeaderAndOutgoingPartWriteTheCanonicalPieces) {
   EXPECT_GE(checked, 6);
 }
 
+/// A piece part of tensor `tensor` at `offset`, parsed as the receiver sees it.
+ParsedPart Piece(int tensor, int64_t offset, const std::string& data) {
+  v1::ScoreRequestPart p;
+  p.mutable_piece()->set_tensor(tensor);
+  p.mutable_piece()->set_offset(offset);
+  p.mutable_piece()->set_data(data);
+  return *ParsePart(Sliced(p.SerializeAsString(), {}));
+}
+
 TEST(TensorAssembler, ChecksAnnouncedSizesAndPieceOrder) {
   google::protobuf::RepeatedPtrField<v1::Tensor> tensors;
   v1::Tensor* logits = tensors.Add();
@@ -218,13 +227,7 @@ TEST(TensorAssembler, ChecksAnnouncedSizesAndPieceOrder) {
   EXPECT_EQ(a->pending_bytes(), 24);
   EXPECT_EQ(a->pending(), std::vector<int>{0});
   a->AllocateBuffers([](size_t n) { return std::string(n, '\0'); });
-  auto piece = [](int tensor, int64_t offset, const std::string& data) {
-    v1::ScoreRequestPart p;
-    p.mutable_piece()->set_tensor(tensor);
-    p.mutable_piece()->set_offset(offset);
-    p.mutable_piece()->set_data(data);
-    return *ParsePart(Sliced(p.SerializeAsString(), {}));
-  };
+  const auto piece = Piece;
   EXPECT_TRUE(a->Add(piece(0, 0, std::string(10, 'a'))).ok());
   absl::Status st = a->Add(piece(0, 12, "b"));
   EXPECT_NE(st.message().find("inputs[0] \"logits\" at offset 12: expected offset 10"), std::string::npos) << st;
@@ -259,13 +262,7 @@ TEST(TensorAssembler, AssembleIntoWritesThePiecesToTheCallersMemory) {
   ASSERT_TRUE(a.ok()) << a.status();
   std::string staged(32, '.');
   ASSERT_TRUE(a->AssembleInto(staged.data() + 4).ok());
-  auto piece = [](int64_t offset, const std::string& data) {
-    v1::ScoreRequestPart p;
-    p.mutable_piece()->set_tensor(0);
-    p.mutable_piece()->set_offset(offset);
-    p.mutable_piece()->set_data(data);
-    return *ParsePart(Sliced(p.SerializeAsString(), {}));
-  };
+  auto piece = [](int64_t offset, const std::string& data) { return Piece(0, offset, data); };
   EXPECT_TRUE(a->Add(piece(0, std::string(10, 'a'))).ok());
   EXPECT_FALSE(a->Add(piece(12, "b")).ok());  // the same checks as into a buffer
   EXPECT_FALSE(a->Finish().ok());
