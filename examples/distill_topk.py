@@ -36,14 +36,14 @@ examples/hf_logprobs.py: float32 weights and hidden states, f32 GEMM on the
 server), 1 when one is not, 2 when something is missing.
 """
 
-import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-from example_support import REPO, start_server, tiny_llama  # noqa: E402  (first: it sets up the environment)
+# first: it sets up the environment
+from example_support import (example_parser, have_transformers, save_lm_head, start_server,  # noqa: E402
+                             stop_server, tiny_llama, wait_ready)
 
 import torch  # noqa: E402
 
@@ -77,22 +77,14 @@ def forward_kl_topk(teacher_topk_logprobs, student_logprobs_at_ids, renormalise_
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bin-dir", default=os.environ.get("LOGPROB_BIN_DIR", os.path.join(REPO, "build", "bin")),
-                        help="folder of logprob-server and logprob-worker (default: build/bin)")
+    parser = example_parser(__doc__.split("\n")[0])
     parser.add_argument("--vocab", type=int, default=1031, help="vocabulary size (uneven slices over 2 workers)")
     parser.add_argument("--seq", type=int, default=24, help="padded sequence length")
     parser.add_argument("--topk", type=int, default=8, help="K of the teacher's top-k")
     parser.add_argument("--seed", type=int, default=0, help="teacher seed (the student's is seed + 1)")
     args = parser.parse_args()
-    try:
-        import transformers
-        from safetensors.torch import save_file
-    except ImportError:
-        print("distill_topk: transformers is missing: run bash scripts/setup-examples.sh, then "
-              ".venv-examples/bin/python examples/distill_topk.py", file=sys.stderr)
+    if not have_transformers("distill_topk"):
         return 2
-    print("transformers %s, torch %s" % (transformers.__version__, torch.__version__))
 
     teacher = tiny_llama(args.seed, args.vocab)
     student = tiny_llama(args.seed + 1, args.vocab)
@@ -110,25 +102,12 @@ def main():
     s_hidden, s_logits = final_hidden_and_logits(student, input_ids, attention_mask)
 
     with tempfile.TemporaryDirectory(prefix="distill_topk_") as folder:
-        heads = {}
-        for name, model in (("teacher", teacher), ("student", student)):
-            heads[name] = os.path.join(folder, name + ".safetensors")
-            save_file({"lm_head.weight": model.lm_head.weight.detach().contiguous()}, heads[name])
+        heads = {name: save_lm_head(model, os.path.join(folder, name + ".safetensors"))
+                 for name, model in (("teacher", teacher), ("student", student))}
         server, address, log_path = start_server(args.bin_dir, heads, folder, "distill_topk")
         try:
             with LogprobClient(address, timeout=120) as client:
-                for _ in range(120):
-                    if client.health(wait=1):
-                        break
-                    if server.poll() is not None:
-                        with open(log_path, errors="replace") as f:
-                            log = f.read()
-                        print("distill_topk: logprob-server exited (status %d); it needs named heads "
-                              "(--lm-head NAME=PATH). Its log:\n%s" % (server.returncode, log[-2000:]),
-                              file=sys.stderr)
-                        return 2
-                else:
-                    print("distill_topk: the server at %s did not become ready" % address, file=sys.stderr)
+                if not wait_ready(client, server, log_path, "distill_topk", "named heads (--lm-head NAME=PATH)"):
                     return 2
                 info = client.server_info(refresh=True)
                 names = sorted(h.name for h in getattr(info, "lm_heads", []) or [])
@@ -148,13 +127,7 @@ def main():
                 seconds = time.monotonic() - t0
                 assert (t_res.head, s_res.head) == ("teacher", "student"), (t_res.head, s_res.head)
         finally:
-            if server.poll() is None:
-                server.terminate()
-                try:
-                    server.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait()
+            stop_server(server)
 
     # 3. The forward KL over the teacher's top-k, from the service's outputs.
     kl = forward_kl_topk(teacher_logp.double(), student_at_ids.double(), renormalise_student=True)

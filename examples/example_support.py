@@ -1,9 +1,11 @@
 """What the examples share: importing it keeps transformers offline (the
 models are built in code) and puts this checkout's Python client on the
-path when it is not installed; a tiny Llama model; a logprob-server started
-with named heads.
+path when it is not installed; their command line and transformers check;
+a tiny Llama model and its saved lm_head; a logprob-server started with
+named heads, waited for and stopped.
 """
 
+import argparse
 import os
 import socket
 import subprocess
@@ -22,6 +24,37 @@ except ImportError:
 import torch  # noqa: E402
 
 HIDDEN = 64  # hidden size of tiny_llama
+
+
+def example_parser(description):
+    """An argument parser with the examples' common flag, ``--bin-dir``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--bin-dir", default=os.environ.get("LOGPROB_BIN_DIR", os.path.join(REPO, "build", "bin")),
+                        help="folder of logprob-server and logprob-worker (default: build/bin)")
+    return parser
+
+
+def have_transformers(program):
+    """True, after printing transformers' and torch's versions, when
+    transformers imports; otherwise says how to install it (naming
+    ``program``) and returns False."""
+    try:
+        import transformers
+    except ImportError:
+        print("%s: transformers is missing: run bash scripts/setup-examples.sh, then "
+              ".venv-examples/bin/python examples/%s.py" % (program, program), file=sys.stderr)
+        return False
+    print("transformers %s, torch %s" % (transformers.__version__, torch.__version__))
+    return True
+
+
+def save_lm_head(model, path):
+    """Saves ``model``'s output layer as ``lm_head.weight`` in the
+    safetensors file ``path``; returns ``path``."""
+    from safetensors.torch import save_file
+
+    save_file({"lm_head.weight": model.lm_head.weight.detach().contiguous()}, path)
+    return path
 
 
 def tiny_llama(seed, vocab_size, tied=False):
@@ -69,3 +102,32 @@ def start_server(bin_dir, heads, folder, program, extra=()):
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     return proc, address, log_path
+
+
+def wait_ready(client, proc, log_path, program, needs):
+    """Waits (up to about 2 minutes) for the server ``proc`` (None: one the
+    example did not start) to answer health; False, after printing why
+    (its exit status and the end of its log, and that it ``needs`` what),
+    when it exits or stays unready."""
+    for _ in range(120):
+        if client.health(wait=1):
+            return True
+        if proc is not None and proc.poll() is not None:
+            with open(log_path, errors="replace") as f:
+                log = f.read()
+            print("%s: logprob-server exited (status %d); it needs %s. Its log:\n%s"
+                  % (program, proc.returncode, needs, log[-2000:]), file=sys.stderr)
+            return False
+    print("%s: the server did not become ready" % program, file=sys.stderr)
+    return False
+
+
+def stop_server(proc):
+    """Stops a server start_server started (SIGTERM, then SIGKILL after a minute)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -34,13 +34,14 @@ own logprobs (float32: within 1e-4), 1 otherwise, 2 when something needed
 is missing (transformers, the binaries, lm_head updates in the server).
 """
 
-import argparse
 import copy
 import os
 import sys
 import tempfile
 
-from example_support import REPO, start_server, tiny_llama  # noqa: E402  (first: it sets up the environment)
+# first: it sets up the environment
+from example_support import (example_parser, have_transformers, save_lm_head, start_server,  # noqa: E402
+                             stop_server, tiny_llama, wait_ready)
 
 import torch  # noqa: E402
 
@@ -101,8 +102,7 @@ def rollouts(policy, args, generator):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bin-dir", default=os.environ.get("LOGPROB_BIN_DIR", os.path.join(REPO, "build", "bin")))
+    parser = example_parser(__doc__.split("\n")[0])
     parser.add_argument("--server", help="HOST:PORT of a running server with heads 'policy' and 'reference'")
     parser.add_argument("--vocab", type=int, default=1031)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
@@ -114,14 +114,8 @@ def main():
     parser.add_argument("--kl-coef", type=float, default=0.04, help="beta of the k3 KL term")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    try:
-        import transformers
-        from safetensors.torch import save_file
-    except ImportError:
-        print("grpo_step: transformers is missing: run bash scripts/setup-examples.sh, then "
-              ".venv-examples/bin/python examples/grpo_step.py", file=sys.stderr)
+    if not have_transformers("grpo_step"):
         return 2
-    print("transformers %s, torch %s" % (transformers.__version__, torch.__version__))
 
     policy = tiny_llama(args.seed, args.vocab)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)  # frozen at the start of training
@@ -129,35 +123,23 @@ def main():
     g = torch.Generator().manual_seed(args.seed + 1)
 
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as folder:
-        server = None
+        server = log_path = None
         address = args.server
         if address is None:
-            heads = {}
-            for name, model in (("policy", policy), ("reference", reference)):
-                heads[name] = os.path.join(folder, name + ".safetensors")
-                save_file({"lm_head.weight": model.lm_head.weight.detach().contiguous()}, heads[name])
-            server, address, _ = start_server(args.bin_dir, heads, folder, "grpo_step",
-                                                ["--allow-lm-head-updates", "--lm-head-retain", "2"])
+            heads = {name: save_lm_head(model, os.path.join(folder, name + ".safetensors"))
+                     for name, model in (("policy", policy), ("reference", reference))}
+            server, address, log_path = start_server(args.bin_dir, heads, folder, "grpo_step",
+                                                     ["--allow-lm-head-updates", "--lm-head-retain", "2"])
         try:
             with LogprobClient(address, timeout=120) as client:
-                for _ in range(120):
-                    if client.health(wait=1):
-                        break
-                    if server is not None and server.poll() is not None:  # e.g. a build without lm_head updates
-                        with open(os.path.join(folder, "server.log"), errors="replace") as f:
-                            log = f.read()
-                        print("grpo_step: logprob-server exited (status %d); it needs lm_head updates (named heads, "
-                              "--allow-lm-head-updates). Its log:\n%s" % (server.returncode, log[-2000:]),
-                              file=sys.stderr)
-                        return 2
-                else:
-                    print("grpo_step: the server at %s did not become ready" % address, file=sys.stderr)
+                # A server that exits: e.g. a build without lm_head updates.
+                if not wait_ready(client, server, log_path, "grpo_step",
+                                  "lm_head updates (named heads, --allow-lm-head-updates)"):
                     return 2
                 return step(client, policy, reference, optimizer, args, g)
         finally:
             if server is not None:
-                server.terminate()
-                server.wait()
+                stop_server(server)
 
 
 def step(client, policy, reference, optimizer, args, g):

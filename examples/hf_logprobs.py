@@ -33,14 +33,14 @@ summation order: a few 1e-6 here, far below the 1e-4 checked (docs/SPEC.md
 allows 2e-4 + 2e-5 |x|).
 """
 
-import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-from example_support import REPO, free_port, tiny_llama  # noqa: E402  (first: it sets up the environment)
+# first: it sets up the environment
+from example_support import (example_parser, have_transformers, save_lm_head, start_server,  # noqa: E402
+                             stop_server, tiny_llama, wait_ready)
 
 import torch  # noqa: E402
 
@@ -49,7 +49,7 @@ from logprob_client import LogprobClient  # noqa: E402
 TOLERANCE = 1e-4  # float32 weights and hidden states (see the docstring)
 
 
-def save_lm_head(model, tied, folder):
+def save_variant(model, tied, folder):
     """The model's output layer as a checkpoint the server reads: untied, a
     file holding ``lm_head.weight`` alone; tied, the model's own
     ``save_pretrained`` folder (its ``model.safetensors`` holds only
@@ -58,43 +58,8 @@ def save_lm_head(model, tied, folder):
     if tied:
         model.save_pretrained(folder, safe_serialization=True)
         return folder, "model.embed_tokens.weight"
-    from safetensors.torch import save_file
-
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "lm_head.safetensors")
-    save_file({"lm_head.weight": model.lm_head.weight.detach().contiguous()}, path)
-    return path, "lm_head.weight"
-
-
-class Server:
-    """``logprob-server --workers 2 --backend cpu --lm-head PATH`` on a free
-    loopback port; its log goes to ``log_path``."""
-
-    def __init__(self, bin_dir, lm_head, log_path, workers=2):
-        binary = os.path.join(bin_dir, "logprob-server")
-        if not os.access(binary, os.X_OK):
-            raise SystemExit("hf_logprobs: %s not found: build the tree first (bash scripts/build.sh) or pass "
-                             "--bin-dir" % binary)
-        self.address = "127.0.0.1:%d" % free_port()
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [binary, "--listen", self.address, "--workers", str(workers), "--backend", "cpu", "--lm-head", lm_head],
-            stdout=self._log, stderr=subprocess.STDOUT)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def log(self):
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+    return save_lm_head(model, os.path.join(folder, "lm_head.safetensors")), "lm_head.weight"
 
 
 def reference(logits, input_ids, lengths, k):
@@ -113,7 +78,8 @@ def check_variant(tied, args, folder):
     """Runs one variant; returns the largest difference of any output."""
     name = "tied (model.embed_tokens.weight)" if tied else "untied (lm_head.weight)"
     model = tiny_llama(args.seed, args.vocab, tied=tied)
-    lm_head, tensor = save_lm_head(model, tied, os.path.join(folder, "tied" if tied else "untied"))
+    variant = os.path.join(folder, "tied" if tied else "untied")
+    lm_head, tensor = save_variant(model, tied, variant)
 
     # A padded batch, right padding: lengths B, S - 3, S // 2.
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -125,11 +91,11 @@ def check_variant(tied, args, folder):
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     hidden = out.hidden_states[-1]  # [B, S, H] float32, after the final norm: logits = hidden @ W^T
 
-    server = Server(args.bin_dir, lm_head, os.path.join(folder, "server-%s.log" % ("tied" if tied else "untied")))
+    server, address, log_path = start_server(args.bin_dir, {"default": lm_head}, variant, "hf_logprobs")
     try:
-        with LogprobClient(server.address, timeout=120) as client:
-            if not client.health(wait=120):
-                raise SystemExit("hf_logprobs: the server did not become ready:\n" + server.log())
+        with LogprobClient(address, timeout=120) as client:
+            if not wait_ready(client, server, log_path, "hf_logprobs", "an lm_head it can load"):
+                raise SystemExit(2)
             info = client.server_info()
             assert (info.vocab_size, info.hidden_size) == (args.vocab, 64), info
             assert info.lm_head_tensor == tensor, (info.lm_head_tensor, tensor)
@@ -138,7 +104,7 @@ def check_variant(tied, args, folder):
                                entropy=True, topk=args.topk)
             seconds = time.monotonic() - t0
     finally:
-        server.close()
+        stop_server(server)
 
     logp, token, entropy, topk_values, topk_ids, scored = reference(out.logits, input_ids, lengths, args.topk)
     diffs = {
@@ -169,21 +135,14 @@ def check_variant(tied, args, folder):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bin-dir", default=os.environ.get("LOGPROB_BIN_DIR", os.path.join(REPO, "build", "bin")),
-                        help="folder of logprob-server and logprob-worker (default: build/bin)")
+    parser = example_parser(__doc__.split("\n")[0])
     parser.add_argument("--vocab", type=int, default=1031, help="vocabulary size (uneven slices over 2 workers)")
     parser.add_argument("--seq", type=int, default=24, help="padded sequence length")
     parser.add_argument("--topk", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    try:
-        import transformers
-    except ImportError:
-        print("hf_logprobs: transformers is missing: run bash scripts/setup-examples.sh, then "
-              ".venv-examples/bin/python examples/hf_logprobs.py", file=sys.stderr)
+    if not have_transformers("hf_logprobs"):
         return 2
-    print("transformers %s, torch %s" % (transformers.__version__, torch.__version__))
     with tempfile.TemporaryDirectory(prefix="hf_logprobs_") as folder:
         worst = max(check_variant(tied, args, folder) for tied in (False, True))
     ok = worst <= TOLERANCE
