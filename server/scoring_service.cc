@@ -317,10 +317,8 @@ grpc::Status ScoringService::ServeLmHeadRows(
       return updates->PutRowsWith(
           rows.update_id(), rows.row_begin(), t.shape(0), t.dtype(), t.shape(1), [&](char* dst) -> absl::Status {
             LOGPROB_RETURN_IF_ERROR(assembly.AssembleInto(dst));
-            LOGPROB_RETURN_IF_ERROR(
-                chunked::ReadChunkedPieces([stream](chunked::IncomingPart* p) { return stream->Read(p); },
-                                           [context] { return CallEnded(context); }, assembly));
-            return absl::OkStatus();
+            return chunked::ReadChunkedPieces([stream](chunked::IncomingPart* p) { return stream->Read(p); },
+                                              [context] { return CallEnded(context); }, assembly);
           });
     }
     CallContext call;

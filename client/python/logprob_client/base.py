@@ -26,7 +26,7 @@ from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
 from .errors import LogprobError
 from .lm_head_update import (PUT_ROWS_METHOD, UPDATE_PUT_BYTES, lm_head_device_rows, lm_head_ipc_parts, lm_head_rows,
-                             lm_head_rows_parts)
+                             lm_head_rows_part, lm_head_rows_parts)
 from .ops import Emit, Locked, NextResponse, OpenStream, Ops, Rpc, Work, END, backoff, retried
 from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
@@ -34,7 +34,7 @@ from .retry import Attempts, Deadline, OnRetry, RetryPolicy, error_of, reason_of
 from .shared_memory import SharedMemoryInputs
 from .stream import StreamAssembler, deliver
 from . import cuda_ipc, shared_memory, transport
-from .wire import decode_response, varint
+from .wire import decode_response
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # The scoring RPCs, called with requests serialized by wire.encode_request
@@ -441,9 +441,7 @@ class ClientBase:
             # Same host: the rows go through this client's regions, the copy
             # of one put overlapping the call of the one before.
             def put(i: int, tensors: List[Any], metadata: Any) -> Ops[Any]:
-                first = pb2.LmHeadRows(update_id=update_id, row_begin=starts[i], rows=tensors[0])
-                serialized = first.SerializeToString()
-                return self._put_rows_ops(iter([b"\x0a" + varint(len(serialized)) + serialized]), deadline,
+                return self._put_rows_ops(iter([lm_head_rows_part(update_id, starts[i], tensors[0])]), deadline,
                                           metadata)
 
             sent = yield from shm.send_each([[("rows", dt, rows[r0:r0 + per_put])] for r0 in starts], put)

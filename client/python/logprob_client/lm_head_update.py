@@ -47,13 +47,20 @@ def lm_head_rows(weight: Any, dtype: Any = None) -> Tuple[int, Array]:
 PUT_ROWS_METHOD = "/logprob.v1.LogprobService/PutLmHeadRows"
 
 
+def lm_head_rows_part(update_id: str, row_begin: int, tensor: Any) -> bytes:
+    """The serialized first ``LmHeadRowsPart`` of a put: ``LmHeadRows`` of
+    rows from ``row_begin`` described by the ``Tensor`` message ``tensor``
+    (its bytes inline, a reference, or none: pieces follow)."""
+    first: bytes = pb2.LmHeadRows(update_id=update_id, row_begin=row_begin, rows=tensor).SerializeToString()
+    return b"\x0a" + varint(len(first)) + first
+
+
 def lm_head_ipc_parts(update_id: str, row_begin: int, ref: Any) -> Iterator[bytes]:
     """The one serialized ``LmHeadRowsPart`` of rows ``[row_begin, row_begin +
     V')`` given as a CUDA IPC reference (``cuda_ipc.Export`` of a contiguous
     ``[V', H]`` CUDA tensor): ``LmHeadRows`` whose ``rows`` carry the
     reference and no bytes (a worker on the server's host copies them)."""
-    first = pb2.LmHeadRows(update_id=update_id, row_begin=row_begin, rows=ref.tensor_pb("rows")).SerializeToString()
-    yield b"\x0a" + varint(len(first)) + first
+    yield lm_head_rows_part(update_id, row_begin, ref.tensor_pb("rows"))
 
 
 def lm_head_device_rows(weight: Any, dtype: Any = None) -> Tuple[int, Any]:
@@ -72,9 +79,7 @@ def lm_head_rows_parts(update_id: str, row_begin: int, rows: Array, dt: int,
     len(rows))``: ``LmHeadRows`` (the shape, no data), then the bytes in
     pieces of ``piece_bytes``, each its header joined with a slice of the
     rows (one copy), as ScoreChunked's parts (``transport.request_parts``)."""
-    tensor = pb2.Tensor(name="rows", dtype=dt, shape=[int(d) for d in rows.shape])
-    first = pb2.LmHeadRows(update_id=update_id, row_begin=row_begin, rows=tensor).SerializeToString()
-    yield b"\x0a" + varint(len(first)) + first
+    yield lm_head_rows_part(update_id, row_begin, pb2.Tensor(name="rows", dtype=dt, shape=[int(d) for d in rows.shape]))
     flat = memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data)
     step = max(1, int(piece_bytes))
     for off in range(0, len(flat), step):
