@@ -168,7 +168,8 @@ class LmHeadUpdates {
                                        const std::function<absl::Status(const std::shared_ptr<Update>&)>& fill)
       ABSL_LOCKS_EXCLUDED(mu_);
   /// The rows of update `u` from `source` written into the staged file
-  /// (copied here, or by a worker: Stage).
+  /// (copied here in 16 MiB blocks on up to 4 threads, or by a worker:
+  /// Stage). The source's error when a read fails.
   absl::Status Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
       ABSL_LOCKS_EXCLUDED(mu_);
   /// Has a worker copy the rows of `source` (not readable here: it

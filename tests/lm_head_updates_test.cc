@@ -3,7 +3,8 @@
 // not fit in int64); rows from a source the front-end cannot read (a CUDA
 // IPC reference) are staged by a (fake) worker at their byte offset and
 // then count, hash and commit like bytes; without a worker that can, or
-// when staging fails, they are refused and may be sent again.
+// when staging fails, they are refused and may be sent again; rows read
+// with positioned reads land block by block from several threads.
 #include "server/lm_head_updates.h"
 
 #include <fcntl.h>
@@ -12,7 +13,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -23,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "common/error_reason.h"
 #include "common/lm_head_source.h"
 #include "common/positioned_io.h"
@@ -390,6 +395,91 @@ TEST_F(LmHeadUpdatesTest, AReleasedVersionsFileTakesTheNextUpdateAndDigestsComeA
     pinned = i % 3 == 0 ? v : nullptr;  // held across the next commit, then let go
     EXPECT_LE(StoreFiles(), 5u) << version;
   }
+}
+
+namespace {
+
+/// Bytes read with Read only (as a client's region or a checkpoint: no
+/// memory()), from `data`; a Read that touches byte `fail_at` fails.
+class ReadOnlySource final : public InputSource {
+ public:
+  explicit ReadOnlySource(std::string data, int64_t fail_at = -1)
+      : InputSource(InputKind::kSharedMemory, static_cast<int64_t>(data.size())),
+        data_(std::move(data)),
+        fail_at_(fail_at) {}
+  bool Read(int64_t offset, size_t n, char* dst) const override {
+    reads_ += 1;
+    if (fail_at_ >= offset && fail_at_ < offset + static_cast<int64_t>(n)) {
+      std::memset(dst, 0, n);
+      absl::MutexLock lock(&mu_);
+      status_ = absl::FailedPreconditionError("region \"r\" changed while the request was in flight");
+      return false;
+    }
+    std::memcpy(dst, data_.data() + offset, n);
+    return true;
+  }
+  absl::Status status() const override {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+  int reads() const { return reads_.load(); }
+
+ private:
+  const std::string data_;
+  const int64_t fail_at_;
+  mutable std::atomic<int> reads_{0};
+  mutable absl::Mutex mu_;
+  mutable absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+TEST_F(LmHeadUpdatesTest, RowsReadInBlocksOnSeveralThreadsLandExactlyAndAFailedReadFreesThem) {
+  // A head of 40 MiB: a put's rows are read in 16 MiB blocks, on as many
+  // threads as the machine has (up to 4).
+  constexpr int64_t V = 10240, H = 1024;
+  LmHeads heads{LmHeads::Options{}};
+  LmHeadVersion first = *heads_.Bind("default", "").value();
+  first.source.vocab_size = V;
+  first.source.hidden_size = H;
+  ASSERT_TRUE(heads.Add(first).ok());
+  const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads);
+  v1::BeginLmHeadUpdateRequest b = Begin("v1");
+  b.set_vocab_size(V);
+  b.set_hidden_size(H);
+  auto opened = updates->Begin(b);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::string rows(static_cast<size_t>(V * H * 4), '\0');
+  for (size_t i = 0; i < rows.size(); i += 4) {
+    const uint32_t word = static_cast<uint32_t>(i / 4) * 2654435761u;
+    std::memcpy(rows.data() + i, &word, 4);
+  }
+
+  // A read failing in the last block: the put fails with the source's
+  // error, and its rows are not counted.
+  const ReadOnlySource broken(rows, static_cast<int64_t>(rows.size()) - 5);
+  auto put = updates->PutRows(opened->update_id(), 0, V, v1::F32, H, broken);
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kFailedPrecondition) << put.status();
+  EXPECT_NE(put.status().message().find("changed while the request was in flight"), std::string::npos) << put.status();
+  auto early = updates->Commit(opened->update_id());
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition) << early.status();
+  EXPECT_NE(early.status().message().find("10240 rows missing"), std::string::npos) << early.status();
+
+  // Sent again, every block lands in its place.
+  const ReadOnlySource source(rows);
+  put = updates->PutRows(opened->update_id(), 0, V, v1::F32, H, source);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(source.reads(), 3) << "40 MiB in 16 MiB blocks";
+  ASSERT_TRUE(updates->Commit(opened->update_id()).ok());
+  const auto v1 = heads.Find("default", "v1");
+  ASSERT_NE(v1, nullptr);
+  std::string back(rows.size(), '\0');
+  const int fd = open(v1->source.file.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  EXPECT_TRUE(PreadAll(fd, back.data(), back.size(), v1->source.data_offset));
+  close(fd);
+  EXPECT_TRUE(back == rows) << "the committed file holds the rows exactly";
+  EXPECT_EQ(v1->sha256.get(), Sha256Hex(rows));
 }
 
 }  // namespace logprob
