@@ -25,7 +25,8 @@ workers.
 
 Usage: PYTHONPATH=client/python:build/python python3 bench/lm_head_update_bench.py
        [--vocab 151936] [--hidden 4096] [--workers 2] [--rounds 3] [--updates 10]
-       [--tokens 16] [--concurrency 2] [--port 45117] [--store-dir DIR] [--cuda]
+       [--tokens 16] [--concurrency 2] [--port 45117] [--store-dir DIR] [--piece-bytes N] [--cuda]
+       (--updates 0: no scoring phase)
 """
 
 import argparse
@@ -41,6 +42,7 @@ import time
 import numpy as np
 
 from logprob_client import LogprobClient, safetensors
+from logprob_client import transport
 from logprob_client.tensors import float32_to_bf16_bits
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -57,7 +59,7 @@ def random_head(V, H, seed):
     return out
 
 
-def echo_chunked_bytes_per_s(address, nbytes):
+def echo_chunked_bytes_per_s(address, nbytes, piece_bytes):
     """Request bytes per second of logprob-client bench's echo-chunked phase,
     one request of about ``nbytes`` bf16 logits (no scoring phase worth
     timing: one small warm-up call)."""
@@ -66,7 +68,7 @@ def echo_chunked_bytes_per_s(address, nbytes):
     out = subprocess.run(
         [os.path.join(BIN, "logprob-client"), "bench", "--server", address, "--batch", "1", "--seq", str(seq),
          "--vocab", str(vocab), "--dtype", "bf16", "--requests", "3", "--warmup", "0", "--chunk-above", "0",
-         "--json", "--progress", "0"], capture_output=True, text=True, check=True).stdout
+         "--json", "--progress", "0", "--piece-bytes", str(piece_bytes)], capture_output=True, text=True, check=True).stdout
     report = json.loads(out)
     return report["echo_chunked"]["request_mb_per_s"] * 1e6
 
@@ -96,6 +98,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--port", type=int, default=45117)
+    ap.add_argument("--piece-bytes", type=int, default=transport.PIECE_BYTES,
+                    help="piece size of the pieced updates and of the echo-chunked baseline (default: the clients')")
     ap.add_argument("--store-dir", default="", help="the server's --lm-head-store-dir (default: its own)")
     ap.add_argument("--cuda", action="store_true",
                     help="CUDA workers; also time updates from a CUDA tensor by CUDA IPC and by a host copy")
@@ -118,19 +122,20 @@ def main():
         with LogprobClient(address, timeout=600) as c:
             if not c.health(wait=300):
                 raise SystemExit("server did not become SERVING; log in %s" % tmp)
-            print("lm_head bf16 [%d, %d] = %.2f GB, %d %s workers, %d interleaved rounds" %
-                  (V, H, nbytes / 1e9, a.workers, "CUDA" if a.cuda else "CPU", a.rounds))
+            print("lm_head bf16 [%d, %d] = %.2f GB, %d %s workers, %d interleaved rounds, pieces of %d bytes" %
+                  (V, H, nbytes / 1e9, a.workers, "CUDA" if a.cuda else "CPU", a.rounds, a.piece_bytes))
             import torch  # the shared-memory path's input: a torch CPU tensor
             tensors = [torch.from_numpy(h.view(np.int16)).view(torch.bfloat16) for h in heads]
             copy_dst = np.empty_like(heads[0])
             rows = {k: [] for k in ("pieces", "echo", "shm", "memcpy", "digest")}
             with LogprobClient(address, timeout=600, shared_memory=False) as pieces:
+                pieces.piece_bytes = a.piece_bytes
                 for r in range(a.rounds):
                     t0 = time.perf_counter()
                     pieces.update_lm_head("default", heads[(r + 1) % 2], version="pieces-%d" % r, dtype="bf16")
                     rows["pieces"].append(time.perf_counter() - t0)
                     rows["digest"].append(digest_wait(c))
-                    rows["echo"].append(nbytes / echo_chunked_bytes_per_s(address, min(nbytes, 256 << 20)))
+                    rows["echo"].append(nbytes / echo_chunked_bytes_per_s(address, min(nbytes, 256 << 20), a.piece_bytes))
                     t0 = time.perf_counter()
                     c.update_lm_head("default", tensors[r % 2], version="shm-%d" % r)
                     rows["shm"].append(time.perf_counter() - t0)
@@ -174,6 +179,8 @@ def main():
                   (med["pieces"], nbytes / med["pieces"] / 1e6, med["echo"], ratio_p, med["shm"],
                    nbytes / med["shm"] / 1e6, med["memcpy"], ratio_s, med["digest"]))
             del copy_dst
+            if not a.updates:
+                return 0
 
             rng = np.random.default_rng(5)
             hidden = float32_to_bf16_bits(rng.standard_normal((a.tokens, H), dtype=np.float32))
@@ -197,14 +204,16 @@ def main():
                            for _ in range(a.concurrency)]
                 for t in threads:
                     t.start()
-                if updates:
-                    for i in range(updates):
-                        c.update_lm_head("default", heads[i % 2], version="stream-%d" % i, dtype="bf16")
-                else:
-                    time.sleep(seconds)  # a measured period of steady load, not synchronisation
-                stop.set()
-                for t in threads:
-                    t.join()
+                try:
+                    if updates:
+                        for i in range(updates):
+                            c.update_lm_head("default", heads[i % 2], version="stream-%d" % i, dtype="bf16")
+                    else:
+                        time.sleep(seconds)  # a measured period of steady load, not synchronisation
+                finally:  # the streams stop also when an update fails
+                    stop.set()
+                    for t in threads:
+                        t.join()
                 return lat, versions, failures
 
             t0 = time.perf_counter()

@@ -390,7 +390,7 @@ std::string UsageText() {
     --chunk-above N             send requests over N bytes as a stream of
                                 pieces (ScoreChunked; default 8388608 = 8 MiB;
                                 -1: always one Score message)
-    --piece-bytes N             bytes per piece (default 4194304 = 4 MiB)
+    --piece-bytes N             bytes per piece (default 2097152 = 2 MiB)
     --timeout SECONDS           deadline of each call (default: none)
     --shared-memory             send the tensors through a POSIX shared-memory
                                 region registered with the server (same host

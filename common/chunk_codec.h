@@ -27,8 +27,12 @@ namespace logprob::chunked {
 
 /// Default size of a piece's data: large enough that per-message costs
 /// vanish, small enough that no buffer of gRPC or protobuf crosses glibc's
-/// 32 MiB mmap threshold (see README "Large requests").
-inline constexpr int64_t kDefaultPieceBytes = int64_t{4} << 20;
+/// 32 MiB mmap threshold (see README "Large requests"), and that a piece a
+/// client copies before gRPC copies it again (the Python client) is still
+/// in the core's cache: 2 MiB moved 17% more bytes per second than 4 MiB
+/// through `logprob-client bench`'s echo-chunked phase, and Python's
+/// pieced lm_head updates were 14-20% faster (docs/benchmarks.md).
+inline constexpr int64_t kDefaultPieceBytes = int64_t{2} << 20;
 
 /// Tensors up to this size travel inside the first part instead of in
 /// pieces (ServerInfo.chunked_inline_bytes; the clients' default too).

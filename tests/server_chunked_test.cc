@@ -124,7 +124,7 @@ TEST_F(ScoreChunked, EveryGoldenCaseIsByteIdenticalToOneMessage) {
 
 TEST_F(ScoreChunked, LargeOutputsComeBackInPiecesIdenticalToOneMessage) {
   ASSERT_TRUE(server_);
-  // top-1024 of 2048 rows: 24 MiB of outputs, over the 4 MiB answer piece.
+  // top-1024 of 2048 rows: 24 MiB of outputs, over the 2 MiB answer piece.
   v1::ScoreRequest req = RandomPackedRequest("logits", 2048, 2048, 2048, 7);
   req.set_id("large-outputs");
   req.mutable_options()->set_topk(1024);

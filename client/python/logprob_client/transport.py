@@ -43,7 +43,7 @@ METHOD = "/logprob.v1.LogprobService/ScoreChunked"
 # first part. A client's ``chunk_above`` / ``piece_bytes`` attributes
 # (``base.ClientBase``) default to the first two.
 CHUNK_ABOVE = 8 << 20
-PIECE_BYTES = 4 << 20
+PIECE_BYTES = 2 << 20  # the server's (common/chunk_codec.h, which says why)
 INLINE_BYTES = 64 << 10
 # The most output bytes a ScoreChunked answer may announce in pieces, as
 # the C++ client's limit (client/chunked_call.cc): beyond it the answer is
