@@ -25,7 +25,8 @@ workers.
 
 Usage: PYTHONPATH=client/python:build/python python3 bench/lm_head_update_bench.py
        [--vocab 151936] [--hidden 4096] [--workers 2] [--rounds 3] [--updates 10]
-       [--tokens 16] [--concurrency 2] [--port 45117] [--store-dir DIR] [--piece-bytes N] [--cuda]
+       [--tokens 16] [--concurrency 2] [--port 45117] [--store-dir DIR] [--piece-bytes N]
+       [--compare-piece-bytes N] [--cuda]
        (--updates 0: no scoring phase)
 """
 
@@ -100,6 +101,8 @@ def main():
     ap.add_argument("--port", type=int, default=45117)
     ap.add_argument("--piece-bytes", type=int, default=transport.PIECE_BYTES,
                     help="piece size of the pieced updates and of the echo-chunked baseline (default: the clients')")
+    ap.add_argument("--compare-piece-bytes", type=int, default=0,
+                    help="also time the pieced update and echo-chunked in pieces of N bytes in every round")
     ap.add_argument("--store-dir", default="", help="the server's --lm-head-store-dir (default: its own)")
     ap.add_argument("--cuda", action="store_true",
                     help="CUDA workers; also time updates from a CUDA tensor by CUDA IPC and by a host copy")
@@ -127,7 +130,7 @@ def main():
             import torch  # the shared-memory path's input: a torch CPU tensor
             tensors = [torch.from_numpy(h.view(np.int16)).view(torch.bfloat16) for h in heads]
             copy_dst = np.empty_like(heads[0])
-            rows = {k: [] for k in ("pieces", "echo", "shm", "memcpy", "digest")}
+            rows = {k: [] for k in ("pieces", "echo", "shm", "memcpy", "digest", "alt-pieces", "alt-echo")}
             with LogprobClient(address, timeout=600, shared_memory=False) as pieces:
                 pieces.piece_bytes = a.piece_bytes
                 for r in range(a.rounds):
@@ -136,6 +139,17 @@ def main():
                     rows["pieces"].append(time.perf_counter() - t0)
                     rows["digest"].append(digest_wait(c))
                     rows["echo"].append(nbytes / echo_chunked_bytes_per_s(address, min(nbytes, 256 << 20), a.piece_bytes))
+                    if a.compare_piece_bytes:  # the same, in pieces of the other size, in the same round
+                        pieces.piece_bytes = a.compare_piece_bytes
+                        t0 = time.perf_counter()
+                        pieces.update_lm_head("default", heads[r % 2], version="alt-pieces-%d" % r, dtype="bf16")
+                        rows["alt-pieces"].append(time.perf_counter() - t0)
+                        digest_wait(c)
+                        rows["alt-echo"].append(
+                            nbytes / echo_chunked_bytes_per_s(address, min(nbytes, 256 << 20), a.compare_piece_bytes))
+                        pieces.piece_bytes = a.piece_bytes
+                        print("round %d: in pieces of %d bytes: pieces %.2f s, echo-chunked %.2f s" %
+                              (r, a.compare_piece_bytes, rows["alt-pieces"][-1], rows["alt-echo"][-1]), flush=True)
                     t0 = time.perf_counter()
                     c.update_lm_head("default", tensors[r % 2], version="shm-%d" % r)
                     rows["shm"].append(time.perf_counter() - t0)
@@ -171,13 +185,19 @@ def main():
                 print("median: CUDA tensor by CUDA IPC %.2f s (%.0f MB/s), by a host copy %.2f s (%.0f MB/s)" %
                       (gm["ipc"], nbytes / gm["ipc"] / 1e6, gm["gpu-host"], nbytes / gm["gpu-host"] / 1e6))
                 del on_gpu
-            med = {k: statistics.median(v) for k, v in rows.items()}
+            med = {k: statistics.median(v) for k, v in rows.items() if v}
             ratio_p = statistics.median([p / e for p, e in zip(rows["pieces"], rows["echo"])])
             ratio_s = statistics.median([x / m for x, m in zip(rows["shm"], rows["memcpy"])])
             print("median: pieces %.2f s (%.0f MB/s), echo-chunked %.2f s, ratio %.2f; shared memory %.2f s "
                   "(%.0f MB/s), memcpy %.3f s, ratio %.1f; sha256 listed %.2f s after a commit" %
                   (med["pieces"], nbytes / med["pieces"] / 1e6, med["echo"], ratio_p, med["shm"],
                    nbytes / med["shm"] / 1e6, med["memcpy"], ratio_s, med["digest"]))
+            if a.compare_piece_bytes:
+                print("median: in pieces of %d bytes: pieces %.2f s (%.2fx the default size's, median of rounds), "
+                      "echo-chunked %.2f s (%.2fx)" %
+                      (a.compare_piece_bytes, med["alt-pieces"],
+                       statistics.median([x / y for x, y in zip(rows["alt-pieces"], rows["pieces"])]), med["alt-echo"],
+                       statistics.median([x / y for x, y in zip(rows["alt-echo"], rows["echo"])])))
             del copy_dst
             if not a.updates:
                 return 0

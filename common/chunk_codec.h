@@ -29,9 +29,10 @@ namespace logprob::chunked {
 /// vanish, small enough that no buffer of gRPC or protobuf crosses glibc's
 /// 32 MiB mmap threshold (see README "Large requests"), and that a piece a
 /// client copies before gRPC copies it again (the Python client) is still
-/// in the core's cache: 2 MiB moved 17% more bytes per second than 4 MiB
-/// through `logprob-client bench`'s echo-chunked phase, and Python's
-/// pieced lm_head updates were 14-20% faster (docs/benchmarks.md).
+/// in the core's cache: in interleaved rounds on the 2-core VM, Python's
+/// pieced lm_head updates took 1.27x as long in 4 MiB pieces, and the C++
+/// client's echo-chunked phase moved 0-17% fewer bytes per second
+/// (docs/benchmarks.md, "Piece size").
 inline constexpr int64_t kDefaultPieceBytes = int64_t{2} << 20;
 
 /// Tensors up to this size travel inside the first part instead of in
