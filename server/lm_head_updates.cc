@@ -13,6 +13,7 @@
 #include <future>
 #include <iostream>
 #include <random>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -419,7 +420,11 @@ absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_
   const int64_t threads =
       std::min<int64_t>({blocks, kCopyThreads, std::max<int64_t>(1, std::thread::hardware_concurrency())});
   std::vector<std::thread> helpers;
-  for (int64_t i = 1; i < threads; ++i) helpers.emplace_back(copy);
+  try {
+    for (int64_t i = 1; i < threads; ++i) helpers.emplace_back(copy);
+  } catch (const std::system_error&) {
+    // No thread to be had (a process or memory limit): fewer threads read.
+  }
   copy();
   for (std::thread& t : helpers) t.join();
   if (failed) return source.status().ok() ? absl::DataLossError("the rows' source could not be read") : source.status();
