@@ -13,8 +13,9 @@ workers.
      process (``np.copyto``) in the same round.
    With ``--cuda`` (CUDA workers, a GPU for torch): also a torch CUDA
    tensor by CUDA IPC (a worker copies the rows into the store) against
-   the same tensor with ``cuda_ipc=False`` (the client copies it to the
-   host, then shared memory).
+   one device-to-device copy of it (``Tensor.copy_``) and against the same
+   tensor with ``cuda_ipc=False`` (the client copies it to the host, then
+   shared memory), in the same rounds.
    After each update the bench waits until the server lists the head's
    sha256 (computed after a commit that announced none) and reports that
    wait, so no timing overlaps the hash.
@@ -166,7 +167,8 @@ def main():
                 if not c.server_info().cuda_ipc_inputs:
                     raise SystemExit("--cuda: the server does not offer CUDA IPC (see its log in %s)" % tmp)
                 on_gpu = [t.cuda() for t in tensors]
-                gpu_rows = {"ipc": [], "gpu-host": []}
+                d2d_dst = torch.empty_like(on_gpu[0])
+                gpu_rows = {"ipc": [], "gpu-host": [], "d2d": []}
                 with LogprobClient(address, timeout=600, cuda_ipc=False) as host:
                     for r in range(a.rounds):
                         torch.cuda.synchronize()
@@ -178,13 +180,23 @@ def main():
                         host.update_lm_head("default", on_gpu[r % 2], version="gpu-host-%d" % r)
                         gpu_rows["gpu-host"].append(time.perf_counter() - t0)
                         digest_wait(c)
-                        print("round %d: CUDA tensor by CUDA IPC %.2f s, by a host copy %.2f s (ratio %.2f)" %
-                              (r, gpu_rows["ipc"][-1], gpu_rows["gpu-host"][-1],
-                               gpu_rows["ipc"][-1] / gpu_rows["gpu-host"][-1]), flush=True)
+                        # The baseline: one device-to-device copy of the head.
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        d2d_dst.copy_(on_gpu[r % 2])
+                        torch.cuda.synchronize()
+                        gpu_rows["d2d"].append(time.perf_counter() - t0)
+                        print("round %d: CUDA tensor by CUDA IPC %.2f s, by a host copy %.2f s, device-to-device "
+                              "copy %.4f s (IPC / d2d %.1f)" %
+                              (r, gpu_rows["ipc"][-1], gpu_rows["gpu-host"][-1], gpu_rows["d2d"][-1],
+                               gpu_rows["ipc"][-1] / gpu_rows["d2d"][-1]), flush=True)
                 gm = {k: statistics.median(v) for k, v in gpu_rows.items()}
-                print("median: CUDA tensor by CUDA IPC %.2f s (%.0f MB/s), by a host copy %.2f s (%.0f MB/s)" %
-                      (gm["ipc"], nbytes / gm["ipc"] / 1e6, gm["gpu-host"], nbytes / gm["gpu-host"] / 1e6))
-                del on_gpu
+                print("median: CUDA tensor by CUDA IPC %.2f s (%.0f MB/s), by a host copy %.2f s (%.0f MB/s); "
+                      "device-to-device copy %.4f s; IPC / d2d %.1f, IPC / host copy %.2f (medians of rounds)" %
+                      (gm["ipc"], nbytes / gm["ipc"] / 1e6, gm["gpu-host"], nbytes / gm["gpu-host"] / 1e6, gm["d2d"],
+                       statistics.median([x / y for x, y in zip(gpu_rows["ipc"], gpu_rows["d2d"])]),
+                       statistics.median([x / y for x, y in zip(gpu_rows["ipc"], gpu_rows["gpu-host"])])))
+                del on_gpu, d2d_dst
             med = {k: statistics.median(v) for k, v in rows.items() if v}
             ratio_p = statistics.median([p / e for p, e in zip(rows["pieces"], rows["echo"])])
             ratio_s = statistics.median([x / m for x, m in zip(rows["shm"], rows["memcpy"])])
