@@ -35,7 +35,15 @@ if [ "$dry" = 0 ] && [ -z "${LOGPROB_GPU_BUNDLED:-}" ]; then
     echo "gpu_first_run: no .gpu/run.sh: run ../shared/tools/gpu-bundle on the build machine first" >&2
     exit 2
   }
-  exec bash .gpu/run.sh "LOGPROB_GPU_BUNDLED=1 OUT='${OUT:-}' bash bench/gpu_first_run.sh"
+  # The Python client's generated stubs are not in the bundle: carried
+  # with it (build/python), they are used from this working tree.
+  stubs=""
+  if [ -f build/python/logprob/v1/logprob_pb2.py ]; then
+    stubs="LOGPROB_PY_STUBS_DIR='$PWD/build/python' "
+  else
+    echo "gpu_first_run: no build/python here (carry it with .gpu): the Python steps need protoc to make their stubs" >&2
+  fi
+  exec bash .gpu/run.sh "${stubs}LOGPROB_GPU_BUNDLED=1 OUT='${OUT:-}' bash bench/gpu_first_run.sh"
 fi
 
 OUT=${OUT:-/tmp/gpu_first_run}
