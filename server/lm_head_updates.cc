@@ -297,11 +297,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   fs::create_directories(options_.store_dir, ec);
   const uint64_t file_bytes = header.size() + static_cast<uint64_t>(V * row_bytes);
   u->fd = StagedFile(u->head, u->partial, file_bytes, &u->map);
-  if (u->fd >= 0 && u->map == nullptr) {
-    void* m = mmap(nullptr, file_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, u->fd, 0);
-    if (m != MAP_FAILED) u->map = FileMap(static_cast<char*>(m), [file_bytes](char* q) { munmap(q, file_bytes); });
-  }
-  if (u->map == nullptr || !PwriteAll(u->fd, header.data(), header.size(), 0)) {
+  if (u->fd < 0 || !PwriteAll(u->fd, header.data(), header.size(), 0)) {
     const int err = errno;
     const std::string why = absl::StrCat("cannot create ", u->partial, ": ", strerror(err));
     absl::MutexLock lock(&mu_);
@@ -618,8 +614,9 @@ int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, 
       if (fd >= 0) {
         LogLine() << absl::StrCat("logprob-server: lm_head ", head,
                                   ": the update writes into the store file a released version left (", size, " bytes)");
-        *map = std::move(spare.map);  // still populated (or null: the caller maps it)
-        return fd;
+        *map = std::move(spare.map);  // its page tables still populated
+        if (*map != nullptr) return fd;
+        return MapStaged(fd, path, size, map);
       }
     }
     unlink(spare.path.c_str());  // another size (or gone): a new file
@@ -633,6 +630,19 @@ int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, 
     errno = err;
     return -1;
   }
+  return MapStaged(fd, path, size, map);
+}
+
+int LmHeadUpdates::MapStaged(int fd, const std::string& path, uint64_t size, FileMap* map) {
+  void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (m == MAP_FAILED) {
+    const int err = errno;
+    close(fd);
+    unlink(path.c_str());
+    errno = err;
+    return -1;
+  }
+  *map = FileMap(static_cast<char*>(m), [size](char* q) { munmap(q, size); });
   return fd;
 }
 

@@ -186,12 +186,15 @@ class LmHeadUpdates {
   /// worker `dropped` the version and the head has fewer than two, else
   /// removed. A hash of the file still running is abandoned.
   void Recycle(const LmHeadVersion& v, bool dropped) ABSL_LOCKS_EXCLUDED(mu_);
-  /// Opens `path` read-write as a staged file of `size` bytes: the head's
-  /// spare renamed if it has that size (`map` then takes its mapping, if
-  /// any), else a new file with its blocks allocated. -1 (errno set) on
-  /// failure.
+  /// Opens `path` read-write as a staged file of `size` bytes, and sets
+  /// `map` to its read-write mapping: the head's spare renamed if it has
+  /// that size (with its mapping, kept since its commit), else a new file
+  /// with its blocks allocated. -1 (errno set) on failure.
   int StagedFile(const std::string& head, const std::string& path, uint64_t size, FileMap* map)
       ABSL_LOCKS_EXCLUDED(mu_);
+  /// StagedFile's mapping of `fd` (`path`, `size` bytes; page tables
+  /// populated): `fd`, or -1 (errno set; `fd` closed, `path` removed).
+  static int MapStaged(int fd, const std::string& path, uint64_t size, FileMap* map);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
