@@ -88,6 +88,16 @@ class LmHeadUpdatesTest : public ::testing::Test {
     b.set_dtype(v1::F32);
     return b;
   }
+  /// The `n` bytes of weight in version `v`'s store file ("" and a failure
+  /// when they cannot be read).
+  static std::string StoredRows(const LmHeadVersion& v, size_t n) {
+    std::string out(n, '\0');
+    const int fd = open(v.source.file.c_str(), O_RDONLY);
+    const bool read = fd >= 0 && PreadAll(fd, out.data(), n, v.source.data_offset);
+    if (fd >= 0) close(fd);
+    if (!read) ADD_FAILURE() << "cannot read " << n << " bytes of " << v.source.file;
+    return read ? out : std::string();
+  }
   size_t StoreFiles() const {
     return static_cast<size_t>(std::distance(std::filesystem::directory_iterator(store_), {}));
   }
@@ -365,12 +375,7 @@ TEST_F(LmHeadUpdatesTest, AReleasedVersionsFileTakesTheNextUpdateAndDigestsComeA
   // Every byte of the reused file is v3's: the header, then rows3 exactly.
   EXPECT_EQ(std::filesystem::file_size(v3->source.file), v3->source.data_offset + rows3.size());
   EXPECT_EQ(v3->source.data_offset % 4096, 0u) << "the weight starts at a page boundary";
-  std::string back(rows3.size(), '\0');
-  const int fd = open(v3->source.file.c_str(), O_RDONLY);
-  ASSERT_GE(fd, 0);
-  EXPECT_TRUE(PreadAll(fd, back.data(), back.size(), v3->source.data_offset));
-  close(fd);
-  EXPECT_EQ(back, rows3);
+  EXPECT_EQ(StoredRows(*v3, rows3.size()), rows3);
   EXPECT_EQ(v3->sha256.get(), Sha256Hex(rows3));
   auto resolved = ResolveLmHead(v3->source.file);
   ASSERT_TRUE(resolved.ok()) << resolved.status();
@@ -385,12 +390,7 @@ TEST_F(LmHeadUpdatesTest, AReleasedVersionsFileTakesTheNextUpdateAndDigestsComeA
     commit(version, rows, "");
     const auto v = heads.Find("default", version);
     ASSERT_NE(v, nullptr);
-    std::string got(rows.size(), '\0');
-    const int f = open(v->source.file.c_str(), O_RDONLY);
-    ASSERT_GE(f, 0);
-    EXPECT_TRUE(PreadAll(f, got.data(), got.size(), v->source.data_offset));
-    close(f);
-    EXPECT_EQ(got, rows) << version;
+    EXPECT_EQ(StoredRows(*v, rows.size()), rows) << version;
     EXPECT_EQ(v->sha256.get(), Sha256Hex(rows)) << version;
     pinned = i % 3 == 0 ? v : nullptr;  // held across the next commit, then let go
     EXPECT_LE(StoreFiles(), 5u) << version;
@@ -473,12 +473,7 @@ TEST_F(LmHeadUpdatesTest, RowsReadInBlocksOnSeveralThreadsLandExactlyAndAFailedR
   ASSERT_TRUE(updates->Commit(opened->update_id()).ok());
   const auto v1 = heads.Find("default", "v1");
   ASSERT_NE(v1, nullptr);
-  std::string back(rows.size(), '\0');
-  const int fd = open(v1->source.file.c_str(), O_RDONLY);
-  ASSERT_GE(fd, 0);
-  EXPECT_TRUE(PreadAll(fd, back.data(), back.size(), v1->source.data_offset));
-  close(fd);
-  EXPECT_TRUE(back == rows) << "the committed file holds the rows exactly";
+  EXPECT_TRUE(StoredRows(*v1, rows.size()) == rows) << "the committed file holds the rows exactly";
   EXPECT_EQ(v1->sha256.get(), Sha256Hex(rows));
 }
 
