@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/cuda/cuda_error.h"
 
 namespace logprob::cuda {
 
@@ -24,21 +25,25 @@ inline absl::Status CudaStatus(cudaError_t e, const char* what) {
 #define LOGPROB_CUDA_RETURN_IF_ERROR(call, what) LOGPROB_RETURN_IF_ERROR(::logprob::cuda::CudaStatus((call), what))
 
 /// Memory that grows on demand (contents are lost on growth), allocated
-/// and freed by `Alloc`'s static Allocate / Free.
-template <typename Alloc>
+/// and freed by `Alloc`'s static Allocate / Free. `Errors` is the
+/// runtime's last-error call (cuda_error.h; a fake in tests).
+template <typename Alloc, typename Errors = CudaRuntimeErrors>
 class GrowingBuffer {
  public:
   GrowingBuffer() = default;
   GrowingBuffer(const GrowingBuffer&) = delete;
   GrowingBuffer& operator=(const GrowingBuffer&) = delete;
   ~GrowingBuffer() { Alloc::Free(ptr_); }
-  /// Ensures at least `bytes` bytes. INTERNAL when the allocation fails.
+  /// Ensures at least `bytes` bytes. INTERNAL when the allocation fails;
+  /// the buffer is then empty and the failure is not left behind as the
+  /// thread's last CUDA error (ClearedError), so the next kernel launch
+  /// does not report it as its own.
   absl::Status Reserve(size_t bytes) {
     if (bytes <= size_) return absl::OkStatus();
     Alloc::Free(ptr_);
     ptr_ = nullptr;
     size_ = 0;
-    LOGPROB_CUDA_RETURN_IF_ERROR(Alloc::Allocate(&ptr_, bytes), Alloc::kName);
+    LOGPROB_CUDA_RETURN_IF_ERROR(ClearedError<Errors>(Alloc::Allocate(&ptr_, bytes)), Alloc::kName);
     size_ = bytes;
     return absl::OkStatus();
   }

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "worker/cuda/cuda_error.h"
 #include "worker/cuda/row_kernels.h"
 
 namespace logprob::cuda {
@@ -34,9 +35,10 @@ cudaError_t LaunchConvert(const void* src, ElemType src_type, int64_t n, void* d
   if (n <= 0) return cudaSuccess;
   if (dst_type == ElemType::kF16) return cudaErrorInvalidValue;
   const int64_t blocks = (n + 255) / 256;
+  const LaunchCheck<> check;  // reports this launch's error, not a stale one
   ConvertKernel<<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), 256, 0, stream>>>(src, src_type, n, dst,
                                                                                             dst_type);
-  return cudaGetLastError();
+  return check.Result();
 }
 
 }  // namespace logprob::cuda

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/cuda/cuda_error.h"
 #include "worker/one_pass_layout.h"
 
 namespace logprob::cuda {
@@ -100,7 +101,9 @@ absl::Status NcclCommunicator::Finish(const char* what, ncclResult_t enqueued, v
   if (cudaError_t e = cudaEventRecord(done_.get(), stream_); e != cudaSuccess) return Abort(CudaStatus(e, "event"));
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (;;) {
-    const cudaError_t e = cudaEventQuery(done_.get());
+    // cudaErrorNotReady is recorded as the thread's last error too: cleared,
+    // or the next kernel launch would report it as its own failure.
+    const cudaError_t e = ClearedError(cudaEventQuery(done_.get()));
     if (e == cudaSuccess) {
       if (out_bytes) std::memcpy(out, out_host_.get(), out_bytes);
       return absl::OkStatus();

@@ -4,6 +4,7 @@
 // the top-k (topk_select.cuh).
 #include <cmath>
 
+#include "worker/cuda/cuda_error.h"
 #include "worker/cuda/row_common.cuh"
 #include "worker/cuda/topk_select.cuh"
 
@@ -79,9 +80,10 @@ __global__ void __launch_bounds__(kRowThreads) RowPartialsKernel(RowBlockArgs a)
 
 cudaError_t LaunchRowPartials(const RowBlockArgs& a, cudaStream_t stream) {
   if (a.rows <= 0) return cudaSuccess;
+  const LaunchCheck<> check;  // reports this launch's error, not a stale one
   if (a.topk > 0) RowPartialsKernel<true><<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(a);
   else RowPartialsKernel<false><<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return check.Result();
 }
 
 }  // namespace logprob::cuda

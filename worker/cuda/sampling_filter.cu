@@ -2,6 +2,7 @@
 // (the CUDA twin of kernels::SamplingKeepMin, docs/SPEC.md "Filters").
 #include <cmath>
 
+#include "worker/cuda/cuda_error.h"
 #include "worker/cuda/row_common.cuh"
 
 namespace logprob::cuda {
@@ -82,8 +83,9 @@ __global__ void __launch_bounds__(kRowThreads) KeepMinKernel(FilterArgs a) {
 
 cudaError_t LaunchSamplingKeepMin(const FilterArgs& a, cudaStream_t stream) {
   if (a.rows <= 0) return cudaSuccess;
+  const LaunchCheck<> check;  // reports this launch's error, not a stale one
   KeepMinKernel<<<static_cast<unsigned>(a.rows), kRowThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return check.Result();
 }
 
 }  // namespace logprob::cuda

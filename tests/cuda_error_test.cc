@@ -1,0 +1,156 @@
+// The stale-error helpers of the CUDA backend (worker/cuda/cuda_error.h)
+// and GrowingBuffer::Reserve's failure path, on the CPU: a fake CUDA
+// runtime keeps the per-thread "last error" the way cudaGetLastError()
+// does (reset on read unless sticky), so nothing here needs a device.
+#include "worker/cuda/cuda_error.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "worker/cuda/device_buffers.h"
+
+namespace logprob::cuda {
+namespace {
+
+// The runtime's per-thread last error, as the real one behaves: a failing
+// call records its error; GetLastError returns it and resets it to
+// cudaSuccess unless it is sticky.
+struct FakeRuntime {
+  static cudaError_t last;
+  static bool sticky;
+  static int reads;
+  static void Reset() {
+    last = cudaSuccess;
+    sticky = false;
+    reads = 0;
+  }
+  // A runtime call that returns `e` (and records it when it is an error).
+  static cudaError_t Call(cudaError_t e) {
+    if (e != cudaSuccess && !sticky) last = e;
+    return e;
+  }
+  // A kernel launch (<<<...>>>): returns nothing, records its error.
+  static void Launch(cudaError_t e) { Call(e); }
+  static void MakeSticky(cudaError_t e) {
+    last = e;
+    sticky = true;
+  }
+  static cudaError_t GetLastError() {
+    ++reads;
+    const cudaError_t e = last;
+    if (!sticky) last = cudaSuccess;
+    return e;
+  }
+};
+cudaError_t FakeRuntime::last = cudaSuccess;
+bool FakeRuntime::sticky = false;
+int FakeRuntime::reads = 0;
+
+class CudaErrors : public ::testing::Test {
+ protected:
+  void SetUp() override { FakeRuntime::Reset(); }
+};
+
+// A launcher as worker/cuda/*.cu writes it.
+cudaError_t Launcher(cudaError_t launch_error) {
+  const LaunchCheck<FakeRuntime> check;
+  FakeRuntime::Launch(launch_error);
+  return check.Result();
+}
+
+// The launcher before the fix: `return cudaGetLastError()` after the launch.
+cudaError_t OldLauncher(cudaError_t launch_error) {
+  FakeRuntime::Launch(launch_error);
+  return FakeRuntime::GetLastError();
+}
+
+TEST_F(CudaErrors, AQueryThatIsNotReadyLeavesNothingForTheNextLaunch) {
+  // The NCCL poll: not ready twice, then done.
+  EXPECT_EQ(ClearedError<FakeRuntime>(FakeRuntime::Call(cudaErrorNotReady)), cudaErrorNotReady);
+  EXPECT_EQ(FakeRuntime::last, cudaSuccess);
+  EXPECT_EQ(ClearedError<FakeRuntime>(FakeRuntime::Call(cudaErrorNotReady)), cudaErrorNotReady);
+  EXPECT_EQ(ClearedError<FakeRuntime>(FakeRuntime::Call(cudaSuccess)), cudaSuccess);
+  EXPECT_EQ(FakeRuntime::reads, 2);  // success reads nothing
+  // Even the launcher of old would now see its own (absent) error.
+  EXPECT_EQ(OldLauncher(cudaSuccess), cudaSuccess);
+}
+
+TEST_F(CudaErrors, WithoutClearingTheOldLauncherReportsTheStaleNotReady) {
+  // What issue 35 item 1 describes, so the test above means something.
+  FakeRuntime::Call(cudaErrorNotReady);
+  EXPECT_EQ(OldLauncher(cudaSuccess), cudaErrorNotReady);
+}
+
+TEST_F(CudaErrors, ALaunchCheckReportsItsOwnErrorNotAStaleOne) {
+  FakeRuntime::Call(cudaErrorNotReady);  // left by a query nobody cleared
+  EXPECT_EQ(Launcher(cudaSuccess), cudaSuccess);
+  EXPECT_EQ(FakeRuntime::last, cudaSuccess);
+
+  FakeRuntime::Call(cudaErrorMemoryAllocation);  // a stale failed allocation
+  EXPECT_EQ(Launcher(cudaErrorInvalidConfiguration), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(FakeRuntime::last, cudaSuccess);  // the launch's error is read, not left behind
+  EXPECT_EQ(Launcher(cudaSuccess), cudaSuccess);
+}
+
+TEST_F(CudaErrors, AStickyErrorIsStillReported) {
+  FakeRuntime::MakeSticky(cudaErrorIllegalAddress);
+  EXPECT_EQ(Launcher(cudaSuccess), cudaErrorIllegalAddress);
+  EXPECT_EQ(ClearedError<FakeRuntime>(FakeRuntime::Call(cudaErrorNotReady)), cudaErrorNotReady);
+  EXPECT_EQ(Launcher(cudaSuccess), cudaErrorIllegalAddress);
+}
+
+// An allocator whose next allocation fails (as cudaMalloc does: the error
+// is returned and recorded as the thread's last error).
+struct FailingAlloc {
+  static constexpr const char* kName = "cudaMalloc";
+  static bool fail;
+  static int live;
+  static char storage[64];
+  static cudaError_t Allocate(void** p, size_t n) {
+    if (fail || n > sizeof storage) {
+      *p = nullptr;
+      return FakeRuntime::Call(cudaErrorMemoryAllocation);
+    }
+    *p = storage;
+    ++live;
+    return FakeRuntime::Call(cudaSuccess);
+  }
+  static void Free(void* p) {
+    if (p != nullptr) --live;
+  }
+};
+bool FailingAlloc::fail = false;
+int FailingAlloc::live = 0;
+char FailingAlloc::storage[64];
+
+TEST_F(CudaErrors, AFailedReserveIsReturnedAndNotLeftBehind) {
+  FailingAlloc::fail = false;
+  FailingAlloc::live = 0;
+  {
+    GrowingBuffer<FailingAlloc, FakeRuntime> buffer;
+    ASSERT_TRUE(buffer.Reserve(16).ok());
+    EXPECT_EQ(buffer.size(), 16u);
+    EXPECT_EQ(FailingAlloc::live, 1);
+
+    FailingAlloc::fail = true;
+    const absl::Status s = buffer.Reserve(32);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+    EXPECT_EQ(std::string(s.message()).rfind("CUDA cudaMalloc: cudaErrorMemoryAllocation", 0), 0u) << s;
+    EXPECT_EQ(buffer.size(), 0u);  // the old block was freed before the try
+    EXPECT_EQ(buffer.get(), nullptr);
+    EXPECT_EQ(FailingAlloc::live, 0);
+    EXPECT_EQ(FakeRuntime::last, cudaSuccess);
+    EXPECT_EQ(OldLauncher(cudaSuccess), cudaSuccess);
+
+    FailingAlloc::fail = false;
+    ASSERT_TRUE(buffer.Reserve(32).ok());
+    EXPECT_EQ(buffer.size(), 32u);
+    EXPECT_TRUE(buffer.Reserve(8).ok());  // no growth needed
+    EXPECT_EQ(buffer.size(), 32u);
+  }
+  EXPECT_EQ(FailingAlloc::live, 0);
+}
+
+}  // namespace
+}  // namespace logprob::cuda
