@@ -168,7 +168,7 @@ absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CudaBackend::LoadLmHead(LmH
   const int64_t chunk_rows = std::min<int64_t>(RowsInBudget(options_.gemm_chunk_bytes, slice.rows), 4096);
   LOGPROB_ASSIGN_OR_RETURN(auto gemm, CublasLtLmHead::Create(slice.dtype, slice.weight.data(), slice.weight.size(),
                                                              slice.rows, slice.hidden_size, precision, chunk_rows));
-  return std::shared_ptr<const LmHeadWeights>(std::make_shared<CudaLmHead>(std::move(gemm)));
+  return std::shared_ptr<const LmHeadWeights>(std::make_shared<CudaLmHead>(std::move(gemm), device_));
 }
 
 void CudaBackend::WaitForStreams() const {

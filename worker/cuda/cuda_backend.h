@@ -17,15 +17,25 @@
 #include "worker/cuda/device_buffers.h"
 #include "worker/cuda/lm_head_gemm_cublaslt.h"
 #include "worker/cuda/row_kernels.h"
+#include "worker/cuda/select_device.h"
 #include "worker/one_pass_layout.h"
 
 namespace logprob::cuda {
 
-/// An lm_head slice in this backend's device memory: its cuBLASLt GEMM.
+/// An lm_head slice in this backend's device memory: its cuBLASLt GEMM,
+/// on CUDA device `device`. The destructor frees it with `device` current
+/// (SelectDevice), whichever thread drops the last reference (a gRPC thread
+/// of the worker that never selected it: LmHeadRegistry::Drop).
 class CudaLmHead final : public LmHeadWeights {
  public:
-  explicit CudaLmHead(std::unique_ptr<CublasLtLmHead> gemm)
-      : LmHeadWeights(gemm->rows(), gemm->hidden_size()), gemm_(std::move(gemm)) {}
+  CudaLmHead(std::unique_ptr<CublasLtLmHead> gemm, int device)
+      : LmHeadWeights(gemm->rows(), gemm->hidden_size()), gemm_(std::move(gemm)), device_(device) {}
+  ~CudaLmHead() override {
+    SelectDevice(device_);
+    gemm_.reset();
+  }
+  /// The CUDA device the weights live on.
+  int device() const { return device_; }
   size_t bytes() const override { return gemm_->weight_bytes(); }
   /// Queued on the backend's compute stream under its stream lock (one
   /// stream, so GEMMs never share the cuBLASLt workspace concurrently).
@@ -33,6 +43,7 @@ class CudaLmHead final : public LmHeadWeights {
 
  private:
   std::unique_ptr<CublasLtLmHead> gemm_;
+  int device_;
 };
 
 /// CUDA implementation of ScoringBackend on one device. Work is queued on
