@@ -1,5 +1,6 @@
 #include "client/channel.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -9,7 +10,10 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -68,7 +72,60 @@ class AuthInterceptorFactory : public grpc::experimental::ClientInterceptorFacto
   const std::string value_;
 };
 
+// 'text', as the Python client's messages quote values (%r).
+std::string Quoted(absl::string_view text) { return absl::StrCat("'", text, "'"); }
+
 }  // namespace
+
+absl::StatusOr<std::string> CheckTarget(const std::string& given, const std::string& flag) {
+  const std::string target(absl::StripAsciiWhitespace(given));
+  if (target.empty())
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " must be 'HOST:PORT' (e.g. '127.0.0.1:50051'), got ", Quoted(given)));
+  const std::string lower = absl::AsciiStrToLower(target);
+  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"})
+    if (absl::StartsWith(lower, scheme)) return target;  // a gRPC resolver URI, passed on as is
+  const std::string what = absl::StrCat(flag, " ", Quoted(target), ": ");
+  if (const size_t sep = target.find("://"); sep != std::string::npos) {
+    const std::string scheme = absl::AsciiStrToLower(target.substr(0, sep));
+    absl::string_view rest = absl::string_view(target).substr(sep + 3);
+    while (!rest.empty() && rest.back() == '/') rest.remove_suffix(1);
+    const char* tls =
+        scheme == "https" || scheme == "grpcs" ? " (for TLS pass --tls-ca FILE, a URL scheme does not turn it on)" : "";
+    return absl::InvalidArgumentError(absl::StrCat(what, "drop the scheme, give 'HOST:PORT' such as ",
+                                                   Quoted(rest.empty() ? "127.0.0.1:50051" : rest), tls));
+  }
+  std::string host, port;
+  if (target.front() == '[') {
+    const size_t sep = target.find("]:");
+    if (sep == std::string::npos) {
+      absl::string_view open(target);
+      while (!open.empty() && open.back() == ']') open.remove_suffix(1);
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, "add the port, e.g. ", Quoted(absl::StrCat(open, "]:50051"))));
+    }
+    host = target.substr(0, sep);
+    port = target.substr(sep + 2);
+  } else {
+    const size_t sep = target.rfind(':');
+    if (sep == std::string::npos)
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, "add the port, e.g. ", Quoted(absl::StrCat(target, ":50051"))));
+    host = target.substr(0, sep);
+    port = target.substr(sep + 1);
+    if (host.find(':') != std::string::npos)
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, "put an IPv6 address in brackets, e.g. ", Quoted(absl::StrCat("[", host, "]:", port))));
+  }
+  int number = 0;
+  if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), absl::ascii_isdigit) ||
+      !absl::SimpleAtoi(port, &number) || number < 1 || number > 65535)
+    return absl::InvalidArgumentError(absl::StrCat(what, "the port must be a number in 1..65535, got ", Quoted(port)));
+  if (host.find_first_not_of("[]") == std::string::npos)
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, "add the host, e.g. ", Quoted(absl::StrCat("127.0.0.1:", port))));
+  return target;
+}
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), DefaultArgs());

@@ -9,6 +9,17 @@
 
 namespace logprob::client {
 
+/// `target` when it is a gRPC target logprob-client can dial: "HOST:PORT"
+/// ("[V6]:PORT" for IPv6), or a gRPC resolver URI ("unix:/path",
+/// "dns:///HOST:PORT", "ipv4:", "ipv6:", "unix-abstract:", "vsock:"),
+/// surrounding whitespace removed. The same rules and wording as the Python
+/// client's `channel.check_target`, with `flag` ("--server") in place of
+/// "target". Errors (INVALID_ARGUMENT saying what to change): empty, a URL
+/// scheme ("http://HOST:PORT"; for https/grpcs also that TLS comes from
+/// --tls-ca), no port, an IPv6 address without brackets, a port outside
+/// 1..65535, no host. Pure string check; thread-safe.
+absl::StatusOr<std::string> CheckTarget(const std::string& target, const std::string& flag = "--server");
+
 /// An insecure channel to `target` ("HOST:PORT") whose send and receive
 /// message size limits are INT_MAX (so they never undercut the server's
 /// max_request_bytes; requests are split to that limit beforehand), and

@@ -45,6 +45,8 @@ absl::StatusOr<v1::ScoreResponse> ScoreChunked(const std::shared_ptr<grpc::Chann
   v1::ScoreRequest header;
   header.set_id(request.id());
   *header.mutable_options() = request.options();
+  header.set_head(request.head());
+  header.set_head_version(request.head_version());
   std::vector<std::string_view> data;
   size_t next = 0;
   for (int i = 0; i < request.inputs_size(); ++i) {

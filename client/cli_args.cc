@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "client/channel.h"
 
 namespace logprob::client {
 namespace {
@@ -164,6 +165,12 @@ absl::Status ApplyScoreFlag(const std::string& flag, const std::string& v, Score
     return ParsePositive(flag, v, &a->chunking.piece_bytes);
   } else if (flag == "shared-memory") {
     return ParseBool(flag, v, &a->shared_memory);
+  } else if (flag == "head") {
+    if (v.empty()) return BadValue(flag, v, "an lm_head name");
+    a->head = v;
+  } else if (flag == "head-version") {
+    if (v.empty()) return BadValue(flag, v, "an lm_head version");
+    a->head_version = v;
   } else {
     return absl::InvalidArgumentError(absl::StrCat("score: unknown flag --", flag));
   }
@@ -264,6 +271,11 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
     if (IsHelp(a)) return cl;
   }
   if (args.empty()) return absl::InvalidArgumentError("no command given");
+  if (args[0] == "--version") {
+    if (args.size() > 1) return absl::InvalidArgumentError("--version takes no other arguments");
+    cl.command = CommandLine::Command::kVersion;
+    return cl;
+  }
   const std::string& command = args[0];
   if (command == "health") {
     cl.command = CommandLine::Command::kHealth;
@@ -323,11 +335,14 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
   const bool health = cl.command == CommandLine::Command::kHealth;
   const bool score = cl.command == CommandLine::Command::kScore;
   const bool lm_head = cl.command == CommandLine::Command::kHeads || cl.command == CommandLine::Command::kUpdateLmHead;
-  const std::string& server = health    ? cl.health.server
-                              : score   ? cl.score.server
-                              : lm_head ? cl.lm_head.server
-                                        : cl.bench.server;
+  std::string& server = health    ? cl.health.server
+                        : score   ? cl.score.server
+                        : lm_head ? cl.lm_head.server
+                                  : cl.bench.server;
   if (server.empty()) return absl::InvalidArgumentError(command + ": --server is required");
+  absl::StatusOr<std::string> target = CheckTarget(server, "--server");
+  if (!target.ok()) return absl::InvalidArgumentError(absl::StrCat(command, ": ", target.status().message()));
+  server = *std::move(target);
   const ChannelOptions& channel = health    ? cl.health.channel
                                   : score   ? cl.score.channel
                                   : lm_head ? cl.lm_head.channel
@@ -353,6 +368,9 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
 
 std::string UsageText() {
   return R"(usage:
+  logprob-client --version
+      Prints the version and whether this build has the CUDA backend.
+
   logprob-client heads --server HOST:PORT [security options]
       Lists the server's lm_heads: name, current and retained versions,
       shape, dtype, GEMM precision, sha256, source.
@@ -395,6 +413,13 @@ std::string UsageText() {
     --shared-memory             send the tensors through a POSIX shared-memory
                                 region registered with the server (same host
                                 only; an error if the server cannot use it)
+    --head NAME                 hidden_states: score with the server's lm_head
+                                NAME (see heads; default: "default", or the
+                                server's only head)
+    --head-version V            hidden_states: score with version V of that
+                                head (one it retains; default: its current
+                                version; a split request is scored by one
+                                version in any case)
 
   logprob-client bench --server HOST:PORT [shape] [options] [load options]
       [security options]

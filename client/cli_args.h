@@ -4,6 +4,7 @@
 //   logprob-client bench --server HOST:PORT [shape] [options] [load options]
 //   logprob-client heads --server HOST:PORT
 //   logprob-client update-lm-head --server HOST:PORT --head NAME --version V --input PATH [--tensor NAME]
+//   logprob-client --version
 #pragma once
 
 #include <string>
@@ -18,7 +19,7 @@ namespace logprob::client {
 
 /// A parsed command line.
 struct CommandLine {
-  enum class Command { kHelp, kHealth, kScore, kBench, kHeads, kUpdateLmHead };
+  enum class Command { kHelp, kVersion, kHealth, kScore, kBench, kHeads, kUpdateLmHead };
   Command command = Command::kHelp;
   HealthArgs health;   // set for kHealth
   ScoreArgs score;     // set for kScore
@@ -29,11 +30,14 @@ struct CommandLine {
 /// Parses the arguments after the program name. Flags are "--name VALUE"
 /// or "--name=VALUE"; `--entropy` (and bench's `--json`, `--no-echo`)
 /// take no value. A first argument "help",
-/// or "--help" / "-h" anywhere, gives kHelp. INVALID_ARGUMENT names the
+/// or "--help" / "-h" anywhere, gives kHelp; "--version" as the first
+/// argument gives kVersion (after a command, --version is
+/// update-lm-head's flag). INVALID_ARGUMENT names the
 /// problem: no or unknown command, unknown flag, missing value, a value
 /// that is not a number or out of range, a missing required flag
 /// (--server; --input and --output for score; --head, --version and
-/// --input for update-lm-head), --tls-cert without
+/// --input for update-lm-head), a --server that is not HOST:PORT or a gRPC
+/// resolver URI (CheckTarget: a URL scheme, no port, ...), --tls-cert without
 /// --tls-key or the reverse; for bench, --packed with --seq, --requests
 /// with --duration, and shapes ValidateBenchShape refuses. Every command
 /// takes the security flags

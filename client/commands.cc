@@ -93,6 +93,8 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
   const int n = static_cast<int>(parts.size());
   std::vector<v1::ScoreResponse> responses(n);
   for (int i = 0; i < n; ++i) {
+    // All parts scored by one version: the one that scored the first part.
+    if (i > 0 && parts[i].head_version().empty()) parts[i].set_head_version(responses[0].head_version());
     absl::Status s;
     if (shm == nullptr && channel && UseChunked(chunking, static_cast<int64_t>(parts[i].ByteSizeLong()))) {
       absl::StatusOr<v1::ScoreResponse> r = ScoreChunked(channel, parts[i], chunking.piece_bytes, timeout_seconds);
@@ -128,6 +130,7 @@ int RunScore(const ScoreArgs& args) {
   }
   absl::StatusOr<v1::ScoreRequest> request =
       BuildScoreRequest(std::move(file->file()), ToScoreOptions(args.flags), MakeRequestId());
+  if (request.ok()) request = SelectLmHead(*std::move(request), args.head, args.head_version);
   if (!request.ok()) {
     PrintError(WithPath(args.input, request.status()));
     return kExitBadInput;
@@ -203,6 +206,8 @@ int RunScore(const ScoreArgs& args) {
     return kExitFailure;
   }
   std::cout << SummarizeScore(outputs, scored_tokens, tokens, seconds, parts);
+  if (!response->head().empty())
+    std::cout << "lm_head " << response->head() << " version " << response->head_version() << std::endl;
   return kExitOk;
 }
 

@@ -68,12 +68,19 @@ struct ScoreArgs {
   ChannelOptions channel;         // TLS and bearer token (--tls-*, --auth-token-file)
   ChunkOptions chunking;          // --chunk-above, --piece-bytes
   bool shared_memory = false;     // --shared-memory: tensors through a registered region (client/shm_inputs.h)
+  std::string head;               // --head: the lm_head for hidden_states (ScoreRequest.head); empty: "default"
+  std::string head_version;       // --head-version: pin that version (ScoreRequest.head_version); empty: current
 };
 
 /// Runs `score`: reads the input file, asks the server for its limits
 /// (GetServerInfo), sends the request (split into parts when it would
 /// exceed kRequestFill of max_request_bytes or max_tokens_per_request),
-/// writes the joined outputs to `output` and prints a summary to stdout.
+/// writes the joined outputs to `output` and prints a summary to stdout
+/// (for hidden states also the lm_head and version that scored them).
+/// `head` / `head_version` go into the request (hidden states only:
+/// kExitBadInput for a logits file); a request split into parts pins every
+/// later part to the version that scored the first, so all rows are scored
+/// by one version.
 /// Errors go to stderr as "error: CODE: message"; returns kExitBadInput
 /// for unreadable/unusable input (also TLS and token files),
 /// kExitFailure for everything else (e.g. UNAUTHENTICATED).
@@ -84,8 +91,11 @@ int RunScore(const ScoreArgs& args);
 /// with `shm`, each part's tensors go through its region (ShmInputs::Place)
 /// and the part is one unary Score; otherwise a part over
 /// `chunking.above_bytes` goes through ScoreChunked on `channel` (when
-/// `channel` is null, always Score), others through a unary Score. Joins
-/// the responses into the response of `request` (same id). `progress`,
+/// `channel` is null, always Score), others through a unary Score. Every
+/// part carries the request's head; when the request pins no head_version,
+/// the parts after the first pin the version the first part's answer names.
+/// Joins the responses into the response of `request` (same id, head and
+/// head_version of the first part's answer). `progress`,
 /// when set, is called with (i, n) after part i of n > 1 has been scored.
 /// Errors: the first failing call's status (gRPC code and message), or a
 /// splitting/joining error.

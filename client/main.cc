@@ -8,6 +8,7 @@
 #include "client/cli_args.h"
 #include "client/commands.h"
 #include "common/malloc_tuning.h"
+#include "common/version.h"
 
 int main(int argc, char** argv) {
   using logprob::client::CommandLine;
@@ -24,6 +25,9 @@ int main(int argc, char** argv) {
   switch (cl->command) {
     case CommandLine::Command::kHelp:
       std::cout << logprob::client::UsageText();
+      return logprob::client::kExitOk;
+    case CommandLine::Command::kVersion:
+      std::cout << logprob::VersionText("logprob-client");
       return logprob::client::kExitOk;
     case CommandLine::Command::kHealth:
       return logprob::client::RunHealth(cl->health);

@@ -67,6 +67,19 @@ absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v
   return request;
 }
 
+absl::StatusOr<v1::ScoreRequest> SelectLmHead(v1::ScoreRequest request, const std::string& head,
+                                              const std::string& head_version) {
+  if (head.empty() && head_version.empty()) return request;
+  const bool hidden = std::any_of(request.inputs().begin(), request.inputs().end(),
+                                  [](const v1::Tensor& t) { return t.name() == kHiddenStatesName; });
+  if (!hidden)
+    return absl::InvalidArgumentError(
+        "--head / --head-version select the lm_head that multiplies 'hidden_states'; this input has 'logits'");
+  request.set_head(head);
+  request.set_head_version(head_version);
+  return request;
+}
+
 int64_t CountInputTokens(const v1::ScoreRequest& request) {
   for (const v1::Tensor& t : request.inputs()) {
     if (t.name() != kLogitsName && t.name() != kHiddenStatesName) continue;

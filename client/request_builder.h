@@ -54,6 +54,16 @@ v1::ScoreOptions ToScoreOptions(const ScoreFlags& flags);
 absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v1::ScoreOptions& options,
                                                    const std::string& id);
 
+/// `request` with ScoreRequest.head = `head` and head_version =
+/// `head_version` (the CLI's --head / --head-version; empty leaves the
+/// field unset: the server's "default" or only head, its current version).
+/// The names are checked by the server (NOT_FOUND for a head it does not
+/// hold, FAILED_PRECONDITION for a version it does not hold).
+/// Errors (INVALID_ARGUMENT): a head or version given for a request that
+/// scores `logits` (they select the lm_head of `hidden_states`).
+absl::StatusOr<v1::ScoreRequest> SelectLmHead(v1::ScoreRequest request, const std::string& head,
+                                              const std::string& head_version);
+
 /// Number of token positions of a built request: the product of the
 /// leading dimensions (all but the last) of `logits` / `hidden_states`,
 /// i.e. B*S for padded and T for packed input; 0 when absent.

@@ -278,6 +278,8 @@ absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(const v1::ScoreR
     v1::ScoreRequest part;
     part.set_id(absl::StrCat(request.id(), "-", g + 1));
     *part.mutable_options() = request.options();
+    part.set_head(request.head());
+    part.set_head_version(request.head_version());
     plan->fill_inputs(groups[g].first, groups[g].second, &part);
     const int64_t size = static_cast<int64_t>(part.ByteSizeLong());
     if (size > limits.max_bytes) {
@@ -305,6 +307,8 @@ absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(std::vector<v1::ScoreRespon
 
   v1::ScoreResponse joined;
   joined.set_id(id);
+  joined.set_head(parts[0].head());
+  joined.set_head_version(parts[0].head_version());
   for (size_t p = 1; p < parts.size(); ++p) {
     if (parts[p].outputs_size() != parts[0].outputs_size()) {
       return absl::InvalidArgumentError(absl::StrCat("part ", p + 1, " has ", parts[p].outputs_size(),

@@ -35,7 +35,8 @@ struct SplitLimits {
 ///   and keeps its dtype; `gather_indices` rows follow the output rows
 ///   (L-1 per sequence of length L for next_token alignment, L for
 ///   same_position). Without `cu_seqlens` the T rows are one sequence.
-/// - Parts are filled greedily and get ids "<request.id>-<i>", i = 1..n.
+/// - Parts are filled greedily and get ids "<request.id>-<i>", i = 1..n,
+///   and the request's options, head and head_version.
 ///
 /// Errors: INVALID_ARGUMENT when a single sequence alone does not fit
 /// (naming the sequence and its size), or when the inputs are not
@@ -47,8 +48,9 @@ absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(const v1::ScoreR
 /// Joins the responses of the parts made by SplitScoreRequest, given in
 /// part order, into one response with id `id`: each output tensor is the
 /// concatenation of the parts' tensors of that name along the first
-/// dimension (B for padded, the token dimension for packed output). A
-/// single part is returned as is (with id `id`).
+/// dimension (B for padded, the token dimension for packed output), with
+/// the first part's head and head_version. A single part is returned as is
+/// (with id `id`).
 /// Errors: INVALID_ARGUMENT when there are no parts or the parts disagree
 /// on output names, dtypes or trailing dimensions, or a tensor's bytes do
 /// not match its shape; a part with a non-zero status_code gives that

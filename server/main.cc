@@ -17,6 +17,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/backend_choice.h"
@@ -30,6 +31,7 @@
 #include "common/sha256.h"
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
+#include "common/version.h"
 #include "server/auth.h"
 #include "server/external_launcher.h"
 #include "server/lm_head_updates.h"
@@ -248,6 +250,10 @@ int main(int argc, char** argv) {
       "[--backend cpu|cuda] [--comm gloo|nccl] [--lm-head FILE[:TENSOR] [--lm-head-precision auto|bf16|tf32|fp32]] "
       "[--metrics-listen HOST:PORT] "
       "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]");
+  // --version: the release and whether the build has CUDA (common/version.h).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.version_string = [] { return logprob::VersionText("logprob-server"); };
+  absl::SetFlagsUsageConfig(usage_config);
   logprob::NormalizeFlagDashes(argc, argv);
   const std::vector<std::string> lm_head_args = logprob::FlagValues(argc, argv, "lm_head");
   const bool workers_given = logprob::FlagGiven(argc, argv, "workers");

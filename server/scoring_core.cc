@@ -45,6 +45,18 @@ Batcher::Options BatcherOptions(const CoreWorkers& workers, const ServiceConfig&
   return o;
 }
 
+// Several heads and none named "default": vocab_size / hidden_size are the
+// [V, H] every head shares (hidden states of that H can go to any of them),
+// 0 when they differ; the other single-head fields stay empty.
+void SetSharedHeadShape(v1::ServerInfo* info) {
+  if (info->lm_heads().empty()) return;
+  const v1::LmHeadInfo& first = info->lm_heads(0);
+  for (const v1::LmHeadInfo& h : info->lm_heads())
+    if (h.vocab_size() != first.vocab_size() || h.hidden_size() != first.hidden_size()) return;
+  info->set_vocab_size(first.vocab_size());
+  info->set_hidden_size(first.hidden_size());
+}
+
 }  // namespace
 
 ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, Metrics* metrics)
@@ -195,6 +207,7 @@ v1::ServerInfo ScoringCore::Info() const {
       if (config_.lm_head_precision) info.set_lm_head_precision(config_.lm_head_precision(src.dtype));
     }
     for (v1::LmHeadInfo& h : config_.lm_heads->List()) *info.add_lm_heads() = std::move(h);
+    if (!head.ok()) SetSharedHeadShape(&info);
   }
   info.set_lm_head_updates(config_.lm_head_updates);
   info.set_hidden_chunk_tokens(config_.hidden_chunk_tokens);

@@ -1,9 +1,12 @@
 // The command-line contract (docs/SPEC.md) end to end: logprob-client
 // against a live 2-worker server (with the golden lm_head) scores every
 // golden case, logits and hidden states, into an output file that matches,
-// also when requests are split; health and error exits.
+// also when requests are split; health and error exits; --server checks;
+// --version of the three programs; --head / --head-version against a
+// server with two heads.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -11,6 +14,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {
@@ -121,6 +125,181 @@ TEST_F(ClientCli, ServerErrorExitsNonZeroWithItsMessage) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("INVALID_ARGUMENT"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("options.topk"), std::string::npos) << r.output;
+}
+
+TEST_F(ClientCli, ServerFlagSlipsSayWhatToChange) {
+  // The Python client's rules (channel.check_target), before any connection.
+  for (const auto& [server, says] : std::vector<std::pair<std::string, std::string>>{
+           {"http://127.0.0.1:50051",
+            "--server 'http://127.0.0.1:50051': drop the scheme, give 'HOST:PORT' such as "
+            "'127.0.0.1:50051'"},
+           {"https://scorer.example:443", "(for TLS pass --tls-ca FILE"},
+           {"127.0.0.1", "--server '127.0.0.1': add the port, e.g. '127.0.0.1:50051'"},
+           {"[::1]", "add the port, e.g. '[::1]:50051'"},
+           {"::1:50051", "put an IPv6 address in brackets, e.g. '[::1]:50051'"},
+           {"127.0.0.1:0", "the port must be a number in 1..65535, got '0'"},
+           {"127.0.0.1:http", "the port must be a number in 1..65535, got 'http'"},
+           {":50051", "add the host, e.g. '127.0.0.1:50051'"}}) {
+    SCOPED_TRACE(server);
+    for (const char* command : {"health", "score --input x --output y", "heads"}) {
+      const CommandResult r = RunClient(std::string(command) + " --server '" + server + "'");
+      EXPECT_EQ(r.code, 2) << r.output;
+      EXPECT_NE(r.output.find(says), std::string::npos) << r.output;
+    }
+  }
+  // Accepted: HOST:PORT, [V6]:PORT and resolver URIs reach the connection
+  // (nothing listens there: health fails with 1, not a command-line 2).
+  const std::string port = std::to_string(FreePort());
+  for (const std::string& server : {"127.0.0.1:" + port, "[::1]:" + port, "dns:///127.0.0.1:" + port,
+                                    std::string("unix:/nonexistent/logprob.sock")}) {
+    const CommandResult r = RunClient("health --server " + server);
+    EXPECT_EQ(r.code, 1) << server << ": " << r.output;
+  }
+  ASSERT_TRUE(server_);
+  EXPECT_EQ(RunClient("health --server ' " + server_->address() + " '").code, 0);  // whitespace trimmed
+}
+
+TEST(ClientCliVersion, PrintsTheVersionAndWhetherTheBuildHasCuda) {
+  const std::string cuda = kBuiltWithCuda ? "CUDA backend: yes (CUDA toolkit " : "CUDA backend: no";
+  for (const char* program : {"logprob-client", "logprob-server", "logprob-worker"}) {
+    SCOPED_TRACE(program);
+    const CommandResult r = RunCommand(BinDir() + "/" + program + " --version");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output.rfind(absl::StrCat(program, " ", kVersion, "\n"), 0), 0u) << r.output;
+    EXPECT_NE(r.output.find(cuda), std::string::npos) << r.output;
+  }
+  // After a command --version is not this flag (it is update-lm-head's version name).
+  const CommandResult r = RunClient("health --server 127.0.0.1:1 --version 1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("unknown flag --version"), std::string::npos) << r.output;
+}
+
+// A server with two lm_heads, "policy" (the golden head, then updated to
+// v2 = a random head) and "reference" (that random head): --head and
+// --head-version choose what scores the hidden states.
+class ClientCliHeads : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string dir = ::testing::TempDir() + "/client_cli_heads." + std::to_string(getpid());
+    ASSERT_EQ(RunCommand("mkdir -p " + dir).code, 0);
+    golden_head_ = GoldenDir() + "/hidden_bf16.lm_head.safetensors";
+    auto golden = ReadSafetensors(golden_head_);
+    ASSERT_TRUE(golden.ok()) << golden.status();
+    const v1::Tensor& w = golden->tensors.at(0);
+    ASSERT_EQ(w.shape_size(), 2);
+    vocab_ = w.shape(0);
+    hidden_ = w.shape(1);
+    random_head_ = dir + "/random.safetensors";
+    ASSERT_TRUE(WriteRandomLmHead(random_head_, vocab_, hidden_, 7).ok());
+    server_ = ServerProcess::Start(2, {"--lm-head", "policy=" + golden_head_, "--lm-head", "reference=" + random_head_,
+                                       "--allow-lm-head-updates", "--lm-head-retain", "2"})
+                  .release();
+    ASSERT_TRUE(server_);
+    const CommandResult up = RunClient("update-lm-head --server " + server_->address() +
+                                       " --head policy --version v2 --input " + random_head_);
+    ASSERT_EQ(up.code, 0) << up.output;
+  }
+  static void TearDownTestSuite() { delete server_; }
+  std::string Out(const std::string& name) {
+    return ::testing::TempDir() + "/" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "." + name +
+           ".out.safetensors";
+  }
+  /// `score` of the golden hidden-states case with `flags`.
+  CommandResult Score(const std::string& out, const std::string& flags) {
+    return RunClient("score --server " + server_->address() + " --input " + GoldenDir() +
+                     "/hidden_bf16.safetensors --output " + out + CliOptionFlags(LoadGolden("hidden_bf16")) + " " +
+                     flags);
+  }
+  static ServerProcess* server_;
+  static std::string golden_head_, random_head_;
+  static int64_t vocab_, hidden_;
+};
+ServerProcess* ClientCliHeads::server_ = nullptr;
+std::string ClientCliHeads::golden_head_, ClientCliHeads::random_head_;
+int64_t ClientCliHeads::vocab_ = 0, ClientCliHeads::hidden_ = 0;
+
+TEST_F(ClientCliHeads, ServerInfoGivesEveryHeadsShape) {
+  ASSERT_TRUE(server_);
+  auto stub = server_->NewStub();
+  grpc::ClientContext context;
+  v1::ServerInfo info;
+  ASSERT_TRUE(stub->GetServerInfo(&context, v1::ServerInfoRequest(), &info).ok());
+  ASSERT_EQ(info.lm_heads_size(), 2);
+  for (const v1::LmHeadInfo& h : info.lm_heads()) {
+    SCOPED_TRACE(h.name());
+    EXPECT_EQ(h.vocab_size(), vocab_);
+    EXPECT_EQ(h.hidden_size(), hidden_);
+  }
+  EXPECT_EQ(info.lm_heads(0).name(), "policy");
+  EXPECT_EQ(info.lm_heads(0).version(), "v2");
+  EXPECT_EQ(info.lm_heads(0).retained_versions_size(), 2);
+  // No head "default": the top-level fields give the shape all heads share,
+  // and no single head's file, dtype or precision.
+  EXPECT_EQ(info.vocab_size(), vocab_);
+  EXPECT_EQ(info.hidden_size(), hidden_);
+  EXPECT_EQ(info.lm_head_path(), "");
+  EXPECT_EQ(info.lm_head_precision(), "");
+}
+
+TEST_F(ClientCliHeads, HeadAndPinnedVersionChooseTheWeights) {
+  ASSERT_TRUE(server_);
+  const GoldenCase c = LoadGolden("hidden_bf16");
+  // policy@initial is the golden head: the float64 expectation, whole, split
+  // into parts (every part pinned) and in pieces (ScoreChunked).
+  for (const char* how : {"", "--max-request-bytes 20000", "--chunk-above 1 --piece-bytes 4096"}) {
+    SCOPED_TRACE(how);
+    const CommandResult r = Score(Out("initial"), std::string("--head policy --head-version initial ") + how);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("lm_head policy version initial"), std::string::npos) << r.output;
+    auto got = ReadSafetensors(Out("initial"));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(CompareOutputs(c.expected.tensors, got->tensors), "");
+  }
+  // policy's current version (v2) and reference hold the same weights: the
+  // same bytes, and not the golden head's answer.
+  CommandResult r = Score(Out("policy"), "--head policy --max-request-bytes 20000");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("lm_head policy version v2"), std::string::npos) << r.output;
+  r = Score(Out("reference"), "--head=reference");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("lm_head reference version initial"), std::string::npos) << r.output;
+  auto policy = ReadSafetensors(Out("policy"));
+  auto reference = ReadSafetensors(Out("reference"));
+  ASSERT_TRUE(policy.ok() && reference.ok());
+  EXPECT_EQ(CompareOutputs(reference->tensors, policy->tensors), "");
+  const v1::Tensor* lp = policy->Find("token_logprobs");
+  ASSERT_NE(lp, nullptr);
+  const v1::Tensor* want = c.expected.Find("token_logprobs");
+  ASSERT_NE(want, nullptr);
+  ASSERT_EQ(lp->data().size(), want->data().size());
+  EXPECT_NE(lp->data(), want->data());
+}
+
+TEST_F(ClientCliHeads, UnknownHeadOrVersionIsTheServersErrorAndExitsOne) {
+  ASSERT_TRUE(server_);
+  CommandResult r = Score(Out("nope"), "--head nope");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("NOT_FOUND"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("head \"nope\": the server holds no such lm_head; it holds: policy, reference"),
+            std::string::npos)
+      << r.output;
+  r = Score(Out("gone"), "--head policy --head-version gone");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("FAILED_PRECONDITION"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("head_version \"gone\": lm_head \"policy\" does not hold this version"), std::string::npos)
+      << r.output;
+  // Without --head the server has no "default" head to use.
+  r = Score(Out("none"), "");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("the server has no head \"default\""), std::string::npos) << r.output;
+  // A logits file has no lm_head to choose: a command-line error, nothing sent.
+  r = RunClient("score --server " + server_->address() + " --input " + GoldenDir() +
+                "/basic_f32.safetensors --output " + Out("logits") + " --head policy");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--head / --head-version select the lm_head"), std::string::npos) << r.output;
+  r = RunClient("score --server " + server_->address() + " --input x --output y --head=");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--head: '' is not an lm_head name"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "common/backend_choice.h"
 #include "common/exclusive_port.h"
@@ -38,6 +39,7 @@
 #include "common/log_line.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
+#include "common/version.h"
 #include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend_factory.h"
@@ -124,6 +126,10 @@ int main(int argc, char** argv) {
   g_argv.assign(argv, argv + argc);
   absl::SetProgramUsageMessage(
       "logprob-worker --frontend HOST:PORT [--advertise-host ADDR] [--listen-host ADDR] [--rejoin=true|false]");
+  // --version: the release and whether the build has CUDA (common/version.h).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.version_string = [] { return logprob::VersionText("logprob-worker"); };
+  absl::SetFlagsUsageConfig(usage_config);
   logprob::NormalizeFlagDashes(argc, argv);
   absl::ParseCommandLine(argc, argv);
   // A locally spawned worker dies with its front-end.
