@@ -5,7 +5,7 @@ parts over ``ScoreChunked`` included. The logic of every call is the shared
 core's (``base.ClientBase``); this module only performs its I/O operations
 (``ops.py``) by awaiting them.
 
-Example::
+Example (the client is made inside the loop that uses it)::
 
     import asyncio
     from logprob_client.aio import LogprobClient
@@ -13,6 +13,8 @@ Example::
     async def main():
         async with LogprobClient("127.0.0.1:50051", timeout=30) as client:
             results = await asyncio.gather(*(client.score(logits=l, input_ids=i) for l, i in batches))
+
+    asyncio.run(main())
 """
 
 import asyncio
@@ -39,15 +41,23 @@ class LogprobClient(ClientBase):
     ``logprob_client.base.ClientBase``.
 
     Create it in the event loop that uses it (``async with
-    LogprobClient(...) as client``); any number of tasks of that loop may
-    await its calls concurrently, sharing the channel. Not for use from
-    other threads or loops. Cancelling a task that awaits ``score``
-    cancels the RPC (the server stops the work and counts it CANCELLED).
+    LogprobClient(...) as client`` inside a coroutine of that loop): its
+    ``grpc.aio`` channel belongs to the loop it was made on. Any number of
+    tasks of that loop may await its calls concurrently, sharing the
+    channel. Not for use from other threads or loops: a call (or
+    ``close()``) awaited on another event loop raises ``RuntimeError``
+    saying so, before anything is sent (e.g. a client made outside any
+    loop, or in one ``asyncio.run()``, then used in another
+    ``asyncio.run()``). Cancelling a task that awaits ``score`` cancels
+    the RPC (the server stops the work and counts it CANCELLED).
     """
 
     def _open(self) -> None:
         self._info_lock = asyncio.Lock()
         self._channel = self._settings.open_aio()
+        # The loop the channel is bound to: the running one, else the one
+        # grpc.aio picked (asyncio's current loop); None: the first to use it.
+        self._loop: Optional[asyncio.AbstractEventLoop] = _running_loop() or getattr(self._channel, "_loop", None)
         self._open_methods(self._channel)
 
     def _chunked_rpc(self) -> Any:
@@ -87,8 +97,10 @@ class LogprobClient(ClientBase):
 
     async def _drive(self, steps: Stepper) -> AsyncIterator[Any]:
         """Runs an operation to its end, yielding what it emits (``Emit``);
-        closing this iterator (or cancelling its task) ends the operation."""
+        closing this iterator (or cancelling its task) ends the operation.
+        RuntimeError on another event loop than the client's."""
         try:
+            _check_loop(self)
             while True:
                 op = steps.next()
                 if op is None:
@@ -114,7 +126,9 @@ class LogprobClient(ClientBase):
 
     async def close(self) -> None:
         """Closes the channel (calls in flight are cancelled) and removes the
-        shared-memory regions."""
+        shared-memory regions. RuntimeError on another event loop than the
+        client's (nothing is closed then)."""
+        _check_loop(self)
         try:
             await self._run(self._close_ops())
         finally:
@@ -180,6 +194,30 @@ class LogprobClient(ClientBase):
         as results``), which cancels the stream at once (an abandoned async
         generator is only closed when it is garbage-collected)."""
         return self._drive(Stepper(self._score_stream_ops(requests, timeout, return_exceptions)))
+
+
+def _check_loop(client: LogprobClient) -> None:
+    """Raises RuntimeError when the running loop is not the one ``client``
+    (its grpc.aio channel) belongs to; binds a client whose loop was not
+    known to the first loop that uses it."""
+    loop = asyncio.get_running_loop()
+    if client._loop is None:
+        client._loop = loop
+    elif loop is not client._loop:
+        raise RuntimeError(
+            "logprob_client.aio.LogprobClient(%r) is used from another event loop than the one it was "
+            "created on (its grpc.aio channel belongs to that loop); create the client inside the loop "
+            "that uses it, e.g. 'async with LogprobClient(...) as client:' in the coroutine that "
+            "asyncio.run() runs, one client per loop" % (client.target,)
+        )
+
+
+def _running_loop() -> Optional[asyncio.AbstractEventLoop]:
+    """The running event loop, or None outside one."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 async def _in_executor(work: Work) -> Any:

@@ -105,8 +105,11 @@ class LogprobClient(ClientBase):
 
     def server_info(self, refresh: bool = False, _deadline: Optional[Deadline] = None) -> Any:
         """The server's ``logprob.v1.ServerInfo`` (workers, limits, lm_head
-        vocab_size / hidden_size ...), fetched once and cached. Raises
-        LogprobError."""
+        vocab_size / hidden_size ...), fetched once and cached. ``lm_heads``
+        lists every head with its own vocab_size and hidden_size; the
+        top-level vocab_size / hidden_size are those of the head
+        ``default`` (or the only one), else the shape all heads share (0
+        when they differ). Raises LogprobError."""
         return self._run(self._server_info_ops(refresh, _deadline))
 
     def health(self, wait: float = 0.0) -> bool:

@@ -160,3 +160,68 @@ def _tiny_request():
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class AioLoopTest(unittest.TestCase):
+    """The asyncio client belongs to the event loop it was made on: used
+    from another loop it raises an error that says so, before sending."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server(workers=1, metrics=True)
+        cls.addClassCleanup(cls.server.close)
+
+    def score_calls(self):
+        """Score calls the server has answered, any status."""
+        return sum(v for labels, v in self.server.samples("logprob_requests_total") if labels.get("method") == "Score")
+
+    def test_a_call_from_another_loop_says_so(self):
+        g = Golden("basic_f32")
+        home = asyncio.new_event_loop()
+        self.addCleanup(home.close)
+
+        async def make():
+            c = aio.LogprobClient(self.server.address)
+            return c, await c.score(**g.score_kwargs())
+
+        client, res = home.run_until_complete(make())
+        self.assertEqual(compare(g.expected, res.outputs), "")
+        before = self.score_calls()
+        self.assertGreaterEqual(before, 1)
+
+        for name, call in (("server_info", lambda c: c.server_info(refresh=True)),
+                           ("score", lambda c: c.score(**g.score_kwargs())),
+                           ("close", lambda c: c.close())):
+            with self.subTest(call=name):
+                with self.assertRaises(RuntimeError) as cm:
+                    asyncio.run(call(client))
+                self.assertIn("used from another event loop than the one it was created on", str(cm.exception))
+                self.assertIn("create the client inside the loop that uses it", str(cm.exception))
+        with self.assertRaises(RuntimeError):  # an async iterator too, at its first step
+            asyncio.run(client.score_stream([g.score_kwargs()]).__anext__())
+        self.assertEqual(self.score_calls(), before, "nothing was sent from the other loops")
+        # Its own loop still works, and closes it.
+        res = home.run_until_complete(client.score(**g.score_kwargs()))
+        self.assertEqual(compare(g.expected, res.outputs), "")
+        self.assertEqual(self.score_calls(), before + 1)
+        home.run_until_complete(client.close())
+
+    def test_a_client_made_outside_any_loop_refuses_asyncio_run(self):
+        # The mistake of asyncio.run(main(LogprobClient(...))): grpc.aio binds
+        # the channel to asyncio's current loop, not to the one asyncio.run()
+        # starts.
+        current = asyncio.new_event_loop()
+        self.addCleanup(current.close)
+        asyncio.set_event_loop(current)
+        self.addCleanup(asyncio.set_event_loop, None)
+        client = aio.LogprobClient(self.server.address)
+
+        async def use(c):
+            return await c.health()
+
+        with self.assertRaises(RuntimeError) as cm:
+            asyncio.run(use(client))
+        self.assertIn("another event loop", str(cm.exception))
+        # On the loop it was made for it works.
+        self.assertTrue(current.run_until_complete(use(client)))
+        current.run_until_complete(client.close())

@@ -8,10 +8,12 @@ run with ``PYTHONPATH=client/python``, as the README's next block says),
 and the ``sh`` block of the command-line client. Only what must differ in
 a test is replaced: the port ``50051`` by a free one (tests run in
 parallel), ``build/bin/`` by the binaries under test (``LOGPROB_BIN_DIR``),
-``/tmp/scores.safetensors`` by a temporary file and ``python3`` by this
-interpreter. It checks each step's exit status and what it printed or
-wrote: the snippet's ``[2, 31]`` logprobs and its top-k ids, the CLI's
-outputs against the golden case's expected token logprobs.
+``/tmp/scores.safetensors`` by a temporary file and ``python3`` (and the
+README's ``/usr/bin/python3``) by this interpreter. It checks each step's
+exit status and what it printed or wrote: the snippet's ``[2, 31]``
+logprobs and its top-k ids, the CLI's outputs against the golden case's
+expected token logprobs, and that the snippet stops with its message when
+``health()`` answers False.
 """
 
 import os
@@ -82,7 +84,9 @@ class ReadmeQuickStartTest(unittest.TestCase):
             f.write(snippet.replace("127.0.0.1:50051", "127.0.0.1:%d" % self.port))
         self.addCleanup(os.remove, os.path.join(SOURCE_ROOT, "quickstart.py"))
         env_line = run_snippet.strip().split("#")[0].strip()
-        self.assertRegex(env_line, r"^PYTHONPATH=client/python python3 quickstart\.py$")
+        # Debian's python3 by its path: a python3 of pyenv or conda on PATH lacks grpcio.
+        self.assertRegex(env_line, r"^PYTHONPATH=client/python /usr/bin/python3 quickstart\.py$")
+        env_line = env_line.replace("/usr/bin/python3 ", sys.executable + " ")
         out = self.run_sh(self.adapt(env_line))
         self.assertEqual(out.returncode, 0, "quickstart.py failed:\n%s\n%s" % (out.stdout, out.stderr))
 #print(res.token_logprobs.shape, res.entropy.mean(), res.topk_indices[0, 0])
@@ -98,6 +102,17 @@ class ReadmeQuickStartTest(unittest.TestCase):
         self.assertEqual(compare({"token_logprobs": expected["token_logprobs"]}, got), "")
         self.assertIn("entropy", tensors)
         self.assertEqual(np.asarray(tensors["topk_indices"]).shape[-1], 8)
+
+# The snippet checks health()'s answer: against a port nothing listens on
+# it stops with its message (wait shortened from 60 s).
+        with open(os.path.join(SOURCE_ROOT, "quickstart.py"), "w") as f:
+            dead = "127.0.0.1:%d" % free_port()
+            self.assertIn("client.health(wait=60)", snippet)
+            f.write(snippet.replace("127.0.0.1:50051", dead).replace("client.health(wait=60)", "client.health(wait=1)"))
+        out = self.run_sh(env_line)
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertIn("no logprob-server SERVING at %s" % dead, out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
 
 #The server the README started answers health.
         with LogprobClient("127.0.0.1:%d" % self.port) as c:
