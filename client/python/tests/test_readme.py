@@ -112,7 +112,10 @@ class ReadmeQuickStartTest(unittest.TestCase):
         out = self.run_sh(env_line)
         self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
         self.assertIn("no logprob-server SERVING at %s" % dead, out.stderr)
-        self.assertNotIn("Traceback", out.stderr)
+        # Its own message, not an exception out of the snippet. (grpc 1.51's
+        # connectivity thread may print a traceback of its own when the
+        # channel closes right after the wait: not the snippet's.)
+        self.assertNotIn("quickstart.py", out.stderr)
 
 #The server the README started answers health.
         with LogprobClient("127.0.0.1:%d" % self.port) as c:
