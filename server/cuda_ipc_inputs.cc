@@ -21,8 +21,11 @@ std::string Instead(const std::string& payload) {
 /// Bytes of a client's CUDA allocation: never read here, referred to.
 class InClientGpu final : public InputSource {
  public:
-  InClientGpu(std::string handle, int64_t offset, int64_t byte_size)
-      : InputSource(InputKind::kCudaIpc, byte_size), handle_(std::move(handle)), offset_(offset) {}
+  InClientGpu(std::string handle, int64_t offset, int64_t byte_size, int64_t allocation_bytes)
+      : InputSource(InputKind::kCudaIpc, byte_size),
+        handle_(std::move(handle)),
+        offset_(offset),
+        allocation_bytes_(allocation_bytes) {}
   bool Read(int64_t, size_t n, char* dst) const override {
     std::memset(dst, 0, n);
     return false;
@@ -35,12 +38,14 @@ class InClientGpu final : public InputSource {
     p->set_handle(handle_);
     p->set_offset(offset_ + offset);
     p->set_byte_size(n);
+    p->set_allocation_bytes(allocation_bytes_);
     return true;
   }
 
  private:
   const std::string handle_;
-  const int64_t offset_;  // of the tensor's first byte in the allocation
+  const int64_t offset_;            // of the tensor's first byte in the allocation
+  const int64_t allocation_bytes_;  // the allocation's size the client sent; 0: not given
 };
 
 /// Why CUDA IPC inputs cannot be served (OK when they can).
@@ -78,9 +83,9 @@ absl::StatusOr<std::shared_ptr<const InputSource>> ResolveCudaIpc(const v1::Tens
   if (ref.handle().size() != kCudaIpcHandleBytes)
     return absl::InvalidArgumentError(absl::StrCat(what, ".handle is ", ref.handle().size(),
                                                    " bytes; a cudaIpcMemHandle_t is ", kCudaIpcHandleBytes));
-  if (ref.offset() < 0 || ref.byte_size() < 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": offset ", ref.offset(), " and byte_size ", ref.byte_size(), " must be >= 0"));
+  if (ref.offset() < 0 || ref.byte_size() < 0 || ref.allocation_bytes() < 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", ref.offset(), ", byte_size ", ref.byte_size(),
+                                                   " and allocation_bytes ", ref.allocation_bytes(), " must be >= 0"));
   const size_t esize = DTypeSize(t.dtype());
   if (esize == 0) return absl::InvalidArgumentError(absl::StrCat(what, ": dtype is unspecified"));
   if (ref.offset() % static_cast<int64_t>(esize) != 0)
@@ -99,10 +104,16 @@ absl::StatusOr<std::shared_ptr<const InputSource>> ResolveCudaIpc(const v1::Tens
     return absl::InvalidArgumentError(absl::StrCat(what, ".byte_size is ", ref.byte_size(), " but the shape of ",
                                                    DTypeName(t.dtype()), " needs ",
                                                    too_large ? std::string("more than 2^60") : absl::StrCat(want)));
+  if (ref.allocation_bytes() > 0 &&
+      (ref.offset() > ref.allocation_bytes() || ref.byte_size() > ref.allocation_bytes() - ref.offset()))
+    return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", ref.offset(), ", ", ref.offset(), " + ",
+                                                   ref.byte_size(), ") are outside the allocation of ",
+                                                   ref.allocation_bytes(), " bytes (allocation_bytes)"));
   // A malformed reference is INVALID_ARGUMENT whatever the server; then
   // whether this server can serve it.
   LOGPROB_RETURN_IF_ERROR(CheckCudaIpcAvailable(availability, peer, payload));
-  return std::shared_ptr<const InputSource>(std::make_shared<InClientGpu>(ref.handle(), ref.offset(), ref.byte_size()));
+  return std::shared_ptr<const InputSource>(
+      std::make_shared<InClientGpu>(ref.handle(), ref.offset(), ref.byte_size(), ref.allocation_bytes()));
 }
 
 absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& a, const std::string& peer, const std::string& payload) {

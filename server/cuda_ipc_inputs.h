@@ -48,8 +48,11 @@ absl::Status CheckCudaIpcAvailable(const CudaIpcAvailability& availability, cons
 /// never reads them; planned work items refer the workers to their rows
 /// (WorkItem.cuda_ipc). CheckCudaIpcAvailable's errors, or
 /// INVALID_ARGUMENT (naming the tensor) for a handle that is not 64 bytes,
-/// a negative offset or byte_size, an offset that is not a multiple of the
-/// dtype's size, byte_size != product(shape) * sizeof(dtype). Which
+/// a negative offset, byte_size or allocation_bytes, an offset that is not
+/// a multiple of the dtype's size, byte_size != product(shape) *
+/// sizeof(dtype), or (allocation_bytes > 0) bytes [offset, offset +
+/// byte_size) past allocation_bytes; work items carry allocation_bytes so
+/// that the worker checks it against the allocation it maps. Which
 /// tensors and options may use it: RulesOf(InputKind::kCudaIpc); the rows
 /// of an lm_head update too (ScoringCore::ResolveTensor; `payload` names
 /// them in the advice to send bytes instead).

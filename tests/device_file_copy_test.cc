@@ -159,7 +159,8 @@ class HostGpuBackend final : public ScoringBackend {
   absl::Status HiddenLogits(const LmHeadWeights&, DType, const void*, int64_t, float*) override {
     return absl::UnimplementedError("not here");
   }
-  absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes) override {
+  absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes,
+                                                   int64_t /*allocation_bytes*/) override {
     const std::string* alloc = nullptr;
     if (handle.size() != sizeof(alloc)) return absl::InvalidArgumentError("bad handle");
     std::memcpy(&alloc, handle.data(), sizeof(alloc));

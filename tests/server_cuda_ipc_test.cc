@@ -96,6 +96,16 @@ TEST(ResolveCudaIpc, MalformedReferencesNameTheTensor) {
   EXPECT_EQ(item.cuda_ipc().handle(), std::string(64, 'h'));
   EXPECT_EQ(item.cuda_ipc().offset(), 256 + 8);
   EXPECT_EQ(item.cuda_ipc().byte_size(), 16);
+  EXPECT_EQ(item.cuda_ipc().allocation_bytes(), 0);  // not given
+  // The allocation's size the client sent travels to the workers; a range
+  // that ends exactly at its end is accepted.
+  v1::ScoreRequest sized = good;
+  sized.mutable_inputs(0)->mutable_cuda_ipc()->set_allocation_bytes(256 + 48);
+  auto sized_resolved = ResolveInputs(sized, IpcContext());
+  ASSERT_TRUE(sized_resolved.ok()) << sized_resolved.status();
+  internal::v1::WorkItem sized_item;
+  ASSERT_TRUE(sized_resolved->sources[0]->Refer(8, 16, &sized_item));
+  EXPECT_EQ(sized_item.cuda_ipc().allocation_bytes(), 256 + 48);
   // The front-end never reads it.
   std::string bytes(4, 'x');
   EXPECT_FALSE(resolved->sources[0]->Read(0, 4, bytes.data()));
@@ -121,7 +131,12 @@ TEST(ResolveCudaIpc, MalformedReferencesNameTheTensor) {
       {[](v1::ScoreRequest* r) { r->mutable_inputs(0)->mutable_cuda_ipc()->set_byte_size(47); },
        "cuda_ipc.byte_size is 47 but the shape of F32 needs 48"},
       {[](v1::ScoreRequest* r) { r->mutable_inputs(0)->mutable_cuda_ipc()->set_offset(-4); },
-       "offset -4 and byte_size 48 must be >= 0"},
+       "offset -4, byte_size 48 and allocation_bytes 0 must be >= 0"},
+      {[](v1::ScoreRequest* r) { r->mutable_inputs(0)->mutable_cuda_ipc()->set_allocation_bytes(-1); },
+       "allocation_bytes -1 must be >= 0"},
+      {[](v1::ScoreRequest* r) { r->mutable_inputs(0)->mutable_cuda_ipc()->set_allocation_bytes(256 + 47); },
+       "inputs[0] \"hidden_states\": cuda_ipc: bytes [256, 256 + 48) are outside the allocation of 303 bytes "
+       "(allocation_bytes)"},
       {[](v1::ScoreRequest* r) { r->mutable_inputs(0)->mutable_cuda_ipc()->set_offset(6); },
        "cuda_ipc.offset 6 is not a multiple of F32's 4 bytes"},
       {[](v1::ScoreRequest* r) {

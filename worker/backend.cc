@@ -10,7 +10,7 @@ absl::Status ScoringBackend::HiddenItemPartials(const LmHeadWeights&, const Hidd
       absl::StrCat("work item: the ", name(), " backend scores hidden states in rounds, not in one pass"));
 }
 
-absl::StatusOr<DevicePayload> ScoringBackend::OpenCudaIpcPayload(std::string_view, int64_t, int64_t) {
+absl::StatusOr<DevicePayload> ScoringBackend::OpenCudaIpcPayload(std::string_view, int64_t, int64_t, int64_t) {
   return absl::FailedPreconditionError(
       absl::StrCat("CUDA IPC input: this worker's backend (", name(), ") has no GPU to map it into"));
 }

@@ -210,10 +210,14 @@ class ScoringBackend {
 
   /// Maps `bytes` bytes at `offset` of a same-host client's CUDA allocation
   /// exported with cudaIpcGetMemHandle (`handle`: the 64-byte
-  /// cudaIpcMemHandle_t) into this backend's device memory.
+  /// cudaIpcMemHandle_t) into this backend's device memory;
+  /// `allocation_bytes` is the allocation's size the client sent (0: not
+  /// given), which bounds the range (CudaIpcRangeLimit).
   /// FAILED_PRECONDITION on backends without a GPU (the default) or when
-  /// the handle cannot be opened; INVALID_ARGUMENT for a bad handle size.
-  virtual absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes);
+  /// the handle cannot be opened; INVALID_ARGUMENT for a bad handle size or
+  /// a range outside the allocation.
+  virtual absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes,
+                                                           int64_t allocation_bytes);
 
   /// A new DeviceCopy between host memory and this backend's device memory
   /// (the CUDA backend: cuda::CudaDeviceCopy on its device, with a stream

@@ -54,7 +54,7 @@ absl::StatusOr<ItemPayload> WorkerService::OpenPayload(const internal::v1::WorkI
                                                        std::shared_ptr<SharedRegion>* region, DevicePayload* device) {
   if (item.has_cuda_ipc()) {
     const internal::v1::CudaIpcPayload& ipc = item.cuda_ipc();
-    auto opened = backend_->OpenCudaIpcPayload(ipc.handle(), ipc.offset(), ipc.byte_size());
+    auto opened = backend_->OpenCudaIpcPayload(ipc.handle(), ipc.offset(), ipc.byte_size(), ipc.allocation_bytes());
     if (!opened.ok()) return opened.status();
     *device = *std::move(opened);
     return ItemPayload(std::string_view(device->get(), static_cast<size_t>(ipc.byte_size())), /*device=*/true);
@@ -162,7 +162,8 @@ absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal:
                                                      " bytes"));
   }
   if (failed.ok()) {
-    absl::StatusOr<DevicePayload> device = backend.OpenCudaIpcPayload(src.handle(), src.offset(), src.byte_size());
+    absl::StatusOr<DevicePayload> device =
+        backend.OpenCudaIpcPayload(src.handle(), src.offset(), src.byte_size(), src.allocation_bytes());
     if (!device.ok()) {
       failed = device.status();
     } else {

@@ -687,8 +687,9 @@ bool CudaBackend::IsPageLocked(const void* data, size_t bytes) const {
   return true;
 }
 
-absl::StatusOr<DevicePayload> CudaBackend::OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes) {
-  return OpenCudaIpc(device_, handle, offset, bytes);
+absl::StatusOr<DevicePayload> CudaBackend::OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes,
+                                                              int64_t allocation_bytes) {
+  return OpenCudaIpc(device_, handle, offset, bytes, allocation_bytes);
 }
 
 absl::StatusOr<std::unique_ptr<DeviceCopy>> CudaBackend::NewDeviceCopy() {

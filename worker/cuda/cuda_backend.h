@@ -149,7 +149,8 @@ class CudaBackend final : public ScoringBackend {
   void RegisterHostMemory(const void* data, size_t bytes) override ABSL_LOCKS_EXCLUDED(reg_mu_);
   void UnregisterHostMemory(const void* data) override ABSL_LOCKS_EXCLUDED(reg_mu_);
   /// cuda::OpenCudaIpc on this backend's device (worker/cuda/cuda_ipc.h).
-  absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes) override;
+  absl::StatusOr<DevicePayload> OpenCudaIpcPayload(std::string_view handle, int64_t offset, int64_t bytes,
+                                                   int64_t allocation_bytes) override;
   /// cuda::CudaDeviceCopy on this backend's device (worker/cuda/cuda_device_copy.h).
   absl::StatusOr<std::unique_ptr<DeviceCopy>> NewDeviceCopy() override;
 

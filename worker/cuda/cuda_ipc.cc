@@ -12,6 +12,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 
 namespace logprob::cuda {
 namespace {
@@ -58,7 +59,20 @@ Mappings& Registry() {
 
 }  // namespace
 
-absl::StatusOr<DevicePayload> OpenCudaIpc(int device, std::string_view handle, int64_t offset, int64_t bytes) {
+absl::StatusOr<int64_t> CudaIpcRangeLimit(int64_t offset, int64_t bytes, int64_t mapped, int64_t sent) {
+  if (sent < 0 || sent > mapped)
+    return absl::InvalidArgumentError(absl::StrCat("CUDA IPC input: the client says its allocation has ", sent,
+                                                   " bytes, but the mapping of its handle has ", mapped));
+  const int64_t limit = sent > 0 ? sent : mapped;
+  if (offset < 0 || bytes < 0 || offset > limit || bytes > limit - offset)
+    return absl::InvalidArgumentError(absl::StrCat("CUDA IPC input: bytes [", offset, ", ", offset, " + ", bytes,
+                                                   ") are outside the client's allocation of ", limit, " bytes",
+                                                   sent > 0 ? "" : " (as mapped here; the client sent no size)"));
+  return limit;
+}
+
+absl::StatusOr<DevicePayload> OpenCudaIpc(int device, std::string_view handle, int64_t offset, int64_t bytes,
+                                          int64_t allocation_bytes) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t))
     return absl::InvalidArgumentError(absl::StrCat("CUDA IPC input: the handle is ", handle.size(),
                                                    " bytes; a cudaIpcMemHandle_t is ", sizeof(cudaIpcMemHandle_t)));
@@ -113,10 +127,8 @@ absl::StatusOr<DevicePayload> OpenCudaIpc(int device, std::string_view handle, i
   if (const CUresult r = range(&alloc_base, &alloc_size, at); r != CUDA_SUCCESS)
     return absl::FailedPreconditionError(
         absl::StrCat("CUDA IPC input: cuMemGetAddressRange of the mapped allocation failed (CUresult ", r, ")"));
-  const auto size = static_cast<int64_t>(alloc_size - (at - alloc_base));
-  if (offset > size || bytes > size - offset)
-    return absl::InvalidArgumentError(absl::StrCat("CUDA IPC input: bytes [", offset, ", ", offset + bytes,
-                                                   ") are outside the client's allocation of ", size, " bytes"));
+  const auto mapped = static_cast<int64_t>(alloc_size - (at - alloc_base));
+  LOGPROB_RETURN_IF_ERROR(CudaIpcRangeLimit(offset, bytes, mapped, allocation_bytes).status());
   return DevicePayload(base, base.get() + offset);
 }
 

@@ -151,11 +151,14 @@ def _check(lib: Any, result: int, call: str) -> None:
 class Export:
     """A tensor's CUDA IPC reference: ``tensor`` (kept alive while this
     object is), ``handle`` (64 bytes), ``offset`` and ``byte_size`` in the
-    allocation, ``device_uuid``; ``encoded`` is a serialized ScoreRequest
+    allocation, ``device_uuid``, ``allocation_bytes`` (the allocation's
+    size, which the server checks the range against; 0: not given);
+    ``encoded`` is a serialized ScoreRequest
     holding only the ``hidden_states`` input, appended to the request's
     bytes (protobuf merges repeated fields of concatenated messages)."""
 
-    def __init__(self, tensor: Any, wire_dtype: int, handle: bytes, offset: int, device_uuid: str = "") -> None:
+    def __init__(self, tensor: Any, wire_dtype: int, handle: bytes, offset: int, device_uuid: str = "",
+                 allocation_bytes: int = 0) -> None:
         if len(handle) != HANDLE_BYTES:
             raise ValueError("a CUDA IPC handle is %d bytes, got %d" % (HANDLE_BYTES, len(handle)))
         self.tensor = tensor
@@ -163,6 +166,7 @@ class Export:
         self.offset = int(offset)
         self.byte_size = int(tensor.numel()) * int(tensor.element_size())
         self.device_uuid = device_uuid
+        self.allocation_bytes = int(allocation_bytes)
         self.wire_dtype = wire_dtype
         self.encoded: bytes = pb2.ScoreRequest(inputs=[self.tensor_pb("hidden_states")]).SerializeToString()
 
@@ -174,6 +178,7 @@ class Export:
         t.cuda_ipc.offset = self.offset
         t.cuda_ipc.byte_size = self.byte_size
         t.cuda_ipc.device_uuid = self.device_uuid
+        t.cuda_ipc.allocation_bytes = self.allocation_bytes
         return t
 
 
@@ -201,7 +206,8 @@ def export(tensor: Any, wire_dtype: int) -> Export:
         _check(lib, lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
         handle = ctypes.create_string_buffer(HANDLE_BYTES)
         _check(lib, lib.cuIpcGetMemHandle(handle, base.value), "cuIpcGetMemHandle")
-    return Export(tensor, wire_dtype, handle.raw, ptr - base.value, _device_uuid(tensor.device))
+    return Export(tensor, wire_dtype, handle.raw, ptr - base.value, _device_uuid(tensor.device),
+                  allocation_bytes=size.value)
 
 
 _warned: Optional[str] = None

@@ -119,15 +119,15 @@ class DecisionTest(unittest.TestCase):
         from logprob_client.request import Part
 
         dev = FakeCudaTensor(np.zeros((5, 8), np.float32))  # what export() sees of a contiguous CUDA tensor
-        ref = cuda_ipc.Export(dev, pb2.F32, b"h" * 64, 4096, "GPU-test")
+        ref = cuda_ipc.Export(dev, pb2.F32, b"h" * 64, 4096, "GPU-test", allocation_bytes=8192)
         part = Part("r1", splitter.Inputs(small, call.inputs.options, rows=rows), 1, 1, False, cuda_ipc=ref)
         req = pb2.ScoreRequest.FromString(part.serialized(1 << 20))
         by_name = {t.name: t for t in req.inputs}
         self.assertEqual(sorted(by_name), ["cu_seqlens", "hidden_states", "input_ids"])
         h = by_name["hidden_states"]
         self.assertEqual((h.dtype, list(h.shape), h.data), (pb2.F32, [5, 8], b""))
-        self.assertEqual((h.cuda_ipc.handle, h.cuda_ipc.offset, h.cuda_ipc.byte_size, h.cuda_ipc.device_uuid),
-                         (b"h" * 64, 4096, 160, "GPU-test"))
+        self.assertEqual((h.cuda_ipc.handle, h.cuda_ipc.offset, h.cuda_ipc.byte_size, h.cuda_ipc.device_uuid,
+                          h.cuda_ipc.allocation_bytes), (b"h" * 64, 4096, 160, "GPU-test", 8192))
         self.assertEqual(np.frombuffer(by_name["input_ids"].data, np.int64).tolist(), [0, 1, 2, 3, 4])
         with self.assertRaises(ValueError):
             cuda_ipc.Export(dev, pb2.F32, b"short", 0)
@@ -146,15 +146,15 @@ class DecisionTest(unittest.TestCase):
 
     def test_update_rows_by_reference_carry_it_instead_of_bytes(self):
         dev = FakeCudaTensor(np.zeros((3, 4), np.uint16))  # a contiguous [3, 4] bf16 CUDA tensor, as export() sees it
-        ref = cuda_ipc.Export(dev, pb2.BF16, b"r" * 64, 512, "GPU-x")
+        ref = cuda_ipc.Export(dev, pb2.BF16, b"r" * 64, 512, "GPU-x", allocation_bytes=536)
         parts = list(lm_head_update.lm_head_ipc_parts("u1", 7, ref))
         self.assertEqual(len(parts), 1, "one part: no pieces follow a reference")
         rows = pb2.LmHeadRowsPart.FromString(parts[0]).rows
         self.assertEqual((rows.update_id, rows.row_begin), ("u1", 7))
         t = rows.rows
         self.assertEqual((t.name, t.dtype, list(t.shape), t.data), ("rows", pb2.BF16, [3, 4], b""))
-        self.assertEqual((t.cuda_ipc.handle, t.cuda_ipc.offset, t.cuda_ipc.byte_size, t.cuda_ipc.device_uuid),
-                         (b"r" * 64, 512, 24, "GPU-x"))
+        self.assertEqual((t.cuda_ipc.handle, t.cuda_ipc.offset, t.cuda_ipc.byte_size, t.cuda_ipc.device_uuid,
+                          t.cuda_ipc.allocation_bytes), (b"r" * 64, 512, 24, "GPU-x", 536))
         # The scoring request's encoding is unchanged.
         h = pb2.ScoreRequest.FromString(ref.encoded).inputs[0]
         self.assertEqual((h.name, h.cuda_ipc.byte_size), ("hidden_states", 24))
@@ -271,7 +271,7 @@ class CpuServerTest(unittest.TestCase):
         finally:
             cuda_ipc.server_accepts, cuda_ipc.device_rows, cuda_ipc.export = real
 
-    def _request(self, g, handle=b"\x01" * 64, byte_size=None, name="hidden_states"):
+    def _request(self, g, handle=b"\x01" * 64, byte_size=None, name="hidden_states", offset=0, allocation_bytes=0):
         req = pb2.ScoreRequest(id="ipc")
         for key in ("hidden_states", "input_ids", "cu_seqlens", "seq_lens"):
             if key not in g.inputs:
@@ -282,6 +282,8 @@ class CpuServerTest(unittest.TestCase):
             if key == name:
                 t.cuda_ipc.handle = handle
                 t.cuda_ipc.byte_size = arr.nbytes if byte_size is None else byte_size
+                t.cuda_ipc.offset = offset
+                t.cuda_ipc.allocation_bytes = allocation_bytes
             else:
                 t.data = arr.tobytes()
         return req
@@ -299,6 +301,10 @@ class CpuServerTest(unittest.TestCase):
                 (self._request(g, handle=b"\x01" * 63), "63 bytes"),
                 (self._request(g, byte_size=2), "byte_size is 2"),
                 (self._request(g, name="input_ids"), "only accepted for \"hidden_states\""),
+                # Past the allocation's size the client sent (it ends 2 bytes early).
+                (self._request(g, offset=256, allocation_bytes=256 + g.inputs["hidden_states"].nbytes - 2),
+                 "bytes [256, 256 + %d) are outside the allocation of %d bytes (allocation_bytes)"
+                 % (g.inputs["hidden_states"].nbytes, 256 + g.inputs["hidden_states"].nbytes - 2)),
             ):
                 with self.subTest(what=what):
                     with self.assertRaises(LogprobError) as e:
