@@ -159,19 +159,25 @@ TEST_F(ClientCli, ServerFlagSlipsSayWhatToChange) {
   EXPECT_EQ(RunClient("health --server ' " + server_->address() + " '").code, 0);  // whitespace trimmed
 }
 
-TEST(ClientCliVersion, PrintsTheVersionAndWhetherTheBuildHasCuda) {
-  const std::string cuda = kBuiltWithCuda ? "CUDA backend: yes (CUDA toolkit " : "CUDA backend: no";
-  for (const char* program : {"logprob-client", "logprob-server", "logprob-worker"}) {
-    SCOPED_TRACE(program);
-    const CommandResult r = RunCommand(BinDir() + "/" + program + " --version");
-    EXPECT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(r.output.rfind(absl::StrCat(program, " ", kVersion, "\n"), 0), 0u) << r.output;
-    EXPECT_NE(r.output.find(cuda), std::string::npos) << r.output;
-  }
+/// `PROGRAM --version` exits 0 and prints "PROGRAM <VERSION>" and the
+/// CUDA line of this build (common/version.h VersionText).
+void ExpectVersion(const std::string& program) {
+  const CommandResult r = RunCommand(BinDir() + "/" + program + " --version");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output, VersionText(program.c_str())) << r.output;
+  EXPECT_EQ(r.output.rfind(absl::StrCat(program, " ", kVersion, "\nCUDA backend: "), 0), 0u) << r.output;
+  EXPECT_NE(r.output.find(kBuiltWithCuda ? "CUDA backend: yes (CUDA toolkit " : "CUDA backend: no"), std::string::npos)
+      << r.output;
+}
+
+TEST(ClientCliVersion, ServerPrintsTheVersionAndWhetherTheBuildHasCuda) { ExpectVersion("logprob-server"); }
+TEST(ClientCliVersion, WorkerPrintsTheVersionAndWhetherTheBuildHasCuda) { ExpectVersion("logprob-worker"); }
+TEST(ClientCliVersion, ClientPrintsTheVersionAndWhetherTheBuildHasCuda) {
+  ExpectVersion("logprob-client");
   // After a command --version is not this flag (it is update-lm-head's version name).
   const CommandResult r = RunClient("health --server 127.0.0.1:1 --version 1");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("unknown flag --version"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("health: unknown flag --version"), std::string::npos) << r.output;
 }
 
 // A server with two lm_heads, "policy" (the golden head, then updated to
