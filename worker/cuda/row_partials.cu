@@ -34,15 +34,23 @@ __global__ void __launch_bounds__(kRowThreads) RowPartialsKernel(RowBlockArgs a)
     for (int b = threadIdx.x; b < kTopkBins; b += blockDim.x) hist[b] = 0;
     __syncthreads();
   }
-  // Per-thread online softmax: s = sum e^(x - m), u = sum e^(x - m) (x - m).
-  float m = -INFINITY, s = 0.f, u = 0.f;
-  ForEachX(r, [&](float x, int64_t) {
+  // is_top1: columns before the target's (local index; 0 = none).
+  const int64_t t_local = a.is_top1 && a.targets[row] >= 0 ? a.targets[row] - a.vocab_begin : 0;
+  // Per-thread online softmax: s = sum e^(x - m), u = sum e^(x - m) (x - m),
+  // q = sum e^(2(x - m)); zsum = sum of x before the filter; ptm = max x
+  // of the columns before the target.
+  float m = -INFINITY, s = 0.f, u = 0.f, q = 0.f, zsum = 0.f, ptm = -INFINITY;
+  ForEachX<false>(r, [&](float scaled, int64_t i) {
+    if (a.mean_logits) zsum += scaled;
+    const float x = r.Filter(scaled);
     if (kTopk) atomicAdd(&hist[Key(x) >> (32 - kTopkBinBits)], 1u);
+    if (i < t_local) ptm = fmaxf(ptm, x);
     if (x > m) {
       if (m > -INFINITY) {
         const float d = m - x, c = __expf(d);
         u = c * (u + s * d);
         s *= c;
+        q *= c * c;
       }
       m = x;
     }
@@ -50,12 +58,18 @@ __global__ void __launch_bounds__(kRowThreads) RowPartialsKernel(RowBlockArgs a)
       const float d = x - m, e = __expf(d);
       s += e;
       u += e * d;
+      q += e * e;
     }
   });
   const float M = BlockMax(m);
   const double w = m > -INFINITY ? exp(static_cast<double>(m) - M) : 0.0;
   const double S = BlockSum(static_cast<double>(s) * w);
   const double U = BlockSum(m > -INFINITY ? (static_cast<double>(u) + s * (static_cast<double>(m) - M)) * w : 0.0);
+  // The requested extras (a.* are the same for the whole block, so every
+  // thread takes the same branches to the barriers inside).
+  const double Q = a.log_sum_sq_probs ? BlockSum(static_cast<double>(q) * w * w) : 0.0;
+  const double Z = a.mean_logits ? BlockSum(static_cast<double>(zsum)) : 0.0;
+  const float PTM = a.is_top1 ? BlockMax(ptm) : -INFINITY;
 
   uint32_t* rec = a.records + row * record::Words(a.gather_k, a.topk);
   if (threadIdx.x == 0) {
@@ -64,6 +78,10 @@ __global__ void __launch_bounds__(kRowThreads) RowPartialsKernel(RowBlockArgs a)
         a.targets[row] >= 0 ? __float_as_uint(XAt(r, a.vocab_begin, a.targets[row])) : record::kAbsentXBits;
     PutDouble(rec + record::kSWord, S);
     PutDouble(rec + record::kUWord, U);
+    PutDouble(rec + record::kQWord, Q);
+    PutDouble(rec + record::kZSumWord, Z);
+    rec[record::kPreTargetMaxWord] = __float_as_uint(PTM);
+    rec[record::kReservedWord] = 0;
   }
   for (int j = threadIdx.x; j < a.gather_k; j += blockDim.x)
     rec[record::GatherWord(j)] = __float_as_uint(XAt(r, a.vocab_begin, a.gather_ids[row * a.gather_k + j]));
