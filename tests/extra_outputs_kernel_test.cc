@@ -264,6 +264,19 @@ TEST(KernelExtraOutputs, NegativeInfinityEntries) {
   }
 }
 
+/// A row whose x are all -inf: no target is top-1 (SPEC; TRL's rule), the
+/// mean is -inf.
+TEST(KernelExtraOutputs, AllMinusInfinityRowHasNoTop1) {
+  const int64_t V = 3000;
+  const Row row = MakeRow(v1::F32, std::vector<float>(V, kNegInfF));
+  for (int slices = 1; slices <= 3; ++slices)
+    for (int64_t t : {int64_t{0}, int64_t{1500}, V - 1}) {
+      const Got g = Kernel(row, t, ExtraSpec(1.f, V), kNegInfF, slices);
+      EXPECT_EQ(g.top1, 0) << "target " << t << " slices " << slices;
+      EXPECT_EQ(g.mean, kNegInfF);
+    }
+}
+
 /// A one-hot distribution: log_sum_sq_probs = 0; uniform: -log V.
 TEST(KernelExtraOutputs, LogSumSqOfOneHotAndUniform) {
   const int64_t V = 4096;
