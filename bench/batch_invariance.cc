@@ -93,15 +93,22 @@ class Checker {
 
   /// The bits of CombinePartials' outputs of one record.
   std::vector<uint32_t> Outputs(const uint32_t* record, bool has_target) const {
-    const kernels::StatsSpec& s = o_.spec;
-    std::vector<float> f(2 + s.topk + s.gather_k);
+    kernels::StatsSpec s = o_.spec;
+    s.vocab_size = V_;
+    // token_logprob, entropy, top-k, gathered, log_sum_sq_probs, mean_logits.
+    std::vector<float> f(4 + s.topk + s.gather_k);
     std::vector<int64_t> ids(s.topk);
+    int32_t top1 = 0;
     kernels::RowOutput out{&f[0], &f[1], s.topk ? &f[2] : nullptr, s.topk ? ids.data() : nullptr,
                            s.gather_k ? &f[2 + s.topk] : nullptr};
+    out.log_sum_sq_probs = &f[2 + s.topk + s.gather_k];
+    out.mean_logits = &f[3 + s.topk + s.gather_k];
+    out.is_top1 = &top1;
     kernels::CombinePartials(&record, 1, s, has_target, out);
-    std::vector<uint32_t> bits(f.size() + 2 * ids.size());
+    std::vector<uint32_t> bits(f.size() + 2 * ids.size() + 1);
     std::memcpy(bits.data(), f.data(), f.size() * 4);
     std::memcpy(bits.data() + f.size(), ids.data(), ids.size() * 8);
+    std::memcpy(bits.data() + f.size() + 2 * ids.size(), &top1, 4);
     return bits;
   }
 

@@ -30,10 +30,15 @@ struct InvarianceOptions {
   kernels::StatsSpec spec = DefaultSpec();
   uint64_t seed = 1;
 
-  /// Entropy, top-20 and 2 gathered ids: every record field in use.
+  /// Entropy, log_sum_sq_probs, mean_logits, is_top1, top-20 and 2
+  /// gathered ids: every record field in use (spec.vocab_size is set by the
+  /// checks).
   static kernels::StatsSpec DefaultSpec() {
     kernels::StatsSpec s;
     s.entropy = true;
+    s.log_sum_sq_probs = true;
+    s.mean_logits = true;
+    s.is_top1 = true;
     s.topk = 20;
     s.gather_k = 2;
     return s;

@@ -1,7 +1,9 @@
 // logprob_kernel_bench: single-core throughput of the CPU row kernel
 // (ComputePartial + CombinePartials over whole rows), in logits/s, for
 // float32 / bfloat16 / float16 rows of V = 32000 and 151936, token
-// logprobs alone and with entropy + top-20.
+// logprobs alone and with entropy + top-20; bf16 also with entropy alone
+// and with entropy + log_sum_sq_probs + mean_logits + is_top1 (what TRL's
+// fused head asks for).
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -33,20 +35,29 @@ std::vector<char> MakeRows(DType dtype, int64_t V) {
   return out;
 }
 
-void BM_Row(benchmark::State& state, DType dtype, bool full) {
+/// What a benchmark asks of every row besides the token logprob.
+enum class Mode { kLogprobs, kEntropyTop20, kEntropy, kEntropyExtras };
+
+void BM_Row(benchmark::State& state, DType dtype, Mode mode) {
   const int64_t V = state.range(0);
   const auto rows = MakeRows(dtype, V);
   StatsSpec spec;
-  if (full) {
-    spec.entropy = true;
-    spec.topk = 20;
-  }
+  spec.vocab_size = V;
+  spec.entropy = mode != Mode::kLogprobs;
+  spec.topk = mode == Mode::kEntropyTop20 ? 20 : 0;
+  spec.log_sum_sq_probs = spec.mean_logits = spec.is_top1 = mode == Mode::kEntropyExtras;
+  const bool full = mode == Mode::kEntropyTop20;
   std::vector<uint32_t> rec(PartialWords(spec));
   std::vector<float> scratch(kPartialScratchFloats);
   std::vector<float> topk_lp(20);
   std::vector<int64_t> topk_id(20);
-  float lp = 0, ent = 0;
-  RowOutput out{&lp, full ? &ent : nullptr, full ? topk_lp.data() : nullptr, full ? topk_id.data() : nullptr, nullptr};
+  float lp = 0, ent = 0, lss = 0, mean = 0;
+  int32_t top1 = 0;
+  RowOutput out{&lp, spec.entropy ? &ent : nullptr, full ? topk_lp.data() : nullptr, full ? topk_id.data() : nullptr,
+                nullptr};
+  out.log_sum_sq_probs = &lss;
+  out.mean_logits = &mean;
+  out.is_top1 = &top1;
   const size_t es = DTypeSize(dtype);
   for (auto _ : state) {
     for (int r = 0; r < kRows; ++r) {
@@ -66,12 +77,14 @@ void BM_Row(benchmark::State& state, DType dtype, bool full) {
 
 void Args(benchmark::internal::Benchmark* b) { b->Arg(32000)->Arg(151936)->Unit(benchmark::kMillisecond); }
 
-BENCHMARK_CAPTURE(BM_Row, f32_logprobs, v1::F32, false)->Apply(Args);
-BENCHMARK_CAPTURE(BM_Row, f32_entropy_top20, v1::F32, true)->Apply(Args);
-BENCHMARK_CAPTURE(BM_Row, bf16_logprobs, v1::BF16, false)->Apply(Args);
-BENCHMARK_CAPTURE(BM_Row, bf16_entropy_top20, v1::BF16, true)->Apply(Args);
-BENCHMARK_CAPTURE(BM_Row, f16_logprobs, v1::F16, false)->Apply(Args);
-BENCHMARK_CAPTURE(BM_Row, f16_entropy_top20, v1::F16, true)->Apply(Args);
+BENCHMARK_CAPTURE(BM_Row, f32_logprobs, v1::F32, Mode::kLogprobs)->Apply(Args);
+BENCHMARK_CAPTURE(BM_Row, f32_entropy_top20, v1::F32, Mode::kEntropyTop20)->Apply(Args);
+BENCHMARK_CAPTURE(BM_Row, bf16_logprobs, v1::BF16, Mode::kLogprobs)->Apply(Args);
+BENCHMARK_CAPTURE(BM_Row, bf16_entropy_top20, v1::BF16, Mode::kEntropyTop20)->Apply(Args);
+BENCHMARK_CAPTURE(BM_Row, bf16_entropy, v1::BF16, Mode::kEntropy)->Apply(Args);
+BENCHMARK_CAPTURE(BM_Row, bf16_entropy_extras, v1::BF16, Mode::kEntropyExtras)->Apply(Args);
+BENCHMARK_CAPTURE(BM_Row, f16_logprobs, v1::F16, Mode::kLogprobs)->Apply(Args);
+BENCHMARK_CAPTURE(BM_Row, f16_entropy_top20, v1::F16, Mode::kEntropyTop20)->Apply(Args);
 
 }  // namespace
 }  // namespace logprob::kernels

@@ -110,8 +110,9 @@ absl::Status ApplyLmHeadFlag(const std::string& flag, const std::string& v, LmHe
   return absl::OkStatus();
 }
 
-// Applies one scoring-option flag (--alignment, --entropy, --topk,
-// --temperature, --sampling-top-k, --sampling-top-p, --ignore-index) of
+// Applies one scoring-option flag (--alignment, --entropy,
+// --log-sum-sq-probs, --mean-logits, --is-top1, --topk, --temperature,
+// --sampling-top-k, --sampling-top-p, --ignore-index) of
 // `score` and `bench`; nullopt if `flag` is not one of them.
 std::optional<absl::Status> ApplyOptionFlag(const std::string& flag, const std::string& v, ScoreFlags* f) {
   if (flag == "alignment") {
@@ -122,6 +123,12 @@ std::optional<absl::Status> ApplyOptionFlag(const std::string& flag, const std::
     f->alignment = *alignment;
   } else if (flag == "entropy") {
     return ParseBool(flag, v, &f->entropy);
+  } else if (flag == "log-sum-sq-probs") {
+    return ParseBool(flag, v, &f->log_sum_sq_probs);
+  } else if (flag == "mean-logits") {
+    return ParseBool(flag, v, &f->mean_logits);
+  } else if (flag == "is-top1") {
+    return ParseBool(flag, v, &f->is_top1);
   } else if (flag == "topk") {
     return ParseInt32(flag, v, &f->topk);
   } else if (flag == "temperature") {
@@ -239,9 +246,15 @@ absl::Status ApplyBenchFlag(const std::string& flag, const std::string& v, Bench
   return absl::OkStatus();
 }
 
+// The switches of the per-token outputs besides entropy.
+bool IsOutputSwitch(const std::string& flag) {
+  return flag == "log-sum-sq-probs" || flag == "mean-logits" || flag == "is-top1";
+}
+
 // Flags that take no value (given alone they mean "true").
 bool IsSwitch(CommandLine::Command command, const std::string& flag) {
-  if (flag == "entropy" || flag == "shared-memory") return command != CommandLine::Command::kHealth;
+  if (flag == "entropy" || flag == "shared-memory" || IsOutputSwitch(flag))
+    return command != CommandLine::Command::kHealth;
   return command == CommandLine::Command::kBench && (flag == "json" || flag == "no-echo");
 }
 
@@ -393,11 +406,16 @@ std::string UsageText() {
       --output OUT.safetensors [options] [security options]
       Scores `logits` or `hidden_states` with `input_ids` (and `cu_seqlens`,
       `seq_lens`, `gather_indices` when present) from IN, writes the outputs
-      (token_logprobs, entropy, topk_logprobs, topk_indices,
-      gathered_logprobs) to OUT. Exit 0 on success, 1 on a server error,
-      2 on a bad command line or input file.
+      (token_logprobs, entropy, log_sum_sq_probs, mean_logits, is_top1,
+      topk_logprobs, topk_indices, gathered_logprobs) to OUT. Exit 0 on
+      success, 1 on a server error, 2 on a bad command line or input file.
     --alignment next_token|same_position   (default next_token)
     --entropy                   also return per-token entropy
+    --log-sum-sq-probs          also return log(sum_v p_v^2) per token (F32)
+    --mean-logits               also return the mean of logits / T over the
+                                vocabulary per token, before the filters (F32)
+    --is-top1                   also return whether the target is the argmax
+                                (I32 0/1; lowest id among equal maxima)
     --topk K                    return the K largest logprobs and their ids
     --temperature T             softmax temperature (> 0; default 1)
     --sampling-top-k K          sampling filter top-k (0 disables)

@@ -20,6 +20,9 @@ v1::ScoreOptions ToScoreOptions(const ScoreFlags& flags) {
   v1::ScoreOptions options;
   options.set_alignment(flags.alignment);
   options.set_entropy(flags.entropy);
+  options.set_log_sum_sq_probs(flags.log_sum_sq_probs);
+  options.set_mean_logits(flags.mean_logits);
+  options.set_is_top1(flags.is_top1);
   options.set_topk(flags.topk);
   if (flags.temperature) options.set_temperature(*flags.temperature);
   options.set_sampling_top_k(flags.sampling_top_k);

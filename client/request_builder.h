@@ -29,6 +29,9 @@ inline constexpr char kGatherIndicesName[] = "gather_indices";
 struct ScoreFlags {
   v1::Alignment alignment = v1::NEXT_TOKEN;
   bool entropy = false;
+  bool log_sum_sq_probs = false;  // --log-sum-sq-probs
+  bool mean_logits = false;       // --mean-logits
+  bool is_top1 = false;           // --is-top1
   int32_t topk = 0;
   std::optional<float> temperature;
   int32_t sampling_top_k = 0;

@@ -26,7 +26,11 @@ namespace logprob {
 /// front-end stops a run's items with Stop instead of cancelling the calls.
 /// 6: Worker.StageLmHeadRows (lm_head update rows from a CUDA IPC handle,
 /// copied by a worker into the staged store file).
-constexpr uint32_t kWorkerProtocolVersion = 6;
+/// 7: ScoreOptions.log_sum_sq_probs / mean_logits / is_top1 and
+/// WorkResult.log_sum_sq_probs / mean_logits / is_top1 (a version-6 worker
+/// would ignore the options and return none); the partial record's header
+/// grew from 6 to 12 words (q, zsum, pre_target_max).
+constexpr uint32_t kWorkerProtocolVersion = 7;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.

@@ -31,6 +31,13 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
   v1::ScoreResponse resp;
   float* lp = AddOutput<float>(&resp, "token_logprobs", v1::F32, job.out_shape, -1, n_out);
   float* ent = job.options.entropy() ? AddOutput<float>(&resp, "entropy", v1::F32, job.out_shape, -1, n_out) : nullptr;
+  float* lss = job.options.log_sum_sq_probs()
+                   ? AddOutput<float>(&resp, "log_sum_sq_probs", v1::F32, job.out_shape, -1, n_out)
+                   : nullptr;
+  float* mlg =
+      job.options.mean_logits() ? AddOutput<float>(&resp, "mean_logits", v1::F32, job.out_shape, -1, n_out) : nullptr;
+  int32_t* top1 =
+      job.options.is_top1() ? AddOutput<int32_t>(&resp, "is_top1", v1::I32, job.out_shape, -1, n_out) : nullptr;
   float* tkl = K ? AddOutput<float>(&resp, "topk_logprobs", v1::F32, job.out_shape, K, n_out) : nullptr;
   int64_t* tki = K ? AddOutput<int64_t>(&resp, "topk_indices", v1::I64, job.out_shape, K, n_out) : nullptr;
   float* gat = G ? AddOutput<float>(&resp, "gathered_logprobs", v1::F32, job.out_shape, G, n_out) : nullptr;
@@ -40,7 +47,8 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
     const auto& r = results[i];
     const int64_t rows = r.row_end() - r.row_begin();
     if (rows < 0 || r.token_logprobs_size() != rows || (ent && r.entropy_size() != rows) ||
-        r.topk_logprobs_size() != rows * K || r.topk_indices_size() != rows * K ||
+        (lss && r.log_sum_sq_probs_size() != rows) || (mlg && r.mean_logits_size() != rows) ||
+        (top1 && r.is_top1_size() != rows) || r.topk_logprobs_size() != rows * K || r.topk_indices_size() != rows * K ||
         r.gathered_logprobs_size() != rows * G)
       return absl::InternalError(absl::StrCat("worker ", plan.items[i].worker, " returned malformed results"));
     for (int64_t j = 0; j < rows; ++j) {
@@ -51,6 +59,9 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
       if (o < 0) continue;  // an unscored row of a CUDA IPC job (ScoreJob::cuda_ipc)
       lp[o] = r.token_logprobs(static_cast<int>(j));
       if (ent) ent[o] = r.entropy(static_cast<int>(j));
+      if (lss) lss[o] = r.log_sum_sq_probs(static_cast<int>(j));
+      if (mlg) mlg[o] = r.mean_logits(static_cast<int>(j));
+      if (top1) top1[o] = r.is_top1(static_cast<int>(j));
       for (int k = 0; k < K; ++k) {
         tkl[o * K + k] = r.topk_logprobs(static_cast<int>(j * K + k));
         tki[o * K + k] = r.topk_indices(static_cast<int>(j * K + k));

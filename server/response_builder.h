@@ -13,7 +13,8 @@ namespace logprob {
 
 /// Scatters the rows of `results` (one per plan item, in plan order) to
 /// their output positions and returns the output tensors: token_logprobs
-/// [out_shape] F32, and on request entropy, topk_logprobs / topk_indices
+/// [out_shape] F32, and on request entropy, log_sum_sq_probs and
+/// mean_logits [out_shape] F32, is_top1 [out_shape] I32 (0/1), topk_logprobs / topk_indices
 /// (I64) [out_shape, K], gathered_logprobs [out_shape, gather_k]. Positions
 /// that are not scored (past seq_lens) are 0. When `plan` scored a batch of
 /// several jobs (server/batcher.h), `job`'s rows are the plan's rows

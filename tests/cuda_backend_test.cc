@@ -49,11 +49,16 @@ using kernels::StatsSpec;
 
 enum class Values { kNormal, kSmallIntegers, kMinusInf };
 
+/// `entropy` also asks for log_sum_sq_probs, mean_logits and is_top1 (their
+/// record fields q, zsum and pre_target_max).
 StatsSpec Spec(int topk, int gather_k, bool entropy, float temperature = 1.0f) {
   StatsSpec s;
   s.topk = topk;
   s.gather_k = gather_k;
   s.entropy = entropy;
+  s.log_sum_sq_probs = entropy;
+  s.mean_logits = entropy;
+  s.is_top1 = entropy;
   s.temperature = temperature;
   return s;
 }
@@ -106,8 +111,8 @@ double D(const uint32_t* w) {
   return d;
 }
 
-/// m, target x, gather x and the top-k are bitwise the CPU kernel's; s and
-/// u agree within float32 summation rounding.
+/// m, target x, pre_target_max, gather x and the top-k are bitwise the CPU
+/// kernel's; s, u, q and zsum agree within float32 summation rounding.
 void ExpectRecordsMatch(const std::vector<uint32_t>& cpu, const std::vector<uint32_t>& gpu, int64_t rows,
                         const StatsSpec& spec) {
   const size_t words = kernels::PartialWords(spec);
@@ -124,6 +129,17 @@ void ExpectRecordsMatch(const std::vector<uint32_t>& cpu, const std::vector<uint
     if (spec.entropy) {
       EXPECT_NEAR(D(c + u), D(g + u), 2e-5 * (std::abs(D(c + u)) + cs)) << "u";
     }
+    constexpr int q = record::kQWord, z = record::kZSumWord, ptm = record::kPreTargetMaxWord;
+    EXPECT_NEAR(D(c + q), D(g + q), 2e-5 * D(c + q)) << "q";
+    if (std::isinf(D(c + z))) {
+      EXPECT_EQ(D(c + z), D(g + z)) << "zsum";
+    } else {
+      // Sums of float32 partial sums in another order; mean_logits divides
+      // the difference by V (>= 10 here).
+      EXPECT_NEAR(D(c + z), D(g + z), 1e-2 + 1e-5 * std::abs(D(c + z))) << "zsum";
+    }
+    EXPECT_EQ(c[ptm], g[ptm]) << "pre_target_max " << F(c[ptm]) << " vs " << F(g[ptm]);
+    EXPECT_EQ(c[record::kReservedWord], g[record::kReservedWord]);
     for (size_t w = record::kHeaderWords; w < words; ++w)
       EXPECT_EQ(c[w], g[w]) << "word " << w << ": " << F(c[w]) << " vs " << F(g[w]);
   }

@@ -1,7 +1,8 @@
 // The worker's scorer (worker/scorer.h) on W in-process ranks
 // (tests/in_process_communicator.h) with the CPU backend: every layout
 // (token-parallel, vocab-parallel, hidden states), with and without the
-// sampling filters, with entropy, top-k and gathered outputs, for W = 1, 2
+// sampling filters, with entropy, log_sum_sq_probs, mean_logits, is_top1,
+// top-k and gathered outputs, for W = 1, 2
 // and 3 ranks, against a float64 reference computed here (shared/SPEC.md
 // tolerance 2e-4 + 2e-5 * |expected|; top-k ids exact). Threads and
 // condition variables only: no processes, no sockets, no sleeps.
@@ -81,6 +82,9 @@ void RandomIds(Problem& p, std::mt19937& rng) {
 
 struct RefRow {
   double token = 0, entropy = 0;
+  double log_sum_sq = 0, mean = 0;  // 0 without a target
+  int top1 = 0;
+  double top1_gap = kInf;  // |x_target - max of the other x|: how clear is_top1 is
   std::vector<double> topk_lp, gathered;
   std::vector<int64_t> topk_id;
   std::vector<double> logp;  // [V]
@@ -130,6 +134,20 @@ RefRow Reference(const std::vector<double>& x, int64_t target, const int64_t* ga
     if (keep[i]) r.entropy -= std::exp(r.logp[i]) * r.logp[i];
   }
   r.token = target >= 0 ? r.logp[target] : 0.0;
+  if (target >= 0) {
+    double sq = 0, sum = 0, other = -kInf;
+    size_t argmax = 0;
+    for (size_t i = 0; i < V; ++i) {
+      if (keep[i]) sq += std::exp(2 * r.logp[i]);
+      sum += x[i];
+      if (x[i] > x[argmax]) argmax = i;  // the lowest id among equal maxima
+      if (static_cast<int64_t>(i) != target) other = std::max(other, x[i]);
+    }
+    r.log_sum_sq = std::log(sq);
+    r.mean = sum / static_cast<double>(V);
+    r.top1 = static_cast<int64_t>(argmax) == target ? 1 : 0;
+    r.top1_gap = std::abs(x[target] - other);
+  }
   std::vector<int64_t> order(V);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return r.logp[a] > r.logp[b]; });
@@ -165,8 +183,9 @@ std::vector<double> RowAfterTemperature(const Problem& p, int64_t i) {
 
 /// The outputs of every row of a problem, gathered from the ranks' results.
 struct Scored {
-  std::vector<float> token, entropy, topk_lp, gathered;
+  std::vector<float> token, entropy, topk_lp, gathered, log_sum_sq, mean;
   std::vector<int64_t> topk_id;
+  std::vector<int32_t> top1;
 };
 
 /// The work item of rank `r` of `W` for `layout` (what the front-end's
@@ -364,6 +383,9 @@ Scored Score(const Problem& p, Layout layout, int W, bool one_pass = false) {
   Scored s;
   s.token.assign(p.n, NAN);
   s.entropy.assign(p.n, NAN);
+  s.log_sum_sq.assign(p.n, NAN);
+  s.mean.assign(p.n, NAN);
+  s.top1.assign(p.n, -1);
   s.topk_lp.assign(p.n * K, NAN);
   s.topk_id.assign(p.n * K, -1);
   s.gathered.assign(p.n * G, NAN);
@@ -382,6 +404,9 @@ Scored Score(const Problem& p, Layout layout, int W, bool one_pass = false) {
       const int64_t row = i + offset, local = i - res.row_begin();
       s.token[row] = res.token_logprobs(static_cast<int>(local));
       if (p.options.entropy()) s.entropy[row] = res.entropy(static_cast<int>(local));
+      if (p.options.log_sum_sq_probs()) s.log_sum_sq[row] = res.log_sum_sq_probs(static_cast<int>(local));
+      if (p.options.mean_logits()) s.mean[row] = res.mean_logits(static_cast<int>(local));
+      if (p.options.is_top1()) s.top1[row] = res.is_top1(static_cast<int>(local));
       for (int k = 0; k < K; ++k) {
         s.topk_lp[row * K + k] = res.topk_logprobs(static_cast<int>(local * K + k));
         s.topk_id[row * K + k] = res.topk_indices(static_cast<int>(local * K + k));
@@ -416,6 +441,17 @@ void ExpectMatchesReference(const Problem& p, const Scored& s, const std::string
     if (p.options.entropy())
       check(Close(ref.entropy, s.entropy[i]),
             row + " entropy: expected " + std::to_string(ref.entropy) + " got " + std::to_string(s.entropy[i]));
+    if (p.options.log_sum_sq_probs())
+      check(Close(ref.log_sum_sq, s.log_sum_sq[i]), row + " log_sum_sq_probs: expected " +
+                                                        std::to_string(ref.log_sum_sq) + " got " +
+                                                        std::to_string(s.log_sum_sq[i]));
+    if (p.options.mean_logits())
+      check(Close(ref.mean, s.mean[i]),
+            row + " mean_logits: expected " + std::to_string(ref.mean) + " got " + std::to_string(s.mean[i]));
+    // Hidden states: a float32 GEMM against float64 may swap a near-tie.
+    if (p.options.is_top1() && (!p.is_hidden() || ref.top1_gap > 1e-3))
+      check(ref.top1 == s.top1[i],
+            row + " is_top1: expected " + std::to_string(ref.top1) + " got " + std::to_string(s.top1[i]));
     for (int k = 0; k < K; ++k) {
       const int64_t id = s.topk_id[i * K + k];
       const std::string at = row + " top-k " + std::to_string(k);
@@ -451,11 +487,30 @@ void ExpectSameScores(const Scored& a, const Scored& b, const std::string& what)
   close_all(a.entropy, b.entropy, "entropy");
   close_all(a.topk_lp, b.topk_lp, "topk_logprobs");
   close_all(a.gathered, b.gathered, "gathered_logprobs");
+  close_all(a.log_sum_sq, b.log_sum_sq, "log_sum_sq_probs");
+  close_all(a.mean, b.mean, "mean_logits");
   EXPECT_EQ(a.topk_id, b.topk_id);
+  EXPECT_EQ(a.top1, b.top1);
+}
+
+/// Asks for log_sum_sq_probs, mean_logits and is_top1, and makes every 5th
+/// scored target of a logits problem the argmax of its row (the lowest id
+/// among equal maxima, x as the service computes it) so is_top1 is 1 there.
+void AskForExtras(Problem& p) {
+  p.options.set_log_sum_sq_probs(true);
+  p.options.set_mean_logits(true);
+  p.options.set_is_top1(true);
+  if (p.is_hidden()) return;
+  for (int64_t i = 0; i < p.n; i += 5) {
+    if (p.targets[i] < 0) continue;
+    const std::vector<double> x = RowAfterTemperature(p, i);
+    p.targets[i] = std::max_element(x.begin(), x.end()) - x.begin();
+  }
 }
 
 /// A logits problem: n rows over V of `dtype`, entropy, top-k 5, 3
-/// gathered ids, optionally temperature 0.7 with top-k 40 and top-p 0.9.
+/// gathered ids, log_sum_sq_probs, mean_logits and is_top1 (AskForExtras),
+/// optionally temperature 0.7 with top-k 40 and top-p 0.9.
 Problem LogitsProblem(DType dtype, int64_t n, int64_t V, bool filters, uint32_t seed) {
   std::mt19937 rng(seed);
   Problem p;
@@ -472,6 +527,7 @@ Problem LogitsProblem(DType dtype, int64_t n, int64_t V, bool filters, uint32_t 
     p.options.set_sampling_top_k(40);
     p.options.set_sampling_top_p(0.9f);
   }
+  AskForExtras(p);
   return p;
 }
 
@@ -494,6 +550,7 @@ Problem HiddenProblem(int64_t n, int64_t V, int64_t H, bool filters, uint32_t se
     p.options.set_sampling_top_k(30);
     p.options.set_sampling_top_p(0.8f);
   }
+  AskForExtras(p);
   return p;
 }
 
@@ -630,6 +687,9 @@ TEST(Scorer, VocabParallelResultsAreBitwiseTheSameWhoeverFinalisesTheRow) {
     const int64_t j = p.n - 1 - i;
     EXPECT_EQ(std::memcmp(&a.token[i], &b.token[j], 4), 0) << "row " << i;
     EXPECT_EQ(std::memcmp(&a.entropy[i], &b.entropy[j], 4), 0) << "row " << i;
+    EXPECT_EQ(std::memcmp(&a.log_sum_sq[i], &b.log_sum_sq[j], 4), 0) << "row " << i;
+    EXPECT_EQ(std::memcmp(&a.mean[i], &b.mean[j], 4), 0) << "row " << i;
+    EXPECT_EQ(a.top1[i], b.top1[j]) << "row " << i;
   }
 }
 
@@ -648,6 +708,9 @@ TEST(Scorer, HiddenStatesInOnePassGiveTheBitsOfTheRounds) {
       ExpectMatchesReference(p, one, "one pass");
       EXPECT_EQ(std::memcmp(rounds.token.data(), one.token.data(), 4 * n), 0);
       EXPECT_EQ(std::memcmp(rounds.entropy.data(), one.entropy.data(), 4 * n), 0);
+      EXPECT_EQ(std::memcmp(rounds.log_sum_sq.data(), one.log_sum_sq.data(), 4 * n), 0);
+      EXPECT_EQ(std::memcmp(rounds.mean.data(), one.mean.data(), 4 * n), 0);
+      EXPECT_EQ(rounds.top1, one.top1);
       EXPECT_EQ(rounds.topk_id, one.topk_id);
       EXPECT_EQ(std::memcmp(rounds.topk_lp.data(), one.topk_lp.data(), 4 * rounds.topk_lp.size()), 0);
       EXPECT_EQ(std::memcmp(rounds.gathered.data(), one.gathered.data(), 4 * rounds.gathered.size()), 0);

@@ -139,8 +139,15 @@ TEST_F(Batching, QueuedRequestsShareBatchesAndMatchScoringAlone) {
     cases.push_back({"random logits T=" + std::to_string(T), r});
   }
   for (int i = 0; i < 3; ++i) cases.push_back({"one row", RandomPackedRequest("logits", 2, 3001, 3001, seed++)});
-  for (int64_t T : {5, 40, 9})
-    cases.push_back({"random hidden T=" + std::to_string(T), RandomHiddenRequest(T, kH, kV, seed++)});
+  for (int64_t T : {5, 40, 9}) {
+    v1::ScoreRequest r = RandomHiddenRequest(T, kH, kV, seed++);
+    if (T == 40) {  // log_sum_sq_probs, mean_logits and is_top1 from hidden states, batched too
+      r.mutable_options()->set_log_sum_sq_probs(true);
+      r.mutable_options()->set_mean_logits(true);
+      r.mutable_options()->set_is_top1(true);
+    }
+    cases.push_back({"random hidden T=" + std::to_string(T), r});
+  }
 
   // Alone: one request at a time. The pool is idle, so each starts at once
   // (the 10 s delay applies only while other batches run).
@@ -187,7 +194,7 @@ TEST_F(Batching, QueuedRequestsShareBatchesAndMatchScoringAlone) {
   };
   EXPECT_EQ(MetricSample(before.output, "logprob_batch_requests_count"), n) << "alone, one request per batch";
   EXPECT_EQ(delta("logprob_batch_requests_sum"), n + 1) << "every request (and the slow one) in exactly one batch";
-  // 25 requests of 9 batch keys, plus the slow one's batch.
+  // 28 requests of 11 batch keys, plus the slow one's batch.
   EXPECT_LE(delta("logprob_batch_requests_count"), n / 2) << "queued requests must share batches";
   EXPECT_EQ(delta("logprob_queue_duration_seconds_count"), n + 1);
   EXPECT_EQ(MetricSample(after.output, "logprob_queued_requests"), 0);

@@ -104,7 +104,7 @@ TEST(ServerBatchInvariance, ResultsAreBitwiseIndependentOfOtherRows) {
     auto server = ServerProcess::Start(2, {"--parallelism", layout});
     ASSERT_TRUE(server);
     auto stub = server->NewStub();
-    for (const char* name : {"basic_f32", "sampling_f32"}) {
+    for (const char* name : {"basic_f32", "sampling_f32", "top1_ties_bf16"}) {
       const GoldenCase c = LoadGolden(name);
       const v1::ScoreRequest full = GoldenRequest(c);
       const v1::ScoreRequest first = FirstSequences(full, 1);

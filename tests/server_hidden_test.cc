@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -54,6 +55,31 @@ v1::Tensor LogitsFromHidden(const v1::Tensor& hidden, const v1::Tensor& weight) 
   t.set_shape(t.shape_size() - 1, V);
   t.set_data(out.data(), out.size() * 4);
   return t;
+}
+
+/// Sets every other target of the padded request `req` (next_token: row t
+/// scores input_ids[t + 1]) to the argmax of its row's float64 logits
+/// (the lowest id among equal maxima); returns how many it set.
+int64_t SetArgmaxTargets(v1::ScoreRequest* req, const v1::Tensor& weight) {
+  const v1::Tensor* hidden = nullptr;
+  v1::Tensor* ids = nullptr;
+  for (auto& t : *req->mutable_inputs()) {
+    if (t.name() == "hidden_states") hidden = &t;
+    if (t.name() == "input_ids") ids = &t;
+  }
+  EXPECT_TRUE(hidden && ids && ids->dtype() == v1::I64 && ids->shape_size() == 2);
+  if (!hidden || !ids || ids->dtype() != v1::I64) return 0;
+  const std::vector<float> x = Floats(LogitsFromHidden(*hidden, weight));
+  const int64_t B = ids->shape(0), S = ids->shape(1), V = weight.shape(0);
+  int64_t set = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t + 1 < S; t += 2) {
+      const float* row = x.data() + (b * S + t) * V;
+      const int64_t best = std::max_element(row, row + V) - row;  // the first maximum
+      std::memcpy(ids->mutable_data()->data() + (b * S + t + 1) * 8, &best, 8);
+      ++set;
+    }
+  return set;
 }
 
 /// `req` with its hidden_states replaced by the logits they map to.
@@ -112,13 +138,24 @@ TEST_P(HiddenGolden, GoldenCaseAndEveryOutputMatchTheLogitsPath) {
   v1::ScoreRequest filters = GoldenRequest(c);
   filters.mutable_options()->set_sampling_top_k(50);
   filters.mutable_options()->set_sampling_top_p(0.9f);
-  for (const auto* req : {&outputs, &filters}) {
+  // is_top1 = 1 too: every other target is the argmax of its row.
+  v1::ScoreRequest top1 = GoldenRequest(c);
+  const int64_t top1_set = SetArgmaxTargets(&top1, weight);
+  ASSERT_TRUE(top1.options().is_top1() && top1.options().log_sum_sq_probs() && top1.options().mean_logits());
+  for (const auto* req : {&outputs, &filters, &top1}) {
     SCOPED_TRACE(req->options().ShortDebugString());
     const v1::ScoreResponse want = MustScore(*stub, AsLogitsRequest(*req, weight));
     const v1::ScoreResponse got = MustScore(*stub, *req);
     ASSERT_EQ(got.outputs_size(), want.outputs_size());
     EXPECT_EQ(CompareOutputs(Outputs(want), Outputs(got)), "");
   }
+  const v1::ScoreResponse top1_resp = MustScore(*stub, top1);
+  const v1::Tensor* is_top1 = FindOutput(top1_resp, "is_top1");
+  ASSERT_NE(is_top1, nullptr);
+  ASSERT_EQ(is_top1->dtype(), v1::I32);
+  int64_t ones = 0;
+  for (size_t i = 0; i < is_top1->data().size() / 4; ++i) ones += ReadInt(v1::I32, is_top1->data().data(), i);
+  EXPECT_EQ(ones, top1_set);
   // The filters leave -inf for filtered targets: the case must exercise them.
   const auto filtered = Floats(*FindOutput(MustScore(*stub, filters), "token_logprobs"));
   EXPECT_GT(std::count_if(filtered.begin(), filtered.end(), [](float x) { return std::isinf(x); }), 0);

@@ -19,6 +19,7 @@
 
 #include "client/channel.h"
 #include "client/health_check.h"
+#include "common/dtype.h"
 
 extern char** environ;
 
@@ -263,11 +264,14 @@ GoldenCase LoadGolden(const std::string& name) {
   if (!get("sampling_top_p").empty()) c.options.set_sampling_top_p(std::stof(get("sampling_top_p")));
   if (!get("topk").empty()) c.options.set_topk(std::stoi(get("topk")));
   c.options.set_entropy(c.expected.Find("entropy") != nullptr);
+  c.options.set_log_sum_sq_probs(c.expected.Find("log_sum_sq_probs") != nullptr);
+  c.options.set_mean_logits(c.expected.Find("mean_logits") != nullptr);
+  c.options.set_is_top1(c.expected.Find("is_top1") != nullptr);
   return c;
 }
 
 std::vector<std::string> LogitsGoldenNames() {
-  return {"basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16"};
+  return {"basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16", "top1_ties_bf16"};
 }
 
 std::string CliOptionFlags(const GoldenCase& c) {
@@ -275,6 +279,9 @@ std::string CliOptionFlags(const GoldenCase& c) {
   const auto& o = c.options;
   if (o.alignment() == v1::SAME_POSITION) f += " --alignment same_position";
   if (o.entropy()) f += " --entropy";
+  if (o.log_sum_sq_probs()) f += " --log-sum-sq-probs";
+  if (o.mean_logits()) f += " --mean-logits";
+  if (o.is_top1()) f += " --is-top1";
   if (o.topk()) f += " --topk " + std::to_string(o.topk());
   if (o.has_temperature()) f += " --temperature " + std::to_string(o.temperature());
   if (o.sampling_top_k()) f += " --sampling-top-k " + std::to_string(o.sampling_top_k());
@@ -319,12 +326,10 @@ std::string CompareOutputs(const std::vector<v1::Tensor>& expected, const std::v
       continue;
     }
     int bad = 0;
-    if (e.dtype() == v1::I64) {
-      const size_t n = e.data().size() / 8;
+    if (IsIntDType(e.dtype())) {  // ids (I64), is_top1 (I32): exact
+      const size_t w = DTypeSize(e.dtype()), n = e.data().size() / w;
       for (size_t i = 0; i < n && bad < 5; ++i) {
-        int64_t a, b;
-        std::memcpy(&a, e.data().data() + 8 * i, 8);
-        std::memcpy(&b, g->data().data() + 8 * i, 8);
+        const int64_t a = ReadInt(e.dtype(), e.data().data(), i), b = ReadInt(g->dtype(), g->data().data(), i);
         if (a != b) err << e.name() << "[" << i << "]: expected " << a << " got " << b << "\n", ++bad;
       }
     } else {

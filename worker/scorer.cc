@@ -26,8 +26,12 @@ StatsSpec SpecOf(const WorkItem& item) {
   const auto& o = item.options();
   spec.temperature = o.has_temperature() ? o.temperature() : 1.0f;
   spec.entropy = o.entropy();
+  spec.log_sum_sq_probs = o.log_sum_sq_probs();
+  spec.mean_logits = o.mean_logits();
+  spec.is_top1 = o.is_top1();
   spec.topk = o.topk();
   spec.gather_k = item.gather_k();
+  spec.vocab_size = item.vocab_size();
   return spec;
 }
 
@@ -42,6 +46,9 @@ class ResultRows {
     res->set_row_end(end);
     res->mutable_token_logprobs()->Resize(static_cast<int>(n), 0.f);
     if (spec.entropy) res->mutable_entropy()->Resize(static_cast<int>(n), 0.f);
+    if (spec.log_sum_sq_probs) res->mutable_log_sum_sq_probs()->Resize(static_cast<int>(n), 0.f);
+    if (spec.mean_logits) res->mutable_mean_logits()->Resize(static_cast<int>(n), 0.f);
+    if (spec.is_top1) res->mutable_is_top1()->Resize(static_cast<int>(n), 0);
     res->mutable_topk_logprobs()->Resize(static_cast<int>(n * spec.topk), 0.f);
     res->mutable_topk_indices()->Resize(static_cast<int>(n * spec.topk), 0);
     res->mutable_gathered_logprobs()->Resize(static_cast<int>(n * spec.gather_k), 0.f);
@@ -51,6 +58,9 @@ class ResultRows {
     kernels::RowOutput o;
     o.token_logprob = res_->mutable_token_logprobs()->mutable_data() + i;
     if (spec_.entropy) o.entropy = res_->mutable_entropy()->mutable_data() + i;
+    if (spec_.log_sum_sq_probs) o.log_sum_sq_probs = res_->mutable_log_sum_sq_probs()->mutable_data() + i;
+    if (spec_.mean_logits) o.mean_logits = res_->mutable_mean_logits()->mutable_data() + i;
+    if (spec_.is_top1) o.is_top1 = res_->mutable_is_top1()->mutable_data() + i;
     if (spec_.topk) {
       o.topk_logprobs = res_->mutable_topk_logprobs()->mutable_data() + i * spec_.topk;
       o.topk_indices = res_->mutable_topk_indices()->mutable_data() + i * spec_.topk;

@@ -28,6 +28,9 @@ RowBlockArgs BaseArgs(const kernels::StatsSpec& spec) {
   RowBlockArgs a;
   a.temperature = spec.temperature;
   a.entropy = spec.entropy ? 1 : 0;
+  a.log_sum_sq_probs = spec.log_sum_sq_probs ? 1 : 0;
+  a.mean_logits = spec.mean_logits ? 1 : 0;
+  a.is_top1 = spec.is_top1 ? 1 : 0;
   a.topk = spec.topk;
   a.gather_k = spec.gather_k;
   return a;

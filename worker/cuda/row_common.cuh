@@ -24,11 +24,17 @@ struct RowView {
   float temperature;
   float keep_min;
 
-  /// x from an element value (exactly as the CPU kernel: IEEE division
-  /// by the temperature when != 1, then the keep_min filter).
-  __device__ __forceinline__ float Post(float v) const {
-    if (temperature != 1.0f) v = __fdiv_rn(v, temperature);
-    return v < keep_min ? -INFINITY : v;
+  /// x before the filter (exactly as the CPU kernel: IEEE division by the
+  /// temperature when != 1).
+  __device__ __forceinline__ float Scale(float v) const { return temperature != 1.0f ? __fdiv_rn(v, temperature) : v; }
+  /// The keep_min filter of a scaled x.
+  __device__ __forceinline__ float Filter(float x) const { return x < keep_min ? -INFINITY : x; }
+  /// x from an element value: Scale, then the keep_min filter.
+  __device__ __forceinline__ float Post(float v) const { return Filter(Scale(v)); }
+  /// Post (kFilter) or Scale only (!kFilter).
+  template <bool kFilter>
+  __device__ __forceinline__ float Out(float v) const {
+    return kFilter ? Post(v) : Scale(v);
   }
   __device__ __forceinline__ float Raw(int64_t i) const {
     switch (type) {
@@ -54,14 +60,16 @@ __device__ __forceinline__ float Hi16(uint32_t w, ElemType t) {
 }
 
 /// Calls f(x, i) for every column i of the row, each once, spread over the
-/// block's threads (16-byte loads for the aligned body; no order).
-template <typename F>
+/// block's threads (16-byte loads for the aligned body; no order). x is
+/// RowView::Post (kFilter, the default) or RowView::Scale (!kFilter: the
+/// caller filters, e.g. to sum x before the filter too).
+template <bool kFilter = true, typename F>
 __device__ __forceinline__ void ForEachX(const RowView& r, F&& f) {
   const int esize = ElemSize(r.type);
   const uintptr_t addr = reinterpret_cast<uintptr_t>(r.p);
   int64_t head = (addr % esize) ? r.len : static_cast<int64_t>(((16 - (addr & 15)) & 15) / esize);
   if (head > r.len) head = r.len;
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) f(r.X(i), i);
+  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) f(r.Out<kFilter>(r.Raw(i)), i);
   const int per = 16 / esize;
   const int64_t nvec = (r.len - head) / per;
   const uint4* v = reinterpret_cast<const uint4*>(r.p + head * esize);
@@ -69,20 +77,20 @@ __device__ __forceinline__ void ForEachX(const RowView& r, F&& f) {
     const uint4 w = __ldg(v + j);
     const int64_t b = head + j * per;
     if (r.type == ElemType::kF32) {
-      f(r.Post(__uint_as_float(w.x)), b);
-      f(r.Post(__uint_as_float(w.y)), b + 1);
-      f(r.Post(__uint_as_float(w.z)), b + 2);
-      f(r.Post(__uint_as_float(w.w)), b + 3);
+      f(r.Out<kFilter>(__uint_as_float(w.x)), b);
+      f(r.Out<kFilter>(__uint_as_float(w.y)), b + 1);
+      f(r.Out<kFilter>(__uint_as_float(w.z)), b + 2);
+      f(r.Out<kFilter>(__uint_as_float(w.w)), b + 3);
     } else {
       const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        f(r.Post(Lo16(ws[k], r.type)), b + 2 * k);
-        f(r.Post(Hi16(ws[k], r.type)), b + 2 * k + 1);
+        f(r.Out<kFilter>(Lo16(ws[k], r.type)), b + 2 * k);
+        f(r.Out<kFilter>(Hi16(ws[k], r.type)), b + 2 * k + 1);
       }
     }
   }
-  for (int64_t i = head + nvec * per + threadIdx.x; i < r.len; i += blockDim.x) f(r.X(i), i);
+  for (int64_t i = head + nvec * per + threadIdx.x; i < r.len; i += blockDim.x) f(r.Out<kFilter>(r.Raw(i)), i);
 }
 
 /// Order-preserving key: a > b (floats, -0 == +0) iff Key(a) > Key(b).

@@ -5,10 +5,10 @@
 // CPU kernel's): x = logits / temperature with entries below the row's
 // keep_min removed (-inf); record::kAbsentXBits for ids outside the slice;
 // top-k best first (larger x, then lower id), padded with
-// (-inf, record::kNoTopkId). s and u come from per-thread float online softmax
+// (-inf, record::kNoTopkId). s, u, q and zsum come from per-thread float
 // sums combined in float64 (the CPU kernel sums differently: equal within
-// float32 rounding, not bitwise); m, target_x, gather_x and the top-k are
-// bitwise those of the CPU kernel.
+// float32 rounding, not bitwise); m, target_x, pre_target_max, gather_x and
+// the top-k are bitwise those of the CPU kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,6 +38,9 @@ struct RowBlockArgs {
   const float* keep_min = nullptr;      // device [rows] or null (no filter)
   float temperature = 1.0f;
   int entropy = 0;
+  int log_sum_sq_probs = 0;  // record field q
+  int mean_logits = 0;       // record field zsum (x before the filter)
+  int is_top1 = 0;           // record field pre_target_max
   int topk = 0;
   int gather_k = 0;
   uint32_t* records = nullptr;      // device [rows, record::Words(gather_k, topk)]
@@ -46,7 +49,9 @@ struct RowBlockArgs {
 };
 
 /// One block per row: one pass (online softmax, float32 per thread,
-/// float64 across threads) for m, s, u; the target and gather x; the top-k
+/// float64 across threads) for m, s, u and, when asked, q (= sum e^2,
+/// rescaled like s), zsum (float32 per thread) and pre_target_max (bitwise
+/// the CPU kernel's); the target and gather x; the top-k
 /// (topk_select.cuh: a coarse key histogram fused into the pass, then one
 /// candidate pass, or radix select when the k-th value's bucket holds more
 /// than 2048 entries). Asynchronous on `stream`.

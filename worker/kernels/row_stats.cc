@@ -73,28 +73,42 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin, int64
   const float temperature = spec.temperature;
   const bool scale = temperature != 1.0f;
   double s = 0.0, u = 0.0;  // u relative to m
+  double q = 0.0;           // sum exp(2(x - m)), on request
+  double zsum = 0.0;        // sum of x before the filters, on request
   float m = kNegInf;
+  // is_top1: max x over the slice's ids < target (local column t_local).
+  float pre_target_max = kNegInf;
+  const int64_t t_local = spec.is_top1 && row.target >= 0 ? row.target - vocab_begin : 0;
   TopK topk(spec.topk);
 
   for (int64_t b0 = 0; b0 < len; b0 += static_cast<int64_t>(kBlock)) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kBlock, len - b0));
     float* x = scratch;
     size_t padded = 0;
+    float bz = 0.f;
     const float bm = PrepareBlock(dtype, static_cast<const char*>(row.logits) + b0 * esize, n, temperature,
-                                  row.keep_min, x, &padded);
+                                  row.keep_min, x, &padded, spec.mean_logits ? &bz : nullptr);
+    zsum += bz;
     if (bm > m) {
-      if (m > kNegInf) {  // rescale: u' = r * (u + s * (m_old - m_new))
+      if (m > kNegInf) {  // rescale: u' = r * (u + s * (m_old - m_new)), q' = r^2 q
         const double r = std::exp(static_cast<double>(m) - bm);
         u = r * (u + s * (static_cast<double>(m) - bm));
         s *= r;
+        q *= r * r;
       }
       m = bm;
     }
     if (m > kNegInf) {
-      float bs = 0.f, bu = 0.f;
-      ExpSums(x, padded, m, &bs, spec.entropy ? &bu : nullptr);
+      float bs = 0.f, bu = 0.f, bq = 0.f;
+      ExpSums(x, padded, m, &bs, spec.entropy ? &bu : nullptr, spec.log_sum_sq_probs ? &bq : nullptr);
       s += bs;
       u += bu;
+      q += bq;
+    }
+    if (t_local >= b0 + static_cast<int64_t>(n)) {  // the whole block lies before the target
+      pre_target_max = std::max(pre_target_max, bm);
+    } else if (t_local > b0) {  // the target's block: its columns before the target
+      for (int64_t i = 0; i < t_local - b0; ++i) pre_target_max = std::max(pre_target_max, x[i]);
     }
     if (spec.topk > 0) {
       size_t i = 0;
@@ -118,6 +132,10 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin, int64
   out[record::kTargetWord] = row.target >= 0 ? Bits(x_at(row.target)) : record::kAbsentXBits;
   PutDouble(out + record::kSWord, s);
   PutDouble(out + record::kUWord, u);
+  PutDouble(out + record::kQWord, q);
+  PutDouble(out + record::kZSumWord, zsum);
+  out[record::kPreTargetMaxWord] = Bits(pre_target_max);
+  out[record::kReservedWord] = 0;
   for (int j = 0; j < spec.gather_k; ++j) out[record::GatherWord(j)] = Bits(x_at(row.gather_ids[j]));
   uint32_t* tv = out + record::TopkValueWord(spec.gather_k, 0);
   uint32_t* ti = out + record::TopkIdWord(spec.gather_k, spec.topk, 0);
@@ -134,14 +152,18 @@ void CombinePartials(const uint32_t* const* records, int count, const StatsSpec&
                      const RowOutput& out) {
   double M = -std::numeric_limits<double>::infinity();
   for (int r = 0; r < count; ++r) M = std::max<double>(M, Float(records[r][record::kMaxWord]));
-  double S = 0.0, U = 0.0;
+  double S = 0.0, U = 0.0, Q = 0.0, Z = 0.0;
+  float pre_target_max = kNegInf;
   for (int r = 0; r < count; ++r) {
+    Z += GetDouble(records[r] + record::kZSumWord);
+    pre_target_max = std::max(pre_target_max, Float(records[r][record::kPreTargetMaxWord]));
     const double mr = Float(records[r][record::kMaxWord]);
     if (mr == -std::numeric_limits<double>::infinity()) continue;
     const double w = std::exp(mr - M);
     const double sr = GetDouble(records[r] + record::kSWord);
     S += sr * w;
     U += (GetDouble(records[r] + record::kUWord) + sr * (mr - M)) * w;
+    Q += GetDouble(records[r] + record::kQWord) * (w * w);
   }
   const double logZ = M + std::log(S);
 
@@ -159,6 +181,16 @@ void CombinePartials(const uint32_t* const* records, int count, const StatsSpec&
   if (spec.entropy && out.entropy) {
     const double h = std::log(S) - U / S;  // U = sum exp(x - M) (x - M)
     *out.entropy = static_cast<float>(std::max(0.0, h));
+  }
+  if (spec.log_sum_sq_probs && out.log_sum_sq_probs) {
+    *out.log_sum_sq_probs = has_target ? static_cast<float>(std::log(Q) - 2.0 * std::log(S)) : 0.0f;
+  }
+  if (spec.mean_logits && out.mean_logits) {
+    *out.mean_logits = has_target ? static_cast<float>(Z / static_cast<double>(spec.vocab_size)) : 0.0f;
+  }
+  if (spec.is_top1 && out.is_top1) {
+    const double tx = has_target ? pick(record::kTargetWord) : std::nan("");
+    *out.is_top1 = (tx >= M && tx > pre_target_max) ? 1 : 0;  // NaN (no target) compares false
   }
   if (out.gathered) {
     for (int j = 0; j < spec.gather_k; ++j) out.gathered[j] = static_cast<float>(pick(record::GatherWord(j)) - logZ);

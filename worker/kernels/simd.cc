@@ -19,7 +19,7 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 float PrepareBlockImpl(DType dtype, const void* src, size_t n, float temperature, float keep_min, float* dst,
-                       size_t* padded) {
+                       size_t* padded, float* sum) {
   const hn::ScalableTag<float> df;
   const size_t L = hn::Lanes(df);
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -27,40 +27,44 @@ float PrepareBlockImpl(DType dtype, const void* src, size_t n, float temperature
   const auto vt = hn::Set(df, temperature);
   const auto vkeep = hn::Set(df, keep_min);
   const bool scale = temperature != 1.0f, filter = keep_min > ninf;
-  auto vmax = vinf;
+  auto vmax = vinf, vsum = hn::Zero(df);
   size_t i = 0;
-  auto finish = [&](hn::Vec<decltype(df)> v) {
+  // `live`: the lanes that hold elements (all but in the padded tail).
+  auto finish = [&](hn::Vec<decltype(df)> v, hn::Mask<decltype(df)> live) {
     if (scale) v = hn::Div(v, vt);
+    if (sum) vsum = hn::Add(vsum, hn::IfThenElseZero(live, v));
     if (filter) v = hn::IfThenElse(hn::Lt(v, vkeep), vinf, v);
     vmax = hn::Max(vmax, v);
     return v;
   };
+  const auto all = hn::FirstN(df, L);
   if (dtype == v1::F32) {
     const float* p = static_cast<const float*>(src);
-    for (; i + L <= n; i += L) hn::StoreU(finish(hn::LoadU(df, p + i)), df, dst + i);
+    for (; i + L <= n; i += L) hn::StoreU(finish(hn::LoadU(df, p + i), all), df, dst + i);
   } else if (dtype == v1::BF16) {
     const hn::Rebind<uint16_t, decltype(df)> d16;
     const hn::RebindToUnsigned<decltype(df)> du32;
     const uint16_t* p = static_cast<const uint16_t*>(src);
     for (; i + L <= n; i += L) {
       const auto w = hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(d16, p + i)));
-      hn::StoreU(finish(hn::BitCast(df, w)), df, dst + i);
+      hn::StoreU(finish(hn::BitCast(df, w), all), df, dst + i);
     }
   } else {
     const hn::Rebind<hwy::float16_t, decltype(df)> dh;
     const hwy::float16_t* p = static_cast<const hwy::float16_t*>(src);
-    for (; i + L <= n; i += L) hn::StoreU(finish(hn::PromoteTo(df, hn::LoadU(dh, p + i))), df, dst + i);
+    for (; i + L <= n; i += L) hn::StoreU(finish(hn::PromoteTo(df, hn::LoadU(dh, p + i)), all), df, dst + i);
   }
   // Tail: scalar conversion, then the same vector path on a padded vector.
   const size_t pad_to = ((n + 2 * L - 1) / (2 * L)) * (2 * L);
   if (i < n) {
     ToFloat(dtype, static_cast<const char*>(src) + i * DTypeSize(dtype), n - i, dst + i);
     for (size_t j = n; j < i + L; ++j) dst[j] = ninf;
-    hn::StoreU(finish(hn::LoadU(df, dst + i)), df, dst + i);
+    hn::StoreU(finish(hn::LoadU(df, dst + i), hn::FirstN(df, n - i)), df, dst + i);
     i += L;
   }
   for (; i < pad_to; ++i) dst[i] = ninf;
   *padded = pad_to;
+  if (sum) *sum = hn::GetLane(hn::SumOfLanes(df, vsum));
   return hn::GetLane(hn::MaxOfLanes(df, vmax));
 }
 
@@ -86,20 +90,14 @@ HWY_INLINE V ExpNonPositive(D d, V x) {
   return hn::IfThenElseZero(hn::Ge(x, hn::Set(d, -87.0f)), r);
 }
 
-void ExpSumsImpl(const float* x, size_t n, float m, float* s, float* u) {
+/// ExpSums with the sums chosen at compile time (kU: u, kQ: q).
+template <bool kU, bool kQ>
+HWY_INLINE void ExpSumsT(const float* x, size_t n, float m, float* s, float* u, float* q) {
   const hn::ScalableTag<float> df;
   const size_t L = hn::Lanes(df);
   const auto vm = hn::Set(df, m);
   const auto zero = hn::Zero(df);
-  auto s0 = zero, s1 = zero, u0 = zero, u1 = zero;
-  if (u == nullptr) {  // token logprobs only: the sum of exponentials
-    for (size_t i = 0; i + 2 * L <= n; i += 2 * L) {
-      s0 = hn::Add(s0, ExpNonPositive(df, hn::Sub(hn::LoadU(df, x + i), vm)));
-      s1 = hn::Add(s1, ExpNonPositive(df, hn::Sub(hn::LoadU(df, x + i + L), vm)));
-    }
-    *s = hn::GetLane(hn::SumOfLanes(df, hn::Add(s0, s1)));
-    return;
-  }
+  auto s0 = zero, s1 = zero, u0 = zero, u1 = zero, q0 = zero, q1 = zero;
   for (size_t i = 0; i + 2 * L <= n; i += 2 * L) {
     const auto d0 = hn::Sub(hn::LoadU(df, x + i), vm);
     const auto d1 = hn::Sub(hn::LoadU(df, x + i + L), vm);
@@ -107,12 +105,25 @@ void ExpSumsImpl(const float* x, size_t n, float m, float* s, float* u) {
     const auto e1 = ExpNonPositive(df, d1);
     s0 = hn::Add(s0, e0);
     s1 = hn::Add(s1, e1);
-    // exp(d) == 0 (d = -inf or far below): no 0 * inf.
-    u0 = hn::Add(u0, hn::IfThenElseZero(hn::Gt(e0, zero), hn::Mul(e0, d0)));
-    u1 = hn::Add(u1, hn::IfThenElseZero(hn::Gt(e1, zero), hn::Mul(e1, d1)));
+    if (kU) {  // exp(d) == 0 (d = -inf or far below): no 0 * inf.
+      u0 = hn::Add(u0, hn::IfThenElseZero(hn::Gt(e0, zero), hn::Mul(e0, d0)));
+      u1 = hn::Add(u1, hn::IfThenElseZero(hn::Gt(e1, zero), hn::Mul(e1, d1)));
+    }
+    if (kQ) {  // exp(2d) = exp(d)^2
+      q0 = hn::MulAdd(e0, e0, q0);
+      q1 = hn::MulAdd(e1, e1, q1);
+    }
   }
   *s = hn::GetLane(hn::SumOfLanes(df, hn::Add(s0, s1)));
-  *u = hn::GetLane(hn::SumOfLanes(df, hn::Add(u0, u1)));
+  if (kU) *u = hn::GetLane(hn::SumOfLanes(df, hn::Add(u0, u1)));
+  if (kQ) *q = hn::GetLane(hn::SumOfLanes(df, hn::Add(q0, q1)));
+}
+
+void ExpSumsImpl(const float* x, size_t n, float m, float* s, float* u, float* q) {
+  if (u && q) return ExpSumsT<true, true>(x, n, m, s, u, q);
+  if (u) return ExpSumsT<true, false>(x, n, m, s, u, q);
+  if (q) return ExpSumsT<false, true>(x, n, m, s, u, q);
+  return ExpSumsT<false, false>(x, n, m, s, u, q);  // token logprobs only: the sum of exponentials
 }
 
 size_t NextAboveImpl(const float* x, size_t begin, size_t n, float floor) {
@@ -141,12 +152,12 @@ HWY_EXPORT(ExpSumsImpl);
 HWY_EXPORT(NextAboveImpl);
 
 float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, float keep_min, float* dst,
-                   size_t* padded) {
-  return HWY_DYNAMIC_DISPATCH(PrepareBlockImpl)(dtype, src, n, temperature, keep_min, dst, padded);
+                   size_t* padded, float* sum) {
+  return HWY_DYNAMIC_DISPATCH(PrepareBlockImpl)(dtype, src, n, temperature, keep_min, dst, padded, sum);
 }
 
-void ExpSums(const float* x, size_t n, float m, float* s, float* u) {
-  HWY_DYNAMIC_DISPATCH(ExpSumsImpl)(x, n, m, s, u);
+void ExpSums(const float* x, size_t n, float m, float* s, float* u, float* q) {
+  HWY_DYNAMIC_DISPATCH(ExpSumsImpl)(x, n, m, s, u, q);
 }
 
 size_t NextAbove(const float* x, size_t begin, size_t n, float floor) {

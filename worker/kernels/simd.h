@@ -17,14 +17,18 @@ constexpr size_t kBlockBufferFloats = kBlock + 64;
 /// divides by `temperature` (when != 1), sets values below `keep_min` to
 /// -inf, pads `dst` with -inf to a whole number of vector pairs, and
 /// returns the block's max. Returns the padded length in *padded.
+/// When `sum` is not null, *sum = the sum of the n values after the
+/// division and before the keep_min filter (float32 lanes, summed at the
+/// end; the mean_logits statistic). Deterministic for given inputs.
 float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, float keep_min, float* dst,
-                   size_t* padded);
+                   size_t* padded, float* sum = nullptr);
 
 /// Over x[0..n) (n from PrepareBlock's *padded), with d = x - m:
-/// *s = sum exp(d), *u = sum exp(d) * d (terms with exp(d) == 0 skipped).
-/// u may be null when only s is wanted. Lane-wise float accumulation,
+/// *s = sum exp(d), *u = sum exp(d) * d (terms with exp(d) == 0 skipped),
+/// *q = sum exp(d)^2 (= sum exp(2d), the log_sum_sq_probs statistic).
+/// u and q may be null when not wanted. Lane-wise float accumulation,
 /// summed at the end.
-void ExpSums(const float* x, size_t n, float m, float* s, float* u);
+void ExpSums(const float* x, size_t n, float m, float* s, float* u, float* q = nullptr);
 
 /// The first index i in [begin, n) with x[i] > floor, or n.
 size_t NextAbove(const float* x, size_t begin, size_t n, float floor);

@@ -1,7 +1,8 @@
 """Python client of the logprob scoring service (``logprob.v1.LogprobService``).
 
 Scores numpy / torch batches of logits or hidden states for RL rollout
-workers: token logprobs, entropy, top-k and gathered logprobs (semantics in
+workers: token logprobs, entropy, log_sum_sq_probs, mean_logits, is_top1,
+top-k and gathered logprobs (semantics in
 docs/SPEC.md), splitting batches larger than the server's limits into
 requests of whole sequences, retrying UNAVAILABLE / RESOURCE_EXHAUSTED with
 exponential backoff and jitter within one deadline per call, over TLS /

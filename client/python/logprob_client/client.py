@@ -147,7 +147,9 @@ class LogprobClient(ClientBase):
           logprobs come back in ``gathered_logprobs``.
 
         Options: ``alignment`` "next_token" (row t scores input_ids[t + 1])
-        or "same_position"; ``entropy``; ``topk`` (K of ``topk_logprobs`` /
+        or "same_position"; ``entropy``; ``log_sum_sq_probs``,
+        ``mean_logits``, ``is_top1`` (bools: those per-token outputs, SPEC's
+        definitions; ``is_top1`` comes back as bool); ``topk`` (K of ``topk_logprobs`` /
         ``topk_indices``); ``temperature`` (> 0); ``sampling_top_k`` (0
         off), ``sampling_top_p`` (1 or None off); ``ignore_index`` (default
         -100 at the server: such targets score 0); ``request_id`` (default

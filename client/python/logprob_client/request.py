@@ -118,6 +118,9 @@ def score_options(
     sampling_top_k: int = 0,
     sampling_top_p: Optional[float] = None,
     ignore_index: Optional[int] = None,
+    log_sum_sq_probs: bool = False,
+    mean_logits: bool = False,
+    is_top1: bool = False,
 ) -> Any:
     """The ``logprob.v1.ScoreOptions`` of ``score``'s keyword options.
     Raises InvalidInputError for an unknown alignment."""
@@ -134,6 +137,9 @@ def score_options(
         options.sampling_top_p = float(sampling_top_p)
     if ignore_index is not None:
         options.ignore_index = int(ignore_index)
+    options.log_sum_sq_probs = bool(log_sum_sq_probs)
+    options.mean_logits = bool(mean_logits)
+    options.is_top1 = bool(is_top1)
     return options
 
 
@@ -310,13 +316,21 @@ class ScoreCall:
         return result
 
 
+# Outputs the server sends as I32 0/1 that the clients return as bool.
+BOOL_OUTPUTS = frozenset({"is_top1"})
+
+
 def decode(response: Any) -> Dict[str, Array]:
     """``{name: ndarray}`` of a ``ScoreResponse``'s outputs (views of its
-    bytes). Raises LogprobError (INTERNAL) for a malformed output."""
+    bytes; the I32 0/1 outputs of BOOL_OUTPUTS as bool copies). Raises
+    LogprobError (INTERNAL) for a malformed output."""
     try:
-        return {t.name: from_tensor(t) for t in response.outputs}
+        out = {t.name: from_tensor(t) for t in response.outputs}
     except ValueError as e:
         raise LogprobError(grpc.StatusCode.INTERNAL, "response %s: %s" % (response.id, e)) from None
+    for name in BOOL_OUTPUTS & out.keys():
+        out[name] = out[name] != 0
+    return out
 
 
 def status_error(response: Any, part: Optional[Tuple[int, int]] = None) -> Optional[LogprobError]:

@@ -8,7 +8,8 @@ from ._proto import pb2
 
 
 class ScoreResult:
-    """The outputs of one score call: numpy arrays (float32; ids int64) for
+    """The outputs of one score call: numpy arrays (float32; ids int64;
+    ``is_top1`` bool) for
     numpy input, torch tensors on the input's device for torch input,
     shaped like the input's token layout (docs/SPEC.md):
 
@@ -22,7 +23,11 @@ class ScoreResult:
     call sent in one part are read-only views of the response's bytes
     (``.copy()`` to modify); torch outputs share that memory (CPU).
 
-    Attributes: ``token_logprobs``, ``entropy``, ``topk_logprobs``,
+    Attributes: ``token_logprobs``, ``entropy``, ``log_sum_sq_probs``
+    (float32: log of the sum of p^2 of the scored distribution),
+    ``mean_logits`` (float32: mean of logits / temperature over the
+    vocabulary, before the sampling filters), ``is_top1`` (bool: the target
+    is the argmax, the lowest id among equal maxima), ``topk_logprobs``,
     ``topk_indices``, ``gathered_logprobs``, ``outputs`` (dict of all by
     name), ``id``, ``num_parts`` (requests the batch was split into),
     ``attempts`` (calls sent, retries included), ``head`` and
@@ -45,6 +50,18 @@ class ScoreResult:
     @property
     def entropy(self) -> Optional[Any]:
         return self.outputs.get("entropy")
+
+    @property
+    def log_sum_sq_probs(self) -> Optional[Any]:
+        return self.outputs.get("log_sum_sq_probs")
+
+    @property
+    def mean_logits(self) -> Optional[Any]:
+        return self.outputs.get("mean_logits")
+
+    @property
+    def is_top1(self) -> Optional[Any]:
+        return self.outputs.get("is_top1")
 
     @property
     def topk_logprobs(self) -> Optional[Any]:

@@ -29,9 +29,26 @@ def scored_logprobs(z, temperature=1.0, top_k=0, top_p=1.0):
     return np.where(keep, xs - lse, -np.inf)
 
 
+def extra_outputs(z, target, temperature=1.0, top_k=0, top_p=1.0):
+    """(log_sum_sq_probs, mean_logits, is_top1) of one row scoring
+    ``target`` (docs/SPEC.md): log(sum p^2) of the filtered distribution,
+    the mean of x = z / temperature (float32 division, as the server) over
+    the whole vocabulary before the filters, and whether the target is the
+    argmax of x (np.argmax: the lowest id among equal maxima). A target
+    < 0 (ignore_index) gives (0, 0, False)."""
+    if target < 0:
+        return 0.0, 0.0, False
+    lp = scored_logprobs(z, temperature, top_k, top_p)
+    p = np.exp(lp)
+    x = (np.asarray(z, dtype=np.float32) / np.float32(temperature)).astype(np.float64)
+    return float(np.log(np.sum(p * p))), float(x.sum() / x.size), bool(int(np.argmax(x)) == int(target))
+
+
 def score_padded(logits, ids, seq_lens=None, alignment="next_token", temperature=1.0, top_k=0, top_p=1.0,
-                 topk=0, gather=None, ignore_index=-100):
-    """Reference outputs {name: array} of a padded batch [B, S, V]."""
+                 topk=0, gather=None, ignore_index=-100, extras=False):
+    """Reference outputs {name: array} of a padded batch [B, S, V];
+    ``extras``: also log_sum_sq_probs, mean_logits (float32) and is_top1
+    (bool)."""
     B, S, V = logits.shape
     lens = np.full(B, S) if seq_lens is None else np.asarray(seq_lens)
     shift = 1 if alignment == "next_token" else 0
@@ -45,6 +62,10 @@ def score_padded(logits, ids, seq_lens=None, alignment="next_token", temperature
         out["topk_indices"] = np.zeros((B, O, topk), dtype=np.int64)
     if gather is not None:
         out["gathered_logprobs"] = np.zeros(gather.shape)
+    if extras:
+        out["log_sum_sq_probs"] = np.zeros((B, O))
+        out["mean_logits"] = np.zeros((B, O))
+        out["is_top1"] = np.zeros((B, O), dtype=bool)
     for b in range(B):
         for t in range(int(lens[b]) - shift):
             lp = scored_logprobs(logits[b, t], temperature, top_k, top_p)
@@ -58,4 +79,7 @@ def score_padded(logits, ids, seq_lens=None, alignment="next_token", temperature
                 out["topk_indices"][b, t] = order
             if gather is not None:
                 out["gathered_logprobs"][b, t] = lp[gather[b, t]]
+            if extras:
+                e = extra_outputs(logits[b, t], -1 if target == ignore_index else target, temperature, top_k, top_p)
+                out["log_sum_sq_probs"][b, t], out["mean_logits"][b, t], out["is_top1"][b, t] = e
     return {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in out.items()}

@@ -32,7 +32,7 @@ BIN_DIR = os.environ.get("LOGPROB_BIN_DIR", os.path.join(SOURCE_ROOT, "build", "
 GOLDEN_DIR = os.environ.get("LOGPROB_GOLDEN_DIR", os.path.join(SOURCE_ROOT, "tests", "data", "golden"))
 CHUNK_CODEC_GOLDEN_DIR = os.environ.get("LOGPROB_CHUNK_CODEC_GOLDEN_DIR",
                                         os.path.join(SOURCE_ROOT, "tests", "data", "chunk_codec"))
-LOGITS_CASES = ["basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16"]
+LOGITS_CASES = ["basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16", "top1_ties_bf16"]
 
 
 def free_port():
@@ -185,6 +185,9 @@ class Golden:
         if meta.get("topk"):
             o["topk"] = int(meta["topk"])
         o["entropy"] = "entropy" in self.expected
+        for name in ("log_sum_sq_probs", "mean_logits", "is_top1"):
+            if name in self.expected:
+                o[name] = True
         self.options = o
 
     def rows_name(self):
@@ -302,18 +305,23 @@ def as_numpy_outputs(outputs):
 
 def compare(expected, got):
     """'' when every expected output is in ``got`` ({name: ndarray}) with the
-    same shape and dtype and within the SPEC tolerance (ids exact, infinities
-    equal); else a description of the first mismatches."""
+    same shape and dtype (is_top1: bool for an expected I32) and within the
+    SPEC tolerance (ids and is_top1 exact, infinities equal); else a description of the first mismatches."""
     errors = []
     for name, e in expected.items():
         g = got.get(name)
         if g is None:
             errors.append("missing output %s" % name)
             continue
-        if g.shape != e.shape or g.dtype != e.dtype:
+        if g.shape != e.shape:
             errors.append("%s: %s %s, expected %s %s" % (name, g.dtype, g.shape, e.dtype, e.shape))
             continue
-        if e.dtype.kind == "i":
+        if e.dtype.kind == "i" and g.dtype == np.bool_:  # is_top1: I32 0/1 in the files, bool from the clients
+            e = e != 0
+        elif g.dtype != e.dtype:
+            errors.append("%s: %s %s, expected %s %s" % (name, g.dtype, g.shape, e.dtype, e.shape))
+            continue
+        if e.dtype.kind in "ib":
             bad = np.argwhere(e != g)
         else:
             e64, g64 = e.astype(np.float64), g.astype(np.float64)

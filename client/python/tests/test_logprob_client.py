@@ -287,6 +287,50 @@ class OptionsTest(unittest.TestCase):
         self.assertEqual(res.token_logprobs[2, 2], 0.0)  # target 7 ignored
         self.assertTrue(np.isneginf(res.token_logprobs).any())  # filtered targets: -inf
 
+    def test_log_sum_sq_probs_mean_logits_is_top1(self):
+        # bf16-exact values on a grid of 1/4: exact ties at the maxima.
+        rng = np.random.default_rng(30)
+        logits = (np.round(rng.standard_normal((self.B, self.S, self.V)) * 8) / 4).astype(np.float32)
+        ids = self.ids.copy()
+        first_max = np.argmax(logits, axis=-1)  # the lowest id among equal maxima
+        for b in range(self.B):
+            for t in range(0, self.S - 1, 2):
+                top = np.flatnonzero(logits[b, t] == logits[b, t].max())
+                ids[b, t + 1] = first_max[b, t] if t % 4 == 0 else top[-1]  # a later tie is not top-1
+        ids[0, 3] = -100
+        extras = dict(log_sum_sq_probs=True, mean_logits=True, is_top1=True)
+        for kw, ref_kw in (
+            (dict(temperature=0.7), dict(temperature=0.7)),
+            # top-k only: reference.py's top-p does not apply SPEC's tie rule, and these rows tie a lot.
+            (dict(temperature=0.9, sampling_top_k=20), dict(temperature=0.9, top_k=20)),
+        ):
+            for split in (False, True):  # split: one request per sequence, joined
+                with self.subTest(options=kw, split=split):
+                    client = self.server.client(max_tokens_per_request=12) if split else self.client
+                    try:
+                        res = client.score(logits=logits, input_ids=ids, seq_lens=self.seq_lens, dtype="bf16",
+                                           entropy=True, **kw, **extras)
+                    finally:
+                        if split:
+                            client.close()
+                    self.assertEqual(res.num_parts, 3 if split else 1)
+                    ref = reference.score_padded(logits, ids, self.seq_lens, extras=True, **ref_kw)
+                    self.assertEqual(compare(ref, res.outputs), "")
+                    self.assertEqual(res.is_top1.dtype, np.bool_)
+                    self.assertEqual(res.log_sum_sq_probs.dtype, np.float32)
+                    self.assertEqual(res.mean_logits.shape, (self.B, self.S - 1))
+                    self.assertTrue(res.is_top1.any() and not res.is_top1.all())
+                    # Not scored (ignore_index, past seq_lens): 0.
+                    self.assertEqual((res.log_sum_sq_probs[0, 2], res.mean_logits[0, 2], res.is_top1[0, 2]),
+                                     (0.0, 0.0, False))
+                    self.assertFalse(res.is_top1[2, 4:].any())
+                    np.testing.assert_array_equal(res.mean_logits[2, 4:], 0)
+        res = self.client.score(logits=logits, input_ids=ids, dtype="bf16")
+        self.assertIsNone(res.log_sum_sq_probs)
+        self.assertIsNone(res.mean_logits)
+        self.assertIsNone(res.is_top1)
+        self.assertEqual(set(res.outputs), {"token_logprobs"})
+
     def test_wire_dtype_conversion(self):
         for dtype, rounded in (
             ("f16", self.logits.astype(np.float16).astype(np.float32)),

@@ -42,6 +42,17 @@ class TorchTest(unittest.TestCase):
             self.assertEqual(t.dtype, torch.int64 if name == "topk_indices" else torch.float32, name)
         self.assertEqual(compare(ref, as_numpy_outputs(res.outputs)), "")
 
+    def test_extra_outputs_are_float32_and_bool_tensors(self):
+        logits = torch.from_numpy(self.logits)
+        res = self.client.score(logits=logits, input_ids=torch.from_numpy(self.ids), seq_lens=self.seq_lens,
+                                log_sum_sq_probs=True, mean_logits=True, is_top1=True)
+        self.assertEqual(res.is_top1.dtype, torch.bool)
+        self.assertEqual(res.log_sum_sq_probs.dtype, torch.float32)
+        self.assertEqual(res.mean_logits.dtype, torch.float32)
+        ref = reference.score_padded(self.logits, self.ids, self.seq_lens, extras=True)
+        ref.pop("entropy")
+        self.assertEqual(compare(ref, as_numpy_outputs(res.outputs)), "")
+
     def test_dtypes_contiguous_and_not(self):
         base = torch.from_numpy(self.logits)
         ids = torch.from_numpy(self.ids)
