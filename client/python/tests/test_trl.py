@@ -15,10 +15,10 @@ What the GRPO tests check, per model:
 - each answer is within 2e-4 + 2e-5 |x| of a float64 computation on the
   call's own inputs (hidden, weight, bias, transforms, temperature);
 - the loss and KL logged at each step equal those of a run without the
-  service with cast_lm_head_to_fp32=True (same seed) within LOSS_TOL /
-  KL_TOL (both runs compute float32 logits from float32 weights; they
+  service with cast_lm_head_to_fp32=True (same seed) within
+  TOL * (1 + |value|) (both runs compute float32 logits from float32 weights; they
   differ by the summation order of the two kernels, ~1e-7 relative in
-  each logprob, which the three steps' updates carry into the loss);
+  each logprob, which the three steps' updates carry into the loss): TOL;
 - the server's policy version is step-N after step N (step-0 at begin);
 - the reference head was kept when the server held the reference weights
   already (Qwen2: started from the checkpoint), pushed once otherwise
@@ -47,9 +47,10 @@ from logprob_client import fused_head  # noqa: E402
 from logprob_client.trl import HeadMismatchError, check_trl_version, use_service  # noqa: E402
 
 STEPS = 3
-# |service run - unpatched fp32 run| per logged value (module docstring).
-LOSS_TOL = 1e-5
-KL_TOL = 1e-5
+# |service run - unpatched fp32 run| <= TOL * (1 + |unpatched|) per logged
+# loss and KL (module docstring). Measured on this CPU (2026-11-26): at most
+# 2.4e-7 for the loss and 3.8e-6 for a KL of 22 (1.7e-7 relative).
+TOL = 1e-5
 
 
 def grpo_args(out_dir, cast_lm_head_to_fp32):
@@ -272,8 +273,9 @@ class _GrpoTest:
         self.assertEqual(len(got), STEPS)
         self.assertEqual(len(want), STEPS)
         for step, (g, w) in enumerate(zip(got, want), start=1):
-            self.assertLessEqual(abs(g["loss"] - w["loss"]), LOSS_TOL, "step %d loss %r vs %r" % (step, g, w))
-            self.assertLessEqual(abs(g["kl"] - w["kl"]), KL_TOL, "step %d kl %r vs %r" % (step, g, w))
+            for key in ("loss", "kl"):
+                self.assertLessEqual(abs(g[key] - w[key]), TOL * (1 + abs(w[key])),
+                                     "step %d %s: %r with the service, %r without" % (step, key, g[key], w[key]))
         self.assertGreater(max(abs(w["kl"]) for w in want), 0.0, "the reference must matter (KL > 0)")
 
     def test_policy_version_changes_at_every_step(self):
