@@ -4,9 +4,11 @@
 # python3-grpcio and python3-protobuf (scripts/install-deps.sh) serve the
 # client's gRPC stubs, plus the pinned PyPI packages of
 # client/python/requirements-trl.txt (TRL 1.16, transformers, torch, numpy
-# 2.x, ...). It is what logprob_client.trl is tested with (ctest py_trl_*)
-# and what docs/rl-frameworks.md's TRL example runs in. Needs PyPI once
-# (about 2 minutes, 6 GB: torch comes with its CUDA wheels); afterwards it
+# 2.x, ...), and verl 0.9.1 without its dependencies
+# (requirements-trl-nodeps.txt: only its fused PPO seam is used). It is
+# what logprob_client.trl and .verl are tested with (ctest py_trl_*) and
+# what docs/rl-frameworks.md's TRL example runs in. Needs PyPI once (2-5
+# minutes, 6 GB: torch comes with its CUDA wheels); afterwards it
 # does nothing while the environment holds exactly those pins, and
 # everything runs offline.
 #
@@ -19,8 +21,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${LOGPROB_TRL_VENV:-$PWD/.venv-trl}"
 req=client/python/requirements-trl.txt
+nodeps=client/python/requirements-trl-nodeps.txt
 stamp="$venv/.requirements.sha256"
-want="$(sha256sum "$req" | cut -d' ' -f1)"
+want="$(cat "$req" "$nodeps" | sha256sum | cut -d' ' -f1)"
 if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null || true)" = "$want" ]; then
   echo "setup-trl: $venv is up to date with $req"
   exit 0
@@ -38,6 +41,12 @@ if ! "$venv/bin/python" -m pip install --disable-pip-version-check --no-input --
   echo "setup-trl: FAILED: could not install $req from PyPI (is PyPI reachable, directly or through" \
     "PIP_INDEX_URL / a proxy?). logprob_client.trl's tests (ctest -R py_trl_) need these packages; they" \
     "are downloaded once, then everything runs offline." >&2
+  exit 1
+fi
+if ! "$venv/bin/python" -m pip install --disable-pip-version-check --no-input --retries 2 --timeout 60 \
+    --no-deps -r "$nodeps"; then
+  rm -rf "$venv"
+  echo "setup-trl: FAILED: could not install $nodeps (--no-deps) from PyPI (is PyPI reachable?)" >&2
   exit 1
 fi
 # The environment must hold the pinned TRL, torch and numpy (not Debian's),

@@ -32,7 +32,7 @@ import warnings
 
 import numpy as np
 
-from support import Server, temp_dir
+from support import Server, hashed_head, temp_dir
 from reference import fused_head_reference, within_spec
 import tiny_models
 
@@ -284,13 +284,13 @@ class _GrpoTest:
         self.assertEqual(versions.versions[-1][2], ["step-3", "step-2"])
         self.assertEqual(adapter.policy_version, "step-3")
         # What the server holds is the policy's last weights.
-        head = fused_head.head_info(self.client, "policy", refresh=True)
+        head = hashed_head(self.client, "policy")  # hashed after the commit
         want = fused_head.weight_sha256(self.service[0].model.get_output_embeddings().weight, torch.float32)
         self.assertEqual(head.sha256, want)
 
     def test_reference_head_loaded_once(self):
         _, _, adapter, _ = self.service
-        info = fused_head.head_info(self.client, "reference", refresh=True)
+        info = hashed_head(self.client, "reference")
         self.assertEqual(info.sha256, fused_head.weight_sha256(self.initial_reference, torch.float32))
         if self.SERVER_HEADS_FROM == "checkpoint":
             self.assertEqual(adapter.reference_version, self.start_info["reference"].version)  # kept
