@@ -168,10 +168,10 @@ def _install(adapter: "ServiceLogProbs") -> None:
         raise RuntimeError("trl.trainer.utils has no _ChunkedLogProbFunction: this TRL's fused lm_head is not the "
                            "one logprob_client.trl supports (see SUPPORTED_TRL)")
     with _Router.lock:
-        current = trl_utils._ChunkedLogProbFunction
-        if current is not _Router:
-            # Also when someone wrapped the router: the router wraps that.
-            _Router.original = current
+        # original is None exactly while the router is not in TRL's module
+        # (itself, or wrapped by someone who wrapped it after us).
+        if _Router.original is None:
+            _Router.original = trl_utils._ChunkedLogProbFunction
             trl_utils._ChunkedLogProbFunction = _Router
         _Router.adapters.append(adapter)
 
@@ -182,6 +182,8 @@ def _uninstall(adapter: "ServiceLogProbs") -> None:
     with _Router.lock:
         if adapter in _Router.adapters:
             _Router.adapters.remove(adapter)
+        # Put TRL's function back when nothing uses the router and nobody
+        # wrapped it (else it stays in the chain, passing every call on).
         if not _Router.adapters and trl_utils._ChunkedLogProbFunction is _Router:
             trl_utils._ChunkedLogProbFunction = _Router.original
             _Router.original = None
