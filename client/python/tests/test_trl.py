@@ -483,5 +483,66 @@ class SeamTest(unittest.TestCase):
         self.assertIs(trl_utils._ChunkedLogProbFunction, self.real)
 
 
+class TransformedHeadTest(unittest.TestCase):
+    """Heads with a logit transform (issue 30 item 1, the transforms
+    change): a Granite-style checkpoint (logits / logits_scaling) and a
+    Gemma-2-style one (final_logit_softcapping): TRL's own fused forward of
+    the reference model, without gradients, answered by the service within
+    2e-4 + 2e-5 |x| of float64 with the model's transform; a call with
+    another transform refused."""
+
+    @classmethod
+    def setUpClass(cls):
+        from logprob_client import logprob_pb2
+
+        fields = {f.name for f in logprob_pb2.LmHeadInfo.DESCRIPTOR.fields}
+        if not {"has_bias", "logit_scale", "final_logit_softcapping"} <= fields:
+            raise unittest.SkipTest("this checkout's LmHeadInfo has no logit transform (the 'transforms' branch of "
+                                    "issue 30 has not landed): servers score such heads without it")
+        cls.dir = temp_dir("py_trl_transforms")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def check_kind(self, kind, scale, softcap):
+        model_dir = os.path.join(self.dir, kind)
+        tiny_models.save_model(kind, model_dir, seed=6)
+        with Server(workers=2, extra=["--lm-head", "policy=" + model_dir, "--lm-head", "reference=" + model_dir,
+                                      "--allow-lm-head-updates"]) as server, \
+                LogprobClient(server.address, timeout=120) as client:
+            head = fused_head.head_info(client, "reference")
+            self.assertAlmostEqual(head.logit_scale, scale, places=12)
+            self.assertEqual(head.final_logit_softcapping, softcap or 0.0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer = GRPOTrainer(model=model_dir, reward_funcs=tiny_models.reward,
+                                      args=grpo_args(os.path.join(self.dir, kind + "-out"), False),
+                                      train_dataset=Dataset.from_dict({"prompt": tiny_models.prompts()}),
+                                      processing_class=tiny_models.tokenizer())
+            adapter = use_service(trainer, client)
+            try:
+                ref = trainer.ref_model
+                ids = torch.randint(3, tiny_models.VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+                with torch.no_grad():
+                    out = ref(input_ids=ids, labels=ids, fused_lm_head=True)  # TRL's fused forward
+                    hidden = ref.model(input_ids=ids).last_hidden_state[:, :-1].reshape(-1, tiny_models.HIDDEN)
+                self.assertEqual(dict(adapter.routed), {"reference": 1})
+                want = fused_head_reference(_np(hidden), _np(ref.lm_head.weight), ids[:, 1:].reshape(-1).numpy(),
+                                            None, 1.0, softcap, scale)
+                self.assertEqual(within_spec(want["log_probs"], _np(out.log_probs).reshape(-1)), "")
+                with torch.no_grad(), self.assertRaises(HeadMismatchError):
+                    trl_utils._ChunkedLogProbFunction.apply(hidden, ref.lm_head.weight, None, ids[:, 1:].reshape(-1),
+                                                            1.0, 4096, softcap, scale * 2, ("log_probs",))
+            finally:
+                adapter.remove()
+
+    def test_granite_style_logits_scaling(self):
+        self.check_kind("granite", 1 / 8.0, None)
+
+    def test_gemma2_style_softcapping(self):
+        self.check_kind("gemma2", 1.0, 30.0)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -5,8 +5,10 @@ transformers and tokenizers, i.e. the TRL environment .venv-trl).
 - ``tokenizer()``: a ``PreTrainedTokenizerFast`` over a WordLevel model of
   ``VOCAB`` words ("<pad>", "<eos>", "<unk>", "w0" ...), split on spaces.
 - ``save_model(kind, path, seed)``: a random ``Qwen2ForCausalLM`` with an
-  untied ``lm_head`` (``kind="qwen2"``) or a ``LlamaForCausalLM`` with tied
-  embeddings (``kind="llama_tied"``), hidden size ``HIDDEN``, saved with
+  untied ``lm_head`` (``kind="qwen2"``), a ``LlamaForCausalLM`` with tied
+  embeddings (``"llama_tied"``), a ``GraniteForCausalLM`` (``"granite"``:
+  ``logits_scaling`` 8) or a ``Gemma2ForCausalLM`` (``"gemma2"``:
+  ``final_logit_softcapping`` 30, tied), hidden size ``HIDDEN``, saved with
   the tokenizer by ``save_pretrained`` (float32).
 - ``prompts()``, ``reward(completions)``: a deterministic prompt set and
   reward (how often "w5" occurs, minus a length penalty).
@@ -31,7 +33,8 @@ def tokenizer():
 def make_model(kind, seed=0):
     """A random tiny model of ``kind`` ("qwen2": untied; "llama_tied")."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
@@ -42,6 +45,10 @@ def make_model(kind, seed=0):
     elif kind == "llama_tied":
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
         assert model.lm_head.weight is model.model.embed_tokens.weight
+    elif kind == "granite":  # logits divided by logits_scaling (TRL: logit_scale = 1 / 8)
+        model = GraniteForCausalLM(GraniteConfig(logits_scaling=8.0, tie_word_embeddings=False, **common))
+    elif kind == "gemma2":  # final_logit_softcapping, tied embeddings
+        model = Gemma2ForCausalLM(Gemma2Config(final_logit_softcapping=30.0, head_dim=16, **common))
     else:
         raise ValueError(kind)
     with torch.no_grad():  # larger logits than the default init, so the heads' numerics matter
