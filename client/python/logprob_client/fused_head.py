@@ -111,6 +111,17 @@ class HeadTransforms:
                                                                             self.softcap)
 
 
+def require_sync_client(client: Any) -> None:
+    """Raises TypeError unless ``client`` is a synchronous client
+    (``logprob_client.LogprobClient``): the frameworks call their fused
+    head synchronously, inside their forward."""
+    import inspect
+
+    if inspect.iscoroutinefunction(getattr(client, "score", None)):
+        raise TypeError("the framework adapters need a synchronous logprob_client.LogprobClient (TRL and verl call "
+                        "the fused lm_head synchronously inside the model's forward), not the asyncio client")
+
+
 def head_info(client: Any, head: str, refresh: bool = False) -> Any:
     """The ``LmHeadInfo`` of ``head`` on the client's server. Raises
     InvalidInputError naming the heads it has when it has no such head."""

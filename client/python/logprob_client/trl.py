@@ -439,6 +439,7 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     another shape, LogprobError when the server cannot be reached.
     """
     check_trl_version()
+    fused_head.require_sync_client(client)
     args = getattr(trainer, "args", None)
     if getattr(args, "sync_ref_model", False):
         raise ValueError("use_service does not support sync_ref_model=True: the reference head on the server "

@@ -230,6 +230,7 @@ def use_service(client: Any, *, policy_head: str = "policy", on_unsupported: str
     Call it in every process whose model computes logprobs. Raises
     RuntimeError for an unsupported verl (``check_version=False`` skips
     the check, e.g. for a module that only copies the seam's signature)."""
+    fused_head.require_sync_client(client)
     if module is None:
         if check_version:
             check_verl_version()

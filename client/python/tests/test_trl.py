@@ -474,6 +474,16 @@ class SeamTest(unittest.TestCase):
             self.assertIn(">= 1.16, < 1.17", str(cm.exception))
             self.assertIn(bad, str(cm.exception))
 
+    def test_asyncio_client_is_refused(self):
+        class AioLike:
+            async def score(self, *args, **kwargs):
+                pass
+
+        with self.assertRaises(TypeError) as cm:
+            use_service(self.trainer, AioLike())
+        self.assertIn("synchronous", str(cm.exception))
+        self.assertIs(trl_utils._ChunkedLogProbFunction, self.real)
+
     def test_unknown_head_is_refused_at_setup(self):
         from logprob_client import InvalidInputError
 
