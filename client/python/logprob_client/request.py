@@ -104,8 +104,10 @@ def _mask_to_seq_lens(mask: Any, ids_shape: Tuple[int, ...]) -> Array:
     if not np.array_equal(prefix, m):
         bad = int(np.nonzero((prefix != m).any(axis=1))[0][0])
         raise InvalidInputError(
-            "attention_mask row %d is not right-padded (ones then zeros); the service scores a prefix "
-            "of each row: pass seq_lens, or shift left-padded rows" % bad
+            "attention_mask row %d is not right-padded (ones then zeros), and a padded batch is scored "
+            "from the start of each row; for left padding (a left-padded prompt and a right-padded "
+            "completion, as TRL and verl hold them) use logprob_client.batches.PackedBatch or "
+            "score_padded, which pack the rows into cu_seqlens form and scatter the answers back" % bad
         )
     return lens
 

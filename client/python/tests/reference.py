@@ -83,3 +83,54 @@ def score_padded(logits, ids, seq_lens=None, alignment="next_token", temperature
                 e = extra_outputs(logits[b, t], -1 if target == ignore_index else target, temperature, top_k, top_p)
                 out["log_sum_sq_probs"][b, t], out["mean_logits"][b, t], out["is_top1"][b, t] = e
     return {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in out.items()}
+
+
+def fused_head_reference(hidden, weight, targets, bias=None, temperature=1.0, softcap=None, logit_scale=1.0):
+    """float64 outputs of a fused lm_head call (TRL's ChunkedLogProbFunction,
+    verl's FusedLinearForPPO; the server's hidden-states scoring): hidden
+    [N, H], weight [V, H], bias [V] or None, targets [N] (numpy, any float
+    dtype: widened exactly). Logits z = softcap(logit_scale * (h W^T + b)),
+    x = z / temperature. Returns {"log_probs", "entropy", "log_sum_sq_probs",
+    "mean_logits": float64 [N], "is_top1": bool [N] (lowest id first among
+    equal maxima)}."""
+    h = np.asarray(hidden, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    z = h @ w.T
+    if bias is not None:
+        z = z + np.asarray(bias, dtype=np.float64)
+    z = z * float(logit_scale)
+    if softcap:
+        z = float(softcap) * np.tanh(z / float(softcap))
+    x = z / float(temperature)
+    m = x.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+    lp = x - lse
+    p = np.exp(lp)
+    t = np.asarray(targets, dtype=np.int64)
+    rows = np.arange(len(t))
+    return {
+        "log_probs": lp[rows, t],
+        "entropy": -(p * lp).sum(axis=1),
+        "log_sum_sq_probs": np.log((p * p).sum(axis=1)),
+        "mean_logits": x.mean(axis=1),
+        "is_top1": x.argmax(axis=1) == t,
+    }
+
+
+def within_spec(expected, got):
+    """"" when every |got - expected| <= 2e-4 + 2e-5 |expected| (float
+    arrays) or got == expected (bool arrays), else a line naming the worst
+    element."""
+    e = np.asarray(expected)
+    g = np.asarray(got)
+    if e.shape != g.shape:
+        return "shape %s, expected %s" % (list(g.shape), list(e.shape))
+    if e.dtype == bool:
+        bad = np.nonzero(e != g.astype(bool))[0]
+        return "" if not len(bad) else "at %d: %r, expected %r" % (bad[0], g[bad[0]], e[bad[0]])
+    err = np.abs(g.astype(np.float64) - e)
+    tol = 2e-4 + 2e-5 * np.abs(e)
+    if e.size == 0 or (err <= tol).all():
+        return ""
+    i = int(np.argmax(err - tol))
+    return "at %d: %r, expected %r (error %.3g, tolerance %.3g)" % (i, g.flat[i], e.flat[i], err.flat[i], tol.flat[i])

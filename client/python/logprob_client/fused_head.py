@@ -1,0 +1,259 @@
+"""The service's answer to a trainer's fused ``lm_head`` call: the per-token
+outputs of ``hidden [N, H] @ weight[V, H]^T`` at ``targets [N]``, computed by
+a server holding that weight as a named head (``--lm-head NAME=...``), and
+the bookkeeping around it: a head's logit transforms, pushing a trainer's
+weight as a head version, and checking that a head holds given weights.
+
+Shared by the framework adapters (``logprob_client.trl``,
+``logprob_client.verl``); it needs torch (imported when called).
+
+The math is the server's (docs/SPEC.md, hidden-states scoring): logits
+``z = softcap(logit_scale * (h W^T + b))``, ``x = z / temperature``, all in
+float32 from an f32-accumulated GEMM, within ``2e-4 + 2e-5 |x|`` of
+float64; per token ``log_probs = x_t - logsumexp(x)``, ``entropy``,
+``log_sum_sq_probs = log sum_v p_v^2``, ``mean_logits = mean_v x_v`` and
+``is_top1`` (target is the argmax, lowest id first among equal maxima).
+"""
+
+import hashlib
+import math
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._proto import pb2
+from .errors import InvalidInputError
+
+# Per-token outputs of a fused-head call, in the order the frameworks
+# return them (TRL's ChunkedLogProbFunction; verl uses the first two).
+FUSED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+# The service's output name of each fused output.
+_SERVICE_NAMES = {
+    "log_probs": "token_logprobs",
+    "entropy": "entropy",
+    "log_sum_sq_probs": "log_sum_sq_probs",
+    "mean_logits": "mean_logits",
+    "is_top1": "is_top1",
+}
+
+# Outputs that need a ScoreOptions field newer than the first release (the
+# "outputs" change of issue 30): requested only when asked for.
+NEW_OUTPUTS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+
+# Tokens per packed sequence of a call: rows of a fused call are
+# independent (same_position alignment), so they go as sequences of at most
+# this many tokens, which the client may split between requests when a call
+# is over the server's limits.
+SEGMENT_TOKENS = 1024
+
+
+class UnsupportedCall(Exception):
+    """A fused-head call the service cannot answer exactly as the framework
+    would: a logit transform the head does not have, an output this
+    client or server lacks. The adapters raise it (as ``ValueError``
+    subclass ``HeadMismatchError``) or fall back to the framework's kernel."""
+
+
+class HeadMismatchError(ValueError):
+    """Raised by an adapter in mode ``on_unsupported="raise"`` for a call the
+    service cannot answer as the framework would (see ``UnsupportedCall``)."""
+
+
+def missing_outputs(requested: Sequence[str]) -> Tuple[str, ...]:
+    """The requested outputs among ``NEW_OUTPUTS`` that this client's stubs
+    cannot request (``logprob.v1.ScoreOptions`` lacks the field, or
+    ``score`` lacks the keyword)."""
+    from .request import score_keywords
+
+    fields = {f.name for f in pb2.ScoreOptions.DESCRIPTOR.fields}
+    keywords = score_keywords()
+    return tuple(n for n in requested if n in NEW_OUTPUTS and (n not in fields or n not in keywords))
+
+
+class HeadTransforms:
+    """A head's logit transforms as ``GetServerInfo`` reports them
+    (``LmHeadInfo.has_bias``, ``logit_scale``, ``final_logit_softcapping``).
+    A server (or stubs) without those fields reports none: no bias, scale
+    1, no softcap; a ``logit_scale`` of 0 means 1 (proto3's unset)."""
+
+    def __init__(self, has_bias: bool = False, logit_scale: float = 1.0, softcap: Optional[float] = None) -> None:
+        self.has_bias = bool(has_bias)
+        self.logit_scale = float(logit_scale)
+        self.softcap = None if not softcap else float(softcap)
+
+    @classmethod
+    def of_info(cls, info: Any) -> "HeadTransforms":
+        """The transforms of an ``LmHeadInfo`` message."""
+        scale = float(getattr(info, "logit_scale", 0.0) or 0.0)
+        return cls(bool(getattr(info, "has_bias", False)), scale if scale != 0.0 else 1.0,
+                    float(getattr(info, "final_logit_softcapping", 0.0) or 0.0))
+
+    def mismatch(self, has_bias: bool, logit_scale: Optional[float], softcap: Optional[float]) -> str:
+        """Empty when a call with these transforms (``logit_scale`` None =
+        1, ``softcap`` None or 0 = none) is what this head computes; else
+        a sentence saying what differs."""
+        scale = 1.0 if logit_scale is None else float(logit_scale)
+        cap = None if not softcap else float(softcap)
+        diffs = []
+        if bool(has_bias) != self.has_bias:
+            diffs.append("the call %s a bias, the head %s" % ("has" if has_bias else "has no",
+                                                                "has one" if self.has_bias else "has none"))
+        if not math.isclose(scale, self.logit_scale, rel_tol=1e-6, abs_tol=0.0):
+            diffs.append("logit_scale %r, the head's %r" % (scale, self.logit_scale))
+        if (cap is None) != (self.softcap is None) or (
+                cap is not None and self.softcap is not None and not math.isclose(cap, self.softcap, rel_tol=1e-6)):
+            diffs.append("final_logit_softcapping %r, the head's %r" % (cap, self.softcap))
+        return "; ".join(diffs)
+
+    def __repr__(self) -> str:
+        return "HeadTransforms(has_bias=%r, logit_scale=%r, softcap=%r)" % (self.has_bias, self.logit_scale,
+                                                                            self.softcap)
+
+
+def require_sync_client(client: Any) -> None:
+    """Raises TypeError unless ``client`` is a synchronous client
+    (``logprob_client.LogprobClient``): the frameworks call their fused
+    head synchronously, inside their forward."""
+    import inspect
+
+    if inspect.iscoroutinefunction(getattr(client, "score", None)):
+        raise TypeError("the framework adapters need a synchronous logprob_client.LogprobClient (TRL and verl call "
+                        "the fused lm_head synchronously inside the model's forward), not the asyncio client")
+
+
+def head_info(client: Any, head: str, refresh: bool = False) -> Any:
+    """The ``LmHeadInfo`` of ``head`` on the client's server. Raises
+    InvalidInputError naming the heads it has when it has no such head."""
+    info = client.server_info(refresh=refresh)
+    for h in info.lm_heads:
+        if h.name == head:
+            return h
+    names = [h.name for h in info.lm_heads] or ["none: start it with --lm-head NAME=PATH"]
+    raise InvalidInputError("the server has no lm_head %r (it has: %s)" % (head, ", ".join(names)))
+
+
+_TORCH_DTYPE_NAMES = {pb2.F32: "float32", pb2.BF16: "bfloat16", pb2.F16: "float16"}
+
+
+def head_torch_dtype(info: Any) -> Any:
+    """The torch dtype of a head (``LmHeadInfo.dtype``)."""
+    import torch
+
+    name = _TORCH_DTYPE_NAMES.get(int(info.dtype))
+    if name is None:
+        raise InvalidInputError("lm_head %r has dtype %d, not a float dtype" % (info.name, int(info.dtype)))
+    return getattr(torch, name)
+
+
+def weight_sha256(weight: Any, dtype: Any) -> str:
+    """Hex SHA-256 of ``weight`` ([V, H] torch tensor, any device) in
+    ``dtype`` (a torch float dtype), row-major: what ``LmHeadInfo.sha256``
+    reports for a head holding it. Copies the weight to the host once."""
+    import torch
+
+    t = weight.detach().to(dtype=dtype).contiguous().cpu()
+    if dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return hashlib.sha256(memoryview(t.numpy()).cast("B")).hexdigest()
+
+
+def check_shape(info: Any, weight: Any) -> None:
+    """Raises InvalidInputError when ``weight`` [V, H] is not of the head's
+    shape (``info.vocab_size``, ``info.hidden_size``)."""
+    V, H = int(weight.shape[0]), int(weight.shape[1])
+    if (V, H) != (int(info.vocab_size), int(info.hidden_size)):
+        raise InvalidInputError("lm_head %r on the server is [%d, %d], the model's is [%d, %d]"
+                                % (info.name, int(info.vocab_size), int(info.hidden_size), V, H))
+
+
+def push_head(client: Any, head: str, weight: Any, version: str, sha256: Optional[str] = None) -> str:
+    """Pushes ``weight`` ([V, H] torch tensor, CPU or CUDA) as version
+    ``version`` of ``head`` and returns the committed version
+    (``LogprobClient.update_lm_head``: by CUDA IPC for a CUDA tensor where
+    the server offers it on this host, else through shared memory on the
+    server's host, else in pieces). The weight is converted to the head's
+    dtype on its device first; ``sha256`` (optional) is checked by the
+    server. Raises LogprobError / InvalidInputError."""
+    import torch
+
+    info = head_info(client, head)
+    check_shape(info, weight)
+    dtype = head_torch_dtype(info)
+    with torch.no_grad():
+        rows = weight.detach().to(dtype=dtype).contiguous()
+    return str(client.update_lm_head(head, rows, version=version, sha256=sha256))
+
+
+def ensure_head(client: Any, head: str, weight: Any, version: Optional[str] = None) -> str:
+    """The version of ``head`` to score ``weight`` with: the head's current
+    version when it already holds exactly these weights (its sha256, in
+    its dtype), else ``weight`` pushed now (``push_head``) as ``version``
+    (default ``"ref-"`` and the first 16 hex digits of the sha256). A
+    frozen reference model's head is loaded once this way."""
+    info = head_info(client, head, refresh=True)
+    check_shape(info, weight)
+    digest = weight_sha256(weight, head_torch_dtype(info))
+    if info.sha256 == digest:
+        return str(info.version)
+    return push_head(client, head, weight, version or "ref-" + digest[:16], sha256=digest)
+
+
+def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_version: str = "",
+               temperature: float = 1.0, outputs: Sequence[str] = ("log_probs",)) -> Dict[str, Any]:
+    """Scores the rows of a fused-head call on the service.
+
+    ``hidden``: [N, H] torch tensor (f32, bf16 or f16; any device); row n
+    is scored at ``targets[n]`` ([N] integer tensor, ids in [0, V)), each
+    row on its own (same_position alignment: the rows go packed as
+    sequences of at most ``SEGMENT_TOKENS``). ``head`` / ``head_version``:
+    the server's head and the version to pin ("" for its current one).
+    ``outputs``: among ``FUSED_OUTPUTS`` (``log_probs`` always computed).
+
+    Returns ``{name: tensor}`` for every name of ``FUSED_OUTPUTS`` (None
+    when not requested), each [N] on ``hidden``'s device: float32, and
+    ``is_top1`` bool; plus ``"head_version"``: the version that scored the
+    call. Raises UnsupportedCall for an output this client or the server
+    lacks, LogprobError for a failed call."""
+    import torch
+
+    want = [n for n in outputs if n in FUSED_OUTPUTS and n != "log_probs"]
+    unknown = [n for n in outputs if n not in FUSED_OUTPUTS]
+    if unknown:
+        raise UnsupportedCall("outputs %s are not among %s" % (unknown, FUSED_OUTPUTS))
+    lacking = missing_outputs(want)
+    if lacking:
+        raise UnsupportedCall(
+            "outputs %s need logprob.v1.ScoreOptions fields this client does not have yet (the 'outputs' change "
+            "of issue 30: ScoreOptions.log_sum_sq_probs / mean_logits / is_top1); update the client and server"
+            % (list(lacking),))
+    N = int(hidden.shape[0])
+    device = hidden.device
+    result: Dict[str, Any] = {n: None for n in FUSED_OUTPUTS}
+    if N == 0:
+        for n in ["log_probs"] + want:
+            result[n] = torch.zeros(0, dtype=torch.bool if n == "is_top1" else torch.float32, device=device)
+        result["head_version"] = head_version
+        return result
+    seg = np.arange(0, N, SEGMENT_TOKENS, dtype=np.int64)
+    cu = np.concatenate([seg, [N]]).astype(np.int64)
+    ids = targets.detach().reshape(-1)
+    if ids.device.type != "cpu":
+        ids = ids.cpu()
+    options: Dict[str, Any] = {n: True for n in want}
+    if temperature is not None and float(temperature) != 1.0:
+        options["temperature"] = float(temperature)
+    res = client.score(hidden_states=hidden.detach(), input_ids=ids, cu_seqlens=cu, alignment="same_position",
+                       head=head, head_version=head_version, **options)
+    for n in ["log_probs"] + want:
+        got = res.outputs.get(_SERVICE_NAMES[n])
+        if got is None:
+            raise UnsupportedCall("the server did not return %r (a server older than this client: update it)"
+                                  % (_SERVICE_NAMES[n],))
+        if n == "is_top1":
+            got = got != 0
+        elif got.dtype != torch.float32:
+            got = got.float()
+        result[n] = got.to(device)
+    result["head_version"] = res.head_version
+    return result

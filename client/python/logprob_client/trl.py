@@ -1,0 +1,460 @@
+"""TRL integration: the fused ``lm_head`` calls a TRL trainer makes without
+gradients (GRPO's reference-model logprobs with ``beta > 0``, its old-policy
+logprobs with ``num_iterations > 1`` or importance sampling; the same in
+RLOO, DPO, KTO) are answered by the logprob service, the calls with
+gradients stay in TRL's own kernel. Two lines::
+
+    from logprob_client import LogprobClient
+    from logprob_client.trl import use_service
+
+    trainer = GRPOTrainer(model=..., args=GRPOConfig(beta=0.04, num_iterations=2, ...), ...)
+    service = use_service(trainer, LogprobClient("127.0.0.1:50051", timeout=120))
+    trainer.train()
+
+The server holds two heads (``logprob-server --lm-head policy=CKPT
+--lm-head reference=CKPT --allow-lm-head-updates --lm-head-retain 2``; see
+docs/rl-frameworks.md). ``use_service``:
+
+- puts a router in place of ``trl.trainer.utils._ChunkedLogProbFunction``,
+  the name ``add_fused_lm_head``'s forward looks up at each call: a call
+  ``apply(hidden [N, H], weight [V, H], bias, targets [N], temperature,
+  chunk_size, final_logit_softcapping, logit_scale, outputs)`` made without
+  gradients (``torch.is_grad_enabled()`` false, or none of hidden / weight
+  / bias requires grad) whose ``weight`` is the reference model's
+  ``lm_head`` goes to ``reference_head``, the policy's to ``policy_head``
+  pinned to the version pushed last (the weights that generated and score
+  the rollouts); every other call (with gradients, another model's weight)
+  goes to TRL's function untouched;
+- makes sure ``reference_head`` holds the reference model's ``lm_head``
+  (tied or not): kept when the server's head already has these weights
+  (same sha256 in the head's dtype), else pushed once as ``ref-<sha256
+  prefix>``;
+- pushes the policy's ``lm_head`` as version ``step-N`` (``version_format``)
+  at train begin (``step-0``) and after every optimizer step, through a
+  ``transformers.TrainerCallback`` (``LogprobClient.update_lm_head``: CUDA
+  IPC for a CUDA weight where the server offers it on this host, shared
+  memory on the server's host, pieces otherwise), converted to the head's
+  dtype;
+- checks the installed TRL against ``SUPPORTED_TRL`` (these are TRL
+  internals) and raises ``RuntimeError`` outside it.
+
+The service's answer has TRL's shapes ([N]), dtypes (float32; ``is_top1``
+bool) and device, and is computed as the server computes a head (float32
+logits from an f32-accumulated GEMM, ``z = softcap(logit_scale * (h W^T +
+b)) / temperature``, within ``2e-4 + 2e-5 |x|`` of float64): like TRL with
+``cast_lm_head_to_fp32=True``, not like its default bf16 autocast GEMM.
+
+A call the service cannot answer as TRL would (the call's bias /
+``logit_scale`` / ``final_logit_softcapping`` differ from the head's as
+``GetServerInfo`` reports them; a trained bias on the policy; an output
+this client or server lacks) raises ``HeadMismatchError``
+(``on_unsupported="raise"``, the default) or goes to TRL's kernel with a
+one-time warning (``on_unsupported="fallback"``). Errors of the service
+itself (``LogprobError``) are raised, never hidden by a fallback.
+
+Not supported (refused by ``use_service`` with a message): several
+training processes (only one pushes; the others would score versions they
+cannot see committed), ``sync_ref_model=True`` (the reference head would go
+stale). Sharded weights (FSDP DTensors gathered per call) are not
+recognised as the policy's and stay in TRL's kernel.
+"""
+
+import collections
+import threading
+import warnings
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+
+import grpc
+
+from . import fused_head
+from .errors import LogprobError
+from .fused_head import HeadMismatchError, UnsupportedCall
+
+__all__ = ["use_service", "ServiceLogProbs", "HeadMismatchError", "SUPPORTED_TRL", "check_trl_version"]
+
+# TRL releases whose internals this module was written against and tested
+# with: >= 1.16.0, < 1.17 (trl.trainer.utils._ChunkedLogProbFunction and
+# add_fused_lm_head's call of its apply).
+SUPPORTED_TRL = ((1, 16), (1, 17))
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    parts: List[int] = []
+    for p in version.split("+")[0].split("."):
+        digits = ""
+        for ch in p:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(parts) == 3:
+            break
+    return tuple(parts)
+
+
+def check_trl_version(version: Optional[str] = None) -> str:
+    """The installed TRL's version (or ``version``) when it is within
+    ``SUPPORTED_TRL``; raises RuntimeError saying which versions are
+    supported otherwise, and ImportError when TRL is not installed."""
+    if version is None:
+        try:
+            import trl
+        except ImportError as e:
+            raise ImportError("logprob_client.trl needs TRL (pip install 'trl>=%d.%d,<%d.%d'): %s"
+                              % (SUPPORTED_TRL[0] + SUPPORTED_TRL[1] + (e,))) from e
+        version = str(trl.__version__)
+    lo, hi = SUPPORTED_TRL
+    rel = _release(version)
+    if not (lo <= rel[:2] < hi):
+        raise RuntimeError(
+            "logprob_client.trl supports TRL >= %d.%d, < %d.%d (it replaces the TRL internal "
+            "trl.trainer.utils._ChunkedLogProbFunction); TRL %s is installed. Install a supported TRL "
+            "(pip install 'trl>=%d.%d,<%d.%d') or a logprob_client that supports this one."
+            % (lo + hi + (version,) + lo + hi))
+    return version
+
+
+_OPTIONAL_DEFAULT = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_ARG_NAMES = ("hidden", "weight", "bias", "targets", "temperature", "chunk_size", "final_logit_softcapping",
+              "logit_scale", "outputs")
+_ARG_DEFAULTS: Dict[str, Any] = {"final_logit_softcapping": None, "logit_scale": 1.0,
+                                 "outputs": ("log_probs",) + _OPTIONAL_DEFAULT}
+
+
+def _bind(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``ChunkedLogProbFunction.apply``'s arguments by name."""
+    if len(args) > len(_ARG_NAMES):
+        raise TypeError("ChunkedLogProbFunction.apply takes %d arguments, got %d" % (len(_ARG_NAMES), len(args)))
+    bound = dict(_ARG_DEFAULTS)
+    bound.update(zip(_ARG_NAMES, args))
+    bound.update(kwargs)
+    missing = [n for n in _ARG_NAMES if n not in bound]
+    if missing:
+        raise TypeError("ChunkedLogProbFunction.apply: missing %s" % ", ".join(missing))
+    return bound
+
+
+def _without_grad(torch: Any, a: Dict[str, Any]) -> bool:
+    """True for a call that builds no autograd graph."""
+    if not torch.is_grad_enabled():
+        return True
+    return not any(t is not None and t.requires_grad for t in (a["hidden"], a["weight"], a["bias"]))
+
+
+class _Router:
+    """What ``trl.trainer.utils._ChunkedLogProbFunction`` is while adapters
+    are active: ``apply`` offers each call to the adapters (newest first);
+    the first that takes it answers; else the function it replaced does."""
+
+    lock = threading.Lock()
+    adapters: List["ServiceLogProbs"] = []
+    original: Any = None
+
+    @staticmethod
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        for adapter in reversed(list(_Router.adapters)):
+            out = adapter._maybe_answer(args, kwargs)
+            if out is not None:
+                return out
+        return _Router.original.apply(*args, **kwargs)
+
+
+def _install(adapter: "ServiceLogProbs") -> None:
+    import trl.trainer.utils as trl_utils
+
+    if not hasattr(trl_utils, "_ChunkedLogProbFunction"):
+        raise RuntimeError("trl.trainer.utils has no _ChunkedLogProbFunction: this TRL's fused lm_head is not the "
+                           "one logprob_client.trl supports (see SUPPORTED_TRL)")
+    with _Router.lock:
+        # original is None exactly while the router is not in TRL's module
+        # (itself, or wrapped by someone who wrapped it after us).
+        if _Router.original is None:
+            _Router.original = trl_utils._ChunkedLogProbFunction
+            trl_utils._ChunkedLogProbFunction = _Router
+        _Router.adapters.append(adapter)
+
+
+def _uninstall(adapter: "ServiceLogProbs") -> None:
+    import trl.trainer.utils as trl_utils
+
+    with _Router.lock:
+        if adapter in _Router.adapters:
+            _Router.adapters.remove(adapter)
+        # Put TRL's function back when nothing uses the router and nobody
+        # wrapped it (else it stays in the chain, passing every call on).
+        if not _Router.adapters and trl_utils._ChunkedLogProbFunction is _Router:
+            trl_utils._ChunkedLogProbFunction = _Router.original
+            _Router.original = None
+
+
+class RoutedCall:
+    """One call the service answered: ``head``, ``version`` (the version
+    that scored it), ``tokens`` (N), ``outputs`` (requested)."""
+
+    __slots__ = ("head", "version", "tokens", "outputs")
+
+    def __init__(self, head: str, version: str, tokens: int, outputs: Tuple[str, ...]) -> None:
+        self.head, self.version, self.tokens, self.outputs = head, version, tokens, outputs
+
+    def __repr__(self) -> str:
+        return "RoutedCall(head=%r, version=%r, tokens=%d, outputs=%r)" % (self.head, self.version, self.tokens,
+                                                                           self.outputs)
+
+
+def _unwrap(trainer: Any, model: Any) -> Any:
+    acc = getattr(trainer, "accelerator", None)
+    if acc is not None:
+        try:
+            model = acc.unwrap_model(model)
+        except Exception:  # not prepared by accelerate
+            pass
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    return model
+
+
+def _head_weight(model: Any) -> Any:
+    emb = model.get_output_embeddings()
+    if emb is None:
+        raise ValueError("%s has no output embeddings (lm_head)" % type(model).__name__)
+    return emb.weight
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a.device == b.device and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+                    and a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class ServiceLogProbs:
+    """The adapter ``use_service`` returns (one per trainer).
+
+    Attributes: ``policy_head``, ``reference_head`` (the server's head
+    names), ``policy_version`` (the policy version pushed last, which
+    scores the policy's calls), ``reference_version`` (None without a
+    reference model), ``calls`` (the last 10000 ``RoutedCall``s),
+    ``routed`` (count of calls the service answered, by head),
+    ``fallbacks`` (no-gradient calls of a known head left to TRL under
+    ``on_unsupported="fallback"``), ``callback`` (the
+    ``transformers.TrainerCallback`` that pushes the policy). ``remove()``
+    takes the adapter out (TRL's function is back once none is left).
+    Thread-safe as far as TRL's calls are (one training loop).
+    """
+
+    def __init__(self, trainer: Any, client: Any, policy_head: str, reference_head: str, on_unsupported: str,
+                 version_format: str) -> None:
+        if on_unsupported not in ("raise", "fallback"):
+            raise ValueError("on_unsupported must be 'raise' or 'fallback', got %r" % (on_unsupported,))
+        self.trainer = trainer
+        self.client = client
+        self.policy_head = policy_head
+        self.reference_head = reference_head
+        self.on_unsupported = on_unsupported
+        self.version_format = version_format
+        self.policy_version: Optional[str] = None
+        self.reference_version: Optional[str] = None
+        self.calls: Deque[RoutedCall] = collections.deque(maxlen=10000)
+        self.routed: Dict[str, int] = collections.Counter()
+        self.fallbacks = 0
+        self.callback: Any = None
+        self._warned: Set[str] = set()
+        self._transforms: Dict[str, fused_head.HeadTransforms] = {}
+        self._lock = threading.Lock()
+
+    # -- models -------------------------------------------------------------
+
+    def _policy_model(self) -> Any:
+        return _unwrap(self.trainer, self.trainer.model)
+
+    def _reference_model(self) -> Any:
+        ref = getattr(self.trainer, "ref_model", None)
+        return None if ref is None else _unwrap(self.trainer, ref)
+
+    def _head_of(self, weight: Any) -> Optional[str]:
+        """The server head of a call's weight, or None (not a model of this trainer)."""
+        if _same(weight, _head_weight(self._policy_model())):
+            return self.policy_head
+        ref = self._reference_model()
+        if ref is not None and _same(weight, _head_weight(ref)):
+            return self.reference_head
+        return None
+
+    def _refresh_transforms(self, head: str) -> None:
+        self._transforms[head] = fused_head.HeadTransforms.of_info(fused_head.head_info(self.client, head,
+                                                                                         refresh=True))
+
+    # -- pushing ------------------------------------------------------------
+
+    def setup_reference(self) -> None:
+        """Makes ``reference_head`` hold the reference model's lm_head (once)."""
+        ref = self._reference_model()
+        if ref is None:
+            return
+        self.reference_version = fused_head.ensure_head(self.client, self.reference_head, _head_weight(ref))
+        self._refresh_transforms(self.reference_head)
+
+    def push_policy(self, step: int) -> str:
+        """Pushes the policy's lm_head as ``version_format.format(step=step)``
+        and makes it the version the policy's calls are pinned to. Raises
+        LogprobError (ALREADY_EXISTS: the server holds that version with
+        other weights, e.g. from an earlier run: give another
+        ``version_format``)."""
+        version = self.version_format.format(step=step)
+        try:
+            committed = fused_head.push_head(self.client, self.policy_head, _head_weight(self._policy_model()),
+                                             version)
+        except LogprobError as e:
+            if e.code == grpc.StatusCode.ALREADY_EXISTS:
+                raise LogprobError(e.code, "%s (the server already holds %s version %r with other weights, e.g. "
+                                   "from an earlier run: pass use_service(..., version_format=\"run2-step-{step}\")"
+                                   ")" % (e.message, self.policy_head, version), attempts=e.attempts,
+                                   reason=e.reason) from e
+            raise
+        with self._lock:
+            self.policy_version = committed
+        if self.policy_head not in self._transforms:
+            self._refresh_transforms(self.policy_head)
+        return committed
+
+    # -- routing ------------------------------------------------------------
+
+    def _unsupported(self, why: str) -> None:
+        if self.on_unsupported == "raise":
+            raise HeadMismatchError(
+                "logprob_client.trl cannot answer this fused lm_head call as TRL would: %s. Pass "
+                "use_service(..., on_unsupported=\"fallback\") to leave such calls to TRL's kernel." % why)
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn("logprob_client.trl: %s; these calls run in TRL's own kernel" % why, RuntimeWarning,
+                          stacklevel=4)
+        self.fallbacks += 1
+
+    def _maybe_answer(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
+        """TRL's 5-tuple for a call this adapter answers; None for a call it
+        leaves to TRL (with gradients, another weight, unsupported with
+        fallback)."""
+        import torch
+
+        a = _bind(args, kwargs)
+        if not _without_grad(torch, a):
+            return None
+        head = self._head_of(a["weight"])
+        if head is None:
+            return None
+        outputs = tuple(a["outputs"])
+        why = self._check(head, a)
+        if why:
+            self._unsupported(why)
+            return None
+        version = ""
+        if head == self.policy_head:
+            if self.policy_version is None:
+                state = getattr(self.trainer, "state", None)
+                self.push_policy(int(getattr(state, "global_step", 0) or 0))
+            version = self.policy_version or ""
+        elif self.reference_version is not None:
+            version = self.reference_version
+        try:
+            out = fused_head.score_rows(self.client, a["hidden"], a["targets"], head=head, head_version=version,
+                                        temperature=float(a["temperature"]), outputs=outputs)
+        except UnsupportedCall as e:
+            self._unsupported(str(e))
+            return None
+        self.routed[head] += 1
+        self.calls.append(RoutedCall(head, str(out["head_version"]), int(a["hidden"].shape[0]), outputs))
+        return tuple(out[n] for n in fused_head.FUSED_OUTPUTS)
+
+    def _check(self, head: str, a: Dict[str, Any]) -> str:
+        """Why the service cannot answer this call ("" when it can)."""
+        if a["bias"] is not None and head == self.policy_head:
+            return ("the policy's lm_head has a bias, which changes with training and which an lm_head update "
+                    "does not carry")
+        if head not in self._transforms:
+            self._refresh_transforms(head)
+        mismatch = self._transforms[head].mismatch(a["bias"] is not None, a["logit_scale"],
+                                                   a["final_logit_softcapping"])
+        if mismatch:
+            return "head %r: %s" % (head, mismatch)
+        lacking = fused_head.missing_outputs(tuple(a["outputs"]))
+        if lacking:
+            return ("outputs %s need ScoreOptions fields this client does not have yet (the 'outputs' change of "
+                    "issue 30)" % (list(lacking),))
+        return ""
+
+    def remove(self) -> None:
+        """Takes this adapter out of TRL and its callback out of the
+        trainer; TRL's own function answers every call again once no
+        adapter is left."""
+        _uninstall(self)
+        if self.callback is not None:
+            try:
+                self.trainer.remove_callback(self.callback)
+            except (AttributeError, ValueError):
+                pass
+
+
+def _make_callback(adapter: ServiceLogProbs) -> Any:
+    from transformers import TrainerCallback
+
+    class PushPolicyHead(TrainerCallback):  # type: ignore[misc]
+        """Pushes the policy's lm_head to the service as ``step-N`` at train
+        begin and after every optimizer step (logprob_client.trl)."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            adapter.push_policy(int(state.global_step))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            adapter.push_policy(int(state.global_step))
+
+    return PushPolicyHead()
+
+
+def use_service(trainer: Any, client: Any, policy_head: str = "policy", reference_head: str = "reference", *,
+                on_unsupported: str = "raise", version_format: str = "step-{step}") -> ServiceLogProbs:
+    """Routes ``trainer``'s fused-lm_head calls made without gradients to
+    the logprob service behind ``client`` (a synchronous
+    ``logprob_client.LogprobClient``) and keeps the server's heads in step
+    with the trainer (module docstring).
+
+    ``trainer``: a TRL trainer whose models use ``add_fused_lm_head``
+    (``GRPOTrainer``, ``RLOOTrainer``, ...), made but not yet trained;
+    ``policy_head`` / ``reference_head``: the server's heads for the
+    trained model (``trainer.model``) and the reference model
+    (``trainer.ref_model``, when there is one), each of the model's
+    ``lm_head`` shape ``[V, H]``; ``on_unsupported``: ``"raise"`` or
+    ``"fallback"`` (module docstring); ``version_format``: the policy's
+    version names, ``str.format``ted with ``step`` (the trainer's
+    ``global_step``; make it unique per run when a server outlives runs).
+
+    Pushes the reference head now when needed; the policy's at train
+    begin. Returns the ``ServiceLogProbs`` adapter (counters, ``remove()``).
+    Raises RuntimeError for an unsupported TRL, ValueError for a setup it
+    does not support, InvalidInputError for heads the server lacks or of
+    another shape, LogprobError when the server cannot be reached.
+    """
+    check_trl_version()
+    fused_head.require_sync_client(client)
+    args = getattr(trainer, "args", None)
+    if getattr(args, "sync_ref_model", False):
+        raise ValueError("use_service does not support sync_ref_model=True: the reference head on the server "
+                         "would not follow the reference model")
+    acc = getattr(trainer, "accelerator", None)
+    if acc is not None and int(getattr(acc, "num_processes", 1)) > 1:
+        raise ValueError("use_service supports one training process for now (%d here): every process would "
+                         "score policy versions only the first one pushes" % int(acc.num_processes))
+    adapter = ServiceLogProbs(trainer, client, policy_head, reference_head, on_unsupported, version_format)
+    # The heads exist and have the models' shapes: fail now, not at step 1.
+    fused_head.check_shape(fused_head.head_info(client, policy_head, refresh=True),
+                           _head_weight(adapter._policy_model()))
+    adapter._refresh_transforms(policy_head)
+    adapter.setup_reference()
+    adapter.callback = _make_callback(adapter)
+    trainer.add_callback(adapter.callback)
+    _install(adapter)
+    return adapter
