@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent(
     inputs, meta = safetensors.load(case)
     kw = dict(logits=inputs["logits"], input_ids=inputs["input_ids"], dtype="bf16", cu_seqlens=inputs["cu_seqlens"],
               topk=int(meta.get("topk") or 0))
+    kw.update(json.loads(sys.argv[3]))  # the golden case's per-token extras (log_sum_sq_probs, ...)
     with LogprobClient(address) as c:
         sync = c.score(**kw)
 
@@ -77,7 +78,8 @@ class PackageTest(unittest.TestCase):
         server = Server(workers=1)
         self.addCleanup(server.close)
         case = os.path.join(support.GOLDEN_DIR, "packed_bf16.safetensors")
-        got = json.loads(run(python, "-c", SCRIPT, server.address, case, cwd=venv).splitlines()[-1])
+        extras = {k: v for k, v in g.options.items() if k in ("log_sum_sq_probs", "mean_logits", "is_top1")}
+        got = json.loads(run(python, "-c", SCRIPT, server.address, case, json.dumps(extras), cwd=venv).splitlines()[-1])
         self.assertTrue(got["module"].startswith(venv), got["module"])
         self.assertEqual(got["stubs"], "logprob_client._generated.logprob_pb2")
         for which in ("sync", "aio"):
