@@ -26,7 +26,10 @@ namespace logprob {
 /// front-end stops a run's items with Stop instead of cancelling the calls.
 /// 6: Worker.StageLmHeadRows (lm_head update rows from a CUDA IPC handle,
 /// copied by a worker into the staged store file).
-constexpr uint32_t kWorkerProtocolVersion = 6;
+/// 7: LmHeadSource's logit transform (bias, logit_scale,
+/// final_logit_softcapping); a version-6 worker would ignore it and score
+/// such a head without it.
+constexpr uint32_t kWorkerProtocolVersion = 7;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.

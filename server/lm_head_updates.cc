@@ -291,6 +291,11 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   s.dtype = cur.dtype;
   s.vocab_size = V;
   s.hidden_size = H;
+  // The head's transform stays: the new weight, the head's bias (still read
+  // from where the head's first version has it) and its scalars.
+  s.transform = cur.transform;
+  s.bias = cur.bias;
+  s.config_file = cur.config_file;
   const std::string header = SafetensorsHeader(cur.dtype, V, H);
   s.data_offset = header.size();
   std::error_code ec;
@@ -462,13 +467,28 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, c
         absl::StrCat("file.path \"", path, "\": its tensor lies in ", src.file, ", outside --lm-head-update-dir"));
   int64_t V = 0, H = 0;
   DType dtype = v1::DTYPE_UNSPECIFIED;
+  LmHeadTransform transform;
+  LmHeadBiasSource bias;
   {
     absl::MutexLock lock(&mu_);
     LOGPROB_ASSIGN_OR_RETURN(auto u, Open(id));
     V = u->next.source.vocab_size;
     H = u->next.source.hidden_size;
     dtype = u->next.source.dtype;
+    transform = u->next.source.transform;
+    bias = u->next.source.bias;
   }
+  // An update replaces the weight only; the head keeps its transform. A
+  // checkpoint that says otherwise would be scored wrong: refused.
+  if (src.transform.has_bias && !(src.bias == bias))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "file.path \"", path, "\": the checkpoint has ", src.bias.tensor,
+        ", but an update replaces the weight only and the head keeps its bias (",
+        transform.has_bias ? bias.file : std::string("none"), "); load the checkpoint as a head at start instead"));
+  if (src.transform.logit_scale != transform.logit_scale || src.transform.softcap != transform.softcap)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "file.path \"", path, "\": the checkpoint's logit transform (", src.transform.ToString(), ", from ",
+        src.config_file, ") is not the head's (", transform.ToString(), "); an update replaces the weight only"));
   if (src.vocab_size != V || src.hidden_size != H || src.dtype != dtype)
     return absl::InvalidArgumentError(absl::StrCat("file.path \"", path, "\": ", src.tensor, " is [", src.vocab_size,
                                                    ", ", src.hidden_size, "] ", DTypeName(src.dtype),

@@ -21,12 +21,15 @@
 
 namespace logprob::cuda {
 
-/// An lm_head slice in this backend's device memory: its cuBLASLt GEMM.
+/// An lm_head slice in this backend's device memory: its cuBLASLt GEMM
+/// (which applies the head's transform to its output).
 class CudaLmHead final : public LmHeadWeights {
  public:
-  explicit CudaLmHead(std::unique_ptr<CublasLtLmHead> gemm)
-      : LmHeadWeights(gemm->rows(), gemm->hidden_size()), gemm_(std::move(gemm)) {}
-  size_t bytes() const override { return gemm_->weight_bytes(); }
+  explicit CudaLmHead(std::unique_ptr<CublasLtLmHead> gemm, LmHeadTransform transform = {},
+                      std::vector<float> bias = {})
+      : LmHeadWeights(gemm->rows(), gemm->hidden_size(), transform, std::move(bias)), gemm_(std::move(gemm)) {}
+  /// The weights and the bias (on the device and its host copy).
+  size_t bytes() const override { return gemm_->weight_bytes() + 2 * bias().size() * sizeof(float); }
   /// Queued on the backend's compute stream under its stream lock (one
   /// stream, so GEMMs never share the cuBLASLt workspace concurrently).
   CublasLtLmHead& gemm() const { return *gemm_; }
