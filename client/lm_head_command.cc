@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/commands.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "common/lm_head_source.h"
@@ -25,6 +26,18 @@ int Failed(const std::string& what, const grpc::Status& s) {
   std::cerr << "error: " << what << ": " << absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code()))
             << ": " << s.error_message() << std::endl;
   return kExitFailure;
+}
+
+// The head's logit transform as GetServerInfo reports it: "bias,
+// logit_scale 0.125, final_logit_softcapping 30", or "none". A server from
+// before transforms leaves logit_scale 0: read as 1.
+std::string HeadTransformText(const v1::LmHeadInfo& h) {
+  std::vector<std::string> parts;
+  if (h.has_bias()) parts.push_back("bias");
+  if (h.logit_scale() != 0 && h.logit_scale() != 1) parts.push_back(absl::StrCat("logit_scale ", h.logit_scale()));
+  if (h.final_logit_softcapping() != 0)
+    parts.push_back(absl::StrCat("final_logit_softcapping ", h.final_logit_softcapping()));
+  return parts.empty() ? "none" : absl::StrJoin(parts, ", ");
 }
 
 }  // namespace
@@ -43,7 +56,7 @@ int RunHeads(const LmHeadArgs& args) {
     std::cout << h.name() << "  version " << h.version() << "  retained [" << absl::StrJoin(h.retained_versions(), ", ")
               << "]  [" << h.vocab_size() << ", " << h.hidden_size() << "] " << DTypeName(h.dtype()) << "  "
               << h.precision() << "  sha256 " << (h.sha256().empty() ? "(computing)" : h.sha256()) << "  " << h.source()
-              << std::endl;
+              << "  transform " << HeadTransformText(h) << std::endl;
   std::cout << "updates " << (info->lm_head_updates() ? "allowed" : "off (--allow-lm-head-updates)") << std::endl;
   return kExitOk;
 }
@@ -57,6 +70,26 @@ int RunUpdateLmHead(const LmHeadArgs& args) {
   std::shared_ptr<grpc::Channel> channel = OpenChannel(args.server, args.channel);
   if (!channel) return kExitBadInput;
   auto stub = v1::LogprobService::NewStub(channel);
+  // An update replaces the weight only; the head keeps its bias and
+  // scalars. A checkpoint that says otherwise would be scored wrong.
+  if (src->transform.has_bias) {
+    std::cerr << "error: --input " << args.input << ": the checkpoint has " << src->bias.tensor
+              << ", but an update replaces the weight only (the head keeps the bias it was loaded with); load the "
+                 "checkpoint as a head at start instead"
+              << std::endl;
+    return kExitBadInput;
+  }
+  if (absl::StatusOr<v1::ServerInfo> info = FetchServerInfo(*stub, args.timeout_seconds); info.ok())
+    for (const v1::LmHeadInfo& h : info->lm_heads()) {
+      const double scale = h.logit_scale() == 0 ? 1.0 : h.logit_scale();
+      if (h.name() == args.head &&
+          (scale != src->transform.logit_scale || h.final_logit_softcapping() != src->transform.softcap)) {
+        std::cerr << "error: --input " << args.input << ": its logit transform (" << src->transform.ToString()
+                  << (src->config_file.empty() ? "" : ", from " + src->config_file) << ") is not head " << h.name()
+                  << "'s (" << HeadTransformText(h) << "); an update replaces the weight only" << std::endl;
+        return kExitBadInput;
+      }
+    }
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t V = src->vocab_size, H = src->hidden_size;
   const int64_t row_bytes = H * static_cast<int64_t>(DTypeSize(src->dtype));

@@ -196,7 +196,10 @@ class LogprobClient(ClientBase):
 
     def lm_heads(self) -> List[Any]:
         """The server's lm_heads (``LmHeadInfo``: name, version,
-        retained_versions, shape, dtype, sha256), fetched now."""
+        retained_versions, shape, dtype, sha256, and the head's logit
+        transform ``has_bias``, ``logit_scale`` (1 when none; 0 from a
+        server that predates transforms: read as 1) and
+        ``final_logit_softcapping`` (0 when none)), fetched now."""
         return list(self.server_info(refresh=True).lm_heads)
 
     def score_stream(
