@@ -6,7 +6,9 @@
 // (logits_scaling 8: logits divided by 8), each with a bias, on 1 and 3 CPU
 // workers. Every token logprob and entropy against float64 of
 // softcap(scale * (h W^T + b)) / T on the same bf16 values; bitwise the same
-// rows alone and in a bigger batch; GetServerInfo; a bare file with flags;
+// rows alone and in a bigger batch; top-k, gathered ids and sampling
+// filters equal the logits path on the transformed logits; GetServerInfo;
+// a bare file with flags;
 // refusals at start (unknown transform, flag contradicting config.json).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -250,6 +252,62 @@ TEST_P(HiddenHeadTransform, ScoresMatchFloat64AndRowsAreBatchInvariant) {
     ASSERT_EQ(alone_lp.size(), static_cast<size_t>(n - 1));
     EXPECT_EQ(std::memcmp(alone_lp.data(), got_lp.data(), alone_lp.size() * 4), 0);
     EXPECT_EQ(std::memcmp(alone_ent.data(), got_ent.data(), alone_ent.size() * 4), 0);
+  }
+  server.reset();
+  std::filesystem::remove_all(dir);
+}
+
+/// The logits request of `b`: the head's transformed logits softcap(scale
+/// * (h W^T + b)) computed in float64 and rounded to float32, same targets.
+v1::ScoreRequest AsLogitsRequest(const Head& head, const Batch& b) {
+  const int64_t T = static_cast<int64_t>(b.ids.size());
+  std::vector<float> z(T * kV);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t v = 0; v < kV; ++v) {
+      double acc = 0;
+      for (int64_t k = 0; k < kH; ++k) acc += b.h[t * kH + k] * head.w[v * kH + k];
+      double y = head.scale * (acc + head.b[v]);
+      if (head.softcap > 0) y = head.softcap * std::tanh(y / head.softcap);
+      z[t * kV + v] = static_cast<float>(y);
+    }
+  v1::ScoreRequest req = b.req;
+  *req.mutable_inputs(0) = MakeTensor("logits", v1::F32, {T, kV}, z.data(), z.size() * 4);
+  return req;
+}
+
+// Every other output (top-k, gathered ids, sampling filters, which take the
+// hidden-states path that exchanges full rows) equals the logits path on
+// the transformed logits.
+TEST_P(HiddenHeadTransform, EveryOutputMatchesTheLogitsPathOnTransformedLogits) {
+  const Style& style = std::get<0>(GetParam()) == 0 ? kGemma2 : kGranite;
+  const int workers = std::get<1>(GetParam());
+  const std::string dir = TempDir(std::string("head_outputs_") + style.name + "_" + std::to_string(workers));
+  Head head = WriteCheckpoint(dir, style.config, style.bias_dtype, style.w_std, 29);
+  head.scale = style.scale;
+  head.softcap = style.softcap;
+  auto server = ServerProcess::Start(workers, {"--lm-head", dir, "--hidden-chunk-tokens", "16"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  Batch outputs = MakeBatch({17, 26}, 11, 0.8f);
+  outputs.req.mutable_options()->set_topk(6);
+  {
+    // Packed: one output row per scored position, T - B of them.
+    const int64_t T = static_cast<int64_t>(outputs.ids.size()) - 2, K = 3;
+    std::vector<int64_t> ids(T * K);
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>((i * 7919 + 13) % kV);
+    *outputs.req.add_inputs() = MakeTensor("gather_indices", v1::I64, {T, K}, ids.data(), ids.size() * 8);
+  }
+  Batch filters = MakeBatch({17, 26}, 12, 1.0f);
+  filters.req.mutable_options()->set_sampling_top_k(50);
+  filters.req.mutable_options()->set_sampling_top_p(0.9f);
+  for (const Batch* b : {&outputs, &filters}) {
+    SCOPED_TRACE(b->req.options().ShortDebugString());
+    const v1::ScoreResponse want = MustScore(*stub, AsLogitsRequest(head, *b));
+    const v1::ScoreResponse got = MustScore(*stub, b->req);
+    ASSERT_EQ(got.outputs_size(), want.outputs_size());
+    EXPECT_EQ(
+        CompareOutputs({want.outputs().begin(), want.outputs().end()}, {got.outputs().begin(), got.outputs().end()}),
+        "");
   }
   server.reset();
   std::filesystem::remove_all(dir);
