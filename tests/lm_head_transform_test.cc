@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "worker/kernels/lm_head_transform_simd.h"
+
 namespace logprob {
 namespace {
 
@@ -125,13 +127,19 @@ TEST(LmHeadTransformApply, MatchesFloat64) {
   for (const LmHeadTransform t :
        {LmHeadTransform{true, 1.0, 0.0}, LmHeadTransform{false, 0.125, 0.0}, LmHeadTransform{false, 1.0, 30.0},
         LmHeadTransform{true, 0.0625, 30.0}, LmHeadTransform{true, 3.0, 5.0}, LmHeadTransform{}}) {
-    std::vector<float> y = x;
+    std::vector<float> y = x, v = x;
     ApplyLmHeadTransform(t, t.has_bias ? bias.data() : nullptr, M, N, y.data());
+    kernels::ApplyLmHeadTransformSimd(t, t.has_bias ? bias.data() : nullptr, M, N, v.data());
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) {
         double z = (static_cast<double>(x[m * N + n]) + (t.has_bias ? bias[n] : 0.0)) * t.logit_scale;
         if (t.softcap > 0) z = t.softcap * std::tanh(z / t.softcap);
         ASSERT_NEAR(y[m * N + n], z, 2e-6 + 2e-6 * std::abs(z)) << t.ToString() << " at " << m << ", " << n;
+        ASSERT_NEAR(v[m * N + n], z, 2e-6 + 2e-6 * std::abs(z)) << "SIMD " << t.ToString() << " at " << m << ", " << n;
+        // Without a softcap the two are the same float operations.
+        if (t.softcap == 0) {
+          ASSERT_EQ(v[m * N + n], y[m * N + n]) << t.ToString() << " at " << m << ", " << n;
+        }
       }
   }
 }
@@ -148,6 +156,38 @@ TEST(LmHeadTransformApply, ElementWise) {
   ApplyLmHeadTransform(t, bias.data(), 1, N, one.data());
   for (int64_t r = 0; r < 3; ++r)
     for (int64_t n = 0; n < N; ++n) ASSERT_EQ(rows[r * N + n], one[n]);
+}
+
+// The SIMD application: an element's bits depend only on its value, bias
+// and the scalars, not on its row, M, or where it falls in a vector (the
+// ragged end of a row included): the same values at every offset and
+// row width give the same bits.
+TEST(LmHeadTransformApply, SimdElementsDoNotDependOnPositionOrM) {
+  const LmHeadTransform t{true, 0.5, 30.0};
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.0f, 50.0f);
+  std::vector<float> values(37), biases(37);
+  for (float& v : values) v = dist(rng);
+  for (float& b : biases) b = dist(rng) / 10;
+  // The reference bits: each (value, bias) alone, as a 1 x 1 tile.
+  std::vector<float> alone(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    float x = values[i];
+    kernels::ApplyLmHeadTransformSimd(t, &biases[i], 1, 1, &x);
+    alone[i] = x;
+  }
+  for (int64_t N : {1, 7, 16, 37, 61}) {
+    for (int64_t M : {1, 3}) {
+      // Column n holds pair n % 37 in every row (the bias is per column).
+      std::vector<float> tile(M * N), bias(N);
+      for (int64_t n = 0; n < N; ++n) bias[n] = biases[n % 37];
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) tile[m * N + n] = values[n % 37];
+      kernels::ApplyLmHeadTransformSimd(t, bias.data(), M, N, tile.data());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) ASSERT_EQ(tile[m * N + n], alone[n % 37]) << N << " x " << M << " at " << n;
+    }
+  }
 }
 
 }  // namespace

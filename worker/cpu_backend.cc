@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "common/status_macros.h"
+#include "worker/kernels/lm_head_transform_simd.h"
 #include "worker/kernels/sampling_filter.h"
 
 namespace logprob {
@@ -65,8 +66,8 @@ absl::Status CpuBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidden
   LOGPROB_RETURN_IF_ERROR(static_cast<const CpuLmHead&>(lm_head).gemm().Compute(hidden_dtype, hidden, M, logits));
   // The head's bias, multiplier and softcap: element-wise on the f32 GEMM
   // output, so a row's logits stay independent of the batch.
-  ApplyLmHeadTransform(lm_head.transform(), lm_head.transform().has_bias ? lm_head.bias().data() : nullptr, M,
-                       lm_head.rows(), logits);
+  kernels::ApplyLmHeadTransformSimd(lm_head.transform(), lm_head.transform().has_bias ? lm_head.bias().data() : nullptr,
+                                    M, lm_head.rows(), logits);
   return absl::OkStatus();
 }
 
