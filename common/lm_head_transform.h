@@ -5,10 +5,13 @@
 //   z = softcap(logit_scale * (h W^T + b)),  softcap(x) = c * tanh(x / c)
 //
 // then x = z / temperature. Applied element-wise in float32 to the f32
-// GEMM output (TransformLogit; the CPU backend through
-// ApplyLmHeadTransform, the CUDA kernel worker/cuda/lm_head_transform.cu
-// calls the same inline function), so a logit depends only on its own GEMM
-// output, bias and the head's scalars: batch invariance is kept.
+// GEMM output, so a logit depends only on its own GEMM output, bias and the
+// head's scalars: batch invariance is kept. TransformLogit
+// (common/lm_head_logit.h) is the definition: ApplyLmHeadTransform applies
+// it to a tile, the CUDA kernel worker/cuda/lm_head_transform.cu calls it
+// per element, and the CPU backend runs its SIMD twin
+// (worker/kernels/lm_head_transform_simd.h: the same operations, a vector
+// tanh).
 //
 // The scalars come from a Hugging Face config.json (LmHeadScalarsFromConfig)
 // or from logprob-server's --lm-head-logit-scale / --lm-head-softcap.
