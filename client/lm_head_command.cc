@@ -79,7 +79,10 @@ int RunUpdateLmHead(const LmHeadArgs& args) {
               << std::endl;
     return kExitBadInput;
   }
-  if (absl::StatusOr<v1::ServerInfo> info = FetchServerInfo(*stub, args.timeout_seconds); info.ok())
+  // Scalars only a checkpoint directory's config.json states; a bare file's
+  // are the head's.
+  if (absl::StatusOr<v1::ServerInfo> info = FetchServerInfo(*stub, args.timeout_seconds);
+      info.ok() && !src->config_file.empty())
     for (const v1::LmHeadInfo& h : info->lm_heads()) {
       const double scale = h.logit_scale() == 0 ? 1.0 : h.logit_scale();
       if (h.name() == args.head &&

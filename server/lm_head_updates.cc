@@ -485,7 +485,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, c
         "file.path \"", path, "\": the checkpoint has ", src.bias.tensor,
         ", but an update replaces the weight only and the head keeps its bias (",
         transform.has_bias ? bias.file : std::string("none"), "); load the checkpoint as a head at start instead"));
-  if (src.transform.logit_scale != transform.logit_scale || src.transform.softcap != transform.softcap)
+  if (!src.config_file.empty() &&  // a bare file states no scalars
+      (src.transform.logit_scale != transform.logit_scale || src.transform.softcap != transform.softcap))
     return absl::InvalidArgumentError(absl::StrCat(
         "file.path \"", path, "\": the checkpoint's logit transform (", src.transform.ToString(), ", from ",
         src.config_file, ") is not the head's (", transform.ToString(), "); an update replaces the weight only"));

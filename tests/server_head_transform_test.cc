@@ -347,6 +347,60 @@ TEST(HiddenHeadTransformFlags, BareFileWithFlagsScoresLikeTheDirectory) {
   std::filesystem::remove_all(dir);
 }
 
+// An update replaces the weight only: the new version keeps the head's
+// bias and softcap (scored against float64 with the new weight), reports
+// them, and `logprob-client heads` prints them. A checkpoint with its own
+// bias is refused as an update (its bias would not be used).
+TEST(HiddenHeadTransformUpdates, AnUpdatedVersionKeepsTheHeadsBiasAndSoftcap) {
+  const std::string dir = TempDir("head_update"), next_dir = TempDir("head_update_next");
+  Head head = WriteCheckpoint(dir, kGemma2.config, kGemma2.bias_dtype, kGemma2.w_std, 41);
+  head.scale = kGemma2.scale;
+  head.softcap = kGemma2.softcap;
+  // The next weight: another checkpoint's, written alone to a bare file.
+  const Head next = WriteCheckpoint(next_dir, "{}", v1::F32, kGemma2.w_std, 42);
+  {
+    auto f = ReadSafetensors(next_dir + "/model.safetensors");
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE(WriteSafetensors(next_dir + "/weight.safetensors", {*f->Find("lm_head.weight")}).ok());
+  }
+  auto server = ServerProcess::Start(2, {"--lm-head", dir, "--allow-lm-head-updates"});
+  ASSERT_TRUE(server);
+  const std::string client = BinDir() + "/logprob-client ";
+  CommandResult r = RunCommand(client + "update-lm-head --server " + server->address() +
+                               " --head default --version v2 --input " + next_dir + "/weight.safetensors 2>&1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto stub = server->NewStub();
+  const v1::ServerInfo info = Info(*stub);
+  ASSERT_EQ(info.lm_heads_size(), 1);
+  EXPECT_EQ(info.lm_heads(0).version(), "v2");
+  EXPECT_TRUE(info.lm_heads(0).has_bias());
+  EXPECT_EQ(info.lm_heads(0).logit_scale(), 1.0);
+  EXPECT_EQ(info.lm_heads(0).final_logit_softcapping(), 30.0);
+
+  Head updated = head;
+  updated.w = next.w;
+  const Batch batch = MakeBatch({21, 14}, 43, 1.0f);
+  std::vector<double> want_lp, want_ent;
+  Reference(updated, batch, 1.0, &want_lp, &want_ent);
+  const v1::ScoreResponse got = MustScore(*stub, batch.req);
+  EXPECT_EQ(got.head_version(), "v2");
+  EXPECT_EQ(OutsideSpec(want_lp, Floats(*FindOutput(got, "token_logprobs"))), "");
+  EXPECT_EQ(OutsideSpec(want_ent, Floats(*FindOutput(got, "entropy"))), "");
+
+  r = RunCommand(client + "heads --server " + server->address() + " 2>&1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("transform bias, final_logit_softcapping 30"), std::string::npos) << r.output;
+
+  // The original directory as an update: it has lm_head.bias, which an update cannot carry.
+  r = RunCommand(client + "update-lm-head --server " + server->address() + " --head default --version v3 --input " +
+                 dir + " 2>&1");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("lm_head.bias"), std::string::npos) << r.output;
+  server.reset();
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(next_dir);
+}
+
 /// Runs logprob-server on `args` (it must exit at start) and returns its
 /// exit code and output.
 CommandResult StartFails(const std::string& args) {
