@@ -10,7 +10,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/commands.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "common/lm_head_source.h"
@@ -70,29 +69,6 @@ int RunUpdateLmHead(const LmHeadArgs& args) {
   std::shared_ptr<grpc::Channel> channel = OpenChannel(args.server, args.channel);
   if (!channel) return kExitBadInput;
   auto stub = v1::LogprobService::NewStub(channel);
-  // An update replaces the weight only; the head keeps its bias and
-  // scalars. A checkpoint that says otherwise would be scored wrong.
-  if (src->transform.has_bias) {
-    std::cerr << "error: --input " << args.input << ": the checkpoint has " << src->bias.tensor
-              << ", but an update replaces the weight only (the head keeps the bias it was loaded with); load the "
-                 "checkpoint as a head at start instead"
-              << std::endl;
-    return kExitBadInput;
-  }
-  // Scalars only a checkpoint directory's config.json states; a bare file's
-  // are the head's.
-  if (absl::StatusOr<v1::ServerInfo> info = FetchServerInfo(*stub, args.timeout_seconds);
-      info.ok() && !src->config_file.empty())
-    for (const v1::LmHeadInfo& h : info->lm_heads()) {
-      const double scale = h.logit_scale() == 0 ? 1.0 : h.logit_scale();
-      if (h.name() == args.head &&
-          (scale != src->transform.logit_scale || h.final_logit_softcapping() != src->transform.softcap)) {
-        std::cerr << "error: --input " << args.input << ": its logit transform (" << src->transform.ToString()
-                  << (src->config_file.empty() ? "" : ", from " + src->config_file) << ") is not head " << h.name()
-                  << "'s (" << HeadTransformText(h) << "); an update replaces the weight only" << std::endl;
-        return kExitBadInput;
-      }
-    }
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t V = src->vocab_size, H = src->hidden_size;
   const int64_t row_bytes = H * static_cast<int64_t>(DTypeSize(src->dtype));
@@ -103,6 +79,25 @@ int RunUpdateLmHead(const LmHeadArgs& args) {
   begin.set_hidden_size(H);
   begin.set_dtype(src->dtype);
   begin.set_sha256(args.sha256);
+  // The checkpoint's transform goes with it: its bias (else the head keeps
+  // its own), and the scalars a folder's config.json states (a bare file
+  // states none: the head keeps its own).
+  if (src->transform.has_bias) {
+    std::vector<float> bias(static_cast<size_t>(V));
+    if (absl::Status st = ReadLmHeadBias(*src, 0, V, bias.data()); !st.ok()) {
+      std::cerr << "error: --input " << args.input << ": " << st.message() << std::endl;
+      return kExitBadInput;
+    }
+    v1::Tensor* b = begin.mutable_bias();
+    b->set_name(src->bias.tensor);
+    b->set_dtype(v1::F32);
+    b->add_shape(V);
+    b->set_data(bias.data(), bias.size() * sizeof(float));
+  }
+  if (!src->config_file.empty()) {
+    begin.set_logit_scale(src->transform.logit_scale);
+    begin.set_final_logit_softcapping(src->transform.softcap);
+  }
   v1::LmHeadUpdate update;
   {
     grpc::ClientContext ctx;

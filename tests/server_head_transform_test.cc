@@ -347,11 +347,11 @@ TEST(HiddenHeadTransformFlags, BareFileWithFlagsScoresLikeTheDirectory) {
   std::filesystem::remove_all(dir);
 }
 
-// An update replaces the weight only: the new version keeps the head's
-// bias and softcap (scored against float64 with the new weight), reports
-// them, and `logprob-client heads` prints them. A checkpoint with its own
-// bias is refused as an update (its bias would not be used).
-TEST(HiddenHeadTransformUpdates, AnUpdatedVersionKeepsTheHeadsBiasAndSoftcap) {
+// An update of a bare weight file keeps the head's bias and softcap (scored
+// against float64 with the new weight), reports them, and `logprob-client
+// heads` prints them; an update from a checkpoint folder brings its own bias
+// and config.json's scalars.
+TEST(HiddenHeadTransformUpdates, AnUpdateKeepsTheHeadsTransformOrBringsItsOwn) {
   const std::string dir = TempDir("head_update"), next_dir = TempDir("head_update_next");
   Head head = WriteCheckpoint(dir, kGemma2.config, kGemma2.bias_dtype, kGemma2.w_std, 41);
   head.scale = kGemma2.scale;
@@ -391,11 +391,28 @@ TEST(HiddenHeadTransformUpdates, AnUpdatedVersionKeepsTheHeadsBiasAndSoftcap) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("transform bias, final_logit_softcapping 30"), std::string::npos) << r.output;
 
-  // The original directory as an update: it has lm_head.bias, which an update cannot carry.
+  // A checkpoint folder as an update: its bias and config.json's scalars
+  // go with the weight (Granite-style: logits_scaling 8, no softcap).
+  const std::string granite_dir = TempDir("head_update_granite");
+  Head granite = WriteCheckpoint(granite_dir, kGranite.config, kGranite.bias_dtype, kGranite.w_std, 44);
+  granite.scale = kGranite.scale;
+  granite.softcap = kGranite.softcap;
   r = RunCommand(client + "update-lm-head --server " + server->address() + " --head default --version v3 --input " +
-                 dir + " 2>&1");
-  EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.output.find("lm_head.bias"), std::string::npos) << r.output;
+                 granite_dir + " 2>&1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const v1::ServerInfo info3 = Info(*stub);
+  EXPECT_EQ(info3.lm_heads(0).version(), "v3");
+  EXPECT_TRUE(info3.lm_heads(0).has_bias());
+  EXPECT_EQ(info3.lm_heads(0).logit_scale(), 0.125);
+  EXPECT_EQ(info3.lm_heads(0).final_logit_softcapping(), 0.0);
+  want_lp.clear();
+  want_ent.clear();
+  Reference(granite, batch, 1.0, &want_lp, &want_ent);
+  const v1::ScoreResponse got3 = MustScore(*stub, batch.req);
+  EXPECT_EQ(got3.head_version(), "v3");
+  EXPECT_EQ(OutsideSpec(want_lp, Floats(*FindOutput(got3, "token_logprobs"))), "");
+  EXPECT_EQ(OutsideSpec(want_ent, Floats(*FindOutput(got3, "entropy"))), "");
+  std::filesystem::remove_all(granite_dir);
   server.reset();
   std::filesystem::remove_all(dir);
   std::filesystem::remove_all(next_dir);
