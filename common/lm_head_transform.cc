@@ -56,26 +56,27 @@ struct ModelDefault {
   const char* key;
   double value;
 };
+// (transformers' configuration classes; the text config's model_type for
+// composite models.)
 constexpr ModelDefault kModelDefaults[] = {
     {"gemma2", "final_logit_softcapping", 30.0},
-    {"gemma3n", "final_logit_softcapping", 30.0},
     {"gemma3n_text", "final_logit_softcapping", 30.0},
     {"vaultgemma", "final_logit_softcapping", 30.0},
     {"beam", "final_logit_softcapping", 30.0},
-    {"inkling2", "final_logit_softcapping", 30.0},
-    {"inkling2_loop", "final_logit_softcapping", 30.0},
-    {"mistral_large4", "final_logit_softcapping", 30.0},
+    {"inkling2_text", "final_logit_softcapping", 30.0},
+    {"inkling2_loop_text", "final_logit_softcapping", 30.0},
+    {"mistral_large4_text", "final_logit_softcapping", 30.0},
     {"nanochat", "final_logit_softcapping", 15.0},
-    {"muse_glimmer", "final_logit_softcapping", 20.0},
-    {"muse_glimmer", "output_multiplier", 0.19611613513818404},
-    {"muse_spark", "final_logit_softcapping", 20.0},
-    {"muse_spark", "output_multiplier", 0.1767766952966369},
+    {"muse_glimmer_text", "final_logit_softcapping", 20.0},
+    {"muse_glimmer_text", "output_multiplier", 0.19611613513818404},
+    {"muse_spark_text", "final_logit_softcapping", 20.0},
+    {"muse_spark_text", "output_multiplier", 0.1767766952966369},
     {"recurrent_gemma", "logits_soft_cap", 30.0},
     {"xlstm", "output_logit_soft_cap", 30.0},
     {"cohere", "logit_scale", 0.0625},
     {"cohere2", "logit_scale", 0.0625},
     {"cohere2_moe", "logit_scale", 0.0625},
-    {"granite_docling", "logits_scaling", 4.0},
+    {"granite_docling_text", "logits_scaling", 4.0},
 };
 
 bool Known(const std::string& key) {
@@ -97,12 +98,14 @@ bool HeadRelated(const std::string& key) {
 
 // The value of `key` in `cfg`: nullopt-like (has = false) when absent or
 // null; else a finite number > 0, or INVALID_ARGUMENT naming it.
-absl::StatusOr<std::pair<bool, double>> Positive(const json& cfg, const char* key, const std::string& model_type,
-                                                 const std::string& where, const std::string& prefix) {
+absl::StatusOr<std::pair<bool, double>> Positive(const json& cfg, const char* key,
+                                                 const std::vector<std::string>& model_types, const std::string& where,
+                                                 const std::string& prefix) {
   auto it = cfg.find(key);
   if (it == cfg.end()) {
     for (const ModelDefault& d : kModelDefaults)
-      if (model_type == d.model_type && std::string(key) == d.key) return std::make_pair(true, d.value);
+      for (const std::string& type : model_types)
+        if (type == d.model_type && std::string(key) == d.key) return std::make_pair(true, d.value);
     return std::make_pair(false, 0.0);
   }
   if (it->is_null()) return std::make_pair(false, 0.0);
@@ -171,12 +174,22 @@ absl::StatusOr<LmHeadScalars> LmHeadScalarsFromConfig(std::string_view config_js
                          "logits_scaling; see docs/serving.md \"Head transforms\"); refusing the head"));
     if (cfg == &root) break;
   }
-  std::string model_type;
-  if (auto it = cfg->find("model_type"); it != cfg->end() && it->is_string()) model_type = it->get<std::string>();
+  auto model_type_of = [](const json& obj) {
+    auto it = obj.find("model_type");
+    return it != obj.end() && it->is_string() ? it->get<std::string>() : std::string();
+  };
+  // The text config's model_type; a text config without one is taken as
+  // its model's (the root's, or the root's "_text" sub-config).
+  const std::string root_type = model_type_of(root);
+  const std::string text_type = model_type_of(*cfg);
+  std::vector<std::string> model_types = {text_type};
+  if (text_type.empty() && cfg != &root) model_types = {root_type, root_type + "_text"};
+  const bool hyperclovax =
+      text_type == "hyperclovax" || (text_type.empty() && cfg != &root && absl::StartsWith(root_type, "hyperclovax"));
 
   LmHeadScalars out;
   for (const char* key : kSoftcapKeys) {
-    auto v = Positive(*cfg, key, model_type, where, prefix);
+    auto v = Positive(*cfg, key, model_types, where, prefix);
     if (!v.ok()) return v.status();
     if (!v->first) continue;
     if (!out.softcap_from.empty() && out.softcap != v->second)
@@ -187,17 +200,17 @@ absl::StatusOr<LmHeadScalars> LmHeadScalarsFromConfig(std::string_view config_js
     out.softcap_from = key;
   }
   for (const char* key : kMultiplierKeys) {  // the first present (TRL's order); the others must still be numbers
-    auto v = Positive(*cfg, key, model_type, where, prefix);
+    auto v = Positive(*cfg, key, model_types, where, prefix);
     if (!v.ok()) return v.status();
     if (v->first && out.logit_scale_from.empty()) {
       out.logit_scale = v->second;
       out.logit_scale_from = key;
     }
   }
-  auto div = Positive(*cfg, kDivisorKey, model_type, where, prefix);
+  auto div = Positive(*cfg, kDivisorKey, model_types, where, prefix);
   if (!div.ok()) return div.status();
   if (div->first && out.logit_scale_from.empty()) {
-    out.logit_scale = model_type == "hyperclovax" ? div->second : 1.0 / div->second;
+    out.logit_scale = hyperclovax ? div->second : 1.0 / div->second;
     out.logit_scale_from = kDivisorKey;
   }
   if (auto it = cfg->find("lm_head_bias"); it != cfg->end() && !it->is_null()) {

@@ -57,6 +57,19 @@ TEST(LmHeadConfig, EachAttribute) {
        25, "", "text_config.final_logit_softcapping"},
       {R"({"model_type": "granite4_vision", "text_config": {"model_type": "granite", "logits_scaling": 16}})", 1.0 / 16,
        0, "text_config.logits_scaling", ""},
+      // HyperCLOVA X's vision model multiplies by its text config's logits_scaling
+      {R"({"model_type": "hyperclovax_vision_v2", "text_config": {"model_type": "hyperclovax", "logits_scaling": 2}})",
+       2, 0, "text_config.logits_scaling", ""},
+      {R"({"model_type": "hyperclovax_vision_v2", "text_config": {"logits_scaling": 2}})", 2, 0,
+       "text_config.logits_scaling", ""},
+      // defaults of a text config by its model_type, or its model's "_text" one
+      {R"({"model_type": "gemma3n", "text_config": {"model_type": "gemma3n_text"}})", 1, 30, "",
+       "text_config.final_logit_softcapping"},
+      {R"({"model_type": "gemma3n", "text_config": {}})", 1, 30, "", "text_config.final_logit_softcapping"},
+      {R"({"model_type": "granite_docling", "text_config": {"model_type": "granite_docling_text"}})", 0.25, 0,
+       "text_config.logits_scaling", ""},
+      {R"({"model_type": "muse_spark", "text_config": {"model_type": "muse_spark_text"}})", 0.1767766952966369, 20,
+       "text_config.output_multiplier", "text_config.final_logit_softcapping"},
   };
   for (const Case& c : cases) {
     auto s = Parse(c.json);
