@@ -386,7 +386,8 @@ std::string UsageText() {
 
   logprob-client heads --server HOST:PORT [security options]
       Lists the server's lm_heads: name, current and retained versions,
-      shape, dtype, GEMM precision, sha256, source.
+      shape, dtype, GEMM precision, sha256, source, logit transform (bias,
+      logit_scale, final_logit_softcapping, or none).
 
   logprob-client update-lm-head --server HOST:PORT --head NAME --version V
       --input PATH [--tensor NAME] [--sha256 HEX] [--rows-per-call N]

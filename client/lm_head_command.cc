@@ -27,6 +27,18 @@ int Failed(const std::string& what, const grpc::Status& s) {
   return kExitFailure;
 }
 
+// The head's logit transform as GetServerInfo reports it: "bias,
+// logit_scale 0.125, final_logit_softcapping 30", or "none". A server from
+// before transforms leaves logit_scale 0: read as 1.
+std::string HeadTransformText(const v1::LmHeadInfo& h) {
+  std::vector<std::string> parts;
+  if (h.has_bias()) parts.push_back("bias");
+  if (h.logit_scale() != 0 && h.logit_scale() != 1) parts.push_back(absl::StrCat("logit_scale ", h.logit_scale()));
+  if (h.final_logit_softcapping() != 0)
+    parts.push_back(absl::StrCat("final_logit_softcapping ", h.final_logit_softcapping()));
+  return parts.empty() ? "none" : absl::StrJoin(parts, ", ");
+}
+
 }  // namespace
 
 int RunHeads(const LmHeadArgs& args) {
@@ -43,7 +55,7 @@ int RunHeads(const LmHeadArgs& args) {
     std::cout << h.name() << "  version " << h.version() << "  retained [" << absl::StrJoin(h.retained_versions(), ", ")
               << "]  [" << h.vocab_size() << ", " << h.hidden_size() << "] " << DTypeName(h.dtype()) << "  "
               << h.precision() << "  sha256 " << (h.sha256().empty() ? "(computing)" : h.sha256()) << "  " << h.source()
-              << std::endl;
+              << "  transform " << HeadTransformText(h) << std::endl;
   std::cout << "updates " << (info->lm_head_updates() ? "allowed" : "off (--allow-lm-head-updates)") << std::endl;
   return kExitOk;
 }
@@ -67,6 +79,25 @@ int RunUpdateLmHead(const LmHeadArgs& args) {
   begin.set_hidden_size(H);
   begin.set_dtype(src->dtype);
   begin.set_sha256(args.sha256);
+  // The checkpoint's transform goes with it: its bias (else the head keeps
+  // its own), and the scalars a folder's config.json states (a bare file
+  // states none: the head keeps its own).
+  if (src->transform.has_bias) {
+    std::vector<float> bias(static_cast<size_t>(V));
+    if (absl::Status st = ReadLmHeadBias(*src, 0, V, bias.data()); !st.ok()) {
+      std::cerr << "error: --input " << args.input << ": " << st.message() << std::endl;
+      return kExitBadInput;
+    }
+    v1::Tensor* b = begin.mutable_bias();
+    b->set_name(src->bias.tensor);
+    b->set_dtype(v1::F32);
+    b->add_shape(V);
+    b->set_data(bias.data(), bias.size() * sizeof(float));
+  }
+  if (!src->config_file.empty()) {
+    begin.set_logit_scale(src->transform.logit_scale);
+    begin.set_final_logit_softcapping(src->transform.softcap);
+  }
   v1::LmHeadUpdate update;
   {
     grpc::ClientContext ctx;

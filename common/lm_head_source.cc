@@ -4,9 +4,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -73,9 +76,70 @@ absl::StatusOr<LmHeadSource> FromEntry(const std::string& file, const Safetensor
   return s;
 }
 
+// A tensor found in a checkpoint: its file, that file's header, its entry.
+struct Located {
+  std::string file;
+  SafetensorsHeader header;
+  SafetensorsEntry entry;
+};
+
+// Tensor `name` of a sharded checkpoint (`index`'s weight_map), or nullopt
+// when the map does not name it.
+absl::StatusOr<std::optional<Located>> FindSharded(const std::string& index, const nlohmann::json& weight_map,
+                                                   const std::string& name) {
+  auto it = weight_map.find(name);
+  if (it == weight_map.end()) return std::optional<Located>();
+  if (!it->is_string())
+    return absl::InvalidArgumentError(absl::StrCat(index, ": weight_map[\"", name, "\"] is not a file name"));
+  const std::string shard = (fs::path(index).parent_path() / it->get<std::string>()).string();
+  absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(shard);
+  if (!header.ok())
+    return absl::Status(header.status().code(),
+                        absl::StrCat(index, ": shard of \"", name, "\": ", header.status().message()));
+  const SafetensorsEntry* e = header->Find(name);
+  if (e == nullptr)
+    return absl::NotFoundError(
+        absl::StrCat(index, " puts tensor \"", name, "\" in ", shard, ", which has no such tensor"));
+  SafetensorsEntry entry = *e;
+  return std::optional<Located>(Located{shard, *std::move(header), std::move(entry)});
+}
+
+// The bias of weight tensor `weight`: "X.bias" for "X.weight", and
+// lm_head.bias for the tied embedding (or any other name).
+std::string BiasName(const std::string& weight) {
+  constexpr std::string_view kSuffix = ".weight";
+  if (weight != kTiedEmbeddingTensor && weight.size() > kSuffix.size() &&
+      weight.compare(weight.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0)
+    return weight.substr(0, weight.size() - kSuffix.size()) + ".bias";
+  return "lm_head.bias";
+}
+
+// Positioned reads of [offset, offset + size) of `file` into `out`; `what`
+// names the range in errors.
+absl::Status ReadRange(const std::string& file, uint64_t offset, uint64_t size, void* out, const std::string& what) {
+  if (size == 0) return absl::OkStatus();
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return absl::NotFoundError(absl::StrCat("cannot open ", file, ": ", std::generic_category().message(errno)));
+  absl::Status status;
+  for (uint64_t done = 0; done < size;) {
+    const ssize_t n = ::pread(fd, static_cast<char*>(out) + done, size - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      status = absl::DataLossError(
+          absl::StrCat(file, ": ", n == 0 ? std::string("file ends") : std::generic_category().message(errno),
+                       " at byte ", offset + done, " but ", what, " end at byte ", offset + size));
+      break;
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  ::close(fd);
+  return status;
+}
+
 }  // namespace
 
-absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg) {
+absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg, const LmHeadScalarFlags& flags) {
   std::string path = arg, tensor;
   if (const size_t colon = arg.rfind(':'); !Exists(arg) && colon != std::string::npos) {
     path = arg.substr(0, colon);
@@ -86,30 +150,94 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg) {
   const std::vector<std::string> names =
       tensor.empty() ? std::vector<std::string>{kLmHeadTensor, kTiedEmbeddingTensor} : std::vector<std::string>{tensor};
 
+  LmHeadSource source;
+  bool found = false;
+  std::optional<nlohmann::json> weight_map;     // of a sharded checkpoint
   if (fs::path(file).extension() == ".json") {  // sharded: find the shard, then the tensor in it
-    LOGPROB_ASSIGN_OR_RETURN(const nlohmann::json weight_map, ReadWeightMap(file));
+    LOGPROB_ASSIGN_OR_RETURN(weight_map, ReadWeightMap(file));
     for (const std::string& name : names) {
-      auto it = weight_map.find(name);
-      if (it == weight_map.end()) continue;
-      if (!it->is_string())
-        return absl::InvalidArgumentError(absl::StrCat(file, ": weight_map[\"", name, "\"] is not a file name"));
-      const std::string shard = (fs::path(file).parent_path() / it->get<std::string>()).string();
-      absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(shard);
-      if (!header.ok())
-        return absl::Status(header.status().code(),
-                            absl::StrCat(file, ": shard of \"", name, "\": ", header.status().message()));
-      const SafetensorsEntry* e = header->Find(name);
-      if (e == nullptr)
-        return absl::NotFoundError(
-            absl::StrCat(file, " puts tensor \"", name, "\" in ", shard, ", which has no such tensor"));
-      return FromEntry(shard, *header, *e);
+      absl::StatusOr<std::optional<Located>> located = FindSharded(file, *weight_map, name);
+      if (!located.ok()) return located.status();
+      if (!located->has_value()) continue;
+      LOGPROB_ASSIGN_OR_RETURN(source, FromEntry((*located)->file, (*located)->header, (*located)->entry));
+      found = true;
+      break;
     }
   } else {
     LOGPROB_ASSIGN_OR_RETURN(const SafetensorsHeader header, ReadSafetensorsHeader(file));
     for (const std::string& name : names)
-      if (const SafetensorsEntry* e = header.Find(name)) return FromEntry(file, header, *e);
+      if (const SafetensorsEntry* e = header.Find(name)) {
+        LOGPROB_ASSIGN_OR_RETURN(source, FromEntry(file, header, *e));
+        found = true;
+        break;
+      }
   }
-  return absl::NotFoundError(absl::StrCat("lm_head: no tensor \"", absl::StrJoin(names, "\" or \""), "\" in ", file));
+  if (!found)
+    return absl::NotFoundError(absl::StrCat("lm_head: no tensor \"", absl::StrJoin(names, "\" or \""), "\" in ", file));
+
+  // The bias, beside the weight.
+  const std::string bias_name = BiasName(source.tensor);
+  std::optional<Located> bias;
+  if (weight_map.has_value()) {
+    LOGPROB_ASSIGN_OR_RETURN(bias, FindSharded(file, *weight_map, bias_name));
+  } else {
+    LOGPROB_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(source.file));
+    if (const SafetensorsEntry* e = header.Find(bias_name)) bias = Located{source.file, header, *e};
+  }
+  if (bias.has_value()) {
+    const SafetensorsEntry& e = bias->entry;
+    if (e.shape.size() != 1 || e.shape[0] != source.vocab_size)
+      return absl::InvalidArgumentError(absl::StrCat(bias->file, ": tensor \"", e.name, "\" has shape [",
+                                                     absl::StrJoin(e.shape, ", "), "], not [", source.vocab_size,
+                                                     "] (the bias of ", source.tensor, ")"));
+    if (!IsFloatDType(e.dtype))
+      return absl::InvalidArgumentError(
+          absl::StrCat(bias->file, ": tensor \"", e.name, "\" is ", DTypeName(e.dtype), ", not F32, BF16 or F16"));
+    source.bias.file = bias->file;
+    source.bias.tensor = e.name;
+    source.bias.dtype = e.dtype;
+    source.bias.data_offset = bias->header.data_start + e.begin;
+    source.transform.has_bias = true;
+  }
+
+  // The scalars: config.json of a checkpoint directory, else the flags.
+  std::error_code ec;
+  const fs::path config = fs::path(path) / kModelConfigFile;
+  if (fs::is_directory(path, ec) && Exists(config)) {
+    std::ifstream in(config, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", config.string()));
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    LOGPROB_ASSIGN_OR_RETURN(const LmHeadScalars scalars, LmHeadScalarsFromConfig(ss.str(), config.string()));
+    if (scalars.bias_required && !source.transform.has_bias)
+      return absl::InvalidArgumentError(
+          absl::StrCat(config.string(), " says lm_head_bias: true but ", file, " holds no tensor \"", bias_name, "\""));
+    auto said = [&](const std::string& from, double v) {
+      return from.empty() ? std::string("nothing (") + (v == 1.0 ? "1" : "none") + ")"
+                          : absl::StrCat(from, " (", v, ")");
+    };
+    if (flags.logit_scale.has_value() && *flags.logit_scale != scalars.logit_scale)
+      return absl::InvalidArgumentError(absl::StrCat("--lm-head-logit-scale ", *flags.logit_scale, " contradicts ",
+                                                     config.string(), ", which gives the logit multiplier ",
+                                                     said(scalars.logit_scale_from, scalars.logit_scale)));
+    if (flags.softcap.has_value() && *flags.softcap != scalars.softcap)
+      return absl::InvalidArgumentError(absl::StrCat("--lm-head-softcap ", *flags.softcap, " contradicts ",
+                                                     config.string(), ", which gives the final-logit softcap ",
+                                                     said(scalars.softcap_from, scalars.softcap)));
+    source.transform.logit_scale = scalars.logit_scale;
+    source.transform.softcap = scalars.softcap;
+    source.config_file = config.string();
+  } else {
+    if (flags.logit_scale.has_value()) source.transform.logit_scale = *flags.logit_scale;
+    if (flags.softcap.has_value()) source.transform.softcap = *flags.softcap;
+  }
+  if (!(source.transform.logit_scale > 0) || !std::isfinite(source.transform.logit_scale))
+    return absl::InvalidArgumentError(
+        absl::StrCat("--lm-head-logit-scale ", source.transform.logit_scale, ": a finite number > 0 is needed"));
+  if (!(source.transform.softcap >= 0) || !std::isfinite(source.transform.softcap))
+    return absl::InvalidArgumentError(
+        absl::StrCat("--lm-head-softcap ", source.transform.softcap, ": a finite number >= 0 is needed (0: none)"));
+  return source;
 }
 
 absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out) {
@@ -117,26 +245,24 @@ absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin, int64
     return absl::InvalidArgumentError(absl::StrCat("lm_head rows [", row_begin, ", ", row_end, ") are outside [0, ",
                                                    source.vocab_size, ") of ", source.file));
   const uint64_t row_bytes = static_cast<uint64_t>(source.hidden_size) * DTypeSize(source.dtype);
-  const uint64_t offset = source.data_offset + static_cast<uint64_t>(row_begin) * row_bytes;
-  const uint64_t size = static_cast<uint64_t>(row_end - row_begin) * row_bytes;
-  if (size == 0) return absl::OkStatus();
-  const int fd = ::open(source.file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return absl::NotFoundError(absl::StrCat("cannot open ", source.file, ": ", std::generic_category().message(errno)));
-  absl::Status status;
-  for (uint64_t done = 0; done < size;) {
-    const ssize_t n = ::pread(fd, static_cast<char*>(out) + done, size - done, static_cast<off_t>(offset + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      status = absl::DataLossError(absl::StrCat(
-          source.file, ": ", n == 0 ? std::string("file ends") : std::generic_category().message(errno), " at byte ",
-          offset + done, " but lm_head rows [", row_begin, ", ", row_end, ") end at byte ", offset + size));
-      break;
-    }
-    done += static_cast<uint64_t>(n);
-  }
-  ::close(fd);
-  return status;
+  return ReadRange(source.file, source.data_offset + static_cast<uint64_t>(row_begin) * row_bytes,
+                   static_cast<uint64_t>(row_end - row_begin) * row_bytes, out,
+                   absl::StrCat("lm_head rows [", row_begin, ", ", row_end, ")"));
+}
+
+absl::Status ReadLmHeadBias(const LmHeadSource& source, int64_t row_begin, int64_t row_end, float* out) {
+  if (source.bias.file.empty())
+    return absl::FailedPreconditionError(absl::StrCat("lm_head ", source.tensor, " of ", source.file, " has no bias"));
+  if (row_begin < 0 || row_begin > row_end || row_end > source.vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat("lm_head bias elements [", row_begin, ", ", row_end,
+                                                   ") are outside [0, ", source.vocab_size, ") of ", source.bias.file));
+  const size_t n = static_cast<size_t>(row_end - row_begin), elem = DTypeSize(source.bias.dtype);
+  std::vector<char> raw(n * elem);
+  LOGPROB_RETURN_IF_ERROR(ReadRange(source.bias.file, source.bias.data_offset + static_cast<uint64_t>(row_begin) * elem,
+                                    raw.size(), raw.data(),
+                                    absl::StrCat(source.bias.tensor, " elements [", row_begin, ", ", row_end, ")")));
+  ToFloat(source.bias.dtype, raw.data(), n, out);
+  return absl::OkStatus();
 }
 
 }  // namespace logprob

@@ -9,11 +9,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "common/lm_head_transform.h"
 
 namespace logprob {
 
@@ -21,6 +23,28 @@ namespace logprob {
 inline constexpr const char* kLmHeadTensor = "lm_head.weight";
 /// Fallback for models with tied input/output embeddings.
 inline constexpr const char* kTiedEmbeddingTensor = "model.embed_tokens.weight";
+
+/// The file holding a checkpoint's config (its head's logit scalars).
+inline constexpr const char* kModelConfigFile = "config.json";
+
+/// Where a head's bias [V] lives: element v at file offset data_offset +
+/// v * DTypeSize(dtype). `file` empty: the head has no bias.
+struct LmHeadBiasSource {
+  std::string file;
+  std::string tensor;                   // e.g. "lm_head.bias"
+  DType dtype = v1::DTYPE_UNSPECIFIED;  // F32, BF16 or F16
+  uint64_t data_offset = 0;
+  bool operator==(const LmHeadBiasSource& o) const {
+    return file == o.file && tensor == o.tensor && dtype == o.dtype && data_offset == o.data_offset;
+  }
+};
+
+/// A head's scalars given on logprob-server's command line
+/// (--lm-head-logit-scale, --lm-head-softcap); unset: not given.
+struct LmHeadScalarFlags {
+  std::optional<double> logit_scale;  // > 0
+  std::optional<double> softcap;      // >= 0 (0: none)
+};
 
 /// Where the lm_head weight lives. Row v (token id v) is H contiguous
 /// elements of `dtype` at file offset data_offset + v * H * DTypeSize(dtype).
@@ -32,6 +56,12 @@ struct LmHeadSource {
   int64_t hidden_size = 0;              // H: columns
   uint64_t data_offset = 0;             // absolute byte offset of element [0, 0]
   bool tied_embeddings = false;         // tensor is kTiedEmbeddingTensor (fallback or named)
+  /// What the head does to h W^T (common/lm_head_transform.h); has_bias
+  /// exactly when bias.file is set.
+  LmHeadTransform transform;
+  LmHeadBiasSource bias;
+  /// The config.json the scalars were read from ("" when none was).
+  std::string config_file;
 };
 
 /// Resolves the --lm-head argument "PATH[:TENSOR]".
@@ -44,13 +74,23 @@ struct LmHeadSource {
 /// after the last ':' is TENSOR (which must not be empty). Without TENSOR,
 /// kLmHeadTensor is used, falling back to kTiedEmbeddingTensor
 /// (tied_embeddings = true) when the checkpoint has no lm_head; a named
-/// TENSOR has no fallback. Only headers are read.
+/// TENSOR has no fallback. Only headers (and config.json) are read.
+///
+/// The head's transform: its bias is the tensor "lm_head.bias" (for a
+/// TENSOR "X.weight" other than the tied embedding: "X.bias") in the same
+/// file, or where a sharded index's weight_map puts it; it must be 1-D [V]
+/// of F32, BF16 or F16. When PATH is a directory holding config.json, the
+/// scalars come from it (LmHeadScalarsFromConfig: its errors refuse the
+/// head) and a flag in `flags` must agree with it (INVALID_ARGUMENT
+/// naming both); else they are the flags' (absent: scale 1, no softcap).
+/// A config with "lm_head_bias": true and no bias tensor is
+/// INVALID_ARGUMENT.
 /// Errors: NOT_FOUND (no such file, directory or shard, or the tensor is
 /// in no file; the message lists the names tried and the file searched),
 /// INVALID_ARGUMENT (malformed safetensors or index JSON, an empty TENSOR,
 /// a tensor that is not 2-D [V, H] with V, H > 0, a dtype other than F32,
 /// BF16 or F16).
-absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg);
+absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg, const LmHeadScalarFlags& flags = {});
 
 /// Reads rows [row_begin, row_end) of the weight into `out`
 /// ((row_end - row_begin) * H elements of source.dtype, row-major) with
@@ -60,5 +100,10 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg);
 /// row_end; NOT_FOUND when the file cannot be opened; DATA_LOSS when it is
 /// shorter than the header says or a read fails.
 absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out);
+
+/// Reads elements [row_begin, row_end) of the head's bias (source.bias),
+/// widened to f32, into `out` (row_end - row_begin floats). Errors as
+/// ReadLmHeadRows; FAILED_PRECONDITION when the head has no bias.
+absl::Status ReadLmHeadBias(const LmHeadSource& source, int64_t row_begin, int64_t row_end, float* out);
 
 }  // namespace logprob

@@ -29,7 +29,9 @@ namespace logprob {
 /// 7: ScoreOptions.log_sum_sq_probs / mean_logits / is_top1 and
 /// WorkResult.log_sum_sq_probs / mean_logits / is_top1 (a version-6 worker
 /// would ignore the options and return none); the partial record's header
-/// grew from 6 to 12 words (q, zsum, pre_target_max).
+/// grew from 6 to 12 words (q, zsum, pre_target_max); and LmHeadSource's
+/// logit transform (bias, logit_scale, final_logit_softcapping), which a
+/// version-6 worker would ignore, scoring such a head without it.
 constexpr uint32_t kWorkerProtocolVersion = 7;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the

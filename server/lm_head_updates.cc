@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <future>
@@ -19,12 +20,14 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/error_reason.h"
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
 #include "common/partition.h"
 #include "common/positioned_io.h"
+#include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "server/staged_file_hasher.h"
 
@@ -52,7 +55,7 @@ std::string RandomId() {
 /// with its 8-byte length prefix, padded with spaces to a whole page: the
 /// weight starts at a page boundary, so workers map their rows aligned
 /// (HostBytes::MapMemoryFile).
-std::string SafetensorsHeader(DType dtype, int64_t V, int64_t H) {
+std::string StoreFileHeader(DType dtype, int64_t V, int64_t H) {
   constexpr size_t kPage = 4096;
   const int64_t bytes = V * H * static_cast<int64_t>(DTypeSize(dtype));
   std::string json = absl::StrCat("{\"", kLmHeadTensor, "\":{\"dtype\":\"", DTypeName(dtype), "\",\"shape\":[", V, ",",
@@ -120,6 +123,64 @@ absl::StatusOr<std::string> Confined(const std::string& root, const std::string&
   return r;
 }
 
+/// A bias file of the store: `<stem>.bias.safetensors` beside a version's
+/// weight, owned by that one version (removed with it).
+constexpr char kBiasSuffix[] = ".bias.safetensors";
+bool IsStoreBias(const std::string& store_dir, const std::string& file) {
+  return absl::StartsWith(file, store_dir + "/") && absl::EndsWith(file, kBiasSuffix);
+}
+
+/// The new version's transform: the head's (`cur`), with what `req` gives
+/// instead. A bias in `req` is checked (shape [V], F32 / BF16 / F16, inline
+/// bytes of that size, finite) and returned in *bias (else left empty).
+/// INVALID_ARGUMENT naming the field.
+absl::StatusOr<LmHeadTransform> UpdatedTransform(const v1::BeginLmHeadUpdateRequest& req, const LmHeadSource& cur,
+                                                 v1::Tensor* bias) {
+  LmHeadTransform t = cur.transform;
+  if (req.has_logit_scale()) {
+    if (!std::isfinite(req.logit_scale()) || req.logit_scale() <= 0)
+      return absl::InvalidArgumentError(absl::StrCat("logit_scale ", req.logit_scale(), ": must be finite and > 0"));
+    t.logit_scale = req.logit_scale();
+  }
+  if (req.has_final_logit_softcapping()) {
+    if (!std::isfinite(req.final_logit_softcapping()) || req.final_logit_softcapping() < 0)
+      return absl::InvalidArgumentError(absl::StrCat("final_logit_softcapping ", req.final_logit_softcapping(),
+                                                     ": must be finite and >= 0 (0: none)"));
+    t.softcap = req.final_logit_softcapping();
+  }
+  if (req.has_bias()) {
+    const v1::Tensor& b = req.bias();
+    if (!IsFloatDType(b.dtype()) || b.shape_size() != 1 || b.shape(0) != cur.vocab_size)
+      return absl::InvalidArgumentError(absl::StrCat("bias: ", DTypeName(b.dtype()), " of ", b.shape_size(),
+                                                     " dimensions; a [", cur.vocab_size,
+                                                     "] F32, BF16 or F16 is needed"));
+    const size_t want = static_cast<size_t>(cur.vocab_size) * DTypeSize(b.dtype());
+    if (b.source_case() != v1::Tensor::kData || b.data().size() != want)
+      return absl::InvalidArgumentError(
+          absl::StrCat("bias: its ", want, " bytes must be inline (data); ", b.data().size(), " given"));
+    std::vector<float> values(static_cast<size_t>(cur.vocab_size));
+    ToFloat(b.dtype(), b.data().data(), values.size(), values.data());
+    for (size_t i = 0; i < values.size(); ++i)
+      if (!std::isfinite(values[i])) return absl::InvalidArgumentError(absl::StrCat("bias[", i, "] is not finite"));
+    *bias = b;
+    bias->set_name("lm_head.bias");
+    t.has_bias = true;
+  }
+  return t;
+}
+
+/// Writes `bias` (a checked [V] tensor) to `path` as a safetensors file and
+/// locates it. INTERNAL (RESOURCE_EXHAUSTED when the disk is full) on failure.
+absl::StatusOr<LmHeadBiasSource> WriteBias(const std::string& path, const v1::Tensor& bias) {
+  if (absl::Status st = WriteSafetensors(path, {bias}); !st.ok())
+    return absl::Status(st.code() == absl::StatusCode::kResourceExhausted ? st.code() : absl::StatusCode::kInternal,
+                        absl::StrCat("lm_head update: cannot write the bias ", path, ": ", st.message()));
+  LOGPROB_ASSIGN_OR_RETURN(const SafetensorsHeader header, ReadSafetensorsHeader(path));
+  const SafetensorsEntry* e = header.Find(bias.name());
+  if (e == nullptr) return absl::InternalError(absl::StrCat(path, ": the bias just written is missing"));
+  return LmHeadBiasSource{path, e->name, e->dtype, header.data_start + e->begin};
+}
+
 }  // namespace
 
 void LmHeadReleases::Push(const LmHeadVersion& version) {
@@ -136,6 +197,11 @@ struct LmHeadUpdates::Update {
   std::string id, head, version, expected_sha256;
   LmHeadVersion next;   // what commits: source.file is the final path
   std::string partial;  // the file while staged
+  // This version's own bias file in the store (`<stem>.bias.safetensors`:
+  // written only when the version's bias comes from the request or from
+  // another store version); removed on abort and with the version.
+  std::string bias_file;
+  bool bias_given = false;  // BeginLmHeadUpdateRequest.bias was set
   int fd = -1;
   // The staged file mapped read-write (its blocks allocated at Begin, so
   // no write through it can fault for space): rows are copied in with
@@ -208,6 +274,7 @@ void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, c
   if (outcome != "committed") {
     unlink(u->partial.c_str());
     unlink(u->next.source.file.c_str());
+    unlink(u->bias_file.c_str());
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - u->begun).count();
   LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
@@ -254,6 +321,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
         absl::StrCat("lm_head \"", req.head(), "\" already holds version \"", req.version(), "\" (sha256 ", held_sha,
                      sha.empty() ? "; give it to confirm" : ", not the one given", "); choose a new version name"));
   }
+  v1::Tensor new_bias;
+  LOGPROB_ASSIGN_OR_RETURN(const LmHeadTransform transform, UpdatedTransform(req, cur, &new_bias));
   const int64_t V = cur.vocab_size, H = cur.hidden_size;
   const int64_t row_bytes = H * static_cast<int64_t>(DTypeSize(cur.dtype));
   const int64_t per_worker = SplitRange(V, options_.workers, 0).second * row_bytes;
@@ -280,6 +349,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     const std::string stem = absl::StrCat(options_.store_dir, "/", req.head(), "-", next_file_++);
     u->next.source.file = stem + ".safetensors";
     u->partial = stem + ".safetensors.partial";
+    u->bias_file = stem + kBiasSuffix;
+    u->bias_given = req.has_bias();
     open_[u->id] = u;
   }
   u->next.head = req.head();
@@ -291,7 +362,34 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   s.dtype = cur.dtype;
   s.vocab_size = V;
   s.hidden_size = H;
-  const std::string header = SafetensorsHeader(cur.dtype, V, H);
+  // The head's transform, with what the request changes. A bias of the
+  // request, or the head's bias from the store (another version's file,
+  // removed with it), becomes this version's own file; a bias in the head's
+  // start-up checkpoint is read from there.
+  s.transform = transform;
+  s.bias = cur.bias;
+  s.config_file = cur.config_file;
+  if (req.has_bias() || IsStoreBias(options_.store_dir, cur.bias.file)) {
+    absl::StatusOr<LmHeadBiasSource> written = absl::InternalError("unset");
+    if (req.has_bias()) {
+      written = WriteBias(u->bias_file, new_bias);
+    } else {
+      std::error_code copy_ec;
+      fs::copy_file(cur.bias.file, u->bias_file, fs::copy_options::overwrite_existing, copy_ec);
+      written = copy_ec
+                    ? absl::InternalError(absl::StrCat("lm_head update: cannot copy the head's bias ", cur.bias.file,
+                                                       " to ", u->bias_file, ": ", copy_ec.message()))
+                    : absl::StatusOr<LmHeadBiasSource>(
+                          LmHeadBiasSource{u->bias_file, cur.bias.tensor, cur.bias.dtype, cur.bias.data_offset});
+    }
+    if (!written.ok()) {
+      absl::MutexLock lock(&mu_);
+      End(u, "aborted", std::string(written.status().message()));
+      return written.status();
+    }
+    s.bias = *written;
+  }
+  const std::string header = StoreFileHeader(cur.dtype, V, H);
   s.data_offset = header.size();
   std::error_code ec;
   fs::create_directories(options_.store_dir, ec);
@@ -462,13 +560,33 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, c
         absl::StrCat("file.path \"", path, "\": its tensor lies in ", src.file, ", outside --lm-head-update-dir"));
   int64_t V = 0, H = 0;
   DType dtype = v1::DTYPE_UNSPECIFIED;
+  LmHeadTransform transform;
+  LmHeadBiasSource bias;
+  bool bias_given = false;
   {
     absl::MutexLock lock(&mu_);
     LOGPROB_ASSIGN_OR_RETURN(auto u, Open(id));
     V = u->next.source.vocab_size;
     H = u->next.source.hidden_size;
     dtype = u->next.source.dtype;
+    transform = u->next.source.transform;
+    bias = u->next.source.bias;
+    bias_given = u->bias_given;
   }
+  // Rows replace the weight only; the update's transform was fixed at Begin
+  // (the head's, or what Begin gave). A checkpoint that says otherwise
+  // would be scored wrong: refused.
+  if (src.transform.has_bias && !bias_given && !(src.bias == bias))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "file.path \"", path, "\": the checkpoint has ", src.bias.tensor,
+        ", but rows replace the weight only and the update keeps the head's bias (",
+        transform.has_bias ? bias.file : std::string("none"), "); send the bias in BeginLmHeadUpdateRequest.bias"));
+  if (!src.config_file.empty() &&  // a bare file states no scalars
+      (src.transform.logit_scale != transform.logit_scale || src.transform.softcap != transform.softcap))
+    return absl::InvalidArgumentError(absl::StrCat("file.path \"", path, "\": the checkpoint's logit transform (",
+                                                   src.transform.ToString(), ", from ", src.config_file,
+                                                   ") is not the update's (", transform.ToString(),
+                                                   "); give the scalars in BeginLmHeadUpdateRequest"));
   if (src.vocab_size != V || src.hidden_size != H || src.dtype != dtype)
     return absl::InvalidArgumentError(absl::StrCat("file.path \"", path, "\": ", src.tensor, " is [", src.vocab_size,
                                                    ", ", src.hidden_size, "] ", DTypeName(src.dtype),
@@ -564,6 +682,8 @@ void LmHeadUpdates::Release() {
 }
 
 void LmHeadUpdates::Recycle(const LmHeadVersion& v, bool dropped) {
+  // The version's own bias file goes with it (no other version reads it).
+  if (IsStoreBias(options_.store_dir, v.source.bias.file)) unlink(v.source.bias.file.c_str());
   std::unique_ptr<StagedFileHasher> hasher;
   FileMap map;
   std::string spare;

@@ -95,11 +95,19 @@ class LmHeadUpdates {
   /// Opens an update (BeginLmHeadUpdateRequest). Errors: FAILED_PRECONDITION
   /// (reason LM_HEAD_UPDATES_DISABLED) when updates are off; NOT_FOUND for
   /// an unknown head; INVALID_ARGUMENT for a bad version name, a shape or
-  /// dtype other than the head's, a malformed sha256; FAILED_PRECONDITION
-  /// when the head has an open update; ALREADY_EXISTS when the version is
-  /// held with another (or no given) sha256; RESOURCE_EXHAUSTED over
-  /// memory_bytes; INTERNAL when the store file cannot be made. A version
-  /// held with the same sha256 gives already_committed and opens nothing.
+  /// dtype other than the head's, a malformed sha256, a logit_scale,
+  /// final_logit_softcapping or bias that is not valid (named);
+  /// FAILED_PRECONDITION when the head has an open update; ALREADY_EXISTS
+  /// when the version is held with another (or no given) sha256;
+  /// RESOURCE_EXHAUSTED over memory_bytes; INTERNAL when the store file
+  /// cannot be made. A version held with the same sha256 gives
+  /// already_committed and opens nothing.
+  /// The new version's transform is the head's, with the request's
+  /// logit_scale, final_logit_softcapping and bias where given. A bias it
+  /// has from the request, or from another version's store file, is
+  /// written to a file of its own beside its weight
+  /// (`<stem>.bias.safetensors`, removed on abort and when the version is
+  /// released); one from the head's start-up checkpoint is read there.
   absl::StatusOr<v1::LmHeadUpdate> Begin(const v1::BeginLmHeadUpdateRequest& req) ABSL_LOCKS_EXCLUDED(mu_);
 
   /// Writes rows [row_begin, row_begin + rows) of update `id` from `source`

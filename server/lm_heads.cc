@@ -49,6 +49,14 @@ internal::v1::LmHeadLoad LmHeadVersion::Load() const {
   s->set_hidden_size(source.hidden_size);
   s->set_data_offset(source.data_offset);
   s->set_immutable(origin == kUpdateOrigin);
+  s->set_logit_scale(source.transform.logit_scale);
+  s->set_final_logit_softcapping(source.transform.softcap);
+  if (source.transform.has_bias) {
+    s->set_bias_file(source.bias.file);
+    s->set_bias_tensor(source.bias.tensor);
+    s->set_bias_dtype(source.bias.dtype);
+    s->set_bias_offset(source.bias.data_offset);
+  }
   return load;
 }
 
@@ -196,6 +204,9 @@ std::vector<v1::LmHeadInfo> LmHeads::List() const {
     info.set_bytes_per_worker(cur.bytes_per_worker);
     info.set_source(cur.origin);
     info.set_tied_embeddings(cur.source.tied_embeddings);
+    info.set_has_bias(cur.source.transform.has_bias);
+    info.set_logit_scale(cur.source.transform.logit_scale);
+    info.set_final_logit_softcapping(cur.source.transform.softcap);
     out.push_back(std::move(info));
   }
   return out;

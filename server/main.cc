@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <iostream>
@@ -18,6 +19,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/backend_choice.h"
@@ -57,7 +59,18 @@ ABSL_FLAG(std::string, lm_head, "",
           "an lm_head for hidden-states requests, repeatable: [NAME=]PATH[:TENSOR], NAME (default \"default\") "
           "the head's name requests give in `head`, PATH a .safetensors file, a model.safetensors.index.json or "
           "a checkpoint directory; TENSOR defaults to lm_head.weight, then model.embed_tokens.weight (tied "
-          "embeddings)");
+          "embeddings). The head's bias (lm_head.bias) is read beside the weight, and a directory's config.json "
+          "gives its logit multiplier and final-logit softcap; a config with a logit transform the server cannot "
+          "reproduce is refused (docs/serving.md \"Head transforms\")");
+ABSL_FLAG(std::string, lm_head_logit_scale, "",
+          "logit multiplier of every --lm-head without a config.json (a .safetensors file or index): logits are "
+          "softcap(SCALE * (h W^T + b)); a number > 0 (default 1). A checkpoint directory's config.json gives it "
+          "(logit_scale, output_multiplier, lm_head_multiplier, 1 / logits_scaling); a flag that contradicts it "
+          "is an error");
+ABSL_FLAG(std::string, lm_head_softcap, "",
+          "final-logit softcap C of every --lm-head without a config.json: logits are C * tanh(z / C) after the "
+          "bias and multiplier; a number >= 0 (default 0: none). A checkpoint directory's config.json gives it "
+          "(final_logit_softcapping); a flag that contradicts it is an error");
 ABSL_FLAG(std::string, lm_head_version, "initial", "version name of the lm_heads loaded at start");
 ABSL_FLAG(int, lm_head_retain, 1,
           "committed versions of each lm_head kept servable (requests may pin them with head_version), the "
@@ -205,8 +218,8 @@ class StoreDir {
 
 /// A start-up head from "[NAME=]PATH[:TENSOR]": its source, and the
 /// SHA-256 of its weight bytes (read once here).
-absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, const std::string& version,
-                                                       int workers) {
+absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, const std::string& version, int workers,
+                                                       const logprob::LmHeadScalarFlags& scalars) {
   logprob::LmHeadVersion v;
   std::string path = arg;
   v.head = logprob::kDefaultLmHead;
@@ -216,7 +229,7 @@ absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, c
     path = arg.substr(eq + 1);
   }
   LOGPROB_RETURN_IF_ERROR(logprob::CheckLmHeadName(v.head, "--lm-head NAME"));
-  LOGPROB_ASSIGN_OR_RETURN(v.source, logprob::ResolveLmHead(path));
+  LOGPROB_ASSIGN_OR_RETURN(v.source, logprob::ResolveLmHead(path, scalars));
   v.version = version;
   v.origin = path;
   const int64_t row_bytes = v.source.hidden_size * static_cast<int64_t>(logprob::DTypeSize(v.source.dtype));
@@ -237,7 +250,9 @@ absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, c
                      << logprob::DTypeName(v.source.dtype) << " from " << v.source.file
                      << (v.source.tied_embeddings ? " (no lm_head.weight: tied embeddings, using the input embedding)"
                                                   : "")
-                     << ", sha256 " << v.sha256.get().substr(0, 16) << "… ("
+                     << ", transform " << v.source.transform.ToString()
+                     << (v.source.config_file.empty() ? "" : " (" + v.source.config_file + ")") << ", sha256 "
+                     << v.sha256.get().substr(0, 16) << "… ("
                      << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)";
   return v;
 }
@@ -366,8 +381,27 @@ int main(int argc, char** argv) {
   heads_options.precision_of = precision_of;
   heads_options.on_release = [releases](const logprob::LmHeadVersion& v) { releases->Push(v); };
   logprob::LmHeads heads(heads_options);
+  // --lm-head-logit-scale / --lm-head-softcap: "" when not given.
+  logprob::LmHeadScalarFlags scalar_flags;
+  auto scalar_flag = [](const char* flag, const std::string& value, bool zero_ok,
+                        std::optional<double>* out) -> absl::Status {
+    if (value.empty()) return absl::OkStatus();
+    double d = 0;
+    if (!absl::SimpleAtod(value, &d) || !std::isfinite(d) || d < 0 || (d == 0 && !zero_ok))
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " ", value, ": a number ", zero_ok ? ">= 0 (0: none)" : "> 0", " is needed"));
+    *out = d;
+    return absl::OkStatus();
+  };
+  for (const absl::Status& st :
+       {scalar_flag("--lm-head-logit-scale", absl::GetFlag(FLAGS_lm_head_logit_scale), false,
+                    &scalar_flags.logit_scale),
+        scalar_flag("--lm-head-softcap", absl::GetFlag(FLAGS_lm_head_softcap), true, &scalar_flags.softcap)})
+    if (!st.ok()) return Fail(std::string(st.message()));
+  if ((scalar_flags.logit_scale || scalar_flags.softcap) && lm_head_args.empty())
+    return Fail("--lm-head-logit-scale / --lm-head-softcap apply to an --lm-head; none is given");
   for (const std::string& arg : lm_head_args) {
-    auto head = LoadStartupHead(arg, initial_version, workers);
+    auto head = LoadStartupHead(arg, initial_version, workers, scalar_flags);
     if (!head.ok()) return Fail("--lm-head " + arg + ": " + std::string(head.status().message()));
     const std::string name = head->head;
     if (auto st = heads.Add(*std::move(head)); !st.ok()) return Fail(std::string(st.message()));

@@ -341,6 +341,51 @@ TEST(CudaHidden, FusedGemmAndPartialsMatchTheCpuPath) {
   }
 }
 
+// A head with a bias, a multiplier and a softcap: the GPU applies the
+// transform after its GEMM (worker/cuda/lm_head_transform.cu) as the CPU
+// does after its own; logits and records agree within the f32 rounding.
+TEST(CudaHidden, TheHeadTransformMatchesTheCpuPath) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 3000, H = 256, M = 40;
+  LmHeadSlice slice = RandomSlice(N, H, 19);
+  slice.transform = LmHeadTransform{true, 40.0, 30.0};  // logits of std ~30: the softcap matters
+  slice.bias.resize(N);
+  for (int64_t n = 0; n < N; ++n) slice.bias[n] = 0.01f * static_cast<float>(n % 97) - 0.5f;
+  auto gpu = cuda::CudaBackend::Create(0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto gw = (*gpu)->LoadLmHead(slice, LmHeadPrecision::kAuto);
+  ASSERT_TRUE(gw.ok()) << gw.status();
+  CpuBackend cpu;
+  auto cw = cpu.LoadLmHead(slice, LmHeadPrecision::kAuto);
+  ASSERT_TRUE(cw.ok()) << cw.status();
+  const Rows hidden = MakeRows(v1::BF16, M, H, 0, N, 0, Values::kNormal, 20);
+  std::vector<float> lc(M * N), lg(M * N);
+  ASSERT_TRUE(cpu.HiddenLogits(**cw, v1::BF16, hidden.bytes.data(), M, lc.data()).ok());
+  ASSERT_TRUE((*gpu)->HiddenLogits(**gw, v1::BF16, hidden.bytes.data(), M, lg.data()).ok());
+  int capped = 0;
+  for (size_t i = 0; i < lc.size(); ++i) {
+    ASSERT_NEAR(lc[i], lg[i], 1e-4 * (1 + std::abs(lc[i]))) << i;
+    ASSERT_LE(std::abs(lg[i]), 30.0f) << i;
+    capped += std::abs(lg[i]) > 20.0f;
+  }
+  EXPECT_GT(capped, 0);
+  const StatsSpec spec = Spec(5, 0, true);
+  const size_t words = kernels::PartialWords(spec);
+  std::vector<uint32_t> rc(M * words), rg(M * words);
+  ASSERT_TRUE(cpu.HiddenPartials(**cw, v1::BF16, hidden.bytes.data(), 0, hidden.block(0), spec, rc.data()).ok());
+  ASSERT_TRUE((*gpu)->HiddenPartials(**gw, v1::BF16, hidden.bytes.data(), 0, hidden.block(0), spec, rg.data()).ok());
+  for (int64_t r = 0; r < M; ++r) {
+    float a[2], b[2], ta[5], tb[5];
+    int64_t ia[5], ib[5];
+    const uint32_t* pc = rc.data() + r * words;
+    const uint32_t* pg = rg.data() + r * words;
+    const bool has_target = hidden.targets[r] >= 0;
+    kernels::CombinePartials(&pc, 1, spec, has_target, {&a[0], &a[1], ta, ia, nullptr});
+    kernels::CombinePartials(&pg, 1, spec, has_target, {&b[0], &b[1], tb, ib, nullptr});
+    for (int j = 0; j < 2; ++j) EXPECT_NEAR(a[j], b[j], 2e-4 + 2e-5 * std::abs(a[j]));
+  }
+}
+
 /// A one-rank one-pass item over `hidden`'s rows (host memory).
 HiddenItemRows OneRankItem(const Rows& hidden, int gather_k) {
   HiddenItemRows item;

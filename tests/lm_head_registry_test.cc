@@ -113,5 +113,63 @@ TEST(LmHeadRegistry, AnImmutableFileInMemoryIsMappedAndScoresLikeACopy) {
   }
 }
 
+// A head with a bias, a multiplier and a softcap: each rank reads its
+// slice of the bias (rows SplitRange(V, W, rank)) and the backend's logits
+// are softcap(scale * (h W^T + b)); the same version loaded again with
+// another transform replaces the held copy.
+TEST(LmHeadRegistry, TheTransformAndThisRanksBiasSliceApply) {
+  const std::string path = ::testing::TempDir() + "/lm_head_registry_test.bias." + std::to_string(getpid());
+  {
+    v1::Tensor w;
+    w.set_name(kLmHeadTensor);
+    w.set_dtype(v1::F32);
+    w.add_shape(kV);
+    w.add_shape(kH);
+    std::vector<float> wv, bv;
+    for (int64_t r = 0; r < kV; ++r)
+      for (int64_t c = 0; c < kH; ++c) wv.push_back(static_cast<float>((c + 1) * r) + 10);
+    for (int64_t r = 0; r < kV; ++r) bv.push_back(100.0f * r);
+    w.set_data(wv.data(), wv.size() * 4);
+    v1::Tensor b;
+    b.set_name("lm_head.bias");
+    b.set_dtype(v1::F32);
+    b.add_shape(kV);
+    b.set_data(bv.data(), bv.size() * 4);
+    ASSERT_TRUE(WriteSafetensors(path, {w, b}).ok());
+  }
+  LmHeadScalarFlags flags;
+  flags.logit_scale = 0.5;
+  flags.softcap = 30;
+  const LmHeadSource s = ResolveLmHead(path, flags).value();
+  ASSERT_TRUE(s.transform.has_bias);
+  internal::v1::LmHeadLoad load = LoadOf("v1", path, false);
+  load.mutable_source()->set_logit_scale(s.transform.logit_scale);
+  load.mutable_source()->set_final_logit_softcapping(s.transform.softcap);
+  load.mutable_source()->set_bias_file(s.bias.file);
+  load.mutable_source()->set_bias_tensor(s.bias.tensor);
+  load.mutable_source()->set_bias_dtype(s.bias.dtype);
+  load.mutable_source()->set_bias_offset(s.bias.data_offset);
+  CpuBackend backend(1);
+  LmHeadRegistry registry(backend, LmHeadPrecision::kFp32, /*rank=*/1, /*world=*/2);  // rows [3, 5)
+  ASSERT_TRUE(registry.Load(load).ok());
+  internal::v1::LmHeadRef ref = load.head();
+  std::shared_ptr<const LmHeadWeights> w = registry.Find(ref);
+  ASSERT_NE(w, nullptr);
+  ASSERT_EQ(w->rows(), 2);
+  EXPECT_TRUE(w->transform().has_bias);
+  std::vector<float> want;
+  for (int64_t r = 3; r < 5; ++r) want.push_back(TransformLogit(static_cast<float>(r) + 10, 100.0f * r, 0.5f, 30.0f));
+  EXPECT_EQ(FirstColumn(backend, *w), want);
+
+  // Same file, another transform (no softcap): replaced.
+  load.mutable_source()->set_final_logit_softcapping(0);
+  ASSERT_TRUE(registry.Load(load).ok());
+  w = registry.Find(ref);
+  want.clear();
+  for (int64_t r = 3; r < 5; ++r) want.push_back((static_cast<float>(r) + 10 + 100.0f * r) * 0.5f);
+  EXPECT_EQ(FirstColumn(backend, *w), want);
+  std::remove(path.c_str());
+}
+
 }  // namespace
 }  // namespace logprob

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "common/safetensors.h"
 
@@ -116,6 +117,106 @@ TEST_F(LmHeadSourceTest, ShardedViaIndexAndDirectory) {
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(e->vocab_size, 6);
   EXPECT_EQ(ReadRows(*e, 0, 6), embed_.data());
+}
+
+// A bias tensor of V floats, f32 values 0.5 * v - 1.
+v1::Tensor BiasTensor(const std::string& name, int64_t V) {
+  std::vector<float> b(V);
+  for (int64_t v = 0; v < V; ++v) b[v] = 0.5f * v - 1;
+  v1::Tensor t;
+  t.set_name(name);
+  t.set_dtype(v1::F32);
+  t.add_shape(V);
+  t.set_data(b.data(), b.size() * 4);
+  return t;
+}
+
+TEST_F(LmHeadSourceTest, BiasBesideTheWeightInOneFileAndInAnotherShard) {
+  // One file: lm_head.bias next to lm_head.weight; no config: identity scalars.
+  const std::string path = Write("model.safetensors", {lm_head_, BiasTensor("lm_head.bias", 6), norm_});
+  absl::StatusOr<LmHeadSource> s = ResolveLmHead(path);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(s->transform.has_bias);
+  EXPECT_EQ(s->bias.tensor, "lm_head.bias");
+  EXPECT_EQ(s->bias.file, path);
+  EXPECT_EQ(s->transform.logit_scale, 1.0);
+  EXPECT_EQ(s->transform.softcap, 0.0);
+  EXPECT_TRUE(s->config_file.empty());
+  float got[3];
+  ASSERT_TRUE(ReadLmHeadBias(*s, 2, 5, got).ok());
+  EXPECT_EQ(got[0], 0.0f);
+  EXPECT_EQ(got[1], 0.5f);
+  EXPECT_EQ(got[2], 1.0f);
+  EXPECT_EQ(ReadLmHeadBias(*s, 4, 7, got).code(), absl::StatusCode::kInvalidArgument);
+
+  // Sharded: the index puts the bias in the other shard.
+  fs::remove(path);
+  Write("model-00001-of-00002.safetensors", {embed_, BiasTensor("lm_head.bias", 6)});
+  Write("model-00002-of-00002.safetensors", {lm_head_});
+  WriteText("model.safetensors.index.json", R"({"weight_map": {
+      "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+      "lm_head.bias": "model-00001-of-00002.safetensors",
+      "lm_head.weight": "model-00002-of-00002.safetensors"}})");
+  s = ResolveLmHead(dir_);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(s->transform.has_bias);
+  EXPECT_EQ(fs::path(s->bias.file).filename(), "model-00001-of-00002.safetensors");
+  ASSERT_TRUE(ReadLmHeadBias(*s, 0, 1, got).ok());
+  EXPECT_EQ(got[0], -1.0f);
+}
+
+TEST_F(LmHeadSourceTest, ScalarsFromConfigJsonOrFlags) {
+  Write("model.safetensors", {lm_head_});
+  const std::string file = dir_ + "/model.safetensors";
+  // A bare file: the flags.
+  LmHeadScalarFlags flags;
+  flags.logit_scale = 0.25;
+  flags.softcap = 30;
+  absl::StatusOr<LmHeadSource> s = ResolveLmHead(file, flags);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->transform.has_bias);
+  EXPECT_EQ(s->transform.logit_scale, 0.25);
+  EXPECT_EQ(s->transform.softcap, 30.0);
+  // A directory with config.json: its values; equal flags are fine.
+  WriteText("config.json", R"({"model_type": "granite", "logits_scaling": 4.0, "final_logit_softcapping": 30})");
+  s = ResolveLmHead(dir_, flags);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->transform.logit_scale, 0.25);
+  EXPECT_EQ(s->transform.softcap, 30.0);
+  EXPECT_EQ(s->config_file, (fs::path(dir_) / "config.json").string());
+  // The file inside that directory is a bare file: config.json is not read.
+  s = ResolveLmHead(file);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->transform.logit_scale, 1.0);
+  // A contradicting flag names both.
+  flags.softcap = 20;
+  s = ResolveLmHead(dir_, flags);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("--lm-head-softcap 20"), std::string::npos) << s.status();
+  EXPECT_NE(s.status().message().find("final_logit_softcapping"), std::string::npos) << s.status();
+  // A refused config refuses the head.
+  WriteText("config.json", R"({"logit_scale": "inv_sqrt_d_model"})");
+  s = ResolveLmHead(dir_);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("logit_scale"), std::string::npos) << s.status();
+}
+
+TEST_F(LmHeadSourceTest, BadBiasIsRefused) {
+  Write("model.safetensors", {lm_head_, BiasTensor("lm_head.bias", 5)});
+  absl::StatusOr<LmHeadSource> s = ResolveLmHead(dir_);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("lm_head.bias"), std::string::npos) << s.status();
+  Write("model.safetensors", {lm_head_, MakeTensor("lm_head.bias", v1::I32, {6}, 1)});
+  s = ResolveLmHead(dir_);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("lm_head.bias"), std::string::npos) << s.status();
+  // config.json says there is a bias; there is none.
+  Write("model.safetensors", {lm_head_});
+  WriteText("config.json", R"({"lm_head_bias": true})");
+  s = ResolveLmHead(dir_);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("lm_head_bias"), std::string::npos) << s.status();
 }
 
 TEST_F(LmHeadSourceTest, TiedEmbeddingsFallback) {

@@ -477,4 +477,113 @@ TEST_F(LmHeadUpdatesTest, RowsReadInBlocksOnSeveralThreadsLandExactlyAndAFailedR
   EXPECT_EQ(v1->sha256.get(), Sha256Hex(rows));
 }
 
+// The head's transform through updates: an update may set the scalars and
+// a bias (written to the version's own file in the store); the next one
+// without them keeps the head's (the bias copied to its own file); a
+// released or aborted version's bias file goes with it. Bad values are
+// INVALID_ARGUMENT naming the field.
+TEST_F(LmHeadUpdatesTest, AnUpdateSetsTheTransformOrKeepsTheHeads) {
+  auto releases = std::make_shared<LmHeadReleases>();
+  LmHeads::Options ho;
+  ho.retain = 1;
+  ho.on_release = [releases](const LmHeadVersion& v) { releases->Push(v); };
+  LmHeads heads(ho);
+  ASSERT_TRUE(heads.Add(*heads_.Bind("default", "").value()).ok());
+  const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads, releases);
+  std::vector<float> bias(kV);
+  for (int64_t v = 0; v < kV; ++v) bias[v] = 0.5f * static_cast<float>(v) - 3;
+  v1::Tensor bias_tensor;
+  bias_tensor.set_dtype(v1::F32);
+  bias_tensor.add_shape(kV);
+  bias_tensor.set_data(bias.data(), bias.size() * 4);
+  auto read_bias = [](const LmHeadVersion& v) {
+    std::vector<float> out(kV);
+    const absl::Status st = ReadLmHeadBias(v.source, 0, kV, out.data());
+    EXPECT_TRUE(st.ok()) << st;
+    return out;
+  };
+  auto commit = [&](const v1::BeginLmHeadUpdateRequest& b) {
+    auto opened = updates->Begin(b);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    EXPECT_TRUE(updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(Rows(0, kV, 1.0f))).ok());
+    const auto committed = updates->Commit(opened->update_id());
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    EXPECT_TRUE(committed->has_bias());
+  };
+
+  v1::BeginLmHeadUpdateRequest b1 = Begin("v1");
+  b1.set_logit_scale(0.5);
+  b1.set_final_logit_softcapping(20);
+  *b1.mutable_bias() = bias_tensor;
+  commit(b1);
+  std::string v1_bias;
+  {
+    const auto v1 = heads.Find("default", "v1");
+    ASSERT_NE(v1, nullptr);
+    EXPECT_EQ(v1->source.transform, (LmHeadTransform{true, 0.5, 20.0}));
+    v1_bias = v1->source.bias.file;
+    EXPECT_TRUE(std::filesystem::exists(v1_bias)) << v1_bias;
+    EXPECT_EQ(read_bias(*v1), bias);
+    EXPECT_EQ(v1->Load().source().bias_file(), v1_bias);
+    EXPECT_EQ(v1->Load().source().final_logit_softcapping(), 20.0);
+  }
+  commit(Begin("v2"));  // nothing given: v1's transform, the bias in a file of v2's own
+  std::string v2_bias;
+  {
+    const auto v2 = heads.Find("default", "v2");
+    ASSERT_NE(v2, nullptr);
+    EXPECT_EQ(v2->source.transform, (LmHeadTransform{true, 0.5, 20.0}));
+    v2_bias = v2->source.bias.file;
+    EXPECT_NE(v2_bias, v1_bias);
+    EXPECT_EQ(read_bias(*v2), bias);
+    EXPECT_EQ(heads.List()[0].final_logit_softcapping(), 20.0);
+  }
+  auto bias_files = [&] {
+    size_t n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(store_))
+      n += e.path().string().find(".bias.safetensors") != std::string::npos;
+    return n;
+  };
+  // v1 was released at v2's commit: the next Begin drops it, and its bias file goes.
+  v1::BeginLmHeadUpdateRequest b3 = Begin("v3");
+  b3.set_logit_scale(2);
+  auto opened = updates->Begin(b3);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_FALSE(std::filesystem::exists(v1_bias)) << v1_bias;
+  EXPECT_TRUE(std::filesystem::exists(v2_bias)) << v2_bias;
+  EXPECT_EQ(bias_files(), 2u);  // v2's and v3's copy
+  ASSERT_TRUE(updates->Abort(opened->update_id()).ok());
+  EXPECT_EQ(bias_files(), 1u);  // the aborted update's copy is gone
+
+  // Bad values name their field and open nothing.
+  auto refused = [&](const v1::BeginLmHeadUpdateRequest& b, const std::string& field) {
+    const auto r = updates->Begin(b);
+    ASSERT_FALSE(r.ok()) << field;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status();
+  };
+  v1::BeginLmHeadUpdateRequest bad = Begin("v4");
+  bad.set_logit_scale(0);
+  refused(bad, "logit_scale");
+  bad = Begin("v4");
+  bad.set_final_logit_softcapping(-1);
+  refused(bad, "final_logit_softcapping");
+  bad = Begin("v4");
+  *bad.mutable_bias() = bias_tensor;
+  bad.mutable_bias()->set_shape(0, kV - 1);
+  refused(bad, "bias");
+  bad = Begin("v4");
+  *bad.mutable_bias() = bias_tensor;
+  std::vector<float> nan = bias;
+  nan[3] = std::numeric_limits<float>::quiet_NaN();
+  bad.mutable_bias()->set_data(nan.data(), nan.size() * 4);
+  refused(bad, "bias[3]");
+  bad = Begin("v4");
+  *bad.mutable_bias() = bias_tensor;
+  bad.mutable_bias()->mutable_shared_memory();
+  refused(bad, "bias");
+  EXPECT_EQ(heads.Bind("default", "").value()->version, "v2");
+  EXPECT_EQ(bias_files(), 1u);
+}
+
 }  // namespace logprob

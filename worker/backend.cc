@@ -1,8 +1,27 @@
 #include "worker/backend.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 
 namespace logprob {
+
+absl::Status CheckLmHeadTransform(const LmHeadSlice& slice) {
+  const LmHeadTransform& t = slice.transform;
+  if (!std::isfinite(t.logit_scale) || t.logit_scale <= 0)
+    return absl::InvalidArgumentError(absl::StrCat("lm_head logit_scale ", t.logit_scale, ": must be finite and > 0"));
+  if (!std::isfinite(t.softcap) || t.softcap < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head final_logit_softcapping ", t.softcap, ": must be finite and >= 0 (0: none)"));
+  const size_t want = t.has_bias ? static_cast<size_t>(slice.rows) : 0;
+  if (slice.bias.size() != want)
+    return absl::InvalidArgumentError(absl::StrCat("lm_head bias: ", slice.bias.size(), " elements for a slice of ",
+                                                   slice.rows, " rows ", t.has_bias ? "with" : "without", " a bias"));
+  for (size_t i = 0; i < slice.bias.size(); ++i)
+    if (!std::isfinite(slice.bias[i]))
+      return absl::InvalidArgumentError(absl::StrCat("lm_head bias element ", i, " of the slice is not finite"));
+  return absl::OkStatus();
+}
 
 absl::Status ScoringBackend::HiddenItemPartials(const LmHeadWeights&, const HiddenItemRows&, Communicator&,
                                                 const kernels::StatsSpec&, uint32_t*) {

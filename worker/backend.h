@@ -38,6 +38,7 @@
 #include "common/dtype.h"
 #include "common/host_bytes.h"
 #include "common/lm_head_precision.h"
+#include "common/lm_head_transform.h"
 #include "worker/communicator.h"
 #include "worker/host_staged_device_collectives.h"
 #include "worker/kernels/row_stats.h"
@@ -71,12 +72,22 @@ struct SamplingFilter {
 /// A worker's lm_head vocabulary slice as read from the checkpoint: rows
 /// [vocab_begin, vocab_end) of the [V, H] weight, row-major, `dtype` F32,
 /// BF16 or F16: a copy, or a read-only mapping of an in-memory store file
-/// (HostBytes::MapMemoryFile).
+/// (HostBytes::MapMemoryFile). With the head's logit transform
+/// (common/lm_head_transform.h): its scalars, and when transform.has_bias
+/// the slice's bias elements [vocab_begin, vocab_end) widened to f32
+/// (`bias`, rows floats; empty without a bias).
 struct LmHeadSlice {
   DType dtype = v1::BF16;
   HostBytes weight;
   int64_t rows = 0, hidden_size = 0;
+  LmHeadTransform transform;
+  std::vector<float> bias;
 };
+
+/// INVALID_ARGUMENT unless the slice's transform is well-formed: logit_scale
+/// finite and > 0, softcap finite and >= 0, bias.size() == rows when
+/// transform.has_bias and 0 otherwise, every bias element finite.
+absl::Status CheckLmHeadTransform(const LmHeadSlice& slice);
 
 /// One lm_head vocabulary slice loaded into a backend (ScoringBackend::
 /// LoadLmHead), in the form its GEMM multiplies by: oneDNN-ready host
@@ -89,14 +100,23 @@ class LmHeadWeights {
   virtual ~LmHeadWeights() = default;
   int64_t rows() const { return rows_; }                // N: the vocabulary slice's length
   int64_t hidden_size() const { return hidden_size_; }  // H
+  /// What the head does to h W^T (the backend applies it to its GEMM
+  /// output, element-wise, before any statistics or returned logits).
+  const LmHeadTransform& transform() const { return transform_; }
+  /// The slice's bias, f32 host memory: [rows()] when transform().has_bias,
+  /// else empty.
+  const std::vector<float>& bias() const { return bias_; }
   /// Bytes the backend holds for it (host or device).
   virtual size_t bytes() const = 0;
 
  protected:
-  LmHeadWeights(int64_t rows, int64_t hidden_size) : rows_(rows), hidden_size_(hidden_size) {}
+  LmHeadWeights(int64_t rows, int64_t hidden_size, LmHeadTransform transform = {}, std::vector<float> bias = {})
+      : rows_(rows), hidden_size_(hidden_size), transform_(transform), bias_(std::move(bias)) {}
 
  private:
   const int64_t rows_, hidden_size_;
+  const LmHeadTransform transform_;
+  const std::vector<float> bias_;
 };
 
 /// A whole HIDDEN_STATES work item as one rank sees it, for a backend that
@@ -169,14 +189,16 @@ class ScoringBackend {
   /// Fused hidden-states path: records of rows.count hidden-state rows
   /// `hidden` ([rows.count, H] of `hidden_dtype`, host memory) times the
   /// lm_head slice `lm_head` (LoadLmHead of this backend), whose first
-  /// column is global id `vocab_begin`. The logits exist only inside the
+  /// column is global id `vocab_begin`, with the head's transform applied
+  /// (lm_head.transform(): the logits are softcap(scale * (h W^T + b))). The logits exist only inside the
   /// backend, a chunk at a time.
   virtual absl::Status HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden,
                                       int64_t vocab_begin, const BlockRows& rows, const kernels::StatsSpec& spec,
                                       uint32_t* records) = 0;
 
-  /// logits[M, lm_head.rows()] (f32, host memory) = hidden[M, H] @ slice^T,
-  /// for the filtered hidden-states path, which exchanges full rows.
+  /// logits[M, lm_head.rows()] (f32, host memory) = the head's transform of
+  /// hidden[M, H] @ slice^T (as HiddenPartials), for the filtered
+  /// hidden-states path, which exchanges full rows.
   virtual absl::Status HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
                                     float* logits) = 0;
 

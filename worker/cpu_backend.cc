@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "common/status_macros.h"
+#include "worker/kernels/lm_head_transform_simd.h"
 #include "worker/kernels/sampling_filter.h"
 
 namespace logprob {
@@ -45,9 +46,11 @@ absl::Status CpuBackend::FilteredRowPartials(const LogitsBlock& block, const Blo
 
 absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CpuBackend::LoadLmHead(LmHeadSlice slice,
                                                                             LmHeadPrecision precision) {
+  LOGPROB_RETURN_IF_ERROR(CheckLmHeadTransform(slice));
   LOGPROB_ASSIGN_OR_RETURN(auto gemm, kernels::LmHeadGemm::Create(slice.dtype, std::move(slice.weight), slice.rows,
                                                                   slice.hidden_size, threads_, precision));
-  return std::shared_ptr<const LmHeadWeights>(std::make_shared<CpuLmHead>(std::move(gemm)));
+  return std::shared_ptr<const LmHeadWeights>(
+      std::make_shared<CpuLmHead>(std::move(gemm), slice.transform, std::move(slice.bias)));
 }
 
 absl::Status CpuBackend::HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden,
@@ -60,7 +63,12 @@ absl::Status CpuBackend::HiddenPartials(const LmHeadWeights& lm_head, DType hidd
 
 absl::Status CpuBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
                                       float* logits) {
-  return static_cast<const CpuLmHead&>(lm_head).gemm().Compute(hidden_dtype, hidden, M, logits);
+  LOGPROB_RETURN_IF_ERROR(static_cast<const CpuLmHead&>(lm_head).gemm().Compute(hidden_dtype, hidden, M, logits));
+  // The head's bias, multiplier and softcap: element-wise on the f32 GEMM
+  // output, so a row's logits stay independent of the batch.
+  kernels::ApplyLmHeadTransformSimd(lm_head.transform(), lm_head.transform().has_bias ? lm_head.bias().data() : nullptr,
+                                    M, lm_head.rows(), logits);
+  return absl::OkStatus();
 }
 
 }  // namespace logprob

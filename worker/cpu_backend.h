@@ -3,18 +3,21 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "worker/backend.h"
 #include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob {
 
-/// An lm_head slice for the CPU backend: the oneDNN GEMM holding it.
+/// An lm_head slice for the CPU backend: the oneDNN GEMM holding it, and
+/// the head's transform (applied to the GEMM's output by HiddenLogits).
 class CpuLmHead final : public LmHeadWeights {
  public:
-  explicit CpuLmHead(std::unique_ptr<kernels::LmHeadGemm> gemm)
-      : LmHeadWeights(gemm->rows(), gemm->hidden_size()), gemm_(std::move(gemm)) {}
-  size_t bytes() const override { return gemm_->weight_bytes(); }
+  explicit CpuLmHead(std::unique_ptr<kernels::LmHeadGemm> gemm, LmHeadTransform transform = {},
+                     std::vector<float> bias = {})
+      : LmHeadWeights(gemm->rows(), gemm->hidden_size(), transform, std::move(bias)), gemm_(std::move(gemm)) {}
+  size_t bytes() const override { return gemm_->weight_bytes() + bias().size() * sizeof(float); }
   kernels::LmHeadGemm& gemm() const { return *gemm_; }
 
  private:

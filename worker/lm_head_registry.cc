@@ -12,6 +12,22 @@
 #include "common/status_macros.h"
 
 namespace logprob {
+namespace {
+
+// The transform part of a source (scalars and bias location), compared
+// bitwise: a load of a held version with another transform replaces it.
+std::string TransformKey(const internal::v1::LmHeadSource& src) {
+  internal::v1::LmHeadSource t;
+  t.set_logit_scale(src.logit_scale());
+  t.set_final_logit_softcapping(src.final_logit_softcapping());
+  t.set_bias_file(src.bias_file());
+  t.set_bias_tensor(src.bias_tensor());
+  t.set_bias_dtype(src.bias_dtype());
+  t.set_bias_offset(src.bias_offset());
+  return t.SerializeAsString();
+}
+
+}  // namespace
 
 absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& load) {
   const internal::v1::LmHeadRef& ref = load.head();
@@ -22,7 +38,9 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   // Held from the same file: nothing to read. From another one, the copy is
   // stale (a drop this worker missed, then the name committed again with
   // other bytes) and is replaced.
-  auto same_source = [&src](const Held& h) { return h.file == src.file() && h.data_offset == src.data_offset(); };
+  auto same_source = [&src](const Held& h) {
+    return h.file == src.file() && h.data_offset == src.data_offset() && h.transform == TransformKey(src);
+  };
   {
     absl::MutexLock lock(&mu_);
     if (auto it = held_.find(key); it != held_.end() && same_source(it->second))
@@ -35,6 +53,16 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   source.vocab_size = src.vocab_size();
   source.hidden_size = src.hidden_size();
   source.data_offset = src.data_offset();
+  source.transform.logit_scale = src.logit_scale() == 0 ? 1.0 : src.logit_scale();  // 0: unset
+  source.transform.softcap = src.final_logit_softcapping();
+  source.transform.has_bias = !src.bias_file().empty();
+  source.bias.file = src.bias_file();
+  source.bias.tensor = src.bias_tensor();
+  source.bias.dtype = src.bias_dtype();
+  source.bias.data_offset = src.bias_offset();
+  if (source.transform.has_bias && !IsFloatDType(source.bias.dtype))
+    return absl::InvalidArgumentError(absl::StrCat("LoadLmHead ", ref.name(), "@", ref.version(), ": bias dtype ",
+                                                   DTypeName(source.bias.dtype), " is not F32, BF16 or F16"));
   if (source.vocab_size <= 0 || source.hidden_size <= 0 || !IsFloatDType(source.dtype))
     return absl::InvalidArgumentError(absl::StrCat("LoadLmHead ", ref.name(), "@", ref.version(), ": bad shape [",
                                                    source.vocab_size, ", ", source.hidden_size, "] or dtype"));
@@ -44,6 +72,11 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   slice.dtype = source.dtype;
   slice.rows = ve - vb;
   slice.hidden_size = source.hidden_size;
+  slice.transform = source.transform;
+  if (source.transform.has_bias) {
+    slice.bias.resize(static_cast<size_t>(ve - vb));
+    LOGPROB_RETURN_IF_ERROR(ReadLmHeadBias(source, vb, ve, slice.bias.data()));
+  }
   const size_t row_bytes = static_cast<size_t>(source.hidden_size) * DTypeSize(source.dtype);
   const size_t read_bytes = static_cast<size_t>(ve - vb) * row_bytes;
   // A committed update's store file in memory: its pages become the
@@ -72,17 +105,18 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
     absl::MutexLock lock(&mu_);
     auto it = held_.find(key);
     if (it == held_.end()) {
-      held_.emplace(key, Held{std::move(weights), src.file(), src.data_offset()});
+      held_.emplace(key, Held{std::move(weights), src.file(), src.data_offset(), TransformKey(src)});
     } else if (!same_source(it->second)) {
       stale = std::exchange(it->second.weights, std::move(weights));
       it->second.file = src.file();
       it->second.data_offset = src.data_offset();
+      it->second.transform = TransformKey(src);
     }  // else a concurrent Load of the same version: the first stays
   }
   LogLine() << absl::StrCat("logprob-worker: rank ", rank_, " loaded lm_head ", ref.name(), " version ", ref.version(),
                             ": ", source.tensor, " rows [", vb, ", ", ve, ") x ", source.hidden_size, " ",
                             DTypeName(source.dtype), was_mapped ? " mapped from " : " from ", source.file, " (",
-                            read_bytes >> 20, " MiB) in ",
+                            read_bytes >> 20, " MiB), transform ", source.transform.ToString(), " in ",
                             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s");
   return bytes;
 }

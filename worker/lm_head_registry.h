@@ -60,6 +60,9 @@ class LmHeadRegistry {
     std::shared_ptr<const LmHeadWeights> weights;
     std::string file;  // where they were loaded from (LmHeadSource.file, data_offset)
     uint64_t data_offset = 0;
+    // Its source's transform (scalars, bias location), serialized: a load of
+    // the same version with another transform replaces it too.
+    std::string transform;
   };
   std::map<Key, Held> held_ ABSL_GUARDED_BY(mu_);
 };

@@ -169,9 +169,14 @@ absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CudaBackend::LoadLmHead(LmH
   // The GEMM's one algorithm (every M runs it) is chosen for the usual
   // chunk (GemmChunkRows), at most 4096 rows.
   const int64_t chunk_rows = std::min<int64_t>(RowsInBudget(options_.gemm_chunk_bytes, slice.rows), 4096);
+  LOGPROB_RETURN_IF_ERROR(CheckLmHeadTransform(slice));
   LOGPROB_ASSIGN_OR_RETURN(auto gemm, CublasLtLmHead::Create(slice.dtype, slice.weight.data(), slice.weight.size(),
                                                              slice.rows, slice.hidden_size, precision, chunk_rows));
-  return std::shared_ptr<const LmHeadWeights>(std::make_shared<CudaLmHead>(std::move(gemm), device_));
+  // The head's bias, multiplier and softcap: applied to every GEMM output
+  // (CublasLtLmHead::Compute), before any statistics kernel reads it.
+  LOGPROB_RETURN_IF_ERROR(gemm->SetTransform(slice.transform, slice.bias));
+  return std::shared_ptr<const LmHeadWeights>(
+      std::make_shared<CudaLmHead>(std::move(gemm), device_, slice.transform, std::move(slice.bias)));
 }
 
 void CudaBackend::WaitForStreams() const {

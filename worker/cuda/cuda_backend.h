@@ -22,21 +22,26 @@
 
 namespace logprob::cuda {
 
-/// An lm_head slice in this backend's device memory: its cuBLASLt GEMM,
-/// on CUDA device `device`. The destructor frees it with `device` current
-/// (SelectDevice), whichever thread drops the last reference (a gRPC thread
-/// of the worker that never selected it: LmHeadRegistry::Drop).
+/// An lm_head slice in this backend's device memory: its cuBLASLt GEMM
+/// (which applies the head's transform to its output), on CUDA device
+/// `device`. The destructor frees it with `device` current (SelectDevice),
+/// whichever thread drops the last reference (a gRPC thread of the worker
+/// that never selected it: LmHeadRegistry::Drop).
 class CudaLmHead final : public LmHeadWeights {
  public:
-  CudaLmHead(std::unique_ptr<CublasLtLmHead> gemm, int device)
-      : LmHeadWeights(gemm->rows(), gemm->hidden_size()), gemm_(std::move(gemm)), device_(device) {}
+  CudaLmHead(std::unique_ptr<CublasLtLmHead> gemm, int device, LmHeadTransform transform = {},
+             std::vector<float> bias = {})
+      : LmHeadWeights(gemm->rows(), gemm->hidden_size(), transform, std::move(bias)),
+        gemm_(std::move(gemm)),
+        device_(device) {}
   ~CudaLmHead() override {
     SelectDevice(device_);
     gemm_.reset();
   }
   /// The CUDA device the weights live on.
   int device() const { return device_; }
-  size_t bytes() const override { return gemm_->weight_bytes(); }
+  /// The weights and the bias (on the device and its host copy).
+  size_t bytes() const override { return gemm_->weight_bytes() + 2 * bias().size() * sizeof(float); }
   /// Queued on the backend's compute stream under its stream lock (one
   /// stream, so GEMMs never share the cuBLASLt workspace concurrently).
   CublasLtLmHead& gemm() const { return *gemm_; }

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/cuda/lm_head_transform.h"
 #include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::cuda {
@@ -178,9 +179,27 @@ absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logit
   }
   const float alpha = 1.0f, beta = 0.0f;
   const Plan& p = *it->second;
-  return LtStatus(cublasLtMatmul(handle_, op_, &alpha, weight_.get(), a_layout_, hidden, p.b, &beta, logits, p.d,
-                                 logits, p.d, &algo_, workspace_.get(), workspace_.size(), stream),
-                  "matmul");
+  LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmul(handle_, op_, &alpha, weight_.get(), a_layout_, hidden, p.b, &beta, logits,
+                                            p.d, logits, p.d, &algo_, workspace_.get(), workspace_.size(), stream),
+                             "matmul");
+  if (transform_.identity()) return absl::OkStatus();
+  return CudaStatus(
+      LaunchLmHeadTransform(logits, M, rows_, transform_.has_bias ? bias_.get<float>() : nullptr,
+                            static_cast<float>(transform_.logit_scale), static_cast<float>(transform_.softcap), stream),
+      "lm_head transform kernel");
+}
+
+absl::Status CublasLtLmHead::SetTransform(const LmHeadTransform& t, const std::vector<float>& bias) {
+  const size_t want = t.has_bias ? static_cast<size_t>(rows_) : 0;
+  if (bias.size() != want)
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head bias: ", bias.size(), " elements, ", want, " expected for this slice"));
+  if (t.has_bias) {
+    LOGPROB_RETURN_IF_ERROR(bias_.Reserve(bias.size() * sizeof(float)));
+    LOGPROB_RETURN_IF_ERROR(UploadAndWait(bias_.get(), bias.data(), bias.size() * sizeof(float)));
+  }
+  transform_ = t;
+  return absl::OkStatus();
 }
 
 }  // namespace logprob::cuda

@@ -27,10 +27,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "common/lm_head_precision.h"
+#include "common/lm_head_transform.h"
 #include "worker/cuda/device_buffers.h"
 
 namespace logprob::cuda {
@@ -59,12 +61,23 @@ class CublasLtLmHead {
   DType compute_dtype() const { return compute_dtype_; }    // BF16 or F32
   LmHeadPrecision precision() const { return precision_; }  // bf16, tf32 or fp32 (kAuto resolved)
   size_t weight_bytes() const { return weight_.size(); }
+  /// The head's logit transform Compute applies (identity until set).
+  const LmHeadTransform& transform() const { return transform_; }
+
+  /// Sets the head's logit transform (common/lm_head_transform.h) that
+  /// Compute applies to the GEMM's output: `bias` [rows()] f32 (host; copied
+  /// to the device before this returns) when t.has_bias, else empty.
+  /// Call before any Compute. INVALID_ARGUMENT for a bias of another
+  /// length; INTERNAL for CUDA failures.
+  absl::Status SetTransform(const LmHeadTransform& t, const std::vector<float>& bias);
 
   /// logits[M, rows()] (device, f32, row-major) = hidden[M, H] @ W^T with
   /// `hidden` on the device in compute_dtype(), starting 256-byte aligned or
   /// a multiple of 16 rows after such a start; `logits` 256-byte aligned.
   /// Asynchronous on `stream`. Every M runs the algorithm chosen at Create
-  /// (batch invariance, header comment).
+  /// (batch invariance, header comment). Then, unless transform() is the
+  /// identity, the transform's element-wise kernel on the same stream
+  /// (worker/cuda/lm_head_transform.h): logits = softcap(scale * (h W^T + b)).
   /// INTERNAL when that algorithm does not support this M
   /// (cublasLtMatmulAlgoCheck) or cuBLASLt fails.
   absl::Status Compute(const void* hidden, int64_t M, float* logits, cudaStream_t stream);
@@ -80,6 +93,8 @@ class CublasLtLmHead {
   LmHeadPrecision precision_ = LmHeadPrecision::kBf16;
   int64_t rows_ = 0, hidden_size_ = 0;
   DeviceBuffer weight_, workspace_;
+  LmHeadTransform transform_;
+  DeviceBuffer bias_;  // [rows_] f32 when transform_.has_bias
   cublasLtHandle_t handle_ = nullptr;
   cublasLtMatmulDesc_t op_ = nullptr;
   cublasLtMatrixLayout_t a_layout_ = nullptr;

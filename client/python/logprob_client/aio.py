@@ -148,9 +148,12 @@ class LogprobClient(ClientBase):
         return await self._run(self._server_info_ops(refresh, _deadline))
 
     async def update_lm_head(self, head: str, weight: Any, *, version: str, sha256: Optional[str] = None,
-                             timeout: Any = "default", dtype: Any = None) -> str:
+                             timeout: Any = "default", dtype: Any = None, bias: Any = None,
+                             logit_scale: Optional[float] = None,
+                             final_logit_softcapping: Optional[float] = None) -> str:
         """As ``LogprobClient.update_lm_head`` (same core)."""
-        return await self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout, dtype))
+        return await self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout, dtype, bias,
+                                                        logit_scale, final_logit_softcapping))
 
     async def lm_heads(self) -> List[Any]:
         """As ``LogprobClient.lm_heads``."""

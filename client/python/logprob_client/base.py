@@ -33,6 +33,7 @@ from .result import ScoreResult
 from .retry import Attempts, Deadline, OnRetry, RetryPolicy, error_of, reason_of
 from .shared_memory import SharedMemoryInputs
 from .stream import StreamAssembler, deliver
+from .tensors import float_array, to_tensor
 from . import cuda_ipc, shared_memory, transport
 from .wire import decode_response
 
@@ -362,7 +363,9 @@ class ClientBase:
             raise LogprobError(code, message, reason=reason_of(e)) from None
 
     def _update_lm_head_ops(self, head: str, weight: Any, version: str, sha256: Optional[str],
-                            timeout: Any, dtype: Any = None) -> Ops[str]:
+                            timeout: Any, dtype: Any = None, bias: Any = None,
+                            logit_scale: Optional[float] = None,
+                            final_logit_softcapping: Optional[float] = None) -> Ops[str]:
         """``update_lm_head``: Begin, the rows, Commit; Abort on failure. The
         rows of a CUDA weight go as one CUDA IPC reference when the server
         offers CUDA IPC on this host (``cuda_ipc.offered``, as for scoring
@@ -381,6 +384,14 @@ class ClientBase:
             V, H = int(rows.shape[0]), int(rows.shape[1])
         begin = pb2.BeginLmHeadUpdateRequest(head=head, version=version, vocab_size=V, hidden_size=H, dtype=dt,
                                              sha256=sha256 or "")
+        # The head's transform: what is not given stays the head's.
+        if logit_scale is not None:
+            begin.logit_scale = float(logit_scale)
+        if final_logit_softcapping is not None:
+            begin.final_logit_softcapping = float(final_logit_softcapping)
+        if bias is not None:
+            bias_dt, bias_arr = float_array("bias", bias)
+            begin.bias.CopyFrom(to_tensor("lm_head.bias", bias_dt, bias_arr))
         update, _ = yield from retried(self._stub.BeginLmHeadUpdate, begin, self._attempts(deadline), self._metadata)
         if update.already_committed:
             return version

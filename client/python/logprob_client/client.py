@@ -177,7 +177,9 @@ class LogprobClient(ClientBase):
         return self._run(self._score_ops(logits, input_ids, request_id, options))
 
     def update_lm_head(self, head: str, weight: Any, *, version: str, sha256: Optional[str] = None,
-                       timeout: Any = "default", dtype: Any = None) -> str:
+                       timeout: Any = "default", dtype: Any = None, bias: Any = None,
+                       logit_scale: Optional[float] = None,
+                       final_logit_softcapping: Optional[float] = None) -> str:
         """Replaces the server's lm_head ``head`` by ``weight`` as version
         ``version`` and returns the committed version (server started with
         ``--allow-lm-head-updates``). ``weight``: [V, H] torch tensor (CPU or
@@ -194,14 +196,26 @@ class LogprobClient(ClientBase):
         old). ``sha256`` (hex of the weight's bytes) is checked at commit.
         Re-sending a committed (head, version, sha256) does nothing. On any
         failure the update is aborted and the old version keeps serving.
+        The head's logit transform (docs/serving.md "Head transforms")
+        stays unless given: ``bias`` ([V] float array or tensor: the new
+        version's ``lm_head.bias``; a head's bias cannot be removed),
+        ``logit_scale`` (> 0) and ``final_logit_softcapping`` (>= 0, 0:
+        none). A head with a bias whose training changes it needs
+        ``bias=`` at every update, or the new weight is scored with the old
+        bias.
         Raises LogprobError (NOT_FOUND unknown head, INVALID_ARGUMENT shape,
-        dtype or sha256 mismatch, FAILED_PRECONDITION updates off or another
-        update open, ALREADY_EXISTS version taken)."""
-        return self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout, dtype))
+        dtype, sha256 mismatch or a bad transform, FAILED_PRECONDITION
+        updates off or another update open, ALREADY_EXISTS version
+        taken)."""
+        return self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout, dtype, bias, logit_scale,
+                                                  final_logit_softcapping))
 
     def lm_heads(self) -> List[Any]:
         """The server's lm_heads (``LmHeadInfo``: name, version,
-        retained_versions, shape, dtype, sha256), fetched now."""
+        retained_versions, shape, dtype, sha256, and the head's logit
+        transform ``has_bias``, ``logit_scale`` (1 when none; 0 from a
+        server that predates transforms: read as 1) and
+        ``final_logit_softcapping`` (0 when none)), fetched now."""
         return list(self.server_info(refresh=True).lm_heads)
 
     def score_stream(

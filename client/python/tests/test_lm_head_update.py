@@ -371,6 +371,38 @@ class OneWorkerTest(unittest.TestCase):
             self.assertEqual(r.head_version, "v1")
             same(r, expect)
 
+    def test_an_update_with_a_bias_and_scalars_scores_as_a_server_started_with_them(self):
+        # The head's transform pushed with the update (bias, logit_scale,
+        # final_logit_softcapping) against a server started on a file with
+        # lm_head.bias and the scalars as flags: bitwise the same answers.
+        d = temp_dir("lm_head_transform")
+        w1 = weights(2)
+        b1 = np.random.default_rng(5).standard_normal(V).astype(np.float32)
+        path = os.path.join(d, "w1b.safetensors")
+        safetensors.save(path, {"lm_head.weight": w1, "lm_head.bias": b1})
+        with Server(workers=1, extra=["--lm-head", path, "--lm-head-logit-scale", "4",
+                                      "--lm-head-softcap", "5"]) as s, s.client() as c:
+            expect = score(c)
+            (h,) = c.lm_heads()
+            self.assertEqual((h.has_bias, h.logit_scale, h.final_logit_softcapping), (True, 4.0, 5.0))
+        with Server(workers=1, extra=["--lm-head", save(os.path.join(d, "w0.safetensors"), weights(1)),
+                                      "--allow-lm-head-updates"]) as s, s.client() as c:
+            (h,) = c.lm_heads()
+            self.assertEqual((h.has_bias, h.logit_scale, h.final_logit_softcapping), (False, 1.0, 0.0))
+            with self.assertRaises(LogprobError) as e:
+                c.update_lm_head("default", w1, version="bad", final_logit_softcapping=-1.0)
+            self.assertIn("final_logit_softcapping", str(e.exception))
+            self.assertEqual(c.update_lm_head("default", w1, version="v1", bias=b1, logit_scale=4.0,
+                                              final_logit_softcapping=5.0), "v1")
+            (h,) = c.lm_heads()
+            self.assertEqual((h.version, h.has_bias, h.logit_scale, h.final_logit_softcapping), ("v1", True, 4.0, 5.0))
+            same(score(c), expect)
+            # The next update without them keeps the head's transform.
+            self.assertEqual(c.update_lm_head("default", w1, version="v2"), "v2")
+            (h,) = c.lm_heads()
+            self.assertEqual((h.version, h.has_bias, h.logit_scale, h.final_logit_softcapping), ("v2", True, 4.0, 5.0))
+            same(score(c), expect)
+
 
 class UpdatesOffTest(unittest.TestCase):
     def test_updates_are_off_unless_allowed(self):

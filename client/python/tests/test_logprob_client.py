@@ -72,6 +72,9 @@ class GoldenTest(unittest.TestCase):
         self.assertEqual((info.vocab_size, info.hidden_size), (8192, 256))
         self.assertGreater(info.max_request_bytes, 0)
         self.assertTrue(self.client.health())
+        # The golden head has no logit transform: no bias, multiplier 1, no softcap.
+        (head,) = self.client.lm_heads()
+        self.assertEqual((head.has_bias, head.logit_scale, head.final_logit_softcapping), (False, 1.0, 0.0))
 
     def test_logits_golden_cases(self):
         for name in LOGITS_CASES:
