@@ -1,6 +1,7 @@
 #include "worker/cuda/cuda_backend.h"
 
 #include <cuda.h>  // CUpointer_attribute, CUdeviceptr (types only: the function comes from the runtime)
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -145,6 +146,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, con
   b->options_.staging_bytes = std::max<size_t>(b->options_.staging_bytes, 1);
   if (const char* env = std::getenv("LOGPROB_TEST_FAIL_GEMM_AFTER"); env && *env)
     b->options_.fail_gemm_after = std::strtoll(env, nullptr, 10);
+  if (const char* env = std::getenv("LOGPROB_TEST_TRAP_FILE"); env && *env) b->options_.trap_file = env;
   int read_only = 0;
   if (cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, device) != cudaSuccess) {
     cudaGetLastError();
@@ -332,6 +334,11 @@ absl::Status CudaBackend::Gemm(CublasLtLmHead& gemm, const void* a, int64_t n, f
       gemms_.store(done + 1, std::memory_order_relaxed);  // once
       return absl::InternalError(absl::StrCat("lm_head GEMM: injected failure after ", done, " GEMMs"));
     }
+  }
+  // Test hook: a device fault, once per trap file (unlink: one taker).
+  if (!options_.trap_file.empty() && ::unlink(options_.trap_file.c_str()) == 0) {
+    std::fprintf(stderr, "logprob-worker: test hook: %s taken, trapping on the device\n", options_.trap_file.c_str());
+    LOGPROB_CUDA_RETURN_IF_ERROR(LaunchTrap(compute_.get()), "trap kernel");
   }
   LOGPROB_RETURN_IF_ERROR(gemm.Compute(a, n, out, compute_.get()));
   gemms_.fetch_add(1, std::memory_order_relaxed);
