@@ -156,9 +156,9 @@ TEST_F(CudaErrors, AFailedReserveIsReturnedAndNotLeftBehind) {
 // apart from the ones a caller handles, and map to UNAVAILABLE (the pool
 // re-forms with a fresh worker process) instead of INTERNAL.
 TEST_F(CudaErrors, KnownStickyErrorsAreStickyWithoutAsking) {
-  for (const cudaError_t e : {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorIllegalInstruction,
-                              cudaErrorAssert, cudaErrorECCUncorrectable, cudaErrorHardwareStackError,
-                              cudaErrorMisalignedAddress, cudaErrorLaunchTimeout}) {
+  for (const cudaError_t e :
+       {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorIllegalInstruction, cudaErrorAssert,
+        cudaErrorECCUncorrectable, cudaErrorHardwareStackError, cudaErrorMisalignedAddress, cudaErrorLaunchTimeout}) {
     SCOPED_TRACE(cudaGetErrorName(e));
     FakeRuntime::Reset();
     EXPECT_TRUE(IsStickyError<FakeRuntime>(e));
@@ -166,8 +166,8 @@ TEST_F(CudaErrors, KnownStickyErrorsAreStickyWithoutAsking) {
 }
 
 TEST_F(CudaErrors, HandledErrorsAreNotStickyAndAreCleared) {
-  for (const cudaError_t e : {cudaErrorNotReady, cudaErrorMemoryAllocation, cudaErrorInvalidValue,
-                              cudaErrorInvalidResourceHandle}) {
+  for (const cudaError_t e :
+       {cudaErrorNotReady, cudaErrorMemoryAllocation, cudaErrorInvalidValue, cudaErrorInvalidResourceHandle}) {
     SCOPED_TRACE(cudaGetErrorName(e));
     FakeRuntime::Reset();
     FakeRuntime::Call(e);

@@ -74,25 +74,40 @@ CuPointerGetAttributesFn PointerAttributes() {
   return fn;
 }
 
-/// The extent [begin, end) of the page-locked host allocation holding `p`
-/// (cudaMallocHost, cudaHostRegister by anyone), or {p, p} when `p` is not
-/// page-locked host memory the driver knows or the driver cannot say.
-std::pair<const char*, const char*> PinnedExtent(const char* p) {
+/// Whether `p` is page-locked host memory the driver knows (cudaMallocHost,
+/// cudaHostAlloc, cudaHostRegister by anyone): cudaPointerGetAttributes
+/// says cudaMemoryTypeHost (pageable memory is cudaMemoryTypeUnregistered)
+/// and cudaHostGetFlags accepts it. Sets *device to its device mapping.
+bool IsPinnedHost(const char* p, const char** device) {
   cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    cudaGetLastError();
-    return {p, p};
-  }
-  if (a.type != cudaMemoryTypeHost) return {p, p};
+  if (ClearedError(cudaPointerGetAttributes(&a, p)) != cudaSuccess || a.type != cudaMemoryTypeHost) return false;
+  unsigned int flags = 0;
+  if (ClearedError(cudaHostGetFlags(&flags, const_cast<char*>(p))) != cudaSuccess) return false;
+  *device = static_cast<const char*>(a.devicePointer);
+  return *device != nullptr;
+}
+
+/// The extent [begin, end) of the page-locked host allocation holding `p`,
+/// or {p, p} when `p` is not page-locked host memory the driver knows
+/// (IsPinnedHost) or the driver cannot say. The range attributes are
+/// documented for device pointers: they are asked of the allocation's
+/// device mapping and carried back to host addresses, and the extent's
+/// last byte must be page-locked host memory too.
+std::pair<const char*, const char*> PinnedExtent(const char* p) {
+  const char* dev = nullptr;
+  if (!IsPinnedHost(p, &dev)) return {p, p};
   CuPointerGetAttributesFn get = PointerAttributes();
   if (!get) return {p, p};
   CUdeviceptr start = 0;
   size_t size = 0;
   CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
   void* data[2] = {&start, &size};
-  if (get(2, attrs, data, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS || size == 0) return {p, p};
-  const char* begin = reinterpret_cast<const char*>(start);
-  if (p < begin || p >= begin + size) return {p, p};
+  if (get(2, attrs, data, reinterpret_cast<CUdeviceptr>(dev)) != CUDA_SUCCESS || size == 0) return {p, p};
+  const char* dev_begin = reinterpret_cast<const char*>(start);
+  if (dev < dev_begin || dev >= dev_begin + size) return {p, p};
+  const char* begin = p - (dev - dev_begin);
+  const char* last_dev = nullptr;
+  if (!IsPinnedHost(begin + size - 1, &last_dev) || last_dev != dev_begin + size - 1) return {p, p};
   return {begin, begin + size};
 }
 
@@ -531,8 +546,9 @@ absl::Status CudaBackend::RunPass(Workspace& w, CublasLtLmHead& gemm, const Hidd
     return queue();
   };
   // 1. Upload this rank's rows into its slot (W == 1: multiply as they
-  // land), unless this rank must stop; then all ranks agree to go on, so
-  // none enters the all-gather alone.
+  // land), unless this rank must stop; once the uploads ran (their
+  // execution errors included), all ranks agree to go on, so none enters
+  // the all-gather alone (AgreeAfterUploads).
   const bool stopping = check_stop && item.should_stop && item.should_stop();
   const absl::Status uploaded =
       stopping ? absl::OkStatus() : queued([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
@@ -547,17 +563,13 @@ absl::Status CudaBackend::RunPass(Workspace& w, CublasLtLmHead& gemm, const Hidd
                                                    std::min(G, mine - l0), G, c, c, item.vocab_begin, spec);
                         });
       });
-  LOGPROB_RETURN_IF_ERROR(AgreeOnPass(comm,
-                                      !uploaded.ok() ? PassVote::kFailed
-                                      : stopping     ? PassVote::kCancelled
-                                                     : PassVote::kGo,
-                                      pass.slot_rows, uploaded)
-                              .status());
+  LOGPROB_RETURN_IF_ERROR(AgreeAfterUploads(comm, stopping, pass.slot_rows, uploaded,
+                                            [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return WaitTails(w); }));
   const void* result = w.records.get();
   if (W > 1) {
-    // 2. All-gather the slots in place, once the upload landed (the
-    // collective runs on the communicator's stream; it returns once done).
-    LOGPROB_RETURN_IF_ERROR(WaitTails(w));
+    // 2. All-gather the slots in place (the upload landed before the vote;
+    // the collective runs on the communicator's stream; it returns once
+    // done).
     LOGPROB_RETURN_IF_ERROR(comm.AllGatherDevice(slots + pass.SlotOffset(me, raw_row), pass.SlotBytes(raw_row), slots));
     // 3. Every rank's rows times this rank's slice.
     const absl::Status gemms = queued([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
@@ -610,7 +622,8 @@ absl::Status CudaBackend::HiddenItemPartials(const LmHeadWeights& lm_head, const
   const size_t raw_row = static_cast<size_t>(gemm.hidden_size()) * DTypeSize(item.dtype);
   absl::MutexLock item_lock(&item_mu_);
   Workspace& w = item_ws_;
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+  // A failure to select the device is voted on below, like any other.
+  const absl::Status selected = CudaStatus(cudaSetDevice(device_), "cudaSetDevice");
   // Whatever the exit, nothing this item queued still runs: no GEMM or
   // kernel on item_ws_ (the next item rewrites it) and no copy reading
   // `item.own` (a CUDA IPC mapping or payload region may go once this
@@ -619,7 +632,8 @@ absl::Status CudaBackend::HiddenItemPartials(const LmHeadWeights& lm_head, const
   auto stop = [&item] { return item.should_stop && item.should_stop(); };
   // Reserve the largest pass, then agree before any device collective.
   int64_t pass_rows = PassRowsForBudget(options_.pass_bytes, W, raw_row);
-  const absl::Status reserved = ReserveItem(w, gemm, item, me, OnePassLayout(ranks, pass_rows), spec);
+  const absl::Status reserved =
+      selected.ok() ? ReserveItem(w, gemm, item, me, OnePassLayout(ranks, pass_rows), spec) : selected;
   LOGPROB_ASSIGN_OR_RETURN(pass_rows, AgreeOnPass(comm,
                                                   !reserved.ok() ? PassVote::kFailed
                                                   : stop()       ? PassVote::kCancelled
