@@ -487,9 +487,8 @@ class GpuUpdateTest(unittest.TestCase):
         self._update_by_ipc(workers=1)
 
     def test_update_rows_with_two_gloo_workers_on_one_gpu(self):
-        """Issue 35 item 5: the update rows copied by CUDA IPC into the
-        store with two workers (Gloo, both on the one GPU) sharing the
-        vocabulary."""
+        # Issue 35 item 5: the update rows copied by CUDA IPC into the store
+        # with two workers (Gloo, both on the one GPU) sharing the vocabulary.
         self._update_by_ipc(workers=2, extra=["--comm", "gloo", "--parallelism", "vocab"])
 
     def _update_by_ipc(self, workers, extra=()):
