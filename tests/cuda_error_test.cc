@@ -188,6 +188,18 @@ TEST_F(CudaErrors, AnUnlistedErrorThatDoesNotClearIsSticky) {
   EXPECT_FALSE(IsStickyError<FakeRuntime>(cudaErrorUnknown));
 }
 
+TEST_F(CudaErrors, NoUsableDeviceIsNotADeviceFault) {
+  // The runtime repeats an initialisation failure (no driver, no device)
+  // like a sticky error; it is a configuration error all the same.
+  for (const cudaError_t e : {cudaErrorInsufficientDriver, cudaErrorNoDevice, cudaErrorInitializationError}) {
+    SCOPED_TRACE(cudaGetErrorName(e));
+    FakeRuntime::Reset();
+    FakeRuntime::MakeSticky(e);
+    EXPECT_FALSE(IsStickyError<FakeRuntime>(e));
+    EXPECT_EQ(CudaStatusOf<FakeRuntime>(e, "cudaMalloc").code(), absl::StatusCode::kInternal);
+  }
+}
+
 TEST_F(CudaErrors, StickyErrorsAreUnavailableOthersInternal) {
   StickyErrorSeen().store(false);
   EXPECT_TRUE(CudaStatusOf<FakeRuntime>(cudaSuccess, "event").ok());

@@ -72,11 +72,26 @@ class LaunchCheck {
 /// also sticky when the thread's last error does not clear: Errors'
 /// GetLastError is read twice (which also clears a non-sticky `e` the
 /// caller is handling) and a sticky context reports an error both times.
-/// cudaSuccess is never sticky. Thread-safe (per-thread state).
+/// cudaSuccess is never sticky, nor are the errors of a runtime that
+/// found no usable device or driver (cudaErrorNoDevice,
+/// cudaErrorInsufficientDriver, ...: the runtime repeats them too, but
+/// they are a configuration, not a fault of a working device).
+/// Thread-safe (per-thread state).
 template <typename Errors = CudaRuntimeErrors>
 bool IsStickyError(cudaError_t e) {
   switch (e) {
     case cudaSuccess:
+      return false;
+    case cudaErrorNoDevice:
+    case cudaErrorInvalidDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorInitializationError:
+    case cudaErrorCudartUnloading:
+    case cudaErrorStubLibrary:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorCompatNotSupportedOnDevice:
+    case cudaErrorDevicesUnavailable:
+      Errors::GetLastError();
       return false;
     case cudaErrorIllegalAddress:
     case cudaErrorLaunchFailure:
