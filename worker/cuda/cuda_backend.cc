@@ -76,13 +76,13 @@ CuPointerGetAttributesFn PointerAttributes() {
 
 /// Whether `p` is page-locked host memory the driver knows (cudaMallocHost,
 /// cudaHostAlloc, cudaHostRegister by anyone): cudaPointerGetAttributes
-/// says cudaMemoryTypeHost (pageable memory is cudaMemoryTypeUnregistered)
-/// and cudaHostGetFlags accepts it. Sets *device to its device mapping.
+/// says cudaMemoryTypeHost, "allocated or registered by CUDA" (pageable
+/// memory is cudaMemoryTypeUnregistered). cudaHostGetFlags is no test: it
+/// knows cudaHostAlloc's allocations only, not registered ranges. Sets
+/// *device to its device mapping.
 bool IsPinnedHost(const char* p, const char** device) {
   cudaPointerAttributes a{};
   if (ClearedError(cudaPointerGetAttributes(&a, p)) != cudaSuccess || a.type != cudaMemoryTypeHost) return false;
-  unsigned int flags = 0;
-  if (ClearedError(cudaHostGetFlags(&flags, const_cast<char*>(p))) != cudaSuccess) return false;
   *device = static_cast<const char*>(a.devicePointer);
   return *device != nullptr;
 }
