@@ -355,6 +355,16 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const
       if (!st.ok()) return absl::DeadlineExceededError("the request's deadline passed before the workers finished");
   }
   if (cancelled || bounds.cancelled_now()) return absl::CancelledError("the request was cancelled by the client");
+  // A worker that is gone or whose GPU faulted (UNAVAILABLE) re-forms the
+  // pool even when a peer's own error comes first (e.g. RESOURCE_EXHAUSTED
+  // naming the faulted rank from a one-pass agreement).
+  for (size_t i = 0; i < n; ++i) {
+    if (statuses[i].error_code() == grpc::StatusCode::UNAVAILABLE) {
+      const std::string msg = absl::StrCat("worker ", plan.items[i].worker, ": ", statuses[i].error_message());
+      Fail(gen, msg);
+      return absl::UnavailableError(absl::StrCat("worker pool failed (", msg, "); it is being re-formed, retry"));
+    }
+  }
   for (size_t i = 0; i < n; ++i) {
     if (statuses[i].ok()) continue;
     const std::string msg = absl::StrCat("worker ", plan.items[i].worker, ": ", statuses[i].error_message());

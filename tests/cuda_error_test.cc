@@ -152,5 +152,70 @@ TEST_F(CudaErrors, AFailedReserveIsReturnedAndNotLeftBehind) {
   EXPECT_EQ(FailingAlloc::live, 0);
 }
 
+// Issue 35 item 2: the errors that break the context for good are told
+// apart from the ones a caller handles, and map to UNAVAILABLE (the pool
+// re-forms with a fresh worker process) instead of INTERNAL.
+TEST_F(CudaErrors, KnownStickyErrorsAreStickyWithoutAsking) {
+  for (const cudaError_t e :
+       {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorIllegalInstruction, cudaErrorAssert,
+        cudaErrorECCUncorrectable, cudaErrorHardwareStackError, cudaErrorMisalignedAddress, cudaErrorLaunchTimeout}) {
+    SCOPED_TRACE(cudaGetErrorName(e));
+    FakeRuntime::Reset();
+    EXPECT_TRUE(IsStickyError<FakeRuntime>(e));
+  }
+}
+
+TEST_F(CudaErrors, HandledErrorsAreNotStickyAndAreCleared) {
+  for (const cudaError_t e :
+       {cudaErrorNotReady, cudaErrorMemoryAllocation, cudaErrorInvalidValue, cudaErrorInvalidResourceHandle}) {
+    SCOPED_TRACE(cudaGetErrorName(e));
+    FakeRuntime::Reset();
+    FakeRuntime::Call(e);
+    EXPECT_FALSE(IsStickyError<FakeRuntime>(e));
+    EXPECT_EQ(FakeRuntime::last, cudaSuccess);  // not left behind for the next launch
+  }
+  EXPECT_FALSE(IsStickyError<FakeRuntime>(cudaSuccess));
+  EXPECT_EQ(FakeRuntime::reads, 2);  // the last error read, cleared, read again: nothing
+}
+
+TEST_F(CudaErrors, AnUnlistedErrorThatDoesNotClearIsSticky) {
+  // e.g. cudaErrorUnknown after a device fell off the bus: every call of
+  // the context reports it, so the last error never clears.
+  FakeRuntime::MakeSticky(cudaErrorUnknown);
+  EXPECT_TRUE(IsStickyError<FakeRuntime>(cudaErrorUnknown));
+  FakeRuntime::Reset();
+  FakeRuntime::Call(cudaErrorUnknown);
+  EXPECT_FALSE(IsStickyError<FakeRuntime>(cudaErrorUnknown));
+}
+
+TEST_F(CudaErrors, NoUsableDeviceIsNotADeviceFault) {
+  // The runtime repeats an initialisation failure (no driver, no device)
+  // like a sticky error; it is a configuration error all the same.
+  for (const cudaError_t e : {cudaErrorInsufficientDriver, cudaErrorNoDevice, cudaErrorInitializationError}) {
+    SCOPED_TRACE(cudaGetErrorName(e));
+    FakeRuntime::Reset();
+    FakeRuntime::MakeSticky(e);
+    EXPECT_FALSE(IsStickyError<FakeRuntime>(e));
+    EXPECT_EQ(CudaStatusOf<FakeRuntime>(e, "cudaMalloc").code(), absl::StatusCode::kInternal);
+  }
+}
+
+TEST_F(CudaErrors, StickyErrorsAreUnavailableOthersInternal) {
+  StickyErrorSeen().store(false);
+  EXPECT_TRUE(CudaStatusOf<FakeRuntime>(cudaSuccess, "event").ok());
+  FakeRuntime::Call(cudaErrorNotReady);
+  absl::Status s = CudaStatusOf<FakeRuntime>(cudaErrorNotReady, "event");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(std::string(s.message()), "CUDA event: cudaErrorNotReady (device not ready)");
+  EXPECT_FALSE(StickyErrorSeen().load());
+
+  FakeRuntime::MakeSticky(cudaErrorIllegalAddress);
+  s = CudaStatusOf<FakeRuntime>(cudaErrorIllegalAddress, "device work");
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(std::string(s.message()).rfind("CUDA device fault in device work: cudaErrorIllegalAddress", 0), 0u) << s;
+  EXPECT_TRUE(StickyErrorSeen().load());
+  StickyErrorSeen().store(false);
+}
+
 }  // namespace
 }  // namespace logprob::cuda

@@ -10,13 +10,17 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "tests/fake_device_copy.h"
 #include "tests/in_process_communicator.h"
+#include "worker/host_staged_device_collectives.h"
 
 namespace logprob {
 namespace {
@@ -227,6 +231,170 @@ TEST(OnePassLayout, AgreeOnPassStopsEveryRankWhenOneFailsOrIsCancelled) {
     ASSERT_TRUE(out[0].ok());
     EXPECT_EQ(*out[0], 48);
   }
+}
+
+/// A rank's copy stream as the one-pass path uses it (issue 35 item 3):
+/// an upload is accepted when queued and runs later, at Wait, where its
+/// execution error (a CUDA IPC copy fault, a staging copy) first shows,
+/// as cudaMemcpyAsync and cudaEventSynchronize behave. "Device memory" is
+/// host memory. One per rank's thread.
+class FakeUploadStream {
+ public:
+  /// Queues a copy of `bytes` from `src` to `dst`; `faults`: it fails
+  /// when it runs. Accepted (OK) like every asynchronous copy.
+  absl::Status Queue(char* dst, const char* src, size_t bytes, bool faults) {
+    queued_.push_back({dst, src, bytes, faults});
+    return absl::OkStatus();
+  }
+  /// Runs what was queued; the first fault's error (the rest still runs).
+  absl::Status Wait() {
+    absl::Status st;
+    for (const Copy& c : queued_) {
+      ++waited;
+      if (c.faults) {
+        if (st.ok()) st = absl::InternalError("CUDA device work: injected upload fault");
+        continue;
+      }
+      std::memcpy(c.dst, c.src, c.bytes);
+    }
+    queued_.clear();
+    return st;
+  }
+  int waited = 0;  // copies run
+
+ private:
+  struct Copy {
+    char* dst;
+    const char* src;
+    size_t bytes;
+    bool faults;
+  };
+  std::vector<Copy> queued_;
+};
+
+/// What one rank of a pass's first steps ended with.
+struct PassStart {
+  absl::Status status = absl::UnknownError("not run");
+  bool gathered = false;     // entered the device all-gather
+  int64_t collectives = -1;  // host collectives the rank completed
+  std::string slots;         // its gathered slots afterwards
+};
+
+/// W ranks (threads) each upload `slot` bytes into their slot, agree, and
+/// all-gather the slots (HostStagedDeviceCollectives over in-process
+/// ranks, as CUDA workers over Gloo): RunPass's steps 1 and 2. Rank
+/// `faulty`'s upload fails when it runs; rank `stopping` must stop.
+/// `vote_first`: the order before issue 35 (vote on the queuing, wait
+/// after it). `timeout`: how long a rank waits in a collective.
+std::vector<PassStart> StartPass(int W, int faulty, int stopping, bool vote_first, std::chrono::milliseconds timeout) {
+  constexpr size_t slot = 64;
+  testing::InProcessGroup group(W, timeout);
+  std::vector<PassStart> out(W);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r)
+    threads.emplace_back([&, r] {
+      auto inner = std::make_unique<testing::InProcessCommunicator>(group, r);
+      const testing::InProcessCommunicator* host = inner.get();
+      HostStagedDeviceCollectives comm(std::move(inner), std::make_unique<testing::FakeDeviceCopy>());
+      const std::string rows(slot, static_cast<char>('a' + r));
+      std::string slots(W * slot, '.');
+      FakeUploadStream stream;
+      const bool stop = r == stopping;
+      const absl::Status queued =
+          stop ? absl::OkStatus() : stream.Queue(slots.data() + r * slot, rows.data(), slot, r == faulty);
+      absl::Status st;
+      if (vote_first) {
+        st = AgreeOnPass(comm,
+                         !queued.ok() ? PassVote::kFailed
+                         : stop       ? PassVote::kCancelled
+                                      : PassVote::kGo,
+                         16, queued)
+                 .status();
+        if (st.ok()) st = stream.Wait();
+      } else {
+        st = AgreeAfterUploads(comm, stop, 16, queued, [&] { return stream.Wait(); });
+      }
+      if (st.ok()) {
+        out[r].gathered = true;
+        st = comm.AllGatherDevice(slots.data() + r * slot, slot, slots.data());
+      }
+      out[r].status = st;
+      out[r].collectives = host->collectives();
+      out[r].slots = slots;
+    });
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+TEST(OnePassLayout, AgreeAfterUploadsLetsEveryRankGatherWhenAllUploadsRan) {
+  const auto out = StartPass(3, /*faulty=*/-1, /*stopping=*/-1, /*vote_first=*/false, std::chrono::seconds(60));
+  for (int r = 0; r < 3; ++r) {
+    SCOPED_TRACE(r);
+    ASSERT_TRUE(out[r].status.ok()) << out[r].status;
+    EXPECT_TRUE(out[r].gathered);
+    EXPECT_EQ(out[r].collectives, 4);  // the vote and the staged all-gather's three
+    EXPECT_EQ(out[r].slots, std::string(64, 'a') + std::string(64, 'b') + std::string(64, 'c'));
+  }
+}
+
+TEST(OnePassLayout, AnUploadFailingWhileItRunsStopsEveryRankBeforeTheAllGather) {
+  // Rank 1's upload is accepted and fails when it runs. With the vote after
+  // the uploads ran, every rank learns it in the vote: none enters the
+  // all-gather, so none waits there for the collective timeout (60 s
+  // here: a peer left in it would end DEADLINE_EXCEEDED, not as below).
+  const auto out = StartPass(3, /*faulty=*/1, /*stopping=*/-1, /*vote_first=*/false, std::chrono::seconds(60));
+  EXPECT_EQ(out[1].status.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(out[1].status.message(), "CUDA device work: injected upload fault");
+  for (int r : {0, 2}) {
+    SCOPED_TRACE(r);
+    EXPECT_EQ(out[r].status.code(), absl::StatusCode::kResourceExhausted) << out[r].status;
+    EXPECT_NE(std::string(out[r].status.message()).find("rank 1 "), std::string::npos) << out[r].status;
+  }
+  for (int r = 0; r < 3; ++r) {
+    SCOPED_TRACE(r);
+    EXPECT_FALSE(out[r].gathered);
+    EXPECT_EQ(out[r].collectives, 1);  // the vote only
+  }
+}
+
+TEST(OnePassLayout, VotingBeforeTheUploadsRanLeavesPeersInTheAllGather) {
+  // The order before issue 35, for contrast: every rank votes kGo on its
+  // queued upload; rank 1 then finds its fault and returns, and its peers
+  // wait in the all-gather until the (here short) collective timeout.
+  const auto out = StartPass(3, /*faulty=*/1, /*stopping=*/-1, /*vote_first=*/true, std::chrono::milliseconds(500));
+  EXPECT_EQ(out[1].status.code(), absl::StatusCode::kInternal);
+  EXPECT_FALSE(out[1].gathered);
+  // The first peer to time out aborts the group (the others then end
+  // UNAVAILABLE).
+  int timed_out = 0;
+  for (int r : {0, 2}) {
+    SCOPED_TRACE(r);
+    EXPECT_TRUE(out[r].gathered);
+    const absl::StatusCode code = out[r].status.code();
+    EXPECT_TRUE(code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kUnavailable) << out[r].status;
+    timed_out += code == absl::StatusCode::kDeadlineExceeded;
+  }
+  EXPECT_GE(timed_out, 1);
+}
+
+TEST(OnePassLayout, AgreeAfterUploadsCancelsEveryRankWhenOneMustStop) {
+  const auto out = StartPass(2, /*faulty=*/-1, /*stopping=*/1, /*vote_first=*/false, std::chrono::seconds(60));
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(r);
+    EXPECT_EQ(out[r].status.code(), absl::StatusCode::kCancelled) << out[r].status;
+    EXPECT_FALSE(out[r].gathered);
+  }
+  // A failed queuing is voted on without waiting.
+  testing::InProcessGroup group(1);
+  testing::InProcessCommunicator comm(group, 0);
+  bool waited = false;
+  const absl::Status st =
+      AgreeAfterUploads(comm, false, 16, absl::InternalError("CUDA hidden states upload: queued"), [&] {
+        waited = true;
+        return absl::OkStatus();
+      });
+  EXPECT_EQ(st.message(), "CUDA hidden states upload: queued");
+  EXPECT_FALSE(waited);
 }
 
 }  // namespace

@@ -4,13 +4,21 @@
 // golden lm_head on the GPU. Skips (GTEST_SKIP) without a usable CUDA
 // device; checks the clear start-up error instead. CudaIpc: hidden states
 // in a cudaMalloc allocation of this process, sent as a CUDA IPC reference
-// (Tensor.cuda_ipc), score bitwise as their bytes.
+// (Tensor.cuda_ipc), score bitwise as their bytes. CudaFault: a device
+// fault injected in the worker re-forms the pool.
 #include <cuda_runtime.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "tests/test_support.h"
 #include "worker/cuda/device_buffers.h"
@@ -62,6 +70,15 @@ INSTANTIATE_TEST_SUITE_P(Workers, CudaGolden,
 TEST(CudaGoldenNccl, EveryGoldenCaseMatchesWithNcclOnTwoGpus) {
   if (Gpus() < 2) GTEST_SKIP() << "needs 2 CUDA devices, have " << Gpus();
   ExpectGoldenOn(2, {"--backend", "cuda", "--comm", "nccl", "--parallelism", "vocab"}, /*lm_head=*/true);
+}
+
+// Issue 35 item 5: NCCL on a one-GPU machine. A one-rank NCCL pool runs
+// the NCCL communicator's own paths (its stream, the event polling whose
+// not-ready status must not go stale, AllRanksOk and AgreeOnPass over it),
+// which every two-GPU test above skips without.
+TEST(CudaGoldenNccl, EveryGoldenCaseMatchesWithNcclOnOneRank) {
+  if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
+  ExpectGoldenOn(1, {"--backend", "cuda", "--comm", "nccl", "--parallelism", "vocab"}, /*lm_head=*/true);
 }
 
 /// A device allocation of this process holding `bytes` at offset
@@ -173,12 +190,60 @@ TEST(CudaIpc, TwoWorkersOverNcclAreBitwiseTheBytes) {
   ExpectIpcBitwise(2, "nccl");
 }
 
+TEST(CudaIpc, OneRankOverNcclIsBitwiseTheBytes) {
+  if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
+  ExpectIpcBitwise(1, "nccl");
+}
+
 TEST(CudaIpc, TwoWorkersOverGlooOnOneGpuAreBitwiseTheBytes) {
   // Gloo's device collectives are staged through host memory
   // (worker/host_staged_device_collectives.h): two workers may share one
   // GPU and still score a device pointer in one pass.
   if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
   ExpectIpcBitwise(2, "gloo");
+}
+
+// Issue 35 item 2: a device fault (the LOGPROB_TEST_TRAP_FILE hook: a
+// kernel executing __trap() before a GEMM, a sticky error) fails that
+// request with UNAVAILABLE instead of leaving a worker that fails every
+// request with INTERNAL; the pool re-forms with a fresh worker process and
+// the request after it scores the golden outputs again.
+TEST(CudaFault, TheRequestAfterADeviceFaultSucceedsOnceThePoolReformed) {
+  if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
+  const std::string trap = ::testing::TempDir() + "cuda_fault_trap." + std::to_string(getpid());
+  std::remove(trap.c_str());
+  const int metrics_port = FreePort();
+  // Read by the workers when they start (ServerProcess passes this
+  // process's environment on, the server to its workers).
+  ASSERT_EQ(setenv("LOGPROB_TEST_TRAP_FILE", trap.c_str(), 1), 0);
+  auto server =
+      ServerProcess::Start(1, {"--backend", "cuda", "--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors",
+                               "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port)});
+  unsetenv("LOGPROB_TEST_TRAP_FILE");
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  const GoldenCase c = LoadGolden("hidden_bf16");
+  v1::ScoreResponse resp;
+  grpc::Status st = ScoreGolden(*stub, c, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(CompareOutputs(c.expected.tensors, {resp.outputs().begin(), resp.outputs().end()}), "");
+  const std::vector<pid_t> before = server->WorkerPids();
+  ASSERT_EQ(before.size(), 1u);
+
+  { std::ofstream(trap) << "trap once\n"; }
+  st = ScoreGolden(*stub, c, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_FALSE(std::filesystem::exists(trap));  // the worker took it
+  ASSERT_TRUE(WaitForMetric(metrics_port, "logprob_worker_restarts_total", 1));
+  // The request after the fault, once the re-formed pool serves.
+  ASSERT_TRUE(WaitUntil("a request succeeds after the pool re-formed", [&] {
+    resp.Clear();
+    return ScoreGolden(*stub, c, &resp).ok();
+  }));
+  EXPECT_EQ(CompareOutputs(c.expected.tensors, {resp.outputs().begin(), resp.outputs().end()}), "");
+  const std::vector<pid_t> after = server->WorkerPids();
+  ASSERT_EQ(after.size(), 1u);
+  EXPECT_NE(after[0], before[0]);  // a fresh process, with a working context
 }
 
 TEST(CudaFlags, NcclWithoutCudaAndUnknownBackendAreRefused) {

@@ -177,6 +177,12 @@ class ScoringBackend {
   /// Reported per work item (metric logprob_gpu_memory_bytes).
   virtual int64_t device_memory_bytes() const { return 0; }
 
+  /// True once the backend's device is broken for good (a sticky CUDA
+  /// error: illegal address, launch failure, ECC, ...): every later item
+  /// would fail, so the worker answers UNAVAILABLE and its pool re-forms
+  /// with a fresh process. False for host backends. Thread-safe.
+  virtual bool device_lost() const { return false; }
+
   /// Loads an lm_head slice (its weight is moved from) for the hidden-states
   /// calls below: the GEMM's operands in `precision`
   /// (common/lm_head_precision.h), uploaded to the device on a GPU.

@@ -139,4 +139,12 @@ absl::StatusOr<int64_t> AgreeOnPass(Communicator& comm, PassVote vote, int64_t p
   return std::max<int64_t>(agreed, 1);
 }
 
+absl::Status AgreeAfterUploads(Communicator& comm, bool stopping, int64_t pass_rows, const absl::Status& queued,
+                               absl::FunctionRef<absl::Status()> wait) {
+  absl::Status uploaded = queued;
+  if (uploaded.ok() && !stopping) uploaded = wait();
+  const PassVote vote = !uploaded.ok() ? PassVote::kFailed : stopping ? PassVote::kCancelled : PassVote::kGo;
+  return AgreeOnPass(comm, vote, pass_rows, uploaded).status();
+}
+
 }  // namespace logprob

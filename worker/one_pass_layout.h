@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "worker/communicator.h"
 
@@ -135,5 +136,21 @@ enum class PassVote : int64_t {
 /// else, when a rank voted kCancelled, CANCELLED on every rank; the
 /// collective's error when it fails.
 absl::StatusOr<int64_t> AgreeOnPass(Communicator& comm, PassVote vote, int64_t pass_rows, const absl::Status& failure);
+
+/// The first agreement of a pass, once this rank's uploads ran (issue 35
+/// item 3). `queued`: the status of queuing the rank's uploads (and for
+/// W == 1 its GEMMs) asynchronously, OK when `stopping` (none queued).
+/// Unless `stopping` or `queued` failed, calls `wait`, which returns once
+/// the queued work ran, with its execution error (a CUDA IPC copy fault, a
+/// staging copy); then AgreeOnPass with kFailed (`queued`'s or `wait`'s
+/// failure), kCancelled (`stopping`) or kGo. An upload
+/// that fails while running is thus voted on before any device
+/// collective: no peer enters the all-gather alone and waits there for
+/// the collective timeout. Returns OK when every rank may go on, else
+/// AgreeOnPass's error (this rank's own failure, or RESOURCE_EXHAUSTED /
+/// CANCELLED naming the peers'). Call from every rank; the callbacks run
+/// on the calling thread.
+absl::Status AgreeAfterUploads(Communicator& comm, bool stopping, int64_t pass_rows, const absl::Status& queued,
+                               absl::FunctionRef<absl::Status()> wait);
 
 }  // namespace logprob

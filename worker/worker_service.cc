@@ -66,6 +66,19 @@ absl::StatusOr<ItemPayload> WorkerService::OpenPayload(const internal::v1::WorkI
 
 grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                                 internal::v1::WorkResult* result) {
+  grpc::Status st = RunItem(ctx, item, result);
+  // A broken device (a sticky CUDA error, here or in an earlier item)
+  // fails every item from now on: UNAVAILABLE makes the front-end re-form
+  // the pool, which ends this process's membership (a fresh process joins).
+  if (backend_->device_lost() && st.error_code() != grpc::StatusCode::UNAVAILABLE)
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        st.ok() ? std::string("the worker's CUDA device faulted; it leaves the pool")
+                                : "the worker's CUDA device faulted; it leaves the pool: " + st.error_message());
+  return st;
+}
+
+grpc::Status WorkerService::RunItem(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
+                                    internal::v1::WorkResult* result) {
   // Stopped by the front-end's Stop for this run, or by the call ending
   // (the pool failing, the front-end gone).
   const std::optional<uint64_t> run_id = RunId(*ctx);

@@ -36,6 +36,10 @@ class WorkerService final : public internal::v1::Worker::Service {
         lm_heads_(std::move(lm_heads)),
         chunk_tokens_(chunk_tokens),
         payload_regions_(8, backend_.get()) {}
+  /// Scores one work item. Errors: the item's (INVALID_ARGUMENT,
+  /// CANCELLED, ...); UNAVAILABLE whenever the backend's device is lost
+  /// (ScoringBackend::device_lost: a sticky CUDA error), so that the
+  /// front-end re-forms the pool. Thread-safe.
   grpc::Status Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                    internal::v1::WorkResult* result) override;
   /// Marks a run stopped: its items (running or not yet started) end
@@ -56,6 +60,8 @@ class WorkerService final : public internal::v1::Worker::Service {
                                internal::v1::LmHeadStageReply* reply) override;
 
  private:
+  /// Run without the device-lost check (see Run).
+  grpc::Status RunItem(grpc::ServerContext* ctx, const internal::v1::WorkItem* item, internal::v1::WorkResult* result);
   /// The payload of `item`: its bytes field, its range of the front-end's
   /// shared memory (*region keeps it mapped), or its range of a same-host
   /// client's CUDA allocation (WorkItem.cuda_ipc, mapped by the

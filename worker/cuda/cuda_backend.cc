@@ -1,6 +1,7 @@
 #include "worker/cuda/cuda_backend.h"
 
 #include <cuda.h>  // CUpointer_attribute, CUdeviceptr (types only: the function comes from the runtime)
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -73,25 +74,40 @@ CuPointerGetAttributesFn PointerAttributes() {
   return fn;
 }
 
-/// The extent [begin, end) of the page-locked host allocation holding `p`
-/// (cudaMallocHost, cudaHostRegister by anyone), or {p, p} when `p` is not
-/// page-locked host memory the driver knows or the driver cannot say.
-std::pair<const char*, const char*> PinnedExtent(const char* p) {
+/// Whether `p` is page-locked host memory the driver knows (cudaMallocHost,
+/// cudaHostAlloc, cudaHostRegister by anyone): cudaPointerGetAttributes
+/// says cudaMemoryTypeHost, "allocated or registered by CUDA" (pageable
+/// memory is cudaMemoryTypeUnregistered). cudaHostGetFlags is no test: it
+/// knows cudaHostAlloc's allocations only, not registered ranges. Sets
+/// *device to its device mapping.
+bool IsPinnedHost(const char* p, const char** device) {
   cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    cudaGetLastError();
-    return {p, p};
-  }
-  if (a.type != cudaMemoryTypeHost) return {p, p};
+  if (ClearedError(cudaPointerGetAttributes(&a, p)) != cudaSuccess || a.type != cudaMemoryTypeHost) return false;
+  *device = static_cast<const char*>(a.devicePointer);
+  return *device != nullptr;
+}
+
+/// The extent [begin, end) of the page-locked host allocation holding `p`,
+/// or {p, p} when `p` is not page-locked host memory the driver knows
+/// (IsPinnedHost) or the driver cannot say. The range attributes are
+/// documented for device pointers: they are asked of the allocation's
+/// device mapping and carried back to host addresses, and the extent's
+/// last byte must be page-locked host memory too.
+std::pair<const char*, const char*> PinnedExtent(const char* p) {
+  const char* dev = nullptr;
+  if (!IsPinnedHost(p, &dev)) return {p, p};
   CuPointerGetAttributesFn get = PointerAttributes();
   if (!get) return {p, p};
   CUdeviceptr start = 0;
   size_t size = 0;
   CUpointer_attribute attrs[2] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
   void* data[2] = {&start, &size};
-  if (get(2, attrs, data, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS || size == 0) return {p, p};
-  const char* begin = reinterpret_cast<const char*>(start);
-  if (p < begin || p >= begin + size) return {p, p};
+  if (get(2, attrs, data, reinterpret_cast<CUdeviceptr>(dev)) != CUDA_SUCCESS || size == 0) return {p, p};
+  const char* dev_begin = reinterpret_cast<const char*>(start);
+  if (dev < dev_begin || dev >= dev_begin + size) return {p, p};
+  const char* begin = p - (dev - dev_begin);
+  const char* last_dev = nullptr;
+  if (!IsPinnedHost(begin + size - 1, &last_dev) || last_dev != dev_begin + size - 1) return {p, p};
   return {begin, begin + size};
 }
 
@@ -145,6 +161,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, con
   b->options_.staging_bytes = std::max<size_t>(b->options_.staging_bytes, 1);
   if (const char* env = std::getenv("LOGPROB_TEST_FAIL_GEMM_AFTER"); env && *env)
     b->options_.fail_gemm_after = std::strtoll(env, nullptr, 10);
+  if (const char* env = std::getenv("LOGPROB_TEST_TRAP_FILE"); env && *env) b->options_.trap_file = env;
   int read_only = 0;
   if (cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, device) != cudaSuccess) {
     cudaGetLastError();
@@ -338,6 +355,11 @@ absl::Status CudaBackend::Gemm(CublasLtLmHead& gemm, const void* a, int64_t n, f
       return absl::InternalError(absl::StrCat("lm_head GEMM: injected failure after ", done, " GEMMs"));
     }
   }
+  // Test hook: a device fault, once per trap file (unlink: one taker).
+  if (!options_.trap_file.empty() && ::unlink(options_.trap_file.c_str()) == 0) {
+    std::fprintf(stderr, "logprob-worker: test hook: %s taken, trapping on the device\n", options_.trap_file.c_str());
+    LOGPROB_CUDA_RETURN_IF_ERROR(LaunchTrap(compute_.get()), "trap kernel");
+  }
   LOGPROB_RETURN_IF_ERROR(gemm.Compute(a, n, out, compute_.get()));
   gemms_.fetch_add(1, std::memory_order_relaxed);
   return absl::OkStatus();
@@ -529,8 +551,9 @@ absl::Status CudaBackend::RunPass(Workspace& w, CublasLtLmHead& gemm, const Hidd
     return queue();
   };
   // 1. Upload this rank's rows into its slot (W == 1: multiply as they
-  // land), unless this rank must stop; then all ranks agree to go on, so
-  // none enters the all-gather alone.
+  // land), unless this rank must stop; once the uploads ran (their
+  // execution errors included), all ranks agree to go on, so none enters
+  // the all-gather alone (AgreeAfterUploads).
   const bool stopping = check_stop && item.should_stop && item.should_stop();
   const absl::Status uploaded =
       stopping ? absl::OkStatus() : queued([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
@@ -545,17 +568,13 @@ absl::Status CudaBackend::RunPass(Workspace& w, CublasLtLmHead& gemm, const Hidd
                                                    std::min(G, mine - l0), G, c, c, item.vocab_begin, spec);
                         });
       });
-  LOGPROB_RETURN_IF_ERROR(AgreeOnPass(comm,
-                                      !uploaded.ok() ? PassVote::kFailed
-                                      : stopping     ? PassVote::kCancelled
-                                                     : PassVote::kGo,
-                                      pass.slot_rows, uploaded)
-                              .status());
+  LOGPROB_RETURN_IF_ERROR(AgreeAfterUploads(comm, stopping, pass.slot_rows, uploaded,
+                                            [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return WaitTails(w); }));
   const void* result = w.records.get();
   if (W > 1) {
-    // 2. All-gather the slots in place, once the upload landed (the
-    // collective runs on the communicator's stream; it returns once done).
-    LOGPROB_RETURN_IF_ERROR(WaitTails(w));
+    // 2. All-gather the slots in place (the upload landed before the vote;
+    // the collective runs on the communicator's stream; it returns once
+    // done).
     LOGPROB_RETURN_IF_ERROR(comm.AllGatherDevice(slots + pass.SlotOffset(me, raw_row), pass.SlotBytes(raw_row), slots));
     // 3. Every rank's rows times this rank's slice.
     const absl::Status gemms = queued([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
@@ -608,7 +627,8 @@ absl::Status CudaBackend::HiddenItemPartials(const LmHeadWeights& lm_head, const
   const size_t raw_row = static_cast<size_t>(gemm.hidden_size()) * DTypeSize(item.dtype);
   absl::MutexLock item_lock(&item_mu_);
   Workspace& w = item_ws_;
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+  // A failure to select the device is voted on below, like any other.
+  const absl::Status selected = CudaStatus(cudaSetDevice(device_), "cudaSetDevice");
   // Whatever the exit, nothing this item queued still runs: no GEMM or
   // kernel on item_ws_ (the next item rewrites it) and no copy reading
   // `item.own` (a CUDA IPC mapping or payload region may go once this
@@ -617,7 +637,8 @@ absl::Status CudaBackend::HiddenItemPartials(const LmHeadWeights& lm_head, const
   auto stop = [&item] { return item.should_stop && item.should_stop(); };
   // Reserve the largest pass, then agree before any device collective.
   int64_t pass_rows = PassRowsForBudget(options_.pass_bytes, W, raw_row);
-  const absl::Status reserved = ReserveItem(w, gemm, item, me, OnePassLayout(ranks, pass_rows), spec);
+  const absl::Status reserved =
+      selected.ok() ? ReserveItem(w, gemm, item, me, OnePassLayout(ranks, pass_rows), spec) : selected;
   LOGPROB_ASSIGN_OR_RETURN(pass_rows, AgreeOnPass(comm,
                                                   !reserved.ok() ? PassVote::kFailed
                                                   : stop()       ? PassVote::kCancelled

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -82,6 +83,12 @@ class CudaBackend final : public ScoringBackend {
     /// fails with INTERNAL ("injected"), once. Create also reads it from
     /// the environment variable LOGPROB_TEST_FAIL_GEMM_AFTER.
     int64_t fail_gemm_after = -1;
+    /// Test hook (issue 35 item 2): when not empty and this file exists at
+    /// a GEMM call, the call removes it and queues a kernel that executes
+    /// `__trap()` first: a device fault (sticky error), once per file, in
+    /// the one process that removed it. Create reads it from the
+    /// environment variable LOGPROB_TEST_TRAP_FILE.
+    std::string trap_file;
   };
 
   /// Uses `device` (made current); lm_heads come later (LoadLmHead).
@@ -92,6 +99,8 @@ class CudaBackend final : public ScoringBackend {
 
   std::string name() const override { return "cuda"; }
   int64_t device_memory_bytes() const override;
+  /// StickyErrorSeen() (cuda_error.h): this process saw a sticky CUDA error.
+  bool device_lost() const override { return StickyErrorSeen().load(); }
   absl::Status SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
                              uint32_t* records) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status FilteredRowPartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,

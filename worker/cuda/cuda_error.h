@@ -19,6 +19,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+
 namespace logprob::cuda {
 
 /// The CUDA runtime's own last-error call.
@@ -61,5 +63,64 @@ class LaunchCheck {
   /// The launches' own error since construction (cudaSuccess if none).
   cudaError_t Result() const { return Errors::GetLastError(); }
 };
+
+/// True for the errors that leave the CUDA context unusable (issue 35
+/// item 2): a kernel's illegal address or instruction, a launch failure
+/// or timeout, `__trap()` / a device assert, an uncorrectable ECC or
+/// NVLink error, ... Every later call of the process's context fails with
+/// it; only a new process gets a working device. Any other error `e` is
+/// also sticky when the thread's last error does not clear: Errors'
+/// GetLastError is read twice (which also clears a non-sticky `e` the
+/// caller is handling) and a sticky context reports an error both times.
+/// cudaSuccess is never sticky, nor are the errors of a runtime that
+/// found no usable device or driver (cudaErrorNoDevice,
+/// cudaErrorInsufficientDriver, ...: the runtime repeats them too, but
+/// they are a configuration, not a fault of a working device).
+/// Thread-safe (per-thread state).
+template <typename Errors = CudaRuntimeErrors>
+bool IsStickyError(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess:
+      return false;
+    case cudaErrorNoDevice:
+    case cudaErrorInvalidDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorInitializationError:
+    case cudaErrorCudartUnloading:
+    case cudaErrorStubLibrary:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorCompatNotSupportedOnDevice:
+    case cudaErrorDevicesUnavailable:
+      Errors::GetLastError();
+      return false;
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorContextIsDestroyed:
+    case cudaErrorExternalDevice:
+      Errors::GetLastError();  // keeps the handled error from going stale where it is not sticky
+      return true;
+    default:
+      break;
+  }
+  Errors::GetLastError();
+  return Errors::GetLastError() != cudaSuccess;
+}
+
+/// Set (never reset) once this process saw a sticky error (IsStickyError):
+/// the worker's CUDA context is broken for good, so the worker answers
+/// UNAVAILABLE and its pool re-forms with a fresh process. Thread-safe.
+inline std::atomic<bool>& StickyErrorSeen() {
+  static std::atomic<bool> seen{false};
+  return seen;
+}
 
 }  // namespace logprob::cuda

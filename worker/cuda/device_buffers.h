@@ -15,11 +15,24 @@
 
 namespace logprob::cuda {
 
-/// OK, or INTERNAL naming `what` and the CUDA error.
-inline absl::Status CudaStatus(cudaError_t e, const char* what) {
+/// OK, or an error naming `what` and the CUDA error: UNAVAILABLE for a
+/// sticky error (IsStickyError<Errors>: the context is broken for good;
+/// StickyErrorSeen() is set, so the worker answers UNAVAILABLE and the
+/// pool re-forms with a fresh process), else INTERNAL. Thread-safe.
+template <typename Errors>
+absl::Status CudaStatusOf(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
+  if (IsStickyError<Errors>(e)) {
+    StickyErrorSeen().store(true);
+    return absl::UnavailableError(absl::StrCat("CUDA device fault in ", what, ": ", cudaGetErrorName(e), " (",
+                                               cudaGetErrorString(e),
+                                               "); the CUDA context is unusable, the worker leaves the pool"));
+  }
   return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
 }
+
+/// CudaStatusOf with the CUDA runtime's own last error.
+inline absl::Status CudaStatus(cudaError_t e, const char* what) { return CudaStatusOf<CudaRuntimeErrors>(e, what); }
 
 /// Returns the Status of a CUDA call from the enclosing function on error.
 #define LOGPROB_CUDA_RETURN_IF_ERROR(call, what) LOGPROB_RETURN_IF_ERROR(::logprob::cuda::CudaStatus((call), what))
@@ -43,7 +56,7 @@ class GrowingBuffer {
     Alloc::Free(ptr_);
     ptr_ = nullptr;
     size_ = 0;
-    LOGPROB_CUDA_RETURN_IF_ERROR(ClearedError<Errors>(Alloc::Allocate(&ptr_, bytes)), Alloc::kName);
+    LOGPROB_RETURN_IF_ERROR(CudaStatusOf<Errors>(ClearedError<Errors>(Alloc::Allocate(&ptr_, bytes)), Alloc::kName));
     size_ = bytes;
     return absl::OkStatus();
   }

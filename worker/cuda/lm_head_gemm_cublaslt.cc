@@ -1,6 +1,7 @@
 #include "worker/cuda/lm_head_gemm_cublaslt.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <string>
 #include <vector>
@@ -21,6 +22,39 @@ absl::Status LtStatus(cublasStatus_t s, const char* what) {
       absl::StrCat("cuBLASLt ", what, ": ", cublasLtGetStatusName(s), " (", cublasLtGetStatusString(s), ")"));
 }
 #define LOGPROB_LT_RETURN_IF_ERROR(call, what) LOGPROB_RETURN_IF_ERROR(LtStatus((call), what))
+
+/// One configuration attribute of `algo` (T: its documented type); 0 when
+/// cuBLASLt cannot say.
+template <typename T>
+int64_t AlgoAttribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T value{};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof value, &written) != CUBLAS_STATUS_SUCCESS)
+    return 0;
+  return static_cast<int64_t>(value);
+}
+
+/// Whether the heuristic's own configuration of `algo` splits the inner
+/// dimension (split-K > 1 or a reduction scheme): the split would then be
+/// a property of the candidate, chosen for the reference M.
+bool SplitsK(const cublasLtMatmulAlgo_t& algo) {
+  return AlgoAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1 ||
+         AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) != CUBLASLT_REDUCTION_SCHEME_NONE;
+}
+
+/// "id 21, tile 27, stages 18, split-k 1, reduction 0, swizzle 0, custom
+/// option 0, inner shape 0, cluster shape 0": what the log names.
+std::string AlgoSummary(const cublasLtMatmulAlgo_t& algo) {
+  return absl::StrCat("id ", AlgoAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID), ", tile ",
+                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID), ", stages ",
+                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID), ", split-k ",
+                      AlgoAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), ", reduction ",
+                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), ", swizzle ",
+                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING), ", custom option ",
+                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION), ", inner shape ",
+                      AlgoAttribute<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID), ", cluster shape ",
+                      AlgoAttribute<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
+}
 
 }  // namespace
 
@@ -134,11 +168,14 @@ absl::Status CublasLtLmHead::ChooseAlgo() {
     if (s == CUBLAS_STATUS_NOT_SUPPORTED) continue;  // no candidate under this preference
     LOGPROB_LT_RETURN_IF_ERROR(s, "heuristic");
     found_total += found;
-    // The heuristic's best candidate that runs with split-K 1, no reduction.
+    // The heuristic's best candidate that runs with split-K 1, no reduction:
+    // first among those it configured so itself, then any (forced).
     const int32_t splitk = 1;
-    for (int i = 0; i < found; ++i) {
-      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-      cublasLtMatmulAlgo_t algo = results[i].algo;
+    for (int i = 0; i < 2 * found; ++i) {
+      const bool forced = i >= found;
+      const cublasLtMatmulHeuristicResult_t& r = results[i % found];
+      if (r.state != CUBLAS_STATUS_SUCCESS || SplitsK(r.algo) != forced) continue;
+      cublasLtMatmulAlgo_t algo = r.algo;
       if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk) !=
               CUBLAS_STATUS_SUCCESS ||
           cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction,
@@ -150,6 +187,18 @@ absl::Status CublasLtLmHead::ChooseAlgo() {
           check.workspaceSize > ws)
         continue;
       algo_ = algo;
+      algo_summary_ = AlgoSummary(algo);
+      // Logged once per lm_head load: which kernel every M runs (batch
+      // invariance rests on it), and whether a split was forced off.
+      std::fprintf(
+          stderr,
+          "logprob-worker: lm_head GEMM %s [M, %lld] x [%lld, %lld] (algorithm chosen at M = %lld): "
+          "cuBLASLt %s, workspace %zu bytes%s\n",
+          LmHeadPrecisionName(precision_), static_cast<long long>(hidden_size_), static_cast<long long>(hidden_size_),
+          static_cast<long long>(rows_), static_cast<long long>(algo_rows_), algo_summary_.c_str(), check.workspaceSize,
+          forced ? absl::StrCat(" (the heuristic's split-K / reduction forced off: it chose ", AlgoSummary(r.algo), ")")
+                       .c_str()
+                 : "");
       return absl::OkStatus();
     }
   }

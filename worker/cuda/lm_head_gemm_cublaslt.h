@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -45,7 +46,10 @@ class CublasLtLmHead {
   /// converted for `precision` (header comment; kAuto by `dtype`), and picks
   /// the GEMM algorithm every M will use: cuBLASLt's heuristic at M =
   /// `algo_rows` (> 0; e.g. the backend's usual chunk rows), split-K 1, no
-  /// reduction scheme, checked with cublasLtMatmulAlgoCheck.
+  /// reduction scheme (preferring candidates the heuristic configured
+  /// without a split, so none depends on M; a split one is forced to
+  /// split-K 1), checked with cublasLtMatmulAlgoCheck. Logs the choice to
+  /// stderr (id, tile, stages, split-K, reduction, ...; algo_summary()).
   /// INVALID_ARGUMENT for a bad dtype, shape, size or algo_rows; INTERNAL
   /// for CUDA or cuBLASLt failures (e.g. out of memory, no algorithm).
   static absl::StatusOr<std::unique_ptr<CublasLtLmHead>> Create(DType dtype, const void* weight, size_t weight_bytes,
@@ -70,6 +74,10 @@ class CublasLtLmHead {
   /// Call before any Compute. INVALID_ARGUMENT for a bias of another
   /// length; INTERNAL for CUDA failures.
   absl::Status SetTransform(const LmHeadTransform& t, const std::vector<float>& bias);
+
+  /// The chosen algorithm's configuration as logged ("id 21, tile 27,
+  /// stages 18, split-k 1, reduction 0, ...").
+  const std::string& algo_summary() const { return algo_summary_; }
 
   /// logits[M, rows()] (device, f32, row-major) = hidden[M, H] @ W^T with
   /// `hidden` on the device in compute_dtype(), starting 256-byte aligned or
@@ -100,6 +108,7 @@ class CublasLtLmHead {
   cublasLtMatrixLayout_t a_layout_ = nullptr;
   cublasLtMatmulAlgo_t algo_{};  // the one algorithm of every M (chosen at Create)
   int64_t algo_rows_ = 0;        // the M it was chosen for
+  std::string algo_summary_;     // algo_'s configuration, as logged
   std::map<int64_t, std::unique_ptr<Plan>> plans_;
 };
 

@@ -74,6 +74,11 @@ cudaError_t LaunchSamplingKeepMin(const FilterArgs& args, cudaStream_t stream);
 
 /// dst[n] = src[n] converted: to bf16 (round to nearest even, f16 through
 /// f32 exactly) or to f32 (exact). dst_type is kBF16 or kF32.
+/// Test hook (CudaBackend::Options::trap_file): one thread that executes
+/// `__trap()`, a device fault that leaves the context unusable (the next
+/// synchronisation reports a sticky error). Asynchronous on `stream`.
+cudaError_t LaunchTrap(cudaStream_t stream);
+
 cudaError_t LaunchConvert(const void* src, ElemType src_type, int64_t n, void* dst, ElemType dst_type,
                           cudaStream_t stream);
 

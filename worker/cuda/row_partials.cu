@@ -110,4 +110,14 @@ cudaError_t LaunchRowPartials(const RowBlockArgs& a, cudaStream_t stream) {
   return check.Result();
 }
 
+namespace {
+__global__ void TrapKernel() { __trap(); }
+}  // namespace
+
+cudaError_t LaunchTrap(cudaStream_t stream) {
+  const LaunchCheck<> check;
+  TrapKernel<<<1, 1, 0, stream>>>();
+  return check.Result();
+}
+
 }  // namespace logprob::cuda

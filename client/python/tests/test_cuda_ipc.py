@@ -484,20 +484,31 @@ class GpuUpdateTest(unittest.TestCase):
     weights, and its sha256 is the weights' bytes'."""
 
     def test_update_from_a_cuda_tensor_by_ipc_scores_as_a_server_started_with_it(self):
+        self._update_by_ipc(workers=1)
+
+    def test_update_rows_with_two_gloo_workers_on_one_gpu(self):
+        # Issue 35 item 5: the update rows copied by CUDA IPC into the store
+        # with two workers (Gloo, both on the one GPU) sharing the vocabulary.
+        self._update_by_ipc(workers=2, extra=["--comm", "gloo", "--parallelism", "vocab"])
+
+    def _update_by_ipc(self, workers, extra=()):
         import torch
 
+        extra = list(extra)
         g = Golden("hidden_bf16")
         golden = safetensors.load(LM_HEAD)[0]["lm_head.weight"]  # uint16 bf16 bits
         start = os.path.join(temp_dir("cuda_ipc_update"), "start.safetensors")
         safetensors.save(start, {"lm_head.weight": (golden ^ np.uint16(0x5)).astype(np.uint16)},
                          bf16=["lm_head.weight"])
         kw = g.score_kwargs()
-        with Server(workers=1, extra=["--backend", "cuda", "--lm-head", LM_HEAD]) as s, s.client() as c:
+        with Server(workers=workers, extra=["--backend", "cuda", "--lm-head", LM_HEAD] + extra) as s, \
+                s.client() as c:
             expect = c.score(**kw)
         self.assertEqual(compare(g.expected, expect.outputs), "")
         weight = torch.from_numpy(golden.view(np.int16)).view(torch.bfloat16).cuda()
         with counting_exports() as exported:
-            with Server(workers=1, extra=["--backend", "cuda", "--lm-head", start, "--allow-lm-head-updates"]) as s, \
+            with Server(workers=workers,
+                        extra=["--backend", "cuda", "--lm-head", start, "--allow-lm-head-updates"] + extra) as s, \
                     s.client() as c:
                 self.assertTrue(c.server_info().cuda_ipc_inputs)
                 with warnings.catch_warnings():
