@@ -1,16 +1,13 @@
 // One logit of a head with a transform (common/lm_head_transform.h), the
 // element function the CPU path and the CUDA kernel
-// (worker/cuda/lm_head_transform.cu) share. No dependencies, so nvcc
+// (worker/cuda/lm_head_transform.cu) share. No dependencies beyond
+// common/host_device.h, so nvcc
 // compiles it as is.
 #pragma once
 
 #include <math.h>
 
-#if defined(__CUDACC__)
-#define LOGPROB_HOST_DEVICE __host__ __device__
-#else
-#define LOGPROB_HOST_DEVICE
-#endif
+#include "common/host_device.h"
 
 namespace logprob {
 

@@ -13,11 +13,11 @@
 # script first (fixture examples_venv), so scripts/test.sh sets it up too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/venv-common.sh
 venv="${LOGPROB_EXAMPLES_VENV:-$PWD/.venv-examples}"
 req=examples/requirements.txt
-stamp="$venv/.requirements.sha256"
 want="$(sha256sum "$req" | cut -d' ' -f1)"
-if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null || true)" = "$want" ]; then
+if venv_is_current "$venv" "$want"; then
   echo "setup-examples: $venv is up to date with $req"
   exit 0
 fi
@@ -25,17 +25,9 @@ if ! /usr/bin/python3 -c 'import numpy, torch' 2>/dev/null; then
   echo "setup-examples: Debian's python3-torch and python3-numpy are missing: run scripts/install-deps.sh first" >&2
   exit 1
 fi
-rm -rf "$venv"
-/usr/bin/python3 -m venv --system-site-packages "$venv"
+venv_create "$venv"
 echo "setup-examples: installing $req from PyPI into $venv" >&2
-if ! "$venv/bin/python" -m pip install --disable-pip-version-check --no-input --retries 2 --timeout 30 \
-    -r "$req"; then
-  rm -rf "$venv"
-  echo "setup-examples: FAILED: could not install $req from PyPI (is PyPI reachable, directly or through" \
-    "PIP_INDEX_URL / a proxy?). The examples and their tests (ctest -R example_) need these packages; they" \
-    "are downloaded once, then everything runs offline." >&2
-  exit 1
-fi
+venv_pip_install setup-examples "$venv" "The examples and their tests (ctest -R example_)" -r "$req"
 # The environment must use Debian's torch (no wheel of torch came in).
 "$venv/bin/python" - <<'PY'
 import sys
@@ -44,4 +36,4 @@ if not torch.__file__.startswith("/usr/lib/python3/"):
     sys.exit("setup-examples: torch comes from %s, not Debian's python3-torch" % torch.__file__)
 print("setup-examples: transformers %s, torch %s (Debian)" % (transformers.__version__, torch.__version__))
 PY
-echo "$want" > "$stamp"
+venv_stamp "$venv" "$want"

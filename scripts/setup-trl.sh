@@ -19,12 +19,12 @@
 # (fixture trl_venv), so scripts/test.sh sets it up too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/venv-common.sh
 venv="${LOGPROB_TRL_VENV:-$PWD/.venv-trl}"
 req=client/python/requirements-trl.txt
 nodeps=client/python/requirements-trl-nodeps.txt
-stamp="$venv/.requirements.sha256"
 want="$(cat "$req" "$nodeps" | sha256sum | cut -d' ' -f1)"
-if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null || true)" = "$want" ]; then
+if venv_is_current "$venv" "$want"; then
   echo "setup-trl: $venv is up to date with $req"
   exit 0
 fi
@@ -32,23 +32,10 @@ if ! /usr/bin/python3 -c 'import grpc, google.protobuf' 2>/dev/null; then
   echo "setup-trl: Debian's python3-grpcio and python3-protobuf are missing: run scripts/install-deps.sh first" >&2
   exit 1
 fi
-rm -rf "$venv"
-/usr/bin/python3 -m venv --system-site-packages "$venv"
+venv_create "$venv"
 echo "setup-trl: installing $req from PyPI into $venv" >&2
-if ! "$venv/bin/python" -m pip install --disable-pip-version-check --no-input --retries 2 --timeout 60 \
-    -r "$req"; then
-  rm -rf "$venv"
-  echo "setup-trl: FAILED: could not install $req from PyPI (is PyPI reachable, directly or through" \
-    "PIP_INDEX_URL / a proxy?). logprob_client.trl's tests (ctest -R py_trl_) need these packages; they" \
-    "are downloaded once, then everything runs offline." >&2
-  exit 1
-fi
-if ! "$venv/bin/python" -m pip install --disable-pip-version-check --no-input --retries 2 --timeout 60 \
-    --no-deps -r "$nodeps"; then
-  rm -rf "$venv"
-  echo "setup-trl: FAILED: could not install $nodeps (--no-deps) from PyPI (is PyPI reachable?)" >&2
-  exit 1
-fi
+venv_pip_install setup-trl "$venv" "logprob_client.trl's tests (ctest -R py_trl_)" -r "$req"
+venv_pip_install setup-trl "$venv" "logprob_client.verl's seam test" --no-deps -r "$nodeps"
 # The environment must hold the pinned TRL, torch and numpy (not Debian's),
 # and Debian's grpcio / protobuf must work with that numpy.
 "$venv/bin/python" - <<'PY'
@@ -62,4 +49,4 @@ print("setup-trl: trl %s, transformers %s, torch %s, numpy %s; grpcio %s, protob
       % (trl.__version__, transformers.__version__, torch.__version__, numpy.__version__, grpc.__version__,
          google.protobuf.__version__))
 PY
-echo "$want" > "$stamp"
+venv_stamp "$venv" "$want"

@@ -47,11 +47,7 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__CUDACC__)
-#define LOGPROB_HOST_DEVICE __host__ __device__
-#else
-#define LOGPROB_HOST_DEVICE
-#endif
+#include "common/host_device.h"
 
 namespace logprob::record {
 
