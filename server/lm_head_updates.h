@@ -139,10 +139,16 @@ class LmHeadUpdates {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   /// PutRows of every row of a safetensors checkpoint under update_dir
-  /// (`path` relative to it, "PATH[:TENSOR]" semantics of ResolveLmHead
-  /// with `tensor`). PERMISSION_DENIED for a path that leads outside
-  /// update_dir (.., symlinks) or when no update_dir is set; the
-  /// checkpoint's shape and dtype must be the update's.
+  /// (`path` relative to it, PATH and TENSOR of ResolveLmHead with
+  /// `tensor`). Every file (checkpoint, index, shards, config.json) is
+  /// opened once beneath update_dir without following symlinks at any
+  /// component, non-blocking, checked to be a regular file, and read only
+  /// through that descriptor (OpenBeneath). PERMISSION_DENIED for an
+  /// absolute path, "..", a symlink, or when no update_dir is set
+  /// (decided without looking outside update_dir); NOT_FOUND for no such
+  /// file beneath it; FAILED_PRECONDITION for a FIFO, device or other
+  /// non-regular file; the checkpoint's shape and dtype must be the
+  /// update's. Errors name the path the client gave, never bytes read.
   absl::StatusOr<v1::LmHeadUpdate> PutFile(const std::string& id, const std::string& path, const std::string& tensor)
       ABSL_LOCKS_EXCLUDED(mu_);
 
