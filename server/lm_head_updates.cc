@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <future>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <system_error>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/confined_file.h"
 #include "common/error_reason.h"
+#include "common/finite_check.h"
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
 #include "common/partition.h"
@@ -100,6 +102,24 @@ class CheckpointSource final : public InputSource {
   mutable absl::Mutex mu_;
   mutable absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
+
+/// OK when the `source.vocab_size` rows of the staged file mapped at `map`
+/// (the weight at source.data_offset; null: nothing to scan) are all
+/// finite; else INVALID_ARGUMENT naming update `id` and the first NaN or
+/// infinity by row and column (FirstNonFinite: one vectorised pass over
+/// the mapping, about memory bandwidth, while the workers load).
+absl::Status CheckFinite(const char* map, const LmHeadSource& source, const std::string& id) {
+  if (map == nullptr) return absl::OkStatus();
+  const char* rows = map + source.data_offset;
+  const std::optional<int64_t> bad = FirstNonFinite(source.dtype, rows, source.vocab_size * source.hidden_size);
+  if (!bad.has_value()) return absl::OkStatus();
+  float value = 0;
+  ToFloat(source.dtype, rows + *bad * static_cast<int64_t>(DTypeSize(source.dtype)), 1, &value);
+  return absl::InvalidArgumentError(absl::StrCat("lm_head update ", id, ": row ", *bad / source.hidden_size,
+                                                 ", column ", *bad % source.hidden_size, " of the weight is ",
+                                                 std::isnan(value) ? "NaN" : (value > 0 ? "+Inf" : "-Inf"),
+                                                 "; weights must be finite; nothing changed"));
+}
 
 /// A bias file of the store: `<stem>.bias.safetensors` beside a version's
 /// weight, owned by that one version (removed with it).
@@ -619,8 +639,11 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   // commit waits for only to check an announced one.
   std::future<absl::StatusOr<int64_t>> loading =
       std::async(std::launch::async, [this, load = u->next.Load()] { return workers_.load(load); });
+  // NaN and infinite weights are refused (scanned while the workers load).
+  const absl::Status finite = CheckFinite(u->map.get(), u->next.source, id);
   const absl::StatusOr<std::string> sha = u->expected_sha256.empty() ? std::string() : u->hasher->Finish();
   absl::StatusOr<int64_t> generation = loading.get();
+  if (!finite.ok()) return fail("non_finite", finite);
   if (!sha.ok()) return fail("aborted", sha.status());
   if (!u->expected_sha256.empty() && u->expected_sha256 != *sha)
     return fail("sha256_mismatch", absl::InvalidArgumentError(absl::StrCat(

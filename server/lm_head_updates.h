@@ -65,7 +65,7 @@ struct LmHeadWorkers {
 /// Outcome counters and timings of updates, for metrics. May be empty.
 struct LmHeadUpdateObservers {
   /// An update ended: head, "committed" or the abort reason's class
-  /// ("aborted", "timeout", "worker_error", "sha256_mismatch", "rows_missing"),
+  /// ("aborted", "timeout", "worker_error", "sha256_mismatch", "rows_missing", "non_finite"),
   /// seconds from Begin to the end, bytes received.
   std::function<void(const std::string& head, const std::string& outcome, double seconds, int64_t bytes)> on_end;
   /// Rows' bytes received (PutRows).
@@ -157,7 +157,9 @@ class LmHeadUpdates {
   /// (workers drop what they loaded) and the current version keeps
   /// serving. FAILED_PRECONDITION for rows missing (naming the first
   /// range) or when the pool changed while loading; INVALID_ARGUMENT for a
-  /// sha256 mismatch (both named); UNAVAILABLE / the worker's error when a
+  /// sha256 mismatch (both named) or a NaN or infinite weight (the first
+  /// one's row and column; scanned in the staged file's mapping while the
+  /// workers load, outcome "non_finite"); UNAVAILABLE / the worker's error when a
   /// worker fails to load.
   absl::StatusOr<v1::LmHeadInfo> Commit(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -26,6 +26,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,6 +35,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/confined_file.h"
 #include "common/error_reason.h"
+#include "common/finite_check.h"
 #include "common/lm_head_source.h"
 #include "common/positioned_io.h"
 #include "common/safetensors.h"
@@ -459,7 +461,8 @@ TEST_F(LmHeadUpdatesTest, RowsReadInBlocksOnSeveralThreadsLandExactlyAndAFailedR
   ASSERT_TRUE(opened.ok()) << opened.status();
   std::string rows(static_cast<size_t>(V * H * 4), '\0');
   for (size_t i = 0; i < rows.size(); i += 4) {
-    const uint32_t word = static_cast<uint32_t>(i / 4) * 2654435761u;
+    // Distinct words, finite as floats (bit 30 clear: the exponent is never all ones).
+    const uint32_t word = (static_cast<uint32_t>(i / 4) * 2654435761u) & 0xBFFFFFFFu;
     std::memcpy(rows.data() + i, &word, 4);
   }
 
@@ -592,6 +595,82 @@ TEST_F(LmHeadUpdatesTest, AnUpdateSetsTheTransformOrKeepsTheHeads) {
   refused(bad, "bias");
   EXPECT_EQ(heads.Bind("default", "").value()->version, "v2");
   EXPECT_EQ(bias_files(), 1u);
+}
+
+TEST(FiniteCheck, FindsTheFirstNonFiniteAcrossBlocksAndUnalignedData) {
+  // F16 too, past the first 4096-element block, from an odd address.
+  std::vector<uint16_t> f16(10000, 0x3C00);  // 1.0
+  EXPECT_FALSE(FirstNonFinite(v1::F16, f16.data(), 10000).has_value());
+  f16[9000] = 0x7C00;  // +Inf
+  f16[9500] = 0x7E00;  // NaN
+  EXPECT_EQ(FirstNonFinite(v1::F16, f16.data(), 10000), std::optional<int64_t>(9000));
+  EXPECT_FALSE(FirstNonFinite(v1::F16, f16.data(), 9000).has_value());
+  std::string bytes(1 + 5000 * 4, '\0');
+  const uint32_t nan = 0x7FC00000u;
+  std::memcpy(&bytes[1 + 4097 * 4], &nan, 4);
+  EXPECT_EQ(FirstNonFinite(v1::F32, bytes.data() + 1, 5000), std::optional<int64_t>(4097));
+  EXPECT_FALSE(FirstNonFinite(v1::I32, bytes.data() + 1, 5000).has_value());
+}
+
+TEST_F(LmHeadUpdatesTest, NonFiniteWeightsAreRefusedAtCommitNamingTheFirst) {
+  // F32 (the fixture's head) and a BF16 head: NaN, +Inf and -Inf anywhere
+  // refuse the commit, naming row and column; the head keeps its version.
+  LmHeads bf16_heads{LmHeads::Options{}};
+  LmHeadVersion first;
+  first.head = "default";
+  first.version = "initial";
+  first.source.file = store_ + "/start-bf16.safetensors";
+  first.source.tensor = "lm_head.weight";
+  first.source.dtype = v1::BF16;
+  first.source.vocab_size = kV;
+  first.source.hidden_size = kH;
+  ASSERT_TRUE(bf16_heads.Add(first).ok());
+  struct Case {
+    DType dtype;
+    int64_t row, column;
+    uint32_t bits;  // of the bad element, in the dtype's width
+    const char* says;
+  };
+  const Case cases[] = {
+      {v1::F32, 5, 2, 0x7FC00000u, "NaN"},
+      {v1::F32, 0, 0, 0x7F800000u, "+Inf"},
+      {v1::F32, kV - 1, kH - 1, 0xFF800000u, "-Inf"},
+      {v1::BF16, 7, 1, 0x7FC1u, "NaN"},
+      {v1::BF16, kV - 1, 3, 0x7F80u, "+Inf"},
+      {v1::BF16, 0, 0, 0xFF80u, "-Inf"},
+  };
+  int n = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(DTypeName(c.dtype)) + " " + c.says);
+    LmHeads& heads = c.dtype == v1::BF16 ? bf16_heads : heads_;
+    auto updates = Make(nullptr, {}, &heads);
+    const std::string before = heads.Bind("default", "").value()->version;
+    v1::BeginLmHeadUpdateRequest b = Begin("bad" + std::to_string(n++));
+    b.set_dtype(c.dtype);
+    auto opened = updates->Begin(b);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    const size_t elem = DTypeSize(c.dtype);
+    std::string rows(static_cast<size_t>(kV * kH) * elem, '\0');               // zeros: finite
+    for (size_t i = 0; i < rows.size(); i += elem) rows[i + elem - 1] = 0x3f;  // ~1.0-ish, finite
+    const size_t at = static_cast<size_t>(c.row * kH + c.column) * elem;
+    std::memcpy(rows.data() + at, &c.bits, elem);  // little endian: the low bytes
+    ASSERT_TRUE(updates->PutRows(opened->update_id(), 0, kV, c.dtype, kH, *MemorySource(rows)).ok());
+    const auto committed = updates->Commit(opened->update_id());
+    EXPECT_EQ(committed.status().code(), absl::StatusCode::kInvalidArgument) << committed.status();
+    EXPECT_NE(committed.status().message().find("row " + std::to_string(c.row) + ", column " +
+                                                std::to_string(c.column) + " of the weight is " + c.says),
+              std::string::npos)
+        << committed.status();
+    EXPECT_EQ(heads.Bind("default", "").value()->version, before);
+    // The same rows made finite commit.
+    std::memset(rows.data() + at, 0, elem);
+    v1::BeginLmHeadUpdateRequest good = Begin("good" + std::to_string(n));
+    good.set_dtype(c.dtype);
+    auto again = updates->Begin(good);
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_TRUE(updates->PutRows(again->update_id(), 0, kV, c.dtype, kH, *MemorySource(rows)).ok());
+    EXPECT_TRUE(updates->Commit(again->update_id()).ok());
+  }
 }
 
 namespace {
