@@ -112,9 +112,11 @@ absl::StatusOr<OpenedFile> OpenBeneathWith(int root_fd, const std::string& path,
   long fd = -1;
   errno = ENOSYS;
   if (!walk) {
-    do {
+    // EAGAIN: a rename raced the lookup (retried a bounded number of times).
+    for (int tries = 0; tries < 64; ++tries) {
       fd = syscall(SYS_openat2, root_fd, path.c_str(), &how, sizeof(how));
-    } while (fd < 0 && (errno == EINTR || errno == EAGAIN));  // EAGAIN: a rename raced the lookup
+      if (fd >= 0 || (errno != EINTR && errno != EAGAIN)) break;
+    }
   }
   if (fd < 0 && errno == ENOSYS) fd = WalkBeneath(root_fd, parts);
   if (fd < 0) return OpenError(errno, field, path);
