@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string_view>
@@ -15,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/confined_file.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -32,24 +34,36 @@ bool Exists(const fs::path& p) {
   return fs::exists(p, ec);
 }
 
-// PATH as a file: a directory becomes its index, else its model.safetensors.
-absl::StatusOr<std::string> CheckpointFile(const std::string& path) {
-  if (!Exists(path)) return absl::NotFoundError(absl::StrCat("lm_head: no such file or directory: ", path));
-  std::error_code ec;
-  if (!fs::is_directory(path, ec)) return path;
-  for (const char* name : {kIndexFile, kSingleFile})
-    if (Exists(fs::path(path) / name)) return (fs::path(path) / name).string();
+constexpr uint64_t kMaxJsonBytes = uint64_t{64} << 20;  // an index or config.json larger is refused
+
+// `dir`/`name` as the opener names files ("" + name: name).
+std::string Join(const std::string& dir, const std::string& name) {
+  return dir.empty() ? name : (fs::path(dir) / name).string();
+}
+
+// PATH as an opened file: a directory becomes its index, else its
+// model.safetensors. `*file` is the name of the file opened.
+absl::StatusOr<OpenedFile> CheckpointFile(const LmHeadOpener& open, const std::string& path, bool* is_dir,
+                                          std::string* file) {
+  LOGPROB_ASSIGN_OR_RETURN(OpenedFile top, open(path, /*dir_ok=*/true));
+  *is_dir = top.is_dir;
+  *file = path;
+  if (!top.is_dir) return top;
+  for (const char* name : {kIndexFile, kSingleFile}) {
+    absl::StatusOr<OpenedFile> f = open(Join(path, name), /*dir_ok=*/false);
+    if (f.ok() || f.status().code() != absl::StatusCode::kNotFound) {
+      *file = Join(path, name);
+      return f;
+    }
+  }
   return absl::NotFoundError(
       absl::StrCat("lm_head: directory ", path, " holds neither ", kIndexFile, " nor ", kSingleFile));
 }
 
-// The "weight_map" object of a sharded checkpoint's index file.
-absl::StatusOr<nlohmann::json> ReadWeightMap(const std::string& index) {
-  std::ifstream in(index, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", index));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+// The "weight_map" object of a sharded checkpoint's index file `fd`.
+absl::StatusOr<nlohmann::json> ReadWeightMap(int fd, const std::string& index) {
+  LOGPROB_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(fd, index, kMaxJsonBytes));
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
     return absl::InvalidArgumentError(
         absl::StrCat(index, ": not a safetensors index (a JSON object with a \"weight_map\" object)"));
@@ -81,18 +95,25 @@ struct Located {
   std::string file;
   SafetensorsHeader header;
   SafetensorsEntry entry;
+  std::shared_ptr<UniqueFd> fd;  // `file`, open
 };
 
 // Tensor `name` of a sharded checkpoint (`index`'s weight_map), or nullopt
 // when the map does not name it.
-absl::StatusOr<std::optional<Located>> FindSharded(const std::string& index, const nlohmann::json& weight_map,
-                                                   const std::string& name) {
+absl::StatusOr<std::optional<Located>> FindSharded(const LmHeadOpener& open, const std::string& index,
+                                                   const nlohmann::json& weight_map, const std::string& name) {
   auto it = weight_map.find(name);
   if (it == weight_map.end()) return std::optional<Located>();
   if (!it->is_string())
     return absl::InvalidArgumentError(absl::StrCat(index, ": weight_map[\"", name, "\"] is not a file name"));
-  const std::string shard = (fs::path(index).parent_path() / it->get<std::string>()).string();
-  absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(shard);
+  // The shard is opened (confined, for a client's index) before any byte
+  // of it is read, and read only through that descriptor.
+  const std::string shard = Join(fs::path(index).parent_path().string(), it->get<std::string>());
+  absl::StatusOr<OpenedFile> opened = open(shard, /*dir_ok=*/false);
+  if (!opened.ok())
+    return absl::Status(opened.status().code(),
+                        absl::StrCat(index, ": shard of \"", name, "\": ", opened.status().message()));
+  absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(opened->fd.get(), opened->size, shard);
   if (!header.ok())
     return absl::Status(header.status().code(),
                         absl::StrCat(index, ": shard of \"", name, "\": ", header.status().message()));
@@ -101,7 +122,8 @@ absl::StatusOr<std::optional<Located>> FindSharded(const std::string& index, con
     return absl::NotFoundError(
         absl::StrCat(index, " puts tensor \"", name, "\" in ", shard, ", which has no such tensor"));
   SafetensorsEntry entry = *e;
-  return std::optional<Located>(Located{shard, *std::move(header), std::move(entry)});
+  return std::optional<Located>(
+      Located{shard, *std::move(header), std::move(entry), std::make_shared<UniqueFd>(std::move(opened->fd))});
 }
 
 // The bias of weight tensor `weight`: "X.bias" for "X.weight", and
@@ -116,11 +138,9 @@ std::string BiasName(const std::string& weight) {
 
 // Positioned reads of [offset, offset + size) of `file` into `out`; `what`
 // names the range in errors.
-absl::Status ReadRange(const std::string& file, uint64_t offset, uint64_t size, void* out, const std::string& what) {
+absl::Status ReadRange(int fd, const std::string& file, uint64_t offset, uint64_t size, void* out,
+                       const std::string& what) {
   if (size == 0) return absl::OkStatus();
-  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return absl::NotFoundError(absl::StrCat("cannot open ", file, ": ", std::generic_category().message(errno)));
   absl::Status status;
   for (uint64_t done = 0; done < size;) {
     const ssize_t n = ::pread(fd, static_cast<char*>(out) + done, size - done, static_cast<off_t>(offset + done));
@@ -133,7 +153,6 @@ absl::Status ReadRange(const std::string& file, uint64_t offset, uint64_t size, 
     }
     done += static_cast<uint64_t>(n);
   }
-  ::close(fd);
   return status;
 }
 
@@ -146,25 +165,38 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg, const LmHeadS
     tensor = arg.substr(colon + 1);
     if (tensor.empty()) return absl::InvalidArgumentError(absl::StrCat("lm_head: empty tensor name in \"", arg, "\""));
   }
-  LOGPROB_ASSIGN_OR_RETURN(const std::string file, CheckpointFile(path));
+  LOGPROB_ASSIGN_OR_RETURN(OpenedLmHead opened, ResolveLmHeadWith(OpenTrusted, path, tensor, flags));
+  return std::move(opened.source);
+}
+
+absl::StatusOr<OpenedLmHead> ResolveLmHeadWith(const LmHeadOpener& open, const std::string& path,
+                                               const std::string& tensor, const LmHeadScalarFlags& flags) {
+  bool is_dir = false;
+  std::string file;
+  LOGPROB_ASSIGN_OR_RETURN(OpenedFile top, CheckpointFile(open, path, &is_dir, &file));
+  std::shared_ptr<UniqueFd> weight_fd;
   const std::vector<std::string> names =
       tensor.empty() ? std::vector<std::string>{kLmHeadTensor, kTiedEmbeddingTensor} : std::vector<std::string>{tensor};
 
   LmHeadSource source;
   bool found = false;
   std::optional<nlohmann::json> weight_map;     // of a sharded checkpoint
+  std::optional<SafetensorsHeader> single;      // of a single file
   if (fs::path(file).extension() == ".json") {  // sharded: find the shard, then the tensor in it
-    LOGPROB_ASSIGN_OR_RETURN(weight_map, ReadWeightMap(file));
+    LOGPROB_ASSIGN_OR_RETURN(weight_map, ReadWeightMap(top.fd.get(), file));
     for (const std::string& name : names) {
-      absl::StatusOr<std::optional<Located>> located = FindSharded(file, *weight_map, name);
+      absl::StatusOr<std::optional<Located>> located = FindSharded(open, file, *weight_map, name);
       if (!located.ok()) return located.status();
       if (!located->has_value()) continue;
       LOGPROB_ASSIGN_OR_RETURN(source, FromEntry((*located)->file, (*located)->header, (*located)->entry));
+      weight_fd = (*located)->fd;
       found = true;
       break;
     }
   } else {
-    LOGPROB_ASSIGN_OR_RETURN(const SafetensorsHeader header, ReadSafetensorsHeader(file));
+    LOGPROB_ASSIGN_OR_RETURN(single, ReadSafetensorsHeader(top.fd.get(), top.size, file));
+    const SafetensorsHeader& header = *single;
+    weight_fd = std::make_shared<UniqueFd>(std::move(top.fd));
     for (const std::string& name : names)
       if (const SafetensorsEntry* e = header.Find(name)) {
         LOGPROB_ASSIGN_OR_RETURN(source, FromEntry(file, header, *e));
@@ -179,10 +211,9 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg, const LmHeadS
   const std::string bias_name = BiasName(source.tensor);
   std::optional<Located> bias;
   if (weight_map.has_value()) {
-    LOGPROB_ASSIGN_OR_RETURN(bias, FindSharded(file, *weight_map, bias_name));
-  } else {
-    LOGPROB_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(source.file));
-    if (const SafetensorsEntry* e = header.Find(bias_name)) bias = Located{source.file, header, *e};
+    LOGPROB_ASSIGN_OR_RETURN(bias, FindSharded(open, file, *weight_map, bias_name));
+  } else if (const SafetensorsEntry* e = single->Find(bias_name)) {
+    bias = Located{source.file, *single, *e, weight_fd};
   }
   if (bias.has_value()) {
     const SafetensorsEntry& e = bias->entry;
@@ -201,14 +232,14 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg, const LmHeadS
   }
 
   // The scalars: config.json of a checkpoint directory, else the flags.
-  std::error_code ec;
-  const fs::path config = fs::path(path) / kModelConfigFile;
-  if (fs::is_directory(path, ec) && Exists(config)) {
-    std::ifstream in(config, std::ios::binary);
-    if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", config.string()));
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    LOGPROB_ASSIGN_OR_RETURN(const LmHeadScalars scalars, LmHeadScalarsFromConfig(ss.str(), config.string()));
+  const fs::path config = Join(path, kModelConfigFile);
+  absl::StatusOr<OpenedFile> config_file =
+      is_dir ? open(config.string(), /*dir_ok=*/false) : absl::NotFoundError("not a directory");
+  if (!config_file.ok() && config_file.status().code() != absl::StatusCode::kNotFound) return config_file.status();
+  if (config_file.ok()) {
+    LOGPROB_ASSIGN_OR_RETURN(const std::string text,
+                             ReadWholeFile(config_file->fd.get(), config.string(), kMaxJsonBytes));
+    LOGPROB_ASSIGN_OR_RETURN(const LmHeadScalars scalars, LmHeadScalarsFromConfig(text, config.string()));
     if (scalars.bias_required && !source.transform.has_bias)
       return absl::InvalidArgumentError(
           absl::StrCat(config.string(), " says lm_head_bias: true but ", file, " holds no tensor \"", bias_name, "\""));
@@ -237,15 +268,23 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg, const LmHeadS
   if (!(source.transform.softcap >= 0) || !std::isfinite(source.transform.softcap))
     return absl::InvalidArgumentError(
         absl::StrCat("--lm-head-softcap ", source.transform.softcap, ": a finite number >= 0 is needed (0: none)"));
-  return source;
+  return OpenedLmHead{std::move(source), std::move(weight_fd)};
 }
 
 absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out) {
   if (row_begin < 0 || row_begin > row_end || row_end > source.vocab_size)
     return absl::InvalidArgumentError(absl::StrCat("lm_head rows [", row_begin, ", ", row_end, ") are outside [0, ",
                                                    source.vocab_size, ") of ", source.file));
+  LOGPROB_ASSIGN_OR_RETURN(const OpenedFile f, OpenTrusted(source.file));
+  return ReadLmHeadRows(f.fd.get(), source, row_begin, row_end, out);
+}
+
+absl::Status ReadLmHeadRows(int fd, const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out) {
+  if (row_begin < 0 || row_begin > row_end || row_end > source.vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat("lm_head rows [", row_begin, ", ", row_end, ") are outside [0, ",
+                                                   source.vocab_size, ") of ", source.file));
   const uint64_t row_bytes = static_cast<uint64_t>(source.hidden_size) * DTypeSize(source.dtype);
-  return ReadRange(source.file, source.data_offset + static_cast<uint64_t>(row_begin) * row_bytes,
+  return ReadRange(fd, source.file, source.data_offset + static_cast<uint64_t>(row_begin) * row_bytes,
                    static_cast<uint64_t>(row_end - row_begin) * row_bytes, out,
                    absl::StrCat("lm_head rows [", row_begin, ", ", row_end, ")"));
 }
@@ -258,9 +297,10 @@ absl::Status ReadLmHeadBias(const LmHeadSource& source, int64_t row_begin, int64
                                                    ") are outside [0, ", source.vocab_size, ") of ", source.bias.file));
   const size_t n = static_cast<size_t>(row_end - row_begin), elem = DTypeSize(source.bias.dtype);
   std::vector<char> raw(n * elem);
-  LOGPROB_RETURN_IF_ERROR(ReadRange(source.bias.file, source.bias.data_offset + static_cast<uint64_t>(row_begin) * elem,
-                                    raw.size(), raw.data(),
-                                    absl::StrCat(source.bias.tensor, " elements [", row_begin, ", ", row_end, ")")));
+  LOGPROB_ASSIGN_OR_RETURN(const OpenedFile f, OpenTrusted(source.bias.file));
+  LOGPROB_RETURN_IF_ERROR(ReadRange(
+      f.fd.get(), source.bias.file, source.bias.data_offset + static_cast<uint64_t>(row_begin) * elem, raw.size(),
+      raw.data(), absl::StrCat(source.bias.tensor, " elements [", row_begin, ", ", row_end, ")")));
   ToFloat(source.bias.dtype, raw.data(), n, out);
   return absl::OkStatus();
 }

@@ -9,11 +9,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/confined_file.h"
 #include "common/dtype.h"
 #include "common/lm_head_transform.h"
 
@@ -92,14 +95,39 @@ struct LmHeadSource {
 /// BF16 or F16).
 absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg, const LmHeadScalarFlags& flags = {});
 
+/// How a head's files are opened: `path` as the resolver names it (the
+/// argument's PATH, or PATH joined with an index's shard name or a
+/// directory's file name); a directory only when `dir_ok`. OpenTrusted
+/// for an operator's --lm-head; OpenBeneath a directory for a client's.
+using LmHeadOpener = std::function<absl::StatusOr<OpenedFile>(const std::string& path, bool dir_ok)>;
+
+/// A resolved head with the file holding its weight still open.
+struct OpenedLmHead {
+  LmHeadSource source;
+  std::shared_ptr<UniqueFd> weight;  // source.file, opened once: read it through this
+};
+
+/// ResolveLmHead of PATH `path` and TENSOR `tensor` ("" : the default
+/// names), every file (index, shards, config.json) opened with `open`
+/// exactly once and read only through the descriptor it gave: a shard is
+/// opened by `open` before any byte of it is read. Errors as ResolveLmHead
+/// and `open`'s. Thread-safe when `open` is.
+absl::StatusOr<OpenedLmHead> ResolveLmHeadWith(const LmHeadOpener& open, const std::string& path,
+                                               const std::string& tensor, const LmHeadScalarFlags& flags = {});
+
 /// Reads rows [row_begin, row_end) of the weight into `out`
 /// ((row_end - row_begin) * H elements of source.dtype, row-major) with
 /// positioned reads of the file: memory is only the slice.
 /// An empty range (row_begin == row_end) reads nothing and succeeds.
 /// INVALID_ARGUMENT for a range outside [0, V] or with row_begin >
-/// row_end; NOT_FOUND when the file cannot be opened; DATA_LOSS when it is
+/// row_end; NOT_FOUND when the file cannot be opened (opened once,
+/// non-blocking: FAILED_PRECONDITION when it is not a regular file); DATA_LOSS when it is
 /// shorter than the header says or a read fails.
 absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out);
+
+/// ReadLmHeadRows through `fd`, the open source.file (OpenedLmHead::weight):
+/// nothing is opened by name. Thread-safe.
+absl::Status ReadLmHeadRows(int fd, const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out);
 
 /// Reads elements [row_begin, row_end) of the head's bias (source.bias),
 /// widened to f32, into `out` (row_end - row_begin floats). Errors as

@@ -11,7 +11,9 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/confined_file.h"
 #include "common/dtype.h"
+#include "common/positioned_io.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -30,9 +32,13 @@ absl::StatusOr<uint64_t> HeaderLength(const char* prefix, uint64_t file_size) {
   if (file_size < 8) return Bad(absl::StrCat("file is ", file_size, " bytes, shorter than the 8-byte header length"));
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(prefix[i]);
-  if (n > kMaxHeaderBytes) return Bad(absl::StrCat("header length ", n, " exceeds ", kMaxHeaderBytes));
+  // The length read is not printed: the file may be anything (its bytes
+  // are not the caller's to see).
+  if (n > kMaxHeaderBytes)
+    return Bad(absl::StrCat("not a safetensors file (its header length exceeds ", kMaxHeaderBytes, ")"));
   if (8 + n > file_size)
-    return Bad(absl::StrCat("header length ", n, " runs past the end of the file (", file_size, " bytes)"));
+    return Bad(
+        absl::StrCat("not a safetensors file (its header runs past the end of the file, ", file_size, " bytes)"));
   return n;
 }
 
@@ -209,17 +215,20 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
 }
 
 absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  absl::StatusOr<OpenedFile> f = OpenTrusted(path);
+  if (!f.ok()) return f.status();
+  return ReadSafetensorsHeader(f->fd.get(), f->size, path);
+}
+
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t size, const std::string& name) {
   char prefix[8] = {};
-  in.seekg(0).read(prefix, std::min<uint64_t>(8, size));  // a failure here fails the next read
+  if (!PreadAll(fd, prefix, std::min<uint64_t>(8, size), 0))
+    return absl::DataLossError(absl::StrCat("cannot read the header of ", name));
   absl::StatusOr<uint64_t> n = HeaderLength(prefix, size);
-  if (!n.ok()) return InFile(path, absl::StatusOr<SafetensorsHeader>(n.status()));
+  if (!n.ok()) return InFile(name, absl::StatusOr<SafetensorsHeader>(n.status()));
   std::string json(*n, '\0');
-  if (!in.read(json.data(), static_cast<std::streamsize>(*n)))
-    return absl::DataLossError(absl::StrCat("cannot read the header of ", path));
-  return InFile(path, ParseHeader(json.data(), *n, size - 8 - *n));
+  if (!PreadAll(fd, json.data(), *n, 8)) return absl::DataLossError(absl::StrCat("cannot read the header of ", name));
+  return InFile(name, ParseHeader(json.data(), *n, size - 8 - *n));
 }
 
 std::string SerializeSafetensors(const std::vector<v1::Tensor>& tensors,

@@ -91,6 +91,12 @@ struct SafetensorsHeader {
 /// DATA_LOSS when reading fails.
 absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path);
 
+/// ReadSafetensorsHeader of the open regular file `fd` (`size` bytes), read
+/// only through it (positioned reads); errors name it `name`. A malformed
+/// file's error never prints a number read from it (its header length):
+/// it may be any file, and its bytes are not the caller's to see.
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t size, const std::string& name);
+
 /// Serialises tensors and metadata to safetensors bytes.
 std::string SerializeSafetensors(const std::vector<v1::Tensor>& tensors,
                                  const std::map<std::string, std::string>& metadata = {});

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <future>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <system_error>
 #include <thread>
@@ -22,7 +23,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/confined_file.h"
 #include "common/error_reason.h"
+#include "common/finite_check.h"
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
 #include "common/partition.h"
@@ -70,14 +73,14 @@ std::string StoreFileHeader(DType dtype, int64_t V, int64_t H) {
 /// Rows of a checkpoint's lm_head tensor, read with positioned reads.
 class CheckpointSource final : public InputSource {
  public:
-  explicit CheckpointSource(LmHeadSource source)
-      : InputSource(InputKind::kFile,
-                    source.vocab_size * source.hidden_size * static_cast<int64_t>(DTypeSize(source.dtype))),
-        source_(std::move(source)),
-        fd_(open(source_.file.c_str(), O_RDONLY | O_CLOEXEC)) {}
-  ~CheckpointSource() override {
-    if (fd_ >= 0) close(fd_);
-  }
+  /// `opened`: the checkpoint resolved, its weight file held open (read
+  /// only through that descriptor, never reopened by name).
+  explicit CheckpointSource(OpenedLmHead opened)
+      : InputSource(InputKind::kFile, opened.source.vocab_size * opened.source.hidden_size *
+                                          static_cast<int64_t>(DTypeSize(opened.source.dtype))),
+        source_(std::move(opened.source)),
+        weight_(std::move(opened.weight)),
+        fd_(weight_ ? weight_->get() : -1) {}
   bool Read(int64_t offset, size_t n, char* dst) const override {
     if (fd_ >= 0 && PreadAll(fd_, dst, n, source_.data_offset + static_cast<uint64_t>(offset))) return true;
     std::memset(dst, 0, n);
@@ -94,33 +97,28 @@ class CheckpointSource final : public InputSource {
 
  private:
   const LmHeadSource source_;
+  const std::shared_ptr<UniqueFd> weight_;
   const int fd_;
   mutable absl::Mutex mu_;
   mutable absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
-/// `path` (relative, under `root`) resolved with every symlink; PERMISSION_DENIED
-/// when it is absolute, has "..", or leads outside `root`.
-absl::StatusOr<std::string> Confined(const std::string& root, const std::string& path, const std::string& field) {
-  if (root.empty())
-    return absl::PermissionDeniedError(
-        absl::StrCat(field, ": file sources are off on this server (start it with --lm-head-update-dir DIR)"));
-  const fs::path rel(path);
-  if (path.empty() || rel.is_absolute())
-    return absl::PermissionDeniedError(
-        absl::StrCat(field, " \"", path, "\": give a path relative to the server's --lm-head-update-dir"));
-  for (const auto& part : rel)
-    if (part == "..") return absl::PermissionDeniedError(absl::StrCat(field, " \"", path, "\": \"..\" is not allowed"));
-  std::error_code ec;
-  const fs::path base = fs::canonical(root, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("--lm-head-update-dir ", root, ": ", ec.message()));
-  const fs::path real = fs::canonical(base / rel, ec);
-  if (ec) return absl::NotFoundError(absl::StrCat(field, " \"", path, "\": ", ec.message()));
-  const std::string b = base.string() + "/", r = real.string();
-  if (r.compare(0, b.size(), b) != 0)
-    return absl::PermissionDeniedError(
-        absl::StrCat(field, " \"", path, "\" leads outside --lm-head-update-dir (through a symlink)"));
-  return r;
+/// OK when the `source.vocab_size` rows of the staged file mapped at `map`
+/// (the weight at source.data_offset; null: nothing to scan) are all
+/// finite; else INVALID_ARGUMENT naming update `id` and the first NaN or
+/// infinity by row and column (FirstNonFinite: one vectorised pass over
+/// the mapping, about memory bandwidth, while the workers load).
+absl::Status CheckFinite(const char* map, const LmHeadSource& source, const std::string& id) {
+  if (map == nullptr) return absl::OkStatus();
+  const char* rows = map + source.data_offset;
+  const std::optional<int64_t> bad = FirstNonFinite(source.dtype, rows, source.vocab_size * source.hidden_size);
+  if (!bad.has_value()) return absl::OkStatus();
+  float value = 0;
+  ToFloat(source.dtype, rows + *bad * static_cast<int64_t>(DTypeSize(source.dtype)), 1, &value);
+  return absl::InvalidArgumentError(absl::StrCat("lm_head update ", id, ": row ", *bad / source.hidden_size,
+                                                 ", column ", *bad % source.hidden_size, " of the weight is ",
+                                                 std::isnan(value) ? "NaN" : (value > 0 ? "+Inf" : "-Inf"),
+                                                 "; weights must be finite; nothing changed"));
 }
 
 /// A bias file of the store: `<stem>.bias.safetensors` beside a version's
@@ -549,15 +547,24 @@ absl::Status LmHeadUpdates::Stage(const std::shared_ptr<Update>& u, int64_t row_
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, const std::string& path,
                                                         const std::string& tensor) {
-  LOGPROB_ASSIGN_OR_RETURN(const std::string real, Confined(options_.update_dir, path, "file.path"));
-  LOGPROB_ASSIGN_OR_RETURN(LmHeadSource src, ResolveLmHead(tensor.empty() ? real : real + ":" + tensor));
-  // A sharded index may name shards anywhere: they must be inside too.
-  const std::string base = fs::canonical(options_.update_dir).string() + "/";
-  std::error_code ec;
-  const std::string shard = fs::canonical(src.file, ec).string();
-  if (ec || shard.compare(0, base.size(), base) != 0)
+  // Every file (the checkpoint, an index's shards, config.json) is opened
+  // once beneath update_dir, no symlink followed, and read only through
+  // that descriptor (common/confined_file.h): nothing outside it is read.
+  if (options_.update_dir.empty())
     return absl::PermissionDeniedError(
-        absl::StrCat("file.path \"", path, "\": its tensor lies in ", src.file, ", outside --lm-head-update-dir"));
+        "file.path: file sources are off on this server (start it with --lm-head-update-dir DIR)");
+  const UniqueFd root(open(options_.update_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!root.valid())
+    return absl::FailedPreconditionError(
+        absl::StrCat("--lm-head-update-dir ", options_.update_dir, ": ", strerror(errno)));
+  const LmHeadOpener beneath = [&root](const std::string& p, bool dir_ok) {
+    return OpenBeneath(root.get(), p, "file.path", dir_ok);
+  };
+  LOGPROB_ASSIGN_OR_RETURN(OpenedLmHead opened, ResolveLmHeadWith(beneath, path, tensor));
+  const LmHeadSource& src = opened.source;
+  // Names are relative to update_dir; the bias as the update names its own.
+  LmHeadBiasSource src_bias = src.bias;
+  if (!src_bias.file.empty()) src_bias.file = (fs::path(options_.update_dir) / src_bias.file).string();
   int64_t V = 0, H = 0;
   DType dtype = v1::DTYPE_UNSPECIFIED;
   LmHeadTransform transform;
@@ -576,7 +583,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, c
   // Rows replace the weight only; the update's transform was fixed at Begin
   // (the head's, or what Begin gave). A checkpoint that says otherwise
   // would be scored wrong: refused.
-  if (src.transform.has_bias && !bias_given && !(src.bias == bias))
+  if (src.transform.has_bias && !bias_given && !(src_bias == bias))
     return absl::InvalidArgumentError(absl::StrCat(
         "file.path \"", path, "\": the checkpoint has ", src.bias.tensor,
         ", but rows replace the weight only and the update keeps the head's bias (",
@@ -591,7 +598,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, c
     return absl::InvalidArgumentError(absl::StrCat("file.path \"", path, "\": ", src.tensor, " is [", src.vocab_size,
                                                    ", ", src.hidden_size, "] ", DTypeName(src.dtype),
                                                    "; the update is [", V, ", ", H, "] ", DTypeName(dtype)));
-  const CheckpointSource source(src);
+  const CheckpointSource source(std::move(opened));
   return PutRows(id, 0, V, dtype, H, source);
 }
 
@@ -632,8 +639,11 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   // commit waits for only to check an announced one.
   std::future<absl::StatusOr<int64_t>> loading =
       std::async(std::launch::async, [this, load = u->next.Load()] { return workers_.load(load); });
+  // NaN and infinite weights are refused (scanned while the workers load).
+  const absl::Status finite = CheckFinite(u->map.get(), u->next.source, id);
   const absl::StatusOr<std::string> sha = u->expected_sha256.empty() ? std::string() : u->hasher->Finish();
   absl::StatusOr<int64_t> generation = loading.get();
+  if (!finite.ok()) return fail("non_finite", finite);
   if (!sha.ok()) return fail("aborted", sha.status());
   if (!u->expected_sha256.empty() && u->expected_sha256 != *sha)
     return fail("sha256_mismatch", absl::InvalidArgumentError(absl::StrCat(

@@ -65,7 +65,7 @@ struct LmHeadWorkers {
 /// Outcome counters and timings of updates, for metrics. May be empty.
 struct LmHeadUpdateObservers {
   /// An update ended: head, "committed" or the abort reason's class
-  /// ("aborted", "timeout", "worker_error", "sha256_mismatch", "rows_missing"),
+  /// ("aborted", "timeout", "worker_error", "sha256_mismatch", "rows_missing", "non_finite"),
   /// seconds from Begin to the end, bytes received.
   std::function<void(const std::string& head, const std::string& outcome, double seconds, int64_t bytes)> on_end;
   /// Rows' bytes received (PutRows).
@@ -139,10 +139,16 @@ class LmHeadUpdates {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   /// PutRows of every row of a safetensors checkpoint under update_dir
-  /// (`path` relative to it, "PATH[:TENSOR]" semantics of ResolveLmHead
-  /// with `tensor`). PERMISSION_DENIED for a path that leads outside
-  /// update_dir (.., symlinks) or when no update_dir is set; the
-  /// checkpoint's shape and dtype must be the update's.
+  /// (`path` relative to it, PATH and TENSOR of ResolveLmHead with
+  /// `tensor`). Every file (checkpoint, index, shards, config.json) is
+  /// opened once beneath update_dir without following symlinks at any
+  /// component, non-blocking, checked to be a regular file, and read only
+  /// through that descriptor (OpenBeneath). PERMISSION_DENIED for an
+  /// absolute path, "..", a symlink, or when no update_dir is set
+  /// (decided without looking outside update_dir); NOT_FOUND for no such
+  /// file beneath it; FAILED_PRECONDITION for a FIFO, device or other
+  /// non-regular file; the checkpoint's shape and dtype must be the
+  /// update's. Errors name the path the client gave, never bytes read.
   absl::StatusOr<v1::LmHeadUpdate> PutFile(const std::string& id, const std::string& path, const std::string& tensor)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -151,7 +157,9 @@ class LmHeadUpdates {
   /// (workers drop what they loaded) and the current version keeps
   /// serving. FAILED_PRECONDITION for rows missing (naming the first
   /// range) or when the pool changed while loading; INVALID_ARGUMENT for a
-  /// sha256 mismatch (both named); UNAVAILABLE / the worker's error when a
+  /// sha256 mismatch (both named) or a NaN or infinite weight (the first
+  /// one's row and column; scanned in the staged file's mapping while the
+  /// workers load, outcome "non_finite"); UNAVAILABLE / the worker's error when a
   /// worker fails to load.
   absl::StatusOr<v1::LmHeadInfo> Commit(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/error_reason.h"
+#include "common/untrusted_text.h"
 
 namespace logprob {
 namespace {
@@ -63,14 +64,15 @@ internal::v1::LmHeadLoad LmHeadVersion::Load() const {
 absl::Status CheckLmHeadName(const std::string& name, const std::string& field) {
   if (name.empty() || name.size() > 64 || !AllOf(name, "._-"))
     return absl::InvalidArgumentError(
-        absl::StrCat(field, " \"", name, "\": an lm_head name is 1..64 characters of [A-Za-z0-9._-]"));
+        absl::StrCat(field, " \"", Printable(name, 64), "\": an lm_head name is 1..64 characters of [A-Za-z0-9._-]"));
   return absl::OkStatus();
 }
 
 absl::Status CheckLmHeadVersionName(const std::string& version, const std::string& field) {
   if (version.empty() || version.size() > 128 || !AllOf(version, "._:+-"))
     return absl::InvalidArgumentError(
-        absl::StrCat(field, " \"", version, "\": an lm_head version is 1..128 characters of [A-Za-z0-9._:+-]"));
+        absl::StrCat(field, " \"", Printable(version, 128),
+                     "\": an lm_head version is 1..128 characters of [A-Za-z0-9._:+-]"));
   return absl::OkStatus();
 }
 

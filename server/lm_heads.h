@@ -55,10 +55,14 @@ struct LmHeadVersion {
 /// A digest already known, as LmHeadVersion::sha256.
 std::shared_future<std::string> KnownSha256(std::string hex);
 
-/// Checks a head name: 1..64 characters of [A-Za-z0-9._-].
+/// Checks a head name: 1..64 characters of [A-Za-z0-9._-] (in updates and
+/// in scoring requests). INVALID_ARGUMENT naming `field`, the name echoed
+/// escaped and cut (Printable).
 /// INVALID_ARGUMENT naming `field` otherwise.
 absl::Status CheckLmHeadName(const std::string& name, const std::string& field);
-/// Checks a version name: 1..128 characters of [A-Za-z0-9._:+-].
+/// Checks a version name: 1..128 characters of [A-Za-z0-9._:+-] (in
+/// updates and in scoring requests' head_version). INVALID_ARGUMENT as
+/// CheckLmHeadName.
 absl::Status CheckLmHeadVersionName(const std::string& version, const std::string& field);
 
 /// The heads of a server and their servable versions. A head has a current

@@ -109,6 +109,9 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
   LmHeadShape shape;
   if (!hidden && (!req.head().empty() || !req.head_version().empty()))
     return absl::InvalidArgumentError("head / head_version select an lm_head for hidden_states; this request has none");
+  // One rule for names, in updates and requests: nothing else is looked up or echoed.
+  if (!req.head().empty()) LOGPROB_RETURN_IF_ERROR(CheckLmHeadName(req.head(), "head"));
+  if (!req.head_version().empty()) LOGPROB_RETURN_IF_ERROR(CheckLmHeadVersionName(req.head_version(), "head_version"));
   if (hidden && config_.lm_heads && !config_.lm_heads->empty()) {
     LOGPROB_ASSIGN_OR_RETURN(head, config_.lm_heads->Bind(req.head(), req.head_version()));
     shape = {head->source.vocab_size, head->source.hidden_size};

@@ -21,6 +21,7 @@
 #include "common/log_line.h"
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
+#include "common/untrusted_text.h"
 #include "server/call_ended.h"
 #include "server/cuda_ipc_inputs.h"
 #include "server/request_inputs.h"
@@ -82,10 +83,11 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::Observe(
     metrics_->ObserveRequestBytes(method, static_cast<int64_t>(req.ByteSizeLong()));
     metrics_->ObserveRequest(method, code, secs, tokens);
   }
-  LogLine() << "request id=" << req.id() << " method=" << method << " tokens=" << tokens << " seconds=" << secs
-            << " queue_seconds=" << stats.queue_seconds << " batch_requests=" << stats.batch_requests
+  LogLine() << "request id=" << Printable(req.id()) << " method=" << method << " tokens=" << tokens
+            << " seconds=" << secs << " queue_seconds=" << stats.queue_seconds
+            << " batch_requests=" << stats.batch_requests
             << (stats.receive_seconds > 0 ? " receive_seconds=" + std::to_string(stats.receive_seconds) : "")
-            << " status=" << code << (resp.ok() ? "" : " message=\"" + std::string(resp.status().message()) + "\"");
+            << " status=" << code << (resp.ok() ? "" : " message=\"" + Printable(resp.status().message(), 1024) + "\"");
   return resp;
 }
 
@@ -96,7 +98,7 @@ grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const
     const std::string code = absl::StatusCodeToString(absl::StatusCode::kUnauthenticated);
     if (metrics_) metrics_->ObserveRequest(method, code, 0, 0);
     LogLine() << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
-              << st.error_message() << "\"";
+              << Printable(st.error_message(), 1024) << "\"";
   }
   return st;
 }
@@ -186,8 +188,10 @@ namespace {
 /// Logs and counts (logprob_requests_total) one shared-memory call and returns its gRPC status.
 grpc::Status Logged(Metrics* metrics, const char* method, const std::string& what, const absl::Status& st) {
   if (metrics) metrics->ObserveRequest(method, absl::StatusCodeToString(st.code()), 0, 0);
-  LogLine() << "request method=" << method << " " << what << " status=" << absl::StatusCodeToString(st.code())
-            << (st.ok() ? "" : " message=\"" + std::string(st.message()) + "\"");
+  // `what` and the message hold names a client gave: escaped (no forged lines) and cut.
+  LogLine() << "request method=" << method << " " << Printable(what, 512)
+            << " status=" << absl::StatusCodeToString(st.code())
+            << (st.ok() ? "" : " message=\"" + Printable(st.message(), 1024) + "\"");
   return ToGrpc(st);
 }
 

@@ -9,7 +9,9 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/fs.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,18 +21,24 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "common/confined_file.h"
 #include "common/error_reason.h"
+#include "common/finite_check.h"
 #include "common/lm_head_source.h"
 #include "common/positioned_io.h"
+#include "common/safetensors.h"
 #include "common/sha256.h"
 #include "server/cuda_ipc_inputs.h"
 #include "server/input_source.h"
@@ -67,6 +75,7 @@ class LmHeadUpdatesTest : public ::testing::Test {
     LmHeadUpdates::Options o;
     o.allowed = true;
     o.store_dir = store_;
+    o.update_dir = update_dir_;
     o.workers = 2;
     LmHeadWorkers w;
     w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
@@ -103,6 +112,7 @@ class LmHeadUpdatesTest : public ::testing::Test {
   }
 
   std::string store_;
+  std::string update_dir_;  // --lm-head-update-dir of Make's updates ("": none)
   LmHeads heads_{LmHeads::Options{}};
 };
 
@@ -451,7 +461,8 @@ TEST_F(LmHeadUpdatesTest, RowsReadInBlocksOnSeveralThreadsLandExactlyAndAFailedR
   ASSERT_TRUE(opened.ok()) << opened.status();
   std::string rows(static_cast<size_t>(V * H * 4), '\0');
   for (size_t i = 0; i < rows.size(); i += 4) {
-    const uint32_t word = static_cast<uint32_t>(i / 4) * 2654435761u;
+    // Distinct words, finite as floats (bit 30 clear: the exponent is never all ones).
+    const uint32_t word = (static_cast<uint32_t>(i / 4) * 2654435761u) & 0xBFFFFFFFu;
     std::memcpy(rows.data() + i, &word, 4);
   }
 
@@ -584,6 +595,293 @@ TEST_F(LmHeadUpdatesTest, AnUpdateSetsTheTransformOrKeepsTheHeads) {
   refused(bad, "bias");
   EXPECT_EQ(heads.Bind("default", "").value()->version, "v2");
   EXPECT_EQ(bias_files(), 1u);
+}
+
+TEST(FiniteCheck, FindsTheFirstNonFiniteAcrossBlocksAndUnalignedData) {
+  // F16 too, past the first 4096-element block, from an odd address.
+  std::vector<uint16_t> f16(10000, 0x3C00);  // 1.0
+  EXPECT_FALSE(FirstNonFinite(v1::F16, f16.data(), 10000).has_value());
+  f16[9000] = 0x7C00;  // +Inf
+  f16[9500] = 0x7E00;  // NaN
+  EXPECT_EQ(FirstNonFinite(v1::F16, f16.data(), 10000), std::optional<int64_t>(9000));
+  EXPECT_FALSE(FirstNonFinite(v1::F16, f16.data(), 9000).has_value());
+  std::string bytes(1 + 5000 * 4, '\0');
+  const uint32_t nan = 0x7FC00000u;
+  std::memcpy(&bytes[1 + 4097 * 4], &nan, 4);
+  EXPECT_EQ(FirstNonFinite(v1::F32, bytes.data() + 1, 5000), std::optional<int64_t>(4097));
+  EXPECT_FALSE(FirstNonFinite(v1::I32, bytes.data() + 1, 5000).has_value());
+}
+
+TEST_F(LmHeadUpdatesTest, NonFiniteWeightsAreRefusedAtCommitNamingTheFirst) {
+  // F32 (the fixture's head) and a BF16 head: NaN, +Inf and -Inf anywhere
+  // refuse the commit, naming row and column; the head keeps its version.
+  LmHeads bf16_heads{LmHeads::Options{}};
+  LmHeadVersion first;
+  first.head = "default";
+  first.version = "initial";
+  first.source.file = store_ + "/start-bf16.safetensors";
+  first.source.tensor = "lm_head.weight";
+  first.source.dtype = v1::BF16;
+  first.source.vocab_size = kV;
+  first.source.hidden_size = kH;
+  ASSERT_TRUE(bf16_heads.Add(first).ok());
+  struct Case {
+    DType dtype;
+    int64_t row, column;
+    uint32_t bits;  // of the bad element, in the dtype's width
+    const char* says;
+  };
+  const Case cases[] = {
+      {v1::F32, 5, 2, 0x7FC00000u, "NaN"},
+      {v1::F32, 0, 0, 0x7F800000u, "+Inf"},
+      {v1::F32, kV - 1, kH - 1, 0xFF800000u, "-Inf"},
+      {v1::BF16, 7, 1, 0x7FC1u, "NaN"},
+      {v1::BF16, kV - 1, 3, 0x7F80u, "+Inf"},
+      {v1::BF16, 0, 0, 0xFF80u, "-Inf"},
+  };
+  int n = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(DTypeName(c.dtype)) + " " + c.says);
+    LmHeads& heads = c.dtype == v1::BF16 ? bf16_heads : heads_;
+    auto updates = Make(nullptr, {}, &heads);
+    const std::string before = heads.Bind("default", "").value()->version;
+    v1::BeginLmHeadUpdateRequest b = Begin("bad" + std::to_string(n++));
+    b.set_dtype(c.dtype);
+    auto opened = updates->Begin(b);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    const size_t elem = DTypeSize(c.dtype);
+    std::string rows(static_cast<size_t>(kV * kH) * elem, '\0');               // zeros: finite
+    for (size_t i = 0; i < rows.size(); i += elem) rows[i + elem - 1] = 0x3f;  // ~1.0-ish, finite
+    const size_t at = static_cast<size_t>(c.row * kH + c.column) * elem;
+    std::memcpy(rows.data() + at, &c.bits, elem);  // little endian: the low bytes
+    ASSERT_TRUE(updates->PutRows(opened->update_id(), 0, kV, c.dtype, kH, *MemorySource(rows)).ok());
+    const auto committed = updates->Commit(opened->update_id());
+    EXPECT_EQ(committed.status().code(), absl::StatusCode::kInvalidArgument) << committed.status();
+    EXPECT_NE(committed.status().message().find("row " + std::to_string(c.row) + ", column " +
+                                                std::to_string(c.column) + " of the weight is " + c.says),
+              std::string::npos)
+        << committed.status();
+    EXPECT_EQ(heads.Bind("default", "").value()->version, before);
+    // The same rows made finite commit.
+    std::memset(rows.data() + at, 0, elem);
+    v1::BeginLmHeadUpdateRequest good = Begin("good" + std::to_string(n));
+    good.set_dtype(c.dtype);
+    auto again = updates->Begin(good);
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_TRUE(updates->PutRows(again->update_id(), 0, kV, c.dtype, kH, *MemorySource(rows)).ok());
+    EXPECT_TRUE(updates->Commit(again->update_id()).ok());
+  }
+}
+
+namespace {
+
+/// A [kV, kH] F32 head "lm_head.weight" with every element `value`.
+void WriteHead(const std::string& path, float value) {
+  v1::Tensor t;
+  t.set_name("lm_head.weight");
+  t.set_dtype(v1::F32);
+  t.add_shape(kV);
+  t.add_shape(kH);
+  const std::vector<float> v(static_cast<size_t>(kV * kH), value);
+  t.set_data(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+  ASSERT_TRUE(WriteSafetensors(path, {t}).ok()) << path;
+}
+
+void WriteText(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+
+/// Threads of this process (/proc/self/task).
+size_t Threads() {
+  return static_cast<size_t>(std::distance(std::filesystem::directory_iterator("/proc/self/task"), {}));
+}
+
+}  // namespace
+
+/// File sources are confined to --lm-head-update-dir (issue 32 findings
+/// 1-3): opened once, beneath it, no symlink followed, regular files only,
+/// read through that descriptor.
+class ConfinedFileSourceTest : public LmHeadUpdatesTest {
+ protected:
+  void SetUp() override {
+    LmHeadUpdatesTest::SetUp();
+    update_dir_ = store_ + "-updates";
+    outside_ = store_ + "-outside";
+    std::filesystem::create_directories(update_dir_ + "/race");
+    std::filesystem::create_directories(outside_);
+    WriteHead(update_dir_ + "/race/x.safetensors", 1.0f);
+    WriteHead(outside_ + "/x.safetensors", 7.0f);
+  }
+  void TearDown() override {
+    std::filesystem::remove_all(update_dir_);
+    std::filesystem::remove_all(outside_);
+    LmHeadUpdatesTest::TearDown();
+  }
+  /// PutFile of `path` into a new update of version `version`; the update is aborted unless `keep`.
+  absl::Status Put(LmHeadUpdates& updates, const std::string& version, const std::string& path,
+                   std::string* id = nullptr) {
+    auto opened = updates.Begin(Begin(version));
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    if (!opened.ok()) return opened.status();
+    const absl::Status st = updates.PutFile(opened->update_id(), path, "").status();
+    if (id != nullptr && st.ok()) {
+      *id = opened->update_id();
+    } else {
+      (void)updates.Abort(opened->update_id());
+    }
+    return st;
+  }
+  std::string outside_;
+};
+
+TEST_F(ConfinedFileSourceTest, ASymlinkSwappedInDuringThePutNeverCommitsTheOutsideFile) {
+  auto updates = Make();
+  // D/racelink -> the outside folder; a thread swaps D/race and D/racelink
+  // (renameat2 RENAME_EXCHANGE) as fast as it can.
+  ASSERT_EQ(symlink(outside_.c_str(), (update_dir_ + "/racelink").c_str()), 0);
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> swaps{0};
+  std::thread swapper([&] {
+    const std::string a = update_dir_ + "/race", b = update_dir_ + "/racelink";
+    while (!stop.load()) {
+      if (syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0) ++swaps;
+    }
+  });
+  std::vector<float> ones(static_cast<size_t>(kV * kH), 1.0f), sevens(ones.size(), 7.0f);
+  const std::string want(reinterpret_cast<const char*>(ones.data()), ones.size() * 4),
+      outside(reinterpret_cast<const char*>(sevens.data()), sevens.size() * 4);
+  int committed = 0, refused = 0, outside_commits = 0;
+  for (int i = 0; i < 300; ++i) {
+    std::string id;
+    const absl::Status st = Put(*updates, "r" + std::to_string(i), "race/x.safetensors", &id);
+    if (!st.ok()) {
+      ++refused;
+      EXPECT_TRUE(st.code() == absl::StatusCode::kPermissionDenied || st.code() == absl::StatusCode::kNotFound) << st;
+      EXPECT_EQ(st.message().find(outside_), std::string::npos) << st;
+      continue;
+    }
+    ASSERT_TRUE(updates->Commit(id).ok());
+    ++committed;
+    const auto v = heads_.Find("default", "r" + std::to_string(i));
+    ASSERT_NE(v, nullptr);
+    const std::string rows = StoredRows(*v, want.size());
+    if (rows == outside) ++outside_commits;
+    EXPECT_EQ(rows, want) << "try " << i;
+  }
+  stop = true;
+  swapper.join();
+  EXPECT_EQ(outside_commits, 0);
+  EXPECT_GT(swaps.load(), 0);
+  EXPECT_EQ(committed + refused, 300);
+}
+
+TEST_F(ConfinedFileSourceTest, AnIndexNamingAFileOutsideReadsNoByteOfItAndTellsNothingOfIt) {
+  auto updates = Make();
+  // An outside "secret" whose first 8 bytes, read as a header length, would be a large number.
+  WriteText(outside_ + "/secret", "root:*:2SECRETSECRET");
+  const std::string number = "3619251681095544690";
+  std::filesystem::create_directories(update_dir_ + "/idx");
+  std::map<std::string, std::string> messages;
+  for (const std::string& shard : {outside_ + "/secret", outside_ + "/absent", std::string("/etc/shadow"),
+                                   "../../" + std::filesystem::path(outside_).filename().string() + "/secret",
+                                   "../../" + std::filesystem::path(outside_).filename().string() + "/absent"}) {
+    SCOPED_TRACE(shard);
+    WriteText(update_dir_ + "/idx/model.safetensors.index.json",
+              "{\"weight_map\": {\"lm_head.weight\": \"" + shard + "\"}}");
+    const absl::Status st = Put(*updates, "idx", "idx");
+    EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+    const std::string msg(st.message());
+    EXPECT_EQ(msg.find(number), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("root:"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("SECRET"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("header length"), std::string::npos) << msg;
+    // The same words whether the outside file exists or not.
+    std::string shape = msg;
+    for (const std::string& name : {std::string("secret"), std::string("absent")})
+      for (size_t at; (at = shape.find(name)) != std::string::npos;) shape.replace(at, name.size(), "NAME");
+    messages[shard.substr(0, 3)] = messages.count(shard.substr(0, 3)) ? messages[shard.substr(0, 3)] : shape;
+    EXPECT_EQ(messages[shard.substr(0, 3)], shape);
+  }
+  // A file inside that is not a safetensors file: its bytes are not echoed either.
+  WriteText(update_dir_ + "/junk.safetensors", "root:*:2SECRETSECRET");
+  const absl::Status st = Put(*updates, "junk", "junk.safetensors");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("junk.safetensors"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("not a safetensors file"), std::string::npos) << st;
+  EXPECT_EQ(st.message().find(number), std::string::npos) << st;
+  EXPECT_EQ(st.message().find(update_dir_), std::string::npos) << st;
+}
+
+TEST_F(ConfinedFileSourceTest, AFifoFailsAtOnceAndLeavesNoThreadBehind) {
+  auto updates = Make();
+  ASSERT_EQ(mkfifo((update_dir_ + "/f.safetensors").c_str(), 0600), 0);
+  const size_t threads = Threads();
+  for (int i = 0; i < 5; ++i) {
+    // Run where a blocked open can be released (by opening the FIFO for
+    // writing) so that a failure is a failure, not a hung test.
+    auto put = std::async(std::launch::async, [&] { return Put(*updates, "fifo", "f.safetensors"); });
+    if (put.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+      ADD_FAILURE() << "PutFile of a FIFO blocked";
+      const int w = open((update_dir_ + "/f.safetensors").c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+      if (w >= 0) close(w);
+    }
+    const absl::Status st = put.get();
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("\"f.safetensors\": not a regular file"), std::string::npos) << st;
+  }
+  EXPECT_EQ(Threads(), threads);
+}
+
+TEST_F(ConfinedFileSourceTest, SymlinksAtAnyComponentAndDotDotAreRefused) {
+  auto updates = Make();
+  // Symlinks refused even when they stay inside: a link is never followed.
+  ASSERT_EQ(symlink("race", (update_dir_ + "/dirlink").c_str()), 0);
+  ASSERT_EQ(symlink("x.safetensors", (update_dir_ + "/race/filelink.safetensors").c_str()), 0);
+  ASSERT_EQ(symlink(outside_.c_str(), (update_dir_ + "/out").c_str()), 0);
+  for (const std::string& path :
+       std::vector<std::string>{"dirlink/x.safetensors", "race/filelink.safetensors", "out/x.safetensors", "out",
+                                "race/../race/x.safetensors", "../x.safetensors", "race/./../../x.safetensors",
+                                std::string(outside_ + "/x.safetensors")}) {
+    SCOPED_TRACE(path);
+    const absl::Status st = Put(*updates, "link", path);
+    EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+    EXPECT_NE(st.message().find("file.path \"" + path + "\""), std::string::npos) << st;
+  }
+  EXPECT_EQ(Put(*updates, "absent", "race/absent.safetensors").code(), absl::StatusCode::kNotFound);
+  // The real file, by its plain name and with "." components, is fine.
+  for (const std::string path : {"race/x.safetensors", "./race//x.safetensors", "race"}) {
+    if (path == "race") WriteHead(update_dir_ + "/race/model.safetensors", 1.0f);
+    EXPECT_TRUE(Put(*updates, "ok", path).ok()) << path;
+  }
+}
+
+TEST(ConfinedFile, OpenBeneathAndItsComponentWalkGiveTheSameAnswers) {
+  const std::string dir = ::testing::TempDir() + "/confined_file_test." + std::to_string(getpid());
+  std::filesystem::create_directories(dir + "/a/b");
+  WriteText(dir + "/a/f", "x");
+  ASSERT_EQ(symlink("a", (dir + "/l").c_str()), 0);
+  ASSERT_EQ(symlink("f", (dir + "/a/lf").c_str()), 0);
+  ASSERT_EQ(mkfifo((dir + "/a/p").c_str(), 0600), 0);
+  const UniqueFd root(open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  ASSERT_TRUE(root.valid());
+  for (bool walk : {false, true}) {
+    SCOPED_TRACE(walk ? "walk" : "openat2");
+    auto open = [&](const std::string& p, bool dir_ok = false) {
+      return OpenBeneathWith(root.get(), p, "file.path", dir_ok, walk);
+    };
+    auto f = open("a/f");
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->size, 1u);
+    EXPECT_FALSE(f->is_dir);
+    EXPECT_TRUE(open("./a//f").ok());
+    for (const char* p : {"l/f", "a/lf", "l", "a/../a/f", "/etc/passwd", ""})
+      EXPECT_EQ(open(p).status().code(), absl::StatusCode::kPermissionDenied) << p;
+    EXPECT_EQ(open("a/none").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(open("a/f/x").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(open("a/p").status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(open("a/b").status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(open("a/b", /*dir_ok=*/true).ok());
+    EXPECT_EQ(open(std::string("a\0f", 3)).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace logprob

@@ -8,7 +8,7 @@
 // Invariants: every call answers a documented status; a Commit succeeds
 // only when every row came exactly once through successful puts, and then
 // the committed version's store file holds exactly the bytes of those
-// puts, its sha256 is theirs, and the workers were asked to load that
+// puts, all finite (NaN / Inf are refused at commit), its sha256 is theirs, and the workers were asked to load that
 // version; the current version is then the committed one, and an aborted
 // or failed update never changes it. A violated invariant traps.
 #include <fcntl.h>
@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "common/finite_check.h"
 #include "common/sha256.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/input_source.h"
@@ -265,6 +266,7 @@ void Run(FuzzedDataProvider& p) {
       std::string all;
       for (const std::string& r : rows) all += r;
       CHECK(ReadFile(now->source.file, now->source.data_offset, all.size()) == all);
+      CHECK(!logprob::FirstNonFinite(v1::F32, all.data(), kV * kH).has_value());  // NaN / Inf never commit
       logprob::Sha256Stream sha;
       sha.Update(all);
       CHECK(now->sha256.get() == sha.FinishHex());  // waits for a digest computing in the background

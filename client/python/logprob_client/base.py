@@ -16,6 +16,7 @@ stream's ordering (``stream.StreamAssembler``).
 import itertools
 import os
 import random
+import re
 import threading
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -36,6 +37,21 @@ from .stream import StreamAssembler, deliver
 from .tensors import float_array, to_tensor
 from . import cuda_ipc, shared_memory, transport
 from .wire import decode_response
+
+# The server's rules for lm_head names (server/lm_heads.h CheckLmHeadName,
+# CheckLmHeadVersionName; docs/lm-head-updates.md): kept in step with it.
+HEAD_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+VERSION_NAME_RE = re.compile(r"[A-Za-z0-9._:+-]{1,128}")
+
+
+def check_lm_head_names(head: str, version: str) -> None:
+    """Raises ValueError naming the field when ``head`` or ``version``
+    breaks the server's rule (checked before anything is sent)."""
+    if not isinstance(head, str) or not HEAD_NAME_RE.fullmatch(head):
+        raise ValueError("head %r: an lm_head name is 1..64 characters of [A-Za-z0-9._-]" % (str(head)[:64],))
+    if not isinstance(version, str) or not VERSION_NAME_RE.fullmatch(version):
+        raise ValueError("version %r: an lm_head version is 1..128 characters of [A-Za-z0-9._:+-]"
+                         % (str(version)[:128],))
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # The scoring RPCs, called with requests serialized by wire.encode_request
@@ -374,6 +390,7 @@ class ClientBase:
         are copied to the host and sent in puts of at most
         ``UPDATE_PUT_BYTES`` (through this client's shared-memory region on
         the server's host, else in pieces)."""
+        check_lm_head_names(head, version)
         deadline = self._deadline(timeout)
         ref = yield from self._update_ipc_ops(weight, dtype, deadline)
         rows: Any = None

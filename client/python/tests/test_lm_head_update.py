@@ -190,6 +190,39 @@ class UpdateTest(unittest.TestCase):
             self.assertEqual((after.version, after.sha256), (current.version, current.sha256))
             same(score(c, head="policy"), before)
 
+    def test_names_break_no_log_line_and_long_ones_are_invalid_argument_not_resource_exhausted(self):
+        # Issue 32 finding 7: one rule for heads and versions (updates and
+        # requests), logs escape what they print, errors cut long echoes.
+        with self.server.client() as c:
+            stub = c._stub
+            begin = lambda **kw: stub.BeginLmHeadUpdate(pb2.BeginLmHeadUpdateRequest(**dict(
+                dict(head="policy", version="ok", vocab_size=V, hidden_size=H, dtype=pb2.F32), **kw)))
+            for kw in (dict(version="v1\nFORGED-LINE status=OK"), dict(version="v\x001"),
+                       dict(head="policy\nFORGED-LINE status=OK"), dict(version="v" * 10240),
+                       dict(head="h" * 10240)):
+                with self.assertRaises(grpc.RpcError) as e:
+                    begin(**kw)
+                self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT, str(kw)[:100])
+                self.assertLess(len(e.exception.details()), 512)
+                self.assertNotIn("\n", e.exception.details())
+            # Scoring requests name heads under the same rule.
+            for kw in (dict(head="h" * 10240), dict(head_version="v" * 10240), dict(head="policy\nFORGED-LINE")):
+                with self.assertRaises(LogprobError) as e:
+                    score(c, **kw)
+                self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            # An update id (any bytes) is echoed escaped and cut.
+            with self.assertRaises(grpc.RpcError) as e:
+                stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id="x\nFORGED-LINE" + "y" * 10240))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+            # The client checks the same rule before sending anything.
+            for head, version in (("policy", "v" * 129), ("policy", "a b"), ("p\n", "ok"), ("", "ok")):
+                with self.assertRaises(ValueError):
+                    c.update_lm_head(head, self.w1, version=version)
+            self.assertTrue(base.VERSION_NAME_RE.fullmatch("v" * 128))
+        log = self.server.log()
+        self.assertIn("FORGED-LINE", log)  # logged, escaped on its line
+        self.assertNotIn("\nFORGED-LINE", log)
+
 
 def kill_a_worker_and_wait_for_the_pool(server, client):
     """SIGKILLs one worker, then waits until the pool was re-formed and serves."""
