@@ -305,9 +305,11 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
         absl::StrCat("lm_head \"", req.head(), "\" is [", cur.vocab_size, ", ", cur.hidden_size, "] ",
                      DTypeName(cur.dtype), "; the update announces [", req.vocab_size(), ", ", req.hidden_size(), "] ",
                      DTypeName(req.dtype()), " (vocab_size, hidden_size and dtype must be the head's)"));
-  if (auto held = heads_->Find(req.head(), req.version())) {
+  // A version name is taken for the life of its head: the same bytes again
+  // are a no-op, other bytes ALREADY_EXISTS (retained, released or pinned).
+  auto taken_answer = [&](const std::shared_future<std::string>& taken) -> absl::StatusOr<v1::LmHeadUpdate> {
     // A digest still being computed is waited for (at most one hash of the head).
-    const std::string held_sha = held->sha256.valid() ? held->sha256.get() : "";
+    const std::string held_sha = taken.valid() ? taken.get() : "";
     if (!sha.empty() && sha == held_sha) {
       v1::LmHeadUpdate done;
       done.set_head(req.head());
@@ -317,10 +319,12 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
       done.set_already_committed(true);
       return done;
     }
-    return absl::AlreadyExistsError(
-        absl::StrCat("lm_head \"", req.head(), "\" already holds version \"", req.version(), "\" (sha256 ", held_sha,
-                     sha.empty() ? "; give it to confirm" : ", not the one given", "); choose a new version name"));
-  }
+    return absl::AlreadyExistsError(absl::StrCat(
+        "lm_head \"", req.head(), "\" already took version name \"", req.version(), "\" (sha256 ",
+        held_sha.empty() ? "unknown" : held_sha, sha.empty() ? "; give it to confirm" : ", not the one given",
+        "); a version name names one weight for the life of the head: choose a new version name"));
+  };
+  if (auto taken = heads_->Taken(req.head(), req.version())) return taken_answer(*taken);
   v1::Tensor new_bias;
   LOGPROB_ASSIGN_OR_RETURN(const LmHeadTransform transform, UpdatedTransform(req, cur, &new_bias));
   const int64_t V = cur.vocab_size, H = cur.hidden_size;
@@ -340,20 +344,28 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   u->expected_sha256 = sha;
   u->row_bytes = row_bytes;
   u->begun = u->last_progress = Clock::now();
+  std::optional<std::shared_future<std::string>> taken;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, o] : open_)
       if (o->head == req.head())
         return absl::FailedPreconditionError(absl::StrCat("lm_head \"", req.head(), "\" has an open update (", id,
                                                           ", version \"", o->version, "\"): commit or abort it first"));
-    const std::string stem = absl::StrCat(options_.store_dir, "/", req.head(), "-", next_file_++);
-    u->next.source.file = stem + ".safetensors";
-    u->partial = stem + ".safetensors.partial";
-    u->bias_file = stem + kBiasSuffix;
-    u->bias_given = req.has_bias();
-    open_[u->id] = u;
+    // Checked again with the open updates under one lock: a concurrent
+    // Begin of this name either committed (taken) or is still open.
+    taken = heads_->Taken(req.head(), req.version());
+    if (!taken) {
+      const std::string stem = absl::StrCat(options_.store_dir, "/", req.head(), "-", next_file_++);
+      u->next.source.file = stem + ".safetensors";
+      u->partial = stem + ".safetensors.partial";
+      u->bias_file = stem + kBiasSuffix;
+      u->bias_given = req.has_bias();
+      open_[u->id] = u;
+    }
   }
+  if (taken) return taken_answer(*taken);
   u->next.head = req.head();
+  u->next.serial = heads_->NewSerial();
   u->next.version = req.version();
   u->next.origin = kUpdateOrigin;
   u->next.bytes_per_worker = per_worker;
