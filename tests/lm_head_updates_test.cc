@@ -528,6 +528,71 @@ TEST_F(LmHeadUpdatesTest, ConcurrentBeginsOfOneVersionCommitItOnce) {
   EXPECT_EQ(info.retained_versions_size(), kRounds + 1);
 }
 
+TEST_F(LmHeadUpdatesTest, AnUpdateBelongsToItsOpenerAndABeginRetriedWithItsTokenGetsTheSameUpdate) {
+  const std::unique_ptr<LmHeadUpdates> updates = Make();
+  v1::BeginLmHeadUpdateRequest b = Begin("v2");
+  b.set_client_token("0123456789abcdef0123456789abcdef");
+  auto opened = updates->Begin(b);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->update_id();
+  EXPECT_EQ(id.size(), 32u) << "128 bits in hex";
+  EXPECT_EQ(id.find_first_not_of("0123456789abcdef"), std::string::npos) << id;
+  // The opener's retry (its first answer lost): the same update.
+  auto retried = updates->Begin(b);
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_EQ(retried->update_id(), id);
+  // Anyone else: the head is busy, and the message does not hand out the id.
+  for (const std::string& token : {std::string(), std::string("another-client-token-0000")}) {
+    v1::BeginLmHeadUpdateRequest other = b;
+    other.set_client_token(token);
+    auto refused = updates->Begin(other);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_EQ(refused.status().message().find(id), std::string::npos) << refused.status();
+    EXPECT_NE(refused.status().message().find("\"v2\""), std::string::npos) << refused.status();
+  }
+  b.set_client_token("short");
+  EXPECT_EQ(updates->Begin(b).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(updates->Abort(id).ok());
+}
+
+TEST_F(LmHeadUpdatesTest, ACommitRetriedAfterTheUpdateEndedAnswersItsOutcome) {
+  const std::unique_ptr<LmHeadUpdates> updates = Make();
+  const std::string rows = Rows(0, kV, 4.0f);
+  // Committed: the retry (first answer lost) is OK with the same info.
+  auto opened = updates->Begin(Begin("v2"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  ASSERT_TRUE(updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows)).ok());
+  auto first = updates->Commit(opened->update_id());
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto again = updates->Commit(opened->update_id());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->version(), "v2");
+  EXPECT_EQ(again->name(), "default");
+  // A later commit does not change what the first one answers.
+  auto v3 = updates->Begin(Begin("v3"));
+  ASSERT_TRUE(v3.ok()) << v3.status();
+  ASSERT_TRUE(updates->PutRows(v3->update_id(), 0, kV, v1::F32, kH, *MemorySource(Rows(0, kV, 5.0f))).ok());
+  ASSERT_TRUE(updates->Commit(v3->update_id()).ok());
+  EXPECT_EQ(updates->Commit(opened->update_id())->version(), "v2");
+  // A sha256 mismatch: every retry gets that error, not NOT_FOUND.
+  v1::BeginLmHeadUpdateRequest bad = Begin("v4");
+  bad.set_sha256(std::string(64, 'a'));
+  auto wrong = updates->Begin(bad);
+  ASSERT_TRUE(wrong.ok()) << wrong.status();
+  ASSERT_TRUE(updates->PutRows(wrong->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows)).ok());
+  EXPECT_EQ(updates->Commit(wrong->update_id()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(updates->Commit(wrong->update_id()).status().code(), absl::StatusCode::kInvalidArgument);
+  // Aborted by its client: ABORTED naming why.
+  auto aborted = updates->Begin(Begin("v5"));
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  ASSERT_TRUE(updates->Abort(aborted->update_id()).ok());
+  const absl::Status st = updates->Commit(aborted->update_id()).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kAborted) << st;
+  EXPECT_NE(st.message().find("aborted it"), std::string::npos) << st;
+  // Never opened: NOT_FOUND.
+  EXPECT_EQ(updates->Commit("0123").status().code(), absl::StatusCode::kNotFound);
+}
+
 namespace {
 
 /// Bytes read with Read only (as a client's region or a checkpoint: no
