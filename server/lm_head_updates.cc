@@ -326,6 +326,10 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   absl::StatusOr<std::shared_ptr<const LmHeadVersion>> current = heads_->Bind(req.head(), "");
   if (!current.ok() || (*current)->head != req.head())
     return absl::NotFoundError(absl::StrCat("head \"", req.head(), "\": the server holds no such lm_head"));
+  if (heads_->Frozen(req.head()))
+    return absl::FailedPreconditionError(absl::StrCat("head \"", req.head(),
+                                                      "\": this lm_head is frozen (--lm-head-frozen); updates to it "
+                                                      "are refused"));
   const LmHeadSource& cur = (*current)->source;
   if (req.vocab_size() != cur.vocab_size || req.hidden_size() != cur.hidden_size || req.dtype() != cur.dtype)
     return absl::InvalidArgumentError(

@@ -95,7 +95,8 @@ class LmHeadUpdates {
 
   /// Opens an update (BeginLmHeadUpdateRequest). Errors: FAILED_PRECONDITION
   /// (reason LM_HEAD_UPDATES_DISABLED) when updates are off; NOT_FOUND for
-  /// an unknown head; INVALID_ARGUMENT for a bad version name, a shape or
+  /// an unknown head; FAILED_PRECONDITION naming --lm-head-frozen for a
+  /// frozen head; INVALID_ARGUMENT for a bad version name, a shape or
   /// dtype other than the head's, a malformed sha256, a logit_scale,
   /// final_logit_softcapping or bias that is not valid (named);
   /// FAILED_PRECONDITION when the head has an open update (naming its

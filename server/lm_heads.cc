@@ -230,6 +230,7 @@ std::vector<v1::LmHeadInfo> LmHeads::List() const {
     info.set_has_bias(cur.source.transform.has_bias);
     info.set_logit_scale(cur.source.transform.logit_scale);
     info.set_final_logit_softcapping(cur.source.transform.softcap);
+    info.set_frozen(Frozen(name));
     out.push_back(std::move(info));
   }
   return out;

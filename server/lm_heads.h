@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,8 @@ class LmHeads {
     /// for ServerInfo; may be empty.
     std::function<std::string(DType)> precision_of;
     std::function<void(const LmHeadVersion&)> on_release;
+    /// Heads no update may change (--lm-head-frozen).
+    std::set<std::string> frozen;
   };
 
   explicit LmHeads(Options options) : options_(std::move(options)) {}
@@ -98,6 +101,9 @@ class LmHeads {
   /// weight only. nullopt when the head or the name is unknown.
   std::optional<std::shared_future<std::string>> Taken(const std::string& name, const std::string& version) const
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// True when head `name` is frozen (--lm-head-frozen). Thread-safe (no lock).
+  bool Frozen(const std::string& name) const { return options_.frozen.count(name) > 0; }
 
   /// True when no head was added.
   bool empty() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -470,6 +470,24 @@ TEST_F(LmHeadUpdatesTest, AVersionNameIsTakenForTheLifeOfItsHeadAndReleasesDropO
   EXPECT_EQ(heads.Bind("default", "").value()->version, "v3");
 }
 
+TEST_F(LmHeadUpdatesTest, AFrozenHeadRefusesUpdatesNamingTheFlagAndIsListedFrozen) {
+  LmHeads::Options ho;
+  ho.frozen = {"default"};
+  LmHeads heads(ho);
+  ASSERT_TRUE(heads.Add(*heads_.Bind("default", "").value()).ok());
+  const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads);
+  const absl::Status st = updates->Begin(Begin("v2")).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("--lm-head-frozen"), std::string::npos) << st;
+  ASSERT_EQ(heads.List().size(), 1u);
+  EXPECT_TRUE(heads.List()[0].frozen());
+  EXPECT_EQ(heads.List()[0].version(), "initial");
+  EXPECT_FALSE(heads_.List()[0].frozen());
+  // Not frozen: the same update opens.
+  auto opened = Make()->Begin(Begin("v2"));
+  EXPECT_TRUE(opened.ok()) << opened.status();
+}
+
 TEST_F(LmHeadUpdatesTest, ACommitOfATakenVersionNameIsRefusedUnderTheLock) {
   LmHeadVersion v = *heads_.Bind("default", "").value();
   v.serial = heads_.NewSerial();
