@@ -32,7 +32,11 @@ namespace logprob {
 /// grew from 6 to 12 words (q, zsum, pre_target_max); and LmHeadSource's
 /// logit transform (bias, logit_scale, final_logit_softcapping), which a
 /// version-6 worker would ignore, scoring such a head without it.
-constexpr uint32_t kWorkerProtocolVersion = 7;
+/// 8: LmHeadRef.serial, the identity of an lm_head version: workers load,
+/// find and drop by (name, version, serial); a version-7 worker would key
+/// by name and version alone and could drop a current version that reuses
+/// a released one's name.
+constexpr uint32_t kWorkerProtocolVersion = 8;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -43,14 +44,26 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kCopyBytes = size_t{16} << 20;        // rows a source reads at a time
 constexpr int64_t kCopyThreads = 4;                    // threads that read one put's rows, at most
 constexpr size_t kEndedKept = 64;                      // ended updates remembered for their error messages
+constexpr size_t kOutcomesKept = 256;                  // ended updates whose outcome a retried Commit gets
 constexpr size_t kSparesPerHead = 2;                   // released store files kept for the next updates
 constexpr auto kSpareIdle = std::chrono::seconds(60);  // then a spare is removed
 
+/// 128 bits from the kernel's CSPRNG, in hex: an update's id, which is the
+/// capability to put, commit and abort it (unguessable).
 std::string RandomId() {
-  std::random_device rd;
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+    else if (errno != EINTR) std::abort();  // no kernel randomness: never hand out a guessable id
+  }
   static const char* const kHex = "0123456789abcdef";
   std::string id;
-  for (int i = 0; i < 24; ++i) id += kHex[rd() % 16];
+  for (unsigned char b : bytes) {
+    id += kHex[b >> 4];
+    id += kHex[b & 15];
+  }
   return id;
 }
 
@@ -192,7 +205,7 @@ std::vector<LmHeadVersion> LmHeadReleases::Take() {
 }
 
 struct LmHeadUpdates::Update {
-  std::string id, head, version, expected_sha256;
+  std::string id, head, version, expected_sha256, client_token;
   LmHeadVersion next;   // what commits: source.file is the final path
   std::string partial;  // the file while staged
   // This version's own bias file in the store (`<stem>.bias.safetensors`:
@@ -269,6 +282,15 @@ void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, c
   open_.erase(u->id);
   if (ended_.size() >= kEndedKept) ended_.erase(ended_.begin());
   ended_[u->id] = outcome == "committed" ? "it was committed" : absl::StrCat("aborted: ", why);
+  if (outcome_order_.size() >= kOutcomesKept) {
+    outcomes_.erase(outcome_order_.front());
+    outcome_order_.pop_front();
+  }
+  outcome_order_.push_back(u->id);
+  outcomes_[u->id].status = outcome == "committed"
+                                ? absl::OkStatus()
+                                : absl::AbortedError(absl::StrCat("lm_head update of \"", u->head, "\" to version \"",
+                                                                  u->version, "\" was aborted (", outcome, "): ", why));
   if (outcome != "committed") {
     unlink(u->partial.c_str());
     unlink(u->next.source.file.c_str());
@@ -291,21 +313,32 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   // Versions the last commit let go: dropped now, so their files can take
   // this update's rows (an RL loop updates right after the last commit).
   Release();
+  if (const std::string& t = req.client_token();
+      !t.empty() &&
+      (t.size() < 16 || t.size() > 128 ||
+       t.find_first_not_of("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-") != std::string::npos))
+    return absl::InvalidArgumentError("client_token: 16..128 characters of [A-Za-z0-9_-] (a random value per update)");
   std::string sha = absl::AsciiStrToLower(req.sha256());
   if (!sha.empty() && (sha.size() != 64 || sha.find_first_not_of("0123456789abcdef") != std::string::npos))
     return absl::InvalidArgumentError(absl::StrCat("sha256 \"", req.sha256(), "\": 64 hex digits expected"));
   absl::StatusOr<std::shared_ptr<const LmHeadVersion>> current = heads_->Bind(req.head(), "");
   if (!current.ok() || (*current)->head != req.head())
     return absl::NotFoundError(absl::StrCat("head \"", req.head(), "\": the server holds no such lm_head"));
+  if (heads_->Frozen(req.head()))
+    return absl::FailedPreconditionError(absl::StrCat("head \"", req.head(),
+                                                      "\": this lm_head is frozen (--lm-head-frozen); updates to it "
+                                                      "are refused"));
   const LmHeadSource& cur = (*current)->source;
   if (req.vocab_size() != cur.vocab_size || req.hidden_size() != cur.hidden_size || req.dtype() != cur.dtype)
     return absl::InvalidArgumentError(
         absl::StrCat("lm_head \"", req.head(), "\" is [", cur.vocab_size, ", ", cur.hidden_size, "] ",
                      DTypeName(cur.dtype), "; the update announces [", req.vocab_size(), ", ", req.hidden_size(), "] ",
                      DTypeName(req.dtype()), " (vocab_size, hidden_size and dtype must be the head's)"));
-  if (auto held = heads_->Find(req.head(), req.version())) {
+  // A version name is taken for the life of its head: the same bytes again
+  // are a no-op, other bytes ALREADY_EXISTS (retained, released or pinned).
+  auto taken_answer = [&](const std::shared_future<std::string>& taken) -> absl::StatusOr<v1::LmHeadUpdate> {
     // A digest still being computed is waited for (at most one hash of the head).
-    const std::string held_sha = held->sha256.valid() ? held->sha256.get() : "";
+    const std::string held_sha = taken.valid() ? taken.get() : "";
     if (!sha.empty() && sha == held_sha) {
       v1::LmHeadUpdate done;
       done.set_head(req.head());
@@ -315,10 +348,12 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
       done.set_already_committed(true);
       return done;
     }
-    return absl::AlreadyExistsError(
-        absl::StrCat("lm_head \"", req.head(), "\" already holds version \"", req.version(), "\" (sha256 ", held_sha,
-                     sha.empty() ? "; give it to confirm" : ", not the one given", "); choose a new version name"));
-  }
+    return absl::AlreadyExistsError(absl::StrCat(
+        "lm_head \"", req.head(), "\" already took version name \"", req.version(), "\" (sha256 ",
+        held_sha.empty() ? "unknown" : held_sha, sha.empty() ? "; give it to confirm" : ", not the one given",
+        "); a version name names one weight for the life of the head: choose a new version name"));
+  };
+  if (auto taken = heads_->Taken(req.head(), req.version())) return taken_answer(*taken);
   v1::Tensor new_bias;
   LOGPROB_ASSIGN_OR_RETURN(const LmHeadTransform transform, UpdatedTransform(req, cur, &new_bias));
   const int64_t V = cur.vocab_size, H = cur.hidden_size;
@@ -336,22 +371,39 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   u->head = req.head();
   u->version = req.version();
   u->expected_sha256 = sha;
+  u->client_token = req.client_token();
   u->row_bytes = row_bytes;
   u->begun = u->last_progress = Clock::now();
+  std::optional<std::shared_future<std::string>> taken;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, o] : open_)
-      if (o->head == req.head())
-        return absl::FailedPreconditionError(absl::StrCat("lm_head \"", req.head(), "\" has an open update (", id,
-                                                          ", version \"", o->version, "\"): commit or abort it first"));
-    const std::string stem = absl::StrCat(options_.store_dir, "/", req.head(), "-", next_file_++);
-    u->next.source.file = stem + ".safetensors";
-    u->partial = stem + ".safetensors.partial";
-    u->bias_file = stem + kBiasSuffix;
-    u->bias_given = req.has_bias();
-    open_[u->id] = u;
+      if (o->head == req.head()) {
+        // The opener's retry (its first answer was lost): the same update.
+        if (!o->client_token.empty() && o->client_token == req.client_token() && o->version == req.version() &&
+            o->expected_sha256 == sha)
+          return o->Proto();
+        // Never the id: it is the capability to put, commit and abort.
+        return absl::FailedPreconditionError(absl::StrCat(
+            "lm_head \"", req.head(), "\" has an open update (to version \"", o->version, "\", opened ",
+            static_cast<int64_t>(std::chrono::duration<double>(Clock::now() - o->begun).count()),
+            " s ago): its opener must commit or abort it, or it times out after --lm-head-update-timeout"));
+      }
+    // Checked again with the open updates under one lock: a concurrent
+    // Begin of this name either committed (taken) or is still open.
+    taken = heads_->Taken(req.head(), req.version());
+    if (!taken) {
+      const std::string stem = absl::StrCat(options_.store_dir, "/", req.head(), "-", next_file_++);
+      u->next.source.file = stem + ".safetensors";
+      u->partial = stem + ".safetensors.partial";
+      u->bias_file = stem + kBiasSuffix;
+      u->bias_given = req.has_bias();
+      open_[u->id] = u;
+    }
   }
+  if (taken) return taken_answer(*taken);
   u->next.head = req.head();
+  u->next.serial = heads_->NewSerial();
   u->next.version = req.version();
   u->next.origin = kUpdateOrigin;
   u->next.bytes_per_worker = per_worker;
@@ -606,8 +658,22 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   std::shared_ptr<Update> u;
   {
     absl::MutexLock lock(&mu_);
+    // A retried Commit (or one after a time-out): how the update ended.
+    if (auto it = outcomes_.find(id); it != outcomes_.end() && !open_.count(id)) {
+      if (!it->second.status.ok()) return it->second.status;
+      return it->second.info;
+    }
     LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
-    if (u->committing) return absl::FailedPreconditionError(absl::StrCat("lm_head update ", id, " is being committed"));
+    if (u->committing) {
+      // A retry while the first Commit runs: its outcome, once it ends.
+      Update* const w = u.get();
+      mu_.Await(absl::Condition(
+          +[](Update* x) { return x->ended; }, w));
+      auto it = outcomes_.find(id);
+      if (it == outcomes_.end()) return absl::AbortedError(absl::StrCat("lm_head update ", id, " ended"));
+      if (!it->second.status.ok()) return it->second.status;
+      return it->second.info;
+    }
     if (u->busy > 0)
       return absl::FailedPreconditionError(
           absl::StrCat("lm_head update ", id, ": ", u->busy, " PutLmHeadRows call(s) still in progress"));
@@ -630,6 +696,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     if (workers_.drop) workers_.drop(u->next.Ref());
     absl::MutexLock lock(&mu_);
     if (!u->ended) End(u, outcome, std::string(st.message()));
+    if (auto it = outcomes_.find(u->id); it != outcomes_.end()) it->second.status = st;  // a retry gets this error
     return st;
   };
   if (rename(u->partial.c_str(), u->next.source.file.c_str()) != 0)
@@ -658,17 +725,22 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   const auto serving = workers_.serving;
   if (absl::Status st = heads_->Commit(u->next, [&serving, g] { return !serving || serving(g); }); !st.ok())
     return fail("worker_error", st);
+  v1::LmHeadInfo committed;
   {
     absl::MutexLock lock(&mu_);
     End(u, "committed", "");
+    // A retried Commit's answer, set with the outcome (under the lock a
+    // retry waiting for this commit wakes under).
+    for (const v1::LmHeadInfo& info : heads_->List())
+      if (info.name() == u->head) committed = info;
+    outcomes_[u->id].info = committed;
     // The digest may still be computing: the hasher lives on until it is.
     u->hasher->Start();
     hashing_[u->next.source.file] = std::move(u->hasher);
     maps_[u->next.source.file] = std::move(u->map);
   }
-  for (const v1::LmHeadInfo& info : heads_->List())
-    if (info.name() == u->head) return info;
-  return absl::InternalError("the committed head vanished");
+  if (committed.name().empty()) return absl::InternalError("the committed head vanished");
+  return committed;
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Abort(const std::string& id) {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -94,10 +95,15 @@ class LmHeadUpdates {
 
   /// Opens an update (BeginLmHeadUpdateRequest). Errors: FAILED_PRECONDITION
   /// (reason LM_HEAD_UPDATES_DISABLED) when updates are off; NOT_FOUND for
-  /// an unknown head; INVALID_ARGUMENT for a bad version name, a shape or
+  /// an unknown head; FAILED_PRECONDITION naming --lm-head-frozen for a
+  /// frozen head; INVALID_ARGUMENT for a bad version name, a shape or
   /// dtype other than the head's, a malformed sha256, a logit_scale,
   /// final_logit_softcapping or bias that is not valid (named);
-  /// FAILED_PRECONDITION when the head has an open update; ALREADY_EXISTS
+  /// FAILED_PRECONDITION when the head has an open update (naming its
+  /// version and age, never its id: the id is the capability to put,
+  /// commit and abort), unless the request repeats that update's version,
+  /// sha256 and client_token (a retried Begin: the open update is the
+  /// answer); INVALID_ARGUMENT for a malformed client_token; ALREADY_EXISTS
   /// when the version is held with another (or no given) sha256;
   /// RESOURCE_EXHAUSTED over memory_bytes; INTERNAL when the store file
   /// cannot be made. A version held with the same sha256 gives
@@ -153,7 +159,10 @@ class LmHeadUpdates {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   /// Checks every row arrived and the sha256, loads the version on every
-  /// worker, and makes it current. On any failure the update is aborted
+  /// worker, and makes it current. Safe to retry: a Commit of an update
+  /// that ended (among the last 256) answers its outcome (the head's info
+  /// as committed, or the error that ended it: ABORTED for a client's
+  /// abort or a time-out), never NOT_FOUND. On any failure the update is aborted
   /// (workers drop what they loaded) and the current version keeps
   /// serving. FAILED_PRECONDITION for rows missing (naming the first
   /// range) or when the pool changed while loading; INVALID_ARGUMENT for a
@@ -224,6 +233,14 @@ class LmHeadUpdates {
   absl::CondVar cv_;
   std::map<std::string, std::shared_ptr<Update>> open_ ABSL_GUARDED_BY(mu_);  // by id
   std::map<std::string, std::string> ended_ ABSL_GUARDED_BY(mu_);             // id -> why (recent)
+  /// How the last kOutcomesKept updates ended (a retried Commit answers it):
+  /// OK with the committed head's info, or the abort's error.
+  struct Outcome {
+    absl::Status status;
+    v1::LmHeadInfo info;
+  };
+  std::map<std::string, Outcome> outcomes_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> outcome_order_ ABSL_GUARDED_BY(mu_);  // ids, oldest first
   int64_t next_file_ ABSL_GUARDED_BY(mu_) = 0;
   struct Spare {
     std::string path;

@@ -25,6 +25,7 @@ internal::v1::LmHeadRef LmHeadVersion::Ref() const {
   internal::v1::LmHeadRef ref;
   ref.set_name(head);
   ref.set_version(version);
+  ref.set_serial(serial);
   return ref;
 }
 
@@ -85,13 +86,31 @@ std::shared_ptr<const LmHeadVersion> LmHeads::Share(LmHeadVersion v) {
 }
 
 absl::Status LmHeads::Add(LmHeadVersion first) {
+  if (first.serial == 0) first.serial = NewSerial();
   auto shared = Share(std::move(first));
   absl::MutexLock lock(&mu_);
   if (heads_.count(shared->head))
     return absl::AlreadyExistsError(absl::StrCat("--lm-head: a second head named \"", shared->head, "\""));
   alive_.push_back(shared);
-  heads_[shared->head].retained.push_front(std::move(shared));
+  Head& head = heads_[shared->head];
+  head.names[shared->version] = shared->sha256;
+  head.retained.push_front(std::move(shared));
   return absl::OkStatus();
+}
+
+uint64_t LmHeads::NewSerial() {
+  absl::MutexLock lock(&mu_);
+  return next_serial_++;
+}
+
+std::optional<std::shared_future<std::string>> LmHeads::Taken(const std::string& name,
+                                                              const std::string& version) const {
+  absl::MutexLock lock(&mu_);
+  auto it = heads_.find(name);
+  if (it == heads_.end()) return std::nullopt;
+  auto n = it->second.names.find(version);
+  if (n == it->second.names.end()) return std::nullopt;
+  return n->second;
 }
 
 bool LmHeads::empty() const {
@@ -153,6 +172,10 @@ absl::Status LmHeads::Commit(LmHeadVersion next, const std::function<bool()>& st
       return absl::FailedPreconditionError(
           absl::StrCat("lm_head \"", shared->head, "\" version \"", shared->version,
                        "\": the worker pool was re-formed while the version loaded; nothing changed, update again"));
+    if (it->second.names.count(shared->version))
+      return absl::AlreadyExistsError(absl::StrCat("lm_head \"", shared->head, "\" version \"", shared->version,
+                                                   "\": the name was taken by an earlier version of the head"));
+    it->second.names[shared->version] = shared->sha256;
     auto& retained = it->second.retained;
     retained.push_front(shared);
     alive_.push_back(shared);
@@ -209,6 +232,7 @@ std::vector<v1::LmHeadInfo> LmHeads::List() const {
     info.set_has_bias(cur.source.transform.has_bias);
     info.set_logit_scale(cur.source.transform.logit_scale);
     info.set_final_logit_softcapping(cur.source.transform.softcap);
+    info.set_frozen(Frozen(name));
     out.push_back(std::move(info));
   }
   return out;

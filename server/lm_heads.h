@@ -9,6 +9,8 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,6 +38,10 @@ inline constexpr char kUpdateOrigin[] = "update";
 struct LmHeadVersion {
   std::string head;     // the head's name
   std::string version;  // opaque
+  // The version's identity (LmHeadRef.serial): unique per server process
+  // and never reused; what workers load, find and drop by, with the names.
+  // 0 until LmHeads::Add or LmHeads::NewSerial gives one.
+  uint64_t serial = 0;
   LmHeadSource source;  // the weight's file, tensor, dtype, shape
   // Hex SHA-256 of the weight bytes, row-major: known at load (a head
   // loaded at start, an update that announced it) or computed in the
@@ -79,13 +85,29 @@ class LmHeads {
     /// for ServerInfo; may be empty.
     std::function<std::string(DType)> precision_of;
     std::function<void(const LmHeadVersion&)> on_release;
+    /// Heads no update may change (--lm-head-frozen).
+    std::set<std::string> frozen;
   };
 
   explicit LmHeads(Options options) : options_(std::move(options)) {}
 
-  /// Adds a head with its first version. ALREADY_EXISTS for a second head
-  /// of the same name.
+  /// Adds a head with its first version (given a serial if it has none).
+  /// ALREADY_EXISTS for a second head of the same name.
   absl::Status Add(LmHeadVersion first) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// A version identity never given before (LmHeadVersion::serial), for a
+  /// version about to be loaded and committed. Thread-safe.
+  uint64_t NewSerial() ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// The sha256 of the version that took name `version` of head `name`, if
+  /// any did: a version name is taken for the life of its head (whether the
+  /// version is retained, released or held by a request), so it names one
+  /// weight only. nullopt when the head or the name is unknown.
+  std::optional<std::shared_future<std::string>> Taken(const std::string& name, const std::string& version) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// True when head `name` is frozen (--lm-head-frozen). Thread-safe (no lock).
+  bool Frozen(const std::string& name) const { return options_.frozen.count(name) > 0; }
 
   /// True when no head was added.
   bool empty() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -107,7 +129,9 @@ class LmHeads {
   /// under the lock Alive takes, so a worker joining sees either the old or
   /// the new set; may be empty); the oldest versions beyond `retain` stop
   /// being servable (and are released once unbound). NOT_FOUND for an
-  /// unknown head; FAILED_PRECONDITION when still_valid() says no.
+  /// unknown head; FAILED_PRECONDITION when still_valid() says no;
+  /// ALREADY_EXISTS when the version name was taken before (Taken: checked
+  /// and taken under one lock, so two commits of one name cannot both pass).
   absl::Status Commit(LmHeadVersion next, const std::function<bool()>& still_valid = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
   /// Every version not yet released (retained, or bound to a request), for
@@ -122,7 +146,8 @@ class LmHeads {
 
  private:
   struct Head {
-    std::deque<std::shared_ptr<const LmHeadVersion>> retained;  // newest first; front is current
+    std::deque<std::shared_ptr<const LmHeadVersion>> retained;     // newest first; front is current
+    std::map<std::string, std::shared_future<std::string>> names;  // every version name taken -> its sha256
   };
   /// The head a request names (see Bind). mu_ held.
   absl::StatusOr<const Head*> Named(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -132,6 +157,7 @@ class LmHeads {
   const Options options_;
   mutable absl::Mutex mu_;
   std::map<std::string, Head> heads_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 1;
   /// Every version shared so far and not yet released (expired entries are
   /// pruned as they are seen).
   mutable std::vector<std::weak_ptr<const LmHeadVersion>> alive_ ABSL_GUARDED_BY(mu_);

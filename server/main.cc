@@ -72,6 +72,9 @@ ABSL_FLAG(std::string, lm_head_softcap, "",
           "bias and multiplier; a number >= 0 (default 0: none). A checkpoint directory's config.json gives it "
           "(final_logit_softcapping); a flag that contradicts it is an error");
 ABSL_FLAG(std::string, lm_head_version, "initial", "version name of the lm_heads loaded at start");
+ABSL_FLAG(std::string, lm_head_frozen, "",
+          "an --lm-head NAME that lm_head updates may not change (a reference or a teacher), repeatable; "
+          "updates to it fail with FAILED_PRECONDITION, and GetServerInfo lists it as frozen");
 ABSL_FLAG(int, lm_head_retain, 1,
           "committed versions of each lm_head kept servable (requests may pin them with head_version), the "
           "current one included");
@@ -380,6 +383,10 @@ int main(int argc, char** argv) {
   heads_options.retain = retain;
   heads_options.precision_of = precision_of;
   heads_options.on_release = [releases](const logprob::LmHeadVersion& v) { releases->Push(v); };
+  for (const std::string& name : logprob::FlagValues(argc, argv, "lm_head_frozen")) {
+    if (auto st = logprob::CheckLmHeadName(name, "--lm-head-frozen"); !st.ok()) return Fail(std::string(st.message()));
+    heads_options.frozen.insert(name);
+  }
   logprob::LmHeads heads(heads_options);
   // --lm-head-logit-scale / --lm-head-softcap: "" when not given.
   logprob::LmHeadScalarFlags scalar_flags;
@@ -406,6 +413,9 @@ int main(int argc, char** argv) {
     const std::string name = head->head;
     if (auto st = heads.Add(*std::move(head)); !st.ok()) return Fail(std::string(st.message()));
   }
+  for (const std::string& name : heads_options.frozen)
+    if (heads.Find(name, initial_version) == nullptr)
+      return Fail("--lm-head-frozen " + name + ": no --lm-head of that name");
   config.lm_heads = &heads;
   config.lm_head_updates = absl::GetFlag(FLAGS_allow_lm_head_updates);
   if (config.lm_head_updates && heads.empty()) return Fail("--allow-lm-head-updates needs an --lm-head to update");

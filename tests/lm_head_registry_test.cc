@@ -96,6 +96,30 @@ TEST(LmHeadRegistry, AVersionHeldFromAnotherFileIsStaleAndIsReplaced) {
   std::remove(b.c_str());
 }
 
+TEST(LmHeadRegistry, TwoVersionsOfOneNameAreTwoIdentitiesAndADropTakesOnlyItsOwn) {
+  // Issue 31: a version name reused (a request still held the first) must
+  // never let the release of the first drop the second.
+  const std::string base = ::testing::TempDir() + "/lm_head_registry_serial." + std::to_string(getpid());
+  const std::string a = WriteHead(base + ".a.safetensors", 10), b = WriteHead(base + ".b.safetensors", 20);
+  CpuBackend backend(1);
+  LmHeadRegistry registry(backend, LmHeadPrecision::kFp32, /*rank=*/0, /*world=*/1);
+  internal::v1::LmHeadLoad first = LoadOf("v2", a, false), second = LoadOf("v2", b, false);
+  first.mutable_head()->set_serial(3);
+  second.mutable_head()->set_serial(5);
+  ASSERT_TRUE(registry.Load(first).ok());
+  ASSERT_TRUE(registry.Load(second).ok());
+  EXPECT_EQ(registry.size(), 2u);
+  ASSERT_NE(registry.Find(first.head()), nullptr);
+  EXPECT_EQ(FirstColumn(backend, *registry.Find(first.head())), Expected(10));
+  EXPECT_TRUE(registry.Drop(first.head()));
+  const std::shared_ptr<const LmHeadWeights> kept = registry.Find(second.head());
+  ASSERT_NE(kept, nullptr) << "the drop of serial 3 took serial 5";
+  EXPECT_EQ(FirstColumn(backend, *kept), Expected(20));
+  EXPECT_EQ(registry.Find(first.head()), nullptr);
+  std::remove(a.c_str());
+  std::remove(b.c_str());
+}
+
 TEST(LmHeadRegistry, AnImmutableFileInMemoryIsMappedAndScoresLikeACopy) {
   const std::string path = WriteHead("/dev/shm/lm_head_registry_test." + std::to_string(getpid()), 30);
   CpuBackend backend(1);

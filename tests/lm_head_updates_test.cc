@@ -407,6 +407,219 @@ TEST_F(LmHeadUpdatesTest, AReleasedVersionsFileTakesTheNextUpdateAndDigestsComeA
   }
 }
 
+TEST_F(LmHeadUpdatesTest, AVersionNameIsTakenForTheLifeOfItsHeadAndReleasesDropOnlyTheirOwnIdentity) {
+  // Issue 31's first finding: --lm-head-retain 1; commit v2; a request
+  // holds v2; commit v3; v2 again with other bytes must be refused, and
+  // the release of the held v2 must drop that identity only.
+  auto releases = std::make_shared<LmHeadReleases>();
+  LmHeads::Options ho;
+  ho.retain = 1;
+  ho.on_release = [releases](const LmHeadVersion& v) { releases->Push(v); };
+  LmHeads heads(ho);
+  ASSERT_TRUE(heads.Add(*heads_.Bind("default", "").value()).ok());
+  std::vector<internal::v1::LmHeadRef> dropped;
+  LmHeadUpdates::Options o;
+  o.allowed = true;
+  o.store_dir = store_;
+  o.workers = 2;
+  LmHeadWorkers w;
+  w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
+  w.serving = [](int64_t) { return true; };
+  w.drop = [&dropped](const internal::v1::LmHeadRef& ref) {
+    dropped.push_back(ref);
+    return true;
+  };
+  LmHeadUpdates updates(o, &heads, releases, w);
+  auto commit = [&](const std::string& version, const std::string& rows) {
+    v1::BeginLmHeadUpdateRequest b = Begin(version);
+    b.set_sha256(Sha256Hex(rows));
+    auto opened = updates.Begin(b);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    if (!opened.ok()) return;
+    EXPECT_TRUE(updates.PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows)).ok());
+    auto committed = updates.Commit(opened->update_id());
+    EXPECT_TRUE(committed.ok()) << committed.status();
+  };
+  const std::string rows2 = Rows(0, kV, 2.0f), rows3 = Rows(0, kV, 3.0f), other = Rows(0, kV, 9.0f);
+  commit("v2", rows2);
+  std::shared_ptr<const LmHeadVersion> request = heads.Bind("default", "").value();  // a long request on v2
+  ASSERT_EQ(request->version, "v2");
+  commit("v3", rows3);
+  const std::shared_ptr<const LmHeadVersion> v3 = heads.Bind("default", "").value();
+  ASSERT_EQ(v3->version, "v3");
+  EXPECT_NE(v3->serial, request->serial);
+  EXPECT_NE(v3->serial, 0u);
+
+  // v2 with other bytes, with or without a sha256: refused while a request holds it.
+  v1::BeginLmHeadUpdateRequest again = Begin("v2");
+  again.set_sha256(Sha256Hex(other));
+  auto refused = updates.Begin(again);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists) << refused.status();
+  EXPECT_NE(refused.status().message().find("v2"), std::string::npos) << refused.status();
+  EXPECT_EQ(updates.Begin(Begin("v2")).status().code(), absl::StatusCode::kAlreadyExists);
+  // The same bytes again: the idempotent no-op.
+  again.set_sha256(Sha256Hex(rows2));
+  auto same = updates.Begin(again);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_TRUE(same->already_committed());
+
+  // The request ends: its v2 (serial and all) is dropped, v3 is not.
+  const uint64_t v2_serial = request->serial;
+  request.reset();
+  auto v4 = updates.Begin(Begin("v4"));  // drops what was released
+  ASSERT_TRUE(v4.ok()) << v4.status();
+  ASSERT_EQ(updates.Abort(v4->update_id()).status(), absl::OkStatus());
+  ASSERT_FALSE(dropped.empty());
+  for (const auto& ref : dropped) EXPECT_NE(ref.serial(), v3->serial) << ref.version();
+  EXPECT_TRUE(std::any_of(dropped.begin(), dropped.end(),
+                          [&](const auto& r) { return r.version() == "v2" && r.serial() == v2_serial; }));
+  // Released now, the name stays taken.
+  again.set_sha256(Sha256Hex(other));
+  EXPECT_EQ(updates.Begin(again).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(heads.Bind("default", "").value()->version, "v3");
+}
+
+TEST_F(LmHeadUpdatesTest, AFrozenHeadRefusesUpdatesNamingTheFlagAndIsListedFrozen) {
+  LmHeads::Options ho;
+  ho.frozen = {"default"};
+  LmHeads heads(ho);
+  ASSERT_TRUE(heads.Add(*heads_.Bind("default", "").value()).ok());
+  const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads);
+  const absl::Status st = updates->Begin(Begin("v2")).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("--lm-head-frozen"), std::string::npos) << st;
+  ASSERT_EQ(heads.List().size(), 1u);
+  EXPECT_TRUE(heads.List()[0].frozen());
+  EXPECT_EQ(heads.List()[0].version(), "initial");
+  EXPECT_FALSE(heads_.List()[0].frozen());
+  // Not frozen: the same update opens.
+  auto opened = Make()->Begin(Begin("v2"));
+  EXPECT_TRUE(opened.ok()) << opened.status();
+}
+
+TEST_F(LmHeadUpdatesTest, ACommitOfATakenVersionNameIsRefusedUnderTheLock) {
+  LmHeadVersion v = *heads_.Bind("default", "").value();
+  v.serial = heads_.NewSerial();
+  v.version = "v2";
+  ASSERT_TRUE(heads_.Commit(v).ok());
+  v.serial = heads_.NewSerial();
+  v.source.file = store_ + "/other.safetensors";
+  EXPECT_EQ(heads_.Commit(v).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(heads_.List()[0].retained_versions_size(), 1);
+}
+
+TEST_F(LmHeadUpdatesTest, ConcurrentBeginsOfOneVersionCommitItOnce) {
+  LmHeads::Options ho;
+  ho.retain = 64;
+  LmHeads heads(ho);
+  ASSERT_TRUE(heads.Add(*heads_.Bind("default", "").value()).ok());
+  const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads);
+  constexpr int kThreads = 4, kRounds = 12;
+  for (int round = 0; round < kRounds; ++round) {
+    const std::string version = "r" + std::to_string(round);
+    std::atomic<int> committed{0}, refused{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t)
+      threads.emplace_back([&, t] {
+        const std::string rows = Rows(0, kV, static_cast<float>(100 * round + t));  // each its own bytes
+        for (;;) {
+          auto opened = updates->Begin(Begin(version));
+          if (opened.status().code() == absl::StatusCode::kFailedPrecondition) {
+            std::this_thread::yield();  // another thread's update is open: try again
+            continue;
+          }
+          if (!opened.ok()) {
+            EXPECT_EQ(opened.status().code(), absl::StatusCode::kAlreadyExists) << opened.status();
+            ++refused;
+            return;
+          }
+          EXPECT_TRUE(updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows)).ok());
+          auto c = updates->Commit(opened->update_id());
+          if (c.ok()) {
+            ++committed;
+          } else {
+            EXPECT_EQ(c.status().code(), absl::StatusCode::kAlreadyExists) << c.status();
+            ++refused;
+          }
+          return;
+        }
+      });
+    for (std::thread& th : threads) th.join();
+    EXPECT_EQ(committed.load(), 1) << version;
+    EXPECT_EQ(refused.load(), kThreads - 1) << version;
+  }
+  const auto info = heads.List()[0];
+  std::map<std::string, int> seen;
+  for (const auto& v : info.retained_versions()) ++seen[v];
+  for (const auto& [v, n] : seen) EXPECT_EQ(n, 1) << v;
+  EXPECT_EQ(info.retained_versions_size(), kRounds + 1);
+}
+
+TEST_F(LmHeadUpdatesTest, AnUpdateBelongsToItsOpenerAndABeginRetriedWithItsTokenGetsTheSameUpdate) {
+  const std::unique_ptr<LmHeadUpdates> updates = Make();
+  v1::BeginLmHeadUpdateRequest b = Begin("v2");
+  b.set_client_token("0123456789abcdef0123456789abcdef");
+  auto opened = updates->Begin(b);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->update_id();
+  EXPECT_EQ(id.size(), 32u) << "128 bits in hex";
+  EXPECT_EQ(id.find_first_not_of("0123456789abcdef"), std::string::npos) << id;
+  // The opener's retry (its first answer lost): the same update.
+  auto retried = updates->Begin(b);
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_EQ(retried->update_id(), id);
+  // Anyone else: the head is busy, and the message does not hand out the id.
+  for (const std::string& token : {std::string(), std::string("another-client-token-0000")}) {
+    v1::BeginLmHeadUpdateRequest other = b;
+    other.set_client_token(token);
+    auto refused = updates->Begin(other);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_EQ(refused.status().message().find(id), std::string::npos) << refused.status();
+    EXPECT_NE(refused.status().message().find("\"v2\""), std::string::npos) << refused.status();
+  }
+  b.set_client_token("short");
+  EXPECT_EQ(updates->Begin(b).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(updates->Abort(id).ok());
+}
+
+TEST_F(LmHeadUpdatesTest, ACommitRetriedAfterTheUpdateEndedAnswersItsOutcome) {
+  const std::unique_ptr<LmHeadUpdates> updates = Make();
+  const std::string rows = Rows(0, kV, 4.0f);
+  // Committed: the retry (first answer lost) is OK with the same info.
+  auto opened = updates->Begin(Begin("v2"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  ASSERT_TRUE(updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows)).ok());
+  auto first = updates->Commit(opened->update_id());
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto again = updates->Commit(opened->update_id());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->version(), "v2");
+  EXPECT_EQ(again->name(), "default");
+  // A later commit does not change what the first one answers.
+  auto v3 = updates->Begin(Begin("v3"));
+  ASSERT_TRUE(v3.ok()) << v3.status();
+  ASSERT_TRUE(updates->PutRows(v3->update_id(), 0, kV, v1::F32, kH, *MemorySource(Rows(0, kV, 5.0f))).ok());
+  ASSERT_TRUE(updates->Commit(v3->update_id()).ok());
+  EXPECT_EQ(updates->Commit(opened->update_id())->version(), "v2");
+  // A sha256 mismatch: every retry gets that error, not NOT_FOUND.
+  v1::BeginLmHeadUpdateRequest bad = Begin("v4");
+  bad.set_sha256(std::string(64, 'a'));
+  auto wrong = updates->Begin(bad);
+  ASSERT_TRUE(wrong.ok()) << wrong.status();
+  ASSERT_TRUE(updates->PutRows(wrong->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows)).ok());
+  EXPECT_EQ(updates->Commit(wrong->update_id()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(updates->Commit(wrong->update_id()).status().code(), absl::StatusCode::kInvalidArgument);
+  // Aborted by its client: ABORTED naming why.
+  auto aborted = updates->Begin(Begin("v5"));
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  ASSERT_TRUE(updates->Abort(aborted->update_id()).ok());
+  const absl::Status st = updates->Commit(aborted->update_id()).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kAborted) << st;
+  EXPECT_NE(st.message().find("aborted it"), std::string::npos) << st;
+  // Never opened: NOT_FOUND.
+  EXPECT_EQ(updates->Commit("0123").status().code(), absl::StatusCode::kNotFound);
+}
+
 namespace {
 
 /// Bytes read with Read only (as a client's region or a checkpoint: no

@@ -33,7 +33,7 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   const internal::v1::LmHeadRef& ref = load.head();
   if (ref.name().empty() || ref.version().empty())
     return absl::InvalidArgumentError("LoadLmHead: the head's name and version must not be empty");
-  const Key key{ref.name(), ref.version()};
+  const Key key = KeyOf(ref);
   const internal::v1::LmHeadSource& src = load.source();
   // Held from the same file: nothing to read. From another one, the copy is
   // stale (a drop this worker missed, then the name committed again with
@@ -123,14 +123,14 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
 
 std::shared_ptr<const LmHeadWeights> LmHeadRegistry::Find(const internal::v1::LmHeadRef& head) const {
   absl::MutexLock lock(&mu_);
-  auto it = held_.find(Key{head.name(), head.version()});
+  auto it = held_.find(KeyOf(head));
   return it == held_.end() ? nullptr : it->second.weights;
 }
 
 bool LmHeadRegistry::Drop(const internal::v1::LmHeadRef& head) {
   std::shared_ptr<const LmHeadWeights> dropped;  // freed outside the lock
   absl::MutexLock lock(&mu_);
-  auto it = held_.find(Key{head.name(), head.version()});
+  auto it = held_.find(KeyOf(head));
   if (it == held_.end()) return false;
   dropped = std::move(it->second.weights);
   held_.erase(it);

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -19,7 +20,8 @@
 
 namespace logprob {
 
-/// A worker's servable lm_head versions by (name, version). Thread-safe:
+/// A worker's servable lm_head versions by (name, version, serial): the
+/// serial is the version's identity (LmHeadRef.serial). Thread-safe:
 /// Load and Drop run while items are scored; an item keeps the weights it
 /// found (Find) alive until it ends, so Drop never frees weights in use.
 class LmHeadRegistry {
@@ -50,7 +52,8 @@ class LmHeadRegistry {
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  using Key = std::pair<std::string, std::string>;  // (name, version)
+  using Key = std::tuple<std::string, std::string, uint64_t>;  // (name, version, serial)
+  static Key KeyOf(const internal::v1::LmHeadRef& ref) { return Key{ref.name(), ref.version(), ref.serial()}; }
 
   ScoringBackend& backend_;
   const LmHeadPrecision precision_;

@@ -17,6 +17,7 @@ import itertools
 import os
 import random
 import re
+import secrets
 import threading
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -399,8 +400,10 @@ class ClientBase:
         else:
             dt, rows = lm_head_rows(weight, dtype)
             V, H = int(rows.shape[0]), int(rows.shape[1])
+        # client_token: a retried Begin whose answer was lost gets the update
+        # it opened, instead of finding the head busy until the time-out.
         begin = pb2.BeginLmHeadUpdateRequest(head=head, version=version, vocab_size=V, hidden_size=H, dtype=dt,
-                                             sha256=sha256 or "")
+                                             sha256=sha256 or "", client_token=secrets.token_hex(16))
         # The head's transform: what is not given stays the head's.
         if logit_scale is not None:
             begin.logit_scale = float(logit_scale)

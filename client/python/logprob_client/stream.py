@@ -110,7 +110,12 @@ class StreamAssembler:
             if isinstance(item, pb2.ScoreRequest):
                 request_id = item.id or self.next_id()
                 if not item.id:
-                    item = pb2.ScoreRequest(id=request_id, inputs=item.inputs, options=item.options)
+                    # A copy with the id: every other field (head,
+                    # head_version included) as the caller set it.
+                    named = pb2.ScoreRequest()
+                    named.CopyFrom(item)
+                    named.id = request_id
+                    item = named
                 entry = _Entry(request_id, None, 1)
                 parts = [(request_id, item)]
             elif isinstance(item, dict):
@@ -175,7 +180,10 @@ class StreamAssembler:
                 responses, entry.responses = entry.responses, []
                 try:
                     if entry.call is None:
-                        entry.outcome = ScoreResult(decode(responses[0]), entry.id, 1, 1)
+                        result = ScoreResult(decode(responses[0]), entry.id, 1, 1)
+                        result.head = getattr(responses[0], "head", "") or ""
+                        result.head_version = getattr(responses[0], "head_version", "") or ""
+                        entry.outcome = result
                     else:
                         entry.outcome = entry.call.result(responses, entry.count)
                 except LogprobError as e:

@@ -165,8 +165,10 @@ class UpdateTest(unittest.TestCase):
             c_, msg = code(lambda: stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id)))
             self.assertEqual(c_, grpc.StatusCode.INVALID_ARGUMENT)
             self.assertIn("sha256", msg)
-            self.assertEqual(code(lambda: stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id)))[0],
-                             grpc.StatusCode.NOT_FOUND)
+            # Retried, the Commit answers the same outcome (never NOT_FOUND).
+            c_, msg = code(lambda: stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id)))
+            self.assertEqual(c_, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("sha256", msg)
             # Rows missing, rows twice, a second update of the head while one is open.
             upd = begin()
             put(upd.update_id, 0, rows[:100])
@@ -288,7 +290,8 @@ class FaultTest(unittest.TestCase):
                 try:
                     c._stub.CommitLmHeadUpdate(pb2.LmHeadUpdateRef(update_id=upd.update_id))
                 except grpc.RpcError as e:
-                    return e.code() == grpc.StatusCode.NOT_FOUND and "no progress" in e.details()
+                    # Its outcome (a Commit after the end answers it), not NOT_FOUND.
+                    return e.code() == grpc.StatusCode.ABORTED and "no progress" in e.details()
                 return False
 
             wait_for(ended, "the idle update to be aborted", 60)
@@ -435,6 +438,51 @@ class OneWorkerTest(unittest.TestCase):
             (h,) = c.lm_heads()
             self.assertEqual((h.version, h.has_bias, h.logit_scale, h.final_logit_softcapping), ("v2", True, 4.0, 5.0))
             same(score(c), expect)
+
+
+class StreamHeadTest(unittest.TestCase):
+    """score_stream (sync and asyncio) keeps head and head_version on every
+    request it rebuilds (issue 31): a prepared ScoreRequest without an id
+    used to lose them and be scored with the default head."""
+
+    def test_score_stream_keeps_the_head_and_the_pinned_version(self):
+        from logprob_client.tensors import F32, I64, to_tensor
+        d = temp_dir("stream_head")
+        pol = save(os.path.join(d, "policy.safetensors"), weights(1))
+        ref = save(os.path.join(d, "reference.safetensors"), weights(9))
+        cu = np.array([0, 10, T], np.int64)
+        with Server(workers=1, extra=["--lm-head", "policy=" + pol, "--lm-head", "reference=" + ref]) as s, \
+                s.client() as c:
+            want = c.score(hidden_states=HIDDEN, input_ids=IDS, cu_seqlens=cu, head="reference")
+            other = c.score(hidden_states=HIDDEN, input_ids=IDS, cu_seqlens=cu, head="policy")
+            self.assertFalse(np.array_equal(np.asarray(want["token_logprobs"]), np.asarray(other["token_logprobs"])))
+
+            def prepared():
+                return pb2.ScoreRequest(head="reference", head_version="initial", inputs=[
+                    to_tensor("hidden_states", F32, HIDDEN), to_tensor("input_ids", I64, IDS),
+                    to_tensor("cu_seqlens", I64, cu)])
+
+            items = [prepared(), dict(hidden_states=HIDDEN, input_ids=IDS, cu_seqlens=cu, head="reference",
+                                      head_version="initial")]
+            got = list(c.score_stream(items))
+            self.assertEqual(len(got), 2)
+            for r in got:
+                self.assertEqual((r.head, r.head_version), ("reference", "initial"))
+                np.testing.assert_array_equal(np.asarray(r["token_logprobs"]), np.asarray(want["token_logprobs"]))
+
+            async def aio_stream():
+                async with aio.LogprobClient(s.address) as a:
+                    return [r async for r in a.score_stream([prepared()])]
+
+            (r,) = asyncio.run(aio_stream())
+            self.assertEqual((r.head, r.head_version), ("reference", "initial"))
+            np.testing.assert_array_equal(np.asarray(r["token_logprobs"]), np.asarray(want["token_logprobs"]))
+            # A pinned version the server does not hold fails: the pin was sent.
+            bad = prepared()
+            bad.head_version = "nope"
+            (err,) = list(c.score_stream([bad], return_exceptions=True))
+            self.assertIsInstance(err, LogprobError)
+            self.assertIn("nope", err.message)
 
 
 class UpdatesOffTest(unittest.TestCase):
