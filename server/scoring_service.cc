@@ -114,6 +114,11 @@ grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::Score
 grpc::Status ScoringService::ScoreStream(grpc::ServerContext* context,
                                          grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>* stream) {
   LOGPROB_RETURN_IF_ERROR(Authorize(context, "ScoreStream"));
+  // gRPC fills ServerContext::client_metadata()'s map on its first call,
+  // unsynchronised: fill it here, before the messages' threads read it
+  // concurrently (the shared-memory session key), or one of them may find
+  // it empty ("shared-memory calls need the metadata ...").
+  (void)context->client_metadata();
   // Messages are scored concurrently (so they can share worker batches),
   // up to kStreamInFlight at a time; a writer thread answers in order.
   std::mutex mu;
