@@ -71,9 +71,8 @@ absl::Status CheckLmHeadName(const std::string& name, const std::string& field) 
 
 absl::Status CheckLmHeadVersionName(const std::string& version, const std::string& field) {
   if (version.empty() || version.size() > 128 || !AllOf(version, "._:+-"))
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " \"", Printable(version, 128),
-                     "\": an lm_head version is 1..128 characters of [A-Za-z0-9._:+-]"));
+    return absl::InvalidArgumentError(absl::StrCat(field, " \"", Printable(version, 128),
+                                                   "\": an lm_head version is 1..128 characters of [A-Za-z0-9._:+-]"));
   return absl::OkStatus();
 }
 
