@@ -279,6 +279,7 @@ absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const
 
 void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why) {
   u->ended = true;
+  cv_.SignalAll();  // a retried Commit waiting for this outcome (Commit)
   open_.erase(u->id);
   if (ended_.size() >= kEndedKept) ended_.erase(ended_.begin());
   ended_[u->id] = outcome == "committed" ? "it was committed" : absl::StrCat("aborted: ", why);
@@ -667,8 +668,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     if (u->committing) {
       // A retry while the first Commit runs: its outcome, once it ends.
       Update* const w = u.get();
-      mu_.Await(absl::Condition(
-          +[](Update* x) { return x->ended; }, w));
+      while (!w->ended) cv_.Wait(&mu_);  // End signals cv_
       auto it = outcomes_.find(id);
       if (it == outcomes_.end()) return absl::AbortedError(absl::StrCat("lm_head update ", id, " ended"));
       if (!it->second.status.ok()) return it->second.status;
