@@ -150,13 +150,6 @@ v1::ScoreResponse MustScore(v1::LogprobService::Stub& stub, const v1::ScoreReque
   return resp;
 }
 
-v1::ServerInfo Info(v1::LogprobService::Stub& stub) {
-  grpc::ClientContext ctx;
-  v1::ServerInfo info;
-  EXPECT_TRUE(stub.GetServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
-  return info;
-}
-
 /// Entries of `got` outside docs/SPEC.md's tolerance 2e-4 + 2e-5 |want|,
 /// with the first ones described.
 std::string OutsideSpec(const std::vector<double>& want, const std::vector<float>& got) {

@@ -181,13 +181,6 @@ v1::Tensor Zeros(const std::string& name, DType dtype, std::vector<int64_t> shap
   return t;
 }
 
-v1::ServerInfo Info(v1::LogprobService::Stub& stub) {
-  grpc::ClientContext ctx;
-  v1::ServerInfo info;
-  EXPECT_TRUE(stub.GetServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
-  return info;
-}
-
 TEST(HiddenCheckpoint, ShardedIndexOverTwoFiles) {
   const std::string dir = TempDir("sharded");
   const v1::Tensor w = GoldenWeight();

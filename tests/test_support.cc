@@ -243,6 +243,13 @@ grpc::Status ScoreGolden(v1::LogprobService::Stub& stub, const GoldenCase& c, v1
   return stub.Score(&ctx, GoldenRequest(c), resp);
 }
 
+v1::ServerInfo Info(v1::LogprobService::Stub& stub) {
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub.GetServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
+  return info;
+}
+
 GoldenCase LoadGolden(const std::string& name) {
   GoldenCase c;
   c.name = name;

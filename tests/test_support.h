@@ -152,6 +152,10 @@ v1::ScoreRequest GoldenRequest(const GoldenCase& c);
 /// response goes to *resp.
 grpc::Status ScoreGolden(v1::LogprobService::Stub& stub, const GoldenCase& c, v1::ScoreResponse* resp);
 
+/// The server's GetServerInfo answer (a fresh context); a failed call is a
+/// test failure and gives an empty ServerInfo.
+v1::ServerInfo Info(v1::LogprobService::Stub& stub);
+
 /// The logprob-client flags that carry a golden case's options
 /// (" --entropy --topk 5 ...", each with a leading space).
 std::string CliOptionFlags(const GoldenCase& c);
