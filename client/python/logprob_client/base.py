@@ -20,7 +20,7 @@ import re
 import secrets
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import grpc
 
@@ -36,6 +36,7 @@ from .retry import Attempts, Deadline, OnRetry, RetryPolicy, error_of, reason_of
 from .shared_memory import SharedMemoryInputs
 from .stream import StreamAssembler, deliver
 from .tensors import float_array, to_tensor
+from .version_pin import VersionPin
 from . import cuda_ipc, shared_memory, transport
 from .wire import decode_response
 
@@ -123,6 +124,9 @@ class ClientBase:
     piece_bytes: int = transport.PIECE_BYTES
     # The lock of server_info's cache, of the client's kind (made by _open).
     _info_lock: Any
+    # Test seam: called with each part of a score() once it is answered,
+    # before the next part is sent (e.g. to commit an update between parts).
+    _after_part: Optional[Callable[[Part], None]] = None
 
     def __init__(
         self,
@@ -268,26 +272,30 @@ class ClientBase:
             ipc = cuda_ipc.server_accepts((yield from self._server_info_ops(deadline=deadline)))
         call = ScoreCall(request_id or self._next_id(), logits, input_ids, cuda_ipc=ipc, **options)
         limits = self._limits_of((yield from self._server_info_ops(deadline=deadline)))
+        # Every part is scored with the version the first got (version_pin.py).
+        pin = VersionPin(call.inputs.head, call.inputs.head_version)
         while True:
             responses: List[Any] = []
             sends = 0
+            pin.start()
             try:
                 parts = call.parts(limits)
                 for part in parts:
                     response, tries = yield from self._send_part_ops(part, limits, deadline)
                     responses.append(response)
                     sends += tries
-                    # Every part is scored with the version the first got.
-                    version = getattr(response, "head_version", "")
-                    if len(responses) == 1 and version and not part.inputs.head_version:
-                        for later in parts[1:]:
-                            later.inputs.head_version = version
+                    if len(responses) == 1:
+                        pin.first_scored(response, parts)
+                    if self._after_part is not None:
+                        self._after_part(part)
                 return call.result(responses, sends)
             except LogprobError as e:
                 # The server refused the CUDA IPC reference (once per call at
                 # most): this call goes again with bytes. Nothing changes for
                 # other calls (the client's cuda_ipc is the caller's setting).
-                if not call.refused(e):
+                # Or the version the parts were pinned to was released: the
+                # whole call starts again on the current one (once).
+                if not call.refused(e) and not pin.restart(e):
                     raise
 
     def _send_part_ops(self, part: Part, limits: Limits, deadline: Deadline) -> Ops[Tuple[Any, int]]:
