@@ -1,0 +1,153 @@
+"""Tensor-parallel senders of one lm_head update (issue 31 item 9): two
+processes, each with its own client (rank 0 sync, rank 1 asyncio), send the
+two vocabulary halves of one update begun by rank 0, which commits after a
+barrier; the head then scores bitwise as a server started with the whole
+weight. Also: abort, an already committed version, and a handle that keeps
+its capability out of its repr."""
+import asyncio
+import multiprocessing
+import os
+import pickle
+import unittest
+
+import grpc
+import numpy as np
+
+from support import Server, temp_dir
+from logprob_client import LmHeadUpdateHandle, LogprobClient, LogprobError, aio, safetensors
+
+V, H, T = 301, 64, 24
+HALF = 150
+HIDDEN = np.random.default_rng(7).standard_normal((T, H)).astype(np.float32)
+IDS = (np.arange(T) * 37 % V).astype(np.int64)
+CU = np.array([0, 10, T], np.int64)
+WAIT = 120.0  # seconds a rank waits for the other (a generous bound, not a sleep)
+
+
+def weights(seed):
+    return np.random.default_rng(seed).standard_normal((V, H)).astype(np.float32) * 0.2
+
+
+def score(client, **kw):
+    return client.score(hidden_states=HIDDEN, input_ids=IDS, cu_seqlens=CU, head="policy", entropy=True, topk=5,
+                        **kw)
+
+
+def same(a, b):
+    for name in ("token_logprobs", "entropy", "topk_logprobs", "topk_indices"):
+        np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
+
+
+def rank_main(rank, address, version, seed, conn, barrier, results):
+    """One tensor-parallel rank: its own client, its own half of the rows."""
+    try:
+        w = weights(seed)
+        if rank == 0:
+            with LogprobClient(address) as c:
+                update = c.begin_lm_head_update("policy", version=version, vocab_size=V, hidden_size=H, dtype="f32")
+                conn.send(update)  # as torch.distributed.broadcast_object_list would: pickled
+                c.put_lm_head_rows(update, 0, w[:HALF])
+                barrier.wait(WAIT)  # every rank has put its rows
+                results.put((rank, "ok", c.commit_lm_head_update(update)))
+        else:
+            if not conn.poll(WAIT):
+                raise TimeoutError("rank 0 sent no update")
+            update = conn.recv()
+            if update is None:
+                raise RuntimeError("rank 0 failed before it sent the update")
+            import torch  # a trainer's shard is a tensor
+
+            async def put():
+                async with aio.LogprobClient(address, shared_memory=False) as a:  # its rows in pieces
+                    await a.put_lm_head_rows(update, HALF, torch.from_numpy(w[HALF:]))
+
+            asyncio.run(put())
+            barrier.wait(WAIT)
+            results.put((rank, "ok", ""))
+    except BaseException as e:  # reported to the test; the other rank is released
+        barrier.abort()
+        if rank == 0:
+            conn.send(None)
+        results.put((rank, "error", "%s: %s" % (type(e).__name__, e)))
+
+
+class TensorParallelSendersTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = temp_dir("lm_head_sender")
+        start = os.path.join(cls.dir, "w0.safetensors")
+        safetensors.save(start, {"lm_head.weight": weights(1)})
+        cls.server = Server(workers=2, extra=["--lm-head", "policy=" + start, "--allow-lm-head-updates",
+                                              "--lm-head-retain", "2"])
+        # A server started with the whole weight: what the update must reproduce bitwise.
+        whole = os.path.join(cls.dir, "w2.safetensors")
+        safetensors.save(whole, {"lm_head.weight": weights(2)})
+        with Server(workers=2, extra=["--lm-head", "policy=" + whole]) as s, s.client() as c:
+            cls.expect = score(c)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.close()
+
+    def test_two_processes_send_the_halves_of_one_update(self):
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding gRPC channels
+        a, b = ctx.Pipe()
+        barrier = ctx.Barrier(2)
+        results = ctx.Queue()
+        ranks = [ctx.Process(target=rank_main, args=(r, self.server.address, "tp-2", 2, a if r == 0 else b,
+                                                     barrier, results)) for r in (0, 1)]
+        for p in ranks:
+            p.start()
+        try:
+            outcomes = sorted(results.get(timeout=2 * WAIT) for _ in ranks)
+        finally:
+            for p in ranks:
+                p.join(WAIT)
+                if p.is_alive():
+                    p.kill()
+        self.assertEqual(outcomes, [(0, "ok", "tp-2"), (1, "ok", "")])
+        with self.server.client() as c:
+            got = score(c)
+            self.assertEqual(got.head_version, "tp-2")
+            same(got, self.expect)
+
+    def test_abort_already_committed_and_the_handle(self):
+        with self.server.client() as c:
+            before = score(c)
+            update = c.begin_lm_head_update("policy", version="aborted", vocab_size=V, hidden_size=H,
+                                            dtype=np.float32)
+            self.assertEqual(len(update.update_id), 32)  # 128 bits, hex
+            self.assertNotIn(update.update_id, repr(update))
+            again = pickle.loads(pickle.dumps(update))
+            self.assertIsInstance(again, LmHeadUpdateHandle)
+            self.assertEqual((again.update_id, again.head, again.version, again.vocab_size, again.hidden_size),
+                             (update.update_id, "policy", "aborted", V, H))
+            c.put_lm_head_rows(again, 0, weights(3)[:HALF])
+            # Rows missing: the commit fails naming them, and the update stays open.
+            with self.assertRaises(LogprobError) as e:
+                c.commit_lm_head_update(update)
+            self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("first [%d, %d)" % (HALF, V), e.exception.message)
+            c.put_lm_head_rows(update, HALF, weights(3)[HALF:])
+            c.abort_lm_head_update(update)
+            with self.assertRaises(LogprobError) as e:
+                c.commit_lm_head_update(update)
+            self.assertEqual(e.exception.code, grpc.StatusCode.ABORTED)
+            now = score(c)
+            self.assertEqual(now.head_version, before.head_version)
+            same(now, before)
+            # A committed (head, version, sha256) again: nothing to send or commit.
+            c.update_lm_head("policy", weights(4), version="same-4")
+            sha = next(h.sha256 for h in c.lm_heads() if h.name == "policy")
+            if not sha:  # hashed after the commit; wait for it
+                from support import hashed_head
+                sha = hashed_head(c, "policy").sha256
+            update = c.begin_lm_head_update("policy", version="same-4", vocab_size=V, hidden_size=H, dtype="f32",
+                                            sha256=sha)
+            self.assertTrue(update.already_committed)
+            c.put_lm_head_rows(update, 0, weights(5))  # nothing is sent
+            self.assertEqual(c.commit_lm_head_update(update), "same-4")
+
+
+if __name__ == "__main__":
+    unittest.main()
