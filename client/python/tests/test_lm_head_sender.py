@@ -71,6 +71,47 @@ def rank_main(rank, address, version, seed, conn, barrier, results):
         results.put((rank, "error", "%s: %s" % (type(e).__name__, e)))
 
 
+def dist_rank_main(rank, address, init_file, version, seed, row_begins, results):
+    """One rank of a torch.distributed (gloo) group running
+    ``push_lm_head_shard`` with its own client; ``row_begins[rank]`` is
+    where its shard starts (the halves, or a bad start to make it fail)."""
+    try:
+        import torch
+        import torch.distributed as dist
+        from logprob_client.tensor_parallel import push_lm_head_shard
+
+        dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)
+        try:
+            w = torch.from_numpy(weights(seed))
+            shard = w[:HALF] if rank == 0 else w[HALF:]
+            with LogprobClient(address) as c:
+                got = push_lm_head_shard(c, shard, row_begins[rank], V, version, head="policy")
+            results.put((rank, "ok", got))
+        finally:
+            dist.destroy_process_group()
+    except LogprobError as e:
+        results.put((rank, e.code.name, e.message))
+    except BaseException as e:
+        results.put((rank, "error", "%s: %s" % (type(e).__name__, e)))
+
+
+def run_ranks(target, args_of):
+    """Runs ``target(rank, *args_of(rank), results)`` in two spawned
+    processes; returns their reports, sorted by rank."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding gRPC channels
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=target, args=(r,) + args_of(r, ctx) + (results,)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        return sorted(results.get(timeout=2 * WAIT) for _ in ranks)
+    finally:
+        for p in ranks:
+            p.join(WAIT)
+            if p.is_alive():
+                p.kill()
+
+
 class TensorParallelSendersTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -90,25 +131,38 @@ class TensorParallelSendersTest(unittest.TestCase):
         cls.server.close()
 
     def test_two_processes_send_the_halves_of_one_update(self):
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding gRPC channels
-        a, b = ctx.Pipe()
-        barrier = ctx.Barrier(2)
-        results = ctx.Queue()
-        ranks = [ctx.Process(target=rank_main, args=(r, self.server.address, "tp-2", 2, a if r == 0 else b,
-                                                     barrier, results)) for r in (0, 1)]
-        for p in ranks:
-            p.start()
-        try:
-            outcomes = sorted(results.get(timeout=2 * WAIT) for _ in ranks)
-        finally:
-            for p in ranks:
-                p.join(WAIT)
-                if p.is_alive():
-                    p.kill()
-        self.assertEqual(outcomes, [(0, "ok", "tp-2"), (1, "ok", "")])
+        shared = {}
+
+        def args_of(rank, ctx):
+            if not shared:
+                shared["pipe"], shared["barrier"] = ctx.Pipe(), ctx.Barrier(2)
+            return (self.server.address, "tp-2", 2, shared["pipe"][rank], shared["barrier"])
+
+        self.assertEqual(run_ranks(rank_main, args_of), [(0, "ok", "tp-2"), (1, "ok", "")])
         with self.server.client() as c:
             got = score(c)
             self.assertEqual(got.head_version, "tp-2")
+            same(got, self.expect)
+
+    def test_push_lm_head_shard_over_torch_distributed(self):
+        # A put that fails on one rank (its rows start past the vocabulary):
+        # aborted, every rank raises it, the current version keeps serving.
+        with self.server.client() as c:
+            before = score(c)
+        init = os.path.join(temp_dir("tp_init"), "bad")
+        reports = run_ranks(dist_rank_main, lambda r, ctx: (self.server.address, init, "tp-bad", 3, (0, V)))
+        self.assertEqual([r[:2] for r in reports], [(0, "INVALID_ARGUMENT"), (1, "INVALID_ARGUMENT")])
+        for _, _, message in reports:
+            self.assertIn("rank 1 of the tensor-parallel group", message)
+        with self.server.client() as c:
+            same(score(c), before)
+        # The halves of the whole weight: bitwise a server started with it.
+        init = os.path.join(temp_dir("tp_init"), "good")
+        reports = run_ranks(dist_rank_main, lambda r, ctx: (self.server.address, init, "tp-dist-2", 2, (0, HALF)))
+        self.assertEqual(reports, [(0, "ok", "tp-dist-2"), (1, "ok", "tp-dist-2")])
+        with self.server.client() as c:
+            got = score(c)
+            self.assertEqual(got.head_version, "tp-dist-2")
             same(got, self.expect)
 
     def test_abort_already_committed_and_the_handle(self):
