@@ -13,7 +13,7 @@ import unittest
 import grpc
 import numpy as np
 
-from support import Server, temp_dir
+from support import Server, hashed_head, temp_dir
 from logprob_client import LmHeadUpdateHandle, LogprobClient, LogprobError, aio, safetensors
 
 V, H, T = 301, 64, 24
@@ -165,6 +165,25 @@ class TensorParallelSendersTest(unittest.TestCase):
             self.assertEqual(got.head_version, "tp-dist-2")
             same(got, self.expect)
 
+    def test_asyncio_steps(self):
+        async def run():
+            async with aio.LogprobClient(self.server.address) as a:
+                update = await a.begin_lm_head_update("policy", version="aio-steps", vocab_size=V, hidden_size=H,
+                                                      dtype="f32")
+                await a.put_lm_head_rows(update, HALF, weights(2)[HALF:])
+                await a.put_lm_head_rows(update, 0, weights(2)[:HALF])
+                version = await a.commit_lm_head_update(update)
+                aborted = await a.begin_lm_head_update("policy", version="aio-aborted", vocab_size=V, hidden_size=H,
+                                                       dtype="f32")
+                await a.abort_lm_head_update(aborted)
+                return version
+
+        self.assertEqual(asyncio.run(run()), "aio-steps")
+        with self.server.client() as c:
+            got = score(c)
+            self.assertEqual(got.head_version, "aio-steps")
+            same(got, self.expect)
+
     def test_abort_already_committed_and_the_handle(self):
         with self.server.client() as c:
             before = score(c)
@@ -192,10 +211,7 @@ class TensorParallelSendersTest(unittest.TestCase):
             same(now, before)
             # A committed (head, version, sha256) again: nothing to send or commit.
             c.update_lm_head("policy", weights(4), version="same-4")
-            sha = next(h.sha256 for h in c.lm_heads() if h.name == "policy")
-            if not sha:  # hashed after the commit; wait for it
-                from support import hashed_head
-                sha = hashed_head(c, "policy").sha256
+            sha = hashed_head(c, "policy").sha256  # hashed after the commit: waits for it
             update = c.begin_lm_head_update("policy", version="same-4", vocab_size=V, hidden_size=H, dtype="f32",
                                             sha256=sha)
             self.assertTrue(update.already_committed)
