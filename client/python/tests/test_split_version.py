@@ -4,7 +4,8 @@ are pinned to the first part's version; when an update commits between two
 parts (a hook of the client between parts, no sleeping) that version is
 released, and the whole call starts again on the new version (every part
 re-scored, the first unpinned); a second release fails the call with
-reason LM_HEAD_VERSION_UNAVAILABLE naming both versions."""
+reason LM_HEAD_VERSION_UNAVAILABLE naming both versions. Parts answered
+by two versions (a streamed item's) are never joined."""
 import asyncio
 import os
 import unittest
@@ -125,6 +126,20 @@ class SplitAcrossCommitTest(unittest.TestCase):
                 c.score(head_version="sync-c", **call_kwargs())
             self.assertEqual(e.exception.reason, "LM_HEAD_VERSION_UNAVAILABLE")
             self.assertEqual(recorder.sent, [(1, "sync-c")])
+
+    def test_parts_scored_with_two_versions_are_never_joined(self):
+        # score() pins its parts; a streamed item's parts are in flight at
+        # once, so their answers may come from two versions: refused.
+        from logprob_client._proto import pb2
+        from logprob_client.request import ScoreCall
+
+        call = ScoreCall("r", **call_kwargs())
+        answers = [pb2.ScoreResponse(id="r-%d" % i, head="policy", head_version=v) for i, v in
+                   enumerate(["v1", "v1", "v2", "v1"])]
+        with self.assertRaises(LogprobError) as e:
+            call.result(answers, len(answers))
+        self.assertEqual(e.exception.code, grpc.StatusCode.ABORTED)
+        self.assertIn("'v1', 'v2'", e.exception.message)
 
     def test_asyncio_split_call_restarts_once_on_the_new_version_then_fails_naming_both(self):
         async def run():
