@@ -296,11 +296,14 @@ class AioChunkedScore:
 
 async def parts_in_executor(parts: Iterator[bytes]) -> AsyncIterator[bytes]:
     """``parts`` as an async iterator whose items are made, one at a time,
-    in the running loop's default executor."""
+    in the running loop's default executor: the next while the caller
+    sends the one before (one part ahead at most)."""
     loop = asyncio.get_running_loop()
     end = object()
+    pending = loop.run_in_executor(None, next, parts, end)
     while True:
-        part = await loop.run_in_executor(None, next, parts, end)
+        part = await pending
         if part is end:
             return
+        pending = loop.run_in_executor(None, next, parts, end)
         yield part  # type: ignore[misc]
