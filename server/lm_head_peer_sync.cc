@@ -106,9 +106,9 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
   if (auto taken = heads.Taken(want.name(), want.version())) {
     cancel();
     if (taken->get() == got.sha256()) return absl::OkStatus();
-    return absl::FailedPreconditionError(
-        absl::StrCat("lm_head \"", want.name(), "\" version \"", want.version(), "\": this server holds sha256 ",
-                     taken->get(), " under that name, peer ", peer, " holds ", got.sha256()));
+    return absl::FailedPreconditionError(absl::StrCat("lm_head \"", want.name(), "\" version \"", want.version(),
+                                                      "\": this server holds sha256 ", taken->get(),
+                                                      " under that name, peer ", peer, " holds ", got.sha256()));
   }
   v1::BeginLmHeadUpdateRequest begin;
   begin.set_head(want.name());
@@ -129,23 +129,22 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
   const std::string id = opened->update_id();
   const int64_t total = V * H * static_cast<int64_t>(DTypeSize(got.dtype()));
   // The pieces land in the staged file as they arrive, as a client's do.
-  absl::StatusOr<v1::LmHeadUpdate> put =
-      updates.PutRowsWith(id, 0, V, got.dtype(), H, [&](char* dst) -> absl::Status {
-        int64_t have = 0;
-        while (have < total && reader->Read(&part)) {
-          const v1::TensorPiece& p = part.piece();
-          if (!part.has_piece() || p.tensor() != 0 || p.offset() != have ||
-              static_cast<int64_t>(p.data().size()) > total - have)
-            return absl::DataLossError(absl::StrCat("peer ", peer, ": piece at offset ", p.offset(), " of ",
-                                                    p.data().size(), " bytes after ", have, " of ", total));
-          std::memcpy(dst + have, p.data().data(), p.data().size());
-          have += static_cast<int64_t>(p.data().size());
-        }
-        if (have == total) return finish();
-        absl::Status st = finish();
-        return absl::DataLossError(absl::StrCat("peer ", peer, "'s ReadLmHeadRows ended after ", have, " of ", total,
-                                                " bytes: ", st.ToString()));
-      });
+  absl::StatusOr<v1::LmHeadUpdate> put = updates.PutRowsWith(id, 0, V, got.dtype(), H, [&](char* dst) -> absl::Status {
+    int64_t have = 0;
+    while (have < total && reader->Read(&part)) {
+      const v1::TensorPiece& p = part.piece();
+      if (!part.has_piece() || p.tensor() != 0 || p.offset() != have ||
+          static_cast<int64_t>(p.data().size()) > total - have)
+        return absl::DataLossError(absl::StrCat("peer ", peer, ": piece at offset ", p.offset(), " of ",
+                                                p.data().size(), " bytes after ", have, " of ", total));
+      std::memcpy(dst + have, p.data().data(), p.data().size());
+      have += static_cast<int64_t>(p.data().size());
+    }
+    if (have == total) return finish();
+    absl::Status st = finish();
+    return absl::DataLossError(
+        absl::StrCat("peer ", peer, "'s ReadLmHeadRows ended after ", have, " of ", total, " bytes: ", st.ToString()));
+  });
   if (!put.ok()) {
     cancel();
     (void)updates.Abort(id);
@@ -168,10 +167,8 @@ absl::StatusOr<std::vector<std::string>> ResolvePeerTarget(const std::string& ta
     for (absl::string_view a : absl::StrSplit(t.substr(5), ',', absl::SkipEmpty())) add(std::string(a));
     return out;
   }
-  if (absl::StartsWith(t, "dns:///"))
-    t = t.substr(7);
-  else if (absl::StartsWith(t, "dns:"))
-    t = t.substr(4);
+  if (absl::StartsWith(t, "dns:///")) t = t.substr(7);
+  else if (absl::StartsWith(t, "dns:")) t = t.substr(4);
   for (absl::string_view part : absl::StrSplit(t, ',', absl::SkipEmpty())) {
     std::string host, port;
     if (absl::StartsWith(part, "[")) {
@@ -186,9 +183,9 @@ absl::StatusOr<std::vector<std::string>> ResolvePeerTarget(const std::string& ta
     }
     int port_number = 0;
     if (host.empty() || !absl::SimpleAtoi(port, &port_number) || port_number < 1 || port_number > 65535)
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--lm-head-sync-from \"", Printable(std::string(part), 256),
-          "\": give HOST:PORT, several separated by commas, dns:///HOST:PORT or ipv4:IP:PORT,IP:PORT"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--lm-head-sync-from \"", Printable(std::string(part), 256),
+                       "\": give HOST:PORT, several separated by commas, dns:///HOST:PORT or ipv4:IP:PORT,IP:PORT"));
     for (const std::string& a : Lookup(host, port)) add(a);
   }
   return out;
@@ -250,8 +247,8 @@ absl::StatusOr<std::vector<PeerSyncResult>> SyncLmHeadsFromPeers(const PeerSyncO
         break;
       }
       if (last.code() == absl::StatusCode::kFailedPrecondition) return last;  // the name is taken here
-      LogLine() << "logprob-server: --lm-head-sync-from: lm_head " << local.name() << " version "
-                << newest.version() << " from " << p.peer << " failed: " << last.ToString();
+      LogLine() << "logprob-server: --lm-head-sync-from: lm_head " << local.name() << " version " << newest.version()
+                << " from " << p.peer << " failed: " << last.ToString();
     }
     if (!done) return last;
     LogLine() << "logprob-server: --lm-head-sync-from: lm_head " << local.name() << " version " << newest.version()

@@ -36,7 +36,7 @@ struct PeerSyncOptions {
   /// A channel to one peer address (TLS and the bearer token as the
   /// deployment needs: client::MakeChannel in logprob-server).
   std::function<absl::StatusOr<std::shared_ptr<grpc::Channel>>(const std::string& address)> channel;
-  std::chrono::seconds info_timeout{10};  // each peer's GetServerInfo
+  std::chrono::seconds info_timeout{10};   // each peer's GetServerInfo
   std::chrono::seconds pull_timeout{600};  // each version's ReadLmHeadRows
 };
 

@@ -161,9 +161,9 @@ std::shared_ptr<const LmHeadVersion> LmHeads::Find(const std::string& name, cons
 
 absl::Status LmHeads::Commit(LmHeadVersion next, const std::function<bool()>& still_valid) {
   if (next.committed_unix_ms == 0)
-    next.committed_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                                 std::chrono::system_clock::now().time_since_epoch())
-                                 .count();
+    next.committed_unix_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
   auto shared = Share(std::move(next));
   std::vector<std::shared_ptr<const LmHeadVersion>> leaving;  // released outside the lock
   {

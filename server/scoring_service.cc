@@ -298,8 +298,9 @@ grpc::Status ScoringService::ReadLmHeadRows(grpc::ServerContext* context, const 
   absl::Status st = Updates(context, kMethod).status();
   if (st.ok() && core_.config().lm_heads == nullptr) st = absl::NotFoundError("this server holds no lm_head");
   if (st.ok())
-    st = ReadLmHeadVersion(*core_.config().lm_heads, *req, chunked::kDefaultPieceBytes,
-                           [&](const v1::LmHeadRowsChunk& part) { return !context->IsCancelled() && writer->Write(part); });
+    st = ReadLmHeadVersion(
+        *core_.config().lm_heads, *req, chunked::kDefaultPieceBytes,
+        [&](const v1::LmHeadRowsChunk& part) { return !context->IsCancelled() && writer->Write(part); });
   Logged(metrics_, kMethod,
          absl::StrCat("head=", Printable(req->head(), 64), " version=", Printable(req->version(), 128),
                       " rows=", req->row_begin(), "..", req->row_end()),
