@@ -191,8 +191,11 @@ absl::StatusOr<std::vector<std::string>> ResolvePeerTarget(const std::string& ta
   return out;
 }
 
-absl::StatusOr<std::vector<PeerSyncResult>> SyncLmHeadsFromPeers(const PeerSyncOptions& options, const LmHeads& heads,
-                                                                 LmHeadUpdates& updates) {
+namespace {
+
+/// One round of SyncLmHeadsFromPeers: the peers asked once.
+absl::StatusOr<std::vector<PeerSyncResult>> SyncRound(const PeerSyncOptions& options, const LmHeads& heads,
+                                                      LmHeadUpdates& updates) {
   LOGPROB_ASSIGN_OR_RETURN(std::vector<std::string> peers, ResolvePeerTarget(options.target));
   std::map<std::string, std::vector<PeerHead>> by_head;  // head -> the peers' current versions
   int answered = 0;
@@ -256,6 +259,19 @@ absl::StatusOr<std::vector<PeerSyncResult>> SyncLmHeadsFromPeers(const PeerSyncO
     results.push_back(result);
   }
   return results;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PeerSyncResult>> SyncLmHeadsFromPeers(const PeerSyncOptions& options, const LmHeads& heads,
+                                                                 LmHeadUpdates& updates) {
+  // Again while a round pulled something: an update the peers committed
+  // meanwhile is caught too.
+  for (int round = 1;; ++round) {
+    LOGPROB_ASSIGN_OR_RETURN(std::vector<PeerSyncResult> results, SyncRound(options, heads, updates));
+    const bool pulled = std::any_of(results.begin(), results.end(), [](const PeerSyncResult& r) { return r.pulled; });
+    if (!pulled || round == kPeerSyncRounds) return results;
+  }
 }
 
 }  // namespace logprob

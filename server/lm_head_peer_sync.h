@@ -46,6 +46,9 @@ struct PeerSyncResult {
   bool pulled = false;
 };
 
+/// Rounds SyncLmHeadsFromPeers asks the peers at most.
+inline constexpr int kPeerSyncRounds = 3;
+
 /// For each head of `heads` that is not frozen: the peers' current
 /// versions that an update committed (committed_unix_ms > 0); the newest
 /// of them (largest committed_unix_ms; ties: the one most peers hold) is
@@ -58,8 +61,10 @@ struct PeerSyncResult {
 /// replica of a deployment). Errors: the target's (ResolvePeerTarget);
 /// FAILED_PRECONDITION when a peer's head has another shape or dtype than
 /// this server's, or the name is taken here with other bytes; the last
-/// pull's error when no peer could give a version. Blocking; call it once,
-/// before the heads are served.
+/// pull's error when no peer could give a version. Asks again (up to
+/// kPeerSyncRounds rounds) while a round pulled something, so an update
+/// the peers committed meanwhile is caught; returns the last round's
+/// results. Blocking; call it once, before the heads are served.
 absl::StatusOr<std::vector<PeerSyncResult>> SyncLmHeadsFromPeers(const PeerSyncOptions& options, const LmHeads& heads,
                                                                  LmHeadUpdates& updates);
 
