@@ -193,9 +193,11 @@ absl::StatusOr<std::vector<std::string>> ResolvePeerTarget(const std::string& ta
 
 namespace {
 
-/// One round of SyncLmHeadsFromPeers: the peers asked once.
+/// One round of SyncLmHeadsFromPeers: the peers asked once. `ours`: head
+/// -> the version an earlier round pulled.
 absl::StatusOr<std::vector<PeerSyncResult>> SyncRound(const PeerSyncOptions& options, const LmHeads& heads,
-                                                      LmHeadUpdates& updates) {
+                                                      LmHeadUpdates& updates,
+                                                      const std::map<std::string, std::string>& ours) {
   LOGPROB_ASSIGN_OR_RETURN(std::vector<std::string> peers, ResolvePeerTarget(options.target));
   std::map<std::string, std::vector<PeerHead>> by_head;  // head -> the peers' current versions
   int answered = 0;
@@ -219,6 +221,9 @@ absl::StatusOr<std::vector<PeerSyncResult>> SyncRound(const PeerSyncOptions& opt
   std::vector<PeerSyncResult> results;
   for (const v1::LmHeadInfo& local : heads.List()) {
     if (local.frozen()) continue;
+    // A client's update reached this server meanwhile: it is the newest.
+    if (local.committed_unix_ms() > 0 && (!ours.count(local.name()) || ours.at(local.name()) != local.version()))
+      continue;
     auto it = by_head.find(local.name());
     if (it == by_head.end()) continue;
     // The newest version: the latest commit; ties: the version most peers hold.
@@ -267,8 +272,11 @@ absl::StatusOr<std::vector<PeerSyncResult>> SyncLmHeadsFromPeers(const PeerSyncO
                                                                  LmHeadUpdates& updates) {
   // Again while a round pulled something: an update the peers committed
   // meanwhile is caught too.
+  std::map<std::string, std::string> ours;  // head -> the version pulled
   for (int round = 1;; ++round) {
-    LOGPROB_ASSIGN_OR_RETURN(std::vector<PeerSyncResult> results, SyncRound(options, heads, updates));
+    LOGPROB_ASSIGN_OR_RETURN(std::vector<PeerSyncResult> results, SyncRound(options, heads, updates, ours));
+    for (const PeerSyncResult& r : results)
+      if (r.pulled) ours[r.head] = r.version;
     const bool pulled = std::any_of(results.begin(), results.end(), [](const PeerSyncResult& r) { return r.pulled; });
     if (!pulled || round == kPeerSyncRounds) return results;
   }

@@ -49,7 +49,9 @@ struct PeerSyncResult {
 /// Rounds SyncLmHeadsFromPeers asks the peers at most.
 inline constexpr int kPeerSyncRounds = 3;
 
-/// For each head of `heads` that is not frozen: the peers' current
+/// For each head of `heads` that is not frozen and still at its start-up
+/// version (or one this call pulled: a client's update that reached this
+/// server meanwhile is newer than any peer's): the peers' current
 /// versions that an update committed (committed_unix_ms > 0); the newest
 /// of them (largest committed_unix_ms; ties: the one most peers hold) is
 /// pulled unless this server took that name with the same sha256 already:
