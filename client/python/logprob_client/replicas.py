@@ -93,7 +93,7 @@ def weight_sha256(weight: Any, dtype: Any = None) -> str:
     at commit and what makes a re-sent version a no-op. A CUDA tensor is
     copied to the host for it (give ``sha256=`` to avoid that)."""
     _, rows = lm_head_rows(weight, dtype)
-    return hashlib.sha256(memoryview(rows.reshape(-1).view("uint8"))).hexdigest()
+    return hashlib.sha256(rows.reshape(-1).view("uint8").data).hexdigest()
 
 
 class ReplicaUpdateError(LogprobError):
@@ -177,7 +177,7 @@ async def update_lm_head_replicas_async(target: Target, head: str, weight: Any, 
 
     loop = asyncio.get_running_loop()
     replicas = await loop.run_in_executor(None, resolve_replicas, target)
-    digest = sha256 or await loop.run_in_executor(None, weight_sha256, weight, dtype)
+    digest = sha256 if sha256 else await loop.run_in_executor(None, weight_sha256, weight, dtype)
     args = _update_args(version, digest, timeout, dtype, bias, logit_scale, final_logit_softcapping)
 
     async def one(address: str) -> Any:
