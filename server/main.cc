@@ -438,6 +438,10 @@ int main(int argc, char** argv) {
   const std::string sync_from = absl::GetFlag(FLAGS_lm_head_sync_from);
   if (!sync_from.empty() && !config.lm_head_updates)
     return Fail("--lm-head-sync-from needs --allow-lm-head-updates (caught-up versions go through the update path)");
+  if (!sync_from.empty() && external > 0)
+    return Fail(
+        "--lm-head-sync-from is for replicated front-ends with local workers (--workers); a cluster-mode "
+        "front-end is the only one of its group");
   std::atomic<bool> heads_synced{sync_from.empty()};
   config.lm_heads_ready = [&heads_synced]() -> absl::Status {
     if (heads_synced) return absl::OkStatus();
