@@ -227,6 +227,28 @@ class CatchUpGateTest(unittest.TestCase):
             peer.release.set()
             grpc_server.stop(None)
 
+    def test_with_a_token_the_catch_up_sends_it_and_reading_needs_it(self):
+        d = temp_dir("replicas_token")
+        token_file = os.path.join(d, "token")
+        with open(token_file, "w") as f:
+            f.write("replica-secret-token-0123456789\n")
+        w1 = weights(2)
+        flags = ["--lm-head", "policy=" + save(os.path.join(d, "w0.safetensors"), weights(1)),
+                 "--allow-lm-head-updates", "--auth-token-file", token_file]
+        auth = {"token_file": token_file}
+        with Server(extra=flags, client_kwargs=auth) as a:
+            update_lm_head_replicas([a.address], "policy", w1, version="step-1", **auth)
+            with grpc.insecure_channel(a.address) as ch:
+                with self.assertRaises(grpc.RpcError) as err:
+                    list(pb2_grpc.LogprobServiceStub(ch).ReadLmHeadRows(pb2.ReadLmHeadRowsRequest(head="policy")))
+                self.assertEqual(err.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+            with Server(extra=flags + ["--lm-head-sync-from", a.address], client_kwargs=auth) as late, \
+                    late.client() as c:
+                r = score(c)
+                self.assertEqual(r.head_version, "step-1")
+                with a.client() as ac:
+                    same(r, score(ac))
+
 
 if __name__ == "__main__":
     unittest.main()
