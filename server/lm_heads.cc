@@ -160,6 +160,10 @@ std::shared_ptr<const LmHeadVersion> LmHeads::Find(const std::string& name, cons
 }
 
 absl::Status LmHeads::Commit(LmHeadVersion next, const std::function<bool()>& still_valid) {
+  if (next.committed_unix_ms == 0)
+    next.committed_unix_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
   auto shared = Share(std::move(next));
   std::vector<std::shared_ptr<const LmHeadVersion>> leaving;  // released outside the lock
   {
@@ -211,30 +215,39 @@ int64_t LmHeads::AliveBytesPerWorker() const {
   return bytes;
 }
 
+v1::LmHeadInfo LmHeads::InfoOf(const std::string& name, const Head& head, const LmHeadVersion& v) const {
+  v1::LmHeadInfo info;
+  info.set_name(name);
+  info.set_version(v.version);
+  for (const auto& r : head.retained) info.add_retained_versions(r->version);
+  info.set_vocab_size(v.source.vocab_size);
+  info.set_hidden_size(v.source.hidden_size);
+  info.set_dtype(v.source.dtype);
+  if (options_.precision_of) info.set_precision(options_.precision_of(v.source.dtype));
+  info.set_sha256(v.Sha256IfKnown());
+  info.set_bytes_per_worker(v.bytes_per_worker);
+  info.set_source(v.origin);
+  info.set_tied_embeddings(v.source.tied_embeddings);
+  info.set_has_bias(v.source.transform.has_bias);
+  info.set_logit_scale(v.source.transform.logit_scale);
+  info.set_final_logit_softcapping(v.source.transform.softcap);
+  info.set_frozen(Frozen(name));
+  info.set_committed_unix_ms(v.committed_unix_ms);
+  return info;
+}
+
 std::vector<v1::LmHeadInfo> LmHeads::List() const {
   std::vector<v1::LmHeadInfo> out;
   absl::MutexLock lock(&mu_);
-  for (const auto& [name, head] : heads_) {
-    const LmHeadVersion& cur = *head.retained.front();
-    v1::LmHeadInfo info;
-    info.set_name(name);
-    info.set_version(cur.version);
-    for (const auto& v : head.retained) info.add_retained_versions(v->version);
-    info.set_vocab_size(cur.source.vocab_size);
-    info.set_hidden_size(cur.source.hidden_size);
-    info.set_dtype(cur.source.dtype);
-    if (options_.precision_of) info.set_precision(options_.precision_of(cur.source.dtype));
-    info.set_sha256(cur.Sha256IfKnown());
-    info.set_bytes_per_worker(cur.bytes_per_worker);
-    info.set_source(cur.origin);
-    info.set_tied_embeddings(cur.source.tied_embeddings);
-    info.set_has_bias(cur.source.transform.has_bias);
-    info.set_logit_scale(cur.source.transform.logit_scale);
-    info.set_final_logit_softcapping(cur.source.transform.softcap);
-    info.set_frozen(Frozen(name));
-    out.push_back(std::move(info));
-  }
+  for (const auto& [name, head] : heads_) out.push_back(InfoOf(name, head, *head.retained.front()));
   return out;
+}
+
+absl::StatusOr<v1::LmHeadInfo> LmHeads::Describe(const LmHeadVersion& v) const {
+  absl::MutexLock lock(&mu_);
+  auto it = heads_.find(v.head);
+  if (it == heads_.end()) return absl::NotFoundError(absl::StrCat("lm_head \"", v.head, "\": no such head"));
+  return InfoOf(v.head, it->second, v);
 }
 
 }  // namespace logprob

@@ -49,6 +49,9 @@ struct LmHeadVersion {
   std::shared_future<std::string> sha256;
   int64_t bytes_per_worker = 0;  // the largest worker's slice, in source.dtype
   std::string origin;            // "PATH[:TENSOR]" given at start, or kUpdateOrigin
+  // When it became current (LmHeads::Commit), ms since the Unix epoch;
+  // 0 for a version loaded at start (LmHeadInfo.committed_unix_ms).
+  int64_t committed_unix_ms = 0;
 
   /// sha256 if computed, else "" (never waits).
   std::string Sha256IfKnown() const;
@@ -141,6 +144,11 @@ class LmHeads {
   /// ServerInfo.lm_heads, by name.
   std::vector<v1::LmHeadInfo> List() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  /// The LmHeadInfo of version `v` of a head this holds, as List gives the
+  /// current one (retained_versions and frozen: the head's now; sha256 if
+  /// known). NOT_FOUND for an unknown head.
+  absl::StatusOr<v1::LmHeadInfo> Describe(const LmHeadVersion& v) const ABSL_LOCKS_EXCLUDED(mu_);
+
   /// Bytes per worker of every version not yet released.
   int64_t AliveBytesPerWorker() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -151,6 +159,9 @@ class LmHeads {
   };
   /// The head a request names (see Bind). mu_ held.
   absl::StatusOr<const Head*> Named(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// LmHeadInfo of version `v` of head `head` named `name`. mu_ held.
+  v1::LmHeadInfo InfoOf(const std::string& name, const Head& head, const LmHeadVersion& v) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// A shared version whose last release calls on_release.
   std::shared_ptr<const LmHeadVersion> Share(LmHeadVersion v);
 

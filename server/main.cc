@@ -12,6 +12,7 @@
 #include <csignal>
 #include <filesystem>
 #include <iostream>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -22,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "client/channel.h"
 #include "common/backend_choice.h"
 #include "common/exclusive_port.h"
 #include "common/flag_names.h"
@@ -36,6 +38,7 @@
 #include "common/version.h"
 #include "server/auth.h"
 #include "server/external_launcher.h"
+#include "server/lm_head_peer_sync.h"
 #include "server/lm_head_updates.h"
 #include "server/lm_heads.h"
 #include "server/local_launcher.h"
@@ -90,6 +93,17 @@ ABSL_FLAG(std::string, lm_head_store_dir, "",
           "/dev/shm/logprob-PID-lm-heads (memory), else a directory under $TMPDIR, removed at exit");
 ABSL_FLAG(absl::Duration, lm_head_update_timeout, absl::Seconds(300),
           "an open lm_head update without progress this long is aborted and its memory freed");
+ABSL_FLAG(std::string, lm_head_sync_from, "",
+          "gRPC target of the other front-ends of a replicated deployment (dns:///HEADLESS-SERVICE:PORT, "
+          "HOST:PORT[,HOST:PORT...] or ipv4:IP:PORT,IP:PORT): before serving, pull from them the newest updated "
+          "version of each head (needs --allow-lm-head-updates; docs/lm-head-updates.md \"What replicas see\")");
+ABSL_FLAG(absl::Duration, lm_head_sync_timeout, absl::Seconds(600),
+          "longest --lm-head-sync-from may take to read one version from a peer");
+ABSL_FLAG(std::string, lm_head_sync_tls_ca, "",
+          "PEM CA certificate(s) of the peers' TLS certificates: --lm-head-sync-from over TLS (presenting "
+          "--tls-cert/--tls-key as client certificate when given)");
+ABSL_FLAG(std::string, lm_head_sync_tls_server_name, "",
+          "name to verify in the peers' certificates instead of their addresses (with --lm-head-sync-tls-ca)");
 ABSL_FLAG(int64_t, lm_head_memory_bytes, 0,
           "per worker cap on the bytes of lm_head versions held (retained, pinned and one staged update); an "
           "update over it is refused; 0: no cap");
@@ -419,6 +433,21 @@ int main(int argc, char** argv) {
   config.lm_heads = &heads;
   config.lm_head_updates = absl::GetFlag(FLAGS_allow_lm_head_updates);
   if (config.lm_head_updates && heads.empty()) return Fail("--allow-lm-head-updates needs an --lm-head to update");
+  // A replica catching up with its peers serves no hidden-states request
+  // (UNAVAILABLE) and reports NOT_SERVING until it holds their versions.
+  const std::string sync_from = absl::GetFlag(FLAGS_lm_head_sync_from);
+  if (!sync_from.empty() && !config.lm_head_updates)
+    return Fail("--lm-head-sync-from needs --allow-lm-head-updates (caught-up versions go through the update path)");
+  if (!sync_from.empty() && external > 0)
+    return Fail(
+        "--lm-head-sync-from is for replicated front-ends with local workers (--workers); a cluster-mode "
+        "front-end is the only one of its group");
+  std::atomic<bool> heads_synced{sync_from.empty()};
+  config.lm_heads_ready = [&heads_synced]() -> absl::Status {
+    if (heads_synced) return absl::OkStatus();
+    return absl::UnavailableError(
+        "this front-end is catching up with its peers' lm_head versions (--lm-head-sync-from); try another replica");
+  };
 
   // Security of the public port. The control plane and the workers' ports
   // carry no TLS: loopback by default, a private network in cluster mode.
@@ -440,8 +469,20 @@ int main(int argc, char** argv) {
   pool_opts.control_listen = absl::GetFlag(FLAGS_control_listen);
   pool_opts.join_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_worker_join_timeout));
   std::atomic<grpc::Server*> public_server{nullptr};
+  // Health: SERVING while the pool is up and the heads caught up with the peers.
+  std::mutex health_mu;
+  bool pool_up = false;
+  const auto publish_health = [&] {
+    std::lock_guard<std::mutex> lock(health_mu);
+    if (grpc::Server* s = public_server.load(); s && !g_stop)
+      s->GetHealthCheckService()->SetServingStatus(pool_up && heads_synced);
+  };
   pool_opts.on_serving = [&](bool up) {
-    if (grpc::Server* s = public_server.load(); s && !g_stop) s->GetHealthCheckService()->SetServingStatus(up);
+    {
+      std::lock_guard<std::mutex> lock(health_mu);
+      pool_up = up;
+    }
+    publish_health();
     metrics.SetWorkersUp(up ? workers : 0);
   };
   pool_opts.on_restart = [&] { metrics.AddWorkerRestart(); };
@@ -515,6 +556,30 @@ int main(int argc, char** argv) {
   if (auto st = pool.Start(); !st.ok()) {
     server->Shutdown();
     return Fail("worker pool: " + std::string(st.message()));
+  }
+  if (!sync_from.empty()) {
+    logprob::client::ChannelOptions peer_channel;
+    peer_channel.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+    peer_channel.tls_ca = absl::GetFlag(FLAGS_lm_head_sync_tls_ca);
+    if (!peer_channel.tls_ca.empty()) {
+      peer_channel.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+      peer_channel.tls_key = absl::GetFlag(FLAGS_tls_key);
+      peer_channel.tls_server_name = absl::GetFlag(FLAGS_lm_head_sync_tls_server_name);
+    }
+    logprob::PeerSyncOptions sync;
+    sync.target = sync_from;
+    sync.channel = [peer_channel](const std::string& address) {
+      return logprob::client::MakeChannel(address, peer_channel);
+    };
+    sync.pull_timeout = std::chrono::seconds(absl::ToInt64Seconds(absl::GetFlag(FLAGS_lm_head_sync_timeout)));
+    auto synced = logprob::SyncLmHeadsFromPeers(sync, heads, updates);
+    if (!synced.ok()) {
+      server->Shutdown();
+      return Fail("--lm-head-sync-from " + sync_from + ": " + std::string(synced.status().message()));
+    }
+    heads_synced = true;
+    publish_health();
+    LogLine() << "logprob-server: lm_heads caught up with the peers (" << synced->size() << " head(s) checked)";
   }
   if (external == 0) LogLine() << "logprob-server: " << workers << " worker(s) joined; SERVING";
 

@@ -113,6 +113,7 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
   if (!req.head().empty()) LOGPROB_RETURN_IF_ERROR(CheckLmHeadName(req.head(), "head"));
   if (!req.head_version().empty()) LOGPROB_RETURN_IF_ERROR(CheckLmHeadVersionName(req.head_version(), "head_version"));
   if (hidden && config_.lm_heads && !config_.lm_heads->empty()) {
+    if (config_.lm_heads_ready) LOGPROB_RETURN_IF_ERROR(config_.lm_heads_ready());
     LOGPROB_ASSIGN_OR_RETURN(head, config_.lm_heads->Bind(req.head(), req.head_version()));
     shape = {head->source.vocab_size, head->source.hidden_size};
   }

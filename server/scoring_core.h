@@ -49,6 +49,10 @@ struct ServiceConfig {
   std::function<std::string(DType)> lm_head_precision;
   /// lm_head updates are accepted (ServerInfo.lm_head_updates).
   bool lm_head_updates = false;
+  /// When set and not OK, hidden-states requests fail with its status (a
+  /// replica catching up with its peers: UNAVAILABLE until it holds their
+  /// newest versions; server/lm_head_peer_sync.h). Thread-safe.
+  std::function<absl::Status()> lm_heads_ready;
   int64_t hidden_chunk_tokens = 0;
   /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
   /// Tensor.shared_memory; server/client_regions.h): caps and idle expiry.

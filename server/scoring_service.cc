@@ -24,6 +24,7 @@
 #include "common/untrusted_text.h"
 #include "server/call_ended.h"
 #include "server/cuda_ipc_inputs.h"
+#include "server/lm_head_reader.h"
 #include "server/request_inputs.h"
 #include "server/response_builder.h"
 #include "server/shm_session.h"
@@ -289,6 +290,22 @@ grpc::Status ScoringService::AbortLmHeadUpdate(grpc::ServerContext* context, con
   return UpdateCall<v1::LmHeadUpdate>(
       context, "AbortLmHeadUpdate", absl::StrCat("update=", req->update_id()),
       [req](LmHeadUpdates& u) { return u.Abort(req->update_id()); }, resp);
+}
+
+grpc::Status ScoringService::ReadLmHeadRows(grpc::ServerContext* context, const v1::ReadLmHeadRowsRequest* req,
+                                            grpc::ServerWriter<v1::LmHeadRowsChunk>* writer) {
+  constexpr char kMethod[] = "ReadLmHeadRows";
+  absl::Status st = Updates(context, kMethod).status();
+  if (st.ok() && core_.config().lm_heads == nullptr) st = absl::NotFoundError("this server holds no lm_head");
+  if (st.ok())
+    st = ReadLmHeadVersion(
+        *core_.config().lm_heads, *req, chunked::kDefaultPieceBytes,
+        [&](const v1::LmHeadRowsChunk& part) { return !context->IsCancelled() && writer->Write(part); });
+  Logged(metrics_, kMethod,
+         absl::StrCat("head=", Printable(req->head(), 64), " version=", Printable(req->version(), 128),
+                      " rows=", req->row_begin(), "..", req->row_end()),
+         st);
+  return Reply(context, st);
 }
 
 grpc::Status ScoringService::ServeLmHeadRows(

@@ -63,6 +63,12 @@ class ScoringService final : public v1::LogprobService::Service {
   grpc::Status BeginLmHeadUpdate(grpc::ServerContext*, const v1::BeginLmHeadUpdateRequest*, v1::LmHeadUpdate*) override;
   grpc::Status CommitLmHeadUpdate(grpc::ServerContext*, const v1::LmHeadUpdateRef*, v1::LmHeadInfo*) override;
   grpc::Status AbortLmHeadUpdate(grpc::ServerContext*, const v1::LmHeadUpdateRef*, v1::LmHeadUpdate*) override;
+  /// A retained version's rows read back (server/lm_head_reader.h), for a
+  /// peer catching up: allowed where updates are (the same checks as
+  /// Begin: token, FAILED_PRECONDITION when off); ReadLmHeadVersion's
+  /// errors.
+  grpc::Status ReadLmHeadRows(grpc::ServerContext*, const v1::ReadLmHeadRowsRequest*,
+                              grpc::ServerWriter<v1::LmHeadRowsChunk>*) override;
   /// PutLmHeadRows, served through the part codec like ScoreChunked: the
   /// first part's LmHeadRows, then (inline bytes announced by shape) its
   /// pieces, assembled into a pooled buffer (at most max_request_bytes per

@@ -40,6 +40,7 @@ KUSTOMIZE_DIRS = {
     "overlays/cpu": "cpu",
     "overlays/gpu": "gpu",
     "examples/auth-tls": "cpu",
+    "examples/replicated-heads": "cpu",
 }
 
 # Metrics being added by other changes (cluster mode, CUDA backend); used when
@@ -487,6 +488,38 @@ def cross_check(objs, flavour, root, fail):
             if not pod_ip or ((pod_ip[0].get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath") != "status.podIP":
                 fail.add("POD_IP must come from the downward API (fieldRef status.podIP)")
 
+    # Replicated front-ends with updatable heads (docs/lm-head-updates.md "What
+    # replicas see"): each replica catches up from the others through a headless
+    # Service that lists every front-end, not-Ready ones too.
+    if frontend is not None:
+        fflags, _ = parse_flags(frontend["spec"]["template"]["spec"]["containers"][0].get("args") or [])
+        scaled = frontend["spec"].get("replicas", 1) > 1 or any(
+            o.get("kind") == "HorizontalPodAutoscaler" and
+            (o["spec"].get("scaleTargetRef") or {}).get("name") == "logprob-frontend" for o in objs)
+        updates = fflags.get("allow_lm_head_updates", ["false"])[-1] in ("", "true", "1")
+        sync = (fflags.get("lm_head_sync_from") or [""])[-1]
+        if scaled and updates and not sync:
+            fail.add("replicated front-ends with --allow-lm-head-updates need --lm-head-sync-from "
+                     "(a replica started later would serve its start-up heads under the updated names)")
+        if sync:
+            if not updates:
+                fail.add("--lm-head-sync-from needs --allow-lm-head-updates")
+            host, _, port = (sync[len("dns:///"):] if sync.startswith("dns:///") else sync).rpartition(":")
+            svc = by_kind.get(("Service", host.split(".")[0]))
+            if svc is None:
+                fail.add(f"--lm-head-sync-from {sync!r}: no Service {host.split('.')[0]!r}")
+            else:
+                sspec = svc.get("spec") or {}
+                if sspec.get("clusterIP") != "None":
+                    fail.add(f"--lm-head-sync-from {sync!r}: Service {host} is not headless (clusterIP: None)")
+                if sspec.get("publishNotReadyAddresses") is not True:
+                    fail.add(f"--lm-head-sync-from {sync!r}: Service {host} needs publishNotReadyAddresses: true "
+                             "(updates must reach replicas still catching up)")
+                if not labels_match(sspec.get("selector"), frontend["spec"]["template"]["metadata"]["labels"]):
+                    fail.add(f"--lm-head-sync-from {sync!r}: Service {host} does not select the front-end")
+                if not port.isdigit() or int(port) not in {p.get("port") for p in sspec.get("ports") or []}:
+                    fail.add(f"--lm-head-sync-from {sync!r}: Service {host} has no port {port}")
+
     kinds = {k for k, _ in by_kind}
     for need in ("Service", "Deployment", "PodDisruptionBudget", "PodMonitor"):
         if need not in kinds:
@@ -518,6 +551,37 @@ def adapter_rules(root):
     with open(os.path.join(root, "deploy/monitoring/prometheus-adapter-config.yaml")) as f:
         cm = yaml.safe_load(f)
     return cm, yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+
+
+def self_test_replicas(schema, good, root):
+    """The replica rules must reject a replicated, updatable front-end that
+    cannot catch up; returns the self-test's own errors."""
+    def fe_args(objs):
+        dep = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "logprob-frontend")
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    def svc(objs):
+        return next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "logprob-headless")
+
+    def drop_sync(objs):
+        args = fe_args(objs)
+        i = args.index("--lm-head-sync-from")
+        del args[i:i + 2]
+
+    mutations = {
+        "updatable replicas without --lm-head-sync-from": drop_sync,
+        "sync Service without publishNotReadyAddresses": lambda o: svc(o)["spec"].pop("publishNotReadyAddresses"),
+        "sync Service with a cluster IP": lambda o: svc(o)["spec"].pop("clusterIP"),
+        "sync target naming a missing Service": lambda o: fe_args(o).__setitem__(
+            fe_args(o).index("--lm-head-sync-from") + 1, "dns:///logprob-peers:50051"),
+    }
+    problems = []
+    for what, mutate in mutations.items():
+        objs = copy.deepcopy(good)
+        mutate(objs)
+        if not validate_build(schema, objs, "cpu", root, "self-test").errors:
+            problems.append(f"self-test: a manifest with '{what}' was accepted")
+    return problems
 
 
 def self_test_manifests(schema, good, root, kubectl):
@@ -659,6 +723,11 @@ def cmd_manifests(root):
             fail.add("EXTRA_LABELS not applied")
     ok &= fail.report()
     log("ok: prometheus-adapter ConfigMap, PrometheusRule wrapper" if ok else "")
+    if "examples/replicated-heads" in builds:
+        problems = self_test_replicas(schema, builds["examples/replicated-heads"], root)
+        for p in problems:
+            print(f"FAIL [{p}]")
+        ok &= not problems
     if "overlays/gpu" in builds:
         problems = self_test_manifests(schema, builds["overlays/gpu"], root, kubectl)
         for p in problems:
