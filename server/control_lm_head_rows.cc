@@ -15,7 +15,9 @@
 
 namespace logprob {
 namespace {
-constexpr int64_t kPieceBytes = int64_t{4} << 20;  // bytes of rows per message
+// Bytes of rows (or of bias) per message: well under gRPC's default 4 MiB
+// receive limit, whatever the worker's channel allows.
+constexpr int64_t kPieceBytes = int64_t{1} << 20;
 }  // namespace
 
 grpc::Status ControlService::ReadLmHeadRows(grpc::ServerContext* ctx, const internal::v1::LmHeadRowsRequest* req,
@@ -29,9 +31,8 @@ grpc::Status ControlService::ReadLmHeadRows(grpc::ServerContext* ctx, const inte
   if (!source.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(source.status().message()));
   const int64_t begin = req->row_begin(), end = req->row_end();
   if (begin < 0 || begin > end || end > source->vocab_size)
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("ReadLmHeadRows: rows [", begin, ", ", end, ") outside [0, ", source->vocab_size,
-                                     "]"));
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("ReadLmHeadRows: rows [", begin, ", ", end,
+                                                                         ") outside [0, ", source->vocab_size, "]"));
   const int64_t row_bytes = source->hidden_size * static_cast<int64_t>(DTypeSize(source->dtype));
   const int64_t rows_per_piece = std::max<int64_t>(1, kPieceBytes / row_bytes);
   internal::v1::LmHeadRowsChunk chunk;
@@ -39,10 +40,18 @@ grpc::Status ControlService::ReadLmHeadRows(grpc::ServerContext* ctx, const inte
     std::vector<float> bias(static_cast<size_t>(end - begin));
     if (absl::Status st = ReadLmHeadBias(*source, begin, end, bias.data()); !st.ok())
       return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
-    chunk.mutable_bias()->Assign(bias.begin(), bias.end());
+    const size_t per_piece = kPieceBytes / sizeof(float);
+    for (size_t i = 0; i < bias.size(); i += per_piece) {
+      const size_t n = std::min(per_piece, bias.size() - i);
+      chunk.mutable_bias()->Assign(bias.begin() + static_cast<ptrdiff_t>(i),
+                                   bias.begin() + static_cast<ptrdiff_t>(i + n));
+      if (ctx->IsCancelled() || !writer->Write(chunk))
+        return grpc::Status(grpc::StatusCode::CANCELLED, "ReadLmHeadRows: the worker went away");
+      chunk.Clear();
+    }
   }
   int64_t r = begin;
-  do {  // one message at least: it carries the bias of an empty range too
+  do {  // one message at least
     const int64_t e = std::min(end, r + rows_per_piece);
     std::string* rows = chunk.mutable_rows();
     rows->resize(static_cast<size_t>((e - r) * row_bytes));

@@ -68,7 +68,7 @@ class ControlService final : public internal::v1::Control::Service {
                         internal::v1::StoreSetReply*) override ABSL_LOCKS_EXCLUDED(mu_);
   grpc::Status StoreGet(grpc::ServerContext*, const internal::v1::StoreGetRequest*,
                         internal::v1::StoreGetReply*) override ABSL_LOCKS_EXCLUDED(mu_);
-  /// A worker's slice of an lm_head file, in pieces of at most 4 MiB
+  /// A worker's slice of an lm_head file, in pieces of at most 1 MiB
   /// (server/control_lm_head_rows.cc). PERMISSION_DENIED for a file (or
   /// bias file) SetLmHeadFiles does not allow; INVALID_ARGUMENT for a bad
   /// shape or a row range outside [0, V]; ReadLmHeadRows' errors.

@@ -12,9 +12,9 @@ bool InLmHeadStore(const std::string& file, const std::string& store) {
 }
 
 bool IsLiveLmHeadFile(const std::string& file, const std::vector<internal::v1::LmHeadLoad>& alive) {
+  if (file.empty()) return false;
   for (const auto& load : alive)
-    if (file == load.source().file() || (!load.source().bias_file().empty() && file == load.source().bias_file()))
-      return true;
+    if (file == load.source().file() || file == load.source().bias_file()) return true;
   return false;
 }
 

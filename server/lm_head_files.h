@@ -15,8 +15,8 @@ namespace logprob {
 /// written). Pure string test on the paths as the front-end wrote them.
 bool InLmHeadStore(const std::string& file, const std::string& store);
 
-/// True when `file` is the weight or bias file of one of `alive` (the
-/// versions LmHeads::Alive lists).
+/// True when `file` (not empty) is the weight or bias file of one of
+/// `alive` (the versions LmHeads::Alive lists).
 bool IsLiveLmHeadFile(const std::string& file, const std::vector<internal::v1::LmHeadLoad>& alive);
 
 }  // namespace logprob
