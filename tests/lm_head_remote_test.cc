@@ -44,9 +44,9 @@ TEST(DeclaredLmHead, ParsesNameShapeAndDtype) {
 }
 
 TEST(DeclaredLmHead, RefusesMalformedDeclarationsNamingTheFlag) {
-  for (const std::string bad : {"policy", "policy=10x4", "policy=10:bf16", "policy=0x4:bf16", "policy=10x-4:bf16",
-                                "policy=10x4:i32", "policy=10x4:f64", "bad name=10x4:bf16", "policy=10x4x2:bf16",
-                                "policy=3000000000x4:bf16", "=10x4:bf16"}) {
+  for (const std::string bad :
+       {"policy", "policy=10x4", "policy=10:bf16", "policy=0x4:bf16", "policy=10x-4:bf16", "policy=10x4:i32",
+        "policy=10x4:f64", "bad name=10x4:bf16", "policy=10x4x2:bf16", "policy=3000000000x4:bf16", "=10x4:bf16"}) {
     SCOPED_TRACE(bad);
     auto v = ParseDeclaredLmHead(bad, 2);
     ASSERT_FALSE(v.ok());
@@ -111,9 +111,8 @@ TEST(DeclaredLmHead, IsRefusedUntilTheFirstCommitThenServes) {
 TEST(LmHeadFiles, ServesTheStoreAndLiveVersionsOnly) {
   EXPECT_TRUE(InLmHeadStore("/dev/shm/s/policy-0.safetensors", "/dev/shm/s"));
   EXPECT_TRUE(InLmHeadStore("/dev/shm/s/policy-0.bias.safetensors", "/dev/shm/s"));
-  for (const std::string other :
-       {"/dev/shm/s/policy-0.safetensors.partial", "/dev/shm/s/sub/x", "/dev/shm/s/..", "/dev/shm/s/",
-        "/dev/shm/sx/policy-0.safetensors", "/etc/passwd", "/dev/shm/s"})
+  for (const std::string other : {"/dev/shm/s/policy-0.safetensors.partial", "/dev/shm/s/sub/x", "/dev/shm/s/..",
+                                  "/dev/shm/s/", "/dev/shm/sx/policy-0.safetensors", "/etc/passwd", "/dev/shm/s"})
     EXPECT_FALSE(InLmHeadStore(other, "/dev/shm/s")) << other;
   EXPECT_FALSE(InLmHeadStore("/x", ""));
   internal::v1::LmHeadLoad load;
