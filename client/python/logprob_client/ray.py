@@ -332,13 +332,21 @@ class LogprobService:
     def wait_ready(self, timeout: float = 600.0) -> None:
         """Waits until the front-end reports SERVING (every worker joined
         and loaded the heads). RuntimeError with its output when the
-        front-end process exited; TimeoutError after ``timeout`` s."""
+        front-end process exited, or with the error of a worker actor Ray
+        will not restart; TimeoutError after ``timeout`` s."""
         deadline = time.monotonic() + timeout
         with self.client() as c:
             while True:
                 if c.health(wait=min(2.0, max(0.1, deadline - time.monotonic()))):
                     return
                 fe = ray.get(self.frontend.info.remote())
+                for i, a in enumerate(self.workers):
+                    try:
+                        ray.get(a.info.remote(), timeout=30)
+                    except ray.exceptions.ActorDiedError as e:  # not restarted (e.g. no binary on its node)
+                        raise RuntimeError("worker actor %d is dead: %s" % (i, e)) from e
+                    except ray.exceptions.GetTimeoutError:
+                        pass  # restarting
                 if fe["returncode"] is not None:
                     raise RuntimeError("logprob-server exited with status %s:\n%s"
                                        % (fe["returncode"], ray.get(self.frontend.log_tail.remote())))

@@ -84,6 +84,8 @@ def control_address(service):
 class GoldenTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
+        # The actors find the binaries through bin_dir= only (the missing-binary test).
+        os.environ.pop("LOGPROB_BIN_DIR", None)
         ray.init(num_cpus=3, logging_level="ERROR", **RAY_NODE)
         cls.addClassCleanup(ray.shutdown)
         cls.direct = Server(workers=2, extra=["--lm-head", LM_HEAD])
@@ -148,6 +150,19 @@ class GoldenTest(unittest.TestCase):
         self.assertEqual(service_processes(marker), [])
         self.assertEqual([p for p in pids + [fe_pid] if os.path.exists("/proc/%d/cmdline" % p)
                           and p in service_processes("logprob-")], [])
+
+    def test_missing_binaries_are_named(self):
+        empty = temp_dir("ray_no_binaries")
+        self.addCleanup(os.rmdir, empty)
+        with self.assertRaises(RuntimeError) as cm:
+            LogprobService.start(workers=1, backend="cpu", bin_dir=empty)
+        text = str(cm.exception)
+        self.assertIn("logprob-server not found on node 127.0.0.1", text)
+        self.assertIn(empty, text)
+        self.assertIn("bin_dir", text)
+        # Nothing is left reserved: the placement group start made is removed.
+        wait_for(lambda: all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()),
+                 "the failed start's placement group to be removed")
 
     def test_killed_driver_takes_the_processes(self):
         """A driver killed with SIGKILL: Ray ends its actors, and their
