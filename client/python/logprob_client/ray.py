@@ -95,8 +95,13 @@ HeadSpec = Union[str, DeclaredHead]
 
 
 def _node_ip() -> str:
-    """The IP address Ray gave the node this process runs on."""
-    return str(ray._private.worker.global_worker.node_ip_address)
+    """The IP address of the Ray node this process runs on (the node's
+    NodeManagerAddress: what Ray's other nodes reach it at)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return str(node["NodeManagerAddress"])
+    return str(ray.util.get_node_ip_address())
 
 
 def _find_binary(program: str, bin_dir: Optional[str]) -> str:
