@@ -17,6 +17,7 @@ the dashboard and with small object stores:
   holding the same weights does.
 """
 
+import asyncio
 import json
 import os
 import signal
@@ -114,6 +115,12 @@ class GoldenTest(unittest.TestCase):
         self.assertEqual(len(procs), 3)
         self.assertTrue(all(p["returncode"] is None for p in procs), procs)
         self.score_all(service, "ray")
+
+        async def aio_score():
+            async with service.aio_client() as c:
+                return outputs_of(await c.score(**Golden("hidden_bf16").score_kwargs()))
+
+        assert_same_bits(self, self.want["hidden_bf16"], asyncio.run(aio_score()), "aio_client hidden_bf16")
         marker = control_address(service)
         # The front-end (--control-listen) and the workers (--frontend) name the control address.
         self.assertEqual(sorted(service_processes(marker)), sorted(p["pid"] for p in procs))
