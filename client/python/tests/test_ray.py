@@ -4,7 +4,9 @@ environment (scripts/setup-ray.sh, ctest py_ray_*), on loopback only
 the dashboard and with small object stores:
 
 - GoldenTest: a local Ray instance with 2 CPU workers scores every golden
-  case bitwise as a ``logprob-server --workers 2`` started directly; then
+  case bitwise as a ``logprob-server --workers 2`` started directly
+  (``client()`` and ``aio_client()``); binaries it cannot find are named
+  with the node and the places searched; then
   ``ray.kill`` of a worker actor: requests get UNAVAILABLE, Ray restarts the
   actor, the pool re-forms and scores the same bits again; ``stop()``
   leaves no process of the service; and a driver killed with SIGKILL
