@@ -8,7 +8,8 @@ the dashboard and with small object stores:
   (``client()`` and ``aio_client()``); binaries it cannot find are named
   with the node and the places searched; then
   ``ray.kill`` of a worker actor: requests get UNAVAILABLE, Ray restarts the
-  actor, the pool re-forms and scores the same bits again; ``stop()``
+  actor, the pool re-forms and scores the same bits again, as after a
+  worker process killed on its own (its actor ends and restarts); ``stop()``
   leaves no process of the service; and a driver killed with SIGKILL
   takes the service's processes with it.
 - TwoNodeTest: two Ray nodes (ray.cluster_utils.Cluster), SPREAD
@@ -151,6 +152,16 @@ class GoldenTest(unittest.TestCase):
         self.assertNotEqual(restarted["pid"], killed)
         self.assertIsNone(restarted["returncode"])
         self.score_all(service, "after the restart")
+
+        # A worker process that dies on its own (SIGKILL) ends its actor,
+        # which Ray restarts with a new process.
+        victim = service.processes()[2]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        codes.clear()
+        wait_for(lambda: served_again() and service.processes()[2]["pid"] != victim,
+                 "Ray to restart the actor of a worker process killed with SIGKILL", timeout=180)
+        self.assertTrue(set(codes) <= {grpc.StatusCode.UNAVAILABLE}, codes)
+        self.score_all(service, "after the process restart")
 
         # stop(): no process of the service is left.
         fe_pid = procs[0]["pid"]
