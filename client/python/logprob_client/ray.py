@@ -142,7 +142,7 @@ class _ProcessActor:
     started in ``__init__``, so a restarted actor (``max_restarts``) starts
     it again. ``args`` may hold ``{node_ip}`` and ``{port0}``, ``{port1}``
     (free ports of the node, chosen here). Its output goes to a log file on
-    the node (``log_tail``). With ``exit_with_process``, the actor exits
+    the node (``log_tail``; one per actor, appended to across restarts). With ``exit_with_process``, the actor exits
     when its process does (other than by ``stop``), so that Ray restarts
     it (``max_restarts``) and with it the process."""
 
@@ -158,7 +158,10 @@ class _ProcessActor:
                 a = a.replace(k, v)
             argv.append(a)
         self._argv = argv
-        self._dir = tempfile.mkdtemp(prefix="logprob-ray-%s-" % program)
+        # One folder per actor, kept across its restarts (the log goes on).
+        self._dir = os.path.join(tempfile.gettempdir(),
+                                 "logprob-ray-%s-%s" % (program, ray.get_runtime_context().get_actor_id()))
+        os.makedirs(self._dir, exist_ok=True)
         self._log_path = os.path.join(self._dir, "output.log")
         self._stopping = False
         with open(self._log_path, "ab") as log:
@@ -180,9 +183,11 @@ class _ProcessActor:
             os._exit(1)
 
     def info(self) -> Dict[str, Any]:
-        """node_ip, ports, pid, argv, returncode (None while running), node_id."""
+        """node_ip, ports, pid, argv, returncode (None while running),
+        node_id, log (the output file on the node)."""
         return {"node_ip": self._ip, "ports": list(self._ports), "pid": self._proc.pid, "argv": list(self._argv),
-                "returncode": self._proc.poll(), "node_id": ray.get_runtime_context().get_node_id()}
+                "returncode": self._proc.poll(), "node_id": ray.get_runtime_context().get_node_id(),
+                "log": self._log_path}
 
     def log_tail(self, max_bytes: int = 4000) -> str:
         """The last ``max_bytes`` of the process's output."""

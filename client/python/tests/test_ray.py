@@ -23,6 +23,7 @@ the dashboard and with small object stores:
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -195,7 +196,7 @@ from logprob_client.ray import LogprobService
 ray.init(address=%r, logging_level="ERROR")
 s = LogprobService.start(workers=1, backend="cpu", bin_dir=%r)
 s.wait_ready(180)
-print(json.dumps([p["pid"] for p in s.processes()]), flush=True)
+print(json.dumps([[p["pid"], p["log"]] for p in s.processes()]), flush=True)
 sys.stdin.read()  # until killed
 """ % (gcs, BIN_DIR)
         driver = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -206,7 +207,10 @@ sys.stdin.read()  # until killed
         self.addCleanup(driver.kill)
         line = driver.stdout.readline()
         self.assertTrue(line, "the driver ended before its service served")
-        pids = json.loads(line)
+        procs = json.loads(line)
+        pids = [pid for pid, _ in procs]
+        for _, log in procs:  # stop() did not run: the actors' log folders stay
+            self.addCleanup(shutil.rmtree, os.path.dirname(log), True)
         self.assertEqual(len(pids), 2)
         self.assertTrue(all(os.path.exists("/proc/%d" % p) for p in pids))
         driver.send_signal(signal.SIGKILL)
