@@ -276,6 +276,9 @@ class LogprobService:
             raise ValueError("backend must be 'cuda' or 'cpu', got %r" % (backend,))
         if placement_group is None and placement not in PLACEMENTS:
             raise ValueError("placement must be one of %s, got %r" % (", ".join(PLACEMENTS), placement))
+        if placement_group is not None and len(placement_group.bundle_specs) < workers:
+            raise ValueError("placement_group has %d bundles; %d workers need one each"
+                             % (len(placement_group.bundle_specs), workers))
         if fetch_lm_heads not in ("auto", "always", "never"):
             raise ValueError("fetch_lm_heads must be auto, always or never, got %r" % (fetch_lm_heads,))
         resources = dict(resources_per_worker or ({"GPU": 1} if backend == "cuda" else {"CPU": 1}))

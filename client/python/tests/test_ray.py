@@ -222,6 +222,26 @@ sys.stdin.read()  # until killed
         wait_for(gone, "the killed driver's logprob- processes to exit", timeout=120)
 
 
+class ArgumentsTest(unittest.TestCase):
+    """Bad arguments are ValueError naming the argument, before Ray is asked anything."""
+
+    def test_bad_arguments_are_named(self):
+        for kwargs, words in (({"workers": 0}, "workers"), ({"workers": 1, "backend": "tpu"}, "backend"),
+                              ({"workers": 1, "placement": "ANYWHERE"}, "placement"),
+                              ({"workers": 1, "fetch_lm_heads": "sometimes"}, "fetch_lm_heads"),
+                              ({"workers": 1, "heads": {"policy": 42}}, "heads['policy']"),
+                              ({"workers": 1, "heads": {"policy": DeclaredHead(0, 8)}}, "vocab_size"),
+                              ({"workers": 1, "heads": {"policy": DeclaredHead(8, 8, "f64")}}, "dtype")):
+            with self.subTest(kwargs=kwargs):
+                with self.assertRaises(ValueError) as cm:
+                    LogprobService.start(**kwargs)
+                self.assertIn(words, str(cm.exception))
+
+    def test_declared_head_flag(self):
+        self.assertEqual(DeclaredHead(151936, 4096).flag("policy"), "policy=151936x4096:bf16")
+        self.assertEqual(DeclaredHead(10, 4, "F32").flag("r"), "r=10x4:f32")
+
+
 class TwoNodeTest(unittest.TestCase):
     V, H = 1000, 64
 
