@@ -108,6 +108,21 @@ TEST(DeclaredLmHead, IsRefusedUntilTheFirstCommitThenServes) {
   EXPECT_EQ(heads.Alive().size(), 2u);
 }
 
+TEST(DeclaredLmHead, TheServerRefusesADeclarationItCannotServe) {
+  const std::string server = absl::StrCat("timeout 60 ", BinDir(), "/logprob-server --listen 127.0.0.1:0 --workers 1 ");
+  // No updates: nothing could ever fill it.
+  CommandResult r = RunCommand(server + "--lm-head-declare policy=10x4:bf16");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("add --allow-lm-head-updates"), std::string::npos) << r.output;
+  r = RunCommand(server + "--allow-lm-head-updates --lm-head-declare policy=10x4");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("--lm-head-declare policy=10x4: no :DTYPE"), std::string::npos) << r.output;
+  // A second head of the name.
+  r = RunCommand(server + "--allow-lm-head-updates --lm-head-declare p=10x4:bf16 --lm-head-declare p=10x4:f32");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("a second head named \"p\""), std::string::npos) << r.output;
+}
+
 TEST(LmHeadFiles, ServesTheStoreAndLiveVersionsOnly) {
   EXPECT_TRUE(InLmHeadStore("/dev/shm/s/policy-0.safetensors", "/dev/shm/s"));
   EXPECT_TRUE(InLmHeadStore("/dev/shm/s/policy-0.bias.safetensors", "/dev/shm/s"));
