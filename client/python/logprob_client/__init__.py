@@ -30,6 +30,7 @@ from ._proto import pb2 as logprob_pb2
 from ._proto import pb2_grpc as logprob_pb2_grpc
 from .client import LogprobClient
 from .errors import InvalidInputError, LogprobError
+from .lm_head_sender import LmHeadUpdateHandle
 from .request import DEFAULT_MAX_REQUEST_BYTES, REQUEST_FILL
 from .result import ScoreResult, split_sequences
 from .retry import RetryPolicy
@@ -41,6 +42,7 @@ __all__ = [
     "ScoreResult",
     "LogprobError",
     "InvalidInputError",
+    "LmHeadUpdateHandle",
     "split_sequences",
     "bf16_bits_to_float32",
     "float32_to_bf16_bits",

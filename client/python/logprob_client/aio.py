@@ -22,10 +22,11 @@ from typing import Any, AsyncIterable, AsyncIterator, Iterable, List, Optional, 
 
 from .base import ClientBase
 from .errors import LogprobError
+from .lm_head_sender import LmHeadUpdateHandle
 from .ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
 from .result import ScoreResult
 from .retry import Deadline
-from . import transport
+from . import lm_head_sender, transport
 
 T = TypeVar("T")
 
@@ -69,7 +70,8 @@ class LogprobClient(ClientBase):
         """Performs one I/O operation of the core, awaiting it (large
         ``Work`` in the loop's default executor)."""
         if isinstance(op, Rpc):
-            return await op.method(op.request, timeout=op.timeout, metadata=op.metadata)
+            request = transport.parts_in_executor(op.request) if op.nbytes >= OFFLOAD_BYTES else op.request
+            return await op.method(request, timeout=op.timeout, metadata=op.metadata)
         if isinstance(op, Work):
             if op.nbytes >= OFFLOAD_BYTES:
                 return await _in_executor(op)
@@ -152,8 +154,32 @@ class LogprobClient(ClientBase):
                              logit_scale: Optional[float] = None,
                              final_logit_softcapping: Optional[float] = None) -> str:
         """As ``LogprobClient.update_lm_head`` (same core)."""
-        return await self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout, dtype, bias,
-                                                        logit_scale, final_logit_softcapping))
+        return await self._run(lm_head_sender.update_ops(self, head, weight, version, sha256, self._deadline(timeout),
+                                                         dtype, bias, logit_scale, final_logit_softcapping))
+
+    async def begin_lm_head_update(self, head: str, *, version: str, vocab_size: int, hidden_size: int, dtype: Any,
+                                   sha256: Optional[str] = None, timeout: Any = "default", bias: Any = None,
+                                   logit_scale: Optional[float] = None,
+                                   final_logit_softcapping: Optional[float] = None) -> LmHeadUpdateHandle:
+        """As ``LogprobClient.begin_lm_head_update`` (same core); the handle
+        may be used by either kind of client."""
+        return await self._run(lm_head_sender.begin_ops(self, head, version, vocab_size, hidden_size, dtype, sha256,
+                                                        self._deadline(timeout), bias, logit_scale,
+                                                        final_logit_softcapping))
+
+    async def put_lm_head_rows(self, update: LmHeadUpdateHandle, row_begin: int, rows: Any, *,
+                               timeout: Any = "default") -> None:
+        """As ``LogprobClient.put_lm_head_rows``; converting the rows runs in
+        the loop's default executor."""
+        await self._run(lm_head_sender.put_ops(self, update, int(row_begin), rows, self._deadline(timeout)))
+
+    async def commit_lm_head_update(self, update: LmHeadUpdateHandle, *, timeout: Any = "default") -> str:
+        """As ``LogprobClient.commit_lm_head_update``."""
+        return await self._run(lm_head_sender.commit_ops(self, update, self._deadline(timeout)))
+
+    async def abort_lm_head_update(self, update: LmHeadUpdateHandle, *, timeout: Any = "default") -> None:
+        """As ``LogprobClient.abort_lm_head_update``."""
+        await self._run(lm_head_sender.abort_ops(self, update, self._deadline(timeout).remaining()))
 
     async def lm_heads(self) -> List[Any]:
         """As ``LogprobClient.lm_heads``."""

@@ -17,25 +17,23 @@ import itertools
 import os
 import random
 import re
-import secrets
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import grpc
 
 from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
 from .errors import LogprobError
-from .lm_head_update import (PUT_ROWS_METHOD, UPDATE_PUT_BYTES, lm_head_device_rows, lm_head_ipc_parts, lm_head_rows,
-                             lm_head_rows_part, lm_head_rows_parts)
+from .lm_head_update import PUT_ROWS_METHOD, UPDATE_PUT_BYTES, lm_head_rows_part, lm_head_rows_parts
 from .ops import Emit, Locked, NextResponse, OpenStream, Ops, Rpc, Work, END, backoff, retried
 from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
 from .retry import Attempts, Deadline, OnRetry, RetryPolicy, error_of, reason_of
 from .shared_memory import SharedMemoryInputs
 from .stream import StreamAssembler, deliver
-from .tensors import float_array, to_tensor
+from .version_pin import VersionPin
 from . import cuda_ipc, shared_memory, transport
 from .wire import decode_response
 
@@ -123,6 +121,9 @@ class ClientBase:
     piece_bytes: int = transport.PIECE_BYTES
     # The lock of server_info's cache, of the client's kind (made by _open).
     _info_lock: Any
+    # Test seam: called with each part of a score() once it is answered,
+    # before the next part is sent (e.g. to commit an update between parts).
+    _after_part: Optional[Callable[[Part], None]] = None
 
     def __init__(
         self,
@@ -268,26 +269,30 @@ class ClientBase:
             ipc = cuda_ipc.server_accepts((yield from self._server_info_ops(deadline=deadline)))
         call = ScoreCall(request_id or self._next_id(), logits, input_ids, cuda_ipc=ipc, **options)
         limits = self._limits_of((yield from self._server_info_ops(deadline=deadline)))
+        # Every part is scored with the version the first got (version_pin.py).
+        pin = VersionPin(call.inputs.head, call.inputs.head_version)
         while True:
             responses: List[Any] = []
             sends = 0
+            pin.start()
             try:
                 parts = call.parts(limits)
                 for part in parts:
                     response, tries = yield from self._send_part_ops(part, limits, deadline)
                     responses.append(response)
                     sends += tries
-                    # Every part is scored with the version the first got.
-                    version = getattr(response, "head_version", "")
-                    if len(responses) == 1 and version and not part.inputs.head_version:
-                        for later in parts[1:]:
-                            later.inputs.head_version = version
+                    if len(responses) == 1:
+                        pin.first_scored(response, parts)
+                    if self._after_part is not None:
+                        self._after_part(part)
                 return call.result(responses, sends)
             except LogprobError as e:
                 # The server refused the CUDA IPC reference (once per call at
                 # most): this call goes again with bytes. Nothing changes for
                 # other calls (the client's cuda_ipc is the caller's setting).
-                if not call.refused(e):
+                # Or the version the parts were pinned to was released: the
+                # whole call starts again on the current one (once).
+                if not call.refused(e) and not pin.restart(e):
                     raise
 
     def _send_part_ops(self, part: Part, limits: Limits, deadline: Deadline) -> Ops[Tuple[Any, int]]:
@@ -370,97 +375,23 @@ class ClientBase:
         finally:
             call.cancel()
 
-    def _put_rows_ops(self, parts: Any, deadline: Deadline, metadata: Any) -> Ops[Any]:
-        """One PutLmHeadRows call of serialized ``parts``, sent once (a failed
-        put frees its rows on the server: the caller may update again)."""
+    def _put_rows_ops(self, parts: Any, deadline: Deadline, metadata: Any, nbytes: int = 0) -> Ops[Any]:
+        """One PutLmHeadRows call of serialized ``parts`` (an iterator; making
+        them copies ``nbytes``), sent once (a failed put frees its rows on
+        the server: the caller may update again)."""
         try:
-            return (yield Rpc(self._put_lm_head_rows_raw, parts, deadline.remaining(), metadata))
+            return (yield Rpc(self._put_lm_head_rows_raw, parts, deadline.remaining(), metadata, nbytes=nbytes))
         except grpc.RpcError as e:
             code, message = error_of(e)
             raise LogprobError(code, message, reason=reason_of(e)) from None
 
-    def _update_lm_head_ops(self, head: str, weight: Any, version: str, sha256: Optional[str],
-                            timeout: Any, dtype: Any = None, bias: Any = None,
-                            logit_scale: Optional[float] = None,
-                            final_logit_softcapping: Optional[float] = None) -> Ops[str]:
-        """``update_lm_head``: Begin, the rows, Commit; Abort on failure. The
-        rows of a CUDA weight go as one CUDA IPC reference when the server
-        offers CUDA IPC on this host (``cuda_ipc.offered``, as for scoring
-        inputs; the client's ``cuda_ipc`` option); otherwise, or when the
-        server refuses the reference (reason ``CUDA_IPC_UNAVAILABLE``), they
-        are copied to the host and sent in puts of at most
-        ``UPDATE_PUT_BYTES`` (through this client's shared-memory region on
-        the server's host, else in pieces)."""
-        check_lm_head_names(head, version)
-        deadline = self._deadline(timeout)
-        ref = yield from self._update_ipc_ops(weight, dtype, deadline)
-        rows: Any = None
-        if ref is not None:
-            dt, V, H = ref.wire_dtype, int(ref.tensor.shape[0]), int(ref.tensor.shape[1])
-        else:
-            dt, rows = lm_head_rows(weight, dtype)
-            V, H = int(rows.shape[0]), int(rows.shape[1])
-        # client_token: a retried Begin whose answer was lost gets the update
-        # it opened, instead of finding the head busy until the time-out.
-        begin = pb2.BeginLmHeadUpdateRequest(head=head, version=version, vocab_size=V, hidden_size=H, dtype=dt,
-                                             sha256=sha256 or "", client_token=secrets.token_hex(16))
-        # The head's transform: what is not given stays the head's.
-        if logit_scale is not None:
-            begin.logit_scale = float(logit_scale)
-        if final_logit_softcapping is not None:
-            begin.final_logit_softcapping = float(final_logit_softcapping)
-        if bias is not None:
-            bias_dt, bias_arr = float_array("bias", bias)
-            begin.bias.CopyFrom(to_tensor("lm_head.bias", bias_dt, bias_arr))
-        update, _ = yield from retried(self._stub.BeginLmHeadUpdate, begin, self._attempts(deadline), self._metadata)
-        if update.already_committed:
-            return version
-        try:
-            if ref is not None:
-                try:
-                    # A worker on the server's host copies them into the store.
-                    yield from self._put_rows_ops(lm_head_ipc_parts(update.update_id, 0, ref), deadline,
-                                                  self._metadata)
-                except LogprobError as e:
-                    if not cuda_ipc.refused(e):
-                        raise
-                    cuda_ipc.warn_fallback(e.message)  # the rows were not taken: send them as bytes
-                    dt, rows = lm_head_rows(weight, dtype)
-            if rows is not None:
-                yield from self._put_host_rows_ops(update.update_id, rows, dt, deadline)
-            ref_msg = pb2.LmHeadUpdateRef(update_id=update.update_id)
-            committed, _ = yield from retried(self._stub.CommitLmHeadUpdate, ref_msg, self._attempts(deadline),
-                                              self._metadata)
-            return str(committed.version)
-        except BaseException:
-            try:  # best effort: the server aborts it on its own after --lm-head-update-timeout
-                yield Rpc(self._stub.AbortLmHeadUpdate, pb2.LmHeadUpdateRef(update_id=update.update_id), 10.0,
-                          self._metadata)
-            except grpc.RpcError:
-                pass
-            raise
-
-    def _update_ipc_ops(self, weight: Any, dtype: Any, deadline: Deadline) -> Ops[Optional[cuda_ipc.Export]]:
-        """The CUDA IPC reference of ``weight``'s rows when they go that way
-        (``cuda_ipc.offered``: a CUDA tensor, the client's ``cuda_ipc``
-        option, a server on this host offering it), else None; a weight whose
-        memory cannot be exported warns and goes as bytes."""
-        if not cuda_ipc.candidate(self.cuda_ipc, weight):
-            return None
-        if not cuda_ipc.offered(self.cuda_ipc, (yield from self._server_info_ops(deadline=deadline)), weight):
-            return None
-        dt, dev = lm_head_device_rows(weight, dtype)
-        try:
-            return cuda_ipc.export(dev, dt)
-        except cuda_ipc.Unavailable as e:
-            cuda_ipc.warn_fallback(e)
-            return None
-
-    def _put_host_rows_ops(self, update_id: str, rows: Any, dt: int, deadline: Deadline) -> Ops[None]:
-        """The host rows ``[V, H]`` of an update in puts of at most
-        ``UPDATE_PUT_BYTES`` (and 90% of the server's max_request_bytes):
-        through this client's shared-memory region on the server's host,
-        else in pieces."""
+    def _put_host_rows_ops(self, update_id: str, rows: Any, dt: int, deadline: Deadline,
+                           row_begin: int = 0) -> Ops[None]:
+        """The host rows ``[V', H]`` of an update (its rows ``[row_begin,
+        row_begin + V')``) in puts of at most ``UPDATE_PUT_BYTES`` (and 90%
+        of the server's max_request_bytes): through this client's
+        shared-memory region on the server's host, else in pieces (made in
+        the asyncio client's executor)."""
         info = yield from self._server_info_ops(deadline=deadline)
         limit = int(info.max_request_bytes) or UPDATE_PUT_BYTES
         row_bytes = max(1, int(rows[:1].nbytes))
@@ -472,15 +403,16 @@ class ClientBase:
             # Same host: the rows go through this client's regions, the copy
             # of one put overlapping the call of the one before.
             def put(i: int, tensors: List[Any], metadata: Any) -> Ops[Any]:
-                return self._put_rows_ops(iter([lm_head_rows_part(update_id, starts[i], tensors[0])]), deadline,
-                                          metadata)
+                return self._put_rows_ops(iter([lm_head_rows_part(update_id, row_begin + starts[i], tensors[0])]),
+                                          deadline, metadata)
 
             sent = yield from shm.send_each([[("rows", dt, rows[r0:r0 + per_put])] for r0 in starts], put)
         for i, r0 in enumerate(starts):
             if sent[i] is None:
                 # Otherwise (or without a region) the bytes in pieces.
-                parts = lm_head_rows_parts(update_id, r0, rows[r0:r0 + per_put], dt, self.piece_bytes)
-                yield from self._put_rows_ops(parts, deadline, self._metadata)
+                chunk = rows[r0:r0 + per_put]
+                parts = lm_head_rows_parts(update_id, row_begin + r0, chunk, dt, self.piece_bytes)
+                yield from self._put_rows_ops(parts, deadline, self._metadata, nbytes=int(chunk.nbytes))
 
     def _close_ops(self) -> Ops[None]:
         """``close``, before the channel closes: unregisters and removes the

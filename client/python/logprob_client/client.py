@@ -11,10 +11,11 @@ import grpc
 
 from .base import ClientBase
 from .errors import LogprobError
+from .lm_head_sender import LmHeadUpdateHandle
 from .ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
 from .result import ScoreResult
 from .retry import Deadline
-from . import transport
+from . import lm_head_sender, transport
 
 T = TypeVar("T")
 
@@ -207,8 +208,65 @@ class LogprobClient(ClientBase):
         dtype, sha256 mismatch or a bad transform, FAILED_PRECONDITION
         updates off or another update open, ALREADY_EXISTS version
         taken)."""
-        return self._run(self._update_lm_head_ops(head, weight, version, sha256, timeout, dtype, bias, logit_scale,
-                                                  final_logit_softcapping))
+        return self._run(lm_head_sender.update_ops(self, head, weight, version, sha256, self._deadline(timeout), dtype,
+                                                   bias, logit_scale, final_logit_softcapping))
+
+    def begin_lm_head_update(self, head: str, *, version: str, vocab_size: int, hidden_size: int, dtype: Any,
+                             sha256: Optional[str] = None, timeout: Any = "default", bias: Any = None,
+                             logit_scale: Optional[float] = None,
+                             final_logit_softcapping: Optional[float] = None) -> LmHeadUpdateHandle:
+        """Opens an update of ``head`` to ``version``, a ``[vocab_size,
+        hidden_size]`` weight of ``dtype`` (``"f32"``, ``"bf16"``, ``"f16"``
+        or a torch / numpy dtype: the head's), whose rows one or several
+        senders then put (``put_lm_head_rows``, e.g. each tensor-parallel
+        rank its vocabulary shard, each with its own client) before this
+        sender commits (``commit_lm_head_update``); ``update_lm_head`` is
+        these steps by one sender. ``sha256``, ``bias``, ``logit_scale``
+        and ``final_logit_softcapping`` as in ``update_lm_head``. Returns an
+        ``LmHeadUpdateHandle`` (picklable: send it to the other senders; its
+        ``update_id`` is the capability to put, commit or abort, keep it
+        among them); ``already_committed`` on it when the server holds this
+        (head, version, sha256) already (puts and commit then do nothing).
+        An update without progress for ``--lm-head-update-timeout`` is
+        aborted by the server. Retried on UNAVAILABLE (a retried Begin
+        answers the update it opened). Raises LogprobError (as
+        ``update_lm_head``), ValueError for a bad name or dtype."""
+        return self._run(lm_head_sender.begin_ops(self, head, version, vocab_size, hidden_size, dtype, sha256,
+                                                  self._deadline(timeout), bias, logit_scale, final_logit_softcapping))
+
+    def put_lm_head_rows(self, update: LmHeadUpdateHandle, row_begin: int, rows: Any, *,
+                         timeout: Any = "default") -> None:
+        """Puts ``rows`` (``[n, hidden_size]``: a torch tensor on the CPU or
+        a GPU, a numpy array, or a safetensors path, converted to the
+        update's dtype) as rows ``[row_begin, row_begin + n)`` of
+        ``update``, which may have been begun by another client or process.
+        The rows travel as in ``update_lm_head`` (CUDA IPC, shared memory,
+        or pieces). Every row of the weight must be put exactly once before
+        the commit, by any number of senders, in any order. Not retried: a
+        failed put leaves the update open without those rows (put them
+        again, or abort). Nothing for an ``already_committed`` update.
+        Raises LogprobError (INVALID_ARGUMENT rows outside ``[0, V)``, given
+        twice, or of another shape; NOT_FOUND an update that ended)."""
+        self._run(lm_head_sender.put_ops(self, update, int(row_begin), rows, self._deadline(timeout)))
+
+    def commit_lm_head_update(self, update: LmHeadUpdateHandle, *, timeout: Any = "default") -> str:
+        """Commits ``update`` once every row was put (by every sender): the
+        server checks the rows, has every worker load them, and makes the
+        version current (as ``update_lm_head``'s commit). Returns the
+        committed version. Retried on UNAVAILABLE (a retried Commit answers
+        the first one's outcome). Raises LogprobError: FAILED_PRECONDITION
+        when rows are missing (naming the first missing range; the update
+        stays open: put them and commit again, or abort), else the error
+        that ended the update (INVALID_ARGUMENT a sha256 mismatch or a
+        non-finite weight, ABORTED an update that was aborted or timed out,
+        FAILED_PRECONDITION a worker that failed to load it)."""
+        return self._run(lm_head_sender.commit_ops(self, update, self._deadline(timeout)))
+
+    def abort_lm_head_update(self, update: LmHeadUpdateHandle, *, timeout: Any = "default") -> None:
+        """Aborts ``update`` (any sender may): its rows are dropped and the
+        current version keeps serving. Sent once. Raises LogprobError
+        (NOT_FOUND an update that already ended)."""
+        self._run(lm_head_sender.abort_ops(self, update, self._deadline(timeout).remaining()))
 
     def lm_heads(self) -> List[Any]:
         """The server's lm_heads (``LmHeadInfo``: name, version,

@@ -2,6 +2,7 @@
 ``PutLmHeadRows`` parts of a row range (``LmHeadRows`` first, then its bytes
 in ``TensorPiece``s, as ScoreChunked sends a request's tensors)."""
 
+import os
 from typing import Any, Iterator, Tuple
 
 import numpy as np
@@ -41,6 +42,19 @@ def lm_head_rows(weight: Any, dtype: Any = None) -> Tuple[int, Array]:
     if rows.ndim != 2:
         raise InvalidInputError("an lm_head weight is [vocab_size, hidden_size], got %s" % (list(rows.shape),))
     return dt, np.ascontiguousarray(rows)
+
+
+def weight_nbytes(weight: Any) -> int:
+    """Bytes of a weight as given (a tensor's or array's ``nbytes``, a
+    file's size, 0 when unknown): how much CPU work making its rows is."""
+    if isinstance(weight, str):
+        try:
+            return os.path.getsize(weight)
+        except OSError:
+            return 0
+    if callable(getattr(weight, "element_size", None)) and callable(getattr(weight, "numel", None)):
+        return int(weight.element_size()) * int(weight.numel())  # torch (nbytes only from torch 2)
+    return int(getattr(weight, "nbytes", 0) or 0)
 
 
 # PutLmHeadRows with parts serialized here (bytes in, LmHeadUpdate out).

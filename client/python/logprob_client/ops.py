@@ -37,15 +37,18 @@ class Rpc:
     """Call ``method(request, timeout=timeout, metadata=metadata)`` (a
     ``grpc`` / ``grpc.aio`` multicallable, or a callable like one, e.g.
     ``transport.ChunkedScore``); resume with the response, or throw its
-    ``grpc.RpcError``."""
+    ``grpc.RpcError``. ``nbytes``: for a client-streaming ``request`` (an
+    iterator of serialized parts), the bytes making its parts copies; the
+    asyncio client makes large ones in its executor, as for ``Work``."""
 
-    __slots__ = ("method", "request", "timeout", "metadata")
+    __slots__ = ("method", "request", "timeout", "metadata", "nbytes")
 
-    def __init__(self, method: Any, request: Any, timeout: Optional[float], metadata: Any) -> None:
+    def __init__(self, method: Any, request: Any, timeout: Optional[float], metadata: Any, nbytes: int = 0) -> None:
         self.method = method
         self.request = request
         self.timeout = timeout
         self.metadata = metadata
+        self.nbytes = nbytes
 
 
 class Work:

@@ -309,7 +309,17 @@ class ScoreCall:
     def result(self, responses: List[Any], attempts: int) -> ScoreResult:
         """Joins the parts' ``ScoreResponse``s (in part order) into a
         ``ScoreResult`` in this call's output format. Raises LogprobError
-        (INTERNAL) for responses that do not fit together."""
+        (INTERNAL) for responses that do not fit together, ABORTED for parts
+        scored with different lm_head versions."""
+        versions = sorted({getattr(r, "head_version", "") or "" for r in responses})
+        if len(versions) > 1:
+            # Never joined from two versions: score() pins its parts, but a
+            # streamed item's parts are all in flight at once.
+            raise LogprobError(
+                grpc.StatusCode.ABORTED,
+                "request %s: its %d parts were scored with lm_head versions %s (an update committed while they "
+                "were in flight); send it again, or pin head_version" % (self.id, len(responses), ", ".join(
+                    repr(v) for v in versions)))
         outputs = [decode(r) for r in responses]
         joined = splitter.join(outputs)
         result = ScoreResult(self.output.convert(joined), self.id, len(responses), attempts)

@@ -282,7 +282,7 @@ class AioChunkedScore:
         request_id, inputs = request
         parts = request_parts(request_id, inputs, self.piece_bytes)
         if self.offload_bytes is not None and inputs.data_bytes() >= self.offload_bytes:
-            call = self._method(_in_executor(parts), timeout=timeout, metadata=metadata)
+            call = self._method(parts_in_executor(parts), timeout=timeout, metadata=metadata)
         else:
             call = self._method(parts, timeout=timeout, metadata=metadata)
         try:
@@ -294,13 +294,16 @@ class AioChunkedScore:
             call.cancel()  # a no-op once the call has ended
 
 
-async def _in_executor(parts: Iterator[bytes]) -> AsyncIterator[bytes]:
+async def parts_in_executor(parts: Iterator[bytes]) -> AsyncIterator[bytes]:
     """``parts`` as an async iterator whose items are made, one at a time,
-    in the running loop's default executor."""
+    in the running loop's default executor: the next while the caller
+    sends the one before (one part ahead at most)."""
     loop = asyncio.get_running_loop()
     end = object()
+    pending = loop.run_in_executor(None, next, parts, end)
     while True:
-        part = await loop.run_in_executor(None, next, parts, end)
+        part = await pending
         if part is end:
             return
+        pending = loop.run_in_executor(None, next, parts, end)
         yield part  # type: ignore[misc]

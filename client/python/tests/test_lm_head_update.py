@@ -345,16 +345,23 @@ class ConcurrentUpdateTest(unittest.TestCase):
             threads = [threading.Thread(target=scorer) for _ in range(3)]
             for t in threads:
                 t.start()
-            with s.client() as c:
-                for i in range(1, 7):
-                    k = "b" if i % 2 else "a"
-                    self.assertEqual(c.update_lm_head("default", w[k], version="%s-%d" % (k, i)), "%s-%d" % (k, i))
-            stop.set()
-            for t in threads:
-                t.join()
+            try:
+                wait_for(lambda: "a-0" in seen or errors, "a scorer to see a-0")
+                with s.client() as c:
+                    for i in range(1, 7):
+                        k = "b" if i % 2 else "a"
+                        version = "%s-%d" % (k, i)
+                        self.assertEqual(c.update_lm_head("default", w[k], version=version), version)
+                        # Scored with it before the next update (on a busy machine
+                        # all six could otherwise commit before a scorer's next call).
+                        wait_for(lambda: version in seen or errors, "a scorer to see %s" % version)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join()
             if errors:
                 raise errors[0]
-            self.assertGreater(len(seen), 1, seen)
+            self.assertEqual(seen, {"a-0", "b-1", "a-2", "b-3", "a-4", "b-5", "a-6"})
 
 
 class CliTest(unittest.TestCase):
