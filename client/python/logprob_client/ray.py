@@ -352,7 +352,10 @@ class LogprobService:
             while True:
                 if c.health(wait=min(2.0, max(0.1, deadline - time.monotonic()))):
                     return
-                fe = ray.get(self.frontend.info.remote())
+                try:
+                    fe = ray.get(self.frontend.info.remote())
+                except ray.exceptions.RayActorError as e:  # never restarted: its versions were in its store
+                    raise RuntimeError("the logprob-server actor is dead (start a new service): %s" % e) from e
                 for i, a in enumerate(self.workers):
                     try:
                         ray.get(a.info.remote(), timeout=30)
