@@ -17,7 +17,9 @@ the dashboard and with small object stores:
   updated; the workers (one per node) fetch every slice from the
   front-end (--fetch-lm-heads always: the path of nodes that do not share
   the front-end's store) and score each version as a direct server
-  holding the same weights does.
+  holding the same weights does; then a worker's node dies, Ray places
+  its bundle on a new node and restarts the actor there, and the pool
+  scores the committed version again.
 """
 
 import asyncio
@@ -248,9 +250,11 @@ class TwoNodeTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         from ray.cluster_utils import Cluster
-        cls.cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, **RAY_NODE))
+        # The driver's head node runs no actor; each worker gets a node of its
+        # own (SPREAD), so one can be removed while the front-end's stays.
+        cls.cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, **RAY_NODE))
         cls.addClassCleanup(cls.cluster.shutdown)
-        cls.cluster.add_node(num_cpus=1, **RAY_NODE)
+        cls.nodes = [cls.cluster.add_node(num_cpus=1, **RAY_NODE) for _ in range(2)]
         ray.init(address=cls.cluster.address, logging_level="ERROR")
         cls.addClassCleanup(ray.shutdown)
         cls.dir = temp_dir("ray_two_nodes")
@@ -297,6 +301,32 @@ class TwoNodeTest(unittest.TestCase):
             log = ray.get(actor.log_tail.remote(20000))
             for version in ("step-1", "step-2"):
                 self.assertRegex(log, r"loaded lm_head policy version %s: .* fetched from the front-end" % version)
+
+        # A dead node: Ray places the bundle of its worker on a new node and
+        # restarts the actor there; the pool re-forms and the new worker
+        # loads the committed version from the front-end.
+        fe_node = service.processes()[0]["node_id"]
+        victim = next(i for i, w in enumerate(workers) if w["node_id"] != fe_node)
+        spare = self.cluster.add_node(num_cpus=1, **RAY_NODE)
+        dead = next(n for n in self.nodes if n.node_id == workers[victim]["node_id"])
+        self.cluster.remove_node(dead)
+        want = self.direct_scores(path)
+
+        def scored_on_the_new_node():
+            try:
+                with service.client(retry=NO_RETRY, timeout=30) as c:
+                    res = c.score(hidden_states=self.h, input_ids=self.ids, cu_seqlens=self.cu, head="policy",
+                                  entropy=True, topk=3)
+                return res if service.processes()[1 + victim].get("node_id") == spare.node_id else None
+            except LogprobError:
+                return None
+
+        res = wait_for(scored_on_the_new_node, "the pool to re-form on the node that replaced a dead one",
+                       timeout=240)
+        self.assertEqual(res.head_version, "step-2")
+        assert_same_bits(self, want, outputs_of(res), "after the node's death")
+        log = ray.get(service.workers[victim].log_tail.remote(20000))
+        self.assertRegex(log, r"loaded lm_head policy version step-2: .* fetched from the front-end")
 
 
 if __name__ == "__main__":
