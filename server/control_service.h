@@ -56,6 +56,10 @@ class ControlService final : public internal::v1::Control::Service {
   /// versions to load), without the service's lock. Set before serving.
   void SetReplyHook(std::function<void(internal::v1::JoinReply*)> hook) { reply_hook_ = std::move(hook); }
 
+  /// Which files ReadLmHeadRows may read (true: a file the front-end serves
+  /// heads from). Set before serving; unset, ReadLmHeadRows refuses all.
+  void SetLmHeadFiles(std::function<bool(const std::string& file)> servable) { lm_head_files_ = std::move(servable); }
+
   grpc::Status Join(grpc::ServerContext*, const internal::v1::JoinRequest*,
                     grpc::ServerWriter<internal::v1::JoinReply>*) override ABSL_LOCKS_EXCLUDED(mu_);
   grpc::Status Ready(grpc::ServerContext*, const internal::v1::ReadyRequest*, internal::v1::ReadyReply*) override
@@ -64,6 +68,13 @@ class ControlService final : public internal::v1::Control::Service {
                         internal::v1::StoreSetReply*) override ABSL_LOCKS_EXCLUDED(mu_);
   grpc::Status StoreGet(grpc::ServerContext*, const internal::v1::StoreGetRequest*,
                         internal::v1::StoreGetReply*) override ABSL_LOCKS_EXCLUDED(mu_);
+  /// A worker's slice of an lm_head file, in pieces of at most 1 MiB
+  /// (server/control_lm_head_rows.cc). PERMISSION_DENIED for a file (or
+  /// bias file) SetLmHeadFiles does not allow; INVALID_ARGUMENT for a bad
+  /// shape or a row range outside [0, V]; ReadLmHeadRows' errors.
+  /// Thread-safe; takes no lock.
+  grpc::Status ReadLmHeadRows(grpc::ServerContext*, const internal::v1::LmHeadRowsRequest*,
+                              grpc::ServerWriter<internal::v1::LmHeadRowsChunk>*) override;
 
   /// Waits until every rank reported Ready; returns their Worker service
   /// addresses by rank. DEADLINE_EXCEEDED names how many joined.
@@ -104,6 +115,7 @@ class ControlService final : public internal::v1::Control::Service {
   const internal::v1::JoinReply worker_config_;
   const LeaveCallback on_leave_;
   std::function<void(internal::v1::JoinReply*)> reply_hook_;  // set before serving
+  std::function<bool(const std::string&)> lm_head_files_;     // set before serving
   const JoinObservers observers_;
   const uint32_t protocol_version_;
 

@@ -322,7 +322,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   std::string sha = absl::AsciiStrToLower(req.sha256());
   if (!sha.empty() && (sha.size() != 64 || sha.find_first_not_of("0123456789abcdef") != std::string::npos))
     return absl::InvalidArgumentError(absl::StrCat("sha256 \"", req.sha256(), "\": 64 hex digits expected"));
-  absl::StatusOr<std::shared_ptr<const LmHeadVersion>> current = heads_->Bind(req.head(), "");
+  absl::StatusOr<std::shared_ptr<const LmHeadVersion>> current = heads_->Current(req.head());
   if (!current.ok() || (*current)->head != req.head())
     return absl::NotFoundError(absl::StrCat("head \"", req.head(), "\": the server holds no such lm_head"));
   if (heads_->Frozen(req.head()))

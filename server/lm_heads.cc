@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "common/error_reason.h"
 #include "common/untrusted_text.h"
+#include "server/lm_head_declared.h"
 
 namespace logprob {
 namespace {
@@ -97,6 +98,22 @@ absl::Status LmHeads::Add(LmHeadVersion first) {
   return absl::OkStatus();
 }
 
+absl::Status LmHeads::Declare(LmHeadVersion placeholder) {
+  auto shared = std::make_shared<const LmHeadVersion>(std::move(placeholder));
+  absl::MutexLock lock(&mu_);
+  if (heads_.count(shared->head))
+    return absl::AlreadyExistsError(absl::StrCat("a second head named \"", shared->head, "\""));
+  heads_[shared->head].retained.push_front(std::move(shared));  // no version name taken, nothing alive
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const LmHeadVersion>> LmHeads::Current(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<const Head*> head = Named(name);
+  if (!head.ok()) return head.status();
+  return (*head)->retained.front();
+}
+
 uint64_t LmHeads::NewSerial() {
   absl::MutexLock lock(&mu_);
   return next_serial_++;
@@ -138,6 +155,12 @@ absl::StatusOr<std::shared_ptr<const LmHeadVersion>> LmHeads::Bind(const std::st
   absl::StatusOr<const Head*> head = Named(name);
   if (!head.ok()) return head.status();
   const auto& retained = (*head)->retained;
+  if (IsDeclaredPlaceholder(*retained.front()))
+    return WithReason(absl::FailedPreconditionError(absl::StrCat(
+                          "lm_head \"", retained.front()->head,
+                          "\" was declared by shape (--lm-head-declare) and has no weights yet: an lm_head update "
+                          "(update_lm_head) fills it")),
+                      v1::LM_HEAD_VERSION_UNAVAILABLE);
   if (pinned.empty()) return retained.front();
   for (const auto& v : retained)
     if (v->version == pinned) return v;
@@ -155,7 +178,7 @@ std::shared_ptr<const LmHeadVersion> LmHeads::Find(const std::string& name, cons
   auto it = heads_.find(name);
   if (it == heads_.end()) return nullptr;
   for (const auto& v : it->second.retained)
-    if (v->version == version) return v;
+    if (v->version == version && !IsDeclaredPlaceholder(*v)) return v;
   return nullptr;
 }
 
@@ -180,6 +203,7 @@ absl::Status LmHeads::Commit(LmHeadVersion next, const std::function<bool()>& st
                                                    "\": the name was taken by an earlier version of the head"));
     it->second.names[shared->version] = shared->sha256;
     auto& retained = it->second.retained;
+    if (IsDeclaredPlaceholder(*retained.front())) retained.clear();  // a declared head's first version
     retained.push_front(shared);
     alive_.push_back(shared);
     while (static_cast<int>(retained.size()) > std::max(options_.retain, 1)) {
@@ -218,8 +242,9 @@ int64_t LmHeads::AliveBytesPerWorker() const {
 v1::LmHeadInfo LmHeads::InfoOf(const std::string& name, const Head& head, const LmHeadVersion& v) const {
   v1::LmHeadInfo info;
   info.set_name(name);
-  info.set_version(v.version);
-  for (const auto& r : head.retained) info.add_retained_versions(r->version);
+  info.set_version(v.version);  // "" for a declared head not yet filled
+  for (const auto& r : head.retained)
+    if (!IsDeclaredPlaceholder(*r)) info.add_retained_versions(r->version);
   info.set_vocab_size(v.source.vocab_size);
   info.set_hidden_size(v.source.hidden_size);
   info.set_dtype(v.source.dtype);

@@ -98,6 +98,18 @@ class LmHeads {
   /// ALREADY_EXISTS for a second head of the same name.
   absl::Status Add(LmHeadVersion first) ABSL_LOCKS_EXCLUDED(mu_);
 
+  /// Adds a head declared by shape and dtype (server/lm_head_declared.h:
+  /// `placeholder` from ParseDeclaredLmHead): it has no servable version
+  /// until the first Commit, so Bind refuses it (FAILED_PRECONDITION
+  /// naming the head) and workers load nothing for it; updates see its
+  /// shape through Current. ALREADY_EXISTS for a second head of the name.
+  absl::Status Declare(LmHeadVersion placeholder) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Head `name`'s current version, a declared head's placeholder
+  /// included (what an update checks its shape against), unbound.
+  /// NOT_FOUND for an unknown head, as Bind.
+  absl::StatusOr<std::shared_ptr<const LmHeadVersion>> Current(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
+
   /// A version identity never given before (LmHeadVersion::serial), for a
   /// version about to be loaded and committed. Thread-safe.
   uint64_t NewSerial() ABSL_LOCKS_EXCLUDED(mu_);
@@ -120,7 +132,8 @@ class LmHeads {
   /// its current version. The binding keeps the version alive.
   /// NOT_FOUND for an unknown head (naming the heads held);
   /// FAILED_PRECONDITION (reason LM_HEAD_VERSION_UNAVAILABLE) for a
-  /// version not retained, naming the retained ones.
+  /// version not retained, naming the retained ones, and for a declared
+  /// head no update has filled yet.
   absl::StatusOr<std::shared_ptr<const LmHeadVersion>> Bind(const std::string& name, const std::string& pinned) const
       ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -38,6 +38,8 @@
 #include "common/version.h"
 #include "server/auth.h"
 #include "server/external_launcher.h"
+#include "server/lm_head_declared.h"
+#include "server/lm_head_files.h"
 #include "server/lm_head_peer_sync.h"
 #include "server/lm_head_updates.h"
 #include "server/lm_heads.h"
@@ -74,6 +76,10 @@ ABSL_FLAG(std::string, lm_head_softcap, "",
           "final-logit softcap C of every --lm-head without a config.json: logits are C * tanh(z / C) after the "
           "bias and multiplier; a number >= 0 (default 0: none). A checkpoint directory's config.json gives it "
           "(final_logit_softcapping); a flag that contradicts it is an error");
+ABSL_FLAG(std::string, lm_head_declare, "",
+          "an lm_head declared by shape and dtype, repeatable: NAME=VxH:DTYPE (e.g. policy=151936x4096:bf16; "
+          "DTYPE bf16, f16 or f32). It needs no checkpoint file, needs --allow-lm-head-updates, and serves once "
+          "the first update fills it (requests before: FAILED_PRECONDITION)");
 ABSL_FLAG(std::string, lm_head_version, "initial", "version name of the lm_heads loaded at start");
 ABSL_FLAG(std::string, lm_head_frozen, "",
           "an --lm-head NAME that lm_head updates may not change (a reference or a teacher), repeatable; "
@@ -427,6 +433,15 @@ int main(int argc, char** argv) {
     const std::string name = head->head;
     if (auto st = heads.Add(*std::move(head)); !st.ok()) return Fail(std::string(st.message()));
   }
+  for (const std::string& arg : logprob::FlagValues(argc, argv, "lm_head_declare")) {
+    auto declared = logprob::ParseDeclaredLmHead(arg, workers);
+    if (!declared.ok()) return Fail(std::string(declared.status().message()));
+    if (!absl::GetFlag(FLAGS_allow_lm_head_updates))
+      return Fail("--lm-head-declare " + arg + ": a declared head is filled by an update; add --allow-lm-head-updates");
+    if (auto st = heads.Declare(*std::move(declared)); !st.ok())
+      return Fail("--lm-head-declare " + arg + ": " + std::string(st.message()));
+    LogLine() << "logprob-server: lm_head declared " << arg << " (not servable until an update fills it)";
+  }
   for (const std::string& name : heads_options.frozen)
     if (heads.Find(name, initial_version) == nullptr)
       return Fail("--lm-head-frozen " + name + ": no --lm-head of that name");
@@ -462,9 +477,23 @@ int main(int argc, char** argv) {
     config.auth = &*auth;
   }
 
+  // Where updated lm_head versions are written (before the pool: workers on
+  // other nodes fetch rows of its files through the control plane).
+  std::string lm_head_store_dir = absl::GetFlag(FLAGS_lm_head_store_dir);
+  std::optional<StoreDir> default_store;
+  if (lm_head_store_dir.empty()) {
+    default_store.emplace();
+    lm_head_store_dir = default_store->path();
+  }
+
   logprob::WorkerPool::Options pool_opts;
   pool_opts.worker_config = worker_config;
   pool_opts.lm_heads = [&heads] { return heads.Alive(); };
+  // Workers that cannot read a head's file (another node) fetch its rows
+  // from here: the files of live versions and of the update store only.
+  pool_opts.lm_head_files = [&heads, store = lm_head_store_dir](const std::string& file) {
+    return logprob::InLmHeadStore(file, store) || logprob::IsLiveLmHeadFile(file, heads.Alive());
+  };
   pool_opts.workers = workers;
   pool_opts.control_listen = absl::GetFlag(FLAGS_control_listen);
   pool_opts.join_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_worker_join_timeout));
@@ -494,12 +523,7 @@ int main(int argc, char** argv) {
   logprob::LmHeadUpdates::Options update_options;
   update_options.allowed = config.lm_head_updates;
   update_options.update_dir = absl::GetFlag(FLAGS_lm_head_update_dir);
-  update_options.store_dir = absl::GetFlag(FLAGS_lm_head_store_dir);
-  std::optional<StoreDir> default_store;
-  if (update_options.store_dir.empty()) {
-    default_store.emplace();
-    update_options.store_dir = default_store->path();
-  }
+  update_options.store_dir = lm_head_store_dir;
   update_options.timeout = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_lm_head_update_timeout));
   update_options.memory_bytes = absl::GetFlag(FLAGS_lm_head_memory_bytes);
   update_options.workers = workers;
@@ -515,7 +539,8 @@ int main(int argc, char** argv) {
   logprob::LmHeadUpdateObservers update_observers;
   const auto publish_heads = [&metrics, &heads] {
     for (const auto& h : heads.List())
-      metrics.SetLmHead(h.name(), h.version(), h.bytes_per_worker() * h.retained_versions_size());
+      if (!h.version().empty())  // a declared head gets its series with its first version
+        metrics.SetLmHead(h.name(), h.version(), h.bytes_per_worker() * h.retained_versions_size());
   };
   publish_heads();
   update_observers.on_end = [&metrics, publish_heads](const std::string& head, const std::string& outcome,

@@ -40,6 +40,7 @@ absl::Status WorkerPool::Start() {
     control_->SetReplyHook([this](internal::v1::JoinReply* reply) {
       for (auto& load : options_.lm_heads()) *reply->add_lm_heads() = std::move(load);
     });
+  control_->SetLmHeadFiles(options_.lm_head_files);
   grpc::ServerBuilder builder;
   // Keepalive on the Join streams: a worker host that vanishes without
   // closing its connection (power, network) is noticed within seconds.

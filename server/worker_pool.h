@@ -66,6 +66,9 @@ class WorkerPool {
     /// The lm_head versions a joining worker loads (JoinReply.lm_heads),
     /// asked at each join. May be empty.
     std::function<std::vector<internal::v1::LmHeadLoad>()> lm_heads;
+    /// The files a worker may fetch lm_head rows of through the control
+    /// plane (ControlService::SetLmHeadFiles). May be empty: none.
+    std::function<bool(const std::string& file)> lm_head_files;
     /// Called with false when the pool fails and true when a generation is
     /// ready (health status). May be empty.
     std::function<void(bool serving)> on_serving;

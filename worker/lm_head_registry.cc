@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/huge_pages.h"
 #include "common/lm_head_source.h"
+#include "common/lm_head_source_proto.h"
 #include "common/log_line.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
@@ -46,26 +47,8 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
     if (auto it = held_.find(key); it != held_.end() && same_source(it->second))
       return static_cast<int64_t>(it->second.weights->bytes());
   }
-  LmHeadSource source;
-  source.file = src.file();
-  source.tensor = src.tensor();
-  source.dtype = src.dtype();
-  source.vocab_size = src.vocab_size();
-  source.hidden_size = src.hidden_size();
-  source.data_offset = src.data_offset();
-  source.transform.logit_scale = src.logit_scale() == 0 ? 1.0 : src.logit_scale();  // 0: unset
-  source.transform.softcap = src.final_logit_softcapping();
-  source.transform.has_bias = !src.bias_file().empty();
-  source.bias.file = src.bias_file();
-  source.bias.tensor = src.bias_tensor();
-  source.bias.dtype = src.bias_dtype();
-  source.bias.data_offset = src.bias_offset();
-  if (source.transform.has_bias && !IsFloatDType(source.bias.dtype))
-    return absl::InvalidArgumentError(absl::StrCat("LoadLmHead ", ref.name(), "@", ref.version(), ": bias dtype ",
-                                                   DTypeName(source.bias.dtype), " is not F32, BF16 or F16"));
-  if (source.vocab_size <= 0 || source.hidden_size <= 0 || !IsFloatDType(source.dtype))
-    return absl::InvalidArgumentError(absl::StrCat("LoadLmHead ", ref.name(), "@", ref.version(), ": bad shape [",
-                                                   source.vocab_size, ", ", source.hidden_size, "] or dtype"));
+  LOGPROB_ASSIGN_OR_RETURN(const LmHeadSource source,
+                           LmHeadSourceFromProto(src, absl::StrCat("LoadLmHead ", ref.name(), "@", ref.version())));
   const auto [vb, ve] = SplitRange(source.vocab_size, world_, rank_);
   const auto t0 = std::chrono::steady_clock::now();
   LmHeadSlice slice;
@@ -73,16 +56,19 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   slice.rows = ve - vb;
   slice.hidden_size = source.hidden_size;
   slice.transform = source.transform;
+  // A file this host does not have (another node than the front-end's):
+  // the slice comes from the front-end.
+  const bool fetched = ShouldFetchLmHead(fetch_mode_, src);
   if (source.transform.has_bias) {
     slice.bias.resize(static_cast<size_t>(ve - vb));
-    LOGPROB_RETURN_IF_ERROR(ReadLmHeadBias(source, vb, ve, slice.bias.data()));
+    if (!fetched) LOGPROB_RETURN_IF_ERROR(ReadLmHeadBias(source, vb, ve, slice.bias.data()));
   }
   const size_t row_bytes = static_cast<size_t>(source.hidden_size) * DTypeSize(source.dtype);
   const size_t read_bytes = static_cast<size_t>(ve - vb) * row_bytes;
   // A committed update's store file in memory: its pages become the
   // slice's (no copy, no second copy of the head in memory).
   absl::StatusOr<HostBytes> mapped = absl::UnimplementedError("a checkpoint is copied");
-  if (src.immutable())
+  if (src.immutable() && !fetched)
     mapped =
         HostBytes::MapMemoryFile(source.file, source.data_offset + static_cast<uint64_t>(vb) * row_bytes, read_bytes);
   if (mapped.ok()) {
@@ -93,7 +79,9 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
     // Untouched yet: huge pages take the slice in a few hundred page faults.
     AdviseHugePages(copy.data(), copy.capacity());
     copy.resize(read_bytes);
-    LOGPROB_RETURN_IF_ERROR(ReadLmHeadRows(source, vb, ve, copy.data()));
+    LOGPROB_RETURN_IF_ERROR(
+        fetched ? fetch_(src, vb, ve, copy.data(), source.transform.has_bias ? slice.bias.data() : nullptr)
+                : ReadLmHeadRows(source, vb, ve, copy.data()));
     slice.weight = HostBytes(std::move(copy));
   }
   const bool was_mapped = slice.weight.mapped();
@@ -115,9 +103,12 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   }
   LogLine() << absl::StrCat("logprob-worker: rank ", rank_, " loaded lm_head ", ref.name(), " version ", ref.version(),
                             ": ", source.tensor, " rows [", vb, ", ", ve, ") x ", source.hidden_size, " ",
-                            DTypeName(source.dtype), was_mapped ? " mapped from " : " from ", source.file, " (",
-                            read_bytes >> 20, " MiB), transform ", source.transform.ToString(), " in ",
-                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s");
+                            DTypeName(source.dtype),
+                            was_mapped ? " mapped from "
+                            : fetched  ? " fetched from the front-end: "
+                                       : " from ",
+                            source.file, " (", read_bytes >> 20, " MiB), transform ", source.transform.ToString(),
+                            " in ", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s");
   return bytes;
 }
 

@@ -17,6 +17,7 @@
 #include "common/lm_head_precision.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "worker/backend.h"
+#include "worker/frontend_lm_head_rows.h"
 
 namespace logprob {
 
@@ -28,18 +29,24 @@ class LmHeadRegistry {
  public:
   /// Slices are rows SplitRange(V, world, rank) of each head; `precision`
   /// picks the GEMM operands (common/lm_head_precision.h). `backend`
-  /// outlives the registry.
-  LmHeadRegistry(ScoringBackend& backend, LmHeadPrecision precision, int rank, int world)
-      : backend_(backend), precision_(precision), rank_(rank), world_(world) {}
+  /// outlives the registry. `fetch` reads a slice from the front-end
+  /// instead of the file when `fetch_mode` says so (ShouldFetchLmHead;
+  /// empty: never).
+  LmHeadRegistry(ScoringBackend& backend, LmHeadPrecision precision, int rank, int world, LmHeadRowFetcher fetch = {},
+                 LmHeadFetchMode fetch_mode = LmHeadFetchMode::kNever)
+      : backend_(backend),
+        precision_(precision),
+        rank_(rank),
+        world_(world),
+        fetch_(std::move(fetch)),
+        fetch_mode_(fetch_ ? fetch_mode : LmHeadFetchMode::kNever) {}
 
   /// Reads this rank's rows of `load.source` (common/lm_head_source.h
   /// ReadLmHeadRows; a committed update's file in memory is mapped, not
-  /// read) and loads them into the backend, unless `load.head` is held
-  /// already from the same file and offset (then nothing is read; held
-  /// from another file, the old copy is stale and is replaced). Returns the bytes the backend
-  /// holds for it. Errors: INVALID_ARGUMENT for an empty name or version or
-  /// a bad shape; NOT_FOUND / DATA_LOSS reading the file; the backend's
-  /// LoadLmHead errors (memory).
+  /// read; or fetched from the front-end, see the constructor) and loads them into the backend, unless `load.head` is
+  /// held already from the same file and offset (then nothing is read; held from another file, the old copy is stale
+  /// and is replaced). Returns the bytes the backend holds for it. Errors: INVALID_ARGUMENT for an empty name or
+  /// version or a bad shape; NOT_FOUND / DATA_LOSS reading the file; the backend's LoadLmHead errors (memory).
   absl::StatusOr<int64_t> Load(const internal::v1::LmHeadLoad& load) ABSL_LOCKS_EXCLUDED(mu_);
 
   /// The weights of `head`, or null when this worker does not hold it.
@@ -58,6 +65,8 @@ class LmHeadRegistry {
   ScoringBackend& backend_;
   const LmHeadPrecision precision_;
   const int rank_, world_;
+  const LmHeadRowFetcher fetch_;
+  const LmHeadFetchMode fetch_mode_;
   mutable absl::Mutex mu_;
   struct Held {
     std::shared_ptr<const LmHeadWeights> weights;

@@ -44,6 +44,7 @@
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend_factory.h"
 #include "worker/control_store.h"
+#include "worker/frontend_lm_head_rows.h"
 #include "worker/lm_head_registry.h"
 #include "worker/worker_service.h"
 
@@ -66,6 +67,10 @@ ABSL_FLAG(int, collective_timeout, 60, "seconds before a collective or rendezvou
 ABSL_FLAG(std::string, lm_head_precision, "",
           "operands of the lm_head GEMM: auto, bf16, tf32 or fp32 (default: as the front-end says; when given it "
           "must equal the front-end's --lm-head-precision: every rank of a pool computes alike)");
+ABSL_FLAG(std::string, fetch_lm_heads, "auto",
+          "where this worker reads its lm_head slices: auto (the file the front-end names when this host can read "
+          "it, else streamed from the front-end's control plane), always (always streamed: nodes that do not share "
+          "the front-end's filesystem), never (only the file)");
 ABSL_FLAG(int, threads, -1, "compute threads (GEMM); -1: as the front-end says, 0: library default");
 
 using logprob::LogLine;
@@ -145,6 +150,8 @@ int main(int argc, char** argv) {
         !st.ok())
       return Fail(std::string(st.message()));
   }
+  const auto fetch_mode = logprob::ParseLmHeadFetchMode(absl::GetFlag(FLAGS_fetch_lm_heads));
+  if (!fetch_mode.ok()) return Fail(std::string(fetch_mode.status().message()));
   if (const std::string p = absl::GetFlag(FLAGS_lm_head_precision); !p.empty())
     if (auto parsed = logprob::ParseLmHeadPrecision(p); !parsed.ok())
       return Fail(std::string(parsed.status().message()));
@@ -240,7 +247,9 @@ int main(int argc, char** argv) {
   if (!backend.ok())
     EndMembership("--backend " + backend_name + ": " + std::string(backend.status().message()), false, 1);
   // Every lm_head version the front-end serves (or still has requests for).
-  auto lm_heads = std::make_unique<logprob::LmHeadRegistry>(**backend, *precision, rank, world);
+  // A slice this host cannot read comes from the front-end (--fetch-lm-heads).
+  auto lm_heads = std::make_unique<logprob::LmHeadRegistry>(
+      **backend, *precision, rank, world, logprob::FrontendLmHeadRows(control, std::chrono::minutes(10)), *fetch_mode);
   for (const auto& load : joined.lm_heads())
     if (auto loaded = lm_heads->Load(load); !loaded.ok())
       EndMembership("lm_head " + load.head().name() + " version " + load.head().version() + ": " +

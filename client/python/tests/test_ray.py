@@ -1,0 +1,333 @@
+"""Tests of logprob_client.ray (the service as Ray actors) in the Ray
+environment (scripts/setup-ray.sh, ctest py_ray_*), on loopback only
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray's nodes 127.0.0.1), without
+the dashboard and with small object stores:
+
+- GoldenTest: a local Ray instance with 2 CPU workers scores every golden
+  case bitwise as a ``logprob-server --workers 2`` started directly
+  (``client()`` and ``aio_client()``); binaries it cannot find are named
+  with the node and the places searched; then
+  ``ray.kill`` of a worker actor: requests get UNAVAILABLE, Ray restarts the
+  actor, the pool re-forms and scores the same bits again, as after a
+  worker process killed on its own (its actor ends and restarts); ``stop()``
+  leaves no process of the service; and a driver killed with SIGKILL
+  takes the service's processes with it.
+- TwoNodeTest: two Ray nodes (ray.cluster_utils.Cluster), SPREAD
+  placement, a head declared by shape, filled from the driver and then
+  updated; the workers (one per node) fetch every slice from the
+  front-end (--fetch-lm-heads always: the path of nodes that do not share
+  the front-end's store) and score each version as a direct server
+  holding the same weights does; then a worker's node dies, Ray places
+  its bundle on a new node and restarts the actor there, and the pool
+  scores the committed version again.
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported: nodes on 127.0.0.1
+
+import numpy as np
+
+import support
+from support import BIN_DIR, GOLDEN_DIR, LOGITS_CASES, Golden, Server, compare, temp_dir, wait_for
+
+import grpc
+import ray
+from logprob_client import LogprobError, RetryPolicy, safetensors
+from logprob_client.ray import DeclaredHead, LogprobService
+from logprob_client.tensors import float32_to_bf16_bits
+
+LM_HEAD = os.path.join(GOLDEN_DIR, "hidden_bf16.lm_head.safetensors")
+CASES = LOGITS_CASES + ["hidden_bf16"]
+RAY_NODE = dict(include_dashboard=False, object_store_memory=80 * 1024 * 1024)
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def outputs_of(result):
+    """{name: ndarray} of a ScoreResult (numpy in, numpy out)."""
+    return {k: np.asarray(v) for k, v in result.outputs.items()}
+
+
+def assert_same_bits(test, want, got, what):
+    test.assertEqual(sorted(want), sorted(got), what)
+    for name in want:
+        test.assertEqual(want[name].dtype, got[name].dtype, "%s %s" % (what, name))
+        test.assertEqual(want[name].tobytes(), got[name].tobytes(), "%s %s differs bitwise" % (what, name))
+
+
+def service_processes(marker):
+    """pids of live processes whose command line contains ``marker`` (the
+    service's unique address), from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % entry, "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open("/proc/%s/stat" % entry) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and "logprob-" in cmd and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def control_address(service):
+    """The front-end's control address (in every worker's command line)."""
+    fe = service.processes()[0]
+    return "%s:%d" % (fe["node_ip"], fe["ports"][1])
+
+
+class GoldenTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        # The actors find the binaries through bin_dir= only (the missing-binary test).
+        os.environ.pop("LOGPROB_BIN_DIR", None)
+        ray.init(num_cpus=3, logging_level="ERROR", **RAY_NODE)
+        cls.addClassCleanup(ray.shutdown)
+        cls.direct = Server(workers=2, extra=["--lm-head", LM_HEAD])
+        cls.addClassCleanup(cls.direct.close)
+        with cls.direct.client() as c:
+            cls.want = {name: outputs_of(c.score(**Golden(name).score_kwargs())) for name in CASES}
+
+    def start(self):
+        service = LogprobService.start(workers=2, backend="cpu", heads={"default": LM_HEAD}, bin_dir=BIN_DIR,
+                                       client_kwargs={"timeout": 120})
+        self.addCleanup(service.stop)
+        service.wait_ready(180)
+        return service
+
+    def score_all(self, service, what):
+        with service.client() as c:
+            for name in CASES:
+                g = Golden(name)
+                got = outputs_of(c.score(**g.score_kwargs()))
+                self.assertEqual(compare(g.expected, got), "", "%s %s" % (what, name))
+                assert_same_bits(self, self.want[name], got, "%s %s" % (what, name))
+
+    def test_golden_kill_restart_stop(self):
+        service = self.start()
+        procs = service.processes()
+        self.assertEqual(len(procs), 3)
+        self.assertTrue(all(p["returncode"] is None for p in procs), procs)
+        self.score_all(service, "ray")
+
+        async def aio_score():
+            async with service.aio_client() as c:
+                return outputs_of(await c.score(**Golden("hidden_bf16").score_kwargs()))
+
+        assert_same_bits(self, self.want["hidden_bf16"], asyncio.run(aio_score()), "aio_client hidden_bf16")
+        marker = control_address(service)
+        # The front-end (--control-listen) and the workers (--frontend) name the control address.
+        self.assertEqual(sorted(service_processes(marker)), sorted(p["pid"] for p in procs))
+
+        # ray.kill of a worker actor: its process dies with it, requests get
+        # UNAVAILABLE until Ray restarts the actor and the pool re-forms.
+        killed = procs[1]["pid"]
+        ray.kill(service.workers[0], no_restart=False)
+        g = Golden("basic_f32")
+        codes = []
+
+        def served_again():
+            try:
+                with service.client(retry=NO_RETRY, timeout=30) as c:
+                    c.score(**g.score_kwargs())
+                return True
+            except LogprobError as e:
+                codes.append(e.code)
+                return False
+
+        wait_for(served_again, "the pool to re-form after ray.kill of a worker actor", timeout=180)
+        self.assertIn(grpc.StatusCode.UNAVAILABLE, codes)
+        self.assertEqual(set(codes), {grpc.StatusCode.UNAVAILABLE}, codes)
+        self.assertFalse(os.path.exists("/proc/%d" % killed) and killed in service_processes(marker))
+        restarted = service.processes()[1]
+        self.assertNotEqual(restarted["pid"], killed)
+        self.assertIsNone(restarted["returncode"])
+        self.score_all(service, "after the restart")
+
+        # A worker process that dies on its own (SIGKILL) ends its actor,
+        # which Ray restarts with a new process.
+        victim = service.processes()[2]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        codes.clear()
+        wait_for(lambda: served_again() and service.processes()[2]["pid"] != victim,
+                 "Ray to restart the actor of a worker process killed with SIGKILL", timeout=180)
+        self.assertTrue(set(codes) <= {grpc.StatusCode.UNAVAILABLE}, codes)
+        self.score_all(service, "after the process restart")
+
+        # stop(): no process of the service is left.
+        fe_pid = procs[0]["pid"]
+        pids = [p["pid"] for p in service.processes()]
+        service.stop()
+        self.assertEqual(service_processes(marker), [])
+        self.assertEqual([p for p in pids + [fe_pid] if os.path.exists("/proc/%d/cmdline" % p)
+                          and p in service_processes("logprob-")], [])
+
+    def test_missing_binaries_are_named(self):
+        empty = temp_dir("ray_no_binaries")
+        self.addCleanup(os.rmdir, empty)
+        with self.assertRaises(RuntimeError) as cm:
+            LogprobService.start(workers=1, backend="cpu", bin_dir=empty)
+        text = str(cm.exception)
+        self.assertIn("logprob-server not found on node 127.0.0.1", text)
+        self.assertIn(empty, text)
+        self.assertIn("bin_dir", text)
+        # Nothing is left reserved: the placement group start made is removed.
+        wait_for(lambda: all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()),
+                 "the failed start's placement group to be removed")
+
+    def test_killed_driver_takes_the_processes(self):
+        """A driver killed with SIGKILL: Ray ends its actors, and their
+        processes die with them (PR_SET_PDEATHSIG)."""
+        gcs = ray.get_runtime_context().gcs_address
+        code = """
+import json, sys
+import ray
+from logprob_client.ray import LogprobService
+ray.init(address=%r, logging_level="ERROR")
+s = LogprobService.start(workers=1, backend="cpu", bin_dir=%r)
+s.wait_ready(180)
+print(json.dumps([[p["pid"], p["log"]] for p in s.processes()]), flush=True)
+sys.stdin.read()  # until killed
+""" % (gcs, BIN_DIR)
+        driver = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        self.addCleanup(driver.stdout.close)
+        self.addCleanup(driver.stdin.close)
+        self.addCleanup(driver.wait)
+        self.addCleanup(driver.kill)
+        line = driver.stdout.readline()
+        self.assertTrue(line, "the driver ended before its service served")
+        procs = json.loads(line)
+        pids = [pid for pid, _ in procs]
+        for _, log in procs:  # stop() did not run: the actors' log folders stay
+            self.addCleanup(shutil.rmtree, os.path.dirname(log), True)
+        self.assertEqual(len(pids), 2)
+        self.assertTrue(all(os.path.exists("/proc/%d" % p) for p in pids))
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+
+        def gone():
+            return not [p for p in pids if p in service_processes("logprob-")]
+
+        wait_for(gone, "the killed driver's logprob- processes to exit", timeout=120)
+
+
+class ArgumentsTest(unittest.TestCase):
+    """Bad arguments are ValueError naming the argument, before Ray is asked anything."""
+
+    def test_bad_arguments_are_named(self):
+        for kwargs, words in (({"workers": 0}, "workers"), ({"workers": 1, "backend": "tpu"}, "backend"),
+                              ({"workers": 1, "placement": "ANYWHERE"}, "placement"),
+                              ({"workers": 1, "fetch_lm_heads": "sometimes"}, "fetch_lm_heads"),
+                              ({"workers": 1, "heads": {"policy": 42}}, "heads['policy']"),
+                              ({"workers": 1, "heads": {"policy": DeclaredHead(0, 8)}}, "vocab_size"),
+                              ({"workers": 1, "heads": {"policy": DeclaredHead(8, 8, "f64")}}, "dtype")):
+            with self.subTest(kwargs=kwargs):
+                with self.assertRaises(ValueError) as cm:
+                    LogprobService.start(**kwargs)
+                self.assertIn(words, str(cm.exception))
+
+    def test_declared_head_flag(self):
+        self.assertEqual(DeclaredHead(151936, 4096).flag("policy"), "policy=151936x4096:bf16")
+        self.assertEqual(DeclaredHead(10, 4, "F32").flag("r"), "r=10x4:f32")
+
+
+class TwoNodeTest(unittest.TestCase):
+    V, H = 1000, 64
+
+    @classmethod
+    def setUpClass(cls):
+        from ray.cluster_utils import Cluster
+        # The driver's head node runs no actor; each worker gets a node of its
+        # own (SPREAD), so one can be removed while the front-end's stays.
+        cls.cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, **RAY_NODE))
+        cls.addClassCleanup(cls.cluster.shutdown)
+        cls.nodes = [cls.cluster.add_node(num_cpus=1, **RAY_NODE) for _ in range(2)]
+        ray.init(address=cls.cluster.address, logging_level="ERROR")
+        cls.addClassCleanup(ray.shutdown)
+        cls.dir = temp_dir("ray_two_nodes")
+        rng = np.random.default_rng(33)
+        cls.h = rng.standard_normal((12, cls.H)).astype(np.float32)
+        cls.ids = rng.integers(0, cls.V, 12)
+        cls.cu = np.array([0, 5, 12])
+
+    def weights(self, seed):
+        """A [V, H] bf16 head (uint16 bits) and a safetensors file of it."""
+        w = float32_to_bf16_bits(np.random.default_rng(seed).standard_normal((self.V, self.H)).astype(np.float32))
+        path = os.path.join(self.dir, "head-%d.safetensors" % seed)
+        safetensors.save(path, {"lm_head.weight": w}, bf16=["lm_head.weight"])
+        return w, path
+
+    def direct_scores(self, path):
+        """What a directly started 2-worker server with the head in ``path`` answers."""
+        with Server(workers=2, extra=["--lm-head", "policy=" + path]) as s, s.client() as c:
+            return outputs_of(c.score(hidden_states=self.h, input_ids=self.ids, cu_seqlens=self.cu, head="policy",
+                                      entropy=True, topk=3))
+
+    def test_declared_head_filled_and_updated_across_nodes(self):
+        service = LogprobService.start(workers=2, backend="cpu", placement="SPREAD",
+                                       heads={"policy": DeclaredHead(self.V, self.H, "bf16")}, bin_dir=BIN_DIR,
+                                       fetch_lm_heads="always", client_kwargs={"timeout": 120})
+        self.addCleanup(service.stop)
+        service.wait_ready(180)
+        workers = service.processes()[1:]
+        self.assertEqual(len({w["node_id"] for w in workers}), 2, "SPREAD put both workers on one node")
+        with service.client() as c:
+            with self.assertRaises(LogprobError) as cm:
+                c.score(hidden_states=self.h, input_ids=self.ids, cu_seqlens=self.cu, head="policy")
+            self.assertEqual(cm.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("declared", str(cm.exception))
+            for seed, version in ((1, "step-1"), (2, "step-2")):
+                w, path = self.weights(seed)
+                self.assertEqual(c.update_lm_head("policy", w, dtype="bf16", version=version), version)
+                res = c.score(hidden_states=self.h, input_ids=self.ids, cu_seqlens=self.cu, head="policy",
+                              entropy=True, topk=3)
+                self.assertEqual(res.head_version, version)
+                assert_same_bits(self, self.direct_scores(path), outputs_of(res), version)
+        # Every worker loaded each version from the front-end, not from the store file.
+        for actor in service.workers:
+            log = ray.get(actor.log_tail.remote(20000))
+            for version in ("step-1", "step-2"):
+                self.assertRegex(log, r"loaded lm_head policy version %s: .* fetched from the front-end" % version)
+
+        # A dead node: Ray places the bundle of its worker on a new node and
+        # restarts the actor there; the pool re-forms and the new worker
+        # loads the committed version from the front-end.
+        fe_node = service.processes()[0]["node_id"]
+        victim = next(i for i, w in enumerate(workers) if w["node_id"] != fe_node)
+        spare = self.cluster.add_node(num_cpus=1, **RAY_NODE)
+        dead = next(n for n in self.nodes if n.node_id == workers[victim]["node_id"])
+        self.cluster.remove_node(dead)
+        want = self.direct_scores(path)
+
+        def scored_on_the_new_node():
+            try:
+                with service.client(retry=NO_RETRY, timeout=30) as c:
+                    res = c.score(hidden_states=self.h, input_ids=self.ids, cu_seqlens=self.cu, head="policy",
+                                  entropy=True, topk=3)
+                return res if service.processes()[1 + victim].get("node_id") == spare.node_id else None
+            except LogprobError:
+                return None
+
+        res = wait_for(scored_on_the_new_node, "the pool to re-form on the node that replaced a dead one",
+                       timeout=240)
+        self.assertEqual(res.head_version, "step-2")
+        assert_same_bits(self, want, outputs_of(res), "after the node's death")
+        log = ray.get(service.workers[victim].log_tail.remote(20000))
+        self.assertRegex(log, r"loaded lm_head policy version step-2: .* fetched from the front-end")
+
+
+if __name__ == "__main__":
+    unittest.main()

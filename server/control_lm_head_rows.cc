@@ -1,0 +1,70 @@
+// Control.ReadLmHeadRows: a worker's vocabulary slice of an lm_head file,
+// read by the front-end and streamed to a worker that cannot read the file
+// itself (logprob-worker --fetch-lm-heads; docs/cluster.md "Heads without
+// a shared filesystem").
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/lm_head_source.h"
+#include "common/lm_head_source_proto.h"
+#include "common/log_line.h"
+#include "server/control_service.h"
+
+namespace logprob {
+namespace {
+// Bytes of rows (or of bias) per message: well under gRPC's default 4 MiB
+// receive limit, whatever the worker's channel allows.
+constexpr int64_t kPieceBytes = int64_t{1} << 20;
+}  // namespace
+
+grpc::Status ControlService::ReadLmHeadRows(grpc::ServerContext* ctx, const internal::v1::LmHeadRowsRequest* req,
+                                            grpc::ServerWriter<internal::v1::LmHeadRowsChunk>* writer) {
+  const internal::v1::LmHeadSource& src = req->source();
+  for (const std::string& file : {src.file(), src.bias_file()})
+    if (!file.empty() && (!lm_head_files_ || !lm_head_files_(file)))
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                          absl::StrCat("ReadLmHeadRows: ", file, " is not an lm_head file this front-end serves"));
+  absl::StatusOr<LmHeadSource> source = LmHeadSourceFromProto(src, "ReadLmHeadRows");
+  if (!source.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(source.status().message()));
+  const int64_t begin = req->row_begin(), end = req->row_end();
+  if (begin < 0 || begin > end || end > source->vocab_size)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("ReadLmHeadRows: rows [", begin, ", ", end,
+                                                                         ") outside [0, ", source->vocab_size, "]"));
+  const int64_t row_bytes = source->hidden_size * static_cast<int64_t>(DTypeSize(source->dtype));
+  const int64_t rows_per_piece = std::max<int64_t>(1, kPieceBytes / row_bytes);
+  internal::v1::LmHeadRowsChunk chunk;
+  if (source->transform.has_bias) {
+    std::vector<float> bias(static_cast<size_t>(end - begin));
+    if (absl::Status st = ReadLmHeadBias(*source, begin, end, bias.data()); !st.ok())
+      return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+    const size_t per_piece = kPieceBytes / sizeof(float);
+    for (size_t i = 0; i < bias.size(); i += per_piece) {
+      const size_t n = std::min(per_piece, bias.size() - i);
+      chunk.mutable_bias()->Assign(bias.begin() + static_cast<ptrdiff_t>(i),
+                                   bias.begin() + static_cast<ptrdiff_t>(i + n));
+      if (ctx->IsCancelled() || !writer->Write(chunk))
+        return grpc::Status(grpc::StatusCode::CANCELLED, "ReadLmHeadRows: the worker went away");
+      chunk.Clear();
+    }
+  }
+  int64_t r = begin;
+  do {  // one message at least
+    const int64_t e = std::min(end, r + rows_per_piece);
+    std::string* rows = chunk.mutable_rows();
+    rows->resize(static_cast<size_t>((e - r) * row_bytes));
+    if (absl::Status st = logprob::ReadLmHeadRows(*source, r, e, rows->data()); !st.ok())
+      return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+    if (ctx->IsCancelled() || !writer->Write(chunk))
+      return grpc::Status(grpc::StatusCode::CANCELLED, "ReadLmHeadRows: the worker went away");
+    chunk.Clear();
+    r = e;
+  } while (r < end);
+  LogLine() << absl::StrCat("logprob-server: sent rows [", begin, ", ", end, ") of ", src.file(), " to worker ",
+                            ctx->peer());
+  return grpc::Status::OK;
+}
+
+}  // namespace logprob
