@@ -367,6 +367,20 @@ TEST(LmHeadPrecision, RoundToTf32MatchesFrexpRounding) {
   EXPECT_EQ(RoundToTf32(0.f), 0.f);
 }
 
+TEST(LmHeadPrecision, WorkerBytesAreWhatEachBackendHolds) {
+  // CPU workers keep the checkpoint's dtype whatever the precision and CPU
+  // (converted per tile: no copy); GPU workers hold the GEMM's operands.
+  for (LmHeadPrecision p : {LmHeadPrecision::kAuto, LmHeadPrecision::kBf16, LmHeadPrecision::kFp32}) {
+    EXPECT_EQ(LmHeadWorkerBytes(75968, 4096, v1::BF16, p, /*device=*/false), int64_t{75968} * 4096 * 2);
+    EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::F32, p, false), 100 * 8 * 4);
+  }
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::BF16, LmHeadPrecision::kAuto, /*device=*/true), 100 * 8 * 2);
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::BF16, LmHeadPrecision::kFp32, true), 100 * 8 * 4);
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::BF16, LmHeadPrecision::kTf32, true), 100 * 8 * 4);
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::F32, LmHeadPrecision::kBf16, true), 100 * 8 * 2);
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::F16, LmHeadPrecision::kAuto, true), 100 * 8 * 4);
+}
+
 TEST(LmHeadPrecision, ParseAndNames) {
   for (const char* name : {"auto", "bf16", "tf32", "fp32"}) {
     auto p = ParseLmHeadPrecision(name);

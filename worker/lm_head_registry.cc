@@ -100,6 +100,7 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   LOGPROB_ASSIGN_OR_RETURN(std::shared_ptr<const LmHeadWeights> weights,
                            backend_.LoadLmHead(std::move(slice), precision_));
   const int64_t bytes = static_cast<int64_t>(weights->bytes());
+  const std::string described = weights->Describe();
   std::shared_ptr<const LmHeadWeights> stale;  // freed outside the lock
   {
     absl::MutexLock lock(&mu_);
@@ -116,7 +117,8 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   LogLine() << absl::StrCat("logprob-worker: rank ", rank_, " loaded lm_head ", ref.name(), " version ", ref.version(),
                             ": ", source.tensor, " rows [", vb, ", ", ve, ") x ", source.hidden_size, " ",
                             DTypeName(source.dtype), was_mapped ? " mapped from " : " from ", source.file, " (",
-                            read_bytes >> 20, " MiB), transform ", source.transform.ToString(), " in ",
+                            read_bytes >> 20, " MiB), transform ", source.transform.ToString(), ", holds ", bytes >> 20,
+                            " MiB", described.empty() ? "" : ", ", described, " in ",
                             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s");
   return bytes;
 }
