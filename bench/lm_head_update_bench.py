@@ -128,6 +128,12 @@ def main():
                 raise SystemExit("server did not become SERVING; log in %s" % tmp)
             print("lm_head bf16 [%d, %d] = %.2f GB, %d %s workers, %d interleaved rounds, pieces of %d bytes" %
                   (V, H, nbytes / 1e9, a.workers, "CUDA" if a.cuda else "CPU", a.rounds, a.piece_bytes))
+            # How the workers hold and multiply the head (the bf16 matmul, or
+            # f32 on a CPU without one, e.g. under ONEDNN_MAX_CPU_ISA=AVX2).
+            with open(os.path.join(tmp, "server.log"), errors="replace") as f:
+                for line in f:
+                    if "loaded lm_head" in line and "rank 0" in line:
+                        print("worker:", line.split(" transform ", 1)[-1].strip())
             import torch  # the shared-memory path's input: a torch CPU tensor
             tensors = [torch.from_numpy(h.view(np.int16)).view(torch.bfloat16) for h in heads]
             copy_dst = np.empty_like(heads[0])

@@ -32,4 +32,10 @@ LmHeadPrecision ResolveLmHeadPrecision(LmHeadPrecision p, DType weight_dtype) {
   return weight_dtype == v1::BF16 ? LmHeadPrecision::kBf16 : LmHeadPrecision::kFp32;
 }
 
+int64_t LmHeadWorkerBytes(int64_t rows, int64_t hidden_size, DType weight_dtype, LmHeadPrecision p, bool device) {
+  size_t element = DTypeSize(weight_dtype);
+  if (device) element = ResolveLmHeadPrecision(p, weight_dtype) == LmHeadPrecision::kBf16 ? 2 : 4;
+  return rows * hidden_size * static_cast<int64_t>(element);
+}
+
 }  // namespace logprob

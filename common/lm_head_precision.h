@@ -39,6 +39,19 @@ const char* LmHeadPrecisionName(LmHeadPrecision p);
 /// never kAuto.
 LmHeadPrecision ResolveLmHeadPrecision(LmHeadPrecision p, DType weight_dtype);
 
+/// Bytes of lm_head weights a worker holds for `rows` rows of
+/// `hidden_size` values of `weight_dtype` at precision `p` (kAuto resolved
+/// by the dtype), the one rule of the front-end's accounting
+/// (GetServerInfo bytes_per_worker, --lm-head-memory-bytes,
+/// logprob_lm_head_retained_bytes) and of the workers. A CPU worker
+/// (`device` false) keeps the weights in their checkpoint dtype, mapped
+/// from the store or copied, whatever the CPU's matmul (LmHeadGemm converts
+/// one column tile at a time; the converted last partial tile, at most
+/// 128 x hidden_size x 4 bytes, is not counted). A GPU worker holds the
+/// GEMM's operands on its device: bf16 for kBf16, f32 for kTf32 and kFp32.
+/// The bias (rows floats) is not counted.
+int64_t LmHeadWorkerBytes(int64_t rows, int64_t hidden_size, DType weight_dtype, LmHeadPrecision p, bool device);
+
 /// float32 -> the nearest tf32 value (8 exponent bits, 10 explicit mantissa
 /// bits; round to nearest, ties to even), returned as float32. NaN and
 /// infinities pass through; values rounding past FLT_MAX become infinity.

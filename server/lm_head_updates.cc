@@ -359,7 +359,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   LOGPROB_ASSIGN_OR_RETURN(const LmHeadTransform transform, UpdatedTransform(req, cur, &new_bias));
   const int64_t V = cur.vocab_size, H = cur.hidden_size;
   const int64_t row_bytes = H * static_cast<int64_t>(DTypeSize(cur.dtype));
-  const int64_t per_worker = SplitRange(V, options_.workers, 0).second * row_bytes;
+  // The current version's shape and dtype: what a worker holds of each version.
+  const int64_t per_worker = (*current)->bytes_per_worker;
   if (options_.memory_bytes > 0 && heads_->AliveBytesPerWorker() + per_worker > options_.memory_bytes)
     return absl::ResourceExhaustedError(
         absl::StrCat("lm_head update: each worker would hold ", heads_->AliveBytesPerWorker() + per_worker,

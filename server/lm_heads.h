@@ -47,8 +47,10 @@ struct LmHeadVersion {
   // loaded at start, an update that announced it) or computed in the
   // background after the commit ("" if reading the file back failed).
   std::shared_future<std::string> sha256;
-  int64_t bytes_per_worker = 0;  // the largest worker's slice, in source.dtype
-  std::string origin;            // "PATH[:TENSOR]" given at start, or kUpdateOrigin
+  // What the largest worker's slice holds (LmHeadWorkerBytes: the slice in
+  // source.dtype on CPU workers, the GEMM operands on GPU workers).
+  int64_t bytes_per_worker = 0;
+  std::string origin;  // "PATH[:TENSOR]" given at start, or kUpdateOrigin
   // When it became current (LmHeads::Commit), ms since the Unix epoch;
   // 0 for a version loaded at start (LmHeadInfo.committed_unix_ms).
   int64_t committed_unix_ms = 0;

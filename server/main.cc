@@ -242,7 +242,8 @@ class StoreDir {
 /// A start-up head from "[NAME=]PATH[:TENSOR]": its source, and the
 /// SHA-256 of its weight bytes (read once here).
 absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, const std::string& version, int workers,
-                                                       const logprob::LmHeadScalarFlags& scalars) {
+                                                       const logprob::LmHeadScalarFlags& scalars,
+                                                       logprob::LmHeadPrecision precision, bool device) {
   logprob::LmHeadVersion v;
   std::string path = arg;
   v.head = logprob::kDefaultLmHead;
@@ -256,7 +257,8 @@ absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, c
   v.version = version;
   v.origin = path;
   const int64_t row_bytes = v.source.hidden_size * static_cast<int64_t>(logprob::DTypeSize(v.source.dtype));
-  v.bytes_per_worker = logprob::SplitRange(v.source.vocab_size, workers, 0).second * row_bytes;
+  v.bytes_per_worker = logprob::LmHeadWorkerBytes(logprob::SplitRange(v.source.vocab_size, workers, 0).second,
+                                                  v.source.hidden_size, v.source.dtype, precision, device);
   const auto t0 = std::chrono::steady_clock::now();
   logprob::Sha256Stream sha;
   std::string buf;
@@ -310,9 +312,12 @@ int main(int argc, char** argv) {
        /*payload_regions=*/external == 0 && absl::GetFlag(FLAGS_shared_memory)});
   if (absl::GetFlag(FLAGS_print_memory_bound)) {
     // One line for people and scripts (tests/deploy/check_deploy.py reads the key=value fields).
-    std::cout << "frontend_bytes=" << memory_bound.total() << " local_workers=" << (external > 0 ? 0 : workers)
-              << " worker_base_bytes=" << logprob::kWorkerBaseBytes << " (front-end " << memory_bound.Describe()
-              << "; each local worker adds its lm_head slice and one hidden-states round)" << std::endl;
+    std::cout
+        << "frontend_bytes=" << memory_bound.total() << " local_workers=" << (external > 0 ? 0 : workers)
+        << " worker_base_bytes=" << logprob::kWorkerBaseBytes << " (front-end " << memory_bound.Describe()
+        << "; each local worker adds its lm_head slice of up to --lm-head-retain + 1 versions of each head, and one "
+           "hidden-states round)"
+        << std::endl;
     return 0;
   }
   if (auto st = logprob::CheckBackendChoice(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_comm)); !st.ok())
@@ -428,7 +433,8 @@ int main(int argc, char** argv) {
   if ((scalar_flags.logit_scale || scalar_flags.softcap) && lm_head_args.empty())
     return Fail("--lm-head-logit-scale / --lm-head-softcap apply to an --lm-head; none is given");
   for (const std::string& arg : lm_head_args) {
-    auto head = LoadStartupHead(arg, initial_version, workers, scalar_flags);
+    auto head = LoadStartupHead(arg, initial_version, workers, scalar_flags, *precision,
+                                /*device=*/absl::GetFlag(FLAGS_backend) == "cuda");
     if (!head.ok()) return Fail("--lm-head " + arg + ": " + std::string(head.status().message()));
     const std::string name = head->head;
     if (auto st = heads.Add(*std::move(head)); !st.ok()) return Fail(std::string(st.message()));

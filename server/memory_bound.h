@@ -45,8 +45,12 @@ struct FrontendMemoryBound {
 FrontendMemoryBound ComputeFrontendMemoryBound(const FrontendMemoryLimits& limits);
 
 /// Fixed part of each CPU worker's resident memory, bytes (oneDNN, Gloo,
-/// gRPC, libraries); a worker adds its lm_head slice, one hidden-states
-/// round (--hidden-chunk-tokens x V x 4) and the payload regions it maps.
+/// gRPC, libraries); a worker adds its lm_head versions (up to
+/// --lm-head-retain + 1 of each head, each LmHeadWorkerBytes: its slice in
+/// the checkpoint's dtype, mapped from an in-memory store or copied, with
+/// no converted copy on any CPU), the GEMM's per-thread tile of 128 x H
+/// floats, one hidden-states round (--hidden-chunk-tokens x V x 4) and the
+/// payload regions it maps.
 inline constexpr int64_t kWorkerBaseBytes = int64_t{256} << 20;
 
 }  // namespace logprob

@@ -297,6 +297,38 @@ LmHeadSlice RandomSlice(int64_t rows, int64_t H, uint32_t seed) {
   return s;
 }
 
+TEST(CudaHidden, AReleasedVersionsDeviceBufferTakesTheNextVersionOfItsSize) {
+  // Issue 34: no cudaMalloc per version. Version 2 is loaded into the buffer
+  // version 1 left, and scores with its own weights (the CPU's logits).
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 1000, H = 128, M = 9;
+  auto gpu = cuda::CudaBackend::Create(0, {});
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto v1w = (*gpu)->LoadLmHead(RandomSlice(N, H, 1), LmHeadPrecision::kAuto);
+  ASSERT_TRUE(v1w.ok()) << v1w.status();
+  const cuda::DeviceRecycler& buffers = (*gpu)->lm_head_buffers();
+  EXPECT_EQ(buffers.allocated(), 1u);
+  v1w->reset();  // released: its buffer is kept for the next version
+  EXPECT_EQ(buffers.idle_bytes(), static_cast<size_t>(N * H) * 2);
+  const LmHeadSlice slice2 = RandomSlice(N, H, 2);
+  auto v2w = (*gpu)->LoadLmHead(slice2, LmHeadPrecision::kAuto);
+  ASSERT_TRUE(v2w.ok()) << v2w.status();
+  EXPECT_EQ(buffers.allocated(), 1u);
+  EXPECT_EQ(buffers.reused(), 1u);
+  CpuBackend cpu;
+  auto cw = cpu.LoadLmHead(slice2, LmHeadPrecision::kAuto);
+  ASSERT_TRUE(cw.ok()) << cw.status();
+  const Rows hidden = MakeRows(v1::BF16, M, H, 0, N, 2, Values::kNormal, 3);
+  std::vector<float> lc(M * N), lg(M * N);
+  ASSERT_TRUE(cpu.HiddenLogits(**cw, v1::BF16, hidden.bytes.data(), M, lc.data()).ok());
+  ASSERT_TRUE((*gpu)->HiddenLogits(**v2w, v1::BF16, hidden.bytes.data(), M, lg.data()).ok());
+  for (size_t i = 0; i < lc.size(); ++i) ASSERT_NEAR(lc[i], lg[i], 1e-4 * (1 + std::abs(lc[i]))) << i;
+  // Another size allocates.
+  auto other = (*gpu)->LoadLmHead(RandomSlice(N + 1, H, 4), LmHeadPrecision::kAuto);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(buffers.allocated(), 2u);
+}
+
 TEST(CudaHidden, FusedGemmAndPartialsMatchTheCpuPath) {
   SKIP_WITHOUT_GPU();
   const int64_t N = 3000, H = 256, M = 70;

@@ -87,6 +87,14 @@ void ExpectClose(const std::vector<double>& h, const std::vector<double>& w, int
   EXPECT_EQ(CountOutside(h, w, M, N, H, out, true), 0);
 }
 
+/// What a GEMM over `wdt` weights [N, H] computing in `compute` holds:
+/// the weights as given (no converted copy), and the last partial column
+/// tile converted.
+size_t HeldBytes(DType wdt, DType compute, int64_t N, int64_t H) {
+  const size_t tail = N % kLmHeadTileCols ? static_cast<size_t>(kLmHeadTileCols * H) * DTypeSize(compute) : 0;
+  return static_cast<size_t>(N * H) * DTypeSize(wdt) + tail;
+}
+
 /// Builds a GEMM over random `wdt` weights [N, H], runs it on random
 /// `hdt` hidden states [M, H] and checks against the float64 reference.
 void RunCase(DType wdt, DType hdt, int64_t M, int64_t N, int64_t H) {
@@ -100,7 +108,7 @@ void RunCase(DType wdt, DType hdt, int64_t M, int64_t N, int64_t H) {
   // BF16 weights compute in bf16 where oneDNN can, else in f32 on the same bf16 values.
   const DType compute = wdt == v1::BF16 && Bf16MatmulSupported() ? v1::BF16 : v1::F32;
   EXPECT_EQ((*g)->compute_dtype(), compute);
-  EXPECT_EQ((*g)->weight_bytes(), static_cast<size_t>(N * H) * DTypeSize(compute));
+  EXPECT_EQ((*g)->weight_bytes(), HeldBytes(wdt, compute, N, H));
   std::vector<float> out(M * N, NAN);
   ASSERT_TRUE((*g)->Compute(hdt, h.bytes.data(), M, out.data()).ok());
   const bool round_h = wdt == v1::BF16 && hdt != v1::BF16;
@@ -161,6 +169,36 @@ TEST(LmHeadGemm, WeightsMappedFromAFileInMemoryGiveBitwiseTheOwnedWeightsLogits)
     ASSERT_TRUE((*shared)->Compute(v1::BF16, h.bytes.data(), M, b.data()).ok());
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
     ExpectClose(h.exact, w.exact, M, N, H, b);
+  }
+}
+
+TEST(LmHeadGemm, WeightsConvertedPerTileGiveBitwiseTheLogitsOfPreConvertedWeights) {
+  // Weights not in the operands' dtype are kept as given and converted one
+  // column tile at a time inside Compute (no converted copy: issue 34). The
+  // operands are the same as those of weights converted beforehand, so the
+  // logits are the same bits: BF16 and F16 weights at fp32 precision against
+  // the same values widened to F32 (whole tiles and a ragged last tile),
+  // over M spanning a partial and several row tiles.
+  const int64_t N = 3 * kLmHeadTileCols + 37, H = 80;
+  for (DType wdt : {v1::BF16, v1::F16}) {
+    SCOPED_TRACE(DTypeName(wdt));
+    Tensor w = Random(wdt, N * H, 21);
+    std::vector<char> wide(static_cast<size_t>(N * H) * 4);
+    ToFloat(wdt, w.bytes.data(), static_cast<size_t>(N * H), reinterpret_cast<float*>(wide.data()));
+    auto kept = LmHeadGemm::Create(wdt, w.bytes, N, H, 0, LmHeadPrecision::kFp32);
+    auto widened = LmHeadGemm::Create(v1::F32, wide, N, H, 0, LmHeadPrecision::kFp32);
+    ASSERT_TRUE(kept.ok() && widened.ok());
+    EXPECT_EQ((*kept)->compute_dtype(), v1::F32);
+    EXPECT_EQ((*kept)->weight_dtype(), wdt);
+    EXPECT_EQ((*kept)->weight_bytes(), HeldBytes(wdt, v1::F32, N, H));  // no [N, H] f32 copy
+    for (int64_t M : {1, 70, 130}) {
+      Tensor h = Random(v1::F32, M * H, 22 + M);
+      std::vector<float> a(M * N, NAN), b(M * N, NAN);
+      ASSERT_TRUE((*kept)->Compute(v1::F32, h.bytes.data(), M, a.data()).ok());
+      ASSERT_TRUE((*widened)->Compute(v1::F32, h.bytes.data(), M, b.data()).ok());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "M=" << M;
+      ExpectClose(h.exact, w.exact, M, N, H, a);
+    }
   }
 }
 
@@ -254,7 +292,7 @@ PrecisionRun RunPrecision(LmHeadPrecision precision, DType wdt, DType hdt, int64
   EXPECT_TRUE(g.ok()) << g.status();
   PrecisionRun r{std::vector<float>(M * N, NAN), h.exact, w.exact, v1::DTYPE_UNSPECIFIED, LmHeadPrecision::kAuto};
   if (!g.ok()) return r;
-  EXPECT_EQ((*g)->weight_bytes(), static_cast<size_t>(N * H) * DTypeSize((*g)->compute_dtype()));
+  EXPECT_EQ((*g)->weight_bytes(), HeldBytes(wdt, (*g)->compute_dtype(), N, H));
   r.compute = (*g)->compute_dtype();
   r.precision = (*g)->precision();
   EXPECT_TRUE((*g)->Compute(hdt, h.bytes.data(), M, r.out.data()).ok());
@@ -327,6 +365,20 @@ TEST(LmHeadPrecision, RoundToTf32MatchesFrexpRounding) {
   EXPECT_TRUE(std::isnan(RoundToTf32(NAN)));
   EXPECT_EQ(RoundToTf32(INFINITY), INFINITY);
   EXPECT_EQ(RoundToTf32(0.f), 0.f);
+}
+
+TEST(LmHeadPrecision, WorkerBytesAreWhatEachBackendHolds) {
+  // CPU workers keep the checkpoint's dtype whatever the precision and CPU
+  // (converted per tile: no copy); GPU workers hold the GEMM's operands.
+  for (LmHeadPrecision p : {LmHeadPrecision::kAuto, LmHeadPrecision::kBf16, LmHeadPrecision::kFp32}) {
+    EXPECT_EQ(LmHeadWorkerBytes(75968, 4096, v1::BF16, p, /*device=*/false), int64_t{75968} * 4096 * 2);
+    EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::F32, p, false), 100 * 8 * 4);
+  }
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::BF16, LmHeadPrecision::kAuto, /*device=*/true), 100 * 8 * 2);
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::BF16, LmHeadPrecision::kFp32, true), 100 * 8 * 4);
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::BF16, LmHeadPrecision::kTf32, true), 100 * 8 * 4);
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::F32, LmHeadPrecision::kBf16, true), 100 * 8 * 2);
+  EXPECT_EQ(LmHeadWorkerBytes(100, 8, v1::F16, LmHeadPrecision::kAuto, true), 100 * 8 * 4);
 }
 
 TEST(LmHeadPrecision, ParseAndNames) {

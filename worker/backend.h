@@ -108,6 +108,9 @@ class LmHeadWeights {
   const std::vector<float>& bias() const { return bias_; }
   /// Bytes the backend holds for it (host or device).
   virtual size_t bytes() const = 0;
+  /// How its GEMM multiplies, for the load's log line (e.g. "oneDNN f32
+  /// GEMM, bf16 operands, F32 weights converted per tile"); empty: not said.
+  virtual std::string Describe() const { return {}; }
 
  protected:
   LmHeadWeights(int64_t rows, int64_t hidden_size, LmHeadTransform transform = {}, std::vector<float> bias = {})

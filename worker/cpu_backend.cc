@@ -1,7 +1,9 @@
 #include "worker/cpu_backend.h"
 
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/kernels/lm_head_transform_simd.h"
 #include "worker/kernels/sampling_filter.h"
@@ -42,6 +44,14 @@ absl::Status CpuBackend::FilteredRowPartials(const LogitsBlock& block, const Blo
     kernels::ComputePartial(block.dtype, r, block.vocab_begin, block.len, spec, records + i * words, scratch.data());
   }
   return absl::OkStatus();
+}
+
+std::string CpuLmHead::Describe() const {
+  const kernels::LmHeadGemm& g = *gemm_;
+  const bool converted = !kernels::IsGemmOperand(g.weight_dtype(), g.compute_dtype(), g.precision());
+  return absl::StrCat("oneDNN ", g.compute_dtype() == v1::BF16 ? "bf16" : "f32", " GEMM, ",
+                      LmHeadPrecisionName(g.precision()), " operands, ", DTypeName(g.weight_dtype()), " weights",
+                      converted ? " converted per tile" : " used in place");
 }
 
 absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CpuBackend::LoadLmHead(LmHeadSlice slice,

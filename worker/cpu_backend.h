@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "worker/backend.h"
@@ -19,6 +20,7 @@ class CpuLmHead final : public LmHeadWeights {
       : LmHeadWeights(gemm->rows(), gemm->hidden_size(), transform, std::move(bias)), gemm_(std::move(gemm)) {}
   size_t bytes() const override { return gemm_->weight_bytes() + bias().size() * sizeof(float); }
   kernels::LmHeadGemm& gemm() const { return *gemm_; }
+  std::string Describe() const override;
 
  private:
   std::unique_ptr<kernels::LmHeadGemm> gemm_;

@@ -88,6 +88,7 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   LOGPROB_ASSIGN_OR_RETURN(std::shared_ptr<const LmHeadWeights> weights,
                            backend_.LoadLmHead(std::move(slice), precision_));
   const int64_t bytes = static_cast<int64_t>(weights->bytes());
+  const std::string described = weights->Describe();
   std::shared_ptr<const LmHeadWeights> stale;  // freed outside the lock
   {
     absl::MutexLock lock(&mu_);
@@ -108,7 +109,8 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
                             : fetched  ? " fetched from the front-end: "
                                        : " from ",
                             source.file, " (", read_bytes >> 20, " MiB), transform ", source.transform.ToString(),
-                            " in ", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s");
+                            ", holds ", bytes >> 20, " MiB", described.empty() ? "" : ", ", described, " in ",
+                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s");
   return bytes;
 }
 

@@ -187,8 +187,9 @@ absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CudaBackend::LoadLmHead(LmH
   // chunk (GemmChunkRows), at most 4096 rows.
   const int64_t chunk_rows = std::min<int64_t>(RowsInBudget(options_.gemm_chunk_bytes, slice.rows), 4096);
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadTransform(slice));
-  LOGPROB_ASSIGN_OR_RETURN(auto gemm, CublasLtLmHead::Create(slice.dtype, slice.weight.data(), slice.weight.size(),
-                                                             slice.rows, slice.hidden_size, precision, chunk_rows));
+  LOGPROB_ASSIGN_OR_RETURN(auto gemm,
+                           CublasLtLmHead::Create(slice.dtype, slice.weight.data(), slice.weight.size(), slice.rows,
+                                                  slice.hidden_size, precision, chunk_rows, &lm_head_buffers_));
   // The head's bias, multiplier and softcap: applied to every GEMM output
   // (CublasLtLmHead::Compute), before any statistics kernel reads it.
   LOGPROB_RETURN_IF_ERROR(gemm->SetTransform(slice.transform, slice.bias));

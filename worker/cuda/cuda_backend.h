@@ -175,9 +175,16 @@ class CudaBackend final : public ScoringBackend {
   /// extents from the driver), with no pageable gap. Uploads from it need
   /// no staging copy. False for bytes == 0. Thread-safe.
   bool IsPageLocked(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(reg_mu_);
+  /// The device buffers of lm_head versions: allocated, reused, kept idle.
+  const DeviceRecycler& lm_head_buffers() const { return lm_head_buffers_; }
 
  private:
   CudaBackend() = default;
+
+  /// Device buffers of released lm_head versions, taken by the next
+  /// version of the same size (LoadLmHead; issue 34). Lm_heads that
+  /// outlive the backend free their buffers themselves.
+  DeviceRecycler lm_head_buffers_{/*max_idle=*/1};
 
   /// Device and pinned buffers and events of the call in progress: one set
   /// for the calls serialised by mu_, one for the one-pass item (item_mu_).

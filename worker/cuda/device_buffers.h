@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/buffer_recycler.h"
 #include "common/status_macros.h"
 #include "worker/cuda/cuda_error.h"
 
@@ -83,6 +84,17 @@ struct PinnedAlloc {
   static cudaError_t Allocate(void** p, size_t n) { return cudaMallocHost(p, n); }
   static void Free(void* p) { cudaFreeHost(p); }
 };
+
+/// cudaMalloc / cudaFree on the current device, as BufferRecycler's
+/// allocator: a failed allocation is INTERNAL (or UNAVAILABLE when sticky)
+/// and is not left behind as the thread's last CUDA error.
+struct RecyclableDeviceAlloc {
+  static absl::Status Allocate(void** p, size_t n) { return CudaStatus(ClearedError(cudaMalloc(p, n)), "cudaMalloc"); }
+  static void Free(void* p) { cudaFree(p); }
+};
+/// Device buffers of released lm_head versions kept for the next version
+/// of the same size (no cudaMalloc per update).
+using DeviceRecycler = BufferRecycler<RecyclableDeviceAlloc>;
 
 /// Device memory that grows on demand.
 using DeviceBuffer = GrowingBuffer<DeviceAlloc>;

@@ -90,7 +90,7 @@ absl::Status CublasLtLmHead::MakeLayouts(int64_t m, Plan* plan) const {
 absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dtype, const void* weight,
                                                                        size_t weight_bytes, int64_t rows,
                                                                        int64_t hidden_size, LmHeadPrecision precision,
-                                                                       int64_t algo_rows) {
+                                                                       int64_t algo_rows, DeviceRecycler* recycler) {
   LOGPROB_RETURN_IF_ERROR(kernels::CheckLmHeadWeight(dtype, weight_bytes, rows, hidden_size));
   if (algo_rows <= 0) return absl::InvalidArgumentError(absl::StrCat("algo_rows must be > 0, got ", algo_rows));
   std::unique_ptr<CublasLtLmHead> g(new CublasLtLmHead());
@@ -99,8 +99,10 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
   g->precision_ = ResolveLmHeadPrecision(precision, dtype);
   g->algo_rows_ = algo_rows;
   const size_t n = static_cast<size_t>(rows * hidden_size);
-  auto upload = [&g](const void* host, size_t bytes) -> absl::Status {
-    LOGPROB_RETURN_IF_ERROR(g->weight_.Reserve(bytes));
+  auto upload = [&g, recycler](const void* host, size_t bytes) -> absl::Status {
+    DeviceRecycler own(/*max_idle=*/0);  // without a recycler: freed with g
+    LOGPROB_ASSIGN_OR_RETURN(g->weight_, (recycler != nullptr ? *recycler : own).Take(bytes));
+    g->weight_bytes_ = bytes;
     // Landed before any stream reads it (the host vectors are pageable).
     return UploadAndWait(g->weight_.get(), host, bytes);
   };

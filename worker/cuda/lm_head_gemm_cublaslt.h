@@ -50,12 +50,17 @@ class CublasLtLmHead {
   /// without a split, so none depends on M; a split one is forced to
   /// split-K 1), checked with cublasLtMatmulAlgoCheck. Logs the choice to
   /// stderr (id, tile, stages, split-K, reduction, ...; algo_summary()).
+  /// The device buffer of the weights comes from `recycler` when given (a
+  /// released version's buffer of the same size: no cudaMalloc; it goes
+  /// back there when this is destroyed, with this device current), else
+  /// it is allocated and freed with this.
   /// INVALID_ARGUMENT for a bad dtype, shape, size or algo_rows; INTERNAL
   /// for CUDA or cuBLASLt failures (e.g. out of memory, no algorithm).
   static absl::StatusOr<std::unique_ptr<CublasLtLmHead>> Create(DType dtype, const void* weight, size_t weight_bytes,
                                                                 int64_t rows, int64_t hidden_size,
                                                                 LmHeadPrecision precision = LmHeadPrecision::kAuto,
-                                                                int64_t algo_rows = kDefaultAlgoRows);
+                                                                int64_t algo_rows = kDefaultAlgoRows,
+                                                                DeviceRecycler* recycler = nullptr);
   /// Reference M of the algorithm choice when the caller names none.
   static constexpr int64_t kDefaultAlgoRows = 256;
   ~CublasLtLmHead();
@@ -64,7 +69,7 @@ class CublasLtLmHead {
   int64_t hidden_size() const { return hidden_size_; }      // H
   DType compute_dtype() const { return compute_dtype_; }    // BF16 or F32
   LmHeadPrecision precision() const { return precision_; }  // bf16, tf32 or fp32 (kAuto resolved)
-  size_t weight_bytes() const { return weight_.size(); }
+  size_t weight_bytes() const { return weight_bytes_; }
   /// The head's logit transform Compute applies (identity until set).
   const LmHeadTransform& transform() const { return transform_; }
 
@@ -100,7 +105,9 @@ class CublasLtLmHead {
   DType compute_dtype_ = v1::BF16;
   LmHeadPrecision precision_ = LmHeadPrecision::kBf16;
   int64_t rows_ = 0, hidden_size_ = 0;
-  DeviceBuffer weight_, workspace_;
+  DeviceRecycler::Buffer weight_;  // [rows_, H] of compute_dtype_
+  size_t weight_bytes_ = 0;
+  DeviceBuffer workspace_;
   LmHeadTransform transform_;
   DeviceBuffer bias_;  // [rows_] f32 when transform_.has_bias
   cublasLtHandle_t handle_ = nullptr;

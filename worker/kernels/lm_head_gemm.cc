@@ -24,7 +24,7 @@ using tag = dnnl::memory::format_tag;
 /// bitwise independent of M and of the row's position (batch invariance,
 /// tests/lm_head_invariance_test.cc); tiles of 64 x 128 keep the weight
 /// tile (128 x H) in cache across the row tiles that reuse it.
-constexpr int64_t kTileRows = 64, kTileCols = 128;
+constexpr int64_t kTileRows = 64, kTileCols = kLmHeadTileCols;
 
 /// oneDNN state: CPU engine, the tile matmul (user-managed scratchpad, so
 /// threads run it concurrently), and the scratch buffer for hidden states
@@ -34,7 +34,10 @@ struct LmHeadGemm::Impl {
   dnnl::matmul tile;  // [kTileRows, H] x [H, kTileCols] -> [kTileRows, kTileCols]
   dnnl::memory::desc src_md, w_md, dst_md, scratch_md;
   std::vector<char> hidden_buf;  // [M, H] of compute dtype
-  int threads = 0;               // > 0: omp_set_num_threads before use
+  // Per OpenMP thread: one column tile of weights converted to the
+  // operands ([kTileCols, H] of compute dtype), when they are not already.
+  std::vector<std::vector<char>> weight_tiles;
+  int threads = 0;  // > 0: omp_set_num_threads before use
 };
 
 bool Bf16MatmulSupported() {
@@ -52,16 +55,23 @@ bool Bf16MatmulSupported() {
   return supported;
 }
 
-LmHeadGemm::LmHeadGemm(DType compute_dtype, HostBytes weight, int64_t rows, int64_t hidden_size)
-    : compute_dtype_(compute_dtype), weight_(std::move(weight)), rows_(rows), hidden_size_(hidden_size) {
+LmHeadGemm::LmHeadGemm(DType weight_dtype, DType compute_dtype, LmHeadPrecision precision, HostBytes weight,
+                       int64_t rows, int64_t hidden_size)
+    : weight_dtype_(weight_dtype),
+      compute_dtype_(compute_dtype),
+      precision_(precision),
+      weight_(std::move(weight)),
+      rows_(rows),
+      hidden_size_(hidden_size) {
   // The last column tile when rows_ is not a whole number of tiles: its
-  // rows then zero rows, in a buffer of its own (the weight may be a
-  // read-only mapping, and whole tiles are read in place).
+  // rows as operands then zero rows, in a buffer of its own (the weight
+  // may be a read-only mapping, and whole tiles are read in place).
   const int64_t full = rows_ / kTileCols * kTileCols;
   if (full < rows_) {
     const size_t row_bytes = static_cast<size_t>(hidden_size_) * DTypeSize(compute_dtype_);
     tail_.assign(static_cast<size_t>(kTileCols) * row_bytes, 0);
-    std::memcpy(tail_.data(), weight_.data() + full * row_bytes, static_cast<size_t>(rows_ - full) * row_bytes);
+    ToOperands(weight_dtype_, weight_.data() + full * hidden_size_ * DTypeSize(weight_dtype_),
+               static_cast<size_t>((rows_ - full) * hidden_size_), compute_dtype_, precision_, tail_.data());
   }
 }
 
@@ -84,13 +94,6 @@ absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, i
 
 namespace {
 
-/// `n` elements of float dtype `dtype` widened exactly to f32 bytes.
-std::vector<char> WidenToF32(DType dtype, const char* src, size_t n) {
-  std::vector<char> wide(n * sizeof(float));
-  ToFloat(dtype, src, n, reinterpret_cast<float*>(wide.data()));
-  return wide;
-}
-
 /// Rounds `n` f32 values, widened exactly from `source`, to the operands
 /// of precision `p` on an f32 GEMM: bf16 (as the bf16 matmul would see
 /// them) or tf32 (bf16 and f16 values already are); fp32 leaves them.
@@ -103,40 +106,44 @@ void RoundToOperands(float* f, size_t n, DType source, LmHeadPrecision p) {
 
 }  // namespace
 
+bool IsGemmOperand(DType from, DType compute, LmHeadPrecision p) {
+  if (from != compute) return false;
+  // f32 values are an f32 GEMM's operands only at fp32 precision (bf16 and
+  // tf32 round them first).
+  return compute != v1::F32 || (p != LmHeadPrecision::kBf16 && p != LmHeadPrecision::kTf32);
+}
+
+void ToOperands(DType from, const void* src, size_t n, DType compute, LmHeadPrecision p, void* dst) {
+  if (compute == v1::BF16) {  // f32 -> bf16 RNE; f16 -> f32 (exact) -> bf16 RNE; bf16 copied
+    auto* out = static_cast<uint16_t*>(dst);
+    float tmp[256];
+    for (size_t i = 0; i < n; i += 256) {
+      const size_t k = std::min<size_t>(256, n - i);
+      ToFloat(from, static_cast<const char*>(src) + i * DTypeSize(from), k, tmp);
+      for (size_t j = 0; j < k; ++j) out[i + j] = FloatToBf16(tmp[j]);
+    }
+    return;
+  }
+  // f32 compute: widen exactly, then round to the precision's operands
+  auto* f = static_cast<float*>(dst);
+  ToFloat(from, src, n, f);
+  RoundToOperands(f, n, from, p);
+}
+
 absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, HostBytes weight, int64_t rows,
                                                                int64_t hidden_size, int threads,
                                                                LmHeadPrecision precision) {
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadWeight(dtype, weight.size(), rows, hidden_size));
   const LmHeadPrecision p = ResolveLmHeadPrecision(precision, dtype);
-  const size_t n = static_cast<size_t>(rows * hidden_size);
-  // Convert the weights once (the checkpoint-dtype bytes are let go on
-  // return); weights already in compute dtype are used as given.
-  DType compute = v1::F32;
-  LmHeadPrecision hidden_rounding = LmHeadPrecision::kFp32;
-  if (p == LmHeadPrecision::kBf16 && Bf16MatmulSupported()) {
-    compute = v1::BF16;
-    if (dtype != v1::BF16) {  // F32 / F16 -> bf16, round to nearest even
-      const std::vector<char> wide = WidenToF32(dtype, weight.data(), n);
-      const auto* f = reinterpret_cast<const float*>(wide.data());
-      std::vector<char> narrow(n * sizeof(uint16_t));
-      auto* b = reinterpret_cast<uint16_t*>(narrow.data());
-      for (size_t i = 0; i < n; ++i) b[i] = FloatToBf16(f[i]);
-      weight = HostBytes(std::move(narrow));
-    }
-  } else if (dtype != v1::F32 || p != LmHeadPrecision::kFp32) {
-    // f32 compute: widen exactly, then round to the precision's operands
-    std::vector<char> wide = WidenToF32(dtype, weight.data(), n);
-    RoundToOperands(reinterpret_cast<float*>(wide.data()), n, dtype, p);
-    if (p != LmHeadPrecision::kFp32) hidden_rounding = p;
-    weight = HostBytes(std::move(wide));
-  }
+  // The weights stay as given (a mapping stays shared with its file, and a
+  // new version allocates nothing); Compute converts each column tile to
+  // the operands as it multiplies it (ToOperands), when they differ.
+  const DType compute = p == LmHeadPrecision::kBf16 && Bf16MatmulSupported() ? v1::BF16 : v1::F32;
   // oneDNN's OpenMP runtime sizes its parallel regions by the calling
   // thread's omp_get_max_threads(); the cap is set here and again before
   // each Compute (the OpenMP ICV is per thread).
   if (threads > 0) omp_set_num_threads(threads);
-  std::unique_ptr<LmHeadGemm> g(new LmHeadGemm(compute, std::move(weight), rows, hidden_size));
-  g->precision_ = p;
-  g->hidden_rounding_ = hidden_rounding;
+  std::unique_ptr<LmHeadGemm> g(new LmHeadGemm(dtype, compute, p, std::move(weight), rows, hidden_size));
   try {
     g->impl_ = std::make_unique<Impl>();
     Impl& im = *g->impl_;
@@ -171,31 +178,12 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
 
   const int64_t H = hidden_size_, N = rows_;
   const size_t n = static_cast<size_t>(M * H);
-  // Bring the hidden states to the compute dtype (no copy when they match).
+  // Bring the hidden states to the compute operands (no copy when they are).
   const void* src = hidden;
-  if (hidden_dtype != compute_dtype_ || hidden_rounding_ != LmHeadPrecision::kFp32) {
+  if (!IsGemmOperand(hidden_dtype, compute_dtype_, precision_)) {
     auto& buf = impl_->hidden_buf;
-    if (compute_dtype_ == v1::BF16) {  // f32 -> bf16 RNE; f16 -> f32 (exact) -> bf16 RNE
-      buf.resize(n * sizeof(uint16_t));
-      auto* dst = reinterpret_cast<uint16_t*>(buf.data());
-      float tmp[256];
-      for (size_t i = 0; i < n; i += 256) {
-        const size_t k = std::min<size_t>(256, n - i);
-        const float* f;
-        if (hidden_dtype == v1::F32) {
-          f = static_cast<const float*>(hidden) + i;
-        } else {
-          ToFloat(hidden_dtype, static_cast<const char*>(hidden) + i * 2, k, tmp);
-          f = tmp;
-        }
-        for (size_t j = 0; j < k; ++j) dst[i + j] = FloatToBf16(f[j]);
-      }
-    } else {  // compute F32: widen exactly, then round to the precision's operands
-      buf.resize(n * sizeof(float));
-      auto* f = reinterpret_cast<float*>(buf.data());
-      ToFloat(hidden_dtype, hidden, n, f);
-      RoundToOperands(f, n, hidden_dtype, hidden_rounding_);
-    }
+    buf.resize(n * DTypeSize(compute_dtype_));
+    ToOperands(hidden_dtype, hidden, n, compute_dtype_, precision_, buf.data());
     src = buf.data();
   }
 
@@ -203,8 +191,16 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
   // (oneDNN runs sequentially inside a parallel region), over every row
   // tile, so a weight tile is read from memory once per Compute.
   if (impl_->threads > 0) omp_set_num_threads(impl_->threads);
-  const Impl& im = *impl_;
+  Impl& im = *impl_;
   const size_t row_bytes = static_cast<size_t>(H) * DTypeSize(compute_dtype_);
+  const size_t weight_row_bytes = static_cast<size_t>(H) * DTypeSize(weight_dtype_);
+  // Weights not already operands: each thread converts a column tile into
+  // its own buffer (kept across calls: no page faults per Compute).
+  const bool convert = !IsGemmOperand(weight_dtype_, compute_dtype_, precision_);
+  if (convert) {
+    im.weight_tiles.resize(std::max<size_t>(im.weight_tiles.size(), static_cast<size_t>(omp_get_max_threads())));
+    for (auto& t : im.weight_tiles) t.resize(kTileCols * row_bytes);
+  }
   const int64_t col_tiles = (N + kTileCols - 1) / kTileCols, row_tiles = (M + kTileRows - 1) / kTileRows;
   std::string error;
 #pragma omp parallel
@@ -219,7 +215,15 @@ absl::Status LmHeadGemm::Compute(DType hidden_dtype, const void* hidden, int64_t
         dnnl::memory scratch_m(im.scratch_md, im.engine, scratch.data());
         dnnl::memory dst_m(im.dst_md, im.engine, dst.data());
         const int64_t c0 = ct * kTileCols, cols = std::min(kTileCols, N - c0);
-        const char* w = cols == kTileCols ? weight_.data() + c0 * row_bytes : tail_.data();
+        const char* w = tail_.data();
+        if (cols == kTileCols && !convert) {
+          w = weight_.data() + c0 * row_bytes;
+        } else if (cols == kTileCols) {
+          char* tile = im.weight_tiles[static_cast<size_t>(omp_get_thread_num())].data();
+          ToOperands(weight_dtype_, weight_.data() + c0 * weight_row_bytes, static_cast<size_t>(kTileCols * H),
+                     compute_dtype_, precision_, tile);
+          w = tile;
+        }
         dnnl::memory w_m(im.w_md, im.engine, const_cast<char*>(w));
         for (int64_t rt = 0; rt < row_tiles; ++rt) {
           const int64_t r0 = rt * kTileRows, rows = std::min(kTileRows, M - r0);

@@ -8,7 +8,11 @@
 // them); fp32 (auto for F32 and F16 weights) widens both exactly and runs
 // in f32; tf32 widens both, rounds them to tf32 (round to nearest even)
 // and runs in f32: the CPU emulates tf32 operand rounding, with f32
-// accumulation. Weights are converted once at load.
+// accumulation. The weights are kept as given (in their checkpoint dtype;
+// a mapping of a store file stays shared with it) and each column tile is
+// converted to the operands as the GEMM multiplies it, into a buffer of
+// the thread's own that every call reuses: a new version allocates and
+// first-touches no converted copy, on any CPU (issue 34).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +36,23 @@ absl::Status CheckLmHeadWeight(DType dtype, size_t weight_bytes, int64_t rows, i
 /// else INVALID_ARGUMENT naming the dtype. Shared by the CPU and GPU GEMMs.
 absl::Status CheckHiddenStatesDType(DType dtype);
 
+/// Lm_head rows per column tile of the GEMM (each Compute multiplies
+/// whole tiles; a partial last tile is zero-padded).
+inline constexpr int64_t kLmHeadTileCols = 128;
+
+/// True when values of `from` are already the GEMM operands of `compute`
+/// (BF16 or F32) at precision `p`: the same dtype, and for an f32 GEMM at
+/// bf16 or tf32 precision not F32 values (those are rounded first).
+bool IsGemmOperand(DType from, DType compute, LmHeadPrecision p);
+
+/// Converts `n` values of `from` (F32, BF16 or F16) at `src` to the
+/// operands of a `compute` (BF16 or F32) GEMM at precision `p`, into
+/// `dst` (n elements of `compute`): to bf16 round to nearest even (f16
+/// widened exactly first); to f32 widened exactly, then rounded to bf16 or
+/// tf32 values as `p` says (an emulated bf16 or tf32 matmul's operands).
+/// The one conversion of both weights and hidden states. Thread-safe.
+void ToOperands(DType from, const void* src, size_t n, DType compute, LmHeadPrecision p, void* dst);
+
 /// True when oneDNN can run a bf16 x bf16 -> f32 matmul on this CPU
 /// (avx512_core or newer on x86); probed once. Thread-safe.
 bool Bf16MatmulSupported();
@@ -42,9 +63,9 @@ class LmHeadGemm {
  public:
   /// Takes the slice `weight` ([rows, hidden_size] row-major, `dtype` F32,
   /// BF16 or F16, as read from the checkpoint; owned or a read-only mapping
-  /// of a store file). Weights already in the compute dtype are multiplied
-  /// in place (a mapping stays shared with the file); others are converted
-  /// into a buffer of their own. `threads` > 0 caps the
+  /// of a store file) and keeps it as it is: weights that are not the
+  /// compute operands are converted one column tile at a time in Compute
+  /// (no converted copy of the slice). `threads` > 0 caps the
   /// matmul's threads (0: the library default, all cores): oneDNN runs on
   /// OpenMP, so this calls omp_set_num_threads(threads) here and before
   /// each Compute, changing the calling thread's OpenMP default.
@@ -66,9 +87,12 @@ class LmHeadGemm {
   DType compute_dtype() const { return compute_dtype_; }
   /// The precision in effect: bf16, tf32 or fp32 (kAuto resolved).
   LmHeadPrecision precision() const { return precision_; }
-  /// Bytes of the slice in compute dtype (rows() x H; the padding to whole
-  /// column tiles not counted).
-  size_t weight_bytes() const { return static_cast<size_t>(rows_ * hidden_size_) * DTypeSize(compute_dtype_); }
+  /// The dtype the weights are held in (the checkpoint's, as given).
+  DType weight_dtype() const { return weight_dtype_; }
+  /// Bytes held for the slice: rows() x H in weight_dtype(), plus the last
+  /// partial column tile's converted copy (kLmHeadTileCols rows of the
+  /// compute dtype).
+  size_t weight_bytes() const { return weight_.size() + tail_.size(); }
 
   /// out[M, rows()] (f32, row-major) = hidden[M, H] @ weight^T, `hidden`
   /// of `hidden_dtype` (F32, BF16 or F16). M may vary between calls (M == 0
@@ -80,14 +104,12 @@ class LmHeadGemm {
 
  private:
   struct Impl;
-  LmHeadGemm(DType compute_dtype, HostBytes weight, int64_t rows, int64_t hidden_size);
-  DType compute_dtype_;
-  LmHeadPrecision precision_ = LmHeadPrecision::kFp32;
-  // F32 compute: rounding applied to hidden states first (kBf16 when bf16
-  // runs in f32, kTf32 for tf32; kFp32: none).
-  LmHeadPrecision hidden_rounding_ = LmHeadPrecision::kFp32;
-  HostBytes weight_;        // [rows, H] of compute_dtype_ (whole column tiles are read in place)
-  std::vector<char> tail_;  // the last column tile if partial: its rows, then zero rows to kTileCols
+  LmHeadGemm(DType weight_dtype, DType compute_dtype, LmHeadPrecision precision, HostBytes weight, int64_t rows,
+             int64_t hidden_size);
+  DType weight_dtype_, compute_dtype_;
+  LmHeadPrecision precision_;
+  HostBytes weight_;        // [rows, H] of weight_dtype_ (whole column tiles are read in place or converted per tile)
+  std::vector<char> tail_;  // the last column tile if partial: its rows as operands, then zero rows to kTileCols
   int64_t rows_, hidden_size_;
   std::unique_ptr<Impl> impl_;
 };

@@ -400,6 +400,69 @@ class CliTest(unittest.TestCase):
             self.assertIn("NOT_FOUND", r.stderr)
 
 
+def rss(pid):
+    """(RssAnon, VmRSS) of process ``pid`` in bytes, from /proc/PID/status."""
+    out = {}
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "VmRSS"):
+                out[key] = int(value.split()[0]) * 1024
+    return out["RssAnon"], out["VmRSS"]
+
+
+class ConvertedCopyTest(unittest.TestCase):
+    """Issue 34: on a CPU without a bf16 matmul (oneDNN held to AVX2) the
+    bf16 precision multiplies in f32, and the weights used to be converted
+    into a fresh copy per version. Now each worker keeps its slice as
+    mapped from the store and converts one column tile at a time, so
+    back-to-back updates leave its anonymous memory where it was: the
+    (retain + 1) versions' converted bytes are 0, within a slack of half a
+    version's slice (allocator and gRPC noise). With a converted copy per
+    version it grows by a whole slice per held version past the first."""
+
+    def test_back_to_back_updates_leave_the_workers_memory_bounded(self):
+        vocab, hidden, retain, updates = 16384, 1024, 2, 6
+        d = temp_dir("lm_head_rss")
+        rng = np.random.default_rng(5)
+        heads = [rng.standard_normal((vocab, hidden)).astype(np.float32) * 0.05 for _ in range(2)]
+        with mock.patch.dict(os.environ, {"ONEDNN_MAX_CPU_ISA": "AVX2"}):
+            server = Server(workers=2, extra=[
+                "--lm-head", save(os.path.join(d, "w0.safetensors"), heads[0]), "--lm-head-precision", "bf16",
+                "--allow-lm-head-updates", "--lm-head-retain", str(retain)])
+        with server as s, s.client() as c:
+            # The path under test: bf16 operands on an f32 GEMM, weights converted per tile.
+            self.assertIn("oneDNN f32 GEMM, bf16 operands, F32 weights converted per tile", s.log())
+            hidden_states = np.random.default_rng(6).standard_normal((8, hidden)).astype(np.float32)
+            ids = np.arange(8, dtype=np.int64)
+
+            def scored(version):
+                r = c.score(hidden_states=hidden_states, input_ids=ids, cu_seqlens=np.array([0, 8]))
+                self.assertEqual(r.head_version, version)
+
+            scored("initial")  # the GEMM's scratch and tile buffers are allocated
+            pids = worker_pids(s)
+            self.assertEqual(len(pids), 2)
+            before = {pid: rss(pid) for pid in pids}
+            slice_bytes = vocab // 2 * hidden * 4  # one worker's slice of one version (F32), mapped
+            slack = slice_bytes // 2
+            for i in range(updates):
+                self.assertEqual(c.update_lm_head("default", heads[(i + 1) % 2], version="v%d" % i), "v%d" % i)
+                scored("v%d" % i)
+
+            def bounded():
+                now = {pid: rss(pid) for pid in pids}
+                return all(now[p][0] - before[p][0] <= slack and
+                           now[p][1] - before[p][1] <= (retain + 1) * slice_bytes + slack for p in pids), now
+
+            try:
+                wait_for(lambda: bounded()[0], "the workers' memory to settle within the bound", 30)
+            except AssertionError:
+                now = bounded()[1]
+                self.fail("workers' (RssAnon, VmRSS) grew past the bound (RssAnon <= before + %d; VmRSS <= before + "
+                          "%d): before %s, after %s" % (slack, (retain + 1) * slice_bytes + slack, before, now))
+
+
 class OneWorkerTest(unittest.TestCase):
     def test_an_update_on_one_worker_scores_as_a_server_started_with_it(self):
         d = temp_dir("lm_head_one")

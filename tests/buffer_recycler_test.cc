@@ -1,0 +1,133 @@
+// BufferRecycler (common/buffer_recycler.h) against a counting fake
+// allocator: a released buffer becomes the next Take's of its size, at most
+// max_idle idle ones are kept, buffers outliving the recycler are freed by
+// their holders, allocation errors pass through. CPU only: the logic the
+// CUDA backend's per-version device buffers rely on.
+#include "common/buffer_recycler.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <set>
+#include <thread>
+#include <vector>
+
+namespace logprob {
+namespace {
+
+/// malloc / free, counting live buffers; Allocate fails while `fail` is
+/// set. Thread-safe (buffers are freed from the threads that release them).
+struct FakeAlloc {
+  static inline absl::Mutex mu;
+  static inline std::set<void*> live;
+  static inline bool fail = false;
+  static absl::Status Allocate(void** p, size_t bytes) {
+    if (fail) return absl::ResourceExhaustedError("fake: out of memory");
+    *p = std::malloc(bytes);
+    absl::MutexLock lock(&mu);
+    live.insert(*p);
+    return absl::OkStatus();
+  }
+  static void Free(void* p) {
+    {
+      absl::MutexLock lock(&mu);
+      EXPECT_EQ(live.erase(p), 1u) << "freed twice or never allocated";
+    }
+    std::free(p);
+  }
+};
+
+class BufferRecyclerTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    FakeAlloc::live.clear();
+    FakeAlloc::fail = false;
+  }
+  void TearDown() override { EXPECT_TRUE(FakeAlloc::live.empty()) << FakeAlloc::live.size() << " leaked"; }
+};
+
+TEST_F(BufferRecyclerTest, AReleasedBufferIsTheNextTakeOfItsSize) {
+  BufferRecycler<FakeAlloc> r(/*max_idle=*/1);
+  auto a = r.Take(1000);
+  ASSERT_TRUE(a.ok()) << a.status();
+  void* first = a->get();
+  static_cast<char*>(first)[0] = 42;
+  a->reset();  // the version is released
+  EXPECT_EQ(r.idle_bytes(), 1000u);
+  EXPECT_EQ(FakeAlloc::live.size(), 1u);
+  auto b = r.Take(1000);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->get(), first);  // the same memory, pages already touched
+  EXPECT_EQ(static_cast<char*>(b->get())[0], 42);
+  EXPECT_EQ(r.allocated(), 1u);
+  EXPECT_EQ(r.reused(), 1u);
+  EXPECT_EQ(r.idle_bytes(), 0u);
+  // Another size never takes it.
+  auto c = r.Take(999);
+  ASSERT_TRUE(c.ok());
+  EXPECT_NE(c->get(), first);
+  EXPECT_EQ(r.allocated(), 2u);
+}
+
+TEST_F(BufferRecyclerTest, KeepsAtMostMaxIdleOfEachSizeAndFreesTheRest) {
+  BufferRecycler<FakeAlloc> r(/*max_idle=*/1);
+  std::vector<BufferRecycler<FakeAlloc>::Buffer> held;
+  for (int i = 0; i < 3; ++i) {
+    auto b = r.Take(64);
+    ASSERT_TRUE(b.ok());
+    held.push_back(*std::move(b));
+  }
+  EXPECT_EQ(FakeAlloc::live.size(), 3u);
+  held.clear();  // three versions released: one kept, two freed
+  EXPECT_EQ(FakeAlloc::live.size(), 1u);
+  EXPECT_EQ(r.idle_bytes(), 64u);
+
+  BufferRecycler<FakeAlloc> none(/*max_idle=*/0);
+  auto b = none.Take(64);
+  ASSERT_TRUE(b.ok());
+  b->reset();
+  EXPECT_EQ(none.idle_bytes(), 0u);
+  EXPECT_EQ(FakeAlloc::live.size(), 1u);  // only r's idle one
+}
+
+TEST_F(BufferRecyclerTest, BuffersOutlivingTheRecyclerAreFreedByTheirHolders) {
+  BufferRecycler<FakeAlloc>::Buffer kept;
+  {
+    BufferRecycler<FakeAlloc> r;
+    auto idle = r.Take(32), held = r.Take(32 * 2);
+    ASSERT_TRUE(idle.ok() && held.ok());
+    idle->reset();
+    kept = *std::move(held);
+    EXPECT_EQ(FakeAlloc::live.size(), 2u);
+  }  // the idle buffer is freed with the recycler
+  EXPECT_EQ(FakeAlloc::live.size(), 1u);
+  kept.reset();  // freed, not returned to a recycler that is gone
+  EXPECT_TRUE(FakeAlloc::live.empty());
+}
+
+TEST_F(BufferRecyclerTest, ErrorsPassThroughAndZeroBytesIsInvalid) {
+  BufferRecycler<FakeAlloc> r;
+  EXPECT_EQ(r.Take(0).status().code(), absl::StatusCode::kInvalidArgument);
+  FakeAlloc::fail = true;
+  auto b = r.Take(16);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(r.allocated(), 0u);
+  FakeAlloc::fail = false;
+}
+
+TEST_F(BufferRecyclerTest, ReleasesFromOtherThreadsAreTakenBack) {
+  BufferRecycler<FakeAlloc> r(/*max_idle=*/2);
+  std::vector<BufferRecycler<FakeAlloc>::Buffer> held;
+  for (int i = 0; i < 4; ++i) held.push_back(*r.Take(128));
+  std::vector<std::thread> threads;
+  for (auto& b : held) threads.emplace_back([&b] { b.reset(); });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(r.idle_bytes(), 2u * 128);
+  EXPECT_EQ(FakeAlloc::live.size(), 2u);
+  auto again = r.Take(128);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(r.reused(), 1u);
+}
+
+}  // namespace
+}  // namespace logprob
