@@ -80,7 +80,7 @@ ABSL_FLAG(int, lm_head_retain, 1,
           "current one included");
 ABSL_FLAG(bool, allow_lm_head_updates, false,
           "accept lm_head updates (BeginLmHeadUpdate / PutLmHeadRows / CommitLmHeadUpdate); with "
-          "--auth-token-file they need the token like every call");
+          "--update-token-file they need that token, else with --auth-token-file that one");
 ABSL_FLAG(std::string, lm_head_update_dir, "",
           "directory lm_head updates may read checkpoints from (LmHeadRows.file, relative to it; no \"..\", no "
           "symlinks out); empty: file sources refused");
@@ -151,6 +151,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding a bearer token every LogprobService call must send as 'authorization: Bearer TOKEN' "
           "(health and reflection stay open)");
+ABSL_FLAG(std::string, update_token_file, "",
+          "file holding the bearer token lm_head update calls (Begin/Put/Commit/Abort) must send; the "
+          "--auth-token-file token is then refused for them (PERMISSION_DENIED); this token may also score");
 
 using logprob::LogLine;
 
@@ -267,7 +270,7 @@ int main(int argc, char** argv) {
       "logprob-server --listen HOST:PORT (--workers N | --external-workers N --control-listen HOST:PORT) "
       "[--backend cpu|cuda] [--comm gloo|nccl] [--lm-head FILE[:TENSOR] [--lm-head-precision auto|bf16|tf32|fp32]] "
       "[--metrics-listen HOST:PORT] "
-      "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]");
+      "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE] [--update-token-file FILE]");
   // --version: the release and whether the build has CUDA (common/version.h).
   absl::FlagsUsageConfig usage_config;
   usage_config.version_string = [] { return logprob::VersionText("logprob-server"); };
@@ -432,6 +435,18 @@ int main(int argc, char** argv) {
     auth = *std::move(loaded);
     config.auth = &*auth;
   }
+  std::optional<logprob::BearerTokenAuth> update_auth;
+  if (const std::string file = absl::GetFlag(FLAGS_update_token_file); !file.empty()) {
+    auto loaded = logprob::BearerTokenAuth::FromFile(file);
+    if (!loaded.ok()) return Fail("--update-token-file " + std::string(loaded.status().message()));
+    if (auth && loaded->SameTokenAs(*auth))
+      return Fail("--update-token-file " + file + " holds the --auth-token-file token: the rights would not differ");
+    update_auth = *std::move(loaded);
+    config.update_auth = &*update_auth;
+  } else if (auth && config.lm_head_updates) {
+    LogLine() << "logprob-server: warning: --allow-lm-head-updates with --auth-token-file and no "
+                 "--update-token-file: every scoring client may also update lm_heads";
+  }
 
   logprob::WorkerPool::Options pool_opts;
   pool_opts.worker_config = worker_config;
@@ -510,8 +525,9 @@ int main(int argc, char** argv) {
             << (absl::GetFlag(FLAGS_tls_cert).empty()        ? " (plaintext)"
                 : absl::GetFlag(FLAGS_tls_client_ca).empty() ? " (TLS)"
                                                              : " (mutual TLS)")
-            << (auth ? " with bearer-token auth" : "") << ", " << (external > 0 ? "waiting for " : "starting ")
-            << workers << (external > 0 ? " external" : "") << " worker(s)";
+            << (auth ? " with bearer-token auth" : "") << (update_auth ? " and an update token" : "") << ", "
+            << (external > 0 ? "waiting for " : "starting ") << workers << (external > 0 ? " external" : "")
+            << " worker(s)";
   if (auto st = pool.Start(); !st.ok()) {
     server->Shutdown();
     return Fail("worker pool: " + std::string(st.message()));

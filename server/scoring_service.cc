@@ -35,7 +35,7 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
                         [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }},
             config, metrics),
       updates_(updates),
-      auth_(config.auth),
+      access_(config.auth, config.update_auth),
       metrics_(metrics),
       assembly_buffers_(config.max_request_bytes) {
   if (metrics) {
@@ -91,11 +91,11 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::Observe(
   return resp;
 }
 
-grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const char* method) {
-  if (auth_ == nullptr) return grpc::Status::OK;
-  grpc::Status st = auth_->Check(*context);
+grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const char* method, Right right) {
+  if (access_.open()) return grpc::Status::OK;
+  grpc::Status st = access_.Check(*context, right, method);
   if (!st.ok()) {
-    const std::string code = absl::StatusCodeToString(absl::StatusCode::kUnauthenticated);
+    const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code()));
     if (metrics_) metrics_->ObserveRequest(method, code, 0, 0);
     LogLine() << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
               << Printable(st.error_message(), 1024) << "\"";
@@ -252,7 +252,7 @@ grpc::Status ScoringService::ListSharedMemory(grpc::ServerContext* context, cons
 }
 
 absl::StatusOr<LmHeadUpdates*> ScoringService::Updates(grpc::ServerContext* context, const char* method) {
-  if (grpc::Status st = Authorize(context, method); !st.ok()) return FromGrpc(st);
+  if (grpc::Status st = Authorize(context, method, Right::kUpdate); !st.ok()) return FromGrpc(st);
   if (!updates_ || !updates_->options().allowed)
     return WithReason(
         absl::FailedPreconditionError("lm_head updates are off on this server (start it with --allow-lm-head-updates)"),

@@ -25,7 +25,9 @@
 namespace logprob {
 
 /// gRPC service implementation. Errors: UNAUTHENTICATED without the
-/// bearer token when config.auth is set (every method); ScoringCore's
+/// bearer token when config.auth is set (every method), and for update
+/// calls without config.update_auth's token (PERMISSION_DENIED with the
+/// scoring token only: server/auth.h AccessPolicy); ScoringCore's
 /// errors, with a machine-readable reason (common/error_reason.h) in the
 /// status details. ScoreChunked is served by ServeChunked, whose parts are
 /// parsed by chunked::ParsePart, not protobuf.
@@ -94,9 +96,10 @@ class ScoringService final : public v1::LogprobService::Service {
   /// The gRPC status of `st`, its reason (ReasonOf) sent as the trailing
   /// metadata kReasonMetadataKey of the call.
   static grpc::Status Reply(grpc::ServerContext* ctx, const absl::Status& st);
-  /// OK, or (config_.auth set and the call lacks the token) UNAUTHENTICATED,
-  /// which is counted in the metrics and logged with the peer address.
-  grpc::Status Authorize(const grpc::ServerContext* context, const char* method);
+  /// OK, or (the call lacks a token granting `right`: AccessPolicy)
+  /// UNAUTHENTICATED or PERMISSION_DENIED, which is counted in the metrics
+  /// and logged with the peer address.
+  grpc::Status Authorize(const grpc::ServerContext* context, const char* method, Right right = Right::kScore);
   /// The caller's shared-memory session (SharedMemoryOwner), after
   /// Authorize; FAILED_PRECONDITION when shared-memory inputs are off.
   absl::StatusOr<std::string> ShmSession(grpc::ServerContext* context, const char* method);
@@ -123,7 +126,7 @@ class ScoringService final : public v1::LogprobService::Service {
 
   ScoringCore core_;
   LmHeadUpdates* const updates_;
-  const BearerTokenAuth* const auth_;  // not owned; null: no token needed
+  const AccessPolicy access_;  // which token grants which right
   Metrics* const metrics_;
   BufferPool assembly_buffers_;  // ScoreChunked request tensors
   // logprob_pooled_bytes of the pools above; destroyed first.
