@@ -539,6 +539,7 @@ int main(int argc, char** argv) {
   // flight --shutdown-grace seconds before cancelling them.
   const int grace = absl::GetFlag(FLAGS_shutdown_grace);
   LogLine() << "logprob-server: SIGTERM: NOT_SERVING, draining for up to " << grace << " s";
+  pool.Drain();  // a worker that leaves now fails its calls but starts no new pool
   server->GetHealthCheckService()->SetServingStatus(false);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(grace));
   LogLine() << "logprob-server: drained; stopping workers";
