@@ -24,6 +24,7 @@
 #include "common/untrusted_text.h"
 #include "server/call_ended.h"
 #include "server/cuda_ipc_inputs.h"
+#include "server/parsed_requests.h"
 #include "server/request_inputs.h"
 #include "server/response_builder.h"
 #include "server/shm_session.h"
@@ -44,6 +45,27 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
     pool_gauges_.push_back(metrics->memory().AddPool("payload_regions", [this] { return core_.payload_idle_bytes(); }));
   }
   MarkMethodStreamed(chunked::ScoreChunkedMethodIndex(), chunked::NewChunkedHandler(this));
+  // The other methods parse their own requests (malformed: INVALID_ARGUMENT).
+  using S = ScoringService;
+  MarkMethodStreamed(chunked::MethodIndex("Score"), NewParsedUnaryHandler(this, "Score", &S::Score));
+  MarkMethodStreamed(chunked::MethodIndex("ScoreStream"),
+                     NewParsedBidiHandler(this, "ScoreStream", &S::ServeScoreStream));
+  MarkMethodStreamed(chunked::MethodIndex("GetServerInfo"),
+                     NewParsedUnaryHandler(this, "GetServerInfo", &S::GetServerInfo));
+  MarkMethodStreamed(chunked::MethodIndex("RegisterSharedMemory"),
+                     NewParsedUnaryHandler(this, "RegisterSharedMemory", &S::RegisterSharedMemory));
+  MarkMethodStreamed(chunked::MethodIndex("UnregisterSharedMemory"),
+                     NewParsedUnaryHandler(this, "UnregisterSharedMemory", &S::UnregisterSharedMemory));
+  MarkMethodStreamed(chunked::MethodIndex("ListSharedMemory"),
+                     NewParsedUnaryHandler(this, "ListSharedMemory", &S::ListSharedMemory));
+  MarkMethodStreamed(chunked::MethodIndex("ConfirmSharedMemory"),
+                     NewParsedUnaryHandler(this, "ConfirmSharedMemory", &S::ConfirmSharedMemory));
+  MarkMethodStreamed(chunked::MethodIndex("BeginLmHeadUpdate"),
+                     NewParsedUnaryHandler(this, "BeginLmHeadUpdate", &S::BeginLmHeadUpdate));
+  MarkMethodStreamed(chunked::MethodIndex("CommitLmHeadUpdate"),
+                     NewParsedUnaryHandler(this, "CommitLmHeadUpdate", &S::CommitLmHeadUpdate));
+  MarkMethodStreamed(chunked::MethodIndex("AbortLmHeadUpdate"),
+                     NewParsedUnaryHandler(this, "AbortLmHeadUpdate", &S::AbortLmHeadUpdate));
   MarkMethodStreamed(chunked::MethodIndex("PutLmHeadRows"),
                      new grpc::internal::BidiStreamingHandler<ScoringService, chunked::IncomingPart, v1::LmHeadUpdate>(
                          [](ScoringService* s, grpc::ServerContext* context,
@@ -94,13 +116,7 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::Observe(
 grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const char* method, Right right) {
   if (access_.open()) return grpc::Status::OK;
   grpc::Status st = access_.Check(*context, right, method);
-  if (!st.ok()) {
-    const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code()));
-    if (metrics_) metrics_->ObserveRequest(method, code, 0, 0);
-    LogLine() << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
-              << Printable(st.error_message(), 1024) << "\"";
-  }
-  return st;
+  return st.ok() ? st : Refused(context, method, st);
 }
 
 grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
@@ -113,6 +129,19 @@ grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::Score
 
 grpc::Status ScoringService::ScoreStream(grpc::ServerContext* context,
                                          grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>* stream) {
+  return ServeScoreStream(context, stream);
+}
+
+grpc::Status ScoringService::Refused(const grpc::ServerContext* context, const char* method, const grpc::Status& st) {
+  const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code()));
+  if (metrics_) metrics_->ObserveRequest(method, code, 0, 0);
+  LogLine() << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
+            << Printable(st.error_message(), 1024) << "\"";
+  return st;
+}
+
+grpc::Status ScoringService::ServeScoreStream(
+    grpc::ServerContext* context, grpc::ServerReaderWriterInterface<v1::ScoreResponse, v1::ScoreRequest>* stream) {
   LOGPROB_RETURN_IF_ERROR(Authorize(context, "ScoreStream"));
   // gRPC fills ServerContext::client_metadata()'s map on its first call,
   // unsynchronised: fill it here, before the messages' threads read it

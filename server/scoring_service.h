@@ -29,8 +29,10 @@ namespace logprob {
 /// calls without config.update_auth's token (PERMISSION_DENIED with the
 /// scoring token only: server/auth.h AccessPolicy); ScoringCore's
 /// errors, with a machine-readable reason (common/error_reason.h) in the
-/// status details. ScoreChunked is served by ServeChunked, whose parts are
-/// parsed by chunked::ParsePart, not protobuf.
+/// status details. Every other method's requests are parsed by the service
+/// (server/parsed_requests.h): a malformed message is INVALID_ARGUMENT
+/// naming the method. ScoreChunked and PutLmHeadRows are served through
+/// the part codec, whose parts are parsed by chunked::ParsePart.
 class ScoringService final : public v1::LogprobService::Service {
  public:
   /// `updates` (not owned; may be null: updates off) serves the lm_head
@@ -45,6 +47,10 @@ class ScoringService final : public v1::LogprobService::Service {
   /// message order; a failed message gets a response carrying its status.
   grpc::Status ScoreStream(grpc::ServerContext*,
                            grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>*) override;
+  /// ScoreStream's body on any stream (the server's is a
+  /// ParsingReaderWriter: server/parsed_requests.h).
+  grpc::Status ServeScoreStream(grpc::ServerContext* context,
+                                grpc::ServerReaderWriterInterface<v1::ScoreResponse, v1::ScoreRequest>* stream);
   /// Messages of one ScoreStream scored concurrently.
   static constexpr int kStreamInFlight = 16;
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo*) override;
@@ -72,6 +78,11 @@ class ScoringService final : public v1::LogprobService::Service {
   /// file; answered with one LmHeadUpdate.
   grpc::Status ServeLmHeadRows(grpc::ServerContext* context,
                                grpc::ServerReaderWriter<v1::LmHeadUpdate, chunked::IncomingPart>* stream);
+
+  /// A call refused before its method ran (a malformed request message:
+  /// server/parsed_requests.h): logged and counted under `method`;
+  /// returns `st`.
+  grpc::Status Refused(const grpc::ServerContext* context, const char* method, const grpc::Status& st);
 
   /// The server side of ScoreChunked (proto/logprob/v1/logprob.proto): reads
   /// the request part, checks the announced size against
