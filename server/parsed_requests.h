@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/malloc_tuning.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/impl/serialization_traits.h"
 #include "grpcpp/server_context.h"
@@ -29,11 +30,16 @@ struct RawMessage {
   grpc::ByteBuffer buffer;
 };
 
+/// Messages at least this large return the heap's kept freed memory over
+/// its cap (TrimKeptFreedMemory) before they are parsed and once they are
+/// gone, so that freed large messages do not stay resident beyond
+/// --keep-freed-memory-bytes (FrontendMemoryBound's kept_freed).
+inline constexpr size_t kTrimAroundBytes = size_t{1} << 20;
+
 /// Parses `raw` (its buffer is consumed) into *msg. OK, or INVALID_ARGUMENT
 /// "METHOD: WHAT is not a valid logprob.v1.TYPE message (protobuf parse
 /// failed)"; `what` is e.g. "the request" or "message 3". Thread-compatible.
-grpc::Status ParseRequest(RawMessage* raw, google::protobuf::Message* msg, const char* method,
-                          const std::string& what);
+grpc::Status ParseRequest(RawMessage* raw, google::protobuf::Message* msg, const char* method, const std::string& what);
 
 /// A stream of requests of type R (answers W) over a stream of raw
 /// messages: Read parses each; a malformed one ends the reads (Read returns
@@ -51,6 +57,7 @@ class ParsingReaderWriter final : public grpc::ServerReaderWriterInterface<W, R>
     if (!status_.ok()) return false;
     RawMessage m;
     if (!raw_->Read(&m)) return false;
+    if (m.buffer.Length() >= kTrimAroundBytes) TrimKeptFreedMemory();
     status_ = ParseRequest(&m, msg, method_, "message " + std::to_string(++read_));
     return status_.ok();
   }
@@ -67,7 +74,9 @@ class ParsingReaderWriter final : public grpc::ServerReaderWriterInterface<W, R>
 /// A handler serving the unary method `fn` of `service` (named `method`)
 /// with the request parsed by ParseRequest: a malformed request, or none,
 /// is answered by `service->Refused(context, method, status)` (which logs
-/// and counts it, and returns the status to send) without calling `fn`.
+/// and counts it, and returns the status to send) without calling `fn`;
+/// so is a request `service->Receive(context, method, bytes)` refuses once
+/// its `bytes` have arrived, before they are parsed (a full queue).
 /// Install it in the service's constructor with
 /// `MarkMethodStreamed(index, NewParsedUnaryHandler(...))` (gRPC owns it).
 template <class Service, class Req, class Resp>
@@ -81,20 +90,28 @@ grpc::internal::MethodHandler* NewParsedUnaryHandler(Service* service, const cha
           return s->Refused(context, method,
                             grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                          std::string(method) + ": the call ended before its request message"));
-        Req req;
-        if (grpc::Status st = ParseRequest(&raw, &req, method, "the request"); !st.ok())
-          return s->Refused(context, method, st);
-        Resp resp;
-        grpc::Status st = (s->*fn)(context, &req, &resp);
-        if (st.ok() && !stream->Write(resp, grpc::WriteOptions().set_last_message()))
-          return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+        const size_t bytes = raw.buffer.Length();
+        if (grpc::Status st = s->Receive(context, method, bytes); !st.ok()) return s->Refused(context, method, st);
+        const bool large = bytes >= kTrimAroundBytes;
+        if (large) TrimKeptFreedMemory();
+        grpc::Status st;
+        {
+          Req req;
+          if (st = ParseRequest(&raw, &req, method, "the request"); !st.ok()) return s->Refused(context, method, st);
+          Resp resp;
+          st = (s->*fn)(context, &req, &resp);
+          if (st.ok() && !stream->Write(resp, grpc::WriteOptions().set_last_message()))
+            st = grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+        }
+        if (large) TrimKeptFreedMemory();  // the request and its answer are freed
         return st;
       },
       service);
 }
 
 /// A handler serving the bidi-streaming method `fn` of `service` (named
-/// `method`) on a ParsingReaderWriter: when a message is malformed, the
+/// `method`) on a ParsingReaderWriter (no Receive check: a stream's
+/// messages are admitted one by one as they are scored): when a message is malformed, the
 /// call ends with its INVALID_ARGUMENT (passed through
 /// `service->Refused(context, method, status)`) once `fn` returns, whatever
 /// `fn` answered. Installed like NewParsedUnaryHandler.

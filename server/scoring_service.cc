@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <future>
 #include <iostream>
@@ -138,6 +139,15 @@ grpc::Status ScoringService::Refused(const grpc::ServerContext* context, const c
   LogLine() << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
             << Printable(st.error_message(), 1024) << "\"";
   return st;
+}
+
+grpc::Status ScoringService::Receive(grpc::ServerContext* context, const char* method, size_t bytes) {
+  if (std::strcmp(method, "Score") != 0 || core_.admission().Fits(static_cast<int64_t>(bytes))) return grpc::Status::OK;
+  return Reply(context, WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                                       "server at capacity: this request's ", bytes,
+                                       " bytes would exceed --max-queue-bytes with the requests in flight; retry "
+                                       "with backoff")),
+                                   v1::AT_CAPACITY));
 }
 
 grpc::Status ScoringService::ServeScoreStream(

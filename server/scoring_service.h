@@ -79,6 +79,13 @@ class ScoringService final : public v1::LogprobService::Service {
   grpc::Status ServeLmHeadRows(grpc::ServerContext* context,
                                grpc::ServerReaderWriter<v1::LmHeadUpdate, chunked::IncomingPart>* stream);
 
+  /// Whether a unary request of `bytes` serialized bytes that has arrived
+  /// may be parsed (server/parsed_requests.h): a Score request the queue
+  /// has no room for is RESOURCE_EXHAUSTED (reason AT_CAPACITY) at once,
+  /// before it is parsed, so refused requests cost their bytes only once.
+  /// Other methods: OK.
+  grpc::Status Receive(grpc::ServerContext* context, const char* method, size_t bytes);
+
   /// A call refused before its method ran (a malformed request message:
   /// server/parsed_requests.h): logged and counted under `method`;
   /// returns `st`.
