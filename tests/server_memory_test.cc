@@ -84,9 +84,8 @@ TEST(MemoryBound, PeakRssStaysUnderThePrintedBoundWithEightClientsOf64MiBRequest
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
         grpc::ByteBuffer reply;
-        const grpc::Status st =
-            grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(channel.get(), rpc, &ctx, request,
-                                                                                  &reply);
+        const grpc::Status st = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+            channel.get(), rpc, &ctx, request, &reply);
         if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
           // The queue is full (256 MiB: four requests): a client backs off and retries.
           ++refused;
