@@ -14,6 +14,8 @@
 #include <iostream>
 #include <optional>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -224,16 +226,39 @@ class StoreDir {
 
 /// A start-up head from "[NAME=]PATH[:TENSOR]": its source, and the
 /// SHA-256 of its weight bytes (read once here).
+/// The head name and path of an --lm-head [NAME=]PATH[:TENSOR] value: NAME=
+/// when what precedes '=' is a name and the whole is not a path.
+std::pair<std::string, std::string> SplitLmHeadArg(const std::string& arg) {
+  if (const size_t eq = arg.find('='); eq != std::string::npos && !std::filesystem::exists(arg))
+    return {arg.substr(0, eq), arg.substr(eq + 1)};
+  return {logprob::kDefaultLmHead, arg};
+}
+
+/// The lm_head store's part of the memory bound (LmHeadStoreBytes of every
+/// --lm-head updates may change: not --lm-head-frozen), from the heads'
+/// headers; 0 without --allow-lm-head-updates.
+absl::StatusOr<int64_t> LmHeadStoreBound(int argc, char** argv, const std::vector<std::string>& lm_head_args) {
+  if (!absl::GetFlag(FLAGS_allow_lm_head_updates)) return 0;
+  const std::vector<std::string> frozen = logprob::FlagValues(argc, argv, "lm_head_frozen");
+  int64_t bytes = 0;
+  for (const std::string& arg : lm_head_args) {
+    const auto [name, path] = SplitLmHeadArg(arg);
+    if (std::find(frozen.begin(), frozen.end(), name) != frozen.end()) continue;
+    auto source = logprob::ResolveLmHead(path, {});
+    if (!source.ok())
+      return absl::InvalidArgumentError("--lm-head " + arg + ": " + std::string(source.status().message()));
+    bytes += logprob::LmHeadStoreBytes(
+        source->vocab_size * source->hidden_size * static_cast<int64_t>(logprob::DTypeSize(source->dtype)),
+        std::max(1, absl::GetFlag(FLAGS_lm_head_retain)));
+  }
+  return bytes;
+}
+
 absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, const std::string& version, int workers,
                                                        const logprob::LmHeadScalarFlags& scalars) {
   logprob::LmHeadVersion v;
-  std::string path = arg;
-  v.head = logprob::kDefaultLmHead;
-  // NAME= when what precedes '=' is a name and the whole is not a path.
-  if (const size_t eq = arg.find('='); eq != std::string::npos && !std::filesystem::exists(arg)) {
-    v.head = arg.substr(0, eq);
-    path = arg.substr(eq + 1);
-  }
+  std::string path;
+  std::tie(v.head, path) = SplitLmHeadArg(arg);
   LOGPROB_RETURN_IF_ERROR(logprob::CheckLmHeadName(v.head, "--lm-head NAME"));
   LOGPROB_ASSIGN_OR_RETURN(v.source, logprob::ResolveLmHead(path, scalars));
   v.version = version;
@@ -288,9 +313,13 @@ int main(int argc, char** argv) {
     return Fail(std::string(st.message()));
   const int workers = external > 0 ? external : absl::GetFlag(FLAGS_workers);
   if (workers < 1) return Fail("--workers must be >= 1");
-  const logprob::FrontendMemoryBound memory_bound = logprob::ComputeFrontendMemoryBound(
-      {absl::GetFlag(FLAGS_max_queue_bytes), absl::GetFlag(FLAGS_max_request_bytes), keep_freed,
-       /*payload_regions=*/external == 0 && absl::GetFlag(FLAGS_shared_memory)});
+  logprob::FrontendMemoryLimits memory_limits{absl::GetFlag(FLAGS_max_queue_bytes),
+                                              absl::GetFlag(FLAGS_max_request_bytes), keep_freed,
+                                              /*payload_regions=*/external == 0 && absl::GetFlag(FLAGS_shared_memory)};
+  const absl::StatusOr<int64_t> store_bound = LmHeadStoreBound(argc, argv, lm_head_args);
+  if (!store_bound.ok()) return Fail(std::string(store_bound.status().message()));
+  memory_limits.lm_head_store_bytes = *store_bound;
+  const logprob::FrontendMemoryBound memory_bound = logprob::ComputeFrontendMemoryBound(memory_limits);
   if (absl::GetFlag(FLAGS_print_memory_bound)) {
     // One line for people and scripts (tests/deploy/check_deploy.py reads the key=value fields).
     std::cout << "frontend_bytes=" << memory_bound.total() << " local_workers=" << (external > 0 ? 0 : workers)

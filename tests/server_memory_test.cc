@@ -129,5 +129,47 @@ TEST(MemoryBound, PeakRssStaysUnderThePrintedBoundWithEightClientsOf64MiBRequest
   RunCommand("rm -rf " + dir);
 }
 
+// The store files of updated heads are in the bound (issue 32, finding 6):
+// three updates of a 64 MiB head through the CLI, small queue limits; the
+// front-end's peak RSS stays under the printed bound, which names the store.
+TEST(MemoryBound, StoreFilesOfUpdatedHeadsAreInTheBound) {
+  if (kUnderSanitizer) GTEST_SKIP() << "RSS is not the program's under a sanitizer (shadow memory, quarantine)";
+  constexpr int64_t V = 8192, H = 4096;  // 64 MiB of bf16
+  const std::string dir = ::testing::TempDir() + "/server_memory_store." + std::to_string(getpid());
+  ASSERT_EQ(RunCommand("mkdir -p " + dir).code, 0);
+  const std::string head = dir + "/head.safetensors";
+  ASSERT_TRUE(WriteRandomLmHead(head, V, H, 1).ok());
+  const std::vector<std::string> flags = {"--max-queue-bytes",
+                                          std::to_string(int64_t{16} << 20),
+                                          "--max-request-bytes",
+                                          std::to_string(int64_t{16} << 20),
+                                          "--lm-head",
+                                          head,
+                                          "--allow-lm-head-updates"};
+  std::string flag_line = "--workers 1";
+  for (const std::string& f : flags) flag_line += " " + f;
+  const CommandResult printed = RunCommand(BinDir() + "/logprob-server --print-memory-bound " + flag_line);
+  ASSERT_EQ(printed.code, 0) << printed.output;
+  EXPECT_NE(printed.output.find("lm_head store 257 MiB"), std::string::npos)
+      << printed.output;  // (64 MiB + a page) x (1 + 3)
+  const int64_t bound = PrintedBound(flag_line);
+  auto server = ServerProcess::Start(1, flags);
+  ASSERT_TRUE(server);
+  for (int v = 2; v <= 4; ++v) {
+    const std::string weights = dir + "/v" + std::to_string(v) + ".safetensors";
+    ASSERT_TRUE(WriteRandomLmHead(weights, V, H, static_cast<uint32_t>(v)).ok());
+    const CommandResult r =
+        RunCommand(BinDir() + "/logprob-client update-lm-head --server " + server->address() +
+                   " --head default --version v" + std::to_string(v) + " --rows-per-call 1024 --input " + weights);
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
+  const int64_t peak = PeakRssBytes(server->pid());
+  std::cerr << "front-end peak RSS after 3 updates " << (peak >> 20) << " MiB, bound " << (bound >> 20) << " MiB\n";
+  EXPECT_GT(peak, int64_t{64} << 20);
+  EXPECT_LT(peak, bound);
+  server.reset();
+  RunCommand("rm -rf " + dir);
+}
+
 }  // namespace
 }  // namespace logprob::testing
