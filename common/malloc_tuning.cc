@@ -41,7 +41,8 @@ void KeepFreedMemory(int64_t keep_bytes) {
 }
 
 int64_t KeptFreedBytes() {
-  const auto in_use = static_cast<int64_t>(mallinfo2().uordblks);
+  const struct mallinfo2 info = mallinfo2();
+  const auto in_use = static_cast<int64_t>(info.uordblks + info.hblkhd);  // heap blocks and mmap'd ones
   return std::max<int64_t>(0, ResidentAnonymousBytes() - in_use);
 }
 

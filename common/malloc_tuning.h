@@ -32,7 +32,7 @@ void KeepFreedMemory(int64_t keep_bytes);
 
 /// Freed memory malloc keeps resident, bytes >= 0: the process's resident
 /// anonymous memory (RssAnon of /proc/self/status) minus malloc's bytes in
-/// use (mallinfo2 uordblks). An upper estimate: other anonymous memory
+/// use (mallinfo2 uordblks + hblkhd). An upper estimate: other anonymous memory
 /// (thread stacks, a few MiB) counts too. Thread-safe; reads /proc.
 int64_t KeptFreedBytes();
 

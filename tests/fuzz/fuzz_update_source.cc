@@ -48,11 +48,23 @@ std::string* base = nullptr;  // per process: BASE/{outside,updates}
 /// Paths an index or a request may name: valid shards and every kind of
 /// escape the update surface must refuse.
 const std::vector<std::string>& Names() {
-  static const std::vector<std::string> names = {
-      "a.safetensors",  "b.safetensors",          "sub/c.safetensors",        "link/secret.safetensors",
-      "fifo",           "sub",                    "absent.safetensors",       "../outside/secret.safetensors",
-      "sub/../a.safetensors", "/etc/passwd",      "", "model.safetensors.index.json", "config.json",
-      "./a.safetensors", "sub//c.safetensors",    "link",                     "a.safetensors:lm_head.weight"};
+  static const std::vector<std::string> names = {"a.safetensors",
+                                                 "b.safetensors",
+                                                 "sub/c.safetensors",
+                                                 "link/secret.safetensors",
+                                                 "fifo",
+                                                 "sub",
+                                                 "absent.safetensors",
+                                                 "../outside/secret.safetensors",
+                                                 "sub/../a.safetensors",
+                                                 "/etc/passwd",
+                                                 "",
+                                                 "model.safetensors.index.json",
+                                                 "config.json",
+                                                 "./a.safetensors",
+                                                 "sub//c.safetensors",
+                                                 "link",
+                                                 "a.safetensors:lm_head.weight"};
   return names;
 }
 
@@ -70,8 +82,8 @@ std::string Safetensors(FuzzedDataProvider& in) {
       const int64_t begin = in.ConsumeIntegralInRange<int64_t>(-2, 8);
       const int64_t end = begin + in.ConsumeIntegralInRange<int64_t>(-4, 400);
       const char* name = in.PickValueInArray({"lm_head.weight", "model.embed_tokens.weight", "lm_head.bias", "w"});
-      header = absl::StrCat("{\"", name, "\":{\"dtype\":\"", dtype, "\",\"shape\":[", v, ",", h,
-                            "],\"data_offsets\":[", begin, ",", end, "]}}");
+      header = absl::StrCat("{\"", name, "\":{\"dtype\":\"", dtype, "\",\"shape\":[", v, ",", h, "],\"data_offsets\":[",
+                            begin, ",", end, "]}}");
     }
   }
   uint64_t length = header.size();
@@ -103,8 +115,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
     static_assert(sizeof kSecret - 1 == 64);
     std::string header = R"({"lm_head.weight":{"dtype":"F32","shape":[1,16],"data_offsets":[0,64]}})";
     uint64_t n = header.size();
-    Write(*base + "/outside/secret.safetensors",
-          std::string(reinterpret_cast<const char*>(&n), 8) + header + kSecret);
+    Write(*base + "/outside/secret.safetensors", std::string(reinterpret_cast<const char*>(&n), 8) + header + kSecret);
     Write(*base + "/outside/plain", kSecret);
   }
   return 0;
