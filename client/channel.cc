@@ -159,14 +159,14 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ta
     if (!creds)
       return absl::InvalidArgumentError("gRPC could not build TLS credentials from --tls-ca/--tls-cert/--tls-key");
   }
-  if (options.auth_token_file.empty()) return grpc::CreateCustomChannel(target, creds, args);
+  const bool update = !options.update_token_file.empty();
+  const std::string& token_file = update ? options.update_token_file : options.auth_token_file;
+  if (token_file.empty()) return grpc::CreateCustomChannel(target, creds, args);
 
-  LOGPROB_ASSIGN_OR_RETURN(const std::string token, ReadFlagFile("--auth-token-file", options.auth_token_file));
+  const char* flag = update ? "--update-token-file" : "--auth-token-file";
+  LOGPROB_ASSIGN_OR_RETURN(const std::string token, ReadFlagFile(flag, token_file));
   const std::string trimmed(absl::StripAsciiWhitespace(token));
-  if (trimmed.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--auth-token-file ", options.auth_token_file, ": the file is empty"));
-  }
+  if (trimmed.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " ", token_file, ": the file is empty"));
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<AuthInterceptorFactory>(trimmed));
   return grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args, std::move(interceptors));

@@ -35,6 +35,9 @@ struct ChannelOptions {
   std::string tls_key;          // --tls-key: its PEM private key
   std::string tls_server_name;  // --tls-server-name: name to verify instead of the target's host
   std::string auth_token_file;  // --auth-token-file: sends "authorization: Bearer TOKEN" on every call
+  /// --update-token-file (update-lm-head, heads): the server's update token,
+  /// sent instead of auth_token_file's (it may also score and read info).
+  std::string update_token_file;
 };
 
 /// True when `options` asks for TLS (any of tls_ca, tls_cert, tls_key,
@@ -43,8 +46,8 @@ bool UsesTls(const ChannelOptions& options);
 
 /// A channel like MakeChannel(target) with `options`: TLS verifying the
 /// server with tls_ca (mutual TLS when tls_cert and tls_key are given), and
-/// an interceptor adding the bearer token read from auth_token_file
-/// (whitespace around it trimmed) to every call's metadata. With
+/// an interceptor adding the bearer token read from update_token_file, else
+/// auth_token_file (whitespace around it trimmed) to every call's metadata. With
 /// tls_cert/tls_key/tls_server_name but no tls_ca, the server is verified
 /// against the system's roots. Errors (INVALID_ARGUMENT naming the flag and
 /// file): a file that cannot be read or is empty; only one of tls_cert and

@@ -102,6 +102,8 @@ absl::Status ApplyLmHeadFlag(const std::string& flag, const std::string& v, LmHe
     a->sha256 = v;
   } else if (flag == "rows-per-call") {
     return ParsePositive(flag, v, &a->rows_per_call);
+  } else if (flag == "update-token-file") {
+    a->channel.update_token_file = v;
   } else if (flag == "timeout") {
     return ParseSeconds(flag, v, &a->timeout_seconds);
   } else {
@@ -391,12 +393,14 @@ std::string UsageText() {
 
   logprob-client update-lm-head --server HOST:PORT --head NAME --version V
       --input PATH [--tensor NAME] [--sha256 HEX] [--rows-per-call N]
-      [--timeout SECONDS] [security options]
+      [--timeout SECONDS] [--update-token-file FILE] [security options]
       Replaces lm_head NAME by the weight in PATH (a .safetensors file, a
       model.safetensors.index.json or a checkpoint directory; TENSOR as the
       server's --lm-head: lm_head.weight, then model.embed_tokens.weight) as
       version V; progress on stderr. The server must run with
-      --allow-lm-head-updates. Exit 0 once committed, 1 if the server
+      --allow-lm-head-updates. --update-token-file: the server's update
+      token (its --update-token-file), sent instead of --auth-token-file's
+      (`heads` takes it too). Exit 0 once committed, 1 if the server
       refused (the update is aborted), 2 on a bad command line or file.
 
   logprob-client health --server HOST:PORT [--wait SECONDS] [security options]

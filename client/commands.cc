@@ -54,8 +54,9 @@ std::shared_ptr<grpc::Channel> OpenChannel(const std::string& server, const Chan
     PrintError(channel.status());
     return nullptr;
   }
-  if (!options.auth_token_file.empty() && !UsesTls(options)) {
-    std::cerr << "warning: --auth-token-file without TLS (--tls-ca): the token is sent in plaintext" << std::endl;
+  if ((!options.auth_token_file.empty() || !options.update_token_file.empty()) && !UsesTls(options)) {
+    std::cerr << "warning: " << (options.update_token_file.empty() ? "--auth-token-file" : "--update-token-file")
+              << " without TLS (--tls-ca): the token is sent in plaintext" << std::endl;
   }
   return *std::move(channel);
 }

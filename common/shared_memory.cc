@@ -74,6 +74,13 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Open(const std::stri
   return std::unique_ptr<SharedRegion>(new SharedRegion(name, static_cast<char*>(p), size, false));
 }
 
+bool SharedObjectExists(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return errno != ENOENT;
+  close(fd);
+  return true;
+}
+
 int RemoveStaleRegions() {
   int removed = 0;
   std::error_code ec;

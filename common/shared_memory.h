@@ -47,6 +47,11 @@ class SharedRegion {
   bool owner_;
 };
 
+/// True while a shared-memory object named `name` ("/" then the name)
+/// exists: its creator has not unlinked it (SharedRegion's destructor).
+/// One shm_open; errors other than "no such object" count as existing.
+bool SharedObjectExists(const std::string& name);
+
 /// Unlinks the regions SharedRegion::Create made in processes that no
 /// longer exist (/dev/shm/logprob-<pid>-<n>, e.g. after a SIGKILL), and
 /// their lm_head stores (the directories /dev/shm/logprob-<pid>-lm-heads),

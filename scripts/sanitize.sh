@@ -18,9 +18,9 @@ shift || true
 case "$kind" in
   asan)
     sanitizers="address,undefined"
-    # Everything but the soak test: its memory-bound checks read RSS, which
-    # ASan's shadow memory and quarantine inflate.
-    labels=(-LE soak)
+    # Everything but the soak and stress tests: their memory-bound checks
+    # read RSS, which ASan's shadow memory and quarantine inflate.
+    labels=(-LE 'soak|stress')
     # Leaks are reported at exit, so a leak fails the process's test.
     export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
     export LSAN_OPTIONS="suppressions=$PWD/scripts/sanitizers/lsan.supp:print_suppressions=0"

@@ -13,7 +13,12 @@ load for SECONDS while workers are SIGKILLed and SIGSTOPped, then checks
   memory bound of the flags (docs/serving.md "Memory sizing");
 - the front-end's file descriptors and threads are flat (last quarter vs
   first quarter, small slack);
-- /metrics logprob_requests_total agrees with what the clients saw.
+- /metrics logprob_requests_total agrees with what the clients saw;
+- lm_head updates run all along, back and forth between two weights (a
+  new version each time): every hidden-states answer matches the reference
+  of the weights of the version it names, every committed update is what
+  serves next, and an update fails only with a retryable code inside a
+  fault window (then the soak sends it again under a new version).
 
 Prints a summary and exits 1 with the reasons on any violation (2 on a
 setup error). Usage: soak.py [SECONDS] (default 60); environment as for the
@@ -51,6 +56,10 @@ FD_SLACK, THREAD_SLACK = 8, 16
 NO_RETRY = RetryPolicy(max_attempts=1)  # one RPC per call, so /metrics can be matched
 TIMEOUT = 30.0  # the clients' deadline: a request hung this long fails DEADLINE_EXCEEDED
 FAULT_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
+UPDATE_PERIOD = 2.0  # seconds between lm_head updates
+# An update a fault ends: the worker loading it died (UNAVAILABLE, ABORTED),
+# or the pool was re-forming (FAILED_PRECONDITION: not serving).
+UPDATE_FAULT_CODES = FAULT_CODES + ("ABORTED", "FAILED_PRECONDITION")
 OUTPUTS = ("token_logprobs", "entropy", "topk_logprobs", "topk_indices")
 
 
@@ -99,6 +108,12 @@ class Soak:
         self.samples = []  # (t, fe_rss, fds, threads, {pid: rss})
         self.violations = []
         self.t_start = None
+        # lm_head updates: the two weights, which one each version holds,
+        # and what the updater saw: (version, weights, start, end, code).
+        self.weights = []
+        self.version_weights = {"initial": 0}
+        self.updates = []
+        self.refs_by_weights = {}
 
     # -- time and records ------------------------------------------------
 
@@ -106,8 +121,15 @@ class Soak:
         return time.monotonic() - self.t_start
 
     def check(self, name, outputs):
-        """'OK' when outputs are bitwise the reference's, else 'MISMATCH ...'."""
+        """'OK' when outputs are bitwise the reference's (for hidden states:
+        of the weights of the lm_head version the answer names), else
+        'MISMATCH ...'."""
         ref = self.refs[name]
+        if name.startswith("hidden"):
+            version = getattr(outputs, "head_version", "")
+            if version not in self.version_weights:
+                return "MISMATCH unknown head_version %r" % version
+            ref = self.refs_by_weights[self.version_weights[version]][name]
         for k in OUTPUTS:
             a, b = np.asarray(outputs[k]), ref[k]
             if a.shape != b.shape or a.dtype != b.dtype or a.tobytes() != b.tobytes():
@@ -198,6 +220,28 @@ class Soak:
 
         asyncio.run(main())
 
+    def updater(self):
+        """lm_head updates every UPDATE_PERIOD s, back and forth between the
+        two weights, each under a new version; a failed one is sent again
+        at once under the next version (the soak's retry)."""
+        with self.server.client(timeout=TIMEOUT) as c:
+            n = 0
+            while not self.stop.is_set():
+                k = (n + 1) % 2
+                version = "soak-%d" % n
+                self.version_weights[version] = k
+                t0 = self.now()
+                try:
+                    code = "OK" if c.update_lm_head("default", self.weights[k], version=version) == version \
+                        else "WRONG_VERSION"
+                except LogprobError as e:
+                    code = e.code.name
+                with self.lock:
+                    self.updates.append((version, k, t0, self.now(), code))
+                n += 1
+                if code == "OK":
+                    self.stop.wait(UPDATE_PERIOD)
+
     # -- faults, sampling --------------------------------------------------
 
     def pause(self, until):
@@ -262,13 +306,25 @@ class Soak:
         rng = np.random.default_rng(1)
         head = os.path.join(d, "lm_head.safetensors")
         safetensors.save(head, {"lm_head.weight": (rng.standard_normal((V, H)) * 0.05).astype(np.float32)})
+        self.weights = [safetensors.load(head)[0]["lm_head.weight"],
+                        (rng.standard_normal((V, H)) * 0.05).astype(np.float32)]
         flags = ["--lm-head", head, "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                 "--max-queue-bytes", str(MAX_QUEUE_BYTES)]
+                 "--max-queue-bytes", str(MAX_QUEUE_BYTES), "--allow-lm-head-updates"]
         self.bound = frontend_bound(flags)
         with Server(workers=WORKERS, metrics=True, extra=flags) as self.server:
             with self.server.client(shared_memory=False) as c:
                 for name, kw in self.cases.items():
                     self.refs[name] = {k: np.asarray(c.score(**kw)[k]) for k in OUTPUTS}
+                # The hidden-states references of each weights, from the server itself.
+                for k, version in ((1, "ref-w1"), (0, "ref-w0")):
+                    self.version_weights[version] = k
+                    c.update_lm_head("default", self.weights[k], version=version)
+                    self.refs_by_weights[k] = {}
+                    for name, kw in self.cases.items():
+                        r = c.score(**kw)
+                        if name.startswith("hidden"):
+                            assert r.head_version == version, (r.head_version, version)
+                            self.refs_by_weights[k][name] = {o: np.asarray(r[o]) for o in OUTPUTS}
             self.base_metrics = self.requests_by_method_code()
             self.t_start = time.monotonic()
             names = sorted(self.cases)
@@ -278,7 +334,7 @@ class Soak:
                 self.actor("shm", "Score", dict(shared_memory=True), names),
                 self.actor("chunked", "ScoreChunked", dict(shared_memory=False), list(LARGE),
                            dict(chunk_above=CHUNK_ABOVE, piece_bytes=128 << 10)),
-                self.stream_actor, self.aio_actor, self.faults, self.sampler]
+                self.stream_actor, self.aio_actor, self.updater, self.faults, self.sampler]
             threads = [threading.Thread(target=guard(self, f), daemon=True) for f in threads]
             for t in threads:
                 t.start()
@@ -295,6 +351,8 @@ class Soak:
             except AssertionError as e:
                 self.violations.append(str(e))
             self.metrics_now = self.requests_by_method_code()
+            with self.server.client() as c:
+                self.final_version = [h.version for h in c.lm_heads() if h.name == "default"][0]
             self.server_log = self.server.log()
             with open(self.server.log_path, errors="replace") as f:
                 # Pool failures and worker crashes (gloo's "terminate called ...").
@@ -345,6 +403,19 @@ class Soak:
         for actor in ("unary", "shm", "chunked", "stream", "aio"):
             if by[(actor, "ok")] == 0:
                 v.append("actor %s had no successful request" % actor)
+        # lm_head updates: retryable failures inside fault windows only, at
+        # least one commit, and the last commit is what serves at the end.
+        committed = [u for u in self.updates if u[4] == "OK"]
+        self.update_counts = collections.Counter(u[4] for u in self.updates)
+        if not committed:
+            v.append("no lm_head update committed")
+        for version, _, t0, t1, code in self.updates:
+            if code != "OK" and not (code in UPDATE_FAULT_CODES and any(
+                    s <= t1 and (e is None or t0 <= e) for _, s, e in self.windows)):
+                v.append("lm_head update %s at %.2f-%.2f s: %s (outside every fault window)" % (version, t0, t1, code))
+        if committed and self.final_version != committed[-1][0]:
+            v.append("the head serves %r at the end, not the last committed update %r" %
+                     (self.final_version, committed[-1][0]))
         if self.inject and not self.windows:
             v.append("no fault was injected (run longer than %g s)" % (0.25 * PERIOD))
         # Memory: the second half of the run.
@@ -413,6 +484,7 @@ class Soak:
         p("requests by actor and outcome:")
         for (actor, cls), n in sorted(self.by.items()):
             p("  %-8s %-28s %6d" % (actor, cls, n))
+        p("lm_head updates: %s" % dict(getattr(self, "update_counts", {})))
         p("fault windows (s): " + ", ".join("%s [%.1f, %s]" % (n, s, "%.1f" % e if e else "never recovered")
                                             for n, s, e in self.windows))
         done = sorted(r.t1 for r in self.records)
@@ -494,8 +566,8 @@ def region_size(n):
 def frontend_bound(flags):
     """The bounds of the flags: the front-end's from ``logprob-server
     --print-memory-bound``; each worker's as docs/serving.md "Memory
-    sizing" gives it: worker_base_bytes + lm_head slice ceil(V / W) x H x 4
-    (F32 weights) + one hidden-states round --hidden-chunk-tokens x V x 4 +
+    sizing" gives it: worker_base_bytes + 3 lm_head slices ceil(V / W) x H x 4
+    (F32 weights; updates: serving, held, loading) + one hidden-states round --hidden-chunk-tokens x V x 4 +
     the payload regions it may map (2 x --max-queue-bytes +
     RegionSize(--max-request-bytes), the front-end's payload part)."""
     import subprocess
@@ -504,7 +576,9 @@ def frontend_bound(flags):
                           str(WORKERS)] + flags, check=True, capture_output=True, text=True).stdout
     fields = dict(kv.split("=", 1) for kv in out.split(" (")[0].split())
     base = int(fields["worker_base_bytes"])
-    worker = (base + -(-V // WORKERS) * H * 4 + HIDDEN_CHUNK_TOKENS * V * 4 + 2 * MAX_QUEUE_BYTES +
+    # Slices: the version serving, one an in-flight request still holds, and
+    # one being loaded (updates; the store file's pages, mapped).
+    worker = (base + 3 * -(-V // WORKERS) * H * 4 + HIDDEN_CHUNK_TOKENS * V * 4 + 2 * MAX_QUEUE_BYTES +
               region_size(MAX_REQUEST_BYTES))
     return {"frontend": int(fields["frontend_bytes"]), "worker": worker,
             "worker_formula": "%d MiB base + slice + round + payload regions" % (base >> 20)}

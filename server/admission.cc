@@ -30,6 +30,11 @@ absl::StatusOr<Admission::Ticket> Admission::Admit(int64_t tokens, int64_t bytes
   return Ticket(this, tokens, bytes);
 }
 
+bool Admission::Fits(int64_t bytes) const {
+  absl::MutexLock lock(&mu_);
+  return requests_ == 0 || bytes_ + bytes <= max_bytes_;
+}
+
 int64_t Admission::tokens() const {
   absl::MutexLock lock(&mu_);
   return tokens_;

@@ -43,6 +43,10 @@ class Admission {
   /// when nothing else is in flight (per-request limits are separate).
   absl::StatusOr<Ticket> Admit(int64_t tokens, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
+  /// True when Admit(tokens, bytes) would now succeed on bytes alone (a
+  /// check before a request is parsed; Admit decides).
+  bool Fits(int64_t bytes) const ABSL_LOCKS_EXCLUDED(mu_);
+
   int64_t tokens() const ABSL_LOCKS_EXCLUDED(mu_);  // admitted, not yet released
   int64_t bytes() const ABSL_LOCKS_EXCLUDED(mu_);
   int64_t requests() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -49,7 +49,7 @@ absl::StatusOr<BearerTokenAuth> BearerTokenAuth::FromFile(const std::string& pat
   return auth;
 }
 
-grpc::Status BearerTokenAuth::Check(const grpc::ServerContext& context) const {
+bool BearerTokenAuth::PresentedBy(const grpc::ServerContext& context) const {
   const auto range = context.client_metadata().equal_range("authorization");
   bool ok = false;
   for (auto it = range.first; it != range.second; ++it) {
@@ -61,8 +61,35 @@ grpc::Status BearerTokenAuth::Check(const grpc::ServerContext& context) const {
     const auto d = Sha256(std::string_view(presented.data(), presented.size()));
     ok |= CRYPTO_memcmp(d.data(), digest_.data(), d.size()) == 0;
   }
-  if (ok) return grpc::Status::OK;
+  return ok;
+}
+
+grpc::Status BearerTokenAuth::Check(const grpc::ServerContext& context) const {
+  if (PresentedBy(context)) return grpc::Status::OK;
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token");
+}
+
+bool BearerTokenAuth::SameTokenAs(const BearerTokenAuth& other) const {
+  return CRYPTO_memcmp(digest_.data(), other.digest_.data(), digest_.size()) == 0;
+}
+
+grpc::Status AccessPolicy::Check(const grpc::ServerContext& context, Right right, const char* method) const {
+  const bool by_update = update_ != nullptr && update_->PresentedBy(context);
+  if (right == Right::kScore) {
+    if (scoring_ == nullptr || by_update || scoring_->PresentedBy(context)) return grpc::Status::OK;
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token");
+  }
+  if (update_ == nullptr) return scoring_ == nullptr ? grpc::Status::OK : scoring_->Check(context);
+  if (by_update) return grpc::Status::OK;
+  if (scoring_ != nullptr && scoring_->PresentedBy(context)) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat(method,
+                                     " needs the update right: this bearer token may only score (send the token of "
+                                     "the server's --update-token-file)"));
+  }
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      absl::StrCat("missing or invalid bearer token (", method,
+                                   " needs the update right: the token of the server's --update-token-file)"));
 }
 
 }  // namespace logprob

@@ -1,4 +1,5 @@
-// Bearer-token authentication of the public LogprobService.
+// Bearer-token authentication of the public LogprobService, and the two
+// rights a token may carry (scoring, lm_head updates).
 #pragma once
 
 #include <array>
@@ -33,9 +34,50 @@ class BearerTokenAuth {
   /// UNAUTHENTICATED "missing or invalid bearer token".
   grpc::Status Check(const grpc::ServerContext& context) const;
 
+  /// True when one `authorization` value of `context` carries the token
+  /// (Check's rule, without a status).
+  bool PresentedBy(const grpc::ServerContext& context) const;
+
+  /// True when `other` checks the same token (constant-time).
+  bool SameTokenAs(const BearerTokenAuth& other) const;
+
  private:
   explicit BearerTokenAuth(const std::string& token);
   std::array<unsigned char, 32> digest_;  // SHA-256 of the token
+};
+
+/// A right a LogprobService call needs.
+enum class Right {
+  kScore,   // scoring, GetServerInfo, shared-memory regions
+  kUpdate,  // BeginLmHeadUpdate, PutLmHeadRows, CommitLmHeadUpdate, AbortLmHeadUpdate
+};
+
+/// Which bearer token grants which right (docs/security.md "Separate
+/// rights"), from the server's --auth-token-file (`scoring`) and
+/// --update-token-file (`update`); either may be null (not set):
+///  - kScore: open without a scoring token; else the scoring token or the
+///    update token (an updater may also score).
+///  - kUpdate: the update token when one is set (the scoring token is
+///    refused); else the scoring token when set (one token, both rights);
+///    else open.
+/// Thread-safe (immutable); the tokens are not owned and outlive it.
+class AccessPolicy {
+ public:
+  AccessPolicy(const BearerTokenAuth* scoring, const BearerTokenAuth* update) : scoring_(scoring), update_(update) {}
+
+  /// OK when `context` may call `method` (its name, for the message), which
+  /// needs `right`. Otherwise UNAUTHENTICATED "missing or invalid bearer
+  /// token" (no token of the right's, nor any known one), or
+  /// PERMISSION_DENIED naming `method` and the missing update right when
+  /// the call carries the scoring token only. Never echoes a token.
+  grpc::Status Check(const grpc::ServerContext& context, Right right, const char* method) const;
+
+  /// True when no token is needed for any right.
+  bool open() const { return scoring_ == nullptr && update_ == nullptr; }
+
+ private:
+  const BearerTokenAuth* scoring_;
+  const BearerTokenAuth* update_;
 };
 
 }  // namespace logprob

@@ -15,6 +15,8 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -89,7 +91,7 @@ ABSL_FLAG(int, lm_head_retain, 1,
           "current one included");
 ABSL_FLAG(bool, allow_lm_head_updates, false,
           "accept lm_head updates (BeginLmHeadUpdate / PutLmHeadRows / CommitLmHeadUpdate); with "
-          "--auth-token-file they need the token like every call");
+          "--update-token-file they need that token, else with --auth-token-file that one");
 ABSL_FLAG(std::string, lm_head_update_dir, "",
           "directory lm_head updates may read checkpoints from (LmHeadRows.file, relative to it; no \"..\", no "
           "symlinks out); empty: file sources refused");
@@ -171,6 +173,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding a bearer token every LogprobService call must send as 'authorization: Bearer TOKEN' "
           "(health and reflection stay open)");
+ABSL_FLAG(std::string, update_token_file, "",
+          "file holding the bearer token lm_head update calls (Begin/Put/Commit/Abort) must send; the "
+          "--auth-token-file token is then refused for them (PERMISSION_DENIED); this token may also score");
 
 using logprob::LogLine;
 
@@ -241,17 +246,40 @@ class StoreDir {
 
 /// A start-up head from "[NAME=]PATH[:TENSOR]": its source, and the
 /// SHA-256 of its weight bytes (read once here).
+/// The head name and path of an --lm-head [NAME=]PATH[:TENSOR] value: NAME=
+/// when what precedes '=' is a name and the whole is not a path.
+std::pair<std::string, std::string> SplitLmHeadArg(const std::string& arg) {
+  if (const size_t eq = arg.find('='); eq != std::string::npos && !std::filesystem::exists(arg))
+    return {arg.substr(0, eq), arg.substr(eq + 1)};
+  return {logprob::kDefaultLmHead, arg};
+}
+
+/// The lm_head store's part of the memory bound (LmHeadStoreBytes of every
+/// --lm-head updates may change: not --lm-head-frozen), from the heads'
+/// headers; 0 without --allow-lm-head-updates.
+absl::StatusOr<int64_t> LmHeadStoreBound(int argc, char** argv, const std::vector<std::string>& lm_head_args) {
+  if (!absl::GetFlag(FLAGS_allow_lm_head_updates)) return 0;
+  const std::vector<std::string> frozen = logprob::FlagValues(argc, argv, "lm_head_frozen");
+  int64_t bytes = 0;
+  for (const std::string& arg : lm_head_args) {
+    const auto [name, path] = SplitLmHeadArg(arg);
+    if (std::find(frozen.begin(), frozen.end(), name) != frozen.end()) continue;
+    auto source = logprob::ResolveLmHead(path, {});
+    if (!source.ok())
+      return absl::InvalidArgumentError("--lm-head " + arg + ": " + std::string(source.status().message()));
+    bytes += logprob::LmHeadStoreBytes(
+        source->vocab_size * source->hidden_size * static_cast<int64_t>(logprob::DTypeSize(source->dtype)),
+        std::max(1, absl::GetFlag(FLAGS_lm_head_retain)));
+  }
+  return bytes;
+}
+
 absl::StatusOr<logprob::LmHeadVersion> LoadStartupHead(const std::string& arg, const std::string& version, int workers,
                                                        const logprob::LmHeadScalarFlags& scalars,
                                                        logprob::LmHeadPrecision precision, bool device) {
   logprob::LmHeadVersion v;
-  std::string path = arg;
-  v.head = logprob::kDefaultLmHead;
-  // NAME= when what precedes '=' is a name and the whole is not a path.
-  if (const size_t eq = arg.find('='); eq != std::string::npos && !std::filesystem::exists(arg)) {
-    v.head = arg.substr(0, eq);
-    path = arg.substr(eq + 1);
-  }
+  std::string path;
+  std::tie(v.head, path) = SplitLmHeadArg(arg);
   LOGPROB_RETURN_IF_ERROR(logprob::CheckLmHeadName(v.head, "--lm-head NAME"));
   LOGPROB_ASSIGN_OR_RETURN(v.source, logprob::ResolveLmHead(path, scalars));
   v.version = version;
@@ -289,7 +317,7 @@ int main(int argc, char** argv) {
       "logprob-server --listen HOST:PORT (--workers N | --external-workers N --control-listen HOST:PORT) "
       "[--backend cpu|cuda] [--comm gloo|nccl] [--lm-head FILE[:TENSOR] [--lm-head-precision auto|bf16|tf32|fp32]] "
       "[--metrics-listen HOST:PORT] "
-      "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]");
+      "[--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE] [--update-token-file FILE]");
   // --version: the release and whether the build has CUDA (common/version.h).
   absl::FlagsUsageConfig usage_config;
   usage_config.version_string = [] { return logprob::VersionText("logprob-server"); };
@@ -307,9 +335,13 @@ int main(int argc, char** argv) {
     return Fail(std::string(st.message()));
   const int workers = external > 0 ? external : absl::GetFlag(FLAGS_workers);
   if (workers < 1) return Fail("--workers must be >= 1");
-  const logprob::FrontendMemoryBound memory_bound = logprob::ComputeFrontendMemoryBound(
-      {absl::GetFlag(FLAGS_max_queue_bytes), absl::GetFlag(FLAGS_max_request_bytes), keep_freed,
-       /*payload_regions=*/external == 0 && absl::GetFlag(FLAGS_shared_memory)});
+  logprob::FrontendMemoryLimits memory_limits{absl::GetFlag(FLAGS_max_queue_bytes),
+                                              absl::GetFlag(FLAGS_max_request_bytes), keep_freed,
+                                              /*payload_regions=*/external == 0 && absl::GetFlag(FLAGS_shared_memory)};
+  const absl::StatusOr<int64_t> store_bound = LmHeadStoreBound(argc, argv, lm_head_args);
+  if (!store_bound.ok()) return Fail(std::string(store_bound.status().message()));
+  memory_limits.lm_head_store_bytes = *store_bound;
+  const logprob::FrontendMemoryBound memory_bound = logprob::ComputeFrontendMemoryBound(memory_limits);
   if (absl::GetFlag(FLAGS_print_memory_bound)) {
     // One line for people and scripts (tests/deploy/check_deploy.py reads the key=value fields).
     std::cout
@@ -482,6 +514,18 @@ int main(int argc, char** argv) {
     auth = *std::move(loaded);
     config.auth = &*auth;
   }
+  std::optional<logprob::BearerTokenAuth> update_auth;
+  if (const std::string file = absl::GetFlag(FLAGS_update_token_file); !file.empty()) {
+    auto loaded = logprob::BearerTokenAuth::FromFile(file);
+    if (!loaded.ok()) return Fail("--update-token-file " + std::string(loaded.status().message()));
+    if (auth && loaded->SameTokenAs(*auth))
+      return Fail("--update-token-file " + file + " holds the --auth-token-file token: the rights would not differ");
+    update_auth = *std::move(loaded);
+    config.update_auth = &*update_auth;
+  } else if (auth && config.lm_head_updates) {
+    LogLine() << "logprob-server: warning: --allow-lm-head-updates with --auth-token-file and no "
+                 "--update-token-file: every scoring client may also update lm_heads";
+  }
 
   // Where updated lm_head versions are written (before the pool: workers on
   // other nodes fetch rows of its files through the control plane).
@@ -582,8 +626,9 @@ int main(int argc, char** argv) {
             << (absl::GetFlag(FLAGS_tls_cert).empty()        ? " (plaintext)"
                 : absl::GetFlag(FLAGS_tls_client_ca).empty() ? " (TLS)"
                                                              : " (mutual TLS)")
-            << (auth ? " with bearer-token auth" : "") << ", " << (external > 0 ? "waiting for " : "starting ")
-            << workers << (external > 0 ? " external" : "") << " worker(s)";
+            << (auth ? " with bearer-token auth" : "") << (update_auth ? " and an update token" : "") << ", "
+            << (external > 0 ? "waiting for " : "starting ") << workers << (external > 0 ? " external" : "")
+            << " worker(s)";
   if (auto st = pool.Start(); !st.ok()) {
     server->Shutdown();
     return Fail("worker pool: " + std::string(st.message()));
@@ -619,6 +664,7 @@ int main(int argc, char** argv) {
   // flight --shutdown-grace seconds before cancelling them.
   const int grace = absl::GetFlag(FLAGS_shutdown_grace);
   LogLine() << "logprob-server: SIGTERM: NOT_SERVING, draining for up to " << grace << " s";
+  pool.Drain();  // a worker that leaves now fails its calls but starts no new pool
   server->GetHealthCheckService()->SetServingStatus(false);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(grace));
   LogLine() << "logprob-server: drained; stopping workers";

@@ -15,7 +15,8 @@ std::string MiB(int64_t bytes) { return absl::StrCat((bytes + (int64_t{1} << 20)
 std::string FrontendMemoryBound::Describe() const {
   return absl::StrCat(MiB(total()), " (base ", MiB(base), ", requests ", MiB(requests), ", payload regions ",
                       MiB(payloads), " + ", MiB(idle_payloads), " idle, chunk buffers ", MiB(chunk_buffers),
-                      ", kept freed ", MiB(kept_freed), ")");
+                      ", kept freed ", MiB(kept_freed),
+                      lm_head_store > 0 ? absl::StrCat(", lm_head store ", MiB(lm_head_store)) : "", ")");
 }
 
 FrontendMemoryBound ComputeFrontendMemoryBound(const FrontendMemoryLimits& limits) {
@@ -28,7 +29,14 @@ FrontendMemoryBound ComputeFrontendMemoryBound(const FrontendMemoryLimits& limit
   }
   b.chunk_buffers = limits.max_request_bytes;
   b.kept_freed = limits.keep_freed_bytes;
+  b.lm_head_store = limits.lm_head_store_bytes;
   return b;
+}
+
+int64_t LmHeadStoreBytes(int64_t weight_bytes, int retain) {
+  constexpr int64_t kPage = 4096;
+  const int64_t file = (weight_bytes + kPage - 1) / kPage * kPage + kPage;
+  return file * (retain + 3);
 }
 
 }  // namespace logprob

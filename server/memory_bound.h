@@ -14,7 +14,17 @@ struct FrontendMemoryLimits {
   int64_t max_request_bytes = 0;  // --max-request-bytes
   int64_t keep_freed_bytes = 0;   // --keep-freed-memory-bytes (resolved; 0: glibc's defaults)
   bool payload_regions = false;   // local workers with --shared-memory: payloads in /dev/shm
+  /// With --allow-lm-head-updates: the store files of updated versions the
+  /// front-end maps, LmHeadStoreBytes of the heads updates may change.
+  int64_t lm_head_store_bytes = 0;
 };
+
+/// The most the lm_head store holds for one updatable head whose weight is
+/// `weight_bytes`: every retained version (`retain`), one staged update,
+/// and up to two released files kept for the next updates (docs/serving.md
+/// --lm-head-store-dir), each rounded up to whole pages plus a page of
+/// header: weight_bytes' pages x (retain + 3).
+int64_t LmHeadStoreBytes(int64_t weight_bytes, int retain);
 
 /// Upper bound of the front-end's resident memory (VmRSS, anonymous plus
 /// the /dev/shm pages it maps), by part, bytes:
@@ -28,16 +38,30 @@ struct FrontendMemoryLimits {
 ///   idle_payloads   payload regions kept for reuse: <= the PayloadPool's
 ///                   byte cap, RegionSize(max_request_bytes);
 ///   chunk_buffers   idle ScoreChunked buffers: <= max_request_bytes;
-///   kept_freed      freed heap kept mapped: keep_freed_bytes (malloc's
-///                   trim threshold; KeepFreedMemory).
+///   kept_freed      freed heap kept resident: keep_freed_bytes (malloc's
+///                   trim threshold, and TrimKeptFreedMemory around large
+///                   requests: common/malloc_tuning.h);
+///   lm_head_store   the store files of lm_head versions (updates), which
+///                   the front-end writes through a mapping:
+///                   lm_head_store_bytes.
+/// Requests still arriving are gRPC's until their last byte: a Score
+/// request the queue cannot take is refused then, before it is parsed, and
+/// large requests are parsed without a second copy (server/
+/// parsed_requests.h), so they live within the requests part's margin
+/// while clients back off on RESOURCE_EXHAUSTED (the 8-client test,
+/// server_memory_test); the bound does not cover an unbounded number of
+/// clients each sending max_request_bytes at once.
 /// The request bytes of registered client shared-memory regions are the
 /// clients' pages and are read with pread, never mapped: not counted.
 /// Thread-compatible value type.
 struct FrontendMemoryBound {
-  int64_t base = 0, requests = 0, payloads = 0, idle_payloads = 0, chunk_buffers = 0, kept_freed = 0;
+  int64_t base = 0, requests = 0, payloads = 0, idle_payloads = 0, chunk_buffers = 0, kept_freed = 0, lm_head_store = 0;
 
-  int64_t total() const { return base + requests + payloads + idle_payloads + chunk_buffers + kept_freed; }
-  /// One line: "N MiB (base .., requests .., ...)".
+  int64_t total() const {
+    return base + requests + payloads + idle_payloads + chunk_buffers + kept_freed + lm_head_store;
+  }
+  /// One line: "N MiB (base .., requests .., ...)" (the lm_head store when
+  /// not 0).
   std::string Describe() const;
 };
 

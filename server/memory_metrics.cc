@@ -1,9 +1,10 @@
 #include "server/memory_metrics.h"
 
-#include <malloc.h>
 #include <unistd.h>
 
 #include <fstream>
+
+#include "common/malloc_tuning.h"
 
 namespace logprob {
 namespace {
@@ -51,8 +52,9 @@ std::vector<prometheus::MetricFamily> MemoryMetrics::Collect() const {
   out.push_back(Gauge("process_resident_memory_bytes", "Resident memory of the front-end (VmRSS), bytes"));
   Add(out.back(), static_cast<double>(ResidentBytes()));
   out.push_back(
-      Gauge("logprob_kept_freed_bytes", "Free heap memory malloc keeps mapped for reuse (mallinfo2 fordblks), bytes"));
-  Add(out.back(), static_cast<double>(mallinfo2().fordblks));
+      Gauge("logprob_kept_freed_bytes",
+            "Freed heap memory malloc keeps resident for reuse (RssAnon minus malloc's bytes in use), bytes"));
+  Add(out.back(), static_cast<double>(KeptFreedBytes()));
   out.push_back(Gauge("logprob_pooled_bytes", "Idle bytes kept for reuse, by pool"));
   {
     absl::MutexLock lock(&mu_);

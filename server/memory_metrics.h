@@ -18,10 +18,10 @@ namespace logprob {
 
 /// Gauges read at scrape time (docs/serving.md, "Memory sizing"):
 ///   process_resident_memory_bytes  the front-end's VmRSS (/proc/self/statm);
-///   logprob_kept_freed_bytes       free heap malloc keeps mapped (mallinfo2
-///                                  fordblks; bounded by
-///                                  --keep-freed-memory-bytes at the top of
-///                                  the heap);
+///   logprob_kept_freed_bytes       freed heap memory malloc keeps resident
+///                                  (KeptFreedBytes: RssAnon minus bytes in
+///                                  use; TrimKeptFreedMemory returns it above
+///                                  --keep-freed-memory-bytes);
 ///   logprob_pooled_bytes{pool}     idle bytes each registered pool keeps
 ///                                  for reuse (chunk_buffers,
 ///                                  payload_regions);

@@ -63,8 +63,12 @@ struct ServiceConfig {
   /// host and there is one of them or `comm` is "nccl".
   bool cuda_ipc_inputs = true;
   /// When set (not owned; outlives the service), every call must carry its
-  /// bearer token, else UNAUTHENTICATED.
+  /// bearer token (or update_auth's), else UNAUTHENTICATED.
   const BearerTokenAuth* auth = nullptr;
+  /// When set (not owned; outlives the service), lm_head update calls need
+  /// this token, not `auth`'s (server/auth.h AccessPolicy); it may also
+  /// score.
+  const BearerTokenAuth* update_auth = nullptr;
 };
 
 /// What a call brings besides its request, whatever its transport.

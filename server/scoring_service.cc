@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <future>
 #include <iostream>
@@ -25,6 +26,7 @@
 #include "server/call_ended.h"
 #include "server/cuda_ipc_inputs.h"
 #include "server/lm_head_reader.h"
+#include "server/parsed_requests.h"
 #include "server/request_inputs.h"
 #include "server/response_builder.h"
 #include "server/shm_session.h"
@@ -36,7 +38,7 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
                         [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }},
             config, metrics),
       updates_(updates),
-      auth_(config.auth),
+      access_(config.auth, config.update_auth),
       metrics_(metrics),
       assembly_buffers_(config.max_request_bytes) {
   if (metrics) {
@@ -45,6 +47,29 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
     pool_gauges_.push_back(metrics->memory().AddPool("payload_regions", [this] { return core_.payload_idle_bytes(); }));
   }
   MarkMethodStreamed(chunked::ScoreChunkedMethodIndex(), chunked::NewChunkedHandler(this));
+  // The other methods parse their own requests (malformed: INVALID_ARGUMENT).
+  using S = ScoringService;
+  MarkMethodStreamed(chunked::MethodIndex("Score"), NewParsedUnaryHandler(this, "Score", &S::Score));
+  MarkMethodStreamed(chunked::MethodIndex("ScoreStream"),
+                     NewParsedBidiHandler(this, "ScoreStream", &S::ServeScoreStream));
+  MarkMethodStreamed(chunked::MethodIndex("GetServerInfo"),
+                     NewParsedUnaryHandler(this, "GetServerInfo", &S::GetServerInfo));
+  MarkMethodStreamed(chunked::MethodIndex("RegisterSharedMemory"),
+                     NewParsedUnaryHandler(this, "RegisterSharedMemory", &S::RegisterSharedMemory));
+  MarkMethodStreamed(chunked::MethodIndex("UnregisterSharedMemory"),
+                     NewParsedUnaryHandler(this, "UnregisterSharedMemory", &S::UnregisterSharedMemory));
+  MarkMethodStreamed(chunked::MethodIndex("ListSharedMemory"),
+                     NewParsedUnaryHandler(this, "ListSharedMemory", &S::ListSharedMemory));
+  MarkMethodStreamed(chunked::MethodIndex("ConfirmSharedMemory"),
+                     NewParsedUnaryHandler(this, "ConfirmSharedMemory", &S::ConfirmSharedMemory));
+  MarkMethodStreamed(chunked::MethodIndex("BeginLmHeadUpdate"),
+                     NewParsedUnaryHandler(this, "BeginLmHeadUpdate", &S::BeginLmHeadUpdate));
+  MarkMethodStreamed(chunked::MethodIndex("CommitLmHeadUpdate"),
+                     NewParsedUnaryHandler(this, "CommitLmHeadUpdate", &S::CommitLmHeadUpdate));
+  MarkMethodStreamed(chunked::MethodIndex("AbortLmHeadUpdate"),
+                     NewParsedUnaryHandler(this, "AbortLmHeadUpdate", &S::AbortLmHeadUpdate));
+  MarkMethodStreamed(chunked::MethodIndex("ReadLmHeadRows"),
+                     NewParsedServerStreamingHandler(this, "ReadLmHeadRows", &S::ServeReadLmHeadRows));
   MarkMethodStreamed(chunked::MethodIndex("PutLmHeadRows"),
                      new grpc::internal::BidiStreamingHandler<ScoringService, chunked::IncomingPart, v1::LmHeadUpdate>(
                          [](ScoringService* s, grpc::ServerContext* context,
@@ -92,16 +117,10 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::Observe(
   return resp;
 }
 
-grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const char* method) {
-  if (auth_ == nullptr) return grpc::Status::OK;
-  grpc::Status st = auth_->Check(*context);
-  if (!st.ok()) {
-    const std::string code = absl::StatusCodeToString(absl::StatusCode::kUnauthenticated);
-    if (metrics_) metrics_->ObserveRequest(method, code, 0, 0);
-    LogLine() << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
-              << Printable(st.error_message(), 1024) << "\"";
-  }
-  return st;
+grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const char* method, Right right) {
+  if (access_.open()) return grpc::Status::OK;
+  grpc::Status st = access_.Check(*context, right, method);
+  return st.ok() ? st : Refused(context, method, st);
 }
 
 grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
@@ -114,6 +133,28 @@ grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::Score
 
 grpc::Status ScoringService::ScoreStream(grpc::ServerContext* context,
                                          grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>* stream) {
+  return ServeScoreStream(context, stream);
+}
+
+grpc::Status ScoringService::Refused(const grpc::ServerContext* context, const char* method, const grpc::Status& st) {
+  const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code()));
+  if (metrics_) metrics_->ObserveRequest(method, code, 0, 0);
+  LogLine() << "request method=" << method << " peer=" << context->peer() << " status=" << code << " message=\""
+            << Printable(st.error_message(), 1024) << "\"";
+  return st;
+}
+
+grpc::Status ScoringService::Receive(grpc::ServerContext* context, const char* method, size_t bytes) {
+  if (std::strcmp(method, "Score") != 0 || core_.admission().Fits(static_cast<int64_t>(bytes))) return grpc::Status::OK;
+  return Reply(context, WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                                       "server at capacity: this request's ", bytes,
+                                       " bytes would exceed --max-queue-bytes with the requests in flight; retry "
+                                       "with backoff")),
+                                   v1::AT_CAPACITY));
+}
+
+grpc::Status ScoringService::ServeScoreStream(
+    grpc::ServerContext* context, grpc::ServerReaderWriterInterface<v1::ScoreResponse, v1::ScoreRequest>* stream) {
   LOGPROB_RETURN_IF_ERROR(Authorize(context, "ScoreStream"));
   // gRPC fills ServerContext::client_metadata()'s map on its first call,
   // unsynchronised: fill it here, before the messages' threads read it
@@ -253,7 +294,7 @@ grpc::Status ScoringService::ListSharedMemory(grpc::ServerContext* context, cons
 }
 
 absl::StatusOr<LmHeadUpdates*> ScoringService::Updates(grpc::ServerContext* context, const char* method) {
-  if (grpc::Status st = Authorize(context, method); !st.ok()) return FromGrpc(st);
+  if (grpc::Status st = Authorize(context, method, Right::kUpdate); !st.ok()) return FromGrpc(st);
   if (!updates_ || !updates_->options().allowed)
     return WithReason(
         absl::FailedPreconditionError("lm_head updates are off on this server (start it with --allow-lm-head-updates)"),
@@ -294,6 +335,11 @@ grpc::Status ScoringService::AbortLmHeadUpdate(grpc::ServerContext* context, con
 
 grpc::Status ScoringService::ReadLmHeadRows(grpc::ServerContext* context, const v1::ReadLmHeadRowsRequest* req,
                                             grpc::ServerWriter<v1::LmHeadRowsChunk>* writer) {
+  return ServeReadLmHeadRows(context, req, writer);
+}
+
+grpc::Status ScoringService::ServeReadLmHeadRows(grpc::ServerContext* context, const v1::ReadLmHeadRowsRequest* req,
+                                                 grpc::internal::WriterInterface<v1::LmHeadRowsChunk>* writer) {
   constexpr char kMethod[] = "ReadLmHeadRows";
   absl::Status st = Updates(context, kMethod).status();
   if (st.ok() && core_.config().lm_heads == nullptr) st = absl::NotFoundError("this server holds no lm_head");

@@ -25,10 +25,14 @@
 namespace logprob {
 
 /// gRPC service implementation. Errors: UNAUTHENTICATED without the
-/// bearer token when config.auth is set (every method); ScoringCore's
+/// bearer token when config.auth is set (every method), and for update
+/// calls without config.update_auth's token (PERMISSION_DENIED with the
+/// scoring token only: server/auth.h AccessPolicy); ScoringCore's
 /// errors, with a machine-readable reason (common/error_reason.h) in the
-/// status details. ScoreChunked is served by ServeChunked, whose parts are
-/// parsed by chunked::ParsePart, not protobuf.
+/// status details. Every other method's requests are parsed by the service
+/// (server/parsed_requests.h): a malformed message is INVALID_ARGUMENT
+/// naming the method. ScoreChunked and PutLmHeadRows are served through
+/// the part codec, whose parts are parsed by chunked::ParsePart.
 class ScoringService final : public v1::LogprobService::Service {
  public:
   /// `updates` (not owned; may be null: updates off) serves the lm_head
@@ -43,6 +47,10 @@ class ScoringService final : public v1::LogprobService::Service {
   /// message order; a failed message gets a response carrying its status.
   grpc::Status ScoreStream(grpc::ServerContext*,
                            grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>*) override;
+  /// ScoreStream's body on any stream (the server's is a
+  /// ParsingReaderWriter: server/parsed_requests.h).
+  grpc::Status ServeScoreStream(grpc::ServerContext* context,
+                                grpc::ServerReaderWriterInterface<v1::ScoreResponse, v1::ScoreRequest>* stream);
   /// Messages of one ScoreStream scored concurrently.
   static constexpr int kStreamInFlight = 16;
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo*) override;
@@ -69,6 +77,10 @@ class ScoringService final : public v1::LogprobService::Service {
   /// errors.
   grpc::Status ReadLmHeadRows(grpc::ServerContext*, const v1::ReadLmHeadRowsRequest*,
                               grpc::ServerWriter<v1::LmHeadRowsChunk>*) override;
+  /// ReadLmHeadRows' body on any writer (the server's parses its request
+  /// itself: server/parsed_requests.h).
+  grpc::Status ServeReadLmHeadRows(grpc::ServerContext* context, const v1::ReadLmHeadRowsRequest* req,
+                                   grpc::internal::WriterInterface<v1::LmHeadRowsChunk>* writer);
   /// PutLmHeadRows, served through the part codec like ScoreChunked: the
   /// first part's LmHeadRows, then (inline bytes announced by shape) its
   /// pieces, assembled into a pooled buffer (at most max_request_bytes per
@@ -76,6 +88,18 @@ class ScoringService final : public v1::LogprobService::Service {
   /// file; answered with one LmHeadUpdate.
   grpc::Status ServeLmHeadRows(grpc::ServerContext* context,
                                grpc::ServerReaderWriter<v1::LmHeadUpdate, chunked::IncomingPart>* stream);
+
+  /// Whether a unary request of `bytes` serialized bytes that has arrived
+  /// may be parsed (server/parsed_requests.h): a Score request the queue
+  /// has no room for is RESOURCE_EXHAUSTED (reason AT_CAPACITY) at once,
+  /// before it is parsed, so refused requests cost their bytes only once.
+  /// Other methods: OK.
+  grpc::Status Receive(grpc::ServerContext* context, const char* method, size_t bytes);
+
+  /// A call refused before its method ran (a malformed request message:
+  /// server/parsed_requests.h): logged and counted under `method`;
+  /// returns `st`.
+  grpc::Status Refused(const grpc::ServerContext* context, const char* method, const grpc::Status& st);
 
   /// The server side of ScoreChunked (proto/logprob/v1/logprob.proto): reads
   /// the request part, checks the announced size against
@@ -100,9 +124,10 @@ class ScoringService final : public v1::LogprobService::Service {
   /// The gRPC status of `st`, its reason (ReasonOf) sent as the trailing
   /// metadata kReasonMetadataKey of the call.
   static grpc::Status Reply(grpc::ServerContext* ctx, const absl::Status& st);
-  /// OK, or (config_.auth set and the call lacks the token) UNAUTHENTICATED,
-  /// which is counted in the metrics and logged with the peer address.
-  grpc::Status Authorize(const grpc::ServerContext* context, const char* method);
+  /// OK, or (the call lacks a token granting `right`: AccessPolicy)
+  /// UNAUTHENTICATED or PERMISSION_DENIED, which is counted in the metrics
+  /// and logged with the peer address.
+  grpc::Status Authorize(const grpc::ServerContext* context, const char* method, Right right = Right::kScore);
   /// The caller's shared-memory session (SharedMemoryOwner), after
   /// Authorize; FAILED_PRECONDITION when shared-memory inputs are off.
   absl::StatusOr<std::string> ShmSession(grpc::ServerContext* context, const char* method);
@@ -129,7 +154,7 @@ class ScoringService final : public v1::LogprobService::Service {
 
   ScoringCore core_;
   LmHeadUpdates* const updates_;
-  const BearerTokenAuth* const auth_;  // not owned; null: no token needed
+  const AccessPolicy access_;  // which token grants which right
   Metrics* const metrics_;
   BufferPool assembly_buffers_;  // ScoreChunked request tensors
   // logprob_pooled_bytes of the pools above; destroyed first.

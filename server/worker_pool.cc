@@ -68,6 +68,7 @@ absl::Status WorkerPool::Start() {
 }
 
 absl::Status WorkerPool::Form(int64_t index) {
+  if (draining()) return absl::CancelledError("the server is draining: no worker pool is formed");
   auto gen = std::make_shared<Generation>();
   gen->index = index;
   control_->Reset(index);  // ends the previous generation's Join streams
@@ -75,6 +76,7 @@ absl::Status WorkerPool::Form(int64_t index) {
     absl::MutexLock lock(&mu_);
     gen_ = gen;
   }
+  LogLine() << "logprob-server: forming worker pool generation " << index;
   LOGPROB_RETURN_IF_ERROR(launcher_->Launch(index, frontend_));
   // Wait for all to be ready, noticing a worker that exits or leaves early.
   using Clock = std::chrono::steady_clock;
@@ -84,6 +86,7 @@ absl::Status WorkerPool::Form(int64_t index) {
     addresses = control_->WaitAllReady(std::chrono::milliseconds(100));
     if (addresses.ok()) break;
     if (stopping()) return absl::CancelledError("the worker pool is stopping");
+    if (draining()) return absl::CancelledError("the server is draining: the worker pool is not formed");
     {
       absl::MutexLock lock(&gen->mu);
       if (gen->failed) return absl::UnavailableError(gen->failure);
@@ -196,6 +199,16 @@ bool WorkerPool::stopping() {
   return stop_;
 }
 
+bool WorkerPool::draining() {
+  absl::MutexLock lock(&mu_);
+  return draining_;
+}
+
+void WorkerPool::Drain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+}
+
 void WorkerPool::Publish() {
   absl::MutexLock publish(&publish_mu_);
   bool up = false;
@@ -216,7 +229,8 @@ void WorkerPool::Fail(const std::shared_ptr<Generation>& gen, const std::string&
     for (grpc::ClientContext* ctx : gen->inflight) ctx->TryCancel();
   }
   Publish();
-  LogLine() << "logprob-server: worker pool generation " << gen->index << " failed: " << why << "; re-forming the pool";
+  LogLine() << "logprob-server: worker pool generation " << gen->index << " failed: " << why
+            << (draining() ? "; draining: not re-forming the pool" : "; re-forming the pool");
   cv_.SignalAll();  // wakes the supervisor
 }
 
@@ -241,6 +255,14 @@ void WorkerPool::Supervise() {
       absl::MutexLock lock(&mu_);
       if (!stop_) cv_.WaitWithTimeout(&mu_, absl::Milliseconds(50));
       continue;
+    }
+    {
+      // Draining: a failed (or never formed) pool stays so until the stop.
+      absl::MutexLock lock(&mu_);
+      if (draining_) {
+        if (!stop_) cv_.WaitWithTimeout(&mu_, absl::Milliseconds(50));
+        continue;
+      }
     }
     // Re-form: stop the rest of the failed generation, then form the next.
     launcher_->Stop();

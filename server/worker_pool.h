@@ -98,6 +98,11 @@ class WorkerPool {
   bool serving() const { return serving_; }
   /// Generations re-formed after a failure.
   int restarts() const { return restarts_; }
+  /// Stops re-forming, for the server's drain after SIGTERM: from now on a
+  /// generation that fails stays failed (its calls and later ones get
+  /// UNAVAILABLE) and no worker is launched; the workers still running
+  /// stop with the pool. Idempotent; thread-safe.
+  void Drain() ABSL_LOCKS_EXCLUDED(mu_);
 
   /// Runs every item of `plan` on its worker concurrently and returns the
   /// results in plan order. Vocab-parallel and hidden-states plans run one
@@ -145,8 +150,9 @@ class WorkerPool {
 
   /// Makes generation `index` the current one and forms it: resets the
   /// control plane, launches, waits until every rank is Ready (watching for
-  /// failures, time-out and stop), connects to the workers, reports
-  /// serving. On error the caller stops the launcher.
+  /// failures, time-out, stop and drain), connects to the workers, reports
+  /// serving. CANCELLED without launching once draining. On error the
+  /// caller stops the launcher.
   absl::Status Form(int64_t index) ABSL_LOCKS_EXCLUDED(mu_);
   /// Marks `gen` failed (once): not serving, cancels its calls in flight,
   /// wakes the supervisor to re-form the pool.
@@ -185,6 +191,7 @@ class WorkerPool {
       const std::function<grpc::Status(internal::v1::Worker::Stub&, grpc::ClientContext*)>& call,
       std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
   bool stopping() ABSL_LOCKS_EXCLUDED(mu_);
+  bool draining() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   const Options options_;
@@ -204,6 +211,7 @@ class WorkerPool {
   // Guarded by mu_.
   std::shared_ptr<Generation> gen_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;  // Drain(): no generation is formed any more
 
   /// Serialises Publish, so that the last on_serving report is the truth.
   absl::Mutex publish_mu_ ABSL_ACQUIRED_BEFORE(mu_);

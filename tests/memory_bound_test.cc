@@ -37,6 +37,17 @@ TEST(FrontendMemoryBound, EachPartFollowsFromItsLimit) {
   EXPECT_EQ(external.payloads, 0);
   EXPECT_EQ(external.idle_payloads, 0);
   EXPECT_EQ(external.total(), (64 + 3072 + 600) * kMiB);
+  // Updates: the store files (retain + 3 of each updatable head's weight, in pages).
+  EXPECT_EQ(LmHeadStoreBytes(256 * kMiB, 1), 4 * (256 * kMiB + 4096));
+  EXPECT_EQ(LmHeadStoreBytes(4097, 2), 5 * 3 * 4096);
+  FrontendMemoryLimits updates{2048 * kMiB, 600 * kMiB, 0, false};
+  updates.lm_head_store_bytes = 1024 * kMiB;
+  const FrontendMemoryBound with_store = ComputeFrontendMemoryBound(updates);
+  EXPECT_EQ(with_store.lm_head_store, 1024 * kMiB);
+  EXPECT_EQ(with_store.total(), (64 + 3072 + 600 + 1024) * kMiB);
+  EXPECT_EQ(with_store.Describe(),
+            "4760 MiB (base 64 MiB, requests 3072 MiB, payload regions 0 MiB + 0 MiB idle, chunk buffers 600 MiB, kept "
+            "freed 0 MiB, lm_head store 1024 MiB)");
 }
 
 TEST(PayloadPool, IdleRegionsStayWithinTheByteCapKeepingTheLargest) {

@@ -5,7 +5,13 @@
 
 #include <cstring>
 #include <functional>
+#include <string>
+#include <vector>
 
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/impl/rpc_method.h"
+#include "grpcpp/support/sync_stream.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {
@@ -148,6 +154,111 @@ TEST_F(ServerErrors, StreamAnswersCarryIdsAndPerRequestErrors) {
   EXPECT_NE(got["bad"].status_message().find("cu_seqlens"), std::string::npos) << got["bad"].status_message();
   const GoldenCase c = LoadGolden("packed_bf16");
   EXPECT_EQ(CompareOutputs(c.expected.tensors, {got["a"].outputs().begin(), got["a"].outputs().end()}), "");
+}
+
+/// Bytes that are no protobuf message: field 1, length-delimited, whose
+/// length varint never ends.
+grpc::ByteBuffer Garbage() {
+  static const char kBytes[] = "\x0a\xff\xff\xff";
+  grpc::Slice slice(kBytes, sizeof kBytes - 1);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// Malformed protobuf on a raw channel: every LogprobService method answers
+// INVALID_ARGUMENT naming itself (gRPC's own deserialisation answered a
+// unary call INTERNAL with an empty message, and ended a ScoreStream OK
+// after the good messages before the bad one), and the server keeps
+// serving.
+TEST(MalformedProtobuf, EveryMethodAnswersInvalidArgumentNamingIt) {
+  auto server = ServerProcess::Start(
+      1, {"--lm-head", GoldenDir() + "/hidden_bf16.lm_head.safetensors", "--allow-lm-head-updates"});
+  ASSERT_TRUE(server);
+  auto channel = grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials());
+  const std::string service = std::string("/") + v1::LogprobService::service_full_name() + "/";
+  const std::vector<std::pair<std::string, std::string>> unary = {
+      {"Score", "ScoreRequest"},
+      {"GetServerInfo", "ServerInfoRequest"},
+      {"RegisterSharedMemory", "RegisterSharedMemoryRequest"},
+      {"UnregisterSharedMemory", "UnregisterSharedMemoryRequest"},
+      {"ListSharedMemory", "ListSharedMemoryRequest"},
+      {"ConfirmSharedMemory", "ConfirmSharedMemoryRequest"},
+      {"BeginLmHeadUpdate", "BeginLmHeadUpdateRequest"},
+      {"CommitLmHeadUpdate", "LmHeadUpdateRef"},
+      {"AbortLmHeadUpdate", "LmHeadUpdateRef"},
+  };
+  for (const auto& [method, type] : unary) {
+    SCOPED_TRACE(method);
+    const std::string path = service + method;  // RpcMethod keeps the pointer
+    const grpc::internal::RpcMethod rpc(path.c_str(), grpc::internal::RpcMethod::NORMAL_RPC);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    grpc::ByteBuffer resp;
+    const grpc::Status st = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+        channel.get(), rpc, &ctx, Garbage(), &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_EQ(st.error_message(),
+              method + ": the request is not a valid logprob.v1." + type + " message (protobuf parse failed)");
+  }
+  {  // The server-streaming ReadLmHeadRows: no answer, the same refusal.
+    const std::string path = service + "ReadLmHeadRows";
+    const grpc::internal::RpcMethod rpc(path.c_str(), grpc::internal::RpcMethod::SERVER_STREAMING);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), rpc, &ctx, Garbage()));
+    grpc::ByteBuffer got;
+    EXPECT_FALSE(reader->Read(&got));
+    const grpc::Status st = reader->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_EQ(st.error_message(),
+              "ReadLmHeadRows: the request is not a valid logprob.v1.ReadLmHeadRowsRequest message (protobuf parse "
+              "failed)");
+  }
+  // Streams: ScoreStream answers the good message, then ends naming the bad
+  // one; the part-codec methods name their first part.
+  const GoldenCase golden = LoadGolden("basic_f32");
+  for (const std::string method : {"ScoreStream", "ScoreChunked", "PutLmHeadRows"}) {
+    SCOPED_TRACE(method);
+    const std::string path = service + method;
+    const grpc::internal::RpcMethod rpc(path.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(channel.get(), rpc,
+                                                                                              &ctx));
+    const bool scores = method == "ScoreStream";
+    if (scores) {
+      grpc::ByteBuffer good;
+      bool own = false;
+      ASSERT_TRUE(grpc::SerializationTraits<v1::ScoreRequest>::Serialize(GoldenRequest(golden), &good, &own).ok());
+      ASSERT_TRUE(stream->Write(good));
+    }
+    stream->Write(Garbage());
+    stream->WritesDone();
+    int answers = 0;
+    grpc::ByteBuffer got;
+    while (stream->Read(&got)) {
+      ++answers;
+      v1::ScoreResponse resp;
+      ASSERT_TRUE(grpc::SerializationTraits<v1::ScoreResponse>::Deserialize(&got, &resp).ok());
+      EXPECT_EQ(resp.status_code(), 0) << resp.status_message();
+      EXPECT_EQ(CompareOutputs(golden.expected.tensors, {resp.outputs().begin(), resp.outputs().end()}), "");
+    }
+    const grpc::Status st = stream->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    if (scores) {
+      EXPECT_EQ(answers, 1);
+      EXPECT_EQ(st.error_message(),
+                "ScoreStream: message 2 is not a valid logprob.v1.ScoreRequest message (protobuf parse failed)");
+    } else {
+      EXPECT_EQ(answers, 0);
+      EXPECT_FALSE(st.error_message().empty());
+    }
+  }
+  // Still serving.
+  grpc::ClientContext ctx;
+  v1::ScoreResponse resp;
+  EXPECT_TRUE(server->NewStub()->Score(&ctx, GoldenRequest(golden), &resp).ok());
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <future>
 #include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -197,6 +198,58 @@ TEST_F(Lifecycle, SigtermDrainsTheRequestsInFlight) {
   const grpc::Status st = slow.get();
   EXPECT_TRUE(st.ok()) << "the request in flight must finish: " << st.error_message();
   EXPECT_EQ(exit_code.get(), 0);
+}
+
+/// The whole of file `path` ("" when it cannot be read).
+std::string FileText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A drain that only drains: after SIGTERM a worker that leaves fails the
+// request in flight (UNAVAILABLE, retryable) but the front-end forms no new
+// pool; an idle ScoreStream keeps the drain open meanwhile, and once it
+// ends the server exits 0. Checked from the server's log ("forming worker
+// pool generation N" comes before any launch) and the process table.
+TEST_F(Lifecycle, AWorkerLeavingDuringTheDrainStartsNoNewWorkers) {
+  const std::string log = ::testing::TempDir() + "/drain_only." + std::to_string(getpid()) + ".log";
+  std::remove(log.c_str());
+  const std::vector<std::string> flags = {"--shutdown-grace", "120",
+                                          "--lm-head",        work_->lm_head,
+                                          "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port_)};
+  auto server = ServerProcess::Start(
+      2, flags, [](const std::string& address) { return client::MakeChannel(address); }, log);
+  ASSERT_TRUE(server);
+  auto stub = ConnectedStub(*server);
+  const std::vector<pid_t> before = server->WorkerPids();
+  ASSERT_EQ(before.size(), 2u);
+  // An idle stream: a call in flight that keeps the drain open.
+  grpc::ClientContext stream_ctx;
+  auto stream = stub->ScoreStream(&stream_ctx);
+  auto slow = std::async(std::launch::async, [&] { return Score(*stub, Slow()); });
+  ASSERT_TRUE(WaitSlowRunning());
+  const pid_t pid = server->pid();
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  ASSERT_TRUE(WaitUntil("the drain to start",
+                        [&] { return FileText(log).find("SIGTERM: NOT_SERVING, draining") != std::string::npos; }));
+  ASSERT_EQ(kill(before[1], SIGKILL), 0);
+  ASSERT_TRUE(WaitUntil("the pool to see the worker gone",
+                        [&] { return FileText(log).find("generation 0 failed") != std::string::npos; }));
+  const grpc::Status st = slow.get();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  // Still draining (the stream is open): no worker but the survivor.
+  for (const pid_t p : server->WorkerPids()) EXPECT_EQ(p, before[0]) << "a worker started during the drain";
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(server->SignalAndWait(0), 0) << "the drained server exits 0";
+  const std::string text = FileText(log);
+  EXPECT_NE(text.find("generation 0 failed"), std::string::npos) << text;
+  EXPECT_NE(text.find("draining: not re-forming the pool"), std::string::npos) << text;
+  EXPECT_EQ(text.find("forming worker pool generation 1"), std::string::npos) << text;
+  EXPECT_EQ(text.find("of pool generation 1"), std::string::npos) << text;
+  std::remove(log.c_str());
 }
 
 TEST_F(Lifecycle, OverloadGetsExactlyOneAnswerPerRequest) {

@@ -21,6 +21,7 @@ namespace logprob::testing {
 namespace {
 
 constexpr char kToken[] = "s3cret-Token_0123456789";
+constexpr char kUpdateToken[] = "upd4te-Token_9876543210";
 
 /// A channel with `options`, failing the test (null) when it cannot be made.
 std::shared_ptr<grpc::Channel> Channel(const std::string& address, const client::ChannelOptions& options) {
@@ -80,6 +81,7 @@ class ServerSecurity : public ::testing::Test {
       ASSERT_EQ(r.code, 0) << cmd << "\n" << r.output;
     }
     std::ofstream(d + "token") << kToken << "\n";
+    std::ofstream(d + "update_token") << kUpdateToken << "\n";
   }
   static void TearDownTestSuite() {
     std::filesystem::remove_all(*dir_);
@@ -231,6 +233,75 @@ TEST_F(ServerSecurity, BearerTokenGuardsEveryLogprobServiceMethod) {
   EXPECT_EQ(*health, client::ServingStatus::kServing);
 }
 
+// Separate rights (--update-token-file): the scoring token scores but
+// cannot touch an update (PERMISSION_DENIED naming the method and the
+// update right, before anything is looked up); no token is
+// UNAUTHENTICATED; the update token updates (the CLI's --update-token-file)
+// and may also score.
+TEST_F(ServerSecurity, ScoringTokenCannotUpdateAndTheUpdateTokenCan) {
+  const std::string head = GoldenDir() + "/hidden_bf16.lm_head.safetensors";
+  auto server = ServerProcess::Start(1, {"--lm-head", head, "--allow-lm-head-updates", "--auth-token-file",
+                                         File("token"), "--update-token-file", File("update_token")});
+  ASSERT_TRUE(server);
+  auto stub = v1::LogprobService::NewStub(client::MakeChannel(server->address()));
+  const std::string scoring = std::string("Bearer ") + kToken, update = std::string("Bearer ") + kUpdateToken;
+  auto begin = [&](const std::string& auth) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!auth.empty()) ctx.AddMetadata("authorization", auth);
+    v1::BeginLmHeadUpdateRequest req;
+    req.set_head("default");
+    req.set_version("v2");
+    req.set_vocab_size(1);  // the shape is checked after the right: a wrong one shows the right came first
+    req.set_hidden_size(1);
+    req.set_dtype(v1::BF16);
+    v1::LmHeadUpdate resp;
+    return stub->BeginLmHeadUpdate(&ctx, req, &resp);
+  };
+  const grpc::Status by_scoring = begin(scoring);
+  EXPECT_EQ(by_scoring.error_code(), grpc::StatusCode::PERMISSION_DENIED) << by_scoring.error_message();
+  EXPECT_NE(by_scoring.error_message().find("BeginLmHeadUpdate needs the update right"), std::string::npos)
+      << by_scoring.error_message();
+  const grpc::Status by_none = begin("");
+  EXPECT_EQ(by_none.error_code(), grpc::StatusCode::UNAUTHENTICATED) << by_none.error_message();
+  EXPECT_NE(by_none.error_message().find("update right"), std::string::npos) << by_none.error_message();
+  for (const grpc::Status& st : {by_scoring, by_none}) {
+    EXPECT_EQ(st.error_message().find(kToken), std::string::npos) << st.error_message();
+    EXPECT_EQ(st.error_message().find(kUpdateToken), std::string::npos) << st.error_message();
+  }
+  // The update token passes the right (the shape error comes next).
+  EXPECT_EQ(begin(update).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  for (const char* method : {"Commit", "Abort"}) {
+    SCOPED_TRACE(method);
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", scoring);
+    v1::LmHeadUpdateRef ref;
+    ref.set_update_id(std::string(32, 'a'));
+    v1::LmHeadInfo info;
+    v1::LmHeadUpdate upd;
+    const grpc::Status st = std::string(method) == "Commit" ? stub->CommitLmHeadUpdate(&ctx, ref, &info)
+                                                            : stub->AbortLmHeadUpdate(&ctx, ref, &upd);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+    EXPECT_NE(st.error_message().find(std::string(method) + "LmHeadUpdate needs the update right"), std::string::npos)
+        << st.error_message();
+  }
+
+  // The CLI: the scoring token is refused (PutLmHeadRows never runs), the update token commits.
+  const std::string update_cmd = BinDir() + "/logprob-client update-lm-head --server " + server->address() +
+                                 " --head default --input " + head + " --version v2";
+  const CommandResult refused = RunCommand(update_cmd + " --auth-token-file " + File("token"));
+  EXPECT_EQ(refused.code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("needs the update right"), std::string::npos) << refused.output;
+  const CommandResult committed = RunCommand(update_cmd + " --update-token-file " + File("update_token"));
+  EXPECT_EQ(committed.code, 0) << committed.output;
+  EXPECT_NE(committed.output.find("v2"), std::string::npos) << committed.output;
+
+  // Both tokens score; none does not.
+  EXPECT_TRUE(ScoreGolden(client::MakeChannel(server->address()), scoring).ok());
+  EXPECT_TRUE(ScoreGolden(client::MakeChannel(server->address()), update).ok());
+  EXPECT_EQ(ScoreGolden(client::MakeChannel(server->address())).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
 TEST_F(ServerSecurity, CliScoresOverTlsWithAToken) {
   std::vector<std::string> flags = TlsFlags();
   flags.insert(flags.end(), {"--auth-token-file", File("token")});
@@ -291,6 +362,9 @@ TEST_F(ServerSecurity, BadSecurityFlagsStopTheServer) {
        {"--tls-client-ca", File("nope.pem")}},
       {"--auth-token-file " + File("empty_token"), {"--auth-token-file", File("empty_token"), "empty"}},
       {"--auth-token-file " + File("nope"), {"--auth-token-file", File("nope")}},
+      {"--update-token-file " + File("empty_token"), {"--update-token-file", File("empty_token"), "empty"}},
+      {"--auth-token-file " + File("token") + " --update-token-file " + File("token"),
+       {"--update-token-file", "holds the --auth-token-file token"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.flags);

@@ -1,6 +1,7 @@
 #include "tests/test_support.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -44,34 +45,42 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(int workers, const std::vect
   return Start(workers, extra, [](const std::string& address) { return client::MakeChannel(address); });
 }
 
-pid_t SpawnProcess(const std::vector<std::string>& args) {
+pid_t SpawnProcess(const std::vector<std::string>& args, const std::string& stderr_path) {
   std::vector<std::string> copy = args;
   std::vector<char*> argv;
   for (auto& a : copy) argv.push_back(a.data());
   argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (!stderr_path.empty())
+    posix_spawn_file_actions_addopen(&actions, 2, stderr_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
   pid_t pid = -1;
-  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) {
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
     ADD_FAILURE() << "cannot spawn " << argv[0];
     return -1;
   }
   return pid;
 }
 
-std::unique_ptr<ServerProcess> ServerProcess::Launch(const std::vector<std::string>& args) {
+std::unique_ptr<ServerProcess> ServerProcess::Launch(const std::vector<std::string>& args,
+                                                     const std::string& stderr_path) {
   auto p = std::unique_ptr<ServerProcess>(new ServerProcess);
   p->address_ = "127.0.0.1:" + std::to_string(FreePort());
   std::vector<std::string> all = {BinDir() + "/logprob-server", "--listen", p->address_};
   all.insert(all.end(), args.begin(), args.end());
-  p->pid_ = SpawnProcess(all);
+  p->pid_ = SpawnProcess(all, stderr_path);
   if (p->pid_ < 0) return nullptr;
   return p;
 }
 
 std::unique_ptr<ServerProcess> ServerProcess::Start(int workers, const std::vector<std::string>& extra,
-                                                    const ChannelFactory& wait_channel) {
+                                                    const ChannelFactory& wait_channel,
+                                                    const std::string& stderr_path) {
   std::vector<std::string> args = {"--workers", std::to_string(workers), "--backend", "cpu"};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto p = Launch(args);
+  auto p = Launch(args, stderr_path);
   if (!p) return nullptr;
   const auto st = client::WaitForServing(wait_channel(p->address_), std::chrono::seconds(60));
   if (!st.ok()) {

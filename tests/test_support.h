@@ -36,8 +36,9 @@ std::string BinDir();
 int FreePort();
 
 /// Starts `args` (args[0] the program's path) as a child process with this
-/// process's environment; -1 (and a test failure) if it cannot.
-pid_t SpawnProcess(const std::vector<std::string>& args);
+/// process's environment, its stderr appended to `stderr_path` when given;
+/// -1 (and a test failure) if it cannot.
+pid_t SpawnProcess(const std::vector<std::string>& args, const std::string& stderr_path = "");
 
 /// A logprob-server child process with its own local worker pool.
 class ServerProcess {
@@ -45,7 +46,8 @@ class ServerProcess {
   /// Starts `logprob-server --listen 127.0.0.1:PORT` plus `args` and does
   /// not wait for health (e.g. cluster mode, NOT_SERVING until workers
   /// join). Null (and a test failure) if it cannot be started.
-  static std::unique_ptr<ServerProcess> Launch(const std::vector<std::string>& args);
+  static std::unique_ptr<ServerProcess> Launch(const std::vector<std::string>& args,
+                                               const std::string& stderr_path = "");
   /// Starts `logprob-server --listen 127.0.0.1:PORT --workers N` plus
   /// `extra` flags and waits (up to 60 s) until health reports SERVING.
   /// Fails the current test (and returns null) if it does not.
@@ -53,9 +55,11 @@ class ServerProcess {
   /// Makes a channel to an address ("127.0.0.1:PORT").
   using ChannelFactory = std::function<std::shared_ptr<grpc::Channel>(const std::string& address)>;
   /// As above, but waits for health on the channel `wait_channel` makes
-  /// (e.g. with TLS credentials, for a server started with --tls-cert).
+  /// (e.g. with TLS credentials, for a server started with --tls-cert), and
+  /// appends the server's (and its workers') stderr to `stderr_path` when
+  /// given.
   static std::unique_ptr<ServerProcess> Start(int workers, const std::vector<std::string>& extra,
-                                              const ChannelFactory& wait_channel);
+                                              const ChannelFactory& wait_channel, const std::string& stderr_path = "");
   ~ServerProcess();  // SIGTERM, then wait
 
   const std::string& address() const { return address_; }

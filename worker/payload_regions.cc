@@ -1,12 +1,36 @@
 #include "worker/payload_regions.h"
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace logprob {
 
+int PayloadRegions::ForgetRetired() {
+  std::vector<std::shared_ptr<SharedRegion>> retired;  // unmapped after the lock, once nobody holds them
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = mapped_.begin(); it != mapped_.end();) {
+      if (SharedObjectExists((*it)->name())) {
+        ++it;
+      } else {
+        retired.push_back(std::move(*it));
+        it = mapped_.erase(it);
+      }
+    }
+  }
+  return static_cast<int>(retired.size());
+}
+
+size_t PayloadRegions::mapped() const {
+  absl::MutexLock lock(&mu_);
+  return mapped_.size();
+}
+
 absl::StatusOr<std::string_view> PayloadRegions::Payload(const internal::v1::WorkItem& item,
                                                          std::shared_ptr<SharedRegion>* hold) {
   if (!item.has_shared_memory()) return std::string_view(item.data());
+  ForgetRetired();
   const internal::v1::SharedMemoryPayload& shm = item.shared_memory();
   {
     absl::MutexLock lock(&mu_);

@@ -17,7 +17,10 @@ namespace logprob {
 
 /// Maps the front-end's payload regions read-only and keeps the last
 /// `capacity` mappings (the front-end reuses its regions: server/payload_pool.h),
-/// so a region is mapped once, not per work item. Thread-safe.
+/// so a region is mapped once, not per work item. A region the front-end
+/// retired (unlinked: its pool let it go) is unmapped at the next work item
+/// (or Forget call), once no item in flight holds it, so its pages go back
+/// to the system instead of staying mapped here. Thread-safe.
 class PayloadRegions {
  public:
   /// `backend` (optional, must outlive this) is told about every region
@@ -34,10 +37,16 @@ class PayloadRegions {
   absl::StatusOr<std::string_view> Payload(const internal::v1::WorkItem& item, std::shared_ptr<SharedRegion>* hold)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  /// Forgets the mappings of regions the front-end has unlinked
+  /// (SharedObjectExists); returns how many. Called by Payload.
+  int ForgetRetired() ABSL_LOCKS_EXCLUDED(mu_);
+  /// Regions kept mapped for reuse now.
+  size_t mapped() const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   const size_t capacity_;
   ScoringBackend* const backend_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::list<std::shared_ptr<SharedRegion>> mapped_ ABSL_GUARDED_BY(mu_);  // most recently used first
 };
 

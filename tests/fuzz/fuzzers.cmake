@@ -1,6 +1,7 @@
 # libFuzzer targets (tests/fuzz/CMakeLists.txt, a standalone clang project)
 # built from the main build into build/fuzz, and run for a bounded time by
-# ctest: fuzz_score_request, fuzz_safetensors (label "fuzz"). Without clang
+# ctest: fuzz_score_request, fuzz_safetensors, fuzz_chunked,
+# fuzz_lm_head_update, fuzz_update_source (label "fuzz"). Without clang
 # and libFuzzer both tests are reported as skipped. Included from
 # tests/CMakeLists.txt.
 option(LOGPROB_FUZZ "Build the libFuzzer targets with clang and run them in ctest" ON)
@@ -28,7 +29,7 @@ else()
   endif()
 endif()
 
-set(_fuzzers fuzz_score_request fuzz_safetensors fuzz_chunked fuzz_lm_head_update)
+set(_fuzzers fuzz_score_request fuzz_safetensors fuzz_chunked fuzz_lm_head_update fuzz_update_source)
 if(_fuzz_why)
   message(STATUS "logprob: fuzzers skipped: ${_fuzz_why}")
   foreach(t ${_fuzzers})
@@ -54,7 +55,7 @@ ExternalProject_Add(logprob_fuzzers
   INSTALL_COMMAND ""
   BUILD_ALWAYS TRUE
   BUILD_BYPRODUCTS ${_fuzz_bin}/fuzz_score_request ${_fuzz_bin}/fuzz_safetensors ${_fuzz_bin}/fuzz_chunked
-    ${_fuzz_bin}/fuzz_lm_head_update)
+    ${_fuzz_bin}/fuzz_lm_head_update ${_fuzz_bin}/fuzz_update_source)
 
 set(_run bash ${CMAKE_CURRENT_LIST_DIR}/run_fuzzer.sh)
 add_test(NAME fuzz_score_request
@@ -69,5 +70,8 @@ add_test(NAME fuzz_chunked
     ${_fuzz_bin}/seeds/chunked ${CMAKE_CURRENT_LIST_DIR}/corpus/chunked)
 add_test(NAME fuzz_lm_head_update
   COMMAND ${_run} ${_fuzz_bin}/fuzz_lm_head_update ${LOGPROB_FUZZ_SECONDS} ${CMAKE_CURRENT_LIST_DIR}/corpus/lm_head_update)
+# Update file sources beneath a folder (issue 32): indexes, symlinks, FIFOs.
+add_test(NAME fuzz_update_source
+  COMMAND ${_run} ${_fuzz_bin}/fuzz_update_source ${LOGPROB_FUZZ_SECONDS} ${CMAKE_CURRENT_LIST_DIR}/corpus/update_source)
 math(EXPR _timeout "${LOGPROB_FUZZ_SECONDS} + 120")
 set_tests_properties(${_fuzzers} PROPERTIES TIMEOUT ${_timeout} LABELS fuzz)

@@ -85,6 +85,12 @@ class ClientBase:
             ``authorization: Bearer TOKEN`` on every call, like
             ``logprob-client --auth-token-file``.
         token_file: file holding the token (instead of ``token``).
+        update_token: the server's update token (its
+            ``--update-token-file``), sent on ``update_lm_head``'s calls
+            instead of ``token``; also on the other calls when ``token`` is
+            not given (an update token may also score). Like
+            ``logprob-client update-lm-head --update-token-file``.
+        update_token_file: file holding it (instead of ``update_token``).
         max_request_bytes: split batches into requests of at most this many
             serialized bytes (default: 90% of the server's
             ``max_request_bytes`` from GetServerInfo; never more than that).
@@ -142,6 +148,8 @@ class ClientBase:
         channel_options: Sequence[Tuple[str, Any]] = (),
         shared_memory: bool = True,
         cuda_ipc: bool = True,
+        update_token: Optional[str] = None,
+        update_token_file: Optional[str] = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -157,11 +165,16 @@ class ClientBase:
         # True: decided at the first score() (GetServerInfo's host_id); then
         # a SharedMemoryInputs, or None for inline bytes.
         self._shm: Union[bool, SharedMemoryInputs, None] = True if shared_memory else None
+        # Updates with their own token: their own session (a session is bound
+        # to the token it was opened with), made like _shm.
+        self._update_shm: Union[bool, SharedMemoryInputs, None] = True if shared_memory else None
         self._shm_lock = threading.Lock()  # bookkeeping only, never held across I/O
         self._settings = ChannelSettings(
-            target, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file, channel_options
+            target, tls_ca, tls_cert, tls_key, tls_server_name, token, token_file, channel_options,
+            update_token, update_token_file
         )
         self._metadata = self._settings.metadata
+        self._update_metadata = self._settings.update_metadata
         self._open()
 
     # -- what each client kind provides ------------------------------------
@@ -318,16 +331,21 @@ class ClientBase:
         attempts = self._part_attempts(part, limits, deadline, len(request))
         return (yield from retried(self._score_raw, request, attempts, self._metadata))
 
-    def _shared_memory_ops(self, deadline: Deadline) -> Ops[Optional[SharedMemoryInputs]]:
-        """This client's shared-memory session: decided at its first use
-        (the server's info), then kept; None when shared memory is not used
-        (off, or the server is on another host)."""
-        if self._shm is True:
+    def _shared_memory_ops(self, deadline: Deadline, update: bool = False) -> Ops[Optional[SharedMemoryInputs]]:
+        """This client's shared-memory session (``update``: the one of
+        update calls, which is the same unless an ``update_token`` differs
+        from ``token``): decided at its first use (the server's info), then
+        kept; None when shared memory is not used (off, or the server is on
+        another host)."""
+        attr = "_update_shm" if update and self._update_metadata != self._metadata else "_shm"
+        metadata = self._update_metadata if update else self._metadata
+        if getattr(self, attr) is True:
             use = shared_memory.usable((yield from self._server_info_ops(deadline=deadline)))
             with self._shm_lock:
-                if self._shm is True:
-                    self._shm = SharedMemoryInputs(self._stub, self.timeout, self._metadata) if use else None
-        return self._shm if isinstance(self._shm, SharedMemoryInputs) else None
+                if getattr(self, attr) is True:
+                    setattr(self, attr, SharedMemoryInputs(self._stub, self.timeout, metadata) if use else None)
+        shm = getattr(self, attr)
+        return shm if isinstance(shm, SharedMemoryInputs) else None
 
     def _shared_memory_send_ops(self, part: Part, limits: Limits, deadline: Deadline) -> Ops[Optional[Tuple[Any, int]]]:
         """Sends ``part`` through this client's shared-memory region
@@ -396,7 +414,7 @@ class ClientBase:
         limit = int(info.max_request_bytes) or UPDATE_PUT_BYTES
         row_bytes = max(1, int(rows[:1].nbytes))
         per_put = max(1, min(UPDATE_PUT_BYTES, int(limit * 0.9)) // row_bytes)
-        shm = yield from self._shared_memory_ops(deadline)
+        shm = yield from self._shared_memory_ops(deadline, update=True)
         starts = list(range(0, int(rows.shape[0]), per_put))
         sent: List[Any] = [None] * len(starts)
         if shm is not None:
@@ -412,10 +430,11 @@ class ClientBase:
                 # Otherwise (or without a region) the bytes in pieces.
                 chunk = rows[r0:r0 + per_put]
                 parts = lm_head_rows_parts(update_id, row_begin + r0, chunk, dt, self.piece_bytes)
-                yield from self._put_rows_ops(parts, deadline, self._metadata, nbytes=int(chunk.nbytes))
+                yield from self._put_rows_ops(parts, deadline, self._update_metadata, nbytes=int(chunk.nbytes))
 
     def _close_ops(self) -> Ops[None]:
         """``close``, before the channel closes: unregisters and removes the
         shared-memory regions."""
-        if isinstance(self._shm, SharedMemoryInputs):
-            yield from self._shm.close()
+        for shm in (self._shm, self._update_shm):
+            if isinstance(shm, SharedMemoryInputs):
+                yield from shm.close()

@@ -32,6 +32,19 @@ def _check_token(token: str, where: str) -> str:
     return token
 
 
+def _token_of(what: str, token: Optional[str], token_file: Optional[str]) -> Optional[str]:
+    """The checked token given as ``what`` or read from ``what``_file (None: neither)."""
+    if token is not None and token_file is not None:
+        raise InvalidInputError("give %s or %s_file, not both" % (what, what))
+    if token_file is not None:
+        return _check_token(_read_file(what + "_file", token_file).decode("latin-1"), "%s_file %s" % (what, token_file))
+    return _check_token(token, what) if token is not None else None
+
+
+def _bearer(token: Optional[str]) -> Metadata:
+    return (("authorization", "Bearer " + token),) if token else None
+
+
 # gRPC name-resolver schemes a target may start with (passed on as is).
 _GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
 
@@ -89,15 +102,17 @@ class ChannelSettings:
         token: Optional[str] = None,
         token_file: Optional[str] = None,
         channel_options: Sequence[Tuple[str, Any]] = (),
+        update_token: Optional[str] = None,
+        update_token_file: Optional[str] = None,
     ) -> None:
         self.target = check_target(target)
-        if token is not None and token_file is not None:
-            raise InvalidInputError("give token or token_file, not both")
-        if token_file is not None:
-            token = _check_token(_read_file("token_file", token_file).decode("latin-1"), "token_file " + token_file)
-        elif token is not None:
-            token = _check_token(token, "token")
-        self.metadata: Metadata = (("authorization", "Bearer " + token),) if token else None
+        token = _token_of("token", token, token_file)
+        update_token = _token_of("update_token", update_token, update_token_file)
+        # Scoring calls send the scoring token, else the update token (it may
+        # also score); update calls the update token, else the scoring token.
+        self.metadata: Metadata = _bearer(token or update_token)
+        self.update_metadata: Metadata = _bearer(update_token or token)
+        token = token or update_token
 
         options: List[Tuple[str, Any]] = [
             ("grpc.max_send_message_length", -1),

@@ -141,7 +141,7 @@ def begin_ops(client: "ClientBase", head: str, version: str, vocab_size: int, hi
         bias_dt, bias_arr = float_array("bias", bias)
         begin.bias.CopyFrom(to_tensor("lm_head.bias", bias_dt, bias_arr))
     update, _ = yield from retried(client._stub.BeginLmHeadUpdate, begin, client._attempts(deadline),
-                                   client._metadata)
+                                   client._update_metadata)
     return LmHeadUpdateHandle(head, version, str(update.update_id), int(vocab_size), int(hidden_size), dt,
                               already_committed=bool(update.already_committed))
 
@@ -171,7 +171,7 @@ def put_rows_ops(client: "ClientBase", update: LmHeadUpdateHandle, row_begin: in
         try:
             # A worker on the server's host copies them into the store.
             yield from client._put_rows_ops(lm_head_ipc_parts(update.update_id, row_begin, rows.ref), deadline,
-                                            client._metadata)
+                                            client._update_metadata)
             return
         except LogprobError as e:
             if not cuda_ipc.refused(e):
@@ -189,7 +189,7 @@ def commit_ops(client: "ClientBase", update: LmHeadUpdateHandle, deadline: Deadl
         return update.version
     ref = pb2.LmHeadUpdateRef(update_id=update.update_id)
     committed, _ = yield from retried(client._stub.CommitLmHeadUpdate, ref, client._attempts(deadline),
-                                      client._metadata)
+                                      client._update_metadata)
     return str(committed.version)
 
 
@@ -202,7 +202,7 @@ def abort_ops(client: "ClientBase", update: LmHeadUpdateHandle, timeout: Optiona
         return
     try:
         yield Rpc(client._stub.AbortLmHeadUpdate, pb2.LmHeadUpdateRef(update_id=update.update_id), timeout,
-                  client._metadata)
+                  client._update_metadata)
     except grpc.RpcError as e:
         if not quiet:
             code, message = error_of(e)

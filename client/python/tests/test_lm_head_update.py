@@ -741,6 +741,49 @@ class UpdateAuthTest(unittest.TestCase):
                 self.assertEqual(c.update_lm_head("default", w1, version="v1"), "v1")
                 self.assertEqual(score(c).head_version, "v1")
 
+    def test_a_scoring_token_cannot_update_and_the_update_token_can(self):
+        """--update-token-file: the scoring token is PERMISSION_DENIED on
+        updates (naming the update right) and changes nothing; a client with
+        ``update_token`` updates (its rows through a shared-memory session
+        of its own) and scores with either token; the asyncio client too."""
+        d = temp_dir("lm_head_update_token")
+        paths = {}
+        for name, value in (("token", "scoring-token-0123456789"), ("update", "update-token-9876543210")):
+            paths[name] = os.path.join(d, name)
+            with open(paths[name], "w") as f:
+                f.write(value + "\n")
+        w1, w2 = weights(2), weights(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tokens over plaintext loopback
+            with Server(extra=["--lm-head", save(os.path.join(d, "w0.safetensors"), weights(1)),
+                               "--allow-lm-head-updates", "--auth-token-file", paths["token"],
+                               "--update-token-file", paths["update"]],
+                        client_kwargs={"token_file": paths["token"]}) as s, s.client() as scorer, \
+                    s.client(update_token_file=paths["update"]) as updater:
+                before = score(scorer)
+                with self.assertRaises(LogprobError) as e:
+                    scorer.update_lm_head("default", w1, version="v1")
+                self.assertEqual(e.exception.code, grpc.StatusCode.PERMISSION_DENIED)
+                self.assertIn("BeginLmHeadUpdate needs the update right", e.exception.message)
+                self.assertNotIn("scoring-token", e.exception.message)
+                self.assertEqual(score(scorer).head_version, "initial")
+                same(score(updater), before)  # the updater scores with its scoring token (and its region)
+                self.assertEqual(updater.update_lm_head("default", w1, version="v1"), "v1")
+                if updater._shm is not None:  # on this host: the rows went through the update session's region
+                    self.assertIsNot(updater._update_shm, updater._shm)
+                after = score(scorer)
+                self.assertEqual(after.head_version, "v1")
+                self.assertFalse(np.array_equal(np.asarray(after["token_logprobs"]),
+                                                np.asarray(before["token_logprobs"])))
+
+                async def by_update_token_only():
+                    async with aio.LogprobClient(s.address, update_token="update-token-9876543210") as c:
+                        self.assertEqual(await c.update_lm_head("default", w2, version="v2"), "v2")
+                        r = await c.score(hidden_states=HIDDEN, input_ids=IDS, cu_seqlens=np.array([0, T]))
+                        return r.head_version
+
+                self.assertEqual(asyncio.run(by_update_token_only()), "v2")
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -1,0 +1,175 @@
+// LogprobService methods whose request messages the service parses itself,
+// so that bytes that are not a valid message get INVALID_ARGUMENT naming
+// the method (and the message's position in a stream). gRPC's own
+// deserialisation answers a unary call INTERNAL with an empty message and
+// ends a stream's reads as if the client had half-closed it, so a
+// ScoreStream with a malformed message ended OK, silently.
+//
+// Each method is served as gRPC's "streamed" kind (MarkMethodStreamed: on
+// the wire the same call as before, clients see no difference) with its
+// messages read as raw bytes (RawMessage) and parsed here.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/malloc_tuning.h"
+#include "google/protobuf/message.h"
+#include "grpcpp/impl/serialization_traits.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/method_handler.h"
+#include "grpcpp/support/status.h"
+#include "grpcpp/support/sync_stream.h"
+
+namespace logprob {
+
+/// One received request message, not yet parsed (its SerializationTraits,
+/// below, take gRPC's buffer as is).
+struct RawMessage {
+  grpc::ByteBuffer buffer;
+};
+
+/// Messages at least this large return the heap's kept freed memory over
+/// its cap (TrimKeptFreedMemory) before they are parsed and once they are
+/// gone, so that freed large messages do not stay resident beyond
+/// --keep-freed-memory-bytes (FrontendMemoryBound's kept_freed).
+inline constexpr size_t kTrimAroundBytes = size_t{1} << 20;
+
+/// Parses `raw` (its buffer is consumed) into *msg. OK, or INVALID_ARGUMENT
+/// "METHOD: WHAT is not a valid logprob.v1.TYPE message (protobuf parse
+/// failed)"; `what` is e.g. "the request" or "message 3". Thread-compatible.
+grpc::Status ParseRequest(RawMessage* raw, google::protobuf::Message* msg, const char* method, const std::string& what);
+
+/// A stream of requests of type R (answers W) over a stream of raw
+/// messages: Read parses each; a malformed one ends the reads (Read returns
+/// false, as at the client's half-close) and status() says why. Used by the
+/// handler of one call, on its thread (the method's own threads may Write).
+template <class W, class R>
+class ParsingReaderWriter final : public grpc::ServerReaderWriterInterface<W, R> {
+ public:
+  ParsingReaderWriter(grpc::ServerReaderWriterInterface<W, RawMessage>* raw, const char* method)
+      : raw_(raw), method_(method) {}
+  void SendInitialMetadata() override { raw_->SendInitialMetadata(); }
+  bool NextMessageSize(uint32_t* sz) override { return raw_->NextMessageSize(sz); }
+  bool Write(const W& msg, grpc::WriteOptions options) override { return raw_->Write(msg, options); }
+  bool Read(R* msg) override {
+    if (!status_.ok()) return false;
+    RawMessage m;
+    if (!raw_->Read(&m)) return false;
+    if (m.buffer.Length() >= kTrimAroundBytes) TrimKeptFreedMemory();
+    status_ = ParseRequest(&m, msg, method_, "message " + std::to_string(++read_));
+    return status_.ok();
+  }
+  /// OK, or why the reads ended early (INVALID_ARGUMENT, ParseRequest).
+  const grpc::Status& status() const { return status_; }
+
+ private:
+  grpc::ServerReaderWriterInterface<W, RawMessage>* const raw_;
+  const char* const method_;
+  int64_t read_ = 0;
+  grpc::Status status_;
+};
+
+/// A handler serving the unary method `fn` of `service` (named `method`)
+/// with the request parsed by ParseRequest: a malformed request, or none,
+/// is answered by `service->Refused(context, method, status)` (which logs
+/// and counts it, and returns the status to send) without calling `fn`;
+/// so is a request `service->Receive(context, method, bytes)` refuses once
+/// its `bytes` have arrived, before they are parsed (a full queue).
+/// Install it in the service's constructor with
+/// `MarkMethodStreamed(index, NewParsedUnaryHandler(...))` (gRPC owns it).
+template <class Service, class Req, class Resp>
+grpc::internal::MethodHandler* NewParsedUnaryHandler(Service* service, const char* method,
+                                                     grpc::Status (Service::*fn)(grpc::ServerContext*, const Req*,
+                                                                                 Resp*)) {
+  return new grpc::internal::BidiStreamingHandler<Service, RawMessage, Resp>(
+      [method, fn](Service* s, grpc::ServerContext* context, grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
+        RawMessage raw;
+        if (!stream->Read(&raw))
+          return s->Refused(context, method,
+                            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                         std::string(method) + ": the call ended before its request message"));
+        const size_t bytes = raw.buffer.Length();
+        if (grpc::Status st = s->Receive(context, method, bytes); !st.ok()) return s->Refused(context, method, st);
+        const bool large = bytes >= kTrimAroundBytes;
+        if (large) TrimKeptFreedMemory();
+        grpc::Status st;
+        {
+          Req req;
+          if (st = ParseRequest(&raw, &req, method, "the request"); !st.ok()) return s->Refused(context, method, st);
+          Resp resp;
+          st = (s->*fn)(context, &req, &resp);
+          if (st.ok() && !stream->Write(resp, grpc::WriteOptions().set_last_message()))
+            st = grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+        }
+        if (large) TrimKeptFreedMemory();  // the request and its answer are freed
+        return st;
+      },
+      service);
+}
+
+/// A handler serving the server-streaming method `fn` of `service` (named
+/// `method`): its one request parsed as NewParsedUnaryHandler's (malformed:
+/// INVALID_ARGUMENT through `service->Refused`), then `fn` writes its
+/// answers. Installed like NewParsedUnaryHandler.
+template <class Service, class Req, class Resp>
+grpc::internal::MethodHandler* NewParsedServerStreamingHandler(
+    Service* service, const char* method,
+    grpc::Status (Service::*fn)(grpc::ServerContext*, const Req*, grpc::internal::WriterInterface<Resp>*)) {
+  return new grpc::internal::BidiStreamingHandler<Service, RawMessage, Resp>(
+      [method, fn](Service* s, grpc::ServerContext* context, grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
+        RawMessage raw;
+        if (!stream->Read(&raw))
+          return s->Refused(context, method,
+                            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                         std::string(method) + ": the call ended before its request message"));
+        Req req;
+        if (grpc::Status st = ParseRequest(&raw, &req, method, "the request"); !st.ok())
+          return s->Refused(context, method, st);
+        return (s->*fn)(context, &req, stream);
+      },
+      service);
+}
+
+/// A handler serving the bidi-streaming method `fn` of `service` (named
+/// `method`) on a ParsingReaderWriter (no Receive check: a stream's
+/// messages are admitted one by one as they are scored): when a message is malformed, the
+/// call ends with its INVALID_ARGUMENT (passed through
+/// `service->Refused(context, method, status)`) once `fn` returns, whatever
+/// `fn` answered. Installed like NewParsedUnaryHandler.
+template <class Service, class Req, class Resp>
+grpc::internal::MethodHandler* NewParsedBidiHandler(
+    Service* service, const char* method,
+    grpc::Status (Service::*fn)(grpc::ServerContext*, grpc::ServerReaderWriterInterface<Resp, Req>*)) {
+  return new grpc::internal::BidiStreamingHandler<Service, RawMessage, Resp>(
+      [method, fn](Service* s, grpc::ServerContext* context, grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
+        ParsingReaderWriter<Resp, Req> parsing(stream, method);
+        grpc::Status st = (s->*fn)(context, &parsing);
+        if (!parsing.status().ok()) return s->Refused(context, method, parsing.status());
+        return st;
+      },
+      service);
+}
+
+}  // namespace logprob
+
+namespace grpc {
+
+/// RawMessage travels as the bytes gRPC received (server side only).
+template <>
+class SerializationTraits<logprob::RawMessage, void> {
+ public:
+  static Status Serialize(const logprob::RawMessage& m, ByteBuffer* buffer, bool* own_buffer) {
+    *buffer = m.buffer;
+    *own_buffer = true;
+    return Status::OK;
+  }
+  static Status Deserialize(ByteBuffer* buffer, logprob::RawMessage* m) {
+    m->buffer.Swap(buffer);
+    buffer->Clear();
+    return Status::OK;
+  }
+};
+
+}  // namespace grpc
