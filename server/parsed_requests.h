@@ -71,6 +71,17 @@ class ParsingReaderWriter final : public grpc::ServerReaderWriterInterface<W, R>
   grpc::Status status_;
 };
 
+/// Reads the one request message of a call served on raw messages into
+/// *raw: OK, or INVALID_ARGUMENT "METHOD: the call ended before its request
+/// message". On the handler's thread.
+template <class Resp>
+grpc::Status ReadRequestMessage(grpc::ServerReaderWriter<Resp, RawMessage>* stream, const char* method,
+                                RawMessage* raw) {
+  if (stream->Read(raw)) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      std::string(method) + ": the call ended before its request message");
+}
+
 /// A handler serving the unary method `fn` of `service` (named `method`)
 /// with the request parsed by ParseRequest: a malformed request, or none,
 /// is answered by `service->Refused(context, method, status)` (which logs
@@ -86,10 +97,8 @@ grpc::internal::MethodHandler* NewParsedUnaryHandler(Service* service, const cha
   return new grpc::internal::BidiStreamingHandler<Service, RawMessage, Resp>(
       [method, fn](Service* s, grpc::ServerContext* context, grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
         RawMessage raw;
-        if (!stream->Read(&raw))
-          return s->Refused(context, method,
-                            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                         std::string(method) + ": the call ended before its request message"));
+        if (grpc::Status st = ReadRequestMessage(stream, method, &raw); !st.ok())
+          return s->Refused(context, method, st);
         const size_t bytes = raw.buffer.Length();
         if (grpc::Status st = s->Receive(context, method, bytes); !st.ok()) return s->Refused(context, method, st);
         const bool large = bytes >= kTrimAroundBytes;
@@ -120,10 +129,8 @@ grpc::internal::MethodHandler* NewParsedServerStreamingHandler(
   return new grpc::internal::BidiStreamingHandler<Service, RawMessage, Resp>(
       [method, fn](Service* s, grpc::ServerContext* context, grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
         RawMessage raw;
-        if (!stream->Read(&raw))
-          return s->Refused(context, method,
-                            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                         std::string(method) + ": the call ended before its request message"));
+        if (grpc::Status st = ReadRequestMessage(stream, method, &raw); !st.ok())
+          return s->Refused(context, method, st);
         Req req;
         if (grpc::Status st = ParseRequest(&raw, &req, method, "the request"); !st.ok())
           return s->Refused(context, method, st);
