@@ -41,12 +41,10 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kCopyBytes = size_t{16} << 20;        // rows a source reads at a time
-constexpr int64_t kCopyThreads = 4;                    // threads that read one put's rows, at most
-constexpr size_t kEndedKept = 64;                      // ended updates remembered for their error messages
-constexpr size_t kOutcomesKept = 256;                  // ended updates whose outcome a retried Commit gets
-constexpr size_t kSparesPerHead = 2;                   // released store files kept for the next updates
-constexpr auto kSpareIdle = std::chrono::seconds(60);  // then a spare is removed
+constexpr size_t kCopyBytes = size_t{16} << 20;  // rows a source reads at a time
+constexpr int64_t kCopyThreads = 4;              // threads that read one put's rows, at most
+constexpr size_t kEndedKept = 64;                // ended updates remembered for their error messages
+constexpr size_t kOutcomesKept = 256;            // ended updates whose outcome a retried Commit gets
 
 /// 128 bits from the kernel's CSPRNG, in hex: an update's id, which is the
 /// capability to put, commit and abort it (unguessable).
@@ -65,22 +63,6 @@ std::string RandomId() {
     id += kHex[b & 15];
   }
   return id;
-}
-
-/// The safetensors header of one tensor "lm_head.weight" [V, H] of `dtype`,
-/// with its 8-byte length prefix, padded with spaces to a whole page: the
-/// weight starts at a page boundary, so workers map their rows aligned
-/// (HostBytes::MapMemoryFile).
-std::string StoreFileHeader(DType dtype, int64_t V, int64_t H) {
-  constexpr size_t kPage = 4096;
-  const int64_t bytes = V * H * static_cast<int64_t>(DTypeSize(dtype));
-  std::string json = absl::StrCat("{\"", kLmHeadTensor, "\":{\"dtype\":\"", DTypeName(dtype), "\",\"shape\":[", V, ",",
-                                  H, "],\"data_offsets\":[0,", bytes, "]}}");
-  json.resize((json.size() + 8 + kPage - 1) / kPage * kPage - 8, ' ');
-  std::string out(8, '\0');
-  uint64_t n = json.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return out + json;
 }
 
 /// Rows of a checkpoint's lm_head tensor, read with positioned reads.
@@ -134,13 +116,6 @@ absl::Status CheckFinite(const char* map, const LmHeadSource& source, const std:
                                                  "; weights must be finite; nothing changed"));
 }
 
-/// A bias file of the store: `<stem>.bias.safetensors` beside a version's
-/// weight, owned by that one version (removed with it).
-constexpr char kBiasSuffix[] = ".bias.safetensors";
-bool IsStoreBias(const std::string& store_dir, const std::string& file) {
-  return absl::StartsWith(file, store_dir + "/") && absl::EndsWith(file, kBiasSuffix);
-}
-
 /// The new version's transform: the head's (`cur`), with what `req` gives
 /// instead. A bias in `req` is checked (shape [V], F32 / BF16 / F16, inline
 /// bytes of that size, finite) and returned in *bias (else left empty).
@@ -178,18 +153,6 @@ absl::StatusOr<LmHeadTransform> UpdatedTransform(const v1::BeginLmHeadUpdateRequ
     t.has_bias = true;
   }
   return t;
-}
-
-/// Writes `bias` (a checked [V] tensor) to `path` as a safetensors file and
-/// locates it. INTERNAL (RESOURCE_EXHAUSTED when the disk is full) on failure.
-absl::StatusOr<LmHeadBiasSource> WriteBias(const std::string& path, const v1::Tensor& bias) {
-  if (absl::Status st = WriteSafetensors(path, {bias}); !st.ok())
-    return absl::Status(st.code() == absl::StatusCode::kResourceExhausted ? st.code() : absl::StatusCode::kInternal,
-                        absl::StrCat("lm_head update: cannot write the bias ", path, ": ", st.message()));
-  LOGPROB_ASSIGN_OR_RETURN(const SafetensorsHeader header, ReadSafetensorsHeader(path));
-  const SafetensorsEntry* e = header.Find(bias.name());
-  if (e == nullptr) return absl::InternalError(absl::StrCat(path, ": the bias just written is missing"));
-  return LmHeadBiasSource{path, e->name, e->dtype, header.data_start + e->begin};
 }
 
 }  // namespace
@@ -253,7 +216,8 @@ LmHeadUpdates::LmHeadUpdates(Options options, LmHeads* heads, std::shared_ptr<Lm
       heads_(heads),
       workers_(std::move(workers)),
       observers_(std::move(observers)),
-      releases_(std::move(releases)) {
+      releases_(std::move(releases)),
+      store_(options_.store_dir) {
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -265,9 +229,6 @@ LmHeadUpdates::~LmHeadUpdates() {
     cv_.SignalAll();
   }
   loop_.join();
-  absl::MutexLock lock(&mu_);
-  for (const auto& [head, spares] : spares_)
-    for (const Spare& spare : spares) unlink(spare.path.c_str());
 }
 
 absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const std::string& id) {
@@ -394,10 +355,10 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     // Begin of this name either committed (taken) or is still open.
     taken = heads_->Taken(req.head(), req.version());
     if (!taken) {
-      const std::string stem = absl::StrCat(options_.store_dir, "/", req.head(), "-", next_file_++);
+      const std::string stem = store_.NewStem(req.head());
       u->next.source.file = stem + ".safetensors";
       u->partial = stem + ".safetensors.partial";
-      u->bias_file = stem + kBiasSuffix;
+      u->bias_file = stem + kStoreBiasSuffix;
       u->bias_given = req.has_bias();
       open_[u->id] = u;
     }
@@ -420,19 +381,9 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   s.transform = transform;
   s.bias = cur.bias;
   s.config_file = cur.config_file;
-  if (req.has_bias() || IsStoreBias(options_.store_dir, cur.bias.file)) {
-    absl::StatusOr<LmHeadBiasSource> written = absl::InternalError("unset");
-    if (req.has_bias()) {
-      written = WriteBias(u->bias_file, new_bias);
-    } else {
-      std::error_code copy_ec;
-      fs::copy_file(cur.bias.file, u->bias_file, fs::copy_options::overwrite_existing, copy_ec);
-      written = copy_ec
-                    ? absl::InternalError(absl::StrCat("lm_head update: cannot copy the head's bias ", cur.bias.file,
-                                                       " to ", u->bias_file, ": ", copy_ec.message()))
-                    : absl::StatusOr<LmHeadBiasSource>(
-                          LmHeadBiasSource{u->bias_file, cur.bias.tensor, cur.bias.dtype, cur.bias.data_offset});
-    }
+  if (req.has_bias() || store_.IsOwnBias(cur.bias.file)) {
+    const absl::StatusOr<LmHeadBiasSource> written =
+        req.has_bias() ? LmHeadStore::WriteBias(u->bias_file, new_bias) : LmHeadStore::CopyBias(cur.bias, u->bias_file);
     if (!written.ok()) {
       absl::MutexLock lock(&mu_);
       End(u, "aborted", std::string(written.status().message()));
@@ -442,10 +393,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   }
   const std::string header = StoreFileHeader(cur.dtype, V, H);
   s.data_offset = header.size();
-  std::error_code ec;
-  fs::create_directories(options_.store_dir, ec);
   const uint64_t file_bytes = header.size() + static_cast<uint64_t>(V * row_bytes);
-  u->fd = StagedFile(u->head, u->partial, file_bytes, &u->map);
+  u->fd = store_.StagedFile(u->head, u->partial, file_bytes, &u->map);
   if (u->fd < 0 || !PwriteAll(u->fd, header.data(), header.size(), 0)) {
     const int err = errno;
     const std::string why = absl::StrCat("cannot create ", u->partial, ": ", strerror(err));
@@ -460,21 +409,56 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   return u->Proto();
 }
 
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(const v1::LmHeadRows& put, const LmHeadPutIo& io) {
+  switch (put.source_case()) {
+    case v1::LmHeadRows::kFile:
+      if (put.row_begin() != 0)
+        return absl::InvalidArgumentError("LmHeadRows.file gives every row: row_begin must be 0");
+      return PutFile(put.update_id(), put.file().path(), put.file().tensor());
+    case v1::LmHeadRows::kRows:
+      break;
+    default:
+      return absl::InvalidArgumentError("LmHeadRows: rows or file is needed");
+  }
+  const v1::Tensor& t = put.rows();
+  if (t.shape_size() != 2 || t.shape(0) <= 0 || t.shape(1) <= 0)
+    return absl::InvalidArgumentError("LmHeadRows.rows: shape [n, hidden_size] with n, hidden_size > 0 expected");
+  if (!IsFloatDType(t.dtype())) return absl::InvalidArgumentError("LmHeadRows.rows: dtype F32, BF16 or F16 expected");
+  const int64_t n = t.shape(0), columns = t.shape(1);
+  if (t.source_case() == v1::Tensor::kData || t.source_case() == v1::Tensor::SOURCE_NOT_SET) {
+    // Inline bytes; the rest, if the transport has more, follow (its size
+    // is checked against the update's rows with any source's).
+    const uint64_t whole_rows = t.data().size() / DTypeSize(t.dtype()) / static_cast<uint64_t>(columns);
+    if (whole_rows < static_cast<uint64_t>(n) && io.follow)
+      return PutRowsWith(put.update_id(), put.row_begin(), n, t.dtype(), columns, io);
+    const std::shared_ptr<const InputSource> inline_rows = MemorySource(t.data());
+    return PutRows(put.update_id(), put.row_begin(), n, t.dtype(), columns, *inline_rows);
+  }
+  if (!io.resolve)
+    return absl::InvalidArgumentError("LmHeadRows.rows: a memory reference cannot be resolved by this caller");
+  LOGPROB_ASSIGN_OR_RETURN(const std::shared_ptr<const InputSource> source, io.resolve(t));
+  return PutRows(put.update_id(), put.row_begin(), n, t.dtype(), columns, *source);
+}
+
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, int64_t row_begin, int64_t rows,
                                                         DType dtype, int64_t columns, const InputSource& source) {
-  return Put(id, row_begin, rows, dtype, columns, &source,
-             [&](const std::shared_ptr<Update>& u) { return Write(u, row_begin, rows, source); });
+  return PutInto(id, row_begin, rows, dtype, columns, &source,
+                 [&](const std::shared_ptr<Update>& u) { return Write(u, row_begin, rows, source); });
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows,
-                                                            DType dtype, int64_t columns,
-                                                            const std::function<absl::Status(char* dst)>& write) {
-  return Put(id, row_begin, rows, dtype, columns, nullptr, [&](const std::shared_ptr<Update>& u) {
-    return write(u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes));
+                                                            DType dtype, int64_t columns, const LmHeadPutIo& io) {
+  return PutInto(id, row_begin, rows, dtype, columns, nullptr, [&](const std::shared_ptr<Update>& u) {
+    const auto progressed = [this, &u] {
+      absl::MutexLock lock(&mu_);
+      u->last_progress = Clock::now();
+    };
+    return io.follow(u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes),
+                     progressed);
   });
 }
 
-absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
     const std::string& id, int64_t row_begin, int64_t rows, DType dtype, int64_t columns, const InputSource* source,
     const std::function<absl::Status(const std::shared_ptr<Update>&)>& fill) {
   std::shared_ptr<Update> u;
@@ -736,8 +720,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     outcomes_[u->id].info = committed;
     // The digest may still be computing: the hasher lives on until it is.
     u->hasher->Start();
-    hashing_[u->next.source.file] = std::move(u->hasher);
-    maps_[u->next.source.file] = std::move(u->map);
+    store_.Keep(u->next.source.file, std::move(u->map), std::move(u->hasher));
   }
   if (committed.name().empty()) return absl::InternalError("the committed head vanished");
   return committed;
@@ -757,116 +740,23 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Abort(const std::string& id) {
 }
 
 void LmHeadUpdates::Release() {
+  // One caller at a time: a Begin's Release returns only after versions
+  // the thread's took are recycled (their files can take its rows).
+  absl::MutexLock lock(&release_mu_);
   for (const LmHeadVersion& v : releases_->Take()) {
     const bool dropped = !workers_.drop || workers_.drop(v.Ref());
-    if (v.origin == kUpdateOrigin) Recycle(v, dropped);
+    if (v.origin == kUpdateOrigin) store_.Recycle(v, dropped);
   }
-}
-
-void LmHeadUpdates::Recycle(const LmHeadVersion& v, bool dropped) {
-  // The version's own bias file goes with it (no other version reads it).
-  if (IsStoreBias(options_.store_dir, v.source.bias.file)) unlink(v.source.bias.file.c_str());
-  std::unique_ptr<StagedFileHasher> hasher;
-  FileMap map;
-  std::string spare;
-  {
-    absl::MutexLock lock(&mu_);
-    // A released version's digest is listed nowhere any more: a hash still
-    // running is abandoned, so the file can be rewritten.
-    if (auto it = hashing_.find(v.source.file); it != hashing_.end()) {
-      hasher = std::move(it->second);
-      hashing_.erase(it);
-    }
-    if (auto it = maps_.find(v.source.file); it != maps_.end()) {
-      map = std::move(it->second);
-      maps_.erase(it);
-    }
-    // Only a file no worker maps any more, up to kSparesPerHead per head.
-    if (dropped && !stop_ && spares_[v.head].size() < kSparesPerHead)
-      spare = absl::StrCat(options_.store_dir, "/", v.head, ".spare-", next_file_++);
-  }
-  hasher.reset();  // its thread stops reading the file
-  if (!spare.empty() && rename(v.source.file.c_str(), spare.c_str()) == 0) {
-    absl::MutexLock lock(&mu_);
-    std::vector<Spare>& spares = spares_[v.head];
-    if (!stop_ && spares.size() < kSparesPerHead) {
-      spares.push_back(Spare{spare, std::move(map), Clock::now()});
-      return;
-    }
-    unlink(spare.c_str());
-    return;
-  }
-  unlink(v.source.file.c_str());
-}
-
-int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, uint64_t size, FileMap* map) {
-  Spare spare;
-  {
-    absl::MutexLock lock(&mu_);
-    if (auto it = spares_.find(head); it != spares_.end() && !it->second.empty()) {
-      spare = std::move(it->second.back());  // the most recent: its pages are the likeliest in memory
-      it->second.pop_back();
-    }
-  }
-  if (!spare.path.empty()) {
-    struct stat st {};
-    if (stat(spare.path.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_size) == size &&
-        rename(spare.path.c_str(), path.c_str()) == 0) {
-      const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-      if (fd >= 0) {
-        LogLine() << absl::StrCat("logprob-server: lm_head ", head,
-                                  ": the update writes into the store file a released version left (", size, " bytes)");
-        *map = std::move(spare.map);  // its page tables still populated
-        if (*map != nullptr) return fd;
-        return MapStaged(fd, path, size, map);
-      }
-    }
-    unlink(spare.path.c_str());  // another size (or gone): a new file
-  }
-  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  // Blocks allocated now: writes through the mapping never run out of space.
-  if (fd < 0) return -1;
-  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
-    close(fd);
-    unlink(path.c_str());
-    errno = err;
-    return -1;
-  }
-  return MapStaged(fd, path, size, map);
-}
-
-int LmHeadUpdates::MapStaged(int fd, const std::string& path, uint64_t size, FileMap* map) {
-  void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  if (m == MAP_FAILED) {
-    const int err = errno;
-    close(fd);
-    unlink(path.c_str());
-    errno = err;
-    return -1;
-  }
-  *map = FileMap(static_cast<char*>(m), [size](char* q) { munmap(q, size); });
-  return fd;
 }
 
 void LmHeadUpdates::Loop() {
   for (;;) {
     // Released versions: the workers drop them; the store's files go.
     Release();
+    store_.Tidy();
     absl::MutexLock lock(&mu_);
     if (stop_) return;
-    for (auto it = hashing_.begin(); it != hashing_.end();)
-      it = it->second->digest().wait_for(std::chrono::seconds(0)) == std::future_status::ready ? hashing_.erase(it)
-                                                                                               : std::next(it);
     const auto now = Clock::now();
-    // Spares nobody took for a while give their memory back.
-    for (auto& [head, spares] : spares_)
-      spares.erase(std::remove_if(spares.begin(), spares.end(),
-                                  [now](const Spare& s) {
-                                    if (now - s.since < kSpareIdle) return false;
-                                    unlink(s.path.c_str());
-                                    return true;
-                                  }),
-                   spares.end());
     std::vector<std::shared_ptr<Update>> idle;
     for (const auto& [id, u] : open_)
       if (u->busy == 0 && !u->committing && now - u->last_progress > options_.timeout) idle.push_back(u);

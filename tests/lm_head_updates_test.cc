@@ -934,7 +934,10 @@ class ConfinedFileSourceTest : public LmHeadUpdatesTest {
     auto opened = updates.Begin(Begin(version));
     EXPECT_TRUE(opened.ok()) << opened.status();
     if (!opened.ok()) return opened.status();
-    const absl::Status st = updates.PutFile(opened->update_id(), path, "").status();
+    v1::LmHeadRows put;
+    put.set_update_id(opened->update_id());
+    put.mutable_file()->set_path(path);
+    const absl::Status st = updates.Put(put).status();
     if (id != nullptr && st.ok()) {
       *id = opened->update_id();
     } else {
@@ -944,6 +947,96 @@ class ConfinedFileSourceTest : public LmHeadUpdatesTest {
   }
   std::string outside_;
 };
+
+/// LmHeadRows of update `id`: rows [row_begin, row_begin + n) as a [n, kH]
+/// F32 tensor holding `data` inline (its source then is data).
+v1::LmHeadRows RowsPut(const std::string& id, int64_t row_begin, int64_t n, const std::string& data) {
+  v1::LmHeadRows put;
+  put.set_update_id(id);
+  put.set_row_begin(row_begin);
+  v1::Tensor* t = put.mutable_rows();
+  t->set_dtype(v1::F32);
+  t->add_shape(n);
+  t->add_shape(kH);
+  t->set_data(data);
+  return put;
+}
+
+// The transport-free core, driven as any non-gRPC caller would: one Put
+// entry point for every row source (inline bytes, bytes that follow,
+// a memory reference, a checkpoint file), then Commit; the committed
+// bytes and digest are the rows sent.
+TEST_F(ConfinedFileSourceTest, BeginPutCommitThroughTheCoreWithEverySource) {
+  auto updates = Make();
+  auto opened = updates->Begin(Begin("v1"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->update_id();
+  const std::string all = Rows(0, kV, 3.0f);
+  auto part = [&all](int64_t b, int64_t n) { return all.substr(static_cast<size_t>(b * kH * 4), n * kH * 4); };
+
+  // Inline bytes.
+  auto put = updates->Put(RowsPut(id, 0, 10, part(0, 10)));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->rows_received(), 10);
+  // Two inline rows, the rest following (a transport's pieces).
+  LmHeadPutIo io;
+  int progressed = 0;
+  io.follow = [&](char* dst, const std::function<void()>& progress) {
+    std::memcpy(dst, part(10, 10).data(), part(10, 10).size());
+    progress();
+    ++progressed;
+    return absl::OkStatus();
+  };
+  put = updates->Put(RowsPut(id, 10, 10, part(10, 2)), io);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(progressed, 1);
+  EXPECT_EQ(put->rows_received(), 20);
+  // A memory reference, resolved by the caller.
+  v1::LmHeadRows referenced = RowsPut(id, 20, kV - 20, "");
+  referenced.mutable_rows()->mutable_shared_memory()->set_region("r");
+  EXPECT_EQ(updates->Put(referenced).status().code(), absl::StatusCode::kInvalidArgument);  // nobody resolves it
+  const std::string tail = part(20, kV - 20);
+  LmHeadPutIo resolver;
+  resolver.resolve = [&tail](const v1::Tensor& t) -> absl::StatusOr<std::shared_ptr<const InputSource>> {
+    EXPECT_EQ(t.shared_memory().region(), "r");
+    return MemorySource(tail);
+  };
+  put = updates->Put(referenced, resolver);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->rows_received(), kV);
+
+  // The protocol's checks hold for every caller.
+  EXPECT_EQ(updates->Put(v1::LmHeadRows()).status().code(), absl::StatusCode::kInvalidArgument);  // no source
+  v1::LmHeadRows bad_shape = RowsPut(id, 0, 1, part(0, 1));
+  bad_shape.mutable_rows()->add_shape(1);
+  EXPECT_EQ(updates->Put(bad_shape).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::LmHeadRows short_inline = RowsPut(id, 0, 2, part(0, 1));  // no follow: the inline bytes are all there are
+  EXPECT_EQ(updates->Put(short_inline).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::LmHeadRows file;
+  file.set_update_id(id);
+  file.set_row_begin(3);
+  file.mutable_file()->set_path("race/x.safetensors");
+  EXPECT_EQ(updates->Put(file).status().code(), absl::StatusCode::kInvalidArgument);  // a file gives every row
+
+  auto committed = updates->Commit(id);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  const auto v1_version = heads_.Find("default", "v1");
+  ASSERT_NE(v1_version, nullptr);
+  EXPECT_EQ(StoredRows(*v1_version, all.size()), all);
+  EXPECT_EQ(v1_version->sha256.get(), Sha256Hex(all));
+
+  // A checkpoint file under the update folder, through the same entry point.
+  opened = updates->Begin(Begin("v2"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  file.set_update_id(opened->update_id());
+  file.set_row_begin(0);
+  put = updates->Put(file);
+  ASSERT_TRUE(put.ok()) << put.status();
+  ASSERT_TRUE(updates->Commit(opened->update_id()).ok());
+  const std::vector<float> ones(static_cast<size_t>(kV * kH), 1.0f);
+  EXPECT_EQ(StoredRows(*heads_.Find("default", "v2"), ones.size() * 4),
+            std::string(reinterpret_cast<const char*>(ones.data()), ones.size() * 4));
+}
 
 TEST_F(ConfinedFileSourceTest, ASymlinkSwappedInDuringThePutNeverCommitsTheOutsideFile) {
   auto updates = Make();
