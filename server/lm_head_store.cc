@@ -135,10 +135,10 @@ void LmHeadStore::Tidy() {
                  spares.end());
 }
 
-int64_t LmHeadStore::Bytes() const {
+int64_t LmHeadStore::BytesOf(const std::string& dir) {
   int64_t bytes = 0;
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
     struct stat st {};
     if (lstat(entry.path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) bytes += static_cast<int64_t>(st.st_blocks) * 512;
   }

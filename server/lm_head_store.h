@@ -96,7 +96,9 @@ class LmHeadStore {
   /// Bytes the store's files take (allocated blocks, st_blocks * 512, of
   /// every file in dir()): in memory for a tmpfs store. The store's metric
   /// (logprob_lm_head_store_bytes) and ServerInfo.lm_head_store_bytes.
-  int64_t Bytes() const;
+  int64_t Bytes() const { return BytesOf(dir_); }
+  /// Bytes() of the folder `dir` (0 when it cannot be read).
+  static int64_t BytesOf(const std::string& dir);
 
  private:
   /// StagedFile's mapping of `fd` (`path`, `size` bytes): `fd`, or -1

@@ -754,6 +754,7 @@ void LmHeadUpdates::Loop() {
     // Released versions: the workers drop them; the store's files go.
     Release();
     store_.Tidy();
+    if (observers_.on_store_bytes) observers_.on_store_bytes(store_.Bytes());
     absl::MutexLock lock(&mu_);
     if (stop_) return;
     const auto now = Clock::now();

@@ -74,6 +74,9 @@ struct LmHeadUpdateObservers {
   std::function<void(const std::string& head, const std::string& outcome, double seconds, int64_t bytes)> on_end;
   /// Rows' bytes received (PutRows).
   std::function<void(const std::string& head, int64_t bytes)> on_bytes;
+  /// The store's bytes (LmHeadStore::Bytes), every time the update thread
+  /// wakes (about 5 times a second).
+  std::function<void(int64_t bytes)> on_store_bytes;
 };
 
 /// How a put's row bytes reach the core where LmHeadRows.rows does not

@@ -49,6 +49,9 @@ struct ServiceConfig {
   std::function<std::string(DType)> lm_head_precision;
   /// lm_head updates are accepted (ServerInfo.lm_head_updates).
   bool lm_head_updates = false;
+  /// The lm_head store's bytes (ServerInfo.lm_head_store_bytes,
+  /// LmHeadStore::Bytes); empty: 0.
+  std::function<int64_t()> lm_head_store_bytes;
   int64_t hidden_chunk_tokens = 0;
   /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
   /// Tensor.shared_memory; server/client_regions.h): caps and idle expiry.
