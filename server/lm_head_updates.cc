@@ -32,6 +32,7 @@
 #include "common/partition.h"
 #include "common/positioned_io.h"
 #include "common/safetensors.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "server/staged_file_hasher.h"
 
@@ -100,7 +101,7 @@ class CheckpointSource final : public InputSource {
 
 /// OK when the `source.vocab_size` rows of the staged file mapped at `map`
 /// (the weight at source.data_offset; null: nothing to scan) are all
-/// finite; else INVALID_ARGUMENT naming update `id` and the first NaN or
+/// finite; else INVALID_ARGUMENT naming update `id` (its tag) and the first NaN or
 /// infinity by row and column (FirstNonFinite: one vectorised pass over
 /// the mapping, about memory bandwidth, while the workers load).
 absl::Status CheckFinite(const char* map, const LmHeadSource& source, const std::string& id) {
@@ -110,7 +111,7 @@ absl::Status CheckFinite(const char* map, const LmHeadSource& source, const std:
   if (!bad.has_value()) return absl::OkStatus();
   float value = 0;
   ToFloat(source.dtype, rows + *bad * static_cast<int64_t>(DTypeSize(source.dtype)), 1, &value);
-  return absl::InvalidArgumentError(absl::StrCat("lm_head update ", id, ": row ", *bad / source.hidden_size,
+  return absl::InvalidArgumentError(absl::StrCat("lm_head update ", UpdateTag(id), ": row ", *bad / source.hidden_size,
                                                  ", column ", *bad % source.hidden_size, " of the weight is ",
                                                  std::isnan(value) ? "NaN" : (value > 0 ? "+Inf" : "-Inf"),
                                                  "; weights must be finite; nothing changed"));
@@ -156,6 +157,8 @@ absl::StatusOr<LmHeadTransform> UpdatedTransform(const v1::BeginLmHeadUpdateRequ
 }
 
 }  // namespace
+
+std::string UpdateTag(const std::string& id) { return Sha256Hex(id).substr(0, 8); }
 
 void LmHeadReleases::Push(const LmHeadVersion& version) {
   absl::MutexLock lock(&mu_);
@@ -234,8 +237,8 @@ LmHeadUpdates::~LmHeadUpdates() {
 absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const std::string& id) {
   if (auto it = open_.find(id); it != open_.end()) return it->second;
   if (auto it = ended_.find(id); it != ended_.end())
-    return absl::NotFoundError(absl::StrCat("lm_head update \"", id, "\" has ended: ", it->second));
-  return absl::NotFoundError(absl::StrCat("lm_head update \"", id, "\" is not open (unknown id)"));
+    return absl::NotFoundError(absl::StrCat("lm_head update ", UpdateTag(id), " has ended: ", it->second));
+  return absl::NotFoundError(absl::StrCat("lm_head update ", UpdateTag(id), " is not open (unknown id)"));
 }
 
 void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why) {
@@ -259,9 +262,10 @@ void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, c
     unlink(u->bias_file.c_str());
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - u->begun).count();
-  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
-                            "): ", outcome, outcome == "committed" ? "" : absl::StrCat(" (", why, ")"), " after ",
-                            seconds, " s, ", u->bytes, " bytes received");
+  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (",
+                            UpdateTag(u->id), "): ", outcome,
+                            outcome == "committed" ? "" : absl::StrCat(" (", why, ")"), " after ", seconds, " s, ",
+                            u->bytes, " bytes received");
   if (observers_.on_end) observers_.on_end(u->head, outcome, seconds, u->bytes);
 }
 
@@ -404,8 +408,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     return err == ENOSPC ? absl::ResourceExhaustedError(msg) : absl::InternalError(msg);
   }
   u->hasher = std::make_unique<StagedFileHasher>(u->fd, s.data_offset, V * row_bytes, /*background=*/sha.empty());
-  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
-                            ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype));
+  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (",
+                            UpdateTag(u->id), ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype));
   return u->Proto();
 }
 
@@ -466,7 +470,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
     absl::MutexLock lock(&mu_);
     LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
     const int64_t V = u->next.source.vocab_size;
-    if (u->committing) return absl::FailedPreconditionError(absl::StrCat("lm_head update ", id, " is being committed"));
+    if (u->committing)
+      return absl::FailedPreconditionError(absl::StrCat("lm_head update ", UpdateTag(id), " is being committed"));
     // Compared without forming row_begin + rows first: both come from the sender (any int64).
     if (rows <= 0 || row_begin < 0 || row_begin >= V || rows > V - row_begin)
       return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_begin, " + ", rows,
@@ -514,8 +519,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
   u->rows_received += rows;
   u->bytes += total;
   if (u->ended)
-    return absl::NotFoundError(absl::StrCat(
-        "lm_head update ", u->id, " ended while its rows arrived: ", ended_.count(u->id) ? ended_[u->id] : "aborted"));
+    return absl::NotFoundError(absl::StrCat("lm_head update ", UpdateTag(u->id), " ended while its rows arrived: ",
+                                            ended_.count(u->id) ? ended_[u->id] : "aborted"));
   return u->Proto();
 }
 
@@ -654,13 +659,13 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
       Update* const w = u.get();
       while (!w->ended) cv_.Wait(&mu_);  // End signals cv_
       auto it = outcomes_.find(id);
-      if (it == outcomes_.end()) return absl::AbortedError(absl::StrCat("lm_head update ", id, " ended"));
+      if (it == outcomes_.end()) return absl::AbortedError(absl::StrCat("lm_head update ", UpdateTag(id), " ended"));
       if (!it->second.status.ok()) return it->second.status;
       return it->second.info;
     }
     if (u->busy > 0)
       return absl::FailedPreconditionError(
-          absl::StrCat("lm_head update ", id, ": ", u->busy, " PutLmHeadRows call(s) still in progress"));
+          absl::StrCat("lm_head update ", UpdateTag(id), ": ", u->busy, " PutLmHeadRows call(s) still in progress"));
     const int64_t V = u->next.source.vocab_size;
     if (u->rows_received != V) {
       int64_t gap = 0;
@@ -670,7 +675,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
       }
       auto after = u->ranges.upper_bound(gap);
       const int64_t gap_end = after == u->ranges.end() ? V : after->first;
-      return absl::FailedPreconditionError(absl::StrCat("lm_head update ", id, ": ", V - u->rows_received,
+      return absl::FailedPreconditionError(absl::StrCat("lm_head update ", UpdateTag(id), ": ", V - u->rows_received,
                                                         " rows missing, first [", gap, ", ", gap_end,
                                                         "); send them before committing"));
     }
@@ -691,20 +696,21 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   std::future<absl::StatusOr<int64_t>> loading =
       std::async(std::launch::async, [this, load = u->next.Load()] { return workers_.load(load); });
   // NaN and infinite weights are refused (scanned while the workers load).
-  const absl::Status finite = CheckFinite(u->map.get(), u->next.source, id);
+  const absl::Status finite = CheckFinite(u->map.get(), u->next.source, UpdateTag(id));
   const absl::StatusOr<std::string> sha = u->expected_sha256.empty() ? std::string() : u->hasher->Finish();
   absl::StatusOr<int64_t> generation = loading.get();
   if (!finite.ok()) return fail("non_finite", finite);
   if (!sha.ok()) return fail("aborted", sha.status());
   if (!u->expected_sha256.empty() && u->expected_sha256 != *sha)
     return fail("sha256_mismatch", absl::InvalidArgumentError(absl::StrCat(
-                                       "lm_head update ", id, ": the rows' sha256 is ", *sha, ", the update announced ",
-                                       u->expected_sha256, "; nothing changed")));
+                                       "lm_head update ", UpdateTag(id), ": the rows' sha256 is ", *sha,
+                                       ", the update announced ", u->expected_sha256, "; nothing changed")));
   u->next.sha256 = u->expected_sha256.empty() ? u->hasher->digest() : KnownSha256(*sha);
   if (!generation.ok())
-    return fail("worker_error", absl::Status(generation.status().code(),
-                                             absl::StrCat("lm_head update ", id, ": loading on the workers failed: ",
-                                                          generation.status().message(), "; nothing changed")));
+    return fail("worker_error",
+                absl::Status(generation.status().code(),
+                             absl::StrCat("lm_head update ", UpdateTag(id), ": loading on the workers failed: ",
+                                          generation.status().message(), "; nothing changed")));
   const int64_t g = *generation;
   const auto serving = workers_.serving;
   if (absl::Status st = heads_->Commit(u->next, [&serving, g] { return !serving || serving(g); }); !st.ok())
@@ -731,7 +737,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Abort(const std::string& id) {
   LOGPROB_ASSIGN_OR_RETURN(auto u, Open(id));
   if (u->committing)
     return absl::FailedPreconditionError(
-        absl::StrCat("lm_head update ", id, " is being committed; it cannot be aborted"));
+        absl::StrCat("lm_head update ", UpdateTag(id), " is being committed; it cannot be aborted"));
   End(u, "aborted", "the client aborted it");
   v1::LmHeadUpdate p = u->Proto();
   p.set_aborted(true);

@@ -34,6 +34,11 @@
 
 namespace logprob {
 
+/// What logs and errors print for update `id`: the first 8 hex digits of
+/// SHA-256(id), never the id (the capability to put, commit and abort; a
+/// log reader must not be able to use it). The holder can compute it.
+std::string UpdateTag(const std::string& id);
+
 /// Versions LmHeads released (LmHeads::Options::on_release pushes them),
 /// waiting for LmHeadUpdates' thread to have the workers drop them and to
 /// remove their store files. Thread-safe; Push takes only its own lock.

@@ -280,14 +280,14 @@ grpc::Status ScoringService::BeginLmHeadUpdate(grpc::ServerContext* context, con
 grpc::Status ScoringService::CommitLmHeadUpdate(grpc::ServerContext* context, const v1::LmHeadUpdateRef* req,
                                                 v1::LmHeadInfo* resp) {
   return UpdateCall<v1::LmHeadInfo>(
-      context, "CommitLmHeadUpdate", absl::StrCat("update=", req->update_id()),
+      context, "CommitLmHeadUpdate", absl::StrCat("update=", UpdateTag(req->update_id())),
       [req](LmHeadUpdates& u) { return u.Commit(req->update_id()); }, resp);
 }
 
 grpc::Status ScoringService::AbortLmHeadUpdate(grpc::ServerContext* context, const v1::LmHeadUpdateRef* req,
                                                v1::LmHeadUpdate* resp) {
   return UpdateCall<v1::LmHeadUpdate>(
-      context, "AbortLmHeadUpdate", absl::StrCat("update=", req->update_id()),
+      context, "AbortLmHeadUpdate", absl::StrCat("update=", UpdateTag(req->update_id())),
       [req](LmHeadUpdates& u) { return u.Abort(req->update_id()); }, resp);
 }
 
@@ -335,7 +335,7 @@ grpc::Status ScoringService::ServeLmHeadRows(
   };
   absl::StatusOr<v1::LmHeadUpdate> r = put();
   Logged(metrics_, kMethod,
-         absl::StrCat("update=", rows.update_id(), " row_begin=", rows.row_begin(),
+         absl::StrCat("update=", UpdateTag(rows.update_id()), " row_begin=", rows.row_begin(),
                       " rows=", rows.rows().shape_size() > 0 ? rows.rows().shape(0) : 0),
          r.status());
   if (!r.ok()) return Reply(context, r.status());

@@ -21,7 +21,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr char kPrefix[] = "logprob-lm-heads-";     // a store folder's name starts so
+constexpr char kPrefix[] = "logprob-lm-heads-";       // a store folder's name starts so
 constexpr char kMaking[] = ".logprob-lm-heads-new-";  // ... while its lock is taken
 constexpr char kLockFile[] = ".lock";
 
@@ -67,8 +67,8 @@ absl::StatusOr<std::unique_ptr<StoreFolder>> StoreFolder::Make(const std::string
   // Unique per process start: PID, start time and random bits (a restarted
   // container's front-end has the same PID).
   const auto now = std::chrono::system_clock::now().time_since_epoch();
-  const std::string unique = absl::StrCat(getpid(), "-", std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(),
-                                          "-", RandomHex());
+  const std::string unique =
+      absl::StrCat(getpid(), "-", std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(), "-", RandomHex());
   // Made under a temporary name and locked, then renamed: a folder under
   // the final name is locked from its first moment (another front-end's
   // RemoveStaleStoreFolders never sees it unlocked).

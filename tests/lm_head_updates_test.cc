@@ -1038,6 +1038,44 @@ TEST_F(ConfinedFileSourceTest, BeginPutCommitThroughTheCoreWithEverySource) {
             std::string(reinterpret_cast<const char*>(ones.data()), ones.size() * 4));
 }
 
+// An update's id is its capability: logs name it by its tag only.
+TEST_F(LmHeadUpdatesTest, LogsOfAnUpdateNameItsTagNeverItsId) {
+  const std::string log_path = store_ + ".log";
+  const int saved = dup(2);
+  const int log_fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE(saved, 0);
+  ASSERT_GE(log_fd, 0);
+  ASSERT_EQ(dup2(log_fd, 2), 2);  // LogLine writes to fd 2
+  std::string committed_id, aborted_id;
+  {
+    auto updates = Make();
+    auto opened = updates->Begin(Begin("v1"));
+    if (opened.ok()) {
+      committed_id = opened->update_id();
+      (void)updates->Commit(committed_id);  // rows missing: refused
+      (void)updates->Put(RowsPut(committed_id, 0, kV, Rows(0, kV, 1.0f)));
+      (void)updates->Commit(committed_id);
+    }
+    opened = updates->Begin(Begin("v2"));
+    if (opened.ok()) {
+      aborted_id = opened->update_id();
+      (void)updates->Abort(aborted_id);
+    }
+  }
+  dup2(saved, 2);
+  close(saved);
+  close(log_fd);
+  ASSERT_FALSE(committed_id.empty());
+  ASSERT_FALSE(aborted_id.empty());
+  const std::string log = ReadAll(log_path);
+  std::filesystem::remove(log_path);
+  EXPECT_NE(log.find(UpdateTag(committed_id)), std::string::npos) << log;  // the log did capture the update
+  EXPECT_NE(log.find(UpdateTag(aborted_id)), std::string::npos) << log;
+  EXPECT_EQ(log.find(committed_id), std::string::npos) << log;
+  EXPECT_EQ(log.find(aborted_id), std::string::npos) << log;
+  EXPECT_EQ(UpdateTag(committed_id), Sha256Hex(committed_id).substr(0, 8));
+}
+
 TEST_F(ConfinedFileSourceTest, ASymlinkSwappedInDuringThePutNeverCommitsTheOutsideFile) {
   auto updates = Make();
   // D/racelink -> the outside folder; a thread swaps D/race and D/racelink

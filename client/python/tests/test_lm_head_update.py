@@ -4,6 +4,7 @@ versions; retained versions; each bad update is refused and changes
 nothing; updates are off by default."""
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -767,4 +768,8 @@ class StoreFolderTest(unittest.TestCase):
             for server, client in ((a, ca), (b, cb)):
                 wait_for(lambda: server.metric("logprob_lm_head_store_bytes") >= V * H * 4, "the store's bytes metric")
                 self.assertGreaterEqual(client.server_info(refresh=True).lm_head_store_bytes, V * H * 4)
+            # Update ids (32 hex digits, the capability to put and commit) never reach the log.
+            for server in (a, b):
+                self.assertIn("update to version step-1", server.log())
+                self.assertIsNone(re.search(r"\b[0-9a-f]{32}\b", server.log()), server.log())
         self.assertEqual(store_folders(root), [], "a front-end that stops removes its store")
