@@ -190,6 +190,9 @@ struct LmHeadUpdates::Update {
   std::map<int64_t, int64_t> ranges;  // rows received or being received: begin -> end
   int64_t rows_received = 0, bytes = 0;
   int busy = 0;  // PutRows in progress
+  // Puts waiting for bytes from their transport: how to end each call.
+  std::map<int, std::function<void()>> waiting;
+  int next_wait = 0;
   bool committing = false, ended = false;
   // SHA-256 of the rows, read back from the staged file in order as the
   // written rows form a longer prefix, on its own thread: no put waits for
@@ -457,8 +460,18 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& i
       absl::MutexLock lock(&mu_);
       u->last_progress = Clock::now();
     };
-    return io.follow(u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes),
-                     progressed);
+    // While it waits for bytes, a time-out of the update ends its call.
+    int key = 0;
+    if (io.cancel) {
+      absl::MutexLock lock(&mu_);
+      key = ++u->next_wait;
+      u->waiting[key] = io.cancel;
+    }
+    const absl::Status st = io.follow(
+        u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes), progressed);
+    absl::MutexLock lock(&mu_);
+    u->waiting.erase(key);
+    return st;
   });
 }
 
@@ -512,15 +525,16 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
   absl::MutexLock lock(&mu_);
   --u->busy;
   u->last_progress = Clock::now();
+  // Ended meanwhile (a time-out, an abort, the server stopping): why.
+  if (u->ended)
+    return absl::AbortedError(absl::StrCat("lm_head update ", UpdateTag(u->id), " ended while its rows arrived: ",
+                                           ended_.count(u->id) ? ended_[u->id] : "aborted"));
   if (!failed.ok()) {
     u->ranges.erase(row_begin);  // the rows may be sent again
     return failed;
   }
   u->rows_received += rows;
   u->bytes += total;
-  if (u->ended)
-    return absl::NotFoundError(absl::StrCat("lm_head update ", UpdateTag(u->id), " ended while its rows arrived: ",
-                                            ended_.count(u->id) ? ended_[u->id] : "aborted"));
   return u->Proto();
 }
 
@@ -549,6 +563,8 @@ absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_
       } else if (!source.Read(off, n, dst)) {
         failed = true;
       }
+      absl::MutexLock lock(&mu_);
+      u->last_progress = Clock::now();  // a long put is progress
     }
   };
   const int64_t threads =
@@ -766,11 +782,15 @@ void LmHeadUpdates::Loop() {
     const auto now = Clock::now();
     std::vector<std::shared_ptr<Update>> idle;
     for (const auto& [id, u] : open_)
-      if (u->busy == 0 && !u->committing && now - u->last_progress > options_.timeout) idle.push_back(u);
-    for (const auto& u : idle)
+      if (!u->committing && now - u->last_progress > options_.timeout) idle.push_back(u);
+    for (const auto& u : idle) {
+      // A put stalled waiting for bytes: its call is ended too (the
+      // handler thread is freed; the put answers ABORTED naming this).
+      for (const auto& [key, cancel] : u->waiting) cancel();
       End(u, "timeout",
           absl::StrCat("no progress for ", std::chrono::duration<double>(options_.timeout).count(),
                        " s (--lm-head-update-timeout)"));
+    }
     cv_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
   }
 }

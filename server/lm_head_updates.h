@@ -113,9 +113,12 @@ class LmHeadUpdates {
     bool allowed = false;    // --allow-lm-head-updates
     std::string store_dir;   // where staged and committed versions are written
     std::string update_dir;  // --lm-head-update-dir: file sources are confined to it; empty: none allowed
-    std::chrono::milliseconds timeout{300000};  // an open update without progress is aborted
-    int64_t memory_bytes = 0;                   // per worker, every held version plus the staged one; 0: no cap
-    int workers = 1;                            // W: slices are SplitRange(V, W, rank)
+    // An open update without progress this long (no Begin, put, row block
+    // or piece arriving) is aborted, also while a put waits for bytes
+    // (its call is ended: LmHeadPutIo::cancel).
+    std::chrono::milliseconds timeout{300000};
+    int64_t memory_bytes = 0;  // per worker, every held version plus the staged one; 0: no cap
+    int workers = 1;           // W: slices are SplitRange(V, W, rank)
   };
 
   /// `heads` and the callbacks outlive this; `releases` is the queue

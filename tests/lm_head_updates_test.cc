@@ -33,6 +33,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/confined_file.h"
 #include "common/error_reason.h"
 #include "common/finite_check.h"
@@ -76,6 +77,7 @@ class LmHeadUpdatesTest : public ::testing::Test {
     o.allowed = true;
     o.store_dir = store_;
     o.update_dir = update_dir_;
+    if (timeout_.count() > 0) o.timeout = timeout_;
     o.workers = 2;
     LmHeadWorkers w;
     w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
@@ -112,7 +114,8 @@ class LmHeadUpdatesTest : public ::testing::Test {
   }
 
   std::string store_;
-  std::string update_dir_;  // --lm-head-update-dir of Make's updates ("": none)
+  std::string update_dir_;                // --lm-head-update-dir of Make's updates ("": none)
+  std::chrono::milliseconds timeout_{0};  // --lm-head-update-timeout of Make's updates (0: the default)
   LmHeads heads_{LmHeads::Options{}};
 };
 
@@ -1036,6 +1039,40 @@ TEST_F(ConfinedFileSourceTest, BeginPutCommitThroughTheCoreWithEverySource) {
   const std::vector<float> ones(static_cast<size_t>(kV * kH), 1.0f);
   EXPECT_EQ(StoredRows(*heads_.Find("default", "v2"), ones.size() * 4),
             std::string(reinterpret_cast<const char*>(ones.data()), ones.size() * 4));
+}
+
+// Issue 32 finding 5: a put whose sender stopped sending (its stream open,
+// no bytes) no longer keeps the update open past the time-out: the put's
+// call is ended, the put answers ABORTED naming the time-out, the update
+// ends with outcome "timeout" and the head takes a new update.
+TEST_F(LmHeadUpdatesTest, AStalledPutIsTimedOutAndFreesTheHead) {
+  timeout_ = std::chrono::milliseconds(2000);
+  absl::Notification timed_out, cancelled;
+  LmHeadUpdateObservers observers;
+  observers.on_end = [&timed_out](const std::string&, const std::string& outcome, double, int64_t) {
+    if (outcome == "timeout") timed_out.Notify();
+  };
+  auto updates = Make(nullptr, observers);
+  auto opened = updates->Begin(Begin("v1"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  LmHeadPutIo io;
+  io.follow = [&cancelled](char*, const std::function<void()>& progressed) {
+    progressed();  // the first piece, then nothing
+    cancelled.WaitForNotificationWithTimeout(absl::Seconds(120));
+    return absl::CancelledError("the call ended");
+  };
+  io.cancel = [&cancelled] { cancelled.Notify(); };
+  auto stalled =
+      std::async(std::launch::async, [&] { return updates->Put(RowsPut(opened->update_id(), 0, kV, ""), io); });
+  ASSERT_TRUE(timed_out.WaitForNotificationWithTimeout(absl::Seconds(60))) << "the stalled update never timed out";
+  EXPECT_TRUE(cancelled.HasBeenNotified()) << "the stalled put's call was not ended";
+  const absl::StatusOr<v1::LmHeadUpdate> put = stalled.get();
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kAborted) << put.status();
+  EXPECT_NE(put.status().message().find("--lm-head-update-timeout"), std::string::npos) << put.status();
+  // The head is free again; a Commit of the old update answers how it ended.
+  EXPECT_TRUE(updates->Begin(Begin("v2")).ok());
+  const auto commit = updates->Commit(opened->update_id());
+  EXPECT_EQ(commit.status().code(), absl::StatusCode::kAborted) << commit.status();
 }
 
 // An update's id is its capability: logs name it by its tag only.
