@@ -16,6 +16,7 @@
 #include <iostream>
 #include <optional>
 #include <random>
+#include <set>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -188,6 +189,7 @@ struct LmHeadUpdates::Update {
   FileMap map;
   int64_t row_bytes = 0;
   std::map<int64_t, int64_t> ranges;  // rows received or being received: begin -> end
+  std::set<int64_t> received;         // begins of the ranges received whole
   int64_t rows_received = 0, bytes = 0;
   int busy = 0;  // PutRows in progress
   // Puts waiting for bytes from their transport: how to end each call.
@@ -450,12 +452,12 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(const v1::LmHeadRows& put, c
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, int64_t row_begin, int64_t rows,
                                                         DType dtype, int64_t columns, const InputSource& source) {
   return PutInto(id, row_begin, rows, dtype, columns, &source,
-                 [&](const std::shared_ptr<Update>& u) { return Write(u, row_begin, rows, source); });
+                 [&](const std::shared_ptr<Update>& u, char* dst) { return Write(u, row_begin, rows, source, dst); });
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows,
                                                             DType dtype, int64_t columns, const LmHeadPutIo& io) {
-  return PutInto(id, row_begin, rows, dtype, columns, nullptr, [&](const std::shared_ptr<Update>& u) {
+  return PutInto(id, row_begin, rows, dtype, columns, nullptr, [&](const std::shared_ptr<Update>& u, char* dst) {
     const auto progressed = [this, &u] {
       absl::MutexLock lock(&mu_);
       u->last_progress = Clock::now();
@@ -467,8 +469,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& i
       key = ++u->next_wait;
       u->waiting[key] = io.cancel;
     }
-    const absl::Status st = io.follow(
-        u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes), progressed);
+    const absl::Status st = io.follow(dst, progressed);
     absl::MutexLock lock(&mu_);
     u->waiting.erase(key);
     return st;
@@ -477,8 +478,9 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& i
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
     const std::string& id, int64_t row_begin, int64_t rows, DType dtype, int64_t columns, const InputSource* source,
-    const std::function<absl::Status(const std::shared_ptr<Update>&)>& fill) {
+    const std::function<absl::Status(const std::shared_ptr<Update>&, char* dst)>& fill) {
   std::shared_ptr<Update> u;
+  bool verify = false;  // a retry of a range received whole
   {
     absl::MutexLock lock(&mu_);
     LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
@@ -504,10 +506,19 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
               "rows [", row_begin, ", ", row_end, "): this server has no worker that can read ", source->rules().name,
               " rows into the update; send the rows as bytes (in pieces or through shared memory)")),
           source->rules().unavailable);
+    // A retry of a put that was received whole: compared, not counted.
+    if (auto same = u->ranges.find(row_begin);
+        same != u->ranges.end() && same->second == row_end && u->received.count(row_begin) > 0) {
+      if (source != nullptr && !source->rules().readable_here)
+        return absl::InvalidArgumentError(
+            absl::StrCat("rows [", row_begin, ", ", row_end, ") were already received; their ", source->rules().name,
+                         " source cannot be compared with them here: they need not be sent again"));
+      verify = true;
+    }
     // The first range at or after row_begin, and the one before it.
     auto next = u->ranges.lower_bound(row_begin);
-    if ((next != u->ranges.end() && next->first < row_end) ||
-        (next != u->ranges.begin() && std::prev(next)->second > row_begin)) {
+    if (!verify && ((next != u->ranges.end() && next->first < row_end) ||
+                    (next != u->ranges.begin() && std::prev(next)->second > row_begin))) {
       auto clash = (next != u->ranges.begin() && std::prev(next)->second > row_begin) ? std::prev(next) : next;
       return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_end, ") overlap rows [",
                                                      clash->first, ", ", clash->second,
@@ -517,8 +528,26 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
     ++u->busy;
     u->last_progress = Clock::now();
   }
-  const absl::Status failed = fill(u);
   const int64_t total = rows * u->row_bytes, first_byte = row_begin * u->row_bytes;
+  char* const staged = u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(first_byte);
+  if (verify) {
+    // The retry's bytes, read as any put's, then compared with the staged ones.
+    std::string again(static_cast<size_t>(total), '\0');
+    const absl::Status read = fill(u, again.data());
+    absl::MutexLock lock(&mu_);
+    --u->busy;
+    u->last_progress = Clock::now();
+    if (u->ended)
+      return absl::AbortedError(absl::StrCat("lm_head update ", UpdateTag(u->id), " ended while its rows arrived: ",
+                                             ended_.count(u->id) ? ended_[u->id] : "aborted"));
+    if (!read.ok()) return read;
+    if (std::memcmp(again.data(), staged, again.size()) != 0)
+      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_begin + rows,
+                                                     ") were already received with other bytes; every row comes "
+                                                     "exactly once"));
+    return u->Proto();  // the first put's answer
+  }
+  const absl::Status failed = fill(u, staged);
   // Only whole, written puts are hashed: a failed put's rows may come again.
   if (failed.ok()) u->hasher->Written(first_byte, first_byte + total);
   if (failed.ok() && observers_.on_bytes) observers_.on_bytes(u->head, total);
@@ -535,16 +564,16 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
   }
   u->rows_received += rows;
   u->bytes += total;
+  u->received.insert(row_begin);
   return u->Proto();
 }
 
 absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                  const InputSource& source) {
+                                  const InputSource& source, char* rows_dst) {
   // Bytes the front-end cannot read (a client's GPU memory): a worker on
   // this host writes them into the staged file; the others are copied here.
   if (!source.rules().readable_here) return Stage(u, row_begin, rows, source);
   const int64_t total = rows * u->row_bytes;
-  const uint64_t base = u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes);
   const std::optional<std::string_view> memory = source.memory();
   // Blocks of kCopyBytes, taken in turn by up to kCopyThreads threads: a
   // client's region or a checkpoint is read with pread, which the kernel
@@ -557,7 +586,7 @@ absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_
     for (int64_t b = next++; b < blocks && !failed.load(); b = next++) {
       const int64_t off = b * static_cast<int64_t>(kCopyBytes);
       const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
-      char* dst = u->map.get() + base + static_cast<uint64_t>(off);
+      char* dst = rows_dst + static_cast<uint64_t>(off);
       if (memory) {
         std::memcpy(dst, memory->data() + off, n);
       } else if (!source.Read(off, n, dst)) {

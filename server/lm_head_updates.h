@@ -166,12 +166,12 @@ class LmHeadUpdates {
   /// (rows * H * sizeof(dtype) bytes, row-major; `dtype` and `columns` as
   /// the sender announced them, which must be the update's dtype and H). Every row must come
   /// exactly once over all calls (concurrent calls of disjoint ranges are
-  /// fine). NOT_FOUND for an unknown, ended or aborted update (with why);
-  /// INVALID_ARGUMENT for a range outside [0, V), rows already given (or
-  /// being given), a source of the wrong size; DATA_LOSS when the source
-  /// cannot be read. A source the front-end cannot read (a CUDA IPC
-  /// reference, InputSource::Refer) is copied into the staged file by a
-  /// worker (LmHeadWorkers::stage), then counts like any other:
+  /// fine); a retry of exactly a range received whole with the same bytes
+  /// answers OK (compared with the staged bytes; a CUDA IPC retry cannot
+  /// be and is INVALID_ARGUMENT), with other bytes INVALID_ARGUMENT. NOT_FOUND for an unknown, ended or aborted update
+  /// (with why); INVALID_ARGUMENT for a range outside [0, V), rows already given (or being given), a source of the
+  /// wrong size; DATA_LOSS when the source cannot be read. A source the front-end cannot read (a CUDA IPC reference,
+  /// InputSource::Refer) is copied into the staged file by a worker (LmHeadWorkers::stage), then counts like any other:
   /// FAILED_PRECONDITION with the kind's unavailable reason
   /// (CUDA_IPC_UNAVAILABLE) when there is no stage callback, and the
   /// worker's error (the reason added to a FAILED_PRECONDITION: the worker
@@ -232,17 +232,20 @@ class LmHeadUpdates {
   void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// PutRows / PutRowsWith: the checks (`source`'s too when not null),
-  /// the range claimed, `fill(u)` writes the rows, then they count (the
-  /// hasher, metrics) or, on its error, the range is freed.
-  absl::StatusOr<v1::LmHeadUpdate> PutInto(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
-                                           int64_t columns, const InputSource* source,
-                                           const std::function<absl::Status(const std::shared_ptr<Update>&)>& fill)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  /// The rows of update `u` from `source` written into the staged file
-  /// (copied here in 16 MiB blocks on up to 4 threads, or by a worker:
-  /// Stage). The source's error when a read fails.
-  absl::Status Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  /// the range claimed, `fill(u, dst)` writes the rows to dst (their place
+  /// in the staged file), then they count (the hasher, metrics) or, on its
+  /// error, the range is freed. A retry of exactly a range received whole
+  /// is filled into a buffer and compared with the staged bytes: the
+  /// update as it is when equal, INVALID_ARGUMENT when not (not counted).
+  absl::StatusOr<v1::LmHeadUpdate> PutInto(
+      const std::string& id, int64_t row_begin, int64_t rows, DType dtype, int64_t columns, const InputSource* source,
+      const std::function<absl::Status(const std::shared_ptr<Update>&, char* dst)>& fill) ABSL_LOCKS_EXCLUDED(mu_);
+  /// The rows of update `u` from `source` written to `dst` (their place in
+  /// the staged file, or a retry's buffer; copied here in 16 MiB blocks on
+  /// up to 4 threads), or by a worker into the staged file (Stage: `dst`
+  /// unused). The source's error when a read fails.
+  absl::Status Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source,
+                     char* dst) ABSL_LOCKS_EXCLUDED(mu_);
   /// Has a worker copy the rows of `source` (not readable here: it
   /// refers to them, InputSource::Refer) into `u`'s staged file at their
   /// byte offset (LmHeadWorkers::stage). The stage's error, named.

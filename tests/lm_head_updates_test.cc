@@ -1075,6 +1075,52 @@ TEST_F(LmHeadUpdatesTest, AStalledPutIsTimedOutAndFreesTheHead) {
   EXPECT_EQ(commit.status().code(), absl::StatusCode::kAborted) << commit.status();
 }
 
+// A retried put gets the first one's answer: the same range with the same
+// bytes is OK and counts once (compared with the staged bytes, whatever
+// the source); other bytes or an overlap are INVALID_ARGUMENT; a put that
+// failed part way counted nothing and may be sent again.
+TEST_F(LmHeadUpdatesTest, APutRetriedWithTheSameBytesAnswersOkAndCountsOnce) {
+  auto updates = Make();
+  v1::BeginLmHeadUpdateRequest b = Begin("v1");
+  const std::string all = Rows(0, kV, 5.0f);
+  b.set_sha256(Sha256Hex(all));
+  auto opened = updates->Begin(b);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->update_id();
+  const std::string head = all.substr(0, 10 * kH * 4);
+  ASSERT_TRUE(updates->Put(RowsPut(id, 0, 10, head)).ok());
+  auto again = updates->Put(RowsPut(id, 0, 10, head));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->rows_received(), 10);
+  // The same bytes following the message (a retried stream of pieces).
+  LmHeadPutIo io;
+  io.follow = [&head](char* dst, const std::function<void()>&) {
+    std::memcpy(dst, head.data(), head.size());
+    return absl::OkStatus();
+  };
+  again = updates->Put(RowsPut(id, 0, 10, ""), io);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->rows_received(), 10);
+  std::string other = head;
+  other[5] ^= 1;
+  EXPECT_EQ(updates->Put(RowsPut(id, 0, 10, other)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(updates->Put(RowsPut(id, 5, 10, all.substr(5 * kH * 4, 10 * kH * 4))).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A put that failed part way (its transport broke) counted nothing.
+  LmHeadPutIo broken;
+  broken.follow = [&all](char* dst, const std::function<void()>&) {
+    std::memcpy(dst, all.data() + 10 * kH * 4, kH * 4);
+    return absl::UnavailableError("the stream broke");
+  };
+  EXPECT_EQ(updates->Put(RowsPut(id, 10, kV - 10, ""), broken).status().code(), absl::StatusCode::kUnavailable);
+  auto rest = updates->Put(RowsPut(id, 10, kV - 10, all.substr(10 * kH * 4)));
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(rest->rows_received(), kV);
+  const auto committed = updates->Commit(id);  // the announced sha256 holds: every row once, as sent
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(StoredRows(*heads_.Find("default", "v1"), all.size()), all);
+}
+
 // An update's id is its capability: logs name it by its tag only.
 TEST_F(LmHeadUpdatesTest, LogsOfAnUpdateNameItsTagNeverItsId) {
   const std::string log_path = store_ + ".log";
