@@ -371,13 +371,20 @@ class ClientBase:
             call.cancel()
 
     def _put_rows_ops(self, parts: Any, deadline: Deadline, metadata: Any) -> Ops[Any]:
-        """One PutLmHeadRows call of serialized ``parts``, sent once (a failed
-        put frees its rows on the server: the caller may update again)."""
-        try:
-            return (yield Rpc(self._put_lm_head_rows_raw, parts, deadline.remaining(), metadata))
-        except grpc.RpcError as e:
-            code, message = error_of(e)
-            raise LogprobError(code, message, reason=reason_of(e)) from None
+        """One PutLmHeadRows call of the serialized parts ``parts()`` makes,
+        sent again after UNAVAILABLE as the client's retry policy allows: a
+        put that failed part way counted no rows on the server, and one whose
+        answer was lost is answered OK again (the server compares the same
+        bytes with the rows it received). Other errors raise at once."""
+        attempts = self._attempts(deadline)
+        while True:
+            try:
+                return (yield Rpc(self._put_lm_head_rows_raw, parts(), attempts.timeout(), metadata))
+            except grpc.RpcError as e:
+                code, message = error_of(e)
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise LogprobError(code, message, reason=reason_of(e)) from None
+                yield from backoff(attempts.failed(e), reconnect=True)
 
     def _update_lm_head_ops(self, head: str, weight: Any, version: str, sha256: Optional[str],
                             timeout: Any, dtype: Any = None, bias: Any = None,
@@ -419,7 +426,7 @@ class ClientBase:
             if ref is not None:
                 try:
                     # A worker on the server's host copies them into the store.
-                    yield from self._put_rows_ops(lm_head_ipc_parts(update.update_id, 0, ref), deadline,
+                    yield from self._put_rows_ops(lambda: lm_head_ipc_parts(update.update_id, 0, ref), deadline,
                                                   self._metadata)
                 except LogprobError as e:
                     if not cuda_ipc.refused(e):
@@ -472,15 +479,16 @@ class ClientBase:
             # Same host: the rows go through this client's regions, the copy
             # of one put overlapping the call of the one before.
             def put(i: int, tensors: List[Any], metadata: Any) -> Ops[Any]:
-                return self._put_rows_ops(iter([lm_head_rows_part(update_id, starts[i], tensors[0])]), deadline,
-                                          metadata)
+                return self._put_rows_ops(lambda: iter([lm_head_rows_part(update_id, starts[i], tensors[0])]),
+                                          deadline, metadata)
 
             sent = yield from shm.send_each([[("rows", dt, rows[r0:r0 + per_put])] for r0 in starts], put)
         for i, r0 in enumerate(starts):
             if sent[i] is None:
                 # Otherwise (or without a region) the bytes in pieces.
-                parts = lm_head_rows_parts(update_id, r0, rows[r0:r0 + per_put], dt, self.piece_bytes)
-                yield from self._put_rows_ops(parts, deadline, self._metadata)
+                yield from self._put_rows_ops(
+                    lambda: lm_head_rows_parts(update_id, r0, rows[r0:r0 + per_put], dt, self.piece_bytes), deadline,
+                    self._metadata)
 
     def _close_ops(self) -> Ops[None]:
         """``close``, before the channel closes: unregisters and removes the

@@ -753,8 +753,28 @@ class StoreFolderTest(unittest.TestCase):
         with self.server(root, metrics=True) as a, self.server(root, metrics=True) as b, \
                 a.client() as ca, b.client() as cb:
             # The same head and version name on both: the same file name
-            # within each store, which must not be one file.
+            # within each store, which must not be one file. a's put loses
+            # its answer once (UNAVAILABLE after the server took the rows):
+            # the client sends it again and the server answers it as the first.
+            class Lost(grpc.RpcError):
+                def code(self):
+                    return grpc.StatusCode.UNAVAILABLE
+
+                def details(self):
+                    return "the answer was lost"
+
+            real, calls = ca._put_lm_head_rows_raw, []
+
+            def answer_lost_once(parts, *args, **kwargs):
+                response = real(parts, *args, **kwargs)
+                calls.append(response.rows_received)
+                if len(calls) == 1:
+                    raise Lost()
+                return response
+
+            ca._put_lm_head_rows_raw = answer_lost_once
             self.assertEqual(ca.update_lm_head("policy", self.w1, version="step-1"), "step-1")
+            self.assertEqual(calls, [V, V], "the put is sent again and counted once")
             self.assertEqual(cb.update_lm_head("policy", self.w2, version="step-1"), "step-1")
             folders = store_folders(root)
             self.assertEqual(len(folders), 2, folders)
