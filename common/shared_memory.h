@@ -54,7 +54,8 @@ bool SharedObjectExists(const std::string& name);
 
 /// Unlinks the regions SharedRegion::Create made in processes that no
 /// longer exist (/dev/shm/logprob-<pid>-<n>, e.g. after a SIGKILL), and
-/// their lm_head stores (the directories /dev/shm/logprob-<pid>-lm-heads),
+/// lm_head stores of older releases (the directories
+/// /dev/shm/logprob-<pid>-lm-heads; stores are now server/store_folder.h's),
 /// and returns how many. Best effort: errors are ignored.
 int RemoveStaleRegions();
 

@@ -7,8 +7,7 @@ namespace logprob {
 bool InLmHeadStore(const std::string& file, const std::string& store) {
   if (store.empty() || !absl::StartsWith(file, store + "/")) return false;
   const std::string name = file.substr(store.size() + 1);
-  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
-         !absl::EndsWith(name, ".partial");
+  return !name.empty() && name[0] != '.' && name.find('/') == std::string::npos && !absl::EndsWith(name, ".partial");
 }
 
 bool IsLiveLmHeadFile(const std::string& file, const std::vector<internal::v1::LmHeadLoad>& alive) {

@@ -11,7 +11,7 @@
 namespace logprob {
 
 /// True when `file` is a finished file directly in the update store `store`
-/// ("STORE/NAME", NAME not ".", ".." or a ".partial" file still being
+/// ("STORE/NAME", NAME not starting with "." (the folder's lock) nor a ".partial" file still being
 /// written). Pure string test on the paths as the front-end wrote them.
 bool InLmHeadStore(const std::string& file, const std::string& store);
 

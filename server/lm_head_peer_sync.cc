@@ -129,7 +129,18 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
   const std::string id = opened->update_id();
   const int64_t total = V * H * static_cast<int64_t>(DTypeSize(got.dtype()));
   // The pieces land in the staged file as they arrive, as a client's do.
-  absl::StatusOr<v1::LmHeadUpdate> put = updates.PutRowsWith(id, 0, V, got.dtype(), H, [&](char* dst) -> absl::Status {
+  // One put through the update core's Put, as a client's: the pieces land
+  // in the staged file as they arrive (LmHeadPutIo::follow).
+  v1::LmHeadRows rows;
+  rows.set_update_id(id);
+  rows.set_row_begin(0);
+  rows.mutable_rows()->set_name("lm_head.weight");
+  rows.mutable_rows()->set_dtype(got.dtype());
+  rows.mutable_rows()->add_shape(V);
+  rows.mutable_rows()->add_shape(H);
+  LmHeadPutIo io;
+  io.cancel = [&ctx] { ctx.TryCancel(); };  // from the time-out's thread: Read then fails
+  io.follow = [&](char* dst, const std::function<void()>& progressed) -> absl::Status {
     int64_t have = 0;
     while (have < total && reader->Read(&part)) {
       const v1::TensorPiece& p = part.piece();
@@ -139,12 +150,14 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
                                                 p.data().size(), " bytes after ", have, " of ", total));
       std::memcpy(dst + have, p.data().data(), p.data().size());
       have += static_cast<int64_t>(p.data().size());
+      progressed();
     }
     if (have == total) return finish();
     absl::Status st = finish();
     return absl::DataLossError(
         absl::StrCat("peer ", peer, "'s ReadLmHeadRows ended after ", have, " of ", total, " bytes: ", st.ToString()));
-  });
+  };
+  absl::StatusOr<v1::LmHeadUpdate> put = updates.Put(rows, io);
   if (!put.ok()) {
     cancel();
     (void)updates.Abort(id);

@@ -57,7 +57,7 @@ inline constexpr int kPeerSyncRounds = 3;
 /// pulled unless this server took that name with the same sha256 already:
 /// read with ReadLmHeadRows from a peer holding it (the next such peer on
 /// failure) and fed to `updates` (Begin with its sha256, logit transform
-/// and bias; PutRowsWith of the streamed rows straight into the staged
+/// and bias; one Put (LmHeadUpdates::Put, LmHeadPutIo::follow) of the streamed rows straight into the staged
 /// file; Commit, which checks the sha256) in-process. Peers that do not
 /// answer are logged and skipped; no peer answering is no error (the first
 /// replica of a deployment). Errors: the target's (ResolvePeerTarget);

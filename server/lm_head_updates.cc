@@ -16,6 +16,7 @@
 #include <iostream>
 #include <optional>
 #include <random>
+#include <set>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -32,6 +33,7 @@
 #include "common/partition.h"
 #include "common/positioned_io.h"
 #include "common/safetensors.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "server/staged_file_hasher.h"
 
@@ -41,12 +43,10 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kCopyBytes = size_t{16} << 20;        // rows a source reads at a time
-constexpr int64_t kCopyThreads = 4;                    // threads that read one put's rows, at most
-constexpr size_t kEndedKept = 64;                      // ended updates remembered for their error messages
-constexpr size_t kOutcomesKept = 256;                  // ended updates whose outcome a retried Commit gets
-constexpr size_t kSparesPerHead = 2;                   // released store files kept for the next updates
-constexpr auto kSpareIdle = std::chrono::seconds(60);  // then a spare is removed
+constexpr size_t kCopyBytes = size_t{16} << 20;  // rows a source reads at a time
+constexpr int64_t kCopyThreads = 4;              // threads that read one put's rows, at most
+constexpr size_t kEndedKept = 64;                // ended updates remembered for their error messages
+constexpr size_t kOutcomesKept = 256;            // ended updates whose outcome a retried Commit gets
 
 /// 128 bits from the kernel's CSPRNG, in hex: an update's id, which is the
 /// capability to put, commit and abort it (unguessable).
@@ -65,22 +65,6 @@ std::string RandomId() {
     id += kHex[b & 15];
   }
   return id;
-}
-
-/// The safetensors header of one tensor "lm_head.weight" [V, H] of `dtype`,
-/// with its 8-byte length prefix, padded with spaces to a whole page: the
-/// weight starts at a page boundary, so workers map their rows aligned
-/// (HostBytes::MapMemoryFile).
-std::string StoreFileHeader(DType dtype, int64_t V, int64_t H) {
-  constexpr size_t kPage = 4096;
-  const int64_t bytes = V * H * static_cast<int64_t>(DTypeSize(dtype));
-  std::string json = absl::StrCat("{\"", kLmHeadTensor, "\":{\"dtype\":\"", DTypeName(dtype), "\",\"shape\":[", V, ",",
-                                  H, "],\"data_offsets\":[0,", bytes, "]}}");
-  json.resize((json.size() + 8 + kPage - 1) / kPage * kPage - 8, ' ');
-  std::string out(8, '\0');
-  uint64_t n = json.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return out + json;
 }
 
 /// Rows of a checkpoint's lm_head tensor, read with positioned reads.
@@ -118,7 +102,7 @@ class CheckpointSource final : public InputSource {
 
 /// OK when the `source.vocab_size` rows of the staged file mapped at `map`
 /// (the weight at source.data_offset; null: nothing to scan) are all
-/// finite; else INVALID_ARGUMENT naming update `id` and the first NaN or
+/// finite; else INVALID_ARGUMENT naming update `id` (its tag) and the first NaN or
 /// infinity by row and column (FirstNonFinite: one vectorised pass over
 /// the mapping, about memory bandwidth, while the workers load).
 absl::Status CheckFinite(const char* map, const LmHeadSource& source, const std::string& id) {
@@ -128,17 +112,10 @@ absl::Status CheckFinite(const char* map, const LmHeadSource& source, const std:
   if (!bad.has_value()) return absl::OkStatus();
   float value = 0;
   ToFloat(source.dtype, rows + *bad * static_cast<int64_t>(DTypeSize(source.dtype)), 1, &value);
-  return absl::InvalidArgumentError(absl::StrCat("lm_head update ", id, ": row ", *bad / source.hidden_size,
+  return absl::InvalidArgumentError(absl::StrCat("lm_head update ", UpdateTag(id), ": row ", *bad / source.hidden_size,
                                                  ", column ", *bad % source.hidden_size, " of the weight is ",
                                                  std::isnan(value) ? "NaN" : (value > 0 ? "+Inf" : "-Inf"),
                                                  "; weights must be finite; nothing changed"));
-}
-
-/// A bias file of the store: `<stem>.bias.safetensors` beside a version's
-/// weight, owned by that one version (removed with it).
-constexpr char kBiasSuffix[] = ".bias.safetensors";
-bool IsStoreBias(const std::string& store_dir, const std::string& file) {
-  return absl::StartsWith(file, store_dir + "/") && absl::EndsWith(file, kBiasSuffix);
 }
 
 /// The new version's transform: the head's (`cur`), with what `req` gives
@@ -180,19 +157,9 @@ absl::StatusOr<LmHeadTransform> UpdatedTransform(const v1::BeginLmHeadUpdateRequ
   return t;
 }
 
-/// Writes `bias` (a checked [V] tensor) to `path` as a safetensors file and
-/// locates it. INTERNAL (RESOURCE_EXHAUSTED when the disk is full) on failure.
-absl::StatusOr<LmHeadBiasSource> WriteBias(const std::string& path, const v1::Tensor& bias) {
-  if (absl::Status st = WriteSafetensors(path, {bias}); !st.ok())
-    return absl::Status(st.code() == absl::StatusCode::kResourceExhausted ? st.code() : absl::StatusCode::kInternal,
-                        absl::StrCat("lm_head update: cannot write the bias ", path, ": ", st.message()));
-  LOGPROB_ASSIGN_OR_RETURN(const SafetensorsHeader header, ReadSafetensorsHeader(path));
-  const SafetensorsEntry* e = header.Find(bias.name());
-  if (e == nullptr) return absl::InternalError(absl::StrCat(path, ": the bias just written is missing"));
-  return LmHeadBiasSource{path, e->name, e->dtype, header.data_start + e->begin};
-}
-
 }  // namespace
+
+std::string UpdateTag(const std::string& id) { return Sha256Hex(id).substr(0, 8); }
 
 void LmHeadReleases::Push(const LmHeadVersion& version) {
   absl::MutexLock lock(&mu_);
@@ -222,8 +189,12 @@ struct LmHeadUpdates::Update {
   FileMap map;
   int64_t row_bytes = 0;
   std::map<int64_t, int64_t> ranges;  // rows received or being received: begin -> end
+  std::set<int64_t> received;         // begins of the ranges received whole
   int64_t rows_received = 0, bytes = 0;
   int busy = 0;  // PutRows in progress
+  // Puts waiting for bytes from their transport: how to end each call.
+  std::map<int, std::function<void()>> waiting;
+  int next_wait = 0;
   bool committing = false, ended = false;
   // SHA-256 of the rows, read back from the staged file in order as the
   // written rows form a longer prefix, on its own thread: no put waits for
@@ -253,7 +224,8 @@ LmHeadUpdates::LmHeadUpdates(Options options, LmHeads* heads, std::shared_ptr<Lm
       heads_(heads),
       workers_(std::move(workers)),
       observers_(std::move(observers)),
-      releases_(std::move(releases)) {
+      releases_(std::move(releases)),
+      store_(options_.store_dir) {
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -265,16 +237,13 @@ LmHeadUpdates::~LmHeadUpdates() {
     cv_.SignalAll();
   }
   loop_.join();
-  absl::MutexLock lock(&mu_);
-  for (const auto& [head, spares] : spares_)
-    for (const Spare& spare : spares) unlink(spare.path.c_str());
 }
 
 absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const std::string& id) {
   if (auto it = open_.find(id); it != open_.end()) return it->second;
   if (auto it = ended_.find(id); it != ended_.end())
-    return absl::NotFoundError(absl::StrCat("lm_head update \"", id, "\" has ended: ", it->second));
-  return absl::NotFoundError(absl::StrCat("lm_head update \"", id, "\" is not open (unknown id)"));
+    return absl::NotFoundError(absl::StrCat("lm_head update ", UpdateTag(id), " has ended: ", it->second));
+  return absl::NotFoundError(absl::StrCat("lm_head update ", UpdateTag(id), " is not open (unknown id)"));
 }
 
 void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why) {
@@ -298,9 +267,10 @@ void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, c
     unlink(u->bias_file.c_str());
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - u->begun).count();
-  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
-                            "): ", outcome, outcome == "committed" ? "" : absl::StrCat(" (", why, ")"), " after ",
-                            seconds, " s, ", u->bytes, " bytes received");
+  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (",
+                            UpdateTag(u->id), "): ", outcome,
+                            outcome == "committed" ? "" : absl::StrCat(" (", why, ")"), " after ", seconds, " s, ",
+                            u->bytes, " bytes received");
   if (observers_.on_end) observers_.on_end(u->head, outcome, seconds, u->bytes);
 }
 
@@ -395,10 +365,10 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     // Begin of this name either committed (taken) or is still open.
     taken = heads_->Taken(req.head(), req.version());
     if (!taken) {
-      const std::string stem = absl::StrCat(options_.store_dir, "/", req.head(), "-", next_file_++);
+      const std::string stem = store_.NewStem(req.head());
       u->next.source.file = stem + ".safetensors";
       u->partial = stem + ".safetensors.partial";
-      u->bias_file = stem + kBiasSuffix;
+      u->bias_file = stem + kStoreBiasSuffix;
       u->bias_given = req.has_bias();
       open_[u->id] = u;
     }
@@ -421,19 +391,9 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   s.transform = transform;
   s.bias = cur.bias;
   s.config_file = cur.config_file;
-  if (req.has_bias() || IsStoreBias(options_.store_dir, cur.bias.file)) {
-    absl::StatusOr<LmHeadBiasSource> written = absl::InternalError("unset");
-    if (req.has_bias()) {
-      written = WriteBias(u->bias_file, new_bias);
-    } else {
-      std::error_code copy_ec;
-      fs::copy_file(cur.bias.file, u->bias_file, fs::copy_options::overwrite_existing, copy_ec);
-      written = copy_ec
-                    ? absl::InternalError(absl::StrCat("lm_head update: cannot copy the head's bias ", cur.bias.file,
-                                                       " to ", u->bias_file, ": ", copy_ec.message()))
-                    : absl::StatusOr<LmHeadBiasSource>(
-                          LmHeadBiasSource{u->bias_file, cur.bias.tensor, cur.bias.dtype, cur.bias.data_offset});
-    }
+  if (req.has_bias() || store_.IsOwnBias(cur.bias.file)) {
+    const absl::StatusOr<LmHeadBiasSource> written =
+        req.has_bias() ? LmHeadStore::WriteBias(u->bias_file, new_bias) : LmHeadStore::CopyBias(cur.bias, u->bias_file);
     if (!written.ok()) {
       absl::MutexLock lock(&mu_);
       End(u, "aborted", std::string(written.status().message()));
@@ -443,10 +403,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   }
   const std::string header = StoreFileHeader(cur.dtype, V, H);
   s.data_offset = header.size();
-  std::error_code ec;
-  fs::create_directories(options_.store_dir, ec);
   const uint64_t file_bytes = header.size() + static_cast<uint64_t>(V * row_bytes);
-  u->fd = StagedFile(u->head, u->partial, file_bytes, &u->map);
+  u->fd = store_.StagedFile(u->head, u->partial, file_bytes, &u->map);
   if (u->fd < 0 || !PwriteAll(u->fd, header.data(), header.size(), 0)) {
     const int err = errno;
     const std::string why = absl::StrCat("cannot create ", u->partial, ": ", strerror(err));
@@ -456,34 +414,80 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     return err == ENOSPC ? absl::ResourceExhaustedError(msg) : absl::InternalError(msg);
   }
   u->hasher = std::make_unique<StagedFileHasher>(u->fd, s.data_offset, V * row_bytes, /*background=*/sha.empty());
-  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (", u->id,
-                            ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype));
+  LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (",
+                            UpdateTag(u->id), ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype));
   return u->Proto();
+}
+
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(const v1::LmHeadRows& put, const LmHeadPutIo& io) {
+  switch (put.source_case()) {
+    case v1::LmHeadRows::kFile:
+      if (put.row_begin() != 0)
+        return absl::InvalidArgumentError("LmHeadRows.file gives every row: row_begin must be 0");
+      return PutFile(put.update_id(), put.file().path(), put.file().tensor());
+    case v1::LmHeadRows::kRows:
+      break;
+    default:
+      return absl::InvalidArgumentError("LmHeadRows: rows or file is needed");
+  }
+  const v1::Tensor& t = put.rows();
+  if (t.shape_size() != 2 || t.shape(0) <= 0 || t.shape(1) <= 0)
+    return absl::InvalidArgumentError("LmHeadRows.rows: shape [n, hidden_size] with n, hidden_size > 0 expected");
+  if (!IsFloatDType(t.dtype())) return absl::InvalidArgumentError("LmHeadRows.rows: dtype F32, BF16 or F16 expected");
+  const int64_t n = t.shape(0), columns = t.shape(1);
+  if (t.source_case() == v1::Tensor::kData || t.source_case() == v1::Tensor::SOURCE_NOT_SET) {
+    // Inline bytes; the rest, if the transport has more, follow (its size
+    // is checked against the update's rows with any source's).
+    const uint64_t whole_rows = t.data().size() / DTypeSize(t.dtype()) / static_cast<uint64_t>(columns);
+    if (whole_rows < static_cast<uint64_t>(n) && io.follow)
+      return PutRowsWith(put.update_id(), put.row_begin(), n, t.dtype(), columns, io);
+    const std::shared_ptr<const InputSource> inline_rows = MemorySource(t.data());
+    return PutRows(put.update_id(), put.row_begin(), n, t.dtype(), columns, *inline_rows);
+  }
+  if (!io.resolve)
+    return absl::InvalidArgumentError("LmHeadRows.rows: a memory reference cannot be resolved by this caller");
+  LOGPROB_ASSIGN_OR_RETURN(const std::shared_ptr<const InputSource> source, io.resolve(t));
+  return PutRows(put.update_id(), put.row_begin(), n, t.dtype(), columns, *source);
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, int64_t row_begin, int64_t rows,
                                                         DType dtype, int64_t columns, const InputSource& source) {
-  return Put(id, row_begin, rows, dtype, columns, &source,
-             [&](const std::shared_ptr<Update>& u) { return Write(u, row_begin, rows, source); });
+  return PutInto(id, row_begin, rows, dtype, columns, &source,
+                 [&](const std::shared_ptr<Update>& u, char* dst) { return Write(u, row_begin, rows, source, dst); });
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows,
-                                                            DType dtype, int64_t columns,
-                                                            const std::function<absl::Status(char* dst)>& write) {
-  return Put(id, row_begin, rows, dtype, columns, nullptr, [&](const std::shared_ptr<Update>& u) {
-    return write(u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes));
+                                                            DType dtype, int64_t columns, const LmHeadPutIo& io) {
+  return PutInto(id, row_begin, rows, dtype, columns, nullptr, [&](const std::shared_ptr<Update>& u, char* dst) {
+    const auto progressed = [this, &u] {
+      absl::MutexLock lock(&mu_);
+      u->last_progress = Clock::now();
+    };
+    // While it waits for bytes, a time-out of the update ends its call.
+    int key = 0;
+    if (io.cancel) {
+      absl::MutexLock lock(&mu_);
+      key = ++u->next_wait;
+      u->waiting[key] = io.cancel;
+    }
+    const absl::Status st = io.follow(dst, progressed);
+    absl::MutexLock lock(&mu_);
+    u->waiting.erase(key);
+    return st;
   });
 }
 
-absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
     const std::string& id, int64_t row_begin, int64_t rows, DType dtype, int64_t columns, const InputSource* source,
-    const std::function<absl::Status(const std::shared_ptr<Update>&)>& fill) {
+    const std::function<absl::Status(const std::shared_ptr<Update>&, char* dst)>& fill) {
   std::shared_ptr<Update> u;
+  bool verify = false;  // a retry of a range received whole
   {
     absl::MutexLock lock(&mu_);
     LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
     const int64_t V = u->next.source.vocab_size;
-    if (u->committing) return absl::FailedPreconditionError(absl::StrCat("lm_head update ", id, " is being committed"));
+    if (u->committing)
+      return absl::FailedPreconditionError(absl::StrCat("lm_head update ", UpdateTag(id), " is being committed"));
     // Compared without forming row_begin + rows first: both come from the sender (any int64).
     if (rows <= 0 || row_begin < 0 || row_begin >= V || rows > V - row_begin)
       return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_begin, " + ", rows,
@@ -503,10 +507,19 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(
               "rows [", row_begin, ", ", row_end, "): this server has no worker that can read ", source->rules().name,
               " rows into the update; send the rows as bytes (in pieces or through shared memory)")),
           source->rules().unavailable);
+    // A retry of a put that was received whole: compared, not counted.
+    if (auto same = u->ranges.find(row_begin);
+        same != u->ranges.end() && same->second == row_end && u->received.count(row_begin) > 0) {
+      if (source != nullptr && !source->rules().readable_here)
+        return absl::InvalidArgumentError(
+            absl::StrCat("rows [", row_begin, ", ", row_end, ") were already received; their ", source->rules().name,
+                         " source cannot be compared with them here: they need not be sent again"));
+      verify = true;
+    }
     // The first range at or after row_begin, and the one before it.
     auto next = u->ranges.lower_bound(row_begin);
-    if ((next != u->ranges.end() && next->first < row_end) ||
-        (next != u->ranges.begin() && std::prev(next)->second > row_begin)) {
+    if (!verify && ((next != u->ranges.end() && next->first < row_end) ||
+                    (next != u->ranges.begin() && std::prev(next)->second > row_begin))) {
       auto clash = (next != u->ranges.begin() && std::prev(next)->second > row_begin) ? std::prev(next) : next;
       return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_end, ") overlap rows [",
                                                      clash->first, ", ", clash->second,
@@ -516,33 +529,52 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(
     ++u->busy;
     u->last_progress = Clock::now();
   }
-  const absl::Status failed = fill(u);
   const int64_t total = rows * u->row_bytes, first_byte = row_begin * u->row_bytes;
+  char* const staged = u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(first_byte);
+  if (verify) {
+    // The retry's bytes, read as any put's, then compared with the staged ones.
+    std::string again(static_cast<size_t>(total), '\0');
+    const absl::Status read = fill(u, again.data());
+    absl::MutexLock lock(&mu_);
+    --u->busy;
+    u->last_progress = Clock::now();
+    if (u->ended)
+      return absl::AbortedError(absl::StrCat("lm_head update ", UpdateTag(u->id), " ended while its rows arrived: ",
+                                             ended_.count(u->id) ? ended_[u->id] : "aborted"));
+    if (!read.ok()) return read;
+    if (std::memcmp(again.data(), staged, again.size()) != 0)
+      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_begin + rows,
+                                                     ") were already received with other bytes; every row comes "
+                                                     "exactly once"));
+    return u->Proto();  // the first put's answer
+  }
+  const absl::Status failed = fill(u, staged);
   // Only whole, written puts are hashed: a failed put's rows may come again.
   if (failed.ok()) u->hasher->Written(first_byte, first_byte + total);
   if (failed.ok() && observers_.on_bytes) observers_.on_bytes(u->head, total);
   absl::MutexLock lock(&mu_);
   --u->busy;
   u->last_progress = Clock::now();
+  // Ended meanwhile (a time-out, an abort, the server stopping): why.
+  if (u->ended)
+    return absl::AbortedError(absl::StrCat("lm_head update ", UpdateTag(u->id), " ended while its rows arrived: ",
+                                           ended_.count(u->id) ? ended_[u->id] : "aborted"));
   if (!failed.ok()) {
     u->ranges.erase(row_begin);  // the rows may be sent again
     return failed;
   }
   u->rows_received += rows;
   u->bytes += total;
-  if (u->ended)
-    return absl::NotFoundError(absl::StrCat(
-        "lm_head update ", u->id, " ended while its rows arrived: ", ended_.count(u->id) ? ended_[u->id] : "aborted"));
+  u->received.insert(row_begin);
   return u->Proto();
 }
 
 absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                  const InputSource& source) {
+                                  const InputSource& source, char* rows_dst) {
   // Bytes the front-end cannot read (a client's GPU memory): a worker on
   // this host writes them into the staged file; the others are copied here.
   if (!source.rules().readable_here) return Stage(u, row_begin, rows, source);
   const int64_t total = rows * u->row_bytes;
-  const uint64_t base = u->next.source.data_offset + static_cast<uint64_t>(row_begin * u->row_bytes);
   const std::optional<std::string_view> memory = source.memory();
   // Blocks of kCopyBytes, taken in turn by up to kCopyThreads threads: a
   // client's region or a checkpoint is read with pread, which the kernel
@@ -555,12 +587,14 @@ absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_
     for (int64_t b = next++; b < blocks && !failed.load(); b = next++) {
       const int64_t off = b * static_cast<int64_t>(kCopyBytes);
       const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
-      char* dst = u->map.get() + base + static_cast<uint64_t>(off);
+      char* dst = rows_dst + static_cast<uint64_t>(off);
       if (memory) {
         std::memcpy(dst, memory->data() + off, n);
       } else if (!source.Read(off, n, dst)) {
         failed = true;
       }
+      absl::MutexLock lock(&mu_);
+      u->last_progress = Clock::now();  // a long put is progress
     }
   };
   const int64_t threads =
@@ -671,13 +705,13 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
       Update* const w = u.get();
       while (!w->ended) cv_.Wait(&mu_);  // End signals cv_
       auto it = outcomes_.find(id);
-      if (it == outcomes_.end()) return absl::AbortedError(absl::StrCat("lm_head update ", id, " ended"));
+      if (it == outcomes_.end()) return absl::AbortedError(absl::StrCat("lm_head update ", UpdateTag(id), " ended"));
       if (!it->second.status.ok()) return it->second.status;
       return it->second.info;
     }
     if (u->busy > 0)
       return absl::FailedPreconditionError(
-          absl::StrCat("lm_head update ", id, ": ", u->busy, " PutLmHeadRows call(s) still in progress"));
+          absl::StrCat("lm_head update ", UpdateTag(id), ": ", u->busy, " PutLmHeadRows call(s) still in progress"));
     const int64_t V = u->next.source.vocab_size;
     if (u->rows_received != V) {
       int64_t gap = 0;
@@ -687,7 +721,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
       }
       auto after = u->ranges.upper_bound(gap);
       const int64_t gap_end = after == u->ranges.end() ? V : after->first;
-      return absl::FailedPreconditionError(absl::StrCat("lm_head update ", id, ": ", V - u->rows_received,
+      return absl::FailedPreconditionError(absl::StrCat("lm_head update ", UpdateTag(id), ": ", V - u->rows_received,
                                                         " rows missing, first [", gap, ", ", gap_end,
                                                         "); send them before committing"));
     }
@@ -708,20 +742,21 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   std::future<absl::StatusOr<int64_t>> loading =
       std::async(std::launch::async, [this, load = u->next.Load()] { return workers_.load(load); });
   // NaN and infinite weights are refused (scanned while the workers load).
-  const absl::Status finite = CheckFinite(u->map.get(), u->next.source, id);
+  const absl::Status finite = CheckFinite(u->map.get(), u->next.source, UpdateTag(id));
   const absl::StatusOr<std::string> sha = u->expected_sha256.empty() ? std::string() : u->hasher->Finish();
   absl::StatusOr<int64_t> generation = loading.get();
   if (!finite.ok()) return fail("non_finite", finite);
   if (!sha.ok()) return fail("aborted", sha.status());
   if (!u->expected_sha256.empty() && u->expected_sha256 != *sha)
     return fail("sha256_mismatch", absl::InvalidArgumentError(absl::StrCat(
-                                       "lm_head update ", id, ": the rows' sha256 is ", *sha, ", the update announced ",
-                                       u->expected_sha256, "; nothing changed")));
+                                       "lm_head update ", UpdateTag(id), ": the rows' sha256 is ", *sha,
+                                       ", the update announced ", u->expected_sha256, "; nothing changed")));
   u->next.sha256 = u->expected_sha256.empty() ? u->hasher->digest() : KnownSha256(*sha);
   if (!generation.ok())
-    return fail("worker_error", absl::Status(generation.status().code(),
-                                             absl::StrCat("lm_head update ", id, ": loading on the workers failed: ",
-                                                          generation.status().message(), "; nothing changed")));
+    return fail("worker_error",
+                absl::Status(generation.status().code(),
+                             absl::StrCat("lm_head update ", UpdateTag(id), ": loading on the workers failed: ",
+                                          generation.status().message(), "; nothing changed")));
   const int64_t g = *generation;
   const auto serving = workers_.serving;
   if (absl::Status st = heads_->Commit(u->next, [&serving, g] { return !serving || serving(g); }); !st.ok())
@@ -737,8 +772,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     outcomes_[u->id].info = committed;
     // The digest may still be computing: the hasher lives on until it is.
     u->hasher->Start();
-    hashing_[u->next.source.file] = std::move(u->hasher);
-    maps_[u->next.source.file] = std::move(u->map);
+    store_.Keep(u->next.source.file, std::move(u->map), std::move(u->hasher));
   }
   if (committed.name().empty()) return absl::InternalError("the committed head vanished");
   return committed;
@@ -749,7 +783,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Abort(const std::string& id) {
   LOGPROB_ASSIGN_OR_RETURN(auto u, Open(id));
   if (u->committing)
     return absl::FailedPreconditionError(
-        absl::StrCat("lm_head update ", id, " is being committed; it cannot be aborted"));
+        absl::StrCat("lm_head update ", UpdateTag(id), " is being committed; it cannot be aborted"));
   End(u, "aborted", "the client aborted it");
   v1::LmHeadUpdate p = u->Proto();
   p.set_aborted(true);
@@ -758,123 +792,35 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Abort(const std::string& id) {
 }
 
 void LmHeadUpdates::Release() {
+  // One caller at a time: a Begin's Release returns only after versions
+  // the thread's took are recycled (their files can take its rows).
+  absl::MutexLock lock(&release_mu_);
   for (const LmHeadVersion& v : releases_->Take()) {
     const bool dropped = !workers_.drop || workers_.drop(v.Ref());
-    if (v.origin == kUpdateOrigin) Recycle(v, dropped);
+    if (v.origin == kUpdateOrigin) store_.Recycle(v, dropped);
   }
-}
-
-void LmHeadUpdates::Recycle(const LmHeadVersion& v, bool dropped) {
-  // The version's own bias file goes with it (no other version reads it).
-  if (IsStoreBias(options_.store_dir, v.source.bias.file)) unlink(v.source.bias.file.c_str());
-  std::unique_ptr<StagedFileHasher> hasher;
-  FileMap map;
-  std::string spare;
-  {
-    absl::MutexLock lock(&mu_);
-    // A released version's digest is listed nowhere any more: a hash still
-    // running is abandoned, so the file can be rewritten.
-    if (auto it = hashing_.find(v.source.file); it != hashing_.end()) {
-      hasher = std::move(it->second);
-      hashing_.erase(it);
-    }
-    if (auto it = maps_.find(v.source.file); it != maps_.end()) {
-      map = std::move(it->second);
-      maps_.erase(it);
-    }
-    // Only a file no worker maps any more, up to kSparesPerHead per head.
-    if (dropped && !stop_ && spares_[v.head].size() < kSparesPerHead)
-      spare = absl::StrCat(options_.store_dir, "/", v.head, ".spare-", next_file_++);
-  }
-  hasher.reset();  // its thread stops reading the file
-  if (!spare.empty() && rename(v.source.file.c_str(), spare.c_str()) == 0) {
-    absl::MutexLock lock(&mu_);
-    std::vector<Spare>& spares = spares_[v.head];
-    if (!stop_ && spares.size() < kSparesPerHead) {
-      spares.push_back(Spare{spare, std::move(map), Clock::now()});
-      return;
-    }
-    unlink(spare.c_str());
-    return;
-  }
-  unlink(v.source.file.c_str());
-}
-
-int LmHeadUpdates::StagedFile(const std::string& head, const std::string& path, uint64_t size, FileMap* map) {
-  Spare spare;
-  {
-    absl::MutexLock lock(&mu_);
-    if (auto it = spares_.find(head); it != spares_.end() && !it->second.empty()) {
-      spare = std::move(it->second.back());  // the most recent: its pages are the likeliest in memory
-      it->second.pop_back();
-    }
-  }
-  if (!spare.path.empty()) {
-    struct stat st {};
-    if (stat(spare.path.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_size) == size &&
-        rename(spare.path.c_str(), path.c_str()) == 0) {
-      const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-      if (fd >= 0) {
-        LogLine() << absl::StrCat("logprob-server: lm_head ", head,
-                                  ": the update writes into the store file a released version left (", size, " bytes)");
-        *map = std::move(spare.map);  // its page tables still populated
-        if (*map != nullptr) return fd;
-        return MapStaged(fd, path, size, map);
-      }
-    }
-    unlink(spare.path.c_str());  // another size (or gone): a new file
-  }
-  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  // Blocks allocated now: writes through the mapping never run out of space.
-  if (fd < 0) return -1;
-  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
-    close(fd);
-    unlink(path.c_str());
-    errno = err;
-    return -1;
-  }
-  return MapStaged(fd, path, size, map);
-}
-
-int LmHeadUpdates::MapStaged(int fd, const std::string& path, uint64_t size, FileMap* map) {
-  void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  if (m == MAP_FAILED) {
-    const int err = errno;
-    close(fd);
-    unlink(path.c_str());
-    errno = err;
-    return -1;
-  }
-  *map = FileMap(static_cast<char*>(m), [size](char* q) { munmap(q, size); });
-  return fd;
 }
 
 void LmHeadUpdates::Loop() {
   for (;;) {
     // Released versions: the workers drop them; the store's files go.
     Release();
+    store_.Tidy();
+    if (observers_.on_store_bytes) observers_.on_store_bytes(store_.Bytes());
     absl::MutexLock lock(&mu_);
     if (stop_) return;
-    for (auto it = hashing_.begin(); it != hashing_.end();)
-      it = it->second->digest().wait_for(std::chrono::seconds(0)) == std::future_status::ready ? hashing_.erase(it)
-                                                                                               : std::next(it);
     const auto now = Clock::now();
-    // Spares nobody took for a while give their memory back.
-    for (auto& [head, spares] : spares_)
-      spares.erase(std::remove_if(spares.begin(), spares.end(),
-                                  [now](const Spare& s) {
-                                    if (now - s.since < kSpareIdle) return false;
-                                    unlink(s.path.c_str());
-                                    return true;
-                                  }),
-                   spares.end());
     std::vector<std::shared_ptr<Update>> idle;
     for (const auto& [id, u] : open_)
-      if (u->busy == 0 && !u->committing && now - u->last_progress > options_.timeout) idle.push_back(u);
-    for (const auto& u : idle)
+      if (!u->committing && now - u->last_progress > options_.timeout) idle.push_back(u);
+    for (const auto& u : idle) {
+      // A put stalled waiting for bytes: its call is ended too (the
+      // handler thread is freed; the put answers ABORTED naming this).
+      for (const auto& [key, cancel] : u->waiting) cancel();
       End(u, "timeout",
           absl::StrCat("no progress for ", std::chrono::duration<double>(options_.timeout).count(),
                        " s (--lm-head-update-timeout)"));
+    }
     cv_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
   }
 }

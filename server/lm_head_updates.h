@@ -1,9 +1,14 @@
-// Staged, all-or-nothing updates of named lm_heads (refit): an update is
-// opened for a head and a new version, filled with rows from any input
-// source, and committed (every worker loads the new version while scoring
-// goes on; then it becomes current) or aborted. The rows are written into
-// a safetensors file in the store directory, which workers read their
-// slices from, so re-formed workers load committed versions from it.
+// Staged, all-or-nothing updates of named lm_heads (refit): the update
+// protocol, free of any transport. An update is opened for a head and a
+// new version (Begin), filled with rows (Put: inline bytes, bytes that
+// follow the message, a memory reference or a checkpoint file), and
+// committed (every worker loads the new version while scoring goes on;
+// then it becomes current) or aborted. The rows are written into a
+// safetensors file of the store (server/lm_head_store.h), which workers
+// read their slices from, so re-formed workers load committed versions
+// from it. The gRPC handlers (server/scoring_service.cc) only translate;
+// any other caller (a test, another transport, a peer's catch-up) drives
+// Begin / Put / Commit / Abort the same way.
 #pragma once
 
 #include <chrono>
@@ -23,13 +28,16 @@
 #include "logprob/internal/v1/worker.pb.h"
 #include "logprob/v1/logprob.pb.h"
 #include "server/input_source.h"
+#include "server/lm_head_store.h"
 #include "server/lm_heads.h"
 #include "server/staged_file_hasher.h"
 
 namespace logprob {
 
-/// A store file mapped read-write (munmap when the last holder goes).
-using FileMap = std::shared_ptr<char>;
+/// What logs and errors print for update `id`: the first 8 hex digits of
+/// SHA-256(id), never the id (the capability to put, commit and abort; a
+/// log reader must not be able to use it). The holder can compute it.
+std::string UpdateTag(const std::string& id);
 
 /// Versions LmHeads released (LmHeads::Options::on_release pushes them),
 /// waiting for LmHeadUpdates' thread to have the workers drop them and to
@@ -71,6 +79,31 @@ struct LmHeadUpdateObservers {
   std::function<void(const std::string& head, const std::string& outcome, double seconds, int64_t bytes)> on_end;
   /// Rows' bytes received (PutRows).
   std::function<void(const std::string& head, int64_t bytes)> on_bytes;
+  /// The store's bytes (LmHeadStore::Bytes), every time the update thread
+  /// wakes (about 5 times a second).
+  std::function<void(int64_t bytes)> on_store_bytes;
+};
+
+/// How a put's row bytes reach the core where LmHeadRows.rows does not
+/// hold them inline: given by the transport (all members may be empty).
+struct LmHeadPutIo {
+  /// Bytes that follow the message (gRPC: TensorPiece parts), called when
+  /// rows.data holds fewer bytes than the shape announces: writes the
+  /// rows' n * H * sizeof(dtype) bytes (rows.data's first) to `dst` (their
+  /// place in the staged file: no buffer, no second copy), calling
+  /// `progressed()` as bytes arrive (the update's time-out counts from
+  /// the last progress); OK when every byte was written. Empty: the
+  /// inline bytes must be all of them.
+  std::function<absl::Status(char* dst, const std::function<void()>& progressed)> follow;
+  /// A reference to memory (LmHeadRows.rows with shared_memory or
+  /// cuda_ipc): the source it names (checks of the caller's rights
+  /// included). Empty: such rows are refused (INVALID_ARGUMENT).
+  std::function<absl::StatusOr<std::shared_ptr<const InputSource>>(const v1::Tensor& rows)> resolve;
+  /// Ends the transport's call (gRPC: TryCancel) when the update ends
+  /// while this put waits for bytes (a time-out), so a stalled sender
+  /// cannot hold a handler thread. May be called from another thread,
+  /// once, while Put runs.
+  std::function<void()> cancel;
 };
 
 /// The open updates of a server's heads. Thread-safe.
@@ -80,9 +113,12 @@ class LmHeadUpdates {
     bool allowed = false;    // --allow-lm-head-updates
     std::string store_dir;   // where staged and committed versions are written
     std::string update_dir;  // --lm-head-update-dir: file sources are confined to it; empty: none allowed
-    std::chrono::milliseconds timeout{300000};  // an open update without progress is aborted
-    int64_t memory_bytes = 0;                   // per worker, every held version plus the staged one; 0: no cap
-    int workers = 1;                            // W: slices are SplitRange(V, W, rank)
+    // An open update without progress this long (no Begin, put, row block
+    // or piece arriving) is aborted, also while a put waits for bytes
+    // (its call is ended: LmHeadPutIo::cancel).
+    std::chrono::milliseconds timeout{300000};
+    int64_t memory_bytes = 0;  // per worker, every held version plus the staged one; 0: no cap
+    int workers = 1;           // W: slices are SplitRange(V, W, rank)
   };
 
   /// `heads` and the callbacks outlive this; `releases` is the queue
@@ -116,16 +152,26 @@ class LmHeadUpdates {
   /// released); one from the head's start-up checkpoint is read there.
   absl::StatusOr<v1::LmHeadUpdate> Begin(const v1::BeginLmHeadUpdateRequest& req) ABSL_LOCKS_EXCLUDED(mu_);
 
-  /// Writes rows [row_begin, row_begin + rows) of update `id` from `source`
+  /// The one entry point of a put (PutLmHeadRows): rows [row_begin,
+  /// row_begin + n) of update `put.update_id` from `put.rows` ([n, H] of the
+  /// update's dtype: bytes inline in rows.data, bytes that follow through
+  /// `io.follow`, or a memory reference through `io.resolve`), or every row
+  /// from `put.file` (row_begin 0; PutFile's rules). INVALID_ARGUMENT naming
+  /// the field for neither source, a shape other than [n > 0, H > 0], a
+  /// dtype not F32 / BF16 / F16, inline bytes of the wrong size, a
+  /// reference without `io.resolve`; then PutRows' and PutFile's errors.
+  absl::StatusOr<v1::LmHeadUpdate> Put(const v1::LmHeadRows& put, const LmHeadPutIo& io = {}) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// Put's rows from a source already resolved: writes rows [row_begin, row_begin + rows) of update `id` from `source`
   /// (rows * H * sizeof(dtype) bytes, row-major; `dtype` and `columns` as
   /// the sender announced them, which must be the update's dtype and H). Every row must come
   /// exactly once over all calls (concurrent calls of disjoint ranges are
-  /// fine). NOT_FOUND for an unknown, ended or aborted update (with why);
-  /// INVALID_ARGUMENT for a range outside [0, V), rows already given (or
-  /// being given), a source of the wrong size; DATA_LOSS when the source
-  /// cannot be read. A source the front-end cannot read (a CUDA IPC
-  /// reference, InputSource::Refer) is copied into the staged file by a
-  /// worker (LmHeadWorkers::stage), then counts like any other:
+  /// fine); a retry of exactly a range received whole with the same bytes
+  /// answers OK (compared with the staged bytes; a CUDA IPC retry cannot
+  /// be and is INVALID_ARGUMENT), with other bytes INVALID_ARGUMENT. NOT_FOUND for an unknown, ended or aborted update
+  /// (with why); INVALID_ARGUMENT for a range outside [0, V), rows already given (or being given), a source of the
+  /// wrong size; DATA_LOSS when the source cannot be read. A source the front-end cannot read (a CUDA IPC reference,
+  /// InputSource::Refer) is copied into the staged file by a worker (LmHeadWorkers::stage), then counts like any other:
   /// FAILED_PRECONDITION with the kind's unavailable reason
   /// (CUDA_IPC_UNAVAILABLE) when there is no stage callback, and the
   /// worker's error (the reason added to a FAILED_PRECONDITION: the worker
@@ -133,30 +179,6 @@ class LmHeadUpdates {
   /// counted and may be sent again.
   absl::StatusOr<v1::LmHeadUpdate> PutRows(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
                                            int64_t columns, const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
-
-  /// PutRows for a writer that fills the rows itself: the same checks
-  /// (no source: its size and kind are the caller's), then
-  /// `write(dst)` with dst the rows' rows * H * sizeof(dtype) bytes in the
-  /// staged file; OK when it wrote every one (a PutLmHeadRows call's
-  /// pieces, written as they arrive: no buffer, no second copy). Its error
-  /// frees the range, as a failed source does.
-  absl::StatusOr<v1::LmHeadUpdate> PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
-                                               int64_t columns, const std::function<absl::Status(char* dst)>& write)
-      ABSL_LOCKS_EXCLUDED(mu_);
-
-  /// PutRows of every row of a safetensors checkpoint under update_dir
-  /// (`path` relative to it, PATH and TENSOR of ResolveLmHead with
-  /// `tensor`). Every file (checkpoint, index, shards, config.json) is
-  /// opened once beneath update_dir without following symlinks at any
-  /// component, non-blocking, checked to be a regular file, and read only
-  /// through that descriptor (OpenBeneath). PERMISSION_DENIED for an
-  /// absolute path, "..", a symlink, or when no update_dir is set
-  /// (decided without looking outside update_dir); NOT_FOUND for no such
-  /// file beneath it; FAILED_PRECONDITION for a FIFO, device or other
-  /// non-regular file; the checkpoint's shape and dtype must be the
-  /// update's. Errors name the path the client gave, never bytes read.
-  absl::StatusOr<v1::LmHeadUpdate> PutFile(const std::string& id, const std::string& path, const std::string& tensor)
-      ABSL_LOCKS_EXCLUDED(mu_);
 
   /// Checks every row arrived and the sha256, loads the version on every
   /// worker, and makes it current. Safe to retry: a Commit of an update
@@ -175,10 +197,34 @@ class LmHeadUpdates {
   /// Aborts update `id` (its file is removed). NOT_FOUND when not open.
   absl::StatusOr<v1::LmHeadUpdate> Abort(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
 
+  /// The store's files (its bytes: LmHeadStore::Bytes).
+  const LmHeadStore& store() const { return store_; }
+
   const Options& options() const { return options_; }
 
  private:
   struct Update;
+  /// PutRows for a writer that fills the rows itself (LmHeadPutIo::follow):
+  /// the same checks (no source: its size and kind are the caller's), then
+  /// `write(dst, progressed)` with dst the rows' bytes in the staged file.
+  /// Its error frees the range, as a failed source does.
+  absl::StatusOr<v1::LmHeadUpdate> PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
+                                               int64_t columns, const LmHeadPutIo& io) ABSL_LOCKS_EXCLUDED(mu_);
+
+  /// PutRows of every row of a safetensors checkpoint under update_dir
+  /// (`path` relative to it, PATH and TENSOR of ResolveLmHead with
+  /// `tensor`). Every file (checkpoint, index, shards, config.json) is
+  /// opened once beneath update_dir without following symlinks at any
+  /// component, non-blocking, checked to be a regular file, and read only
+  /// through that descriptor (OpenBeneath). PERMISSION_DENIED for an
+  /// absolute path, "..", a symlink, or when no update_dir is set
+  /// (decided without looking outside update_dir); NOT_FOUND for no such
+  /// file beneath it; FAILED_PRECONDITION for a FIFO, device or other
+  /// non-regular file; the checkpoint's shape and dtype must be the
+  /// update's. Errors name the path the client gave, never bytes read.
+  absl::StatusOr<v1::LmHeadUpdate> PutFile(const std::string& id, const std::string& path, const std::string& tensor)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   /// The open update `id` (NOT_FOUND with why otherwise). mu_ held.
   absl::StatusOr<std::shared_ptr<Update>> Open(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Ends `u` (aborted: why), removes its file, reports it. mu_ held.
@@ -186,40 +232,29 @@ class LmHeadUpdates {
   void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// PutRows / PutRowsWith: the checks (`source`'s too when not null),
-  /// the range claimed, `fill(u)` writes the rows, then they count (the
-  /// hasher, metrics) or, on its error, the range is freed.
-  absl::StatusOr<v1::LmHeadUpdate> Put(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
-                                       int64_t columns, const InputSource* source,
-                                       const std::function<absl::Status(const std::shared_ptr<Update>&)>& fill)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  /// The rows of update `u` from `source` written into the staged file
-  /// (copied here in 16 MiB blocks on up to 4 threads, or by a worker:
-  /// Stage). The source's error when a read fails.
-  absl::Status Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  /// the range claimed, `fill(u, dst)` writes the rows to dst (their place
+  /// in the staged file), then they count (the hasher, metrics) or, on its
+  /// error, the range is freed. A retry of exactly a range received whole
+  /// is filled into a buffer and compared with the staged bytes: the
+  /// update as it is when equal, INVALID_ARGUMENT when not (not counted).
+  absl::StatusOr<v1::LmHeadUpdate> PutInto(
+      const std::string& id, int64_t row_begin, int64_t rows, DType dtype, int64_t columns, const InputSource* source,
+      const std::function<absl::Status(const std::shared_ptr<Update>&, char* dst)>& fill) ABSL_LOCKS_EXCLUDED(mu_);
+  /// The rows of update `u` from `source` written to `dst` (their place in
+  /// the staged file, or a retry's buffer; copied here in 16 MiB blocks on
+  /// up to 4 threads), or by a worker into the staged file (Stage: `dst`
+  /// unused). The source's error when a read fails.
+  absl::Status Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source,
+                     char* dst) ABSL_LOCKS_EXCLUDED(mu_);
   /// Has a worker copy the rows of `source` (not readable here: it
   /// refers to them, InputSource::Refer) into `u`'s staged file at their
   /// byte offset (LmHeadWorkers::stage). The stage's error, named.
   absl::Status Stage(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
       ABSL_LOCKS_EXCLUDED(mu_);
   /// Has the workers drop the versions LmHeads released since the last
-  /// call, and recycles their store files. (Loop and Begin.)
-  void Release() ABSL_LOCKS_EXCLUDED(mu_);
-  /// A released version's store file: kept as one of its head's spares
-  /// (the next updates of that head write into them: their pages are
-  /// already allocated; a spare idle for a minute is removed) when every
-  /// worker `dropped` the version and the head has fewer than two, else
-  /// removed. A hash of the file still running is abandoned.
-  void Recycle(const LmHeadVersion& v, bool dropped) ABSL_LOCKS_EXCLUDED(mu_);
-  /// Opens `path` read-write as a staged file of `size` bytes, and sets
-  /// `map` to its read-write mapping: the head's spare renamed if it has
-  /// that size (with its mapping, kept since its commit), else a new file
-  /// with its blocks allocated. -1 (errno set) on failure.
-  int StagedFile(const std::string& head, const std::string& path, uint64_t size, FileMap* map)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  /// StagedFile's mapping of `fd` (`path`, `size` bytes; page tables
-  /// populated): `fd`, or -1 (errno set; `fd` closed, `path` removed).
-  static int MapStaged(int fd, const std::string& path, uint64_t size, FileMap* map);
+  /// call, and recycles their store files (LmHeadStore::Recycle). (Loop
+  /// and Begin.)
+  void Release() ABSL_LOCKS_EXCLUDED(mu_, release_mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -228,7 +263,9 @@ class LmHeadUpdates {
   const LmHeadWorkers workers_;
   const LmHeadUpdateObservers observers_;
   const std::shared_ptr<LmHeadReleases> releases_;
+  LmHeadStore store_;
 
+  absl::Mutex release_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // Release's, held across it
   absl::Mutex mu_;
   absl::CondVar cv_;
   std::map<std::string, std::shared_ptr<Update>> open_ ABSL_GUARDED_BY(mu_);  // by id
@@ -241,17 +278,6 @@ class LmHeadUpdates {
   };
   std::map<std::string, Outcome> outcomes_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> outcome_order_ ABSL_GUARDED_BY(mu_);  // ids, oldest first
-  int64_t next_file_ ABSL_GUARDED_BY(mu_) = 0;
-  struct Spare {
-    std::string path;
-    FileMap map;                                  // its read-write mapping, page tables populated (may be null)
-    std::chrono::steady_clock::time_point since;  // released then; removed when idle for long
-  };
-  // head -> released store files to reuse (kSparesPerHead at most)
-  std::map<std::string, std::vector<Spare>> spares_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, FileMap> maps_ ABSL_GUARDED_BY(mu_);  // committed store file -> its mapping
-  // Committed versions' hashers whose digest is still computing, by file.
-  std::map<std::string, std::unique_ptr<StagedFileHasher>> hashing_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread loop_;
 };

@@ -49,6 +49,7 @@
 #include "server/memory_bound.h"
 #include "server/metrics.h"
 #include "server/scoring_service.h"
+#include "server/store_folder.h"
 #include "server/tls.h"
 #include "server/worker_pool.h"
 
@@ -97,8 +98,10 @@ ABSL_FLAG(std::string, lm_head_update_dir, "",
           "symlinks out); empty: file sources refused");
 ABSL_FLAG(std::string, lm_head_store_dir, "",
           "where updated lm_head versions are written (safetensors; workers read their slices from it, also "
-          "after re-forming: in cluster mode a directory every worker sees at the same path); default "
-          "/dev/shm/logprob-PID-lm-heads (memory), else a directory under $TMPDIR, removed at exit");
+          "after re-forming: in cluster mode a directory every worker sees at the same path); each front-end "
+          "writes only into its own folder logprob-lm-heads-PID-START-RANDOM under it, locked while it runs and "
+          "removed at exit (a dead front-end's is removed by the next start); default /dev/shm (memory), else "
+          "$TMPDIR (logged)");
 ABSL_FLAG(absl::Duration, lm_head_update_timeout, absl::Seconds(300),
           "an open lm_head update without progress this long is aborted and its memory freed");
 ABSL_FLAG(std::string, lm_head_sync_from, "",
@@ -215,34 +218,28 @@ absl::Status CheckClusterFlags(int external, bool workers_given, const std::stri
 
 namespace {
 
-/// The default lm_head store: /dev/shm/logprob-<pid>-lm-heads (memory: no
-/// disk writeback on the update path; a server that dies leaves it, and the
-/// next server's RemoveStaleRegions removes it), else a directory under
-/// $TMPDIR. Removed with what it holds when this goes.
-class StoreDir {
- public:
-  StoreDir() {
-    std::error_code ec;
-    const std::string shm = "/dev/shm/logprob-" + std::to_string(getpid()) + "-lm-heads";
-    if (std::filesystem::create_directory(shm, ec) && !ec) {
-      path_ = shm;
-      return;
-    }
+/// The lm_head store's folder of this process start (server/store_folder.h)
+/// under --lm-head-store-dir, or by default under /dev/shm (memory: no disk
+/// writeback on the update path), else under $TMPDIR (the reason logged).
+/// Stale folders of exited front-ends under the root are removed first.
+absl::StatusOr<std::unique_ptr<logprob::StoreFolder>> MakeStoreFolder(const std::string& flag) {
+  int stale = 0;
+  std::string root = flag.empty() ? "/dev/shm" : flag;
+  absl::StatusOr<std::unique_ptr<logprob::StoreFolder>> folder = logprob::StoreFolder::Make(root, &stale);
+  if (!folder.ok() && flag.empty()) {
     const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/logprob-lm-heads-XXXXXX";
-    if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+    const std::string fallback = std::string(tmp && *tmp ? tmp : "/tmp");
+    LogLine() << "logprob-server: lm_head store: cannot use /dev/shm (" << folder.status().message()
+              << "); using a folder under " << fallback << " instead (on disk: updates may be slower)";
+    root = fallback;
+    folder = logprob::StoreFolder::Make(root, &stale);
   }
-  ~StoreDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  StoreDir(const StoreDir&) = delete;
-  StoreDir& operator=(const StoreDir&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+  if (!folder.ok()) return folder.status();
+  if (stale > 0)
+    LogLine() << "logprob-server: removed " << stale << " stale lm_head store(s) of exited front-ends under " << root;
+  LogLine() << "logprob-server: lm_head store " << (*folder)->path();
+  return folder;
+}
 
 /// A start-up head from "[NAME=]PATH[:TENSOR]": its source, and the
 /// SHA-256 of its weight bytes (read once here).
@@ -485,6 +482,10 @@ int main(int argc, char** argv) {
       return Fail("--lm-head-frozen " + name + ": no --lm-head of that name");
   config.lm_heads = &heads;
   config.lm_head_updates = absl::GetFlag(FLAGS_allow_lm_head_updates);
+  absl::StatusOr<std::unique_ptr<logprob::StoreFolder>> store_folder =
+      MakeStoreFolder(absl::GetFlag(FLAGS_lm_head_store_dir));
+  if (!store_folder.ok()) return Fail("--lm-head-store-dir: " + std::string(store_folder.status().message()));
+  config.lm_head_store_bytes = [dir = (*store_folder)->path()] { return logprob::LmHeadStore::BytesOf(dir); };
   if (config.lm_head_updates && heads.empty()) return Fail("--allow-lm-head-updates needs an --lm-head to update");
   // A replica catching up with its peers serves no hidden-states request
   // (UNAVAILABLE) and reports NOT_SERVING until it holds their versions.
@@ -529,12 +530,7 @@ int main(int argc, char** argv) {
 
   // Where updated lm_head versions are written (before the pool: workers on
   // other nodes fetch rows of its files through the control plane).
-  std::string lm_head_store_dir = absl::GetFlag(FLAGS_lm_head_store_dir);
-  std::optional<StoreDir> default_store;
-  if (lm_head_store_dir.empty()) {
-    default_store.emplace();
-    lm_head_store_dir = default_store->path();
-  }
+  const std::string lm_head_store_dir = (*store_folder)->path();
 
   logprob::WorkerPool::Options pool_opts;
   pool_opts.worker_config = worker_config;
@@ -601,6 +597,7 @@ int main(int argc, char** argv) {
   update_observers.on_bytes = [&metrics](const std::string& head, int64_t bytes) {
     metrics.AddLmHeadUpdateBytes(head, bytes);
   };
+  update_observers.on_store_bytes = [&metrics](int64_t bytes) { metrics.SetLmHeadStoreBytes(bytes); };
   logprob::LmHeadUpdates updates(update_options, &heads, releases, update_workers, update_observers);
   logprob::ScoringService service(pool, config, &metrics, &updates);
 

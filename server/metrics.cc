@@ -150,7 +150,13 @@ Metrics::Metrics(const std::string& backend)
       lm_head_update_bytes_(prometheus::BuildCounter()
                                 .Name("logprob_lm_head_update_bytes_total")
                                 .Help("Bytes of lm_head rows received by updates, by head.")
-                                .Register(*registry_)) {
+                                .Register(*registry_)),
+      lm_head_store_bytes_(prometheus::BuildGauge()
+                               .Name("logprob_lm_head_store_bytes")
+                               .Help("Bytes the lm_head store's files take (staged, committed and spare versions; "
+                                     "in memory for a /dev/shm store).")
+                               .Register(*registry_)
+                               .Add({})) {
   prometheus::BuildGauge()
       .Name("logprob_build_info")
       .Help("Build information; the value is 1.")
@@ -204,6 +210,8 @@ void Metrics::SetLmHead(const std::string& head, const std::string& version, int
   lm_head_info_now_[head] = &g;
   lm_head_retained_bytes_.Add({{"head", head}}).Set(static_cast<double>(retained_bytes));
 }
+
+void Metrics::SetLmHeadStoreBytes(int64_t bytes) { lm_head_store_bytes_.Set(static_cast<double>(bytes)); }
 
 void Metrics::ObserveLmHeadUpdate(const std::string& head, const std::string& outcome, double seconds) {
   lm_head_updates_.Add({{"head", head}, {"outcome", outcome}}).Increment();

@@ -79,6 +79,8 @@ class Metrics {
   void ObserveLmHeadUpdate(const std::string& head, const std::string& outcome, double seconds);
   /// Counts bytes of lm_head rows received for `head`.
   void AddLmHeadUpdateBytes(const std::string& head, int64_t bytes);
+  /// Sets the bytes the lm_head store's files take (logprob_lm_head_store_bytes).
+  void SetLmHeadStoreBytes(int64_t bytes);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -110,6 +112,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& lm_head_updates_;
   prometheus::Family<prometheus::Histogram>& lm_head_update_duration_;
   prometheus::Family<prometheus::Counter>& lm_head_update_bytes_;
+  prometheus::Gauge& lm_head_store_bytes_;
   absl::Mutex lm_head_mu_;
   std::map<std::string, prometheus::Gauge*> lm_head_info_now_ ABSL_GUARDED_BY(lm_head_mu_);  // head -> its info gauge
 };

@@ -214,6 +214,7 @@ v1::ServerInfo ScoringCore::Info() const {
     if (!head.ok()) SetSharedHeadShape(&info);
   }
   info.set_lm_head_updates(config_.lm_head_updates);
+  if (config_.lm_head_store_bytes) info.set_lm_head_store_bytes(config_.lm_head_store_bytes());
   info.set_hidden_chunk_tokens(config_.hidden_chunk_tokens);
   info.set_max_queue_tokens(config_.max_queue_tokens);
   info.set_max_queue_bytes(config_.max_queue_bytes);

@@ -53,6 +53,9 @@ struct ServiceConfig {
   /// replica catching up with its peers: UNAVAILABLE until it holds their
   /// newest versions; server/lm_head_peer_sync.h). Thread-safe.
   std::function<absl::Status()> lm_heads_ready;
+  /// The lm_head store's bytes (ServerInfo.lm_head_store_bytes,
+  /// LmHeadStore::Bytes); empty: 0.
+  std::function<int64_t()> lm_head_store_bytes;
   int64_t hidden_chunk_tokens = 0;
   /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
   /// Tensor.shared_memory; server/client_regions.h): caps and idle expiry.

@@ -322,14 +322,14 @@ grpc::Status ScoringService::BeginLmHeadUpdate(grpc::ServerContext* context, con
 grpc::Status ScoringService::CommitLmHeadUpdate(grpc::ServerContext* context, const v1::LmHeadUpdateRef* req,
                                                 v1::LmHeadInfo* resp) {
   return UpdateCall<v1::LmHeadInfo>(
-      context, "CommitLmHeadUpdate", absl::StrCat("update=", req->update_id()),
+      context, "CommitLmHeadUpdate", absl::StrCat("update=", UpdateTag(req->update_id())),
       [req](LmHeadUpdates& u) { return u.Commit(req->update_id()); }, resp);
 }
 
 grpc::Status ScoringService::AbortLmHeadUpdate(grpc::ServerContext* context, const v1::LmHeadUpdateRef* req,
                                                v1::LmHeadUpdate* resp) {
   return UpdateCall<v1::LmHeadUpdate>(
-      context, "AbortLmHeadUpdate", absl::StrCat("update=", req->update_id()),
+      context, "AbortLmHeadUpdate", absl::StrCat("update=", UpdateTag(req->update_id())),
       [req](LmHeadUpdates& u) { return u.Abort(req->update_id()); }, resp);
 }
 
@@ -365,44 +365,40 @@ grpc::Status ScoringService::ServeLmHeadRows(
     LOGPROB_ASSIGN_OR_RETURN(chunked::ParsedPart first, chunked::ParsePart(in));
     if (first.is_piece() || !rows.ParseFromString(first.message()))
       return absl::InvalidArgumentError("the first part of PutLmHeadRows must carry LmHeadRows");
-    if (rows.has_file()) {
-      if (rows.has_rows()) return absl::InvalidArgumentError("LmHeadRows: give rows or file, not both");
-      if (rows.row_begin() != 0)
-        return absl::InvalidArgumentError("LmHeadRows.file gives every row: row_begin must be 0");
-      return updates->PutFile(rows.update_id(), rows.file().path(), rows.file().tensor());
-    }
-    const v1::Tensor& t = rows.rows();
-    if (t.shape_size() != 2 || t.shape(0) <= 0 || t.shape(1) <= 0)
-      return absl::InvalidArgumentError("LmHeadRows.rows: shape [n, hidden_size] with n, hidden_size > 0 expected");
-    if (!IsFloatDType(t.dtype())) return absl::InvalidArgumentError("LmHeadRows.rows: dtype F32, BF16 or F16 expected");
-    // Bytes announced by the shape but not inline: they follow in pieces.
-    google::protobuf::RepeatedPtrField<v1::Tensor> tensors;
-    *tensors.Add() = t;
-    LOGPROB_ASSIGN_OR_RETURN(chunked::TensorAssembler assembly, chunked::TensorAssembler::Plan(&tensors, "rows"));
-    if (assembly.pending_bytes() > core_.config().max_request_bytes)
-      return absl::ResourceExhaustedError(absl::StrCat("PutLmHeadRows announces ", assembly.pending_bytes(),
-                                                       " bytes, over the server's max_request_bytes ",
-                                                       core_.config().max_request_bytes, "; send fewer rows per call"));
-    if (!assembly.pending().empty()) {
-      // The pieces land in the update's staged file as they arrive (the
-      // range claimed first, as for any source): no buffer, no copy.
-      return updates->PutRowsWith(
-          rows.update_id(), rows.row_begin(), t.shape(0), t.dtype(), t.shape(1), [&](char* dst) -> absl::Status {
-            LOGPROB_RETURN_IF_ERROR(assembly.AssembleInto(dst));
-            return chunked::ReadChunkedPieces([stream](chunked::IncomingPart* p) { return stream->Read(p); },
-                                              [context] { return CallEnded(context); }, assembly);
-          });
-    }
-    CallContext call;
-    call.session = [context] { return SharedMemoryOwner(*context); };
-    call.peer = context->peer();
-    LOGPROB_ASSIGN_OR_RETURN(RequestInputs inputs, core_.ResolveTensor(tensors.Get(0), "rows", call));
-    return updates->PutRows(rows.update_id(), rows.row_begin(), t.shape(0), t.dtype(), t.shape(1),
-                            *inputs.sources.front());
+    // The protocol is LmHeadUpdates::Put's; this only says how bytes come:
+    // in pieces after the message (written as they arrive), or referenced.
+    LmHeadPutIo io;
+    io.cancel = [context] { context->TryCancel(); };
+    io.follow = [&](char* dst, const std::function<void()>& progressed) -> absl::Status {
+      // The bytes the shape announces beyond the inline ones, in pieces.
+      google::protobuf::RepeatedPtrField<v1::Tensor> tensors;
+      *tensors.Add() = rows.rows();
+      LOGPROB_ASSIGN_OR_RETURN(chunked::TensorAssembler assembly, chunked::TensorAssembler::Plan(&tensors, "rows"));
+      if (assembly.pending_bytes() > core_.config().max_request_bytes)
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "PutLmHeadRows announces ", assembly.pending_bytes(), " bytes, over the server's max_request_bytes ",
+            core_.config().max_request_bytes, "; send fewer rows per call"));
+      LOGPROB_RETURN_IF_ERROR(assembly.AssembleInto(dst));
+      return chunked::ReadChunkedPieces(
+          [stream, &progressed](chunked::IncomingPart* p) {
+            const bool read = stream->Read(p);
+            progressed();
+            return read;
+          },
+          [context] { return CallEnded(context); }, assembly);
+    };
+    io.resolve = [&](const v1::Tensor& t) -> absl::StatusOr<std::shared_ptr<const InputSource>> {
+      CallContext call;
+      call.session = [context] { return SharedMemoryOwner(*context); };
+      call.peer = context->peer();
+      LOGPROB_ASSIGN_OR_RETURN(RequestInputs inputs, core_.ResolveTensor(t, "rows", call));
+      return inputs.sources.front();
+    };
+    return updates->Put(rows, io);
   };
   absl::StatusOr<v1::LmHeadUpdate> r = put();
   Logged(metrics_, kMethod,
-         absl::StrCat("update=", rows.update_id(), " row_begin=", rows.row_begin(),
+         absl::StrCat("update=", UpdateTag(rows.update_id()), " row_begin=", rows.row_begin(),
                       " rows=", rows.rows().shape_size() > 0 ? rows.rows().shape(0) : 0),
          r.status());
   if (!r.ok()) return Reply(context, r.status());

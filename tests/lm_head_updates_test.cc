@@ -33,6 +33,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/confined_file.h"
 #include "common/error_reason.h"
 #include "common/finite_check.h"
@@ -76,6 +77,7 @@ class LmHeadUpdatesTest : public ::testing::Test {
     o.allowed = true;
     o.store_dir = store_;
     o.update_dir = update_dir_;
+    if (timeout_.count() > 0) o.timeout = timeout_;
     o.workers = 2;
     LmHeadWorkers w;
     w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
@@ -112,7 +114,8 @@ class LmHeadUpdatesTest : public ::testing::Test {
   }
 
   std::string store_;
-  std::string update_dir_;  // --lm-head-update-dir of Make's updates ("": none)
+  std::string update_dir_;                // --lm-head-update-dir of Make's updates ("": none)
+  std::chrono::milliseconds timeout_{0};  // --lm-head-update-timeout of Make's updates (0: the default)
   LmHeads heads_{LmHeads::Options{}};
 };
 
@@ -934,7 +937,10 @@ class ConfinedFileSourceTest : public LmHeadUpdatesTest {
     auto opened = updates.Begin(Begin(version));
     EXPECT_TRUE(opened.ok()) << opened.status();
     if (!opened.ok()) return opened.status();
-    const absl::Status st = updates.PutFile(opened->update_id(), path, "").status();
+    v1::LmHeadRows put;
+    put.set_update_id(opened->update_id());
+    put.mutable_file()->set_path(path);
+    const absl::Status st = updates.Put(put).status();
     if (id != nullptr && st.ok()) {
       *id = opened->update_id();
     } else {
@@ -944,6 +950,214 @@ class ConfinedFileSourceTest : public LmHeadUpdatesTest {
   }
   std::string outside_;
 };
+
+/// LmHeadRows of update `id`: rows [row_begin, row_begin + n) as a [n, kH]
+/// F32 tensor holding `data` inline (its source then is data).
+v1::LmHeadRows RowsPut(const std::string& id, int64_t row_begin, int64_t n, const std::string& data) {
+  v1::LmHeadRows put;
+  put.set_update_id(id);
+  put.set_row_begin(row_begin);
+  v1::Tensor* t = put.mutable_rows();
+  t->set_dtype(v1::F32);
+  t->add_shape(n);
+  t->add_shape(kH);
+  t->set_data(data);
+  return put;
+}
+
+// The transport-free core, driven as any non-gRPC caller would: one Put
+// entry point for every row source (inline bytes, bytes that follow,
+// a memory reference, a checkpoint file), then Commit; the committed
+// bytes and digest are the rows sent.
+TEST_F(ConfinedFileSourceTest, BeginPutCommitThroughTheCoreWithEverySource) {
+  auto updates = Make();
+  auto opened = updates->Begin(Begin("v1"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->update_id();
+  const std::string all = Rows(0, kV, 3.0f);
+  auto part = [&all](int64_t b, int64_t n) { return all.substr(static_cast<size_t>(b * kH * 4), n * kH * 4); };
+
+  // Inline bytes.
+  auto put = updates->Put(RowsPut(id, 0, 10, part(0, 10)));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->rows_received(), 10);
+  // Two inline rows, the rest following (a transport's pieces).
+  LmHeadPutIo io;
+  int progressed = 0;
+  io.follow = [&](char* dst, const std::function<void()>& progress) {
+    std::memcpy(dst, part(10, 10).data(), part(10, 10).size());
+    progress();
+    ++progressed;
+    return absl::OkStatus();
+  };
+  put = updates->Put(RowsPut(id, 10, 10, part(10, 2)), io);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(progressed, 1);
+  EXPECT_EQ(put->rows_received(), 20);
+  // A memory reference, resolved by the caller.
+  v1::LmHeadRows referenced = RowsPut(id, 20, kV - 20, "");
+  referenced.mutable_rows()->mutable_shared_memory()->set_region("r");
+  EXPECT_EQ(updates->Put(referenced).status().code(), absl::StatusCode::kInvalidArgument);  // nobody resolves it
+  const std::string tail = part(20, kV - 20);
+  LmHeadPutIo resolver;
+  resolver.resolve = [&tail](const v1::Tensor& t) -> absl::StatusOr<std::shared_ptr<const InputSource>> {
+    EXPECT_EQ(t.shared_memory().region(), "r");
+    return MemorySource(tail);
+  };
+  put = updates->Put(referenced, resolver);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->rows_received(), kV);
+
+  // The protocol's checks hold for every caller.
+  EXPECT_EQ(updates->Put(v1::LmHeadRows()).status().code(), absl::StatusCode::kInvalidArgument);  // no source
+  v1::LmHeadRows bad_shape = RowsPut(id, 0, 1, part(0, 1));
+  bad_shape.mutable_rows()->add_shape(1);
+  EXPECT_EQ(updates->Put(bad_shape).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::LmHeadRows short_inline = RowsPut(id, 0, 2, part(0, 1));  // no follow: the inline bytes are all there are
+  EXPECT_EQ(updates->Put(short_inline).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::LmHeadRows file;
+  file.set_update_id(id);
+  file.set_row_begin(3);
+  file.mutable_file()->set_path("race/x.safetensors");
+  EXPECT_EQ(updates->Put(file).status().code(), absl::StatusCode::kInvalidArgument);  // a file gives every row
+
+  auto committed = updates->Commit(id);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  const auto v1_version = heads_.Find("default", "v1");
+  ASSERT_NE(v1_version, nullptr);
+  EXPECT_EQ(StoredRows(*v1_version, all.size()), all);
+  EXPECT_EQ(v1_version->sha256.get(), Sha256Hex(all));
+
+  // A checkpoint file under the update folder, through the same entry point.
+  opened = updates->Begin(Begin("v2"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  file.set_update_id(opened->update_id());
+  file.set_row_begin(0);
+  put = updates->Put(file);
+  ASSERT_TRUE(put.ok()) << put.status();
+  ASSERT_TRUE(updates->Commit(opened->update_id()).ok());
+  const std::vector<float> ones(static_cast<size_t>(kV * kH), 1.0f);
+  EXPECT_EQ(StoredRows(*heads_.Find("default", "v2"), ones.size() * 4),
+            std::string(reinterpret_cast<const char*>(ones.data()), ones.size() * 4));
+}
+
+// Issue 32 finding 5: a put whose sender stopped sending (its stream open,
+// no bytes) no longer keeps the update open past the time-out: the put's
+// call is ended, the put answers ABORTED naming the time-out, the update
+// ends with outcome "timeout" and the head takes a new update.
+TEST_F(LmHeadUpdatesTest, AStalledPutIsTimedOutAndFreesTheHead) {
+  timeout_ = std::chrono::milliseconds(2000);
+  absl::Notification timed_out, cancelled;
+  LmHeadUpdateObservers observers;
+  observers.on_end = [&timed_out](const std::string&, const std::string& outcome, double, int64_t) {
+    if (outcome == "timeout") timed_out.Notify();
+  };
+  auto updates = Make(nullptr, observers);
+  auto opened = updates->Begin(Begin("v1"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  LmHeadPutIo io;
+  io.follow = [&cancelled](char*, const std::function<void()>& progressed) {
+    progressed();  // the first piece, then nothing
+    cancelled.WaitForNotificationWithTimeout(absl::Seconds(120));
+    return absl::CancelledError("the call ended");
+  };
+  io.cancel = [&cancelled] { cancelled.Notify(); };
+  auto stalled =
+      std::async(std::launch::async, [&] { return updates->Put(RowsPut(opened->update_id(), 0, kV, ""), io); });
+  ASSERT_TRUE(timed_out.WaitForNotificationWithTimeout(absl::Seconds(60))) << "the stalled update never timed out";
+  EXPECT_TRUE(cancelled.HasBeenNotified()) << "the stalled put's call was not ended";
+  const absl::StatusOr<v1::LmHeadUpdate> put = stalled.get();
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kAborted) << put.status();
+  EXPECT_NE(put.status().message().find("--lm-head-update-timeout"), std::string::npos) << put.status();
+  // The head is free again; a Commit of the old update answers how it ended.
+  EXPECT_TRUE(updates->Begin(Begin("v2")).ok());
+  const auto commit = updates->Commit(opened->update_id());
+  EXPECT_EQ(commit.status().code(), absl::StatusCode::kAborted) << commit.status();
+}
+
+// A retried put gets the first one's answer: the same range with the same
+// bytes is OK and counts once (compared with the staged bytes, whatever
+// the source); other bytes or an overlap are INVALID_ARGUMENT; a put that
+// failed part way counted nothing and may be sent again.
+TEST_F(LmHeadUpdatesTest, APutRetriedWithTheSameBytesAnswersOkAndCountsOnce) {
+  auto updates = Make();
+  v1::BeginLmHeadUpdateRequest b = Begin("v1");
+  const std::string all = Rows(0, kV, 5.0f);
+  b.set_sha256(Sha256Hex(all));
+  auto opened = updates->Begin(b);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string id = opened->update_id();
+  const std::string head = all.substr(0, 10 * kH * 4);
+  ASSERT_TRUE(updates->Put(RowsPut(id, 0, 10, head)).ok());
+  auto again = updates->Put(RowsPut(id, 0, 10, head));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->rows_received(), 10);
+  // The same bytes following the message (a retried stream of pieces).
+  LmHeadPutIo io;
+  io.follow = [&head](char* dst, const std::function<void()>&) {
+    std::memcpy(dst, head.data(), head.size());
+    return absl::OkStatus();
+  };
+  again = updates->Put(RowsPut(id, 0, 10, ""), io);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->rows_received(), 10);
+  std::string other = head;
+  other[5] ^= 1;
+  EXPECT_EQ(updates->Put(RowsPut(id, 0, 10, other)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(updates->Put(RowsPut(id, 5, 10, all.substr(5 * kH * 4, 10 * kH * 4))).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A put that failed part way (its transport broke) counted nothing.
+  LmHeadPutIo broken;
+  broken.follow = [&all](char* dst, const std::function<void()>&) {
+    std::memcpy(dst, all.data() + 10 * kH * 4, kH * 4);
+    return absl::UnavailableError("the stream broke");
+  };
+  EXPECT_EQ(updates->Put(RowsPut(id, 10, kV - 10, ""), broken).status().code(), absl::StatusCode::kUnavailable);
+  auto rest = updates->Put(RowsPut(id, 10, kV - 10, all.substr(10 * kH * 4)));
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(rest->rows_received(), kV);
+  const auto committed = updates->Commit(id);  // the announced sha256 holds: every row once, as sent
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(StoredRows(*heads_.Find("default", "v1"), all.size()), all);
+}
+
+// An update's id is its capability: logs name it by its tag only.
+TEST_F(LmHeadUpdatesTest, LogsOfAnUpdateNameItsTagNeverItsId) {
+  const std::string log_path = store_ + ".log";
+  const int saved = dup(2);
+  const int log_fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE(saved, 0);
+  ASSERT_GE(log_fd, 0);
+  ASSERT_EQ(dup2(log_fd, 2), 2);  // LogLine writes to fd 2
+  std::string committed_id, aborted_id;
+  {
+    auto updates = Make();
+    auto opened = updates->Begin(Begin("v1"));
+    if (opened.ok()) {
+      committed_id = opened->update_id();
+      (void)updates->Commit(committed_id);  // rows missing: refused
+      (void)updates->Put(RowsPut(committed_id, 0, kV, Rows(0, kV, 1.0f)));
+      (void)updates->Commit(committed_id);
+    }
+    opened = updates->Begin(Begin("v2"));
+    if (opened.ok()) {
+      aborted_id = opened->update_id();
+      (void)updates->Abort(aborted_id);
+    }
+  }
+  dup2(saved, 2);
+  close(saved);
+  close(log_fd);
+  ASSERT_FALSE(committed_id.empty());
+  ASSERT_FALSE(aborted_id.empty());
+  const std::string log = ReadAll(log_path);
+  std::filesystem::remove(log_path);
+  EXPECT_NE(log.find(UpdateTag(committed_id)), std::string::npos) << log;  // the log did capture the update
+  EXPECT_NE(log.find(UpdateTag(aborted_id)), std::string::npos) << log;
+  EXPECT_EQ(log.find(committed_id), std::string::npos) << log;
+  EXPECT_EQ(log.find(aborted_id), std::string::npos) << log;
+  EXPECT_EQ(UpdateTag(committed_id), Sha256Hex(committed_id).substr(0, 8));
+}
 
 TEST_F(ConfinedFileSourceTest, ASymlinkSwappedInDuringThePutNeverCommitsTheOutsideFile) {
   auto updates = Make();

@@ -393,15 +393,23 @@ class ClientBase:
         finally:
             call.cancel()
 
-    def _put_rows_ops(self, parts: Any, deadline: Deadline, metadata: Any, nbytes: int = 0) -> Ops[Any]:
-        """One PutLmHeadRows call of serialized ``parts`` (an iterator; making
-        them copies ``nbytes``), sent once (a failed put frees its rows on
-        the server: the caller may update again)."""
-        try:
-            return (yield Rpc(self._put_lm_head_rows_raw, parts, deadline.remaining(), metadata, nbytes=nbytes))
-        except grpc.RpcError as e:
-            code, message = error_of(e)
-            raise LogprobError(code, message, reason=reason_of(e)) from None
+    def _put_rows_ops(self, parts: Callable[[], Any], deadline: Deadline, metadata: Any,
+                      nbytes: int = 0) -> Ops[Any]:
+        """One PutLmHeadRows call of the serialized parts ``parts()`` makes
+        (an iterator; making them copies ``nbytes``), sent again after
+        UNAVAILABLE as the client's retry policy allows: a put that failed
+        part way counted no rows on the server, and one whose answer was
+        lost is answered OK again (the server compares the same bytes with
+        the rows it received). Other errors raise at once."""
+        attempts = self._attempts(deadline)
+        while True:
+            try:
+                return (yield Rpc(self._put_lm_head_rows_raw, parts(), attempts.timeout(), metadata, nbytes=nbytes))
+            except grpc.RpcError as e:
+                code, message = error_of(e)
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise LogprobError(code, message, reason=reason_of(e)) from None
+                yield from backoff(attempts.failed(e), reconnect=True)
 
     def _put_host_rows_ops(self, update_id: str, rows: Any, dt: int, deadline: Deadline,
                            row_begin: int = 0) -> Ops[None]:
@@ -421,7 +429,7 @@ class ClientBase:
             # Same host: the rows go through this client's regions, the copy
             # of one put overlapping the call of the one before.
             def put(i: int, tensors: List[Any], metadata: Any) -> Ops[Any]:
-                return self._put_rows_ops(iter([lm_head_rows_part(update_id, row_begin + starts[i], tensors[0])]),
+                return self._put_rows_ops(lambda: iter([lm_head_rows_part(update_id, row_begin + starts[i], tensors[0])]),
                                           deadline, metadata)
 
             sent = yield from shm.send_each([[("rows", dt, rows[r0:r0 + per_put])] for r0 in starts], put)
@@ -429,8 +437,9 @@ class ClientBase:
             if sent[i] is None:
                 # Otherwise (or without a region) the bytes in pieces.
                 chunk = rows[r0:r0 + per_put]
-                parts = lm_head_rows_parts(update_id, row_begin + r0, chunk, dt, self.piece_bytes)
-                yield from self._put_rows_ops(parts, deadline, self._update_metadata, nbytes=int(chunk.nbytes))
+                yield from self._put_rows_ops(
+                    lambda: lm_head_rows_parts(update_id, row_begin + r0, chunk, dt, self.piece_bytes), deadline,
+                    self._update_metadata, nbytes=int(chunk.nbytes))
 
     def _close_ops(self) -> Ops[None]:
         """``close``, before the channel closes: unregisters and removes the

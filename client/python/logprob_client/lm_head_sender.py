@@ -170,7 +170,7 @@ def put_rows_ops(client: "ClientBase", update: LmHeadUpdateHandle, row_begin: in
     if rows.ref is not None:
         try:
             # A worker on the server's host copies them into the store.
-            yield from client._put_rows_ops(lm_head_ipc_parts(update.update_id, row_begin, rows.ref), deadline,
+            yield from client._put_rows_ops(lambda: lm_head_ipc_parts(update.update_id, row_begin, rows.ref), deadline,
                                             client._update_metadata)
             return
         except LogprobError as e:

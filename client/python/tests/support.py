@@ -50,10 +50,12 @@ def temp_dir(prefix):
 class Server:
     """``logprob-server --listen 127.0.0.1:PORT --workers N --backend cpu``
     plus ``extra`` flags, started and waited on (health SERVING, up to 90 s)
-    over a client made with ``client_kwargs`` (TLS for a TLS server)."""
+    over a client made with ``client_kwargs`` (TLS for a TLS server).
+    ``prefix``: a command the server runs under (e.g. ``unshare ...``)."""
 
-    def __init__(self, workers=1, extra=(), client_kwargs=None, port=None, wait=True, metrics=False):
+    def __init__(self, workers=1, extra=(), client_kwargs=None, port=None, wait=True, metrics=False, prefix=()):
         self.workers = workers
+        self.prefix = list(prefix)
         self.extra = list(extra)
         self.metrics_port = free_port() if metrics else None
         if metrics:
@@ -67,7 +69,7 @@ class Server:
         self.start(wait)
 
     def start(self, wait=True):
-        args = [
+        args = self.prefix + [
             os.path.join(BIN_DIR, "logprob-server"),
             "--listen",
             self.address,

@@ -4,6 +4,7 @@ versions; retained versions; each bad update is refused and changes
 nothing; updates are off by default."""
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -787,3 +788,121 @@ class UpdateAuthTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def store_folders(root):
+    """The front-ends' store folders under ``root`` (their names)."""
+    return sorted(n for n in os.listdir(root) if n.startswith("logprob-lm-heads-"))
+
+
+def pid_namespace_prefix():
+    """``unshare`` arguments that run a command as PID 1 of a fresh PID
+    namespace (as a container's entry point), killed with unshare; None
+    when this machine does not allow it."""
+    for prefix in (["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+                   ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]):
+        try:
+            r = subprocess.run(prefix + ["sh", "-c", "test $$ = 1"], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode == 0:
+            return prefix
+    return None
+
+
+class StoreFolderTest(unittest.TestCase):
+    """The store survives containers (issue 31 item 5): each front-end
+    start has its own locked store folder; a restart with the same PID
+    removes its dead predecessor's; two front-ends on one root never share
+    a file and both score their own updates."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = temp_dir("store_folder")
+        cls.w0, cls.w1, cls.w2 = weights(1), weights(2), weights(3)
+        cls.p0 = save(os.path.join(cls.dir, "w0.safetensors"), cls.w0)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def server(self, root, **kw):
+        return Server(workers=1, extra=["--lm-head", "policy=" + self.p0, "--allow-lm-head-updates",
+                                        "--lm-head-store-dir", root], **kw)
+
+    def test_a_restarted_pid_1_front_end_removes_its_dead_predecessors_store(self):
+        prefix = pid_namespace_prefix()
+        if prefix is None:
+            self.skipTest("this machine cannot make a PID namespace (unshare --pid --fork --mount-proc, also with "
+                          "--user --map-root-user)")
+        root = os.path.join(self.dir, "restart")
+        first = self.server(root, prefix=prefix)
+        try:
+            with first.client() as c:
+                self.assertEqual(c.update_lm_head("policy", self.w1, version="v1"), "v1")
+            [dead] = store_folders(root)
+            self.assertTrue(dead.startswith("logprob-lm-heads-1-"), dead)  # PID 1 in its namespace
+            self.assertTrue(any(n.endswith(".safetensors") for n in os.listdir(os.path.join(root, dead))))
+            first.proc.kill()  # as a container's runtime does: no clean-up
+            first.proc.wait()
+        finally:
+            first.close()
+        self.assertEqual(store_folders(root), [dead], "a killed front-end leaves its store")
+        with self.server(root, prefix=prefix) as second:
+            [alive] = store_folders(root)
+            self.assertNotEqual(alive, dead)
+            self.assertTrue(alive.startswith("logprob-lm-heads-1-"), alive)
+            self.assertIn("removed 1 stale lm_head store(s)", second.log())
+            with second.client() as c:
+                self.assertEqual(c.update_lm_head("policy", self.w2, version="v1"), "v1")
+
+    def test_two_front_ends_on_one_root_write_distinct_files_and_score_their_own_updates(self):
+        root = os.path.join(self.dir, "shared")
+        with Server(workers=1, extra=["--lm-head", save(os.path.join(self.dir, "w1.safetensors"), self.w1)]) as s1, \
+                s1.client() as c1, \
+                Server(workers=1, extra=["--lm-head", save(os.path.join(self.dir, "w2.safetensors"), self.w2)]) as s2, \
+                s2.client() as c2:
+            expect = {"w1": score(c1), "w2": score(c2)}
+        with self.server(root, metrics=True) as a, self.server(root, metrics=True) as b, \
+                a.client() as ca, b.client() as cb:
+            # The same head and version name on both: the same file name
+            # within each store, which must not be one file. a's put loses
+            # its answer once (UNAVAILABLE after the server took the rows):
+            # the client sends it again and the server answers it as the first.
+            class Lost(grpc.RpcError):
+                def code(self):
+                    return grpc.StatusCode.UNAVAILABLE
+
+                def details(self):
+                    return "the answer was lost"
+
+            real, calls = ca._put_lm_head_rows_raw, []
+
+            def answer_lost_once(parts, *args, **kwargs):
+                response = real(parts, *args, **kwargs)
+                calls.append(response.rows_received)
+                if len(calls) == 1:
+                    raise Lost()
+                return response
+
+            ca._put_lm_head_rows_raw = answer_lost_once
+            self.assertEqual(ca.update_lm_head("policy", self.w1, version="step-1"), "step-1")
+            self.assertEqual(calls, [V, V], "the put is sent again and counted once")
+            self.assertEqual(cb.update_lm_head("policy", self.w2, version="step-1"), "step-1")
+            folders = store_folders(root)
+            self.assertEqual(len(folders), 2, folders)
+            files = [os.path.join(root, f, n) for f in folders for n in os.listdir(os.path.join(root, f))
+                     if n.endswith(".safetensors")]
+            self.assertEqual(len(files), 2, files)
+            self.assertNotEqual(os.stat(files[0]).st_ino, os.stat(files[1]).st_ino)
+            same(score(ca, head="policy"), expect["w1"])
+            same(score(cb, head="policy"), expect["w2"])
+            # The store's bytes: a metric and in ServerInfo (the file's blocks).
+            for server, client in ((a, ca), (b, cb)):
+                wait_for(lambda: server.metric("logprob_lm_head_store_bytes") >= V * H * 4, "the store's bytes metric")
+                self.assertGreaterEqual(client.server_info(refresh=True).lm_head_store_bytes, V * H * 4)
+            # Update ids (32 hex digits, the capability to put and commit) never reach the log.
+            for server in (a, b):
+                self.assertIn("update to version step-1", server.log())
+                self.assertIsNone(re.search(r"\b[0-9a-f]{32}\b", server.log()), server.log())
+        self.assertEqual(store_folders(root), [], "a front-end that stops removes its store")
