@@ -1,12 +1,13 @@
 // libFuzzer target: lm_head updates (server/lm_head_updates.h): Begin with
 // fuzzed shapes, dtypes, versions and sha256s, then a fuzzed sequence of
-// PutRows (row ranges anywhere, overlapping, repeated, of the wrong size,
+// puts (PutRows, or Put of an LmHeadRows message; row ranges anywhere, overlapping, repeated, of the wrong size,
 // dtype or width, from sources that fail midway, from sources the
 // front-end cannot read that a fake worker stages or fails to), Commit and
 // Abort, on a [37, 4] F32 head over 2 fake workers.
 //
 // Invariants: every call answers a documented status; a Commit succeeds
-// only when every row came exactly once through successful puts, and then
+// only when every row came exactly once through successful puts (a put
+// repeating a range received whole with its bytes answers OK, counted once), and then
 // the committed version's store file holds exactly the bytes of those
 // puts, all finite (NaN / Inf are refused at commit), its sha256 is theirs, and the workers were asked to load that
 // version; the current version is then the committed one, and an aborted
@@ -22,8 +23,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/finite_check.h"
@@ -198,7 +201,8 @@ void Run(FuzzedDataProvider& p) {
   // The bytes of every row put successfully, and how often.
   std::vector<std::string> rows(kV);
   std::vector<int> given(kV, 0);
-  std::vector<std::string> keep;  // put sources' bytes outlive the calls
+  std::vector<std::string> keep;                            // put sources' bytes outlive the calls
+  std::map<std::pair<int64_t, int64_t>, std::string> puts;  // (row_begin, n) of successful puts: their bytes
   const int ops = p.ConsumeIntegralInRange(0, 12);
   bool ended = false;
   for (int op = 0; op < ops && !ended; ++op) {
@@ -232,7 +236,21 @@ void Run(FuzzedDataProvider& p) {
         keep.push_back(content);
         source = logprob::MemorySource(keep.back());
       }
-      const absl::StatusOr<v1::LmHeadUpdate> put = updates.PutRows(target, row_begin, n, dtype, columns, *source);
+      // Inline rows also go through the one entry point a transport uses
+      // (LmHeadUpdates::Put of an LmHeadRows message).
+      const bool as_message = source_kind >= 2 && p.ConsumeBool();
+      v1::LmHeadRows message;
+      if (as_message) {
+        message.set_update_id(target);
+        message.set_row_begin(row_begin);
+        v1::Tensor* t = message.mutable_rows();
+        t->set_dtype(dtype);
+        t->add_shape(n);
+        t->add_shape(columns);
+        t->set_data(content);
+      }
+      const absl::StatusOr<v1::LmHeadUpdate> put =
+          as_message ? updates.Put(message) : updates.PutRows(target, row_begin, n, dtype, columns, *source);
       if (!put.ok()) {
         CHECK(Is(put.status(), {absl::StatusCode::kNotFound, absl::StatusCode::kInvalidArgument,
                                 absl::StatusCode::kDataLoss, absl::StatusCode::kFailedPrecondition}) ||
@@ -243,11 +261,16 @@ void Run(FuzzedDataProvider& p) {
       CHECK(readable);
       CHECK(source_kind != 1 || (workers.stage && !stage_failed));
       CHECK(!content.empty() && static_cast<int64_t>(content.size()) == n * kRowBytes);
+      // A retried put (exactly a range received whole, the same bytes) is
+      // answered OK and counts once; any other overlap is refused.
+      const auto whole = puts.find({row_begin, n});
+      if (whole != puts.end() && whole->second == content) continue;
       for (int64_t r = 0; r < n; ++r) {
         CHECK(given[row_begin + r] == 0);  // exactly once
         ++given[row_begin + r];
         rows[row_begin + r] = content.substr(static_cast<size_t>(r * kRowBytes), kRowBytes);
       }
+      puts[{row_begin, n}] = content;
     } else if (what <= 8) {
       const size_t loads_before = loaded.size();
       const absl::StatusOr<v1::LmHeadInfo> info = updates.Commit(target);
