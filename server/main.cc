@@ -252,8 +252,9 @@ std::pair<std::string, std::string> SplitLmHeadArg(const std::string& arg) {
 }
 
 /// The lm_head store's part of the memory bound (LmHeadStoreBytes of every
-/// --lm-head updates may change: not --lm-head-frozen), from the heads'
-/// headers; 0 without --allow-lm-head-updates.
+/// --lm-head updates may change: not --lm-head-frozen, from the heads'
+/// headers; and of every --lm-head-declare, from its shape); 0 without
+/// --allow-lm-head-updates.
 absl::StatusOr<int64_t> LmHeadStoreBound(int argc, char** argv, const std::vector<std::string>& lm_head_args) {
   if (!absl::GetFlag(FLAGS_allow_lm_head_updates)) return 0;
   const std::vector<std::string> frozen = logprob::FlagValues(argc, argv, "lm_head_frozen");
@@ -266,6 +267,16 @@ absl::StatusOr<int64_t> LmHeadStoreBound(int argc, char** argv, const std::vecto
       return absl::InvalidArgumentError("--lm-head " + arg + ": " + std::string(source.status().message()));
     bytes += logprob::LmHeadStoreBytes(
         source->vocab_size * source->hidden_size * static_cast<int64_t>(logprob::DTypeSize(source->dtype)),
+        std::max(1, absl::GetFlag(FLAGS_lm_head_retain)));
+  }
+  // Declared heads (--lm-head-declare NAME=VxH:DTYPE): their shape is the flag's.
+  for (const std::string& arg : logprob::FlagValues(argc, argv, "lm_head_declare")) {
+    auto declared = logprob::ParseDeclaredLmHead(arg, 1);
+    if (!declared.ok())
+      return absl::InvalidArgumentError("--lm-head-declare " + arg + ": " + std::string(declared.status().message()));
+    const logprob::LmHeadSource& source = declared->source;
+    bytes += logprob::LmHeadStoreBytes(
+        source.vocab_size * source.hidden_size * static_cast<int64_t>(logprob::DTypeSize(source.dtype)),
         std::max(1, absl::GetFlag(FLAGS_lm_head_retain)));
   }
   return bytes;
