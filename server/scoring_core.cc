@@ -158,9 +158,7 @@ absl::StatusOr<RequestInputs> ScoringCore::ResolveTensor(const v1::Tensor& tenso
     // ResolveInputs, whose rules keep CUDA IPC to hidden_states.
     absl::StatusOr<std::shared_ptr<const InputSource>> source =
         ResolveCudaIpc(tensor, 0, cuda_ipc_, call.peer, "the rows");
-    if (!source.ok())
-      return WithReason(absl::Status(source.status().code(), absl::StrCat(what, ": ", source.status().message())),
-                        ReasonOf(source.status()));
+    if (!source.ok()) return Prefixed(source.status(), what);
     RequestInputs out;
     out.referenced_bytes = (*source)->byte_size();
     out.sources.push_back(*std::move(source));
