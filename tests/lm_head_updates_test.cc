@@ -272,10 +272,10 @@ TEST_F(LmHeadUpdatesTest, AFailedStageIsAClearErrorAndTheRowsMayComeAgain) {
   const std::string rows = Rows(0, kV, 3.0f);
   gpu.allocations[handle] = rows;
   // The worker's errors as the pool passes them on, with their reasons.
-  gpu.fail = {WithReason(absl::FailedPreconditionError("cudaIpcOpenMemHandle: invalid argument"),
-                         v1::CUDA_IPC_UNAVAILABLE),
-              absl::FailedPreconditionError("worker rank 1: the staged file is gone"),
-              absl::InternalError("copying bytes [0, 592) of 592 from the device: an illegal memory access")};
+  gpu.fail = {
+      WithReason(absl::FailedPreconditionError("cudaIpcOpenMemHandle: invalid argument"), v1::CUDA_IPC_UNAVAILABLE),
+      absl::FailedPreconditionError("worker rank 1: the staged file is gone"),
+      absl::InternalError("copying bytes [0, 592) of 592 from the device: an illegal memory access")};
   auto updates = Make([&gpu](const internal::v1::LmHeadStage& s) { return gpu.Stage(s); });
   auto opened = updates->Begin(Begin("v1"));
   ASSERT_TRUE(opened.ok()) << opened.status();

@@ -279,8 +279,8 @@ TEST(ScoringCore, AWorkersErrorKeepsItsReasonForACudaIpcJob) {
   EXPECT_EQ(ReasonOf(r.status()), v1::ERROR_REASON_UNSPECIFIED) << r.status();
 
   // The worker that could not open the handle: the client sends bytes.
-  worker_error = WithReason(absl::FailedPreconditionError("worker 0: cudaIpcOpenMemHandle failed"),
-                            v1::CUDA_IPC_UNAVAILABLE);
+  worker_error =
+      WithReason(absl::FailedPreconditionError("worker 0: cudaIpcOpenMemHandle failed"), v1::CUDA_IPC_UNAVAILABLE);
   r = core.Score(req, local);
   EXPECT_EQ(ReasonOf(r.status()), v1::CUDA_IPC_UNAVAILABLE) << r.status();
   EXPECT_EQ(runs, 3);

@@ -95,8 +95,8 @@ class WorkerOverGrpc {
  public:
   explicit WorkerOverGrpc(std::unique_ptr<ScoringBackend> backend) {
     auto lm_heads = std::make_unique<LmHeadRegistry>(*backend, LmHeadPrecision::kAuto, 0, 1);
-    service_ = std::make_unique<WorkerService>(std::make_unique<SelfCommunicator>(), std::move(backend),
-                                               std::move(lm_heads));
+    service_ =
+        std::make_unique<WorkerService>(std::make_unique<SelfCommunicator>(), std::move(backend), std::move(lm_heads));
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();

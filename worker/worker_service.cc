@@ -28,8 +28,7 @@ namespace {
 /// will not map): the client then sends the bytes. A malformed reference
 /// (INVALID_ARGUMENT) keeps no reason.
 absl::Status CudaIpcRefused(absl::Status st) {
-  return st.code() == absl::StatusCode::kFailedPrecondition ? WithReason(std::move(st), v1::CUDA_IPC_UNAVAILABLE)
-                                                            : st;
+  return st.code() == absl::StatusCode::kFailedPrecondition ? WithReason(std::move(st), v1::CUDA_IPC_UNAVAILABLE) : st;
 }
 
 /// OK when every rank's `mine` is OK (one 1-byte all-gather); else this

@@ -9,7 +9,7 @@ from ._proto import pb2
 #: Every reason a server may send (``LogprobError.reason``): the names of the
 #: generated ``logprob.v1.ErrorReason`` enum, UNSPECIFIED left out. Compare
 #: reasons with ``has_reason`` and the enum's values, never with literals.
-REASONS: FrozenSet[str] = frozenset(pb2.ErrorReason.keys()) - {"ERROR_REASON_UNSPECIFIED"}
+REASONS: FrozenSet[str] = frozenset(name for name, value in pb2.ErrorReason.items() if value)
 
 
 def reason_name(value: int) -> str:
