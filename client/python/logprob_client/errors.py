@@ -18,7 +18,7 @@ def reason_name(value: int) -> str:
     if not value:
         return ""
     try:
-        return pb2.ErrorReason.Name(value)
+        return str(pb2.ErrorReason.Name(value))
     except ValueError:  # a reason newer than this client
         return str(value)
 
