@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
 
 namespace logprob {
 namespace {
@@ -21,6 +22,11 @@ v1::ErrorReason ReasonOf(const absl::Status& status) {
   v1::ErrorReason reason = v1::ERROR_REASON_UNSPECIFIED;
   if (payload) v1::ErrorReason_Parse(std::string(*payload), &reason);
   return reason;
+}
+
+absl::Status Prefixed(const absl::Status& status, absl::string_view prefix) {
+  if (status.ok()) return status;
+  return WithReason(absl::Status(status.code(), absl::StrCat(prefix, ": ", status.message())), ReasonOf(status));
 }
 
 }  // namespace logprob

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "logprob/v1/logprob.pb.h"
 
 namespace logprob {
@@ -18,5 +19,10 @@ absl::Status WithReason(absl::Status status, v1::ErrorReason reason);
 
 /// The reason attached to `status`, or ERROR_REASON_UNSPECIFIED.
 v1::ErrorReason ReasonOf(const absl::Status& status);
+
+/// `status` with its message prefixed ("PREFIX: MESSAGE"), its code and
+/// reason kept: an error passed on with where it happened. OK is returned
+/// unchanged.
+absl::Status Prefixed(const absl::Status& status, absl::string_view prefix);
 
 }  // namespace logprob

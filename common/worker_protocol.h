@@ -36,7 +36,13 @@ namespace logprob {
 /// find and drop by (name, version, serial); a version-7 worker would key
 /// by name and version alone and could drop a current version that reuses
 /// a released one's name.
-constexpr uint32_t kWorkerProtocolVersion = 8;
+/// 9: a worker's failed call carries its error reason (logprob.v1.ErrorReason)
+/// as the trailing metadata kReasonMetadataKey, which the front-end passes
+/// on unchanged instead of relabelling FAILED_PRECONDITION of a CUDA IPC
+/// item as CUDA_IPC_UNAVAILABLE; a version-8 worker would send none, and
+/// its clients would no longer fall back to bytes when it cannot open a
+/// handle.
+constexpr uint32_t kWorkerProtocolVersion = 9;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.

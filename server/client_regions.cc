@@ -8,9 +8,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/error_reason.h"
 #include "openssl/crypto.h"  // CRYPTO_memcmp
 #include "openssl/rand.h"
 
@@ -46,6 +48,20 @@ absl::Status CheckNames(const std::string& name, const std::string& shm_name, in
   return absl::OkStatus();
 }
 
+/// NOT_FOUND, reason SHARED_MEMORY_REGION_NOT_REGISTERED: the session holds
+/// no region `name` (never registered, unregistered, or expired with an
+/// idle session or a restarted server); `hint` ends the message.
+absl::Status NotRegistered(const std::string& name, const std::string& hint = "") {
+  return WithReason(
+      absl::NotFoundError(absl::StrCat("shared-memory region \"", name, "\" is not registered by this session", hint)),
+      v1::SHARED_MEMORY_REGION_NOT_REGISTERED);
+}
+
+/// `st` (an error opening the client's object), reason
+/// SHARED_MEMORY_UNAVAILABLE: this server cannot use the client's object
+/// (not visible here, another uid): the client sends the bytes inline.
+absl::Status Unusable(absl::Status st) { return WithReason(std::move(st), v1::SHARED_MEMORY_UNAVAILABLE); }
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegion::Open(const std::string& name,
@@ -55,8 +71,8 @@ absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegion::Open(const std
   if (fd < 0) {
     const int err = errno;
     const std::string msg = absl::StrCat("shm_open ", shm_name, ": ", std::strerror(err));
-    if (err == ENOENT) return absl::NotFoundError(msg);
-    if (err == EACCES || err == ELOOP) return absl::PermissionDeniedError(msg);
+    if (err == ENOENT) return Unusable(absl::NotFoundError(msg));
+    if (err == EACCES || err == ELOOP) return Unusable(absl::PermissionDeniedError(msg));
     return absl::InternalError(msg);
   }
   struct stat st;
@@ -66,8 +82,8 @@ absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegion::Open(const std
   } else if (!S_ISREG(st.st_mode)) {
     bad = absl::PermissionDeniedError(absl::StrCat(shm_name, " is not a regular shared-memory object"));
   } else if (st.st_uid != geteuid()) {
-    bad = absl::PermissionDeniedError(
-        absl::StrCat(shm_name, " is owned by uid ", st.st_uid, ", not by the server's uid ", geteuid()));
+    bad = Unusable(absl::PermissionDeniedError(
+        absl::StrCat(shm_name, " is owned by uid ", st.st_uid, ", not by the server's uid ", geteuid())));
   } else if (st.st_size - kProofBytes < byte_size) {
     bad = absl::InvalidArgumentError(absl::StrCat("region \"", name, "\": ", shm_name, " holds ", st.st_size,
                                                   " bytes, fewer than byte_size ", byte_size, " + ", kProofBytes,
@@ -186,8 +202,7 @@ absl::StatusOr<RegionChallenge> ClientRegions::Register(const std::string& owner
 }
 
 absl::Status ClientRegions::Confirm(const std::string& owner, const std::string& name) {
-  const auto not_found =
-      absl::NotFoundError(absl::StrCat("shared-memory region \"", name, "\" is not registered by this session"));
+  const absl::Status not_found = NotRegistered(name);
   std::shared_ptr<const ClientRegion> region;
   std::string challenge;
   {
@@ -237,8 +252,7 @@ absl::StatusOr<int> ClientRegions::Unregister(const std::string& owner, const st
     for (auto& [n, e] : it->second.regions) gone.push_back(e.region);
     it->second.regions.clear();
   } else {
-    const auto not_found =
-        absl::NotFoundError(absl::StrCat("shared-memory region \"", name, "\" is not registered by this session"));
+    const absl::Status not_found = NotRegistered(name);
     if (it == sessions_.end()) return not_found;
     auto r = it->second.regions.find(name);
     if (r == it->second.regions.end()) return not_found;
@@ -278,9 +292,7 @@ absl::StatusOr<std::shared_ptr<const ClientRegion>> ClientRegions::Find(const st
                        "ConfirmSharedMemory first (only a process that can write the object may use it)"));
     }
   }
-  return absl::NotFoundError(absl::StrCat("shared-memory region \"", name,
-                                          "\" is not registered by this session (RegisterSharedMemory first; regions "
-                                          "of idle sessions expire)"));
+  return NotRegistered(name, " (RegisterSharedMemory first; regions of idle sessions expire)");
 }
 
 std::shared_ptr<void> ClientRegions::Hold(const std::string& owner) {

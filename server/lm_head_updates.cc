@@ -629,8 +629,9 @@ absl::Status LmHeadUpdates::Stage(const std::shared_ptr<Update>& u, int64_t row_
                                                    " memory on a worker failed: ", st.message(),
                                                    "; send them again, or as bytes (in pieces or through shared "
                                                    "memory)"));
-  // A worker that cannot open the reference: the client sends bytes.
-  return st.code() == absl::StatusCode::kFailedPrecondition ? WithReason(named, source.rules().unavailable) : named;
+  // The worker's reason, unchanged: CUDA_IPC_UNAVAILABLE from a worker that
+  // cannot open the reference (the client sends bytes).
+  return WithReason(named, ReasonOf(st));
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, const std::string& path,

@@ -129,14 +129,10 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
   bounds.deadline = call.deadline;
   bounds.cancelled = call.cancelled;
   absl::StatusOr<Batcher::Outcome> ran = batcher_.Run(shared_job, next_job_id_++, bounds);
-  if (!ran.ok()) {
-    // Workers that cannot read a source they read themselves (a CUDA IPC
-    // handle they cannot map) refuse the item: the client sends bytes.
-    const InputSource* referenced = job.referenced_source();
-    if (referenced && ran.status().code() == absl::StatusCode::kFailedPrecondition)
-      return WithReason(ran.status(), referenced->rules().unavailable);
-    return ran.status();
-  }
+  // A worker's error keeps the worker's reason: CUDA_IPC_UNAVAILABLE only
+  // when a worker could not open the client's handle (the client then sends
+  // bytes), never for other FAILED_PRECONDITIONs such as a missing head.
+  if (!ran.ok()) return ran.status();
   const Batcher::Outcome& batch = *ran;
   // A client that shrank its region while the batch was planned: its rows were zeros.
   LOGPROB_RETURN_IF_ERROR(job.ReadStatus());
@@ -162,9 +158,7 @@ absl::StatusOr<RequestInputs> ScoringCore::ResolveTensor(const v1::Tensor& tenso
     // ResolveInputs, whose rules keep CUDA IPC to hidden_states.
     absl::StatusOr<std::shared_ptr<const InputSource>> source =
         ResolveCudaIpc(tensor, 0, cuda_ipc_, call.peer, "the rows");
-    if (!source.ok())
-      return WithReason(absl::Status(source.status().code(), absl::StrCat(what, ": ", source.status().message())),
-                        ReasonOf(source.status()));
+    if (!source.ok()) return Prefixed(source.status(), what);
     RequestInputs out;
     out.referenced_bytes = (*source)->byte_size();
     out.sources.push_back(*std::move(source));
@@ -236,8 +230,9 @@ v1::ServerInfo ScoringCore::Info() const {
 
 absl::Status ScoringCore::SharedMemoryEnabled() const {
   if (!regions_)
-    return absl::FailedPreconditionError(
-        "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)");
+    return WithReason(absl::FailedPreconditionError(
+                          "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)"),
+                      v1::SHARED_MEMORY_UNAVAILABLE);
   return absl::OkStatus();
 }
 

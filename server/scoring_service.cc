@@ -80,10 +80,7 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
 }
 
 grpc::Status ScoringService::Reply(grpc::ServerContext* ctx, const absl::Status& st) {
-  const v1::ErrorReason reason = ReasonOf(st);
-  if (reason != v1::ERROR_REASON_UNSPECIFIED)
-    ctx->AddTrailingMetadata(kReasonMetadataKey, v1::ErrorReason_Name(reason));
-  return ToGrpc(st);
+  return ReplyWithReason(ctx, st);
 }
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
@@ -232,14 +229,16 @@ absl::StatusOr<std::string> ScoringService::ShmSession(grpc::ServerContext* cont
 
 namespace {
 
-/// Logs and counts (logprob_requests_total) one shared-memory call and returns its gRPC status.
-grpc::Status Logged(Metrics* metrics, const char* method, const std::string& what, const absl::Status& st) {
+/// Logs and counts (logprob_requests_total) one shared-memory or lm_head update call and returns its
+/// gRPC status, its reason (if any) added to `ctx`'s trailing metadata (ReplyWithReason; once per call).
+grpc::Status Logged(grpc::ServerContext* ctx, Metrics* metrics, const char* method, const std::string& what,
+                    const absl::Status& st) {
   if (metrics) metrics->ObserveRequest(method, absl::StatusCodeToString(st.code()), 0, 0);
   // `what` and the message hold names a client gave: escaped (no forged lines) and cut.
   LogLine() << "request method=" << method << " " << Printable(what, 512)
             << " status=" << absl::StatusCodeToString(st.code())
             << (st.ok() ? "" : " message=\"" + Printable(st.message(), 1024) + "\"");
-  return ToGrpc(st);
+  return ReplyWithReason(ctx, st);
 }
 
 }  // namespace
@@ -250,11 +249,11 @@ grpc::Status ScoringService::RegisterSharedMemory(grpc::ServerContext* context,
   auto session = ShmSession(context, "RegisterSharedMemory");
   const std::string what =
       absl::StrCat("region=", req->name(), " shm_name=", req->shm_name(), " byte_size=", req->byte_size());
-  if (!session.ok()) return Logged(metrics_, "RegisterSharedMemory", what, session.status());
+  if (!session.ok()) return Logged(context, metrics_, "RegisterSharedMemory", what, session.status());
   auto r = core_.RegisterSharedMemory(*session, *req);
   const absl::Status st = r.status();
   if (r.ok()) *resp = *std::move(r);
-  return Logged(metrics_, "RegisterSharedMemory", what, st);
+  return Logged(context, metrics_, "RegisterSharedMemory", what, st);
 }
 
 grpc::Status ScoringService::ConfirmSharedMemory(grpc::ServerContext* context,
@@ -262,8 +261,8 @@ grpc::Status ScoringService::ConfirmSharedMemory(grpc::ServerContext* context,
                                                  v1::ConfirmSharedMemoryResponse*) {
   auto session = ShmSession(context, "ConfirmSharedMemory");
   const std::string what = absl::StrCat("region=", req->name());
-  if (!session.ok()) return Logged(metrics_, "ConfirmSharedMemory", what, session.status());
-  return Logged(metrics_, "ConfirmSharedMemory", what, core_.ConfirmSharedMemory(*session, req->name()));
+  if (!session.ok()) return Logged(context, metrics_, "ConfirmSharedMemory", what, session.status());
+  return Logged(context, metrics_, "ConfirmSharedMemory", what, core_.ConfirmSharedMemory(*session, req->name()));
 }
 
 grpc::Status ScoringService::UnregisterSharedMemory(grpc::ServerContext* context,
@@ -271,18 +270,18 @@ grpc::Status ScoringService::UnregisterSharedMemory(grpc::ServerContext* context
                                                     v1::UnregisterSharedMemoryResponse* resp) {
   auto session = ShmSession(context, "UnregisterSharedMemory");
   const std::string what = absl::StrCat("region=", req->name());
-  if (!session.ok()) return Logged(metrics_, "UnregisterSharedMemory", what, session.status());
+  if (!session.ok()) return Logged(context, metrics_, "UnregisterSharedMemory", what, session.status());
   auto n = core_.UnregisterSharedMemory(*session, req->name());
   if (n.ok()) resp->set_unregistered(*n);
-  return Logged(metrics_, "UnregisterSharedMemory", what, n.status());
+  return Logged(context, metrics_, "UnregisterSharedMemory", what, n.status());
 }
 
 grpc::Status ScoringService::ListSharedMemory(grpc::ServerContext* context, const v1::ListSharedMemoryRequest*,
                                               v1::ListSharedMemoryResponse* resp) {
   auto session = ShmSession(context, "ListSharedMemory");
-  if (!session.ok()) return ToGrpc(session.status());
+  if (!session.ok()) return Reply(context, session.status());
   auto regions = core_.ListSharedMemory(*session);
-  if (!regions.ok()) return ToGrpc(regions.status());
+  if (!regions.ok()) return Reply(context, regions.status());
   for (const auto& [r, confirmed] : *regions) {
     v1::SharedMemoryRegionStatus* out = resp->add_regions();
     out->set_name(r->name());
@@ -308,8 +307,7 @@ grpc::Status ScoringService::UpdateCall(grpc::ServerContext* context, const char
   absl::StatusOr<LmHeadUpdates*> updates = Updates(context, method);
   absl::StatusOr<Resp> r = updates.ok() ? call(**updates) : absl::StatusOr<Resp>(updates.status());
   if (r.ok()) *resp = *r;
-  Logged(metrics_, method, what, r.status());
-  return Reply(context, r.status());
+  return Logged(context, metrics_, method, what, r.status());
 }
 
 grpc::Status ScoringService::BeginLmHeadUpdate(grpc::ServerContext* context, const v1::BeginLmHeadUpdateRequest* req,
@@ -347,11 +345,10 @@ grpc::Status ScoringService::ServeReadLmHeadRows(grpc::ServerContext* context, c
     st = ReadLmHeadVersion(
         *core_.config().lm_heads, *req, chunked::kDefaultPieceBytes,
         [&](const v1::LmHeadRowsChunk& part) { return !context->IsCancelled() && writer->Write(part); });
-  Logged(metrics_, kMethod,
-         absl::StrCat("head=", Printable(req->head(), 64), " version=", Printable(req->version(), 128),
-                      " rows=", req->row_begin(), "..", req->row_end()),
-         st);
-  return Reply(context, st);
+  return Logged(context, metrics_, kMethod,
+                absl::StrCat("head=", Printable(req->head(), 64), " version=", Printable(req->version(), 128),
+                             " rows=", req->row_begin(), "..", req->row_end()),
+                st);
 }
 
 grpc::Status ScoringService::ServeLmHeadRows(
@@ -397,11 +394,12 @@ grpc::Status ScoringService::ServeLmHeadRows(
     return updates->Put(rows, io);
   };
   absl::StatusOr<v1::LmHeadUpdate> r = put();
-  Logged(metrics_, kMethod,
-         absl::StrCat("update=", UpdateTag(rows.update_id()), " row_begin=", rows.row_begin(),
-                      " rows=", rows.rows().shape_size() > 0 ? rows.rows().shape(0) : 0),
-         r.status());
-  if (!r.ok()) return Reply(context, r.status());
+  const grpc::Status replied =
+      Logged(context, metrics_, kMethod,
+             absl::StrCat("update=", UpdateTag(rows.update_id()), " row_begin=", rows.row_begin(),
+                          " rows=", rows.rows().shape_size() > 0 ? rows.rows().shape(0) : 0),
+             r.status());
+  if (!r.ok()) return replied;
   if (!stream->Write(*r)) return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
   return grpc::Status::OK;
 }

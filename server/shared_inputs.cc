@@ -46,7 +46,7 @@ absl::StatusOr<std::shared_ptr<const InputSource>> ResolveSharedMemory(const v1:
   const std::string what = absl::StrCat("inputs[", index, "] \"", t.name(), "\": shared_memory");
   auto region = regions.Find(owner, ref.region());
   if (!region.ok())  // NOT_FOUND, or PERMISSION_DENIED (not confirmed)
-    return absl::Status(region.status().code(), absl::StrCat(what, ": ", region.status().message()));
+    return Prefixed(region.status(), what);
   const int64_t size = (*region)->byte_size();
   if (ref.offset() < 0 || ref.byte_size() < 0 || ref.offset() > size || ref.byte_size() > size - ref.offset())
     return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", ref.offset(), ", ", ref.offset(), " + ",

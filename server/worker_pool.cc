@@ -142,18 +142,21 @@ absl::StatusOr<int64_t> WorkerPool::OnWorkers(
   }
   const size_t n = std::min(last, gen->stubs.size());
   std::vector<grpc::Status> statuses(n);
+  std::vector<v1::ErrorReason> reasons(n, v1::ERROR_REASON_UNSPECIFIED);
   std::vector<std::thread> threads;
   for (size_t i = first; i < n; ++i)
     threads.emplace_back([&, i] {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + timeout);
       statuses[i] = call(*gen->stubs[i], &ctx);
+      if (!statuses[i].ok()) reasons[i] = SentReason(ctx);
     });
   for (auto& t : threads) t.join();
   for (size_t i = first; i < n; ++i)
     if (!statuses[i].ok())
-      return absl::Status(static_cast<absl::StatusCode>(statuses[i].error_code()),
-                          absl::StrCat("worker rank ", i, ": ", statuses[i].error_message()));
+      return WithReason(absl::Status(static_cast<absl::StatusCode>(statuses[i].error_code()),
+                                     absl::StrCat("worker rank ", i, ": ", statuses[i].error_message())),
+                        reasons[i]);
   return gen->index;
 }
 
@@ -388,7 +391,13 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const
       return absl::UnavailableError(absl::StrCat("worker pool failed (", msg, "); it is being re-formed, retry"));
     }
   }
-  for (size_t i = 0; i < n; ++i) {
+  // The error sent back: the first whose worker gave a reason (the rank
+  // that failed, rather than a peer that only saw it fail), else the first.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < n; ++i)
+    if (!statuses[i].ok() && SentReason(*contexts[i]) != v1::ERROR_REASON_UNSPECIFIED) order.push_back(i);
+  for (size_t i = 0; i < n; ++i) order.push_back(i);
+  for (const size_t i : order) {
     if (statuses[i].ok()) continue;
     const std::string msg = absl::StrCat("worker ", plan.items[i].worker, ": ", statuses[i].error_message());
     const auto code = statuses[i].error_code();
@@ -400,7 +409,9 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const
       Fail(gen, msg);
       return absl::UnavailableError(absl::StrCat("worker pool failed (", msg, "); it is being re-formed, retry"));
     }
-    return absl::Status(FromGrpc(statuses[i]).code(), msg);
+    // The worker's reason, unchanged (e.g. CUDA_IPC_UNAVAILABLE only
+    // from a worker that could not open the client's handle).
+    return WithReason(absl::Status(FromGrpc(statuses[i]).code(), msg), SentReason(*contexts[i]));
   }
   return results;
 }

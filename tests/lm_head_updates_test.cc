@@ -271,8 +271,11 @@ TEST_F(LmHeadUpdatesTest, AFailedStageIsAClearErrorAndTheRowsMayComeAgain) {
   const std::string handle(64, 'g');
   const std::string rows = Rows(0, kV, 3.0f);
   gpu.allocations[handle] = rows;
-  gpu.fail = {absl::FailedPreconditionError("cudaIpcOpenMemHandle: invalid argument"),
-              absl::InternalError("copying bytes [0, 592) of 592 from the device: an illegal memory access")};
+  // The worker's errors as the pool passes them on, with their reasons.
+  gpu.fail = {
+      WithReason(absl::FailedPreconditionError("cudaIpcOpenMemHandle: invalid argument"), v1::CUDA_IPC_UNAVAILABLE),
+      absl::FailedPreconditionError("worker rank 1: the staged file is gone"),
+      absl::InternalError("copying bytes [0, 592) of 592 from the device: an illegal memory access")};
   auto updates = Make([&gpu](const internal::v1::LmHeadStage& s) { return gpu.Stage(s); });
   auto opened = updates->Begin(Begin("v1"));
   ASSERT_TRUE(opened.ok()) << opened.status();
@@ -285,6 +288,11 @@ TEST_F(LmHeadUpdatesTest, AFailedStageIsAClearErrorAndTheRowsMayComeAgain) {
                                         "failed: cudaIpcOpenMemHandle: invalid argument"),
             std::string::npos)
       << put.status();
+  // Another FAILED_PRECONDITION of the worker is not relabelled: bytes
+  // would not help.
+  put = updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *IpcRows(handle, 0, kV));
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kFailedPrecondition) << put.status();
+  EXPECT_EQ(ReasonOf(put.status()), v1::ERROR_REASON_UNSPECIFIED) << put.status();
   // A copy that fails on the device: its own code, no reason.
   put = updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *IpcRows(handle, 0, kV));
   EXPECT_EQ(put.status().code(), absl::StatusCode::kInternal) << put.status();
@@ -298,7 +306,7 @@ TEST_F(LmHeadUpdatesTest, AFailedStageIsAClearErrorAndTheRowsMayComeAgain) {
   // Sent again, they stage, count and commit (hashed once).
   put = updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *IpcRows(handle, 0, kV));
   ASSERT_TRUE(put.ok()) << put.status();
-  EXPECT_EQ(gpu.calls.size(), 3u);
+  EXPECT_EQ(gpu.calls.size(), 4u);
   auto committed = updates->Commit(opened->update_id());
   ASSERT_TRUE(committed.ok()) << committed.status();
   // Without an announced sha256 the digest is computed after the commit.

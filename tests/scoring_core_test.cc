@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/error_reason.h"
+#include "server/lm_heads.h"
 #include "tests/in_process_communicator.h"
 #include "tests/test_support.h"
 #include "worker/communicator.h"
@@ -225,6 +226,64 @@ TEST(ScoringCore, UpdateRowsByCudaIpcResolveWhereCudaIpcInputsAreOffered) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_EQ(ReasonOf(r.status()), v1::ERROR_REASON_UNSPECIFIED) << r.status();
   EXPECT_EQ(pool.runs(), 0);
+}
+
+// Issue 31 item 7: a worker's error reaches the caller with the worker's
+// own reason. A CUDA IPC job whose worker lacks the head
+// (FAILED_PRECONDITION, LM_HEAD_VERSION_UNAVAILABLE) is not relabelled
+// CUDA_IPC_UNAVAILABLE (the client would re-send it as bytes, to fail again);
+// only a worker that could not open the handle says CUDA_IPC_UNAVAILABLE.
+TEST(ScoringCore, AWorkersErrorKeepsItsReasonForACudaIpcJob) {
+  constexpr int64_t kT = 6, kH = 8, kV = 16;
+  LmHeads heads{LmHeads::Options{}};
+  LmHeadVersion v;
+  v.head = "default";
+  v.version = "v1";
+  v.source.dtype = v1::BF16;
+  v.source.vocab_size = kV;
+  v.source.hidden_size = kH;
+  v.sha256 = KnownSha256("ab12");
+  ASSERT_TRUE(heads.Add(v).ok());
+  ServiceConfig config = Config("token", false);
+  config.backend = "cuda";
+  config.lm_heads = &heads;
+  absl::Status worker_error;
+  int runs = 0;
+  CoreWorkers workers{1, /*same_host=*/true,
+                      [&](const Plan& plan, const RunBounds&) -> absl::StatusOr<std::vector<WorkResult>> {
+                        ++runs;
+                        EXPECT_TRUE(plan.items.at(0).item.has_cuda_ipc());
+                        return worker_error;
+                      }};
+  ScoringCore core(workers, config, nullptr);
+  ASSERT_TRUE(core.Info().cuda_ipc_inputs());
+  v1::ScoreRequest req = RandomHiddenRequest(kT, kH, kV, 7);
+  for (auto& t : *req.mutable_inputs())
+    if (t.name() == "hidden_states") {
+      t.mutable_cuda_ipc()->set_handle(std::string(64, 'h'));
+      t.mutable_cuda_ipc()->set_byte_size(kT * kH * 2);
+    }
+  CallContext local;
+  local.peer = "ipv4:127.0.0.1:1";
+
+  worker_error = WithReason(absl::FailedPreconditionError("worker 0: this worker holds no lm_head 'default'"),
+                            v1::LM_HEAD_VERSION_UNAVAILABLE);
+  auto r = core.Score(req, local);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), v1::LM_HEAD_VERSION_UNAVAILABLE) << r.status();
+
+  // A FAILED_PRECONDITION without a reason stays without one.
+  worker_error = absl::FailedPreconditionError("worker 0: something else");
+  r = core.Score(req, local);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), v1::ERROR_REASON_UNSPECIFIED) << r.status();
+
+  // The worker that could not open the handle: the client sends bytes.
+  worker_error =
+      WithReason(absl::FailedPreconditionError("worker 0: cudaIpcOpenMemHandle failed"), v1::CUDA_IPC_UNAVAILABLE);
+  r = core.Score(req, local);
+  EXPECT_EQ(ReasonOf(r.status()), v1::CUDA_IPC_UNAVAILABLE) << r.status();
+  EXPECT_EQ(runs, 3);
 }
 
 TEST(ScoringCore, ACallThatIsAlreadyCancelledOrPastItsDeadlineEnds) {

@@ -30,6 +30,7 @@
 
 #include "client/shm_inputs.h"
 #include "common/dtype.h"
+#include "common/grpc_status.h"
 #include "common/safetensors.h"
 #include "common/shared_memory.h"
 #include "tests/test_support.h"
@@ -100,7 +101,14 @@ class TestRegion {
 struct Session {
   std::string key;
   v1::LogprobService::Stub& stub;
+  /// The reason (logprob-error-reason) of the last call that failed.
+  mutable v1::ErrorReason reason = v1::ERROR_REASON_UNSPECIFIED;
 
+  /// `s`, the status of a call on `ctx`, its reason kept in `reason`.
+  grpc::Status Kept(const grpc::ClientContext& ctx, grpc::Status s) const {
+    reason = s.ok() ? v1::ERROR_REASON_UNSPECIFIED : SentReason(ctx);
+    return s;
+  }
   void Attach(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
     if (!key.empty()) ctx->AddMetadata("logprob-shm-session", key);
@@ -114,7 +122,7 @@ struct Session {
     req.set_name(name);
     req.set_shm_name(shm_name);
     req.set_byte_size(size);
-    return stub.RegisterSharedMemory(&ctx, req, resp);
+    return Kept(ctx, stub.RegisterSharedMemory(&ctx, req, resp));
   }
   grpc::Status Confirm(const std::string& name) const {
     grpc::ClientContext ctx;
@@ -122,7 +130,7 @@ struct Session {
     v1::ConfirmSharedMemoryRequest req;
     req.set_name(name);
     v1::ConfirmSharedMemoryResponse resp;
-    return stub.ConfirmSharedMemory(&ctx, req, &resp);
+    return Kept(ctx, stub.ConfirmSharedMemory(&ctx, req, &resp));
   }
   /// What a client that can write the object does: register, write the
   /// challenge where the server says, confirm.
@@ -144,7 +152,7 @@ struct Session {
     v1::UnregisterSharedMemoryRequest req;
     req.set_name(name);
     v1::UnregisterSharedMemoryResponse resp;
-    grpc::Status s = stub.UnregisterSharedMemory(&ctx, req, &resp);
+    grpc::Status s = Kept(ctx, stub.UnregisterSharedMemory(&ctx, req, &resp));
     if (n) *n = resp.unregistered();
     return s;
   }
@@ -162,7 +170,7 @@ struct Session {
   grpc::Status Score(const v1::ScoreRequest& req, v1::ScoreResponse* resp) const {
     grpc::ClientContext ctx;
     Attach(&ctx);
-    return stub.Score(&ctx, req, resp);
+    return Kept(ctx, stub.Score(&ctx, req, resp));
   }
 };
 
@@ -399,8 +407,17 @@ TEST_F(SharedMemoryInputs, RegionsAreInvisibleToOtherSessions) {
   v1::ScoreResponse resp;
   grpc::Status s = b.Score(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << "another session's region name must not resolve";
+  EXPECT_EQ(b.reason, v1::SHARED_MEMORY_REGION_NOT_REGISTERED) << s.error_message();
   EXPECT_TRUE(b.List().empty());
   EXPECT_EQ(b.Unregister("mine").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(b.reason, v1::SHARED_MEMORY_REGION_NOT_REGISTERED);
+  EXPECT_EQ(b.Confirm("mine").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(b.reason, v1::SHARED_MEMORY_REGION_NOT_REGISTERED);
+  // An object the server cannot open (here: none of that name): send inline.
+  v1::RegisterSharedMemoryResponse unused;
+  EXPECT_EQ(b.RegisterUnconfirmed("gone", "/reasons-test-no-such-object", 1 << 20, &unused).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(b.reason, v1::SHARED_MEMORY_UNAVAILABLE);
   int n = -1;
   ASSERT_TRUE(b.Unregister("", &n).ok());
   EXPECT_EQ(n, 0);
@@ -711,10 +728,14 @@ TEST_F(SharedMemoryInputs, DisabledByFlag) {
   TestRegion region(1 << 20);
   Session a{"session-off-0123456789abcd", *stub};
   EXPECT_EQ(a.Register("r", region.name(), 1 << 20).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(a.reason, v1::SHARED_MEMORY_UNAVAILABLE);
+  EXPECT_EQ(a.Unregister("r").error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(a.reason, v1::SHARED_MEMORY_UNAVAILABLE);
   v1::ScoreRequest req = GoldenRequest(LoadGolden("basic_f32"));
   region.Place(&req, "r");
   v1::ScoreResponse resp;
   EXPECT_EQ(a.Score(req, &resp).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(a.reason, v1::SHARED_MEMORY_UNAVAILABLE);
 }
 
 }  // namespace

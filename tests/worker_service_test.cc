@@ -2,7 +2,9 @@
 // backend's device is lost (ScoringBackend::device_lost, a sticky CUDA
 // error in the CUDA backend) every item is answered UNAVAILABLE, the code
 // on which the front-end re-forms the pool, whatever the item's own
-// error. A fake backend stands in for the GPU: CPU only.
+// error. A fake backend stands in for the GPU: CPU only. A failed call
+// carries the worker's error reason (issue 31 item 7) as the trailing
+// metadata the front-end reads (SentReason).
 #include "worker/worker_service.h"
 
 #include <grpcpp/grpcpp.h>
@@ -12,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "common/grpc_status.h"
 #include "worker/communicator.h"
 #include "worker/lm_head_registry.h"
 
@@ -83,6 +86,78 @@ TEST(WorkerServiceDeviceLost, EveryItemIsUnavailableOnceTheDeviceIsLost) {
     EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
     EXPECT_EQ(st.error_message(),
               "the worker's CUDA device faulted; it leaves the pool: cuBLASLt matmul: CUBLAS_STATUS_EXECUTION_FAILED");
+  }
+}
+
+/// A Worker service on an in-process gRPC server: the calls cross gRPC
+/// (status and trailing metadata) as the front-end's do.
+class WorkerOverGrpc {
+ public:
+  explicit WorkerOverGrpc(std::unique_ptr<ScoringBackend> backend) {
+    auto lm_heads = std::make_unique<LmHeadRegistry>(*backend, LmHeadPrecision::kAuto, 0, 1);
+    service_ =
+        std::make_unique<WorkerService>(std::make_unique<SelfCommunicator>(), std::move(backend), std::move(lm_heads));
+    grpc::ServerBuilder builder;
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    stub_ = internal::v1::Worker::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
+  }
+  ~WorkerOverGrpc() { server_->Shutdown(); }
+  internal::v1::Worker::Stub& stub() { return *stub_; }
+
+ private:
+  std::unique_ptr<WorkerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<internal::v1::Worker::Stub> stub_;
+};
+
+TEST(WorkerServiceReasons, AFailedCallCarriesTheWorkersReason) {
+  std::atomic<bool> lost{false};
+  WorkerOverGrpc worker(std::make_unique<FaultedBackend>(&lost));  // no GPU: no CUDA IPC
+  internal::v1::WorkResult result;
+
+  // A CUDA IPC payload this worker cannot open: the client sends bytes.
+  internal::v1::WorkItem ipc = LogitsItem();
+  ipc.mutable_cuda_ipc()->set_handle(std::string(64, 'h'));
+  ipc.mutable_cuda_ipc()->set_byte_size(2 * 4 * 4);
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status st = worker.stub().Run(&ctx, ipc, &result);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_EQ(SentReason(ctx), v1::CUDA_IPC_UNAVAILABLE) << st.error_message();
+  }
+  // A hidden-states item naming a head this worker lacks: not a CUDA IPC
+  // refusal, whatever the payload.
+  internal::v1::WorkItem hidden = LogitsItem();
+  hidden.set_layout(internal::v1::HIDDEN_STATES);
+  hidden.mutable_lm_head()->set_name("default");
+  hidden.mutable_lm_head()->set_version("v9");
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status st = worker.stub().Run(&ctx, hidden, &result);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_NE(st.error_message().find("holds no lm_head 'default' version 'v9'"), std::string::npos)
+        << st.error_message();
+    EXPECT_EQ(SentReason(ctx), v1::LM_HEAD_VERSION_UNAVAILABLE) << st.error_message();
+  }
+  // An item's own error has no reason.
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status st = worker.stub().Run(&ctx, LogitsItem(), &result);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INTERNAL) << st.error_message();
+    EXPECT_EQ(SentReason(ctx), v1::ERROR_REASON_UNSPECIFIED) << st.error_message();
+  }
+  // Update rows by CUDA IPC on a worker without device memory.
+  internal::v1::LmHeadStage stage;
+  stage.mutable_source()->set_handle(std::string(64, 'h'));
+  stage.mutable_source()->set_byte_size(16);
+  stage.set_file("/nonexistent/partial");
+  {
+    grpc::ClientContext ctx;
+    internal::v1::LmHeadStageReply reply;
+    const grpc::Status st = worker.stub().StageLmHeadRows(&ctx, stage, &reply);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_EQ(SentReason(ctx), v1::CUDA_IPC_UNAVAILABLE) << st.error_message();
   }
 }
 

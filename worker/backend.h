@@ -36,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/error_reason.h"
 #include "common/host_bytes.h"
 #include "common/lm_head_precision.h"
 #include "common/lm_head_transform.h"
@@ -144,10 +145,12 @@ struct HiddenItemRows {
 using DevicePayload = std::shared_ptr<const char>;
 
 /// The error of a hidden-states item naming an lm_head version the worker
-/// does not hold (FAILED_PRECONDITION).
+/// does not hold (FAILED_PRECONDITION, reason LM_HEAD_VERSION_UNAVAILABLE,
+/// which reaches the client unchanged).
 inline absl::Status NoLmHeadError(const std::string& head, const std::string& version) {
-  return absl::FailedPreconditionError(
-      absl::StrCat("work item: this worker holds no lm_head '", head, "' version '", version, "'"));
+  return WithReason(absl::FailedPreconditionError(
+                        absl::StrCat("work item: this worker holds no lm_head '", head, "' version '", version, "'")),
+                    v1::LM_HEAD_VERSION_UNAVAILABLE);
 }
 
 /// Produces packed partial records (kernels::PartialWords(spec) uint32

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -20,6 +21,15 @@
 
 namespace logprob {
 namespace {
+
+/// `st`, an error opening or taking a client's CUDA IPC reference on this
+/// worker, with reason CUDA_IPC_UNAVAILABLE when it says the reference
+/// cannot be served here (FAILED_PRECONDITION: no GPU, a handle the driver
+/// will not map): the client then sends the bytes. A malformed reference
+/// (INVALID_ARGUMENT) keeps no reason.
+absl::Status CudaIpcRefused(absl::Status st) {
+  return st.code() == absl::StatusCode::kFailedPrecondition ? WithReason(std::move(st), v1::CUDA_IPC_UNAVAILABLE) : st;
+}
 
 /// OK when every rank's `mine` is OK (one 1-byte all-gather); else this
 /// rank's error, or FAILED_PRECONDITION naming the first rank that failed.
@@ -55,7 +65,7 @@ absl::StatusOr<ItemPayload> WorkerService::OpenPayload(const internal::v1::WorkI
   if (item.has_cuda_ipc()) {
     const internal::v1::CudaIpcPayload& ipc = item.cuda_ipc();
     auto opened = backend_->OpenCudaIpcPayload(ipc.handle(), ipc.offset(), ipc.byte_size(), ipc.allocation_bytes());
-    if (!opened.ok()) return opened.status();
+    if (!opened.ok()) return CudaIpcRefused(opened.status());
     *device = *std::move(opened);
     return ItemPayload(std::string_view(device->get(), static_cast<size_t>(ipc.byte_size())), /*device=*/true);
   }
@@ -102,15 +112,15 @@ grpc::Status WorkerService::RunItem(grpc::ServerContext* ctx, const internal::v1
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     absl::MutexLock lock(&collective_mu_);
     TimedCommunicator timed(*comm_);
-    if (absl::Status st = AllRanksOk(timed, ready); !st.ok()) return ToGrpc(st);
+    if (absl::Status st = AllRanksOk(timed, ready); !st.ok()) return ReplyWithReason(ctx, st);
     res = ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get());
     if (res.ok()) res->set_collective_seconds(timed.seconds());
   } else {
-    if (!ready.ok()) return ToGrpc(ready);
+    if (!ready.ok()) return ReplyWithReason(ctx, ready);
     SelfCommunicator self;
     res = ScoreWorkItem(*item, *payload, self, *backend_, chunk_tokens_, cancelled, lm_head.get());
   }
-  if (!res.ok()) return ToGrpc(res.status());
+  if (!res.ok()) return ReplyWithReason(ctx, res.status());
   res->set_device_memory_bytes(backend_->device_memory_bytes());
   *result = std::move(*res);
   return grpc::Status::OK;
@@ -128,11 +138,11 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const internal::v1::Worke
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::LoadLmHead(grpc::ServerContext*, const internal::v1::LmHeadLoad* req,
+grpc::Status WorkerService::LoadLmHead(grpc::ServerContext* ctx, const internal::v1::LmHeadLoad* req,
                                        internal::v1::LoadLmHeadReply* reply) {
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<int64_t> bytes = lm_heads_->Load(*req);
-  if (!bytes.ok()) return ToGrpc(bytes.status());
+  if (!bytes.ok()) return ReplyWithReason(ctx, bytes.status());
   reply->set_bytes(*bytes);
   reply->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return grpc::Status::OK;
@@ -144,11 +154,11 @@ grpc::Status WorkerService::DropLmHead(grpc::ServerContext*, const internal::v1:
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::StageLmHeadRows(grpc::ServerContext*, const internal::v1::LmHeadStage* req,
+grpc::Status WorkerService::StageLmHeadRows(grpc::ServerContext* ctx, const internal::v1::LmHeadStage* req,
                                             internal::v1::LmHeadStageReply* reply) {
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<int64_t> bytes = logprob::StageLmHeadRows(*backend_, *req);
-  if (!bytes.ok()) return ToGrpc(bytes.status());
+  if (!bytes.ok()) return ReplyWithReason(ctx, bytes.status());
   reply->set_bytes(*bytes);
   reply->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return grpc::Status::OK;
@@ -162,7 +172,8 @@ absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal:
                                                    src.offset(), " and byte_size ", src.byte_size(), " must be >= 0"));
   // A backend without a GPU says so before anything is opened.
   absl::StatusOr<std::unique_ptr<DeviceCopy>> copy = backend.NewDeviceCopy();
-  if (!copy.ok()) return absl::Status(copy.status().code(), absl::StrCat(what, ": ", copy.status().message()));
+  if (!copy.ok())
+    return CudaIpcRefused(absl::Status(copy.status().code(), absl::StrCat(what, ": ", copy.status().message())));
   const int fd = open(stage.file().c_str(), O_WRONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(absl::StrCat(what, ": cannot open it: ", std::strerror(errno)));
   struct stat st {};
@@ -178,7 +189,7 @@ absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal:
     absl::StatusOr<DevicePayload> device =
         backend.OpenCudaIpcPayload(src.handle(), src.offset(), src.byte_size(), src.allocation_bytes());
     if (!device.ok()) {
-      failed = device.status();
+      failed = CudaIpcRefused(device.status());
     } else {
       std::vector<char> buffer;
       failed = CopyDeviceToFile(**copy, device->get(), static_cast<size_t>(src.byte_size()), fd,

@@ -49,6 +49,7 @@ from typing import Any, Optional, Tuple
 
 from ._proto import pb2
 from . import shared_memory
+from .errors import has_reason
 from .tensors import BF16, F16, F32, float64_refused, parse_float_dtype
 
 HANDLE_BYTES = 64
@@ -227,4 +228,4 @@ def refused(error: Any) -> bool:
     reference (reason ``CUDA_IPC_UNAVAILABLE``: CPU workers, a client on
     another host, a worker that cannot open the handle): the caller sends
     the bytes instead."""
-    return getattr(error, "reason", "") == "CUDA_IPC_UNAVAILABLE"
+    return has_reason(error, pb2.CUDA_IPC_UNAVAILABLE)

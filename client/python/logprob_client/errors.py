@@ -1,8 +1,33 @@
 """Exceptions of the logprob client."""
 
-from typing import Optional, Tuple
+from typing import Any, FrozenSet, Optional, Tuple
 
 import grpc
+
+from ._proto import pb2
+
+#: Every reason a server may send (``LogprobError.reason``): the names of the
+#: generated ``logprob.v1.ErrorReason`` enum, UNSPECIFIED left out. Compare
+#: reasons with ``has_reason`` and the enum's values, never with literals.
+REASONS: FrozenSet[str] = frozenset(name for name, value in pb2.ErrorReason.items() if value)
+
+
+def reason_name(value: int) -> str:
+    """The name of ``logprob.v1.ErrorReason`` value ``value`` (``""`` for
+    UNSPECIFIED; the number as text for a reason newer than this client)."""
+    if not value:
+        return ""
+    try:
+        return str(pb2.ErrorReason.Name(value))
+    except ValueError:  # a reason newer than this client
+        return str(value)
+
+
+def has_reason(error: Any, reason: int) -> bool:
+    """True when ``error`` (a ``LogprobError``; anything else is False)
+    carries ``reason``, a ``logprob.v1.ErrorReason`` value such as
+    ``pb2.CUDA_IPC_UNAVAILABLE``."""
+    return bool(reason) and getattr(error, "reason", "") == pb2.ErrorReason.Name(reason)
 
 
 class LogprobError(Exception):

@@ -13,7 +13,7 @@ import numpy as np
 from . import cuda_ipc as cuda_ipc_mod
 from . import splitter
 from ._proto import pb2
-from .errors import InvalidInputError, LogprobError
+from .errors import InvalidInputError, LogprobError, reason_name
 from .outputs import OutputFormat
 from .result import ScoreResult
 from .tensors import Array, as_numpy, float_array, from_tensor, int_array
@@ -351,10 +351,5 @@ def status_error(response: Any, part: Optional[Tuple[int, int]] = None) -> Optio
     if response.status_code == 0:
         return None
     code = _CODES.get(response.status_code, grpc.StatusCode.UNKNOWN)
-    reason = ""
-    if response.status_reason:
-        try:
-            reason = pb2.ErrorReason.Name(response.status_reason)
-        except ValueError:  # a reason newer than this client
-            reason = str(response.status_reason)
-    return LogprobError(code, response.status_message, attempts=1, part=part, reason=reason)
+    return LogprobError(code, response.status_message, attempts=1, part=part,
+                        reason=reason_name(response.status_reason))

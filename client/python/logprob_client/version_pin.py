@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import grpc
 
 from ._proto import pb2
-from .errors import LogprobError
+from .errors import LogprobError, has_reason
 
 #: The reason (a ``logprob.v1.ErrorReason`` name) of a pinned version the
 #: server does not hold.
@@ -59,7 +59,7 @@ class VersionPin:
         LogprobError (FAILED_PRECONDITION, reason
         ``LM_HEAD_VERSION_UNAVAILABLE``) naming both versions when the
         version of the second attempt was released too."""
-        if not self.pinned or error.reason != VERSION_UNAVAILABLE:
+        if not self.pinned or not has_reason(error, pb2.LM_HEAD_VERSION_UNAVAILABLE):
             return False
         if not self.released:
             self.released, self._released_where = self.pinned, _before(error)
