@@ -3,6 +3,7 @@ those of a server started with the new weights; requests report and pin
 versions; retained versions; each bad update is refused and changes
 nothing; updates are off by default."""
 import asyncio
+import fcntl
 import os
 import re
 import shutil
@@ -810,6 +811,17 @@ def pid_namespace_prefix():
     return None
 
 
+def lock_is_free(path):
+    """Whether nobody holds an flock on ``path`` (taken and given back)."""
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
 class StoreFolderTest(unittest.TestCase):
     """The store survives containers (issue 31 item 5): each front-end
     start has its own locked store folder; a restart with the same PID
@@ -847,6 +859,9 @@ class StoreFolderTest(unittest.TestCase):
             first.proc.wait()
         finally:
             first.close()
+        # unshare --kill-child SIGKILLs the namespace's PID 1 as it dies, but
+        # that server leaves (and drops its lock) a moment later: wait for it.
+        wait_for(lambda: lock_is_free(os.path.join(root, dead, ".lock")), "the killed front-end's store lock")
         self.assertEqual(store_folders(root), [dead], "a killed front-end leaves its store")
         with self.server(root, prefix=prefix) as second:
             [alive] = store_folders(root)
