@@ -12,6 +12,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/sha256.h"
@@ -81,8 +83,31 @@ bool SharedObjectExists(const std::string& name) {
   return true;
 }
 
+namespace {
+// Whether this process runs in a PID namespace nested in another (a
+// container, `unshare --pid`): /proc/self/status's NSpid lists its PID in
+// every namespace up to the initial one.
+bool InNestedPidNamespace() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("NSpid:", 0) == 0) {
+      std::istringstream pids(line.substr(6));
+      int n = 0;
+      for (long pid = 0; pids >> pid;) ++n;
+      return n > 1;
+    }
+  return false;
+}
+}  // namespace
+
 int RemoveStaleRegions() {
   int removed = 0;
+  // A region's name holds its creator's PID in the creator's namespace: in
+  // a nested namespace that shares /dev/shm with its parent, a live server
+  // outside looks dead (kill: ESRCH) and its regions would be unlinked
+  // under it. Judge only from the initial namespace.
+  if (InNestedPidNamespace()) return 0;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
     const std::string name = entry.path().filename().string();

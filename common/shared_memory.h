@@ -56,7 +56,9 @@ bool SharedObjectExists(const std::string& name);
 /// longer exist (/dev/shm/logprob-<pid>-<n>, e.g. after a SIGKILL), and
 /// lm_head stores of older releases (the directories
 /// /dev/shm/logprob-<pid>-lm-heads; stores are now server/store_folder.h's),
-/// and returns how many. Best effort: errors are ignored.
+/// and returns how many. Best effort: errors are ignored. Nothing in a
+/// nested PID namespace (a container, `unshare --pid`), where the PIDs in
+/// the names of a shared /dev/shm may be other namespaces' live servers.
 int RemoveStaleRegions();
 
 /// This host's shared-memory namespace identity (ServerInfo.host_id): the

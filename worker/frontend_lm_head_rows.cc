@@ -53,7 +53,8 @@ LmHeadRowFetcher FrontendLmHeadRows(std::shared_ptr<internal::v1::Control::Stub>
         ctx.TryCancel();
         break;
       }
-      std::memcpy(static_cast<char*>(rows) + got_rows, chunk.rows().data(), chunk.rows().size());
+      if (!chunk.rows().empty())  // a bias-only message; `rows` may be null when no rows are asked
+        std::memcpy(static_cast<char*>(rows) + got_rows, chunk.rows().data(), chunk.rows().size());
       got_rows += chunk.rows().size();
       if (chunk.bias_size() > 0)
         std::memcpy(bias + got_bias, chunk.bias().data(), sizeof(float) * static_cast<size_t>(chunk.bias_size()));
