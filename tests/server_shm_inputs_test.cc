@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -101,8 +102,9 @@ class TestRegion {
 struct Session {
   std::string key;
   v1::LogprobService::Stub& stub;
-  /// The reason (logprob-error-reason) of the last call that failed.
-  mutable v1::ErrorReason reason = v1::ERROR_REASON_UNSPECIFIED;
+  /// The reason (logprob-error-reason) of the last call that failed
+  /// (atomic: a test may call from several threads).
+  mutable std::atomic<v1::ErrorReason> reason{v1::ERROR_REASON_UNSPECIFIED};
 
   /// `s`, the status of a call on `ctx`, its reason kept in `reason`.
   grpc::Status Kept(const grpc::ClientContext& ctx, grpc::Status s) const {
@@ -407,17 +409,17 @@ TEST_F(SharedMemoryInputs, RegionsAreInvisibleToOtherSessions) {
   v1::ScoreResponse resp;
   grpc::Status s = b.Score(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << "another session's region name must not resolve";
-  EXPECT_EQ(b.reason, v1::SHARED_MEMORY_REGION_NOT_REGISTERED) << s.error_message();
+  EXPECT_EQ(b.reason.load(), v1::SHARED_MEMORY_REGION_NOT_REGISTERED) << s.error_message();
   EXPECT_TRUE(b.List().empty());
   EXPECT_EQ(b.Unregister("mine").error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(b.reason, v1::SHARED_MEMORY_REGION_NOT_REGISTERED);
+  EXPECT_EQ(b.reason.load(), v1::SHARED_MEMORY_REGION_NOT_REGISTERED);
   EXPECT_EQ(b.Confirm("mine").error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(b.reason, v1::SHARED_MEMORY_REGION_NOT_REGISTERED);
+  EXPECT_EQ(b.reason.load(), v1::SHARED_MEMORY_REGION_NOT_REGISTERED);
   // An object the server cannot open (here: none of that name): send inline.
   v1::RegisterSharedMemoryResponse unused;
   EXPECT_EQ(b.RegisterUnconfirmed("gone", "/reasons-test-no-such-object", 1 << 20, &unused).error_code(),
             grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(b.reason, v1::SHARED_MEMORY_UNAVAILABLE);
+  EXPECT_EQ(b.reason.load(), v1::SHARED_MEMORY_UNAVAILABLE);
   int n = -1;
   ASSERT_TRUE(b.Unregister("", &n).ok());
   EXPECT_EQ(n, 0);
@@ -728,14 +730,14 @@ TEST_F(SharedMemoryInputs, DisabledByFlag) {
   TestRegion region(1 << 20);
   Session a{"session-off-0123456789abcd", *stub};
   EXPECT_EQ(a.Register("r", region.name(), 1 << 20).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_EQ(a.reason, v1::SHARED_MEMORY_UNAVAILABLE);
+  EXPECT_EQ(a.reason.load(), v1::SHARED_MEMORY_UNAVAILABLE);
   EXPECT_EQ(a.Unregister("r").error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_EQ(a.reason, v1::SHARED_MEMORY_UNAVAILABLE);
+  EXPECT_EQ(a.reason.load(), v1::SHARED_MEMORY_UNAVAILABLE);
   v1::ScoreRequest req = GoldenRequest(LoadGolden("basic_f32"));
   region.Place(&req, "r");
   v1::ScoreResponse resp;
   EXPECT_EQ(a.Score(req, &resp).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_EQ(a.reason, v1::SHARED_MEMORY_UNAVAILABLE);
+  EXPECT_EQ(a.reason.load(), v1::SHARED_MEMORY_UNAVAILABLE);
 }
 
 }  // namespace
