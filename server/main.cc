@@ -259,25 +259,25 @@ absl::StatusOr<int64_t> LmHeadStoreBound(int argc, char** argv, const std::vecto
   if (!absl::GetFlag(FLAGS_allow_lm_head_updates)) return 0;
   const std::vector<std::string> frozen = logprob::FlagValues(argc, argv, "lm_head_frozen");
   int64_t bytes = 0;
+  const auto add = [&bytes](const logprob::LmHeadSource& source) {
+    bytes += logprob::LmHeadStoreBytes(
+        source.vocab_size * source.hidden_size * static_cast<int64_t>(logprob::DTypeSize(source.dtype)),
+        std::max(1, absl::GetFlag(FLAGS_lm_head_retain)));
+  };
   for (const std::string& arg : lm_head_args) {
     const auto [name, path] = SplitLmHeadArg(arg);
     if (std::find(frozen.begin(), frozen.end(), name) != frozen.end()) continue;
     auto source = logprob::ResolveLmHead(path, {});
     if (!source.ok())
       return absl::InvalidArgumentError("--lm-head " + arg + ": " + std::string(source.status().message()));
-    bytes += logprob::LmHeadStoreBytes(
-        source->vocab_size * source->hidden_size * static_cast<int64_t>(logprob::DTypeSize(source->dtype)),
-        std::max(1, absl::GetFlag(FLAGS_lm_head_retain)));
+    add(*source);
   }
   // Declared heads (--lm-head-declare NAME=VxH:DTYPE): their shape is the flag's.
   for (const std::string& arg : logprob::FlagValues(argc, argv, "lm_head_declare")) {
     auto declared = logprob::ParseDeclaredLmHead(arg, 1);
     if (!declared.ok())
       return absl::InvalidArgumentError("--lm-head-declare " + arg + ": " + std::string(declared.status().message()));
-    const logprob::LmHeadSource& source = declared->source;
-    bytes += logprob::LmHeadStoreBytes(
-        source.vocab_size * source.hidden_size * static_cast<int64_t>(logprob::DTypeSize(source.dtype)),
-        std::max(1, absl::GetFlag(FLAGS_lm_head_retain)));
+    add(declared->source);
   }
   return bytes;
 }
