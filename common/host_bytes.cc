@@ -38,7 +38,8 @@ HostBytes& HostBytes::operator=(HostBytes other) noexcept {
   return *this;
 }
 
-absl::StatusOr<HostBytes> HostBytes::MapMemoryFile(const std::string& path, uint64_t offset, size_t size) {
+absl::StatusOr<HostBytes> HostBytes::MapMemoryFile(const std::string& path, uint64_t offset, size_t size,
+                                                   FileMapper* mapper) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", strerror(errno)));
   struct statfs fs {};
@@ -55,13 +56,19 @@ absl::StatusOr<HostBytes> HostBytes::MapMemoryFile(const std::string& path, uint
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t begin = offset / page * page;
   const size_t length = static_cast<size_t>(offset - begin) + size;
-  void* p = mmap(nullptr, length, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(begin));
+  std::shared_ptr<void> mapping;
+  if (mapper != nullptr) {
+    mapping = mapper->Map(fd, st, begin, length);
+  } else if (void* p = mmap(nullptr, length, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(begin));
+             p != MAP_FAILED) {
+    mapping = std::shared_ptr<void>(p, [length](void* q) { munmap(q, length); });
+  }
   const int err = errno;
   close(fd);  // the mapping keeps the file
-  if (p == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap of ", path, ": ", strerror(err)));
+  if (mapping == nullptr) return absl::InternalError(absl::StrCat("mmap of ", path, ": ", strerror(err)));
   HostBytes out;
-  out.mapping_ = std::shared_ptr<void>(p, [length](void* q) { munmap(q, length); });
-  out.data_ = static_cast<const char*>(p) + (offset - begin);
+  out.mapping_ = std::move(mapping);
+  out.data_ = static_cast<const char*>(out.mapping_.get()) + (offset - begin);
   out.size_ = size;
   return out;
 }

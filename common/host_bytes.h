@@ -2,6 +2,8 @@
 // memory (tmpfs) mapped read-only, whose pages stay shared with the file.
 #pragma once
 
+#include <sys/stat.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -11,6 +13,19 @@
 #include "absl/status/statusor.h"
 
 namespace logprob {
+
+/// How HostBytes::MapMemoryFile maps a checked file range: the default
+/// maps anew and unmaps when the last copy goes; a pool may keep a mapping
+/// for the next one of the same file range (common/standby_mappings.h).
+class FileMapper {
+ public:
+  virtual ~FileMapper() = default;
+  /// A read-only, populated MAP_SHARED mapping of `length` bytes of the
+  /// open tmpfs file `fd` (described by `st`: identity, size) from the
+  /// page-aligned offset `begin`; its deleter releases it. Null with errno
+  /// set when mmap fails. `fd` stays the caller's (dup it to keep it).
+  virtual std::shared_ptr<void> Map(int fd, const struct stat& st, uint64_t begin, size_t length) = 0;
+};
 
 /// Bytes a reader does not change: either a std::vector it owns or a
 /// read-only shared mapping of a file range (MapMemoryFile), unmapped when
@@ -33,8 +48,10 @@ class HostBytes {
   /// dropped its version). UNIMPLEMENTED when the file is not on tmpfs (a
   /// disk or network file's pages could be evicted or go stale: read a
   /// copy instead); NOT_FOUND when it cannot be opened; OUT_OF_RANGE when
-  /// the range is past its end; INTERNAL when mmap fails.
-  static absl::StatusOr<HostBytes> MapMemoryFile(const std::string& path, uint64_t offset, size_t size);
+  /// the range is past its end; INTERNAL when mmap fails. `mapper` (null:
+  /// a fresh mapping) maps the checked range.
+  static absl::StatusOr<HostBytes> MapMemoryFile(const std::string& path, uint64_t offset, size_t size,
+                                                 FileMapper* mapper = nullptr);
 
   const char* data() const { return data_; }
   size_t size() const { return size_; }

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <future>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <random>
 #include <set>
@@ -45,6 +46,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kCopyBytes = size_t{16} << 20;  // rows a source reads at a time
 constexpr int64_t kCopyThreads = 4;              // threads that read one put's rows, at most
+constexpr size_t kScanBytes = size_t{1} << 20;   // rows copied, then scanned for NaN / Inf, at a time
 constexpr size_t kEndedKept = 64;                // ended updates remembered for their error messages
 constexpr size_t kOutcomesKept = 256;            // ended updates whose outcome a retried Commit gets
 
@@ -100,20 +102,14 @@ class CheckpointSource final : public InputSource {
   mutable absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
-/// OK when the `source.vocab_size` rows of the staged file mapped at `map`
-/// (the weight at source.data_offset; null: nothing to scan) are all
-/// finite; else INVALID_ARGUMENT naming update `id` (its tag) and the first NaN or
-/// infinity by row and column (FirstNonFinite: one vectorised pass over
-/// the mapping, about memory bandwidth, while the workers load).
-absl::Status CheckFinite(const char* map, const LmHeadSource& source, const std::string& id) {
-  if (map == nullptr) return absl::OkStatus();
-  const char* rows = map + source.data_offset;
-  const std::optional<int64_t> bad = FirstNonFinite(source.dtype, rows, source.vocab_size * source.hidden_size);
-  if (!bad.has_value()) return absl::OkStatus();
+/// INVALID_ARGUMENT naming update `id` (its tag) and element `bad` of the
+/// weight in `rows` (the staged file's rows): its row, column and value
+/// (NaN, +Inf or -Inf).
+absl::Status NonFiniteError(const char* rows, const LmHeadSource& source, const std::string& id, int64_t bad) {
   float value = 0;
-  ToFloat(source.dtype, rows + *bad * static_cast<int64_t>(DTypeSize(source.dtype)), 1, &value);
-  return absl::InvalidArgumentError(absl::StrCat("lm_head update ", UpdateTag(id), ": row ", *bad / source.hidden_size,
-                                                 ", column ", *bad % source.hidden_size, " of the weight is ",
+  ToFloat(source.dtype, rows + bad * static_cast<int64_t>(DTypeSize(source.dtype)), 1, &value);
+  return absl::InvalidArgumentError(absl::StrCat("lm_head update ", UpdateTag(id), ": row ", bad / source.hidden_size,
+                                                 ", column ", bad % source.hidden_size, " of the weight is ",
                                                  std::isnan(value) ? "NaN" : (value > 0 ? "+Inf" : "-Inf"),
                                                  "; weights must be finite; nothing changed"));
 }
@@ -196,6 +192,11 @@ struct LmHeadUpdates::Update {
   std::map<int, std::function<void()>> waiting;
   int next_wait = 0;
   bool committing = false, ended = false;
+  // NaN and infinite weights: puts whose rows the front-end copied scan
+  // them as they land (the first bad element of the weight, if any); rows a
+  // worker staged (CUDA IPC) are scanned at Commit.
+  std::optional<int64_t> first_non_finite;
+  bool scan_at_commit = false;
   // SHA-256 of the rows, read back from the staged file in order as the
   // written rows form a longer prefix, on its own thread: no put waits for
   // it. Commit waits for the tail (while the workers load) only to check
@@ -453,33 +454,36 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(const v1::LmHeadRows& put, c
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, int64_t row_begin, int64_t rows,
                                                         DType dtype, int64_t columns, const InputSource& source) {
   return PutInto(id, row_begin, rows, dtype, columns, &source,
-                 [&](const std::shared_ptr<Update>& u, char* dst) { return Write(u, row_begin, rows, source, dst); });
+                 [&](const std::shared_ptr<Update>& u, char* dst, PutScan* scan) {
+                   return Write(u, row_begin, rows, source, dst, scan);
+                 });
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows,
                                                             DType dtype, int64_t columns, const LmHeadPutIo& io) {
-  return PutInto(id, row_begin, rows, dtype, columns, nullptr, [&](const std::shared_ptr<Update>& u, char* dst) {
-    const auto progressed = [this, &u] {
-      absl::MutexLock lock(&mu_);
-      u->last_progress = Clock::now();
-    };
-    // While it waits for bytes, a time-out of the update ends its call.
-    int key = 0;
-    if (io.cancel) {
-      absl::MutexLock lock(&mu_);
-      key = ++u->next_wait;
-      u->waiting[key] = io.cancel;
-    }
-    const absl::Status st = io.follow(dst, progressed);
-    absl::MutexLock lock(&mu_);
-    u->waiting.erase(key);
-    return st;
-  });
+  return PutInto(id, row_begin, rows, dtype, columns, nullptr,
+                 [&](const std::shared_ptr<Update>& u, char* dst, PutScan*) {
+                   const auto progressed = [this, &u] {
+                     absl::MutexLock lock(&mu_);
+                     u->last_progress = Clock::now();
+                   };
+                   // While it waits for bytes, a time-out of the update ends its call.
+                   int key = 0;
+                   if (io.cancel) {
+                     absl::MutexLock lock(&mu_);
+                     key = ++u->next_wait;
+                     u->waiting[key] = io.cancel;
+                   }
+                   const absl::Status st = io.follow(dst, progressed);
+                   absl::MutexLock lock(&mu_);
+                   u->waiting.erase(key);
+                   return st;
+                 });
 }
 
-absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
-    const std::string& id, int64_t row_begin, int64_t rows, DType dtype, int64_t columns, const InputSource* source,
-    const std::function<absl::Status(const std::shared_ptr<Update>&, char* dst)>& fill) {
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(const std::string& id, int64_t row_begin, int64_t rows,
+                                                        DType dtype, int64_t columns, const InputSource* source,
+                                                        const Fill& fill) {
   std::shared_ptr<Update> u;
   bool verify = false;  // a retry of a range received whole
   {
@@ -534,7 +538,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
   if (verify) {
     // The retry's bytes, read as any put's, then compared with the staged ones.
     std::string again(static_cast<size_t>(total), '\0');
-    const absl::Status read = fill(u, again.data());
+    PutScan unused;
+    const absl::Status read = fill(u, again.data(), &unused);
     absl::MutexLock lock(&mu_);
     --u->busy;
     u->last_progress = Clock::now();
@@ -548,8 +553,13 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
                                                      "exactly once"));
     return u->Proto();  // the first put's answer
   }
-  const absl::Status failed = fill(u, staged);
-  // Only whole, written puts are hashed: a failed put's rows may come again.
+  PutScan scan;
+  const absl::Status failed = fill(u, staged, &scan);
+  // Only whole, written puts are hashed and scanned: a failed put's rows
+  // may come again. Rows a fill did not scan (bytes that followed, rows a
+  // worker staged) are scanned now, before the put answers.
+  const int64_t elements = total / static_cast<int64_t>(DTypeSize(dtype));
+  if (failed.ok() && !scan.done) scan.first = FirstNonFinite(dtype, staged, elements);
   if (failed.ok()) u->hasher->Written(first_byte, first_byte + total);
   if (failed.ok() && observers_.on_bytes) observers_.on_bytes(u->head, total);
   absl::MutexLock lock(&mu_);
@@ -566,11 +576,15 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(
   u->rows_received += rows;
   u->bytes += total;
   u->received.insert(row_begin);
+  if (scan.first.has_value()) {
+    const int64_t at = row_begin * columns + *scan.first;
+    u->first_non_finite = std::min(u->first_non_finite.value_or(at), at);
+  }
   return u->Proto();
 }
 
 absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                  const InputSource& source, char* rows_dst) {
+                                  const InputSource& source, char* rows_dst, PutScan* scan) {
   // Bytes the front-end cannot read (a client's GPU memory): a worker on
   // this host writes them into the staged file; the others are copied here.
   if (!source.rules().readable_here) return Stage(u, row_begin, rows, source);
@@ -579,19 +593,33 @@ absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_
   // Blocks of kCopyBytes, taken in turn by up to kCopyThreads threads: a
   // client's region or a checkpoint is read with pread, which the kernel
   // copies page by page (on tmpfs about a third of memcpy's speed, one
-  // core), so a large put reads on several cores.
+  // core), so a large put reads on several cores. Each kScanBytes is
+  // scanned for NaN and infinity while it is in the core's cache, so the
+  // commit need not read the whole weight again.
   const int64_t blocks = (total + static_cast<int64_t>(kCopyBytes) - 1) / static_cast<int64_t>(kCopyBytes);
+  const DType dtype = u->next.source.dtype;
+  const int64_t elt = static_cast<int64_t>(DTypeSize(dtype));
   std::atomic<int64_t> next{0};
   std::atomic<bool> failed{false};
+  std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};  // element, from the put's first row
   auto copy = [&] {
     for (int64_t b = next++; b < blocks && !failed.load(); b = next++) {
       const int64_t off = b * static_cast<int64_t>(kCopyBytes);
-      const size_t n = static_cast<size_t>(std::min<int64_t>(kCopyBytes, total - off));
-      char* dst = rows_dst + static_cast<uint64_t>(off);
-      if (memory) {
-        std::memcpy(dst, memory->data() + off, n);
-      } else if (!source.Read(off, n, dst)) {
-        failed = true;
+      const int64_t end = std::min<int64_t>(off + static_cast<int64_t>(kCopyBytes), total);
+      for (int64_t at = off; at < end && !failed.load(); at += static_cast<int64_t>(kScanBytes)) {
+        const size_t n = static_cast<size_t>(std::min<int64_t>(kScanBytes, end - at));
+        char* dst = rows_dst + static_cast<uint64_t>(at);
+        if (memory) {
+          std::memcpy(dst, memory->data() + at, n);
+        } else if (!source.Read(at, n, dst)) {
+          failed = true;
+          break;
+        }
+        if (const std::optional<int64_t> bad = FirstNonFinite(dtype, dst, static_cast<int64_t>(n) / elt)) {
+          const int64_t e = at / elt + *bad;
+          for (int64_t seen = first_bad.load(); e < seen && !first_bad.compare_exchange_weak(seen, e);) {
+          }
+        }
       }
       absl::MutexLock lock(&mu_);
       u->last_progress = Clock::now();  // a long put is progress
@@ -608,6 +636,8 @@ absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_
   copy();
   for (std::thread& t : helpers) t.join();
   if (failed) return source.status().ok() ? absl::DataLossError("the rows' source could not be read") : source.status();
+  scan->done = true;
+  if (first_bad.load() != std::numeric_limits<int64_t>::max()) scan->first = first_bad.load();
   return absl::OkStatus();
 }
 
@@ -742,8 +772,11 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   // commit waits for only to check an announced one.
   std::future<absl::StatusOr<int64_t>> loading =
       std::async(std::launch::async, [this, load = u->next.Load()] { return workers_.load(load); });
-  // NaN and infinite weights are refused (scanned while the workers load).
-  const absl::Status finite = CheckFinite(u->map.get(), u->next.source, UpdateTag(id));
+  // NaN and infinite weights are refused (every put scanned its rows).
+  const absl::Status finite =
+      u->first_non_finite.has_value()
+          ? NonFiniteError(u->map.get() + u->next.source.data_offset, u->next.source, id, *u->first_non_finite)
+          : absl::OkStatus();
   const absl::StatusOr<std::string> sha = u->expected_sha256.empty() ? std::string() : u->hasher->Finish();
   absl::StatusOr<int64_t> generation = loading.get();
   if (!finite.ok()) return fail("non_finite", finite);

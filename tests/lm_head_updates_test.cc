@@ -670,7 +670,7 @@ class ReadOnlySource final : public InputSource {
 
 TEST_F(LmHeadUpdatesTest, RowsReadInBlocksOnSeveralThreadsLandExactlyAndAFailedReadFreesThem) {
   // A head of 40 MiB: a put's rows are read in 16 MiB blocks, on as many
-  // threads as the machine has (up to 4).
+  // threads as the machine has (up to 4), 1 MiB per read.
   constexpr int64_t V = 10240, H = 1024;
   LmHeads heads{LmHeads::Options{}};
   LmHeadVersion first = *heads_.Bind("default", "").value();
@@ -704,7 +704,7 @@ TEST_F(LmHeadUpdatesTest, RowsReadInBlocksOnSeveralThreadsLandExactlyAndAFailedR
   const ReadOnlySource source(rows);
   put = updates->PutRows(opened->update_id(), 0, V, v1::F32, H, source);
   ASSERT_TRUE(put.ok()) << put.status();
-  EXPECT_EQ(source.reads(), 3) << "40 MiB in 16 MiB blocks";
+  EXPECT_EQ(source.reads(), 40) << "40 MiB in 16 MiB blocks, each read (and scanned) 1 MiB at a time";
   ASSERT_TRUE(updates->Commit(opened->update_id()).ok());
   const auto v1 = heads.Find("default", "v1");
   ASSERT_NE(v1, nullptr);
@@ -895,6 +895,115 @@ TEST_F(LmHeadUpdatesTest, NonFiniteWeightsAreRefusedAtCommitNamingTheFirst) {
     ASSERT_TRUE(updates->PutRows(again->update_id(), 0, kV, c.dtype, kH, *MemorySource(rows)).ok());
     EXPECT_TRUE(updates->Commit(again->update_id()).ok());
   }
+}
+
+TEST_F(LmHeadUpdatesTest, EachPutScansItsRowsAndTheCommitNamesTheFirstBadElementOfTheWeight) {
+  // Puts scan the rows they copy (1 MiB at a time) or, for bytes that
+  // followed the message, once they are in; the commit then names the
+  // weight's first NaN / Inf whatever the order of the puts, and rows of
+  // a failed put do not count.
+  constexpr int64_t kBigV = 300, kBigH = 2048;  // 2.4 MB of F32: several scan blocks per put
+  LmHeads big{LmHeads::Options{}};
+  LmHeadVersion first;
+  first.head = "default";
+  first.version = "initial";
+  first.source.file = store_ + "/start-big.safetensors";
+  first.source.tensor = "lm_head.weight";
+  first.source.dtype = v1::F32;
+  first.source.vocab_size = kBigV;
+  first.source.hidden_size = kBigH;
+  ASSERT_TRUE(big.Add(first).ok());
+  auto updates = Make(nullptr, {}, &big);
+  auto begin = [&](const std::string& version) {
+    v1::BeginLmHeadUpdateRequest b = Begin(version);
+    b.set_vocab_size(kBigV);
+    b.set_hidden_size(kBigH);
+    auto opened = updates->Begin(b);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    return opened.ok() ? opened->update_id() : std::string();
+  };
+  std::vector<float> weight(static_cast<size_t>(kBigV * kBigH), 0.5f);
+  auto rows = [&weight](int64_t b, int64_t n) {
+    return std::string(reinterpret_cast<const char*>(weight.data() + b * kBigH),
+                       static_cast<size_t>(n * kBigH) * sizeof(float));
+  };
+  // Bytes that follow the message (a transport's pieces), failing after
+  // they were written when `fail`.
+  auto follow_put = [&](const std::string& id, int64_t b, int64_t n, const std::string& bytes, bool fail) {
+    LmHeadPutIo io;
+    io.follow = [&bytes, fail](char* dst, const std::function<void()>&) {
+      std::memcpy(dst, bytes.data(), bytes.size());
+      return fail ? absl::UnavailableError("the stream broke") : absl::OkStatus();
+    };
+    v1::LmHeadRows put;
+    put.set_update_id(id);
+    put.set_row_begin(b);
+    v1::Tensor* t = put.mutable_rows();
+    t->set_dtype(v1::F32);
+    t->add_shape(n);
+    t->add_shape(kBigH);
+    return updates->Put(put, io);
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  // Row 250 is 1.2 MB into the put of rows [100, 300): its second scan block.
+  weight[250 * kBigH + 7] = nan;
+  weight[260 * kBigH] = inf;
+  weight[3 * kBigH + 5] = -inf;
+  {
+    // The later rows come first: the commit still names row 3.
+    const std::string id = begin("two-bad");
+    ASSERT_TRUE(updates->PutRows(id, 100, 200, v1::F32, kBigH, *MemorySource(rows(100, 200))).ok());
+    ASSERT_TRUE(follow_put(id, 0, 100, rows(0, 100), false).ok());
+    const auto committed = updates->Commit(id);
+    EXPECT_EQ(committed.status().code(), absl::StatusCode::kInvalidArgument) << committed.status();
+    EXPECT_NE(committed.status().message().find("row 3, column 5 of the weight is -Inf"), std::string::npos)
+        << committed.status();
+  }
+  weight[3 * kBigH + 5] = 0.5f;
+  {
+    const std::string id = begin("one-bad");
+    ASSERT_TRUE(follow_put(id, 0, 100, rows(0, 100), false).ok());
+    ASSERT_TRUE(updates->PutRows(id, 100, 200, v1::F32, kBigH, *MemorySource(rows(100, 200))).ok());
+    const auto committed = updates->Commit(id);
+    EXPECT_EQ(committed.status().code(), absl::StatusCode::kInvalidArgument) << committed.status();
+    EXPECT_NE(committed.status().message().find("row 250, column 7 of the weight is NaN"), std::string::npos)
+        << committed.status();
+  }
+  {
+    // A put that failed with bad rows in it counts nothing: sent again
+    // finite, the update commits.
+    const std::string bad_rows = rows(100, 200);
+    weight[250 * kBigH + 7] = 0.5f;
+    weight[260 * kBigH] = 0.5f;
+    const std::string id = begin("retried");
+    EXPECT_EQ(follow_put(id, 100, 200, bad_rows, true).status().code(), absl::StatusCode::kUnavailable);
+    ASSERT_TRUE(follow_put(id, 100, 200, rows(100, 200), false).ok());
+    ASSERT_TRUE(updates->PutRows(id, 0, 100, v1::F32, kBigH, *MemorySource(rows(0, 100))).ok());
+    const auto committed = updates->Commit(id);
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    EXPECT_EQ(committed->version(), "retried");
+  }
+}
+
+TEST_F(LmHeadUpdatesTest, RowsAWorkerStagedAreScannedBeforeThePutAnswers) {
+  // CUDA IPC rows are written by a worker, not copied here: the put scans
+  // them once staged, and the commit names their bad element.
+  FakeGpuWorker gpu;
+  const std::string handle(64, 'h');
+  std::string ipc_rows = Rows(20, kV - 20, 1.0f);
+  const float inf = std::numeric_limits<float>::infinity();
+  std::memcpy(ipc_rows.data() + ((30 - 20) * kH + 2) * sizeof(float), &inf, sizeof(float));  // row 30, column 2
+  gpu.allocations[handle] = ipc_rows;
+  auto updates = Make([&gpu](const internal::v1::LmHeadStage& s) { return gpu.Stage(s); });
+  auto opened = updates->Begin(Begin("staged-bad"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  ASSERT_TRUE(updates->PutRows(opened->update_id(), 0, 20, v1::F32, kH, *MemorySource(Rows(0, 20, 1.0f))).ok());
+  ASSERT_TRUE(updates->PutRows(opened->update_id(), 20, kV - 20, v1::F32, kH, *IpcRows(handle, 0, kV - 20)).ok());
+  const auto committed = updates->Commit(opened->update_id());
+  EXPECT_EQ(committed.status().code(), absl::StatusCode::kInvalidArgument) << committed.status();
+  EXPECT_NE(committed.status().message().find("row 30, column 2 of the weight is +Inf"), std::string::npos)
+      << committed.status();
+  EXPECT_EQ(heads_.Bind("default", "").value()->version, "initial");
 }
 
 namespace {

@@ -66,11 +66,12 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   const size_t row_bytes = static_cast<size_t>(source.hidden_size) * DTypeSize(source.dtype);
   const size_t read_bytes = static_cast<size_t>(ve - vb) * row_bytes;
   // A committed update's store file in memory: its pages become the
-  // slice's (no copy, no second copy of the head in memory).
+  // slice's (no copy, no second copy of the head in memory), through the
+  // mapping an earlier version of the same recycled file left on standby.
   absl::StatusOr<HostBytes> mapped = absl::UnimplementedError("a checkpoint is copied");
   if (src.immutable() && !fetched)
-    mapped =
-        HostBytes::MapMemoryFile(source.file, source.data_offset + static_cast<uint64_t>(vb) * row_bytes, read_bytes);
+    mapped = HostBytes::MapMemoryFile(source.file, source.data_offset + static_cast<uint64_t>(vb) * row_bytes,
+                                      read_bytes, &standby_);
   if (mapped.ok()) {
     slice.weight = *std::move(mapped);
   } else {

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/lm_head_precision.h"
+#include "common/standby_mappings.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "worker/backend.h"
 #include "worker/frontend_lm_head_rows.h"
@@ -67,6 +68,10 @@ class LmHeadRegistry {
   const int rank_, world_;
   const LmHeadRowFetcher fetch_;
   const LmHeadFetchMode fetch_mode_;
+  // Slices mapped from store files, kept once dropped: the store recycles a
+  // released version's file for a later update, whose load then maps
+  // nothing (two spares per head in the store: room for two heads).
+  StandbyMappings standby_{4};
   mutable absl::Mutex mu_;
   struct Held {
     std::shared_ptr<const LmHeadWeights> weights;
