@@ -54,6 +54,8 @@ class TensorAssembler {
 
   /// True once every pending tensor has all its bytes.
   bool complete() const { return received_bytes_ == pending_bytes_; }
+  /// Bytes of pieces added so far (each tensor's come in order).
+  int64_t received_bytes() const { return received_bytes_; }
 
   /// Moves the buffers into the tensors' data. INVALID_ARGUMENT naming the
   /// first incomplete tensor and its offset when bytes are missing.

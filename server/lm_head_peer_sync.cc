@@ -140,7 +140,7 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
   rows.mutable_rows()->add_shape(H);
   LmHeadPutIo io;
   io.cancel = [&ctx] { ctx.TryCancel(); };  // from the time-out's thread: Read then fails
-  io.follow = [&](char* dst, const std::function<void()>& progressed) -> absl::Status {
+  io.follow = [&](char* dst, const std::function<void(int64_t)>& progressed) -> absl::Status {
     int64_t have = 0;
     while (have < total && reader->Read(&part)) {
       const v1::TensorPiece& p = part.piece();
@@ -150,7 +150,7 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
                                                 p.data().size(), " bytes after ", have, " of ", total));
       std::memcpy(dst + have, p.data().data(), p.data().size());
       have += static_cast<int64_t>(p.data().size());
-      progressed();
+      progressed(have);
     }
     if (have == total) return finish();
     absl::Status st = finish();

@@ -462,8 +462,20 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, i
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows,
                                                             DType dtype, int64_t columns, const LmHeadPutIo& io) {
   return PutInto(id, row_begin, rows, dtype, columns, nullptr,
-                 [&](const std::shared_ptr<Update>& u, char* dst, PutScan*) {
-                   const auto progressed = [this, &u] {
+                 [&](const std::shared_ptr<Update>& u, char* dst, PutScan* scan) {
+                   // The prefix of dst written so far is scanned as it
+                   // grows (the newest piece is in cache), the rest at the end.
+                   const int64_t elt = static_cast<int64_t>(DTypeSize(dtype));
+                   const int64_t elements = rows * u->row_bytes / elt;
+                   int64_t scanned = 0;  // elements
+                   const auto scan_to = [&](int64_t end) {
+                     if (end <= scanned || scan->first.has_value()) return;
+                     if (const std::optional<int64_t> bad = FirstNonFinite(dtype, dst + scanned * elt, end - scanned))
+                       scan->first = scanned + *bad;
+                     scanned = end;
+                   };
+                   const auto progressed = [&](int64_t written) {
+                     scan_to(std::clamp<int64_t>(written / elt, 0, elements));
                      absl::MutexLock lock(&mu_);
                      u->last_progress = Clock::now();
                    };
@@ -475,6 +487,10 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& i
                      u->waiting[key] = io.cancel;
                    }
                    const absl::Status st = io.follow(dst, progressed);
+                   if (st.ok()) {
+                     scan_to(elements);
+                     scan->done = true;
+                   }
                    absl::MutexLock lock(&mu_);
                    u->waiting.erase(key);
                    return st;

@@ -92,10 +92,12 @@ struct LmHeadPutIo {
   /// rows.data holds fewer bytes than the shape announces: writes the
   /// rows' n * H * sizeof(dtype) bytes (rows.data's first) to `dst` (their
   /// place in the staged file: no buffer, no second copy), calling
-  /// `progressed()` as bytes arrive (the update's time-out counts from
-  /// the last progress); OK when every byte was written. Empty: the
+  /// `progressed(written)` as bytes arrive, with `written` the length of
+  /// dst's prefix that holds its bytes by then (the update's time-out
+  /// counts from the last progress; that prefix is scanned for NaN and
+  /// infinity while in cache); OK when every byte was written. Empty: the
   /// inline bytes must be all of them.
-  std::function<absl::Status(char* dst, const std::function<void()>& progressed)> follow;
+  std::function<absl::Status(char* dst, const std::function<void(int64_t written)>& progressed)> follow;
   /// A reference to memory (LmHeadRows.rows with shared_memory or
   /// cuda_ipc): the source it names (checks of the caller's rights
   /// included). Empty: such rows are refused (INVALID_ARGUMENT).

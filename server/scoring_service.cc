@@ -366,7 +366,7 @@ grpc::Status ScoringService::ServeLmHeadRows(
     // in pieces after the message (written as they arrive), or referenced.
     LmHeadPutIo io;
     io.cancel = [context] { context->TryCancel(); };
-    io.follow = [&](char* dst, const std::function<void()>& progressed) -> absl::Status {
+    io.follow = [&](char* dst, const std::function<void(int64_t)>& progressed) -> absl::Status {
       // The bytes the shape announces beyond the inline ones, in pieces.
       google::protobuf::RepeatedPtrField<v1::Tensor> tensors;
       *tensors.Add() = rows.rows();
@@ -376,11 +376,13 @@ grpc::Status ScoringService::ServeLmHeadRows(
             "PutLmHeadRows announces ", assembly.pending_bytes(), " bytes, over the server's max_request_bytes ",
             core_.config().max_request_bytes, "; send fewer rows per call"));
       LOGPROB_RETURN_IF_ERROR(assembly.AssembleInto(dst));
+      // Pieces come in order after the inline bytes: before each read, dst
+      // holds the inline bytes and every piece so far.
+      const int64_t inline_bytes = static_cast<int64_t>(rows.rows().data().size());
       return chunked::ReadChunkedPieces(
-          [stream, &progressed](chunked::IncomingPart* p) {
-            const bool read = stream->Read(p);
-            progressed();
-            return read;
+          [stream, &progressed, &assembly, inline_bytes](chunked::IncomingPart* p) {
+            progressed(inline_bytes + assembly.received_bytes());
+            return stream->Read(p);
           },
           [context] { return CallEnded(context); }, assembly);
     };

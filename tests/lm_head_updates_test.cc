@@ -931,8 +931,13 @@ TEST_F(LmHeadUpdatesTest, EachPutScansItsRowsAndTheCommitNamesTheFirstBadElement
   // they were written when `fail`.
   auto follow_put = [&](const std::string& id, int64_t b, int64_t n, const std::string& bytes, bool fail) {
     LmHeadPutIo io;
-    io.follow = [&bytes, fail](char* dst, const std::function<void()>&) {
-      std::memcpy(dst, bytes.data(), bytes.size());
+    io.follow = [&bytes, fail](char* dst, const std::function<void(int64_t)>& progressed) {
+      // In pieces of 300001 bytes (not whole elements), each reported.
+      for (size_t at = 0; at < bytes.size(); at += 300001) {
+        const size_t n = std::min<size_t>(300001, bytes.size() - at);
+        std::memcpy(dst + at, bytes.data() + at, n);
+        progressed(static_cast<int64_t>(at + n));
+      }
       return fail ? absl::UnavailableError("the stream broke") : absl::OkStatus();
     };
     v1::LmHeadRows put;
@@ -962,8 +967,8 @@ TEST_F(LmHeadUpdatesTest, EachPutScansItsRowsAndTheCommitNamesTheFirstBadElement
   weight[3 * kBigH + 5] = 0.5f;
   {
     const std::string id = begin("one-bad");
-    ASSERT_TRUE(follow_put(id, 0, 100, rows(0, 100), false).ok());
-    ASSERT_TRUE(updates->PutRows(id, 100, 200, v1::F32, kBigH, *MemorySource(rows(100, 200))).ok());
+    ASSERT_TRUE(updates->PutRows(id, 0, 100, v1::F32, kBigH, *MemorySource(rows(0, 100))).ok());
+    ASSERT_TRUE(follow_put(id, 100, 200, rows(100, 200), false).ok());  // found in its fifth piece
     const auto committed = updates->Commit(id);
     EXPECT_EQ(committed.status().code(), absl::StatusCode::kInvalidArgument) << committed.status();
     EXPECT_NE(committed.status().message().find("row 250, column 7 of the weight is NaN"), std::string::npos)
@@ -1101,9 +1106,9 @@ TEST_F(ConfinedFileSourceTest, BeginPutCommitThroughTheCoreWithEverySource) {
   // Two inline rows, the rest following (a transport's pieces).
   LmHeadPutIo io;
   int progressed = 0;
-  io.follow = [&](char* dst, const std::function<void()>& progress) {
+  io.follow = [&](char* dst, const std::function<void(int64_t)>& progress) {
     std::memcpy(dst, part(10, 10).data(), part(10, 10).size());
-    progress();
+    progress(static_cast<int64_t>(part(10, 10).size()));
     ++progressed;
     return absl::OkStatus();
   };
@@ -1173,8 +1178,8 @@ TEST_F(LmHeadUpdatesTest, AStalledPutIsTimedOutAndFreesTheHead) {
   auto opened = updates->Begin(Begin("v1"));
   ASSERT_TRUE(opened.ok()) << opened.status();
   LmHeadPutIo io;
-  io.follow = [&cancelled](char*, const std::function<void()>& progressed) {
-    progressed();  // the first piece, then nothing
+  io.follow = [&cancelled](char*, const std::function<void(int64_t)>& progressed) {
+    progressed(0);  // the first piece, then nothing
     cancelled.WaitForNotificationWithTimeout(absl::Seconds(120));
     return absl::CancelledError("the call ended");
   };
@@ -1211,7 +1216,7 @@ TEST_F(LmHeadUpdatesTest, APutRetriedWithTheSameBytesAnswersOkAndCountsOnce) {
   EXPECT_EQ(again->rows_received(), 10);
   // The same bytes following the message (a retried stream of pieces).
   LmHeadPutIo io;
-  io.follow = [&head](char* dst, const std::function<void()>&) {
+  io.follow = [&head](char* dst, const std::function<void(int64_t)>&) {
     std::memcpy(dst, head.data(), head.size());
     return absl::OkStatus();
   };
@@ -1225,7 +1230,7 @@ TEST_F(LmHeadUpdatesTest, APutRetriedWithTheSameBytesAnswersOkAndCountsOnce) {
             absl::StatusCode::kInvalidArgument);
   // A put that failed part way (its transport broke) counted nothing.
   LmHeadPutIo broken;
-  broken.follow = [&all](char* dst, const std::function<void()>&) {
+  broken.follow = [&all](char* dst, const std::function<void(int64_t)>&) {
     std::memcpy(dst, all.data() + 10 * kH * 4, kH * 4);
     return absl::UnavailableError("the stream broke");
   };
