@@ -270,6 +270,7 @@ def main():
     finally:
         server.terminate()
         server.wait()
+        os.remove(path)  # the 1.24 GB checkpoint; the server's log stays in tmp
     return 0
 
 
