@@ -192,11 +192,10 @@ struct LmHeadUpdates::Update {
   std::map<int, std::function<void()>> waiting;
   int next_wait = 0;
   bool committing = false, ended = false;
-  // NaN and infinite weights: puts whose rows the front-end copied scan
-  // them as they land (the first bad element of the weight, if any); rows a
-  // worker staged (CUDA IPC) are scanned at Commit.
+  // The weight's first NaN or infinite element among the rows received
+  // (row-major), if any: each put scans its rows as they land (rows a
+  // worker staged, once staged), and Commit refuses the update by it.
   std::optional<int64_t> first_non_finite;
-  bool scan_at_commit = false;
   // SHA-256 of the rows, read back from the staged file in order as the
   // written rows form a longer prefix, on its own thread: no put waits for
   // it. Commit waits for the tail (while the workers load) only to check
@@ -572,8 +571,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(const std::string& id, i
   PutScan scan;
   const absl::Status failed = fill(u, staged, &scan);
   // Only whole, written puts are hashed and scanned: a failed put's rows
-  // may come again. Rows a fill did not scan (bytes that followed, rows a
-  // worker staged) are scanned now, before the put answers.
+  // may come again. Rows a fill did not scan (rows a worker staged) are
+  // scanned now, before the put answers.
   const int64_t elements = total / static_cast<int64_t>(DTypeSize(dtype));
   if (failed.ok() && !scan.done) scan.first = FirstNonFinite(dtype, staged, elements);
   if (failed.ok()) u->hasher->Written(first_byte, first_byte + total);
@@ -607,9 +606,9 @@ absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_
   const int64_t total = rows * u->row_bytes;
   const std::optional<std::string_view> memory = source.memory();
   // Blocks of kCopyBytes, taken in turn by up to kCopyThreads threads: a
-  // client's region or a checkpoint is read with pread, which the kernel
-  // copies page by page (on tmpfs about a third of memcpy's speed, one
-  // core), so a large put reads on several cores. Each kScanBytes is
+  // checkpoint is read with pread, which the kernel copies page by page
+  // (on tmpfs about a third of memcpy's speed, one core), a client's
+  // region through its mapping, so a large put reads on several cores. Each kScanBytes is
   // scanned for NaN and infinity while it is in the core's cache, so the
   // commit need not read the whole weight again.
   const int64_t blocks = (total + static_cast<int64_t>(kCopyBytes) - 1) / static_cast<int64_t>(kCopyBytes);
@@ -783,19 +782,17 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
   };
   if (rename(u->partial.c_str(), u->next.source.file.c_str()) != 0)
     return fail("aborted", absl::InternalError(absl::StrCat("cannot rename ", u->partial, ": ", strerror(errno))));
+  // NaN and infinite weights are refused (every put scanned its rows).
+  if (u->first_non_finite.has_value())
+    return fail("non_finite",
+                NonFiniteError(u->map.get() + u->next.source.data_offset, u->next.source, id, *u->first_non_finite));
   // Every worker loads its slice while scoring goes on with the current
   // version; meanwhile the hasher finishes the weight's SHA-256, which the
   // commit waits for only to check an announced one.
   std::future<absl::StatusOr<int64_t>> loading =
       std::async(std::launch::async, [this, load = u->next.Load()] { return workers_.load(load); });
-  // NaN and infinite weights are refused (every put scanned its rows).
-  const absl::Status finite =
-      u->first_non_finite.has_value()
-          ? NonFiniteError(u->map.get() + u->next.source.data_offset, u->next.source, id, *u->first_non_finite)
-          : absl::OkStatus();
   const absl::StatusOr<std::string> sha = u->expected_sha256.empty() ? std::string() : u->hasher->Finish();
   absl::StatusOr<int64_t> generation = loading.get();
-  if (!finite.ok()) return fail("non_finite", finite);
   if (!sha.ok()) return fail("aborted", sha.status());
   if (!u->expected_sha256.empty() && u->expected_sha256 != *sha)
     return fail("sha256_mismatch", absl::InvalidArgumentError(absl::StrCat(
