@@ -60,7 +60,7 @@ StandbyMappings::StandbyMappings(size_t capacity) : state_(std::make_shared<Stat
     for (;;) {
       {
         absl::MutexLock lock(&s->mu);
-        s->mu.AwaitWithTimeout(absl::Condition(&s->stop), absl::Seconds(1));
+        if (!s->stop) s->stopped.WaitWithTimeout(&s->mu, absl::Seconds(1));
         if (s->stop) return;
       }
       s->Sweep();
@@ -73,6 +73,7 @@ StandbyMappings::~StandbyMappings() {
   {
     absl::MutexLock lock(&state_->mu);
     state_->stop = true;  // mappings returned from now on are unmapped
+    state_->stopped.SignalAll();
     out.swap(state_->entries);
   }
   sweeper_.join();

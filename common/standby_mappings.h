@@ -65,6 +65,7 @@ class StandbyMappings : public FileMapper {
     size_t capacity = 0;
     uint64_t reused ABSL_GUARDED_BY(mu) = 0;
     bool stop ABSL_GUARDED_BY(mu) = false;
+    absl::CondVar stopped;  // signalled when stop is set
     /// Entry `e` on standby (the oldest beyond capacity, or all when
     /// stopped, unmapped).
     void Put(Entry e) ABSL_LOCKS_EXCLUDED(mu);
