@@ -279,6 +279,24 @@ absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin, int64
   return ReadLmHeadRows(f.fd.get(), source, row_begin, row_end, out);
 }
 
+absl::Status ForEachLmHeadRowPiece(const LmHeadSource& source, int64_t row_begin, int64_t row_end, int64_t piece_bytes,
+                                   std::string* piece, const std::function<absl::Status(int64_t first_row)>& emit) {
+  if (row_begin < 0 || row_begin > row_end || row_end > source.vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat("lm_head rows [", row_begin, ", ", row_end, ") are outside [0, ",
+                                                   source.vocab_size, ") of ", source.file));
+  if (row_begin == row_end) return absl::OkStatus();
+  LOGPROB_ASSIGN_OR_RETURN(const OpenedFile f, OpenTrusted(source.file));
+  const int64_t row_bytes = source.hidden_size * static_cast<int64_t>(DTypeSize(source.dtype));
+  const int64_t rows_per_piece = std::max<int64_t>(1, piece_bytes / row_bytes);
+  for (int64_t r = row_begin; r < row_end; r += rows_per_piece) {
+    const int64_t e = std::min(row_end, r + rows_per_piece);
+    piece->resize(static_cast<size_t>((e - r) * row_bytes));
+    LOGPROB_RETURN_IF_ERROR(ReadLmHeadRows(f.fd.get(), source, r, e, piece->data()));
+    LOGPROB_RETURN_IF_ERROR(emit(r));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReadLmHeadRows(int fd, const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out) {
   if (row_begin < 0 || row_begin > row_end || row_end > source.vocab_size)
     return absl::InvalidArgumentError(absl::StrCat("lm_head rows [", row_begin, ", ", row_end, ") are outside [0, ",

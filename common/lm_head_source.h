@@ -129,6 +129,15 @@ absl::Status ReadLmHeadRows(const LmHeadSource& source, int64_t row_begin, int64
 /// nothing is opened by name. Thread-safe.
 absl::Status ReadLmHeadRows(int fd, const LmHeadSource& source, int64_t row_begin, int64_t row_end, void* out);
 
+/// Rows [row_begin, row_end) of the weight in pieces of whole rows, each at
+/// most `piece_bytes` (one row at least), for streaming a version out (to
+/// a worker, to a peer): the file is opened once, each piece is read into
+/// `*piece` (resized to its bytes) and handed to `emit(first_row)`. An
+/// empty range emits nothing. Returns the first error: ReadLmHeadRows's,
+/// or emit's (e.g. CANCELLED when the reader went away).
+absl::Status ForEachLmHeadRowPiece(const LmHeadSource& source, int64_t row_begin, int64_t row_end, int64_t piece_bytes,
+                                   std::string* piece, const std::function<absl::Status(int64_t first_row)>& emit);
+
 /// Reads elements [row_begin, row_end) of the head's bias (source.bias),
 /// widened to f32, into `out` (row_end - row_begin floats). Errors as
 /// ReadLmHeadRows; FAILED_PRECONDITION when the head has no bias.

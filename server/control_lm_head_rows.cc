@@ -33,8 +33,6 @@ grpc::Status ControlService::ReadLmHeadRows(grpc::ServerContext* ctx, const inte
   if (begin < 0 || begin > end || end > source->vocab_size)
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("ReadLmHeadRows: rows [", begin, ", ", end,
                                                                          ") outside [0, ", source->vocab_size, "]"));
-  const int64_t row_bytes = source->hidden_size * static_cast<int64_t>(DTypeSize(source->dtype));
-  const int64_t rows_per_piece = std::max<int64_t>(1, kPieceBytes / row_bytes);
   internal::v1::LmHeadRowsChunk chunk;
   if (source->transform.has_bias) {
     std::vector<float> bias(static_cast<size_t>(end - begin));
@@ -50,18 +48,16 @@ grpc::Status ControlService::ReadLmHeadRows(grpc::ServerContext* ctx, const inte
       chunk.Clear();
     }
   }
-  int64_t r = begin;
-  do {  // one message at least
-    const int64_t e = std::min(end, r + rows_per_piece);
-    std::string* rows = chunk.mutable_rows();
-    rows->resize(static_cast<size_t>((e - r) * row_bytes));
-    if (absl::Status st = logprob::ReadLmHeadRows(*source, r, e, rows->data()); !st.ok())
-      return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+  const auto send = [&]() -> absl::Status {
     if (ctx->IsCancelled() || !writer->Write(chunk))
-      return grpc::Status(grpc::StatusCode::CANCELLED, "ReadLmHeadRows: the worker went away");
-    chunk.Clear();
-    r = e;
-  } while (r < end);
+      return absl::CancelledError("ReadLmHeadRows: the worker went away");
+    return absl::OkStatus();
+  };
+  // One message at least (an empty range: one without rows).
+  absl::Status st = begin == end ? send()
+                                 : ForEachLmHeadRowPiece(*source, begin, end, kPieceBytes, chunk.mutable_rows(),
+                                                         [&](int64_t) { return send(); });
+  if (!st.ok()) return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
   LogLine() << absl::StrCat("logprob-server: sent rows [", begin, ", ", end, ") of ", src.file(), " to worker ",
                             ctx->peer());
   return grpc::Status::OK;

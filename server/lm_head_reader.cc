@@ -49,19 +49,13 @@ absl::Status ReadLmHeadVersion(const LmHeads& heads, const v1::ReadLmHeadRowsReq
   if (!write(first)) return absl::CancelledError("ReadLmHeadRows: the caller went away");
 
   const int64_t row_bytes = src.hidden_size * static_cast<int64_t>(DTypeSize(src.dtype));
-  const int64_t rows_per_piece = std::max<int64_t>(1, piece_bytes / row_bytes);
   v1::LmHeadRowsChunk part;
   v1::TensorPiece* piece = part.mutable_piece();
   piece->set_tensor(0);
-  for (int64_t r = begin; r < end; r += rows_per_piece) {
-    const int64_t n = std::min(rows_per_piece, end - r);
-    std::string* data = piece->mutable_data();
-    data->resize(static_cast<size_t>(n * row_bytes));
-    LOGPROB_RETURN_IF_ERROR(ReadLmHeadRows(src, r, r + n, data->data()));
+  return ForEachLmHeadRowPiece(src, begin, end, piece_bytes, piece->mutable_data(), [&](int64_t r) {
     piece->set_offset((r - begin) * row_bytes);
-    if (!write(part)) return absl::CancelledError("ReadLmHeadRows: the caller went away");
-  }
-  return absl::OkStatus();
+    return write(part) ? absl::OkStatus() : absl::CancelledError("ReadLmHeadRows: the caller went away");
+  });
 }
 
 }  // namespace logprob

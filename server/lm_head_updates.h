@@ -121,7 +121,6 @@ class LmHeadUpdates {
     // (its call is ended: LmHeadPutIo::cancel).
     std::chrono::milliseconds timeout{300000};
     int64_t memory_bytes = 0;  // per worker, every held version plus the staged one; 0: no cap
-    int workers = 1;           // W: slices are SplitRange(V, W, rank)
   };
 
   /// `heads` and the callbacks outlive this; `releases` is the queue

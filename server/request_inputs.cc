@@ -57,10 +57,7 @@ absl::StatusOr<RequestInputs> ResolveInputs(const v1::ScoreRequest& req, const I
         source = MemorySource(t.data());
         break;
       case InputKind::kSharedMemory: {
-        if (context.regions == nullptr)
-          return WithReason(absl::FailedPreconditionError(
-                                "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)"),
-                            RulesOf(kind).unavailable);
+        if (context.regions == nullptr) return SharedMemoryInputsOff();
         if (!have_owner) {
           if (!context.session) return absl::InvalidArgumentError("shared-memory references need a call's session");
           LOGPROB_ASSIGN_OR_RETURN(owner, context.session());

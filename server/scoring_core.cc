@@ -13,6 +13,7 @@
 #include "common/version.h"
 #include "server/request_inputs.h"
 #include "server/response_builder.h"
+#include "server/shared_inputs.h"
 
 namespace logprob {
 namespace {
@@ -228,13 +229,7 @@ v1::ServerInfo ScoringCore::Info() const {
   return info;
 }
 
-absl::Status ScoringCore::SharedMemoryEnabled() const {
-  if (!regions_)
-    return WithReason(absl::FailedPreconditionError(
-                          "shared-memory inputs are disabled on this server (--shared-memory-inputs=false)"),
-                      v1::SHARED_MEMORY_UNAVAILABLE);
-  return absl::OkStatus();
-}
+absl::Status ScoringCore::SharedMemoryEnabled() const { return regions_ ? absl::OkStatus() : SharedMemoryInputsOff(); }
 
 absl::StatusOr<v1::RegisterSharedMemoryResponse> ScoringCore::RegisterSharedMemory(
     const std::string& session, const v1::RegisterSharedMemoryRequest& req) {

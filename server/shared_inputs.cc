@@ -39,6 +39,12 @@ std::shared_ptr<const InputSource> RegionSource(std::shared_ptr<const ClientRegi
   return std::make_shared<InRegion>(std::move(region), offset, byte_size);
 }
 
+absl::Status SharedMemoryInputsOff() {
+  return WithReason(
+      absl::FailedPreconditionError("shared-memory inputs are disabled on this server (--shared-memory-inputs=false)"),
+      v1::SHARED_MEMORY_UNAVAILABLE);
+}
+
 absl::StatusOr<std::shared_ptr<const InputSource>> ResolveSharedMemory(const v1::Tensor& t, int index,
                                                                        ClientRegions& regions,
                                                                        const std::string& owner) {

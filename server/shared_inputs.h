@@ -20,6 +20,11 @@ namespace logprob {
 std::shared_ptr<const InputSource> RegionSource(std::shared_ptr<const ClientRegion> region, int64_t offset,
                                                 int64_t byte_size);
 
+/// FAILED_PRECONDITION, reason SHARED_MEMORY_UNAVAILABLE: this server takes
+/// no shared-memory references (--shared-memory-inputs=false); the client
+/// sends bytes.
+absl::Status SharedMemoryInputsOff();
+
 /// The source of input `index` of a request, `tensor`, whose bytes are in
 /// one of session `owner`'s regions (tensor.shared_memory). Errors name
 /// the tensor: NOT_FOUND (region not registered by the session),

@@ -78,7 +78,6 @@ class LmHeadUpdatesTest : public ::testing::Test {
     o.store_dir = store_;
     o.update_dir = update_dir_;
     if (timeout_.count() > 0) o.timeout = timeout_;
-    o.workers = 2;
     LmHeadWorkers w;
     w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
     w.serving = [](int64_t) { return true; };
@@ -432,7 +431,6 @@ TEST_F(LmHeadUpdatesTest, AVersionNameIsTakenForTheLifeOfItsHeadAndReleasesDropO
   LmHeadUpdates::Options o;
   o.allowed = true;
   o.store_dir = store_;
-  o.workers = 2;
   LmHeadWorkers w;
   w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
   w.serving = [](int64_t) { return true; };
@@ -904,12 +902,7 @@ TEST_F(LmHeadUpdatesTest, EachPutScansItsRowsAndTheCommitNamesTheFirstBadElement
   // a failed put do not count.
   constexpr int64_t kBigV = 300, kBigH = 2048;  // 2.4 MB of F32: several scan blocks per put
   LmHeads big{LmHeads::Options{}};
-  LmHeadVersion first;
-  first.head = "default";
-  first.version = "initial";
-  first.source.file = store_ + "/start-big.safetensors";
-  first.source.tensor = "lm_head.weight";
-  first.source.dtype = v1::F32;
+  LmHeadVersion first = *heads_.Bind("default", "").value();  // the fixture's F32 head, resized
   first.source.vocab_size = kBigV;
   first.source.hidden_size = kBigH;
   ASSERT_TRUE(big.Add(first).ok());

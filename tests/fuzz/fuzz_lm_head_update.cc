@@ -177,7 +177,6 @@ void Run(FuzzedDataProvider& p) {
   LmHeadUpdates::Options options;
   options.allowed = true;
   options.store_dir = *store_dir;
-  options.workers = 2;
   LmHeadUpdates updates(options, &heads, std::make_shared<logprob::LmHeadReleases>(), workers);
 
   v1::BeginLmHeadUpdateRequest begin;
