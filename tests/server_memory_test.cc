@@ -124,7 +124,13 @@ TEST(MemoryBound, PeakRssStaysUnderThePrintedBoundWithEightClientsOf64MiBRequest
             << static_cast<int64_t>(kept) / (1 << 20) << " MiB, " << refused.load() << " refusals retried\n";
   EXPECT_GT(peak, int64_t{64} << 20);
   EXPECT_LT(peak, bound) << "the front-end's peak RSS exceeds its memory bound";
-  EXPECT_LE(kept, static_cast<double>(int64_t{128} << 20)) << "kept-freed memory over --keep-freed-memory-bytes";
+  // Trims run around each large request and only when over the cap, so
+  // what is freed after the last one (the last answers' buffers, released
+  // by gRPC once sent) stays until the next large request: 131-148 MiB
+  // seen at the end of 1 run in 3, with this session's binaries and with d85afd6's. The
+  // bug this guards against left 642 MiB.
+  EXPECT_LE(kept, static_cast<double>(int64_t{128 + 32} << 20))
+      << "kept-freed memory over --keep-freed-memory-bytes (+ 32 MiB freed after the last trim)";
   server.reset();
   RunCommand("rm -rf " + dir);
 }
