@@ -81,6 +81,9 @@ StandbyMappings::~StandbyMappings() {
 }
 
 std::shared_ptr<void> StandbyMappings::Map(int fd, const struct stat& st, uint64_t begin, size_t length) {
+  // First the mappings of removed files go: tmpfs may give a removed file's
+  // inode number to a new one, and `fd`'s file (open, so named or held)
+  // can then only match a standby mapping of itself.
   state_->Sweep();
   Entry e;
   {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/dtype.h"
+#include "common/grpc_status.h"
 #include "common/lm_head_source.h"
 #include "common/lm_head_source_proto.h"
 #include "common/log_line.h"
@@ -34,30 +34,28 @@ grpc::Status ControlService::ReadLmHeadRows(grpc::ServerContext* ctx, const inte
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("ReadLmHeadRows: rows [", begin, ", ", end,
                                                                          ") outside [0, ", source->vocab_size, "]"));
   internal::v1::LmHeadRowsChunk chunk;
-  if (source->transform.has_bias) {
-    std::vector<float> bias(static_cast<size_t>(end - begin));
-    if (absl::Status st = ReadLmHeadBias(*source, begin, end, bias.data()); !st.ok())
-      return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
-    const size_t per_piece = kPieceBytes / sizeof(float);
-    for (size_t i = 0; i < bias.size(); i += per_piece) {
-      const size_t n = std::min(per_piece, bias.size() - i);
-      chunk.mutable_bias()->Assign(bias.begin() + static_cast<ptrdiff_t>(i),
-                                   bias.begin() + static_cast<ptrdiff_t>(i + n));
-      if (ctx->IsCancelled() || !writer->Write(chunk))
-        return grpc::Status(grpc::StatusCode::CANCELLED, "ReadLmHeadRows: the worker went away");
-      chunk.Clear();
-    }
-  }
   const auto send = [&]() -> absl::Status {
     if (ctx->IsCancelled() || !writer->Write(chunk))
       return absl::CancelledError("ReadLmHeadRows: the worker went away");
     return absl::OkStatus();
   };
+  if (source->transform.has_bias) {
+    std::vector<float> bias(static_cast<size_t>(end - begin));
+    if (absl::Status st = ReadLmHeadBias(*source, begin, end, bias.data()); !st.ok()) return ToGrpc(st);
+    const size_t per_piece = kPieceBytes / sizeof(float);
+    for (size_t i = 0; i < bias.size(); i += per_piece) {
+      const size_t n = std::min(per_piece, bias.size() - i);
+      chunk.mutable_bias()->Assign(bias.begin() + static_cast<ptrdiff_t>(i),
+                                   bias.begin() + static_cast<ptrdiff_t>(i + n));
+      if (absl::Status st = send(); !st.ok()) return ToGrpc(st);
+      chunk.Clear();
+    }
+  }
   // One message at least (an empty range: one without rows).
-  absl::Status st = begin == end ? send()
-                                 : ForEachLmHeadRowPiece(*source, begin, end, kPieceBytes, chunk.mutable_rows(),
-                                                         [&](int64_t) { return send(); });
-  if (!st.ok()) return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+  const absl::Status st = begin == end ? send()
+                                       : ForEachLmHeadRowPiece(*source, begin, end, kPieceBytes, chunk.mutable_rows(),
+                                                               [&](int64_t) { return send(); });
+  if (!st.ok()) return ToGrpc(st);
   LogLine() << absl::StrCat("logprob-server: sent rows [", begin, ", ", end, ") of ", src.file(), " to worker ",
                             ctx->peer());
   return grpc::Status::OK;
