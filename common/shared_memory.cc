@@ -85,9 +85,14 @@ bool SharedObjectExists(const std::string& name) {
 
 namespace {
 // Whether this process runs in a PID namespace nested in another (a
-// container, `unshare --pid`): /proc/self/status's NSpid lists its PID in
-// every namespace up to the initial one.
+// container, `unshare --pid`). The initial PID namespace's inode is fixed
+// (PROC_PID_INIT_INO); /proc/self/ns/pid names this process's own even
+// under a /proc mounted for the nested namespace (`--mount-proc`), where
+// /proc/self/status's NSpid, the fallback, lists one PID only.
 bool InNestedPidNamespace() {
+  constexpr ino_t kInitialPidNamespaceInode = 0xEFFFFFFCu;
+  struct stat ns {};
+  if (stat("/proc/self/ns/pid", &ns) == 0) return ns.st_ino != kInitialPidNamespaceInode;
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line))
