@@ -13,7 +13,7 @@
 #
 # A session's device time is about 15 minutes, start-up included, and one
 # call at most 10: part 1 (540 s) is the first call, part 2 (240 s) the
-# second if the session has the time left (`status`), part 3 (300 s, the
+# second if the session has the time left (`status`), part 3 (480 s, the
 # figures) a later session. The step limits of a part add up to at most
 # its budget (the dry run checks it); GPU_FIRST_RUN_BUDGET_S overrides a
 # part's budget, and a step that no longer fits is listed as SKIPPED.
@@ -33,7 +33,8 @@
 #   invariance: batch invariance through CudaBackend (V = 151936).
 # Part 2: batch invariance through servers, the Python client's torch
 #   CUDA tests, the one-pass and CUDA IPC tests under the sanitizers.
-# Part 3: commands 1-4 of docs/benchmarks.md (bench, precision, server, torch).
+# Part 3: commands 1-5 of docs/benchmarks.md (bench, precision, server,
+#   torch, lm_head updates into CUDA workers at bf16 and fp32).
 set -u
 dry=0
 part=1
@@ -67,7 +68,7 @@ fi
 OUT=${OUT:-/tmp/gpu_first_run}
 # Seconds for a part's steps: under the device call's 600, and parts 1 and
 # 2 with start-up within a session's ~15 minutes.
-part_budget() { case "$1" in 1) echo 540 ;; 2) echo 240 ;; 3) echo 300 ;; esac; }
+part_budget() { case "$1" in 1) echo 540 ;; 2) echo 240 ;; 3) echo 480 ;; esac; }
 start=$(date +%s)
 [ "$dry" = 1 ] || mkdir -p "$OUT"
 summary="$OUT/summary.txt"
@@ -164,12 +165,18 @@ step memcheck-one-pass-ipc 60 \
 step racecheck-one-pass-ipc 60 \
   "$san --tool racecheck build/bin/cuda_backend_test --gtest_filter='$one_pass' && $san --tool racecheck --target-processes all build/bin/server_cuda_test --gtest_filter='CudaIpc.OneWorker*'"
 
-# Part 3: the figures (commands 1-4 of docs/benchmarks.md), a later session.
+# Part 3: the figures (commands 1-5 of docs/benchmarks.md), a later session.
 current=3
 step bench 120 "build/bin/logprob_cuda_bench --mode all"
 step precision 60 "build/bin/logprob_hidden_bench --backend cuda --precisions bf16,tf32,fp32 --h 4096 --n 151936 --t 8192 --rounds 7"
 step server-compute 60 "bash bench/cuda_server_compute.sh"
 step torch 60 "python3 bench/torch_baseline.py --json $OUT/torch.json"
+# lm_head updates into CUDA workers (issue 34): the weight buffer and, at
+# fp32, the staging of the conversion on the device are recycled per
+# version; the server log's load times are kept.
+step update-cuda 90 "PYTHONPATH=client/python python3 bench/lm_head_update_bench.py --cuda --workers 1 --rounds 3 --updates 3"
+step update-cuda-fp32 90 \
+  "PYTHONPATH=client/python python3 bench/lm_head_update_bench.py --cuda --workers 1 --rounds 3 --updates 3 --precision fp32"
 
 if [ "$dry" = 1 ]; then
   over=0

@@ -105,6 +105,9 @@ def main():
     ap.add_argument("--compare-piece-bytes", type=int, default=0,
                     help="also time the pieced update and echo-chunked in pieces of N bytes in every round")
     ap.add_argument("--store-dir", default="", help="the server's --lm-head-store-dir (default: its own)")
+    ap.add_argument("--precision", default="",
+                    help="the server's --lm-head-precision (bf16, tf32, fp32; default: auto, bf16 for this head): "
+                         "at tf32 and fp32 every version is widened to f32 as the workers load it")
     ap.add_argument("--cuda", action="store_true",
                     help="CUDA workers; also time updates from a CUDA tensor by CUDA IPC and by a host copy")
     a = ap.parse_args()
@@ -120,6 +123,7 @@ def main():
                                str(a.workers), "--lm-head", path, "--allow-lm-head-updates",
                                "--max-request-bytes", str(1 << 30)] +
                               (["--lm-head-store-dir", a.store_dir] if a.store_dir else []) +
+                              (["--lm-head-precision", a.precision] if a.precision else []) +
                               (["--backend", "cuda"] if a.cuda else []),
                               stdout=log, stderr=subprocess.STDOUT)
     try:

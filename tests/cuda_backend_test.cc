@@ -28,9 +28,11 @@
 #include "common/partition.h"
 #include "tests/in_process_communicator.h"
 #include "worker/cpu_backend.h"
+#include "worker/cuda/converting_upload.h"
 #include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/cuda_ipc.h"
 #include "worker/cuda/device_info.h"
+#include "worker/cuda/elem_type.h"
 #include "worker/device_file_copy.h"
 #include "worker/host_staged_device_collectives.h"
 #include "worker/kernels/lm_head_gemm.h"
@@ -327,6 +329,117 @@ TEST(CudaHidden, AReleasedVersionsDeviceBufferTakesTheNextVersionOfItsSize) {
   auto other = (*gpu)->LoadLmHead(RandomSlice(N + 1, H, 4), LmHeadPrecision::kAuto);
   ASSERT_TRUE(other.ok()) << other.status();
   EXPECT_EQ(buffers.allocated(), 2u);
+}
+
+/// `values` encoded as `dtype` (F32 as is; BF16 and F16 rounded to
+/// nearest even): the host conversion of weights.
+std::vector<char> Encode(const std::vector<float>& values, DType dtype) {
+  std::vector<char> out(values.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == v1::F32) {
+      std::memcpy(out.data() + 4 * i, &values[i], 4);
+    } else {
+      const uint16_t h = dtype == v1::F16 ? FloatToF16(values[i]) : FloatToBf16(values[i]);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+  }
+  return out;
+}
+
+// Issue 34: weights in another dtype than the GEMM's are converted on the
+// device, through a staging buffer of a few elements here (chunks that do
+// not divide n), into the bytes the host conversion gives: bf16 round to
+// nearest even (ties, subnormals, overflow to inf), f32 exact.
+TEST(CudaUpload, ConvertedWeightsAreTheHostConversionsBytes) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 1003;
+  std::mt19937 rng(41);
+  std::normal_distribution<float> normal(0.f, 3.f);
+  std::vector<float> values(n);
+  for (float& v : values) v = normal(rng);
+  // bf16 ties (even and odd mantissa), f32 subnormals, values near bf16's
+  // largest and past it, and zeros of both signs.
+  const uint32_t specials[] = {0x3f808000u, 0x3f818000u, 0x00000001u, 0x007fffffu,
+                               0x7f7f7fffu, 0x7f7fffffu, 0x80000000u, 0x00000000u};
+  for (size_t i = 0; i < std::size(specials); ++i) std::memcpy(&values[i * 97], &specials[i], 4);
+  for (DType src_dtype : {v1::F32, v1::F16, v1::BF16}) {
+    const std::vector<char> src = Encode(values, src_dtype);
+    std::vector<float> wide(n);
+    ToFloat(src_dtype, src.data(), n, wide.data());
+    for (DType dst_dtype : {v1::BF16, v1::F32}) {
+      SCOPED_TRACE(std::string(DTypeName(src_dtype)) + " -> " + DTypeName(dst_dtype));
+      const std::vector<char> want = Encode(wide, dst_dtype);
+      const size_t size = DTypeSize(dst_dtype);
+      void* dst = nullptr;
+      void* staging = nullptr;
+      ASSERT_EQ(cudaMalloc(&dst, want.size()), cudaSuccess);
+      const size_t staging_bytes = 7 * DTypeSize(src_dtype) + 1;  // 7 elements a chunk
+      ASSERT_EQ(cudaMalloc(&staging, staging_bytes), cudaSuccess);
+      const absl::Status st = cuda::UploadConverted(src.data(), cuda::ElemTypeOf(src_dtype), n, dst,
+                                                    cuda::ElemTypeOf(dst_dtype), staging, staging_bytes);
+      std::vector<char> got(want.size());
+      ASSERT_EQ(cudaMemcpy(got.data(), dst, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      cudaFree(dst);
+      cudaFree(staging);
+      ASSERT_TRUE(st.ok()) << st;
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(std::memcmp(got.data() + i * size, want.data() + i * size, size), 0)
+            << "element " << i << " (" << wide[i] << ")";
+    }
+  }
+  EXPECT_EQ(
+      cuda::UploadConverted(values.data(), cuda::ElemType::kF32, 4, nullptr, cuda::ElemType::kBF16, nullptr, 3).code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
+// A version whose weights are converted on upload (BF16 at fp32, F32 and
+// F16 at bf16) scores the bits of the same weights converted on the host
+// first, and the next version of its size takes the released weight and
+// staging buffers: no cudaMalloc per version.
+TEST(CudaHidden, AConvertingLoadScoresTheHostConvertedWeightsAndAllocatesOnce) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 1000, H = 128, M = 9;
+  const Rows hidden = MakeRows(v1::F32, M, H, 0, N, 0, Values::kNormal, 43);
+  std::vector<float> wide(N * H);
+  const LmHeadSlice base = RandomSlice(N, H, 44);
+  ToFloat(v1::BF16, base.weight.data(), wide.size(), wide.data());
+  for (float& w : wide) w *= 1.001f;  // not exactly bf16 any more
+  struct Case {
+    DType dtype;
+    LmHeadPrecision precision;
+    DType gemm_dtype;  // what the conversion gives
+  };
+  for (const Case c : {Case{v1::BF16, LmHeadPrecision::kFp32, v1::F32}, Case{v1::F32, LmHeadPrecision::kBf16, v1::BF16},
+                       Case{v1::F16, LmHeadPrecision::kBf16, v1::BF16}}) {
+    SCOPED_TRACE(std::string(DTypeName(c.dtype)) + " at " + LmHeadPrecisionName(c.precision));
+    auto gpu = cuda::CudaBackend::Create(0, {});
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    const cuda::DeviceRecycler& buffers = (*gpu)->lm_head_buffers();
+    const cuda::DeviceRecycler& staging = (*gpu)->lm_head_staging();
+    LmHeadSlice slice{c.dtype, Encode(wide, c.dtype), N, H};
+    std::vector<float> f(wide.size());  // the slice's values, then on the host
+    ToFloat(c.dtype, slice.weight.data(), f.size(), f.data());
+    LmHeadSlice host{c.gemm_dtype, Encode(f, c.gemm_dtype), N, H};
+    const size_t slice_bytes = slice.weight.size();
+    auto v1w = (*gpu)->LoadLmHead(std::move(slice), c.precision);
+    ASSERT_TRUE(v1w.ok()) << v1w.status();
+    EXPECT_EQ(buffers.allocated(), 1u);
+    EXPECT_EQ(staging.allocated(), 1u);
+    EXPECT_EQ(staging.idle_bytes(), slice_bytes);  // given back at once
+    v1w->reset();
+    auto v2w = (*gpu)->LoadLmHead(LmHeadSlice{c.dtype, Encode(wide, c.dtype), N, H}, c.precision);
+    ASSERT_TRUE(v2w.ok()) << v2w.status();
+    EXPECT_EQ(buffers.allocated(), 1u);
+    EXPECT_EQ(buffers.reused(), 1u);
+    EXPECT_EQ(staging.allocated(), 1u);
+    EXPECT_EQ(staging.reused(), 1u);
+    auto hw = (*gpu)->LoadLmHead(std::move(host), c.precision);
+    ASSERT_TRUE(hw.ok()) << hw.status();
+    std::vector<float> a(M * N), b(M * N);
+    ASSERT_TRUE((*gpu)->HiddenLogits(**v2w, v1::F32, hidden.bytes.data(), M, a.data()).ok());
+    ASSERT_TRUE((*gpu)->HiddenLogits(**hw, v1::F32, hidden.bytes.data(), M, b.data()).ok());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0);
+  }
 }
 
 TEST(CudaHidden, FusedGemmAndPartialsMatchTheCpuPath) {

@@ -16,13 +16,12 @@
 #include "worker/communicator.h"
 #include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/cuda_ipc.h"
+#include "worker/cuda/elem_type.h"
 #include "worker/cuda/row_kernels.h"
 #include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::cuda {
 namespace {
-
-ElemType ElemOf(DType d) { return d == v1::BF16 ? ElemType::kBF16 : d == v1::F16 ? ElemType::kF16 : ElemType::kF32; }
 
 /// The kernel arguments shared by every sub-block of a call.
 RowBlockArgs BaseArgs(const kernels::StatsSpec& spec) {
@@ -187,9 +186,9 @@ absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CudaBackend::LoadLmHead(LmH
   // chunk (GemmChunkRows), at most 4096 rows.
   const int64_t chunk_rows = std::min<int64_t>(RowsInBudget(options_.gemm_chunk_bytes, slice.rows), 4096);
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadTransform(slice));
-  LOGPROB_ASSIGN_OR_RETURN(auto gemm,
-                           CublasLtLmHead::Create(slice.dtype, slice.weight.data(), slice.weight.size(), slice.rows,
-                                                  slice.hidden_size, precision, chunk_rows, &lm_head_buffers_));
+  LOGPROB_ASSIGN_OR_RETURN(auto gemm, CublasLtLmHead::Create(slice.dtype, slice.weight.data(), slice.weight.size(),
+                                                             slice.rows, slice.hidden_size, precision, chunk_rows,
+                                                             &lm_head_buffers_, &lm_head_staging_));
   // The head's bias, multiplier and softcap: applied to every GEMM output
   // (CublasLtLmHead::Compute), before any statistics kernel reads it.
   LOGPROB_RETURN_IF_ERROR(gemm->SetTransform(slice.transform, slice.bias));
@@ -289,7 +288,7 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     LOGPROB_RETURN_IF_ERROR(w.staging_dev[b].Reserve(sub * row_bytes));
   }
   RowBlockArgs args = BaseArgs(spec);
-  args.type = ElemOf(block.dtype);
+  args.type = ElemTypeOf(block.dtype);
   args.row_stride = args.len = block.len;
   args.vocab_begin = block.vocab_begin;
   for (int64_t r0 = 0, i = 0; r0 < rows.count; r0 += sub, ++i) {
@@ -421,7 +420,7 @@ absl::StatusOr<const void*> CudaBackend::ChunkOperand(Workspace& w, const Cublas
   // on this stream, has read it.
   LOGPROB_RETURN_IF_ERROR(w.hidden_dev.Reserve(static_cast<size_t>(G * H) * DTypeSize(gemm.compute_dtype())));
   LOGPROB_CUDA_RETURN_IF_ERROR(
-      LaunchConvert(a, ElemOf(dtype), n * H, w.hidden_dev.get(), ElemOf(gemm.compute_dtype()), compute_.get()),
+      LaunchConvert(a, ElemTypeOf(dtype), n * H, w.hidden_dev.get(), ElemTypeOf(gemm.compute_dtype()), compute_.get()),
       "hidden states conversion");
   return static_cast<const void*>(w.hidden_dev.get());
 }

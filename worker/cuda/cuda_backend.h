@@ -177,6 +177,8 @@ class CudaBackend final : public ScoringBackend {
   bool IsPageLocked(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(reg_mu_);
   /// The device buffers of lm_head versions: allocated, reused, kept idle.
   const DeviceRecycler& lm_head_buffers() const { return lm_head_buffers_; }
+  /// The staging buffers of weights converted on upload (same counters).
+  const DeviceRecycler& lm_head_staging() const { return lm_head_staging_; }
 
  private:
   CudaBackend() = default;
@@ -185,6 +187,9 @@ class CudaBackend final : public ScoringBackend {
   /// version of the same size (LoadLmHead; issue 34). Lm_heads that
   /// outlive the backend free their buffers themselves.
   DeviceRecycler lm_head_buffers_{/*max_idle=*/1};
+  /// The staging buffer (at most 64 MiB) of weights converted on upload,
+  /// kept for the next converting load (no cudaMalloc per version).
+  DeviceRecycler lm_head_staging_{/*max_idle=*/1};
 
   /// Device and pinned buffers and events of the call in progress: one set
   /// for the calls serialised by mu_, one for the one-pass item (item_mu_).

@@ -8,6 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/cuda/converting_upload.h"
+#include "worker/cuda/elem_type.h"
 #include "worker/cuda/lm_head_transform.h"
 #include "worker/kernels/lm_head_gemm.h"
 
@@ -90,7 +92,8 @@ absl::Status CublasLtLmHead::MakeLayouts(int64_t m, Plan* plan) const {
 absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dtype, const void* weight,
                                                                        size_t weight_bytes, int64_t rows,
                                                                        int64_t hidden_size, LmHeadPrecision precision,
-                                                                       int64_t algo_rows, DeviceRecycler* recycler) {
+                                                                       int64_t algo_rows, DeviceRecycler* recycler,
+                                                                       DeviceRecycler* staging_recycler) {
   LOGPROB_RETURN_IF_ERROR(kernels::CheckLmHeadWeight(dtype, weight_bytes, rows, hidden_size));
   if (algo_rows <= 0) return absl::InvalidArgumentError(absl::StrCat("algo_rows must be > 0, got ", algo_rows));
   std::unique_ptr<CublasLtLmHead> g(new CublasLtLmHead());
@@ -98,30 +101,22 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
   g->hidden_size_ = hidden_size;
   g->precision_ = ResolveLmHeadPrecision(precision, dtype);
   g->algo_rows_ = algo_rows;
-  const size_t n = static_cast<size_t>(rows * hidden_size);
-  auto upload = [&g, recycler](const void* host, size_t bytes) -> absl::Status {
-    DeviceRecycler own(/*max_idle=*/0);  // without a recycler: freed with g
-    LOGPROB_ASSIGN_OR_RETURN(g->weight_, (recycler != nullptr ? *recycler : own).Take(bytes));
-    g->weight_bytes_ = bytes;
-    // Landed before any stream reads it (the host vectors are pageable).
-    return UploadAndWait(g->weight_.get(), host, bytes);
-  };
-  // Convert the weights once on the host, as the CPU GEMM does.
+  const int64_t n = rows * hidden_size;
   const bool bf16 = g->precision_ == LmHeadPrecision::kBf16;
   g->compute_dtype_ = bf16 ? v1::BF16 : v1::F32;
-  if (dtype == g->compute_dtype_) {
-    LOGPROB_RETURN_IF_ERROR(upload(weight, weight_bytes));
-  } else {
-    std::vector<float> wide(n);
-    ToFloat(dtype, weight, n, wide.data());
-    if (bf16) {  // F32 / F16 -> bf16, round to nearest even
-      std::vector<uint16_t> narrow(n);
-      for (size_t i = 0; i < n; ++i) narrow[i] = FloatToBf16(wide[i]);
-      LOGPROB_RETURN_IF_ERROR(upload(narrow.data(), n * 2));
-    } else {  // BF16 / F16 -> f32, exact
-      LOGPROB_RETURN_IF_ERROR(upload(wide.data(), n * 4));
-    }
+  g->weight_bytes_ = static_cast<size_t>(n) * DTypeSize(g->compute_dtype_);
+  DeviceRecycler own(/*max_idle=*/0);  // without a recycler: freed when let go
+  LOGPROB_ASSIGN_OR_RETURN(g->weight_, (recycler != nullptr ? *recycler : own).Take(g->weight_bytes_));
+  // Converted on the device (bf16 round to nearest even, f32 exact: the
+  // CPU GEMM's operands), through a staging buffer that is recycled too:
+  // an update touches no fresh host memory and mallocs nothing on the device.
+  DeviceRecycler::Buffer staging;
+  if (dtype != g->compute_dtype_) {
+    LOGPROB_ASSIGN_OR_RETURN(
+        staging, (staging_recycler != nullptr ? *staging_recycler : own).Take(UploadStagingBytes(weight_bytes)));
   }
+  LOGPROB_RETURN_IF_ERROR(UploadConverted(weight, ElemTypeOf(dtype), n, g->weight_.get(), ElemTypeOf(g->compute_dtype_),
+                                          staging.get(), UploadStagingBytes(weight_bytes)));
   LOGPROB_RETURN_IF_ERROR(g->workspace_.Reserve(kWorkspaceBytes));
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtCreate(&g->handle_), "create");
   const cublasComputeType_t compute =

@@ -2,8 +2,9 @@
 // (cuBLASLt), the device twin of kernels::LmHeadGemm with the same
 // operands by LmHeadPrecision (common/lm_head_precision.h): bf16 (auto for
 // BF16 weights) runs bf16 x bf16 -> f32 with f32 accumulation (other
-// weights rounded to bf16 once at upload); fp32 (auto for F32 and F16
-// weights) widens the weights to F32 once at upload and runs
+// weights rounded to bf16 once at upload, on the device); fp32 (auto for
+// F32 and F16 weights) widens the weights to F32 once at upload (on the
+// device: converting_upload.h) and runs
 // CUBLAS_COMPUTE_32F (no TF32); tf32 widens them too and runs
 // CUBLAS_COMPUTE_32F_FAST_TF32 (tensor cores round the f32 operands to
 // tf32 as the hardware does, f32 accumulation).
@@ -53,14 +54,19 @@ class CublasLtLmHead {
   /// The device buffer of the weights comes from `recycler` when given (a
   /// released version's buffer of the same size: no cudaMalloc; it goes
   /// back there when this is destroyed, with this device current), else
-  /// it is allocated and freed with this.
+  /// it is allocated and freed with this. Weights of another dtype than
+  /// the GEMM's are converted on the device (UploadConverted) through a
+  /// staging buffer of at most 64 MiB, taken from `staging_recycler` the
+  /// same way and given back before Create returns. No host memory is
+  /// allocated for the weights.
   /// INVALID_ARGUMENT for a bad dtype, shape, size or algo_rows; INTERNAL
   /// for CUDA or cuBLASLt failures (e.g. out of memory, no algorithm).
   static absl::StatusOr<std::unique_ptr<CublasLtLmHead>> Create(DType dtype, const void* weight, size_t weight_bytes,
                                                                 int64_t rows, int64_t hidden_size,
                                                                 LmHeadPrecision precision = LmHeadPrecision::kAuto,
                                                                 int64_t algo_rows = kDefaultAlgoRows,
-                                                                DeviceRecycler* recycler = nullptr);
+                                                                DeviceRecycler* recycler = nullptr,
+                                                                DeviceRecycler* staging_recycler = nullptr);
   /// Reference M of the algorithm choice when the caller names none.
   static constexpr int64_t kDefaultAlgoRows = 256;
   ~CublasLtLmHead();
