@@ -136,8 +136,21 @@ class Server:
             return ""
 
     def stop(self):
-        """SIGTERM, then wait (SIGKILL after 30 s)."""
+        """SIGTERM, then wait (SIGKILL after 30 s). Under a ``prefix``
+        (``unshare --fork`` does not pass signals on), the server, its
+        child, gets the SIGTERM too."""
         if self.proc is not None and self.proc.poll() is None:
+            if self.prefix:
+                try:
+                    with open("/proc/%d/task/%d/children" % (self.proc.pid, self.proc.pid)) as f:
+                        children = [int(c) for c in f.read().split()]
+                except OSError:
+                    children = []
+                for child in children:
+                    try:
+                        os.kill(child, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
@@ -335,3 +348,18 @@ def compare(expected, got):
             idx = tuple(int(i) for i in idx)
             errors.append("%s%s: expected %r got %r" % (name, list(idx), e[idx], g[idx]))
     return "\n".join(errors)
+
+
+def pid_namespace_prefix():
+    """``unshare`` arguments that run a command as PID 1 of a fresh PID
+    namespace (as a container's entry point), killed with unshare; None
+    when this machine does not allow it."""
+    for prefix in (["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+                   ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]):
+        try:
+            r = subprocess.run(prefix + ["sh", "-c", "test $$ = 1"], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode == 0:
+            return prefix
+    return None

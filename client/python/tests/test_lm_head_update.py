@@ -17,7 +17,8 @@ import warnings
 import grpc
 import numpy as np
 
-from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, hashed_head, temp_dir, wait_for, worker_pids
+from support import (BIN_DIR, GOLDEN_DIR, Golden, Server, compare, hashed_head, pid_namespace_prefix, temp_dir, wait_for,
+                     worker_pids)
 from logprob_client import LogprobClient, LogprobError
 from logprob_client import aio, base, safetensors
 from logprob_client._proto import pb2
@@ -794,21 +795,6 @@ if __name__ == "__main__":
 def store_folders(root):
     """The front-ends' store folders under ``root`` (their names)."""
     return sorted(n for n in os.listdir(root) if n.startswith("logprob-lm-heads-"))
-
-
-def pid_namespace_prefix():
-    """``unshare`` arguments that run a command as PID 1 of a fresh PID
-    namespace (as a container's entry point), killed with unshare; None
-    when this machine does not allow it."""
-    for prefix in (["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
-                   ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]):
-        try:
-            r = subprocess.run(prefix + ["sh", "-c", "test $$ = 1"], capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if r.returncode == 0:
-            return prefix
-    return None
 
 
 def lock_is_free(path):

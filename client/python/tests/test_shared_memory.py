@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 import support  # noqa: F401  (puts client/python on sys.path)
-from support import LOGITS_CASES, Golden, Server, compare, free_port
+from support import LOGITS_CASES, Golden, Server, compare, free_port, pid_namespace_prefix
 
 from logprob_client import LogprobError
 from logprob_client import logprob_pb2 as pb2
@@ -266,6 +266,57 @@ def _world_readable(path):
         if parent == path:
             return True
         path = parent
+
+
+class StaleRegionsTest(unittest.TestCase):
+    """A front-end's start-up removes the shared-memory regions of servers
+    that exited (/dev/shm/logprob-PID-N, PID dead), judging PIDs only from
+    the initial PID namespace: a front-end in a nested one (a container, or
+    ``unshare --pid --mount-proc``) that shares /dev/shm would see every
+    PID outside as dead and unlink live servers' regions (it did, through
+    an NSpid check that --mount-proc defeats)."""
+
+    def setUp(self):
+        self.paths = []
+
+    def tearDown(self):
+        for path in self.paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def region(self, pid):
+        """A stand-in region of process ``pid`` in /dev/shm (its path)."""
+        path = "/dev/shm/logprob-%d-%d" % (pid, 900000 + len(self.paths))
+        with open(path, "wb") as f:
+            f.write(b"x")
+        self.paths.append(path)
+        return path
+
+    def test_a_front_end_in_a_nested_pid_namespace_keeps_the_regions_of_live_processes_outside(self):
+        prefix = pid_namespace_prefix()
+        if prefix is None:
+            self.skipTest("this machine cannot make a PID namespace (unshare --pid --fork --mount-proc, also with "
+                          "--user --map-root-user)")
+        # This test's own PID: alive here, no process in the nested
+        # namespace, where kill(pid, 0) answers ESRCH.
+        live = self.region(os.getpid())
+        with Server(workers=1, prefix=prefix) as s:  # SERVING: its start-up clean-up has run
+            self.assertTrue(os.path.exists(live), "a nested front-end unlinked %s:\n%s" % (live, s.log()))
+            self.assertNotIn("shared memory region(s) left by exited servers", s.log())
+
+    def test_a_front_end_removes_the_regions_of_an_exited_process(self):
+        # The same judgement from the initial namespace removes a dead
+        # process's region (another front-end starting meanwhile may be the
+        # one that does).
+        child = subprocess.Popen(["true"])
+        child.wait()  # reaped: its PID names no process
+        dead = self.region(child.pid)
+        live = self.region(os.getpid())
+        with Server(workers=1):
+            self.assertFalse(os.path.exists(dead), dead)
+            self.assertTrue(os.path.exists(live), live)
 
 
 class SharedMemoryOffTest(unittest.TestCase):
