@@ -40,8 +40,10 @@ int64_t KeptFreedBytes();
 /// the heap's free pages to the OS (malloc_trim: the free top and the free
 /// pages between live blocks, madvise MADV_DONTNEED) and returns true;
 /// else false. Call where large buffers were just freed or are about to be
-/// allocated (the server: around each large request). Thread-safe: one
-/// caller measures and trims at a time, others return false at once.
+/// allocated (the server: around each large request), and now and then
+/// (the server: once a second, for what was freed after the last large
+/// request). Thread-safe: one caller measures and trims at a time, others
+/// return false at once.
 bool TrimKeptFreedMemory();
 
 }  // namespace logprob

@@ -666,7 +666,14 @@ int main(int argc, char** argv) {
   }
   if (external == 0) LogLine() << "logprob-server: " << workers << " worker(s) joined; SERVING";
 
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Once a second, freed memory over --keep-freed-memory-bytes goes back
+  // to the OS: the trims around large requests miss what is freed after
+  // the last one (its answer's buffers, released once sent), which would
+  // stay until the next large request.
+  for (int tick = 1; !g_stop; ++tick) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (tick % 10 == 0) logprob::TrimKeptFreedMemory();
+  }
   // Drain: NOT_SERVING first, then refuse new calls and give the ones in
   // flight --shutdown-grace seconds before cancelling them.
   const int grace = absl::GetFlag(FLAGS_shutdown_grace);

@@ -118,19 +118,24 @@ TEST(MemoryBound, PeakRssStaysUnderThePrintedBoundWithEightClientsOf64MiBRequest
 
   const CommandResult metrics = ScrapeMetrics(metrics_port);
   ASSERT_EQ(metrics.code, 0) << metrics.output;
-  const double kept = MetricSample(metrics.output, "logprob_kept_freed_bytes");
+  const double kept_at_end = MetricSample(metrics.output, "logprob_kept_freed_bytes");
   const int64_t peak = PeakRssBytes(server->pid());
   std::cerr << "front-end peak RSS " << (peak >> 20) << " MiB, bound " << (bound >> 20) << " MiB, kept freed "
-            << static_cast<int64_t>(kept) / (1 << 20) << " MiB, " << refused.load() << " refusals retried\n";
+            << static_cast<int64_t>(kept_at_end) / (1 << 20) << " MiB after the last answer, " << refused.load()
+            << " refusals retried\n";
   EXPECT_GT(peak, int64_t{64} << 20);
   EXPECT_LT(peak, bound) << "the front-end's peak RSS exceeds its memory bound";
-  // Trims run around each large request and only when over the cap, so
-  // what is freed after the last one (the last answers' buffers, released
-  // by gRPC once sent) stays until the next large request: 131-148 MiB
-  // seen at the end of 1 run in 3, with this session's binaries and with d85afd6's. The
-  // bug this guards against left 642 MiB.
-  EXPECT_LE(kept, static_cast<double>(int64_t{128 + 32} << 20))
-      << "kept-freed memory over --keep-freed-memory-bytes (+ 32 MiB freed after the last trim)";
+  // What gRPC frees after the last trim around a request (the last
+  // answers' buffers, released once sent) can take kept-freed memory over
+  // the cap (131-148 MiB seen in 1 run of 3); the server's once-a-second
+  // trim brings it back under without another request. The bug this
+  // guards against (issue 32) left 642 MiB.
+  double kept = kept_at_end;
+  EXPECT_TRUE(WaitUntil("kept-freed memory within --keep-freed-memory-bytes (128 MiB)", [&] {
+    const CommandResult m = ScrapeMetrics(metrics_port);
+    kept = m.code == 0 ? MetricSample(m.output, "logprob_kept_freed_bytes") : -1;
+    return kept >= 0 && kept <= static_cast<double>(int64_t{128} << 20);
+  })) << "last seen " << static_cast<int64_t>(kept) / (1 << 20) << " MiB";
   server.reset();
   RunCommand("rm -rf " + dir);
 }
