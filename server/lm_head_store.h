@@ -42,8 +42,9 @@ std::string StoreFileHeader(DType dtype, int64_t V, int64_t H);
 /// nothing else writes there. Thread-safe.
 class LmHeadStore {
  public:
-  /// `dir` exists (or is made by the first StagedFile).
-  explicit LmHeadStore(std::string dir);
+  /// `dir` exists (or is made by the first StagedFile). A spare unused for
+  /// `spare_idle` is removed (Tidy), except each head's newest.
+  explicit LmHeadStore(std::string dir, std::chrono::steady_clock::duration spare_idle = std::chrono::seconds(60));
   /// Removes the spares (committed and staged files are their owners').
   ~LmHeadStore();
   LmHeadStore(const LmHeadStore&) = delete;
@@ -84,13 +85,14 @@ class LmHeadStore {
   void Keep(const std::string& file, FileMap map, std::unique_ptr<StagedFileHasher> hasher) ABSL_LOCKS_EXCLUDED(mu_);
 
   /// A released version's files: its own bias file is removed; its weight
-  /// file is kept as one of its head's spares (at most two; a spare idle
-  /// for a minute is removed by Tidy) when every worker `dropped` the
-  /// version, else removed. A hash of the file still running is abandoned.
+  /// file is kept as one of its head's spares (at most two; Tidy removes a
+  /// spare idle for `spare_idle`, but never a head's newest) when every
+  /// worker `dropped` the version, else removed. A hash of the file still
+  /// running is abandoned.
   void Recycle(const LmHeadVersion& v, bool dropped) ABSL_LOCKS_EXCLUDED(mu_);
 
-  /// Removes spares idle for long and forgets finished hashers. Called
-  /// periodically (LmHeadUpdates' thread).
+  /// Removes spares idle for `spare_idle` (each head's newest stays) and
+  /// forgets finished hashers. Called periodically (LmHeadUpdates' thread).
   void Tidy() ABSL_LOCKS_EXCLUDED(mu_);
 
   /// Bytes the store's files take (allocated blocks, st_blocks * 512, of
@@ -106,6 +108,7 @@ class LmHeadStore {
   static int MapStaged(int fd, const std::string& path, uint64_t size, FileMap* map);
 
   const std::string dir_;
+  const std::chrono::steady_clock::duration spare_idle_;
   absl::Mutex mu_;
   int64_t next_file_ ABSL_GUARDED_BY(mu_) = 0;
   struct Spare {
