@@ -131,11 +131,13 @@ TEST(MemoryBound, PeakRssStaysUnderThePrintedBoundWithEightClientsOf64MiBRequest
   // trim brings it back under without another request. The bug this
   // guards against (issue 32) left 642 MiB.
   double kept = kept_at_end;
-  EXPECT_TRUE(WaitUntil("kept-freed memory within --keep-freed-memory-bytes (128 MiB)", [&] {
-    const CommandResult m = ScrapeMetrics(metrics_port);
-    kept = m.code == 0 ? MetricSample(m.output, "logprob_kept_freed_bytes") : -1;
-    return kept >= 0 && kept <= static_cast<double>(int64_t{128} << 20);
-  })) << "last seen " << static_cast<int64_t>(kept) / (1 << 20) << " MiB";
+  EXPECT_TRUE(WaitUntil("kept-freed memory within --keep-freed-memory-bytes (128 MiB)",
+                        [&] {
+                          const CommandResult m = ScrapeMetrics(metrics_port);
+                          kept = m.code == 0 ? MetricSample(m.output, "logprob_kept_freed_bytes") : -1;
+                          return kept >= 0 && kept <= static_cast<double>(int64_t{128} << 20);
+                        }))
+      << "last seen " << static_cast<int64_t>(kept) / (1 << 20) << " MiB";
   server.reset();
   RunCommand("rm -rf " + dir);
 }
