@@ -135,6 +135,10 @@ class GoldenTest(unittest.TestCase):
         # UNAVAILABLE until Ray restarts the actor and the pool re-forms.
         killed = procs[1]["pid"]
         ray.kill(service.workers[0], no_restart=False)
+        # ray.kill only asks Ray: until the process is gone, the old worker
+        # may still answer (a run under ASan saw no UNAVAILABLE at all).
+        wait_for(lambda: not os.path.exists("/proc/%d" % killed) or killed not in service_processes(marker),
+                 "the killed worker actor's process to exit", timeout=120)
         g = Golden("basic_f32")
         codes = []
 
