@@ -387,9 +387,24 @@ TEST(CudaUpload, ConvertedWeightsAreTheHostConversionsBytes) {
             << "element " << i << " (" << wide[i] << ")";
     }
   }
-  EXPECT_EQ(
-      cuda::UploadConverted(values.data(), cuda::ElemType::kF32, 4, nullptr, cuda::ElemType::kBF16, nullptr, 3).code(),
-      absl::StatusCode::kInvalidArgument);
+}
+
+// The argument checks come before any CUDA call: they hold on a machine
+// without a GPU too (this test does not skip).
+TEST(CudaUpload, BadArgumentsAreInvalidArgumentBeforeAnyCudaCall) {
+  const float values[4] = {1, 2, 3, 4};
+  char staging[3];
+  const absl::Status small =
+      cuda::UploadConverted(values, cuda::ElemType::kF32, 4, staging, cuda::ElemType::kBF16, staging, sizeof staging);
+  EXPECT_EQ(small.code(), absl::StatusCode::kInvalidArgument) << small;
+  EXPECT_NE(small.message().find("3 staging bytes hold no element of 4 bytes"), std::string::npos) << small;
+  EXPECT_EQ(cuda::UploadConverted(values, cuda::ElemType::kF32, -1, staging, cuda::ElemType::kBF16, staging, 64).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::UploadConverted(values, cuda::ElemType::kF32, 4, staging, cuda::ElemType::kF16, staging, 64).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(cuda::UploadConverted(values, cuda::ElemType::kF32, 0, nullptr, cuda::ElemType::kBF16, nullptr, 0).ok());
+  EXPECT_EQ(cuda::UploadStagingBytes(size_t{1} << 30), size_t{64} << 20);
+  EXPECT_EQ(cuda::UploadStagingBytes(1000), 1000u);
 }
 
 // A version whose weights are converted on upload (BF16 at fp32, F32 and
