@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
+#include <iterator>
 #include <system_error>
 #include <utility>
 
@@ -132,16 +133,15 @@ void LmHeadStore::Tidy() {
   // head (LmHeadStoreBytes).
   for (auto& [head, spares] : spares_) {
     if (spares.empty()) continue;
-    const std::string newest = std::max_element(spares.begin(), spares.end(), [](const Spare& a, const Spare& b) {
-                                 return a.since < b.since;
-                               })->path;
-    spares.erase(std::remove_if(spares.begin(), spares.end(),
+    // Spares are appended as they are released: the last is the newest.
+    const auto newest = std::prev(spares.end());
+    spares.erase(std::remove_if(spares.begin(), newest,
                                 [&](const Spare& s) {
-                                  if (s.path == newest || now - s.since < spare_idle_) return false;
+                                  if (now - s.since < spare_idle_) return false;
                                   unlink(s.path.c_str());
                                   return true;
                                 }),
-                 spares.end());
+                 newest);
   }
 }
 
