@@ -76,6 +76,21 @@ struct Rows {
   LogitsBlock logits() const { return LogitsBlock{dtype, bytes.data(), vocab_begin, len}; }
 };
 
+/// `values` encoded as `dtype` (F32 as is; BF16 and F16 rounded to
+/// nearest even): the host conversion of weights.
+std::vector<char> Encode(const std::vector<float>& values, DType dtype) {
+  std::vector<char> out(values.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == v1::F32) {
+      std::memcpy(out.data() + 4 * i, &values[i], 4);
+    } else {
+      const uint16_t h = dtype == v1::F16 ? FloatToF16(values[i]) : FloatToBf16(values[i]);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+  }
+  return out;
+}
+
 Rows MakeRows(DType dtype, int64_t n, int64_t len, int64_t vocab_begin, int64_t V, int gather_k, Values kind,
               uint32_t seed) {
   Rows r{dtype, n, len, vocab_begin, V, {}, {}, {}, {}};
@@ -83,20 +98,12 @@ Rows MakeRows(DType dtype, int64_t n, int64_t len, int64_t vocab_begin, int64_t 
   std::normal_distribution<float> normal(0.f, 3.f);
   std::uniform_int_distribution<int> small(-3, 3);
   std::uniform_int_distribution<int64_t> id(0, V - 1);
-  const size_t es = DTypeSize(dtype);
-  r.bytes.resize(static_cast<size_t>(n * len) * es);
-  r.values.resize(static_cast<size_t>(n * len));
-  for (size_t i = 0; i < r.values.size(); ++i) {
-    float f = kind == Values::kNormal ? normal(gen) : kind == Values::kSmallIntegers ? float(small(gen)) : -INFINITY;
-    if (dtype == v1::F32) {
-      std::memcpy(r.bytes.data() + 4 * i, &f, 4);
-    } else {
-      const uint16_t h = dtype == v1::BF16 ? FloatToBf16(f) : FloatToF16(f);
-      std::memcpy(r.bytes.data() + 2 * i, &h, 2);
-      f = dtype == v1::BF16 ? Bf16ToFloat(h) : F16ToFloat(h);
-    }
-    r.values[i] = f;
-  }
+  std::vector<float> drawn(static_cast<size_t>(n * len));
+  for (float& f : drawn)
+    f = kind == Values::kNormal ? normal(gen) : kind == Values::kSmallIntegers ? float(small(gen)) : -INFINITY;
+  r.bytes = Encode(drawn, dtype);
+  r.values.resize(drawn.size());
+  ToFloat(dtype, r.bytes.data(), drawn.size(), r.values.data());
   for (int64_t i = 0; i < n; ++i) r.targets.push_back(i == 1 ? -1 : id(gen));
   for (int64_t i = 0; i < n * gather_k; ++i) r.gather.push_back(id(gen));
   return r;
@@ -329,21 +336,6 @@ TEST(CudaHidden, AReleasedVersionsDeviceBufferTakesTheNextVersionOfItsSize) {
   auto other = (*gpu)->LoadLmHead(RandomSlice(N + 1, H, 4), LmHeadPrecision::kAuto);
   ASSERT_TRUE(other.ok()) << other.status();
   EXPECT_EQ(buffers.allocated(), 2u);
-}
-
-/// `values` encoded as `dtype` (F32 as is; BF16 and F16 rounded to
-/// nearest even): the host conversion of weights.
-std::vector<char> Encode(const std::vector<float>& values, DType dtype) {
-  std::vector<char> out(values.size() * DTypeSize(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == v1::F32) {
-      std::memcpy(out.data() + 4 * i, &values[i], 4);
-    } else {
-      const uint16_t h = dtype == v1::F16 ? FloatToF16(values[i]) : FloatToBf16(values[i]);
-      std::memcpy(out.data() + 2 * i, &h, 2);
-    }
-  }
-  return out;
 }
 
 // Issue 34: weights in another dtype than the GEMM's are converted on the

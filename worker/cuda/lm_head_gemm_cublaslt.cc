@@ -110,13 +110,13 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
   // Converted on the device (bf16 round to nearest even, f32 exact: the
   // CPU GEMM's operands), through a staging buffer that is recycled too:
   // an update touches no fresh host memory and mallocs nothing on the device.
+  const size_t staging_bytes = UploadStagingBytes(weight_bytes);
   DeviceRecycler::Buffer staging;
   if (dtype != g->compute_dtype_) {
-    LOGPROB_ASSIGN_OR_RETURN(
-        staging, (staging_recycler != nullptr ? *staging_recycler : own).Take(UploadStagingBytes(weight_bytes)));
+    LOGPROB_ASSIGN_OR_RETURN(staging, (staging_recycler != nullptr ? *staging_recycler : own).Take(staging_bytes));
   }
   LOGPROB_RETURN_IF_ERROR(UploadConverted(weight, ElemTypeOf(dtype), n, g->weight_.get(), ElemTypeOf(g->compute_dtype_),
-                                          staging.get(), UploadStagingBytes(weight_bytes)));
+                                          staging.get(), staging_bytes));
   LOGPROB_RETURN_IF_ERROR(g->workspace_.Reserve(kWorkspaceBytes));
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtCreate(&g->handle_), "create");
   const cublasComputeType_t compute =
