@@ -26,7 +26,8 @@ import grpc
 from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
 from .errors import LogprobError
-from .lm_head_update import PUT_ROWS_METHOD, UPDATE_PUT_BYTES, lm_head_rows_part, lm_head_rows_parts
+from .lm_head_update import (PUT_ROWS_METHOD, UPDATE_PUT_BYTES, UPDATE_REGION_BYTES, lm_head_rows_part,
+                             lm_head_rows_parts)
 from .ops import Emit, Locked, NextResponse, OpenStream, Ops, Rpc, Work, END, backoff, retried
 from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
@@ -414,15 +415,17 @@ class ClientBase:
     def _put_host_rows_ops(self, update_id: str, rows: Any, dt: int, deadline: Deadline,
                            row_begin: int = 0) -> Ops[None]:
         """The host rows ``[V', H]`` of an update (its rows ``[row_begin,
-        row_begin + V')``) in puts of at most ``UPDATE_PUT_BYTES`` (and 90%
-        of the server's max_request_bytes): through this client's
-        shared-memory region on the server's host, else in pieces (made in
-        the asyncio client's executor)."""
+        row_begin + V')``): through this client's shared-memory regions on
+        the server's host, in puts of at most ``UPDATE_REGION_BYTES``, else
+        in pieces (made in the asyncio client's executor), in puts of at
+        most ``UPDATE_PUT_BYTES``; both at most 90% of the server's
+        max_request_bytes."""
         info = yield from self._server_info_ops(deadline=deadline)
-        limit = int(info.max_request_bytes) or UPDATE_PUT_BYTES
+        server_limit = int(info.max_request_bytes)
+        limit = int(server_limit * 0.9) if server_limit else UPDATE_PUT_BYTES
         row_bytes = max(1, int(rows[:1].nbytes))
-        per_put = max(1, min(UPDATE_PUT_BYTES, int(limit * 0.9)) // row_bytes)
         shm = yield from self._shared_memory_ops(deadline, update=True)
+        per_put = max(1, min(UPDATE_PUT_BYTES if shm is None else UPDATE_REGION_BYTES, limit) // row_bytes)
         starts = list(range(0, int(rows.shape[0]), per_put))
         sent: List[Any] = [None] * len(starts)
         if shm is not None:

@@ -89,16 +89,37 @@ class UpdateTest(unittest.TestCase):
             self.assertTrue(c._shm and c._shm._all and c._shm.failed is None, "shared memory should be in use")
             same(score(c, head="policy"), self.expect["w2"])
             # In many puts, the client copying each into one of two regions
-            # while the server takes the one before: the same weights.
-            with mock.patch.object(base, "UPDATE_PUT_BYTES", 7 * self.w1[:1].nbytes):
+            # while the server takes the one before: the same weights. Puts
+            # through shared memory are of UPDATE_REGION_BYTES, puts in
+            # pieces of UPDATE_PUT_BYTES (each counted as its call starts).
+            def counted(client):
+                calls, raw = [], client._put_lm_head_rows_raw
+
+                def put(parts, *a, **k):
+                    calls.append(1)
+                    return raw(parts, *a, **k)
+
+                client._put_lm_head_rows_raw = put
+                return calls, raw
+
+            with mock.patch.object(base, "UPDATE_REGION_BYTES", 7 * self.w1[:1].nbytes), \
+                    mock.patch.object(base, "UPDATE_PUT_BYTES", 11 * self.w1[:1].nbytes):
+                shm_calls, raw = counted(c)
                 self.assertEqual(c.update_lm_head("policy", self.w1, version="shm-puts"), "shm-puts")
-            same(score(c, head="policy"), self.expect["w1"])
+                self.assertEqual(len(shm_calls), -(-V // 7))
+                c._put_lm_head_rows_raw = raw
+                same(score(c, head="policy"), self.expect["w1"])
+                with self.server.client(shared_memory=False) as pieces:
+                    piece_calls, _ = counted(pieces)
+                    self.assertEqual(pieces.update_lm_head("policy", self.w2, version="pieces-puts"), "pieces-puts")
+                    self.assertEqual(len(piece_calls), -(-V // 11))
+                same(score(c, head="policy"), self.expect["w2"])
 
             async def aio_update():  # the asyncio client waits for each copy off its loop
                 async with aio.LogprobClient(self.server.address) as a:
                     return await a.update_lm_head("policy", self.w2, version="shm-puts-aio"), a._shm
 
-            with mock.patch.object(base, "UPDATE_PUT_BYTES", 7 * self.w2[:1].nbytes):
+            with mock.patch.object(base, "UPDATE_REGION_BYTES", 7 * self.w2[:1].nbytes):
                 version, aio_shm = asyncio.run(aio_update())
             self.assertEqual(version, "shm-puts-aio")
             self.assertTrue(aio_shm and aio_shm.failed is None, "the asyncio client used shared memory")
