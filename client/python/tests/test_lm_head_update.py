@@ -91,28 +91,19 @@ class UpdateTest(unittest.TestCase):
             # In many puts, the client copying each into one of two regions
             # while the server takes the one before: the same weights. Puts
             # through shared memory are of UPDATE_REGION_BYTES, puts in
-            # pieces of UPDATE_PUT_BYTES (each counted as its call starts).
+            # pieces of UPDATE_PUT_BYTES (each PutLmHeadRows call counted).
             def counted(client):
-                calls, raw = [], client._put_lm_head_rows_raw
-
-                def put(parts, *a, **k):
-                    calls.append(1)
-                    return raw(parts, *a, **k)
-
-                client._put_lm_head_rows_raw = put
-                return calls, raw
+                return mock.patch.object(client, "_put_lm_head_rows_raw", wraps=client._put_lm_head_rows_raw)
 
             with mock.patch.object(base, "UPDATE_REGION_BYTES", 7 * self.w1[:1].nbytes), \
                     mock.patch.object(base, "UPDATE_PUT_BYTES", 11 * self.w1[:1].nbytes):
-                shm_calls, raw = counted(c)
-                self.assertEqual(c.update_lm_head("policy", self.w1, version="shm-puts"), "shm-puts")
-                self.assertEqual(len(shm_calls), -(-V // 7))
-                c._put_lm_head_rows_raw = raw
+                with counted(c) as shm_puts:
+                    self.assertEqual(c.update_lm_head("policy", self.w1, version="shm-puts"), "shm-puts")
+                self.assertEqual(shm_puts.call_count, -(-V // 7))
                 same(score(c, head="policy"), self.expect["w1"])
-                with self.server.client(shared_memory=False) as pieces:
-                    piece_calls, _ = counted(pieces)
+                with self.server.client(shared_memory=False) as pieces, counted(pieces) as piece_puts:
                     self.assertEqual(pieces.update_lm_head("policy", self.w2, version="pieces-puts"), "pieces-puts")
-                    self.assertEqual(len(piece_calls), -(-V // 11))
+                self.assertEqual(piece_puts.call_count, -(-V // 11))
                 same(score(c, head="policy"), self.expect["w2"])
 
             async def aio_update():  # the asyncio client waits for each copy off its loop
