@@ -14,11 +14,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/metadata_channel.h"
 #include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "grpcpp/support/client_interceptor.h"
 
 namespace logprob::client {
 namespace {
@@ -45,32 +45,6 @@ absl::StatusOr<std::string> ReadFlagFile(const char* flag, const std::string& fi
   if (buf.str().empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " ", file, ": the file is empty"));
   return buf.str();
 }
-
-// Adds "authorization: <value>" to the initial metadata of every call.
-class AuthInterceptor : public grpc::experimental::Interceptor {
- public:
-  explicit AuthInterceptor(std::string value) : value_(std::move(value)) {}
-  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
-      methods->GetSendInitialMetadata()->emplace("authorization", value_);
-    }
-    methods->Proceed();
-  }
-
- private:
-  const std::string value_;
-};
-
-class AuthInterceptorFactory : public grpc::experimental::ClientInterceptorFactoryInterface {
- public:
-  explicit AuthInterceptorFactory(std::string token) : value_("Bearer " + std::move(token)) {}
-  grpc::experimental::Interceptor* CreateClientInterceptor(grpc::experimental::ClientRpcInfo*) override {
-    return new AuthInterceptor(value_);
-  }
-
- private:
-  const std::string value_;
-};
 
 // 'text', as the Python client's messages quote values (%r).
 std::string Quoted(absl::string_view text) { return absl::StrCat("'", text, "'"); }
@@ -167,9 +141,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ta
   LOGPROB_ASSIGN_OR_RETURN(const std::string token, ReadFlagFile(flag, token_file));
   const std::string trimmed(absl::StripAsciiWhitespace(token));
   if (trimmed.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " ", token_file, ": the file is empty"));
-  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<AuthInterceptorFactory>(trimmed));
-  return grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args, std::move(interceptors));
+  return ChannelWithMetadata(target, creds, args, "authorization", "Bearer " + trimmed);
 }
 
 }  // namespace logprob::client

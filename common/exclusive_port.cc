@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -17,11 +18,9 @@
 #include "absl/strings/str_join.h"
 
 namespace logprob {
-namespace {
 
-/// Inodes of the TCP sockets listening on `port` (/proc/net/tcp, tcp6).
-std::set<std::string> ListeningInodes(int port) {
-  std::set<std::string> inodes;
+std::map<std::string, int> ListeningTcpSockets() {
+  std::map<std::string, int> sockets;
   for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
     std::ifstream in(table);
     std::string line;
@@ -34,11 +33,21 @@ std::set<std::string> ListeningInodes(int port) {
       const size_t colon = local.rfind(':');
       unsigned int p = 0;
       if (state != "0A" || colon == std::string::npos ||
-          !absl::SimpleHexAtoi(absl::string_view(local).substr(colon + 1), &p) || static_cast<int>(p) != port)
+          !absl::SimpleHexAtoi(absl::string_view(local).substr(colon + 1), &p))
         continue;
-      inodes.insert(inode);
+      sockets[inode] = static_cast<int>(p);
     }
   }
+  return sockets;
+}
+
+namespace {
+
+/// Inodes of the TCP sockets listening on `port` (/proc/net/tcp, tcp6).
+std::set<std::string> ListeningInodes(int port) {
+  std::set<std::string> inodes;
+  for (const auto& [inode, p] : ListeningTcpSockets())
+    if (p == port) inodes.insert(inode);
   return inodes;
 }
 

@@ -10,6 +10,7 @@
 // with SO_REUSEADDR only, which Linux never lets two listeners share.
 #pragma once
 
+#include <map>
 #include <string>
 
 #include "grpcpp/server_builder.h"
@@ -19,6 +20,10 @@ namespace logprob {
 /// Turns SO_REUSEPORT off for `builder`'s listening ports
 /// (GRPC_ARG_ALLOW_REUSEPORT = 0).
 void ExclusivePorts(grpc::ServerBuilder& builder);
+
+/// This network namespace's TCP sockets in LISTEN state (/proc/net/tcp and
+/// tcp6): socket inode (as in /proc/PID/fd's "socket:[INODE]") -> port.
+std::map<std::string, int> ListeningTcpSockets();
 
 /// Why `address` ("host:port", "[v6]:port") cannot be listened on, for
 /// the message of a process that failed to: e.g. "127.0.0.1:5000 is

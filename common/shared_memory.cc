@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -16,6 +17,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/sha256.h"
 
 namespace logprob {
@@ -30,9 +32,22 @@ absl::Status SystemError(const std::string& what, int err) {
 
 }  // namespace
 
+std::string OwnRegionPrefix() { return absl::StrCat("/logprob-", getpid(), "-"); }
+
+bool IsPoolRegionName(const std::string& name, const std::string& prefix) {
+  const auto digits = [](absl::string_view s) {
+    return !s.empty() && s.size() <= 20 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  absl::string_view rest(name);
+  if (!prefix.empty()) return absl::ConsumePrefix(&rest, prefix) && digits(rest);
+  if (!absl::ConsumePrefix(&rest, "/logprob-")) return false;
+  const size_t dash = rest.find('-');
+  return dash != absl::string_view::npos && digits(rest.substr(0, dash)) && digits(rest.substr(dash + 1));
+}
+
 absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(size_t bytes) {
   static std::atomic<uint64_t> counter{0};
-  return Create(bytes, absl::StrCat("/logprob-", getpid(), "-", counter++));
+  return Create(bytes, absl::StrCat(OwnRegionPrefix(), counter++));
 }
 
 absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(size_t bytes, const std::string& name) {

@@ -47,6 +47,16 @@ class SharedRegion {
   bool owner_;
 };
 
+/// The name prefix of this process's SharedRegion::Create(bytes) regions:
+/// "/logprob-<pid>-" (what JoinReply.payload_region_prefix carries).
+std::string OwnRegionPrefix();
+
+/// True when `name` is `prefix` followed by decimal digits only: a region
+/// SharedRegion::Create(bytes) made in the process whose OwnRegionPrefix
+/// is `prefix` (never a client's region, nor another path). An empty
+/// `prefix` matches every "/logprob-<digits>-<digits>".
+bool IsPoolRegionName(const std::string& name, const std::string& prefix);
+
 /// True while a shared-memory object named `name` ("/" then the name)
 /// exists: its creator has not unlinked it (SharedRegion's destructor).
 /// One shm_open; errors other than "no such object" count as existing.

@@ -42,11 +42,22 @@ namespace logprob {
 /// item as CUDA_IPC_UNAVAILABLE; a version-8 worker would send none, and
 /// its clients would no longer fall back to bytes when it cannot open a
 /// handle.
-constexpr uint32_t kWorkerProtocolVersion = 9;
+/// 10: an authenticated internal plane: every Control and Worker call
+/// carries the pool secret (common/internal_auth.h, kPoolSecretMetadataKey)
+/// and every Run call its pool generation (kGenerationMetadataKey), which
+/// the worker checks; JoinReply.payload_region_prefix (the only
+/// shared-memory names a worker opens); LmHeadRowsRequest.generation. A
+/// version-9 worker sends no secret and is refused UNAUTHENTICATED.
+constexpr uint32_t kWorkerProtocolVersion = 10;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.
 inline constexpr char kRunIdMetadataKey[] = "logprob-run-id";
+
+/// gRPC metadata key of every Worker.Run call: the pool generation
+/// (decimal) the front-end planned the item for; a worker of another
+/// generation refuses the item (FAILED_PRECONDITION) without running it.
+inline constexpr char kGenerationMetadataKey[] = "logprob-generation";
 
 /// The message both sides give for a version mismatch.
 inline std::string ProtocolMismatch(uint32_t worker_version, uint32_t frontend_version) {

@@ -23,12 +23,13 @@ grpc::Status ShuttingDown() { return grpc::Status(grpc::StatusCode::UNAVAILABLE,
 }  // namespace
 
 ControlService::ControlService(int world_size, internal::v1::JoinReply worker_config, LeaveCallback on_leave,
-                               JoinObservers observers, uint32_t protocol_version)
+                               JoinObservers observers, uint32_t protocol_version, InternalAuth auth)
     : world_size_(world_size),
       worker_config_(std::move(worker_config)),
       on_leave_(std::move(on_leave)),
       observers_(std::move(observers)),
       protocol_version_(protocol_version),
+      auth_(std::move(auth)),
       addresses_(world_size) {}
 
 void ControlService::WaitingChanged() {
@@ -79,6 +80,7 @@ grpc::Status ControlService::WaitForRank(grpc::ServerContext* ctx, Joiner& me) {
 
 grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::JoinRequest* req,
                                   grpc::ServerWriter<internal::v1::JoinReply>* writer) {
+  if (grpc::Status st = auth_.Check(*ctx, "Control.Join"); !st.ok()) return st;
   Joiner me;
   me.who = absl::StrCat(req->hostname(), " (pid ", req->pid(), ", peer ", ctx->peer(), ")");
   if (req->protocol_version() != protocol_version_) {
@@ -115,8 +117,9 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
   return grpc::Status(grpc::StatusCode::CANCELLED, "worker left");
 }
 
-grpc::Status ControlService::Ready(grpc::ServerContext*, const internal::v1::ReadyRequest* req,
+grpc::Status ControlService::Ready(grpc::ServerContext* ctx, const internal::v1::ReadyRequest* req,
                                    internal::v1::ReadyReply*) {
+  if (grpc::Status st = auth_.Check(*ctx, "Control.Ready"); !st.ok()) return st;
   absl::MutexLock lock(&mu_);
   if (req->store_prefix() != prefix_ || req->rank() < 0 || req->rank() >= world_size_)
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "not a rank of this pool generation");
@@ -126,9 +129,25 @@ grpc::Status ControlService::Ready(grpc::ServerContext*, const internal::v1::Rea
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::StoreSet(grpc::ServerContext*, const internal::v1::StoreSetRequest* req,
+grpc::Status ControlService::StoreSet(grpc::ServerContext* ctx, const internal::v1::StoreSetRequest* req,
                                       internal::v1::StoreSetReply*) {
+  if (grpc::Status st = auth_.Check(*ctx, "Control.StoreSet"); !st.ok()) return st;
+  if (req->key().size() > kMaxStoreKeyBytes || req->value().size() > kMaxStoreValueBytes)
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("StoreSet: a key has at most ", kMaxStoreKeyBytes, " bytes and a value at most ",
+                     kMaxStoreValueBytes, " (got ", req->key().size(), " and ", req->value().size(), ")"));
   absl::MutexLock lock(&mu_);
+  if (req->key().compare(0, prefix_.size(), prefix_) != 0)
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "StoreSet: the key is not of this pool generation's store");
+  const auto old = store_.find(req->key());
+  const size_t before = old == store_.end() ? 0 : old->first.size() + old->second.size();
+  const size_t after = req->key().size() + req->value().size();
+  if (store_bytes_ - before + after > kMaxStoreBytes)
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("StoreSet: the store holds at most ", kMaxStoreBytes, " bytes"));
+  store_bytes_ = store_bytes_ - before + after;
   store_[req->key()] = req->value();
   cv_.SignalAll();
   return grpc::Status::OK;
@@ -142,8 +161,13 @@ bool ControlService::HasKeys(const internal::v1::StoreGetRequest& req) {
 
 grpc::Status ControlService::StoreGet(grpc::ServerContext* ctx, const internal::v1::StoreGetRequest* req,
                                       internal::v1::StoreGetReply* reply) {
+  if (grpc::Status st = auth_.Check(*ctx, "Control.StoreGet"); !st.ok()) return st;
+  if (req->keys_size() > kMaxStoreGetKeys)
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("StoreGet: at most ", kMaxStoreGetKeys, " keys per call"));
   absl::MutexLock lock(&mu_);
-  const absl::Time deadline = absl::Now() + absl::Milliseconds(req->timeout_ms());
+  // At most ten minutes, however long the caller asks for.
+  const absl::Time deadline = absl::Now() + std::min(absl::Milliseconds(req->timeout_ms()), absl::Minutes(10));
   while (!HasKeys(*req)) {
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "store get cancelled");
     if (absl::Now() >= deadline)
@@ -172,6 +196,7 @@ void ControlService::Reset(int64_t generation) {
   ready_ = 0;
   addresses_.assign(world_size_, "");
   store_.clear();
+  store_bytes_ = 0;
   AssignIfFull();
   cv_.SignalAll();
 }
@@ -180,6 +205,14 @@ void ControlService::Shutdown() {
   absl::MutexLock lock(&mu_);
   shutdown_ = true;
   cv_.SignalAll();
+}
+
+grpc::Status ControlService::CheckMember(int64_t generation) {
+  absl::MutexLock lock(&mu_);
+  if (generation == generation_ && !shutdown_) return grpc::Status::OK;
+  return grpc::Status(
+      grpc::StatusCode::FAILED_PRECONDITION,
+      absl::StrCat("not a member of the current pool generation (", generation_, "; the call says ", generation, ")"));
 }
 
 bool ControlService::all_joined() {

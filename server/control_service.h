@@ -12,6 +12,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/internal_auth.h"
 #include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 
@@ -31,7 +32,11 @@ namespace logprob {
 /// RESOURCE_EXHAUSTED; a join whose protocol_version is not
 /// `protocol_version` (a worker of another release) gets
 /// FAILED_PRECONDITION naming both versions. StoreGet blocks until its keys
-/// exist or its timeout passes (DEADLINE_EXCEEDED). Thread-safe.
+/// exist or its timeout passes (DEADLINE_EXCEEDED). Every method first
+/// checks the caller (`auth`: UNAUTHENTICATED without the pool secret);
+/// the store takes only the current generation's keys, within
+/// kMaxStoreKeyBytes / kMaxStoreValueBytes / kMaxStoreBytes
+/// (RESOURCE_EXHAUSTED beyond). Thread-safe.
 class ControlService final : public internal::v1::Control::Service {
  public:
   /// Called (from a gRPC thread, without locks held) when a worker holding
@@ -49,8 +54,18 @@ class ControlService final : public internal::v1::Control::Service {
 
   /// `protocol_version` is the version this front-end speaks (tests give
   /// another to play a front-end of another release).
+  /// `auth`: who may call (the pool secret; Insecure only for an
+  /// --insecure-internal-plane deployment or a unit test).
   ControlService(int world_size, internal::v1::JoinReply worker_config = {}, LeaveCallback on_leave = {},
-                 JoinObservers observers = {}, uint32_t protocol_version = kWorkerProtocolVersion);
+                 JoinObservers observers = {}, uint32_t protocol_version = kWorkerProtocolVersion,
+                 InternalAuth auth = InternalAuth::Insecure());
+
+  /// Limits of the rendezvous store (Gloo's addresses and NCCL's unique id
+  /// are a few hundred bytes per rank).
+  static constexpr size_t kMaxStoreKeyBytes = 512;
+  static constexpr size_t kMaxStoreValueBytes = size_t{1} << 20;
+  static constexpr size_t kMaxStoreBytes = size_t{16} << 20;
+  static constexpr int kMaxStoreGetKeys = 4096;
 
   /// Completes every JoinReply just before it is sent (the lm_head
   /// versions to load), without the service's lock. Set before serving.
@@ -69,9 +84,12 @@ class ControlService final : public internal::v1::Control::Service {
   grpc::Status StoreGet(grpc::ServerContext*, const internal::v1::StoreGetRequest*,
                         internal::v1::StoreGetReply*) override ABSL_LOCKS_EXCLUDED(mu_);
   /// A worker's slice of an lm_head file, in pieces of at most 1 MiB
-  /// (server/control_lm_head_rows.cc). PERMISSION_DENIED for a file (or
-  /// bias file) SetLmHeadFiles does not allow; INVALID_ARGUMENT for a bad
-  /// shape or a row range outside [0, V]; ReadLmHeadRows' errors.
+  /// (server/control_lm_head_rows.cc), to members of the current
+  /// generation only (req.generation; FAILED_PRECONDITION otherwise).
+  /// PERMISSION_DENIED for a file (or bias file) SetLmHeadFiles does not
+  /// allow; INVALID_ARGUMENT for a bad shape, a tensor that does not lie
+  /// inside its file (checked before anything is allocated) or a row
+  /// range outside [0, V]; ReadLmHeadRows' errors.
   /// Thread-safe; takes no lock.
   grpc::Status ReadLmHeadRows(grpc::ServerContext*, const internal::v1::LmHeadRowsRequest*,
                               grpc::ServerWriter<internal::v1::LmHeadRowsChunk>*) override;
@@ -109,6 +127,8 @@ class ControlService final : public internal::v1::Control::Service {
   bool HasKeys(const internal::v1::StoreGetRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Reports waiting_.size() to the observer.
   void WaitingChanged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// OK when `generation` is the current one (ReadLmHeadRows).
+  grpc::Status CheckMember(int64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   const int world_size_;
@@ -118,6 +138,7 @@ class ControlService final : public internal::v1::Control::Service {
   std::function<bool(const std::string&)> lm_head_files_;     // set before serving
   const JoinObservers observers_;
   const uint32_t protocol_version_;
+  const InternalAuth auth_;
 
   absl::Mutex mu_;
   absl::CondVar cv_;  // signalled whenever a field below changes
@@ -130,6 +151,7 @@ class ControlService final : public internal::v1::Control::Service {
   std::vector<std::string> addresses_ ABSL_GUARDED_BY(mu_);
   int ready_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, std::string> store_ ABSL_GUARDED_BY(mu_);
+  size_t store_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // keys and values of store_
 };
 
 }  // namespace logprob

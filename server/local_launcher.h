@@ -13,10 +13,16 @@ namespace logprob {
 /// Spawns `workers` processes of `binary --frontend HOST:PORT --rejoin=false
 /// --exit-with-parent ARGS...` per generation, reaps them (Poll) and kills
 /// them (Stop). The workers do not rejoin by themselves: the pool kills and
-/// respawns them; they die with the front-end.
+/// respawns them; they die with the front-end. With `secret_fd` >= 0 (a
+/// PoolSecret::ToInheritableFd, owned and closed by the launcher) each
+/// worker inherits it as descriptor kSecretFd and is told
+/// `--internal-secret-fd=3`: the secret is in neither argv nor environ.
 class LocalLauncher final : public WorkerLauncher {
  public:
-  LocalLauncher(int workers, std::string binary, std::vector<std::string> args);
+  /// The descriptor number the workers read the pool secret from.
+  static constexpr int kSecretFd = 3;
+
+  LocalLauncher(int workers, std::string binary, std::vector<std::string> args, int secret_fd = -1);
   ~LocalLauncher() override;  // kills the workers
 
   absl::Status Launch(int64_t generation, const std::string& frontend) override;
@@ -30,6 +36,7 @@ class LocalLauncher final : public WorkerLauncher {
   const int workers_;
   const std::string binary_;
   const std::vector<std::string> args_;
+  int secret_fd_ = -1;       // above kSecretFd, close-on-exec; -1: none
   std::vector<pid_t> pids_;  // -1 once reaped
 };
 

@@ -40,6 +40,7 @@
 #include "common/version.h"
 #include "server/auth.h"
 #include "server/external_launcher.h"
+#include "server/internal_plane.h"
 #include "server/lm_head_declared.h"
 #include "server/lm_head_files.h"
 #include "server/lm_head_peer_sync.h"
@@ -131,6 +132,14 @@ ABSL_FLAG(int, worker_threads, 0, "compute threads per worker (0: cores / worker
 ABSL_FLAG(std::string, metrics_listen, "", "host:port for Prometheus /metrics (off when empty)");
 ABSL_FLAG(std::string, control_listen, "127.0.0.1:0",
           "address of the internal worker control plane (cluster mode: e.g. 0.0.0.0:50052)");
+ABSL_FLAG(std::string, internal_secret_file, "",
+          "file holding the pool secret (16+ printable characters, not readable by other users) that every call of "
+          "the internal plane (control port, worker ports) must carry; give the workers the same file. Default: a "
+          "secret made at start for the local workers (cluster mode beyond loopback needs this flag or "
+          "--insecure-internal-plane)");
+ABSL_FLAG(bool, insecure_internal_plane, false,
+          "run the internal plane without authentication: anyone reaching the control or worker ports can join the "
+          "pool and read heads and work items (only on a network the pool alone reaches)");
 ABSL_FLAG(std::string, worker_binary, "", "path of logprob-worker (default: beside this binary)");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "largest accepted request, bytes: one message (Score, ScoreStream), or all parts of a chunked request "
@@ -367,6 +376,11 @@ int main(int argc, char** argv) {
   const auto precision = logprob::ParseLmHeadPrecision(absl::GetFlag(FLAGS_lm_head_precision));
   if (!precision.ok()) return Fail(std::string(precision.status().message()));
 
+  absl::StatusOr<logprob::InternalPlane> plane = logprob::ChooseInternalPlane(
+      absl::GetFlag(FLAGS_internal_secret_file), absl::GetFlag(FLAGS_insecure_internal_plane), external > 0,
+      absl::GetFlag(FLAGS_control_listen));
+  if (!plane.ok()) return Fail(std::string(plane.status().message()));
+  LogLine() << "logprob-server: " << plane->description;
   std::unique_ptr<logprob::WorkerLauncher> launcher;
   if (external > 0) {
     launcher = std::make_unique<logprob::ExternalLauncher>(external);
@@ -375,7 +389,13 @@ int main(int argc, char** argv) {
     if (worker_binary.empty())
       worker_binary = (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "logprob-worker").string();
     if (access(worker_binary.c_str(), X_OK) != 0) return Fail("worker binary " + worker_binary + " is not executable");
-    launcher = std::make_unique<logprob::LocalLauncher>(workers, worker_binary, std::vector<std::string>{});
+    int secret_fd = -1;
+    if (plane->secret) {
+      absl::StatusOr<int> fd = plane->secret->ToInheritableFd();
+      if (!fd.ok()) return Fail(std::string(fd.status().message()));
+      secret_fd = *fd;
+    }
+    launcher = std::make_unique<logprob::LocalLauncher>(workers, worker_binary, std::vector<std::string>{}, secret_fd);
   }
 
   if (const int stale = logprob::RemoveStaleRegions(); stale > 0)
@@ -431,6 +451,8 @@ int main(int argc, char** argv) {
     threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / workers);
   threads = std::max(threads, 0);
   worker_config.set_threads(threads);
+  // The only shared-memory objects the workers open for payloads: this process's regions.
+  if (memory_limits.payload_regions) worker_config.set_payload_region_prefix(logprob::OwnRegionPrefix());
   config.hidden_chunk_tokens = chunk_tokens;
   const auto precision_of = [p = *precision](logprob::DType dtype) {
     return logprob::LmHeadPrecisionName(logprob::ResolveLmHeadPrecision(p, dtype));
@@ -552,6 +574,7 @@ int main(int argc, char** argv) {
     return logprob::InLmHeadStore(file, store) || logprob::IsLiveLmHeadFile(file, heads.Alive());
   };
   pool_opts.workers = workers;
+  pool_opts.auth = plane->auth;
   pool_opts.control_listen = absl::GetFlag(FLAGS_control_listen);
   pool_opts.join_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_worker_join_timeout));
   std::atomic<grpc::Server*> public_server{nullptr};

@@ -35,7 +35,8 @@ WorkerPool::~WorkerPool() {
 absl::Status WorkerPool::Start() {
   control_ = std::make_unique<ControlService>(
       options_.workers, options_.worker_config,
-      [this](int64_t generation, int, const std::string& why) { OnLeave(generation, why); }, options_.join_observers);
+      [this](int64_t generation, int, const std::string& why) { OnLeave(generation, why); }, options_.join_observers,
+      kWorkerProtocolVersion, options_.auth);
   if (options_.lm_heads)
     control_->SetReplyHook([this](internal::v1::JoinReply* reply) {
       for (auto& load : options_.lm_heads()) *reply->add_lm_heads() = std::move(load);
@@ -100,8 +101,7 @@ absl::Status WorkerPool::Form(int64_t index) {
   args.SetMaxSendMessageSize(-1);
   SetKeepalive(args);  // a call to a worker whose host is gone fails within seconds
   for (const auto& addr : *addresses)
-    gen->stubs.push_back(
-        internal::v1::Worker::NewStub(grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args)));
+    gen->stubs.push_back(internal::v1::Worker::NewStub(options_.auth.Channel(addr, args)));
   {
     absl::MutexLock lock(&gen->mu);
     if (gen->failed) return absl::UnavailableError(gen->failure);
@@ -332,6 +332,7 @@ absl::StatusOr<std::vector<internal::v1::WorkResult>> WorkerPool::RunItems(const
       ctx = std::make_unique<grpc::ClientContext>();
       ctx->set_deadline(deadline);
       ctx->AddMetadata(kRunIdMetadataKey, absl::StrCat(run_id));
+      ctx->AddMetadata(kGenerationMetadataKey, absl::StrCat(gen->index));
       gen->inflight.insert(ctx.get());
     }
   }

@@ -77,6 +77,10 @@ class WorkerPool {
     /// The control plane's membership observers (metrics: workers waiting
     /// for the pool to fill, refused joins). May be empty.
     ControlService::JoinObservers join_observers;
+    /// Who may call the control plane, and what the pool's calls to the
+    /// workers carry (the pool secret). Insecure only when the operator
+    /// says so (--insecure-internal-plane) or in a unit test.
+    InternalAuth auth = InternalAuth::Insecure();
   };
 
   WorkerPool(Options options, std::unique_ptr<WorkerLauncher> launcher);

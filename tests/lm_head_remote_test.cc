@@ -156,7 +156,7 @@ class RowsServer {
   LmHeadRowFetcher Fetcher() const {
     auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), grpc::InsecureChannelCredentials());
     return FrontendLmHeadRows(std::shared_ptr<internal::v1::Control::Stub>(internal::v1::Control::NewStub(channel)),
-                              std::chrono::seconds(60));
+                              /*generation=*/0, std::chrono::seconds(60));
   }
   bool ok() const { return server_ && port_ > 0; }
 

@@ -39,7 +39,8 @@ constexpr auto kBound = std::chrono::seconds(90);  // generous: only prevents ha
 class WorkerProcess {
  public:
   explicit WorkerProcess(const std::string& frontend)
-      : pid_(SpawnProcess({BinDir() + "/logprob-worker", "--frontend", frontend, "--exit-with-parent"})) {}
+      : pid_(SpawnProcess({BinDir() + "/logprob-worker", "--frontend", frontend, "--internal-secret-file",
+                           PoolSecretFile(), "--exit-with-parent"})) {}
   ~WorkerProcess() { Kill(); }
   /// SIGKILL and reap.
   void Kill() {
@@ -54,7 +55,7 @@ class WorkerProcess {
     std::vector<std::string> all = prefix;
     all.push_back(BinDir() + "/logprob-worker");
     all.insert(all.end(), args.begin(), args.end());
-    all.push_back("--exit-with-parent");
+    all.insert(all.end(), {"--internal-secret-file", PoolSecretFile(), "--exit-with-parent"});
     pid_ = SpawnProcess(all);
   }
   /// True while the process has not exited (it re-executes in place when
@@ -139,8 +140,8 @@ class Cluster : public ::testing::Test {
   void StartServer(const std::string& host = "127.0.0.1") {
     frontend_ = host + ":" + std::to_string(FreePort());
     server_ = ServerProcess::Launch({"--external-workers", "2", "--control-listen", frontend_, "--backend", "cpu",
-                                     "--lm-head", work_->lm_head, "--metrics-listen",
-                                     "127.0.0.1:" + std::to_string(metrics_port_)});
+                                     "--internal-secret-file", PoolSecretFile(), "--lm-head", work_->lm_head,
+                                     "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port_)});
     ASSERT_TRUE(server_);
     ASSERT_EQ(WaitForStatus(ServingStatus::kNotServing), ServingStatus::kNotServing);
     stub_ = server_->NewStub();

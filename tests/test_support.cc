@@ -15,18 +15,49 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
 #include "client/channel.h"
 #include "client/health_check.h"
 #include "common/dtype.h"
+#include "common/exclusive_port.h"
 
 extern char** environ;
 
 namespace logprob::testing {
 
 std::string GoldenDir() { return LOGPROB_GOLDEN_DIR; }
+
+std::string PoolSecretFile() {
+  static const std::string path = [] {
+    const std::string p = ::testing::TempDir() + "/pool_secret." + std::to_string(getpid());
+    const int fd = open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    const std::string secret = "test-pool-secret-" + std::to_string(getpid()) + "-0123456789abcdef\n";
+    if (fd < 0 || write(fd, secret.data(), secret.size()) != static_cast<ssize_t>(secret.size()))
+      ADD_FAILURE() << "cannot write " << p;
+    if (fd >= 0) close(fd);
+    return p;
+  }();
+  return path;
+}
+
+std::vector<int> ListeningPorts(const std::vector<pid_t>& pids) {
+  std::set<std::string> inodes;
+  for (const pid_t pid : pids) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+      std::error_code lec;
+      const std::string target = std::filesystem::read_symlink(entry.path(), lec).string();
+      if (!lec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+    }
+  }
+  std::set<int> ports;
+  for (const auto& [inode, port] : ListeningTcpSockets())
+    if (inodes.count(inode)) ports.insert(port);
+  return {ports.begin(), ports.end()};
+}
 std::string BinDir() { return LOGPROB_BIN_DIR; }
 
 int FreePort() {

@@ -78,6 +78,15 @@ class ServerProcess {
   pid_t pid_ = -1;
 };
 
+/// A pool secret file for cluster-mode tests (--internal-secret-file of
+/// the front-end and of its workers): made once per test process in
+/// TempDir(), mode 0600; its path.
+std::string PoolSecretFile();
+
+/// The TCP ports processes `pids` listen on (their sockets in LISTEN state,
+/// from /proc/PID/fd and /proc/net/tcp{,6}), sorted.
+std::vector<int> ListeningPorts(const std::vector<pid_t>& pids);
+
 /// Peak resident set size of process `pid` (VmHWM of /proc/PID/status),
 /// bytes; -1 if it cannot be read.
 int64_t PeakRssBytes(pid_t pid);

@@ -30,10 +30,11 @@ bool ShouldFetchLmHead(LmHeadFetchMode mode, const internal::v1::LmHeadSource& s
   return false;
 }
 
-LmHeadRowFetcher FrontendLmHeadRows(std::shared_ptr<internal::v1::Control::Stub> control,
+LmHeadRowFetcher FrontendLmHeadRows(std::shared_ptr<internal::v1::Control::Stub> control, int64_t generation,
                                     std::chrono::milliseconds timeout) {
-  return [control = std::move(control), timeout](const internal::v1::LmHeadSource& source, int64_t row_begin,
-                                                 int64_t row_end, void* rows, float* bias) -> absl::Status {
+  return [control = std::move(control), generation, timeout](const internal::v1::LmHeadSource& source,
+                                                             int64_t row_begin, int64_t row_end, void* rows,
+                                                             float* bias) -> absl::Status {
     const uint64_t want_rows =
         static_cast<uint64_t>(row_end - row_begin) * source.hidden_size() * DTypeSize(source.dtype());
     const uint64_t want_bias = bias != nullptr ? static_cast<uint64_t>(row_end - row_begin) : 0;
@@ -41,6 +42,7 @@ LmHeadRowFetcher FrontendLmHeadRows(std::shared_ptr<internal::v1::Control::Stub>
     *req.mutable_source() = source;
     req.set_row_begin(row_begin);
     req.set_row_end(row_end);
+    req.set_generation(generation);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + timeout);
     auto reader = control->ReadLmHeadRows(&ctx, req);

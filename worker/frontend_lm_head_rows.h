@@ -33,12 +33,13 @@ absl::StatusOr<LmHeadFetchMode> ParseLmHeadFetchMode(const std::string& text);
 using LmHeadRowFetcher = std::function<absl::Status(const internal::v1::LmHeadSource& source, int64_t row_begin,
                                                     int64_t row_end, void* rows, float* bias)>;
 
-/// A fetcher over `control` (the front-end's Control service). Errors: the
+/// A fetcher over `control` (the front-end's Control service) for a member
+/// of pool generation `generation` (the front-end serves no other). Errors: the
 /// RPC's status (PERMISSION_DENIED, NOT_FOUND, DATA_LOSS from the
 /// front-end; UNAVAILABLE when it is gone), DATA_LOSS when the stream
 /// carries more or fewer bytes than the slice. Each call waits at most
 /// `timeout`. Thread-safe.
-LmHeadRowFetcher FrontendLmHeadRows(std::shared_ptr<internal::v1::Control::Stub> control,
+LmHeadRowFetcher FrontendLmHeadRows(std::shared_ptr<internal::v1::Control::Stub> control, int64_t generation,
                                     std::chrono::milliseconds timeout);
 
 /// True when a load of `source` should fetch: kAlways, or kAuto and this

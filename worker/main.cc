@@ -34,6 +34,7 @@
 #include "common/backend_choice.h"
 #include "common/exclusive_port.h"
 #include "common/flag_names.h"
+#include "common/internal_auth.h"
 #include "common/keepalive.h"
 #include "common/lm_head_precision.h"
 #include "common/log_line.h"
@@ -71,6 +72,14 @@ ABSL_FLAG(std::string, fetch_lm_heads, "auto",
           "where this worker reads its lm_head slices: auto (the file the front-end names when this host can read "
           "it, else streamed from the front-end's control plane), always (always streamed: nodes that do not share "
           "the front-end's filesystem), never (only the file)");
+ABSL_FLAG(std::string, internal_secret_file, "",
+          "file holding the pool secret the front-end was given (--internal-secret-file): this worker's calls carry "
+          "it and its Worker service takes only calls that do");
+ABSL_FLAG(int, internal_secret_fd, -1,
+          "descriptor holding the pool secret (the front-end passes it to the workers it spawns)");
+ABSL_FLAG(bool, insecure_internal_plane, false,
+          "join a front-end running --insecure-internal-plane and serve the Worker service without "
+          "authentication beyond loopback");
 ABSL_FLAG(int, threads, -1, "compute threads (GEMM); -1: as the front-end says, 0: library default");
 
 using logprob::LogLine;
@@ -84,6 +93,8 @@ int Fail(const std::string& msg) {
 
 /// The command line as given, for re-executing.
 std::vector<std::string> g_argv;
+/// --internal-secret-fd, kept open across a re-execution (-1: none).
+int g_secret_fd = -1;
 
 /// Ends this worker's membership: with `rejoin`, re-executes the binary
 /// with its original arguments (same pid; a fresh process joins again),
@@ -98,7 +109,7 @@ std::vector<std::string> g_argv;
   LogLine() << "logprob-worker: " << why << "; re-executing to join again";
   for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
     const int fd = std::atoi(entry.path().filename().c_str());
-    if (fd > 2) fcntl(fd, F_SETFD, FD_CLOEXEC);
+    if (fd > 2 && fd != g_secret_fd) fcntl(fd, F_SETFD, FD_CLOEXEC);
   }
   std::vector<char*> argv;
   for (auto& a : g_argv) argv.push_back(a.data());
@@ -123,6 +134,39 @@ std::string Choose(const std::string& flag, const std::string& mine, const std::
     return "";
   }
   return !mine.empty() ? mine : !frontend.empty() ? frontend : fallback;
+}
+
+/// The worker's side of the internal plane from its flags: the secret of
+/// --internal-secret-file or --internal-secret-fd; none (insecure) only on
+/// loopback or with --insecure-internal-plane. INVALID_ARGUMENT otherwise.
+absl::StatusOr<logprob::InternalAuth> ChooseAuth(const std::string& advertise_host) {
+  const std::string file = absl::GetFlag(FLAGS_internal_secret_file);
+  const int fd = absl::GetFlag(FLAGS_internal_secret_fd);
+  const bool insecure = absl::GetFlag(FLAGS_insecure_internal_plane);
+  if ((!file.empty()) + (fd >= 0) + insecure > 1)
+    return absl::InvalidArgumentError(
+        "--internal-secret-file, --internal-secret-fd and --insecure-internal-plane are mutually exclusive");
+  if (fd >= 0) {
+    absl::StatusOr<logprob::PoolSecret> secret = logprob::PoolSecret::FromFd(fd);
+    if (!secret.ok()) return secret.status();
+    g_secret_fd = fd;
+    return logprob::InternalAuth(*secret);
+  }
+  if (!file.empty()) {
+    absl::StatusOr<logprob::PoolSecret> secret = logprob::PoolSecret::FromFile(file);
+    if (!secret.ok()) return secret.status();
+    return logprob::InternalAuth(*secret);
+  }
+  const bool loopback = advertise_host == "localhost" || advertise_host == "::1" || advertise_host == "[::1]" ||
+                        advertise_host.rfind("127.", 0) == 0;
+  if (!insecure && !loopback)
+    return absl::InvalidArgumentError(
+        "serving the Worker service on " + advertise_host +
+        " (beyond loopback) needs --internal-secret-file (the front-end's) so that only the pool calls it; "
+        "--insecure-internal-plane serves it unauthenticated");
+  LogLine() << "logprob-worker: WARNING: no pool secret: this worker's Worker service takes calls from anyone who "
+               "reaches it";
+  return logprob::InternalAuth::Insecure();
 }
 
 }  // namespace
@@ -164,6 +208,10 @@ int main(int argc, char** argv) {
         "reach (e.g. the pod IP), not the wildcard " +
         advertise_host + " (with --listen-host " + listen_host + ", set --advertise-host)");
   const bool rejoin = absl::GetFlag(FLAGS_rejoin);
+  // The pool secret: every call this worker makes carries it, and its
+  // Worker service takes only calls that do.
+  const absl::StatusOr<logprob::InternalAuth> auth = ChooseAuth(advertise_host);
+  if (!auth.ok()) return Fail(std::string(auth.status().message()));
 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
@@ -172,7 +220,7 @@ int main(int argc, char** argv) {
   logprob::SetKeepalive(args);
   // A front-end that restarts is found again within seconds, not gRPC's default 2 minutes.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
-  auto channel = grpc::CreateCustomChannel(frontend, grpc::InsecureChannelCredentials(), args);
+  auto channel = auth->Channel(frontend, args);
   auto control =
       std::shared_ptr<logprob::internal::v1::Control::Stub>(logprob::internal::v1::Control::NewStub(channel));
 
@@ -195,8 +243,10 @@ int main(int argc, char** argv) {
     membership = control->Join(membership_ctx.get(), join);
     if (membership->Read(&joined)) break;
     const grpc::Status st = membership->Finish();
-    // Refused for good (a front-end of another release): retrying cannot help.
-    if (st.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+    // Refused for good (a front-end of another release, or one that wants a
+    // pool secret this worker does not have): retrying cannot help.
+    if (st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+        st.error_code() == grpc::StatusCode::UNAUTHENTICATED)
       return Fail("join " + frontend + " refused: " + st.error_message());
     if (!rejoin) return Fail("join " + frontend + ": " + st.error_message());
     LogLine() << "logprob-worker: join " << frontend << ": " << st.error_message() << "; trying again in 2 s";
@@ -249,7 +299,8 @@ int main(int argc, char** argv) {
   // Every lm_head version the front-end serves (or still has requests for).
   // A slice this host cannot read comes from the front-end (--fetch-lm-heads).
   auto lm_heads = std::make_unique<logprob::LmHeadRegistry>(
-      **backend, *precision, rank, world, logprob::FrontendLmHeadRows(control, std::chrono::minutes(10)), *fetch_mode);
+      **backend, *precision, rank, world,
+      logprob::FrontendLmHeadRows(control, joined.generation(), std::chrono::minutes(10)), *fetch_mode);
   for (const auto& load : joined.lm_heads())
     if (auto loaded = lm_heads->Load(load); !loaded.ok())
       EndMembership("lm_head " + load.head().name() + " version " + load.head().version() + ": " +
@@ -263,7 +314,8 @@ int main(int argc, char** argv) {
             << ", lm_head precision " << precision_name;
 
   logprob::WorkerService service(std::move(*comm), std::move(*backend), std::move(lm_heads),
-                                 joined.hidden_chunk_tokens());
+                                 joined.hidden_chunk_tokens(),
+                                 {*auth, joined.generation(), joined.payload_region_prefix()});
   grpc::ServerBuilder builder;
   int port = 0;
   logprob::ExclusivePorts(builder);

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/untrusted_text.h"
 
 namespace logprob {
 
@@ -30,8 +31,12 @@ size_t PayloadRegions::mapped() const {
 absl::StatusOr<std::string_view> PayloadRegions::Payload(const internal::v1::WorkItem& item,
                                                          std::shared_ptr<SharedRegion>* hold) {
   if (!item.has_shared_memory()) return std::string_view(item.data());
-  ForgetRetired();
   const internal::v1::SharedMemoryPayload& shm = item.shared_memory();
+  if (!IsPoolRegionName(shm.name(), prefix_))
+    return absl::PermissionDeniedError(absl::StrCat("work item payload in shared memory ", Printable(shm.name()),
+                                                    ": not one of the front-end's payload regions (",
+                                                    prefix_.empty() ? "/logprob-<pid>-<n>" : prefix_ + "<n>", ")"));
+  ForgetRetired();
   {
     absl::MutexLock lock(&mu_);
     for (auto it = mapped_.begin(); it != mapped_.end(); ++it)
@@ -67,7 +72,8 @@ absl::StatusOr<std::string_view> PayloadRegions::Payload(const internal::v1::Wor
   const auto size = static_cast<int64_t>((*hold)->size());
   if (offset < 0 || bytes < 0 || offset > size || bytes > size - offset)
     return absl::InvalidArgumentError(absl::StrCat("work item: payload [", offset, ", ", offset + bytes,
-                                                   ") is outside shared memory ", shm.name(), " of ", size, " bytes"));
+                                                   ") is outside shared memory ", Printable(shm.name()), " of ", size,
+                                                   " bytes"));
   return std::string_view((*hold)->data() + offset, static_cast<size_t>(bytes));
 }
 

@@ -26,14 +26,20 @@ class PayloadRegions {
   /// `backend` (optional, must outlive this) is told about every region
   /// mapped (ScoringBackend::RegisterHostMemory, e.g. cudaHostRegister) and
   /// unmapped, so it can upload from the regions directly.
-  explicit PayloadRegions(size_t capacity = 8, ScoringBackend* backend = nullptr)
-      : capacity_(capacity), backend_(backend) {}
+  /// Only regions named `prefix` + digits are opened (IsPoolRegionName:
+  /// the front-end's JoinReply.payload_region_prefix; empty: any
+  /// front-end's "/logprob-<pid>-<n>"), never a client's region or another
+  /// object of this user's.
+  explicit PayloadRegions(size_t capacity = 8, ScoringBackend* backend = nullptr, std::string prefix = "")
+      : capacity_(capacity), backend_(backend), prefix_(std::move(prefix)) {}
 
   /// The payload of `item` read on the host: its bytes (WorkItem.data), or
   /// its range of the front-end's region (WorkItem.shared_memory). *hold
   /// keeps that region mapped while the payload is in use.
   /// FAILED_PRECONDITION when the region cannot be opened (a worker on
-  /// another host); INVALID_ARGUMENT when the range is outside it.
+  /// another host); INVALID_ARGUMENT when the range is outside it;
+  /// PERMISSION_DENIED for a name that is not one of the front-end's
+  /// payload regions (nothing is opened).
   absl::StatusOr<std::string_view> Payload(const internal::v1::WorkItem& item, std::shared_ptr<SharedRegion>* hold)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -46,6 +52,7 @@ class PayloadRegions {
  private:
   const size_t capacity_;
   ScoringBackend* const backend_;
+  const std::string prefix_;
   mutable absl::Mutex mu_;
   std::list<std::shared_ptr<SharedRegion>> mapped_ ABSL_GUARDED_BY(mu_);  // most recently used first
 };

@@ -364,6 +364,14 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_
     return absl::InvalidArgumentError("work item: only hidden states may be passed in device memory");
   if (!IsFloatDType(dtype)) return absl::InvalidArgumentError("work item: dtype must be F32, BF16 or F16");
   const int64_t n = item.num_rows();
+  // Every size bounded before anything is allocated by it: K of top-k and
+  // of the gathered ids at most the vocabulary (a K beyond it would size the
+  // result rows by a number from the wire).
+  if (n < 0 || item.vocab_size() <= 0 || o.topk() < 0 || o.topk() > item.vocab_size() || item.gather_k() < 0 ||
+      item.gather_k() > item.vocab_size())
+    return absl::InvalidArgumentError(absl::StrCat("work item: num_rows ", n, ", vocab_size ", item.vocab_size(),
+                                                   ", topk ", o.topk(), ", gather_k ", item.gather_k(),
+                                                   ": need rows >= 0, V > 0 and 0 <= K <= V"));
   if (item.targets_size() != n || item.gather_ids_size() != n * item.gather_k())
     return absl::InvalidArgumentError("work item: targets or gather_ids size does not match num_rows");
   const size_t esize = DTypeSize(dtype);

@@ -47,15 +47,26 @@ absl::Status AllRanksOk(Communicator& comm, const absl::Status& mine) {
   return absl::OkStatus();
 }
 
-/// The run id the front-end put in the call's metadata (kRunIdMetadataKey),
-/// or nullopt (a caller that sends none, e.g. a test).
-std::optional<uint64_t> RunId(const grpc::ServerContext& ctx) {
+/// The decimal number the front-end put in the call's metadata under
+/// `key`, or nullopt (none, or not a number: e.g. a test's call).
+template <typename T>
+std::optional<T> MetadataNumber(const grpc::ServerContext& ctx, const char* key) {
   const auto& md = ctx.client_metadata();
-  const auto it = md.find(kRunIdMetadataKey);
-  uint64_t id = 0;
-  if (it == md.end() || !absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &id))
+  const auto it = md.find(key);
+  T value = 0;
+  if (it == md.end() || !absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &value))
     return std::nullopt;
-  return id;
+  return value;
+}
+
+/// The run id of a Run call (kRunIdMetadataKey).
+std::optional<uint64_t> RunId(const grpc::ServerContext& ctx) {
+  return MetadataNumber<uint64_t>(ctx, kRunIdMetadataKey);
+}
+
+/// The pool generation of a Run call (kGenerationMetadataKey).
+std::optional<int64_t> Generation(const grpc::ServerContext& ctx) {
+  return MetadataNumber<int64_t>(ctx, kGenerationMetadataKey);
 }
 
 }  // namespace
@@ -76,6 +87,13 @@ absl::StatusOr<ItemPayload> WorkerService::OpenPayload(const internal::v1::WorkI
 
 grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
                                 internal::v1::WorkResult* result) {
+  if (grpc::Status st = admission_.auth.Check(*ctx, "Worker.Run"); !st.ok()) return st;
+  // An item the front-end did not plan for this generation (a forged or a
+  // stale one) is refused before any payload is opened or collective run.
+  if (admission_.generation >= 0 && Generation(*ctx) != admission_.generation)
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("work item of pool generation ", Generation(*ctx).value_or(-1),
+                                     "; this worker belongs to generation ", admission_.generation));
   grpc::Status st = RunItem(ctx, item, result);
   // A broken device (a sticky CUDA error, here or in an earlier item)
   // fails every item from now on: UNAVAILABLE makes the front-end re-form
@@ -126,13 +144,16 @@ grpc::Status WorkerService::RunItem(grpc::ServerContext* ctx, const internal::v1
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Stop(grpc::ServerContext*, const internal::v1::StopRequest* req, internal::v1::StopReply*) {
+grpc::Status WorkerService::Stop(grpc::ServerContext* ctx, const internal::v1::StopRequest* req,
+                                 internal::v1::StopReply*) {
+  if (grpc::Status st = admission_.auth.Check(*ctx, "Worker.Stop"); !st.ok()) return st;
   stops_.Stop(req->run_id());
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Info(grpc::ServerContext*, const internal::v1::WorkerInfoRequest*,
+grpc::Status WorkerService::Info(grpc::ServerContext* ctx, const internal::v1::WorkerInfoRequest*,
                                  internal::v1::WorkerInfoReply* reply) {
+  if (grpc::Status st = admission_.auth.Check(*ctx, "Worker.Info"); !st.ok()) return st;
   reply->set_rank(comm_->rank());
   reply->set_world_size(comm_->size());
   return grpc::Status::OK;
@@ -140,6 +161,7 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const internal::v1::Worke
 
 grpc::Status WorkerService::LoadLmHead(grpc::ServerContext* ctx, const internal::v1::LmHeadLoad* req,
                                        internal::v1::LoadLmHeadReply* reply) {
+  if (grpc::Status st = admission_.auth.Check(*ctx, "Worker.LoadLmHead"); !st.ok()) return st;
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<int64_t> bytes = lm_heads_->Load(*req);
   if (!bytes.ok()) return ReplyWithReason(ctx, bytes.status());
@@ -148,14 +170,16 @@ grpc::Status WorkerService::LoadLmHead(grpc::ServerContext* ctx, const internal:
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::DropLmHead(grpc::ServerContext*, const internal::v1::LmHeadRef* req,
+grpc::Status WorkerService::DropLmHead(grpc::ServerContext* ctx, const internal::v1::LmHeadRef* req,
                                        internal::v1::DropLmHeadReply* reply) {
+  if (grpc::Status st = admission_.auth.Check(*ctx, "Worker.DropLmHead"); !st.ok()) return st;
   reply->set_dropped(lm_heads_->Drop(*req));
   return grpc::Status::OK;
 }
 
 grpc::Status WorkerService::StageLmHeadRows(grpc::ServerContext* ctx, const internal::v1::LmHeadStage* req,
                                             internal::v1::LmHeadStageReply* reply) {
+  if (grpc::Status st = admission_.auth.Check(*ctx, "Worker.StageLmHeadRows"); !st.ok()) return st;
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<int64_t> bytes = logprob::StageLmHeadRows(*backend_, *req);
   if (!bytes.ok()) return ReplyWithReason(ctx, bytes.status());
@@ -174,7 +198,7 @@ absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal:
   absl::StatusOr<std::unique_ptr<DeviceCopy>> copy = backend.NewDeviceCopy();
   if (!copy.ok())
     return CudaIpcRefused(absl::Status(copy.status().code(), absl::StrCat(what, ": ", copy.status().message())));
-  const int fd = open(stage.file().c_str(), O_WRONLY | O_CLOEXEC);
+  const int fd = open(stage.file().c_str(), O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY);
   if (fd < 0) return absl::NotFoundError(absl::StrCat(what, ": cannot open it: ", std::strerror(errno)));
   struct stat st {};
   absl::Status failed;

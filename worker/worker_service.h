@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "absl/synchronization/mutex.h"
+#include "common/internal_auth.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend.h"
 #include "worker/communicator.h"
@@ -13,6 +14,20 @@
 #include "worker/stop_signals.h"
 
 namespace logprob {
+
+/// Who may call a worker and which items it takes (what the front-end's
+/// JoinReply said).
+struct WorkerAdmission {
+  /// Checked first by every method (UNAUTHENTICATED without the pool
+  /// secret). Insecure: a unit test calling the handlers directly.
+  InternalAuth auth = InternalAuth::Insecure();
+  /// The pool generation this worker belongs to: a Run call must carry it
+  /// (kGenerationMetadataKey), else FAILED_PRECONDITION before anything is
+  /// opened. -1: not checked (unit tests).
+  int64_t generation = -1;
+  /// JoinReply.payload_region_prefix: the only shared-memory names opened.
+  std::string payload_region_prefix;
+};
 
 /// Serves Run (score a WorkItem), Info, LoadLmHead / DropLmHead (the
 /// lm_head versions of `lm_heads`, which hidden-states items name) and
@@ -30,14 +45,18 @@ class WorkerService final : public internal::v1::Worker::Service {
   /// which must outlive it) holds the lm_head slices hidden-states items
   /// name; `chunk_tokens`: hidden-states rows per rank per round.
   WorkerService(std::unique_ptr<Communicator> comm, std::unique_ptr<ScoringBackend> backend,
-                std::unique_ptr<LmHeadRegistry> lm_heads, int64_t chunk_tokens = kDefaultHiddenChunkTokens)
+                std::unique_ptr<LmHeadRegistry> lm_heads, int64_t chunk_tokens = kDefaultHiddenChunkTokens,
+                WorkerAdmission admission = WorkerAdmission())
       : backend_(std::move(backend)),
         comm_(std::move(comm)),
         lm_heads_(std::move(lm_heads)),
         chunk_tokens_(chunk_tokens),
-        payload_regions_(8, backend_.get()) {}
-  /// Scores one work item. Errors: the item's (INVALID_ARGUMENT,
-  /// CANCELLED, ...); UNAVAILABLE whenever the backend's device is lost
+        admission_(std::move(admission)),
+        payload_regions_(8, backend_.get(), admission_.payload_region_prefix) {}
+  /// Every method first checks the caller (Admission::auth). Scores one
+  /// work item. Errors: UNAUTHENTICATED without the pool secret;
+  /// FAILED_PRECONDITION for an item of another pool generation; the
+  /// item's (INVALID_ARGUMENT, CANCELLED, ...); UNAVAILABLE whenever the backend's device is lost
   /// (ScoringBackend::device_lost: a sticky CUDA error), so that the
   /// front-end re-forms the pool. Thread-safe.
   grpc::Status Run(grpc::ServerContext* ctx, const internal::v1::WorkItem* item,
@@ -75,6 +94,7 @@ class WorkerService final : public internal::v1::Worker::Service {
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<LmHeadRegistry> lm_heads_;
   int64_t chunk_tokens_;
+  const WorkerAdmission admission_;
   absl::Mutex collective_mu_;  // one work item's collective sequence at a time
   StopSignals stops_;
   // Declared after backend_: unmapped (and unregistered from it) first.

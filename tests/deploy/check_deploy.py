@@ -484,6 +484,32 @@ def cross_check(objs, flavour, root, fail):
                              "(the front-end is not Ready until the workers joined)")
             if wflags.get("advertise_host") != ["$(POD_IP)"]:
                 fail.add("workers must advertise $(POD_IP)")
+            # The internal plane (docs/security.md): front-end and workers
+            # read the same pool secret, mounted from one Secret, not
+            # readable by other users; NetworkPolicies keep the plane in.
+            secrets_seen = []
+            for who, c, flags, tmpl in (("front-end", fc, fflags, frontend["spec"]["template"]),
+                                        ("worker", wc, wflags, wt)):
+                path = (flags.get("internal_secret_file") or [""])[-1]
+                if not path:
+                    fail.add(f"{who}: cluster mode needs --internal-secret-file (the pool secret)")
+                    continue
+                vols = {v["name"]: v for v in tmpl["spec"].get("volumes") or []}
+                mount = next((m for m in c.get("volumeMounts") or []
+                              if path.startswith(m.get("mountPath", "").rstrip("/") + "/")), None)
+                secret = (vols.get(mount["name"]) or {}).get("secret") if mount else None
+                if not secret:
+                    fail.add(f"{who}: --internal-secret-file {path} is not in a mounted Secret")
+                    continue
+                if (secret.get("defaultMode", 0o644) & 0o004) != 0:
+                    fail.add(f"{who}: the pool secret's volume must not be readable by others (defaultMode 0400)")
+                secrets_seen.append((secret.get("secretName"), path.rsplit("/", 1)[-1]))
+            if len(secrets_seen) == 2 and secrets_seen[0] != secrets_seen[1]:
+                fail.add(f"front-end and workers read different pool secrets: {secrets_seen}")
+            if "insecure_internal_plane" in fflags or "insecure_internal_plane" in wflags:
+                fail.add("--insecure-internal-plane in a manifest")
+            if ("NetworkPolicy", "logprob-worker-internal") not in by_kind:
+                fail.add("cluster mode needs the NetworkPolicy logprob-worker-internal (Gloo's sockets)")
             pod_ip = [e for e in wc.get("env") or [] if e.get("name") == "POD_IP"]
             if not pod_ip or ((pod_ip[0].get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath") != "status.podIP":
                 fail.add("POD_IP must come from the downward API (fieldRef status.podIP)")
@@ -627,6 +653,11 @@ def self_test_manifests(schema, good, root, kubectl):
         "memory limit missing": lambda o: wk(o)["resources"]["limits"].pop("memory"),
         "PDB without selector": lambda o: find(o, "PodDisruptionBudget", "logprob-worker")["spec"].pop("selector"),
         "unknown kind": lambda o: o.append({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}}),
+        "worker without the pool secret": lambda o: wk(o).update(
+            args=[a for a in wk(o)["args"] if "secret" not in a]),
+        "pool secret readable by others": lambda o: [v for v in find(o, "StatefulSet", "logprob-worker")["spec"][
+            "template"]["spec"]["volumes"] if v["name"] == "pool-secret"][0]["secret"].update(defaultMode=0o644),
+        "insecure internal plane": lambda o: fe(o)["args"].append("--insecure-internal-plane"),
     }
     if SERVER_BINARY:
         mutations["front-end memory limit below its bound"] = lambda o: fe(o)["resources"]["limits"].update(

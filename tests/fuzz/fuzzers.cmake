@@ -1,7 +1,7 @@
 # libFuzzer targets (tests/fuzz/CMakeLists.txt, a standalone clang project)
 # built from the main build into build/fuzz, and run for a bounded time by
 # ctest: fuzz_score_request, fuzz_safetensors, fuzz_chunked,
-# fuzz_lm_head_update, fuzz_update_source (label "fuzz"). Without clang
+# fuzz_lm_head_update, fuzz_update_source, fuzz_internal_plane (label "fuzz"). Without clang
 # and libFuzzer both tests are reported as skipped. Included from
 # tests/CMakeLists.txt.
 option(LOGPROB_FUZZ "Build the libFuzzer targets with clang and run them in ctest" ON)
@@ -29,7 +29,8 @@ else()
   endif()
 endif()
 
-set(_fuzzers fuzz_score_request fuzz_safetensors fuzz_chunked fuzz_lm_head_update fuzz_update_source)
+set(_fuzzers fuzz_score_request fuzz_safetensors fuzz_chunked fuzz_lm_head_update fuzz_update_source
+  fuzz_internal_plane)
 if(_fuzz_why)
   message(STATUS "logprob: fuzzers skipped: ${_fuzz_why}")
   foreach(t ${_fuzzers})
@@ -55,7 +56,7 @@ ExternalProject_Add(logprob_fuzzers
   INSTALL_COMMAND ""
   BUILD_ALWAYS TRUE
   BUILD_BYPRODUCTS ${_fuzz_bin}/fuzz_score_request ${_fuzz_bin}/fuzz_safetensors ${_fuzz_bin}/fuzz_chunked
-    ${_fuzz_bin}/fuzz_lm_head_update ${_fuzz_bin}/fuzz_update_source)
+    ${_fuzz_bin}/fuzz_lm_head_update ${_fuzz_bin}/fuzz_update_source ${_fuzz_bin}/fuzz_internal_plane)
 
 set(_run bash ${CMAKE_CURRENT_LIST_DIR}/run_fuzzer.sh)
 add_test(NAME fuzz_score_request
@@ -73,5 +74,8 @@ add_test(NAME fuzz_lm_head_update
 # Update file sources beneath a folder (issue 32): indexes, symlinks, FIFOs.
 add_test(NAME fuzz_update_source
   COMMAND ${_run} ${_fuzz_bin}/fuzz_update_source ${LOGPROB_FUZZ_SECONDS} ${CMAKE_CURRENT_LIST_DIR}/corpus/update_source)
+# The internal plane's messages (docs/security.md "The internal plane").
+add_test(NAME fuzz_internal_plane
+  COMMAND ${_run} ${_fuzz_bin}/fuzz_internal_plane ${LOGPROB_FUZZ_SECONDS} ${CMAKE_CURRENT_LIST_DIR}/corpus/internal_plane)
 math(EXPR _timeout "${LOGPROB_FUZZ_SECONDS} + 120")
 set_tests_properties(${_fuzzers} PROPERTIES TIMEOUT ${_timeout} LABELS fuzz)

@@ -36,6 +36,7 @@ docs/deployment.md ("Ray") says when to use it rather than the StatefulSet.
 
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -147,21 +148,31 @@ class _ProcessActor:
     it (``max_restarts``) and with it the process."""
 
     def __init__(self, program: str, args: Sequence[str], bin_dir: Optional[str], ports: int = 0,
-                 exit_with_process: bool = False) -> None:
+                 exit_with_process: bool = False, pool_secret: Optional[str] = None) -> None:
         self._ip = _node_ip()
         self._ports = [_free_port(self._ip) for _ in range(ports)]
+        # One folder per actor, kept across its restarts (the log goes on),
+        # private to this user (it holds the pool secret).
+        self._dir = os.path.join(tempfile.gettempdir(),
+                                 "logprob-ray-%s-%s" % (program, ray.get_runtime_context().get_actor_id()))
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)
+        os.chmod(self._dir, 0o700)
         subst = {"{node_ip}": self._ip}
         subst.update({"{port%d}" % i: str(p) for i, p in enumerate(self._ports)})
+        if pool_secret is not None:
+            # The pool secret came through Ray's own channel (the actor's
+            # arguments); the process reads it from a 0600 file, never argv.
+            secret_file = os.path.join(self._dir, "pool-secret")
+            fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(pool_secret)
+            subst["{secret_file}"] = secret_file
         argv = [_find_binary(program, bin_dir)]
         for a in args:
             for k, v in subst.items():
                 a = a.replace(k, v)
             argv.append(a)
         self._argv = argv
-        # One folder per actor, kept across its restarts (the log goes on).
-        self._dir = os.path.join(tempfile.gettempdir(),
-                                 "logprob-ray-%s-%s" % (program, ray.get_runtime_context().get_actor_id()))
-        os.makedirs(self._dir, exist_ok=True)
         self._log_path = os.path.join(self._dir, "output.log")
         self._stopping = False
         with open(self._log_path, "ab") as log:
@@ -282,8 +293,11 @@ class LogprobService:
         if fetch_lm_heads not in ("auto", "always", "never"):
             raise ValueError("fetch_lm_heads must be auto, always or never, got %r" % (fetch_lm_heads,))
         resources = dict(resources_per_worker or ({"GPU": 1} if backend == "cuda" else {"CPU": 1}))
+        # The internal plane's secret, made here and handed to the actors
+        # through Ray (docs/security.md "The internal plane").
+        pool_secret = secrets.token_hex(32)
         server = ["--listen", "{node_ip}:{port0}", "--control-listen", "{node_ip}:{port1}",
-                  "--external-workers", str(workers), "--backend", backend]
+                  "--external-workers", str(workers), "--backend", backend, "--internal-secret-file", "{secret_file}"]
         declared = False
         for name, spec in (heads or {}).items():
             if isinstance(spec, DeclaredHead):
@@ -312,16 +326,17 @@ class LogprobService:
                 return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
 
             frontend = _RemoteProcess.options(num_cpus=0, max_restarts=0, scheduling_strategy=in_bundle(0)).remote(
-                "logprob-server", server, bin_dir, 2)
+                "logprob-server", server, bin_dir, 2, False, pool_secret)
             try:
                 fe = ray.get(frontend.info.remote())
             except ray.exceptions.RayActorError as e:
                 raise RuntimeError("the logprob-server actor failed to start: %s" % e) from e
             control = "%s:%d" % (fe["node_ip"], fe["ports"][1])
             worker = ["--frontend", control, "--advertise-host", "{node_ip}", "--backend", backend,
-                      "--fetch-lm-heads", fetch_lm_heads] + list(worker_args)
+                      "--fetch-lm-heads", fetch_lm_heads, "--internal-secret-file", "{secret_file}"] + list(worker_args)
             actors = [_RemoteProcess.options(max_restarts=max_restarts, scheduling_strategy=in_bundle(i),
-                                             **_split_resources(resources)).remote("logprob-worker", worker, bin_dir, 0, True)
+                                             **_split_resources(resources)).remote("logprob-worker", worker, bin_dir, 0, True,
+                                                                                  pool_secret)
                       for i in range(workers)]
         except BaseException:
             if owns_pg:

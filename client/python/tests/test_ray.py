@@ -130,6 +130,17 @@ class GoldenTest(unittest.TestCase):
         marker = control_address(service)
         # The front-end (--control-listen) and the workers (--frontend) name the control address.
         self.assertEqual(sorted(service_processes(marker)), sorted(p["pid"] for p in procs))
+        # The internal plane's pool secret: one value for the front-end and
+        # its workers, each in a file only this user can read, never in argv.
+        secrets_read = set()
+        for p in procs:
+            path = p["argv"][p["argv"].index("--internal-secret-file") + 1]
+            self.assertEqual(os.stat(path).st_mode & 0o077, 0, path)
+            self.assertEqual(os.stat(os.path.dirname(path)).st_mode & 0o077, 0, path)
+            with open(path) as f:
+                secrets_read.add(f.read())
+        self.assertEqual(len(secrets_read), 1)
+        self.assertFalse(any(s in " ".join(p["argv"]) for s in secrets_read for p in procs))
 
         # ray.kill of a worker actor: its process dies with it, requests get
         # UNAVAILABLE until Ray restarts the actor and the pool re-forms.
