@@ -167,7 +167,7 @@ class BufferRecycler {
     mutable absl::Mutex mu;
     std::multimap<size_t, void*> idle ABSL_GUARDED_BY(mu);
     std::map<size_t, size_t> held ABSL_GUARDED_BY(mu);  // buffers out with holders, by size
-    size_t latest ABSL_GUARDED_BY(mu) = 0;               // the latest Take's size (TrimIdle's keep_bytes)
+    size_t latest ABSL_GUARDED_BY(mu) = 0;              // the latest Take's size (TrimIdle's keep_bytes)
     size_t allocated ABSL_GUARDED_BY(mu) = 0;
     size_t reused ABSL_GUARDED_BY(mu) = 0;
   };

@@ -129,7 +129,6 @@ TEST_F(BufferRecyclerTest, ReleasesFromOtherThreadsAreTakenBack) {
   EXPECT_EQ(r.reused(), 1u);
 }
 
-
 // Issue 50: a vocabulary or precision change gives the head's buffers a new
 // size; the old size's buffers are freed once no version holds one, not
 // kept idle for good.
@@ -142,7 +141,7 @@ TEST_F(BufferRecyclerTest, AnOldSizeIsFreedOnceNoVersionHoldsIt) {
   auto v3 = r.Take(800);  // the new vocabulary, while v2 still serves
   ASSERT_TRUE(v3.ok());
   EXPECT_EQ(r.idle_bytes(), 1000u);  // v2's size is still held
-  v2->reset();  // the last version of the old size goes: so does its idle buffer
+  v2->reset();                       // the last version of the old size goes: so does its idle buffer
   EXPECT_EQ(r.idle_bytes(), 0u);
   EXPECT_EQ(FakeAlloc::live.size(), 1u);  // v3 alone
   // The new size recycles as before.

@@ -916,8 +916,8 @@ TEST(CudaHiddenTolerance, TheSpreadTellsTf32FromBf16AndFromExactOperands) {
   const Rows hidden = MakeRows(v1::F32, kPrecM, kPrecH, 0, kPrecN, 0, Values::kNormal, 31);
   const std::vector<float> w = SliceValues(RandomSlice(kPrecN, kPrecH, 32));
   const auto spread = [&](float (*round)(float)) {
-    return OperandSpread(hidden.values, w, RoundedGemm(hidden.values, w, kPrecM, kPrecN, kPrecH, round), kPrecM,
-                         kPrecN, kPrecH);
+    return OperandSpread(hidden.values, w, RoundedGemm(hidden.values, w, kPrecM, kPrecN, kPrecH, round), kPrecM, kPrecN,
+                         kPrecH);
   };
   const double nearest = spread(RoundToTf32), truncated = spread(TruncateToTf32), bf16 = spread(RoundToBf16),
                exact = spread(Exact);

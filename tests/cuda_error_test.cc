@@ -222,7 +222,6 @@ TEST_F(CudaErrors, StickyErrorsAreUnavailableOthersInternal) {
   StickyErrorSeen().store(false);
 }
 
-
 // Issue 50: the head transform's launcher (the kernel after every GEMM of a
 // head with a bias, scale or softcap) with a stale error on the thread, as
 // a handled cudaHostUnregister or cudaMemGetInfo failure left it: the

@@ -114,8 +114,7 @@ class DeviceCopy {
  public:
   static constexpr int64_t kOffset = 256;
   static constexpr size_t kBlock = size_t{2} << 20;
-  explicit DeviceCopy(const std::string& bytes)
-      : size_((bytes.size() + 2 * kOffset + kBlock - 1) / kBlock * kBlock) {
+  explicit DeviceCopy(const std::string& bytes) : size_((bytes.size() + 2 * kOffset + kBlock - 1) / kBlock * kBlock) {
     EXPECT_EQ(cudaMalloc(&base_, size_), cudaSuccess);
     EXPECT_EQ(cudaMemset(base_, 0xff, size_), cudaSuccess);  // NaN bf16 around the tensor
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);         // before the upload's own stream writes

@@ -242,10 +242,10 @@ absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logit
   // An error an earlier call left on this thread is not this GEMM's: cleared
   // (a sticky one stays and fails the GEMM, as it must).
   CudaRuntimeErrors::GetLastError();
-  LOGPROB_RETURN_IF_ERROR(LtStatus(cublasLtMatmul(handle_, op_, &alpha, weight_.get(), a_layout_, hidden, p.b, &beta,
-                                                  logits, p.d, logits, p.d, &algo_, workspace_.get(),
-                                                  workspace_.size(), stream),
-                                   "matmul", stream));
+  LOGPROB_RETURN_IF_ERROR(
+      LtStatus(cublasLtMatmul(handle_, op_, &alpha, weight_.get(), a_layout_, hidden, p.b, &beta, logits, p.d, logits,
+                              p.d, &algo_, workspace_.get(), workspace_.size(), stream),
+               "matmul", stream));
   if (transform_.identity()) return absl::OkStatus();
   return CudaStatus(
       LaunchLmHeadTransform(logits, M, rows_, transform_.has_bias ? bias_.get<float>() : nullptr,

@@ -45,8 +45,8 @@ absl::Status LtStatusOf(cublasStatus_t s, const char* what, Context&& context) {
       cause = absl::StrCat("; CUDA: ", cudaGetErrorName(e));
     }
   }
-  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": ", cublasLtGetStatusName(s), " (",
-                                          cublasLtGetStatusString(s), ")", cause));
+  return absl::InternalError(
+      absl::StrCat("cuBLASLt ", what, ": ", cublasLtGetStatusName(s), " (", cublasLtGetStatusString(s), ")", cause));
 }
 
 }  // namespace logprob::cuda

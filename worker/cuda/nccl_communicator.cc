@@ -63,7 +63,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo:
   ncclResult_t r = ncclCommInitRankConfig(&c->comm_, size, id, rank, &config);
   if (r == ncclSuccess || r == ncclInProgress) r = c->WaitReady(deadline);
   if (r != ncclSuccess) {
-    const std::string where = absl::StrCat("ncclCommInitRankConfig (rank ", rank, " of ", size, ", device ", device, ")");
+    const std::string where =
+        absl::StrCat("ncclCommInitRankConfig (rank ", rank, " of ", size, ", device ", device, ")");
     if (c->comm_) ncclCommAbort(c->comm_);
     c->comm_ = nullptr;
     if (r == ncclInProgress)
