@@ -93,7 +93,10 @@ NcclCommunicator::~NcclCommunicator() {
   if (!broken_) {
     ncclResult_t r = ncclCommFinalize(comm_);
     if (r == ncclSuccess || r == ncclInProgress) r = WaitReady(std::chrono::steady_clock::now() + timeout_);
-    if (r == ncclSuccess && ncclCommDestroy(comm_) == ncclSuccess) return;
+    if (r == ncclSuccess) {
+      ncclCommDestroy(comm_);  // frees it whatever it answers: never aborted after
+      return;
+    }
   }
   ncclCommAbort(comm_);
 }
