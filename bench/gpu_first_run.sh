@@ -196,9 +196,14 @@ py_script() {
   py_env "$GPU_PYTHON" "$@"
 }
 
-# run CMD...: a plain command (nothing to check beforehand).
+# run CMD...: a plain command (checked: the program, or bash's script, exists).
 run() {
-  [ "${GPU_FIRST_RUN_CHECK:-0}" = 1 ] && return 0
+  if [ "${GPU_FIRST_RUN_CHECK:-0}" = 1 ]; then
+    local f=$1
+    [ "$f" = bash ] && f=$2
+    [ -e "$f" ] || command -v "$f" > /dev/null || { echo "gpu_first_run: no $f"; return 3; }
+    return 0
+  fi
   "$@"
 }
 

@@ -339,6 +339,10 @@ TEST(CudaHidden, AReleasedVersionsDeviceBufferTakesTheNextVersionOfItsSize) {
   auto other = (*gpu)->LoadLmHead(RandomSlice(N + 1, H, 4), LmHeadPrecision::kAuto);
   ASSERT_TRUE(other.ok()) << other.status();
   EXPECT_EQ(buffers.allocated(), 2u);
+  // Issue 50: the vocabulary changed; once no version holds the old size,
+  // its buffer is freed, not kept idle for good.
+  v2w->reset();
+  EXPECT_EQ(buffers.idle_bytes(), 0u);
 }
 
 // Issue 34: weights in another dtype than the GEMM's are converted on the
@@ -445,6 +449,7 @@ TEST(CudaHidden, AConvertingLoadScoresTheHostConvertedWeightsAndAllocatesOnce) {
     EXPECT_EQ(staging.reused(), 1u);
     auto hw = (*gpu)->LoadLmHead(std::move(host), c.precision);
     ASSERT_TRUE(hw.ok()) << hw.status();
+    EXPECT_EQ(staging.idle_bytes(), 0u);  // a load that converts nothing frees it (issue 50)
     std::vector<float> a(M * N), b(M * N);
     ASSERT_TRUE((*gpu)->HiddenLogits(**v2w, v1::F32, hidden.bytes.data(), M, a.data()).ok());
     ASSERT_TRUE((*gpu)->HiddenLogits(**hw, v1::F32, hidden.bytes.data(), M, b.data()).ok());
