@@ -74,6 +74,7 @@ case "$part" in
   *) echo "gpu_first_run: --part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.." || exit 2
+export GPU_FIRST_RUN_ROOT=$PWD
 
 if [ "$dry" = 0 ] && [ -z "${LOGPROB_GPU_BUNDLED:-}" ]; then
   [ -f .gpu/run.sh ] && [ -f .gpu/bundle.tar.xz ] || {
@@ -163,11 +164,13 @@ gt_expect_fail() {
   echo "-- failed as expected (rc $rc), saying '$msg'"
 }
 
-# py_env CMD...: CMD in the Python steps' environment (the header).
+# py_env CMD...: CMD in the Python steps' environment (the header), from
+# any folder (paths from the project root, GPU_FIRST_RUN_ROOT).
 py_env() {
-  env LD_LIBRARY_PATH="$GPU_BUNDLE_LIB_DIR" PYTHONPATH="$PWD/client/python${LOGPROB_PY_STUBS_DIR:+:$LOGPROB_PY_STUBS_DIR}" \
-    LOGPROB_BIN_DIR="$GPU_FIRST_RUN_BIN" LOGPROB_GOLDEN_DIR="$PWD/tests/data/golden" \
-    LOGPROB_CHUNK_CODEC_GOLDEN_DIR="$PWD/tests/data/chunk_codec" PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 "$@"
+  local root=$GPU_FIRST_RUN_ROOT
+  env LD_LIBRARY_PATH="$GPU_BUNDLE_LIB_DIR" PYTHONPATH="$root/client/python${LOGPROB_PY_STUBS_DIR:+:$LOGPROB_PY_STUBS_DIR}" \
+    LOGPROB_BIN_DIR="$GPU_FIRST_RUN_BIN" LOGPROB_GOLDEN_DIR="$root/tests/data/golden" \
+    LOGPROB_CHUNK_CODEC_GOLDEN_DIR="$root/tests/data/chunk_codec" PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 "$@"
 }
 
 # py_test MODULE.CLASS...: unittest classes of client/python/tests.
