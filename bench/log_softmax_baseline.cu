@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "bench/log_softmax_baseline.h"
+#include "worker/cuda/cuda_error.h"
 
 namespace logprob::cuda {
 namespace {
@@ -44,8 +45,9 @@ __global__ void LogSoftmaxGather(float* logits, int64_t V, const int64_t* target
 cudaError_t LaunchLogSoftmaxGather(float* logits, int64_t T, int64_t V, const int64_t* targets, float* logprobs,
                                    cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
+  const logprob::cuda::LaunchCheck<> check;  // this launch's error, not a stale one
   LogSoftmaxGather<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(logits, V, targets, logprobs);
-  return cudaGetLastError();
+  return check.Result();
 }
 
 }  // namespace logprob::cuda

@@ -2,6 +2,7 @@
 # Static checks of the project's C++ (run by scripts/test.sh):
 #   clang-format: every tracked source formatted (scripts/format.sh --check);
 #   no absl::Mutex Await / LockWhen (the TSan build cannot see them);
+#   no kernel launcher returning a bare cudaGetLastError() (LaunchCheck);
 #   clang-tidy:   the checks of .clang-tidy over the front-end, worker, common
 #                 and client sources (not CUDA, not tests), with the main
 #                 build's compile commands (build/compile_commands.json);
@@ -17,6 +18,13 @@ bash scripts/format.sh --check || { echo "lint: files above differ from clang-fo
 if git grep -n -E '\.(Await|AwaitWithTimeout|AwaitWithDeadline|LockWhen|LockWhenWithTimeout|ReaderLockWhen)\(' -- \
     'server/*.cc' 'server/*.h' 'common/*.cc' 'common/*.h' 'worker/*.cc' 'worker/*.h' 'client/*.cc' 'client/*.h' >&2; then
   echo "lint: absl::Mutex conditions above: wait on an absl::CondVar instead (the TSan build cannot see them)" >&2
+  exit 1
+fi
+# A launcher that returns cudaGetLastError() reports an error some earlier
+# call left on the thread as its own (issue 35 item 1, again in issue 50):
+# launchers use LaunchCheck (worker/cuda/cuda_error.h).
+if git grep -n -E '^[[:space:]]*return[[:space:]]+cudaGetLastError\(\);' -- '*.cu' '*.cuh' >&2; then
+  echo "lint: a launcher above returns a bare cudaGetLastError(): use LaunchCheck (worker/cuda/cuda_error.h)" >&2
   exit 1
 fi
 command -v clang-tidy >/dev/null || { echo "clang-tidy not found (Debian: clang-tidy)" >&2; exit 2; }

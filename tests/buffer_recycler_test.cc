@@ -94,7 +94,7 @@ TEST_F(BufferRecyclerTest, BuffersOutlivingTheRecyclerAreFreedByTheirHolders) {
   BufferRecycler<FakeAlloc>::Buffer kept;
   {
     BufferRecycler<FakeAlloc> r;
-    auto idle = r.Take(32), held = r.Take(32 * 2);
+    auto held = r.Take(32 * 2), idle = r.Take(32);  // 32: the latest size, kept idle
     ASSERT_TRUE(idle.ok() && held.ok());
     idle->reset();
     kept = *std::move(held);
@@ -127,6 +127,68 @@ TEST_F(BufferRecyclerTest, ReleasesFromOtherThreadsAreTakenBack) {
   auto again = r.Take(128);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(r.reused(), 1u);
+}
+
+// Issue 50: a vocabulary or precision change gives the head's buffers a new
+// size; the old size's buffers are freed once no version holds one, not
+// kept idle for good.
+TEST_F(BufferRecyclerTest, AnOldSizeIsFreedOnceNoVersionHoldsIt) {
+  BufferRecycler<FakeAlloc> r(/*max_idle=*/1);
+  auto v1 = r.Take(1000), v2 = r.Take(1000);
+  ASSERT_TRUE(v1.ok() && v2.ok());
+  v1->reset();  // v2 holds the size: kept for v3
+  EXPECT_EQ(r.idle_bytes(), 1000u);
+  auto v3 = r.Take(800);  // the new vocabulary, while v2 still serves
+  ASSERT_TRUE(v3.ok());
+  EXPECT_EQ(r.idle_bytes(), 1000u);  // v2's size is still held
+  v2->reset();                       // the last version of the old size goes: so does its idle buffer
+  EXPECT_EQ(r.idle_bytes(), 0u);
+  EXPECT_EQ(FakeAlloc::live.size(), 1u);  // v3 alone
+  // The new size recycles as before.
+  auto v4 = r.Take(800);
+  ASSERT_TRUE(v4.ok());
+  v3->reset();
+  EXPECT_EQ(r.idle_bytes(), 800u);
+  auto v5 = r.Take(800);
+  ASSERT_TRUE(v5.ok());
+  EXPECT_EQ(r.reused(), 1u);  // v3's buffer (v1's was freed with its size)
+}
+
+// A staging buffer is held only during a load: kept between loads as the
+// latest size, freed by a Take of another size or TrimIdle.
+TEST_F(BufferRecyclerTest, TheLatestSizeIsKeptUntilAnotherSizeOrTrimIdle) {
+  BufferRecycler<FakeAlloc> r(/*max_idle=*/1);
+  (void)r.Take(64);  // taken and returned at once
+  EXPECT_EQ(r.idle_bytes(), 64u);
+  (void)r.Take(64);
+  EXPECT_EQ(r.reused(), 1u);
+  EXPECT_EQ(r.idle_bytes(), 64u);
+  (void)r.Take(48);  // another size: the idle 64 goes first
+  EXPECT_EQ(r.idle_bytes(), 48u);
+  EXPECT_EQ(FakeAlloc::live.size(), 1u);
+  r.TrimIdle(0);  // a load that needs no staging
+  EXPECT_EQ(r.idle_bytes(), 0u);
+  EXPECT_TRUE(FakeAlloc::live.empty());
+}
+
+// Heads of two sizes updated in turn: each size is held, so each keeps its
+// idle buffer.
+TEST_F(BufferRecyclerTest, SizesStillHeldKeepTheirIdleBuffers) {
+  BufferRecycler<FakeAlloc> r(/*max_idle=*/1);
+  auto a1 = r.Take(100), b1 = r.Take(200);
+  ASSERT_TRUE(a1.ok() && b1.ok());
+  for (int round = 0; round < 3; ++round) {
+    auto a2 = r.Take(100);
+    ASSERT_TRUE(a2.ok());
+    std::swap(*a1, *a2);
+    a2->reset();
+    auto b2 = r.Take(200);
+    ASSERT_TRUE(b2.ok());
+    std::swap(*b1, *b2);
+    b2->reset();
+  }
+  EXPECT_EQ(r.idle_bytes(), 300u);
+  EXPECT_EQ(r.allocated(), 4u);  // one spare of each size, reused every round after the first
 }
 
 }  // namespace

@@ -6,9 +6,13 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
+#include <vector>
 
 #include "worker/cuda/device_buffers.h"
+#include "worker/cuda/lt_status.h"
+#include "worker/cuda/nccl_poll.h"
 
 namespace logprob::cuda {
 namespace {
@@ -59,7 +63,8 @@ cudaError_t Launcher(cudaError_t launch_error) {
   return check.Result();
 }
 
-// The launcher before the fix: `return cudaGetLastError()` after the launch.
+// The launcher before the fix: `return cudaGetLastError()` after the launch
+// (what worker/cuda/lm_head_transform.cu still did before issue 50).
 cudaError_t OldLauncher(cudaError_t launch_error) {
   FakeRuntime::Launch(launch_error);
   return FakeRuntime::GetLastError();
@@ -215,6 +220,110 @@ TEST_F(CudaErrors, StickyErrorsAreUnavailableOthersInternal) {
   EXPECT_EQ(std::string(s.message()).rfind("CUDA device fault in device work: cudaErrorIllegalAddress", 0), 0u) << s;
   EXPECT_TRUE(StickyErrorSeen().load());
   StickyErrorSeen().store(false);
+}
+
+// Issue 50: the head transform's launcher (the kernel after every GEMM of a
+// head with a bias, scale or softcap) with a stale error on the thread, as
+// a handled cudaHostUnregister or cudaMemGetInfo failure left it: the
+// launcher of old reported it as the transformed GEMM's failure.
+TEST_F(CudaErrors, AStaleErrorBeforeATransformedGemmIsNotItsFailure) {
+  for (const cudaError_t stale : {cudaErrorHostMemoryNotRegistered, cudaErrorInvalidValue, cudaErrorNotReady}) {
+    SCOPED_TRACE(cudaGetErrorName(stale));
+    FakeRuntime::Reset();
+    FakeRuntime::Call(stale);
+    EXPECT_EQ(OldLauncher(cudaSuccess), stale);  // the bug, so the check below means something
+    FakeRuntime::Call(stale);
+    EXPECT_EQ(Launcher(cudaSuccess), cudaSuccess);
+    // The handled call, cleared where it happens (UnregisterHostMemory,
+    // device_memory_bytes now do): even the old launcher is clean.
+    EXPECT_EQ(ClearedError<FakeRuntime>(FakeRuntime::Call(stale)), stale);
+    EXPECT_EQ(OldLauncher(cudaSuccess), cudaSuccess);
+  }
+}
+
+// Issue 50: cuBLASLt's CUBLAS_STATUS_EXECUTION_FAILED after a device fault
+// is the sticky CUDA error's UNAVAILABLE (the pool re-forms), not INTERNAL.
+TEST_F(CudaErrors, AnExecutionFailureOverAStickyFaultIsUnavailable) {
+  StickyErrorSeen().store(false);
+  FakeRuntime::MakeSticky(cudaErrorIllegalAddress);
+  int asked = 0;
+  auto context = [&asked] {
+    ++asked;
+    return FakeRuntime::Call(cudaErrorIllegalAddress);  // every call of a broken context reports it
+  };
+  const absl::Status s = LtStatusOf<FakeRuntime>(CUBLAS_STATUS_EXECUTION_FAILED, "matmul", context);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_EQ(std::string(s.message()).rfind("CUDA device fault in matmul: cudaErrorIllegalAddress", 0), 0u) << s;
+  EXPECT_EQ(asked, 1);
+  EXPECT_TRUE(StickyErrorSeen().load());
+  StickyErrorSeen().store(false);
+}
+
+TEST_F(CudaErrors, AnExecutionFailureOfAWorkingContextIsInternalAndLeavesNothing) {
+  StickyErrorSeen().store(false);
+  // The GEMM's kernel failed to launch (a non-sticky launch error left on
+  // the thread); the stream is still busy with earlier work.
+  FakeRuntime::Call(cudaErrorLaunchOutOfResources);
+  absl::Status s = LtStatusOf<FakeRuntime>(CUBLAS_STATUS_EXECUTION_FAILED, "matmul",
+                                           [] { return FakeRuntime::Call(cudaErrorNotReady); });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_EQ(std::string(s.message()),
+            "cuBLASLt matmul: CUBLAS_STATUS_EXECUTION_FAILED (the function failed to launch on the GPU); CUDA: "
+            "cudaErrorLaunchOutOfResources")
+      << s;
+  EXPECT_EQ(FakeRuntime::last, cudaSuccess);  // neither the launch error nor the query's not-ready is left
+  EXPECT_FALSE(StickyErrorSeen().load());
+  // Any other status is INTERNAL and asks nothing.
+  int asked = 0;
+  s = LtStatusOf<FakeRuntime>(CUBLAS_STATUS_NOT_SUPPORTED, "heuristic", [&asked] {
+    ++asked;
+    return cudaSuccess;
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(std::string(s.message()).rfind("cuBLASLt heuristic: CUBLAS_STATUS_NOT_SUPPORTED", 0), 0u) << s;
+  EXPECT_EQ(asked, 0);
+  EXPECT_TRUE(LtStatusOf<FakeRuntime>(CUBLAS_STATUS_SUCCESS, "matmul", [] { return cudaSuccess; }).ok());
+}
+
+// A clock the test moves: PollNccl's deadline without waiting for it.
+struct FakeClock {
+  using duration = std::chrono::steady_clock::duration;
+  using time_point = std::chrono::steady_clock::time_point;
+  static time_point t;
+  static time_point now() { return t; }
+};
+FakeClock::time_point FakeClock::t{};
+
+// Issue 50: ncclCommInitRankConfig without blocking, polled with a deadline.
+TEST(NcclPoll, ReadyInProgressThenDoneAndAnErrorEndThePoll) {
+  std::vector<ncclResult_t> answers = {ncclInProgress, ncclInProgress, ncclSuccess};
+  size_t polls = 0;
+  FakeClock::t = {};
+  const auto deadline = FakeClock::t + std::chrono::seconds(5);
+  auto next = [&] { return answers[polls++]; };
+  EXPECT_EQ(PollNccl<FakeClock>(next, deadline, std::chrono::microseconds(0)), ncclSuccess);
+  EXPECT_EQ(polls, 3u);
+  answers = {ncclInProgress, ncclRemoteError};
+  polls = 0;
+  EXPECT_EQ(PollNccl<FakeClock>(next, deadline, std::chrono::microseconds(0)), ncclRemoteError);
+  EXPECT_EQ(polls, 2u);
+}
+
+TEST(NcclPoll, APeerThatNeverJoinsEndsAtTheDeadline) {
+  FakeClock::t = {};
+  const auto deadline = FakeClock::t + std::chrono::seconds(60);
+  size_t polls = 0;
+  auto never = [&] {
+    ++polls;
+    FakeClock::t += std::chrono::seconds(1);  // each poll, a second later
+    return ncclInProgress;
+  };
+  EXPECT_EQ(PollNccl<FakeClock>(never, deadline, std::chrono::microseconds(0)), ncclInProgress);
+  EXPECT_EQ(polls, 60u);
+  // Past the deadline already: asked once all the same.
+  polls = 0;
+  EXPECT_EQ(PollNccl<FakeClock>(never, deadline, std::chrono::microseconds(0)), ncclInProgress);
+  EXPECT_EQ(polls, 1u);
 }
 
 }  // namespace

@@ -209,6 +209,65 @@ TEST(RowStats, NegativeInfinityLogitsGiveNoNaN) {
   }
 }
 
+// Issue 50: NaN logits in top-k. NaN (either sign) ranks above every
+// number, NaNs among themselves by lower id (torch.topk's order; the GPU's
+// Key): every slot is written, the ids are the same on every slicing, and
+// the numbers follow in their usual order.
+TEST(RowStats, NanLogitsRankFirstByIdInEveryTopkSlot) {
+  StatsSpec spec;
+  spec.topk = 6;
+  const int64_t V = 3000;
+  auto z = RandomRow(V, 17);
+  z[2500] = std::numeric_limits<float>::quiet_NaN();
+  z[40] = -std::numeric_limits<float>::quiet_NaN();
+  z[1700] = std::numeric_limits<float>::quiet_NaN();
+  // The numbers' order without the NaNs.
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < V; ++i)
+    if (!std::isnan(z[i])) ids.push_back(i);
+  std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) { return z[a] > z[b]; });
+  const std::vector<int64_t> want = {40, 1700, 2500, ids[0], ids[1], ids[2]};
+  for (int slices : {1, 2, 3, 7}) {
+    SCOPED_TRACE("slices=" + std::to_string(slices));
+    const Outputs o = Score(z, 10, {}, spec, slices);
+    EXPECT_EQ(o.topk_id, want);
+    for (int j = 0; j < 3; ++j) EXPECT_TRUE(std::isnan(o.topk_lp[j])) << j;
+  }
+  // Each slice's record: best first, NaN ones first, nothing left unwritten.
+  const size_t words = PartialWords(spec);
+  std::vector<uint32_t> rec(words, 0xdeadbeefu);  // what a previous row left
+  std::vector<float> scratch(kPartialScratchFloats);
+  SliceRow row;
+  row.logits = z.data();
+  row.target = 10;
+  ComputePartial(v1::F32, row, 0, V, spec, rec.data(), scratch.data());
+  for (int j = 0; j < spec.topk; ++j)
+    EXPECT_EQ(static_cast<int64_t>(rec[record::TopkIdWord(0, spec.topk, j)]), want[j]) << j;
+}
+
+// Every value NaN: the top-k are the lowest ids, none left unwritten.
+TEST(RowStats, AllNanRowKeepsTheLowestIds) {
+  StatsSpec spec;
+  spec.topk = 4;
+  const std::vector<float> z(50, std::numeric_limits<float>::quiet_NaN());
+  for (int slices : {1, 3}) {
+    const Outputs o = Score(z, 0, {}, spec, slices);
+    EXPECT_EQ(o.topk_id, (std::vector<int64_t>{0, 1, 2, 3})) << slices;
+  }
+}
+
+// NextAbove, the top-k scan's skip, stops at a NaN whatever the floor.
+TEST(Simd, NextAboveStopsAtNan) {
+  std::vector<float> x(37, 1.0f);
+  x[29] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(NextAbove(x.data(), 0, x.size(), 2.0f), 29u);
+  x[29] = -std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(NextAbove(x.data(), 0, x.size(), 2.0f), 29u);
+  x[3] = 5.0f;
+  EXPECT_EQ(NextAbove(x.data(), 0, x.size(), 2.0f), 3u);
+  EXPECT_EQ(NextAbove(x.data(), 30, x.size(), 2.0f), x.size());
+}
+
 TEST(RowStats, TopKEqualsVocab) {
   StatsSpec spec;
   spec.topk = 64;

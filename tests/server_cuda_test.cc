@@ -81,12 +81,40 @@ TEST(CudaGoldenNccl, EveryGoldenCaseMatchesWithNcclOnOneRank) {
   ExpectGoldenOn(1, {"--backend", "cuda", "--comm", "nccl", "--parallelism", "vocab"}, /*lm_head=*/true);
 }
 
+// Issue 50: the head transform on the GPU against transformers, not only
+// against the CPU path: the golden cases of a Gemma-2 head (softcap 30)
+// and a Cohere head (logit scale 0.0625), each with a bias
+// (tests/data/golden/make_head_transforms.py), on 1 and 2 CUDA workers.
+TEST(CudaHeadTransformGolden, TransformersForwardPassesOnTheGpu) {
+  if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const std::string& name : TransformGoldenNames()) {
+    const GoldenCase c = LoadGolden(name);
+    for (int workers : {1, 2}) {
+      SCOPED_TRACE(name + ", " + std::to_string(workers) + " workers");
+      auto server = ServerProcess::Start(
+          workers, {"--backend", "cuda", "--comm", "gloo", "--parallelism", "vocab", "--lm-head", GoldenLmHead(c)});
+      ASSERT_TRUE(server);
+      auto stub = server->NewStub();
+      v1::ScoreResponse resp;
+      const grpc::Status st = ScoreGolden(*stub, c, &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      EXPECT_EQ(CompareOutputs(c.expected.tensors, {resp.outputs().begin(), resp.outputs().end()}), "");
+    }
+  }
+}
+
 /// A device allocation of this process holding `bytes` at offset
 /// kOffset, exported with cudaIpcGetMemHandle; freed by the destructor.
+/// Its size is a whole number of 2 MiB blocks: cudaMalloc may sub-allocate
+/// a smaller one from a 2 MiB block, and the importer's mapping
+/// (cuMemGetAddressRange) then covers the whole block, so a range past the
+/// allocation but inside the block would pass the mapping's check (issue
+/// 50); a block of its own is mapped exactly.
 class DeviceCopy {
  public:
   static constexpr int64_t kOffset = 256;
-  explicit DeviceCopy(const std::string& bytes) : size_(bytes.size() + 2 * kOffset) {
+  static constexpr size_t kBlock = size_t{2} << 20;
+  explicit DeviceCopy(const std::string& bytes) : size_((bytes.size() + 2 * kOffset + kBlock - 1) / kBlock * kBlock) {
     EXPECT_EQ(cudaMalloc(&base_, size_), cudaSuccess);
     EXPECT_EQ(cudaMemset(base_, 0xff, size_), cudaSuccess);  // NaN bf16 around the tensor
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);         // before the upload's own stream writes
@@ -106,13 +134,17 @@ class DeviceCopy {
   std::string handle_;
 };
 
-/// `req` with its hidden states replaced by a reference into `copy` at `offset`.
-v1::ScoreRequest ByIpc(v1::ScoreRequest req, const DeviceCopy& copy, int64_t offset = DeviceCopy::kOffset) {
+/// `req` with its hidden states replaced by a reference into `copy` at
+/// `offset`, saying the allocation has `allocation_bytes` (the Python
+/// client sends its size; -1: copy.size(); 0: not sent).
+v1::ScoreRequest ByIpc(v1::ScoreRequest req, const DeviceCopy& copy, int64_t offset = DeviceCopy::kOffset,
+                       int64_t allocation_bytes = -1) {
   for (v1::Tensor& t : *req.mutable_inputs())
     if (t.name() == "hidden_states") {
       t.mutable_cuda_ipc()->set_handle(copy.handle());
       t.mutable_cuda_ipc()->set_offset(offset);
       t.mutable_cuda_ipc()->set_byte_size(static_cast<int64_t>(t.data().size()));
+      t.mutable_cuda_ipc()->set_allocation_bytes(allocation_bytes < 0 ? copy.size() : allocation_bytes);
       t.clear_data();
     }
   return req;
@@ -170,11 +202,25 @@ void ExpectIpcBitwise(int workers, const std::string& comm) {
   st = score(ByIpc(all, copy), &got);
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(OutputBytes(got), OutputBytes(want));
-  // A range past the allocation's end: INVALID_ARGUMENT from the workers,
-  // and the server goes on.
-  st = score(ByIpc(all, copy, copy.size() - DeviceCopy::kOffset + 2), &got);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
-  EXPECT_NE(st.error_message().find("outside the client's allocation"), std::string::npos) << st.error_message();
+  // A range past the allocation's end, each check with its own message,
+  // and the server goes on after each:
+  const int64_t past = copy.size() - DeviceCopy::kOffset + 2;
+  auto refused = [&](const v1::ScoreRequest& req, const std::string& says) {
+    v1::ScoreResponse r;
+    const grpc::Status s = score(req, &r);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find(says), std::string::npos) << s.error_message();
+  };
+  // with the allocation's size sent: the front-end's check;
+  refused(ByIpc(all, copy, past), "(allocation_bytes)");
+  // without it: the workers' check against their mapping, exact for an
+  // allocation of whole 2 MiB blocks;
+  refused(ByIpc(all, copy, past, 0), "outside the client's allocation of " + std::to_string(copy.size()) +
+                                         " bytes (as mapped here; the client sent no size)");
+  // a size larger than the mapping: the client's figure is not trusted.
+  refused(ByIpc(all, copy, DeviceCopy::kOffset, copy.size() + static_cast<int64_t>(DeviceCopy::kBlock)),
+          "the client says its allocation has " + std::to_string(copy.size() + DeviceCopy::kBlock) +
+              " bytes, but the mapping of its handle has " + std::to_string(copy.size()));
   st = score(ByIpc(all, copy), &got);
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(OutputBytes(got), OutputBytes(want));

@@ -9,7 +9,8 @@
 // rows alone and in a bigger batch; top-k, gathered ids and sampling
 // filters equal the logits path on the transformed logits; GetServerInfo;
 // a bare file with flags;
-// refusals at start (unknown transform, flag contradicting config.json).
+// refusals at start (unknown transform, flag contradicting config.json);
+// the transformers golden of two transformed heads (HeadTransformGolden).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -416,6 +417,29 @@ TEST(HiddenHeadTransformUpdates, AnUpdateKeepsTheHeadsTransformOrBringsItsOwn) {
 CommandResult StartFails(const std::string& args) {
   return RunCommand("timeout 120 " + BinDir() + "/logprob-server --listen 127.0.0.1:" + std::to_string(FreePort()) +
                     " --workers 1 " + args + " 2>&1");
+}
+
+// Issue 50: the transformers golden of heads with a transform and a bias
+// (tests/data/golden/make_head_transforms.py: Gemma-2's final-logit
+// softcap, Cohere's logit scale; expected values from transformers' own
+// forward passes in float64), on 1 and 2 CPU workers (vocabulary slices:
+// the bias is sliced with the head). server_cuda_test runs the same cases
+// on the GPU (CudaHeadTransformGolden).
+TEST(HeadTransformGolden, TransformersForwardPassesOnCpuWorkers) {
+  for (const std::string& name : TransformGoldenNames()) {
+    const GoldenCase c = LoadGolden(name);
+    ASSERT_FALSE(GoldenLmHead(c).empty()) << name;
+    for (int workers : {1, 2}) {
+      SCOPED_TRACE(name + ", " + std::to_string(workers) + " workers");
+      auto server = ServerProcess::Start(workers, {"--parallelism", "vocab", "--lm-head", GoldenLmHead(c)});
+      ASSERT_TRUE(server);
+      auto stub = server->NewStub();
+      v1::ScoreResponse resp;
+      const grpc::Status st = ScoreGolden(*stub, c, &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      EXPECT_EQ(CompareOutputs(c.expected.tensors, {resp.outputs().begin(), resp.outputs().end()}), "");
+    }
+  }
 }
 
 TEST(HiddenHeadTransformErrors, UnknownTransformAndContradictingFlagsAreRefusedAtStart) {

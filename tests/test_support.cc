@@ -321,6 +321,13 @@ std::vector<std::string> LogitsGoldenNames() {
   return {"basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16", "top1_ties_bf16"};
 }
 
+std::vector<std::string> TransformGoldenNames() { return {"hidden_softcap_bias_bf16", "hidden_scale_bias_bf16"}; }
+
+std::string GoldenLmHead(const GoldenCase& c) {
+  auto it = c.inputs.metadata.find("lm_head");
+  return it == c.inputs.metadata.end() ? "" : GoldenDir() + "/" + it->second;
+}
+
 std::string CliOptionFlags(const GoldenCase& c) {
   std::string f;
   const auto& o = c.options;

@@ -158,6 +158,15 @@ struct GoldenCase {
 GoldenCase LoadGolden(const std::string& name);
 /// The logits golden cases (not hidden-states).
 std::vector<std::string> LogitsGoldenNames();
+/// The hidden-states golden cases of heads with a logit transform and a
+/// bias (tests/data/golden/make_head_transforms.py: transformers' Gemma-2
+/// softcap, Cohere's logit scale), expected values from transformers'
+/// forward passes in float64.
+std::vector<std::string> TransformGoldenNames();
+/// The `--lm-head` path of a hidden-states golden case (its inputs'
+/// metadata "lm_head", under GoldenDir(): a file, or a checkpoint directory
+/// with config.json); "" when it names none.
+std::string GoldenLmHead(const GoldenCase& c);
 /// The ScoreRequest of a golden case (all its input tensors).
 v1::ScoreRequest GoldenRequest(const GoldenCase& c);
 

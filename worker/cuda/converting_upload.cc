@@ -2,6 +2,9 @@
 
 #include <cuda_runtime.h>
 
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/cuda/device_buffers.h"
@@ -22,6 +25,11 @@ absl::Status UploadConverted(const void* src, ElemType src_type, int64_t n, void
   const size_t dst_size = ElemSize(dst_type);
   Stream s;
   LOGPROB_RETURN_IF_ERROR(s.Create());
+  // On an error exit the chunks already queued still read `staging` and
+  // write `dst`: waited for, so the caller may hand both back to their
+  // recyclers (issue 50); their own errors are cleared (a sticky one
+  // recorded), the first error is the one returned.
+  absl::Cleanup settle = [&s] { CudaStatus(cudaStreamSynchronize(s.get()), "weight upload").IgnoreError(); };
   // One stream orders each chunk's copy after the previous chunk's
   // conversion, so the one staging buffer is never overwritten early.
   for (int64_t i = 0; i < n; i += chunk) {
@@ -33,6 +41,7 @@ absl::Status UploadConverted(const void* src, ElemType src_type, int64_t n, void
         LaunchConvert(staging, src_type, m, static_cast<char*>(dst) + i * dst_size, dst_type, s.get()),
         "weight conversion");
   }
+  std::move(settle).Cancel();
   return CudaStatus(cudaStreamSynchronize(s.get()), "weight upload");
 }
 

@@ -22,7 +22,9 @@ namespace logprob::cuda {
 /// one element of `src_type`; `staging_bytes` of it are used, rounded down
 /// to whole elements) in chunks, copied and converted in stream order on a
 /// stream of this call's own; returns once dst holds every element. The
-/// same types are a plain copy (no staging used).
+/// same types are a plain copy (no staging used). On every exit, errors
+/// included, nothing this call queued still runs: dst and staging may be
+/// reused or freed once it returns.
 /// INVALID_ARGUMENT for n < 0, a kF16 destination or staging smaller than
 /// one element; INTERNAL (UNAVAILABLE for a sticky device fault) for CUDA
 /// errors. Thread-safe (the caller owns dst and staging).

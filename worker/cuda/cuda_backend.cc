@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -196,18 +197,25 @@ absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CudaBackend::LoadLmHead(LmH
       std::make_shared<CudaLmHead>(std::move(gemm), device_, slice.transform, std::move(slice.bias)));
 }
 
-void CudaBackend::WaitForStreams() const {
-  for (const Stream* s : {&copy_, &compute_, &stats_})
-    if (cudaStreamSynchronize(s->get()) != cudaSuccess) cudaGetLastError();
+absl::Status CudaBackend::WaitForStreams() const {
+  absl::Status first;
+  for (const Stream* s : {&copy_, &compute_, &stats_}) {
+    // CudaStatus clears a handled error and records a sticky one
+    // (StickyErrorSeen: the worker answers UNAVAILABLE, the pool re-forms)
+    // even where the caller drops the status (an error exit's cleanup).
+    const absl::Status st = CudaStatus(cudaStreamSynchronize(s->get()), "device work");
+    if (first.ok()) first = st;
+  }
+  return first;
 }
 
 void CudaBackend::RecordTails(Workspace& w) const {
   const Stream* streams[3] = {&copy_, &compute_, &stats_};
   for (int i = 0; i < 3; ++i)
-    if (cudaEventRecord(w.tail[i].get(), streams[i]->get()) != cudaSuccess) {
-      // The event keeps its older record; wait for the stream instead.
-      cudaGetLastError();
-      if (cudaStreamSynchronize(streams[i]->get()) != cudaSuccess) cudaGetLastError();
+    if (ClearedError(cudaEventRecord(w.tail[i].get(), streams[i]->get())) != cudaSuccess) {
+      // The event keeps its older record; wait for the stream instead
+      // (a sticky error is recorded; WaitTails then reports it).
+      CudaStatus(cudaStreamSynchronize(streams[i]->get()), "device work").IgnoreError();
     }
 }
 
@@ -273,7 +281,7 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
   absl::MutexLock lock(&mu_);
   // Whatever the exit, nothing queued here still runs (declared after the
   // lock, so it runs before the unlock).
-  absl::Cleanup drain = [this] { WaitForStreams(); };
+  absl::Cleanup drain = [this] { WaitForStreams().IgnoreError(); };
   Workspace& w = ws_;
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   const size_t row_bytes = static_cast<size_t>(block.len) * DTypeSize(block.dtype);
@@ -327,7 +335,10 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRowPartials(args, compute_.get()), "row partials kernel");
     LOGPROB_CUDA_RETURN_IF_ERROR(cudaEventRecord(w.computed[b].get(), compute_.get()), "event");
   }
-  return FetchRecords(w, rows.count, spec, records);
+  LOGPROB_RETURN_IF_ERROR(FetchRecords(w, rows.count, spec, records));
+  // Every stream's work ran without an error (the copy stream's too).
+  std::move(drain).Cancel();
+  return WaitForStreams();
 }
 
 absl::Status CudaBackend::SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
@@ -475,7 +486,7 @@ absl::Status CudaBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidde
   CublasLtLmHead& gemm = static_cast<const CudaLmHead&>(lm_head).gemm();
   absl::MutexLock lock(&mu_);
   // Also: no download into `logits` still runs once this returns.
-  absl::Cleanup drain = [this] { WaitForStreams(); };
+  absl::Cleanup drain = [this] { WaitForStreams().IgnoreError(); };
   Workspace& w = ws_;
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
   const int64_t N = gemm.rows(), G = GemmChunkRows(gemm, AlignRows(M));
@@ -494,7 +505,8 @@ absl::Status CudaBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidde
                           "logits download");
       }));
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_.get()), "lm_head GEMM");
-  return absl::OkStatus();
+  std::move(drain).Cancel();
+  return WaitForStreams();
 }
 
 absl::Status CudaBackend::ReserveItem(Workspace& w, const CublasLtLmHead& gemm, const HiddenItemRows& item, int me,
@@ -687,8 +699,14 @@ void CudaBackend::UnregisterHostMemory(const void* data) {
   absl::MutexLock lock(&reg_mu_);
   auto it = registered_.find(static_cast<const char*>(data));
   if (it == registered_.end()) return;
-  cudaSetDevice(device_);
-  cudaHostUnregister(const_cast<char*>(it->first));
+  // Nothing left behind as the thread's last error (the next launch on this
+  // thread would report it as its own); a sticky error is recorded.
+  const cudaError_t selected = ClearedError(cudaSetDevice(device_));
+  const cudaError_t e =
+      selected != cudaSuccess ? selected : ClearedError(cudaHostUnregister(const_cast<char*>(it->first)));
+  if (e != cudaSuccess)
+    std::fprintf(stderr, "logprob-worker: cudaHostUnregister of a payload region failed: %s\n",
+                 std::string(CudaStatus(e, "cudaHostUnregister").message()).c_str());
   registered_.erase(it);
 }
 
@@ -728,7 +746,11 @@ absl::StatusOr<std::unique_ptr<DeviceCopy>> CudaBackend::NewDeviceCopy() {
 
 int64_t CudaBackend::device_memory_bytes() const {
   size_t free_bytes = 0, total_bytes = 0;
-  if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return 0;
+  // A failure is cleared (this runs between requests, on threads that
+  // launch kernels) and a sticky one recorded; 0 is then the answer.
+  if (!CudaStatus(ClearedError(cudaSetDevice(device_)), "cudaSetDevice").ok() ||
+      !CudaStatus(ClearedError(cudaMemGetInfo(&free_bytes, &total_bytes)), "cudaMemGetInfo").ok())
+    return 0;
   return static_cast<int64_t>(total_bytes - free_bytes);
 }
 

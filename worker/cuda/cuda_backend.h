@@ -98,6 +98,8 @@ class CudaBackend final : public ScoringBackend {
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device) { return Create(device, Options()); }
 
   std::string name() const override { return "cuda"; }
+  /// Bytes in use on the device (cudaMemGetInfo: total - free), 0 when
+  /// the runtime cannot say; its error is not left behind (ClearedError).
   int64_t device_memory_bytes() const override;
   /// StickyErrorSeen() (cuda_error.h): this process saw a sticky CUDA error.
   bool device_lost() const override { return StickyErrorSeen().load(); }
@@ -209,9 +211,12 @@ class CudaBackend final : public ScoringBackend {
   };
 
   /// Waits for everything queued on the copy, compute and statistics
-  /// streams (errors are cleared: this runs on error exits). The cleanup
-  /// of every call that holds mu_ for its whole length.
-  void WaitForStreams() const;
+  /// streams; returns the first stream's error (CudaStatus: a handled error
+  /// is cleared, a sticky one is UNAVAILABLE and sets StickyErrorSeen, so
+  /// the worker answers UNAVAILABLE even when an error exit's cleanup
+  /// drops this status). The cleanup of every call that holds mu_ for its
+  /// whole length, and the last step of its success path.
+  absl::Status WaitForStreams() const;
   /// Records w.tail on the three streams (after the work just queued).
   void RecordTails(Workspace& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Waits for w.tail: everything the one-pass item queued so far.

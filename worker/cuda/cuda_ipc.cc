@@ -127,6 +127,9 @@ absl::StatusOr<DevicePayload> OpenCudaIpc(int device, std::string_view handle, i
   if (const CUresult r = range(&alloc_base, &alloc_size, at); r != CUDA_SUCCESS)
     return absl::FailedPreconditionError(
         absl::StrCat("CUDA IPC input: cuMemGetAddressRange of the mapped allocation failed (CUresult ", r, ")"));
+  // The mapping from the handle's base: the allocation, or the whole block
+  // a small allocation was sub-allocated from (cuda_ipc.h): only the size
+  // the client sent (allocation_bytes) bounds the range exactly then.
   const auto mapped = static_cast<int64_t>(alloc_size - (at - alloc_base));
   LOGPROB_RETURN_IF_ERROR(CudaIpcRangeLimit(offset, bytes, mapped, allocation_bytes).status());
   return DevicePayload(base, base.get() + offset);

@@ -22,7 +22,12 @@ namespace logprob::cuda {
 /// the client sent (0: not given), and against the mapping's size
 /// (cuMemGetAddressRange through cudaGetDriverEntryPointByVersion, which
 /// may be rounded up to whole pages), so a bad reference cannot make a
-/// kernel read past the client's allocation.
+/// kernel read past the client's allocation. Without allocation_bytes the
+/// mapping alone bounds the range, and for a small cudaMalloc that the
+/// runtime sub-allocated from a larger block (2 MiB) the mapping is that
+/// whole block: a range past the allocation but inside the block passes
+/// (it reads the client's own memory). The Python client always sends
+/// allocation_bytes (its own cuMemGetAddressRange).
 /// Errors: INVALID_ARGUMENT for a handle that is not 64 bytes, a negative
 /// offset or size, an allocation_bytes larger than the mapping, or a range
 /// past the allocation's end;

@@ -6,11 +6,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/cuda/converting_upload.h"
 #include "worker/cuda/elem_type.h"
 #include "worker/cuda/lm_head_transform.h"
+#include "worker/cuda/lt_status.h"
 #include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::cuda {
@@ -18,10 +20,10 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
-absl::Status LtStatus(cublasStatus_t s, const char* what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat("cuBLASLt ", what, ": ", cublasLtGetStatusName(s), " (", cublasLtGetStatusString(s), ")"));
+/// LtStatusOf (lt_status.h) with the context asked through the legacy
+/// stream's query when there is no GEMM stream (set-up calls).
+absl::Status LtStatus(cublasStatus_t s, const char* what, cudaStream_t stream = nullptr) {
+  return LtStatusOf(s, what, [stream] { return cudaStreamQuery(stream); });
 }
 #define LOGPROB_LT_RETURN_IF_ERROR(call, what) LOGPROB_RETURN_IF_ERROR(LtStatus((call), what))
 
@@ -114,6 +116,10 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
   DeviceRecycler::Buffer staging;
   if (dtype != g->compute_dtype_) {
     LOGPROB_ASSIGN_OR_RETURN(staging, (staging_recycler != nullptr ? *staging_recycler : own).Take(staging_bytes));
+  } else if (staging_recycler != nullptr) {
+    // No conversion at this precision: an idle staging buffer of an
+    // earlier one (up to 64 MiB) is not kept for good (issue 50).
+    staging_recycler->TrimIdle(0);
   }
   LOGPROB_RETURN_IF_ERROR(UploadConverted(weight, ElemTypeOf(dtype), n, g->weight_.get(), ElemTypeOf(g->compute_dtype_),
                                           staging.get(), staging_bytes));
@@ -152,16 +158,24 @@ absl::Status CublasLtLmHead::ChooseAlgo() {
   for (const bool only_unsplit : {true, false}) {
     cublasLtMatmulPreference_t pref = nullptr;
     LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    absl::Cleanup destroy = [pref] { cublasLtMatmulPreferenceDestroy(pref); };
+    // A preference that did not take (e.g. the reduction mask) would let
+    // the heuristic pick what batch invariance rules out: checked.
+    LOGPROB_LT_RETURN_IF_ERROR(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
+        "preference: max workspace bytes");
     if (only_unsplit)
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_reduction,
-                                           sizeof no_reduction);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof b_align);
+      LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                                      &no_reduction, sizeof no_reduction),
+                                 "preference: reduction scheme mask");
+    LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                                    &b_align, sizeof b_align),
+                               "preference: minimum alignment of B");
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int found = 0;
     const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_, op_, a_layout_, ref.b, ref.d, ref.d, pref,
                                                             kCandidates, results, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
+    std::move(destroy).Invoke();
     if (s == CUBLAS_STATUS_NOT_SUPPORTED) continue;  // no candidate under this preference
     LOGPROB_LT_RETURN_IF_ERROR(s, "heuristic");
     found_total += found;
@@ -225,9 +239,13 @@ absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logit
   }
   const float alpha = 1.0f, beta = 0.0f;
   const Plan& p = *it->second;
-  LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmul(handle_, op_, &alpha, weight_.get(), a_layout_, hidden, p.b, &beta, logits,
-                                            p.d, logits, p.d, &algo_, workspace_.get(), workspace_.size(), stream),
-                             "matmul");
+  // An error an earlier call left on this thread is not this GEMM's: cleared
+  // (a sticky one stays and fails the GEMM, as it must).
+  CudaRuntimeErrors::GetLastError();
+  LOGPROB_RETURN_IF_ERROR(
+      LtStatus(cublasLtMatmul(handle_, op_, &alpha, weight_.get(), a_layout_, hidden, p.b, &beta, logits, p.d, logits,
+                              p.d, &algo_, workspace_.get(), workspace_.size(), stream),
+               "matmul", stream));
   if (transform_.identity()) return absl::OkStatus();
   return CudaStatus(
       LaunchLmHeadTransform(logits, M, rows_, transform_.has_bias ? bias_.get<float>() : nullptr,

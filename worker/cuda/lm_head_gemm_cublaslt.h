@@ -57,8 +57,11 @@ class CublasLtLmHead {
   /// it is allocated and freed with this. Weights of another dtype than
   /// the GEMM's are converted on the device (UploadConverted) through a
   /// staging buffer of at most 64 MiB, taken from `staging_recycler` the
-  /// same way and given back before Create returns. No host memory is
-  /// allocated for the weights.
+  /// same way and given back before Create returns (a load that converts
+  /// nothing frees the idle staging buffer: TrimIdle). Recyclers keep idle
+  /// only sizes still in use (common/buffer_recycler.h), so a vocabulary or
+  /// precision change frees the old size's buffers once no version holds
+  /// one. No host memory is allocated for the weights.
   /// INVALID_ARGUMENT for a bad dtype, shape, size or algo_rows; INTERNAL
   /// for CUDA or cuBLASLt failures (e.g. out of memory, no algorithm).
   static absl::StatusOr<std::unique_ptr<CublasLtLmHead>> Create(DType dtype, const void* weight, size_t weight_bytes,

@@ -1,6 +1,7 @@
 // The head's logit transform on the GPU (worker/cuda/lm_head_transform.h):
 // one thread per element, the same inline TransformLogit as the CPU path.
 #include "common/lm_head_logit.h"
+#include "worker/cuda/cuda_error.h"
 #include "worker/cuda/lm_head_transform.h"
 
 namespace logprob::cuda {
@@ -21,9 +22,12 @@ cudaError_t LaunchLmHeadTransform(float* logits, int64_t M, int64_t N, const flo
                                   cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
   const int64_t blocks = (M * N + 255) / 256;
+  // Its own launch error only: a stale error another call left on this
+  // thread is not this GEMM's failure (issue 50).
+  const LaunchCheck<> check;
   LmHeadTransformKernel<<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), 256, 0, stream>>>(logits, M, N, bias,
                                                                                                     scale, softcap);
-  return cudaGetLastError();
+  return check.Result();
 }
 
 }  // namespace logprob::cuda

@@ -2,12 +2,14 @@
 
 #include <cstring>
 #include <exception>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/cuda/cuda_error.h"
+#include "worker/cuda/nccl_poll.h"
 #include "worker/one_pass_layout.h"
 
 namespace logprob::cuda {
@@ -52,17 +54,51 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo:
   }
   c->stream_ = stream;
   LOGPROB_RETURN_IF_ERROR(c->done_.Create());
-  if (ncclResult_t r = ncclCommInitRank(&c->comm_, size, id, rank); r != ncclSuccess)
-    return absl::UnavailableError(
-        absl::StrCat("ncclCommInitRank (rank ", rank, " of ", size, ", device ", device, "): ", NcclError(r)));
+  // Non-blocking, so that a peer that never joins (a worker that died
+  // after the rendezvous) cannot hang this one: ready within `timeout`, or
+  // aborted (issue 50).
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  ncclResult_t r = ncclCommInitRankConfig(&c->comm_, size, id, rank, &config);
+  if (r == ncclSuccess || r == ncclInProgress) r = c->WaitReady(deadline);
+  if (r != ncclSuccess) {
+    const std::string where =
+        absl::StrCat("ncclCommInitRankConfig (rank ", rank, " of ", size, ", device ", device, ")");
+    if (c->comm_) ncclCommAbort(c->comm_);
+    c->comm_ = nullptr;
+    if (r == ncclInProgress)
+      return absl::DeadlineExceededError(absl::StrCat(where, " did not finish within ", timeout.count(),
+                                                      " ms (a peer that never joined?); communicator aborted"));
+    return absl::UnavailableError(absl::StrCat(where, ": ", NcclError(r)));
+  }
   return c;
+}
+
+ncclResult_t NcclCommunicator::WaitReady(std::chrono::steady_clock::time_point deadline) {
+  return PollNccl(
+      [this] {
+        ncclResult_t async = ncclSuccess;
+        const ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
+        return r != ncclSuccess ? r : async;
+      },
+      deadline);
 }
 
 NcclCommunicator::~NcclCommunicator() {
   if (!comm_) return;
-  cudaSetDevice(device_);
-  if (broken_) ncclCommAbort(comm_);
-  else ncclCommDestroy(comm_);
+  ClearedError(cudaSetDevice(device_));
+  // Non-blocking: finalised (flushing what is queued) within the timeout,
+  // then destroyed; aborted when that fails or does not finish.
+  if (!broken_) {
+    ncclResult_t r = ncclCommFinalize(comm_);
+    if (r == ncclSuccess || r == ncclInProgress) r = WaitReady(std::chrono::steady_clock::now() + timeout_);
+    if (r == ncclSuccess) {
+      ncclCommDestroy(comm_);  // frees it whatever it answers: never aborted after
+      return;
+    }
+  }
+  ncclCommAbort(comm_);
 }
 
 absl::Status NcclCommunicator::Abort(absl::Status why) {
@@ -90,6 +126,13 @@ absl::Status NcclCommunicator::Begin(const void* in, size_t in_bytes, size_t out
 }
 
 absl::Status NcclCommunicator::Finish(const char* what, ncclResult_t enqueued, void* out, size_t out_bytes) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  // A non-blocking communicator may still be enqueueing: the event below
+  // must come after the collective on the stream.
+  if (enqueued == ncclInProgress) enqueued = WaitReady(deadline);
+  if (enqueued == ncclInProgress)
+    return Abort(absl::DeadlineExceededError(
+        absl::StrCat("NCCL ", what, " was not enqueued within ", timeout_.count(), " ms; communicator aborted")));
   if (enqueued != ncclSuccess)
     return Abort(absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", NcclError(enqueued))));
   // Download into pinned memory (asynchronous, so the polling below can time
@@ -99,7 +142,6 @@ absl::Status NcclCommunicator::Finish(const char* what, ncclResult_t enqueued, v
         e != cudaSuccess)
       return Abort(CudaStatus(e, "collective download"));
   if (cudaError_t e = cudaEventRecord(done_.get(), stream_); e != cudaSuccess) return Abort(CudaStatus(e, "event"));
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (;;) {
     // cudaErrorNotReady is recorded as the thread's last error too: cleared,
     // or the next kernel launch would report it as its own failure.
@@ -108,8 +150,14 @@ absl::Status NcclCommunicator::Finish(const char* what, ncclResult_t enqueued, v
       if (out_bytes) std::memcpy(out, out_host_.get(), out_bytes);
       return absl::OkStatus();
     }
-    if (e != cudaErrorNotReady)
-      return Abort(absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", cudaGetErrorString(e))));
+    if (e != cudaErrorNotReady) {
+      // Through CudaStatus: a sticky fault first seen here sets
+      // StickyErrorSeen, so the worker leaves the pool (issue 50); any
+      // other error is UNAVAILABLE too (the communicator is aborted).
+      absl::Status st = CudaStatus(e, absl::StrCat("NCCL ", what).c_str());
+      if (!absl::IsUnavailable(st)) st = absl::UnavailableError(st.message());
+      return Abort(st);
+    }
     ncclResult_t async = ncclSuccess;
     ncclCommGetAsyncError(comm_, &async);
     if (async != ncclSuccess && async != ncclInProgress)
@@ -133,14 +181,16 @@ ncclResult_t NcclCommunicator::EnqueueAllToAllV(const char* in, const std::vecto
   // Blocks consecutive in rank order (worker/one_pass_layout.h).
   const std::vector<int64_t> send_off = Displacements(send_bytes), recv_off = Displacements(recv_bytes);
   ncclResult_t r = ncclGroupStart();
-  for (int q = 0; q < size_ && r == ncclSuccess; ++q) {
+  // ncclInProgress (a non-blocking communicator) is no failure: Finish waits.
+  auto fine = [](ncclResult_t x) { return x == ncclSuccess || x == ncclInProgress; };
+  for (int q = 0; q < size_ && fine(r); ++q) {
     if (send_bytes[q] > 0)
       r = ncclSend(in + send_off[q], static_cast<size_t>(send_bytes[q]), ncclChar, q, comm_, stream_);
-    if (r == ncclSuccess && recv_bytes[q] > 0)
+    if (fine(r) && recv_bytes[q] > 0)
       r = ncclRecv(out + recv_off[q], static_cast<size_t>(recv_bytes[q]), ncclChar, q, comm_, stream_);
   }
   const ncclResult_t end = ncclGroupEnd();
-  return r != ncclSuccess ? r : end;
+  return fine(r) ? end : r;
 }
 
 absl::Status NcclCommunicator::AllToAllV(const void* in, const std::vector<int64_t>& send_bytes, void* out,

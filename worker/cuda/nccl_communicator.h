@@ -29,7 +29,11 @@ class NcclCommunicator final : public Communicator {
   /// the others wait for it (up to `timeout`). `device` must be current
   /// and distinct per rank (NCCL needs one GPU per rank). `stream`: the
   /// stream to run collectives on (null: a new one).
-  /// UNAVAILABLE when the store or ncclCommInitRank fails.
+  /// The communicator is non-blocking (ncclConfig_t blocking = 0): it
+  /// must be ready within `timeout` (polling ncclCommGetAsyncError), else
+  /// it is aborted (ncclCommAbort) and Create returns DEADLINE_EXCEEDED, so
+  /// a peer that never joins does not hang the worker.
+  /// UNAVAILABLE when the store or ncclCommInitRankConfig fails.
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(gloo::rendezvous::Store& store, int rank, int size,
                                                                   int device, cudaStream_t stream,
                                                                   std::chrono::milliseconds timeout);
@@ -64,6 +68,10 @@ class NcclCommunicator final : public Communicator {
   /// collective and the copy; aborts the communicator on failure.
   absl::Status Finish(const char* what, ncclResult_t enqueued, void* out, size_t out_bytes);
   absl::Status Abort(absl::Status why);
+  /// Polls the communicator's asynchronous error until it is not
+  /// ncclInProgress (ncclSuccess: ready) or `deadline` passes
+  /// (ncclInProgress returned).
+  ncclResult_t WaitReady(std::chrono::steady_clock::time_point deadline);
 
   int rank_ = 0, size_ = 1, device_ = 0;
   std::chrono::milliseconds timeout_{60000};

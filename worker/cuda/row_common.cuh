@@ -93,8 +93,13 @@ __device__ __forceinline__ void ForEachX(const RowView& r, F&& f) {
   for (int64_t i = head + nvec * per + threadIdx.x; i < r.len; i += blockDim.x) f(r.Out<kFilter>(r.Raw(i)), i);
 }
 
-/// Order-preserving key: a > b (floats, -0 == +0) iff Key(a) > Key(b).
+/// Order-preserving key: a > b (floats, -0 == +0) iff Key(a) > Key(b);
+/// every NaN (any sign or payload) is the largest key, above +inf: the
+/// order of top-k (as torch.topk; the CPU kernel's OrderKey in
+/// worker/kernels/row_stats.cc), a total order where float comparisons are
+/// all false for NaN.
 __device__ __forceinline__ uint32_t Key(float x) {
+  if (x != x) return 0xffffffffu;
   if (x == 0.0f) x = 0.0f;  // -0 and +0 tie, as in float comparisons
   const uint32_t u = __float_as_uint(x);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);

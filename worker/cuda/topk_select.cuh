@@ -4,7 +4,10 @@
 // bucket is large, radix select (row_common.cuh) finds the k-th largest key
 // exactly. A rank sort puts the k winners in "best first" order (larger x,
 // then lower id: the CPU kernel's order, so the selected ids are bitwise
-// the same).
+// the same). Every comparison is of Key (row_common.cuh): NaN ranks above
+// every number and ties with NaN by id (issue 50: float comparisons, all
+// false for NaN, gave NaN candidates equal ranks and left other top-k slots
+// unwritten, holding the previous request's bytes).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -84,9 +87,13 @@ __device__ __forceinline__ void BlockTopK(const RowView& r, int64_t vocab_begin,
       const int64_t need = k_eff - above;
       for (int j = threadIdx.x; j < n; j += blockDim.x) {
         const float xj = cand_x[j];
+        const uint32_t kj = Key(xj);
         const int32_t ij = cand_id[j];
         int64_t rank = 0;
-        for (int i = 0; i < n; ++i) rank += (cand_x[i] > xj || (cand_x[i] == xj && cand_id[i] < ij)) ? 1 : 0;
+        for (int i = 0; i < n; ++i) {
+          const uint32_t ki = Key(cand_x[i]);
+          rank += (ki > kj || (ki == kj && cand_id[i] < ij)) ? 1 : 0;
+        }
         if (rank < need) {
           cx[above + rank] = xj;
           cid[above + rank] = ij;
@@ -123,11 +130,12 @@ __device__ __forceinline__ void BlockTopK(const RowView& r, int64_t vocab_begin,
   // Rank sort of the k_eff candidates (unique ids: a total order).
   for (int64_t j = threadIdx.x; j < k_eff; j += blockDim.x) {
     const float xj = cx[j];
+    const uint32_t kj = Key(xj);
     const int32_t ij = cid[j];
     int64_t rank = 0;
     for (int64_t i = 0; i < k_eff; ++i) {
-      const float xi = cx[i];
-      rank += (xi > xj || (xi == xj && cid[i] < ij)) ? 1 : 0;
+      const uint32_t ki = Key(cx[i]);
+      rank += (ki > kj || (ki == kj && cid[i] < ij)) ? 1 : 0;
     }
     tv[rank] = xj;
     ti[rank] = ij;

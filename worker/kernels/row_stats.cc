@@ -32,7 +32,21 @@ struct Candidate {
   float x;
   int32_t id;
 };
-inline bool Better(const Candidate& a, const Candidate& b) { return a.x > b.x || (a.x == b.x && a.id < b.id); }
+/// The top-k order of a value (issue 50): larger first, -0 == +0, NaN (any
+/// sign or payload) above every number, as torch.topk ranks it. The same
+/// key as the GPU's (worker/cuda/row_common.cuh Key), so both select the
+/// same ids; a total order, which the heap and the sorts below need (float
+/// comparisons are all false for NaN).
+inline uint32_t OrderKey(float x) {
+  if (std::isnan(x)) return 0xffffffffu;
+  if (x == 0.0f) x = 0.0f;
+  const uint32_t u = Bits(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+inline bool Better(const Candidate& a, const Candidate& b) {
+  const uint32_t ka = OrderKey(a.x), kb = OrderKey(b.x);
+  return ka > kb || (ka == kb && a.id < b.id);
+}
 
 /// Keeps the K best candidates seen, as a min-heap on Better.
 class TopK {
@@ -49,7 +63,8 @@ class TopK {
     }
   }
   /// Lowest kept value; candidates at or below it with a higher id cannot
-  /// enter (ids arrive in increasing order).
+  /// enter (ids arrive in increasing order). NextAbove also stops at every
+  /// NaN (above any floor but NaN; Offer decides).
   float Floor() const { return static_cast<int>(heap_.size()) < k_ ? kNegInf : heap_.front().x; }
   bool Full() const { return static_cast<int>(heap_.size()) == k_; }
   /// Best first; padded with (-inf, record::kNoTopkId) up to K.

@@ -132,11 +132,12 @@ size_t NextAboveImpl(const float* x, size_t begin, size_t n, float floor) {
   const auto vf = hn::Set(df, floor);
   size_t i = begin;
   for (; i + L <= n; i += L) {
-    const auto mask = hn::Gt(hn::LoadU(df, x + i), vf);
+    const auto v = hn::LoadU(df, x + i);
+    const auto mask = hn::Or(hn::Gt(v, vf), hn::IsNaN(v));
     if (!hn::AllFalse(df, mask)) return i + static_cast<size_t>(hn::FindFirstTrue(df, mask));
   }
   for (; i < n; ++i)
-    if (x[i] > floor) return i;
+    if (x[i] > floor || x[i] != x[i]) return i;
   return n;
 }
 

@@ -30,7 +30,8 @@ float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, fl
 /// summed at the end.
 void ExpSums(const float* x, size_t n, float m, float* s, float* u, float* q = nullptr);
 
-/// The first index i in [begin, n) with x[i] > floor, or n.
+/// The first index i in [begin, n) with x[i] > floor or x[i] NaN (top-k
+/// ranks NaN above every number: row_stats.cc), or n.
 size_t NextAbove(const float* x, size_t begin, size_t n, float floor);
 
 }  // namespace logprob::kernels
