@@ -1,6 +1,7 @@
 #include "common/shared_memory.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -57,6 +59,8 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(size_t bytes,
     if (err == EEXIST) return absl::AlreadyExistsError(absl::StrCat("shm_open ", name, ": ", std::strerror(err)));
     return SystemError("shm_open " + name, err);
   }
+  // Held for the region's life: "alive" to RemoveStaleRegions in any PID namespace.
+  flock(fd, LOCK_SH | LOCK_NB);
   const size_t size = bytes == 0 ? 1 : bytes;  // mmap refuses 0 bytes
   // posix_fallocate returns the error number (it does not set errno).
   if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
@@ -66,12 +70,12 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(size_t bytes,
   }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   const int err = errno;
-  close(fd);
   if (p == MAP_FAILED) {
+    close(fd);
     shm_unlink(name.c_str());
     return SystemError("mmap " + name, err);
   }
-  return std::unique_ptr<SharedRegion>(new SharedRegion(name, static_cast<char*>(p), size, true));
+  return std::unique_ptr<SharedRegion>(new SharedRegion(name, static_cast<char*>(p), size, true, fd));
 }
 
 absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Open(const std::string& name) {
@@ -121,6 +125,22 @@ bool InNestedPidNamespace() {
 }
 }  // namespace
 
+namespace {
+/// True when `path` (a region in /dev/shm) may belong to a live process:
+/// someone holds its flock (its creator, SharedRegion::Create), it was
+/// modified within the last minute (made a moment ago: its creator may not
+/// hold the lock yet), or it cannot be checked.
+bool RegionInUse(const std::filesystem::path& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return true;
+  struct stat st {};
+  bool in_use = fstat(fd, &st) != 0 || time(nullptr) - st.st_mtime < 60;
+  if (!in_use) in_use = flock(fd, LOCK_EX | LOCK_NB) != 0;  // released by close
+  close(fd);
+  return in_use;
+}
+}  // namespace
+
 int RemoveStaleRegions() {
   int removed = 0;
   // A region's name holds its creator's PID in the creator's namespace: in
@@ -138,6 +158,7 @@ int RemoveStaleRegions() {
       if (std::filesystem::remove_all(entry.path(), ec) > 0) ++removed;
       continue;
     }
+    if (RegionInUse(entry.path())) continue;
     if (shm_unlink(("/" + name).c_str()) == 0) ++removed;
   }
   return removed;
@@ -155,6 +176,7 @@ std::string SharedMemoryHostId() {
 SharedRegion::~SharedRegion() {
   munmap(data_, size_);
   if (owner_) shm_unlink(name_.c_str());
+  if (lock_fd_ >= 0) close(lock_fd_);
 }
 
 }  // namespace logprob

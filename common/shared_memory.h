@@ -14,7 +14,9 @@ namespace logprob {
 
 /// A named shared memory region (shm_open + mmap) of `size()` bytes.
 /// The creator owns the name: its destructor unmaps and unlinks it; an
-/// opener only unmaps. Not copyable.
+/// opener only unmaps. The creator holds a shared flock(2) on the object
+/// for the region's life, which RemoveStaleRegions reads as "alive" in any
+/// PID namespace. Not copyable.
 class SharedRegion {
  public:
   /// Creates a new region named "/logprob-<pid>-<n>" (mode 0600) and
@@ -39,12 +41,13 @@ class SharedRegion {
   char* data() const { return data_; }
 
  private:
-  SharedRegion(std::string name, char* data, size_t size, bool owner)
-      : name_(std::move(name)), data_(data), size_(size), owner_(owner) {}
+  SharedRegion(std::string name, char* data, size_t size, bool owner, int lock_fd = -1)
+      : name_(std::move(name)), data_(data), size_(size), owner_(owner), lock_fd_(lock_fd) {}
   std::string name_;
   char* data_;
   size_t size_;
   bool owner_;
+  int lock_fd_;  // the creator's descriptor holding the flock; -1 for an opener
 };
 
 /// The name prefix of this process's SharedRegion::Create(bytes) regions:
@@ -66,9 +69,14 @@ bool SharedObjectExists(const std::string& name);
 /// longer exist (/dev/shm/logprob-<pid>-<n>, e.g. after a SIGKILL), and
 /// lm_head stores of older releases (the directories
 /// /dev/shm/logprob-<pid>-lm-heads; stores are now server/store_folder.h's),
-/// and returns how many. Best effort: errors are ignored. Nothing in a
-/// nested PID namespace (a container, `unshare --pid`), where the PIDs in
-/// the names of a shared /dev/shm may be other namespaces' live servers.
+/// and returns how many. A region is stale only when its PID names no
+/// process here AND nobody holds its flock (its creator holds one while it
+/// lives, whatever PID namespace it runs in: a server in a nested namespace
+/// sharing /dev/shm names its regions by a PID that may be dead here) AND
+/// it was not modified within the last minute (a region being created takes
+/// its lock a moment after its name exists). Best effort: errors are ignored. Nothing in a
+/// nested PID namespace, where the PIDs of a shared /dev/shm may be other
+/// namespaces' live servers of releases that took no lock.
 int RemoveStaleRegions();
 
 /// This host's shared-memory namespace identity (ServerInfo.host_id): the

@@ -258,7 +258,7 @@ class LogprobService:
     def start(cls, workers: int, backend: str = "cuda", heads: Optional[Mapping[str, HeadSpec]] = None,
               resources_per_worker: Optional[Mapping[str, float]] = None, placement: str = "PACK",
               placement_group: Any = None, server_args: Sequence[str] = (), worker_args: Sequence[str] = (),
-              bin_dir: Optional[str] = None, max_restarts: int = -1, fetch_lm_heads: str = "auto",
+              bin_dir: Optional[str] = None, max_restarts: int = -1, fetch_lm_heads: str = "always",
               placement_timeout: float = 600.0, client_kwargs: Optional[Mapping[str, Any]] = None
               ) -> "LogprobService":
         """Starts the service in the connected Ray cluster (``ray.init``
@@ -276,7 +276,8 @@ class LogprobService:
         ``bin_dir``: where the binaries are on every node (else
         ``LOGPROB_BIN_DIR``, then ``PATH``); ``max_restarts``: Ray restarts
         of each worker actor (-1: unlimited); ``fetch_lm_heads``: the
-        workers' ``--fetch-lm-heads`` (auto, always, never).
+        workers' ``--fetch-lm-heads`` (always, the default: a Ray node's
+        file at the front-end's path may be another job's; auto; never).
         Raises ValueError for bad arguments, TimeoutError when the placement
         group cannot be placed within ``placement_timeout`` s, and
         RuntimeError (with the process's output) when the front-end fails

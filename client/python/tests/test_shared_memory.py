@@ -287,12 +287,50 @@ class StaleRegionsTest(unittest.TestCase):
                 pass
 
     def region(self, pid):
-        """A stand-in region of process ``pid`` in /dev/shm (its path)."""
+        """A stand-in region of process ``pid`` in /dev/shm (its path), last
+        modified an hour ago (a region modified within the last minute may
+        be one whose creator has not taken its lock yet: never removed)."""
         path = "/dev/shm/logprob-%d-%d" % (pid, 900000 + len(self.paths))
         with open(path, "wb") as f:
             f.write(b"x")
+        hour_ago = time.time() - 3600
+        os.utime(path, (hour_ago, hour_ago))
         self.paths.append(path)
         return path
+
+    def test_a_nested_pid_namespace_servers_live_regions_survive_a_host_front_ends_start(self):
+        # A server in a nested PID namespace that shares /dev/shm names its
+        # payload regions by its PID there; that PID names no process here,
+        # and a host front-end's clean-up used to unlink them under it. The
+        # region's lock (held by its creator) says it is alive.
+        prefix = pid_namespace_prefix()
+        if prefix is None:
+            self.skipTest("this machine cannot make a PID namespace (unshare --pid --fork --mount-proc, also with "
+                          "--user --map-root-user)")
+        with open("/proc/sys/kernel/pid_max") as f:
+            pid_max = int(f.read())
+        # A PID free here for the nested server (and its worker after it).
+        base = next(p for p in range(pid_max - 200, pid_max // 2, -7)
+                    if not any(os.path.exists("/proc/%d" % q) for q in range(p, p + 8)))
+        nested_prefix = prefix + ["sh", "-c", 'echo %d > /proc/sys/kernel/ns_last_pid && "$@"; exit $?' % base, "sh"]
+        g = Golden("basic_f32")
+        with Server(workers=1, prefix=nested_prefix) as nested:
+            with nested.client() as c:
+                self.assertEqual(compare(g.expected, c.score(**g.score_kwargs()).outputs), "")
+            mine = [os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm")
+                    if n.startswith("logprob-%d-" % (base + 1)) and n.split("-")[-1].isdigit()]
+            self.assertTrue(mine, "the nested server made no payload region named by PID %d:\n%s"
+                            % (base + 1, nested.log()))
+            self.assertFalse(os.path.exists("/proc/%d" % (base + 1)), "PID %d is alive here" % (base + 1))
+            hour_ago = time.time() - 3600
+            for path in mine:  # past the clean-up's one-minute grace: only the lock keeps them
+                os.utime(path, (hour_ago, hour_ago))
+            with Server(workers=1):  # SERVING: its start-up clean-up has run
+                pass
+            for path in mine:
+                self.assertTrue(os.path.exists(path), "the host front-end unlinked %s" % path)
+            with nested.client() as c:
+                self.assertEqual(compare(g.expected, c.score(**g.score_kwargs()).outputs), "")
 
     def test_a_front_end_in_a_nested_pid_namespace_keeps_the_regions_of_live_processes_outside(self):
         prefix = pid_namespace_prefix()
