@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "common/error_reason.h"
+#include "common/untrusted_text.h"
 
 namespace logprob {
 
@@ -23,11 +24,12 @@ namespace logprob {
 /// retry, so an error echoing a long name would hide its own code).
 inline constexpr size_t kMaxGrpcMessageBytes = 2048;
 
-/// `s` as a grpc::Status; a message over kMaxGrpcMessageBytes is cut
-/// ("...(message cut, N bytes)").
+/// `s` as a grpc::Status; its control bytes escaped (EscapeControlBytes:
+/// no raw newline, ESC or NUL reaches a client), and a message over
+/// kMaxGrpcMessageBytes cut ("...(message cut, N bytes)").
 inline grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
-  std::string message(s.message());
+  std::string message = EscapeControlBytes(s.message());
   if (message.size() > kMaxGrpcMessageBytes)
     message =
         message.substr(0, kMaxGrpcMessageBytes) + "...(message cut, " + std::to_string(message.size()) + " bytes)";

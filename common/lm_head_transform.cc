@@ -41,6 +41,18 @@ const char* const kLmHeadConfigIgnoredKeys[] = {
 
 namespace {
 
+/// What kind of JSON value `j` is ("a string", "an array", ...): what an
+/// error says of a config.json value, never the value itself (a file's
+/// contents are not echoed to the caller).
+const char* JsonKind(const nlohmann::json& j) {
+  if (j.is_string()) return "a string";
+  if (j.is_array()) return "an array";
+  if (j.is_object()) return "an object";
+  if (j.is_boolean()) return "a boolean";
+  if (j.is_number()) return "a number";
+  return "null";
+}
+
 using nlohmann::json;
 
 // The attributes read here (besides "lm_head_bias", which the caller checks).
@@ -110,12 +122,13 @@ absl::StatusOr<std::pair<bool, double>> Positive(const json& cfg, const char* ke
   }
   if (it->is_null()) return std::make_pair(false, 0.0);
   if (!it->is_number())
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", prefix, key, " is ", it->dump(),
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", prefix, key, " is ", JsonKind(*it),
                                                    ", not a number: the server cannot reproduce this head's logits"));
   const double v = it->get<double>();
   if (!std::isfinite(v) || v <= 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": ", prefix, key, " is ", it->dump(), "; the server needs a finite number > 0"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", prefix, key, " is ",
+                                                   v <= 0 ? "not positive" : "not finite",
+                                                   "; the server needs a finite number > 0"));
   return std::make_pair(true, v);
 }
 
@@ -216,7 +229,7 @@ absl::StatusOr<LmHeadScalars> LmHeadScalarsFromConfig(std::string_view config_js
   if (auto it = cfg->find("lm_head_bias"); it != cfg->end() && !it->is_null()) {
     if (!it->is_boolean())
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": ", prefix, "lm_head_bias is ", it->dump(), ", not true or false"));
+          absl::StrCat(where, ": ", prefix, "lm_head_bias is ", JsonKind(*it), ", not true or false"));
     out.bias_required = it->get<bool>();
   }
   if (!out.logit_scale_from.empty()) out.logit_scale_from = prefix + out.logit_scale_from;

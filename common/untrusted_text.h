@@ -19,4 +19,11 @@ inline constexpr size_t kPrintableBytes = 96;
 /// escaped), followed by "...(N bytes)" when it was longer. Pure; thread-safe.
 std::string Printable(absl::string_view text, size_t max_bytes = kPrintableBytes);
 
+/// `text` with its control bytes (0x00-0x1f and 0x7f: newline, ESC, NUL,
+/// ...) written as "\xNN" and everything else unchanged: the last guard of
+/// every status message a client receives (ToGrpc), so that a name from a
+/// request or a file that reached a message unescaped still cannot forge
+/// lines or terminal escapes in the client's logs. Pure; thread-safe.
+std::string EscapeControlBytes(absl::string_view text);
+
 }  // namespace logprob

@@ -36,6 +36,7 @@
 #include "common/safetensors.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "common/untrusted_text.h"
 #include "server/staged_file_hasher.h"
 
 namespace logprob {
@@ -291,7 +292,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     return absl::InvalidArgumentError("client_token: 16..128 characters of [A-Za-z0-9_-] (a random value per update)");
   std::string sha = absl::AsciiStrToLower(req.sha256());
   if (!sha.empty() && (sha.size() != 64 || sha.find_first_not_of("0123456789abcdef") != std::string::npos))
-    return absl::InvalidArgumentError(absl::StrCat("sha256 \"", req.sha256(), "\": 64 hex digits expected"));
+    return absl::InvalidArgumentError(absl::StrCat("sha256 ", Printable(req.sha256()), ": 64 hex digits expected"));
   absl::StatusOr<std::shared_ptr<const LmHeadVersion>> current = heads_->Current(req.head());
   if (!current.ok() || (*current)->head != req.head())
     return absl::NotFoundError(absl::StrCat("head \"", req.head(), "\": the server holds no such lm_head"));

@@ -209,7 +209,7 @@ v1::ScoreResponse ScoringService::AnswerStreamed(const v1::ScoreRequest& req, gr
   v1::ScoreResponse resp;
   resp.set_id(req.id());
   resp.set_status_code(static_cast<int>(r.status().code()));
-  resp.set_status_message(std::string(r.status().message()));
+  resp.set_status_message(ToGrpc(r.status()).error_message());  // escaped and cut as a call's status
   resp.set_status_reason(ReasonOf(r.status()));
   return resp;
 }

@@ -35,6 +35,21 @@ TEST(SecurityNames, NameChecksEchoEscapedAndCut) {
   EXPECT_FALSE(CheckLmHeadName(std::string(65, 'h'), "head").ok());
 }
 
+TEST(SecurityNames, NoControlByteReachesAClientsStatusMessage) {
+  EXPECT_EQ(EscapeControlBytes("plain \"text\" \\ ok"), "plain \"text\" \\ ok");
+  EXPECT_EQ(EscapeControlBytes(std::string("a\nb\0c\x1b[31md\x7f", 12)), "a\\x0ab\\x00c\\x1b[31md\\x7f");
+  EXPECT_EQ(EscapeControlBytes("caf\xc3\xa9"), "caf\xc3\xa9");  // UTF-8 kept
+  // Whatever a message holds (a tensor name, a region name, a sha256 sent
+  // raw), the status a client gets has no raw LF, ESC or NUL.
+  const grpc::Status st =
+      ToGrpc(absl::InvalidArgumentError(std::string("inputs[0] \"x\nlogprob-server: forged\x1b[2J\0\": bad", 46)));
+  EXPECT_EQ(st.error_message().find('\n'), std::string::npos) << st.error_message();
+  EXPECT_EQ(st.error_message().find('\x1b'), std::string::npos) << st.error_message();
+  EXPECT_EQ(st.error_message().find('\0'), std::string::npos) << st.error_message();
+  EXPECT_NE(st.error_message().find("x\\x0alogprob-server: forged\\x1b[2J\\x00"), std::string::npos)
+      << st.error_message();
+}
+
 TEST(SecurityNames, LongStatusMessagesAreCutBeforeTheyBecomeATrailer) {
   const grpc::Status st = ToGrpc(absl::NotFoundError(std::string(10240, 'x')));
   EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
