@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace logprob {
@@ -234,7 +235,22 @@ absl::StatusOr<LmHeadScalars> LmHeadScalarsFromConfig(std::string_view config_js
   }
   if (!out.logit_scale_from.empty()) out.logit_scale_from = prefix + out.logit_scale_from;
   if (!out.softcap_from.empty()) out.softcap_from = prefix + out.softcap_from;
+  LOGPROB_RETURN_IF_ERROR(
+      CheckLmHeadScalars(out.logit_scale, out.softcap,
+                         where + ": " + (out.logit_scale_from.empty() ? "logit_scale" : out.logit_scale_from),
+                         where + ": " + (out.softcap_from.empty() ? "final_logit_softcapping" : out.softcap_from)));
   return out;
+}
+
+absl::Status CheckLmHeadScalars(double logit_scale, double softcap, const std::string& scale_name,
+                                const std::string& softcap_name) {
+  if (!(logit_scale >= kMinLogitScale && logit_scale <= kMaxLogitScale))
+    return absl::InvalidArgumentError(
+        absl::StrCat(scale_name, " ", logit_scale, ": must be in [", kMinLogitScale, ", ", kMaxLogitScale, "]"));
+  if (!(softcap == 0 || (softcap >= kMinLogitScale && softcap <= kMaxLogitScale)))
+    return absl::InvalidArgumentError(absl::StrCat(softcap_name, " ", softcap, ": must be 0 (none) or in [",
+                                                   kMinLogitScale, ", ", kMaxLogitScale, "]"));
+  return absl::OkStatus();
 }
 
 }  // namespace logprob

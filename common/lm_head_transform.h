@@ -50,6 +50,22 @@ struct LmHeadTransform {
 /// thread-safe on distinct buffers.
 void ApplyLmHeadTransform(const LmHeadTransform& t, const float* bias, int64_t M, int64_t N, float* logits);
 
+/// The ranges of a head's transform scalars: a logit multiplier in
+/// [kMinLogitScale, kMaxLogitScale] and a final-logit softcap of 0 (none) or
+/// in [kMinLogitScale, kMaxLogitScale]. Real checkpoints use 0.0625
+/// (Cohere) to 16 (Granite's 1 / logits_scaling) and softcaps of 30 or 50;
+/// the bounds keep a head the server accepts from overflowing float32 by
+/// its scalars alone (a logit_scale of 1e308).
+inline constexpr double kMinLogitScale = 1e-6;
+inline constexpr double kMaxLogitScale = 1e6;
+
+/// OK when `logit_scale` and `softcap` are in the ranges above;
+/// INVALID_ARGUMENT naming `scale_name` or `softcap_name` (the field or
+/// flag the value came from) otherwise. Pure. The one rule the front-end
+/// (flags, config.json, updates) and the workers apply.
+absl::Status CheckLmHeadScalars(double logit_scale, double softcap, const std::string& scale_name = "logit_scale",
+                                const std::string& softcap_name = "final_logit_softcapping");
+
 /// The scalars of a head and where each came from (for messages).
 struct LmHeadScalars {
   double logit_scale = 1.0;

@@ -122,17 +122,9 @@ absl::Status NonFiniteError(const char* rows, const LmHeadSource& source, const 
 absl::StatusOr<LmHeadTransform> UpdatedTransform(const v1::BeginLmHeadUpdateRequest& req, const LmHeadSource& cur,
                                                  v1::Tensor* bias) {
   LmHeadTransform t = cur.transform;
-  if (req.has_logit_scale()) {
-    if (!std::isfinite(req.logit_scale()) || req.logit_scale() <= 0)
-      return absl::InvalidArgumentError(absl::StrCat("logit_scale ", req.logit_scale(), ": must be finite and > 0"));
-    t.logit_scale = req.logit_scale();
-  }
-  if (req.has_final_logit_softcapping()) {
-    if (!std::isfinite(req.final_logit_softcapping()) || req.final_logit_softcapping() < 0)
-      return absl::InvalidArgumentError(absl::StrCat("final_logit_softcapping ", req.final_logit_softcapping(),
-                                                     ": must be finite and >= 0 (0: none)"));
-    t.softcap = req.final_logit_softcapping();
-  }
+  if (req.has_logit_scale()) t.logit_scale = req.logit_scale();
+  if (req.has_final_logit_softcapping()) t.softcap = req.final_logit_softcapping();
+  LOGPROB_RETURN_IF_ERROR(CheckLmHeadScalars(t.logit_scale, t.softcap));
   if (req.has_bias()) {
     const v1::Tensor& b = req.bias();
     if (!IsFloatDType(b.dtype()) || b.shape_size() != 1 || b.shape(0) != cur.vocab_size)

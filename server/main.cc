@@ -485,7 +485,7 @@ int main(int argc, char** argv) {
       return absl::InvalidArgumentError(
           absl::StrCat(flag, " ", value, ": a number ", zero_ok ? ">= 0 (0: none)" : "> 0", " is needed"));
     *out = d;
-    return absl::OkStatus();
+    return zero_ok ? logprob::CheckLmHeadScalars(1, d, "", flag) : logprob::CheckLmHeadScalars(d, 0, flag);
   };
   for (const absl::Status& st :
        {scalar_flag("--lm-head-logit-scale", absl::GetFlag(FLAGS_lm_head_logit_scale), false,

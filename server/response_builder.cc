@@ -1,8 +1,11 @@
 #include "server/response_builder.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/untrusted_text.h"
 
 namespace logprob {
 namespace {
@@ -72,6 +75,32 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
   if (covered != job.num_rows())
     return absl::InternalError(absl::StrCat("workers returned ", covered, " rows of ", job.num_rows()));
   return resp;
+}
+
+absl::Status CheckFiniteHiddenOutputs(const v1::ScoreResponse& resp, const std::vector<int64_t>& out_shape,
+                                      const LmHeadVersion& head) {
+  for (const v1::Tensor& t : resp.outputs()) {
+    if (t.name() != "token_logprobs" && t.name() != "entropy") continue;
+    const size_t n = t.data().size() / sizeof(float);
+    for (size_t i = 0; i < n; ++i) {
+      float v;
+      std::memcpy(&v, t.data().data() + i * sizeof(float), sizeof v);
+      // -inf is a token logprob the sampling filters excluded; never an entropy.
+      if (std::isfinite(v) || (t.name() == "token_logprobs" && v == -INFINITY)) continue;
+      // The token's index in the output's shape.
+      std::vector<int64_t> index(out_shape.size());
+      int64_t rest = static_cast<int64_t>(i);
+      for (size_t d = out_shape.size(); d-- > 0;) {
+        index[d] = out_shape[d] > 0 ? rest % out_shape[d] : 0;
+        rest = out_shape[d] > 0 ? rest / out_shape[d] : rest;
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "lm_head ", Printable(head.head), " version ", Printable(head.version), ": the logits of token [",
+          absl::StrJoin(index, ", "), "] overflow float32 (", t.name(), " is ", std::isnan(v) ? "nan" : "infinite",
+          "): the head's weights, bias or logit scale are too large to score"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace logprob

@@ -6,6 +6,7 @@
 #include "absl/status/statusor.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "logprob/v1/logprob.pb.h"
+#include "server/lm_heads.h"
 #include "server/planner.h"
 #include "server/score_job.h"
 
@@ -23,5 +24,15 @@ namespace logprob {
 absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan& plan,
                                                 const std::vector<internal::v1::WorkResult>& results,
                                                 int64_t row_begin = 0);
+
+/// OK when every value of `resp`'s token_logprobs and entropy is finite
+/// (or a -inf token logprob: a target the sampling filters excluded). For
+/// hidden states the inputs are finite (checked on arrival), so a NaN or
+/// another infinity means the head's logits overflowed float32 (weights, a
+/// bias or a logit scale too large): FAILED_PRECONDITION naming the head,
+/// its version and the first such token's index in `out_shape`, never a
+/// NaN answered OK. Pure.
+absl::Status CheckFiniteHiddenOutputs(const v1::ScoreResponse& resp, const std::vector<int64_t>& out_shape,
+                                      const LmHeadVersion& head);
 
 }  // namespace logprob

@@ -121,6 +121,27 @@ TEST(LmHeadConfig, RefusalNamesTheAttribute) {
   EXPECT_FALSE(Parse("{").ok());
 }
 
+// Transform scalars have documented ranges (common/lm_head_transform.h):
+// a head whose scalars alone overflow float32 is refused wherever it comes
+// from (config.json here; flags, updates and workers share the rule).
+TEST(LmHeadConfig, ScalarsOutsideTheirRangesAreRefused) {
+  EXPECT_TRUE(CheckLmHeadScalars(0.0625, 30).ok());
+  EXPECT_TRUE(CheckLmHeadScalars(kMaxLogitScale, 0).ok());
+  EXPECT_TRUE(CheckLmHeadScalars(kMinLogitScale, kMaxLogitScale).ok());
+  for (const double bad : {1e308, 1e7, 1e-7, 0.0, -1.0, std::nan(""), HUGE_VAL})
+    EXPECT_EQ(CheckLmHeadScalars(bad, 0).code(), absl::StatusCode::kInvalidArgument) << bad;
+  for (const double bad : {1e308, 1e7, 1e-9, -1.0, std::nan("")})
+    EXPECT_EQ(CheckLmHeadScalars(1, bad).code(), absl::StatusCode::kInvalidArgument) << bad;
+  const auto huge = Parse(R"({"logit_scale": 1e308})");
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(huge.status().message().find("config.json: logit_scale 1e+308: must be in [1e-06, 1e+06]"),
+            std::string::npos)
+      << huge.status();
+  const auto cap = Parse(R"({"final_logit_softcapping": 1e300})");
+  EXPECT_EQ(cap.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(cap.status().message().find("final_logit_softcapping"), std::string::npos) << cap.status();
+}
+
 TEST(LmHeadConfig, KnownNonHeadKeysAreIgnored) {
   auto s = Parse(R"({"attn_logit_softcapping": 50, "output_router_logits": false, "num_logits_to_keep": 1,
                      "moe_router_logit_softcapping": 30, "tie_word_embeddings": true})");

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -259,6 +260,34 @@ TEST(MalformedProtobuf, EveryMethodAnswersInvalidArgumentNamingIt) {
   grpc::ClientContext ctx;
   v1::ScoreResponse resp;
   EXPECT_TRUE(server->NewStub()->Score(&ctx, GoldenRequest(golden), &resp).ok());
+}
+
+// A head whose weights are finite but so large that its logits overflow
+// float32 (every element the largest finite bf16, 0x7f7f = 3.39e38): a
+// score is FAILED_PRECONDITION naming the head, its version and the first
+// token, never NaN answered OK.
+TEST(HiddenOverflow, LogitsThatOverflowFromFiniteInputsAreAnErrorNamingHeadVersionAndToken) {
+  constexpr int64_t kV = 64, kH = 16;
+  const std::string path = ::testing::TempDir() + "/huge_head." + std::to_string(getpid()) + ".safetensors";
+  const std::vector<uint16_t> w(kV * kH, 0x7f7f);
+  v1::Tensor t;
+  t.set_name("lm_head.weight");
+  t.set_dtype(v1::BF16);
+  t.add_shape(kV);
+  t.add_shape(kH);
+  t.set_data(w.data(), w.size() * sizeof(uint16_t));
+  ASSERT_TRUE(WriteSafetensors(path, {t}).ok());
+  auto server = ServerProcess::Start(1, {"--lm-head", "huge=" + path, "--lm-head-version", "v7"});
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  grpc::ClientContext ctx;
+  v1::ScoreResponse resp;
+  const grpc::Status st = stub->Score(&ctx, RandomHiddenRequest(5, kH, kV, 3), &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_NE(st.error_message().find("lm_head huge version v7: the logits of token [0] overflow float32"),
+            std::string::npos)
+      << st.error_message();
+  std::remove(path.c_str());
 }
 
 }  // namespace

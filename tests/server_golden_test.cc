@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -155,6 +156,10 @@ TEST(ServerTransport, SharedMemoryRegionsAreReusedAndRemoved) {
   waitpid(dead, nullptr, 0);
   const std::string stale = "logprob-" + std::to_string(dead) + "-0";
   std::ofstream(std::string("/dev/shm/") + stale) << "left behind";
+  // Modified an hour ago: past the clean-up's one-minute grace for regions
+  // whose creator may not hold their lock yet.
+  std::filesystem::last_write_time(std::string("/dev/shm/") + stale,
+                                   std::filesystem::file_time_type::clock::now() - std::chrono::hours(1));
   ASSERT_EQ(count(stale), 1);
 
   auto server = ServerProcess::Start(2, {"--parallelism", "vocab"});

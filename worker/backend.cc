@@ -3,16 +3,14 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace logprob {
 
 absl::Status CheckLmHeadTransform(const LmHeadSlice& slice) {
   const LmHeadTransform& t = slice.transform;
-  if (!std::isfinite(t.logit_scale) || t.logit_scale <= 0)
-    return absl::InvalidArgumentError(absl::StrCat("lm_head logit_scale ", t.logit_scale, ": must be finite and > 0"));
-  if (!std::isfinite(t.softcap) || t.softcap < 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("lm_head final_logit_softcapping ", t.softcap, ": must be finite and >= 0 (0: none)"));
+  LOGPROB_RETURN_IF_ERROR(
+      CheckLmHeadScalars(t.logit_scale, t.softcap, "lm_head logit_scale", "lm_head final_logit_softcapping"));
   const size_t want = t.has_bias ? static_cast<size_t>(slice.rows) : 0;
   if (slice.bias.size() != want)
     return absl::InvalidArgumentError(absl::StrCat("lm_head bias: ", slice.bias.size(), " elements for a slice of ",
