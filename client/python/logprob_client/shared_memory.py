@@ -50,7 +50,7 @@ import numpy as np
 
 from ._proto import pb2
 from .channel import Metadata
-from .errors import LogprobError
+from .errors import LogprobError, has_reason
 from .ops import Ops, Rpc, Work
 from .retry import error_of
 from .splitter import Input
@@ -119,6 +119,14 @@ def _copier() -> "concurrent.futures.ThreadPoolExecutor":
         if _COPIER is None:
             _COPIER = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="logprob-shm-copy")
         return _COPIER
+
+
+def _region_forgotten(e: LogprobError) -> bool:
+    """True when ``e`` says the server does not know the call's region
+    (NOT_FOUND with reason SHARED_MEMORY_REGION_NOT_REGISTERED): register
+    it again and resend. Another NOT_FOUND (an unknown head) is the call's
+    own answer."""
+    return e.code == grpc.StatusCode.NOT_FOUND and has_reason(e, pb2.SHARED_MEMORY_REGION_NOT_REGISTERED)
 
 
 def _aligned(n: int) -> int:
@@ -323,8 +331,9 @@ class SharedMemoryInputs:
                 tensors = yield Work(region.write, inputs, nbytes=nbytes)
                 return (yield from call(tensors, self.metadata))
             except LogprobError as e:
-                # The server forgot the region (idle session): register anew, once.
-                if e.code != grpc.StatusCode.NOT_FOUND or again:
+                # The server forgot the region (idle session): register anew,
+                # once. Any other error (a NOT_FOUND head too) is the call's.
+                if not _region_forgotten(e) or again:
                     raise
                 leased = False
                 yield from self._drop(region)
@@ -371,7 +380,7 @@ class SharedMemoryInputs:
                 try:
                     results[i] = yield from call(i, tensors, self.metadata)
                 except LogprobError as e:
-                    if e.code != grpc.StatusCode.NOT_FOUND:
+                    if not _region_forgotten(e):
                         raise
                     resume_at = i
                     break

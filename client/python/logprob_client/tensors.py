@@ -159,9 +159,7 @@ def float_array(name: str, x: Any, dtype: Any = None) -> Tuple[int, Array]:
     if kind == "u" and arr.dtype.itemsize == 2:
         if want == BF16:
             return BF16, arr.astype("<u2", copy=False)
-        raise TypeError(
-            "'%s' is a uint16 array: pass %s_dtype='bf16' if it holds raw bfloat16 bits" % (name, name)
-        )
+        raise TypeError("'%s' is a uint16 array: pass dtype='bf16' if it holds raw bfloat16 bits" % name)
     if kind != "f":
         raise TypeError("'%s' must be a float array (f32, bf16 or f16), got dtype %s" % (name, arr.dtype))
     if want is None:

@@ -662,6 +662,17 @@ class OfflineTest(unittest.TestCase):
                 c.score(logits=np.zeros((1, 4, 8)), input_ids=ids)  # float64, nothing sent
             self.assertIn("'logits' is float64", str(cm.exception))
             self.assertIn("dtype='f32'", str(cm.exception))
+            # A uint16 array: the error names the keyword score() takes,
+            # and that keyword does send it (as raw bf16 bits).
+            bits = np.zeros((1, 4, 8), dtype=np.uint16)
+            with self.assertRaises(TypeError) as cm:
+                c.score(logits=bits, input_ids=ids)
+            self.assertIn("pass dtype='bf16'", str(cm.exception))
+            self.assertNotIn("logits_dtype", str(cm.exception))
+            from logprob_client.tensors import BF16, float_array
+            wire, arr = float_array("logits", bits, dtype="bf16")
+            self.assertEqual(wire, BF16)
+            self.assertEqual(arr.dtype, np.dtype("<u2"))
             with self.assertRaises(TypeError) as cm:
                 c.score(logits=np.zeros((1, 4, 8), np.float32), input_ids=ids, entropyy=True)
             self.assertIn("score() got an unexpected keyword argument 'entropyy' (did you mean 'entropy'?)",

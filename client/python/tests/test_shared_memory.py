@@ -357,6 +357,28 @@ class StaleRegionsTest(unittest.TestCase):
             self.assertTrue(os.path.exists(live), live)
 
 
+class UnknownHeadTest(unittest.TestCase):
+    def test_an_unknown_head_through_shared_memory_is_answered_at_once(self):
+        # The shared-memory path registers its region again and resends only
+        # for a region the server forgot (reason
+        # SHARED_MEMORY_REGION_NOT_REGISTERED); an unknown head's NOT_FOUND is
+        # the call's answer, raised after one attempt (it said "NOT_FOUND
+        # after 2 attempts").
+        lm_head = os.path.join(support.GOLDEN_DIR, "hidden_bf16.lm_head.safetensors")
+        with Server(workers=1, extra=["--lm-head", lm_head]) as s, s.client() as c:
+            kwargs = Golden("hidden_bf16").score_kwargs()
+            c.score(**kwargs)  # through a region
+            self.assertIsNotNone(c._shm)
+            self.assertIsNone(c._shm.failed)
+            kwargs["head"] = "no-such-head"
+            with self.assertRaises(LogprobError) as cm:
+                c.score(**kwargs)
+            self.assertEqual(cm.exception.code, grpc.StatusCode.NOT_FOUND, cm.exception)
+            self.assertEqual(cm.exception.attempts, 1, cm.exception)
+            self.assertNotIn("attempts", str(cm.exception))
+            self.assertIn("no-such-head", str(cm.exception))
+
+
 class SharedMemoryOffTest(unittest.TestCase):
     def test_server_without_shared_memory_inputs_gets_inline_bytes(self):
         server = Server(workers=1, extra=["--shared-memory-inputs=false"])
