@@ -307,6 +307,27 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
         absl::StrCat("unknown command '", command, "' (expected health, score, bench, heads or update-lm-head)"));
   }
   std::set<std::string> given;
+  // Applies one flag of the command to *out (its errors name the command).
+  const auto apply = [&command](const std::string& flag, const std::string& value, CommandLine* out) {
+    absl::Status s;
+    switch (out->command) {
+      case CommandLine::Command::kHealth:
+        s = ApplyHealthFlag(flag, value, &out->health);
+        break;
+      case CommandLine::Command::kScore:
+        s = ApplyScoreFlag(flag, value, &out->score);
+        break;
+      case CommandLine::Command::kHeads:
+      case CommandLine::Command::kUpdateLmHead:
+        s = ApplyLmHeadFlag(flag, value, &out->lm_head);
+        if (!s.ok()) s = absl::InvalidArgumentError(absl::StrCat(command, ": ", s.message()));
+        break;
+      default:
+        s = ApplyBenchFlag(flag, value, &out->bench);
+        break;
+    }
+    return s;
+  };
 
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& arg = args[i];
@@ -321,29 +342,19 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
     } else if (IsSwitch(cl.command, flag)) {
       value = "true";
     } else {
+      // Nothing (or another flag) follows: a misspelled flag says so,
+      // rather than that it needs a value.
+      if (i + 1 >= args.size() || absl::StartsWith(args[i + 1], "--")) {
+        CommandLine scratch = cl;
+        const absl::Status probe = apply(flag, "", &scratch);
+        if (absl::StrContains(probe.message(), "unknown flag --")) return probe;
+      }
       if (i + 1 >= args.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("--", flag, " needs a value"));
+        return absl::InvalidArgumentError(absl::StrCat(command, ": --", flag, " needs a value"));
       }
       value = args[++i];
     }
-    absl::Status s;
-    switch (cl.command) {
-      case CommandLine::Command::kHealth:
-        s = ApplyHealthFlag(flag, value, &cl.health);
-        break;
-      case CommandLine::Command::kScore:
-        s = ApplyScoreFlag(flag, value, &cl.score);
-        break;
-      case CommandLine::Command::kHeads:
-      case CommandLine::Command::kUpdateLmHead:
-        s = ApplyLmHeadFlag(flag, value, &cl.lm_head);
-        if (!s.ok()) s = absl::InvalidArgumentError(absl::StrCat(command, ": ", s.message()));
-        break;
-      default:
-        s = ApplyBenchFlag(flag, value, &cl.bench);
-        break;
-    }
-    if (!s.ok()) return s;
+    if (absl::Status s = apply(flag, value, &cl); !s.ok()) return s;
     given.insert(flag);
   }
 

@@ -19,7 +19,8 @@ int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   absl::StatusOr<CommandLine> cl = logprob::client::ParseCommandLine(args);
   if (!cl.ok()) {
-    std::cerr << "error: " << cl.status().message() << "\n\n" << logprob::client::UsageText();
+    // The error alone: the usage is ~150 lines, which would bury it.
+    std::cerr << "error: " << cl.status().message() << "\n(logprob-client --help shows the usage)\n";
     return logprob::client::kExitBadInput;
   }
   switch (cl->command) {

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstring>
@@ -178,6 +179,24 @@ TEST(ClientCliVersion, ClientPrintsTheVersionAndWhetherTheBuildHasCuda) {
   const CommandResult r = RunClient("health --server 127.0.0.1:1 --version 1");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("health: unknown flag --version"), std::string::npos) << r.output;
+}
+
+// A misspelled flag is named as unknown (last on the line, or followed by
+// another flag), not as a flag that "needs a value"; a usage error is the
+// error and a pointer to --help, not buried under the usage.
+TEST(ClientCliUsage, AMisspelledFlagIsUnknownAndTheErrorIsNotBuried) {
+  for (const char* tail : {" --entropyy", " --entropyy --topk 5"}) {
+    const CommandResult r = RunClient(std::string("score --server 127.0.0.1:1 --input a --output b") + tail);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("error: score: unknown flag --entropyy"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("needs a value"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("logprob-client --help"), std::string::npos) << r.output;
+    EXPECT_LT(std::count(r.output.begin(), r.output.end(), '\n'), 4) << r.output;
+  }
+  // A known flag without its value still says so.
+  const CommandResult r = RunClient("score --server 127.0.0.1:1 --input a --output b --topk");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("score: --topk needs a value"), std::string::npos) << r.output;
 }
 
 // A server with two lm_heads, "policy" (the golden head, then updated to

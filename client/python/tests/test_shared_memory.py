@@ -125,7 +125,8 @@ class SharedMemoryTest(unittest.TestCase):
                 seen.append((i, ref.region, bool((got == i).all())))
                 del got
                 if i == 2 and [s[0] for s in seen].count(2) == 1:
-                    raise LogprobError(grpc.StatusCode.NOT_FOUND, "region forgotten (test)")
+                    raise LogprobError(grpc.StatusCode.NOT_FOUND, "region forgotten (test)",
+                                       reason=pb2.ErrorReason.Name(pb2.SHARED_MEMORY_REGION_NOT_REGISTERED))
                 return "put %d" % i
                 yield  # an operation (ops.py): a generator
 
