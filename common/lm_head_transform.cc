@@ -242,15 +242,24 @@ absl::StatusOr<LmHeadScalars> LmHeadScalarsFromConfig(std::string_view config_js
   return out;
 }
 
-absl::Status CheckLmHeadScalars(double logit_scale, double softcap, const std::string& scale_name,
-                                const std::string& softcap_name) {
+absl::Status CheckLogitScale(double logit_scale, const std::string& name) {
   if (!(logit_scale >= kMinLogitScale && logit_scale <= kMaxLogitScale))
     return absl::InvalidArgumentError(
-        absl::StrCat(scale_name, " ", logit_scale, ": must be in [", kMinLogitScale, ", ", kMaxLogitScale, "]"));
-  if (!(softcap == 0 || (softcap >= kMinLogitScale && softcap <= kMaxLogitScale)))
-    return absl::InvalidArgumentError(absl::StrCat(softcap_name, " ", softcap, ": must be 0 (none) or in [",
-                                                   kMinLogitScale, ", ", kMaxLogitScale, "]"));
+        absl::StrCat(name, " ", logit_scale, ": must be in [", kMinLogitScale, ", ", kMaxLogitScale, "]"));
   return absl::OkStatus();
+}
+
+absl::Status CheckSoftcap(double softcap, const std::string& name) {
+  if (!(softcap == 0 || (softcap >= kMinLogitScale && softcap <= kMaxLogitScale)))
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " ", softcap, ": must be 0 (none) or in [", kMinLogitScale, ", ", kMaxLogitScale, "]"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckLmHeadScalars(double logit_scale, double softcap, const std::string& scale_name,
+                                const std::string& softcap_name) {
+  LOGPROB_RETURN_IF_ERROR(CheckLogitScale(logit_scale, scale_name));
+  return CheckSoftcap(softcap, softcap_name);
 }
 
 }  // namespace logprob

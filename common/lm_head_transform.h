@@ -65,6 +65,9 @@ inline constexpr double kMaxLogitScale = 1e6;
 /// (flags, config.json, updates) and the workers apply.
 absl::Status CheckLmHeadScalars(double logit_scale, double softcap, const std::string& scale_name = "logit_scale",
                                 const std::string& softcap_name = "final_logit_softcapping");
+/// The two halves of CheckLmHeadScalars, for a value given alone (a flag).
+absl::Status CheckLogitScale(double logit_scale, const std::string& name);
+absl::Status CheckSoftcap(double softcap, const std::string& name);
 
 /// The scalars of a head and where each came from (for messages).
 struct LmHeadScalars {

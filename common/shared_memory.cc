@@ -123,9 +123,7 @@ bool InNestedPidNamespace() {
     }
   return false;
 }
-}  // namespace
 
-namespace {
 /// True when `path` (a region in /dev/shm) may belong to a live process:
 /// someone holds its flock (its creator, SharedRegion::Create), it was
 /// modified within the last minute (made a moment ago: its creator may not

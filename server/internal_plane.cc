@@ -1,14 +1,9 @@
 #include "server/internal_plane.h"
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/loopback.h"
 
 namespace logprob {
-
-bool IsLoopbackListen(const std::string& host_port) {
-  const std::string host = host_port.substr(0, host_port.rfind(':'));
-  return host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.");
-}
 
 absl::StatusOr<InternalPlane> ChooseInternalPlane(const std::string& secret_file, bool insecure, bool cluster,
                                                   const std::string& control_listen) {
@@ -30,7 +25,7 @@ absl::StatusOr<InternalPlane> ChooseInternalPlane(const std::string& secret_file
     plane.description =
         "internal plane authenticated by a pool secret made at start (handed to the local workers "
         "through a descriptor)";
-  } else if (IsLoopbackListen(control_listen)) {
+  } else if (IsLoopbackHost(control_listen.substr(0, control_listen.rfind(':')))) {
     plane.description = absl::StrCat(
         "WARNING: cluster mode without --internal-secret-file: the internal plane is unauthenticated; "
         "--control-listen ",

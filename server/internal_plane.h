@@ -38,7 +38,4 @@ struct InternalPlane {
 absl::StatusOr<InternalPlane> ChooseInternalPlane(const std::string& secret_file, bool insecure, bool cluster,
                                                   const std::string& control_listen);
 
-/// True when `host_port`'s host is 127.0.0.1, localhost or [::1].
-bool IsLoopbackListen(const std::string& host_port);
-
 }  // namespace logprob

@@ -32,6 +32,7 @@
 #include "common/lm_head_precision.h"
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
+#include "common/loopback.h"
 #include "common/malloc_tuning.h"
 #include "common/partition.h"
 #include "common/sha256.h"
@@ -217,7 +218,7 @@ absl::Status CheckClusterFlags(int external, bool workers_given, const std::stri
         "(e.g. 0.0.0.0:50052), not ",
         control_listen));
   const std::string host = control_listen.substr(0, colon);
-  if (host == "127.0.0.1" || host == "localhost" || host == "[::1]")
+  if (logprob::IsLoopbackHost(host))
     LogLine() << "logprob-server: --control-listen " << control_listen
               << " is loopback: only workers on this host can join (use 0.0.0.0:PORT for a cluster)";
   return absl::OkStatus();
@@ -485,7 +486,7 @@ int main(int argc, char** argv) {
       return absl::InvalidArgumentError(
           absl::StrCat(flag, " ", value, ": a number ", zero_ok ? ">= 0 (0: none)" : "> 0", " is needed"));
     *out = d;
-    return zero_ok ? logprob::CheckLmHeadScalars(1, d, "", flag) : logprob::CheckLmHeadScalars(d, 0, flag);
+    return zero_ok ? logprob::CheckSoftcap(d, flag) : logprob::CheckLogitScale(d, flag);
   };
   for (const absl::Status& st :
        {scalar_flag("--lm-head-logit-scale", absl::GetFlag(FLAGS_lm_head_logit_scale), false,

@@ -144,8 +144,8 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
   }
   LOGPROB_ASSIGN_OR_RETURN(v1::ScoreResponse resp, BuildResponse(job, *batch.plan, *batch.results, batch.row_begin));
   resp.set_id(req.id());
-  if (job.lm_head) LOGPROB_RETURN_IF_ERROR(CheckFiniteHiddenOutputs(resp, job.out_shape, *job.lm_head));
   if (job.lm_head) {
+    LOGPROB_RETURN_IF_ERROR(CheckFiniteHiddenOutputs(resp, job.out_shape, *job.lm_head));
     resp.set_head(job.lm_head->head);
     resp.set_head_version(job.lm_head->version);
   }

@@ -309,6 +309,16 @@ LmHeadSlice RandomSlice(int64_t rows, int64_t H, uint32_t seed) {
   return s;
 }
 
+/// RandomSlice with a bias, a multiplier of 40 and a softcap of 30 (logits
+/// of std ~30: the softcap matters).
+LmHeadSlice TransformedSlice(int64_t rows, int64_t H, uint32_t seed) {
+  LmHeadSlice slice = RandomSlice(rows, H, seed);
+  slice.transform = LmHeadTransform{true, 40.0, 30.0};
+  slice.bias.resize(rows);
+  for (int64_t n = 0; n < rows; ++n) slice.bias[n] = 0.01f * static_cast<float>(n % 97) - 0.5f;
+  return slice;
+}
+
 TEST(CudaHidden, AReleasedVersionsDeviceBufferTakesTheNextVersionOfItsSize) {
   // Issue 34: no cudaMalloc per version. Version 2 is loaded into the buffer
   // version 1 left, and scores with its own weights (the CPU's logits).
@@ -507,10 +517,7 @@ TEST(CudaHidden, FusedGemmAndPartialsMatchTheCpuPath) {
 TEST(CudaHidden, TheHeadTransformMatchesTheCpuPath) {
   SKIP_WITHOUT_GPU();
   const int64_t N = 3000, H = 256, M = 40;
-  LmHeadSlice slice = RandomSlice(N, H, 19);
-  slice.transform = LmHeadTransform{true, 40.0, 30.0};  // logits of std ~30: the softcap matters
-  slice.bias.resize(N);
-  for (int64_t n = 0; n < N; ++n) slice.bias[n] = 0.01f * static_cast<float>(n % 97) - 0.5f;
+  const LmHeadSlice slice = TransformedSlice(N, H, 19);
   auto gpu = cuda::CudaBackend::Create(0);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   auto gw = (*gpu)->LoadLmHead(slice, LmHeadPrecision::kAuto);
@@ -993,10 +1000,7 @@ TEST(CudaHidden, Fp32Tf32AndBf16PrecisionsMatchFloat64) {
 TEST(CudaHidden, AStaleErrorBeforeATransformedGemmIsNotItsFailure) {
   SKIP_WITHOUT_GPU();
   const int64_t N = 3000, H = 256, M = 40;
-  LmHeadSlice slice = RandomSlice(N, H, 19);
-  slice.transform = LmHeadTransform{true, 40.0, 30.0};
-  slice.bias.resize(N);
-  for (int64_t n = 0; n < N; ++n) slice.bias[n] = 0.01f * static_cast<float>(n % 97) - 0.5f;
+  const LmHeadSlice slice = TransformedSlice(N, H, 19);
   auto gpu = cuda::CudaBackend::Create(0);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   auto gw = (*gpu)->LoadLmHead(slice, LmHeadPrecision::kAuto);

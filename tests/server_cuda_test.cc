@@ -87,20 +87,7 @@ TEST(CudaGoldenNccl, EveryGoldenCaseMatchesWithNcclOnOneRank) {
 // (tests/data/golden/make_head_transforms.py), on 1 and 2 CUDA workers.
 TEST(CudaHeadTransformGolden, TransformersForwardPassesOnTheGpu) {
   if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
-  for (const std::string& name : TransformGoldenNames()) {
-    const GoldenCase c = LoadGolden(name);
-    for (int workers : {1, 2}) {
-      SCOPED_TRACE(name + ", " + std::to_string(workers) + " workers");
-      auto server = ServerProcess::Start(
-          workers, {"--backend", "cuda", "--comm", "gloo", "--parallelism", "vocab", "--lm-head", GoldenLmHead(c)});
-      ASSERT_TRUE(server);
-      auto stub = server->NewStub();
-      v1::ScoreResponse resp;
-      const grpc::Status st = ScoreGolden(*stub, c, &resp);
-      ASSERT_TRUE(st.ok()) << st.error_message();
-      EXPECT_EQ(CompareOutputs(c.expected.tensors, {resp.outputs().begin(), resp.outputs().end()}), "");
-    }
-  }
+  ExpectTransformGoldensMatch({"--backend", "cuda", "--comm", "gloo"});
 }
 
 /// A device allocation of this process holding `bytes` at offset

@@ -328,6 +328,25 @@ std::string GoldenLmHead(const GoldenCase& c) {
   return it == c.inputs.metadata.end() ? "" : GoldenDir() + "/" + it->second;
 }
 
+void ExpectTransformGoldensMatch(const std::vector<std::string>& extra) {
+  for (const std::string& name : TransformGoldenNames()) {
+    const GoldenCase c = LoadGolden(name);
+    ASSERT_FALSE(GoldenLmHead(c).empty()) << name;
+    for (int workers : {1, 2}) {
+      SCOPED_TRACE(name + ", " + std::to_string(workers) + " workers");
+      std::vector<std::string> flags = extra;
+      flags.insert(flags.end(), {"--parallelism", "vocab", "--lm-head", GoldenLmHead(c)});
+      auto server = ServerProcess::Start(workers, flags);
+      ASSERT_TRUE(server);
+      auto stub = server->NewStub();
+      v1::ScoreResponse resp;
+      const grpc::Status st = ScoreGolden(*stub, c, &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      EXPECT_EQ(CompareOutputs(c.expected.tensors, {resp.outputs().begin(), resp.outputs().end()}), "");
+    }
+  }
+}
+
 std::string CliOptionFlags(const GoldenCase& c) {
   std::string f;
   const auto& o = c.options;

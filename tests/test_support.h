@@ -167,6 +167,10 @@ std::vector<std::string> TransformGoldenNames();
 /// metadata "lm_head", under GoldenDir(): a file, or a checkpoint directory
 /// with config.json); "" when it names none.
 std::string GoldenLmHead(const GoldenCase& c);
+/// Scores every TransformGoldenNames case on a server of 1 and then 2
+/// workers (`logprob-server --parallelism vocab --lm-head GoldenLmHead(c)`
+/// plus `extra` flags) and expects its golden outputs (CompareOutputs).
+void ExpectTransformGoldensMatch(const std::vector<std::string>& extra);
 /// The ScoreRequest of a golden case (all its input tensors).
 v1::ScoreRequest GoldenRequest(const GoldenCase& c);
 

@@ -38,6 +38,7 @@
 #include "common/keepalive.h"
 #include "common/lm_head_precision.h"
 #include "common/log_line.h"
+#include "common/loopback.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
 #include "common/version.h"
@@ -157,9 +158,7 @@ absl::StatusOr<logprob::InternalAuth> ChooseAuth(const std::string& advertise_ho
     if (!secret.ok()) return secret.status();
     return logprob::InternalAuth(*secret);
   }
-  const bool loopback = advertise_host == "localhost" || advertise_host == "::1" || advertise_host == "[::1]" ||
-                        advertise_host.rfind("127.", 0) == 0;
-  if (!insecure && !loopback)
+  if (!insecure && !logprob::IsLoopbackHost(advertise_host))
     return absl::InvalidArgumentError(
         "serving the Worker service on " + advertise_host +
         " (beyond loopback) needs --internal-secret-file (the front-end's) so that only the pool calls it; "

@@ -90,9 +90,10 @@ grpc::Status WorkerService::Run(grpc::ServerContext* ctx, const internal::v1::Wo
   if (grpc::Status st = admission_.auth.Check(*ctx, "Worker.Run"); !st.ok()) return st;
   // An item the front-end did not plan for this generation (a forged or a
   // stale one) is refused before any payload is opened or collective run.
-  if (admission_.generation >= 0 && Generation(*ctx) != admission_.generation)
+  if (const std::optional<int64_t> generation = Generation(*ctx);
+      admission_.generation >= 0 && generation != admission_.generation)
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("work item of pool generation ", Generation(*ctx).value_or(-1),
+                        absl::StrCat("work item of pool generation ", generation.value_or(-1),
                                      "; this worker belongs to generation ", admission_.generation));
   grpc::Status st = RunItem(ctx, item, result);
   // A broken device (a sticky CUDA error, here or in an earlier item)
