@@ -69,7 +69,8 @@ absl::StatusOr<PoolSecret> PoolSecret::Parse(const std::string& text, const std:
 
 absl::StatusOr<PoolSecret> PoolSecret::FromFile(const std::string& path) {
   const std::string where = "--internal-secret-file " + path;
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
+  // O_NONBLOCK: a FIFO at the path is refused below, never waited on.
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   if (fd < 0) return absl::InvalidArgumentError(absl::StrCat(where, ": cannot open: ", std::strerror(errno)));
   struct stat st {};
   absl::StatusOr<std::string> text;

@@ -82,6 +82,14 @@ TEST(PoolSecret, AFileIsReadTrimmedOnlyWhenOtherUsersCannotReadItAndIsNeverEchoe
     EXPECT_EQ(st.message().find("tooshort"), std::string::npos) << st;
   }
   EXPECT_FALSE(PoolSecret::FromFile(::testing::TempDir() + "/no_such_secret").ok());
+  // A FIFO is refused at once (nobody writes it: opening it must not wait).
+  const std::string fifo = ::testing::TempDir() + "/secret_fifo." + std::to_string(getpid());
+  std::remove(fifo.c_str());
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const auto from_fifo = PoolSecret::FromFile(fifo);
+  EXPECT_EQ(from_fifo.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(from_fifo.status().message().find("not a regular file"), std::string::npos) << from_fifo.status();
+  std::remove(fifo.c_str());
 }
 
 TEST(PoolSecret, AnInheritableDescriptorCarriesTheSecretAndIsSealed) {
