@@ -267,7 +267,7 @@ void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, c
   if (observers_.on_end) observers_.on_end(u->head, outcome, seconds, u->bytes);
 }
 
-absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdateRequest& req) {
+absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdateRequest& req, absl::Time deadline) {
   if (!options_.allowed)
     return WithReason(absl::FailedPreconditionError("lm_head updates are off on this server (start it with "
                                                     "--allow-lm-head-updates)"),
@@ -342,18 +342,34 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   std::optional<std::shared_future<std::string>> taken;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, o] : open_)
-      if (o->head == req.head()) {
+    for (;;) {
+      std::shared_ptr<Update> same_bytes;  // another caller's open update of exactly this version and sha256
+      for (const auto& [id, o] : open_) {
+        if (o->head != req.head()) continue;
         // The opener's retry (its first answer was lost): the same update.
         if (!o->client_token.empty() && o->client_token == req.client_token() && o->version == req.version() &&
             o->expected_sha256 == sha)
           return o->Proto();
+        if (!sha.empty() && o->version == req.version() && o->expected_sha256 == sha) {
+          same_bytes = o;
+          break;
+        }
         // Never the id: it is the capability to put, commit and abort.
         return absl::FailedPreconditionError(absl::StrCat(
             "lm_head \"", req.head(), "\" has an open update (to version \"", o->version, "\", opened ",
             static_cast<int64_t>(std::chrono::duration<double>(Clock::now() - o->begun).count()),
             " s ago): its opener must commit or abort it, or it times out after --lm-head-update-timeout"));
       }
+      if (!same_bytes) break;
+      // Several ranks pushing the same weight as the same version: one
+      // uploads, the others wait for its outcome (committed: the no-op
+      // answer below; aborted: this caller opens the update itself).
+      while (!same_bytes->ended)
+        if (cv_.WaitWithDeadline(&mu_, deadline) && !same_bytes->ended)
+          return absl::DeadlineExceededError(
+              absl::StrCat("lm_head \"", req.head(), "\": another caller's update to version \"", req.version(),
+                           "\" with this sha256 is still open; its outcome is this call's answer (retry)"));
+    }
     // Checked again with the open updates under one lock: a concurrent
     // Begin of this name either committed (taken) or is still open.
     taken = heads_->Taken(req.head(), req.version());

@@ -26,6 +26,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "logprob/v1/logprob.pb.h"
 #include "server/input_source.h"
@@ -141,7 +142,11 @@ class LmHeadUpdates {
   /// version and age, never its id: the id is the capability to put,
   /// commit and abort), unless the request repeats that update's version,
   /// sha256 and client_token (a retried Begin: the open update is the
-  /// answer); INVALID_ARGUMENT for a malformed client_token; ALREADY_EXISTS
+  /// answer), or repeats its version and (non-empty) sha256 with another
+  /// client_token (several ranks pushing the same weight): then it waits
+  /// until that update ends, up to `deadline` (DEADLINE_EXCEEDED after),
+  /// and answers already_committed when it was committed, or opens its
+  /// own update when it was aborted; INVALID_ARGUMENT for a malformed client_token; ALREADY_EXISTS
   /// when the version is held with another (or no given) sha256;
   /// RESOURCE_EXHAUSTED over memory_bytes; INTERNAL when the store file
   /// cannot be made. A version held with the same sha256 gives
@@ -152,7 +157,8 @@ class LmHeadUpdates {
   /// written to a file of its own beside its weight
   /// (`<stem>.bias.safetensors`, removed on abort and when the version is
   /// released); one from the head's start-up checkpoint is read there.
-  absl::StatusOr<v1::LmHeadUpdate> Begin(const v1::BeginLmHeadUpdateRequest& req) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::LmHeadUpdate> Begin(const v1::BeginLmHeadUpdateRequest& req,
+                                         absl::Time deadline = absl::InfiniteFuture()) ABSL_LOCKS_EXCLUDED(mu_);
 
   /// The one entry point of a put (PutLmHeadRows): rows [row_begin,
   /// row_begin + n) of update `put.update_id` from `put.rows` ([n, H] of the

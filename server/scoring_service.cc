@@ -314,7 +314,7 @@ grpc::Status ScoringService::BeginLmHeadUpdate(grpc::ServerContext* context, con
                                                v1::LmHeadUpdate* resp) {
   return UpdateCall<v1::LmHeadUpdate>(
       context, "BeginLmHeadUpdate", absl::StrCat("head=", req->head(), " version=", req->version()),
-      [req](LmHeadUpdates& u) { return u.Begin(*req); }, resp);
+      [req, context](LmHeadUpdates& u) { return u.Begin(*req, absl::FromChrono(context->deadline())); }, resp);
 }
 
 grpc::Status ScoringService::CommitLmHeadUpdate(grpc::ServerContext* context, const v1::LmHeadUpdateRef* req,

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/confined_file.h"
@@ -562,6 +563,75 @@ TEST_F(LmHeadUpdatesTest, ConcurrentBeginsOfOneVersionCommitItOnce) {
   for (const auto& v : info.retained_versions()) ++seen[v];
   for (const auto& [v, n] : seen) EXPECT_EQ(n, 1) << v;
   EXPECT_EQ(info.retained_versions_size(), kRounds + 1);
+}
+
+TEST_F(LmHeadUpdatesTest, RanksPushingTheSameWeightAsOneVersionUploadItOnceAndAllGetIt) {
+  LmHeads::Options ho;
+  ho.retain = 64;
+  LmHeads heads(ho);
+  ASSERT_TRUE(heads.Add(*heads_.Bind("default", "").value()).ok());
+  const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads);
+  constexpr int kThreads = 4, kRounds = 8;
+  for (int round = 0; round < kRounds; ++round) {
+    const std::string version = "step-" + std::to_string(round);
+    const std::string rows = Rows(0, kV, static_cast<float>(round));  // every rank: the same bytes
+    std::atomic<int> uploads{0}, joined{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t)
+      threads.emplace_back([&, t] {
+        v1::BeginLmHeadUpdateRequest b = Begin(version);
+        b.set_sha256(Sha256Hex(rows));
+        b.set_client_token(absl::StrCat("rank-token-0000000", t));  // each rank its own
+        auto opened = updates->Begin(b);
+        ASSERT_TRUE(opened.ok()) << "rank " << t << ": " << opened.status();
+        if (opened->already_committed()) {
+          ++joined;
+          return;
+        }
+        ++uploads;
+        ASSERT_TRUE(updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows)).ok());
+        ASSERT_TRUE(updates->Commit(opened->update_id()).ok());
+      });
+    for (std::thread& th : threads) th.join();
+    EXPECT_EQ(uploads.load(), 1) << version;
+    EXPECT_EQ(joined.load(), kThreads - 1) << version;
+    EXPECT_EQ(heads.Find("default", version)->sha256.get(), Sha256Hex(rows)) << version;
+  }
+  EXPECT_EQ(heads.List()[0].retained_versions_size(), kRounds + 1);
+}
+
+TEST_F(LmHeadUpdatesTest, ABeginWaitingForAnotherRanksUploadAnswersItsOutcome) {
+  const std::unique_ptr<LmHeadUpdates> updates = Make();
+  const std::string rows = Rows(0, kV, 7.0f);
+  v1::BeginLmHeadUpdateRequest first = Begin("v2");
+  first.set_sha256(Sha256Hex(rows));
+  first.set_client_token("first-rank-token-0000");
+  v1::BeginLmHeadUpdateRequest second = first;
+  second.set_client_token("second-rank-token-000");
+  auto opened = updates->Begin(first);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  // It waits for the open update (not FAILED_PRECONDITION), up to its deadline.
+  auto late = updates->Begin(second, absl::Now());
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  // Other bytes under the same name are still refused at once.
+  v1::BeginLmHeadUpdateRequest other = second;
+  other.set_sha256(Sha256Hex(Rows(0, kV, 8.0f)));
+  EXPECT_EQ(updates->Begin(other).status().code(), absl::StatusCode::kFailedPrecondition);
+  // The opener aborts: the waiting rank opens the update itself.
+  std::thread aborter([&] { ASSERT_TRUE(updates->Abort(opened->update_id()).ok()); });
+  auto own = updates->Begin(second);
+  aborter.join();
+  ASSERT_TRUE(own.ok()) << own.status();
+  ASSERT_FALSE(own->already_committed());
+  ASSERT_NE(own->update_id(), opened->update_id());
+  // Its commit answers the first rank's retry with already_committed.
+  ASSERT_TRUE(updates->PutRows(own->update_id(), 0, kV, v1::F32, kH, *MemorySource(rows)).ok());
+  std::thread committer([&] { ASSERT_TRUE(updates->Commit(own->update_id()).ok()); });
+  first.set_client_token("first-rank-token-0001");
+  auto after = updates->Begin(first);
+  committer.join();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(after->already_committed());
 }
 
 TEST_F(LmHeadUpdatesTest, AnUpdateBelongsToItsOpenerAndABeginRetriedWithItsTokenGetsTheSameUpdate) {
