@@ -135,6 +135,7 @@ void CallOnce(const Target& target, const v1::ScoreRequest& request, double time
     grpc::ClientContext context;
     SetTimeout(&context, timeout_seconds);
     if (target.shm != nullptr) target.shm->Attach(&context);
+    AnnounceRequestBytes(&context, request);
     v1::ScoreResponse reply;
     status = FromGrpc(target.stub->Score(&context, request, &reply));
   }
@@ -310,6 +311,7 @@ int RunBench(const BenchArgs& args) {
       grpc::ClientContext context;
       SetTimeout(&context, args.timeout_seconds);
       if (shm) shm->Attach(&context);
+      AnnounceRequestBytes(&context, scored);
       probe = v1::ScoreResponse();
       if (const grpc::Status s = stub->Score(&context, scored, &*probe); !s.ok()) probe = FromGrpc(s);
     }

@@ -16,6 +16,7 @@
 #include "client/health_check.h"
 #include "client/summary.h"
 #include "common/grpc_status.h"
+#include "common/request_bytes.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
@@ -40,6 +41,10 @@ std::string MakeRequestId() {
 }  // namespace
 
 void PrintError(const absl::Status& status) { std::cerr << "error: " << status.ToString() << std::endl; }
+
+void AnnounceRequestBytes(grpc::ClientContext* context, const v1::ScoreRequest& request) {
+  context->AddMetadata(kRequestBytesMetadataKey, std::to_string(request.ByteSizeLong()));
+}
 
 void SetTimeout(grpc::ClientContext* context, double seconds) {
   if (seconds <= 0) return;
@@ -108,6 +113,7 @@ absl::StatusOr<v1::ScoreResponse> ScoreInParts(v1::LogprobService::StubInterface
         LOGPROB_RETURN_IF_ERROR(shm->Place(&parts[i]));
         shm->Attach(&context);
       }
+      AnnounceRequestBytes(&context, parts[i]);
       s = FromGrpc(stub.Score(&context, parts[i], &responses[i]));
     }
     if (!s.ok()) {

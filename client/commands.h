@@ -35,6 +35,11 @@ void PrintError(const absl::Status& status);
 /// Sets a deadline `seconds` from now on `context`; nothing when <= 0.
 void SetTimeout(grpc::ClientContext* context, double seconds);
 
+/// Announces `request`'s serialized size on a unary Score call's `context`
+/// (metadata logprob-request-bytes: common/request_bytes.h), so the server
+/// admits it before reading its body instead of reserving its largest size.
+void AnnounceRequestBytes(grpc::ClientContext* context, const v1::ScoreRequest& request);
+
 /// The channel to `server` with `options` (MakeChannel), warning on stderr
 /// when a bearer token would travel without TLS; null after printing the
 /// error when a TLS or token file cannot be used.

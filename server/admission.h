@@ -23,12 +23,17 @@ class Admission {
   Admission(int64_t max_tokens, int64_t max_bytes, Observer observer = {})
       : max_tokens_(max_tokens), max_bytes_(max_bytes), observer_(std::move(observer)) {}
 
-  /// Holds one request's share until destroyed.
+  /// Holds one request's share until destroyed (empty when
+  /// default-constructed or moved from: holds nothing).
   class Ticket {
    public:
+    Ticket() : owner_(nullptr), tokens_(0), bytes_(0) {}
     Ticket(Ticket&& o) noexcept : owner_(o.owner_), tokens_(o.tokens_), bytes_(o.bytes_) { o.owner_ = nullptr; }
+    Ticket& operator=(Ticket&& o) noexcept;
     Ticket(const Ticket&) = delete;
     ~Ticket();
+    bool empty() const { return owner_ == nullptr; }
+    int64_t bytes() const { return owner_ ? bytes_ : 0; }
 
    private:
     friend class Admission;
@@ -43,9 +48,13 @@ class Admission {
   /// when nothing else is in flight (per-request limits are separate).
   absl::StatusOr<Ticket> Admit(int64_t tokens, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
-  /// True when Admit(tokens, bytes) would now succeed on bytes alone (a
-  /// check before a request is parsed; Admit decides).
-  bool Fits(int64_t bytes) const ABSL_LOCKS_EXCLUDED(mu_);
+  /// Sets what `*ticket` holds to `tokens` and `bytes`: Admit's rule for
+  /// what it adds (an empty ticket is admitted as a new request; one alone
+  /// in flight may grow over a limit), never refused for what it gives
+  /// back. A request's bytes reserved before its body was read (the
+  /// announced or largest size) become its actual size, then its share.
+  /// RESOURCE_EXHAUSTED as Admit's, the ticket unchanged.
+  absl::Status Resize(Ticket* ticket, int64_t tokens, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
   int64_t tokens() const ABSL_LOCKS_EXCLUDED(mu_);  // admitted, not yet released
   int64_t bytes() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -58,6 +67,8 @@ class Admission {
   int64_t tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t requests_ ABSL_GUARDED_BY(mu_) = 0;
+
+  absl::Status Refusal(int64_t tokens, int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace logprob

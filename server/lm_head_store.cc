@@ -54,6 +54,14 @@ std::string LmHeadStore::NewStem(const std::string& head) {
   return absl::StrCat(dir_, "/", head, "-", next_file_++);
 }
 
+bool LmHeadStore::IsOwn(const std::string& file) const { return absl::StartsWith(file, dir_ + "/"); }
+
+bool LmHeadStore::HasSpare(const std::string& head) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = spares_.find(head);
+  return it != spares_.end() && !it->second.empty();
+}
+
 bool LmHeadStore::IsOwnBias(const std::string& file) const {
   return absl::StartsWith(file, dir_ + "/") && absl::EndsWith(file, kStoreBiasSuffix);
 }

@@ -57,6 +57,11 @@ class LmHeadStore {
   /// (`.partial` while staged) and `<stem>.bias.safetensors`.
   std::string NewStem(const std::string& head) ABSL_LOCKS_EXCLUDED(mu_);
 
+  /// True when `file` is in this store (a committed or staged version's).
+  bool IsOwn(const std::string& file) const;
+  /// True when a released file of `head` waits for its next update.
+  bool HasSpare(const std::string& head) const ABSL_LOCKS_EXCLUDED(mu_);
+
   /// True when `file` is a version's own bias file in this store
   /// (`<stem>.bias.safetensors`: removed with that version).
   bool IsOwnBias(const std::string& file) const;
@@ -109,7 +114,7 @@ class LmHeadStore {
 
   const std::string dir_;
   const std::chrono::steady_clock::duration spare_idle_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   int64_t next_file_ ABSL_GUARDED_BY(mu_) = 0;
   struct Spare {
     std::string path;

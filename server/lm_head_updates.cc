@@ -331,6 +331,20 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
                      " staged), over --lm-head-memory-bytes ", options_.memory_bytes,
                      "; lower --lm-head-retain or wait for pinned requests of old versions to end"));
 
+  // The store's part of the memory bound: a new file only while the head's
+  // files stay within it (a spare is reused, not added).
+  if (options_.store_files_per_head > 0 && !store_.HasSpare(req.head())) {
+    int64_t in_store = 0;
+    for (const internal::v1::LmHeadLoad& v : heads_->Alive())
+      in_store += v.head().name() == req.head() && store_.IsOwn(v.source().file());
+    if (in_store + 1 > options_.store_files_per_head)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "lm_head update: head \"", req.head(), "\" has ", in_store,
+          " versions in the store (retained, or released and still pinned by requests in flight); another "
+          "file would exceed the memory bound's ",
+          options_.store_files_per_head, " (--lm-head-retain + 3): retry once those requests are answered"));
+  }
+
   auto u = std::make_shared<Update>();
   u->id = RandomId();
   u->head = req.head();

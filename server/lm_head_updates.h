@@ -122,6 +122,12 @@ class LmHeadUpdates {
     // (its call is ended: LmHeadPutIo::cancel).
     std::chrono::milliseconds timeout{300000};
     int64_t memory_bytes = 0;  // per worker, every held version plus the staged one; 0: no cap
+    /// The most store files one head may have: its versions alive in the
+    /// store (retained, or released and still pinned by requests in
+    /// flight), its staged update and its spares. --lm-head-retain + 3,
+    /// what the memory bound counts (server/memory_bound.h
+    /// LmHeadStoreBytes); 0: no cap.
+    int store_files_per_head = 0;
   };
 
   /// `heads` and the callbacks outlive this; `releases` is the queue
@@ -148,7 +154,9 @@ class LmHeadUpdates {
   /// and answers already_committed when it was committed, or opens its
   /// own update when it was aborted; INVALID_ARGUMENT for a malformed client_token; ALREADY_EXISTS
   /// when the version is held with another (or no given) sha256;
-  /// RESOURCE_EXHAUSTED over memory_bytes; INTERNAL when the store file
+  /// RESOURCE_EXHAUSTED over memory_bytes, or when a new store file would
+  /// take the head over store_files_per_head (released versions still
+  /// pinned by requests in flight: retry once they are answered); INTERNAL when the store file
   /// cannot be made. A version held with the same sha256 gives
   /// already_committed and opens nothing.
   /// The new version's transform is the head's, with the request's

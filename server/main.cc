@@ -607,6 +607,7 @@ int main(int argc, char** argv) {
   update_options.store_dir = lm_head_store_dir;
   update_options.timeout = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_lm_head_update_timeout));
   update_options.memory_bytes = absl::GetFlag(FLAGS_lm_head_memory_bytes);
+  update_options.store_files_per_head = logprob::LmHeadStoreFiles(retain);
   logprob::LmHeadWorkers update_workers;
   update_workers.load = [&pool](const logprob::internal::v1::LmHeadLoad& load) { return pool.LoadLmHead(load); };
   update_workers.serving = [&pool](int64_t generation) { return pool.Serving(generation); };

@@ -36,7 +36,7 @@ FrontendMemoryBound ComputeFrontendMemoryBound(const FrontendMemoryLimits& limit
 int64_t LmHeadStoreBytes(int64_t weight_bytes, int retain) {
   constexpr int64_t kPage = 4096;
   const int64_t file = (weight_bytes + kPage - 1) / kPage * kPage + kPage;
-  return file * (retain + 3);
+  return file * LmHeadStoreFiles(retain);
 }
 
 }  // namespace logprob

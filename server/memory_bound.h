@@ -26,6 +26,10 @@ struct FrontendMemoryLimits {
 /// header: weight_bytes' pages x (retain + 3).
 int64_t LmHeadStoreBytes(int64_t weight_bytes, int retain);
 
+/// The store files LmHeadStoreBytes counts for one head: retain + 3. The
+/// update protocol holds a head to it (LmHeadUpdates::Options).
+inline int LmHeadStoreFiles(int retain) { return retain + 3; }
+
 /// Upper bound of the front-end's resident memory (VmRSS, anonymous plus
 /// the /dev/shm pages it maps), by part, bytes:
 ///   base            fixed: code, gRPC's threads and buffers, the registries;

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "common/malloc_tuning.h"
@@ -85,22 +86,29 @@ grpc::Status ReadRequestMessage(grpc::ServerReaderWriter<Resp, RawMessage>* stre
 /// A handler serving the unary method `fn` of `service` (named `method`)
 /// with the request parsed by ParseRequest: a malformed request, or none,
 /// is answered by `service->Refused(context, method, status)` (which logs
-/// and counts it, and returns the status to send) without calling `fn`;
-/// so is a request `service->Receive(context, method, bytes)` refuses once
-/// its `bytes` have arrived, before they are parsed (a full queue).
-/// Install it in the service's constructor with
-/// `MarkMethodStreamed(index, NewParsedUnaryHandler(...))` (gRPC owns it).
+/// and counts it, and returns the status to send) without calling `fn`.
+/// Before the request's body is read, `service->Reserve(context, method,
+/// &receipt)` may refuse it (a full queue: the body is never read, only
+/// what HTTP/2 flow control lets the client send ahead); once it arrived,
+/// `service->Received(context, method, &receipt, bytes)` may (more bytes
+/// than reserved). `receipt` (a `Service::Receipt`) lives until the answer
+/// is written, and is passed to `fn` when it takes one. Install it in the
+/// service's constructor with `MarkMethodStreamed(index,
+/// NewParsedUnaryHandler(...))` (gRPC owns it).
 template <class Service, class Req, class Resp>
-grpc::internal::MethodHandler* NewParsedUnaryHandler(Service* service, const char* method,
-                                                     grpc::Status (Service::*fn)(grpc::ServerContext*, const Req*,
-                                                                                 Resp*)) {
+grpc::internal::MethodHandler* NewParsedUnaryHandler(
+    Service* service, const char* method,
+    std::function<grpc::Status(Service*, grpc::ServerContext*, const Req*, Resp*, typename Service::Receipt*)> fn) {
   return new grpc::internal::BidiStreamingHandler<Service, RawMessage, Resp>(
       [method, fn](Service* s, grpc::ServerContext* context, grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
+        typename Service::Receipt receipt;  // outlives the request's buffers, declared below
+        if (grpc::Status st = s->Reserve(context, method, &receipt); !st.ok()) return s->Refused(context, method, st);
         RawMessage raw;
         if (grpc::Status st = ReadRequestMessage(stream, method, &raw); !st.ok())
           return s->Refused(context, method, st);
         const size_t bytes = raw.buffer.Length();
-        if (grpc::Status st = s->Receive(context, method, bytes); !st.ok()) return s->Refused(context, method, st);
+        if (grpc::Status st = s->Received(context, method, &receipt, bytes); !st.ok())
+          return s->Refused(context, method, st);
         const bool large = bytes >= kTrimAroundBytes;
         if (large) TrimKeptFreedMemory();
         grpc::Status st;
@@ -108,7 +116,7 @@ grpc::internal::MethodHandler* NewParsedUnaryHandler(Service* service, const cha
           Req req;
           if (st = ParseRequest(&raw, &req, method, "the request"); !st.ok()) return s->Refused(context, method, st);
           Resp resp;
-          st = (s->*fn)(context, &req, &resp);
+          st = fn(s, context, &req, &resp, &receipt);
           if (st.ok() && !stream->Write(resp, grpc::WriteOptions().set_last_message()))
             st = grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
         }
@@ -116,6 +124,18 @@ grpc::internal::MethodHandler* NewParsedUnaryHandler(Service* service, const cha
         return st;
       },
       service);
+}
+
+/// NewParsedUnaryHandler for a method that does not take the receipt.
+template <class Service, class Req, class Resp>
+grpc::internal::MethodHandler* NewParsedUnaryHandler(Service* service, const char* method,
+                                                     grpc::Status (Service::*fn)(grpc::ServerContext*, const Req*,
+                                                                                 Resp*)) {
+  return NewParsedUnaryHandler<Service, Req, Resp>(
+      service, method,
+      [fn](Service* s, grpc::ServerContext* context, const Req* req, Resp* resp, typename Service::Receipt*) {
+        return (s->*fn)(context, req, resp);
+      });
 }
 
 /// A handler serving the server-streaming method `fn` of `service` (named

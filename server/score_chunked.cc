@@ -22,20 +22,17 @@ using Stream = chunked::ServerStream;
 }  // namespace
 
 absl::Status ScoringService::ReceiveChunked(grpc::ServerContext* context, Stream* stream, v1::ScoreRequest* req,
-                                            std::vector<int>* pooled) {
-  // The bytes count as admitted work while they arrive (backpressure);
-  // ScoreOne admits the assembled request again once this ticket is gone.
-  std::optional<Admission::Ticket> ticket;
+                                            std::vector<int>* pooled, Receipt* received) {
+  // The bytes count as admitted work from the announcement on
+  // (backpressure); ScoreOne admits the assembled request into the same
+  // ticket, so they count once until the answer.
   auto admit = [&](const v1::ScoreRequest& header, int64_t pending) -> absl::Status {
     const int64_t total = static_cast<int64_t>(header.ByteSizeLong()) + pending;
     if (total > core_.config().max_request_bytes)
       return absl::ResourceExhaustedError(
           absl::StrCat("chunked request ", header.id(), " announces ", total, " bytes (", pending,
                        " in pieces), over the server's max_request_bytes ", core_.config().max_request_bytes));
-    absl::StatusOr<Admission::Ticket> t = core_.admission().Admit(0, total);
-    if (!t.ok()) return t.status();
-    ticket.emplace(*std::move(t));
-    return absl::OkStatus();
+    return core_.admission().Resize(received, 0, total);
   };
   return chunked::ReadChunkedRequest([stream](chunked::IncomingPart* in) { return stream->Read(in); },
                                      [context] { return CallEnded(context); }, admit,
@@ -44,15 +41,16 @@ absl::Status ScoringService::ReceiveChunked(grpc::ServerContext* context, Stream
 
 grpc::Status ScoringService::ServeChunked(grpc::ServerContext* context, Stream* stream) {
   if (grpc::Status st = Authorize(context, kMethod); !st.ok()) return st;
+  Receipt received;  // the request's bytes in the admission: released after its buffers and answer
   v1::ScoreRequest req;
   std::vector<int> pooled;
   absl::StatusOr<v1::ScoreResponse> r =
       Observe(kMethod, req, [&](RequestStats* stats) -> absl::StatusOr<v1::ScoreResponse> {
         const auto t0 = std::chrono::steady_clock::now();
-        absl::Status received = ReceiveChunked(context, stream, &req, &pooled);
+        absl::Status arrived = ReceiveChunked(context, stream, &req, &pooled, &received);
         stats->receive_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (!received.ok()) return received;
-        return ScoreOne(req, stats, context);
+        if (!arrived.ok()) return arrived;
+        return ScoreOne(req, stats, context, &received);
       });
   for (int i : pooled) assembly_buffers_.Release(std::move(*req.mutable_inputs(i)->mutable_data()));
   if (!r.ok()) return Reply(context, r.status());

@@ -125,7 +125,9 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
   const ScoreJob& job = *shared_job;
   // Scored rows (a job of every input row computes the unscored ones too).
   if (stats) stats->rows = std::count_if(job.out_pos.begin(), job.out_pos.end(), [](int64_t o) { return o >= 0; });
-  LOGPROB_ASSIGN_OR_RETURN(const auto ticket, admission_.Admit(job.num_rows(), request_bytes));
+  Admission::Ticket own;
+  Admission::Ticket* ticket = call.received != nullptr ? call.received : &own;
+  LOGPROB_RETURN_IF_ERROR(admission_.Resize(ticket, job.num_rows(), std::max(request_bytes, ticket->bytes())));
   RunBounds bounds;
   bounds.deadline = call.deadline;
   bounds.cancelled = call.cancelled;

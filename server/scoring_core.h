@@ -87,6 +87,11 @@ struct CallContext {
   /// The caller's address as gRPC writes it ("ipv4:127.0.0.1:5000"); ""
   /// when unknown (CUDA IPC inputs need a local peer).
   std::string peer;
+  /// The request's bytes as they arrived, reserved before its body was read
+  /// (the unary Score's announced or largest size, ScoreChunked's announced
+  /// total; null: none). The core admits the request into this ticket, so
+  /// its bytes count once, from before they arrive until it is answered.
+  Admission::Ticket* received = nullptr;
 };
 
 /// What one request's log line reports besides its status.

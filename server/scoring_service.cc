@@ -14,12 +14,14 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/chunk_assembler.h"
 #include "common/error_reason.h"
 #include "common/grpc_status.h"
 #include "common/input_kind.h"
 #include "common/log_line.h"
+#include "common/request_bytes.h"
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
 #include "common/untrusted_text.h"
@@ -49,7 +51,8 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
   MarkMethodStreamed(chunked::ScoreChunkedMethodIndex(), chunked::NewChunkedHandler(this));
   // The other methods parse their own requests (malformed: INVALID_ARGUMENT).
   using S = ScoringService;
-  MarkMethodStreamed(chunked::MethodIndex("Score"), NewParsedUnaryHandler(this, "Score", &S::Score));
+  MarkMethodStreamed(chunked::MethodIndex("Score"),
+                     NewParsedUnaryHandler<S, v1::ScoreRequest, v1::ScoreResponse>(this, "Score", &S::ScoreReceived));
   MarkMethodStreamed(chunked::MethodIndex("ScoreStream"),
                      NewParsedBidiHandler(this, "ScoreStream", &S::ServeScoreStream));
   MarkMethodStreamed(chunked::MethodIndex("GetServerInfo"),
@@ -84,8 +87,9 @@ grpc::Status ScoringService::Reply(grpc::ServerContext* ctx, const absl::Status&
 }
 
 absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
-                                                           grpc::ServerContext* ctx) {
+                                                           grpc::ServerContext* ctx, Receipt* received) {
   CallContext call;
+  call.received = received;
   call.deadline = ctx->deadline();
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
   call.session = [ctx] { return SharedMemoryOwner(*ctx); };
@@ -121,8 +125,13 @@ grpc::Status ScoringService::Authorize(const grpc::ServerContext* context, const
 }
 
 grpc::Status ScoringService::Score(grpc::ServerContext* context, const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
+  return ScoreReceived(context, req, resp, nullptr);
+}
+
+grpc::Status ScoringService::ScoreReceived(grpc::ServerContext* context, const v1::ScoreRequest* req,
+                                           v1::ScoreResponse* resp, Receipt* received) {
   LOGPROB_RETURN_IF_ERROR(Authorize(context, "Score"));
-  auto r = Observe("Score", *req, [&](RequestStats* stats) { return ScoreOne(*req, stats, context); });
+  auto r = Observe("Score", *req, [&](RequestStats* stats) { return ScoreOne(*req, stats, context, received); });
   if (!r.ok()) return Reply(context, r.status());
   *resp = std::move(*r);
   return grpc::Status::OK;
@@ -141,13 +150,37 @@ grpc::Status ScoringService::Refused(const grpc::ServerContext* context, const c
   return st;
 }
 
-grpc::Status ScoringService::Receive(grpc::ServerContext* context, const char* method, size_t bytes) {
-  if (std::strcmp(method, "Score") != 0 || core_.admission().Fits(static_cast<int64_t>(bytes))) return grpc::Status::OK;
-  return Reply(context, WithReason(absl::ResourceExhaustedError(absl::StrCat(
-                                       "server at capacity: this request's ", bytes,
-                                       " bytes would exceed --max-queue-bytes with the requests in flight; retry "
-                                       "with backoff")),
-                                   v1::AT_CAPACITY));
+grpc::Status ScoringService::Reserve(grpc::ServerContext* context, const char* method, Receipt* receipt) {
+  if (std::strcmp(method, "Score") != 0) return grpc::Status::OK;
+  if (!access_.open())
+    if (grpc::Status st = access_.Check(*context, Right::kScore, method); !st.ok()) return st;
+  const int64_t most = core_.config().max_request_bytes;
+  int64_t bytes = most;
+  const auto& metadata = context->client_metadata();
+  if (const auto it = metadata.find(kRequestBytesMetadataKey); it != metadata.end()) {
+    const absl::string_view value(it->second.data(), it->second.size());
+    if (!absl::SimpleAtoi(value, &bytes) || bytes < 0 || value.find_first_not_of("0123456789") != std::string::npos)
+      return Reply(context, absl::InvalidArgumentError(absl::StrCat("metadata ", kRequestBytesMetadataKey, " \"",
+                                                                    Printable(value, 64),
+                                                                    "\": the request's size in bytes expected")));
+    if (bytes > most)
+      return Reply(context, absl::ResourceExhaustedError(
+                                absl::StrCat("request of ", bytes, " bytes (metadata ", kRequestBytesMetadataKey,
+                                             ") exceeds the server's max_request_bytes ", most)));
+  }
+  absl::Status st = core_.admission().Resize(receipt, 0, bytes);
+  return st.ok() ? grpc::Status::OK : Reply(context, st);
+}
+
+grpc::Status ScoringService::Received(grpc::ServerContext* context, const char* method, Receipt* receipt,
+                                      size_t bytes) {
+  if (receipt->empty()) return grpc::Status::OK;
+  if (static_cast<int64_t>(bytes) > receipt->bytes())
+    return Reply(context, absl::InvalidArgumentError(absl::StrCat(
+                              method, ": the request has ", bytes, " bytes, more than the ", receipt->bytes(),
+                              " its metadata ", kRequestBytesMetadataKey, " announced")));
+  const absl::Status st = core_.admission().Resize(receipt, 0, static_cast<int64_t>(bytes));  // gives back
+  return st.ok() ? grpc::Status::OK : Reply(context, st);
 }
 
 grpc::Status ScoringService::ServeScoreStream(

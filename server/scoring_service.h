@@ -35,6 +35,9 @@ namespace logprob {
 /// the part codec, whose parts are parsed by chunked::ParsePart.
 class ScoringService final : public v1::LogprobService::Service {
  public:
+  /// What a unary call's request holds of the admission from before its
+  /// body is read until it is answered (server/parsed_requests.h).
+  using Receipt = Admission::Ticket;
   /// `updates` (not owned; may be null: updates off) serves the lm_head
   /// update calls.
   ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics, LmHeadUpdates* updates = nullptr);
@@ -42,6 +45,10 @@ class ScoringService final : public v1::LogprobService::Service {
   ScoringCore& core() { return core_; }
 
   grpc::Status Score(grpc::ServerContext*, const v1::ScoreRequest*, v1::ScoreResponse*) override;
+  /// Score of a request whose bytes `received` holds in the admission
+  /// (Reserve): admitted into it (the server's handler).
+  grpc::Status ScoreReceived(grpc::ServerContext* context, const v1::ScoreRequest* req, v1::ScoreResponse* resp,
+                             Receipt* received);
   /// Scores each message like Score, up to kStreamInFlight messages of a
   /// stream at a time (so they can share worker batches), and answers in
   /// message order; a failed message gets a response carrying its status.
@@ -89,12 +96,18 @@ class ScoringService final : public v1::LogprobService::Service {
   grpc::Status ServeLmHeadRows(grpc::ServerContext* context,
                                grpc::ServerReaderWriter<v1::LmHeadUpdate, chunked::IncomingPart>* stream);
 
-  /// Whether a unary request of `bytes` serialized bytes that has arrived
-  /// may be parsed (server/parsed_requests.h): a Score request the queue
-  /// has no room for is RESOURCE_EXHAUSTED (reason AT_CAPACITY) at once,
-  /// before it is parsed, so refused requests cost their bytes only once.
-  /// Other methods: OK.
-  grpc::Status Receive(grpc::ServerContext* context, const char* method, size_t bytes);
+  /// Before a unary request's body is read: a Score request reserves its
+  /// bytes in the admission (--max-queue-bytes), the size its
+  /// `logprob-request-bytes` metadata announces (common/request_bytes.h)
+  /// or, unannounced, max_request_bytes; the queue without room for them is
+  /// RESOURCE_EXHAUSTED (reason AT_CAPACITY) before a byte of the body is
+  /// read, and a caller without the token UNAUTHENTICATED. INVALID_ARGUMENT
+  /// for an announcement that is not a size or exceeds max_request_bytes.
+  /// Other methods: OK, nothing reserved.
+  grpc::Status Reserve(grpc::ServerContext* context, const char* method, Receipt* receipt);
+  /// Once the request's `bytes` arrived: the reservation becomes their
+  /// size; INVALID_ARGUMENT when they exceed the announced size.
+  grpc::Status Received(grpc::ServerContext* context, const char* method, Receipt* receipt, size_t bytes);
 
   /// A call refused before its method ran (a malformed request message:
   /// server/parsed_requests.h): logged and counted under `method`;
@@ -116,9 +129,10 @@ class ScoringService final : public v1::LogprobService::Service {
 
   /// Scores one request (the body of Score and of each ScoreStream
   /// message) on the core, bounded by `ctx`'s deadline and cancellation,
-  /// with its shared-memory session and peer (ScoringCore::Score).
-  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, RequestStats* stats,
-                                             grpc::ServerContext* ctx);
+  /// with its shared-memory session and peer (ScoringCore::Score), admitted
+  /// into `received` when given (CallContext::received).
+  absl::StatusOr<v1::ScoreResponse> ScoreOne(const v1::ScoreRequest& req, RequestStats* stats, grpc::ServerContext* ctx,
+                                             Receipt* received = nullptr);
 
  private:
   /// The gRPC status of `st`, its reason (ReasonOf) sent as the trailing
@@ -141,8 +155,9 @@ class ScoringService final : public v1::LogprobService::Service {
                                             const std::function<absl::StatusOr<v1::ScoreResponse>(RequestStats*)>& fn);
   /// Reads a ScoreChunked request into *req (its pieced tensors' data in
   /// buffers of assembly_buffers_, their indices in *pooled).
+  /// Its announced bytes are held in *received from the request part on.
   absl::Status ReceiveChunked(grpc::ServerContext* context, chunked::ServerStream* stream, v1::ScoreRequest* req,
-                              std::vector<int>* pooled);
+                              std::vector<int>* pooled, Receipt* received);
 
   /// The updates, or FAILED_PRECONDITION when off (after Authorize).
   absl::StatusOr<LmHeadUpdates*> Updates(grpc::ServerContext* context, const char* method);

@@ -45,6 +45,7 @@
 #include "server/cuda_ipc_inputs.h"
 #include "server/input_source.h"
 #include "server/lm_heads.h"
+#include "server/memory_bound.h"
 
 namespace logprob {
 namespace {
@@ -79,6 +80,7 @@ class LmHeadUpdatesTest : public ::testing::Test {
     o.store_dir = store_;
     o.update_dir = update_dir_;
     if (timeout_.count() > 0) o.timeout = timeout_;
+    o.store_files_per_head = store_files_;
     LmHeadWorkers w;
     w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
     w.serving = [](int64_t) { return true; };
@@ -116,6 +118,7 @@ class LmHeadUpdatesTest : public ::testing::Test {
   std::string store_;
   std::string update_dir_;                // --lm-head-update-dir of Make's updates ("": none)
   std::chrono::milliseconds timeout_{0};  // --lm-head-update-timeout of Make's updates (0: the default)
+  int store_files_ = 0;                   // Options::store_files_per_head of Make's updates (0: no cap)
   LmHeads heads_{LmHeads::Options{}};
 };
 
@@ -563,6 +566,50 @@ TEST_F(LmHeadUpdatesTest, ConcurrentBeginsOfOneVersionCommitItOnce) {
   for (const auto& v : info.retained_versions()) ++seen[v];
   for (const auto& [v, n] : seen) EXPECT_EQ(n, 1) << v;
   EXPECT_EQ(info.retained_versions_size(), kRounds + 1);
+}
+
+TEST_F(LmHeadUpdatesTest, VersionsPinnedByRequestsInFlightKeepTheStoreWithinItsPartOfTheBound) {
+  // --lm-head-retain 1: the bound counts 4 store files for the head.
+  auto releases = std::make_shared<LmHeadReleases>();
+  LmHeads::Options ho;
+  ho.retain = 1;
+  ho.on_release = [releases](const LmHeadVersion& v) { releases->Push(v); };
+  LmHeads heads(ho);
+  LmHeadVersion start = *heads_.Bind("default", "").value();
+  start.source.file = ::testing::TempDir() + "/start-checkpoint.safetensors";  // outside the store, as at start-up
+  ASSERT_TRUE(heads.Add(start).ok());
+  store_files_ = LmHeadStoreFiles(ho.retain);
+  ASSERT_EQ(store_files_, 4);
+  const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads, releases);
+  auto begin_put_commit = [&](const std::string& version) -> absl::Status {
+    auto opened = updates->Begin(Begin(version));
+    if (!opened.ok()) return opened.status();
+    EXPECT_TRUE(updates->PutRows(opened->update_id(), 0, kV, v1::F32, kH, *MemorySource(Rows(0, kV, 1.0f))).ok());
+    return updates->Commit(opened->update_id()).status();
+  };
+  // 12 commits, each with a "request" queued on the version before it (a
+  // pin held until the end): the store never holds more than its part.
+  std::vector<std::shared_ptr<const LmHeadVersion>> queued;
+  int committed = 0, refused = 0;
+  for (int i = 0; i < 12; ++i) {
+    queued.push_back(heads.Bind("default", "").value());
+    const absl::Status st = begin_put_commit("q" + std::to_string(i));
+    if (st.ok()) {
+      ++committed;
+    } else {
+      EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+      EXPECT_NE(st.message().find("pinned by requests in flight"), absl::string_view::npos) << st;
+      ++refused;
+    }
+    EXPECT_LE(StoreFiles(), 4u) << "after commit " << i;
+  }
+  // The start-up version is not a store file: 4 updates fit, pinned.
+  EXPECT_EQ(committed, 4);
+  EXPECT_EQ(refused, 8);
+  // The requests answered, their versions go: the next update is accepted.
+  queued.clear();
+  ASSERT_TRUE(begin_put_commit("after").ok());
+  EXPECT_LE(StoreFiles(), 4u);
 }
 
 TEST_F(LmHeadUpdatesTest, RanksPushingTheSameWeightAsOneVersionUploadItOnceAndAllGetIt) {

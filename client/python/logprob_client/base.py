@@ -60,6 +60,15 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 _SERVICE = pb2.DESCRIPTOR.services_by_name["LogprobService"].full_name
 SCORE_METHOD = "/%s/Score" % _SERVICE
 SCORE_STREAM_METHOD = "/%s/ScoreStream" % _SERVICE
+# A unary Score request's size, announced in its metadata so that the
+# server admits (or refuses) it before reading its body (the Score RPC in
+# proto/logprob/v1/logprob.proto).
+REQUEST_BYTES_METADATA = "logprob-request-bytes"
+
+
+def announcing(metadata: Any, nbytes: int) -> Tuple[Tuple[str, str], ...]:
+    """``metadata`` with a serialized request's size ``nbytes`` announced."""
+    return tuple(metadata or ()) + ((REQUEST_BYTES_METADATA, str(nbytes)),)
 # HealthCheckResponse{status = 1 (SERVING)}.
 HEALTH_SERVING = b"\x08\x01"
 
@@ -271,7 +280,8 @@ class ClientBase:
 
     def _score_request_ops(self, request: Any) -> Ops[Any]:
         """``score_request``: a prepared ScoreRequest as is, retried."""
-        response, _ = yield from retried(self._stub.Score, request, self._attempts(self._deadline()), self._metadata)
+        response, _ = yield from retried(self._stub.Score, request, self._attempts(self._deadline()),
+                                         announcing(self._metadata, request.ByteSize()))
         return response
 
     def _score_ops(self, logits: Any, input_ids: Any, request_id: Optional[str],
@@ -330,7 +340,7 @@ class ClientBase:
             return (yield from retried(self._chunked_rpc(), (part.id, part.inputs), attempts, self._metadata))
         request: bytes = yield Work(part.serialized, limits.max_bytes, nbytes=part.inputs.data_bytes())
         attempts = self._part_attempts(part, limits, deadline, len(request))
-        return (yield from retried(self._score_raw, request, attempts, self._metadata))
+        return (yield from retried(self._score_raw, request, attempts, announcing(self._metadata, len(request))))
 
     def _shared_memory_ops(self, deadline: Deadline, update: bool = False) -> Ops[Optional[SharedMemoryInputs]]:
         """This client's shared-memory session (``update``: the one of
@@ -364,7 +374,8 @@ class ClientBase:
             # views of its bytes, as on the inline path.
             request = part.inputs.header(part.id)
             request.inputs.extend(tensors)
-            return retried(self._score_raw, request.SerializeToString(), attempts, metadata)
+            serialized = request.SerializeToString()
+            return retried(self._score_raw, serialized, attempts, announcing(metadata, len(serialized)))
 
         return (yield from shm.send(part.inputs.tensors, send))
 
