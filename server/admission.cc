@@ -11,7 +11,7 @@ Admission::Ticket::~Ticket() {
   owner_->tokens_ -= tokens_;
   owner_->bytes_ -= bytes_;
   --owner_->requests_;
-  if (owner_->observer_) owner_->observer_(owner_->requests_, owner_->tokens_);
+  if (owner_->observer_) owner_->observer_(owner_->requests_, owner_->tokens_, owner_->bytes_);
 }
 
 Admission::Ticket& Admission::Ticket::operator=(Ticket&& o) noexcept {
@@ -40,7 +40,7 @@ absl::StatusOr<Admission::Ticket> Admission::Admit(int64_t tokens, int64_t bytes
   tokens_ += tokens;
   bytes_ += bytes;
   ++requests_;
-  if (observer_) observer_(requests_, tokens_);
+  if (observer_) observer_(requests_, tokens_, bytes_);
   return Ticket(this, tokens, bytes);
 }
 
@@ -61,7 +61,7 @@ absl::Status Admission::Resize(Ticket* ticket, int64_t tokens, int64_t bytes) {
   bytes_ += more_bytes;
   ticket->tokens_ = tokens;
   ticket->bytes_ = bytes;
-  if (observer_) observer_(requests_, tokens_);
+  if (observer_) observer_(requests_, tokens_, bytes_);
   return absl::OkStatus();
 }
 

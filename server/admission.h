@@ -16,9 +16,10 @@ namespace logprob {
 /// bound. Thread-safe.
 class Admission {
  public:
-  /// Called with the new (requests, tokens) in flight after every admit and
-  /// release, under the lock so calls arrive in order (metrics gauges).
-  using Observer = std::function<void(int64_t requests, int64_t tokens)>;
+  /// Called with the new (requests, tokens, bytes) in flight after every
+  /// admit, resize and release, under the lock so calls arrive in order
+  /// (metrics gauges).
+  using Observer = std::function<void(int64_t requests, int64_t tokens, int64_t bytes)>;
 
   Admission(int64_t max_tokens, int64_t max_bytes, Observer observer = {})
       : max_tokens_(max_tokens), max_bytes_(max_bytes), observer_(std::move(observer)) {}

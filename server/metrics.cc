@@ -63,6 +63,12 @@ Metrics::Metrics(const std::string& backend)
                          .Help("Token rows of the requests admitted and not yet answered.")
                          .Register(*registry_)
                          .Add({})),
+      queued_bytes_(prometheus::BuildGauge()
+                        .Name("logprob_queued_bytes")
+                        .Help("Request bytes counted against --max-queue-bytes: requests admitted and not yet "
+                              "answered, and those still arriving (reserved before their body is read).")
+                        .Register(*registry_)
+                        .Add({})),
       compute_duration_(prometheus::BuildHistogram()
                             .Name("logprob_compute_duration_seconds")
                             .Help("Worker compute time per worker batch: the slowest worker's compute_seconds.")
@@ -187,9 +193,10 @@ void Metrics::ObserveRequestBytes(const std::string& method, int64_t bytes) {
   request_bytes_.Add({{"method", method}}, kBuckets).Observe(static_cast<double>(bytes));
 }
 
-void Metrics::SetLoad(int64_t requests, int64_t tokens) {
+void Metrics::SetLoad(int64_t requests, int64_t tokens, int64_t bytes) {
   inflight_requests_.Set(static_cast<double>(requests));
   queued_tokens_.Set(static_cast<double>(tokens));
+  queued_bytes_.Set(static_cast<double>(bytes));
 }
 
 void Metrics::ObserveBatch(const BatchStats& batch) {

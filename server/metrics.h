@@ -36,8 +36,9 @@ class Metrics {
   /// (every request that reaches validation, whatever its outcome).
   void ObserveRequestBytes(const std::string& method, int64_t bytes);
   /// Sets the admitted, not yet answered load: `requests` requests with
-  /// `tokens` token rows (Admission's observer).
-  void SetLoad(int64_t requests, int64_t tokens);
+  /// `tokens` token rows and `bytes` request bytes, those of requests
+  /// still arriving included (Admission's observer).
+  void SetLoad(int64_t requests, int64_t tokens, int64_t bytes);
   /// One successful worker batch (server/batcher.h), of `requests`
   /// requests and `rows` token rows.
   struct BatchStats {
@@ -94,6 +95,7 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& request_bytes_;
   prometheus::Gauge& inflight_requests_;
   prometheus::Gauge& queued_tokens_;
+  prometheus::Gauge& queued_bytes_;
   prometheus::Histogram& compute_duration_;
   prometheus::Histogram& worker_call_duration_;
   prometheus::Histogram& batch_tokens_;

@@ -65,8 +65,8 @@ ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, Metrics* met
       workers_(workers.size),
       metrics_(metrics),
       admission_(config_.max_queue_tokens, config_.max_queue_bytes,
-                 [metrics](int64_t requests, int64_t tokens) {
-                   if (metrics) metrics->SetLoad(requests, tokens);
+                 [metrics](int64_t requests, int64_t tokens, int64_t bytes) {
+                   if (metrics) metrics->SetLoad(requests, tokens, bytes);
                  }),
       payload_pool_(/*max_idle=*/4, static_cast<int64_t>(PayloadPool::RegionSize(
                                         static_cast<size_t>(config_.max_request_bytes)))),  // FrontendMemoryBound

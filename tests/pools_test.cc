@@ -79,7 +79,7 @@ TEST(PayloadPoolConcurrency, EveryRegionHasOneHolder) {
 TEST(AdmissionConcurrency, EveryTicketIsCountedOnceAndReleased) {
   std::atomic<int64_t> last_requests{-1};
   Admission admission(/*max_tokens=*/1000, /*max_bytes=*/1 << 20,
-                      [&](int64_t requests, int64_t) { last_requests = requests; });
+                      [&](int64_t requests, int64_t, int64_t) { last_requests = requests; });
   std::atomic<int> admitted{0}, refused{0};
   OnThreads([&](int) {
     for (int i = 0; i < kRounds; ++i) {

@@ -1,0 +1,144 @@
+// The queue's accounting through a live server, without timing: a unary
+// Score reserves its bytes (announced in `logprob-request-bytes`, else
+// max_request_bytes) before its body is read, so a Score call held open
+// before sending its body holds them, the counted bytes
+// (logprob_queued_bytes) reach --max-queue-bytes, and the next call is
+// refused AT_CAPACITY without having sent a byte of its body. Once the
+// held call is answered, the same request scores as before.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "common/request_bytes.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/impl/rpc_method.h"
+#include "grpcpp/support/sync_stream.h"
+#include "tests/test_support.h"
+
+namespace logprob::testing {
+namespace {
+
+constexpr int64_t kMaxQueue = int64_t{8} << 20, kMaxRequest = int64_t{6} << 20;
+
+/// A Score call as a stream of raw messages: its metadata goes out when it
+/// is made, its body only when Send is called.
+class HeldScore {
+ public:
+  /// `announce` < 0: no logprob-request-bytes metadata.
+  HeldScore(const std::shared_ptr<grpc::Channel>& channel, int64_t announce, const std::string& announce_text = "")
+      : method_(Path().c_str(), grpc::internal::RpcMethod::BIDI_STREAMING) {
+    if (!announce_text.empty()) {
+      ctx_.AddMetadata(kRequestBytesMetadataKey, announce_text);
+    } else if (announce >= 0) {
+      ctx_.AddMetadata(kRequestBytesMetadataKey, std::to_string(announce));
+    }
+    ctx_.set_deadline(std::chrono::system_clock::now() + kWaitTimeout);
+    stream_.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+        channel.get(), method_, &ctx_));
+  }
+  /// Sends `request` as the body, then reads the answer and the status.
+  grpc::Status Send(const v1::ScoreRequest& request, v1::ScoreResponse* response) {
+    grpc::ByteBuffer body;
+    bool own = false;
+    EXPECT_TRUE(grpc::SerializationTraits<v1::ScoreRequest>::Serialize(request, &body, &own).ok());
+    stream_->Write(body);
+    stream_->WritesDone();
+    grpc::ByteBuffer reply;
+    if (stream_->Read(&reply)) {
+      EXPECT_TRUE(grpc::SerializationTraits<v1::ScoreResponse>::Deserialize(&reply, response).ok());
+    }
+    return stream_->Finish();
+  }
+  /// The status, without sending a body (the server answers first).
+  grpc::Status StatusWithoutBody() { return stream_->Finish(); }
+
+ private:
+  static const std::string& Path() {
+    static const std::string path = std::string("/") + v1::LogprobService::service_full_name() + "/Score";
+    return path;
+  }
+  const grpc::internal::RpcMethod method_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
+};
+
+TEST(ServerAdmission, BytesAreCountedBeforeTheBodyArrivesAndTheNextCallIsRefusedWithoutIt) {
+  const int metrics_port = FreePort();
+  auto server = ServerProcess::Start(
+      2, {"--max-queue-bytes", std::to_string(kMaxQueue), "--max-request-bytes", std::to_string(kMaxRequest),
+          "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port)});
+  ASSERT_TRUE(server);
+  auto channel = grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials());
+  const GoldenCase golden = LoadGolden("basic_f32");
+  const v1::ScoreRequest request = GoldenRequest(golden);
+  // Every answer: the golden outputs (float64 references), bit for bit the same.
+  const auto expect_golden = [&golden](const v1::ScoreResponse& r) {
+    return CompareOutputs(golden.expected.tensors, {r.outputs().begin(), r.outputs().end()});
+  };
+  const int64_t size = static_cast<int64_t>(request.ByteSizeLong());
+  ASSERT_LT(size, kMaxQueue - kMaxRequest) << "the golden request is small";
+  // The reference: the same request, unary, with nothing else in flight.
+  v1::ScoreResponse reference;
+  {
+    auto stub = server->NewStub();
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Score(&ctx, request, &reference).ok());
+    ASSERT_EQ(expect_golden(reference), "");
+  }
+
+  // Held before its body: 6 MiB of the 8 MiB counted, one request in flight.
+  HeldScore held(channel, kMaxRequest);
+  ASSERT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", static_cast<double>(kMaxRequest)));
+  ASSERT_TRUE(WaitForMetric(metrics_port, "logprob_inflight_requests", 1));
+  // An announced 3 MiB and an unannounced call (max_request_bytes) do not
+  // fit: refused before a byte of their bodies is sent.
+  for (const int64_t announce : {int64_t{3} << 20, int64_t{-1}}) {
+    HeldScore next(channel, announce);
+    const grpc::Status st = next.StatusWithoutBody();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << announce << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find("--max-queue-bytes"), std::string::npos) << st.error_message();
+  }
+  // What fits beside it is admitted: the golden request, announced exactly.
+  {
+    HeldScore small(channel, size);
+    v1::ScoreResponse response;
+    const grpc::Status st = small.Send(request, &response);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(expect_golden(response), "");
+    EXPECT_EQ(response.outputs(0).data(), reference.outputs(0).data());
+  }
+  EXPECT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", static_cast<double>(kMaxRequest)));
+
+  // The held call's body (smaller than announced: counted at its size) is
+  // scored like any other; then nothing is counted.
+  v1::ScoreResponse held_response;
+  const grpc::Status held_status = held.Send(request, &held_response);
+  ASSERT_TRUE(held_status.ok()) << held_status.error_message();
+  EXPECT_EQ(expect_golden(held_response), "");
+  EXPECT_EQ(held_response.outputs(0).data(), reference.outputs(0).data());
+  EXPECT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", 0));
+  EXPECT_TRUE(WaitForMetric(metrics_port, "logprob_inflight_requests", 0));
+
+  // An announcement is held to: a body larger than announced, a size that
+  // is not one, or one over max_request_bytes is refused, naming the key.
+  {
+    HeldScore liar(channel, size - 1);
+    v1::ScoreResponse response;
+    const grpc::Status st = liar.Send(request, &response);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find(kRequestBytesMetadataKey), std::string::npos) << st.error_message();
+  }
+  for (const std::string& text : {std::string("12abc"), std::string("-5"), std::to_string(kMaxRequest + 1)}) {
+    HeldScore bad(channel, -1, text);
+    const grpc::Status st = bad.StatusWithoutBody();
+    EXPECT_NE(st.error_code(), grpc::StatusCode::OK) << text;
+    EXPECT_NE(st.error_message().find(kRequestBytesMetadataKey), std::string::npos) << text << ": "
+                                                                                    << st.error_message();
+  }
+  EXPECT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", 0));
+}
+
+}  // namespace
+}  // namespace logprob::testing
