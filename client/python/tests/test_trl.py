@@ -19,7 +19,9 @@ What the GRPO tests check, per model:
   TOL * (1 + |value|) (both runs compute float32 logits from float32 weights; they
   differ by the summation order of the two kernels, ~1e-7 relative in
   each logprob, which the three steps' updates carry into the loss): TOL;
-- the server's policy version is step-N after step N (step-0 at begin);
+- the policy is pushed only before the calls that score it (generation at
+  global steps 0 and 2: versions {run}-step-0 and {run}-step-2), counted
+  by the adapter and by the server's metrics;
 - the reference head was kept when the server held the reference weights
   already (Qwen2: started from the checkpoint), pushed once otherwise
   (Llama: started from other weights).
@@ -53,12 +55,12 @@ STEPS = 3
 TOL = 1e-5
 
 
-def grpo_args(out_dir, cast_lm_head_to_fp32):
+def grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations=2, learning_rate=0.05):
     return GRPOConfig(
         output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=6, beta=0.1, num_iterations=2, learning_rate=0.05, bf16=False, use_cpu=True,
-        cast_lm_head_to_fp32=cast_lm_head_to_fp32, logging_steps=1, report_to=[], seed=0, save_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0)
+        max_completion_length=6, beta=0.1, num_iterations=num_iterations, learning_rate=learning_rate, bf16=False,
+        use_cpu=True, cast_lm_head_to_fp32=cast_lm_head_to_fp32, logging_steps=1, report_to=[], seed=0,
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
 
 
 def _no_grad(args):
@@ -146,7 +148,8 @@ class VersionLog(TrainerCallback):
         self._record(state)
 
 
-def run_grpo(model_dir, out_dir, cast_lm_head_to_fp32, client=None, **service_kwargs):
+def run_grpo(model_dir, out_dir, cast_lm_head_to_fp32, client=None, num_iterations=2, learning_rate=0.05,
+             **service_kwargs):
     """One GRPO run of STEPS steps; returns (trainer, CallLog, adapter or
     None, VersionLog or None)."""
     tok = tiny_models.tokenizer()
@@ -154,8 +157,8 @@ def run_grpo(model_dir, out_dir, cast_lm_head_to_fp32, client=None, **service_kw
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(model=model_dir, reward_funcs=tiny_models.reward,
-                              args=grpo_args(out_dir, cast_lm_head_to_fp32), train_dataset=data,
-                              processing_class=tok)
+                              args=grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations, learning_rate),
+                              train_dataset=data, processing_class=tok)
     log = CallLog(trainer)
     log.install_inner()
     adapter = versions = None
@@ -199,7 +202,8 @@ class _GrpoTest:
             tiny_models.save_model(cls.KIND, other, seed=1)
             heads = ["--lm-head", "policy=" + other, "--lm-head", "reference=" + other]
         cls.initial_reference = model.get_output_embeddings().weight.detach().clone()
-        cls.server = Server(workers=2, extra=heads + ["--allow-lm-head-updates", "--lm-head-retain", "2"])
+        cls.server = Server(workers=2, extra=heads + ["--allow-lm-head-updates", "--lm-head-retain", "2"],
+                            metrics=True)
         try:
             cls.client = LogprobClient(cls.server.address, timeout=120)
             cls.start_info = {h.name: h for h in cls.client.lm_heads()}
@@ -242,7 +246,8 @@ class _GrpoTest:
                 continue
             if r["policy"]:
                 self.assertEqual(r["service"].head, "policy")
-                self.assertEqual(r["service"].version, "step-%d" % r["step"])  # pushed after the step before
+                # Pushed before the step's first policy call: the weights of that call.
+                self.assertEqual(r["service"].version, adapter.policy.name(r["step"]))
             else:
                 self.assertEqual(r["service"].head, "reference")
                 self.assertEqual(r["service"].version, adapter.reference_version)
@@ -278,15 +283,20 @@ class _GrpoTest:
                                      "step %d %s: %r with the service, %r without" % (step, key, g[key], w[key]))
         self.assertGreater(max(abs(w["kl"]) for w in want), 0.0, "the reference must matter (KL > 0)")
 
-    def test_policy_version_changes_at_every_step(self):
-        _, _, adapter, versions = self.service
-        self.assertEqual([(s, v) for s, v, _ in versions.versions], [(s, "step-%d" % s) for s in range(STEPS + 1)])
-        self.assertEqual(versions.versions[-1][2], ["step-3", "step-2"])
-        self.assertEqual(adapter.policy_version, "step-3")
-        # What the server holds is the policy's last weights.
-        head = hashed_head(self.client, "policy")  # hashed after the commit
-        want = fused_head.weight_sha256(self.service[0].model.get_output_embeddings().weight, torch.float32)
-        self.assertEqual(head.sha256, want)
+    def test_policy_pushed_before_the_calls_that_score_it(self):
+        _, log, adapter, versions = self.service
+        name = adapter.policy.name
+        # Generation (old-policy logprobs) at global steps 0 and 2 only
+        # (num_iterations = 2): two pushes, none at steps 1 and 3.
+        self.assertEqual([(s, v) for s, v, _ in versions.versions],
+                         [(0, self.start_info["policy"].version), (1, name(0)), (2, name(0)), (3, name(2))])
+        self.assertEqual(versions.versions[-1][2], [name(2), name(0)])
+        self.assertEqual((adapter.pushes, adapter.policy_version), (2, name(2)))
+        self.assertEqual(self.server.metric("logprob_lm_head_updates_total", head="policy", outcome="committed"), 2)
+        # What the server holds is the weight of the last policy call.
+        last = [r for r in log.records if r["service"] is not None and r["policy"]][-1]
+        head = hashed_head(self.client, "policy")
+        self.assertEqual(head.sha256, fused_head.weight_sha256(last["weight"].astype(np.float32)))
 
     def test_reference_head_loaded_once(self):
         _, _, adapter, _ = self.service
@@ -389,7 +399,8 @@ class SeamTest(unittest.TestCase):
             with torch.no_grad():
                 self.call(other)  # another model's weight: TRL's
             self.assertEqual(dict(adapter.routed), {"policy": 2, "reference": 1})
-            self.assertEqual(adapter.policy_version, "step-0")  # pushed on first use
+            self.assertEqual(adapter.policy_version, "%s-step-0" % adapter.run)  # pushed on first use
+            self.assertEqual(adapter.pushes, 1)
         finally:
             adapter.remove()
         self.assertIs(trl_utils._ChunkedLogProbFunction, self.real)

@@ -133,13 +133,13 @@ class VerlSeamTest(unittest.TestCase):
             with torch.no_grad(), self.assertRaises(RuntimeError) as cm:
                 self.verl_forward(model, 1.0)
             self.assertIn("push", str(cm.exception))
-            self.assertEqual(service.push(model.lm_head.weight, step=0), "step-0")
+            self.assertEqual(service.push(model.lm_head.weight, step=0), "%s-step-0" % service.run)
             with torch.no_grad():
                 model.lm_head.weight.mul_(1.5)  # an optimizer step
-            self.assertEqual(service.push(model.lm_head.weight, step=1), "step-1")
+            self.assertEqual(service.push(model.lm_head.weight, step=1), "%s-step-1" % service.run)
             with torch.no_grad():
                 out = self.verl_forward(model, 1.0)
-            self.assertEqual(list(service.calls)[-1][:2], ("policy", "step-1"))
+            self.assertEqual(list(service.calls)[-1][:2], ("policy", "%s-step-1" % service.run))
             want = self.expected(model, model.lm_head.weight, 1.0)
             self.assertEqual(within_spec(want["log_probs"], _np(out.log_probs).reshape(-1)), "")
         finally:
@@ -185,9 +185,9 @@ class VerlSeamTest(unittest.TestCase):
             worker = Worker(model.lm_head.weight)
             asyncio.run(worker.update_weights(global_steps=7))
             self.assertEqual(worker.synced, [7])
-            self.assertEqual(service.policy_version, "step-7")
-            head = hashed_head(self.client, "policy")  # hashed after the commit
-            self.assertEqual(head.version, "step-7")
+            self.assertEqual(service.policy_version, "%s-step-7" % service.run)
+            head = hashed_head(self.client, "policy")
+            self.assertEqual(head.version, "%s-step-7" % service.run)
             self.assertEqual(head.sha256, fused_head.weight_sha256(model.lm_head.weight, torch.float32))
         finally:
             service.remove()
