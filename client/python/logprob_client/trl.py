@@ -367,7 +367,7 @@ class ServiceLogProbs:
         else:
             policy = ("the policy's: none expected (%s), so the policy is not pushed (should one come, it is "
                       "pushed first, to head %r)" % (self.policy_scored_why, self.policy_head))
-        return ("logprob_client.trl: %s's fused lm_head calls without gradients go to the logprob service: %s; "
+        return ("%s's fused lm_head calls without gradients go to the logprob service: %s; "
                 "%s; calls with gradients stay in TRL's kernel" % (trainer, ref, policy))
 
     # -- routing ------------------------------------------------------------

@@ -325,6 +325,78 @@ class GrpoLlamaTiedTest(_GrpoTest, unittest.TestCase):
     SERVER_HEADS_FROM = "other"
 
 
+class GrpoPushesTest(unittest.TestCase):
+    """No push nobody uses, and runs one after another on one long-lived
+    server: GRPO (3 steps) with num_iterations = 1 makes no no-gradient
+    policy call, so the policy is never pushed; with num_iterations = 2
+    it is pushed before each generation (global steps 0 and 2), counted by
+    the adapter and by the server (``logprob_lm_head_updates_total``,
+    ``logprob_lm_head_update_bytes_total``); a second such run (other
+    weights) gets another run id and succeeds. The line use_service logs
+    says which."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = temp_dir("py_trl_pushes")
+        cls.model_dir = os.path.join(cls.dir, "model")
+        tiny_models.save_model("qwen2", cls.model_dir, seed=8)
+        cls.server = Server(workers=2, extra=["--lm-head", "policy=" + cls.model_dir, "--lm-head",
+                                              "reference=" + cls.model_dir, "--allow-lm-head-updates",
+                                              "--lm-head-retain", "2"], metrics=True)
+        cls.client = LogprobClient(cls.server.address, timeout=120)
+        cls.head_bytes = tiny_models.VOCAB * tiny_models.HIDDEN * 4
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.close()
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def pushed(self):
+        """(policy updates committed, policy bytes uploaded) at the server."""
+        return (self.server.metric("logprob_lm_head_updates_total", head="policy", outcome="committed"),
+                self.server.metric("logprob_lm_head_update_bytes_total", head="policy"))
+
+    def run_logged(self, name, **kwargs):
+        with self.assertLogs("logprob_client.trl", "INFO") as logs:
+            trainer, log, adapter, _ = run_grpo(self.model_dir, os.path.join(self.dir, name), False, self.client,
+                                                **kwargs)
+        self.assertEqual(len(logs.records), 1, logs.output)
+        self.assertEqual(len(step_logs(trainer)), STEPS)
+        return log, adapter, logs.records[0].getMessage()
+
+    def test_pushes_only_for_the_calls_that_score_the_policy(self):
+        before = self.pushed()
+        log, adapter, line = self.run_logged("one", num_iterations=1)
+        self.assertEqual(adapter.pushes, 0)
+        self.assertIsNone(adapter.policy_version)
+        self.assertEqual(self.pushed(), before)
+        self.assertEqual(dict(adapter.routed), {"reference": STEPS})  # a generation at every step
+        self.assertFalse(any(r["no_grad"] and r["policy"] for r in log.records))
+        self.assertIn("the reference model's to head 'reference'", line)
+        self.assertIn("the policy is not pushed", line)
+        self.assertIn("num_iterations=1", line)
+
+        first_log, first, line = self.run_logged("two", num_iterations=2)
+        self.assertIn("pushed as '%s-step-{step}'" % first.run, line)
+        self.assertIn("num_iterations=2", line)
+        self.assertEqual((first.pushes, first.policy_version), (2, first.policy.name(2)))
+        self.assertEqual(dict(first.routed), {"policy": 2, "reference": 2})
+        self.assertEqual(self.pushed(), (before[0] + 2, before[1] + 2 * self.head_bytes))
+
+        # A second run against the same server: its own run id, its own
+        # versions (its step-0 is the same checkpoint: uploaded again under
+        # the new name; its later steps differ, learning rate 0.1).
+        _, second, _ = self.run_logged("three", num_iterations=2, learning_rate=0.1)
+        self.assertNotEqual(second.run, first.run)
+        self.assertEqual((second.pushes, second.policy_version), (2, second.policy.name(2)))
+        self.assertEqual(self.pushed(), (before[0] + 4, before[1] + 4 * self.head_bytes))
+        head = fused_head.head_info(self.client, "policy", refresh=True)
+        self.assertEqual(list(head.retained_versions), [second.policy.name(2), second.policy.name(0)])
+        versions = [r["service"].version for r in first_log.records if r["service"] is not None and r["policy"]]
+        self.assertEqual(versions, [first.policy.name(0), first.policy.name(2)])
+
+
 class SeamTest(unittest.TestCase):
     """The adapter at TRL's seam, calls made by hand: transforms, outputs,
     gradients, the version check."""
