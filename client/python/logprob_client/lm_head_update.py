@@ -66,7 +66,7 @@ def weight_sha256(weight: Any, dtype: Any = None) -> str:
     host for it (convert it to the head's dtype on its device first to
     copy half as many bytes of an f32 weight for a bf16 head)."""
     _, rows = lm_head_rows(weight, dtype)
-    return hashlib.sha256(memoryview(rows.reshape(-1).view("uint8"))).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data).hexdigest()
 
 
 def weight_nbytes(weight: Any) -> int:
