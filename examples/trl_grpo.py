@@ -1,15 +1,7 @@
 #!/usr/bin/env python3
 """GRPO with TRL, its no-gradient logprobs from the service (logprob_client.trl).
 
-A tiny Qwen2-style model and a word-level tokenizer are made here (random
-weights, no download) and saved as a checkpoint; a logprob-server with 2 CPU
-workers holds that checkpoint's lm_head twice, as heads ``policy`` and
-``reference``:
-
-    logprob-server --workers 2 --backend cpu --lm-head policy=CKPT --lm-head reference=CKPT \\
-        --allow-lm-head-updates --lm-head-retain 2
-
-Then TRL's GRPOTrainer runs 3 steps (beta > 0: reference logprobs;
+TRL's GRPOTrainer runs a few steps (beta > 0: reference logprobs;
 num_iterations = 2: old-policy logprobs) with two added lines::
 
     service = use_service(trainer, client)   # policy_head="policy", reference_head="reference"
@@ -17,19 +9,35 @@ num_iterations = 2: old-policy logprobs) with two added lines::
 
 The old-policy and reference logprobs (TRL's fused lm_head called without
 gradients) come from the server; the policy's own, with gradients, from
-TRL's kernel; the policy's lm_head is pushed as step-N after every step.
+TRL's kernel. The reference model's lm_head is pushed once; the policy's
+before each generation that scores it, as version ``{run}-step-N``
+(``--version-format``).
 
-Run it in the TRL environment (``bash scripts/setup-trl.sh``) from a built
-tree (``--bin-dir``, default build/bin):
+The model: ``--model`` (a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or a
+local checkpoint directory), by default a tiny random Qwen2-style model
+and word-level tokenizer made here (no download). The server: ``--server
+HOST:PORT``, one started with heads declared by the model's lm_head shape
+(docs/rl-frameworks.md, TRL):
+
+    build/bin/logprob-server --listen 127.0.0.1:50051 --workers 2 --backend cpu \
+        --lm-head-declare policy=VxH:f32 --lm-head-declare reference=VxH:f32 \
+        --allow-lm-head-updates --lm-head-retain 2
+
+or, without ``--server``, one this script starts so (from ``--bin-dir``,
+default build/bin). ``--bf16``: bf16 training with
+``cast_lm_head_to_fp32=True`` (TRL's own lm_head calls then compute float32
+logits from a float32 head, as the service does).
+
+Run it in the TRL environment (``bash scripts/setup-trl.sh``):
 
     PYTHONPATH=client/python:build/python .venv-trl/bin/python examples/trl_grpo.py
 
-(``--server HOST:PORT``: a running server with those heads, of this
-script's model.) Exit status 0 when training ran and the service answered
-exactly the no-gradient calls (4 of them), 1 otherwise.
+Exit status 0 when training ran and the service answered exactly the
+no-gradient calls, 1 otherwise.
 """
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -42,7 +50,7 @@ sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import AutoConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from logprob_client import LogprobClient  # noqa: E402
@@ -69,50 +77,85 @@ def reward(completions, **kwargs):
     return [float(c.split().count("w5")) - 0.1 * len(c.split()) for c in completions]
 
 
+def head_shape(model):
+    """``VxH`` of the model's lm_head (its config's vocab_size, hidden_size)."""
+    config = AutoConfig.from_pretrained(model)
+    config = getattr(config, "text_config", None) or config
+    return "%dx%d" % (config.vocab_size, config.hidden_size)
+
+
+def start_server(bin_dir, model, work, port):
+    """A logprob-server with heads policy and reference declared by the
+    model's lm_head shape (f32); returns (process, address)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        address = "127.0.0.1:%d" % s.getsockname()[1]
+    shape = head_shape(model)
+    server = subprocess.Popen(
+        [os.path.join(bin_dir, "logprob-server"), "--listen", address, "--workers", "2", "--backend", "cpu",
+         "--lm-head-declare", "policy=%s:f32" % shape, "--lm-head-declare", "reference=%s:f32" % shape,
+         "--allow-lm-head-updates", "--lm-head-retain", "2"],
+        stdout=open(os.path.join(work, "server.log"), "wb"), stderr=subprocess.STDOUT)
+    return server, address
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bin-dir", default=os.path.join(ROOT, "build", "bin"))
     ap.add_argument("--server", default="", help="HOST:PORT of a running server (default: start one)")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--model", default="", help="hub id or checkpoint directory (default: a tiny model made here)")
+    ap.add_argument("--version-format", default="{run}-step-{step}",
+                    help="the policy's version names, with {run} (a random id per run) and {step}")
+    ap.add_argument("--bf16", action="store_true", help="bf16 training, with cast_lm_head_to_fp32=True")
+    ap.add_argument("--max-steps", type=int, default=3)
+    ap.add_argument("--num-iterations", type=int, default=2)
     a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("logprob_client.trl").setLevel(logging.INFO)  # its line: what goes to the service
     work = tempfile.mkdtemp(prefix="trl_grpo_")
-    ckpt = os.path.join(work, "ckpt")
-    save_checkpoint(ckpt)
+    model = a.model
+    if not model:
+        model = os.path.join(work, "ckpt")
+        save_checkpoint(model)
     server = None
     address = a.server
     if not address:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", a.port))
-            address = "127.0.0.1:%d" % s.getsockname()[1]
-        server = subprocess.Popen(
-            [os.path.join(a.bin_dir, "logprob-server"), "--listen", address, "--workers", "2", "--backend", "cpu",
-             "--lm-head", "policy=" + ckpt, "--lm-head", "reference=" + ckpt, "--allow-lm-head-updates",
-             "--lm-head-retain", "2"],
-            stdout=open(os.path.join(work, "server.log"), "wb"), stderr=subprocess.STDOUT)
+        server, address = start_server(a.bin_dir, model, work, a.port)
     try:
         with LogprobClient(address, timeout=120) as client:
             if not client.health(wait=120):
                 print("the server at %s did not become SERVING (log: %s)" % (address, work), file=sys.stderr)
                 return 1
-            args = GRPOConfig(output_dir=os.path.join(work, "out"), max_steps=3, per_device_train_batch_size=4,
-                              num_generations=4, max_completion_length=6, beta=0.1, num_iterations=2,
-                              learning_rate=0.05, bf16=False, use_cpu=True, logging_steps=1, report_to=[],
-                              save_strategy="no", disable_tqdm=True)
+            args = GRPOConfig(output_dir=os.path.join(work, "out"), max_steps=a.max_steps,
+                              per_device_train_batch_size=4, num_generations=4, max_completion_length=6, beta=0.1,
+                              num_iterations=a.num_iterations, learning_rate=0.05, bf16=a.bf16,
+                              cast_lm_head_to_fp32=a.bf16, use_cpu=not torch.cuda.is_available(), logging_steps=1,
+                              report_to=[], save_strategy="no", disable_tqdm=True)
             prompts = Dataset.from_dict({"prompt": ["w%d w%d w%d" % (i, i + 1, i + 2) for i in range(8)]})
-            trainer = GRPOTrainer(model=ckpt, reward_funcs=reward, args=args, train_dataset=prompts,
-                                  processing_class=PreTrainedTokenizerFast.from_pretrained(ckpt))
-            # The two lines: no-gradient logprobs from the service, the policy's head pushed every step.
-            service = use_service(trainer, client, policy_head="policy", reference_head="reference")
+            # The checkpoint's tokenizer.json as is (AutoTokenizer would pick the
+            # model type's tokenizer class, which the tiny word-level one is not).
+            trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
+                                  processing_class=PreTrainedTokenizerFast.from_pretrained(model))
+            # The two lines: no-gradient logprobs from the service, the policy's head pushed when they need it.
+            service = use_service(trainer, client, policy_head="policy", reference_head="reference",
+                                  version_format=a.version_format)
             trainer.train()
             service.remove()
             for log in trainer.state.log_history:
                 if "kl" in log:
                     print("step %d: loss %.6f, kl %.6f" % (log["step"], log["loss"], log["kl"]))
-            print("answered by the service: %s (policy version now %s); left to TRL's kernel: the calls with "
-                  "gradients" % (dict(service.routed), service.policy_version))
-            ok = dict(service.routed) == {"policy": 2, "reference": 2} and service.policy_version == "step-3"
+            print("answered by the service: %s; policy pushes: %d (version now %s); left to TRL's kernel: the "
+                  "calls with gradients" % (dict(service.routed), service.pushes, service.policy_version))
+            # One generation every num_iterations steps, each with a reference
+            # call, and a policy call (after a push) when num_iterations > 1.
+            generations = -(-a.max_steps // a.num_iterations)
+            policy = generations if service.policy_scored else 0
+            want = {"reference": generations, "policy": policy} if policy else {"reference": generations}
+            last = service.policy.name((generations - 1) * a.num_iterations) if policy else None
+            ok = dict(service.routed) == want and service.pushes == policy and service.policy_version == last
             return 0 if ok else 1
     finally:
         if server is not None:

@@ -2,7 +2,9 @@
 outputs of ``hidden [N, H] @ weight[V, H]^T`` at ``targets [N]``, computed by
 a server holding that weight as a named head (``--lm-head NAME=...``), and
 the bookkeeping around it: a head's logit transforms, pushing a trainer's
-weight as a head version, and checking that a head holds given weights.
+weight as a head version (``PolicyPushes``: the version names, with a run
+id shared by a job's ranks, and the version the policy's calls are pinned
+to), and checking that a head holds given weights.
 
 Shared by the framework adapters (``logprob_client.trl``,
 ``logprob_client.verl``); it needs torch (imported when called).
@@ -15,14 +17,24 @@ float64; per token ``log_probs = x_t - logsumexp(x)``, ``entropy``,
 ``is_top1`` (target is the argmax, lowest id first among equal maxima).
 """
 
-import hashlib
 import math
+import re
+import secrets
+import threading
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+import grpc
 import numpy as np
 
 from ._proto import pb2
-from .errors import InvalidInputError
+from .base import check_lm_head_names
+from .errors import InvalidInputError, LogprobError
+from .lm_head_update import weight_sha256
+
+__all__ = ["FUSED_OUTPUTS", "NEW_OUTPUTS", "SEGMENT_TOKENS", "UnsupportedCall", "HeadMismatchError", "HeadTransforms",
+           "missing_outputs", "require_sync_client", "head_info", "head_torch_dtype", "head_rows", "weight_sha256",
+           "check_shape", "push_head", "ensure_head", "score_rows", "run_id", "PolicyPushes",
+           "DEFAULT_VERSION_FORMAT"]
 
 # Per-token outputs of a fused-head call, in the order the frameworks
 # return them (TRL's ChunkedLogProbFunction; verl uses the first two).
@@ -146,16 +158,16 @@ def head_torch_dtype(info: Any) -> Any:
     return getattr(torch, name)
 
 
-def weight_sha256(weight: Any, dtype: Any) -> str:
-    """Hex SHA-256 of ``weight`` ([V, H] torch tensor, any device) in
-    ``dtype`` (a torch float dtype), row-major: what ``LmHeadInfo.sha256``
-    reports for a head holding it. Copies the weight to the host once."""
+def head_rows(info: Any, weight: Any) -> Any:
+    """``weight`` ([V, H] torch tensor, any device) converted on its device
+    to the head's dtype (``info``: its ``LmHeadInfo``), contiguous, without
+    gradients: the rows a push sends and its ``weight_sha256`` hashes.
+    Raises InvalidInputError for a weight of another shape."""
     import torch
 
-    t = weight.detach().to(dtype=dtype).contiguous().cpu()
-    if dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return hashlib.sha256(memoryview(t.numpy()).cast("B")).hexdigest()
+    check_shape(info, weight)
+    with torch.no_grad():
+        return weight.detach().to(dtype=head_torch_dtype(info)).contiguous()
 
 
 def check_shape(info: Any, weight: Any) -> None:
@@ -173,16 +185,17 @@ def push_head(client: Any, head: str, weight: Any, version: str, sha256: Optiona
     (``LogprobClient.update_lm_head``: by CUDA IPC for a CUDA tensor where
     the server offers it on this host, else through shared memory on the
     server's host, else in pieces). The weight is converted to the head's
-    dtype on its device first; ``sha256`` (optional) is checked by the
-    server. Raises LogprobError / InvalidInputError."""
-    import torch
-
+    dtype on its device first, and always sent with its sha256 (computed
+    here unless given), so that a push of bytes the server already holds
+    under that name is a no-op without upload (``already_committed``),
+    and several ranks pushing the same (head, version, weight) at once
+    upload it once (the server has the later ones wait for the first).
+    Raises LogprobError (ALREADY_EXISTS: the name holds other bytes) /
+    InvalidInputError."""
     info = head_info(client, head)
-    check_shape(info, weight)
-    dtype = head_torch_dtype(info)
-    with torch.no_grad():
-        rows = weight.detach().to(dtype=dtype).contiguous()
-    return str(client.update_lm_head(head, rows, version=version, sha256=sha256))
+    rows = head_rows(info, weight)
+    digest = sha256 or weight_sha256(rows)
+    return str(client.update_lm_head(head, rows, version=version, sha256=digest))
 
 
 def ensure_head(client: Any, head: str, weight: Any, version: Optional[str] = None) -> str:
@@ -192,11 +205,96 @@ def ensure_head(client: Any, head: str, weight: Any, version: Optional[str] = No
     (default ``"ref-"`` and the first 16 hex digits of the sha256). A
     frozen reference model's head is loaded once this way."""
     info = head_info(client, head, refresh=True)
-    check_shape(info, weight)
-    digest = weight_sha256(weight, head_torch_dtype(info))
+    digest = weight_sha256(head_rows(info, weight))
     if info.sha256 == digest:
         return str(info.version)
     return push_head(client, head, weight, version or "ref-" + digest[:16], sha256=digest)
+
+
+# The adapters' policy version names: a run id (``run_id``) and the
+# trainer's step, so that a server outliving a run never sees a name of an
+# earlier run with other weights.
+DEFAULT_VERSION_FORMAT = "{run}-step-{step}"
+
+_RUN_RE = re.compile(r"[A-Za-z0-9._:+-]{1,64}")
+
+
+def run_id(run: Optional[str] = None) -> str:
+    """The run id of an adapter's version names: ``run`` when given
+    (1..64 characters of ``[A-Za-z0-9._:+-]``), else 8 random hex
+    digits made here, which every rank of the job gets when
+    ``torch.distributed`` is initialized: rank 0's id is broadcast
+    (``broadcast_object_list``, a collective of the default group: every
+    rank must make its adapter at the same point, or pass ``run``).
+    Raises ValueError for a malformed ``run``."""
+    if run is not None:
+        if not isinstance(run, str) or not _RUN_RE.fullmatch(run):
+            raise ValueError("run %r: a run id is 1..64 characters of [A-Za-z0-9._:+-]" % (run,))
+        return run
+    made = secrets.token_hex(4)
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return made
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [made]
+        dist.broadcast_object_list(box, src=0)
+        made = str(box[0])
+    return made
+
+
+class PolicyPushes:
+    """The pushes of a trained model's head, as the adapters make them:
+    version names ``version_format.format(run=run, step=step)``
+    (``run``: ``run_id``; a format without ``{run}`` works, but a server
+    that outlives the run then refuses another run's weights under its
+    names), the version the policy's calls are pinned to (``version``,
+    None before the first push; ``step``: its step), and ``count`` (pushes
+    made). Thread-safe."""
+
+    def __init__(self, client: Any, head: str, version_format: str = DEFAULT_VERSION_FORMAT,
+                 run: Optional[str] = None) -> None:
+        self.client = client
+        self.head = head
+        self.version_format = version_format
+        try:
+            example = version_format.format(run="r", step=0)
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise ValueError("version_format %r: a str.format pattern with {step} (and {run}), e.g. %r: %s"
+                             % (version_format, DEFAULT_VERSION_FORMAT, e)) from None
+        if "{step" not in version_format:
+            raise ValueError("version_format %r has no {step}: every push would reuse one name"
+                             % (version_format,))
+        check_lm_head_names(head, example)
+        self.run = run_id(run)
+        self.version: Optional[str] = None
+        self.step: Optional[int] = None
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def name(self, step: int) -> str:
+        """The version name of ``step``."""
+        return self.version_format.format(run=self.run, step=int(step))
+
+    def push(self, weight: Any, step: int) -> str:
+        """Pushes ``weight`` as ``name(step)`` (``push_head``: with its
+        sha256, so a repeat is a no-op) and pins the policy's calls to it;
+        returns the version. Raises LogprobError (ALREADY_EXISTS with what
+        to do when the name holds other weights)."""
+        version = self.name(step)
+        try:
+            committed = push_head(self.client, self.head, weight, version)
+        except LogprobError as e:
+            if e.code == grpc.StatusCode.ALREADY_EXISTS:
+                raise LogprobError(e.code, "%s (the server holds %s version %r with other weights, e.g. from an "
+                                   "earlier run: keep {run} in version_format, as the default %r does)"
+                                   % (e.message, self.head, version, DEFAULT_VERSION_FORMAT),
+                                   attempts=e.attempts, reason=e.reason) from e
+            raise
+        with self._lock:
+            self.version, self.step = committed, int(step)
+            self.count += 1
+        return committed
 
 
 def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_version: str = "",

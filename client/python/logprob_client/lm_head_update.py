@@ -2,6 +2,7 @@
 ``PutLmHeadRows`` parts of a row range (``LmHeadRows`` first, then its bytes
 in ``TensorPiece``s, as ScoreChunked sends a request's tensors)."""
 
+import hashlib
 import os
 from typing import Any, Iterator, Tuple
 
@@ -54,6 +55,18 @@ def lm_head_rows(weight: Any, dtype: Any = None) -> Tuple[int, Array]:
     if rows.ndim != 2:
         raise InvalidInputError("an lm_head weight is [vocab_size, hidden_size], got %s" % (list(rows.shape),))
     return dt, np.ascontiguousarray(rows)
+
+
+def weight_sha256(weight: Any, dtype: Any = None) -> str:
+    """Hex SHA-256 of ``weight``'s bytes as ``update_lm_head`` sends them
+    (``lm_head_rows``: row-major, in ``dtype``, a wire or torch / numpy
+    float dtype, None: the weight's own): what ``LmHeadInfo.sha256``
+    reports for a head holding it, what the server checks at commit, and
+    what makes a re-sent version a no-op. A CUDA tensor is copied to the
+    host for it (convert it to the head's dtype on its device first to
+    copy half as many bytes of an f32 weight for a bf16 head)."""
+    _, rows = lm_head_rows(weight, dtype)
+    return hashlib.sha256(np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data).hexdigest()
 
 
 def weight_nbytes(weight: Any) -> int:

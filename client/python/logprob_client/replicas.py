@@ -21,7 +21,6 @@ Example::
 """
 
 import asyncio
-import hashlib
 import ipaddress
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,10 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import grpc
 
 from .errors import InvalidInputError, LogprobError
-from .lm_head_update import lm_head_rows
+from .lm_head_update import weight_sha256
+
+__all__ = ["resolve_replicas", "weight_sha256", "ReplicaUpdateError", "update_lm_head_replicas",
+           "update_lm_head_replicas_async"]
 
 Target = Union[str, Sequence[str]]
 
@@ -85,15 +87,6 @@ def resolve_replicas(target: Target) -> List[str]:
     if not out:
         raise InvalidInputError("target %r names no replica" % (target,))
     return out
-
-
-def weight_sha256(weight: Any, dtype: Any = None) -> str:
-    """Hex SHA-256 of ``weight``'s bytes as ``update_lm_head`` sends them
-    (row-major, the head's dtype; ``lm_head_rows``): what the server checks
-    at commit and what makes a re-sent version a no-op. A CUDA tensor is
-    copied to the host for it (give ``sha256=`` to avoid that)."""
-    _, rows = lm_head_rows(weight, dtype)
-    return hashlib.sha256(rows.reshape(-1).view("uint8").data).hexdigest()
 
 
 class ReplicaUpdateError(LogprobError):

@@ -29,12 +29,23 @@ docs/rl-frameworks.md). ``use_service``:
   (tied or not): kept when the server's head already has these weights
   (same sha256 in the head's dtype), else pushed once as ``ref-<sha256
   prefix>``;
-- pushes the policy's ``lm_head`` as version ``step-N`` (``version_format``)
-  at train begin (``step-0``) and after every optimizer step, through a
-  ``transformers.TrainerCallback`` (``LogprobClient.update_lm_head``: CUDA
-  IPC for a CUDA weight where the server offers it on this host, shared
-  memory on the server's host, pieces otherwise), converted to the head's
-  dtype;
+- pushes the policy's ``lm_head`` only when a call will score it: before
+  the first no-gradient policy call after each optimizer step (GRPO's
+  old-policy logprobs with ``num_iterations > 1`` or vLLM importance
+  sampling; PEFT's reference pass through the policy's ``lm_head``), as
+  version ``{run}-step-N`` (``version_format``; ``run``: a random id made
+  once per adapter, rank 0's on every rank when ``torch.distributed`` is
+  initialized; ``N``: the trainer's ``global_step``), with its sha256 (a
+  repeat of the same bytes under a taken name is a no-op without upload),
+  through ``LogprobClient.update_lm_head`` (CUDA IPC for a CUDA weight
+  where the server offers it on this host, shared memory on the server's
+  host, pieces otherwise), converted to the head's dtype; at
+  ``num_iterations = 1`` without vLLM nothing scores the policy, and it is
+  never pushed. A ``transformers.TrainerCallback`` marks the pushed
+  version stale at train begin and after every optimizer step;
+- logs one line (``logging``, logger ``logprob_client.trl``, INFO) at
+  install saying which calls go to the service and whether the policy
+  will be pushed;
 - checks the installed TRL against ``SUPPORTED_TRL`` (these are TRL
   internals) and raises ``RuntimeError`` outside it.
 
@@ -60,15 +71,15 @@ recognised as the policy's and stay in TRL's kernel.
 """
 
 import collections
+import logging
 import threading
 import warnings
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-import grpc
-
 from . import fused_head
-from .errors import LogprobError
 from .fused_head import HeadMismatchError, UnsupportedCall
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["use_service", "ServiceLogProbs", "HeadMismatchError", "SUPPORTED_TRL", "check_trl_version"]
 
@@ -237,18 +248,22 @@ class ServiceLogProbs:
 
     Attributes: ``policy_head``, ``reference_head`` (the server's head
     names), ``policy_version`` (the policy version pushed last, which
-    scores the policy's calls), ``reference_version`` (None without a
-    reference model), ``calls`` (the last 10000 ``RoutedCall``s),
-    ``routed`` (count of calls the service answered, by head),
-    ``fallbacks`` (no-gradient calls of a known head left to TRL under
-    ``on_unsupported="fallback"``), ``callback`` (the
-    ``transformers.TrainerCallback`` that pushes the policy). ``remove()``
-    takes the adapter out (TRL's function is back once none is left).
+    scores the policy's calls; None before the first push), ``run`` (the
+    run id of its version names), ``pushes`` (policy pushes made),
+    ``policy_scored`` (whether this trainer's configuration makes
+    no-gradient policy calls, so that the policy is pushed; logged at
+    install), ``reference_version`` (None without a reference model),
+    ``calls`` (the last 10000 ``RoutedCall``s), ``routed`` (count of calls
+    the service answered, by head), ``fallbacks`` (no-gradient calls of a
+    known head left to TRL under ``on_unsupported="fallback"``),
+    ``callback`` (the ``transformers.TrainerCallback`` that marks the
+    pushed version stale after each optimizer step). ``remove()`` takes
+    the adapter out (TRL's function is back once none is left).
     Thread-safe as far as TRL's calls are (one training loop).
     """
 
     def __init__(self, trainer: Any, client: Any, policy_head: str, reference_head: str, on_unsupported: str,
-                 version_format: str) -> None:
+                 version_format: str = fused_head.DEFAULT_VERSION_FORMAT, run: Optional[str] = None) -> None:
         if on_unsupported not in ("raise", "fallback"):
             raise ValueError("on_unsupported must be 'raise' or 'fallback', got %r" % (on_unsupported,))
         self.trainer = trainer
@@ -256,16 +271,36 @@ class ServiceLogProbs:
         self.policy_head = policy_head
         self.reference_head = reference_head
         self.on_unsupported = on_unsupported
-        self.version_format = version_format
-        self.policy_version: Optional[str] = None
+        self.policy = fused_head.PolicyPushes(client, policy_head, version_format, run)
+        self.policy_scored, self.policy_scored_why = policy_calls(trainer)
         self.reference_version: Optional[str] = None
         self.calls: Deque[RoutedCall] = collections.deque(maxlen=10000)
         self.routed: Dict[str, int] = collections.Counter()
         self.fallbacks = 0
         self.callback: Any = None
+        self._stale = True  # the policy's weights may differ from the version pushed last
         self._warned: Set[str] = set()
         self._transforms: Dict[str, fused_head.HeadTransforms] = {}
-        self._lock = threading.Lock()
+
+    @property
+    def policy_version(self) -> Optional[str]:
+        """The policy version pushed last (None before the first push)."""
+        return self.policy.version
+
+    @property
+    def version_format(self) -> str:
+        """The policy's version names, ``str.format``ted with ``run`` and ``step``."""
+        return self.policy.version_format
+
+    @property
+    def run(self) -> str:
+        """The run id of the policy's version names."""
+        return self.policy.run
+
+    @property
+    def pushes(self) -> int:
+        """Policy pushes made so far."""
+        return self.policy.count
 
     # -- models -------------------------------------------------------------
 
@@ -300,27 +335,40 @@ class ServiceLogProbs:
         self._refresh_transforms(self.reference_head)
 
     def push_policy(self, step: int) -> str:
-        """Pushes the policy's lm_head as ``version_format.format(step=step)``
-        and makes it the version the policy's calls are pinned to. Raises
-        LogprobError (ALREADY_EXISTS: the server holds that version with
-        other weights, e.g. from an earlier run: give another
-        ``version_format``)."""
-        version = self.version_format.format(step=step)
-        try:
-            committed = fused_head.push_head(self.client, self.policy_head, _head_weight(self._policy_model()),
-                                             version)
-        except LogprobError as e:
-            if e.code == grpc.StatusCode.ALREADY_EXISTS:
-                raise LogprobError(e.code, "%s (the server already holds %s version %r with other weights, e.g. "
-                                   "from an earlier run: pass use_service(..., version_format=\"run2-step-{step}\")"
-                                   ")" % (e.message, self.policy_head, version), attempts=e.attempts,
-                                   reason=e.reason) from e
-            raise
-        with self._lock:
-            self.policy_version = committed
+        """Pushes the policy's lm_head as ``version_format.format(run=run,
+        step=step)`` and makes it the version the policy's calls are
+        pinned to (``fused_head.PolicyPushes.push``). Raises LogprobError
+        (ALREADY_EXISTS: the server holds that version with other weights,
+        e.g. from an earlier run under a format without ``{run}``)."""
+        committed = self.policy.push(_head_weight(self._policy_model()), step)
+        self._stale = False
         if self.policy_head not in self._transforms:
             self._refresh_transforms(self.policy_head)
         return committed
+
+    def weights_changed(self) -> None:
+        """Marks the pushed policy version stale: the next no-gradient
+        policy call pushes the policy's lm_head first (the callback calls
+        this at train begin and after every optimizer step)."""
+        self._stale = True
+
+    def describe(self) -> str:
+        """The one line ``use_service`` logs: which calls go to the
+        service, and whether (and how) the policy is pushed."""
+        trainer = type(self.trainer).__name__
+        if self._reference_model() is not None:
+            ref = "the reference model's to head %r (version %s)" % (self.reference_head, self.reference_version)
+        else:
+            ref = "no reference model"
+        if self.policy_scored:
+            policy = ("the policy's to head %r, pushed as %r before the first such call after each optimizer "
+                      "step (%s)" % (self.policy_head, self.version_format.replace("{run}", self.run),
+                                     self.policy_scored_why))
+        else:
+            policy = ("the policy's: none expected (%s), so the policy is not pushed (should one come, it is "
+                      "pushed first, to head %r)" % (self.policy_scored_why, self.policy_head))
+        return ("%s's fused lm_head calls without gradients go to the logprob service: %s; "
+                "%s; calls with gradients stay in TRL's kernel" % (trainer, ref, policy))
 
     # -- routing ------------------------------------------------------------
 
@@ -354,7 +402,7 @@ class ServiceLogProbs:
             return None
         version = ""
         if head == self.policy_head:
-            if self.policy_version is None:
+            if self._stale or self.policy_version is None:
                 state = getattr(self.trainer, "state", None)
                 self.push_policy(int(getattr(state, "global_step", 0) or 0))
             version = self.policy_version or ""
@@ -399,24 +447,54 @@ class ServiceLogProbs:
                 pass
 
 
+def policy_calls(trainer: Any) -> Tuple[bool, str]:
+    """Whether ``trainer`` (as configured) makes no-gradient calls of the
+    policy's lm_head, and why, from TRL 1.16's rules: GRPO / RLOO compute
+    old-policy logprobs when ``gradient_accumulation_steps`` is not a
+    multiple of ``steps_per_generation * num_iterations`` (e.g.
+    ``num_iterations > 1``) or with vLLM importance sampling; with
+    ``beta != 0`` and no reference model (PEFT) the reference pass runs
+    through the policy's lm_head. Another trainer: assumed yes."""
+    args = getattr(trainer, "args", None)
+    if not hasattr(args, "num_iterations"):
+        return True, "%s: assumed" % type(trainer).__name__
+    reasons = []
+    iterations = int(getattr(args, "num_iterations", 1) or 1)
+    per_generation = int(getattr(args, "steps_per_generation", None) or 1)
+    accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    if accumulation % (per_generation * iterations) != 0:
+        reasons.append("old-policy logprobs: num_iterations=%d, steps_per_generation=%d, "
+                       "gradient_accumulation_steps=%d" % (iterations, per_generation, accumulation))
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+        reasons.append("vLLM importance sampling")
+    if float(getattr(args, "beta", 0.0) or 0.0) != 0.0 and getattr(trainer, "ref_model", None) is None:
+        reasons.append("reference logprobs through the policy's lm_head (no reference model: PEFT)")
+    if reasons:
+        return True, "; ".join(reasons)
+    return False, "num_iterations=%d%s" % (iterations, ", no vLLM importance sampling"
+                                           if getattr(args, "use_vllm", False) else "")
+
+
 def _make_callback(adapter: ServiceLogProbs) -> Any:
     from transformers import TrainerCallback
 
-    class PushPolicyHead(TrainerCallback):  # type: ignore[misc]
-        """Pushes the policy's lm_head to the service as ``step-N`` at train
-        begin and after every optimizer step (logprob_client.trl)."""
+    class PolicyWeightsChanged(TrainerCallback):  # type: ignore[misc]
+        """Marks the policy version pushed last stale at train begin and
+        after every optimizer step, so that the next no-gradient policy
+        call pushes the new weights first (logprob_client.trl)."""
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            adapter.push_policy(int(state.global_step))
+            adapter.weights_changed()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            adapter.push_policy(int(state.global_step))
+            adapter.weights_changed()
 
-    return PushPolicyHead()
+    return PolicyWeightsChanged()
 
 
 def use_service(trainer: Any, client: Any, policy_head: str = "policy", reference_head: str = "reference", *,
-                on_unsupported: str = "raise", version_format: str = "step-{step}") -> ServiceLogProbs:
+                on_unsupported: str = "raise", version_format: str = fused_head.DEFAULT_VERSION_FORMAT,
+                run: Optional[str] = None) -> ServiceLogProbs:
     """Routes ``trainer``'s fused-lm_head calls made without gradients to
     the logprob service behind ``client`` (a synchronous
     ``logprob_client.LogprobClient``) and keeps the server's heads in step
@@ -429,11 +507,16 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     (``trainer.ref_model``, when there is one), each of the model's
     ``lm_head`` shape ``[V, H]``; ``on_unsupported``: ``"raise"`` or
     ``"fallback"`` (module docstring); ``version_format``: the policy's
-    version names, ``str.format``ted with ``step`` (the trainer's
-    ``global_step``; make it unique per run when a server outlives runs).
+    version names, ``str.format``ted with ``run`` and ``step`` (the
+    trainer's ``global_step``; keep ``{run}`` when a server outlives runs);
+    ``run``: the run id (default: made here, rank 0's when
+    ``torch.distributed`` is initialized, see ``fused_head.run_id``).
 
-    Pushes the reference head now when needed; the policy's at train
-    begin. Returns the ``ServiceLogProbs`` adapter (counters, ``remove()``).
+    Pushes the reference head now when needed; the policy's before the
+    first no-gradient policy call after each optimizer step (never when
+    no call scores it). Logs one line saying so (logger
+    ``logprob_client.trl``, INFO). Returns the ``ServiceLogProbs`` adapter
+    (counters, ``remove()``).
     Raises RuntimeError for an unsupported TRL, ValueError for a setup it
     does not support, InvalidInputError for heads the server lacks or of
     another shape, LogprobError when the server cannot be reached.
@@ -448,7 +531,7 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     if acc is not None and int(getattr(acc, "num_processes", 1)) > 1:
         raise ValueError("use_service supports one training process for now (%d here): every process would "
                          "score policy versions only the first one pushes" % int(acc.num_processes))
-    adapter = ServiceLogProbs(trainer, client, policy_head, reference_head, on_unsupported, version_format)
+    adapter = ServiceLogProbs(trainer, client, policy_head, reference_head, on_unsupported, version_format, run)
     # The heads exist and have the models' shapes: fail now, not at step 1.
     fused_head.check_shape(fused_head.head_info(client, policy_head, refresh=True),
                            _head_weight(adapter._policy_model()))
@@ -457,4 +540,5 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     adapter.callback = _make_callback(adapter)
     trainer.add_callback(adapter.callback)
     _install(adapter)
+    logger.info("%s", adapter.describe())
     return adapter

@@ -25,8 +25,14 @@ verl's own code (the same ``FusedLinearForPPO``, any backend)::
     service.add_head(ref_model.lm_head, "reference")       # reference logprobs
     service.push(actor_model.lm_head.weight, step=0)       # and after each weight sync (or pushing_after)
 
-``push`` sends the actor's weight as version ``step-N`` (``version_format``)
-and pins the policy's calls to it; ``pushing_after(method, weight_of)`` wraps
+``push`` sends the actor's weight as version ``{run}-step-N``
+(``version_format``; ``run``: a random id made at ``use_service``, rank
+0's on every rank when ``torch.distributed`` is initialized, so that every
+data-parallel rank names a step alike), with its sha256, and pins the
+policy's calls to it. Ranks pushing the same step at once upload it once:
+the server has the others wait for that update and answer them
+``already_committed``; a repeated push is a no-op without upload.
+``pushing_after(method, weight_of)`` wraps
 a worker's weight-sync method (verl 0.9's async
 ``ActorRolloutRefWorker.update_weights(self, global_steps=None, ...)``) so
 that every sync also pushes ``weight_of(worker)``.
@@ -44,7 +50,6 @@ metadata (``import verl`` itself needs ray).
 import collections
 import functools
 import importlib
-import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -83,28 +88,47 @@ def _weight_of(x: Any) -> Any:
 
 class VerlService:
     """What ``use_service`` returns: the registered heads, the policy's
-    pinned version, counters (``routed`` by head, ``fallbacks``, ``calls``:
-    the last 10000 ``(head, version, tokens)``). ``remove()`` puts verl's
-    class back."""
+    pinned version (``policy_version``), ``run`` (the run id of its version
+    names), counters (``pushes``, ``routed`` by head, ``fallbacks``,
+    ``calls``: the last 10000 ``(head, version, tokens)``). ``remove()``
+    puts verl's class back."""
 
     def __init__(self, client: Any, module: Any, original: Any, on_unsupported: str, version_format: str,
-                 policy_head: str) -> None:
+                 policy_head: str, run: Optional[str] = None) -> None:
         if on_unsupported not in ("raise", "fallback"):
             raise ValueError("on_unsupported must be 'raise' or 'fallback', got %r" % (on_unsupported,))
         self.client = client
         self.module = module
         self.original = original
         self.on_unsupported = on_unsupported
-        self.version_format = version_format
         self.policy_head = policy_head
-        self.policy_version: Optional[str] = None
+        self.policy = fused_head.PolicyPushes(client, policy_head, version_format, run)
         self.heads: List[Tuple[Any, str]] = []
         self.routed: Dict[str, int] = collections.Counter()
         self.fallbacks = 0
         self.calls: Any = collections.deque(maxlen=10000)
         self._warned: Set[str] = set()
         self._transforms: Dict[str, fused_head.HeadTransforms] = {}
-        self._lock = threading.Lock()
+
+    @property
+    def policy_version(self) -> Optional[str]:
+        """The policy version pushed last (None before the first push)."""
+        return self.policy.version
+
+    @property
+    def version_format(self) -> str:
+        """The policy's version names, ``str.format``ted with ``run`` and ``step``."""
+        return self.policy.version_format
+
+    @property
+    def run(self) -> str:
+        """The run id of the policy's version names."""
+        return self.policy.run
+
+    @property
+    def pushes(self) -> int:
+        """Policy pushes made so far."""
+        return self.policy.count
 
     def add_head(self, weight: Any, head: str) -> None:
         """Registers a model's lm_head (its ``[V, H]`` weight tensor, or the
@@ -124,20 +148,20 @@ class VerlService:
 
     def push(self, weight: Any, step: int, head: Optional[str] = None) -> str:
         """Pushes ``weight`` ([V, H]; CPU or CUDA) as version
-        ``version_format.format(step=step)`` of ``head`` (the policy head by
-        default) and pins that head's calls to it; returns the version."""
-        head = head or self.policy_head
-        version = fused_head.push_head(self.client, head, _weight_of(weight), self.version_format.format(step=step))
-        if head == self.policy_head:
-            with self._lock:
-                self.policy_version = version
-        return version
+        ``version_format.format(run=run, step=step)`` of ``head`` (the
+        policy head by default, whose calls it then pins to it), with its
+        sha256: a repeat, or another rank's push of the same step, is a
+        no-op without upload. Returns the version. Raises LogprobError
+        (ALREADY_EXISTS: that name holds other weights)."""
+        if head is None or head == self.policy_head:
+            return self.policy.push(_weight_of(weight), step)
+        return fused_head.push_head(self.client, head, _weight_of(weight), self.policy.name(step))
 
     def pushing_after(self, method: Callable[..., Any], weight_of: Callable[[Any], Any]) -> Callable[..., Any]:
         """Wraps a worker's weight-sync method (sync or async, called as
         ``method(worker, global_steps=N, ...)`` or with ``global_steps`` as
         the first positional argument) so that once it returns, the
-        policy's weight ``weight_of(worker)`` is pushed as step-N. The
+        policy's weight ``weight_of(worker)`` is pushed as step N. The
         wrapper keeps the method's attributes (verl's ``register``
         dispatch marks)."""
         service = self
@@ -220,23 +244,28 @@ def _is_coroutine_function(fn: Any) -> bool:
 
 
 def use_service(client: Any, *, policy_head: str = "policy", on_unsupported: str = "raise",
-                version_format: str = "step-{step}", module: Any = None,
-                check_version: bool = True) -> VerlService:
+                version_format: str = fused_head.DEFAULT_VERSION_FORMAT, run: Optional[str] = None,
+                module: Any = None, check_version: bool = True) -> VerlService:
     """Replaces ``FusedLinearForPPO`` in verl's module (``SEAM``, or
     ``module`` given) by a subclass answering registered heads' calls
     without gradients from the service behind ``client`` (a synchronous
     ``LogprobClient``); returns the ``VerlService`` to register heads
     (``add_head``) and push the policy (``push`` / ``pushing_after``).
-    Call it in every process whose model computes logprobs. Raises
-    RuntimeError for an unsupported verl (``check_version=False`` skips
-    the check, e.g. for a module that only copies the seam's signature)."""
+    Call it in every process whose model computes logprobs: when
+    ``torch.distributed`` is initialized it is a collective (rank 0's run
+    id is broadcast, ``fused_head.run_id``) unless ``run`` is given.
+    ``version_format``: the policy's version names, ``str.format``ted with
+    ``run`` and ``step`` (keep ``{run}`` when a server outlives runs).
+    Raises RuntimeError for an unsupported verl (``check_version=False``
+    skips the check, e.g. for a module that only copies the seam's
+    signature), ValueError for a bad ``version_format`` or ``run``."""
     fused_head.require_sync_client(client)
     if module is None:
         if check_version:
             check_verl_version()
         module = importlib.import_module(SEAM)
     original = module.FusedLinearForPPO
-    service = VerlService(client, module, original, on_unsupported, version_format, policy_head)
+    service = VerlService(client, module, original, on_unsupported, version_format, policy_head, run)
 
     class ServiceFusedLinearForPPO(original):  # type: ignore[misc,valid-type]
         """verl's FusedLinearForPPO; no-gradient calls of registered heads

@@ -18,8 +18,12 @@ What the GRPO tests check, per model:
   service with cast_lm_head_to_fp32=True (same seed) within
   TOL * (1 + |value|) (both runs compute float32 logits from float32 weights; they
   differ by the summation order of the two kernels, ~1e-7 relative in
-  each logprob, which the three steps' updates carry into the loss): TOL;
-- the server's policy version is step-N after step N (step-0 at begin);
+  each logprob, which the three steps' updates carry into the loss and the
+  k3 KL's exponential magnifies): TOL 1e-5 for the untied model, 1e-4 for
+  the tied one;
+- the policy is pushed only before the calls that score it (generation at
+  global steps 0 and 2: versions {run}-step-0 and {run}-step-2), counted
+  by the adapter and by the server's metrics;
 - the reference head was kept when the server held the reference weights
   already (Qwen2: started from the checkpoint), pushed once otherwise
   (Llama: started from other weights).
@@ -48,17 +52,24 @@ from logprob_client.trl import HeadMismatchError, check_trl_version, use_service
 
 STEPS = 3
 # |service run - unpatched fp32 run| <= TOL * (1 + |unpatched|) per logged
-# loss and KL (module docstring). Measured on this CPU (2026-11-26): at most
-# 2.4e-7 for the loss and 3.8e-6 for a KL of 22 (1.7e-7 relative).
+# loss and KL (module docstring; docs/rl-frameworks.md, "Numerics"). Both
+# runs compute float32 logprobs (the service 2.9e-7 from float64 per token,
+# TRL's kernel 7.9e-7); the k3 KL, exp(ref - logp) - (ref - logp) - 1,
+# multiplies a logprob's rounding by exp(ref - logp), several nats on the
+# tokens a step moved. Measured at step 2: 8.3e-5 at a KL of 8.87 (Qwen2
+# tiny: 8.4e-6 relative) and 1.5e-4 at a KL of 1.78 (Llama tiny, tied:
+# 5.4e-5 relative); on the 2-core VM (2026-11-28, seeds 0-3) at most 2.5e-6
+# and 1.1e-6 relative. TOL is per model (``_GrpoTest.TOL``).
 TOL = 1e-5
+TOL_TIED = 1e-4
 
 
-def grpo_args(out_dir, cast_lm_head_to_fp32):
+def grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations=2, learning_rate=0.05):
     return GRPOConfig(
         output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=6, beta=0.1, num_iterations=2, learning_rate=0.05, bf16=False, use_cpu=True,
-        cast_lm_head_to_fp32=cast_lm_head_to_fp32, logging_steps=1, report_to=[], seed=0, save_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0)
+        max_completion_length=6, beta=0.1, num_iterations=num_iterations, learning_rate=learning_rate, bf16=False,
+        use_cpu=True, cast_lm_head_to_fp32=cast_lm_head_to_fp32, logging_steps=1, report_to=[], seed=0,
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
 
 
 def _no_grad(args):
@@ -146,7 +157,8 @@ class VersionLog(TrainerCallback):
         self._record(state)
 
 
-def run_grpo(model_dir, out_dir, cast_lm_head_to_fp32, client=None, **service_kwargs):
+def run_grpo(model_dir, out_dir, cast_lm_head_to_fp32, client=None, num_iterations=2, learning_rate=0.05,
+             **service_kwargs):
     """One GRPO run of STEPS steps; returns (trainer, CallLog, adapter or
     None, VersionLog or None)."""
     tok = tiny_models.tokenizer()
@@ -154,8 +166,8 @@ def run_grpo(model_dir, out_dir, cast_lm_head_to_fp32, client=None, **service_kw
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(model=model_dir, reward_funcs=tiny_models.reward,
-                              args=grpo_args(out_dir, cast_lm_head_to_fp32), train_dataset=data,
-                              processing_class=tok)
+                              args=grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations, learning_rate),
+                              train_dataset=data, processing_class=tok)
     log = CallLog(trainer)
     log.install_inner()
     adapter = versions = None
@@ -182,6 +194,7 @@ class _GrpoTest:
     """GRPO with the service vs without (mixin; KIND, SERVER_HEADS_FROM)."""
 
     KIND = None
+    TOL = TOL
     # "checkpoint": the server starts from the model's own checkpoint (the
     # reference head is kept); "other": from another model's lm_head (the
     # reference head is pushed).
@@ -199,7 +212,8 @@ class _GrpoTest:
             tiny_models.save_model(cls.KIND, other, seed=1)
             heads = ["--lm-head", "policy=" + other, "--lm-head", "reference=" + other]
         cls.initial_reference = model.get_output_embeddings().weight.detach().clone()
-        cls.server = Server(workers=2, extra=heads + ["--allow-lm-head-updates", "--lm-head-retain", "2"])
+        cls.server = Server(workers=2, extra=heads + ["--allow-lm-head-updates", "--lm-head-retain", "2"],
+                            metrics=True)
         try:
             cls.client = LogprobClient(cls.server.address, timeout=120)
             cls.start_info = {h.name: h for h in cls.client.lm_heads()}
@@ -242,7 +256,8 @@ class _GrpoTest:
                 continue
             if r["policy"]:
                 self.assertEqual(r["service"].head, "policy")
-                self.assertEqual(r["service"].version, "step-%d" % r["step"])  # pushed after the step before
+                # Pushed before the step's first policy call: the weights of that call.
+                self.assertEqual(r["service"].version, adapter.policy.name(r["step"]))
             else:
                 self.assertEqual(r["service"].head, "reference")
                 self.assertEqual(r["service"].version, adapter.reference_version)
@@ -274,19 +289,24 @@ class _GrpoTest:
         self.assertEqual(len(want), STEPS)
         for step, (g, w) in enumerate(zip(got, want), start=1):
             for key in ("loss", "kl"):
-                self.assertLessEqual(abs(g[key] - w[key]), TOL * (1 + abs(w[key])),
+                self.assertLessEqual(abs(g[key] - w[key]), self.TOL * (1 + abs(w[key])),
                                      "step %d %s: %r with the service, %r without" % (step, key, g[key], w[key]))
         self.assertGreater(max(abs(w["kl"]) for w in want), 0.0, "the reference must matter (KL > 0)")
 
-    def test_policy_version_changes_at_every_step(self):
-        _, _, adapter, versions = self.service
-        self.assertEqual([(s, v) for s, v, _ in versions.versions], [(s, "step-%d" % s) for s in range(STEPS + 1)])
-        self.assertEqual(versions.versions[-1][2], ["step-3", "step-2"])
-        self.assertEqual(adapter.policy_version, "step-3")
-        # What the server holds is the policy's last weights.
-        head = hashed_head(self.client, "policy")  # hashed after the commit
-        want = fused_head.weight_sha256(self.service[0].model.get_output_embeddings().weight, torch.float32)
-        self.assertEqual(head.sha256, want)
+    def test_policy_pushed_before_the_calls_that_score_it(self):
+        _, log, adapter, versions = self.service
+        name = adapter.policy.name
+        # Generation (old-policy logprobs) at global steps 0 and 2 only
+        # (num_iterations = 2): two pushes, none at steps 1 and 3.
+        self.assertEqual([(s, v) for s, v, _ in versions.versions],
+                         [(0, self.start_info["policy"].version), (1, name(0)), (2, name(0)), (3, name(2))])
+        self.assertEqual(versions.versions[-1][2], [name(2), name(0)])
+        self.assertEqual((adapter.pushes, adapter.policy_version), (2, name(2)))
+        self.assertEqual(self.server.metric("logprob_lm_head_updates_total", head="policy", outcome="committed"), 2)
+        # What the server holds is the weight of the last policy call.
+        last = [r for r in log.records if r["service"] is not None and r["policy"]][-1]
+        head = hashed_head(self.client, "policy")
+        self.assertEqual(head.sha256, fused_head.weight_sha256(last["weight"].astype(np.float32)))
 
     def test_reference_head_loaded_once(self):
         _, _, adapter, _ = self.service
@@ -313,6 +333,79 @@ class GrpoLlamaTiedTest(_GrpoTest, unittest.TestCase):
 
     KIND = "llama_tied"
     SERVER_HEADS_FROM = "other"
+    TOL = TOL_TIED
+
+
+class GrpoPushesTest(unittest.TestCase):
+    """No push nobody uses, and runs one after another on one long-lived
+    server: GRPO (3 steps) with num_iterations = 1 makes no no-gradient
+    policy call, so the policy is never pushed; with num_iterations = 2
+    it is pushed before each generation (global steps 0 and 2), counted by
+    the adapter and by the server (``logprob_lm_head_updates_total``,
+    ``logprob_lm_head_update_bytes_total``); a second such run (other
+    weights) gets another run id and succeeds. The line use_service logs
+    says which."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = temp_dir("py_trl_pushes")
+        cls.model_dir = os.path.join(cls.dir, "model")
+        tiny_models.save_model("qwen2", cls.model_dir, seed=8)
+        cls.server = Server(workers=2, extra=["--lm-head", "policy=" + cls.model_dir, "--lm-head",
+                                              "reference=" + cls.model_dir, "--allow-lm-head-updates",
+                                              "--lm-head-retain", "2"], metrics=True)
+        cls.client = LogprobClient(cls.server.address, timeout=120)
+        cls.head_bytes = tiny_models.VOCAB * tiny_models.HIDDEN * 4
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.close()
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def pushed(self):
+        """(policy updates committed, policy bytes uploaded) at the server."""
+        return (self.server.metric("logprob_lm_head_updates_total", head="policy", outcome="committed"),
+                self.server.metric("logprob_lm_head_update_bytes_total", head="policy"))
+
+    def run_logged(self, name, **kwargs):
+        with self.assertLogs("logprob_client.trl", "INFO") as logs:
+            trainer, log, adapter, _ = run_grpo(self.model_dir, os.path.join(self.dir, name), False, self.client,
+                                                **kwargs)
+        self.assertEqual(len(logs.records), 1, logs.output)
+        self.assertEqual(len(step_logs(trainer)), STEPS)
+        return log, adapter, logs.records[0].getMessage()
+
+    def test_pushes_only_for_the_calls_that_score_the_policy(self):
+        before = self.pushed()
+        log, adapter, line = self.run_logged("one", num_iterations=1)
+        self.assertEqual(adapter.pushes, 0)
+        self.assertIsNone(adapter.policy_version)
+        self.assertEqual(self.pushed(), before)
+        self.assertEqual(dict(adapter.routed), {"reference": STEPS})  # a generation at every step
+        self.assertFalse(any(r["no_grad"] and r["policy"] for r in log.records))
+        self.assertIn("the reference model's to head 'reference'", line)
+        self.assertIn("the policy is not pushed", line)
+        self.assertIn("num_iterations=1", line)
+
+        first_log, first, line = self.run_logged("two", num_iterations=2)
+        self.assertIn("pushed as '%s-step-{step}'" % first.run, line)
+        self.assertIn("num_iterations=2", line)
+        self.assertEqual((first.pushes, first.policy_version), (2, first.policy.name(2)))
+        self.assertEqual(dict(first.routed), {"policy": 2, "reference": 2})
+        self.assertEqual(self.pushed(), (before[0] + 2, before[1] + 2 * self.head_bytes))
+
+        # A second run against the same server: its own run id, its own
+        # versions (its step-0 is the same checkpoint: uploaded again under
+        # the new name; its later steps differ, learning rate 0.1).
+        _, second, _ = self.run_logged("three", num_iterations=2, learning_rate=0.1)
+        self.assertNotEqual(second.run, first.run)
+        self.assertEqual((second.pushes, second.policy_version), (2, second.policy.name(2)))
+        self.assertEqual(self.pushed(), (before[0] + 4, before[1] + 4 * self.head_bytes))
+        head = fused_head.head_info(self.client, "policy", refresh=True)
+        self.assertEqual(list(head.retained_versions), [second.policy.name(2), second.policy.name(0)])
+        versions = [r["service"].version for r in first_log.records if r["service"] is not None and r["policy"]]
+        self.assertEqual(versions, [first.policy.name(0), first.policy.name(2)])
 
 
 class SeamTest(unittest.TestCase):
@@ -389,7 +482,8 @@ class SeamTest(unittest.TestCase):
             with torch.no_grad():
                 self.call(other)  # another model's weight: TRL's
             self.assertEqual(dict(adapter.routed), {"policy": 2, "reference": 1})
-            self.assertEqual(adapter.policy_version, "step-0")  # pushed on first use
+            self.assertEqual(adapter.policy_version, "%s-step-0" % adapter.run)  # pushed on first use
+            self.assertEqual(adapter.pushes, 1)
         finally:
             adapter.remove()
         self.assertIs(trl_utils._ChunkedLogProbFunction, self.real)
