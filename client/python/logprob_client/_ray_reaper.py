@@ -18,6 +18,7 @@ import select
 import shutil
 import sys
 import time
+from typing import List
 
 
 def _wait_exited(pid: int, pidfd: int) -> None:
@@ -36,7 +37,7 @@ def _wait_exited(pid: int, pidfd: int) -> None:
         time.sleep(0.05)
 
 
-def main(argv: list) -> int:
+def main(argv: List[str]) -> int:
     """See the module's docstring."""
     if len(argv) < 3:
         sys.stderr.write("usage: _ray_reaper.py PID FD FOLDER...\n")

@@ -6,8 +6,10 @@
 worker per bundle (``resources_per_worker``, e.g. ``{"GPU": 1}``: the worker
 process sees the GPU Ray assigned to its actor through
 ``CUDA_VISIBLE_DEVICES``). Each actor owns its process: the process dies
-with the actor (``PR_SET_PDEATHSIG``), so ``ray.kill``, a dead node, the end
-of the job and a killed driver leave no process behind. Worker actors are
+with the actor (``PR_SET_PDEATHSIG``), and its folders (its log, the
+front-end's lm_head store under /dev/shm) are removed by a reaper process
+once both are gone, so ``ray.kill``, a dead node, the end of the job and a
+killed driver leave no process and no folder behind. Worker actors are
 restartable (``max_restarts``): Ray starts a killed worker again, it joins
 the front-end, and the pool re-forms with the committed head versions
 (docs/cluster.md). Nodes need no shared folder: heads may be declared by
@@ -15,9 +17,15 @@ shape (``DeclaredHead``) and filled from the driver with
 ``client().update_lm_head``, and workers that cannot read a head's file
 fetch their slice from the front-end (``logprob-worker --fetch-lm-heads``).
 
-Install with ``pip install 'logprob-client[ray]'``; the binaries come from
-the project's image (``PATH``), or ``bin_dir`` / ``LOGPROB_BIN_DIR`` on
-every node. Example::
+The front-end listens on ``port`` (default: a free one) on every address
+of its node; ``client()`` reaches it over loopback from the same host, so
+that its inputs may go through shared memory. The actors' code
+(``_ray_actor``) travels with them, so nodes (e.g. of a ``ray start``
+cluster) need Ray and the binaries but not this package.
+
+Install with ``pip install 'logprob-client[ray]'`` where the driver runs;
+the binaries come from the project's image (``PATH``), or ``bin_dir`` /
+``LOGPROB_BIN_DIR`` on every node. Example::
 
     import ray
     from logprob_client.ray import DeclaredHead, LogprobService

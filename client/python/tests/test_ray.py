@@ -40,7 +40,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 import unittest
 import warnings
 
