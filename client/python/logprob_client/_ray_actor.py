@@ -64,7 +64,7 @@ def _reserve_port(host: str, port: int = 0) -> int:
             s.bind((host, port))
         except OSError as e:
             raise OSError(e.errno, "port %d of %s is not free on node %s: %s"
-                          % (port, host or "every address", _node_ip(), e.strerror)) from e
+                          % (port, host, _node_ip(), e.strerror)) from e
         return int(s.getsockname()[1])
 
 

@@ -19,6 +19,9 @@ the dashboard and with small object stores:
   holding the same weights does; then a worker's node dies, Ray places
   its bundle on a new node and restarts the actor there, and the pool
   scores the committed version again.
+- ReaperTest: the actors' folder reaper without Ray: it removes the
+  folders once its actor's pipe has closed and the actor's process has
+  exited, then exits.
 - RayStartTest: a cluster started as operators do (``ray start --head``,
   on a non-loopback address of this host when it has one; its workers
   without the tests' PYTHONPATH), the test a driver of it
@@ -244,6 +247,34 @@ class ArgumentsTest(unittest.TestCase):
     def test_declared_head_flag(self):
         self.assertEqual(DeclaredHead(151936, 4096).flag("policy"), "policy=151936x4096:bf16")
         self.assertEqual(DeclaredHead(10, 4, "F32").flag("r"), "r=10x4:f32")
+
+
+class ReaperTest(unittest.TestCase):
+    """The actors' folder reaper (logprob_client/_ray_reaper.py) on its own:
+    when its actor ends (the pipe's write end closes) it waits for the
+    actor's process, then removes the folders and exits."""
+
+    def test_removes_the_folders_after_the_actor_and_its_process(self):
+        from logprob_client._ray_actor import _REAPER_SOURCE
+        folders = [temp_dir("ray_reaper") for _ in range(2)]
+        for d in folders:
+            self.addCleanup(shutil.rmtree, d, True)
+            with open(os.path.join(d, "file"), "w") as f:
+                f.write("x")
+        process = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        self.addCleanup(process.wait)
+        self.addCleanup(process.kill)
+        read_end, write_end = os.pipe()
+        reaper = subprocess.Popen([sys.executable, "-I", "-c", _REAPER_SOURCE, str(process.pid), str(read_end)]
+                                  + folders, pass_fds=(read_end,), start_new_session=True)
+        os.close(read_end)
+        self.assertEqual(reaper.wait(30), 0)  # detached: the intermediate process exits at once
+        os.close(write_end)  # the actor ends; its process still runs
+        self.assertTrue(all(os.path.exists(d) for d in folders))
+        process.stdin.close()  # the process ends
+        process.wait()
+        wait_for(lambda: not any(os.path.exists(d) for d in folders), "the reaper to remove the folders", 30)
+        wait_for(lambda: not [c for d in folders for c in live_command_lines(d)], "the reaper to exit", 30)
 
 
 class TwoNodeTest(unittest.TestCase):
