@@ -484,7 +484,8 @@ class RayStartTest(unittest.TestCase):
         self.assertEqual([str(w.message) for w in caught], [])
         if self.ip != "127.0.0.1":
             # The node's IP is not loopback to the server: shared memory is refused there.
-            with self.assertWarnsRegex(UserWarning, "PERMISSION_DENIED.*not local"), \
+            # The warning says what to do.
+            with self.assertWarnsRegex(UserWarning, "PERMISSION_DENIED.*not local.*connect to 127.0.0.1:PORT"), \
                     LogprobClient(service.address, timeout=120) as c:
                 c.score(**Golden("basic_f32").score_kwargs())
 
