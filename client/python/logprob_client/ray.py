@@ -253,8 +253,7 @@ class LogprobService:
             def in_bundle(i: int) -> Any:
                 return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
 
-            frontend = _RemoteProcess.options(num_cpus=0, max_restarts=0, scheduling_strategy=in_bundle(0),
-                                              ).remote(
+            frontend = _RemoteProcess.options(num_cpus=0, max_restarts=0, scheduling_strategy=in_bundle(0)).remote(
                 "logprob-server", server, bin_dir, [port, 0], False, pool_secret, listen_wildcard)
             try:
                 fe = ray.get(frontend.info.remote())

@@ -236,6 +236,7 @@ class ArgumentsTest(unittest.TestCase):
         for kwargs, words in (({"workers": 0}, "workers"), ({"workers": 1, "backend": "tpu"}, "backend"),
                               ({"workers": 1, "placement": "ANYWHERE"}, "placement"),
                               ({"workers": 1, "fetch_lm_heads": "sometimes"}, "fetch_lm_heads"),
+                              ({"workers": 1, "port": 65536}, "port"), ({"workers": 1, "port": -1}, "port"),
                               ({"workers": 1, "heads": {"policy": 42}}, "heads['policy']"),
                               ({"workers": 1, "heads": {"policy": DeclaredHead(0, 8)}}, "vocab_size"),
                               ({"workers": 1, "heads": {"policy": DeclaredHead(8, 8, "f64")}}, "dtype")):
