@@ -34,6 +34,7 @@ the dashboard and with small object stores:
 """
 
 import asyncio
+import glob
 import json
 import os
 import secrets
@@ -535,12 +536,16 @@ sys.stdin.read()  # until killed
         self.assertEqual(len(pids), 2)
         self.assert_private_folders(procs)
         self.assertTrue(all(os.path.exists(d) for d in dirs))
+        # The front-end's lm_head store (its folder for this start) is in its actor's folder.
+        store = procs[0]["dirs"][1]
+        self.assertEqual(len(glob.glob(os.path.join(store, "logprob-lm-heads-%d-*" % pids[0]))), 1)
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         wait_for(lambda: not [p for p in pids if p in service_processes("logprob-")],
                  "the killed driver's logprob- processes to exit", timeout=120)
         wait_for(lambda: not [d for d in dirs if os.path.exists(d)],
                  "the killed driver's actors' folders to be removed", timeout=120)
+        self.assertEqual(glob.glob("/dev/shm/logprob-lm-heads-%d-*" % pids[0]), [])
         # The reapers are gone too.
         wait_for(lambda: not [c for d in dirs for c in live_command_lines(d)],
                  "the reapers of the killed driver's actors to exit", timeout=60)
