@@ -8,8 +8,9 @@ process sees the GPU Ray assigned to its actor through
 ``CUDA_VISIBLE_DEVICES``). Each actor owns its process: the process dies
 with the actor (``PR_SET_PDEATHSIG``), and its folders (its log, the
 front-end's lm_head store under /dev/shm) are removed by a reaper process
-once both are gone, so ``ray.kill``, a dead node, the end of the job and a
-killed driver leave no process and no folder behind. Worker actors are
+once both are gone, so ``ray.kill``, the end of the job and a killed
+driver leave no process and no folder behind (a dead node, no process).
+Worker actors are
 restartable (``max_restarts``): Ray starts a killed worker again, it joins
 the front-end, and the pool re-forms with the committed head versions
 (docs/cluster.md). Nodes need no shared folder: heads may be declared by
