@@ -10,10 +10,9 @@ with the actor (``PR_SET_PDEATHSIG``), and its folders (its log, the
 front-end's lm_head store under /dev/shm) are removed by a reaper process
 once both are gone, so ``ray.kill``, the end of the job and a killed
 driver leave no process and no folder behind (a dead node, no process).
-Worker actors are
-restartable (``max_restarts``): Ray starts a killed worker again, it joins
-the front-end, and the pool re-forms with the committed head versions
-(docs/cluster.md). Nodes need no shared folder: heads may be declared by
+Worker actors are restartable (``max_restarts``): Ray starts a killed
+worker again, it joins the front-end, and the pool re-forms with the
+committed head versions (docs/cluster.md). Nodes need no shared folder: heads may be declared by
 shape (``DeclaredHead``) and filled from the driver with
 ``client().update_lm_head``, and workers that cannot read a head's file
 fetch their slice from the front-end (``logprob-worker --fetch-lm-heads``).
