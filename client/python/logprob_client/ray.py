@@ -12,10 +12,11 @@ once both are gone, so ``ray.kill``, the end of the job and a killed
 driver leave no process and no folder behind (a dead node, no process).
 Worker actors are restartable (``max_restarts``): Ray starts a killed
 worker again, it joins the front-end, and the pool re-forms with the
-committed head versions (docs/cluster.md). Nodes need no shared folder: heads may be declared by
-shape (``DeclaredHead``) and filled from the driver with
-``client().update_lm_head``, and workers that cannot read a head's file
-fetch their slice from the front-end (``logprob-worker --fetch-lm-heads``).
+committed head versions (docs/cluster.md). Nodes need no shared folder:
+heads may be declared by shape (``DeclaredHead``) and filled from the
+driver with ``client().update_lm_head``, and workers that cannot read a
+head's file fetch their slice from the front-end (``logprob-worker
+--fetch-lm-heads``).
 
 The front-end listens on ``port`` (default: a free one) on every address
 of its node; ``client()`` reaches it over loopback from the same host, so
