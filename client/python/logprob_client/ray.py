@@ -6,18 +6,27 @@
 worker per bundle (``resources_per_worker``, e.g. ``{"GPU": 1}``: the worker
 process sees the GPU Ray assigned to its actor through
 ``CUDA_VISIBLE_DEVICES``). Each actor owns its process: the process dies
-with the actor (``PR_SET_PDEATHSIG``), so ``ray.kill``, a dead node, the end
-of the job and a killed driver leave no process behind. Worker actors are
-restartable (``max_restarts``): Ray starts a killed worker again, it joins
-the front-end, and the pool re-forms with the committed head versions
-(docs/cluster.md). Nodes need no shared folder: heads may be declared by
-shape (``DeclaredHead``) and filled from the driver with
-``client().update_lm_head``, and workers that cannot read a head's file
-fetch their slice from the front-end (``logprob-worker --fetch-lm-heads``).
+with the actor (``PR_SET_PDEATHSIG``), and its folders (its log, the
+front-end's lm_head store under /dev/shm) are removed by a reaper process
+once both are gone, so ``ray.kill``, the end of the job and a killed
+driver leave no process and no folder behind (a dead node, no process).
+Worker actors are restartable (``max_restarts``): Ray starts a killed
+worker again, it joins the front-end, and the pool re-forms with the
+committed head versions (docs/cluster.md). Nodes need no shared folder:
+heads may be declared by shape (``DeclaredHead``) and filled from the
+driver with ``client().update_lm_head``, and workers that cannot read a
+head's file fetch their slice from the front-end (``logprob-worker
+--fetch-lm-heads``).
 
-Install with ``pip install 'logprob-client[ray]'``; the binaries come from
-the project's image (``PATH``), or ``bin_dir`` / ``LOGPROB_BIN_DIR`` on
-every node. Example::
+The front-end listens on ``port`` (default: a free one) on every address
+of its node; ``client()`` reaches it over loopback from the same host, so
+that its inputs may go through shared memory. The actors' code
+(``_ray_actor``) travels with them, so nodes (e.g. of a ``ray start``
+cluster) need Ray and the binaries but not this package.
+
+Install with ``pip install 'logprob-client[ray]'`` where the driver runs;
+the binaries come from the project's image (``PATH``), or ``bin_dir`` /
+``LOGPROB_BIN_DIR`` on every node. Example::
 
     import ray
     from logprob_client.ray import DeclaredHead, LogprobService
@@ -34,16 +43,8 @@ every node. Example::
 docs/deployment.md ("Ray") says when to use it rather than the StatefulSet.
 """
 
-import ctypes
-import os
 import secrets
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -57,7 +58,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("logprob_client.ray needs Ray: pip install 'logprob-client[ray]' (or scripts/setup-ray.sh "
                       "in a checkout)") from e
 
-from . import aio
+from . import _ray_actor, aio
 from .client import LogprobClient
 
 __all__ = ["DeclaredHead", "LogprobService", "PLACEMENTS"]
@@ -65,7 +66,6 @@ __all__ = ["DeclaredHead", "LogprobService", "PLACEMENTS"]
 #: Placement strategies of the workers' placement group (Ray's names).
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -95,139 +95,30 @@ class DeclaredHead:
 HeadSpec = Union[str, DeclaredHead]
 
 
-def _node_ip() -> str:
-    """The IP address of the Ray node this process runs on (the node's
-    NodeManagerAddress: what Ray's other nodes reach it at)."""
-    node_id = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id:
-            return str(node["NodeManagerAddress"])
-    return str(ray.util.get_node_ip_address())
+def _is_address_here(ip: str) -> bool:
+    """True when ``ip`` is an address of this machine (of this network
+    namespace): loopback, or one a socket can bind."""
+    if ip.startswith("127.") or ip == "::1":
+        return True
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
 
 
-def _find_binary(program: str, bin_dir: Optional[str]) -> str:
-    """``program`` in ``bin_dir``, ``LOGPROB_BIN_DIR`` or ``PATH``, on this
-    node; FileNotFoundError naming the node and the places searched."""
-    places = [d for d in (bin_dir, os.environ.get("LOGPROB_BIN_DIR")) if d]
-    for d in places:
-        path = os.path.join(d, program)
-        if os.access(path, os.X_OK):
-            return path
-    found = shutil.which(program)
-    if found:
-        return found
-    raise FileNotFoundError(
-        "%s not found on node %s (searched %s and PATH=%s): run the workers in the logprob-service image, or "
-        "pass bin_dir= / set LOGPROB_BIN_DIR to the folder holding logprob-server and logprob-worker on every node"
-        % (program, _node_ip(), ", ".join(places) or "no bin_dir", os.environ.get("PATH", "")))
+# The actor's code travels with the actor class (pickled by value): a node
+# needs neither this package nor its stubs on its PYTHONPATH.
+ray.cloudpickle.register_pickle_by_value(_ray_actor)
+_RemoteProcess = ray.remote(_ray_actor._ProcessActor)
 
 
-def _free_port(host: str) -> int:
-    """A TCP port of ``host`` that was free a moment ago."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the actor's process exits,
-    and a process group of its own (stop() signals the group)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        os._exit(127)  # never run a process that could outlive its actor
-    os.setsid()
-
-
-class _ProcessActor:
-    """A Ray actor owning one logprob- process on its node. The process is
-    started in ``__init__``, so a restarted actor (``max_restarts``) starts
-    it again. ``args`` may hold ``{node_ip}`` and ``{port0}``, ``{port1}``
-    (free ports of the node, chosen here). Its output goes to a log file on
-    the node (``log_tail``; one per actor, appended to across restarts). With ``exit_with_process``, the actor exits
-    when its process does (other than by ``stop``), so that Ray restarts
-    it (``max_restarts``) and with it the process."""
-
-    def __init__(self, program: str, args: Sequence[str], bin_dir: Optional[str], ports: int = 0,
-                 exit_with_process: bool = False, pool_secret: Optional[str] = None) -> None:
-        self._ip = _node_ip()
-        self._ports = [_free_port(self._ip) for _ in range(ports)]
-        # One folder per actor, kept across its restarts (the log goes on),
-        # private to this user (it holds the pool secret).
-        self._dir = os.path.join(tempfile.gettempdir(),
-                                 "logprob-ray-%s-%s" % (program, ray.get_runtime_context().get_actor_id()))
-        os.makedirs(self._dir, mode=0o700, exist_ok=True)
-        os.chmod(self._dir, 0o700)
-        subst = {"{node_ip}": self._ip}
-        subst.update({"{port%d}" % i: str(p) for i, p in enumerate(self._ports)})
-        if pool_secret is not None:
-            # The pool secret came through Ray's own channel (the actor's
-            # arguments); the process reads it from a 0600 file, never argv.
-            secret_file = os.path.join(self._dir, "pool-secret")
-            fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(pool_secret)
-            subst["{secret_file}"] = secret_file
-        argv = [_find_binary(program, bin_dir)]
-        for a in args:
-            for k, v in subst.items():
-                a = a.replace(k, v)
-            argv.append(a)
-        self._argv = argv
-        self._log_path = os.path.join(self._dir, "output.log")
-        self._stopping = False
-        with open(self._log_path, "ab") as log:
-            # Ray runs an actor's __init__ and methods (max_concurrency 1) on
-            # its process's main thread, so PR_SET_PDEATHSIG fires when the
-            # actor process ends, not when some thread of it does.
-            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          preexec_fn=_die_with_parent)
-        if exit_with_process:
-            threading.Thread(target=self._exit_with_process, daemon=True).start()
-
-    def _exit_with_process(self) -> None:
-        """Ends the actor's process when the owned process ends unasked."""
-        code = self._proc.wait()
-        if not self._stopping:
-            sys.stderr.write("logprob_client.ray: %s exited with status %s; ending the actor so Ray restarts it\n%s"
-                             % (self._argv[0], code, self.log_tail()))
-            sys.stderr.flush()
-            os._exit(1)
-
-    def info(self) -> Dict[str, Any]:
-        """node_ip, ports, pid, argv, returncode (None while running),
-        node_id, log (the output file on the node)."""
-        return {"node_ip": self._ip, "ports": list(self._ports), "pid": self._proc.pid, "argv": list(self._argv),
-                "returncode": self._proc.poll(), "node_id": ray.get_runtime_context().get_node_id(),
-                "log": self._log_path}
-
-    def log_tail(self, max_bytes: int = 4000) -> str:
-        """The last ``max_bytes`` of the process's output."""
-        try:
-            with open(self._log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - max_bytes))
-                return f.read().decode(errors="replace")
-        except OSError as e:
-            return "(no log: %s)" % e
-
-    def stop(self, timeout: float = 30.0) -> Optional[int]:
-        """SIGTERM to the process group, SIGKILL after ``timeout`` s; the
-        exit status. Removes the log folder."""
-        self._stopping = True
-        if self._proc.poll() is None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGTERM)
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-            except ProcessLookupError:
-                self._proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
-        return self._proc.returncode
-
-
-_RemoteProcess = ray.remote(_ProcessActor)
+def _has_flag(args: Sequence[str], name: str) -> bool:
+    """Whether ``args`` give flag ``name`` (dashes or underscores, ``--f V``
+    or ``--f=V``)."""
+    spellings = {"--" + name, "--" + name.replace("-", "_")}
+    return any(a.split("=", 1)[0] in spellings for a in args)
 
 
 def _split_resources(resources: Mapping[str, float]) -> Dict[str, Any]:
@@ -245,22 +136,43 @@ class LogprobService:
     ``host:port`` (its node's IP). Methods are not thread-safe."""
 
     def __init__(self, frontend: Any, workers: List[Any], pg: Any, owns_pg: bool, address: str,
-                 client_kwargs: Optional[Mapping[str, Any]] = None) -> None:
+                 client_kwargs: Optional[Mapping[str, Any]] = None, listen_wildcard: bool = False) -> None:
         self.frontend = frontend
         self.workers = workers
         self.placement_group = pg
         self._owns_pg = owns_pg
         self.address = address
+        self._listen_wildcard = listen_wildcard
         self._client_kwargs = dict(client_kwargs or {})
         self._stopped = False
+
+    def client_address(self) -> str:
+        """The front-end's address for a client in this process: over
+        loopback (``127.0.0.1:PORT``) when the front-end listens on every
+        address (``listen_wildcard``) and its node's IP is an address of
+        this machine, so the server takes this client as local and its
+        inputs may go through shared memory; else ``address``."""
+        host, _, port = self.address.rpartition(":")
+        if self._listen_wildcard and _is_address_here(host.strip("[]")):
+            return "%s:%s" % ("[::1]" if ":" in host else "127.0.0.1", port)
+        return self.address
+
+    def _client_args(self, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+        """``client_kwargs`` of start updated by ``kwargs``; a TLS client
+        reaching the front-end over loopback still verifies the node's name."""
+        kw = dict(self._client_kwargs)
+        kw.update(kwargs)
+        if kw.get("tls_ca") and not kw.get("tls_server_name") and self.client_address() != self.address:
+            kw["tls_server_name"] = self.address.rpartition(":")[0].strip("[]")
+        return kw
 
     @classmethod
     def start(cls, workers: int, backend: str = "cuda", heads: Optional[Mapping[str, HeadSpec]] = None,
               resources_per_worker: Optional[Mapping[str, float]] = None, placement: str = "PACK",
               placement_group: Any = None, server_args: Sequence[str] = (), worker_args: Sequence[str] = (),
               bin_dir: Optional[str] = None, max_restarts: int = -1, fetch_lm_heads: str = "always",
-              placement_timeout: float = 600.0, client_kwargs: Optional[Mapping[str, Any]] = None
-              ) -> "LogprobService":
+              placement_timeout: float = 600.0, client_kwargs: Optional[Mapping[str, Any]] = None,
+              port: int = 0, listen_wildcard: bool = True) -> "LogprobService":
         """Starts the service in the connected Ray cluster (``ray.init``
         first) and returns at once; ``wait_ready`` waits until it serves.
 
@@ -278,10 +190,21 @@ class LogprobService:
         of each worker actor (-1: unlimited); ``fetch_lm_heads``: the
         workers' ``--fetch-lm-heads`` (always, the default: a Ray node's
         file at the front-end's path may be another job's; auto; never).
+        ``port``: the front-end's public port (0, the default: a free port
+        of its node); ``listen_wildcard``: the front-end listens on every
+        address of its node (True, the default: clients on that host reach
+        it over loopback, which shared-memory inputs need; ``client()``
+        does so) or on the node's IP only. The actors' code travels with
+        them (nodes need only Ray and the binaries, no ``PYTHONPATH``).
+        Each actor's folders (its log; the front-end's lm_head store,
+        under /dev/shm unless ``server_args`` give
+        ``--lm-head-store-dir``) are removed when it ends, also when the
+        driver is killed.
         Raises ValueError for bad arguments, TimeoutError when the placement
         group cannot be placed within ``placement_timeout`` s, and
         RuntimeError (with the process's output) when the front-end fails
-        to start, e.g. FileNotFoundError's text for missing binaries."""
+        to start, e.g. FileNotFoundError's text for missing binaries or a
+        ``port`` that is taken."""
         if workers < 1:
             raise ValueError("workers must be >= 1, got %d" % workers)
         if backend not in ("cuda", "cpu"):
@@ -293,11 +216,13 @@ class LogprobService:
                              % (len(placement_group.bundle_specs), workers))
         if fetch_lm_heads not in ("auto", "always", "never"):
             raise ValueError("fetch_lm_heads must be auto, always or never, got %r" % (fetch_lm_heads,))
+        if not 0 <= port <= 65535:
+            raise ValueError("port must be 0 (a free port) or 1..65535, got %d" % port)
         resources = dict(resources_per_worker or ({"GPU": 1} if backend == "cuda" else {"CPU": 1}))
         # The internal plane's secret, made here and handed to the actors
         # through Ray (docs/security.md "The internal plane").
         pool_secret = secrets.token_hex(32)
-        server = ["--listen", "{node_ip}:{port0}", "--control-listen", "{node_ip}:{port1}",
+        server = ["--listen", "{listen_host}:{port0}", "--control-listen", "{node_ip}:{port1}",
                   "--external-workers", str(workers), "--backend", backend, "--internal-secret-file", "{secret_file}"]
         declared = False
         for name, spec in (heads or {}).items():
@@ -308,8 +233,11 @@ class LogprobService:
                 server += ["--lm-head", "%s=%s" % (name, spec)]
             else:
                 raise ValueError("heads[%r]: a checkpoint path or a DeclaredHead, got %r" % (name, spec))
-        if declared and "--allow-lm-head-updates" not in server_args:
+        if declared and not _has_flag(server_args, "allow-lm-head-updates"):
             server.append("--allow-lm-head-updates")
+        if not _has_flag(server_args, "lm-head-store-dir"):
+            # A folder of the actor's, so that it goes with the actor however the actor ends.
+            server += ["--lm-head-store-dir", "{store_dir}"]
         server += list(server_args)
 
         owns_pg = placement_group is None
@@ -327,7 +255,7 @@ class LogprobService:
                 return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
 
             frontend = _RemoteProcess.options(num_cpus=0, max_restarts=0, scheduling_strategy=in_bundle(0)).remote(
-                "logprob-server", server, bin_dir, 2, False, pool_secret)
+                "logprob-server", server, bin_dir, [port, 0], False, pool_secret, listen_wildcard)
             try:
                 fe = ray.get(frontend.info.remote())
             except ray.exceptions.RayActorError as e:
@@ -336,27 +264,25 @@ class LogprobService:
             worker = ["--frontend", control, "--advertise-host", "{node_ip}", "--backend", backend,
                       "--fetch-lm-heads", fetch_lm_heads, "--internal-secret-file", "{secret_file}"] + list(worker_args)
             actors = [_RemoteProcess.options(max_restarts=max_restarts, scheduling_strategy=in_bundle(i),
-                                             **_split_resources(resources)).remote("logprob-worker", worker, bin_dir, 0, True,
-                                                                                  pool_secret)
+                                             **_split_resources(resources)).remote(
+                "logprob-worker", worker, bin_dir, (), True, pool_secret)
                       for i in range(workers)]
         except BaseException:
             if owns_pg:
                 _remove_placement_group(pg)
             raise
-        return cls(frontend, actors, pg, owns_pg, "%s:%d" % (fe["node_ip"], fe["ports"][0]), client_kwargs)
+        return cls(frontend, actors, pg, owns_pg, "%s:%d" % (fe["node_ip"], fe["ports"][0]), client_kwargs,
+                   listen_wildcard)
 
     def client(self, **kwargs: Any) -> LogprobClient:
         """A ``LogprobClient`` of the front-end (``client_kwargs`` of start,
-        updated by ``kwargs``)."""
-        kw = dict(self._client_kwargs)
-        kw.update(kwargs)
-        return LogprobClient(self.address, **kw)
+        updated by ``kwargs``), at ``client_address()``."""
+        return LogprobClient(self.client_address(), **self._client_args(kwargs))
 
     def aio_client(self, **kwargs: Any) -> aio.LogprobClient:
-        """An asyncio ``logprob_client.aio.LogprobClient`` of the front-end."""
-        kw = dict(self._client_kwargs)
-        kw.update(kwargs)
-        return aio.LogprobClient(self.address, **kw)
+        """An asyncio ``logprob_client.aio.LogprobClient`` of the front-end
+        (as ``client``)."""
+        return aio.LogprobClient(self.client_address(), **self._client_args(kwargs))
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         """Waits until the front-end reports SERVING (every worker joined

@@ -303,6 +303,10 @@ class SharedMemoryInputs:
             why = "%s: %s" % (code.name, message)
             if code in _OFF_CODES:
                 self.failed = e
+                if code == grpc.StatusCode.PERMISSION_DENIED and "not local" in message:
+                    why += (" (the server takes shared memory only from clients that reach it over loopback: on its "
+                            "host, connect to 127.0.0.1:PORT or localhost:PORT, which it must listen on, e.g. "
+                            "--listen 0.0.0.0:PORT)")
                 warnings.warn("logprob_client: shared-memory inputs off, sending inline: " + why, stacklevel=2)
                 return
         else:

@@ -10,8 +10,7 @@ the dashboard and with small object stores:
   ``ray.kill`` of a worker actor: requests get UNAVAILABLE, Ray restarts the
   actor, the pool re-forms and scores the same bits again, as after a
   worker process killed on its own (its actor ends and restarts); ``stop()``
-  leaves no process of the service; and a driver killed with SIGKILL
-  takes the service's processes with it.
+  leaves no process of the service.
 - TwoNodeTest: two Ray nodes (ray.cluster_utils.Cluster), SPREAD
   placement, a head declared by shape, filled from the driver and then
   updated; the workers (one per node) fetch every slice from the
@@ -20,28 +19,52 @@ the dashboard and with small object stores:
   holding the same weights does; then a worker's node dies, Ray places
   its bundle on a new node and restarts the actor there, and the pool
   scores the committed version again.
+- ReaperTest: the actors' folder reaper without Ray: it removes the
+  folders once its actor's pipe has closed and the actor's process has
+  exited, then exits.
+- RayStartTest: a cluster started as operators do (``ray start --head``,
+  on a non-loopback address of this host when it has one; its workers
+  without the tests' PYTHONPATH), the test a driver of it
+  (``ray.init(address=...)``): the actors run without the package on
+  their path and score the golden cases; the front-end listens on the
+  port chosen; a client on this host reaches it over loopback and sends
+  its inputs through shared memory without a warning; a taken port is
+  named; the actors' folders are 0700 and removed by ``stop()``, and also
+  after a driver killed with SIGKILL (with the service's processes).
 """
 
 import asyncio
+import glob
 import json
 import os
+import secrets
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
-import time
 import unittest
+import warnings
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported: nodes on 127.0.0.1
+# Every cluster of these tests (and the processes they start) uses one token
+# of their own: none from ~/.ray, and a local ray.init (which turns token
+# mode on for the rest of the process) does not lock the driver out of the
+# next cluster.
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 import numpy as np
 
 import support
-from support import BIN_DIR, GOLDEN_DIR, LOGITS_CASES, Golden, Server, compare, temp_dir, wait_for
+from support import BIN_DIR, GOLDEN_DIR, LOGITS_CASES, Golden, Server, compare, free_port, temp_dir, wait_for
 
 import grpc
 import ray
 from logprob_client import LogprobError, RetryPolicy, safetensors
+from logprob_client import logprob_pb2 as pb2
+from logprob_client import LogprobClient
 from logprob_client.ray import DeclaredHead, LogprobService
 from logprob_client.tensors import float32_to_bf16_bits
 
@@ -150,6 +173,9 @@ class GoldenTest(unittest.TestCase):
         # may still answer (a run under ASan saw no UNAVAILABLE at all).
         wait_for(lambda: not os.path.exists("/proc/%d" % killed) or killed not in service_processes(marker),
                  "the killed worker actor's process to exit", timeout=120)
+        # Its folder goes with it (the reaper); the restarted actor makes its own.
+        wait_for(lambda: not any(os.path.exists(d) for d in procs[1]["dirs"]),
+                 "the killed worker actor's folder to be removed", timeout=120)
         g = Golden("basic_f32")
         codes = []
 
@@ -168,6 +194,7 @@ class GoldenTest(unittest.TestCase):
         self.assertFalse(os.path.exists("/proc/%d" % killed) and killed in service_processes(marker))
         restarted = service.processes()[1]
         self.assertNotEqual(restarted["pid"], killed)
+        self.assertTrue(all(os.path.isdir(d) for d in restarted["dirs"]), restarted["dirs"])
         self.assertIsNone(restarted["returncode"])
         self.score_all(service, "after the restart")
 
@@ -202,42 +229,6 @@ class GoldenTest(unittest.TestCase):
         wait_for(lambda: all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()),
                  "the failed start's placement group to be removed")
 
-    def test_killed_driver_takes_the_processes(self):
-        """A driver killed with SIGKILL: Ray ends its actors, and their
-        processes die with them (PR_SET_PDEATHSIG)."""
-        gcs = ray.get_runtime_context().gcs_address
-        code = """
-import json, sys
-import ray
-from logprob_client.ray import LogprobService
-ray.init(address=%r, logging_level="ERROR")
-s = LogprobService.start(workers=1, backend="cpu", bin_dir=%r)
-s.wait_ready(180)
-print(json.dumps([[p["pid"], p["log"]] for p in s.processes()]), flush=True)
-sys.stdin.read()  # until killed
-""" % (gcs, BIN_DIR)
-        driver = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-        self.addCleanup(driver.stdout.close)
-        self.addCleanup(driver.stdin.close)
-        self.addCleanup(driver.wait)
-        self.addCleanup(driver.kill)
-        line = driver.stdout.readline()
-        self.assertTrue(line, "the driver ended before its service served")
-        procs = json.loads(line)
-        pids = [pid for pid, _ in procs]
-        for _, log in procs:  # stop() did not run: the actors' log folders stay
-            self.addCleanup(shutil.rmtree, os.path.dirname(log), True)
-        self.assertEqual(len(pids), 2)
-        self.assertTrue(all(os.path.exists("/proc/%d" % p) for p in pids))
-        driver.send_signal(signal.SIGKILL)
-        driver.wait()
-
-        def gone():
-            return not [p for p in pids if p in service_processes("logprob-")]
-
-        wait_for(gone, "the killed driver's logprob- processes to exit", timeout=120)
-
 
 class ArgumentsTest(unittest.TestCase):
     """Bad arguments are ValueError naming the argument, before Ray is asked anything."""
@@ -246,6 +237,7 @@ class ArgumentsTest(unittest.TestCase):
         for kwargs, words in (({"workers": 0}, "workers"), ({"workers": 1, "backend": "tpu"}, "backend"),
                               ({"workers": 1, "placement": "ANYWHERE"}, "placement"),
                               ({"workers": 1, "fetch_lm_heads": "sometimes"}, "fetch_lm_heads"),
+                              ({"workers": 1, "port": 65536}, "port"), ({"workers": 1, "port": -1}, "port"),
                               ({"workers": 1, "heads": {"policy": 42}}, "heads['policy']"),
                               ({"workers": 1, "heads": {"policy": DeclaredHead(0, 8)}}, "vocab_size"),
                               ({"workers": 1, "heads": {"policy": DeclaredHead(8, 8, "f64")}}, "dtype")):
@@ -257,6 +249,34 @@ class ArgumentsTest(unittest.TestCase):
     def test_declared_head_flag(self):
         self.assertEqual(DeclaredHead(151936, 4096).flag("policy"), "policy=151936x4096:bf16")
         self.assertEqual(DeclaredHead(10, 4, "F32").flag("r"), "r=10x4:f32")
+
+
+class ReaperTest(unittest.TestCase):
+    """The actors' folder reaper (logprob_client/_ray_reaper.py) on its own:
+    when its actor ends (the pipe's write end closes) it waits for the
+    actor's process, then removes the folders and exits."""
+
+    def test_removes_the_folders_after_the_actor_and_its_process(self):
+        from logprob_client._ray_actor import _REAPER_SOURCE
+        folders = [temp_dir("ray_reaper") for _ in range(2)]
+        for d in folders:
+            self.addCleanup(shutil.rmtree, d, True)
+            with open(os.path.join(d, "file"), "w") as f:
+                f.write("x")
+        process = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        self.addCleanup(process.wait)
+        self.addCleanup(process.kill)
+        read_end, write_end = os.pipe()
+        reaper = subprocess.Popen([sys.executable, "-I", "-c", _REAPER_SOURCE, str(process.pid), str(read_end)]
+                                  + folders, pass_fds=(read_end,), start_new_session=True)
+        os.close(read_end)
+        self.assertEqual(reaper.wait(30), 0)  # detached: the intermediate process exits at once
+        os.close(write_end)  # the actor ends; its process still runs
+        self.assertTrue(all(os.path.exists(d) for d in folders))
+        process.stdin.close()  # the process ends
+        process.wait()
+        wait_for(lambda: not any(os.path.exists(d) for d in folders), "the reaper to remove the folders", 30)
+        wait_for(lambda: not [c for d in folders for c in live_command_lines(d)], "the reaper to exit", 30)
 
 
 class TwoNodeTest(unittest.TestCase):
@@ -342,6 +362,193 @@ class TwoNodeTest(unittest.TestCase):
         assert_same_bits(self, want, outputs_of(res), "after the node's death")
         log = ray.get(service.workers[victim].log_tail.remote(20000))
         self.assertRegex(log, r"loaded lm_head policy version step-2: .* fetched from the front-end")
+
+
+def host_address():
+    """A non-loopback IPv4 address of this machine (its default route's),
+    else 127.0.0.1."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("198.51.100.1", 9))  # TEST-NET-2: nothing is sent
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def listening_ports(pid):
+    """The TCP ports process ``pid`` listens on (its sockets in
+    /proc/PID/fd matched against /proc/PID/net/tcp{,6})."""
+    inodes = set()
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open("/proc/%d/net/%s" % (pid, table)) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def live_command_lines(word):
+    """Command lines of live processes holding ``word``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/%s/cmdline" % entry, "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if word in cmd:
+                found.append(cmd)
+    return found
+
+
+class RayStartTest(unittest.TestCase):
+    """A cluster of ``ray start --head`` (its workers see no PYTHONPATH of
+    the tests), this process its driver."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.ip = host_address()
+        cls.tmp = temp_dir("ray_start")
+        cls.addClassCleanup(shutil.rmtree, cls.tmp, True)
+        gcs = "%s:%d" % (cls.ip, free_port())
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOGPROB_BIN_DIR")}
+        ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+        cls.head = subprocess.Popen(
+            [ray_cli, "start", "--head", "--block", "--node-ip-address", cls.ip, "--port", gcs.rsplit(":", 1)[1],
+             "--num-cpus", "3", "--include-dashboard", "false", "--disable-usage-stats",
+             "--object-store-memory", str(RAY_NODE["object_store_memory"]), "--temp-dir", cls.tmp],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        cls.addClassCleanup(cls.stop_head)
+        address_file = os.path.join(cls.tmp, "ray_current_cluster")
+        wait_for(lambda: cls.head.poll() is not None or os.path.exists(address_file), "ray start --head", 120)
+        if cls.head.poll() is not None:
+            raise AssertionError("ray start --head exited with status %s" % cls.head.returncode)
+        ray.init(address=gcs, logging_level="ERROR")
+        cls.addClassCleanup(ray.shutdown)
+
+    @classmethod
+    def stop_head(cls):
+        cls.head.terminate()  # ray start --block stops its node's processes
+        try:
+            cls.head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(cls.head.pid, signal.SIGKILL)
+            cls.head.wait()
+
+    def assert_private_folders(self, procs):
+        for p in procs:
+            self.assertEqual(len(p["dirs"]), 2 if p is procs[0] else 1, p["dirs"])
+            for d in p["dirs"]:
+                self.assertEqual(stat.S_IMODE(os.stat(d).st_mode), 0o700, d)
+
+    def test_scores_on_the_chosen_port_with_shared_memory(self):
+        port = free_port()
+        service = LogprobService.start(workers=2, backend="cpu", heads={"default": LM_HEAD}, bin_dir=BIN_DIR,
+                                       port=port, client_kwargs={"timeout": 120})
+        self.addCleanup(service.stop)
+        service.wait_ready(180)
+        self.assertEqual(service.address, "%s:%d" % (self.ip, port))
+        procs = service.processes()
+        fe = procs[0]
+        self.assertEqual(fe["ports"][0], port)
+        self.assertIn("0.0.0.0:%d" % port, fe["argv"])
+        self.assertIn(port, listening_ports(fe["pid"]))
+        # The front-end's lm_head store is a folder of its actor, in memory.
+        store = fe["argv"][fe["argv"].index("--lm-head-store-dir") + 1]
+        self.assertEqual(store, fe["dirs"][1])
+        self.assertTrue(store.startswith("/dev/shm/"), store)
+        self.assert_private_folders(procs)
+
+        # A client on this host reaches the front-end over loopback: the
+        # server takes it as local, its inputs go through shared memory.
+        self.assertEqual(service.client_address(), "127.0.0.1:%d" % port)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with service.client() as c:
+                for name in CASES:
+                    g = Golden(name)
+                    self.assertEqual(compare(g.expected, outputs_of(c.score(**g.score_kwargs()))), "", name)
+                self.assertIsNone(c._shm.failed)
+                regions = c._stub.ListSharedMemory(pb2.ListSharedMemoryRequest(), timeout=30,
+                                                   metadata=c._shm.metadata).regions
+                self.assertTrue(regions, "no shared-memory region registered")
+        self.assertEqual([str(w.message) for w in caught], [])
+        if self.ip != "127.0.0.1":
+            # The node's IP is not loopback to the server: shared memory is refused there.
+            # The warning says what to do.
+            with self.assertWarnsRegex(UserWarning, "PERMISSION_DENIED.*not local.*connect to 127.0.0.1:PORT"), \
+                    LogprobClient(service.address, timeout=120) as c:
+                c.score(**Golden("basic_f32").score_kwargs())
+
+        dirs = [d for p in procs for d in p["dirs"]]
+        service.stop()
+        self.assertEqual([d for d in dirs if os.path.exists(d)], [])
+
+    def test_taken_port_is_named(self):
+        with socket.socket() as taken:
+            taken.bind(("0.0.0.0", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            with self.assertRaises(RuntimeError) as cm:
+                LogprobService.start(workers=1, backend="cpu", bin_dir=BIN_DIR, port=port)
+        self.assertIn("port %d of 0.0.0.0 is not free on node %s" % (port, self.ip), str(cm.exception))
+        wait_for(lambda: all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()),
+                 "the failed start's placement group to be removed")
+
+    def test_killed_driver_leaves_nothing(self):
+        """A driver killed with SIGKILL: Ray ends its actors, their
+        processes die with them (PR_SET_PDEATHSIG) and their reapers
+        remove the actors' folders (the store in /dev/shm, the logs)."""
+        code = """
+import json, sys
+import ray
+from logprob_client.ray import LogprobService
+ray.init(address=%r, logging_level="ERROR")
+s = LogprobService.start(workers=1, backend="cpu", heads={"default": %r}, bin_dir=%r)
+s.wait_ready(180)
+print(json.dumps(s.processes()), flush=True)
+sys.stdin.read()  # until killed
+""" % (ray.get_runtime_context().gcs_address, LM_HEAD, BIN_DIR)
+        driver = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        self.addCleanup(driver.stdout.close)
+        self.addCleanup(driver.stdin.close)
+        self.addCleanup(driver.wait)
+        self.addCleanup(driver.kill)
+        line = driver.stdout.readline()
+        self.assertTrue(line, "the driver ended before its service served")
+        procs = json.loads(line)
+        pids = [p["pid"] for p in procs]
+        dirs = [d for p in procs for d in p["dirs"]]
+        for d in dirs:  # should the test fail
+            self.addCleanup(shutil.rmtree, d, True)
+        self.assertEqual(len(pids), 2)
+        self.assert_private_folders(procs)
+        self.assertTrue(all(os.path.exists(d) for d in dirs))
+        # The front-end's lm_head store (its folder for this start) is in its actor's folder.
+        store = procs[0]["dirs"][1]
+        self.assertEqual(len(glob.glob(os.path.join(store, "logprob-lm-heads-%d-*" % pids[0]))), 1)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        wait_for(lambda: not [p for p in pids if p in service_processes("logprob-")],
+                 "the killed driver's logprob- processes to exit", timeout=120)
+        wait_for(lambda: not [d for d in dirs if os.path.exists(d)],
+                 "the killed driver's actors' folders to be removed", timeout=120)
+        self.assertEqual(glob.glob("/dev/shm/logprob-lm-heads-%d-*" % pids[0]), [])
+        # The reapers are gone too.
+        wait_for(lambda: not [c for d in dirs for c in live_command_lines(d)],
+                 "the reapers of the killed driver's actors to exit", timeout=60)
 
 
 if __name__ == "__main__":
