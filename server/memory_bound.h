@@ -48,13 +48,15 @@ inline int LmHeadStoreFiles(int retain) { return retain + 3; }
 ///   lm_head_store   the store files of lm_head versions (updates), which
 ///                   the front-end writes through a mapping:
 ///                   lm_head_store_bytes.
-/// Requests still arriving are gRPC's until their last byte: a Score
-/// request the queue cannot take is refused then, before it is parsed, and
-/// large requests are parsed without a second copy (server/
-/// parsed_requests.h), so they live within the requests part's margin
-/// while clients back off on RESOURCE_EXHAUSTED (the 8-client test,
-/// server_memory_test); the bound does not cover an unbounded number of
-/// clients each sending max_request_bytes at once.
+/// Every request byte counts in the admission from before it arrives until
+/// the answer: a unary Score reserves its announced size (else
+/// max_request_bytes) before its body is read and is refused without
+/// reading it when the queue has no room, ScoreChunked counts its
+/// announced total from its first part (server/scoring_service.h Reserve),
+/// and the admitted request keeps that share; ScoreStream messages are
+/// admitted as they are read, one at a time per stream. The lm_head store
+/// part holds because an update that would take a head over
+/// LmHeadStoreFiles(retain) files is refused (server/lm_head_updates.h).
 /// The request bytes of registered client shared-memory regions are the
 /// clients' pages and are read with pread, never mapped: not counted.
 /// Thread-compatible value type.

@@ -134,8 +134,8 @@ TEST(ServerAdmission, BytesAreCountedBeforeTheBodyArrivesAndTheNextCallIsRefused
     HeldScore bad(channel, -1, text);
     const grpc::Status st = bad.StatusWithoutBody();
     EXPECT_NE(st.error_code(), grpc::StatusCode::OK) << text;
-    EXPECT_NE(st.error_message().find(kRequestBytesMetadataKey), std::string::npos) << text << ": "
-                                                                                    << st.error_message();
+    EXPECT_NE(st.error_message().find(kRequestBytesMetadataKey), std::string::npos)
+        << text << ": " << st.error_message();
   }
   EXPECT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", 0));
 }
