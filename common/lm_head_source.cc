@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <filesystem>
@@ -61,8 +62,8 @@ absl::StatusOr<OpenedFile> CheckpointFile(const LmHeadOpener& open, const std::s
 }
 
 // The "weight_map" object of a sharded checkpoint's index file `fd`.
-absl::StatusOr<nlohmann::json> ReadWeightMap(int fd, const std::string& index) {
-  LOGPROB_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(fd, index, kMaxJsonBytes));
+absl::StatusOr<nlohmann::json> ReadWeightMap(int fd, const std::string& index, uint64_t max_bytes) {
+  LOGPROB_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(fd, index, std::min(max_bytes, kMaxJsonBytes)));
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
     return absl::InvalidArgumentError(
@@ -101,7 +102,8 @@ struct Located {
 // Tensor `name` of a sharded checkpoint (`index`'s weight_map), or nullopt
 // when the map does not name it.
 absl::StatusOr<std::optional<Located>> FindSharded(const LmHeadOpener& open, const std::string& index,
-                                                   const nlohmann::json& weight_map, const std::string& name) {
+                                                   const nlohmann::json& weight_map, const std::string& name,
+                                                   uint64_t max_header_bytes) {
   auto it = weight_map.find(name);
   if (it == weight_map.end()) return std::optional<Located>();
   if (!it->is_string())
@@ -113,7 +115,8 @@ absl::StatusOr<std::optional<Located>> FindSharded(const LmHeadOpener& open, con
   if (!opened.ok())
     return absl::Status(opened.status().code(),
                         absl::StrCat(index, ": shard of \"", name, "\": ", opened.status().message()));
-  absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(opened->fd.get(), opened->size, shard);
+  absl::StatusOr<SafetensorsHeader> header =
+      ReadSafetensorsHeader(opened->fd.get(), opened->size, shard, max_header_bytes);
   if (!header.ok())
     return absl::Status(header.status().code(),
                         absl::StrCat(index, ": shard of \"", name, "\": ", header.status().message()));
@@ -170,7 +173,8 @@ absl::StatusOr<LmHeadSource> ResolveLmHead(const std::string& arg, const LmHeadS
 }
 
 absl::StatusOr<OpenedLmHead> ResolveLmHeadWith(const LmHeadOpener& open, const std::string& path,
-                                               const std::string& tensor, const LmHeadScalarFlags& flags) {
+                                               const std::string& tensor, const LmHeadScalarFlags& flags,
+                                               uint64_t max_metadata_bytes) {
   bool is_dir = false;
   std::string file;
   LOGPROB_ASSIGN_OR_RETURN(OpenedFile top, CheckpointFile(open, path, &is_dir, &file));
@@ -183,9 +187,9 @@ absl::StatusOr<OpenedLmHead> ResolveLmHeadWith(const LmHeadOpener& open, const s
   std::optional<nlohmann::json> weight_map;     // of a sharded checkpoint
   std::optional<SafetensorsHeader> single;      // of a single file
   if (fs::path(file).extension() == ".json") {  // sharded: find the shard, then the tensor in it
-    LOGPROB_ASSIGN_OR_RETURN(weight_map, ReadWeightMap(top.fd.get(), file));
+    LOGPROB_ASSIGN_OR_RETURN(weight_map, ReadWeightMap(top.fd.get(), file, max_metadata_bytes));
     for (const std::string& name : names) {
-      absl::StatusOr<std::optional<Located>> located = FindSharded(open, file, *weight_map, name);
+      absl::StatusOr<std::optional<Located>> located = FindSharded(open, file, *weight_map, name, max_metadata_bytes);
       if (!located.ok()) return located.status();
       if (!located->has_value()) continue;
       LOGPROB_ASSIGN_OR_RETURN(source, FromEntry((*located)->file, (*located)->header, (*located)->entry));
@@ -194,7 +198,7 @@ absl::StatusOr<OpenedLmHead> ResolveLmHeadWith(const LmHeadOpener& open, const s
       break;
     }
   } else {
-    LOGPROB_ASSIGN_OR_RETURN(single, ReadSafetensorsHeader(top.fd.get(), top.size, file));
+    LOGPROB_ASSIGN_OR_RETURN(single, ReadSafetensorsHeader(top.fd.get(), top.size, file, max_metadata_bytes));
     const SafetensorsHeader& header = *single;
     weight_fd = std::make_shared<UniqueFd>(std::move(top.fd));
     for (const std::string& name : names)
@@ -211,7 +215,7 @@ absl::StatusOr<OpenedLmHead> ResolveLmHeadWith(const LmHeadOpener& open, const s
   const std::string bias_name = BiasName(source.tensor);
   std::optional<Located> bias;
   if (weight_map.has_value()) {
-    LOGPROB_ASSIGN_OR_RETURN(bias, FindSharded(open, file, *weight_map, bias_name));
+    LOGPROB_ASSIGN_OR_RETURN(bias, FindSharded(open, file, *weight_map, bias_name, max_metadata_bytes));
   } else if (const SafetensorsEntry* e = single->Find(bias_name)) {
     bias = Located{source.file, *single, *e, weight_fd};
   }
@@ -237,8 +241,8 @@ absl::StatusOr<OpenedLmHead> ResolveLmHeadWith(const LmHeadOpener& open, const s
       is_dir ? open(config.string(), /*dir_ok=*/false) : absl::NotFoundError("not a directory");
   if (!config_file.ok() && config_file.status().code() != absl::StatusCode::kNotFound) return config_file.status();
   if (config_file.ok()) {
-    LOGPROB_ASSIGN_OR_RETURN(const std::string text,
-                             ReadWholeFile(config_file->fd.get(), config.string(), kMaxJsonBytes));
+    LOGPROB_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(config_file->fd.get(), config.string(),
+                                                                   std::min(max_metadata_bytes, kMaxJsonBytes)));
     LOGPROB_ASSIGN_OR_RETURN(const LmHeadScalars scalars, LmHeadScalarsFromConfig(text, config.string()));
     if (scalars.bias_required && !source.transform.has_bias)
       return absl::InvalidArgumentError(

@@ -111,9 +111,12 @@ struct OpenedLmHead {
 /// names), every file (index, shards, config.json) opened with `open`
 /// exactly once and read only through the descriptor it gave: a shard is
 /// opened by `open` before any byte of it is read. Errors as ResolveLmHead
-/// and `open`'s. Thread-safe when `open` is.
+/// and `open`'s. `max_metadata_bytes` bounds what is read into memory of
+/// each file (a safetensors header, an index or config.json: at most 100
+/// and 64 MiB): larger is INVALID_ARGUMENT. Thread-safe when `open` is.
 absl::StatusOr<OpenedLmHead> ResolveLmHeadWith(const LmHeadOpener& open, const std::string& path,
-                                               const std::string& tensor, const LmHeadScalarFlags& flags = {});
+                                               const std::string& tensor, const LmHeadScalarFlags& flags = {},
+                                               uint64_t max_metadata_bytes = UINT64_MAX);
 
 /// Reads rows [row_begin, row_end) of the weight into `out`
 /// ((row_end - row_begin) * H elements of source.dtype, row-major) with

@@ -28,14 +28,15 @@ absl::Status Bad(const std::string& msg) {
 
 // Header length N from the first min(8, file_size) bytes of a file,
 // checked against the limit and the file size.
-absl::StatusOr<uint64_t> HeaderLength(const char* prefix, uint64_t file_size) {
+absl::StatusOr<uint64_t> HeaderLength(const char* prefix, uint64_t file_size, uint64_t limit = kMaxHeaderBytes) {
   if (file_size < 8) return Bad(absl::StrCat("file is ", file_size, " bytes, shorter than the 8-byte header length"));
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(prefix[i]);
   // The length read is not printed: the file may be anything (its bytes
   // are not the caller's to see).
-  if (n > kMaxHeaderBytes)
-    return Bad(absl::StrCat("not a safetensors file (its header length exceeds ", kMaxHeaderBytes, ")"));
+  if (n > std::min(limit, kMaxHeaderBytes))
+    return Bad(
+        absl::StrCat("not a safetensors file (its header length exceeds ", std::min(limit, kMaxHeaderBytes), ")"));
   if (8 + n > file_size)
     return Bad(
         absl::StrCat("not a safetensors file (its header runs past the end of the file, ", file_size, " bytes)"));
@@ -220,11 +221,12 @@ absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path)
   return ReadSafetensorsHeader(f->fd.get(), f->size, path);
 }
 
-absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t size, const std::string& name) {
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t size, const std::string& name,
+                                                        uint64_t max_header_bytes) {
   char prefix[8] = {};
   if (!PreadAll(fd, prefix, std::min<uint64_t>(8, size), 0))
     return absl::DataLossError(absl::StrCat("cannot read the header of ", name));
-  absl::StatusOr<uint64_t> n = HeaderLength(prefix, size);
+  absl::StatusOr<uint64_t> n = HeaderLength(prefix, size, max_header_bytes);
   if (!n.ok()) return InFile(name, absl::StatusOr<SafetensorsHeader>(n.status()));
   std::string json(*n, '\0');
   if (!PreadAll(fd, json.data(), *n, 8)) return absl::DataLossError(absl::StrCat("cannot read the header of ", name));

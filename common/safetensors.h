@@ -95,7 +95,10 @@ absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path)
 /// only through it (positioned reads); errors name it `name`. A malformed
 /// file's error never prints a number read from it (its header length):
 /// it may be any file, and its bytes are not the caller's to see.
-absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t size, const std::string& name);
+/// `max_header_bytes`: a header longer is refused as not a safetensors
+/// file (at most the format's 100 MiB).
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t size, const std::string& name,
+                                                        uint64_t max_header_bytes = UINT64_MAX);
 
 /// Serialises tensors and metadata to safetensors bytes.
 std::string SerializeSafetensors(const std::vector<v1::Tensor>& tensors,

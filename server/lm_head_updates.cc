@@ -717,7 +717,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, c
   const LmHeadOpener beneath = [&root](const std::string& p, bool dir_ok) {
     return OpenBeneath(root.get(), p, "file.path", dir_ok);
   };
-  LOGPROB_ASSIGN_OR_RETURN(OpenedLmHead opened, ResolveLmHeadWith(beneath, path, tensor));
+  LOGPROB_ASSIGN_OR_RETURN(OpenedLmHead opened,
+                           ResolveLmHeadWith(beneath, path, tensor, {}, kMaxUpdateFileMetadataBytes));
   const LmHeadSource& src = opened.source;
   // Names are relative to update_dir; the bias as the update names its own.
   LmHeadBiasSource src_bias = src.bias;

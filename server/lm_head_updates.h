@@ -36,6 +36,13 @@
 
 namespace logprob {
 
+/// The most a file put reads into memory of each file it names (a
+/// safetensors header, an index or config.json): a client's file is
+/// refused beyond it (INVALID_ARGUMENT) instead of costing up to the
+/// format's 100 MiB per put. Real checkpoints' headers are kilobytes to a
+/// few MiB.
+inline constexpr uint64_t kMaxUpdateFileMetadataBytes = uint64_t{16} << 20;
+
 /// What logs and errors print for update `id`: the first 8 hex digits of
 /// SHA-256(id), never the id (the capability to put, commit and abort; a
 /// log reader must not be able to use it). The holder can compute it.

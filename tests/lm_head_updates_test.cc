@@ -1432,6 +1432,28 @@ TEST_F(ConfinedFileSourceTest, ASymlinkSwappedInDuringThePutNeverCommitsTheOutsi
   EXPECT_EQ(committed + refused, 300);
 }
 
+TEST_F(ConfinedFileSourceTest, AFilePutReadsAtMost16MiBOfHeaderOrIndexIntoMemory) {
+  auto updates = Make();
+  // A header length just over the bound, the file long enough to hold it.
+  const uint64_t n = kMaxUpdateFileMetadataBytes + 1;
+  std::string bytes(8 + n, ' ');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  WriteText(update_dir_ + "/big-header.safetensors", bytes);
+  absl::Status st = Put(*updates, "big-header", "big-header.safetensors");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("header length exceeds 16777216"), absl::string_view::npos) << st;
+  // An index over the bound.
+  std::filesystem::create_directories(update_dir_ + "/big-index");
+  WriteText(update_dir_ + "/big-index/model.safetensors.index.json",
+            "{\"weight_map\": {}, \"pad\": \"" + std::string(kMaxUpdateFileMetadataBytes, 'x') + "\"}");
+  st = Put(*updates, "big-index", "big-index");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  // A good file still goes in.
+  std::string id;
+  ASSERT_TRUE(Put(*updates, "good", "race/x.safetensors", &id).ok());
+  EXPECT_TRUE(updates->Commit(id).ok());
+}
+
 TEST_F(ConfinedFileSourceTest, AnIndexNamingAFileOutsideReadsNoByteOfItAndTellsNothingOfIt) {
   auto updates = Make();
   // An outside "secret" whose first 8 bytes, read as a header length, would be a large number.
