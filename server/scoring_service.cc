@@ -40,6 +40,8 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* 
                         [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }},
             config, metrics),
       updates_(updates),
+      first_parts_(updates ? std::make_unique<FirstPartWatch>(kPutsAwaitingFirstPart, updates->options().timeout)
+                           : nullptr),
       access_(config.auth, config.update_auth),
       metrics_(metrics),
       assembly_buffers_(config.max_request_bytes) {
@@ -391,7 +393,16 @@ grpc::Status ScoringService::ServeLmHeadRows(
   auto put = [&]() -> absl::StatusOr<v1::LmHeadUpdate> {
     LOGPROB_ASSIGN_OR_RETURN(LmHeadUpdates * updates, Updates(context, kMethod));
     chunked::IncomingPart in;
-    if (!stream->Read(&in)) return absl::InvalidArgumentError("PutLmHeadRows ended before its first part (the rows)");
+    {
+      // A call that sends nothing holds a thread: capped, and cancelled
+      // after --lm-head-update-timeout.
+      LOGPROB_ASSIGN_OR_RETURN(const FirstPartWatch::Waiting waiting, first_parts_->Watch(context, kMethod));
+      if (!stream->Read(&in))
+        return context->IsCancelled()
+                   ? absl::DeadlineExceededError(
+                         "PutLmHeadRows sent no first part within --lm-head-update-timeout: cancelled")
+                   : absl::InvalidArgumentError("PutLmHeadRows ended before its first part (the rows)");
+    }
     LOGPROB_ASSIGN_OR_RETURN(chunked::ParsedPart first, chunked::ParsePart(in));
     if (first.is_piece() || !rows.ParseFromString(first.message()))
       return absl::InvalidArgumentError("the first part of PutLmHeadRows must carry LmHeadRows");

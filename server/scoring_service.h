@@ -17,6 +17,7 @@
 #include "grpcpp/support/sync_stream.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 #include "server/auth.h"
+#include "server/first_part_watch.h"
 #include "server/lm_head_updates.h"
 #include "server/metrics.h"
 #include "server/scoring_core.h"
@@ -60,6 +61,9 @@ class ScoringService final : public v1::LogprobService::Service {
                                 grpc::ServerReaderWriterInterface<v1::ScoreResponse, v1::ScoreRequest>* stream);
   /// Messages of one ScoreStream scored concurrently.
   static constexpr int kStreamInFlight = 16;
+  /// PutLmHeadRows calls that may wait for their first part at once (each
+  /// holds a thread); more are RESOURCE_EXHAUSTED.
+  static constexpr int kPutsAwaitingFirstPart = 16;
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::ServerInfoRequest*, v1::ServerInfo*) override;
   /// Shared-memory regions of the caller's session (server/shm_session.h):
   /// FAILED_PRECONDITION when the server runs with
@@ -169,6 +173,10 @@ class ScoringService final : public v1::LogprobService::Service {
 
   ScoringCore core_;
   LmHeadUpdates* const updates_;
+  /// PutLmHeadRows calls before their first part: at most
+  /// kPutsAwaitingFirstPart at once, each for --lm-head-update-timeout
+  /// (null without updates).
+  const std::unique_ptr<FirstPartWatch> first_parts_;
   const AccessPolicy access_;  // which token grants which right
   Metrics* const metrics_;
   BufferPool assembly_buffers_;  // ScoreChunked request tensors

@@ -8,8 +8,10 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/request_bytes.h"
 #include "grpcpp/impl/client_unary_call.h"
@@ -138,6 +140,73 @@ TEST(ServerAdmission, BytesAreCountedBeforeTheBodyArrivesAndTheNextCallIsRefused
         << text << ": " << st.error_message();
   }
   EXPECT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", 0));
+}
+
+/// Threads of process `pid` (/proc/PID/task).
+int Threads(pid_t pid) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+    (void)e;
+    ++n;
+  }
+  return n;
+}
+
+// PutLmHeadRows calls that never send their first part each hold a server
+// thread: 16 may wait, the others are refused at once, and the waiting
+// ones are cancelled after --lm-head-update-timeout, leaving no thread.
+TEST(ServerAdmission, SilentUpdateStreamsAreCappedAndTimedOutLeavingNoThread) {
+  const std::string head = ::testing::TempDir() + "/silent_puts." + std::to_string(getpid()) + ".safetensors";
+  ASSERT_TRUE(WriteRandomLmHead(head, 64, 16, 3).ok());
+  auto server =
+      ServerProcess::Start(1, {"--lm-head", head, "--allow-lm-head-updates", "--lm-head-update-timeout", "2s"});
+  ASSERT_TRUE(server);
+  const int idle = Threads(server->pid());
+  const std::string path = std::string("/") + v1::LogprobService::service_full_name() + "/PutLmHeadRows";
+  const grpc::internal::RpcMethod method(path.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING);
+  constexpr int kCalls = 50;
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>>> calls;
+  for (int i = 0; i < kCalls; ++i) {
+    grpc::ChannelArguments args;
+    args.SetInt("logprob.silent", i);  // a connection of its own
+    channels.push_back(grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args));
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(std::chrono::system_clock::now() + kWaitTimeout);
+    calls.emplace_back(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+        channels.back().get(), method, contexts.back().get()));
+  }
+  // Every call ends without having sent a byte: refused, or cancelled.
+  int refused = 0, timed_out = 0;
+  for (auto& call : calls) {
+    const grpc::Status st = call->Finish();
+    if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++refused;
+      EXPECT_NE(st.error_message().find("waiting for their first message"), std::string::npos) << st.error_message();
+    } else {
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
+      ++timed_out;
+    }
+  }
+  EXPECT_EQ(refused, kCalls - 16);
+  EXPECT_EQ(timed_out, 16);
+  calls.clear();
+  // The threads that served them are gone (gRPC keeps a couple of idle
+  // pollers: the count returns to what the idle server had, give or take 2).
+  int now = 0;
+  EXPECT_TRUE(WaitUntil("the server's threads back to its idle count",
+                        [&] {
+                          now = Threads(server->pid());
+                          return now <= idle + 2;
+                        }))
+      << "idle " << idle << ", now " << now;
+  // And updates still work: the server answers a put's Begin.
+  auto stub = server->NewStub();
+  grpc::ClientContext ctx;
+  v1::ServerInfo info;
+  EXPECT_TRUE(stub->GetServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
+  std::filesystem::remove(head);
 }
 
 }  // namespace
