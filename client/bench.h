@@ -8,7 +8,7 @@
 #include <string>
 
 #include "client/bench_payload.h"
-#include "client/channel.h"
+#include "common/channel.h"
 #include "client/chunked_call.h"
 #include "client/request_builder.h"
 

@@ -8,7 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "client/channel.h"
+#include "common/channel.h"
 
 namespace logprob::client {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "client/channel.h"
+#include "common/channel.h"
 #include "client/health_check.h"
 #include "client/summary.h"
 #include "common/grpc_status.h"

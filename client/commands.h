@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "client/channel.h"
+#include "common/channel.h"
 #include "client/chunked_call.h"
 #include "client/request_builder.h"
 #include "client/request_splitter.h"

@@ -102,7 +102,7 @@ bool WritePieces(const std::function<bool(const OutgoingPart&)>& write, const st
 /// that is not a piece, a bad piece or bytes missing at the end (naming
 /// the tensor and offset); CANCELLED when `cancelled()`, asked only when
 /// the stream ended with bytes missing, says the client ended the call (it
-/// may wait a moment for the transport to say so: server/call_ended.h).
+/// may wait a moment for the transport to say so: server/transport/call_ended.h).
 absl::Status ReadChunkedPieces(const std::function<bool(IncomingPart*)>& read, const std::function<bool()>& cancelled,
                                TensorAssembler& assembly);
 

@@ -1,7 +1,7 @@
 // absl::Status <-> grpc::Status (the codes are the same numbers), and the
 // machine-readable reason (common/error_reason.h) that travels with a
 // failed call as its trailing metadata kReasonMetadataKey: the public API
-// (server/scoring_service.cc) and the worker protocol (worker -> front-end)
+// (server/transport/scoring_service.cc) and the worker protocol (worker -> front-end)
 // both send it this way.
 #pragma once
 

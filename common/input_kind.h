@@ -23,7 +23,7 @@ struct InputKindRules {
   /// The front-end reads the bytes itself (copies them into work items);
   /// false: the workers read them where they are (a reference travels).
   bool readable_here;
-  /// May share a worker batch with other requests (server/batcher.h);
+  /// May share a worker batch with other requests (server/core/batcher.h);
   /// a reference to the client's memory always runs alone.
   bool batchable;
   /// The workers need every input row as one contiguous range (a

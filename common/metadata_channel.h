@@ -1,5 +1,5 @@
 // A gRPC channel whose every call carries one fixed initial-metadata
-// entry: the public client's bearer token (client/channel.cc) and the
+// entry: the public client's bearer token (common/channel.cc) and the
 // internal plane's pool secret (common/internal_auth.h) travel this way.
 #pragma once
 

@@ -68,7 +68,7 @@ bool SharedObjectExists(const std::string& name);
 /// Unlinks the regions SharedRegion::Create made in processes that no
 /// longer exist (/dev/shm/logprob-<pid>-<n>, e.g. after a SIGKILL), and
 /// lm_head stores of older releases (the directories
-/// /dev/shm/logprob-<pid>-lm-heads; stores are now server/store_folder.h's),
+/// /dev/shm/logprob-<pid>-lm-heads; stores are now server/heads/store_folder.h's),
 /// and returns how many. A region is stale only when its PID names no
 /// process here AND nobody holds its flock (its creator holds one while it
 /// lives, whatever PID namespace it runs in: a server in a nested namespace
@@ -88,13 +88,13 @@ int RemoveStaleRegions();
 std::string SharedMemoryHostId();
 
 /// gRPC metadata key naming a client's shared-memory session
-/// (server/shm_session.h; the C++ and Python clients send it).
+/// (server/transport/shm_session.h; the C++ and Python clients send it).
 inline constexpr char kShmSessionMetadata[] = "logprob-shm-session";
 
 /// Bytes of a client region's proof of write access (logprob.v1
 /// RegisterSharedMemoryResponse.challenge): the object's last bytes, past
 /// the registered byte_size, hold the server's challenge when the client
-/// confirms (server/client_regions.h, docs/security.md).
+/// confirms (server/inputs/client_regions.h, docs/security.md).
 inline constexpr int64_t kShmProofBytes = 32;
 
 }  // namespace logprob

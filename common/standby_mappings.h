@@ -1,6 +1,6 @@
 // Read-only mappings of tmpfs file ranges kept after their last user for
 // the next load of the same range: the front-end's lm_head store recycles
-// a released version's file for the next update (server/lm_head_store.h),
+// a released version's file for the next update (server/heads/lm_head_store.h),
 // so a worker that kept its slice's mapping loads the new version without
 // mapping anything (no page tables to populate, nothing to unmap).
 #pragma once

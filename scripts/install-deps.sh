@@ -10,7 +10,7 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev libgloo-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libhwy-dev libdnnl-dev
   ocl-icd-opencl-dev  # required by libdnnl-dev's CMake config (find_package(OpenCL))
-  libssl-dev  # OpenSSL::Crypto: bearer-token digests, TLS PEM checks (server/auth.cc, server/tls.cc)
+  libssl-dev  # OpenSSL::Crypto: bearer-token digests, TLS PEM checks (server/transport/auth.cc, server/transport/tls.cc)
   openssl     # the command line: server_security_test makes its certificates with it
   curl        # server_metrics_test scrapes /metrics with it
   prometheus  # promtool: server_metrics_test runs `promtool check metrics` on the scrape

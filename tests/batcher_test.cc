@@ -1,10 +1,10 @@
-// The dynamic batcher (server/batcher.h) with a fake Runner instead of a
+// The dynamic batcher (server/core/batcher.h) with a fake Runner instead of a
 // worker pool: batch keys, the token budget, deadlines and cancellation of
 // queued and running jobs, errors. The fake runner records each batch and
 // holds it until the test releases it; the test waits on the batcher's own
 // queue/running callbacks (condition variables), never on time, so every
 // interleaving below is forced, not hoped for.
-#include "server/batcher.h"
+#include "server/core/batcher.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -24,9 +24,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/buffer_pool.h"
-#include "server/client_regions.h"
-#include "server/input_source.h"
-#include "server/shared_inputs.h"
+#include "server/inputs/client_regions.h"
+#include "server/inputs/input_source.h"
+#include "server/inputs/shared_inputs.h"
 
 namespace logprob {
 namespace {

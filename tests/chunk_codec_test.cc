@@ -286,7 +286,7 @@ TEST(TensorAssembler, AssembleIntoWritesThePiecesToTheCallersMemory) {
 
 // The end of a request stream: a whole message is whole however the
 // stream ended, and `cancelled` (which on the server may wait up to a
-// second for gRPC to report a cancel: server/call_ended.h) is asked only
+// second for gRPC to report a cancel: server/transport/call_ended.h) is asked only
 // when bytes are missing; then it decides CANCELLED or INVALID_ARGUMENT.
 TEST(ReadChunkedPieces, CancelledIsAskedOnlyWhenBytesAreMissing) {
   auto plan = [](google::protobuf::RepeatedPtrField<v1::Tensor>* tensors) {

@@ -1,11 +1,11 @@
-// ClientRegions' proof of write access (server/client_regions.h,
+// ClientRegions' proof of write access (server/inputs/client_regions.h,
 // docs/security.md), without a server: a registration is unusable until
 // the object holds its challenge; a wrong or missing proof removes it; the
 // proof is read from the object opened at registration, not from whatever
 // the name means later; one session's proof does not confirm another's.
 // The live attack (a client that only knows the name) is in
 // tests/server_shm_inputs_test.cc and the Python client's tests.
-#include "server/client_regions.h"
+#include "server/inputs/client_regions.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
-#include "server/control_service.h"
+#include "server/pool/control_service.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {

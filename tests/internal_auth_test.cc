@@ -32,7 +32,7 @@
 #include "common/worker_protocol.h"
 #include "google/protobuf/descriptor.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
-#include "server/control_service.h"
+#include "server/pool/control_service.h"
 #include "tests/generic_call.h"
 #include "tests/test_support.h"
 #include "worker/backend_factory.h"

@@ -1,7 +1,7 @@
 // Reading a version back (ReadLmHeadVersion: the ReadLmHeadRows RPC's core)
 // and resolving --lm-head-sync-from targets (ResolvePeerTarget). The whole
 // catch-up between live front-ends is client/python/tests/test_replicas.py.
-#include "server/lm_head_peer_sync.h"
+#include "server/transport/lm_head_peer_sync.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -13,8 +13,8 @@
 
 #include "common/lm_head_source.h"
 #include "common/safetensors.h"
-#include "server/lm_head_reader.h"
-#include "server/lm_heads.h"
+#include "server/heads/lm_head_reader.h"
+#include "server/heads/lm_heads.h"
 
 namespace logprob {
 namespace {

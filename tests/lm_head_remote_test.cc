@@ -1,7 +1,7 @@
 // Heads without a shared filesystem (docs/cluster.md): a head declared by
-// shape (--lm-head-declare, server/lm_head_declared.h) is refused until its
+// shape (--lm-head-declare, server/heads/lm_head_declared.h) is refused until its
 // first commit and then serves like any head; Control.ReadLmHeadRows
-// (server/control_lm_head_rows.cc) streams a worker's slice of a file the
+// (server/pool/control_lm_head_rows.cc) streams a worker's slice of a file the
 // front-end serves, read back by the worker's fetcher
 // (worker/frontend_lm_head_rows.h) byte for byte as ReadLmHeadRows reads
 // the file, and refuses other files and bad ranges.
@@ -19,10 +19,10 @@
 #include "common/lm_head_source.h"
 #include "common/safetensors.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
-#include "server/control_service.h"
-#include "server/lm_head_declared.h"
-#include "server/lm_head_files.h"
-#include "server/lm_heads.h"
+#include "server/pool/control_service.h"
+#include "server/heads/lm_head_declared.h"
+#include "server/pool/lm_head_files.h"
+#include "server/heads/lm_heads.h"
 #include "tests/test_support.h"
 #include "worker/frontend_lm_head_rows.h"
 

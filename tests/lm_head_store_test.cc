@@ -1,8 +1,8 @@
-// The lm_head store's spare files (server/lm_head_store.h): a released
+// The lm_head store's spare files (server/heads/lm_head_store.h): a released
 // version's file is kept for its head's next update, which writes into it
 // (no fresh pages); spares unused for long are removed, except each head's
 // newest, so a trainer that updates less often than that still reuses one.
-#include "server/lm_head_store.h"
+#include "server/heads/lm_head_store.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>

@@ -5,7 +5,7 @@
 // then count, hash and commit like bytes; without a worker that can, or
 // when staging fails, they are refused and may be sent again; rows read
 // with positioned reads land block by block from several threads.
-#include "server/lm_head_updates.h"
+#include "server/heads/lm_head_updates.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -42,10 +42,10 @@
 #include "common/positioned_io.h"
 #include "common/safetensors.h"
 #include "common/sha256.h"
-#include "server/cuda_ipc_inputs.h"
-#include "server/input_source.h"
-#include "server/lm_heads.h"
-#include "server/memory_bound.h"
+#include "server/inputs/cuda_ipc_inputs.h"
+#include "server/inputs/input_source.h"
+#include "server/heads/lm_heads.h"
+#include "server/app/memory_bound.h"
 
 namespace logprob {
 namespace {

@@ -1,7 +1,7 @@
-// The front-end's memory bound (server/memory_bound.h) from its limits,
+// The front-end's memory bound (server/app/memory_bound.h) from its limits,
 // the payload pool's byte cap it counts on, and the memory gauges read at
-// scrape time (server/memory_metrics.h).
-#include "server/memory_bound.h"
+// scrape time (server/metrics/memory_metrics.h).
+#include "server/app/memory_bound.h"
 
 #include <gtest/gtest.h>
 
@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "server/memory_metrics.h"
-#include "server/payload_pool.h"
+#include "server/metrics/memory_metrics.h"
+#include "server/pool/payload_pool.h"
 
 namespace logprob {
 namespace {

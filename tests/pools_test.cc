@@ -17,9 +17,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/buffer_pool.h"
-#include "server/admission.h"
-#include "server/client_regions.h"
-#include "server/payload_pool.h"
+#include "server/core/admission.h"
+#include "server/inputs/client_regions.h"
+#include "server/pool/payload_pool.h"
 
 namespace logprob {
 namespace {

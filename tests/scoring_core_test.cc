@@ -1,11 +1,11 @@
-// The scoring core (server/scoring_core.h) without a server or processes:
+// The scoring core (server/core/scoring_core.h) without a server or processes:
 // its Runner scores each plan item in this process with the worker's own
 // code (PayloadRegions for shared-memory payloads, ScoreWorkItem on the CPU
 // backend, W ranks as threads over InProcessCommunicator). Every logits
 // golden case must match its expected outputs through 1 and 2 workers, in
 // both layouts, with payloads inline and through shared memory; errors
 // carry their machine-readable reasons; a cancelled call ends.
-#include "server/scoring_core.h"
+#include "server/core/scoring_core.h"
 
 #include <gtest/gtest.h>
 
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "common/error_reason.h"
-#include "server/lm_heads.h"
+#include "server/heads/lm_heads.h"
 #include "tests/in_process_communicator.h"
 #include "tests/test_support.h"
 #include "worker/communicator.h"

@@ -1,4 +1,4 @@
-// Dynamic batching through a live server (server/batcher.h):
+// Dynamic batching through a live server (server/core/batcher.h):
 // - requests that arrive while the workers are busy queue and then share
 //   worker batches (far fewer batches than requests, from /metrics), and
 //   every response is bitwise the one the same request gets alone, for

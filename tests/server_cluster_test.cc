@@ -21,7 +21,7 @@
 #include <future>
 #include <thread>
 
-#include "client/channel.h"
+#include "common/channel.h"
 #include "client/health_check.h"
 #include "tests/test_support.h"
 

@@ -1,4 +1,4 @@
-// CUDA IPC inputs (Tensor.cuda_ipc; server/cuda_ipc_inputs.h) on CPU:
+// CUDA IPC inputs (Tensor.cuda_ipc; server/inputs/cuda_ipc_inputs.h) on CPU:
 // - ResolveInputs / ResolveCudaIpc: INVALID_ARGUMENT naming the tensor for
 //   a reference on another tensor than hidden_states, a handle that is not
 //   64 bytes, a negative or misaligned offset, a byte_size that does not
@@ -29,12 +29,12 @@
 
 #include "client/chunked_call.h"
 #include "common/partition.h"
-#include "server/batcher.h"
-#include "server/cuda_ipc_inputs.h"
-#include "server/planner.h"
-#include "server/request_inputs.h"
-#include "server/response_builder.h"
-#include "server/score_job.h"
+#include "server/core/batcher.h"
+#include "server/inputs/cuda_ipc_inputs.h"
+#include "server/core/planner.h"
+#include "server/inputs/request_inputs.h"
+#include "server/core/response_builder.h"
+#include "server/core/score_job.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {

@@ -25,7 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/channel.h"
+#include "common/channel.h"
 #include "client/health_check.h"
 #include "tests/test_support.h"
 

@@ -12,7 +12,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "client/channel.h"
+#include "common/channel.h"
 #include "client/health_check.h"
 #include "grpcpp/client_context.h"
 #include "tests/test_support.h"

@@ -1,4 +1,4 @@
-// Shared-memory inputs through a live server (server/client_regions.h,
+// Shared-memory inputs through a live server (server/inputs/client_regions.h,
 // client/shm_inputs.h):
 // - register / use / list / unregister; golden cases scored through a
 //   region are bitwise the inline results and match the expected outputs

@@ -1,6 +1,6 @@
 // StagedFileHasher: the SHA-256 of a staged file's bytes, hashed in order
 // on its own thread while ranges are written in any order.
-#include "server/staged_file_hasher.h"
+#include "server/heads/staged_file_hasher.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

@@ -19,7 +19,7 @@
 #include <sstream>
 #include <thread>
 
-#include "client/channel.h"
+#include "common/channel.h"
 #include "client/health_check.h"
 #include "common/dtype.h"
 #include "common/exclusive_port.h"

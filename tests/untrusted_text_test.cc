@@ -7,7 +7,7 @@
 #include <string>
 
 #include "common/grpc_status.h"
-#include "server/lm_heads.h"
+#include "server/heads/lm_heads.h"
 
 namespace logprob {
 namespace {

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "common/safetensors.h"
-#include "server/score_job.h"
+#include "server/core/score_job.h"
 
 namespace logprob {
 namespace {

@@ -16,7 +16,7 @@
 namespace logprob {
 
 /// Maps the front-end's payload regions read-only and keeps the last
-/// `capacity` mappings (the front-end reuses its regions: server/payload_pool.h),
+/// `capacity` mappings (the front-end reuses its regions: server/pool/payload_pool.h),
 /// so a region is mapped once, not per work item. A region the front-end
 /// retired (unlinked: its pool let it go) is unmapped at the next work item
 /// (or Forget call), once no item in flight holds it, so its pages go back

@@ -46,7 +46,7 @@ KUSTOMIZE_DIRS = {
 # Metrics being added by other changes (cluster mode, CUDA backend); used when
 # the sources do not define them yet.
 PENDING_METRICS = {}
-# Flags of cluster mode (another change) not yet in server/main.cc / worker/main.cc.
+# Flags of cluster mode (another change) not yet in server/app/main.cc / worker/main.cc.
 PENDING_SERVER_FLAGS = set()
 PENDING_WORKER_FLAGS = set()
 # Series of other exporters the alert rules may use.
@@ -274,7 +274,7 @@ def quantity_bytes(q):
 
 def memory_bound(server_binary, args):
     """The front-end's memory bound for `args` from `logprob-server
-    --print-memory-bound` (the formula lives in server/memory_bound.cc
+    --print-memory-bound` (the formula lives in server/app/memory_bound.cc
     only): {frontend_bytes, local_workers, worker_base_bytes}, and the line."""
     r = subprocess.run([server_binary, "--print-memory-bound"] + [str(a) for a in args],
                        capture_output=True, text=True, timeout=60)
@@ -303,7 +303,7 @@ def cross_check(objs, flavour, root, fail):
         if key in by_kind:
             fail.add(f"{key[0]}/{key[1]} defined twice")
         by_kind[key] = o
-    server_flags = source_flags(root, "server/main.cc") | PENDING_SERVER_FLAGS
+    server_flags = source_flags(root, "server/app/main.cc") | PENDING_SERVER_FLAGS
     worker_flags = source_flags(root, "worker/main.cc") | PENDING_WORKER_FLAGS
     service_accounts = {n for k, n in by_kind if k == "ServiceAccount"}
     workloads = list(pod_templates(objs))

@@ -29,7 +29,7 @@
 #include "common/shared_memory.h"
 #include "google/protobuf/stubs/logging.h"
 #include "logprob/internal/v1/worker.pb.h"
-#include "server/control_service.h"
+#include "server/pool/control_service.h"
 #include "worker/payload_regions.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// libFuzzer target: lm_head updates (server/lm_head_updates.h): Begin with
+// libFuzzer target: lm_head updates (server/heads/lm_head_updates.h): Begin with
 // fuzzed shapes, dtypes, versions and sha256s, then a fuzzed sequence of
 // puts (PutRows, or Put of an LmHeadRows message; row ranges anywhere, overlapping, repeated, of the wrong size,
 // dtype or width, from sources that fail midway, from sources the
@@ -32,9 +32,9 @@
 #include "common/finite_check.h"
 #include "common/sha256.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/input_source.h"
-#include "server/lm_head_updates.h"
-#include "server/lm_heads.h"
+#include "server/inputs/input_source.h"
+#include "server/heads/lm_head_updates.h"
+#include "server/heads/lm_heads.h"
 
 namespace {
 

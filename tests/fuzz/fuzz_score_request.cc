@@ -1,5 +1,5 @@
-// libFuzzer target: request validation (server/score_job.h) and work
-// planning (server/planner.h).
+// libFuzzer target: request validation (server/core/score_job.h) and work
+// planning (server/core/planner.h).
 //
 // Each input is used twice: parsed as a serialized logprob.v1.ScoreRequest
 // (when it parses), and decoded by StructuredRequest(), which spends the
@@ -11,7 +11,7 @@
 // validates is checked for its invariants and planned for 1..3 workers in
 // every parallelism, and every plan is checked against the job. The same
 // request with its hidden states as a CUDA IPC reference (and the parsed
-// request's own references) goes through ResolveInputs (server/request_inputs.h),
+// request's own references) goes through ResolveInputs (server/inputs/request_inputs.h),
 // BuildScoreJob (every input row) and PlanWork, checked against the job of
 // scored rows. A violated invariant traps.
 #include <fuzzer/FuzzedDataProvider.h>
@@ -29,10 +29,10 @@
 #include "common/input_kind.h"
 #include "google/protobuf/stubs/logging.h"
 #include "logprob/v1/logprob.pb.h"
-#include "server/cuda_ipc_inputs.h"
-#include "server/planner.h"
-#include "server/request_inputs.h"
-#include "server/score_job.h"
+#include "server/inputs/cuda_ipc_inputs.h"
+#include "server/core/planner.h"
+#include "server/inputs/request_inputs.h"
+#include "server/core/score_job.h"
 
 namespace {
 

@@ -38,7 +38,7 @@ from .version_pin import VersionPin
 from . import cuda_ipc, shared_memory, transport
 from .wire import decode_response
 
-# The server's rules for lm_head names (server/lm_heads.h CheckLmHeadName,
+# The server's rules for lm_head names (server/heads/lm_heads.h CheckLmHeadName,
 # CheckLmHeadVersionName; docs/lm-head-updates.md): kept in step with it.
 HEAD_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 VERSION_NAME_RE = re.compile(r"[A-Za-z0-9._:+-]{1,128}")

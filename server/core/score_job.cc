@@ -1,0 +1,368 @@
+#include "server/core/score_job.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/error_reason.h"
+#include "common/status_macros.h"
+
+namespace logprob {
+namespace {
+
+absl::Status Invalid(const std::string& msg) { return absl::InvalidArgumentError(msg); }
+
+std::string ShapeStr(const v1::Tensor& t) { return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]"); }
+
+/// The bytes of each input's source: the integer tensors' (which
+/// validation reads) in memory, read into `owned` when their source is not.
+class InputBytes {
+ public:
+  InputBytes(const v1::ScoreRequest& req, const RequestInputs& inputs) : req_(req), inputs_(inputs) {}
+  const std::shared_ptr<const InputSource>& source(const v1::Tensor* t) const { return inputs_.sources[IndexOf(t)]; }
+  /// The bytes of `t`, read if they are not in memory (FAILED_PRECONDITION
+  /// with the source's error if they cannot be read).
+  absl::StatusOr<std::string_view> operator()(const v1::Tensor* t) {
+    const InputSource& src = *source(t);
+    if (auto m = src.memory()) return *m;
+    auto copy = std::make_unique<std::string>(static_cast<size_t>(src.byte_size()), '\0');
+    if (!src.Read(0, copy->size(), copy->data()))
+      return WithReason(absl::FailedPreconditionError(
+                            absl::StrCat("inputs[", IndexOf(t), "] \"", t->name(), "\": ", src.status().message())),
+                        ReasonOf(src.status()));
+    owned_.push_back(std::move(copy));
+    return std::string_view(*owned_.back());
+  }
+
+ private:
+  int IndexOf(const v1::Tensor* t) const {
+    for (int i = 0; i < req_.inputs_size(); ++i)
+      if (&req_.inputs(i) == t) return i;
+    return -1;
+  }
+  const v1::ScoreRequest& req_;
+  const RequestInputs& inputs_;
+  std::vector<std::unique_ptr<std::string>> owned_;
+};
+
+/// Checks the byte size of every tensor and indexes them by name.
+absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::ScoreRequest& req,
+                                                                     const InputBytes& bytes) {
+  static const char* const kKnown[] = {"logits",   "hidden_states", "input_ids",
+                                       "seq_lens", "cu_seqlens",    "gather_indices"};
+  std::map<std::string, const v1::Tensor*> by_name;
+  for (int i = 0; i < req.inputs_size(); ++i) {
+    const v1::Tensor& t = req.inputs(i);
+    bool known = false;
+    for (const char* k : kKnown) known |= t.name() == k;
+    if (!known)
+      return Invalid(
+          absl::StrCat("inputs[", i, "]: unknown tensor \"", t.name(),
+                       "\" (expected logits, hidden_states, input_ids, seq_lens, cu_seqlens, gather_indices)"));
+    if (by_name.count(t.name())) return Invalid(absl::StrCat("inputs[", i, "]: tensor \"", t.name(), "\" given twice"));
+    const size_t esize = DTypeSize(t.dtype());
+    if (esize == 0) return Invalid(absl::StrCat("inputs[", i, "] \"", t.name(), "\": dtype is unspecified"));
+    // The product of the non-zero dims is bounded too: an empty tensor must
+    // not carry a huge V (row bytes would overflow) or B (per-sequence work).
+    uint64_t numel = 1, extent = 1;
+    for (int64_t d : t.shape()) {
+      if (d < 0) return Invalid(absl::StrCat("\"", t.name(), "\": negative dimension in shape ", ShapeStr(t)));
+      if (d == 0) {
+        numel = 0;
+        continue;
+      }
+      if (extent > (uint64_t{1} << 50) / static_cast<uint64_t>(d))
+        return Invalid(absl::StrCat("\"", t.name(), "\": shape ", ShapeStr(t), " is too large"));
+      extent *= static_cast<uint64_t>(d);
+    }
+    if (numel != 0) numel = extent;
+    const InputSource& src = *bytes.source(&t);
+    if (static_cast<uint64_t>(src.byte_size()) != numel * esize)
+      return Invalid(absl::StrCat(
+          "\"", t.name(),
+          "\": ", src.kind() == InputKind::kBytes ? "data is " : absl::StrCat(src.rules().name, " reference is "),
+          src.byte_size(), " bytes but shape ", ShapeStr(t), " of ", DTypeName(t.dtype()), " needs ", numel * esize));
+    by_name[t.name()] = &t;
+  }
+  return by_name;
+}
+
+absl::Status CheckIntTensor(const v1::Tensor& t) {
+  if (!IsIntDType(t.dtype()))
+    return Invalid(absl::StrCat("\"", t.name(), "\": dtype ", DTypeName(t.dtype()), " is not I32 or I64"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckShape(const v1::Tensor& t, const std::vector<int64_t>& want, const std::string& what) {
+  if (std::vector<int64_t>(t.shape().begin(), t.shape().end()) != want)
+    return Invalid(absl::StrCat("\"", t.name(), "\": shape ", ShapeStr(t), " does not match ", what, " [",
+                                absl::StrJoin(want, ", "), "]"));
+  return absl::OkStatus();
+}
+
+/// Fills options defaults and checks their ranges.
+absl::Status NormaliseOptions(const v1::ScoreOptions& in, int64_t V, const RequestLimits& limits,
+                              v1::ScoreOptions* out) {
+  *out = in;
+  if (!in.has_temperature()) out->set_temperature(1.0f);
+  if (!in.has_sampling_top_p()) out->set_sampling_top_p(1.0f);
+  if (!in.has_ignore_index()) out->set_ignore_index(-100);
+  const float t = out->temperature();
+  if (!(t > 0.f) || !std::isfinite(t))
+    return Invalid(absl::StrCat("options.temperature must be > 0 and finite, got ", t));
+  const float p = out->sampling_top_p();
+  if (!(p > 0.f && p <= 1.f)) return Invalid(absl::StrCat("options.sampling_top_p must be in (0, 1], got ", p));
+  if (in.sampling_top_k() < 0)
+    return Invalid(absl::StrCat("options.sampling_top_k must be >= 0, got ", in.sampling_top_k()));
+  if (in.topk() < 0 || in.topk() > V)
+    return Invalid(absl::StrCat("options.topk must be in [0, V = ", V, "], got ", in.topk()));
+  if (in.topk() > limits.max_topk)
+    return Invalid(absl::StrCat("options.topk ", in.topk(), " exceeds the server's max_topk ", limits.max_topk));
+  if (in.alignment() != v1::NEXT_TOKEN && in.alignment() != v1::SAME_POSITION)
+    return Invalid(absl::StrCat("options.alignment ", static_cast<int>(in.alignment()), " is unknown"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int64_t ScoreJob::num_outputs() const {
+  int64_t n = 1;
+  for (int64_t d : out_shape) n *= d;
+  return n;
+}
+
+absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const RequestLimits& limits,
+                                       const LmHeadShape& lm_head, const RequestInputs* inputs) {
+  RequestInputs inline_inputs;
+  if (inputs == nullptr) {
+    inline_inputs = InlineInputs(req);
+    inputs = &inline_inputs;
+  }
+  if (static_cast<int>(inputs->sources.size()) != req.inputs_size())
+    return absl::InternalError("BuildScoreJob: one source per input expected");
+  InputBytes bytes(req, *inputs);
+  LOGPROB_ASSIGN_OR_RETURN(const auto in, IndexInputs(req, bytes));
+  auto get = [&](const char* n) -> const v1::Tensor* {
+    auto it = in.find(n);
+    return it == in.end() ? nullptr : it->second;
+  };
+  const v1::Tensor* hidden = get("hidden_states");
+  const v1::Tensor* input = hidden ? hidden : get("logits");  // one row per position
+  if (hidden && get("logits")) return Invalid("give either \"logits\" or \"hidden_states\", not both");
+  if (!input) return Invalid("missing tensor \"logits\" (or \"hidden_states\")");
+  if (hidden && lm_head.hidden_size == 0)
+    return WithReason(absl::FailedPreconditionError(
+                          "hidden_states given but this server has no lm_head loaded (start it with --lm-head)"),
+                      v1::NO_LM_HEAD);
+  const std::string name = input->name();
+  const char* last_dim = hidden ? "H" : "V";
+  const v1::Tensor* ids = get("input_ids");
+  if (!ids) return Invalid("missing tensor \"input_ids\"");
+  if (!IsFloatDType(input->dtype()))
+    return Invalid(absl::StrCat("\"", name, "\": dtype ", DTypeName(input->dtype()), " is not F32, BF16 or F16"));
+  LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*ids));
+  const v1::Tensor* cu = get("cu_seqlens");
+  const v1::Tensor* lens = get("seq_lens");
+  const v1::Tensor* gather = get("gather_indices");
+  // The integer tensors' bytes (read here when they are not in memory).
+  std::string_view id_bytes, cu_bytes, lens_bytes, gather_bytes;
+  for (const auto& [t, out] : {std::pair{ids, &id_bytes}, std::pair{cu, &cu_bytes}, std::pair{lens, &lens_bytes},
+                               std::pair{gather, &gather_bytes}}) {
+    if (t == nullptr) continue;
+    LOGPROB_ASSIGN_OR_RETURN(*out, bytes(t));
+  }
+  const bool packed = input->shape_size() == 2;
+  if (input->shape_size() != 3 && !packed)
+    return Invalid(absl::StrCat("\"", name, "\": shape ", ShapeStr(*input), " is neither [B, S, ", last_dim,
+                                "] nor packed [T, ", last_dim, "]"));
+  if (packed && !cu)
+    return Invalid(absl::StrCat("\"", name, "\" is packed [T, ", last_dim, "] but \"cu_seqlens\" is missing"));
+  if (!packed && cu)
+    return Invalid(absl::StrCat("\"cu_seqlens\" given but \"", name, "\" is padded [B, S, ", last_dim,
+                                "], not packed [T, ", last_dim, "]"));
+  if (packed && lens) return Invalid("\"seq_lens\" applies to padded batches; packed batches use \"cu_seqlens\"");
+
+  ScoreJob job;
+  const int64_t last = input->shape(input->shape_size() - 1);
+  if (hidden && last != lm_head.hidden_size)
+    return Invalid(absl::StrCat("\"hidden_states\": H = ", last, " (shape ", ShapeStr(*input),
+                                ") does not match the lm_head's H = ", lm_head.hidden_size));
+  const int64_t V = hidden ? lm_head.vocab_size : last;
+  if (V <= 0) return Invalid("\"logits\": vocabulary dimension is 0");
+  job.hidden = hidden != nullptr;
+  job.hidden_size = hidden ? last : 0;
+  job.dtype = input->dtype();
+  job.vocab_size = V;
+  job.row_bytes = static_cast<size_t>(last) * DTypeSize(job.dtype);
+  LOGPROB_RETURN_IF_ERROR(NormaliseOptions(req.options(), V, limits, &job.options));
+  const bool next = job.options.alignment() == v1::NEXT_TOKEN;
+  const int64_t ignore = job.options.ignore_index();
+
+  // Sequences as (first input row, length, first output position).
+  struct Seq {
+    int64_t row0, len, out0;
+  };
+  std::vector<Seq> seqs;
+  if (packed) {
+    const int64_t T = input->shape(0);
+    LOGPROB_RETURN_IF_ERROR(CheckShape(*ids, {T}, name + "' [T]"));
+    LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*cu));
+    if (cu->shape_size() != 1 || cu->shape(0) < 2)
+      return Invalid(absl::StrCat("\"cu_seqlens\": shape ", ShapeStr(*cu), " is not [B + 1] with B >= 1"));
+    const int64_t B = cu->shape(0) - 1;
+    if (ReadInt(cu->dtype(), cu_bytes.data(), 0) != 0) return Invalid("\"cu_seqlens\"[0] must be 0");
+    for (int64_t i = 0; i < B; ++i) {
+      const int64_t a = ReadInt(cu->dtype(), cu_bytes.data(), i), b = ReadInt(cu->dtype(), cu_bytes.data(), i + 1);
+      if (b < a) return Invalid(absl::StrCat("\"cu_seqlens\" decreases at index ", i + 1, " (", a, " -> ", b, ")"));
+      if (next && b == a)
+        return Invalid(absl::StrCat("\"cu_seqlens\": sequence ", i, " is empty (next_token needs length >= 1)"));
+      seqs.push_back({a, b - a, next ? a - i : a});
+    }
+    const int64_t end = ReadInt(cu->dtype(), cu_bytes.data(), B);
+    if (end != T)
+      return Invalid(absl::StrCat("\"cu_seqlens\"[", B, "] = ", end, " but \"", name, "\" has T = ", T, " rows"));
+    job.out_shape = {next ? T - B : T};
+  } else {
+    const int64_t B = input->shape(0), S = input->shape(1);
+    LOGPROB_RETURN_IF_ERROR(CheckShape(*ids, {B, S}, name + "' [B, S]"));
+    if (next && S < 1) return Invalid(absl::StrCat("\"", name, "\": S must be >= 1"));
+    if (lens) {
+      LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*lens));
+      LOGPROB_RETURN_IF_ERROR(CheckShape(*lens, {B}, name + "' [B]"));
+    }
+    // With S = 0 the tensors are empty whatever B is: bound the per-sequence
+    // work before it.
+    if (B > limits.max_tokens)
+      return Invalid(absl::StrCat("\"", name, "\": B = ", B, " sequences, over the server's max_tokens_per_request ",
+                                  limits.max_tokens));
+    const int64_t S_out = next ? S - 1 : S;
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t L = S;
+      if (lens) {
+        L = ReadInt(lens->dtype(), lens_bytes.data(), b);
+        if (L < 0 || L > S) return Invalid(absl::StrCat("\"seq_lens\"[", b, "] = ", L, " is outside [0, S = ", S, "]"));
+      }
+      seqs.push_back({b * S, L, b * S_out});
+    }
+    job.out_shape = {B, S_out};
+  }
+  const int64_t total_rows = packed ? input->shape(0) : input->shape(0) * input->shape(1);
+  if (total_rows > limits.max_tokens)
+    return Invalid(absl::StrCat("request has ", total_rows, " tokens, over the server's max_tokens_per_request ",
+                                limits.max_tokens));
+
+  if (gather) {
+    LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*gather));
+    std::vector<int64_t> want = job.out_shape;
+    if (gather->shape_size() != static_cast<int>(want.size()) + 1)
+      return Invalid(absl::StrCat("\"gather_indices\": shape ", ShapeStr(*gather), " is not the output shape [",
+                                  absl::StrJoin(want, ", "), "] plus [K]"));
+    want.push_back(gather->shape(gather->shape_size() - 1));
+    LOGPROB_RETURN_IF_ERROR(CheckShape(*gather, want, "the output shape plus K"));
+    if (want.back() > limits.max_topk)
+      return Invalid(
+          absl::StrCat("\"gather_indices\": K = ", want.back(), " exceeds the server's max_topk ", limits.max_topk));
+    job.gather_k = static_cast<int>(want.back());
+  }
+
+  // Scored rows: in sequence s, position t scores input_ids[t + shift].
+  const int64_t shift = next ? 1 : 0;
+  const char* id_data = id_bytes.data();
+  const char* gather_data = gather_bytes.data();
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const Seq& q = seqs[s];
+    for (int64_t t = 0; t + shift < q.len; ++t) {
+      const int64_t target = ReadInt(ids->dtype(), id_data, q.row0 + t + shift);
+      if (target != ignore && (target < 0 || target >= V))
+        return Invalid(absl::StrCat("\"input_ids\": target ", target, " of sequence ", s, " at position ", t + shift,
+                                    " is outside [0, V = ", V, ") and is not ignore_index ", ignore));
+      const int64_t out = q.out0 + t;
+      job.rows.push_back(q.row0 + t);
+      job.targets.push_back(target == ignore ? -1 : target);
+      job.out_pos.push_back(out);
+      for (int j = 0; j < job.gather_k; ++j) {
+        const int64_t g = ReadInt(gather->dtype(), gather_data, out * job.gather_k + j);
+        if (g < 0 || g >= V)
+          return Invalid(absl::StrCat("\"gather_indices\": id ", g, " of sequence ", s, " at position ", t, " (entry ",
+                                      j, ") is outside [0, V = ", V, ")"));
+        job.gather_ids.push_back(g);
+      }
+    }
+  }
+  const std::shared_ptr<const InputSource>& source = bytes.source(input);
+  job.segments.push_back({0, source});
+  if (source->rules().every_input_row) ExpandToInputRows(total_rows, &job);
+  return job;
+}
+
+bool ScoreJob::batchable() const {
+  for (const Segment& s : segments)
+    if (!s.source->rules().batchable) return false;
+  return true;
+}
+
+const InputSource* ScoreJob::referenced_source() const {
+  if (segments.size() != 1 || segments.front().source->rules().readable_here) return nullptr;
+  return segments.front().source.get();
+}
+
+absl::Status ScoreJob::ReadStatus() const {
+  for (const Segment& s : segments) LOGPROB_RETURN_IF_ERROR(s.source->status());
+  return absl::OkStatus();
+}
+
+void ExpandToInputRows(int64_t input_rows, ScoreJob* job) {
+  const int64_t n = input_rows;
+  const int k = job->gather_k;
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  std::vector<int64_t> targets(static_cast<size_t>(n), -1), out_pos(static_cast<size_t>(n), -1);
+  std::vector<int64_t> gather_ids(static_cast<size_t>(n) * k, 0);
+  for (int64_t r = 0; r < n; ++r) rows[r] = r;
+  for (int64_t j = 0; j < job->num_rows(); ++j) {
+    const int64_t r = job->rows[j];
+    targets[r] = job->targets[j];
+    out_pos[r] = job->out_pos[j];
+    std::copy_n(job->gather_ids.begin() + j * k, k, gather_ids.begin() + r * k);
+  }
+  job->rows = std::move(rows);
+  job->targets = std::move(targets);
+  job->out_pos = std::move(out_pos);
+  job->gather_ids = std::move(gather_ids);
+}
+
+namespace {
+
+/// The source of row `row` and the first row after its segment.
+std::pair<const InputSource*, int64_t> SourceOf(const ScoreJob& job, int64_t row) {
+  auto it = std::upper_bound(job.segments.begin(), job.segments.end(), row,
+                             [](int64_t r, const ScoreJob::Segment& s) { return r < s.first_row; });
+  const int64_t segment_end = it == job.segments.end() ? job.num_rows() : it->first_row;
+  return {std::prev(it)->source.get(), segment_end};
+}
+
+}  // namespace
+
+bool CopyRows(const ScoreJob& job, int64_t begin, int64_t end, char* out) {
+  bool ok = true;
+  const auto row_bytes = static_cast<int64_t>(job.row_bytes);
+  for (int64_t r = begin; r < end;) {
+    const auto [source, segment_end] = SourceOf(job, r);
+    const int64_t limit = std::min(end, segment_end);
+    int64_t run = 1;
+    while (r + run < limit && job.rows[r + run] == job.rows[r] + run) ++run;
+    ok &= source->Read(job.rows[r] * row_bytes, static_cast<size_t>(run * row_bytes), out);
+    out += run * row_bytes;
+    r += run;
+  }
+  return ok;
+}
+
+bool CopyRowSlice(const ScoreJob& job, int64_t row, size_t offset, size_t n, char* dst) {
+  return SourceOf(job, row).first->Read(
+      job.rows[row] * static_cast<int64_t>(job.row_bytes) + static_cast<int64_t>(offset), n, dst);
+}
+
+}  // namespace logprob

@@ -1,0 +1,164 @@
+// The scoring core: requests, their byte sources, admission, batching and
+// the workers, with no transport types (the gRPC adapter is
+// server/transport/scoring_service.h), so it runs and is tested without a server.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "logprob/v1/logprob.pb.h"
+#include "server/core/admission.h"
+#include "server/core/batcher.h"
+#include "server/inputs/client_regions.h"
+#include "server/inputs/cuda_ipc_inputs.h"
+#include "server/heads/lm_heads.h"
+#include "server/metrics/metrics.h"
+#include "server/pool/payload_pool.h"
+#include "server/core/planner.h"
+#include "server/core/score_job.h"
+
+namespace logprob {
+
+/// Serving configuration reported by GetServerInfo.
+struct ServiceConfig {
+  RequestLimits limits;
+  /// Largest request, bytes: one message (Score, ScoreStream) or the sum
+  /// of a chunked request's parts (ScoreChunked).
+  int64_t max_request_bytes = int64_t{1} << 30;
+  int64_t max_queue_tokens = int64_t{1} << 23;      // admitted, unanswered tokens (backpressure)
+  int64_t max_queue_bytes = int64_t{2} << 30;       // admitted, unanswered request bytes
+  std::chrono::microseconds max_queue_delay{2000};  // dynamic batching (Batcher::Options)
+  int64_t max_batch_tokens = 8192;
+  bool shared_memory = true;  // payloads to same-host workers through POSIX shared memory
+  Parallelism parallelism = Parallelism::kAuto;
+  std::string parallelism_name = "auto";
+  std::string backend = "cpu";
+  std::string comm = "gloo";
+  /// The named lm_heads for hidden-states requests (not owned; outlives
+  /// the core); null or empty: no hidden-states scoring.
+  const LmHeads* lm_heads = nullptr;
+  /// The GEMM operands' name for weights of a dtype ("bf16", "tf32",
+  /// "fp32": --lm-head-precision resolved); may be empty.
+  std::function<std::string(DType)> lm_head_precision;
+  /// lm_head updates are accepted (ServerInfo.lm_head_updates).
+  bool lm_head_updates = false;
+  /// When set and not OK, hidden-states requests fail with its status (a
+  /// replica catching up with its peers: UNAVAILABLE until it holds their
+  /// newest versions; server/transport/lm_head_peer_sync.h). Thread-safe.
+  std::function<absl::Status()> lm_heads_ready;
+  /// The lm_head store's bytes (ServerInfo.lm_head_store_bytes,
+  /// LmHeadStore::Bytes); empty: 0.
+  std::function<int64_t()> lm_head_store_bytes;
+  int64_t hidden_chunk_tokens = 0;
+  /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
+  /// Tensor.shared_memory; server/inputs/client_regions.h): caps and idle expiry.
+  bool shared_memory_inputs = true;
+  ClientRegions::Options shared_memory_regions;
+  /// CUDA IPC inputs (Tensor.cuda_ipc; server/inputs/cuda_ipc_inputs.h): accepted
+  /// when this is set, `backend` is "cuda", the pool's workers run on this
+  /// host and there is one of them or `comm` is "nccl".
+  bool cuda_ipc_inputs = true;
+};
+
+/// What a call brings besides its request, whatever its transport.
+struct CallContext {
+  /// The work stops (DEADLINE_EXCEEDED) at this time.
+  std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
+  /// True once the caller has gone (CANCELLED). May be empty. Called only
+  /// while the Score call that got it is in progress.
+  std::function<bool()> cancelled;
+  /// The caller's shared-memory session (server/transport/shm_session.h), asked only
+  /// when a tensor references shared memory. Empty: the call has none.
+  std::function<absl::StatusOr<std::string>()> session;
+  /// The caller's address as gRPC writes it ("ipv4:127.0.0.1:5000"); ""
+  /// when unknown (CUDA IPC inputs need a local peer).
+  std::string peer;
+  /// The request's bytes as they arrived, reserved before its body was read
+  /// (the unary Score's announced or largest size, ScoreChunked's announced
+  /// total; null: none). The core admits the request into this ticket, so
+  /// its bytes count once, from before they arrive until it is answered.
+  Admission::Ticket* received = nullptr;
+};
+
+/// What one request's log line reports besides its status.
+struct RequestStats {
+  int64_t rows = 0;            // token positions scored
+  double queue_seconds = 0;    // waiting to be batched
+  int batch_requests = 0;      // requests in its worker batch
+  double receive_seconds = 0;  // ScoreChunked: first part to the last piece
+};
+
+/// The workers a core drives: how many, whether they share this host
+/// (shared-memory payloads, CUDA IPC inputs) and how a plan runs on them
+/// (WorkerPool::Run in the server; an in-process runner in tests).
+struct CoreWorkers {
+  int size = 1;
+  bool same_host = true;
+  Batcher::Runner run;
+};
+
+/// Validates, admits, batches and answers scoring requests. Thread-safe.
+/// Errors: INVALID_ARGUMENT / FAILED_PRECONDITION / NOT_FOUND from input
+/// resolution and validation (ResolveInputs, BuildScoreJob),
+/// RESOURCE_EXHAUSTED (max_request_bytes, admission), DEADLINE_EXCEEDED /
+/// CANCELLED (the call's bounds), UNAVAILABLE when a worker fails.
+class ScoringCore {
+ public:
+  ScoringCore(CoreWorkers workers, ServiceConfig config, Metrics* metrics);
+
+  /// Resolves one tensor of a call that is not a ScoreRequest (the rows of
+  /// an lm_head update) into its source, as ResolveInputs does for a
+  /// request's: inline bytes, shared memory, or a CUDA IPC reference
+  /// (ResolveCudaIpc, offered under the same conditions as for scoring
+  /// inputs: FAILED_PRECONDITION, reason CUDA_IPC_UNAVAILABLE, otherwise).
+  /// `what` names the field in errors.
+  absl::StatusOr<RequestInputs> ResolveTensor(const v1::Tensor& tensor, const std::string& what,
+                                              const CallContext& call);
+
+  /// Scores one request: resolve its inputs, validate, admit, batch
+  /// (server/core/batcher.h), answer. Fills *stats if given. The request's
+  /// bytes must stay valid until the call returns, and no longer.
+  absl::StatusOr<v1::ScoreResponse> Score(const v1::ScoreRequest& req, const CallContext& call,
+                                          RequestStats* stats = nullptr);
+
+  /// The serving configuration (GetServerInfo).
+  v1::ServerInfo Info() const;
+
+  /// Shared-memory regions of session `session` (ClientRegions' errors);
+  /// FAILED_PRECONDITION when shared-memory inputs are off. A registered
+  /// region is usable once confirmed (the proof of write access).
+  absl::StatusOr<v1::RegisterSharedMemoryResponse> RegisterSharedMemory(const std::string& session,
+                                                                        const v1::RegisterSharedMemoryRequest& req);
+  absl::Status ConfirmSharedMemory(const std::string& session, const std::string& name);
+  absl::StatusOr<int> UnregisterSharedMemory(const std::string& session, const std::string& name);
+  absl::StatusOr<std::vector<ClientRegions::Listed>> ListSharedMemory(const std::string& session);
+  /// OK when shared-memory inputs are on, else FAILED_PRECONDITION saying so.
+  absl::Status SharedMemoryEnabled() const;
+
+  /// Admitted, unanswered work (ScoreChunked holds its announced bytes
+  /// here while the pieces arrive).
+  Admission& admission() { return admission_; }
+  const ServiceConfig& config() const { return config_; }
+  /// Idle payload regions kept for reuse, bytes.
+  int64_t payload_idle_bytes() const { return payload_pool_.idle_bytes(); }
+
+ private:
+  const ServiceConfig config_;
+  const int workers_;
+  Metrics* const metrics_;
+  Admission admission_;
+  PayloadPool payload_pool_;
+  Batcher batcher_;
+  std::unique_ptr<ClientRegions> regions_;  // null: shared-memory inputs off
+  std::string host_id_;
+  CudaIpcAvailability cuda_ipc_;
+  std::atomic<uint64_t> next_job_id_{1};
+};
+
+}  // namespace logprob
