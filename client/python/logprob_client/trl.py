@@ -243,6 +243,31 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+# The function of TRL's fused forward (``add_fused_lm_head``) that calls
+# ``_ChunkedLogProbFunction.apply``, and its local holding the lm_head module.
+_FUSED_FORWARD = "_fused_forward"
+_FUSED_FORWARD_HEAD = "lm_head"
+
+
+def _gathering_lm_head(depth: int = 8) -> Any:
+    """The ``lm_head`` module of TRL's fused forward on the call stack when
+    its weight is a DTensor (FSDP2: TRL passes ``weight.full_tensor()``,
+    a new tensor each call, so the weight itself names no model); None
+    otherwise. Looks ``depth`` frames up, no further."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == _FUSED_FORWARD:
+            lm_head = frame.f_locals.get(_FUSED_FORWARD_HEAD)
+            weight = getattr(lm_head, "weight", None)
+            return lm_head if weight is not None and fused_head.is_dtensor(weight) else None
+        frame = frame.f_back
+    return None
+
+
 class ServiceLogProbs:
     """The adapter ``use_service`` returns (one per trainer).
 
@@ -312,11 +337,23 @@ class ServiceLogProbs:
         return None if ref is None else _unwrap(self.trainer, ref)
 
     def _head_of(self, weight: Any) -> Optional[str]:
-        """The server head of a call's weight, or None (not a model of this trainer)."""
-        if _same(weight, _head_weight(self._policy_model())):
-            return self.policy_head
+        """The server head of a call's weight, or None (not a model of this
+        trainer): the model whose ``lm_head.weight`` the call's weight is,
+        or, for a DTensor head (FSDP2), which TRL gathers into a new tensor
+        at each call, the model whose ``lm_head`` TRL's fused forward is
+        projecting through."""
+        policy = self._policy_model()
         ref = self._reference_model()
+        if _same(weight, _head_weight(policy)):
+            return self.policy_head
         if ref is not None and _same(weight, _head_weight(ref)):
+            return self.reference_head
+        lm_head = _gathering_lm_head()
+        if lm_head is None:
+            return None
+        if lm_head is policy.get_output_embeddings():
+            return self.policy_head
+        if ref is not None and lm_head is ref.get_output_embeddings():
             return self.reference_head
         return None
 
@@ -527,10 +564,6 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     if getattr(args, "sync_ref_model", False):
         raise ValueError("use_service does not support sync_ref_model=True: the reference head on the server "
                          "would not follow the reference model")
-    acc = getattr(trainer, "accelerator", None)
-    if acc is not None and int(getattr(acc, "num_processes", 1)) > 1:
-        raise ValueError("use_service supports one training process for now (%d here): every process would "
-                         "score policy versions only the first one pushes" % int(acc.num_processes))
     adapter = ServiceLogProbs(trainer, client, policy_head, reference_head, on_unsupported, version_format, run)
     # The heads exist and have the models' shapes: fail now, not at step 1.
     fused_head.check_shape(fused_head.head_info(client, policy_head, refresh=True),

@@ -1,0 +1,58 @@
+"""One rank of a 2-process GRPO job (``torchrun --nproc_per_node 2``, gloo,
+CPU), run by test_trl_ranks.GrpoDdpTest: GRPO (test_trl.run_grpo: 3
+steps, num_iterations 2, beta 0.1) with the service, then the same
+without it; writes ``OUT/rank<R>.json``: each run's logged loss and KL,
+the routed calls (head, version, tokens), pushes, run id, and the
+no-gradient calls that reached TRL's kernel.
+
+Usage: trl_ranks.py MODEL_DIR OUT_DIR SERVER_ADDRESS [ddp|fsdp2]
+
+``fsdp2``: accelerate's FSDP2 (``fully_shard`` over gloo) with every
+``Linear`` its own unit, so that the ``lm_head`` weight TRL's fused forward
+reads is a ``Shard(0)`` DTensor (TRL gathers it per call; its own forward,
+which would unshard it, never runs).
+"""
+
+import json
+import os
+import sys
+
+from logprob_client import LogprobClient
+
+import test_trl
+
+
+FSDP2 = {"fsdp": "full_shard auto_wrap",
+         "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer", "Linear"],
+                         "reshard_after_forward": True}}
+
+
+def summary(trainer, log, adapter):
+    return {
+        "steps": [{"loss": h["loss"], "kl": h["kl"]} for h in test_trl.step_logs(trainer)],
+        "no_grad_in_trl": sum(1 for r in log.records if r["no_grad"] and r["reached_trl"]),
+        "no_grad": sum(1 for r in log.records if r["no_grad"]),
+        "calls": [] if adapter is None else [[c.head, c.version, c.tokens] for c in adapter.calls],
+        "routed": {} if adapter is None else dict(adapter.routed),
+        "pushes": None if adapter is None else adapter.pushes,
+        "run": None if adapter is None else adapter.run,
+        "policy_version": None if adapter is None else adapter.policy_version,
+    }
+
+
+def main():
+    model_dir, out_dir, address = sys.argv[1:4]
+    mode = sys.argv[4] if len(sys.argv) > 4 else "ddp"
+    config = FSDP2 if mode == "fsdp2" else {}
+    rank = int(os.environ["RANK"])
+    with LogprobClient(address, timeout=120) as client:
+        service = test_trl.run_grpo(model_dir, os.path.join(out_dir, "service"), False, client, config=config)
+    plain = test_trl.run_grpo(model_dir, os.path.join(out_dir, "plain"), True, config=config)
+    out = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "service": summary(*service[:3]),
+           "plain": summary(*plain[:3])}
+    with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()
