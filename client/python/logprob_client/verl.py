@@ -147,15 +147,19 @@ class VerlService:
         self.heads.append((weight, head))
 
     def push(self, weight: Any, step: int, head: Optional[str] = None) -> str:
-        """Pushes ``weight`` ([V, H]; CPU or CUDA) as version
+        """Pushes ``weight`` ([V, H]; CPU or CUDA; a ``Shard(0)`` DTensor of
+        FSDP2; a DeepSpeed ZeRO-3 parameter) as version
         ``version_format.format(run=run, step=step)`` of ``head`` (the
-        policy head by default, whose calls it then pins to it), with its
-        sha256: a repeat, or another rank's push of the same step, is a
-        no-op without upload. Returns the version. Raises LogprobError
-        (ALREADY_EXISTS: that name holds other weights)."""
+        policy head by default, whose calls it then pins to it) and returns
+        the version. Under ``torch.distributed`` a collective: every rank
+        calls it; rank 0 pushes a whole weight, with its sha256 (a repeat is
+        a no-op without upload), every rank its own rows of a DTensor, and
+        every rank is pinned to the version committed
+        (``fused_head.push_weight``). Raises LogprobError (ALREADY_EXISTS:
+        that name holds other weights)."""
         if head is None or head == self.policy_head:
             return self.policy.push(_weight_of(weight), step)
-        return fused_head.push_head(self.client, head, _weight_of(weight), self.policy.name(step))
+        return fused_head.push_weight(self.client, head, _weight_of(weight), self.policy.name(step))
 
     def pushing_after(self, method: Callable[..., Any], weight_of: Callable[[Any], Any]) -> Callable[..., Any]:
         """Wraps a worker's weight-sync method (sync or async, called as

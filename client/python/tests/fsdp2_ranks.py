@@ -9,9 +9,11 @@ it reads of a trainer (``ShardedTrainer``).
 Two policy versions (step 0; step 1 after an SGD step through TRL's kernel
 with gradients), each scored by a no-gradient call of the policy and one
 of the reference model; every answer is checked against float64 on the
-call's inputs. Writes ``OUT/rank<R>.json``: the routed calls, pushes, run
-id, the checks' outcomes, and (rank 0) the sha256 of the whole policy
-weight at each step.
+call's inputs. Then logprob_client.verl's ``push`` of the trained
+``Shard(0)`` weight (a seam module of its own: no verl needed). Writes
+``OUT/rank<R>.json``: the routed calls, pushes, run id, the checks'
+outcomes, and (rank 0) the sha256 of the whole policy weight at each push
+and the server's sha256 of the head's version then.
 
 Usage: fsdp2_ranks.py OUT_DIR SERVER_ADDRESS
 """
@@ -30,7 +32,9 @@ from trl.trainer.utils import add_fused_lm_head
 
 from logprob_client import LogprobClient, fused_head
 from logprob_client.trl import use_service
+from logprob_client.verl import use_service as use_verl_service
 from reference import fused_head_reference, within_spec
+from support import hashed_head
 import tiny_models
 
 OUTPUTS = ("log_probs", "entropy")
@@ -84,7 +88,15 @@ def main():
     trainer = ShardedTrainer(policy, ref)
     ids = torch.randint(3, tiny_models.VOCAB, (2, 12), generator=torch.Generator().manual_seed(10 + rank))
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
-    result = {"rank": rank, "local_rows": int(head.to_local().shape[0]), "checks": [], "sha256": []}
+    result = {"rank": rank, "local_rows": int(head.to_local().shape[0]), "checks": [], "sha256": [],
+              "server_sha256": []}
+
+    def hashes():
+        whole = policy.lm_head.weight.full_tensor()  # a collective: on every rank
+        if rank == 0:
+            result["sha256"].append(fused_head.weight_sha256(whole, torch.float32))
+            result["server_sha256"].append(hashed_head(client, "policy").sha256)
+
     with LogprobClient(address, timeout=120) as client:
         adapter = use_service(trainer, client)
         for step in range(2):
@@ -92,9 +104,7 @@ def main():
             with torch.no_grad():
                 for model in (policy, ref):
                     result["checks"].append(check(model, ids, model(input_ids=ids, labels=ids, fused_lm_head=True)))
-            whole = policy.lm_head.weight.full_tensor()
-            if rank == 0:
-                result["sha256"].append(fused_head.weight_sha256(whole, torch.float32))
+            hashes()
             # A training step through TRL's kernel (with gradients: not routed).
             loss = -policy(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.mean()
             loss.backward()
@@ -106,6 +116,13 @@ def main():
                       pushes=adapter.pushes, run=adapter.run, reference_version=adapter.reference_version,
                       fallbacks=adapter.fallbacks)
         adapter.remove()
+        # verl's service: the trained weight, pushed by its shards.
+        seam = types.SimpleNamespace(FusedLinearForPPO=type("FusedLinearForPPO", (), {}))
+        verl = use_verl_service(client, module=seam)
+        verl.add_head(policy.lm_head, "policy")
+        result["verl"] = {"run": verl.run, "version": verl.push(policy.lm_head.weight, step=7),
+                          "pushes": verl.pushes}
+        hashes()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

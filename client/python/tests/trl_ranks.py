@@ -5,12 +5,7 @@ without it; writes ``OUT/rank<R>.json``: each run's logged loss and KL,
 the routed calls (head, version, tokens), pushes, run id, and the
 no-gradient calls that reached TRL's kernel.
 
-Usage: trl_ranks.py MODEL_DIR OUT_DIR SERVER_ADDRESS [ddp|fsdp2]
-
-``fsdp2``: accelerate's FSDP2 (``fully_shard`` over gloo) with every
-``Linear`` its own unit, so that the ``lm_head`` weight TRL's fused forward
-reads is a ``Shard(0)`` DTensor (TRL gathers it per call; its own forward,
-which would unshard it, never runs).
+Usage: trl_ranks.py OUT_DIR MODEL_DIR SERVER_ADDRESS
 """
 
 import json
@@ -20,11 +15,6 @@ import sys
 from logprob_client import LogprobClient
 
 import test_trl
-
-
-FSDP2 = {"fsdp": "full_shard auto_wrap",
-         "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer", "Linear"],
-                         "reshard_after_forward": True}}
 
 
 def summary(trainer, log, adapter):
@@ -41,13 +31,11 @@ def summary(trainer, log, adapter):
 
 
 def main():
-    model_dir, out_dir, address = sys.argv[1:4]
-    mode = sys.argv[4] if len(sys.argv) > 4 else "ddp"
-    config = FSDP2 if mode == "fsdp2" else {}
+    out_dir, model_dir, address = sys.argv[1:4]
     rank = int(os.environ["RANK"])
     with LogprobClient(address, timeout=120) as client:
-        service = test_trl.run_grpo(model_dir, os.path.join(out_dir, "service"), False, client, config=config)
-    plain = test_trl.run_grpo(model_dir, os.path.join(out_dir, "plain"), True, config=config)
+        service = test_trl.run_grpo(model_dir, os.path.join(out_dir, "service"), False, client)
+    plain = test_trl.run_grpo(model_dir, os.path.join(out_dir, "plain"), True)
     out = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "service": summary(*service[:3]),
            "plain": summary(*plain[:3])}
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
