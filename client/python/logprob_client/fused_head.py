@@ -30,7 +30,7 @@ import math
 import re
 import secrets
 import threading
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -239,7 +239,7 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
         return fn()
     import torch.distributed as dist
 
-    box = [_attempt(fn) if dist.get_rank() == 0 else None]
+    box: List[Any] = [_attempt(fn) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return _value(box[0])
 

@@ -63,17 +63,27 @@ this client or server lacks) raises ``HeadMismatchError``
 one-time warning (``on_unsupported="fallback"``). Errors of the service
 itself (``LogprobError``) are raised, never hidden by a fallback.
 
-Not supported (refused by ``use_service`` with a message): several
-training processes (only one pushes; the others would score versions they
-cannot see committed), ``sync_ref_model=True`` (the reference head would go
-stale). Sharded weights (FSDP DTensors gathered per call) are not
-recognised as the policy's and stay in TRL's kernel.
+Several training processes (``accelerate launch`` / ``torchrun``: DDP,
+FSDP2, DeepSpeed ZeRO-3): call ``use_service`` on every rank (a collective:
+rank 0's run id is broadcast, rank 0 loads the reference head). Every
+rank's no-gradient calls go to the service; the policy's push before the
+first such call after a step is a collective too
+(``fused_head.push_weight``): rank 0 pushes a whole weight (DDP; a ZeRO-3
+parameter, which TRL has gathered for the call), every rank its own rows
+of a ``Shard(0)`` DTensor (FSDP2), and every rank pins its calls to the
+version committed, which it gets from rank 0 by a broadcast. A DTensor
+head, which TRL gathers into a new tensor per call, is recognised by the
+``lm_head`` module of TRL's fused forward on the call stack.
+
+Not supported (refused by ``use_service`` with a message):
+``sync_ref_model=True`` (the reference head would go stale).
 """
 
 import collections
 import logging
 import threading
 import warnings
+from types import FrameType
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from . import fused_head
@@ -256,7 +266,7 @@ def _gathering_lm_head(depth: int = 8) -> Any:
     otherwise. Looks ``depth`` frames up, no further."""
     import sys
 
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return None
@@ -551,7 +561,9 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
 
     Pushes the reference head now when needed; the policy's before the
     first no-gradient policy call after each optimizer step (never when
-    no call scores it). Logs one line saying so (logger
+    no call scores it). Under ``torch.distributed`` call it on every rank
+    at the same point: it and the policy's pushes are collectives of the
+    default group (module docstring). Logs one line saying so (logger
     ``logprob_client.trl``, INFO). Returns the ``ServiceLogProbs`` adapter
     (counters, ``remove()``).
     Raises RuntimeError for an unsupported TRL, ValueError for a setup it

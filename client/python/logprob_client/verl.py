@@ -29,9 +29,16 @@ verl's own code (the same ``FusedLinearForPPO``, any backend)::
 (``version_format``; ``run``: a random id made at ``use_service``, rank
 0's on every rank when ``torch.distributed`` is initialized, so that every
 data-parallel rank names a step alike), with its sha256, and pins the
-policy's calls to it. Ranks pushing the same step at once upload it once:
-the server has the others wait for that update and answer them
-``already_committed``; a repeated push is a no-op without upload.
+policy's calls to it. Under ``torch.distributed`` it is a collective of
+the default group (``fused_head.push_weight``): rank 0 pushes a whole
+weight, every rank its own rows of a ``Shard(0)`` DTensor (FSDP2; give
+the parameter itself, not a gathered copy), a DeepSpeed ZeRO-3 parameter
+is gathered with ``deepspeed.zero.GatheredParameters``, and every rank
+gets the committed version from rank 0. Processes of different jobs (or
+without ``torch.distributed``) pushing the same step at once upload it
+once: the server has the others wait for that update and answer them
+``already_committed``; a repeated push of a whole weight is a no-op
+without upload.
 ``pushing_after(method, weight_of)`` wraps
 a worker's weight-sync method (verl 0.9's async
 ``ActorRolloutRefWorker.update_weights(self, global_steps=None, ...)``) so
