@@ -71,7 +71,9 @@ first such call after a step is a collective too
 (``fused_head.push_weight``): rank 0 pushes a whole weight (DDP; a ZeRO-3
 parameter, which TRL has gathered for the call), every rank its own rows
 of a ``Shard(0)`` DTensor (FSDP2), and every rank pins its calls to the
-version committed, which it gets from rank 0 by a broadcast. A DTensor
+version committed, which it gets from rank 0 by a broadcast (so every
+rank must make its first no-gradient policy call after a step, as TRL's
+trainers do: their ranks run the same steps). A DTensor
 head, which TRL gathers into a new tensor per call, is recognised by the
 ``lm_head`` module of TRL's fused forward on the call stack.
 
@@ -414,8 +416,11 @@ class ServiceLogProbs:
         else:
             policy = ("the policy's: none expected (%s), so the policy is not pushed (should one come, it is "
                       "pushed first, to head %r)" % (self.policy_scored_why, self.policy_head))
+        world = fused_head.world_size()
+        ranks = ("; %d processes: each push is a collective, every rank scores on the version rank 0 reports"
+                 % world if world > 1 else "")
         return ("%s's fused lm_head calls without gradients go to the logprob service: %s; "
-                "%s; calls with gradients stay in TRL's kernel" % (trainer, ref, policy))
+                "%s; calls with gradients stay in TRL's kernel%s" % (trainer, ref, policy, ranks))
 
     # -- routing ------------------------------------------------------------
 

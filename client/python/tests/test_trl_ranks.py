@@ -112,6 +112,8 @@ class GrpoDdpTest(unittest.TestCase):
             self.assertEqual((s["no_grad"], s["no_grad_in_trl"]), (4, 0), "rank %d" % r["rank"])
             self.assertEqual((p["no_grad"], p["no_grad_in_trl"]), (4, 4), "rank %d" % r["rank"])
             self.assertEqual(s["routed"], {"policy": 2, "reference": 2})
+            self.assertEqual(len(r["logged"]), 1, r["logged"])
+            self.assertIn("2 processes: each push is a collective", r["logged"][0])
 
     def test_every_rank_scores_on_the_versions_rank_0_pushed(self):
         runs = {r["service"]["run"] for r in self.ranks}

@@ -9,12 +9,24 @@ Usage: trl_ranks.py OUT_DIR MODEL_DIR SERVER_ADDRESS
 """
 
 import json
+import logging
 import os
 import sys
 
 from logprob_client import LogprobClient
 
 import test_trl
+
+
+class Lines(logging.Handler):
+    """Keeps the messages logged."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def summary(trainer, log, adapter):
@@ -33,10 +45,13 @@ def summary(trainer, log, adapter):
 def main():
     out_dir, model_dir, address = sys.argv[1:4]
     rank = int(os.environ["RANK"])
+    lines = Lines()
+    logging.getLogger("logprob_client.trl").addHandler(lines)
+    logging.getLogger("logprob_client.trl").setLevel(logging.INFO)
     with LogprobClient(address, timeout=120) as client:
         service = test_trl.run_grpo(model_dir, os.path.join(out_dir, "service"), False, client)
     plain = test_trl.run_grpo(model_dir, os.path.join(out_dir, "plain"), True)
-    out = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "service": summary(*service[:3]),
+    out = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "logged": lines.messages, "service": summary(*service[:3]),
            "plain": summary(*plain[:3])}
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(out, f)
