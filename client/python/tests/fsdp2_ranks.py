@@ -10,7 +10,8 @@ Two policy versions (step 0; step 1 after an SGD step through TRL's kernel
 with gradients), each scored by a no-gradient call of the policy and one
 of the reference model; every answer is checked against float64 on the
 call's inputs. Then logprob_client.verl's ``push`` of the trained
-``Shard(0)`` weight (a seam module of its own: no verl needed). Writes
+``Shard(0)`` weight (a seam module of its own: no verl needed), and of
+other bytes under that name (rank 0's error, raised on every rank). Writes
 ``OUT/rank<R>.json``: the routed calls, pushes, run id, the checks'
 outcomes, and (rank 0) the sha256 of the whole policy weight at each push
 and the server's sha256 of the head's version then.
@@ -30,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from trl.trainer.utils import add_fused_lm_head
 
-from logprob_client import LogprobClient, fused_head
+from logprob_client import LogprobClient, LogprobError, fused_head
 from logprob_client.trl import use_service
 from logprob_client.verl import use_service as use_verl_service
 from reference import fused_head_reference, within_spec
@@ -122,6 +123,11 @@ def main():
         verl.add_head(policy.lm_head, "policy")
         result["verl"] = {"run": verl.run, "version": verl.push(policy.lm_head.weight, step=7),
                           "pushes": verl.pushes}
+        # Other bytes under that name: rank 0's push fails, every rank raises its error.
+        try:
+            verl.push(torch.zeros(tiny_models.VOCAB, tiny_models.HIDDEN), step=7)
+        except LogprobError as e:
+            result["verl"]["error"] = [e.code.name, e.message]
         hashes()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(result, f)

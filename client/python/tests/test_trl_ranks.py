@@ -178,6 +178,10 @@ class Fsdp2HeadTest(unittest.TestCase):
         verl = self.ranks[0]["verl"]
         self.assertEqual(self.ranks[1]["verl"], verl)
         self.assertEqual(verl["version"], verl["run"] + "-step-7")
+        self.assertEqual(verl["pushes"], 1)
+        # Other bytes under a taken name: ALREADY_EXISTS on both ranks (rank 0's, broadcast).
+        self.assertEqual(verl["error"][0], "ALREADY_EXISTS")
+        self.assertIn("{run}", verl["error"][1])
         m = self.server.metric
         self.assertEqual(m("logprob_lm_head_updates_total", head="policy", outcome="committed"), 3)
         self.assertEqual(m("logprob_lm_head_update_bytes_total", head="policy"), 3 * HEAD_BYTES)
