@@ -11,7 +11,10 @@ with gradients), each scored by a no-gradient call of the policy and one
 of the reference model; every answer is checked against float64 on the
 call's inputs. Then logprob_client.verl's ``push`` of the trained
 ``Shard(0)`` weight (a seam module of its own: no verl needed), and of
-other bytes under that name (rank 0's error, raised on every rank). Writes
+other bytes under that name (rank 0's error, raised on every rank).
+Last a model whose ``lm_head`` is in the root's unit (FSDP2 unshards it
+for the forward: TRL's call gets the whole parameter, which rank 0
+pushes). Writes
 ``OUT/rank<R>.json``: the routed calls, pushes, run id, the checks'
 outcomes, and (rank 0) the sha256 of the whole policy weight at each push
 and the server's sha256 of the head's version then.
@@ -58,11 +61,13 @@ class ShardedTrainer:
         self.callbacks.remove(callback)
 
 
-def sharded_model(seed, mesh):
+def sharded_model(seed, mesh, head_unit=True):
+    """The tiny Qwen2 model with TRL's fused head, its decoder layers (and,
+    with ``head_unit``, every Linear) ``fully_shard`` units, then the root."""
     model = tiny_models.make_model("qwen2", seed)
     add_fused_lm_head(model, outputs=OUTPUTS)
     for module in reversed(list(model.modules())):  # children before their parents
-        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Qwen2DecoderLayer":
+        if (head_unit and isinstance(module, torch.nn.Linear)) or type(module).__name__ == "Qwen2DecoderLayer":
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -129,6 +134,18 @@ def main():
         except LogprobError as e:
             result["verl"]["error"] = [e.code.name, e.message]
         hashes()
+        # The lm_head in the root's unit: unsharded by FSDP2 for the forward,
+        # so TRL's call gets the whole parameter; rank 0 pushes it.
+        root = sharded_model(2, mesh, head_unit=False)
+        adapter = use_service(ShardedTrainer(root, None), client)
+        with torch.no_grad():
+            root(input_ids=ids, labels=ids, fused_lm_head=True)
+        result["root_head"] = {"calls": [[c.head, c.version] for c in adapter.calls], "pushes": adapter.pushes,
+                               "run": adapter.run}
+        if rank == 0:  # its weight: the model's as made (seeded), untrained
+            result["sha256"].append(fused_head.weight_sha256(tiny_models.make_model("qwen2", 2).lm_head.weight))
+            result["server_sha256"].append(hashed_head(client, "policy").sha256)
+        adapter.remove()
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

@@ -15,7 +15,8 @@ the test environment).
   per call (``fsdp2_ranks.py``): the calls recognised and routed, answers
   within spec of float64, every rank putting its own rows (two puts per
   version), the server's sha256 of each version the whole weight's; then
-  logprob_client.verl pushing the trained DTensor the same way.
+  logprob_client.verl pushing the trained DTensor the same way; a head in
+  the root's unit (whole during the forward) pushed by rank 0.
 - ``Zero3Test``: a ZeRO-3 parameter (``ds_id``, ``ds_status``,
   ``ds_shape``) is pushed as is once gathered, gathered with
   ``deepspeed.zero.GatheredParameters`` when it is not (a stand-in
@@ -182,20 +183,25 @@ class Fsdp2HeadTest(unittest.TestCase):
         # Other bytes under a taken name: ALREADY_EXISTS on both ranks (rank 0's, broadcast).
         self.assertEqual(verl["error"][0], "ALREADY_EXISTS")
         self.assertIn("{run}", verl["error"][1])
+        # The head in the root's unit: whole in TRL's call, pushed by rank 0.
+        root = self.ranks[0]["root_head"]
+        self.assertEqual(self.ranks[1]["root_head"], root)
+        self.assertEqual((root["calls"], root["pushes"]), ([["policy", root["run"] + "-step-0"]], 1))
         m = self.server.metric
-        self.assertEqual(m("logprob_lm_head_updates_total", head="policy", outcome="committed"), 3)
-        self.assertEqual(m("logprob_lm_head_update_bytes_total", head="policy"), 3 * HEAD_BYTES)
+        self.assertEqual(m("logprob_lm_head_updates_total", head="policy", outcome="committed"), 4)
+        self.assertEqual(m("logprob_lm_head_update_bytes_total", head="policy"), 4 * HEAD_BYTES)
         self.assertEqual(m("logprob_lm_head_updates_total", head="reference", outcome="committed"), 1)
-        # Each policy version: one Begin, a put from every rank; the reference: one of each.
-        self.assertEqual(requests(self.server, "BeginLmHeadUpdate"), 3 + 1)
-        self.assertEqual(requests(self.server, "PutLmHeadRows"), 3 * RANKS + 1)
+        # Each sharded policy version: one Begin, a put from every rank; the
+        # reference and the root unit's head: one of each (rank 0's).
+        self.assertEqual(requests(self.server, "BeginLmHeadUpdate"), 3 + 1 + 1)
+        self.assertEqual(requests(self.server, "PutLmHeadRows"), 3 * RANKS + 1 + 1)
         head = fused_head.head_info(self.client, "policy", refresh=True)
-        self.assertEqual(list(head.retained_versions), [verl["version"], run + "-step-1", run + "-step-0"])
+        self.assertEqual(list(head.retained_versions), [root["run"] + "-step-0", verl["version"], run + "-step-1"])
 
     def test_server_sha256_is_the_whole_weights(self):
         r = self.ranks[0]
-        self.assertEqual(len(r["sha256"]), 3)
-        self.assertEqual(len(set(r["sha256"])), 3)  # three different weights
+        self.assertEqual(len(r["sha256"]), 4)
+        self.assertEqual(len(set(r["sha256"])), 4)  # four different weights
         self.assertEqual(r["server_sha256"], r["sha256"])
         self.assertEqual(hashed_head(self.client, "policy").sha256, r["sha256"][-1])
 
