@@ -64,12 +64,12 @@ TOL = 1e-5
 TOL_TIED = 1e-4
 
 
-def grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations=2, learning_rate=0.05, **more):
+def grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations=2, learning_rate=0.05):
     return GRPOConfig(
         output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, beta=0.1, num_iterations=num_iterations, learning_rate=learning_rate, bf16=False,
         use_cpu=True, cast_lm_head_to_fp32=cast_lm_head_to_fp32, logging_steps=1, report_to=[], seed=0,
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, **more)
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
 
 
 def _no_grad(args):
@@ -158,16 +158,15 @@ class VersionLog(TrainerCallback):
 
 
 def run_grpo(model_dir, out_dir, cast_lm_head_to_fp32, client=None, num_iterations=2, learning_rate=0.05,
-             config=None, **service_kwargs):
-    """One GRPO run of STEPS steps (``config``: more GRPOConfig fields);
-    returns (trainer, CallLog, adapter or None, VersionLog or None)."""
+             **service_kwargs):
+    """One GRPO run of STEPS steps; returns (trainer, CallLog, adapter or
+    None, VersionLog or None)."""
     tok = tiny_models.tokenizer()
     data = Dataset.from_dict({"prompt": tiny_models.prompts()})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(model=model_dir, reward_funcs=tiny_models.reward,
-                              args=grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations, learning_rate,
-                                             **(config or {})),
+                              args=grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations, learning_rate),
                               train_dataset=data, processing_class=tok)
     log = CallLog(trainer)
     log.install_inner()

@@ -36,6 +36,7 @@ import types
 import unittest
 
 from support import Server, free_port, hashed_head, temp_dir
+from test_trl import TOL  # the untied Qwen2 model's tolerance
 import tiny_models
 
 import torch  # noqa: E402  (the TRL environment's)
@@ -45,7 +46,6 @@ from logprob_client.verl import use_service as use_verl_service  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANKS = 2
-TOL = 1e-5  # test_trl.TOL: the untied Qwen2 model
 HEAD_BYTES = tiny_models.VOCAB * tiny_models.HIDDEN * 4  # an f32 head
 
 

@@ -2,8 +2,9 @@
 CPU), run by test_trl_ranks.GrpoDdpTest: GRPO (test_trl.run_grpo: 3
 steps, num_iterations 2, beta 0.1) with the service, then the same
 without it; writes ``OUT/rank<R>.json``: each run's logged loss and KL,
-the routed calls (head, version, tokens), pushes, run id, and the
-no-gradient calls that reached TRL's kernel.
+the routed calls (head, version, tokens), pushes, run id, the
+no-gradient calls that reached TRL's kernel, and the line use_service
+logged.
 
 Usage: trl_ranks.py OUT_DIR MODEL_DIR SERVER_ADDRESS
 """
@@ -51,8 +52,8 @@ def main():
     with LogprobClient(address, timeout=120) as client:
         service = test_trl.run_grpo(model_dir, os.path.join(out_dir, "service"), False, client)
     plain = test_trl.run_grpo(model_dir, os.path.join(out_dir, "plain"), True)
-    out = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "logged": lines.messages, "service": summary(*service[:3]),
-           "plain": summary(*plain[:3])}
+    out = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "logged": lines.messages,
+           "service": summary(*service[:3]), "plain": summary(*plain[:3])}
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(out, f)
 
