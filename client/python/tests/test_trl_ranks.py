@@ -39,10 +39,10 @@ from support import Server, free_port, hashed_head, temp_dir
 from test_trl import TOL  # the untied Qwen2 model's tolerance
 import tiny_models
 
-import torch  # noqa: E402  (the TRL environment's)
+import torch  # the TRL environment's
 
-from logprob_client import LogprobClient, fused_head  # noqa: E402
-from logprob_client.verl import use_service as use_verl_service  # noqa: E402
+from logprob_client import LogprobClient, fused_head
+from logprob_client.verl import use_service as use_verl_service
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANKS = 2
