@@ -32,6 +32,15 @@ Run it in the TRL environment (``bash scripts/setup-trl.sh``):
 
     PYTHONPATH=client/python:build/python .venv-trl/bin/python examples/trl_grpo.py
 
+or in several processes (DDP; gloo on the CPU), against a running server:
+
+    PYTHONPATH=client/python:build/python .venv-trl/bin/torchrun --nproc_per_node 2 examples/trl_grpo.py \
+        --server 127.0.0.1:50051
+
+(every rank's no-gradient calls go to the service; rank 0 pushes the
+policy and every rank scores on the version it committed; each rank
+prints its own lines, prefixed ``[rank R]``).
+
 Exit status 0 when training ran and the service answered exactly the
 no-gradient calls, 1 otherwise.
 """
@@ -113,7 +122,12 @@ def main():
     ap.add_argument("--max-steps", type=int, default=3)
     ap.add_argument("--num-iterations", type=int, default=2)
     a = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not a.server:
+        ap.error("%d processes (torchrun / accelerate launch): give --server HOST:PORT, one server for all of "
+                 "them (each would start its own)" % world)
+    rank = "[rank %s] " % os.environ.get("RANK", "0") if world > 1 else ""
+    logging.basicConfig(level=logging.WARNING, format=rank + "%(name)s: %(message)s")
     logging.getLogger("logprob_client.trl").setLevel(logging.INFO)  # its line: what goes to the service
     work = tempfile.mkdtemp(prefix="trl_grpo_")
     model = a.model
@@ -146,9 +160,9 @@ def main():
             service.remove()
             for log in trainer.state.log_history:
                 if "kl" in log:
-                    print("step %d: loss %.6f, kl %.6f" % (log["step"], log["loss"], log["kl"]))
-            print("answered by the service: %s; policy pushes: %d (version now %s); left to TRL's kernel: the "
-                  "calls with gradients" % (dict(service.routed), service.pushes, service.policy_version))
+                    print("%sstep %d: loss %.6f, kl %.6f" % (rank, log["step"], log["loss"], log["kl"]))
+            print("%sanswered by the service: %s; policy pushes: %d (version now %s); left to TRL's kernel: the "
+                  "calls with gradients" % (rank, dict(service.routed), service.pushes, service.policy_version))
             # One generation every num_iterations steps, each with a reference
             # call, and a policy call (after a push) when num_iterations > 1.
             generations = -(-a.max_steps // a.num_iterations)

@@ -6,6 +6,14 @@ weight as a head version (``PolicyPushes``: the version names, with a run
 id shared by a job's ranks, and the version the policy's calls are pinned
 to), and checking that a head holds given weights.
 
+Under ``torch.distributed`` (several training processes) a push is a
+collective of the default group: a whole weight (DDP replicas; a DeepSpeed
+ZeRO-3 parameter, gathered with ``deepspeed.zero.GatheredParameters``) is
+pushed by rank 0 alone, a ``Shard(0)`` DTensor (FSDP2) by every rank, each
+its own rows (``tensor_parallel.push_lm_head_shard``, nothing gathered),
+and every rank gets the committed version (or the same error) from rank 0
+by a broadcast, so that all score on one version (``push_weight``).
+
 Shared by the framework adapters (``logprob_client.trl``,
 ``logprob_client.verl``); it needs torch (imported when called).
 
@@ -17,11 +25,12 @@ float64; per token ``log_probs = x_t - logsumexp(x)``, ``entropy``,
 ``is_top1`` (target is the argmax, lowest id first among equal maxima).
 """
 
+import contextlib
 import math
 import re
 import secrets
 import threading
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -30,11 +39,13 @@ from ._proto import pb2
 from .base import check_lm_head_names
 from .errors import InvalidInputError, LogprobError
 from .lm_head_update import weight_sha256
+from .tensor_parallel import _attempt, _value, push_lm_head_shard
 
 __all__ = ["FUSED_OUTPUTS", "NEW_OUTPUTS", "SEGMENT_TOKENS", "UnsupportedCall", "HeadMismatchError", "HeadTransforms",
            "missing_outputs", "require_sync_client", "head_info", "head_torch_dtype", "head_rows", "weight_sha256",
            "check_shape", "push_head", "ensure_head", "score_rows", "run_id", "PolicyPushes",
-           "DEFAULT_VERSION_FORMAT"]
+           "DEFAULT_VERSION_FORMAT", "weight_shape", "world_size", "on_rank0", "is_dtensor", "is_zero3", "whole_weight",
+           "push_weight"]
 
 # Per-token outputs of a fused-head call, in the order the frameworks
 # return them (TRL's ChunkedLogProbFunction; verl uses the first two).
@@ -170,10 +181,18 @@ def head_rows(info: Any, weight: Any) -> Any:
         return weight.detach().to(dtype=head_torch_dtype(info)).contiguous()
 
 
+def weight_shape(weight: Any) -> Tuple[int, int]:
+    """``(V, H)`` of a weight: its shape, a DTensor's global one, a
+    DeepSpeed ZeRO-3 parameter's ``ds_shape`` (its ``shape`` is empty while
+    partitioned)."""
+    shape = weight.ds_shape if is_zero3(weight) else weight.shape
+    return int(shape[0]), int(shape[1])
+
+
 def check_shape(info: Any, weight: Any) -> None:
     """Raises InvalidInputError when ``weight`` [V, H] is not of the head's
     shape (``info.vocab_size``, ``info.hidden_size``)."""
-    V, H = int(weight.shape[0]), int(weight.shape[1])
+    V, H = weight_shape(weight)
     if (V, H) != (int(info.vocab_size), int(info.hidden_size)):
         raise InvalidInputError("lm_head %r on the server is [%d, %d], the model's is [%d, %d]"
                                 % (info.name, int(info.vocab_size), int(info.hidden_size), V, H))
@@ -198,17 +217,131 @@ def push_head(client: Any, head: str, weight: Any, version: str, sha256: Optiona
     return str(client.update_lm_head(head, rows, version=version, sha256=digest))
 
 
+def world_size() -> int:
+    """Processes of the default ``torch.distributed`` group; 1 when it is
+    not initialized (or torch is not installed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return 1
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size())
+
+
+def on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run by rank 0 of the default group alone, its value (or
+    its LogprobError, InvalidInputError, ValueError: raised as
+    LogprobError with the same code and message) given to every rank by a
+    broadcast: a collective, every rank must call it. Just ``fn()`` in a
+    single process."""
+    if world_size() == 1:
+        return fn()
+    import torch.distributed as dist
+
+    box: List[Any] = [_attempt(fn) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return _value(box[0])
+
+
+def is_dtensor(weight: Any) -> bool:
+    """Whether ``weight`` is a ``torch.distributed.tensor.DTensor`` (FSDP2)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(weight, DTensor)
+
+
+def is_zero3(weight: Any) -> bool:
+    """Whether ``weight`` is a DeepSpeed ZeRO-3 parameter (it has
+    ``ds_id`` and ``ds_status``)."""
+    return hasattr(weight, "ds_id") and hasattr(weight, "ds_status")
+
+
+@contextlib.contextmanager
+def whole_weight(weight: Any) -> Iterator[Any]:
+    """``weight`` itself, or for a DeepSpeed ZeRO-3 parameter that is not
+    gathered (``ds_status`` other than AVAILABLE) the parameter gathered
+    for the block (``deepspeed.zero.GatheredParameters``, a collective:
+    every rank enters it). Raises RuntimeError for such a parameter when
+    deepspeed cannot be imported."""
+    if not is_zero3(weight) or getattr(weight.ds_status, "name", str(weight.ds_status)) == "AVAILABLE":
+        yield weight
+        return
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise RuntimeError("the lm_head weight is a DeepSpeed ZeRO-3 parameter (ds_id %r, ds_status %s) and "
+                           "deepspeed cannot be imported here to gather it (%s): push its whole [V, H] weight "
+                           "yourself (gathered with deepspeed.zero.GatheredParameters)"
+                           % (weight.ds_id, weight.ds_status, e)) from None
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+        yield weight
+
+
+def _shard0(weight: Any) -> bool:
+    """A DTensor split by rows over a 1-D mesh (FSDP2's ``Shard(0)``)."""
+    from torch.distributed.tensor import Shard
+
+    return weight.device_mesh.ndim == 1 and tuple(weight.placements) == (Shard(0),)
+
+
+def push_weight(client: Any, head: str, weight: Any, version: str) -> str:
+    """Pushes ``weight`` as ``version`` of ``head`` from a job of one or
+    several processes, and returns the committed version on every rank
+    (the module docstring): a ``Shard(0)`` DTensor on a 1-D mesh is sent
+    by every rank of the mesh, its local rows at their offset (no sha256:
+    that would need the whole weight; the server computes it at commit),
+    another DTensor is gathered (``full_tensor``), a ZeRO-3 parameter is
+    gathered while pushed (``whole_weight``), and a whole weight is
+    pushed by rank 0 (``push_head``, with its sha256). A collective under
+    ``torch.distributed``: every rank calls it with its weight. Raises
+    LogprobError / InvalidInputError on every rank."""
+    if is_dtensor(weight):
+        if not _shard0(weight):
+            return _push_on_rank0(client, head, weight.full_tensor(), version)
+        import torch.distributed as dist
+        import torch
+
+        info = head_info(client, head)
+        check_shape(info, weight)
+        mesh = weight.device_mesh
+        group = mesh.get_group()
+        rows = int(weight.shape[0])
+        chunk = -(-rows // mesh.size())  # torch.chunk's split, as FSDP2 shards
+        with torch.no_grad():
+            local = weight.to_local().detach().to(dtype=head_torch_dtype(info)).contiguous()
+        return push_lm_head_shard(client, local, min(mesh.get_local_rank() * chunk, rows), rows, version, head,
+                                  group=group, src=dist.get_global_rank(group, 0))
+    with whole_weight(weight) as whole:
+        return _push_on_rank0(client, head, whole, version)
+
+
+def _push_on_rank0(client: Any, head: str, weight: Any, version: str) -> str:
+    return str(on_rank0(lambda: push_head(client, head, weight, version)))
+
+
 def ensure_head(client: Any, head: str, weight: Any, version: Optional[str] = None) -> str:
-    """The version of ``head`` to score ``weight`` with: the head's current
-    version when it already holds exactly these weights (its sha256, in
-    its dtype), else ``weight`` pushed now (``push_head``) as ``version``
-    (default ``"ref-"`` and the first 16 hex digits of the sha256). A
-    frozen reference model's head is loaded once this way."""
-    info = head_info(client, head, refresh=True)
-    digest = weight_sha256(head_rows(info, weight))
-    if info.sha256 == digest:
-        return str(info.version)
-    return push_head(client, head, weight, version or "ref-" + digest[:16], sha256=digest)
+    """Makes ``head`` hold ``weight`` and returns the version that does:
+    the head's current version when it already holds these bytes (the
+    sha256 of ``weight`` in the head's dtype), else ``push_head`` as
+    ``version`` (default ``"ref-"`` and the first 16 hex digits of the
+    sha256). A frozen reference model's head is loaded once this way.
+    Under ``torch.distributed`` a collective: the weight is made whole (a
+    DTensor's ``full_tensor``, ``whole_weight``) and rank 0 checks and
+    pushes it (``on_rank0``)."""
+    def ensure(whole: Any) -> str:
+        info = head_info(client, head, refresh=True)
+        digest = weight_sha256(head_rows(info, whole))
+        if info.sha256 == digest:
+            return str(info.version)
+        return push_head(client, head, whole, version or "ref-" + digest[:16], sha256=digest)
+
+    if is_dtensor(weight):
+        weight = weight.full_tensor()
+    with whole_weight(weight) as whole:
+        return str(on_rank0(lambda: ensure(whole)))
 
 
 # The adapters' policy version names: a run id (``run_id``) and the
@@ -277,13 +410,14 @@ class PolicyPushes:
         return self.version_format.format(run=self.run, step=int(step))
 
     def push(self, weight: Any, step: int) -> str:
-        """Pushes ``weight`` as ``name(step)`` (``push_head``: with its
+        """Pushes ``weight`` as ``name(step)`` (``push_weight``: a
+        collective under ``torch.distributed``; a whole weight with its
         sha256, so a repeat is a no-op) and pins the policy's calls to it;
         returns the version. Raises LogprobError (ALREADY_EXISTS with what
         to do when the name holds other weights)."""
         version = self.name(step)
         try:
-            committed = push_head(self.client, self.head, weight, version)
+            committed = push_weight(self.client, self.head, weight, version)
         except LogprobError as e:
             if e.code == grpc.StatusCode.ALREADY_EXISTS:
                 raise LogprobError(e.code, "%s (the server holds %s version %r with other weights, e.g. from an "

@@ -63,17 +63,29 @@ this client or server lacks) raises ``HeadMismatchError``
 one-time warning (``on_unsupported="fallback"``). Errors of the service
 itself (``LogprobError``) are raised, never hidden by a fallback.
 
-Not supported (refused by ``use_service`` with a message): several
-training processes (only one pushes; the others would score versions they
-cannot see committed), ``sync_ref_model=True`` (the reference head would go
-stale). Sharded weights (FSDP DTensors gathered per call) are not
-recognised as the policy's and stay in TRL's kernel.
+Several training processes (``accelerate launch`` / ``torchrun``: DDP,
+FSDP2, DeepSpeed ZeRO-3): call ``use_service`` on every rank (a collective:
+rank 0's run id is broadcast, rank 0 loads the reference head). Every
+rank's no-gradient calls go to the service; the policy's push before the
+first such call after a step is a collective too
+(``fused_head.push_weight``): rank 0 pushes a whole weight (DDP; a ZeRO-3
+parameter, which TRL has gathered for the call), every rank its own rows
+of a ``Shard(0)`` DTensor (FSDP2), and every rank pins its calls to the
+version committed, which it gets from rank 0 by a broadcast (so every
+rank must make its first no-gradient policy call after a step, as TRL's
+trainers do: their ranks run the same steps). A DTensor
+head, which TRL gathers into a new tensor per call, is recognised by the
+``lm_head`` module of TRL's fused forward on the call stack.
+
+Not supported (refused by ``use_service`` with a message):
+``sync_ref_model=True`` (the reference head would go stale).
 """
 
 import collections
 import logging
 import threading
 import warnings
+from types import FrameType
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from . import fused_head
@@ -243,6 +255,31 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+# The function of TRL's fused forward (``add_fused_lm_head``) that calls
+# ``_ChunkedLogProbFunction.apply``, and its local holding the lm_head module.
+_FUSED_FORWARD = "_fused_forward"
+_FUSED_FORWARD_HEAD = "lm_head"
+
+
+def _gathering_lm_head(depth: int = 8) -> Any:
+    """The ``lm_head`` module of TRL's fused forward on the call stack when
+    its weight is a DTensor (FSDP2: TRL passes ``weight.full_tensor()``,
+    a new tensor each call, so the weight itself names no model); None
+    otherwise. Looks ``depth`` frames up, no further."""
+    import sys
+
+    frame: Optional[FrameType] = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == _FUSED_FORWARD:
+            lm_head = frame.f_locals.get(_FUSED_FORWARD_HEAD)
+            weight = getattr(lm_head, "weight", None)
+            return lm_head if weight is not None and fused_head.is_dtensor(weight) else None
+        frame = frame.f_back
+    return None
+
+
 class ServiceLogProbs:
     """The adapter ``use_service`` returns (one per trainer).
 
@@ -312,11 +349,23 @@ class ServiceLogProbs:
         return None if ref is None else _unwrap(self.trainer, ref)
 
     def _head_of(self, weight: Any) -> Optional[str]:
-        """The server head of a call's weight, or None (not a model of this trainer)."""
-        if _same(weight, _head_weight(self._policy_model())):
-            return self.policy_head
+        """The server head of a call's weight, or None (not a model of this
+        trainer): the model whose ``lm_head.weight`` the call's weight is,
+        or, for a DTensor head (FSDP2), which TRL gathers into a new tensor
+        at each call, the model whose ``lm_head`` TRL's fused forward is
+        projecting through."""
+        policy = self._policy_model()
         ref = self._reference_model()
+        if _same(weight, _head_weight(policy)):
+            return self.policy_head
         if ref is not None and _same(weight, _head_weight(ref)):
+            return self.reference_head
+        lm_head = _gathering_lm_head()
+        if lm_head is None:
+            return None
+        if lm_head is policy.get_output_embeddings():
+            return self.policy_head
+        if ref is not None and lm_head is ref.get_output_embeddings():
             return self.reference_head
         return None
 
@@ -367,8 +416,11 @@ class ServiceLogProbs:
         else:
             policy = ("the policy's: none expected (%s), so the policy is not pushed (should one come, it is "
                       "pushed first, to head %r)" % (self.policy_scored_why, self.policy_head))
+        world = fused_head.world_size()
+        ranks = ("; %d processes: each push is a collective, every rank scores on the version rank 0 reports"
+                 % world if world > 1 else "")
         return ("%s's fused lm_head calls without gradients go to the logprob service: %s; "
-                "%s; calls with gradients stay in TRL's kernel" % (trainer, ref, policy))
+                "%s; calls with gradients stay in TRL's kernel%s" % (trainer, ref, policy, ranks))
 
     # -- routing ------------------------------------------------------------
 
@@ -514,7 +566,9 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
 
     Pushes the reference head now when needed; the policy's before the
     first no-gradient policy call after each optimizer step (never when
-    no call scores it). Logs one line saying so (logger
+    no call scores it). Under ``torch.distributed`` call it on every rank
+    at the same point: it and the policy's pushes are collectives of the
+    default group (module docstring). Logs one line saying so (logger
     ``logprob_client.trl``, INFO). Returns the ``ServiceLogProbs`` adapter
     (counters, ``remove()``).
     Raises RuntimeError for an unsupported TRL, ValueError for a setup it
@@ -527,10 +581,6 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     if getattr(args, "sync_ref_model", False):
         raise ValueError("use_service does not support sync_ref_model=True: the reference head on the server "
                          "would not follow the reference model")
-    acc = getattr(trainer, "accelerator", None)
-    if acc is not None and int(getattr(acc, "num_processes", 1)) > 1:
-        raise ValueError("use_service supports one training process for now (%d here): every process would "
-                         "score policy versions only the first one pushes" % int(acc.num_processes))
     adapter = ServiceLogProbs(trainer, client, policy_head, reference_head, on_unsupported, version_format, run)
     # The heads exist and have the models' shapes: fail now, not at step 1.
     fused_head.check_shape(fused_head.head_info(client, policy_head, refresh=True),

@@ -29,9 +29,16 @@ verl's own code (the same ``FusedLinearForPPO``, any backend)::
 (``version_format``; ``run``: a random id made at ``use_service``, rank
 0's on every rank when ``torch.distributed`` is initialized, so that every
 data-parallel rank names a step alike), with its sha256, and pins the
-policy's calls to it. Ranks pushing the same step at once upload it once:
-the server has the others wait for that update and answer them
-``already_committed``; a repeated push is a no-op without upload.
+policy's calls to it. Under ``torch.distributed`` it is a collective of
+the default group (``fused_head.push_weight``): rank 0 pushes a whole
+weight, every rank its own rows of a ``Shard(0)`` DTensor (FSDP2; give
+the parameter itself, not a gathered copy), a DeepSpeed ZeRO-3 parameter
+is gathered with ``deepspeed.zero.GatheredParameters``, and every rank
+gets the committed version from rank 0. Processes of different jobs (or
+without ``torch.distributed``) pushing the same step at once upload it
+once: the server has the others wait for that update and answer them
+``already_committed``; a repeated push of a whole weight is a no-op
+without upload.
 ``pushing_after(method, weight_of)`` wraps
 a worker's weight-sync method (verl 0.9's async
 ``ActorRolloutRefWorker.update_weights(self, global_steps=None, ...)``) so
@@ -147,15 +154,19 @@ class VerlService:
         self.heads.append((weight, head))
 
     def push(self, weight: Any, step: int, head: Optional[str] = None) -> str:
-        """Pushes ``weight`` ([V, H]; CPU or CUDA) as version
+        """Pushes ``weight`` ([V, H]; CPU or CUDA; a ``Shard(0)`` DTensor of
+        FSDP2; a DeepSpeed ZeRO-3 parameter) as version
         ``version_format.format(run=run, step=step)`` of ``head`` (the
-        policy head by default, whose calls it then pins to it), with its
-        sha256: a repeat, or another rank's push of the same step, is a
-        no-op without upload. Returns the version. Raises LogprobError
-        (ALREADY_EXISTS: that name holds other weights)."""
+        policy head by default, whose calls it then pins to it) and returns
+        the version. Under ``torch.distributed`` a collective: every rank
+        calls it; rank 0 pushes a whole weight, with its sha256 (a repeat is
+        a no-op without upload), every rank its own rows of a DTensor, and
+        every rank is pinned to the version committed
+        (``fused_head.push_weight``). Raises LogprobError (ALREADY_EXISTS:
+        that name holds other weights)."""
         if head is None or head == self.policy_head:
             return self.policy.push(_weight_of(weight), step)
-        return fused_head.push_head(self.client, head, _weight_of(weight), self.policy.name(step))
+        return fused_head.push_weight(self.client, head, _weight_of(weight), self.policy.name(step))
 
     def pushing_after(self, method: Callable[..., Any], weight_of: Callable[[Any], Any]) -> Callable[..., Any]:
         """Wraps a worker's weight-sync method (sync or async, called as

@@ -15,7 +15,11 @@ parallel), ``build/bin/`` by the binaries under test (``LOGPROB_BIN_DIR``),
 ``.venv-trl/bin/python`` by this interpreter. It checks the example's exit
 status (0: the service answered exactly the no-gradient calls, the pushes
 as expected), what it printed, the line the adapter logged and the heads
-the server holds afterwards (both filled by the adapter's pushes).
+the server holds afterwards (both filled by the adapter's pushes). The
+command of its "### Several processes" part (the example under
+``torchrun --nproc_per_node 2`` against that server) runs the same way,
+``.venv-trl/bin/torchrun`` being this interpreter's
+``torch.distributed.run`` on a free port.
 
 Run in the TRL environment (ctest py_trl_TrlRecipeTest).
 """
@@ -38,15 +42,22 @@ HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 HUB_SHAPE = "151936x896"
 
 
-def trl_recipe():
-    """The commands of the first ``sh`` block of the "## TRL" section
-    (continuation lines joined, comments dropped)."""
+def trl_recipe(subsection=None):
+    """The commands of the first ``sh`` block of the "## TRL" section, or
+    of its ``### subsection`` (continuation lines joined, comments
+    dropped)."""
     with open(DOC) as f:
         text = f.read()
     m = re.search(r"^## TRL\n(.*?)(?=^## )", text, re.S | re.M)
     if not m:
         raise AssertionError("docs/rl-frameworks.md has no '## TRL' section")
-    block = re.search(r"^```sh\n(.*?)^```", m.group(1), re.S | re.M)
+    section = m.group(1)
+    if subsection is not None:
+        m = re.search(r"^### %s\n(.*?)(?=^##)" % re.escape(subsection), section, re.S | re.M)
+        if not m:
+            raise AssertionError("the TRL section has no '### %s'" % subsection)
+        section = m.group(1)
+    block = re.search(r"^```sh\n(.*?)^```", section, re.S | re.M)
     if not block:
         raise AssertionError("the TRL section has no sh block")
     joined = block.group(1).replace("\\\n", " ")
@@ -66,6 +77,7 @@ class TrlRecipeTest(unittest.TestCase):
         self.port = free_port()
         self.model = os.path.join(self.dir, "model")
         tiny_models.save_model("qwen2", self.model, seed=2)
+        self.address = "127.0.0.1:%d" % self.port
         self.server = None
 
     def tearDown(self):
@@ -84,7 +96,38 @@ class TrlRecipeTest(unittest.TestCase):
         command = command.replace("127.0.0.1:50051", "127.0.0.1:%d" % self.port)
         command = command.replace("build/bin/", BIN_DIR.rstrip("/") + "/")
         command = command.replace("client/python:build/python", "client/python:" + stubs_dir())
-        return command.replace(".venv-trl/bin/python ", sys.executable + " ")
+        command = command.replace(".venv-trl/bin/python ", sys.executable + " ")
+        return command.replace(".venv-trl/bin/torchrun ", "%s -m torch.distributed.run --master_port %d "
+                               % (sys.executable, free_port()))
+
+    def start_server(self, server_cmd):
+        """The recipe's server command, adapted, in the background; waits
+        until it serves and checks its heads are declared, empty."""
+        log = open(os.path.join(self.dir, "server.log"), "wb")
+        self.server = subprocess.Popen(["bash", "-c", "exec " + self.adapt(server_cmd).rstrip("&").strip()],
+                                       cwd=SOURCE_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        with LogprobClient(self.address) as c:
+            self.assertTrue(c.health(wait=90), "the recipe's server did not become SERVING")
+            declared = {h.name: h for h in c.lm_heads()}
+            self.assertEqual({n: h.version for n, h in declared.items()}, {"policy": "", "reference": ""})
+
+    def run_example(self, command):
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", self.adapt(command)], cwd=SOURCE_ROOT, env=env,
+                             capture_output=True, text=True, timeout=240)
+        self.assertEqual(out.returncode, 0, "the recipe's example failed:\n%s\n%s"
+                         % (out.stdout[-3000:], out.stderr[-5000:]))
+        return out
+
+    def policy_versions(self, run):
+        """Checks the heads the server holds after a run (policy: run's steps
+        2 and 0; reference: pushed)."""
+        with LogprobClient(self.address) as c:
+            heads = {h.name: h for h in c.lm_heads()}
+        self.assertEqual(heads["policy"].version, "%s-step-2" % run)
+        self.assertEqual(list(heads["policy"].retained_versions), ["%s-step-2" % run, "%s-step-0" % run])
+        self.assertTrue(heads["reference"].version.startswith("ref-"), heads["reference"].version)
 
     def test_the_recipe_runs_as_written(self):
         commands = trl_recipe()
@@ -99,31 +142,33 @@ class TrlRecipeTest(unittest.TestCase):
         self.assertIn("--model %s" % HUB_MODEL, example)
         self.assertIn("--bf16", example)
 
-        log = open(os.path.join(self.dir, "server.log"), "wb")
-        self.server = subprocess.Popen(["bash", "-c", "exec " + self.adapt(server_cmd).rstrip("&").strip()],
-                                       cwd=SOURCE_ROOT, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        address = "127.0.0.1:%d" % self.port
-        with LogprobClient(address) as c:
-            self.assertTrue(c.health(wait=90), "the recipe's server did not become SERVING")
-            declared = {h.name: h for h in c.lm_heads()}
-            self.assertEqual({n: h.version for n, h in declared.items()}, {"policy": "", "reference": ""})
-
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-        out = subprocess.run(["bash", "-euo", "pipefail", "-c", self.adapt(example)], cwd=SOURCE_ROOT, env=env,
-                             capture_output=True, text=True, timeout=240)
-        self.assertEqual(out.returncode, 0, "the recipe's example failed:\n%s\n%s"
-                         % (out.stdout[-3000:], out.stderr[-5000:]))
+        self.start_server(server_cmd)
+        out = self.run_example(example)
         self.assertIn("answered by the service: {'policy': 2, 'reference': 2}; policy pushes: 2", out.stdout)
         logged = [line for line in out.stderr.splitlines() if line.startswith("logprob_client.trl: ")]
         self.assertEqual(len(logged), 1, out.stderr[-3000:])
         run = re.search(r"pushed as '([0-9a-f]{8})-step-\{step\}'", logged[0]).group(1)
-        with LogprobClient(address) as c:
-            heads = {h.name: h for h in c.lm_heads()}
-        self.assertEqual(heads["policy"].version, "%s-step-2" % run)
-        self.assertEqual(list(heads["policy"].retained_versions), ["%s-step-2" % run, "%s-step-0" % run])
-        self.assertTrue(heads["reference"].version.startswith("ref-"), heads["reference"].version)
+        self.policy_versions(run)
         self.assertIn(shlex.quote("{run}-step-{step}"), example)
+
+    def test_several_processes_as_written(self):
+        """The "Several processes" command: the example in 2 DDP processes
+        (torchrun) against the recipe's server."""
+        (command,) = trl_recipe("Several processes")
+        self.assertIn(".venv-trl/bin/torchrun --nproc_per_node 2 examples/trl_grpo.py", command)
+        self.assertIn("--server 127.0.0.1:50051", command)
+        self.assertIn("--model %s" % HUB_MODEL, command)
+        self.start_server(trl_recipe()[1])
+        out = self.run_example(command)
+        for rank in range(2):
+            self.assertIn("[rank %d] answered by the service: {'policy': 2, 'reference': 2}; policy pushes: 2"
+                          % rank, out.stdout)
+        logged = [line for line in out.stderr.splitlines() if "logprob_client.trl: " in line]
+        self.assertEqual(len(logged), 2, out.stderr[-3000:])
+        runs = {re.search(r"pushed as '([0-9a-f]{8})-step-\{step\}'", line).group(1) for line in logged}
+        self.assertEqual(len(runs), 1, logged)  # rank 0's run id on both ranks
+        self.assertTrue(all("2 processes: each push is a collective" in line for line in logged), logged)
+        self.policy_versions(runs.pop())
 
 
 if __name__ == "__main__":

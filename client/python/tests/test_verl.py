@@ -389,9 +389,11 @@ class VerlPushTest(unittest.TestCase):
 
     def test_ranks_agree_on_the_run_id(self):
         """Two processes of a gloo job: the same run id (rank 0's, broadcast
-        by use_service), the same step pushed at once, one upload."""
+        by use_service), the same step pushed by both, one Begin and one
+        upload (rank 0's; the push is a collective)."""
         init = "tcp://127.0.0.1:%d" % free_port()
         before = self.counts()
+        begins = self.server.metric("logprob_requests_total", method="BeginLmHeadUpdate", code="OK")
         procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT % (tiny_models.VOCAB, tiny_models.HIDDEN),
                                    self.server.address, init, str(rank)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for rank in range(2)]
@@ -404,6 +406,9 @@ class VerlPushTest(unittest.TestCase):
         self.assertEqual([o["version"] for o in outs], ["%s-step-1" % outs[0]["run"]] * 2)
         self.assertEqual([o["pushes"] for o in outs], [1, 1])
         self.assertEqual(self.counts(), (before[0] + 1, before[1], before[2] + self.nbytes))
+        # A collective: rank 0 alone began the update; rank 1 got its version by the broadcast.
+        self.assertEqual(self.server.metric("logprob_requests_total", method="BeginLmHeadUpdate", code="OK"),
+                         begins + 1)
         # Another job: another run id.
         self.assertNotEqual(use_service(self.client, module=fake_seam()).run, outs[0]["run"])
 
