@@ -12,6 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/format.sh --check || { echo "lint: files above differ from clang-format (run scripts/format.sh)" >&2; exit 1; }
+# The server's rooms include only the rooms below them (docs/architecture.md).
+python3 scripts/check_layers.py || exit 1
 # The TSan build sees absl::Mutex Lock / Unlock and CondVar waits only
 # (common/tsan_absl_mutex.cc): a Mutex::Await or LockWhen releases the
 # mutex unseen, and TSan then reports a double lock. Use a CondVar.

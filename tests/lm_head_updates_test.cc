@@ -111,6 +111,14 @@ class LmHeadUpdatesTest : public ::testing::Test {
     if (!read) ADD_FAILURE() << "cannot read " << n << " bytes of " << v.source.file;
     return read ? out : std::string();
   }
+  /// Heads retaining `retain` versions, holding the fixture's first one.
+  std::unique_ptr<LmHeads> RetainingHeads(int retain) {
+    LmHeads::Options ho;
+    ho.retain = retain;
+    auto heads = std::make_unique<LmHeads>(ho);
+    EXPECT_TRUE(heads->Add(*heads_.Bind("default", "").value()).ok());
+    return heads;
+  }
   size_t StoreFiles() const {
     return static_cast<size_t>(std::distance(std::filesystem::directory_iterator(store_), {}));
   }
@@ -522,10 +530,8 @@ TEST_F(LmHeadUpdatesTest, ACommitOfATakenVersionNameIsRefusedUnderTheLock) {
 }
 
 TEST_F(LmHeadUpdatesTest, ConcurrentBeginsOfOneVersionCommitItOnce) {
-  LmHeads::Options ho;
-  ho.retain = 64;
-  LmHeads heads(ho);
-  ASSERT_TRUE(heads.Add(*heads_.Bind("default", "").value()).ok());
+  const std::unique_ptr<LmHeads> heads_owner = RetainingHeads(64);
+  LmHeads& heads = *heads_owner;
   const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads);
   constexpr int kThreads = 4, kRounds = 12;
   for (int round = 0; round < kRounds; ++round) {
@@ -613,10 +619,8 @@ TEST_F(LmHeadUpdatesTest, VersionsPinnedByRequestsInFlightKeepTheStoreWithinItsP
 }
 
 TEST_F(LmHeadUpdatesTest, RanksPushingTheSameWeightAsOneVersionUploadItOnceAndAllGetIt) {
-  LmHeads::Options ho;
-  ho.retain = 64;
-  LmHeads heads(ho);
-  ASSERT_TRUE(heads.Add(*heads_.Bind("default", "").value()).ok());
+  const std::unique_ptr<LmHeads> heads_owner = RetainingHeads(64);
+  LmHeads& heads = *heads_owner;
   const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads);
   constexpr int kThreads = 4, kRounds = 8;
   for (int round = 0; round < kRounds; ++round) {

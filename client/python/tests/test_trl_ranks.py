@@ -70,20 +70,23 @@ def requests(server, method):
     return server.metric("logprob_requests_total", method=method, code="OK")
 
 
-class GrpoDdpTest(unittest.TestCase):
-    """GRPO in 2 DDP processes with the service vs without (module docstring)."""
+class RanksTest(unittest.TestCase):
+    """A server with heads `policy` and `reference` from a tiny model's
+    checkpoint (seed `seed`, updates on, `retain` versions) and the outputs
+    of `script` run by torchrun on every rank against it, once per class."""
 
     @classmethod
-    def setUpClass(cls):
-        cls.dir = temp_dir("py_trl_ddp")
+    def start(cls, name, seed, retain, script, model_arg):
+        cls.dir = temp_dir(name)
         model_dir = os.path.join(cls.dir, "model")
-        tiny_models.save_model("qwen2", model_dir, seed=0)
+        tiny_models.save_model("qwen2", model_dir, seed=seed)
         cls.server = Server(workers=2, extra=["--lm-head", "policy=" + model_dir, "--lm-head",
                                               "reference=" + model_dir, "--allow-lm-head-updates",
-                                              "--lm-head-retain", "2"], metrics=True)
+                                              "--lm-head-retain", str(retain)], metrics=True)
         cls.client = LogprobClient(cls.server.address, timeout=60)
         try:
-            cls.ranks = torchrun("trl_ranks.py", cls.dir, model_dir, cls.server.address)
+            args = [cls.dir] + ([model_dir] if model_arg else []) + [cls.server.address]
+            cls.ranks = torchrun(script, *args)
         except BaseException:
             cls.tearDownClass()
             raise
@@ -93,6 +96,14 @@ class GrpoDdpTest(unittest.TestCase):
         cls.client.close()
         cls.server.close()
         shutil.rmtree(cls.dir, ignore_errors=True)
+
+
+class GrpoDdpTest(RanksTest):
+    """GRPO in 2 DDP processes with the service vs without (module docstring)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.start("py_trl_ddp", seed=0, retain=2, script="trl_ranks.py", model_arg=True)
 
     def test_loss_and_kl_match_an_unpatched_run(self):
         for r in self.ranks:
@@ -138,29 +149,14 @@ class GrpoDdpTest(unittest.TestCase):
         self.assertEqual(list(head.retained_versions), [run + "-step-2", run + "-step-0"])
 
 
-class Fsdp2HeadTest(unittest.TestCase):
+class Fsdp2HeadTest(RanksTest):
     """A Shard(0) DTensor lm_head (FSDP2 on a CPU mesh) in 2 processes
     (module docstring)."""
 
     @classmethod
     def setUpClass(cls):
-        cls.dir = temp_dir("py_trl_fsdp2")
-        other = os.path.join(cls.dir, "other")  # the server starts from other weights: the reference is pushed
-        tiny_models.save_model("qwen2", other, seed=1)
-        cls.server = Server(workers=2, extra=["--lm-head", "policy=" + other, "--lm-head", "reference=" + other,
-                                              "--allow-lm-head-updates", "--lm-head-retain", "3"], metrics=True)
-        cls.client = LogprobClient(cls.server.address, timeout=60)
-        try:
-            cls.ranks = torchrun("fsdp2_ranks.py", cls.dir, cls.server.address)
-        except BaseException:
-            cls.tearDownClass()
-            raise
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.close()
-        shutil.rmtree(cls.dir, ignore_errors=True)
+        # The server starts from other weights (seed 1): the reference is pushed.
+        cls.start("py_trl_fsdp2", seed=1, retain=3, script="fsdp2_ranks.py", model_arg=False)
 
     def test_dtensor_head_calls_are_routed_within_spec(self):
         for r in self.ranks:
