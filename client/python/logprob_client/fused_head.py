@@ -25,12 +25,14 @@ float64; per token ``log_probs = x_t - logsumexp(x)``, ``entropy``,
 ``is_top1`` (target is the argmax, lowest id first among equal maxima).
 """
 
+import collections
 import contextlib
 import math
 import re
 import secrets
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import grpc
 import numpy as np
@@ -45,7 +47,7 @@ __all__ = ["FUSED_OUTPUTS", "NEW_OUTPUTS", "SEGMENT_TOKENS", "UnsupportedCall", 
            "missing_outputs", "require_sync_client", "head_info", "head_torch_dtype", "head_rows", "weight_sha256",
            "check_shape", "push_head", "ensure_head", "score_rows", "run_id", "PolicyPushes",
            "DEFAULT_VERSION_FORMAT", "weight_shape", "world_size", "on_rank0", "is_dtensor", "is_zero3", "whole_weight",
-           "push_weight"]
+           "push_weight", "ServiceAdapter", "same_tensor", "release"]
 
 # Per-token outputs of a fused-head call, in the order the frameworks
 # return them (TRL's ChunkedLogProbFunction; verl uses the first two).
@@ -489,3 +491,99 @@ def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_versio
         result[n] = got.to(device)
     result["head_version"] = res.head_version
     return result
+
+
+def same_tensor(a: Any, b: Any) -> bool:
+    """Whether tensors ``a`` and ``b`` are one tensor: the same object, or
+    views of the same memory with the same device, dtype, shape and
+    strides."""
+    if a is b:
+        return True
+    try:
+        return bool(a.device == b.device and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+                    and a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def release(version: str) -> Tuple[int, ...]:
+    """The leading numbers (at most 3) of a version string:
+    ``"1.16.0.dev0+g1"`` -> ``(1, 16, 0)``."""
+    parts: List[int] = []
+    for p in version.split("+")[0].split("."):
+        digits = ""
+        for ch in p:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(parts) == 3:
+            break
+    return tuple(parts)
+
+
+class ServiceAdapter:
+    """What the framework adapters (``logprob_client.trl``, ``.verl``)
+    share: the client, the policy's pushes (``policy``: ``PolicyPushes``),
+    the heads' transforms, the counters (``routed`` by head, ``fallbacks``,
+    ``calls``: the last 10000) and the ``on_unsupported`` handling
+    (``"raise"``: ``HeadMismatchError``; ``"fallback"``: a one-time
+    warning, and the call goes to the framework's kernel). A subclass sets
+    ``RAISE_FORMAT`` and ``WARN_FORMAT`` (``%s``: why)."""
+
+    RAISE_FORMAT = "%s"
+    WARN_FORMAT = "%s"
+
+    def __init__(self, client: Any, policy_head: str, on_unsupported: str,
+                 version_format: str = DEFAULT_VERSION_FORMAT, run: Optional[str] = None) -> None:
+        if on_unsupported not in ("raise", "fallback"):
+            raise ValueError("on_unsupported must be 'raise' or 'fallback', got %r" % (on_unsupported,))
+        self.client = client
+        self.policy_head = policy_head
+        self.on_unsupported = on_unsupported
+        self.policy = PolicyPushes(client, policy_head, version_format, run)
+        self.calls: Any = collections.deque(maxlen=10000)
+        self.routed: Dict[str, int] = collections.Counter()
+        self.fallbacks = 0
+        self._warned: Set[str] = set()
+        self._transforms: Dict[str, HeadTransforms] = {}
+
+    @property
+    def policy_version(self) -> Optional[str]:
+        """The policy version pushed last (None before the first push)."""
+        return self.policy.version
+
+    @property
+    def version_format(self) -> str:
+        """The policy's version names, ``str.format``ted with ``run`` and ``step``."""
+        return self.policy.version_format
+
+    @property
+    def run(self) -> str:
+        """The run id of the policy's version names."""
+        return self.policy.run
+
+    @property
+    def pushes(self) -> int:
+        """Policy pushes made so far."""
+        return self.policy.count
+
+    def _refresh_transforms(self, head: str) -> HeadTransforms:
+        """Reads ``head``'s transforms from the server anew and keeps them."""
+        self._transforms[head] = HeadTransforms.of_info(head_info(self.client, head, refresh=True))
+        return self._transforms[head]
+
+    def _unsupported(self, why: str, cause: Optional[BaseException] = None, stacklevel: int = 2) -> None:
+        """A call the service cannot answer: raises ``HeadMismatchError``
+        (``"raise"``), or warns once per reason and counts a fallback
+        (``"fallback"``; ``stacklevel`` as the caller's ``warnings.warn``)."""
+        if self.on_unsupported == "raise":
+            if cause is not None:
+                raise HeadMismatchError(self.RAISE_FORMAT % why) from cause
+            raise HeadMismatchError(self.RAISE_FORMAT % why)
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(self.WARN_FORMAT % why, RuntimeWarning, stacklevel=stacklevel + 1)
+        self.fallbacks += 1
