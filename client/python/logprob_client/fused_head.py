@@ -37,11 +37,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 import grpc
 import numpy as np
 
-from ._proto import pb2
-from .base import check_lm_head_names
+from ._internal import ranks
+from ._internal._proto import pb2
+from ._internal.base import check_lm_head_names
 from .errors import InvalidInputError, LogprobError
 from .lm_head_update import weight_sha256
-from .tensor_parallel import _attempt, _value, push_lm_head_shard
+from .tensor_parallel import push_lm_head_shard
 
 __all__ = ["FUSED_OUTPUTS", "NEW_OUTPUTS", "SEGMENT_TOKENS", "UnsupportedCall", "HeadMismatchError", "HeadTransforms",
            "missing_outputs", "require_sync_client", "head_info", "head_torch_dtype", "head_rows", "weight_sha256",
@@ -89,7 +90,7 @@ def missing_outputs(requested: Sequence[str]) -> Tuple[str, ...]:
     """The requested outputs among ``NEW_OUTPUTS`` that this client's stubs
     cannot request (``logprob.v1.ScoreOptions`` lacks the field, or
     ``score`` lacks the keyword)."""
-    from .request import score_keywords
+    from ._internal.request import score_keywords
 
     fields = {f.name for f in pb2.ScoreOptions.DESCRIPTOR.fields}
     keywords = score_keywords()
@@ -241,9 +242,9 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
         return fn()
     import torch.distributed as dist
 
-    box: List[Any] = [_attempt(fn) if dist.get_rank() == 0 else None]
+    box: List[Any] = [ranks.attempt(fn) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return _value(box[0])
+    return ranks.value(box[0])
 
 
 def is_dtensor(weight: Any) -> bool:

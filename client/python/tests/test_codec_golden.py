@@ -11,7 +11,7 @@ import unittest
 import support  # noqa: F401  (puts client/python on sys.path)
 from support import CHUNK_CODEC_GOLDEN_DIR
 
-from logprob_client import transport
+from logprob_client._internal import transport
 
 
 def load_cases():

@@ -24,7 +24,7 @@ from support import LOGITS_CASES, Golden, Server, compare, free_port, pid_namesp
 
 from logprob_client import LogprobError
 from logprob_client import logprob_pb2 as pb2
-from logprob_client import shared_memory
+from logprob_client._internal import shared_memory
 
 
 def metric(port, series):
