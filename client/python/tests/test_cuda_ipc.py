@@ -1,4 +1,4 @@
-"""CUDA IPC inputs of the Python client (logprob_client/cuda_ipc.py):
+"""CUDA IPC inputs of the Python client (logprob_client/_internal/cuda_ipc.py):
 
 - DecisionTest (no server): the decision both clients make, with fakes (a
   tensor-like object claiming ``is_cuda``, ServerInfo messages with and

@@ -1,5 +1,5 @@
 """The sync and asyncio clients agree (they share one sans-I/O core,
-logprob_client/base.py, and only perform its I/O differently):
+logprob_client/_internal/base.py, and only perform its I/O differently):
 
 - ParityTest: one table of cases (inputs, every score option, client
   settings: limits, chunking, shared memory, CUDA IPC, retries, TLS/token

@@ -1,4 +1,4 @@
-"""Shared-memory inputs of the Python client (logprob_client/shared_memory.py)
+"""Shared-memory inputs of the Python client (logprob_client/_internal/shared_memory.py)
 against live servers: used on its own on the same host, bitwise the inline
 results, one region per concurrent call, regions removed on close(),
 re-registered after the server expired an idle session, inline when the

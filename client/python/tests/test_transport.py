@@ -1,4 +1,4 @@
-"""Tests of the Python clients' chunked transport (logprob_client/transport.py,
+"""Tests of the Python clients' chunked transport (logprob_client/_internal/transport.py,
 the ScoreChunked RPC) against live logprob-servers, sync (ChunkedTest) and
 asyncio (AioChunkedTest): golden cases give the same bytes in pieces as in
 one message, large outputs come back in pieces, a 300 MB request scores
