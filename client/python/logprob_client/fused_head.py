@@ -15,7 +15,8 @@ and every rank gets the committed version (or the same error) from rank 0
 by a broadcast, so that all score on one version (``push_weight``).
 
 Shared by the framework adapters (``logprob_client.trl``,
-``logprob_client.verl``); it needs torch (imported when called).
+``logprob_client.verl``), whose adapters subclass ``ServiceAdapter``; it
+needs torch (imported when called).
 
 The math is the server's (docs/SPEC.md, hidden-states scoring): logits
 ``z = softcap(logit_scale * (h W^T + b))``, ``x = z / temperature``, all in

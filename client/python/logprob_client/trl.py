@@ -99,9 +99,6 @@ __all__ = ["use_service", "ServiceLogProbs", "HeadMismatchError", "SUPPORTED_TRL
 SUPPORTED_TRL = ((1, 16), (1, 17))
 
 
-_release = fused_head.release
-
-
 def check_trl_version(version: Optional[str] = None) -> str:
     """The installed TRL's version (or ``version``) when it is within
     ``SUPPORTED_TRL``; raises RuntimeError saying which versions are
@@ -114,7 +111,7 @@ def check_trl_version(version: Optional[str] = None) -> str:
                               % (SUPPORTED_TRL[0] + SUPPORTED_TRL[1] + (e,))) from e
         version = str(trl.__version__)
     lo, hi = SUPPORTED_TRL
-    rel = _release(version)
+    rel = fused_head.release(version)
     if not (lo <= rel[:2] < hi):
         raise RuntimeError(
             "logprob_client.trl supports TRL >= %d.%d, < %d.%d (it replaces the TRL internal "
@@ -230,9 +227,6 @@ def _head_weight(model: Any) -> Any:
     return emb.weight
 
 
-_same = fused_head.same_tensor
-
-
 # The function of TRL's fused forward (``add_fused_lm_head``) that calls
 # ``_ChunkedLogProbFunction.apply``, and its local holding the lm_head module.
 _FUSED_FORWARD = "_fused_forward"
@@ -308,9 +302,9 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
         projecting through."""
         policy = self._policy_model()
         ref = self._reference_model()
-        if _same(weight, _head_weight(policy)):
+        if fused_head.same_tensor(weight, _head_weight(policy)):
             return self.policy_head
-        if ref is not None and _same(weight, _head_weight(ref)):
+        if ref is not None and fused_head.same_tensor(weight, _head_weight(ref)):
             return self.reference_head
         lm_head = _gathering_lm_head()
         if lm_head is None:
