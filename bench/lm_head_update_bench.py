@@ -43,9 +43,8 @@ import time
 
 import numpy as np
 
-from logprob_client import LogprobClient, safetensors
-from logprob_client import transport
-from logprob_client.tensors import float32_to_bf16_bits
+from logprob_client import LogprobClient, float32_to_bf16_bits, safetensors
+from logprob_client._internal import transport
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 BIN = os.environ.get("LOGPROB_BIN_DIR", os.path.join(ROOT, "build", "bin"))

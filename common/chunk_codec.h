@@ -7,7 +7,7 @@
 // Both message types share one layout: field 1 = the message (ScoreRequest
 // or ScoreResponse), field 2 = TensorPiece {1: tensor, 2: offset, 3: data}.
 // tests/data/chunk_codec holds the golden parts (and the rules) that this
-// codec and the Python client's (client/python/logprob_client/transport.py)
+// codec and the Python client's (client/python/logprob_client/_internal/transport.py)
 // are both tested against.
 #pragma once
 

@@ -12,7 +12,7 @@ import numpy as np
 
 import ray
 from logprob_client.ray import DeclaredHead, LogprobService
-from logprob_client.tensors import float32_to_bf16_bits
+from logprob_client import float32_to_bf16_bits
 
 
 def main():

@@ -26,15 +26,15 @@ Example::
         res.topk_indices     # [B, S - 1, 4] int64
 """
 
-from ._proto import pb2 as logprob_pb2
-from ._proto import pb2_grpc as logprob_pb2_grpc
+from ._internal._proto import pb2 as logprob_pb2
+from ._internal._proto import pb2_grpc as logprob_pb2_grpc
+from ._internal.lm_head_sender import LmHeadUpdateHandle
+from ._internal.request import DEFAULT_MAX_REQUEST_BYTES, REQUEST_FILL
+from ._internal.result import ScoreResult, split_sequences
+from ._internal.retry import RetryPolicy
+from ._internal.tensors import bf16_bits_to_float32, float32_to_bf16_bits
 from .client import LogprobClient
 from .errors import InvalidInputError, LogprobError
-from .lm_head_sender import LmHeadUpdateHandle
-from .request import DEFAULT_MAX_REQUEST_BYTES, REQUEST_FILL
-from .result import ScoreResult, split_sequences
-from .retry import RetryPolicy
-from .tensors import bf16_bits_to_float32, float32_to_bf16_bits
 
 __all__ = [
     "LogprobClient",

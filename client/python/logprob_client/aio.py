@@ -20,13 +20,15 @@ Example (the client is made inside the loop that uses it)::
 import asyncio
 from typing import Any, AsyncIterable, AsyncIterator, Iterable, List, Optional, TypeVar, Union, cast
 
-from .base import ClientBase
+from ._internal import lm_head_sender, transport
+from ._internal.base import ClientBase
+from ._internal.lm_head_sender import LmHeadUpdateHandle
+from ._internal.ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
+from ._internal.result import ScoreResult
+from ._internal.retry import Deadline
 from .errors import LogprobError
-from .lm_head_sender import LmHeadUpdateHandle
-from .ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
-from .result import ScoreResult
-from .retry import Deadline
-from . import lm_head_sender, transport
+
+__all__ = ["LogprobClient"]
 
 T = TypeVar("T")
 
@@ -39,7 +41,7 @@ class LogprobClient(ClientBase):
     """An asyncio client of ``logprob.v1.LogprobService`` over one
     ``grpc.aio`` channel; arguments (target, timeout, retry, TLS, token,
     limits, shared memory, CUDA IPC) as in
-    ``logprob_client.base.ClientBase``.
+    ``logprob_client._internal.base.ClientBase``.
 
     Create it in the event loop that uses it (``async with
     LogprobClient(...) as client`` inside a coroutine of that loop): its

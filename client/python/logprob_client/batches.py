@@ -29,8 +29,10 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from ._internal.tensors import Array, as_numpy, is_torch
 from .errors import InvalidInputError
-from .tensors import Array, as_numpy, is_torch
+
+__all__ = ["PackedBatch", "score_padded"]
 
 
 def _mask_array(name: str, mask: Any) -> Array:

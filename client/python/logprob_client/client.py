@@ -9,13 +9,15 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, TypeVar, Union
 
 import grpc
 
-from .base import ClientBase
+from ._internal import lm_head_sender, transport
+from ._internal.base import ClientBase
+from ._internal.lm_head_sender import LmHeadUpdateHandle
+from ._internal.ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
+from ._internal.result import ScoreResult
+from ._internal.retry import Deadline
 from .errors import LogprobError
-from .lm_head_sender import LmHeadUpdateHandle
-from .ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
-from .result import ScoreResult
-from .retry import Deadline
-from . import lm_head_sender, transport
+
+__all__ = ["LogprobClient"]
 
 T = TypeVar("T")
 

@@ -4,7 +4,9 @@ from typing import Any, FrozenSet, Optional, Tuple
 
 import grpc
 
-from ._proto import pb2
+from ._internal._proto import pb2
+
+__all__ = ["LogprobError", "InvalidInputError", "REASONS", "reason_name", "has_reason"]
 
 #: Every reason a server may send (``LogprobError.reason``): the names of the
 #: generated ``logprob.v1.ErrorReason`` enum, UNSPECIFIED left out. Compare

@@ -15,7 +15,8 @@ and every rank gets the committed version (or the same error) from rank 0
 by a broadcast, so that all score on one version (``push_weight``).
 
 Shared by the framework adapters (``logprob_client.trl``,
-``logprob_client.verl``); it needs torch (imported when called).
+``logprob_client.verl``), whose adapters subclass ``ServiceAdapter``; it
+needs torch (imported when called).
 
 The math is the server's (docs/SPEC.md, hidden-states scoring): logits
 ``z = softcap(logit_scale * (h W^T + b))``, ``x = z / temperature``, all in
@@ -25,27 +26,30 @@ float64; per token ``log_probs = x_t - logsumexp(x)``, ``entropy``,
 ``is_top1`` (target is the argmax, lowest id first among equal maxima).
 """
 
+import collections
 import contextlib
 import math
 import re
 import secrets
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import grpc
 import numpy as np
 
-from ._proto import pb2
-from .base import check_lm_head_names
+from ._internal import ranks
+from ._internal._proto import pb2
+from ._internal.base import check_lm_head_names
 from .errors import InvalidInputError, LogprobError
 from .lm_head_update import weight_sha256
-from .tensor_parallel import _attempt, _value, push_lm_head_shard
+from .tensor_parallel import push_lm_head_shard
 
 __all__ = ["FUSED_OUTPUTS", "NEW_OUTPUTS", "SEGMENT_TOKENS", "UnsupportedCall", "HeadMismatchError", "HeadTransforms",
            "missing_outputs", "require_sync_client", "head_info", "head_torch_dtype", "head_rows", "weight_sha256",
            "check_shape", "push_head", "ensure_head", "score_rows", "run_id", "PolicyPushes",
            "DEFAULT_VERSION_FORMAT", "weight_shape", "world_size", "on_rank0", "is_dtensor", "is_zero3", "whole_weight",
-           "push_weight"]
+           "push_weight", "ServiceAdapter", "same_tensor", "release"]
 
 # Per-token outputs of a fused-head call, in the order the frameworks
 # return them (TRL's ChunkedLogProbFunction; verl uses the first two).
@@ -87,7 +91,7 @@ def missing_outputs(requested: Sequence[str]) -> Tuple[str, ...]:
     """The requested outputs among ``NEW_OUTPUTS`` that this client's stubs
     cannot request (``logprob.v1.ScoreOptions`` lacks the field, or
     ``score`` lacks the keyword)."""
-    from .request import score_keywords
+    from ._internal.request import score_keywords
 
     fields = {f.name for f in pb2.ScoreOptions.DESCRIPTOR.fields}
     keywords = score_keywords()
@@ -239,9 +243,9 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
         return fn()
     import torch.distributed as dist
 
-    box: List[Any] = [_attempt(fn) if dist.get_rank() == 0 else None]
+    box: List[Any] = [ranks.attempt(fn) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return _value(box[0])
+    return ranks.value(box[0])
 
 
 def is_dtensor(weight: Any) -> bool:
@@ -489,3 +493,99 @@ def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_versio
         result[n] = got.to(device)
     result["head_version"] = res.head_version
     return result
+
+
+def same_tensor(a: Any, b: Any) -> bool:
+    """Whether tensors ``a`` and ``b`` are one tensor: the same object, or
+    views of the same memory with the same device, dtype, shape and
+    strides."""
+    if a is b:
+        return True
+    try:
+        return bool(a.device == b.device and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+                    and a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def release(version: str) -> Tuple[int, ...]:
+    """The leading numbers (at most 3) of a version string:
+    ``"1.16.0.dev0+g1"`` -> ``(1, 16, 0)``."""
+    parts: List[int] = []
+    for p in version.split("+")[0].split("."):
+        digits = ""
+        for ch in p:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(parts) == 3:
+            break
+    return tuple(parts)
+
+
+class ServiceAdapter:
+    """What the framework adapters (``logprob_client.trl``, ``.verl``)
+    share: the client, the policy's pushes (``policy``: ``PolicyPushes``),
+    the heads' transforms, the counters (``routed`` by head, ``fallbacks``,
+    ``calls``: the last 10000) and the ``on_unsupported`` handling
+    (``"raise"``: ``HeadMismatchError``; ``"fallback"``: a one-time
+    warning, and the call goes to the framework's kernel). A subclass sets
+    ``RAISE_FORMAT`` and ``WARN_FORMAT`` (``%s``: why)."""
+
+    RAISE_FORMAT = "%s"
+    WARN_FORMAT = "%s"
+
+    def __init__(self, client: Any, policy_head: str, on_unsupported: str,
+                 version_format: str = DEFAULT_VERSION_FORMAT, run: Optional[str] = None) -> None:
+        if on_unsupported not in ("raise", "fallback"):
+            raise ValueError("on_unsupported must be 'raise' or 'fallback', got %r" % (on_unsupported,))
+        self.client = client
+        self.policy_head = policy_head
+        self.on_unsupported = on_unsupported
+        self.policy = PolicyPushes(client, policy_head, version_format, run)
+        self.calls: Any = collections.deque(maxlen=10000)
+        self.routed: Dict[str, int] = collections.Counter()
+        self.fallbacks = 0
+        self._warned: Set[str] = set()
+        self._transforms: Dict[str, HeadTransforms] = {}
+
+    @property
+    def policy_version(self) -> Optional[str]:
+        """The policy version pushed last (None before the first push)."""
+        return self.policy.version
+
+    @property
+    def version_format(self) -> str:
+        """The policy's version names, ``str.format``ted with ``run`` and ``step``."""
+        return self.policy.version_format
+
+    @property
+    def run(self) -> str:
+        """The run id of the policy's version names."""
+        return self.policy.run
+
+    @property
+    def pushes(self) -> int:
+        """Policy pushes made so far."""
+        return self.policy.count
+
+    def _refresh_transforms(self, head: str) -> HeadTransforms:
+        """Reads ``head``'s transforms from the server anew and keeps them."""
+        self._transforms[head] = HeadTransforms.of_info(head_info(self.client, head, refresh=True))
+        return self._transforms[head]
+
+    def _unsupported(self, why: str, cause: Optional[BaseException] = None, stacklevel: int = 2) -> None:
+        """A call the service cannot answer: raises ``HeadMismatchError``
+        (``"raise"``), or warns once per reason and counts a fallback
+        (``"fallback"``; ``stacklevel`` as the caller's ``warnings.warn``)."""
+        if self.on_unsupported == "raise":
+            if cause is not None:
+                raise HeadMismatchError(self.RAISE_FORMAT % why) from cause
+            raise HeadMismatchError(self.RAISE_FORMAT % why)
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(self.WARN_FORMAT % why, RuntimeWarning, stacklevel=stacklevel + 1)
+        self.fallbacks += 1

@@ -8,12 +8,15 @@ from typing import Any, Iterator, Tuple
 
 import numpy as np
 
-from ._proto import pb2
-from . import cuda_ipc, safetensors
+from . import safetensors
+from ._internal import cuda_ipc
+from ._internal._proto import pb2
+from ._internal.tensors import Array, float_array
+from ._internal.transport import piece_header
+from ._internal.wire import varint
 from .errors import InvalidInputError
-from .tensors import Array, float_array
-from .transport import piece_header
-from .wire import varint
+
+__all__ = ["weight_sha256", "lm_head_rows"]
 
 # Bytes of rows one PutLmHeadRows call carries at most in pieces (also
 # bounded by 90% of the server's max_request_bytes). Each call ends with a

@@ -8,7 +8,9 @@ from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .tensors import Array
+from ._internal.tensors import Array
+
+__all__ = ["load", "save"]
 
 _DTYPES = {
     "F64": "<f8",

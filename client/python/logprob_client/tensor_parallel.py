@@ -20,10 +20,12 @@ Example (Megatron-style vocabulary-parallel ``lm_head``: rank r holds rows
                                  src=tp_group_first_global_rank)
 """
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
+from ._internal.ranks import attempt, value
 from .client import LogprobClient
-from .errors import LogprobError
+
+__all__ = ["push_lm_head_shard"]
 
 
 def push_lm_head_shard(client: LogprobClient, shard: Any, row_begin: int, vocab_size: int, version: str,
@@ -49,43 +51,21 @@ def push_lm_head_shard(client: LogprobClient, shard: Any, row_begin: int, vocab_
     rank = dist.get_rank(group)
     outcome: List[Any] = [None]
     if rank == 0:
-        outcome[0] = _attempt(lambda: client.begin_lm_head_update(
+        outcome[0] = attempt(lambda: client.begin_lm_head_update(
             head, version=version, vocab_size=vocab_size, hidden_size=int(shard.shape[1]), dtype=shard.dtype,
             sha256=sha256, timeout=timeout))
     dist.broadcast_object_list(outcome, src=src, group=group)
-    update = _value(outcome[0])
-    put = _attempt(lambda: client.put_lm_head_rows(update, row_begin, shard, timeout=timeout))
+    update = value(outcome[0])
+    put = attempt(lambda: client.put_lm_head_rows(update, row_begin, shard, timeout=timeout))
     puts: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(puts, put, group=group)  # every rank has put its rows (or failed)
     if rank == 0:
         failed = [(r, p) for r, p in enumerate(puts) if p[0] != "ok"]
         if failed:
-            _attempt(lambda: client.abort_lm_head_update(update, timeout=timeout))
+            attempt(lambda: client.abort_lm_head_update(update, timeout=timeout))
             r, (_, code, message) = failed[0]
             outcome[0] = ("error", code, "rank %d of the tensor-parallel group: %s" % (r, message))
         else:
-            outcome[0] = _attempt(lambda: client.commit_lm_head_update(update, timeout=timeout))
+            outcome[0] = attempt(lambda: client.commit_lm_head_update(update, timeout=timeout))
     dist.broadcast_object_list(outcome, src=src, group=group)
-    return str(_value(outcome[0]))
-
-
-# What a rank tells the others: ("ok", value) or ("error", code name, message)
-# (picklable, unlike a LogprobError, whose constructor takes more than its text).
-_Outcome = Tuple[Any, ...]
-
-
-def _attempt(fn: Any) -> _Outcome:
-    try:
-        return ("ok", fn())
-    except LogprobError as e:
-        return ("error", e.code.name, e.message)
-    except Exception as e:  # e.g. a ValueError of a bad name: raised on every rank as INVALID_ARGUMENT
-        return ("error", "INVALID_ARGUMENT", "%s: %s" % (type(e).__name__, e))
-
-
-def _value(outcome: _Outcome) -> Any:
-    if outcome[0] == "ok":
-        return outcome[1]
-    import grpc
-
-    raise LogprobError(grpc.StatusCode[outcome[1]], outcome[2])
+    return str(value(outcome[0]))

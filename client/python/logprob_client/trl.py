@@ -81,12 +81,10 @@ Not supported (refused by ``use_service`` with a message):
 ``sync_ref_model=True`` (the reference head would go stale).
 """
 
-import collections
 import logging
 import threading
-import warnings
 from types import FrameType
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import fused_head
 from .fused_head import HeadMismatchError, UnsupportedCall
@@ -101,22 +99,6 @@ __all__ = ["use_service", "ServiceLogProbs", "HeadMismatchError", "SUPPORTED_TRL
 SUPPORTED_TRL = ((1, 16), (1, 17))
 
 
-def _release(version: str) -> Tuple[int, ...]:
-    parts: List[int] = []
-    for p in version.split("+")[0].split("."):
-        digits = ""
-        for ch in p:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(parts) == 3:
-            break
-    return tuple(parts)
-
-
 def check_trl_version(version: Optional[str] = None) -> str:
     """The installed TRL's version (or ``version``) when it is within
     ``SUPPORTED_TRL``; raises RuntimeError saying which versions are
@@ -129,7 +111,7 @@ def check_trl_version(version: Optional[str] = None) -> str:
                               % (SUPPORTED_TRL[0] + SUPPORTED_TRL[1] + (e,))) from e
         version = str(trl.__version__)
     lo, hi = SUPPORTED_TRL
-    rel = _release(version)
+    rel = fused_head.release(version)
     if not (lo <= rel[:2] < hi):
         raise RuntimeError(
             "logprob_client.trl supports TRL >= %d.%d, < %d.%d (it replaces the TRL internal "
@@ -245,16 +227,6 @@ def _head_weight(model: Any) -> Any:
     return emb.weight
 
 
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a.device == b.device and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
-                    and a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 # The function of TRL's fused forward (``add_fused_lm_head``) that calls
 # ``_ChunkedLogProbFunction.apply``, and its local holding the lm_head module.
 _FUSED_FORWARD = "_fused_forward"
@@ -280,7 +252,7 @@ def _gathering_lm_head(depth: int = 8) -> Any:
     return None
 
 
-class ServiceLogProbs:
+class ServiceLogProbs(fused_head.ServiceAdapter):
     """The adapter ``use_service`` returns (one per trainer).
 
     Attributes: ``policy_head``, ``reference_head`` (the server's head
@@ -299,45 +271,19 @@ class ServiceLogProbs:
     Thread-safe as far as TRL's calls are (one training loop).
     """
 
+    RAISE_FORMAT = ("logprob_client.trl cannot answer this fused lm_head call as TRL would: %s. Pass "
+                    "use_service(..., on_unsupported=\"fallback\") to leave such calls to TRL's kernel.")
+    WARN_FORMAT = "logprob_client.trl: %s; these calls run in TRL's own kernel"
+
     def __init__(self, trainer: Any, client: Any, policy_head: str, reference_head: str, on_unsupported: str,
                  version_format: str = fused_head.DEFAULT_VERSION_FORMAT, run: Optional[str] = None) -> None:
-        if on_unsupported not in ("raise", "fallback"):
-            raise ValueError("on_unsupported must be 'raise' or 'fallback', got %r" % (on_unsupported,))
+        super().__init__(client, policy_head, on_unsupported, version_format, run)
         self.trainer = trainer
-        self.client = client
-        self.policy_head = policy_head
         self.reference_head = reference_head
-        self.on_unsupported = on_unsupported
-        self.policy = fused_head.PolicyPushes(client, policy_head, version_format, run)
         self.policy_scored, self.policy_scored_why = policy_calls(trainer)
         self.reference_version: Optional[str] = None
-        self.calls: Deque[RoutedCall] = collections.deque(maxlen=10000)
-        self.routed: Dict[str, int] = collections.Counter()
-        self.fallbacks = 0
         self.callback: Any = None
         self._stale = True  # the policy's weights may differ from the version pushed last
-        self._warned: Set[str] = set()
-        self._transforms: Dict[str, fused_head.HeadTransforms] = {}
-
-    @property
-    def policy_version(self) -> Optional[str]:
-        """The policy version pushed last (None before the first push)."""
-        return self.policy.version
-
-    @property
-    def version_format(self) -> str:
-        """The policy's version names, ``str.format``ted with ``run`` and ``step``."""
-        return self.policy.version_format
-
-    @property
-    def run(self) -> str:
-        """The run id of the policy's version names."""
-        return self.policy.run
-
-    @property
-    def pushes(self) -> int:
-        """Policy pushes made so far."""
-        return self.policy.count
 
     # -- models -------------------------------------------------------------
 
@@ -356,9 +302,9 @@ class ServiceLogProbs:
         projecting through."""
         policy = self._policy_model()
         ref = self._reference_model()
-        if _same(weight, _head_weight(policy)):
+        if fused_head.same_tensor(weight, _head_weight(policy)):
             return self.policy_head
-        if ref is not None and _same(weight, _head_weight(ref)):
+        if ref is not None and fused_head.same_tensor(weight, _head_weight(ref)):
             return self.reference_head
         lm_head = _gathering_lm_head()
         if lm_head is None:
@@ -368,10 +314,6 @@ class ServiceLogProbs:
         if ref is not None and lm_head is ref.get_output_embeddings():
             return self.reference_head
         return None
-
-    def _refresh_transforms(self, head: str) -> None:
-        self._transforms[head] = fused_head.HeadTransforms.of_info(fused_head.head_info(self.client, head,
-                                                                                         refresh=True))
 
     # -- pushing ------------------------------------------------------------
 
@@ -424,17 +366,6 @@ class ServiceLogProbs:
 
     # -- routing ------------------------------------------------------------
 
-    def _unsupported(self, why: str) -> None:
-        if self.on_unsupported == "raise":
-            raise HeadMismatchError(
-                "logprob_client.trl cannot answer this fused lm_head call as TRL would: %s. Pass "
-                "use_service(..., on_unsupported=\"fallback\") to leave such calls to TRL's kernel." % why)
-        if why not in self._warned:
-            self._warned.add(why)
-            warnings.warn("logprob_client.trl: %s; these calls run in TRL's own kernel" % why, RuntimeWarning,
-                          stacklevel=4)
-        self.fallbacks += 1
-
     def _maybe_answer(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
         """TRL's 5-tuple for a call this adapter answers; None for a call it
         leaves to TRL (with gradients, another weight, unsupported with
@@ -450,7 +381,7 @@ class ServiceLogProbs:
         outputs = tuple(a["outputs"])
         why = self._check(head, a)
         if why:
-            self._unsupported(why)
+            self._unsupported(why, stacklevel=3)
             return None
         version = ""
         if head == self.policy_head:
@@ -464,7 +395,7 @@ class ServiceLogProbs:
             out = fused_head.score_rows(self.client, a["hidden"], a["targets"], head=head, head_version=version,
                                         temperature=float(a["temperature"]), outputs=outputs)
         except UnsupportedCall as e:
-            self._unsupported(str(e))
+            self._unsupported(str(e), stacklevel=3)
             return None
         self.routed[head] += 1
         self.calls.append(RoutedCall(head, str(out["head_version"]), int(a["hidden"].shape[0]), outputs))

@@ -54,11 +54,9 @@ written against (0.9.x), checked from the installed distribution's
 metadata (``import verl`` itself needs ray).
 """
 
-import collections
 import functools
 import importlib
-import warnings
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import fused_head
 from .fused_head import HeadMismatchError, UnsupportedCall
@@ -73,8 +71,6 @@ def check_verl_version(version: Optional[str] = None) -> str:
     """The installed verl's version (``importlib.metadata``), or
     ``version``, when within ``SUPPORTED_VERL``; RuntimeError otherwise,
     ImportError when verl is not installed."""
-    from .trl import _release
-
     if version is None:
         from importlib import metadata
 
@@ -83,7 +79,7 @@ def check_verl_version(version: Optional[str] = None) -> str:
         except metadata.PackageNotFoundError as e:
             raise ImportError("logprob_client.verl needs verl (pip install 'verl>=0.9,<0.10')") from e
     lo, hi = SUPPORTED_VERL
-    if not (lo <= _release(version)[:2] < hi):
+    if not (lo <= fused_head.release(version)[:2] < hi):
         raise RuntimeError("logprob_client.verl supports verl >= %d.%d, < %d.%d (it replaces %s.FusedLinearForPPO); "
                            "verl %s is installed" % (lo + hi + (SEAM, version)))
     return version
@@ -93,49 +89,22 @@ def _weight_of(x: Any) -> Any:
     return x.weight if hasattr(x, "weight") and not hasattr(x, "data_ptr") else x
 
 
-class VerlService:
+class VerlService(fused_head.ServiceAdapter):
     """What ``use_service`` returns: the registered heads, the policy's
     pinned version (``policy_version``), ``run`` (the run id of its version
     names), counters (``pushes``, ``routed`` by head, ``fallbacks``,
     ``calls``: the last 10000 ``(head, version, tokens)``). ``remove()``
     puts verl's class back."""
 
+    RAISE_FORMAT = "logprob_client.verl cannot answer this call: %s"
+    WARN_FORMAT = "logprob_client.verl: %s; such calls run in verl's kernel"
+
     def __init__(self, client: Any, module: Any, original: Any, on_unsupported: str, version_format: str,
                  policy_head: str, run: Optional[str] = None) -> None:
-        if on_unsupported not in ("raise", "fallback"):
-            raise ValueError("on_unsupported must be 'raise' or 'fallback', got %r" % (on_unsupported,))
-        self.client = client
+        super().__init__(client, policy_head, on_unsupported, version_format, run)
         self.module = module
         self.original = original
-        self.on_unsupported = on_unsupported
-        self.policy_head = policy_head
-        self.policy = fused_head.PolicyPushes(client, policy_head, version_format, run)
         self.heads: List[Tuple[Any, str]] = []
-        self.routed: Dict[str, int] = collections.Counter()
-        self.fallbacks = 0
-        self.calls: Any = collections.deque(maxlen=10000)
-        self._warned: Set[str] = set()
-        self._transforms: Dict[str, fused_head.HeadTransforms] = {}
-
-    @property
-    def policy_version(self) -> Optional[str]:
-        """The policy version pushed last (None before the first push)."""
-        return self.policy.version
-
-    @property
-    def version_format(self) -> str:
-        """The policy's version names, ``str.format``ted with ``run`` and ``step``."""
-        return self.policy.version_format
-
-    @property
-    def run(self) -> str:
-        """The run id of the policy's version names."""
-        return self.policy.run
-
-    @property
-    def pushes(self) -> int:
-        """Policy pushes made so far."""
-        return self.policy.count
 
     def add_head(self, weight: Any, head: str) -> None:
         """Registers a model's lm_head (its ``[V, H]`` weight tensor, or the
@@ -197,10 +166,8 @@ class VerlService:
         return wrapper
 
     def _head_of(self, weight: Any) -> Optional[str]:
-        from .trl import _same
-
         for registered, head in self.heads:
-            if _same(weight, _weight_of(registered)):
+            if fused_head.same_tensor(weight, _weight_of(registered)):
                 return head
         return None
 
@@ -229,13 +196,7 @@ class VerlService:
             out = fused_head.score_rows(self.client, flat, input_ids.reshape(-1), head=head, head_version=version,
                                         temperature=float(temperature), outputs=("log_probs", "entropy"))
         except UnsupportedCall as e:
-            if self.on_unsupported == "raise":
-                raise HeadMismatchError("logprob_client.verl cannot answer this call: %s" % e) from e
-            if str(e) not in self._warned:
-                self._warned.add(str(e))
-                warnings.warn("logprob_client.verl: %s; such calls run in verl's kernel" % e, RuntimeWarning,
-                              stacklevel=3)
-            self.fallbacks += 1
+            self._unsupported(str(e), cause=e, stacklevel=3)
             return None
         self.routed[head] += 1
         self.calls.append((head, str(out["head_version"]), int(flat.shape[0])))

@@ -152,7 +152,7 @@ class AioTest(unittest.IsolatedAsyncioTestCase):
 
 def _tiny_request():
     from logprob_client import logprob_pb2 as pb2
-    from logprob_client.tensors import F32, I64, to_tensor
+    from logprob_client._internal.tensors import F32, I64, to_tensor
 
     return pb2.ScoreRequest(id="tiny", inputs=[to_tensor("logits", F32, np.zeros((1, 2, 4), np.float32)),
                                                to_tensor("input_ids", I64, np.zeros((1, 2), np.int64))])

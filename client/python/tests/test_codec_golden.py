@@ -1,4 +1,4 @@
-"""The Python client's ScoreChunked part codec (logprob_client/transport.py:
+"""The Python client's ScoreChunked part codec (logprob_client/_internal/transport.py:
 ``parse_part``, ``piece_header``) against the golden parts of
 tests/data/chunk_codec/parts.json (``LOGPROB_CHUNK_CODEC_GOLDEN_DIR``), the
 cases the C++ codec is tested against too (tests/chunk_codec_test.cc,
@@ -11,7 +11,7 @@ import unittest
 import support  # noqa: F401  (puts client/python on sys.path)
 from support import CHUNK_CODEC_GOLDEN_DIR
 
-from logprob_client import transport
+from logprob_client._internal import transport
 
 
 def load_cases():

@@ -1,4 +1,4 @@
-"""CUDA IPC inputs of the Python client (logprob_client/cuda_ipc.py):
+"""CUDA IPC inputs of the Python client (logprob_client/_internal/cuda_ipc.py):
 
 - DecisionTest (no server): the decision both clients make, with fakes (a
   tensor-like object claiming ``is_cuda``, ServerInfo messages with and
@@ -38,9 +38,10 @@ from support import BIN_DIR, GOLDEN_DIR, Golden, Server, compare, temp_dir
 
 from logprob_client import LogprobError
 from logprob_client import aio
-from logprob_client import cuda_ipc, lm_head_update, safetensors, shared_memory
+from logprob_client import lm_head_update, safetensors
+from logprob_client._internal import cuda_ipc, shared_memory
 from logprob_client import logprob_pb2 as pb2
-from logprob_client.request import Limits, ScoreCall
+from logprob_client._internal.request import Limits, ScoreCall
 
 import grpc
 
@@ -115,8 +116,8 @@ class DecisionTest(unittest.TestCase):
         call = ScoreCall("r1", None, np.arange(5), hidden_states=hidden, cu_seqlens=[0, 5])
         rows = call.inputs.rows
         small = [t for t in call.inputs.tensors if t[0] != "hidden_states"]
-        from logprob_client import splitter
-        from logprob_client.request import Part
+        from logprob_client._internal import splitter
+        from logprob_client._internal.request import Part
 
         dev = FakeCudaTensor(np.zeros((5, 8), np.float32))  # what export() sees of a contiguous CUDA tensor
         ref = cuda_ipc.Export(dev, pb2.F32, b"h" * 64, 4096, "GPU-test", allocation_bytes=8192)

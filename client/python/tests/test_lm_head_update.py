@@ -20,8 +20,9 @@ import numpy as np
 from support import (BIN_DIR, GOLDEN_DIR, Golden, Server, compare, hashed_head, pid_namespace_prefix, temp_dir, wait_for,
                      worker_pids)
 from logprob_client import LogprobClient, LogprobError
-from logprob_client import aio, base, safetensors
-from logprob_client._proto import pb2
+from logprob_client import aio, safetensors
+from logprob_client._internal import base
+from logprob_client._internal._proto import pb2
 
 V, H, T = 301, 64, 24
 
@@ -531,7 +532,7 @@ class StreamHeadTest(unittest.TestCase):
     used to lose them and be scored with the default head."""
 
     def test_score_stream_keeps_the_head_and_the_pinned_version(self):
-        from logprob_client.tensors import F32, I64, to_tensor
+        from logprob_client._internal.tensors import F32, I64, to_tensor
         d = temp_dir("stream_head")
         pol = save(os.path.join(d, "policy.safetensors"), weights(1))
         ref = save(os.path.join(d, "reference.safetensors"), weights(9))

@@ -634,6 +634,19 @@ class OfflineTest(unittest.TestCase):
     """No server: stub generation at import time, the splitter's parts, and
     the input conversions."""
 
+    def test_public_names_exist(self):
+        import importlib
+
+        import logprob_client
+
+        for module in ("logprob_client", "logprob_client.client", "logprob_client.aio", "logprob_client.batches",
+                       "logprob_client.errors", "logprob_client.safetensors", "logprob_client.lm_head_update",
+                       "logprob_client.replicas", "logprob_client.tensor_parallel", "logprob_client.fused_head",
+                       "logprob_client.trl", "logprob_client.verl"):
+            m = importlib.import_module(module)
+            self.assertEqual([n for n in m.__all__ if not hasattr(m, n)], [], module)
+        self.assertEqual(len(set(logprob_client.__all__)), len(logprob_client.__all__))
+
     def test_target_slips_say_what_to_change(self):
         from logprob_client import aio
 
@@ -669,7 +682,7 @@ class OfflineTest(unittest.TestCase):
                 c.score(logits=bits, input_ids=ids)
             self.assertIn("pass dtype='bf16'", str(cm.exception))
             self.assertNotIn("logits_dtype", str(cm.exception))
-            from logprob_client.tensors import BF16, float_array
+            from logprob_client._internal.tensors import BF16, float_array
             wire, arr = float_array("logits", bits, dtype="bf16")
             self.assertEqual(wire, BF16)
             self.assertEqual(arr.dtype, np.dtype("<u2"))
@@ -713,8 +726,9 @@ class OfflineTest(unittest.TestCase):
         self.assertIn("logprob_python_stubs", out.stderr)
 
     def test_split_packed_parts(self):
-        from logprob_client import splitter, logprob_pb2 as pb2
-        from logprob_client.tensors import I32, I64, F32
+        from logprob_client import logprob_pb2 as pb2
+        from logprob_client._internal import splitter
+        from logprob_client._internal.tensors import I32, I64, F32
 
         V, lens = 8, [3, 5, 1, 4]
         T = sum(lens)
@@ -751,8 +765,9 @@ class OfflineTest(unittest.TestCase):
     def test_wire_encoding_matches_protobuf(self):
         # encode_request's bytes parse as the ScoreRequest protobuf builds,
         # for contiguous, strided, bf16 and empty tensors, on both paths.
-        from logprob_client import logprob_pb2 as pb2, splitter, wire
-        from logprob_client.tensors import float_array, int_array
+        from logprob_client import logprob_pb2 as pb2
+        from logprob_client._internal import splitter, wire
+        from logprob_client._internal.tensors import float_array, int_array
 
         import platform
 
@@ -778,9 +793,10 @@ class OfflineTest(unittest.TestCase):
             self.assertEqual(v, pb2.ServerInfo(max_request_bytes=n).SerializeToString()[1:] if n else b"\x00")
 
     def test_wire_response_decoding_matches_protobuf(self):
-        from logprob_client import logprob_pb2 as pb2, wire
-        from logprob_client.request import decode
-        from logprob_client.tensors import to_tensor
+        from logprob_client import logprob_pb2 as pb2
+        from logprob_client._internal import wire
+        from logprob_client._internal.request import decode
+        from logprob_client._internal.tensors import to_tensor
 
         rng = np.random.default_rng(4)
         lp = rng.standard_normal((3, 7)).astype(np.float32)
@@ -814,7 +830,7 @@ class OfflineTest(unittest.TestCase):
         self.assertEqual(cm.exception.code, grpc.StatusCode.INTERNAL)
 
     def test_conversions(self):
-        from logprob_client.tensors import BF16, F16, F32, I32, I64, float_array, int_array
+        from logprob_client._internal.tensors import BF16, F16, F32, I32, I64, float_array, int_array
 
         x = np.linspace(-3, 3, 12, dtype=np.float64).reshape(3, 4)
         # float64 is refused unless a dtype says how to send it (as the CLI refuses float64 files).

@@ -1,5 +1,5 @@
 """The sync and asyncio clients agree (they share one sans-I/O core,
-logprob_client/base.py, and only perform its I/O differently):
+logprob_client/_internal/base.py, and only perform its I/O differently):
 
 - ParityTest: one table of cases (inputs, every score option, client
   settings: limits, chunking, shared memory, CUDA IPC, retries, TLS/token
@@ -32,10 +32,11 @@ import reference
 from test_cuda_ipc import FakeCudaTensor
 
 import grpc
-from logprob_client import LogprobClient, LogprobError, RetryPolicy, aio, shared_memory
+from logprob_client import LogprobClient, LogprobError, RetryPolicy, aio
+from logprob_client._internal import shared_memory
 from logprob_client import logprob_pb2 as pb2
-from logprob_client.base import ClientBase
-from logprob_client.tensors import F32, I64, to_tensor
+from logprob_client._internal.base import ClientBase
+from logprob_client._internal.tensors import F32, I64, to_tensor
 
 LM_HEAD = os.path.join(support.GOLDEN_DIR, "hidden_bf16.lm_head.safetensors")
 

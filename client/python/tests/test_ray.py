@@ -66,7 +66,7 @@ from logprob_client import LogprobError, RetryPolicy, safetensors
 from logprob_client import logprob_pb2 as pb2
 from logprob_client import LogprobClient
 from logprob_client.ray import DeclaredHead, LogprobService
-from logprob_client.tensors import float32_to_bf16_bits
+from logprob_client._internal.tensors import float32_to_bf16_bits
 
 LM_HEAD = os.path.join(GOLDEN_DIR, "hidden_bf16.lm_head.safetensors")
 CASES = LOGITS_CASES + ["hidden_bf16"]

@@ -23,10 +23,11 @@ import support  # noqa: F401  (puts client/python on sys.path)
 from support import Server
 
 import logprob_client
-from logprob_client import LogprobError, cuda_ipc, errors
+from logprob_client import LogprobError, errors
+from logprob_client._internal import cuda_ipc
 from logprob_client import logprob_pb2 as pb2
-from logprob_client.request import ScoreCall, status_error
-from logprob_client.retry import reason_of
+from logprob_client._internal.request import ScoreCall, status_error
+from logprob_client._internal.retry import reason_of
 
 from test_cuda_ipc import FakeCudaTensor
 
@@ -54,7 +55,9 @@ class ReasonsTest(unittest.TestCase):
         names = set(pb2.ErrorReason.keys())
         root = os.path.dirname(logprob_client.__file__)
         found = []
-        for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+            if "_generated" in path:
+                continue
             with open(path, encoding="utf-8") as f:
                 tree = ast.parse(f.read(), path)
             for node in ast.walk(tree):

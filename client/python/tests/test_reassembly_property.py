@@ -11,9 +11,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from logprob_client import transport
-from logprob_client._proto import pb2
-from logprob_client.wire import varint
+from logprob_client._internal import transport
+from logprob_client._internal._proto import pb2
+from logprob_client._internal.wire import varint
 
 DTYPES = {pb2.F32: np.float32, pb2.I64: np.int64, pb2.BF16: np.uint16, pb2.F16: np.float16, pb2.I32: np.int32}
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from support import Server, free_port, temp_dir, wait_for
 from logprob_client import LogprobClient, LogprobError, RetryPolicy, safetensors
-from logprob_client._proto import pb2, pb2_grpc
+from logprob_client._internal._proto import pb2, pb2_grpc
 from logprob_client.replicas import (ReplicaUpdateError, resolve_replicas, update_lm_head_replicas,
                                      update_lm_head_replicas_async, weight_sha256)
 

@@ -66,7 +66,7 @@ def trl_recipe(subsection=None):
 
 def stubs_dir():
     """The folder of the generated Python stubs this run imports."""
-    from logprob_client._proto import pb2  # .../logprob/v1/logprob_pb2.py
+    from logprob_client._internal._proto import pb2  # .../logprob/v1/logprob_pb2.py
 
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(pb2.__file__))))
 

@@ -1,4 +1,4 @@
-"""Shared-memory inputs of the Python client (logprob_client/shared_memory.py)
+"""Shared-memory inputs of the Python client (logprob_client/_internal/shared_memory.py)
 against live servers: used on its own on the same host, bitwise the inline
 results, one region per concurrent call, regions removed on close(),
 re-registered after the server expired an idle session, inline when the
@@ -24,7 +24,7 @@ from support import LOGITS_CASES, Golden, Server, compare, free_port, pid_namesp
 
 from logprob_client import LogprobError
 from logprob_client import logprob_pb2 as pb2
-from logprob_client import shared_memory
+from logprob_client._internal import shared_memory
 
 
 def metric(port, series):

@@ -130,8 +130,8 @@ class SplitAcrossCommitTest(unittest.TestCase):
     def test_parts_scored_with_two_versions_are_never_joined(self):
         # score() pins its parts; a streamed item's parts are in flight at
         # once, so their answers may come from two versions: refused.
-        from logprob_client._proto import pb2
-        from logprob_client.request import ScoreCall
+        from logprob_client._internal._proto import pb2
+        from logprob_client._internal.request import ScoreCall
 
         call = ScoreCall("r", **call_kwargs())
         answers = [pb2.ScoreResponse(id="r-%d" % i, head="policy", head_version=v) for i, v in

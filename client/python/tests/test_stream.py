@@ -14,7 +14,7 @@ from support import LOGITS_CASES, Golden, Server, compare
 import grpc
 from logprob_client import InvalidInputError, LogprobError, ScoreResult, aio
 from logprob_client import logprob_pb2 as pb2
-from logprob_client.tensors import F32, I64, to_tensor
+from logprob_client._internal.tensors import F32, I64, to_tensor
 
 
 class StreamTest(unittest.TestCase):

@@ -11,7 +11,7 @@ from support import Golden, Server, as_numpy_outputs, compare
 import reference
 
 from logprob_client import aio, bf16_bits_to_float32, float32_to_bf16_bits
-from logprob_client.tensors import BF16, F32, float_array
+from logprob_client._internal.tensors import BF16, F32, float_array
 
 try:
     import torch

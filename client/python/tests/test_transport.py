@@ -1,4 +1,4 @@
-"""Tests of the Python clients' chunked transport (logprob_client/transport.py,
+"""Tests of the Python clients' chunked transport (logprob_client/_internal/transport.py,
 the ScoreChunked RPC) against live logprob-servers, sync (ChunkedTest) and
 asyncio (AioChunkedTest): golden cases give the same bytes in pieces as in
 one message, large outputs come back in pieces, a 300 MB request scores
@@ -15,7 +15,8 @@ import support  # noqa: F401  (puts client/python on sys.path)
 from support import LOGITS_CASES, Golden, Server, compare
 
 import grpc
-from logprob_client import LogprobError, RetryPolicy, aio, bf16_bits_to_float32, float32_to_bf16_bits, transport
+from logprob_client import LogprobError, RetryPolicy, aio, bf16_bits_to_float32, float32_to_bf16_bits
+from logprob_client._internal import transport
 
 LM_HEAD = os.path.join(support.GOLDEN_DIR, "hidden_bf16.lm_head.safetensors")
 
@@ -45,7 +46,7 @@ class ChunkedTest(unittest.TestCase):
         self.assertEqual(info.chunked_inline_bytes, transport.INLINE_BYTES)
 
     def test_piece_header_matches_protobuf(self):
-        from logprob_client._proto import pb2
+        from logprob_client._internal._proto import pb2
 
         part = pb2.ScoreRequestPart(piece=pb2.TensorPiece(tensor=3, offset=1 << 33, data=b"abcde"))
         self.assertEqual(transport.piece_header(3, 1 << 33, 5) + b"abcde", part.SerializeToString())
@@ -53,7 +54,7 @@ class ChunkedTest(unittest.TestCase):
         self.assertEqual((kind, tensor, offset, bytes(data)), ("piece", 3, 1 << 33, b"abcde"))
 
     def test_response_assembler_refuses_malformed_answers(self):
-        from logprob_client._proto import pb2
+        from logprob_client._internal._proto import pb2
 
         out = pb2.Tensor(name="topk_indices", dtype=pb2.I64, shape=[2, 3])  # 48 bytes, in pieces
         data = np.arange(6, dtype=np.int64).tobytes()

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(ROOT, "client", "python", "tests"))
 
 import reference  # noqa: E402
 from logprob_client import safetensors  # noqa: E402
-from logprob_client.tensors import bf16_bits_to_float32  # noqa: E402
+from logprob_client import bf16_bits_to_float32  # noqa: E402
 
 GOLDEN = os.path.dirname(os.path.abspath(__file__))
 CASES = ["basic_f32", "llama_vocab_bf16", "odd_vocab_f16", "sampling_f32", "packed_bf16", "hidden_bf16"]

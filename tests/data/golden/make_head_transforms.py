@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 
 from logprob_client import safetensors  # noqa: E402
-from logprob_client.tensors import bf16_bits_to_float32  # noqa: E402
+from logprob_client import bf16_bits_to_float32  # noqa: E402
 
 GOLDEN = os.path.dirname(os.path.abspath(__file__))
 V, H, B, T = 1000, 64, 2, 24

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import grpc
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 Metadata = Optional[Tuple[Tuple[str, str], ...]]
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Optional, Tuple
 
 import grpc
 
-from .errors import LogprobError
+from ..errors import LogprobError
 
 # on_retry(attempt, code, message, delay): called before each backoff.
 OnRetry = Callable[[int, grpc.StatusCode, str, float], None]

@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 import grpc
 
+from ..errors import LogprobError, has_reason
 from ._proto import pb2
-from .errors import LogprobError, has_reason
 
 #: The reason (a ``logprob.v1.ErrorReason`` name) of a pinned version the
 #: server does not hold.

@@ -12,8 +12,8 @@ from typing import Any, AsyncIterable, AsyncIterator, Callable, Deque, Dict, Ite
 
 import grpc
 
+from ..errors import InvalidInputError, LogprobError
 from ._proto import pb2
-from .errors import InvalidInputError, LogprobError
 from .request import Limits, ScoreCall, decode, status_error
 from .result import ScoreResult
 from .retry import Deadline, error_of

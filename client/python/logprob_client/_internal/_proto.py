@@ -30,8 +30,8 @@ from typing import Any, List, Optional, Tuple
 Stubs = Tuple[Any, Any]
 
 _PROTO_REL = os.path.join("logprob", "v1", "logprob.proto")
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCE_ROOT = os.path.normpath(os.path.join(_HERE, "..", "..", ".."))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # logprob_client/
+_SOURCE_ROOT = os.path.normpath(os.path.join(_PACKAGE, "..", "..", ".."))
 
 
 def _try_import() -> Optional[Stubs]:
@@ -101,9 +101,9 @@ def _generate(proto_dir: str) -> str:
 
 
 def _packaged() -> Optional[Stubs]:
-    if not os.path.isfile(os.path.join(_HERE, "_generated", "logprob_pb2_grpc.py")):
+    if not os.path.isfile(os.path.join(_PACKAGE, "_generated", "logprob_pb2_grpc.py")):
         return None
-    from ._generated import logprob_pb2, logprob_pb2_grpc
+    from .._generated import logprob_pb2, logprob_pb2_grpc
 
     return logprob_pb2, logprob_pb2_grpc
 

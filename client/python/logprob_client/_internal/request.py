@@ -12,8 +12,8 @@ import numpy as np
 
 from . import cuda_ipc as cuda_ipc_mod
 from . import splitter
+from ..errors import InvalidInputError, LogprobError, reason_name
 from ._proto import pb2
-from .errors import InvalidInputError, LogprobError, reason_name
 from .outputs import OutputFormat
 from .result import ScoreResult
 from .tensors import Array, as_numpy, float_array, from_tensor, int_array

@@ -47,9 +47,9 @@ import threading
 import warnings
 from typing import Any, Optional, Tuple
 
-from ._proto import pb2
 from . import shared_memory
-from .errors import has_reason
+from ..errors import has_reason
+from ._proto import pb2
 from .tensors import BF16, F16, F32, float64_refused, parse_float_dtype
 
 HANDLE_BYTES = 64

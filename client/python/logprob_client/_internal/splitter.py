@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import grpc
 import numpy as np
 
+from ..errors import InvalidInputError, LogprobError
 from ._proto import pb2
-from .errors import InvalidInputError, LogprobError
 from .tensors import DTYPE_SIZE, NUMPY_DTYPE, Array, to_tensor
 
 ROW_NAMES = ("logits", "hidden_states")

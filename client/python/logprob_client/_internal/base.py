@@ -25,9 +25,10 @@ import grpc
 
 from ._proto import pb2, pb2_grpc
 from .channel import ChannelSettings
-from .errors import LogprobError
-from .lm_head_update import (PUT_ROWS_METHOD, UPDATE_PUT_BYTES, UPDATE_REGION_BYTES, lm_head_rows_part,
+from ..errors import LogprobError
+from ..lm_head_update import (PUT_ROWS_METHOD, UPDATE_PUT_BYTES, UPDATE_REGION_BYTES, lm_head_rows_part,
                              lm_head_rows_parts)
+from . import cuda_ipc, shared_memory, transport
 from .ops import Emit, Locked, NextResponse, OpenStream, Ops, Rpc, Work, END, backoff, retried
 from .request import Limits, Part, ScoreCall
 from .result import ScoreResult
@@ -35,7 +36,6 @@ from .retry import Attempts, Deadline, OnRetry, RetryPolicy, error_of, reason_of
 from .shared_memory import SharedMemoryInputs
 from .stream import StreamAssembler, deliver
 from .version_pin import VersionPin
-from . import cuda_ipc, shared_memory, transport
 from .wire import decode_response
 
 # The server's rules for lm_head names (server/heads/lm_heads.h CheckLmHeadName,

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import grpc
 
-from ._proto import pb2
 from . import cuda_ipc
+from ..errors import LogprobError
+from ..lm_head_update import lm_head_device_rows, lm_head_ipc_parts, lm_head_rows, weight_nbytes
+from ._proto import pb2
 from .base import check_lm_head_names
-from .errors import LogprobError
-from .lm_head_update import lm_head_device_rows, lm_head_ipc_parts, lm_head_rows, weight_nbytes
 from .ops import Ops, Rpc, Work, retried
 from .retry import Deadline, error_of, reason_of
 from .tensors import float_array, parse_float_dtype, to_tensor

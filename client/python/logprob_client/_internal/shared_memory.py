@@ -48,9 +48,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 import grpc
 import numpy as np
 
+from ..errors import LogprobError, has_reason
 from ._proto import pb2
 from .channel import Metadata
-from .errors import LogprobError, has_reason
 from .ops import Ops, Rpc, Work
 from .retry import error_of
 from .splitter import Input
