@@ -8,9 +8,9 @@
 #include <string>
 
 #include "client/bench_payload.h"
-#include "common/channel.h"
 #include "client/chunked_call.h"
 #include "client/request_builder.h"
+#include "common/channel.h"
 
 namespace logprob::client {
 

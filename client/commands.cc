@@ -12,9 +12,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/channel.h"
 #include "client/health_check.h"
 #include "client/summary.h"
+#include "common/channel.h"
 #include "common/grpc_status.h"
 #include "common/request_bytes.h"
 #include "common/safetensors.h"

@@ -7,11 +7,11 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/channel.h"
 #include "client/chunked_call.h"
 #include "client/request_builder.h"
 #include "client/request_splitter.h"
 #include "client/shm_inputs.h"
+#include "common/channel.h"
 #include "grpcpp/client_context.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 

@@ -19,10 +19,10 @@
 #include "common/lm_head_source.h"
 #include "common/safetensors.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
-#include "server/pool/control_service.h"
 #include "server/heads/lm_head_declared.h"
-#include "server/pool/lm_head_files.h"
 #include "server/heads/lm_heads.h"
+#include "server/pool/control_service.h"
+#include "server/pool/lm_head_files.h"
 #include "tests/test_support.h"
 #include "worker/frontend_lm_head_rows.h"
 

@@ -42,10 +42,10 @@
 #include "common/positioned_io.h"
 #include "common/safetensors.h"
 #include "common/sha256.h"
+#include "server/app/memory_bound.h"
+#include "server/heads/lm_heads.h"
 #include "server/inputs/cuda_ipc_inputs.h"
 #include "server/inputs/input_source.h"
-#include "server/heads/lm_heads.h"
-#include "server/app/memory_bound.h"
 
 namespace logprob {
 namespace {
@@ -111,12 +111,18 @@ class LmHeadUpdatesTest : public ::testing::Test {
     if (!read) ADD_FAILURE() << "cannot read " << n << " bytes of " << v.source.file;
     return read ? out : std::string();
   }
-  /// Heads retaining `retain` versions, holding the fixture's first one.
-  std::unique_ptr<LmHeads> RetainingHeads(int retain) {
+  /// Heads retaining `retain` versions, holding the fixture's first one
+  /// (its file `start_file` when given), handing released versions to
+  /// `releases` when given (as the server wires them).
+  std::unique_ptr<LmHeads> RetainingHeads(int retain, std::shared_ptr<LmHeadReleases> releases = nullptr,
+                                          const std::string& start_file = "") {
     LmHeads::Options ho;
     ho.retain = retain;
+    if (releases) ho.on_release = [releases](const LmHeadVersion& v) { releases->Push(v); };
     auto heads = std::make_unique<LmHeads>(ho);
-    EXPECT_TRUE(heads->Add(*heads_.Bind("default", "").value()).ok());
+    LmHeadVersion first = *heads_.Bind("default", "").value();
+    if (!start_file.empty()) first.source.file = start_file;
+    EXPECT_TRUE(heads->Add(first).ok());
     return heads;
   }
   size_t StoreFiles() const {
@@ -354,12 +360,8 @@ TEST_F(LmHeadUpdatesTest, IpcRowsGoThroughTheSameChecksAsBytes) {
 TEST_F(LmHeadUpdatesTest, AReleasedVersionsFileTakesTheNextUpdateAndDigestsComeAfterOrAtTheCommit) {
   // Heads that hand released versions to the updates (as the server wires them).
   auto releases = std::make_shared<LmHeadReleases>();
-  LmHeads::Options ho;
-  ho.retain = 1;
-  ho.on_release = [releases](const LmHeadVersion& v) { releases->Push(v); };
-  LmHeads heads(ho);
-  LmHeadVersion first = *heads_.Bind("default", "").value();
-  ASSERT_TRUE(heads.Add(first).ok());
+  const std::unique_ptr<LmHeads> heads_owner = RetainingHeads(1, releases);
+  LmHeads& heads = *heads_owner;
   std::vector<std::string> dropped;
   const std::unique_ptr<LmHeadUpdates> made = Make(nullptr, {}, &heads, releases, &dropped);
   LmHeadUpdates& updates = *made;
@@ -575,16 +577,13 @@ TEST_F(LmHeadUpdatesTest, ConcurrentBeginsOfOneVersionCommitItOnce) {
 }
 
 TEST_F(LmHeadUpdatesTest, VersionsPinnedByRequestsInFlightKeepTheStoreWithinItsPartOfTheBound) {
-  // --lm-head-retain 1: the bound counts 4 store files for the head.
+  // --lm-head-retain 1: the bound counts 4 store files for the head. The
+  // start-up version's file is outside the store, as at start-up.
   auto releases = std::make_shared<LmHeadReleases>();
-  LmHeads::Options ho;
-  ho.retain = 1;
-  ho.on_release = [releases](const LmHeadVersion& v) { releases->Push(v); };
-  LmHeads heads(ho);
-  LmHeadVersion start = *heads_.Bind("default", "").value();
-  start.source.file = ::testing::TempDir() + "/start-checkpoint.safetensors";  // outside the store, as at start-up
-  ASSERT_TRUE(heads.Add(start).ok());
-  store_files_ = LmHeadStoreFiles(ho.retain);
+  const std::unique_ptr<LmHeads> heads_owner =
+      RetainingHeads(1, releases, ::testing::TempDir() + "/start-checkpoint.safetensors");
+  LmHeads& heads = *heads_owner;
+  store_files_ = LmHeadStoreFiles(1);
   ASSERT_EQ(store_files_, 4);
   const std::unique_ptr<LmHeadUpdates> updates = Make(nullptr, {}, &heads, releases);
   auto begin_put_commit = [&](const std::string& version) -> absl::Status {

@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/buffer_pool.h"
 #include "server/core/admission.h"
 #include "server/inputs/client_regions.h"
@@ -98,6 +100,35 @@ TEST(AdmissionConcurrency, EveryTicketIsCountedOnceAndReleased) {
   EXPECT_EQ(admission.bytes(), 0);
   EXPECT_EQ(admission.requests(), 0);
   EXPECT_EQ(last_requests.load(), 0);
+}
+
+// Requests of unknown size reserve the largest one for their read: the
+// next waits for room (the first shrinks to its size once read) instead of
+// being refused; what never fits is refused at its deadline; a ticket
+// grows and shrinks in place, counted once.
+TEST(AdmissionReservations, AReservationWaitsForRoomAndBecomesTheRequestsShare) {
+  Admission admission(/*max_tokens=*/1000, /*max_bytes=*/100);
+  Admission::Ticket first, second;
+  ASSERT_TRUE(admission.Resize(&first, 0, 80).ok());  // reading, size unknown
+  EXPECT_EQ(admission.Resize(&second, 0, 80).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(admission.ResizeWaiting(&second, 0, 80, absl::Now()).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(second.empty());
+  std::thread reader([&] { ASSERT_TRUE(admission.Resize(&first, 0, 10).ok()); });  // read: 10 bytes
+  ASSERT_TRUE(admission.ResizeWaiting(&second, 0, 80, absl::InfiniteFuture()).ok());
+  reader.join();
+  EXPECT_EQ(admission.bytes(), 90);
+  EXPECT_EQ(admission.requests(), 2);
+  // Admitted into the same ticket: tokens and bytes counted once.
+  ASSERT_TRUE(admission.Resize(&first, 5, 12).ok());
+  EXPECT_EQ(admission.bytes(), 92);
+  EXPECT_EQ(admission.tokens(), 5);
+  EXPECT_EQ(admission.Resize(&first, 5, 30).code(), absl::StatusCode::kResourceExhausted);  // 80 + 30 > 100
+  EXPECT_EQ(first.bytes(), 12);
+  { Admission::Ticket gone = std::move(second); }
+  EXPECT_EQ(admission.bytes(), 12);
+  EXPECT_EQ(admission.requests(), 1);
+  // Alone in flight, a request may grow over the limit.
+  EXPECT_TRUE(admission.Resize(&first, 5, 150).ok());
 }
 
 /// A POSIX shared-memory object of `bytes` bytes, unlinked at the end.

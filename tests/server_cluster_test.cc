@@ -21,8 +21,8 @@
 #include <future>
 #include <thread>
 
-#include "common/channel.h"
 #include "client/health_check.h"
+#include "common/channel.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {

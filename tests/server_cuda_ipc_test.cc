@@ -30,11 +30,11 @@
 #include "client/chunked_call.h"
 #include "common/partition.h"
 #include "server/core/batcher.h"
-#include "server/inputs/cuda_ipc_inputs.h"
 #include "server/core/planner.h"
-#include "server/inputs/request_inputs.h"
 #include "server/core/response_builder.h"
 #include "server/core/score_job.h"
+#include "server/inputs/cuda_ipc_inputs.h"
+#include "server/inputs/request_inputs.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {

@@ -25,8 +25,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/channel.h"
 #include "client/health_check.h"
+#include "common/channel.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {

@@ -12,8 +12,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "common/channel.h"
 #include "client/health_check.h"
+#include "common/channel.h"
 #include "grpcpp/client_context.h"
 #include "tests/test_support.h"
 

@@ -19,8 +19,8 @@
 #include <sstream>
 #include <thread>
 
-#include "common/channel.h"
 #include "client/health_check.h"
+#include "common/channel.h"
 #include "common/dtype.h"
 #include "common/exclusive_port.h"
 

@@ -25,8 +25,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "common/channel.h"
 #include "common/backend_choice.h"
+#include "common/channel.h"
 #include "common/exclusive_port.h"
 #include "common/flag_names.h"
 #include "common/lm_head_precision.h"
@@ -39,21 +39,21 @@
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
 #include "common/version.h"
-#include "server/transport/auth.h"
-#include "server/pool/external_launcher.h"
 #include "server/app/internal_plane.h"
+#include "server/app/memory_bound.h"
 #include "server/heads/lm_head_declared.h"
-#include "server/pool/lm_head_files.h"
-#include "server/transport/lm_head_peer_sync.h"
 #include "server/heads/lm_head_updates.h"
 #include "server/heads/lm_heads.h"
-#include "server/pool/local_launcher.h"
-#include "server/app/memory_bound.h"
-#include "server/metrics/metrics.h"
-#include "server/transport/scoring_service.h"
 #include "server/heads/store_folder.h"
-#include "server/transport/tls.h"
+#include "server/metrics/metrics.h"
+#include "server/pool/external_launcher.h"
+#include "server/pool/lm_head_files.h"
+#include "server/pool/local_launcher.h"
 #include "server/pool/worker_pool.h"
+#include "server/transport/auth.h"
+#include "server/transport/lm_head_peer_sync.h"
+#include "server/transport/scoring_service.h"
+#include "server/transport/tls.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address of the public gRPC service");
 ABSL_FLAG(int, workers, 1, "number of local worker processes to spawn");
@@ -632,8 +632,9 @@ int main(int argc, char** argv) {
   };
   update_observers.on_store_bytes = [&metrics](int64_t bytes) { metrics.SetLmHeadStoreBytes(bytes); };
   logprob::LmHeadUpdates updates(update_options, &heads, releases, update_workers, update_observers);
-  logprob::ScoringService service(pool, config, &metrics, &updates,
-                                  logprob::AccessPolicy(auth ? &*auth : nullptr, update_auth ? &*update_auth : nullptr));
+  logprob::ScoringService service(
+      pool, config, &metrics, &updates,
+      logprob::AccessPolicy(auth ? &*auth : nullptr, update_auth ? &*update_auth : nullptr));
 
   // Serve health (NOT_SERVING until the pool is up) while workers start.
   grpc::EnableDefaultHealthCheckService(true);

@@ -11,6 +11,7 @@ Admission::Ticket::~Ticket() {
   owner_->tokens_ -= tokens_;
   owner_->bytes_ -= bytes_;
   --owner_->requests_;
+  owner_->room_.SignalAll();
   if (owner_->observer_) owner_->observer_(owner_->requests_, owner_->tokens_, owner_->bytes_);
 }
 
@@ -34,9 +35,18 @@ absl::Status Admission::Refusal(int64_t tokens, int64_t bytes) const {
       v1::AT_CAPACITY);
 }
 
+bool Admission::FitsLocked(const Ticket* held, int64_t tokens, int64_t bytes) const {
+  // A request alone in flight may be (or grow) over a limit; what a ticket
+  // gives back always fits.
+  if (held == nullptr) return requests_ == 0 || (tokens_ + tokens <= max_tokens_ && bytes_ + bytes <= max_bytes_);
+  const int64_t more_tokens = tokens - held->tokens_, more_bytes = bytes - held->bytes_;
+  return requests_ <= 1 || ((more_tokens <= 0 || tokens_ + more_tokens <= max_tokens_) &&
+                            (more_bytes <= 0 || bytes_ + more_bytes <= max_bytes_));
+}
+
 absl::StatusOr<Admission::Ticket> Admission::Admit(int64_t tokens, int64_t bytes) {
   absl::MutexLock lock(&mu_);
-  if (requests_ > 0 && (tokens_ + tokens > max_tokens_ || bytes_ + bytes > max_bytes_)) return Refusal(tokens, bytes);
+  if (!FitsLocked(nullptr, tokens, bytes)) return Refusal(tokens, bytes);
   tokens_ += tokens;
   bytes_ += bytes;
   ++requests_;
@@ -53,16 +63,25 @@ absl::Status Admission::Resize(Ticket* ticket, int64_t tokens, int64_t bytes) {
   }
   absl::MutexLock lock(&mu_);
   const int64_t more_tokens = tokens - ticket->tokens_, more_bytes = bytes - ticket->bytes_;
-  // Alone in flight, a request may grow over a limit (Admit's rule).
-  if (requests_ > 1 && ((more_tokens > 0 && tokens_ + more_tokens > max_tokens_) ||
-                        (more_bytes > 0 && bytes_ + more_bytes > max_bytes_)))
-    return Refusal(tokens, bytes);
+  if (!FitsLocked(ticket, tokens, bytes)) return Refusal(tokens, bytes);
   tokens_ += more_tokens;
   bytes_ += more_bytes;
   ticket->tokens_ = tokens;
   ticket->bytes_ = bytes;
+  if (more_tokens < 0 || more_bytes < 0) room_.SignalAll();
   if (observer_) observer_(requests_, tokens_, bytes_);
   return absl::OkStatus();
+}
+
+absl::Status Admission::ResizeWaiting(Ticket* ticket, int64_t tokens, int64_t bytes, absl::Time deadline) {
+  for (;;) {
+    absl::Status st = Resize(ticket, tokens, bytes);
+    if (st.code() != absl::StatusCode::kResourceExhausted) return st;
+    absl::MutexLock lock(&mu_);
+    // Room made between the failed Resize and this lock is seen here.
+    if (!FitsLocked(ticket->empty() ? nullptr : ticket, tokens, bytes) && room_.WaitWithDeadline(&mu_, deadline))
+      return st;  // timed out
+  }
 }
 
 int64_t Admission::tokens() const {

@@ -8,6 +8,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace logprob {
 
@@ -57,6 +58,14 @@ class Admission {
   /// RESOURCE_EXHAUSTED as Admit's, the ticket unchanged.
   absl::Status Resize(Ticket* ticket, int64_t tokens, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
+  /// Resize, waiting up to `deadline` for room when it does not fit now
+  /// (released or shrunk tickets make room): a request whose size is not
+  /// known before its body arrives reserves the largest one for the read
+  /// only, and the next such request waits for that read instead of being
+  /// refused. RESOURCE_EXHAUSTED as Resize's once `deadline` passes.
+  absl::Status ResizeWaiting(Ticket* ticket, int64_t tokens, int64_t bytes, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   int64_t tokens() const ABSL_LOCKS_EXCLUDED(mu_);  // admitted, not yet released
   int64_t bytes() const ABSL_LOCKS_EXCLUDED(mu_);
   int64_t requests() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -65,11 +74,14 @@ class Admission {
   const int64_t max_tokens_, max_bytes_;
   const Observer observer_;
   mutable absl::Mutex mu_;
+  absl::CondVar room_;  // signalled when a ticket gives back
   int64_t tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t requests_ ABSL_GUARDED_BY(mu_) = 0;
 
   absl::Status Refusal(int64_t tokens, int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Whether `held` (null: a new request) may hold `tokens` and `bytes`.
+  bool FitsLocked(const Ticket* held, int64_t tokens, int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace logprob

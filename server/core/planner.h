@@ -8,9 +8,9 @@
 #include "absl/status/statusor.h"
 #include "common/shared_memory.h"
 #include "logprob/internal/v1/worker.pb.h"
+#include "server/core/score_job.h"
 #include "server/pool/payload_pool.h"
 #include "server/pool/plan.h"
-#include "server/core/score_job.h"
 
 namespace logprob {
 

@@ -6,9 +6,9 @@
 #include "absl/status/statusor.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "logprob/v1/logprob.pb.h"
-#include "server/heads/lm_heads.h"
 #include "server/core/planner.h"
 #include "server/core/score_job.h"
+#include "server/heads/lm_heads.h"
 
 namespace logprob {
 

@@ -11,8 +11,8 @@
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "logprob/v1/logprob.pb.h"
-#include "server/inputs/input_source.h"
 #include "server/heads/lm_heads.h"
+#include "server/inputs/input_source.h"
 #include "server/inputs/request_inputs.h"
 
 namespace logprob {

@@ -11,8 +11,8 @@
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
 #include "common/version.h"
-#include "server/inputs/request_inputs.h"
 #include "server/core/response_builder.h"
+#include "server/inputs/request_inputs.h"
 #include "server/inputs/shared_inputs.h"
 
 namespace logprob {

@@ -15,13 +15,13 @@
 #include "logprob/v1/logprob.pb.h"
 #include "server/core/admission.h"
 #include "server/core/batcher.h"
-#include "server/inputs/client_regions.h"
-#include "server/inputs/cuda_ipc_inputs.h"
-#include "server/heads/lm_heads.h"
-#include "server/metrics/metrics.h"
-#include "server/pool/payload_pool.h"
 #include "server/core/planner.h"
 #include "server/core/score_job.h"
+#include "server/heads/lm_heads.h"
+#include "server/inputs/client_regions.h"
+#include "server/inputs/cuda_ipc_inputs.h"
+#include "server/metrics/metrics.h"
+#include "server/pool/payload_pool.h"
 
 namespace logprob {
 

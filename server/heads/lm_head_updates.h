@@ -29,10 +29,10 @@
 #include "absl/time/time.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "logprob/v1/logprob.pb.h"
-#include "server/inputs/input_source.h"
 #include "server/heads/lm_head_store.h"
 #include "server/heads/lm_heads.h"
 #include "server/heads/staged_file_hasher.h"
+#include "server/inputs/input_source.h"
 
 namespace logprob {
 

@@ -7,8 +7,8 @@
 #include "common/dtype.h"
 #include "common/error_reason.h"
 #include "common/input_kind.h"
-#include "common/status_macros.h"
 #include "common/loopback.h"
+#include "common/status_macros.h"
 
 namespace logprob {
 namespace {

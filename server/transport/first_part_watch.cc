@@ -57,9 +57,8 @@ void FirstPartWatch::Loop() {
         next = std::min(next, e.deadline);
       }
     }
-    changed_.WaitWithDeadline(&mu_, next == Clock::time_point::max()
-                                        ? absl::InfiniteFuture()
-                                        : absl::Now() + absl::FromChrono(next - now));
+    changed_.WaitWithDeadline(
+        &mu_, next == Clock::time_point::max() ? absl::InfiniteFuture() : absl::Now() + absl::FromChrono(next - now));
   }
 }
 

@@ -60,7 +60,7 @@ class FirstPartWatch {
   const int max_waiting_;
   const std::chrono::milliseconds timeout_;
   mutable absl::Mutex mu_;
-  absl::CondVar changed_;  // a call waits, or stop
+  absl::CondVar changed_;                                  // a call waits, or stop
   std::map<int64_t, Entry> waiting_ ABSL_GUARDED_BY(mu_);  // context null once cancelled
   int64_t next_key_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

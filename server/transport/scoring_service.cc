@@ -25,12 +25,12 @@
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
 #include "common/untrusted_text.h"
-#include "server/transport/call_ended.h"
-#include "server/inputs/cuda_ipc_inputs.h"
-#include "server/heads/lm_head_reader.h"
-#include "server/transport/parsed_requests.h"
-#include "server/inputs/request_inputs.h"
 #include "server/core/response_builder.h"
+#include "server/heads/lm_head_reader.h"
+#include "server/inputs/cuda_ipc_inputs.h"
+#include "server/inputs/request_inputs.h"
+#include "server/transport/call_ended.h"
+#include "server/transport/parsed_requests.h"
 #include "server/transport/shm_session.h"
 
 namespace logprob {
@@ -160,7 +160,9 @@ grpc::Status ScoringService::Reserve(grpc::ServerContext* context, const char* m
   const int64_t most = core_.config().max_request_bytes;
   int64_t bytes = most;
   const auto& metadata = context->client_metadata();
-  if (const auto it = metadata.find(kRequestBytesMetadataKey); it != metadata.end()) {
+  const auto it = metadata.find(kRequestBytesMetadataKey);
+  const bool announced = it != metadata.end();
+  if (announced) {
     const absl::string_view value(it->second.data(), it->second.size());
     if (!absl::SimpleAtoi(value, &bytes) || bytes < 0 || value.find_first_not_of("0123456789") != std::string::npos)
       return Reply(context, absl::InvalidArgumentError(absl::StrCat("metadata ", kRequestBytesMetadataKey, " \"",
@@ -171,7 +173,13 @@ grpc::Status ScoringService::Reserve(grpc::ServerContext* context, const char* m
                                 absl::StrCat("request of ", bytes, " bytes (metadata ", kRequestBytesMetadataKey,
                                              ") exceeds the server's max_request_bytes ", most)));
   }
-  absl::Status st = core_.admission().Resize(receipt, 0, bytes);
+  // Unannounced, the largest size is held for the read only: the next such
+  // call waits a little for it (kUnannouncedWait) rather than being refused.
+  const absl::Status st =
+      announced
+          ? core_.admission().Resize(receipt, 0, bytes)
+          : core_.admission().ResizeWaiting(
+                receipt, 0, bytes, std::min(absl::FromChrono(context->deadline()), absl::Now() + kUnannouncedWait));
   return st.ok() ? grpc::Status::OK : Reply(context, st);
 }
 

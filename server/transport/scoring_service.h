@@ -10,18 +10,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/buffer_pool.h"
 #include "common/chunk_codec.h"
 #include "common/chunked_method.h"
 #include "grpcpp/impl/service_type.h"
 #include "grpcpp/support/sync_stream.h"
 #include "logprob/v1/logprob.grpc.pb.h"
-#include "server/transport/auth.h"
-#include "server/transport/first_part_watch.h"
+#include "server/core/scoring_core.h"
 #include "server/heads/lm_head_updates.h"
 #include "server/metrics/metrics.h"
-#include "server/core/scoring_core.h"
 #include "server/pool/worker_pool.h"
+#include "server/transport/auth.h"
+#include "server/transport/first_part_watch.h"
 
 namespace logprob {
 
@@ -109,8 +110,12 @@ class ScoringService final : public v1::LogprobService::Service {
   /// RESOURCE_EXHAUSTED (reason AT_CAPACITY) before a byte of the body is
   /// read, and a caller without the token UNAUTHENTICATED. INVALID_ARGUMENT
   /// for an announcement that is not a size or exceeds max_request_bytes.
-  /// Other methods: OK, nothing reserved.
+  /// An unannounced call whose reservation does not fit waits for room up
+  /// to kUnannouncedWait (the calls reading before it shrink theirs to
+  /// their size once read). Other methods: OK, nothing reserved.
   grpc::Status Reserve(grpc::ServerContext* context, const char* method, Receipt* receipt);
+  /// How long an unannounced Score waits for room for its reservation.
+  static constexpr absl::Duration kUnannouncedWait = absl::Seconds(2);
   /// Once the request's `bytes` arrived: the reservation becomes their
   /// size; INVALID_ARGUMENT when they exceed the announced size.
   grpc::Status Received(grpc::ServerContext* context, const char* method, Receipt* receipt, size_t bytes);

@@ -32,9 +32,9 @@
 #include "common/finite_check.h"
 #include "common/sha256.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/inputs/input_source.h"
 #include "server/heads/lm_head_updates.h"
 #include "server/heads/lm_heads.h"
+#include "server/inputs/input_source.h"
 
 namespace {
 

@@ -29,10 +29,10 @@
 #include "common/input_kind.h"
 #include "google/protobuf/stubs/logging.h"
 #include "logprob/v1/logprob.pb.h"
-#include "server/inputs/cuda_ipc_inputs.h"
 #include "server/core/planner.h"
-#include "server/inputs/request_inputs.h"
 #include "server/core/score_job.h"
+#include "server/inputs/cuda_ipc_inputs.h"
+#include "server/inputs/request_inputs.h"
 
 namespace {
 
