@@ -116,7 +116,9 @@ class GoldenTest(unittest.TestCase):
     def setUpClass(cls):
         # The actors find the binaries through bin_dir= only (the missing-binary test).
         os.environ.pop("LOGPROB_BIN_DIR", None)
-        ray.init(num_cpus=3, logging_level="ERROR", **RAY_NODE)
+        # A node of its own, whatever other cluster this host runs (address
+        # "local": never the one ray_current_cluster or RAY_ADDRESS names).
+        ray.init(address="local", num_cpus=3, logging_level="ERROR", **RAY_NODE)
         cls.addClassCleanup(ray.shutdown)
         cls.direct = Server(workers=2, extra=["--lm-head", LM_HEAD])
         cls.addClassCleanup(cls.direct.close)
