@@ -594,7 +594,9 @@ TEST_F(SharedMemoryInputs, TruncatedRegionsGiveAClearErrorAndTheServerGoesOn) {
       v1::ScoreResponse r;
       return stub->Score(&ctx, work.slow, &r);
     });
-    EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_inflight_requests", 1));
+    // The slow request runs (not merely arrives: a call counts from before
+    // its body is read), so what queues next is the request under test.
+    EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_running_batches", 1));
     auto queued = std::async(std::launch::async, [&] {
       v1::ScoreResponse r;
       return a.Score(req, &r);
@@ -630,7 +632,9 @@ TEST_F(SharedMemoryInputs, TruncatedRegionsGiveAClearErrorAndTheServerGoesOn) {
       v1::ScoreResponse r;
       return stub->Score(&ctx, work.slow, &r);
     });
-    EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_inflight_requests", 1));
+    // The slow request runs (not merely arrives: a call counts from before
+    // its body is read), so what queues next is the request under test.
+    EXPECT_TRUE(WaitForMetric(metrics_port_, "logprob_running_batches", 1));
     std::vector<std::future<std::pair<grpc::Status, std::string>>> queued;
     for (const v1::ScoreRequest* r : {&first, &second}) {
       queued.push_back(std::async(std::launch::async, [&a, r] {
