@@ -37,11 +37,6 @@ absl::StatusOr<FirstPartWatch::Waiting> FirstPartWatch::Watch(grpc::ServerContex
   return Waiting(this, key);
 }
 
-int FirstPartWatch::waiting() const {
-  absl::MutexLock lock(&mu_);
-  return static_cast<int>(waiting_.size());
-}
-
 void FirstPartWatch::Loop() {
   absl::MutexLock lock(&mu_);
   while (!stop_) {

@@ -46,9 +46,6 @@ class FirstPartWatch {
   /// message ..." when max_waiting already wait.
   absl::StatusOr<Waiting> Watch(grpc::ServerContext* context, const char* method) ABSL_LOCKS_EXCLUDED(mu_);
 
-  /// Calls waiting now.
-  int waiting() const ABSL_LOCKS_EXCLUDED(mu_);
-
  private:
   using Clock = std::chrono::steady_clock;
   struct Entry {
@@ -59,7 +56,7 @@ class FirstPartWatch {
 
   const int max_waiting_;
   const std::chrono::milliseconds timeout_;
-  mutable absl::Mutex mu_;
+  absl::Mutex mu_;
   absl::CondVar changed_;                                  // a call waits, or stop
   std::map<int64_t, Entry> waiting_ ABSL_GUARDED_BY(mu_);  // context null once cancelled
   int64_t next_key_ ABSL_GUARDED_BY(mu_) = 0;
