@@ -4,7 +4,8 @@
 // before sending its body holds them, the counted bytes
 // (logprob_queued_bytes) reach --max-queue-bytes, and the next call is
 // refused AT_CAPACITY without having sent a byte of its body. Once the
-// held call is answered, the same request scores as before.
+// held call is answered, the same request scores as before. A ScoreStream
+// reserves its next message's bytes the same way before reading it.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -138,6 +139,88 @@ TEST(ServerAdmission, BytesAreCountedBeforeTheBodyArrivesAndTheNextCallIsRefused
     EXPECT_NE(st.error_code(), grpc::StatusCode::OK) << text;
     EXPECT_NE(st.error_message().find(kRequestBytesMetadataKey), std::string::npos)
         << text << ": " << st.error_message();
+  }
+  EXPECT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", 0));
+}
+
+/// A ScoreStream call whose metadata announces `announce` bytes (< 0: none).
+struct OpenStream {
+  OpenStream(v1::LogprobService::Stub* stub, int64_t announce) {
+    if (announce >= 0) ctx.AddMetadata(kRequestBytesMetadataKey, std::to_string(announce));
+    ctx.set_deadline(std::chrono::system_clock::now() + kWaitTimeout);
+    stream = stub->ScoreStream(&ctx);
+  }
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ScoreRequest, v1::ScoreResponse>> stream;
+};
+
+TEST(ServerAdmission, AStreamsNextMessageIsCountedBeforeItIsRead) {
+  const int metrics_port = FreePort();
+  auto server = ServerProcess::Start(
+      2, {"--max-queue-bytes", std::to_string(kMaxQueue), "--max-request-bytes", std::to_string(kMaxRequest),
+          "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port)});
+  ASSERT_TRUE(server);
+  auto channel = grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials());
+  auto stub = server->NewStub();
+  const GoldenCase golden = LoadGolden("basic_f32");
+  const v1::ScoreRequest request = GoldenRequest(golden);
+  const int64_t size = static_cast<int64_t>(request.ByteSizeLong());
+
+  // A stream announcing 6 MiB messages holds 6 MiB of the 8 MiB before it
+  // sends a byte: an announced 3 MiB Score is refused without its body.
+  OpenStream open(stub.get(), kMaxRequest);
+  ASSERT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", static_cast<double>(kMaxRequest)));
+  {
+    HeldScore next(channel, int64_t{3} << 20);
+    const grpc::Status st = next.StatusWithoutBody();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  }
+  // An idle stream without room for its first message is refused
+  // RESOURCE_EXHAUSTED (after a short wait for room), reading nothing.
+  {
+    OpenStream crowded(stub.get(), kMaxRequest);
+    v1::ScoreResponse response;
+    EXPECT_FALSE(crowded.stream->Read(&response));
+    const grpc::Status st = crowded.stream->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_NE(st.error_message().find("--max-queue-bytes"), std::string::npos) << st.error_message();
+  }
+  // Its messages are scored as usual, and the next one is reserved again.
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(open.stream->Write(request));
+    v1::ScoreResponse response;
+    ASSERT_TRUE(open.stream->Read(&response));
+    EXPECT_EQ(response.status_code(), 0) << response.status_message();
+    EXPECT_EQ(CompareOutputs(golden.expected.tensors, {response.outputs().begin(), response.outputs().end()}), "");
+    ASSERT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", static_cast<double>(kMaxRequest)));
+  }
+  open.stream->WritesDone();
+  const grpc::Status done = open.stream->Finish();
+  EXPECT_TRUE(done.ok()) << done.error_message();
+  EXPECT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", 0));
+
+  // A message over the stream's announcement ends it INVALID_ARGUMENT,
+  // naming the key.
+  {
+    OpenStream liar(stub.get(), size - 1);
+    ASSERT_TRUE(liar.stream->Write(request));
+    liar.stream->WritesDone();
+    v1::ScoreResponse response;
+    EXPECT_FALSE(liar.stream->Read(&response));
+    const grpc::Status st = liar.stream->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find(kRequestBytesMetadataKey), std::string::npos) << st.error_message();
+  }
+  // Unannounced: max_request_bytes is held for each read.
+  {
+    OpenStream plain(stub.get(), -1);
+    ASSERT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", static_cast<double>(kMaxRequest)));
+    ASSERT_TRUE(plain.stream->Write(request));
+    v1::ScoreResponse response;
+    ASSERT_TRUE(plain.stream->Read(&response));
+    EXPECT_EQ(CompareOutputs(golden.expected.tensors, {response.outputs().begin(), response.outputs().end()}), "");
+    plain.stream->WritesDone();
+    EXPECT_TRUE(plain.stream->Finish().ok());
   }
   EXPECT_TRUE(WaitForMetric(metrics_port, "logprob_queued_bytes", 0));
 }

@@ -53,8 +53,9 @@ inline int LmHeadStoreFiles(int retain) { return retain + 3; }
 /// max_request_bytes) before its body is read and is refused without
 /// reading it when the queue has no room, ScoreChunked counts its
 /// announced total from its first part (server/transport/scoring_service.h Reserve),
-/// and the admitted request keeps that share; ScoreStream messages are
-/// admitted as they are read, one at a time per stream. The lm_head store
+/// and the admitted request keeps that share; a ScoreStream reserves each
+/// message's bytes (its announced largest, else max_request_bytes) before
+/// reading it (ScoringService::ReserveStreamed). The lm_head store
 /// part holds because an update that would take a head over
 /// LmHeadStoreFiles(retain) files is refused (server/heads/lm_head_updates.h).
 /// The request bytes of registered client shared-memory regions are the

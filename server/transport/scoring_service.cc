@@ -153,34 +153,51 @@ grpc::Status ScoringService::Refused(const grpc::ServerContext* context, const c
   return st;
 }
 
+absl::StatusOr<std::optional<int64_t>> ScoringService::AnnouncedBytes(const grpc::ServerContext& context) const {
+  const int64_t most = core_.config().max_request_bytes;
+  const auto& metadata = context.client_metadata();
+  const auto it = metadata.find(kRequestBytesMetadataKey);
+  if (it == metadata.end()) return std::nullopt;
+  const absl::string_view value(it->second.data(), it->second.size());
+  int64_t bytes = 0;
+  if (!absl::SimpleAtoi(value, &bytes) || bytes < 0 || value.find_first_not_of("0123456789") != std::string::npos)
+    return absl::InvalidArgumentError(absl::StrCat("metadata ", kRequestBytesMetadataKey, " \"", Printable(value, 64),
+                                                   "\": the request's size in bytes expected"));
+  if (bytes > most)
+    return absl::ResourceExhaustedError(absl::StrCat("request of ", bytes, " bytes (metadata ",
+                                                     kRequestBytesMetadataKey,
+                                                     ") exceeds the server's max_request_bytes ", most));
+  return bytes;
+}
+
 grpc::Status ScoringService::Reserve(grpc::ServerContext* context, const char* method, Receipt* receipt) {
   if (std::strcmp(method, "Score") != 0) return grpc::Status::OK;
   if (!access_.open())
     if (grpc::Status st = access_.Check(*context, Right::kScore, method); !st.ok()) return st;
-  const int64_t most = core_.config().max_request_bytes;
-  int64_t bytes = most;
-  const auto& metadata = context->client_metadata();
-  const auto it = metadata.find(kRequestBytesMetadataKey);
-  const bool announced = it != metadata.end();
-  if (announced) {
-    const absl::string_view value(it->second.data(), it->second.size());
-    if (!absl::SimpleAtoi(value, &bytes) || bytes < 0 || value.find_first_not_of("0123456789") != std::string::npos)
-      return Reply(context, absl::InvalidArgumentError(absl::StrCat("metadata ", kRequestBytesMetadataKey, " \"",
-                                                                    Printable(value, 64),
-                                                                    "\": the request's size in bytes expected")));
-    if (bytes > most)
-      return Reply(context, absl::ResourceExhaustedError(
-                                absl::StrCat("request of ", bytes, " bytes (metadata ", kRequestBytesMetadataKey,
-                                             ") exceeds the server's max_request_bytes ", most)));
-  }
+  const absl::StatusOr<std::optional<int64_t>> announced = AnnouncedBytes(*context);
+  if (!announced.ok()) return Reply(context, announced.status());
   // Unannounced, the largest size is held for the read only: the next such
   // call waits a little for it (kUnannouncedWait) rather than being refused.
   const absl::Status st =
-      announced
-          ? core_.admission().Resize(receipt, 0, bytes)
-          : core_.admission().ResizeWaiting(
-                receipt, 0, bytes, std::min(absl::FromChrono(context->deadline()), absl::Now() + kUnannouncedWait));
+      announced->has_value()
+          ? core_.admission().Resize(receipt, 0, **announced)
+          : core_.admission().ResizeWaiting(receipt, 0, core_.config().max_request_bytes,
+                                            std::min(absl::FromChrono(context->deadline()),
+                                                     absl::Now() + kUnannouncedWait));
   return st.ok() ? grpc::Status::OK : Reply(context, st);
+}
+
+absl::Status ScoringService::ReserveStreamed(grpc::ServerContext* context, int64_t bytes, bool answering,
+                                             Receipt* receipt) {
+  const absl::Time deadline = absl::FromChrono(context->deadline());
+  const absl::Time idle_until = std::min(deadline, absl::Now() + kUnannouncedWait);
+  for (;;) {
+    // In slices, so that a cancelled call stops waiting.
+    const absl::Time until = answering ? std::min(deadline, absl::Now() + absl::Seconds(1)) : idle_until;
+    absl::Status st = core_.admission().ResizeWaiting(receipt, 0, bytes, until);
+    if (st.ok() || !answering || absl::Now() >= deadline) return st;
+    if (context->IsCancelled()) return absl::CancelledError("ScoreStream: the client cancelled the call");
+  }
 }
 
 grpc::Status ScoringService::Received(grpc::ServerContext* context, const char* method, Receipt* receipt,
@@ -202,40 +219,71 @@ grpc::Status ScoringService::ServeScoreStream(
   // concurrently (the shared-memory session key), or one of them may find
   // it empty ("shared-memory calls need the metadata ...").
   (void)context->client_metadata();
+  // Every message's bytes count in the admission from before it is read:
+  // the stream's announced largest message, else max_request_bytes.
+  const absl::StatusOr<std::optional<int64_t>> announced = AnnouncedBytes(*context);
+  if (!announced.ok()) return Refused(context, "ScoreStream", Reply(context, announced.status()));
+  const int64_t reserve = announced->value_or(core_.config().max_request_bytes);
   // Messages are scored concurrently (so they can share worker batches),
   // up to kStreamInFlight at a time; a writer thread answers in order.
+  // Each answer holds its message's receipt until it is written.
+  struct Pending {
+    std::future<v1::ScoreResponse> answer;
+    std::shared_ptr<Receipt> receipt;
+  };
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<std::future<v1::ScoreResponse>> answers;  // in request order
+  std::deque<Pending> answers;  // in request order
+  int unanswered = 0;           // read, not yet written (or failed to)
   bool reading_done = false, write_failed = false;
   std::thread writer([&] {
     for (;;) {
-      std::future<v1::ScoreResponse> next;
+      Pending next;
       {
         std::unique_lock<std::mutex> lock(mu);
         cv.wait(lock, [&] { return !answers.empty() || reading_done; });
         if (answers.empty()) return;
         next = std::move(answers.front());
         answers.pop_front();
-        cv.notify_all();
       }
-      const v1::ScoreResponse resp = next.get();
+      const v1::ScoreResponse resp = next.answer.get();
       // Write without the lock, so the reader can queue more messages
       // meanwhile (only this thread sets write_failed).
-      if (!write_failed && !stream->Write(resp)) {
-        std::lock_guard<std::mutex> lock(mu);
-        write_failed = true;
-        cv.notify_all();
-      }
+      const bool written = !write_failed && stream->Write(resp);
+      std::lock_guard<std::mutex> lock(mu);
+      if (!written) write_failed = true;
+      --unanswered;
+      next.receipt.reset();  // the message's bytes leave the admission once answered
+      cv.notify_all();
     }
   });
+  grpc::Status ended;  // why the reads stopped early, if the server stopped them
   for (;;) {
+    bool answering = false;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return unanswered < kStreamInFlight || write_failed; });
+      if (write_failed) break;
+      answering = unanswered > 0;
+    }
+    auto receipt = std::make_shared<Receipt>();
+    if (absl::Status st = ReserveStreamed(context, reserve, answering, receipt.get()); !st.ok()) {
+      ended = Refused(context, "ScoreStream", Reply(context, st));
+      break;
+    }
     auto req = std::make_shared<v1::ScoreRequest>();
     if (!stream->Read(req.get())) break;
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return static_cast<int>(answers.size()) < kStreamInFlight || write_failed; });
-    if (write_failed) break;
-    answers.push_back(std::async(std::launch::async, [this, req, context] { return AnswerStreamed(*req, context); }));
+    if (grpc::Status st = Received(context, "ScoreStream", receipt.get(), req->ByteSizeLong()); !st.ok()) {
+      ended = Refused(context, "ScoreStream", st);
+      break;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    ++unanswered;
+    answers.push_back(Pending{std::async(std::launch::async,
+                                         [this, req, context, receipt] {
+                                           return AnswerStreamed(*req, context, receipt.get());
+                                         }),
+                              receipt});
     cv.notify_all();
   }
   {
@@ -244,11 +292,12 @@ grpc::Status ScoringService::ServeScoreStream(
     cv.notify_all();
   }
   writer.join();
-  return grpc::Status::OK;
+  return ended;
 }
 
-v1::ScoreResponse ScoringService::AnswerStreamed(const v1::ScoreRequest& req, grpc::ServerContext* context) {
-  auto r = Observe("ScoreStream", req, [&](RequestStats* stats) { return ScoreOne(req, stats, context); });
+v1::ScoreResponse ScoringService::AnswerStreamed(const v1::ScoreRequest& req, grpc::ServerContext* context,
+                                                 Receipt* received) {
+  auto r = Observe("ScoreStream", req, [&](RequestStats* stats) { return ScoreOne(req, stats, context, received); });
   if (r.ok()) return *std::move(r);
   v1::ScoreResponse resp;
   resp.set_id(req.id());

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,12 @@ class ScoringService final : public v1::LogprobService::Service {
   /// Scores each message like Score, up to kStreamInFlight messages of a
   /// stream at a time (so they can share worker batches), and answers in
   /// message order; a failed message gets a response carrying its status.
+  /// Each message's bytes are reserved in the admission before it is read
+  /// (ReserveStreamed: the `logprob-request-bytes` metadata announces the
+  /// stream's largest message, else max_request_bytes is held) and kept
+  /// until its answer is written; a message over the announcement ends the
+  /// stream INVALID_ARGUMENT, no room for an idle stream's next message
+  /// RESOURCE_EXHAUSTED, after the answers of the messages read.
   grpc::Status ScoreStream(grpc::ServerContext*,
                            grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>*) override;
   /// ScoreStream's body on any stream (the server's is a
@@ -156,9 +163,21 @@ class ScoringService final : public v1::LogprobService::Service {
   /// The caller's shared-memory session (SharedMemoryOwner), after
   /// Authorize; FAILED_PRECONDITION when shared-memory inputs are off.
   absl::StatusOr<std::string> ShmSession(grpc::ServerContext* context, const char* method);
-  /// One ScoreStream message's response: ScoreOne's, or its status as
+  /// One ScoreStream message's response: ScoreOne's (admitted into
+  /// `received`, the message's reservation), or its status as
   /// status_code / status_message.
-  v1::ScoreResponse AnswerStreamed(const v1::ScoreRequest& req, grpc::ServerContext* context);
+  v1::ScoreResponse AnswerStreamed(const v1::ScoreRequest& req, grpc::ServerContext* context, Receipt* received);
+  /// The size the call's `logprob-request-bytes` metadata announces
+  /// (common/request_bytes.h; a ScoreStream's: its largest message), or
+  /// nullopt without one. INVALID_ARGUMENT for a value that is not a size,
+  /// RESOURCE_EXHAUSTED for one over max_request_bytes.
+  absl::StatusOr<std::optional<int64_t>> AnnouncedBytes(const grpc::ServerContext& context) const;
+  /// Before a ScoreStream message is read: `bytes` reserved in *receipt.
+  /// No room: while the stream has answers to write (`answering`: they
+  /// make room once written) it waits up to the call's deadline
+  /// (backpressure; CANCELLED when the client cancels); an idle stream
+  /// waits up to kUnannouncedWait, then RESOURCE_EXHAUSTED (AT_CAPACITY).
+  absl::Status ReserveStreamed(grpc::ServerContext* context, int64_t bytes, bool answering, Receipt* receipt);
   /// Runs `fn` (which fills the request's stats), records the request's
   /// metrics under `method` and logs one line for it; `req` is read after
   /// `fn` (its size and id).

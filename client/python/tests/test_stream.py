@@ -138,5 +138,40 @@ class StreamTest(unittest.TestCase):
         self.check(raised, expect[:3])
 
 
+class StreamAnnouncementTest(unittest.TestCase):
+    """A stream announces its largest message (``logprob-request-bytes``),
+    which the server holds in its queue before reading each message: the
+    smaller of the server's max_request_bytes and STREAM_MESSAGE_BYTES; dict
+    items are split to fit it, a prepared ScoreRequest over it is refused
+    by the client."""
+
+    def test_the_announced_size_and_what_fits_it(self):
+        from logprob_client._internal.request import STREAM_MESSAGE_BYTES, Limits
+
+        big = Limits(pb2.ServerInfo(max_request_bytes=1 << 30)).for_stream()
+        self.assertEqual(big.message_bytes, STREAM_MESSAGE_BYTES)
+        self.assertEqual(big.max_bytes, int(STREAM_MESSAGE_BYTES * 0.9))
+        small = Limits(pb2.ServerInfo(max_request_bytes=100000)).for_stream()
+        self.assertEqual((small.message_bytes, small.max_bytes), (100000, 90000))
+
+        server = Server(workers=1, extra=["--max-request-bytes", "100000"])
+        self.addCleanup(server.close)
+        client = server.client()
+        self.addCleanup(client.close)
+        rng = np.random.default_rng(7)
+        logits = rng.standard_normal((2, 40, 500)).astype(np.float32)  # 160 kB: over one message
+        ids = rng.integers(0, 500, (2, 40))
+        reference = client.score(logits=logits[:1], input_ids=ids[:1])
+        prepared = pb2.ScoreRequest(id="too-big", inputs=[to_tensor("logits", F32, logits),
+                                                          to_tensor("input_ids", I64, ids)])
+        outcomes = list(client.score_stream([dict(logits=logits, input_ids=ids), prepared],
+                                            return_exceptions=True))
+        self.assertIsInstance(outcomes[0], ScoreResult, outcomes[0])
+        self.assertGreater(outcomes[0].num_parts, 1)
+        np.testing.assert_array_equal(outcomes[0].token_logprobs[:1], reference.token_logprobs)
+        self.assertIsInstance(outcomes[1], InvalidInputError)
+        self.assertIn("over the 100000 this stream announces", outcomes[1].message)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -60,9 +60,9 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 _SERVICE = pb2.DESCRIPTOR.services_by_name["LogprobService"].full_name
 SCORE_METHOD = "/%s/Score" % _SERVICE
 SCORE_STREAM_METHOD = "/%s/ScoreStream" % _SERVICE
-# A unary Score request's size, announced in its metadata so that the
-# server admits (or refuses) it before reading its body (the Score RPC in
-# proto/logprob/v1/logprob.proto).
+# A unary Score request's size (a ScoreStream's: its largest message),
+# announced in its metadata so that the server admits (or refuses) it
+# before reading its body (the Score RPC in proto/logprob/v1/logprob.proto).
 REQUEST_BYTES_METADATA = "logprob-request-bytes"
 
 
@@ -384,10 +384,10 @@ class ClientBase:
         """``score_stream``: emits (``Emit``) one outcome per request, in
         request order; cancels the stream when it ends or is closed."""
         deadline = self._deadline(timeout)
-        limits = self._limits_of((yield from self._server_info_ops(deadline=deadline)))
+        limits = self._limits_of((yield from self._server_info_ops(deadline=deadline))).for_stream()
         assembler = StreamAssembler(limits, self._next_id)
         call = yield OpenStream(self._score_stream_raw, assembler, requests, assembler.timeout(deadline),
-                                self._metadata)
+                                announcing(self._metadata, limits.message_bytes))
         try:
             try:
                 while True:

@@ -3,6 +3,7 @@ cutting them into parts that fit the server's limits, decoding the parts'
 responses and joining them into a ``ScoreResult``. Shared by the sync and
 asyncio clients (which only send the parts)."""
 
+import copy
 import difflib
 import inspect
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
@@ -23,6 +24,8 @@ from .wire import encode_request
 # client's kRequestFill), and the limit used when the server reports none.
 REQUEST_FILL = 0.9
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+# The largest message a ScoreStream announces (Limits.for_stream).
+STREAM_MESSAGE_BYTES = 64 << 20
 
 _ALIGNMENTS = {
     "next_token": pb2.NEXT_TOKEN,
@@ -51,6 +54,20 @@ class Limits:
             mine = int(max_tokens_per_request)
             max_tokens = min(max_tokens, mine) if max_tokens > 0 else mine
         self.max_tokens = max_tokens
+        # What one message may carry; on a stream, its announced size.
+        self.message_bytes = self.server_bytes
+
+    def for_stream(self) -> "Limits":
+        """These limits for the messages of one ``ScoreStream``: each at
+        most ``message_bytes`` = min(server_bytes, STREAM_MESSAGE_BYTES),
+        the size the stream announces (``logprob-request-bytes``); the
+        server holds that much of its queue while it waits for each
+        message, so streams announce less than a unary call may send. Dict
+        items are split into parts that fit it."""
+        limits = copy.copy(self)
+        limits.message_bytes = min(self.server_bytes, STREAM_MESSAGE_BYTES)
+        limits.max_bytes = max(1, min(self.max_bytes, int(limits.message_bytes * REQUEST_FILL)))
+        return limits
 
 
 class Part:

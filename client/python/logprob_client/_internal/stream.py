@@ -116,6 +116,11 @@ class StreamAssembler:
                     named.CopyFrom(item)
                     named.id = request_id
                     item = named
+                if item.ByteSize() > self.limits.message_bytes:
+                    raise InvalidInputError(
+                        "prepared ScoreRequest %r has %d bytes, over the %d this stream announces "
+                        "(logprob-request-bytes; pass it as a dict of score() arguments, which the stream splits, "
+                        "or send it with score())" % (request_id, item.ByteSize(), self.limits.message_bytes))
                 entry = _Entry(request_id, None, 1)
                 parts = [(request_id, item)]
             elif isinstance(item, dict):
