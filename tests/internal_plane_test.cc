@@ -10,7 +10,9 @@
 // worker processes, no restart, the same scores bit for bit. Cluster
 // mode: workers join with the front-end's secret file; a worker without
 // it is refused and exits saying why; a front-end beyond loopback without
-// a secret, or with a secret file other users can read, refuses to start.
+// a secret, or with a secret file other users can read, refuses to start;
+// --insecure-internal-plane says so in the log at start; a worker listening
+// beyond loopback without a secret is refused whatever it advertises.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -20,6 +22,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
@@ -209,6 +213,32 @@ TEST(InternalPlane, AClusterFrontEndBeyondLoopbackNeedsASecretAndAPrivateSecretF
   EXPECT_NE(r.output.find("other users can read it"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("readable-secret-0123456789"), std::string::npos) << r.output;
   std::remove(open_file.c_str());
+}
+
+TEST(InternalPlane, InsecureIsSaidAtEveryStartAndAWorkerListeningBeyondLoopbackNeedsTheSecret) {
+  // --insecure-internal-plane starts, saying so in its log.
+  const std::string log = ::testing::TempDir() + "/insecure_plane." + std::to_string(getpid()) + ".log";
+  std::remove(log.c_str());
+  auto server = ServerProcess::Launch({"--external-workers", "1", "--control-listen",
+                                       "0.0.0.0:" + std::to_string(FreePort()), "--insecure-internal-plane"},
+                                      log);
+  ASSERT_TRUE(server);
+  EXPECT_TRUE(WaitUntil("the warning in the log", [&] {
+    std::ifstream in(log);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return text.find("WARNING: --insecure-internal-plane") != std::string::npos;
+  }));
+  EXPECT_TRUE(server->Alive());
+  server.reset();
+  std::remove(log.c_str());
+  // A worker listening on every interface is beyond loopback, whatever
+  // address it advertises: refused without a secret, before it joins.
+  const CommandResult r = RunCommand("timeout 60 " + BinDir() +
+                                     "/logprob-worker --frontend 127.0.0.1:1 --listen-host 0.0.0.0 "
+                                     "--advertise-host 127.0.0.1 2>&1");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("serving the Worker service on 0.0.0.0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--internal-secret-file"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -140,7 +140,7 @@ std::string Choose(const std::string& flag, const std::string& mine, const std::
 /// The worker's side of the internal plane from its flags: the secret of
 /// --internal-secret-file or --internal-secret-fd; none (insecure) only on
 /// loopback or with --insecure-internal-plane. INVALID_ARGUMENT otherwise.
-absl::StatusOr<logprob::InternalAuth> ChooseAuth(const std::string& advertise_host) {
+absl::StatusOr<logprob::InternalAuth> ChooseAuth(const std::string& listen_host, const std::string& advertise_host) {
   const std::string file = absl::GetFlag(FLAGS_internal_secret_file);
   const int fd = absl::GetFlag(FLAGS_internal_secret_fd);
   const bool insecure = absl::GetFlag(FLAGS_insecure_internal_plane);
@@ -158,9 +158,12 @@ absl::StatusOr<logprob::InternalAuth> ChooseAuth(const std::string& advertise_ho
     if (!secret.ok()) return secret.status();
     return logprob::InternalAuth(*secret);
   }
-  if (!insecure && !logprob::IsLoopbackHost(advertise_host))
+  // Where it listens counts, not only where it says it is: both must be
+  // loopback to go without a secret.
+  const std::string& beyond = !logprob::IsLoopbackHost(listen_host) ? listen_host : advertise_host;
+  if (!insecure && !(logprob::IsLoopbackHost(listen_host) && logprob::IsLoopbackHost(advertise_host)))
     return absl::InvalidArgumentError(
-        "serving the Worker service on " + advertise_host +
+        "serving the Worker service on " + beyond +
         " (beyond loopback) needs --internal-secret-file (the front-end's) so that only the pool calls it; "
         "--insecure-internal-plane serves it unauthenticated");
   LogLine() << "logprob-worker: WARNING: no pool secret: this worker's Worker service takes calls from anyone who "
@@ -209,7 +212,7 @@ int main(int argc, char** argv) {
   const bool rejoin = absl::GetFlag(FLAGS_rejoin);
   // The pool secret: every call this worker makes carries it, and its
   // Worker service takes only calls that do.
-  const absl::StatusOr<logprob::InternalAuth> auth = ChooseAuth(advertise_host);
+  const absl::StatusOr<logprob::InternalAuth> auth = ChooseAuth(listen_host, advertise_host);
   if (!auth.ok()) return Fail(std::string(auth.status().message()));
 
   grpc::ChannelArguments args;
