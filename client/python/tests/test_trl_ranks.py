@@ -16,7 +16,9 @@ the test environment).
   within spec of float64, every rank putting its own rows (two puts per
   version), the server's sha256 of each version the whole weight's; then
   logprob_client.verl pushing the trained DTensor the same way; a head in
-  the root's unit (whole during the forward) pushed by rank 0.
+  the root's unit (whole during the forward) pushed by rank 0, then a
+  backward (FSDP2 frees the pushed weight's storage: a ``numpy()`` view
+  of it made that fail).
 - ``Zero3Test``: a ZeRO-3 parameter (``ds_id``, ``ds_status``,
   ``ds_shape``) is pushed as is once gathered, gathered with
   ``deepspeed.zero.GatheredParameters`` when it is not (a stand-in
@@ -183,6 +185,7 @@ class Fsdp2HeadTest(RanksTest):
         root = self.ranks[0]["root_head"]
         self.assertEqual(self.ranks[1]["root_head"], root)
         self.assertEqual((root["calls"], root["pushes"]), ([["policy", root["run"] + "-step-0"]], 1))
+        self.assertTrue(root["resharded"])  # the backward after the push freed the whole weight
         m = self.server.metric
         self.assertEqual(m("logprob_lm_head_updates_total", head="policy", outcome="committed"), 4)
         self.assertEqual(m("logprob_lm_head_update_bytes_total", head="policy"), 4 * HEAD_BYTES)
