@@ -14,7 +14,8 @@ call's inputs. Then logprob_client.verl's ``push`` of the trained
 other bytes under that name (rank 0's error, raised on every rank).
 Last a model whose ``lm_head`` is in the root's unit (FSDP2 unshards it
 for the forward: TRL's call gets the whole parameter, which rank 0
-pushes). Writes
+pushes), and a backward after that push (FSDP2 frees the whole
+parameter's storage then). Writes
 ``OUT/rank<R>.json``: the routed calls, pushes, run id, the checks'
 outcomes, and (rank 0) the sha256 of the whole policy weight at each push
 and the server's sha256 of the head's version then.
@@ -140,8 +141,13 @@ def main():
         adapter = use_service(ShardedTrainer(root, None), client)
         with torch.no_grad():
             root(input_ids=ids, labels=ids, fused_lm_head=True)
+        # A backward after that push: FSDP2 frees the unsharded weight it
+        # pushed (resize_(0) of its storage, which a numpy() view of it
+        # would have made not resizable).
+        loss = -root(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.mean()
+        loss.backward()
         result["root_head"] = {"calls": [[c.head, c.version] for c in adapter.calls], "pushes": adapter.pushes,
-                               "run": adapter.run}
+                               "run": adapter.run, "resharded": fused_head.is_dtensor(root.lm_head.weight)}
         if rank == 0:  # its weight: the model's as made (seeded), untrained
             result["sha256"].append(fused_head.weight_sha256(tiny_models.make_model("qwen2", 2).lm_head.weight))
             result["server_sha256"].append(hashed_head(client, "policy").sha256)

@@ -16,10 +16,11 @@ parallel), ``build/bin/`` by the binaries under test (``LOGPROB_BIN_DIR``),
 status (0: the service answered exactly the no-gradient calls, the pushes
 as expected), what it printed, the line the adapter logged and the heads
 the server holds afterwards (both filled by the adapter's pushes). The
-command of its "### Several processes" part (the example under
-``torchrun --nproc_per_node 2`` against that server) runs the same way,
-``.venv-trl/bin/torchrun`` being this interpreter's
-``torch.distributed.run`` on a free port.
+command of its "### Several processes" part (the example in 2 processes
+under ``accelerate launch --multi_gpu --num_processes 2``, which on a host
+without GPUs runs them on the CPU over gloo, against that server) runs
+the same way, ``.venv-trl/bin/accelerate`` being this interpreter's
+``accelerate.commands.accelerate_cli``.
 
 Run in the TRL environment (ctest py_trl_TrlRecipeTest).
 """
@@ -97,8 +98,9 @@ class TrlRecipeTest(unittest.TestCase):
         command = command.replace("build/bin/", BIN_DIR.rstrip("/") + "/")
         command = command.replace("client/python:build/python", "client/python:" + stubs_dir())
         command = command.replace(".venv-trl/bin/python ", sys.executable + " ")
-        return command.replace(".venv-trl/bin/torchrun ", "%s -m torch.distributed.run --master_port %d "
-                               % (sys.executable, free_port()))
+        command = command.replace(".venv-trl/bin/accelerate ",
+                                  sys.executable + " -m accelerate.commands.accelerate_cli ")
+        return command
 
     def start_server(self, server_cmd):
         """The recipe's server command, adapted, in the background; waits
@@ -112,8 +114,8 @@ class TrlRecipeTest(unittest.TestCase):
             declared = {h.name: h for h in c.lm_heads()}
             self.assertEqual({n: h.version for n, h in declared.items()}, {"policy": "", "reference": ""})
 
-    def run_example(self, command):
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    def run_example(self, command, **env_vars):
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", **env_vars)
         out = subprocess.run(["bash", "-euo", "pipefail", "-c", self.adapt(command)], cwd=SOURCE_ROOT, env=env,
                              capture_output=True, text=True, timeout=240)
         self.assertEqual(out.returncode, 0, "the recipe's example failed:\n%s\n%s"
@@ -153,13 +155,15 @@ class TrlRecipeTest(unittest.TestCase):
 
     def test_several_processes_as_written(self):
         """The "Several processes" command: the example in 2 DDP processes
-        (torchrun) against the recipe's server."""
+        under ``accelerate launch`` (gloo: no GPUs here) against the
+        recipe's server."""
         (command,) = trl_recipe("Several processes")
-        self.assertIn(".venv-trl/bin/torchrun --nproc_per_node 2 examples/trl_grpo.py", command)
-        self.assertIn("--server 127.0.0.1:50051", command)
-        self.assertIn("--model %s" % HUB_MODEL, command)
+        words = " ".join(command.split())
+        self.assertIn(".venv-trl/bin/accelerate launch --multi_gpu --num_processes 2 ", words)
+        self.assertIn("examples/trl_grpo.py --server 127.0.0.1:50051", words)
+        self.assertIn("--model %s" % HUB_MODEL, words)
         self.start_server(trl_recipe()[1])
-        out = self.run_example(command)
+        out = self.run_example(command, CUDA_VISIBLE_DEVICES="")  # the CPU, also on a host with one GPU
         for rank in range(2):
             self.assertIn("[rank %d] answered by the service: {'policy': 2, 'reference': 2}; policy pushes: 2"
                           % rank, out.stdout)

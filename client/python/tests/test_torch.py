@@ -42,6 +42,19 @@ class TorchTest(unittest.TestCase):
             self.assertEqual(t.dtype, torch.int64 if name == "topk_indices" else torch.float32, name)
         self.assertEqual(compare(ref, as_numpy_outputs(res.outputs)), "")
 
+    def test_a_tensor_read_stays_resizable(self):
+        # FSDP2 frees an unsharded parameter's storage after the backward
+        # (resize_(0)): reading a weight for a push (a numpy view, no copy)
+        # must not make its storage not resizable, as Tensor.numpy() does.
+        for dtype, wire in ((torch.float32, F32), (torch.bfloat16, BF16)):
+            w = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dtype)
+            got, arr = float_array("weight", w)
+            self.assertEqual((got, arr.shape), (wire, (3, 4)))
+            self.assertEqual(arr.ctypes.data, w.data_ptr())  # a view, not a copy
+            del arr
+            storage = w.untyped_storage() if hasattr(w, "untyped_storage") else w.storage()
+            storage.resize_(0)  # RuntimeError "Trying to resize storage that is not resizable" after numpy()
+
     def test_extra_outputs_are_float32_and_bool_tensors(self):
         logits = torch.from_numpy(self.logits)
         res = self.client.score(logits=logits, input_ids=torch.from_numpy(self.ids), seq_lens=self.seq_lens,

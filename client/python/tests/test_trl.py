@@ -159,8 +159,9 @@ class VersionLog(TrainerCallback):
 
 def run_grpo(model_dir, out_dir, cast_lm_head_to_fp32, client=None, num_iterations=2, learning_rate=0.05,
              **service_kwargs):
-    """One GRPO run of STEPS steps; returns (trainer, CallLog, adapter or
-    None, VersionLog or None)."""
+    """One GRPO run of STEPS steps of ``model_dir`` (a checkpoint directory,
+    or a model: GRPOTrainer's ``model``); returns (trainer, CallLog,
+    adapter or None, VersionLog or None)."""
     tok = tiny_models.tokenizer()
     data = Dataset.from_dict({"prompt": tiny_models.prompts()})
     with warnings.catch_warnings():

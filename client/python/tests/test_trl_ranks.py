@@ -10,13 +10,24 @@ the test environment).
   answered by the service (none reached TRL's kernel), on the same
   versions; rank 0 alone pushed (one Begin and one upload per version, at
   the server) and the scored tokens at the server are the ranks' sum.
+- ``GrpoFsdp2Test``: the same GRPOTrainer runs with an FSDP2 policy: the
+  model sharded with torch's ``fully_shard`` on a CPU mesh (gloo) before
+  GRPOTrainer is made, its ``lm_head.weight`` a ``Shard(0)`` DTensor
+  throughout (``trl_ranks.fsdp2_model``; accelerate, which runs no FSDP
+  on the CPU, leaves it unwrapped): loss and KL within test_trl.TOL
+  (1 + |value|) of an unpatched FSDP2 run of the same seed; every rank's
+  no-gradient calls answered by the service, on the same versions; each
+  policy version pushed by every rank, its own rows (one Begin, a put per
+  rank, at the server), never gathered.
 - ``Fsdp2HeadTest``: a model sharded with ``fully_shard`` on a CPU mesh, its
   ``lm_head.weight`` a ``Shard(0)`` DTensor that TRL's fused forward gathers
   per call (``fsdp2_ranks.py``): the calls recognised and routed, answers
   within spec of float64, every rank putting its own rows (two puts per
   version), the server's sha256 of each version the whole weight's; then
   logprob_client.verl pushing the trained DTensor the same way; a head in
-  the root's unit (whole during the forward) pushed by rank 0.
+  the root's unit (whole during the forward) pushed by rank 0, then a
+  backward (FSDP2 frees the pushed weight's storage: a ``numpy()`` view
+  of it made that fail).
 - ``Zero3Test``: a ZeRO-3 parameter (``ds_id``, ``ds_status``,
   ``ds_shape``) is pushed as is once gathered, gathered with
   ``deepspeed.zero.GatheredParameters`` when it is not (a stand-in
@@ -76,7 +87,7 @@ class RanksTest(unittest.TestCase):
     of `script` run by torchrun on every rank against it, once per class."""
 
     @classmethod
-    def start(cls, name, seed, retain, script, model_arg):
+    def start(cls, name, seed, retain, script, model_arg, extra=()):
         cls.dir = temp_dir(name)
         model_dir = os.path.join(cls.dir, "model")
         tiny_models.save_model("qwen2", model_dir, seed=seed)
@@ -85,7 +96,7 @@ class RanksTest(unittest.TestCase):
                                               "--lm-head-retain", str(retain)], metrics=True)
         cls.client = LogprobClient(cls.server.address, timeout=60)
         try:
-            args = [cls.dir] + ([model_dir] if model_arg else []) + [cls.server.address]
+            args = [cls.dir] + ([model_dir] if model_arg else []) + [cls.server.address] + list(extra)
             cls.ranks = torchrun(script, *args)
         except BaseException:
             cls.tearDownClass()
@@ -98,12 +109,18 @@ class RanksTest(unittest.TestCase):
         shutil.rmtree(cls.dir, ignore_errors=True)
 
 
-class GrpoDdpTest(RanksTest):
-    """GRPO in 2 DDP processes with the service vs without (module docstring)."""
+class _GrpoRanks:
+    """GRPO in 2 processes with the service vs without (module docstring;
+    mixin: SCRIPT_ARGS, WRAPPED, the head's layout and its pushes at the
+    server differ)."""
+
+    SCRIPT_ARGS = ()
+    WRAPPED = None  # the class of the trainer's model_wrapped
 
     @classmethod
     def setUpClass(cls):
-        cls.start("py_trl_ddp", seed=0, retain=2, script="trl_ranks.py", model_arg=True)
+        cls.start("py_trl_" + cls.__name__, seed=0, retain=2, script="trl_ranks.py", model_arg=True,
+                  extra=cls.SCRIPT_ARGS)
 
     def test_loss_and_kl_match_an_unpatched_run(self):
         for r in self.ranks:
@@ -121,13 +138,15 @@ class GrpoDdpTest(RanksTest):
         for r in self.ranks:
             s, p = r["service"], r["plain"]
             self.assertEqual(r["world"], RANKS)
+            self.assertEqual(s["model"], p["model"])
+            self.assertEqual(s["model"]["wrapped"], self.WRAPPED)
             self.assertEqual((s["no_grad"], s["no_grad_in_trl"]), (4, 0), "rank %d" % r["rank"])
             self.assertEqual((p["no_grad"], p["no_grad_in_trl"]), (4, 4), "rank %d" % r["rank"])
             self.assertEqual(s["routed"], {"policy": 2, "reference": 2})
             self.assertEqual(len(r["logged"]), 1, r["logged"])
             self.assertIn("2 processes: each push is a collective", r["logged"][0])
 
-    def test_every_rank_scores_on_the_versions_rank_0_pushed(self):
+    def test_every_rank_scores_on_the_versions_pushed(self):
         runs = {r["service"]["run"] for r in self.ranks}
         self.assertEqual(len(runs), 1)
         run = runs.pop()
@@ -137,8 +156,8 @@ class GrpoDdpTest(RanksTest):
                              [["policy", run + "-step-0"], ["reference", initial], ["policy", run + "-step-2"],
                               ["reference", initial]], "rank %d" % r["rank"])
             self.assertEqual(r["service"]["pushes"], 2)
-        # At the server: one Begin and one upload per version (rank 0's),
-        # every rank's calls scored.
+        # At the server: one Begin per version, its upload (below), every
+        # rank's calls scored.
         self.assertEqual(requests(self.server, "BeginLmHeadUpdate"), 2)
         self.assertEqual(self.server.metric("logprob_lm_head_updates_total", head="policy", outcome="committed"), 2)
         self.assertEqual(self.server.metric("logprob_lm_head_update_bytes_total", head="policy"), 2 * HEAD_BYTES)
@@ -147,6 +166,38 @@ class GrpoDdpTest(RanksTest):
                          sum(c[2] for r in self.ranks for c in r["service"]["calls"]))
         head = fused_head.head_info(self.client, "policy", refresh=True)
         self.assertEqual(list(head.retained_versions), [run + "-step-2", run + "-step-0"])
+
+
+class GrpoDdpTest(_GrpoRanks, RanksTest):
+    """GRPO in 2 DDP processes with the service vs without (module
+    docstring): rank 0 pushes each version, whole."""
+
+    WRAPPED = "DistributedDataParallel"
+
+    def test_rank_0_pushes_the_whole_head(self):
+        for r in self.ranks:
+            self.assertEqual(r["service"]["model"],
+                             {"wrapped": self.WRAPPED, "dtensor": False, "placements": [],
+                              "local_rows": tiny_models.VOCAB})
+        self.assertEqual(requests(self.server, "PutLmHeadRows"), 2)  # one per version, rank 0's
+
+
+class GrpoFsdp2Test(_GrpoRanks, RanksTest):
+    """GRPO with an FSDP2 policy (``fully_shard`` on a CPU mesh, a
+    ``Shard(0)`` DTensor head) in 2 processes with the service vs an
+    unpatched FSDP2 run (module docstring): every rank pushes its rows of
+    each version."""
+
+    SCRIPT_ARGS = ("fsdp2",)
+    WRAPPED = "FSDPQwen2ForCausalLM"  # FSDP2's class of the model itself: no DDP around it
+
+    def test_every_rank_pushes_its_rows(self):
+        for r in self.ranks:
+            self.assertEqual(r["service"]["model"],
+                             {"wrapped": self.WRAPPED, "dtensor": True, "placements": ["Shard(dim=0)"],
+                              "local_rows": tiny_models.VOCAB // RANKS})
+        # Each version: rank 0's Begin (above), a put of its rows from every rank.
+        self.assertEqual(requests(self.server, "PutLmHeadRows"), 2 * RANKS)
 
 
 class Fsdp2HeadTest(RanksTest):
@@ -183,6 +234,7 @@ class Fsdp2HeadTest(RanksTest):
         root = self.ranks[0]["root_head"]
         self.assertEqual(self.ranks[1]["root_head"], root)
         self.assertEqual((root["calls"], root["pushes"]), ([["policy", root["run"] + "-step-0"]], 1))
+        self.assertTrue(root["resharded"])  # the backward after the push freed the whole weight
         m = self.server.metric
         self.assertEqual(m("logprob_lm_head_updates_total", head="policy", outcome="committed"), 4)
         self.assertEqual(m("logprob_lm_head_update_bytes_total", head="policy"), 4 * HEAD_BYTES)

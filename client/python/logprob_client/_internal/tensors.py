@@ -81,12 +81,27 @@ def as_numpy(x: Any) -> Tuple[Array, bool]:
         if t.device.type != "cpu":
             t = t.cpu()
         if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(np.uint16), True
-        return t.numpy(), False
+            return _host_view(t.view(torch.int16)).view(np.uint16), True
+        return _host_view(t), False
     arr = np.asarray(x)
     if _is_ml_bf16(arr):
         return arr.view(np.uint16), True
     return arr, False
+
+
+def _host_view(t: Any) -> Array:
+    """A numpy view of a CPU tensor's memory, through DLPack rather than
+    ``Tensor.numpy()``: ``numpy()`` marks the tensor's storage not
+    resizable for good, and FSDP2 frees an unsharded parameter's storage
+    after the backward (``resize_(0)``), so an lm_head that FSDP2 held whole
+    when it was pushed failed there ("Trying to resize storage that is not
+    resizable"). What DLPack does not export (bool before numpy 1.25)
+    goes through ``numpy()``."""
+    try:
+        arr: Array = np.from_dlpack(t)
+    except (BufferError, RuntimeError, TypeError):
+        arr = t.numpy()
+    return arr
 
 
 def float32_to_bf16_bits(a: Any) -> Array:
