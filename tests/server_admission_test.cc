@@ -67,11 +67,17 @@ class HeldScore {
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
 };
 
-TEST(ServerAdmission, BytesAreCountedBeforeTheBodyArrivesAndTheNextCallIsRefusedWithoutIt) {
-  const int metrics_port = FreePort();
-  auto server = ServerProcess::Start(
+/// A server with two workers, an 8 MiB queue and 6 MiB requests, its
+/// metrics on `metrics_port`.
+std::unique_ptr<ServerProcess> StartLimited(int metrics_port) {
+  return ServerProcess::Start(
       2, {"--max-queue-bytes", std::to_string(kMaxQueue), "--max-request-bytes", std::to_string(kMaxRequest),
           "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port)});
+}
+
+TEST(ServerAdmission, BytesAreCountedBeforeTheBodyArrivesAndTheNextCallIsRefusedWithoutIt) {
+  const int metrics_port = FreePort();
+  auto server = StartLimited(metrics_port);
   ASSERT_TRUE(server);
   auto channel = grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials());
   const GoldenCase golden = LoadGolden("basic_f32");
@@ -156,9 +162,7 @@ struct OpenStream {
 
 TEST(ServerAdmission, AStreamsNextMessageIsCountedBeforeItIsRead) {
   const int metrics_port = FreePort();
-  auto server = ServerProcess::Start(
-      2, {"--max-queue-bytes", std::to_string(kMaxQueue), "--max-request-bytes", std::to_string(kMaxRequest),
-          "--metrics-listen", "127.0.0.1:" + std::to_string(metrics_port)});
+  auto server = StartLimited(metrics_port);
   ASSERT_TRUE(server);
   auto channel = grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials());
   auto stub = server->NewStub();
