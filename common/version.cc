@@ -16,4 +16,11 @@ std::string VersionText(const char* program) {
   return absl::StrCat(program, " ", kVersion, "\nCUDA backend: ", cuda, "\n");
 }
 
+std::string BuildId() {
+#ifndef LOGPROB_COMMIT
+#define LOGPROB_COMMIT "unknown"
+#endif
+  return absl::StrCat(kVersion, " (commit ", LOGPROB_COMMIT, ", CUDA ", kBuiltWithCuda ? "yes" : "no", ")");
+}
+
 }  // namespace logprob

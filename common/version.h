@@ -32,4 +32,10 @@ inline constexpr bool kBuiltWithCuda =
 /// The toolkit version is the one CMake found at build time. Thread-safe.
 std::string VersionText(const char* program);
 
+/// This build: "<kVersion> (commit <12 hex digits, or unknown>, CUDA
+/// yes|no)", the commit CMake was configured from. A front-end and a worker
+/// of different builds refuse each other when the worker joins
+/// (JoinRequest.build / JoinReply.build). Thread-safe.
+std::string BuildId();
+
 }  // namespace logprob

@@ -59,6 +59,13 @@ inline constexpr char kRunIdMetadataKey[] = "logprob-run-id";
 /// generation refuses the item (FAILED_PRECONDITION) without running it.
 inline constexpr char kGenerationMetadataKey[] = "logprob-generation";
 
+/// The message both sides give when the worker's build (common/version.h
+/// BuildId) is not the front-end's.
+inline std::string BuildMismatch(const std::string& worker_build, const std::string& frontend_build) {
+  return absl::StrCat("worker build \"", worker_build, "\" is not the front-end's build \"", frontend_build,
+                      "\"; run the front-end and the workers from the same build");
+}
+
 /// The message both sides give for a version mismatch.
 inline std::string ProtocolMismatch(uint32_t worker_version, uint32_t frontend_version) {
   return absl::StrCat("worker protocol version ", worker_version, " does not match the front-end's version ",

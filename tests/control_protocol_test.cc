@@ -1,8 +1,9 @@
 // The worker protocol version of the control plane (common/worker_protocol.h):
-// a ControlService refuses a Join of another version with
-// FAILED_PRECONDITION naming both versions and accepts its own; a
-// logprob-worker refused by a front-end of another release, or answered by
-// one that does not send its version, logs why and exits with status 1
+// a ControlService refuses a Join of another version, or of another build
+// (common/version.h BuildId), with FAILED_PRECONDITION naming both and
+// accepts its own; a logprob-worker refused by a front-end of another
+// release or build, or answered by one that does not send its version, logs
+// why and exits with status 1
 // instead of retrying (it runs with --rejoin, the default).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -12,6 +13,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 #include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "server/pool/control_service.h"
@@ -46,7 +48,8 @@ class InProcessServer {
 /// Joins `address` with `version`; returns the stream's status when it
 /// ended without a reply, or OK with *reply set (the call is then
 /// cancelled: the member leaves).
-grpc::Status Join(const std::string& address, uint32_t version, JoinReply* reply) {
+grpc::Status Join(const std::string& address, uint32_t version, JoinReply* reply,
+                  const std::string& build = BuildId()) {
   auto stub = internal::v1::Control::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
@@ -54,6 +57,7 @@ grpc::Status Join(const std::string& address, uint32_t version, JoinReply* reply
   req.set_pid(1234);
   req.set_hostname("test-host");
   req.set_protocol_version(version);
+  req.set_build(build);
   auto stream = stub->Join(&ctx, req);
   if (stream->Read(reply)) {
     ctx.TryCancel();
@@ -85,6 +89,21 @@ TEST(ControlProtocol, AJoinOfAnotherVersionIsRefusedNamingBothVersions) {
   EXPECT_EQ(reply.rank(), 0);
   EXPECT_EQ(reply.world_size(), 1);
   EXPECT_EQ(reply.protocol_version(), kWorkerProtocolVersion);
+  EXPECT_EQ(reply.build(), BuildId());
+  control.Shutdown();
+}
+
+TEST(ControlProtocol, AJoinOfAnotherBuildIsRefusedNamingBothBuilds) {
+  ControlService control(1);
+  InProcessServer server(&control);
+  ASSERT_TRUE(server.ok());
+  const std::string other = "0.0.0 (commit 000000000000, CUDA no)";
+  JoinReply reply;
+  const grpc::Status st = Join(server.address(), kWorkerProtocolVersion, &reply, other);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_NE(st.error_message().find(BuildMismatch(other, BuildId())), std::string::npos) << st.error_message();
+  ASSERT_TRUE(Join(server.address(), kWorkerProtocolVersion, &reply).ok());
+  EXPECT_EQ(reply.rank(), 0);
   control.Shutdown();
 }
 
@@ -103,6 +122,17 @@ TEST(ControlProtocol, AWorkerRefusedByAFrontEndOfAnotherReleaseExits) {
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_NE(r.output.find("refused"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(ProtocolMismatch(kWorkerProtocolVersion, theirs)), std::string::npos) << r.output;
+  control.Shutdown();
+}
+
+TEST(ControlProtocol, AWorkerRefusedByAFrontEndOfAnotherBuildExits) {
+  const std::string theirs = "0.0.0 (commit 000000000000, CUDA no)";
+  ControlService control(1, {}, {}, {}, kWorkerProtocolVersion, InternalAuth::Insecure(), theirs);
+  InProcessServer server(&control);
+  ASSERT_TRUE(server.ok());
+  const CommandResult r = RunWorker(server.address());
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find(BuildMismatch(BuildId(), theirs)), std::string::npos) << r.output;
   control.Shutdown();
 }
 

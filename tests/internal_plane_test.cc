@@ -32,6 +32,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/shared_memory.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "tests/generic_call.h"
 #include "tests/test_support.h"
 
 namespace logprob::testing {
@@ -139,6 +142,27 @@ TEST(InternalPlane, EveryInternalMethodOnEveryPortRefusesCallersWithoutThePoolSe
     std::string output;
     const std::vector<ProbeCall> calls = Probe(ports, extra + " --region=" + (*region)->name(), &output);
     ExpectAllRefused(calls, 3, output);
+  }
+  // A large message from a caller without the secret is refused before a
+  // worker reads it: the worker's peak memory does not grow by its size.
+  // (An unknown length-delimited field: a valid message of any type.)
+  constexpr size_t kBig = size_t{128} << 20;
+  std::string big = {static_cast<char>(0xC2), static_cast<char>(0x3E)};  // field 1000, length-delimited
+  size_t n = kBig;  // its length, a varint
+  for (; n >= 0x80; n >>= 7) big.push_back(static_cast<char>((n & 0x7F) | 0x80));
+  big.push_back(static_cast<char>(n));
+  big.resize(big.size() + kBig, 'x');
+  for (const pid_t w : workers) {
+    const int64_t peak = PeakRssBytes(w);
+    int refused = 0;
+    for (const int p : ListeningPorts({w})) {
+      const grpc::Status st = GenericUnaryCall(
+          grpc::CreateChannel("127.0.0.1:" + std::to_string(p), grpc::InsecureChannelCredentials()),
+          "/logprob.internal.v1.Worker/Run", big, std::chrono::seconds(60));
+      refused += st.error_code() == grpc::StatusCode::UNAUTHENTICATED;
+    }
+    EXPECT_EQ(refused, 1) << "worker " << w << ": its Worker port refuses the call UNAUTHENTICATED";
+    EXPECT_LT(PeakRssBytes(w) - peak, static_cast<int64_t>(kBig / 2)) << "worker " << w << " read the message";
   }
   // The pool is untouched: the same processes, no restart, the same bits.
   EXPECT_EQ(server->WorkerPids(), workers);

@@ -1,8 +1,8 @@
-// ParseRequest (server/transport/parsed_requests.h): large messages, whose bytes
+// ParseRequest (common/parsed_requests.h): large messages, whose bytes
 // fields of 1 MiB or more are read into strings of their exact size,
 // parse to the same message as protobuf's parser, over any slicing of the
 // received bytes; malformed bytes are INVALID_ARGUMENT naming the method.
-#include "server/transport/parsed_requests.h"
+#include "common/parsed_requests.h"
 
 #include <gtest/gtest.h>
 

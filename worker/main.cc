@@ -234,6 +234,7 @@ int main(int argc, char** argv) {
   gethostname(host, sizeof host - 1);
   join.set_hostname(host);
   join.set_protocol_version(logprob::kWorkerProtocolVersion);
+  join.set_build(logprob::BuildId());
   logprob::internal::v1::JoinReply joined;
   std::unique_ptr<grpc::ClientContext> membership_ctx;  // lives as long as the membership
   std::unique_ptr<grpc::ClientReader<logprob::internal::v1::JoinReply>> membership;
@@ -259,6 +260,9 @@ int main(int argc, char** argv) {
     EndMembership("cannot join " + frontend + ": " +
                       logprob::ProtocolMismatch(logprob::kWorkerProtocolVersion, joined.protocol_version()),
                   false, 1);
+  if (joined.build() != logprob::BuildId())
+    EndMembership("cannot join " + frontend + ": " + logprob::BuildMismatch(logprob::BuildId(), joined.build()), false,
+                  1);
   const int rank = joined.rank(), world = joined.world_size();
   LogLine() << "logprob-worker: rank " << rank << "/" << world << " of pool generation " << joined.generation();
   // The membership ends when the stream does: the front-end reset the pool

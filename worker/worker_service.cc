@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <optional>
@@ -14,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/parsed_requests.h"
 #include "common/worker_protocol.h"
 #include "worker/device_file_copy.h"
 #include "worker/scorer.h"
@@ -69,7 +72,39 @@ std::optional<int64_t> Generation(const grpc::ServerContext& ctx) {
   return MetadataNumber<int64_t>(ctx, kGenerationMetadataKey);
 }
 
+/// The index of method `name` of the Worker service (proto order).
+int WorkerMethodIndex(const char* name) {
+  const google::protobuf::ServiceDescriptor* service =
+      internal::v1::WorkItem::descriptor()->file()->FindServiceByName("Worker");
+  return service->FindMethodByName(name)->index();
+}
+
 }  // namespace
+
+void WorkerService::CheckCallersBeforeReading() {
+  int installed = 0;
+  const auto install = [this, &installed](const char* name, const char* method, auto fn) {
+    const InternalAuth* auth = &admission_.auth;
+    MarkMethodStreamed(WorkerMethodIndex(name),
+                       NewCheckedUnaryHandler(
+                           this, method, [auth, method](const grpc::ServerContext& ctx) { return auth->Check(ctx, method); },
+                           fn));
+    ++installed;
+  };
+  install("Run", "Worker.Run", &WorkerService::Run);
+  install("Stop", "Worker.Stop", &WorkerService::Stop);
+  install("Info", "Worker.Info", &WorkerService::Info);
+  install("LoadLmHead", "Worker.LoadLmHead", &WorkerService::LoadLmHead);
+  install("DropLmHead", "Worker.DropLmHead", &WorkerService::DropLmHead);
+  install("StageLmHeadRows", "Worker.StageLmHeadRows", &WorkerService::StageLmHeadRows);
+  // A method added to the proto must be installed here too.
+  const int methods = internal::v1::WorkItem::descriptor()->file()->FindServiceByName("Worker")->method_count();
+  if (installed != methods) {
+    std::fprintf(stderr, "logprob-worker: %d of the Worker service's %d methods check their caller first\n",
+                 installed, methods);
+    std::abort();
+  }
+}
 
 absl::StatusOr<ItemPayload> WorkerService::OpenPayload(const internal::v1::WorkItem& item,
                                                        std::shared_ptr<SharedRegion>* region, DevicePayload* device) {

@@ -52,7 +52,9 @@ class WorkerService final : public internal::v1::Worker::Service {
         lm_heads_(std::move(lm_heads)),
         chunk_tokens_(chunk_tokens),
         admission_(std::move(admission)),
-        payload_regions_(8, backend_.get(), admission_.payload_region_prefix) {}
+        payload_regions_(8, backend_.get(), admission_.payload_region_prefix) {
+    CheckCallersBeforeReading();
+  }
   /// Every method first checks the caller (Admission::auth). Scores one
   /// work item. Errors: UNAUTHENTICATED without the pool secret;
   /// FAILED_PRECONDITION for an item of another pool generation; the
@@ -79,6 +81,11 @@ class WorkerService final : public internal::v1::Worker::Service {
                                internal::v1::LmHeadStageReply* reply) override;
 
  private:
+  /// Serves every method with its caller checked (admission_.auth) before
+  /// the request's body is read (NewCheckedUnaryHandler): a caller without
+  /// the pool secret gets UNAUTHENTICATED without the worker allocating its
+  /// message, however large.
+  void CheckCallersBeforeReading();
   /// Run without the device-lost check (see Run).
   grpc::Status RunItem(grpc::ServerContext* ctx, const internal::v1::WorkItem* item, internal::v1::WorkResult* result);
   /// The payload of `item`: its bytes field, its range of the front-end's

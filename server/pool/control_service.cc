@@ -23,12 +23,14 @@ grpc::Status ShuttingDown() { return grpc::Status(grpc::StatusCode::UNAVAILABLE,
 }  // namespace
 
 ControlService::ControlService(int world_size, internal::v1::JoinReply worker_config, LeaveCallback on_leave,
-                               JoinObservers observers, uint32_t protocol_version, InternalAuth auth)
+                               JoinObservers observers, uint32_t protocol_version, InternalAuth auth,
+                               std::string build)
     : world_size_(world_size),
       worker_config_(std::move(worker_config)),
       on_leave_(std::move(on_leave)),
       observers_(std::move(observers)),
       protocol_version_(protocol_version),
+      build_(std::move(build)),
       auth_(std::move(auth)),
       addresses_(world_size) {}
 
@@ -88,7 +90,13 @@ grpc::Status ControlService::Join(grpc::ServerContext* ctx, const internal::v1::
     LogLine() << "logprob-server: refused worker " << me.who << ": " << why;
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why);
   }
+  if (req->build() != build_) {
+    const std::string why = BuildMismatch(req->build(), build_);
+    LogLine() << "logprob-server: refused worker " << me.who << ": " << why;
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why);
+  }
   internal::v1::JoinReply reply = worker_config_;
+  reply.set_build(build_);
   {
     absl::MutexLock lock(&mu_);
     LOGPROB_RETURN_IF_ERROR(WaitForRank(ctx, me));

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/internal_auth.h"
+#include "common/version.h"
 #include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 
@@ -58,7 +59,7 @@ class ControlService final : public internal::v1::Control::Service {
   /// --insecure-internal-plane deployment or a unit test).
   ControlService(int world_size, internal::v1::JoinReply worker_config = {}, LeaveCallback on_leave = {},
                  JoinObservers observers = {}, uint32_t protocol_version = kWorkerProtocolVersion,
-                 InternalAuth auth = InternalAuth::Insecure());
+                 InternalAuth auth = InternalAuth::Insecure(), std::string build = BuildId());
 
   /// Limits of the rendezvous store (Gloo's addresses and NCCL's unique id
   /// are a few hundred bytes per rank).
@@ -138,6 +139,7 @@ class ControlService final : public internal::v1::Control::Service {
   std::function<bool(const std::string&)> lm_head_files_;     // set before serving
   const JoinObservers observers_;
   const uint32_t protocol_version_;
+  const std::string build_;  // BuildId(): a worker's JoinRequest.build must be it
   const InternalAuth auth_;
 
   absl::Mutex mu_;

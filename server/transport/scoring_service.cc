@@ -30,7 +30,7 @@
 #include "server/inputs/cuda_ipc_inputs.h"
 #include "server/inputs/request_inputs.h"
 #include "server/transport/call_ended.h"
-#include "server/transport/parsed_requests.h"
+#include "common/parsed_requests.h"
 #include "server/transport/shm_session.h"
 
 namespace logprob {

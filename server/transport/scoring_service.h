@@ -33,13 +33,13 @@ namespace logprob {
 /// scoring token only: server/transport/auth.h AccessPolicy); ScoringCore's
 /// errors, with a machine-readable reason (common/error_reason.h) in the
 /// status details. Every other method's requests are parsed by the service
-/// (server/transport/parsed_requests.h): a malformed message is INVALID_ARGUMENT
+/// (common/parsed_requests.h): a malformed message is INVALID_ARGUMENT
 /// naming the method. ScoreChunked and PutLmHeadRows are served through
 /// the part codec, whose parts are parsed by chunked::ParsePart.
 class ScoringService final : public v1::LogprobService::Service {
  public:
   /// What a unary call's request holds of the admission from before its
-  /// body is read until it is answered (server/transport/parsed_requests.h).
+  /// body is read until it is answered (common/parsed_requests.h).
   using Receipt = Admission::Ticket;
   /// `updates` (not owned; may be null: updates off) serves the lm_head
   /// update calls.
@@ -66,7 +66,7 @@ class ScoringService final : public v1::LogprobService::Service {
   grpc::Status ScoreStream(grpc::ServerContext*,
                            grpc::ServerReaderWriter<v1::ScoreResponse, v1::ScoreRequest>*) override;
   /// ScoreStream's body on any stream (the server's is a
-  /// ParsingReaderWriter: server/transport/parsed_requests.h).
+  /// ParsingReaderWriter: common/parsed_requests.h).
   grpc::Status ServeScoreStream(grpc::ServerContext* context,
                                 grpc::ServerReaderWriterInterface<v1::ScoreResponse, v1::ScoreRequest>* stream);
   /// Messages of one ScoreStream scored concurrently.
@@ -99,7 +99,7 @@ class ScoringService final : public v1::LogprobService::Service {
   grpc::Status ReadLmHeadRows(grpc::ServerContext*, const v1::ReadLmHeadRowsRequest*,
                               grpc::ServerWriter<v1::LmHeadRowsChunk>*) override;
   /// ReadLmHeadRows' body on any writer (the server's parses its request
-  /// itself: server/transport/parsed_requests.h).
+  /// itself: common/parsed_requests.h).
   grpc::Status ServeReadLmHeadRows(grpc::ServerContext* context, const v1::ReadLmHeadRowsRequest* req,
                                    grpc::internal::WriterInterface<v1::LmHeadRowsChunk>* writer);
   /// PutLmHeadRows, served through the part codec like ScoreChunked: the
@@ -128,7 +128,7 @@ class ScoringService final : public v1::LogprobService::Service {
   grpc::Status Received(grpc::ServerContext* context, const char* method, Receipt* receipt, size_t bytes);
 
   /// A call refused before its method ran (a malformed request message:
-  /// server/transport/parsed_requests.h): logged and counted under `method`;
+  /// common/parsed_requests.h): logged and counted under `method`;
   /// returns `st`.
   grpc::Status Refused(const grpc::ServerContext* context, const char* method, const grpc::Status& st);
 

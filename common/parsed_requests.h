@@ -1,6 +1,9 @@
-// LogprobService methods whose request messages the service parses itself,
-// so that bytes that are not a valid message get INVALID_ARGUMENT naming
-// the method (and the message's position in a stream). gRPC's own
+// Methods whose request messages the service reads and parses itself:
+// LogprobService's, so that bytes that are not a valid message get
+// INVALID_ARGUMENT naming the method (and the message's position in a
+// stream) and a request can be admitted before its body is read; the
+// internal Worker service's, so that a caller is checked before its body is
+// read (NewCheckedUnaryHandler). gRPC's own
 // deserialisation answers a unary call INTERNAL with an empty message and
 // ends a stream's reads as if the client had half-closed it, so a
 // ScoreStream with a malformed message ended OK, silently.
@@ -121,6 +124,32 @@ grpc::internal::MethodHandler* NewParsedUnaryHandler(
             st = grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
         }
         if (large) TrimKeptFreedMemory();  // the request and its answer are freed
+        return st;
+      },
+      service);
+}
+
+/// A handler serving the unary method `fn` of `service` (named `method`)
+/// whose caller `check` vets from the call's metadata before a byte of the
+/// request's body is read (only what HTTP/2 flow control lets the client
+/// send ahead): a refused caller costs no allocation of its message. Then
+/// the request is parsed as NewParsedUnaryHandler's (INVALID_ARGUMENT when
+/// malformed) and `fn` answers. Installed like NewParsedUnaryHandler.
+template <class Service, class Req, class Resp>
+grpc::internal::MethodHandler* NewCheckedUnaryHandler(
+    Service* service, const char* method, std::function<grpc::Status(const grpc::ServerContext&)> check,
+    grpc::Status (Service::*fn)(grpc::ServerContext*, const Req*, Resp*)) {
+  return new grpc::internal::BidiStreamingHandler<Service, RawMessage, Resp>(
+      [method, check, fn](Service* s, grpc::ServerContext* context, grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
+        if (grpc::Status st = check(*context); !st.ok()) return st;
+        RawMessage raw;
+        if (grpc::Status st = ReadRequestMessage(stream, method, &raw); !st.ok()) return st;
+        Req req;
+        if (grpc::Status st = ParseRequest(&raw, &req, method, "the request"); !st.ok()) return st;
+        Resp resp;
+        grpc::Status st = (s->*fn)(context, &req, &resp);
+        if (st.ok() && !stream->Write(resp, grpc::WriteOptions().set_last_message()))
+          st = grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
         return st;
       },
       service);

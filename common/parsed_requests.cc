@@ -1,4 +1,4 @@
-#include "server/transport/parsed_requests.h"
+#include "common/parsed_requests.h"
 
 #include <climits>
 #include <map>
