@@ -1,6 +1,5 @@
 #include "server/heads/lm_head_updates.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -26,7 +25,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/confined_file.h"
 #include "common/error_reason.h"
 #include "common/finite_check.h"
 #include "common/lm_head_source.h"
@@ -38,6 +36,7 @@
 #include "common/status_macros.h"
 #include "common/untrusted_text.h"
 #include "server/heads/staged_file_hasher.h"
+#include "server/inputs/checkpoint_rows.h"
 
 namespace logprob {
 namespace {
@@ -69,39 +68,6 @@ std::string RandomId() {
   }
   return id;
 }
-
-/// Rows of a checkpoint's lm_head tensor, read with positioned reads.
-class CheckpointSource final : public InputSource {
- public:
-  /// `opened`: the checkpoint resolved, its weight file held open (read
-  /// only through that descriptor, never reopened by name).
-  explicit CheckpointSource(OpenedLmHead opened)
-      : InputSource(InputKind::kFile, opened.source.vocab_size * opened.source.hidden_size *
-                                          static_cast<int64_t>(DTypeSize(opened.source.dtype))),
-        source_(std::move(opened.source)),
-        weight_(std::move(opened.weight)),
-        fd_(weight_ ? weight_->get() : -1) {}
-  bool Read(int64_t offset, size_t n, char* dst) const override {
-    if (fd_ >= 0 && PreadAll(fd_, dst, n, source_.data_offset + static_cast<uint64_t>(offset))) return true;
-    std::memset(dst, 0, n);
-    absl::MutexLock lock(&mu_);
-    if (error_.ok())
-      error_ = absl::DataLossError(absl::StrCat("cannot read ", n, " bytes at ", offset, " of ", source_.tensor, " in ",
-                                                source_.file, ": ", fd_ < 0 ? "cannot open it" : "short read"));
-    return false;
-  }
-  absl::Status status() const override {
-    absl::MutexLock lock(&mu_);
-    return error_;
-  }
-
- private:
-  const LmHeadSource source_;
-  const std::shared_ptr<UniqueFd> weight_;
-  const int fd_;
-  mutable absl::Mutex mu_;
-  mutable absl::Status error_ ABSL_GUARDED_BY(mu_);
-};
 
 /// INVALID_ARGUMENT naming update `id` (its tag) and element `bad` of the
 /// weight in `rows` (the staged file's rows): its row, column and value
@@ -704,22 +670,9 @@ absl::Status LmHeadUpdates::Stage(const std::shared_ptr<Update>& u, int64_t row_
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, const std::string& path,
                                                         const std::string& tensor) {
-  // Every file (the checkpoint, an index's shards, config.json) is opened
-  // once beneath update_dir, no symlink followed, and read only through
-  // that descriptor (common/confined_file.h): nothing outside it is read.
-  if (options_.update_dir.empty())
-    return absl::PermissionDeniedError(
-        "file.path: file sources are off on this server (start it with --lm-head-update-dir DIR)");
-  const UniqueFd root(open(options_.update_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (!root.valid())
-    return absl::FailedPreconditionError(
-        absl::StrCat("--lm-head-update-dir ", options_.update_dir, ": ", strerror(errno)));
-  const LmHeadOpener beneath = [&root](const std::string& p, bool dir_ok) {
-    return OpenBeneath(root.get(), p, "file.path", dir_ok);
-  };
-  LOGPROB_ASSIGN_OR_RETURN(OpenedLmHead opened,
-                           ResolveLmHeadWith(beneath, path, tensor, {}, kMaxUpdateFileMetadataBytes));
-  const LmHeadSource& src = opened.source;
+  LOGPROB_ASSIGN_OR_RETURN(const std::unique_ptr<CheckpointRows> source,
+                           CheckpointRows::OpenBeneath(options_.update_dir, path, tensor, kMaxUpdateFileMetadataBytes));
+  const LmHeadSource& src = source->source();
   // Names are relative to update_dir; the bias as the update names its own.
   LmHeadBiasSource src_bias = src.bias;
   if (!src_bias.file.empty()) src_bias.file = (fs::path(options_.update_dir) / src_bias.file).string();
@@ -756,8 +709,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, c
     return absl::InvalidArgumentError(absl::StrCat("file.path \"", path, "\": ", src.tensor, " is [", src.vocab_size,
                                                    ", ", src.hidden_size, "] ", DTypeName(src.dtype),
                                                    "; the update is [", V, ", ", H, "] ", DTypeName(dtype)));
-  const CheckpointSource source(std::move(opened));
-  return PutRows(id, 0, V, dtype, H, source);
+  return PutRows(id, 0, V, dtype, H, *source);
 }
 
 absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {

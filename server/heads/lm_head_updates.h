@@ -236,15 +236,10 @@ class LmHeadUpdates {
 
   /// PutRows of every row of a safetensors checkpoint under update_dir
   /// (`path` relative to it, PATH and TENSOR of ResolveLmHead with
-  /// `tensor`). Every file (checkpoint, index, shards, config.json) is
-  /// opened once beneath update_dir without following symlinks at any
-  /// component, non-blocking, checked to be a regular file, and read only
-  /// through that descriptor (OpenBeneath). PERMISSION_DENIED for an
-  /// absolute path, "..", a symlink, or when no update_dir is set
-  /// (decided without looking outside update_dir); NOT_FOUND for no such
-  /// file beneath it; FAILED_PRECONDITION for a FIFO, device or other
-  /// non-regular file; the checkpoint's shape and dtype must be the
-  /// update's. Errors name the path the client gave, never bytes read.
+  /// `tensor`), opened and read as CheckpointRows::OpenBeneath says (its
+  /// errors); the checkpoint's shape, dtype and transform must be the
+  /// update's (INVALID_ARGUMENT). Errors name the path the client gave,
+  /// never bytes read.
   absl::StatusOr<v1::LmHeadUpdate> PutFile(const std::string& id, const std::string& path, const std::string& tensor)
       ABSL_LOCKS_EXCLUDED(mu_);
 
