@@ -116,16 +116,6 @@ absl::StatusOr<LmHeadTransform> UpdatedTransform(const v1::BeginLmHeadUpdateRequ
 
 std::string UpdateTag(const std::string& id) { return Sha256Hex(id).substr(0, 8); }
 
-void LmHeadReleases::Push(const LmHeadVersion& version) {
-  absl::MutexLock lock(&mu_);
-  queue_.push_back(version);
-}
-
-std::vector<LmHeadVersion> LmHeadReleases::Take() {
-  absl::MutexLock lock(&mu_);
-  return std::exchange(queue_, {});
-}
-
 struct LmHeadUpdates::Update {
   std::string id, head, version, expected_sha256, client_token;
   LmHeadVersion next;   // what commits: source.file is the final path
@@ -184,7 +174,8 @@ LmHeadUpdates::LmHeadUpdates(Options options, LmHeads* heads, std::shared_ptr<Lm
       workers_(std::move(workers)),
       observers_(std::move(observers)),
       releases_(std::move(releases)),
-      store_(options_.store_dir) {
+      store_(options_.store_dir),
+      released_(releases_, &store_, workers_.drop) {
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -242,7 +233,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadVersionName(req.version(), "version"));
   // Versions the last commit let go: dropped now, so their files can take
   // this update's rows (an RL loop updates right after the last commit).
-  Release();
+  released_.Release();
   if (const std::string& t = req.client_token();
       !t.empty() &&
       (t.size() < 16 || t.size() > 128 ||
@@ -814,21 +805,10 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Abort(const std::string& id) {
   return p;
 }
 
-void LmHeadUpdates::Release() {
-  // One caller at a time: a Begin's Release returns only after versions
-  // the thread's took are recycled (their files can take its rows).
-  absl::MutexLock lock(&release_mu_);
-  for (const LmHeadVersion& v : releases_->Take()) {
-    const bool dropped = !workers_.drop || workers_.drop(v.Ref());
-    if (v.origin == kUpdateOrigin) store_.Recycle(v, dropped);
-  }
-}
-
 void LmHeadUpdates::Loop() {
   for (;;) {
     // Released versions: the workers drop them; the store's files go.
-    Release();
-    store_.Tidy();
+    released_.Tidy();
     if (observers_.on_store_bytes) observers_.on_store_bytes(store_.Bytes());
     absl::MutexLock lock(&mu_);
     if (stop_) return;

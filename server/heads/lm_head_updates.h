@@ -32,6 +32,7 @@
 #include "server/heads/lm_head_store.h"
 #include "server/heads/lm_heads.h"
 #include "server/heads/staged_file_hasher.h"
+#include "server/heads/version_releases.h"
 #include "server/inputs/input_source.h"
 
 namespace logprob {
@@ -47,19 +48,6 @@ inline constexpr uint64_t kMaxUpdateFileMetadataBytes = uint64_t{16} << 20;
 /// SHA-256(id), never the id (the capability to put, commit and abort; a
 /// log reader must not be able to use it). The holder can compute it.
 std::string UpdateTag(const std::string& id);
-
-/// Versions LmHeads released (LmHeads::Options::on_release pushes them),
-/// waiting for LmHeadUpdates' thread to have the workers drop them and to
-/// remove their store files. Thread-safe; Push takes only its own lock.
-class LmHeadReleases {
- public:
-  void Push(const LmHeadVersion& version) ABSL_LOCKS_EXCLUDED(mu_);
-  std::vector<LmHeadVersion> Take() ABSL_LOCKS_EXCLUDED(mu_);
-
- private:
-  absl::Mutex mu_;
-  std::vector<LmHeadVersion> queue_ ABSL_GUARDED_BY(mu_);
-};
 
 /// What an update's workers do: load a version on every worker of the
 /// current pool generation (returning that generation's index, or the
@@ -280,10 +268,6 @@ class LmHeadUpdates {
   /// byte offset (LmHeadWorkers::stage). The stage's error, named.
   absl::Status Stage(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
       ABSL_LOCKS_EXCLUDED(mu_);
-  /// Has the workers drop the versions LmHeads released since the last
-  /// call, and recycles their store files (LmHeadStore::Recycle). (Loop
-  /// and Begin.)
-  void Release() ABSL_LOCKS_EXCLUDED(mu_, release_mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -293,8 +277,8 @@ class LmHeadUpdates {
   const LmHeadUpdateObservers observers_;
   const std::shared_ptr<LmHeadReleases> releases_;
   LmHeadStore store_;
+  VersionReleases released_;  // releases_' versions: dropped, their files recycled
 
-  absl::Mutex release_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // Release's, held across it
   absl::Mutex mu_;
   absl::CondVar cv_;
   std::map<std::string, std::shared_ptr<Update>> open_ ABSL_GUARDED_BY(mu_);  // by id
