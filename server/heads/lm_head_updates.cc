@@ -30,12 +30,12 @@
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
 #include "common/partition.h"
-#include "common/positioned_io.h"
 #include "common/safetensors.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
 #include "common/untrusted_text.h"
 #include "server/heads/staged_file_hasher.h"
+#include "server/heads/staged_version.h"
 #include "server/inputs/checkpoint_rows.h"
 
 namespace logprob {
@@ -118,20 +118,13 @@ std::string UpdateTag(const std::string& id) { return Sha256Hex(id).substr(0, 8)
 
 struct LmHeadUpdates::Update {
   std::string id, head, version, expected_sha256, client_token;
-  LmHeadVersion next;   // what commits: source.file is the final path
-  std::string partial;  // the file while staged
-  // This version's own bias file in the store (`<stem>.bias.safetensors`:
-  // written only when the version's bias comes from the request or from
-  // another store version); removed on abort and with the version.
-  std::string bias_file;
+  LmHeadVersion next;       // what commits: source.file is the final path
   bool bias_given = false;  // BeginLmHeadUpdateRequest.bias was set
-  int fd = -1;
-  // The staged file mapped read-write (its blocks allocated at Begin, so
-  // no write through it can fault for space): rows are copied in with
-  // memcpy, which on a tmpfs store runs several times faster than pwrite.
-  // Kept with the committed file (LmHeadUpdates::maps_), so the update
-  // that reuses the file finds its page tables populated.
-  FileMap map;
+  // The version's files in the store: the staged file mapped read-write
+  // (rows are copied in with memcpy), and its own bias file (written only
+  // when the version's bias comes from the request or from another store
+  // version). Made at Begin, renamed at Commit, removed on abort.
+  std::unique_ptr<StagedVersion> staged;
   int64_t row_bytes = 0;
   std::map<int64_t, int64_t> ranges;  // rows received or being received: begin -> end
   std::set<int64_t> received;         // begins of the ranges received whole
@@ -152,10 +145,7 @@ struct LmHeadUpdates::Update {
   std::unique_ptr<StagedFileHasher> hasher;
   Clock::time_point begun, last_progress;
 
-  ~Update() {
-    hasher.reset();  // its thread reads fd
-    if (fd >= 0) close(fd);
-  }
+  ~Update() { hasher.reset(); }  // its thread reads the staged file
   v1::LmHeadUpdate Proto() const {
     v1::LmHeadUpdate p;
     p.set_update_id(id);
@@ -211,11 +201,7 @@ void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, c
                                 ? absl::OkStatus()
                                 : absl::AbortedError(absl::StrCat("lm_head update of \"", u->head, "\" to version \"",
                                                                   u->version, "\" was aborted (", outcome, "): ", why));
-  if (outcome != "committed") {
-    unlink(u->partial.c_str());
-    unlink(u->next.source.file.c_str());
-    unlink(u->bias_file.c_str());
-  }
+  if (outcome != "committed") u->staged->Discard();
   const double seconds = std::chrono::duration<double>(Clock::now() - u->begun).count();
   LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (",
                             UpdateTag(u->id), "): ", outcome,
@@ -345,10 +331,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     // Begin of this name either committed (taken) or is still open.
     taken = heads_->Taken(req.head(), req.version());
     if (!taken) {
-      const std::string stem = store_.NewStem(req.head());
-      u->next.source.file = stem + ".safetensors";
-      u->partial = stem + ".safetensors.partial";
-      u->bias_file = stem + kStoreBiasSuffix;
+      u->staged = std::make_unique<StagedVersion>(&store_, req.head());
+      u->next.source.file = u->staged->file();
       u->bias_given = req.has_bias();
       open_[u->id] = u;
     }
@@ -372,8 +356,9 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   s.bias = cur.bias;
   s.config_file = cur.config_file;
   if (req.has_bias() || store_.IsOwnBias(cur.bias.file)) {
-    const absl::StatusOr<LmHeadBiasSource> written =
-        req.has_bias() ? LmHeadStore::WriteBias(u->bias_file, new_bias) : LmHeadStore::CopyBias(cur.bias, u->bias_file);
+    const absl::StatusOr<LmHeadBiasSource> written = req.has_bias()
+                                                         ? LmHeadStore::WriteBias(u->staged->bias_file(), new_bias)
+                                                         : LmHeadStore::CopyBias(cur.bias, u->staged->bias_file());
     if (!written.ok()) {
       absl::MutexLock lock(&mu_);
       End(u, "aborted", std::string(written.status().message()));
@@ -381,19 +366,14 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     }
     s.bias = *written;
   }
-  const std::string header = StoreFileHeader(cur.dtype, V, H);
-  s.data_offset = header.size();
-  const uint64_t file_bytes = header.size() + static_cast<uint64_t>(V * row_bytes);
-  u->fd = store_.StagedFile(u->head, u->partial, file_bytes, &u->map);
-  if (u->fd < 0 || !PwriteAll(u->fd, header.data(), header.size(), 0)) {
-    const int err = errno;
-    const std::string why = absl::StrCat("cannot create ", u->partial, ": ", strerror(err));
+  if (const absl::Status st = u->staged->Create(cur.dtype, V, H); !st.ok()) {
     absl::MutexLock lock(&mu_);
-    End(u, "aborted", why);
-    const std::string msg = absl::StrCat("lm_head update: ", why, " (--lm-head-store-dir)");
-    return err == ENOSPC ? absl::ResourceExhaustedError(msg) : absl::InternalError(msg);
+    End(u, "aborted", std::string(st.message()));
+    return absl::Status(st.code(), absl::StrCat("lm_head update: ", st.message(), " (--lm-head-store-dir)"));
   }
-  u->hasher = std::make_unique<StagedFileHasher>(u->fd, s.data_offset, V * row_bytes, /*background=*/sha.empty());
+  s.data_offset = u->staged->data_offset();
+  u->hasher =
+      std::make_unique<StagedFileHasher>(u->staged->fd(), s.data_offset, V * row_bytes, /*background=*/sha.empty());
   LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (",
                             UpdateTag(u->id), ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype));
   return u->Proto();
@@ -529,7 +509,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(const std::string& id, i
     u->last_progress = Clock::now();
   }
   const int64_t total = rows * u->row_bytes, first_byte = row_begin * u->row_bytes;
-  char* const staged = u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(first_byte);
+  char* const staged = u->staged->rows() + static_cast<uint64_t>(first_byte);
   if (verify) {
     // The retry's bytes, read as any put's, then compared with the staged ones.
     std::string again(static_cast<size_t>(total), '\0');
@@ -646,7 +626,7 @@ absl::Status LmHeadUpdates::Stage(const std::shared_ptr<Update>& u, int64_t row_
         absl::StrCat(what, ": the front-end can neither read their ", source.rules().name, " source nor refer to it"));
   internal::v1::LmHeadStage stage;
   *stage.mutable_source() = std::move(*item.mutable_cuda_ipc());
-  stage.set_file(u->partial);
+  stage.set_file(u->staged->partial());
   stage.set_file_offset(static_cast<int64_t>(u->next.source.data_offset) + row_begin * u->row_bytes);
   const absl::Status st = workers_.stage(stage);
   if (st.ok()) return st;
@@ -747,12 +727,10 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     if (auto it = outcomes_.find(u->id); it != outcomes_.end()) it->second.status = st;  // a retry gets this error
     return st;
   };
-  if (rename(u->partial.c_str(), u->next.source.file.c_str()) != 0)
-    return fail("aborted", absl::InternalError(absl::StrCat("cannot rename ", u->partial, ": ", strerror(errno))));
+  if (absl::Status st = u->staged->Commit(); !st.ok()) return fail("aborted", st);
   // NaN and infinite weights are refused (every put scanned its rows).
   if (u->first_non_finite.has_value())
-    return fail("non_finite",
-                NonFiniteError(u->map.get() + u->next.source.data_offset, u->next.source, id, *u->first_non_finite));
+    return fail("non_finite", NonFiniteError(u->staged->rows(), u->next.source, id, *u->first_non_finite));
   // Every worker loads its slice while scoring goes on with the current
   // version; meanwhile the hasher finishes the weight's SHA-256, which the
   // commit waits for only to check an announced one.
@@ -786,7 +764,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     outcomes_[u->id].info = committed;
     // The digest may still be computing: the hasher lives on until it is.
     u->hasher->Start();
-    store_.Keep(u->next.source.file, std::move(u->map), std::move(u->hasher));
+    u->staged->Keep(std::move(u->hasher));
   }
   if (committed.name().empty()) return absl::InternalError("the committed head vanished");
   return committed;
