@@ -233,41 +233,12 @@ class LmHeadUpdates {
 
   /// The open update `id` (NOT_FOUND with why otherwise). mu_ held.
   absl::StatusOr<std::shared_ptr<Update>> Open(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// Ends `u` (aborted: why), removes its file, reports it. mu_ held.
+  /// Open, taking mu_.
+  absl::StatusOr<std::shared_ptr<Update>> Find(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Ends `u` (aborted: why), removes its files, reports it. mu_ held.
   /// `u` by value: it erases open_'s copy (a caller may pass that one).
   void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// What a fill found scanning the rows it wrote for NaN and infinity:
-  /// `done` when it scanned them (as they landed), `first` the first such
-  /// element among them (row-major, from the put's first row).
-  struct PutScan {
-    bool done = false;
-    std::optional<int64_t> first;
-  };
-  using Fill = std::function<absl::Status(const std::shared_ptr<Update>&, char* dst, PutScan* scan)>;
-  /// PutRows / PutRowsWith: the checks (`source`'s too when not null),
-  /// the range claimed, `fill(u, dst, scan)` writes the rows to dst (their
-  /// place in the staged file), then they count (the hasher, metrics, the
-  /// first non-finite element, scanned here unless the fill did) or, on
-  /// its error, the range is freed. A retry of exactly a range received
-  /// whole is filled into a buffer and compared with the staged bytes: the
-  /// update as it is when equal, INVALID_ARGUMENT when not (not counted).
-  absl::StatusOr<v1::LmHeadUpdate> PutInto(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
-                                           int64_t columns, const InputSource* source, const Fill& fill)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  /// The rows of update `u` from `source` written to `dst` (their place in
-  /// the staged file, or a retry's buffer; copied here in 16 MiB blocks on
-  /// up to 4 threads, each scanned for NaN and infinity 1 MiB at a time
-  /// right after its copy, into `scan`), or by a worker into the staged
-  /// file (Stage: `dst` unused, not scanned). The source's error when a
-  /// read fails.
-  absl::Status Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source,
-                     char* dst, PutScan* scan) ABSL_LOCKS_EXCLUDED(mu_);
-  /// Has a worker copy the rows of `source` (not readable here: it
-  /// refers to them, InputSource::Refer) into `u`'s staged file at their
-  /// byte offset (LmHeadWorkers::stage). The stage's error, named.
-  absl::Status Stage(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
-      ABSL_LOCKS_EXCLUDED(mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
