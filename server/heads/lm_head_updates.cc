@@ -146,13 +146,14 @@ absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const
   return absl::NotFoundError(absl::StrCat("lm_head update ", UpdateTag(id), " is not open (unknown id)"));
 }
 
-void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why) {
+void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why,
+                        bool cancel_waiting) {
   u->ended = true;
   cv_.SignalAll();  // a retried Commit waiting for this outcome (Commit)
   open_.erase(u->id);
   if (ended_.size() >= kEndedKept) ended_.erase(ended_.begin());
   ended_[u->id] = outcome == "committed" ? "it was committed" : absl::StrCat("aborted: ", why);
-  u->intake->Close(ended_[u->id]);
+  u->intake->Close(ended_[u->id], cancel_waiting);
   if (outcome_order_.size() >= kOutcomesKept) {
     outcomes_.erase(outcome_order_.front());
     outcome_order_.pop_front();
@@ -537,10 +538,10 @@ void LmHeadUpdates::Loop() {
     for (const auto& u : idle) {
       // A put stalled waiting for bytes: its call is ended too (the
       // handler thread is freed; the put answers ABORTED naming this).
-      u->intake->CancelWaiting();
       End(u, "timeout",
           absl::StrCat("no progress for ", std::chrono::duration<double>(options_.timeout).count(),
-                       " s (--lm-head-update-timeout)"));
+                       " s (--lm-head-update-timeout)"),
+          /*cancel_waiting=*/true);
     }
     cv_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
   }

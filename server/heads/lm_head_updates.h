@@ -235,9 +235,11 @@ class LmHeadUpdates {
   absl::StatusOr<std::shared_ptr<Update>> Open(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Open, taking mu_.
   absl::StatusOr<std::shared_ptr<Update>> Find(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
-  /// Ends `u` (aborted: why), removes its files, reports it. mu_ held.
-  /// `u` by value: it erases open_'s copy (a caller may pass that one).
-  void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why)
+  /// Ends `u` (aborted: why), removes its files, reports it; with
+  /// `cancel_waiting`, first ends the calls of its puts waiting for bytes
+  /// (RowIntake::Close). mu_ held. `u` by value: it erases open_'s copy
+  /// (a caller may pass that one).
+  void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why, bool cancel_waiting = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);

@@ -289,14 +289,12 @@ absl::Status RowIntake::Seal() {
   return absl::OkStatus();
 }
 
-void RowIntake::Close(const std::string& why) {
+void RowIntake::Close(const std::string& why, bool cancel_waiting) {
   absl::MutexLock lock(&mu_);
   closed_ = why;
-}
-
-void RowIntake::CancelWaiting() {
-  absl::MutexLock lock(&mu_);
-  for (const auto& [key, cancel] : waiting_) cancel();
+  // Closed first: a put whose call this ends finds why when it returns.
+  if (cancel_waiting)
+    for (const auto& [key, cancel] : waiting_) cancel();
 }
 
 absl::Status RowIntake::CheckFinite(const char* rows) const {

@@ -65,7 +65,7 @@ class RowIntake {
                               DType dtype, int64_t columns, const InputSource& source) ABSL_LOCKS_EXCLUDED(mu_);
   /// Put for rows `follow` writes to their place itself, reporting progress
   /// as they arrive (the written prefix is scanned then); `cancel`, when
-  /// not empty, ends its call on CancelWaiting. Put's errors, and
+  /// not empty, ends its call on Close(why, true). Put's errors, and
   /// follow's.
   absl::StatusOr<int64_t> PutFollowing(const StagedVersion& staged, StagedFileHasher& hasher, int64_t row_begin,
                                        int64_t rows, DType dtype, int64_t columns, const Follow& follow,
@@ -76,10 +76,10 @@ class RowIntake {
   /// first missing range).
   absl::Status Seal() ABSL_LOCKS_EXCLUDED(mu_);
   /// The update ended (`why`: "aborted: ..." or "it was committed"): puts
-  /// in progress answer ABORTED with it, later ones NOT_FOUND.
-  void Close(const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
-  /// Ends the calls of puts waiting for bytes (a time-out).
-  void CancelWaiting() ABSL_LOCKS_EXCLUDED(mu_);
+  /// in progress answer ABORTED with it, later ones NOT_FOUND. With
+  /// `cancel_waiting` (a time-out), then ends the calls of puts waiting for
+  /// bytes (PutFollowing's `cancel`), so they too answer ABORTED.
+  void Close(const std::string& why, bool cancel_waiting = false) ABSL_LOCKS_EXCLUDED(mu_);
 
   /// OK, or INVALID_ARGUMENT naming the weight's first NaN or infinite
   /// element received (row, column, value) in `rows` (the staged rows).
