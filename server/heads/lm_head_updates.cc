@@ -1,43 +1,27 @@
 #include "server/heads/lm_head_updates.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/random.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cerrno>
-#include <cmath>
-#include <cstring>
+#include <cstdlib>
 #include <filesystem>
 #include <future>
-#include <iostream>
-#include <limits>
 #include <optional>
-#include <random>
-#include <set>
-#include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/confined_file.h"
 #include "common/error_reason.h"
 #include "common/finite_check.h"
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
-#include "common/partition.h"
-#include "common/positioned_io.h"
-#include "common/safetensors.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
 #include "common/untrusted_text.h"
-#include "server/heads/staged_file_hasher.h"
+#include "server/heads/row_intake.h"
+#include "server/heads/staged_version.h"
+#include "server/inputs/checkpoint_rows.h"
 
 namespace logprob {
 namespace {
@@ -45,11 +29,8 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kCopyBytes = size_t{16} << 20;  // rows a source reads at a time
-constexpr int64_t kCopyThreads = 4;              // threads that read one put's rows, at most
-constexpr size_t kScanBytes = size_t{1} << 20;   // rows copied, then scanned for NaN / Inf, at a time
-constexpr size_t kEndedKept = 64;                // ended updates remembered for their error messages
-constexpr size_t kOutcomesKept = 256;            // ended updates whose outcome a retried Commit gets
+constexpr size_t kEndedKept = 64;      // ended updates remembered for their error messages
+constexpr size_t kOutcomesKept = 256;  // ended updates whose outcome a retried Commit gets
 
 /// 128 bits from the kernel's CSPRNG, in hex: an update's id, which is the
 /// capability to put, commit and abort it (unguessable).
@@ -68,51 +49,6 @@ std::string RandomId() {
     id += kHex[b & 15];
   }
   return id;
-}
-
-/// Rows of a checkpoint's lm_head tensor, read with positioned reads.
-class CheckpointSource final : public InputSource {
- public:
-  /// `opened`: the checkpoint resolved, its weight file held open (read
-  /// only through that descriptor, never reopened by name).
-  explicit CheckpointSource(OpenedLmHead opened)
-      : InputSource(InputKind::kFile, opened.source.vocab_size * opened.source.hidden_size *
-                                          static_cast<int64_t>(DTypeSize(opened.source.dtype))),
-        source_(std::move(opened.source)),
-        weight_(std::move(opened.weight)),
-        fd_(weight_ ? weight_->get() : -1) {}
-  bool Read(int64_t offset, size_t n, char* dst) const override {
-    if (fd_ >= 0 && PreadAll(fd_, dst, n, source_.data_offset + static_cast<uint64_t>(offset))) return true;
-    std::memset(dst, 0, n);
-    absl::MutexLock lock(&mu_);
-    if (error_.ok())
-      error_ = absl::DataLossError(absl::StrCat("cannot read ", n, " bytes at ", offset, " of ", source_.tensor, " in ",
-                                                source_.file, ": ", fd_ < 0 ? "cannot open it" : "short read"));
-    return false;
-  }
-  absl::Status status() const override {
-    absl::MutexLock lock(&mu_);
-    return error_;
-  }
-
- private:
-  const LmHeadSource source_;
-  const std::shared_ptr<UniqueFd> weight_;
-  const int fd_;
-  mutable absl::Mutex mu_;
-  mutable absl::Status error_ ABSL_GUARDED_BY(mu_);
-};
-
-/// INVALID_ARGUMENT naming update `id` (its tag) and element `bad` of the
-/// weight in `rows` (the staged file's rows): its row, column and value
-/// (NaN, +Inf or -Inf).
-absl::Status NonFiniteError(const char* rows, const LmHeadSource& source, const std::string& id, int64_t bad) {
-  float value = 0;
-  ToFloat(source.dtype, rows + bad * static_cast<int64_t>(DTypeSize(source.dtype)), 1, &value);
-  return absl::InvalidArgumentError(absl::StrCat("lm_head update ", UpdateTag(id), ": row ", bad / source.hidden_size,
-                                                 ", column ", bad % source.hidden_size, " of the weight is ",
-                                                 std::isnan(value) ? "NaN" : (value > 0 ? "+Inf" : "-Inf"),
-                                                 "; weights must be finite; nothing changed"));
 }
 
 /// The new version's transform: the head's (`cur`), with what `req` gives
@@ -135,10 +71,8 @@ absl::StatusOr<LmHeadTransform> UpdatedTransform(const v1::BeginLmHeadUpdateRequ
     if (b.source_case() != v1::Tensor::kData || b.data().size() != want)
       return absl::InvalidArgumentError(
           absl::StrCat("bias: its ", want, " bytes must be inline (data); ", b.data().size(), " given"));
-    std::vector<float> values(static_cast<size_t>(cur.vocab_size));
-    ToFloat(b.dtype(), b.data().data(), values.size(), values.data());
-    for (size_t i = 0; i < values.size(); ++i)
-      if (!std::isfinite(values[i])) return absl::InvalidArgumentError(absl::StrCat("bias[", i, "] is not finite"));
+    if (const std::optional<int64_t> bad = FirstNonFinite(b.dtype(), b.data().data(), cur.vocab_size))
+      return absl::InvalidArgumentError(absl::StrCat("bias[", *bad, "] is not finite"));
     *bias = b;
     bias->set_name("lm_head.bias");
     t.has_bias = true;
@@ -150,63 +84,35 @@ absl::StatusOr<LmHeadTransform> UpdatedTransform(const v1::BeginLmHeadUpdateRequ
 
 std::string UpdateTag(const std::string& id) { return Sha256Hex(id).substr(0, 8); }
 
-void LmHeadReleases::Push(const LmHeadVersion& version) {
-  absl::MutexLock lock(&mu_);
-  queue_.push_back(version);
-}
-
-std::vector<LmHeadVersion> LmHeadReleases::Take() {
-  absl::MutexLock lock(&mu_);
-  return std::exchange(queue_, {});
-}
-
 struct LmHeadUpdates::Update {
   std::string id, head, version, expected_sha256, client_token;
-  LmHeadVersion next;   // what commits: source.file is the final path
-  std::string partial;  // the file while staged
-  // This version's own bias file in the store (`<stem>.bias.safetensors`:
-  // written only when the version's bias comes from the request or from
-  // another store version); removed on abort and with the version.
-  std::string bias_file;
+  LmHeadVersion next;       // what commits: source.file is the final path
   bool bias_given = false;  // BeginLmHeadUpdateRequest.bias was set
-  int fd = -1;
-  // The staged file mapped read-write (its blocks allocated at Begin, so
-  // no write through it can fault for space): rows are copied in with
-  // memcpy, which on a tmpfs store runs several times faster than pwrite.
-  // Kept with the committed file (LmHeadUpdates::maps_), so the update
-  // that reuses the file finds its page tables populated.
-  FileMap map;
-  int64_t row_bytes = 0;
-  std::map<int64_t, int64_t> ranges;  // rows received or being received: begin -> end
-  std::set<int64_t> received;         // begins of the ranges received whole
-  int64_t rows_received = 0, bytes = 0;
-  int busy = 0;  // PutRows in progress
-  // Puts waiting for bytes from their transport: how to end each call.
-  std::map<int, std::function<void()>> waiting;
-  int next_wait = 0;
+  // The version's files in the store: the staged file mapped read-write
+  // (rows are copied in with memcpy), and its own bias file (written only
+  // when the version's bias comes from the request or from another store
+  // version). Made at Begin, renamed at Commit, removed on abort.
+  std::unique_ptr<StagedVersion> staged;
+  // The rows as they arrive: ranges given, bytes, progress (the time-out
+  // counts from it), the first NaN or infinite element (each put scans its
+  // rows as they land; Commit refuses the update by it).
+  std::unique_ptr<RowIntake> intake;
   bool committing = false, ended = false;
-  // The weight's first NaN or infinite element among the rows received
-  // (row-major), if any: each put scans its rows as they land (rows a
-  // worker staged, once staged), and Commit refuses the update by it.
-  std::optional<int64_t> first_non_finite;
   // SHA-256 of the rows, read back from the staged file in order as the
   // written rows form a longer prefix, on its own thread: no put waits for
   // it. Commit waits for the tail (while the workers load) only to check
   // an announced sha256; otherwise the hash finishes in the background.
   std::unique_ptr<StagedFileHasher> hasher;
-  Clock::time_point begun, last_progress;
+  Clock::time_point begun;
 
-  ~Update() {
-    hasher.reset();  // its thread reads fd
-    if (fd >= 0) close(fd);
-  }
-  v1::LmHeadUpdate Proto() const {
+  ~Update() { hasher.reset(); }  // its thread reads the staged file
+  v1::LmHeadUpdate Proto(std::optional<int64_t> rows_received = std::nullopt) const {
     v1::LmHeadUpdate p;
     p.set_update_id(id);
     p.set_head(head);
     p.set_version(version);
     p.set_vocab_size(next.source.vocab_size);
-    p.set_rows_received(rows_received);
+    p.set_rows_received(rows_received ? *rows_received : intake->rows_received());
     return p;
   }
 };
@@ -218,7 +124,8 @@ LmHeadUpdates::LmHeadUpdates(Options options, LmHeads* heads, std::shared_ptr<Lm
       workers_(std::move(workers)),
       observers_(std::move(observers)),
       releases_(std::move(releases)),
-      store_(options_.store_dir) {
+      store_(options_.store_dir),
+      released_(releases_, &store_, workers_.drop) {
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -239,12 +146,14 @@ absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Open(const
   return absl::NotFoundError(absl::StrCat("lm_head update ", UpdateTag(id), " is not open (unknown id)"));
 }
 
-void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why) {
+void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why,
+                        bool cancel_waiting) {
   u->ended = true;
   cv_.SignalAll();  // a retried Commit waiting for this outcome (Commit)
   open_.erase(u->id);
   if (ended_.size() >= kEndedKept) ended_.erase(ended_.begin());
   ended_[u->id] = outcome == "committed" ? "it was committed" : absl::StrCat("aborted: ", why);
+  u->intake->Close(ended_[u->id], cancel_waiting);
   if (outcome_order_.size() >= kOutcomesKept) {
     outcomes_.erase(outcome_order_.front());
     outcome_order_.pop_front();
@@ -254,17 +163,13 @@ void LmHeadUpdates::End(std::shared_ptr<Update> u, const std::string& outcome, c
                                 ? absl::OkStatus()
                                 : absl::AbortedError(absl::StrCat("lm_head update of \"", u->head, "\" to version \"",
                                                                   u->version, "\" was aborted (", outcome, "): ", why));
-  if (outcome != "committed") {
-    unlink(u->partial.c_str());
-    unlink(u->next.source.file.c_str());
-    unlink(u->bias_file.c_str());
-  }
+  if (outcome != "committed") u->staged->Discard();
   const double seconds = std::chrono::duration<double>(Clock::now() - u->begun).count();
   LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (",
                             UpdateTag(u->id), "): ", outcome,
                             outcome == "committed" ? "" : absl::StrCat(" (", why, ")"), " after ", seconds, " s, ",
-                            u->bytes, " bytes received");
-  if (observers_.on_end) observers_.on_end(u->head, outcome, seconds, u->bytes);
+                            u->intake->bytes(), " bytes received");
+  if (observers_.on_end) observers_.on_end(u->head, outcome, seconds, u->intake->bytes());
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdateRequest& req, absl::Time deadline) {
@@ -276,7 +181,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadVersionName(req.version(), "version"));
   // Versions the last commit let go: dropped now, so their files can take
   // this update's rows (an RL loop updates right after the last commit).
-  Release();
+  released_.Release();
   if (const std::string& t = req.client_token();
       !t.empty() &&
       (t.size() < 16 || t.size() > 128 ||
@@ -351,8 +256,11 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   u->version = req.version();
   u->expected_sha256 = sha;
   u->client_token = req.client_token();
-  u->row_bytes = row_bytes;
-  u->begun = u->last_progress = Clock::now();
+  u->begun = Clock::now();
+  u->intake = std::make_unique<RowIntake>(
+      RowIntake::Options{absl::StrCat("lm_head update ", UpdateTag(u->id)), cur.dtype, V, H, workers_.stage,
+                         observers_.on_bytes ? [on = observers_.on_bytes, head = req.head()](int64_t n) { on(head, n); }
+                                             : std::function<void(int64_t)>()});
   std::optional<std::shared_future<std::string>> taken;
   {
     absl::MutexLock lock(&mu_);
@@ -388,10 +296,8 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     // Begin of this name either committed (taken) or is still open.
     taken = heads_->Taken(req.head(), req.version());
     if (!taken) {
-      const std::string stem = store_.NewStem(req.head());
-      u->next.source.file = stem + ".safetensors";
-      u->partial = stem + ".safetensors.partial";
-      u->bias_file = stem + kStoreBiasSuffix;
+      u->staged = std::make_unique<StagedVersion>(&store_, req.head());
+      u->next.source.file = u->staged->file();
       u->bias_given = req.has_bias();
       open_[u->id] = u;
     }
@@ -415,8 +321,9 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   s.bias = cur.bias;
   s.config_file = cur.config_file;
   if (req.has_bias() || store_.IsOwnBias(cur.bias.file)) {
-    const absl::StatusOr<LmHeadBiasSource> written =
-        req.has_bias() ? LmHeadStore::WriteBias(u->bias_file, new_bias) : LmHeadStore::CopyBias(cur.bias, u->bias_file);
+    const absl::StatusOr<LmHeadBiasSource> written = req.has_bias()
+                                                         ? LmHeadStore::WriteBias(u->staged->bias_file(), new_bias)
+                                                         : LmHeadStore::CopyBias(cur.bias, u->staged->bias_file());
     if (!written.ok()) {
       absl::MutexLock lock(&mu_);
       End(u, "aborted", std::string(written.status().message()));
@@ -424,19 +331,14 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
     }
     s.bias = *written;
   }
-  const std::string header = StoreFileHeader(cur.dtype, V, H);
-  s.data_offset = header.size();
-  const uint64_t file_bytes = header.size() + static_cast<uint64_t>(V * row_bytes);
-  u->fd = store_.StagedFile(u->head, u->partial, file_bytes, &u->map);
-  if (u->fd < 0 || !PwriteAll(u->fd, header.data(), header.size(), 0)) {
-    const int err = errno;
-    const std::string why = absl::StrCat("cannot create ", u->partial, ": ", strerror(err));
+  if (const absl::Status st = u->staged->Create(cur.dtype, V, H); !st.ok()) {
     absl::MutexLock lock(&mu_);
-    End(u, "aborted", why);
-    const std::string msg = absl::StrCat("lm_head update: ", why, " (--lm-head-store-dir)");
-    return err == ENOSPC ? absl::ResourceExhaustedError(msg) : absl::InternalError(msg);
+    End(u, "aborted", std::string(st.message()));
+    return absl::Status(st.code(), absl::StrCat("lm_head update: ", st.message(), " (--lm-head-store-dir)"));
   }
-  u->hasher = std::make_unique<StagedFileHasher>(u->fd, s.data_offset, V * row_bytes, /*background=*/sha.empty());
+  s.data_offset = u->staged->data_offset();
+  u->hasher =
+      std::make_unique<StagedFileHasher>(u->staged->fd(), s.data_offset, V * row_bytes, /*background=*/sha.empty());
   LogLine() << absl::StrCat("logprob-server: lm_head ", u->head, " update to version ", u->version, " (",
                             UpdateTag(u->id), ") opened: [", V, ", ", H, "] ", DTypeName(cur.dtype));
   return u->Proto();
@@ -473,253 +375,32 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(const v1::LmHeadRows& put, c
   return PutRows(put.update_id(), put.row_begin(), n, t.dtype(), columns, *source);
 }
 
+absl::StatusOr<std::shared_ptr<LmHeadUpdates::Update>> LmHeadUpdates::Find(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  return Open(id);
+}
+
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRows(const std::string& id, int64_t row_begin, int64_t rows,
                                                         DType dtype, int64_t columns, const InputSource& source) {
-  return PutInto(id, row_begin, rows, dtype, columns, &source,
-                 [&](const std::shared_ptr<Update>& u, char* dst, PutScan* scan) {
-                   return Write(u, row_begin, rows, source, dst, scan);
-                 });
+  LOGPROB_ASSIGN_OR_RETURN(const std::shared_ptr<Update> u, Find(id));
+  LOGPROB_ASSIGN_OR_RETURN(const int64_t received,
+                           u->intake->Put(*u->staged, *u->hasher, row_begin, rows, dtype, columns, source));
+  return u->Proto(received);
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutRowsWith(const std::string& id, int64_t row_begin, int64_t rows,
                                                             DType dtype, int64_t columns, const LmHeadPutIo& io) {
-  return PutInto(id, row_begin, rows, dtype, columns, nullptr,
-                 [&](const std::shared_ptr<Update>& u, char* dst, PutScan* scan) {
-                   // The prefix of dst written so far is scanned as it
-                   // grows (the newest piece is in cache), the rest at the end.
-                   const int64_t elt = static_cast<int64_t>(DTypeSize(dtype));
-                   const int64_t elements = rows * u->row_bytes / elt;
-                   int64_t scanned = 0;  // elements
-                   const auto scan_to = [&](int64_t end) {
-                     if (end <= scanned || scan->first.has_value()) return;
-                     if (const std::optional<int64_t> bad = FirstNonFinite(dtype, dst + scanned * elt, end - scanned))
-                       scan->first = scanned + *bad;
-                     scanned = end;
-                   };
-                   const auto progressed = [&](int64_t written) {
-                     scan_to(std::clamp<int64_t>(written / elt, 0, elements));
-                     absl::MutexLock lock(&mu_);
-                     u->last_progress = Clock::now();
-                   };
-                   // While it waits for bytes, a time-out of the update ends its call.
-                   int key = 0;
-                   if (io.cancel) {
-                     absl::MutexLock lock(&mu_);
-                     key = ++u->next_wait;
-                     u->waiting[key] = io.cancel;
-                   }
-                   const absl::Status st = io.follow(dst, progressed);
-                   if (st.ok()) {
-                     scan_to(elements);
-                     scan->done = true;
-                   }
-                   absl::MutexLock lock(&mu_);
-                   u->waiting.erase(key);
-                   return st;
-                 });
-}
-
-absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutInto(const std::string& id, int64_t row_begin, int64_t rows,
-                                                        DType dtype, int64_t columns, const InputSource* source,
-                                                        const Fill& fill) {
-  std::shared_ptr<Update> u;
-  bool verify = false;  // a retry of a range received whole
-  {
-    absl::MutexLock lock(&mu_);
-    LOGPROB_ASSIGN_OR_RETURN(u, Open(id));
-    const int64_t V = u->next.source.vocab_size;
-    if (u->committing)
-      return absl::FailedPreconditionError(absl::StrCat("lm_head update ", UpdateTag(id), " is being committed"));
-    // Compared without forming row_begin + rows first: both come from the sender (any int64).
-    if (rows <= 0 || row_begin < 0 || row_begin >= V || rows > V - row_begin)
-      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_begin, " + ", rows,
-                                                     ") are not a non-empty range of the head's [0, ", V, ")"));
-    const int64_t row_end = row_begin + rows;
-    if (dtype != u->next.source.dtype || columns != u->next.source.hidden_size)
-      return absl::InvalidArgumentError(absl::StrCat("rows: [", rows, ", ", columns, "] ", DTypeName(dtype),
-                                                     " given; the update's rows are [n, ", u->next.source.hidden_size,
-                                                     "] ", DTypeName(u->next.source.dtype)));
-    if (source != nullptr && source->byte_size() != rows * u->row_bytes)
-      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_end, "): ", source->byte_size(),
-                                                     " bytes given, ", rows * u->row_bytes, " expected (", rows,
-                                                     " rows of ", u->row_bytes, " bytes)"));
-    if (source != nullptr && !source->rules().readable_here && !workers_.stage)
-      return WithReason(
-          absl::FailedPreconditionError(absl::StrCat(
-              "rows [", row_begin, ", ", row_end, "): this server has no worker that can read ", source->rules().name,
-              " rows into the update; send the rows as bytes (in pieces or through shared memory)")),
-          source->rules().unavailable);
-    // A retry of a put that was received whole: compared, not counted.
-    if (auto same = u->ranges.find(row_begin);
-        same != u->ranges.end() && same->second == row_end && u->received.count(row_begin) > 0) {
-      if (source != nullptr && !source->rules().readable_here)
-        return absl::InvalidArgumentError(
-            absl::StrCat("rows [", row_begin, ", ", row_end, ") were already received; their ", source->rules().name,
-                         " source cannot be compared with them here: they need not be sent again"));
-      verify = true;
-    }
-    // The first range at or after row_begin, and the one before it.
-    auto next = u->ranges.lower_bound(row_begin);
-    if (!verify && ((next != u->ranges.end() && next->first < row_end) ||
-                    (next != u->ranges.begin() && std::prev(next)->second > row_begin))) {
-      auto clash = (next != u->ranges.begin() && std::prev(next)->second > row_begin) ? std::prev(next) : next;
-      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_end, ") overlap rows [",
-                                                     clash->first, ", ", clash->second,
-                                                     ") already given to this update; every row comes exactly once"));
-    }
-    u->ranges[row_begin] = row_end;
-    ++u->busy;
-    u->last_progress = Clock::now();
-  }
-  const int64_t total = rows * u->row_bytes, first_byte = row_begin * u->row_bytes;
-  char* const staged = u->map.get() + u->next.source.data_offset + static_cast<uint64_t>(first_byte);
-  if (verify) {
-    // The retry's bytes, read as any put's, then compared with the staged ones.
-    std::string again(static_cast<size_t>(total), '\0');
-    PutScan unused;
-    const absl::Status read = fill(u, again.data(), &unused);
-    absl::MutexLock lock(&mu_);
-    --u->busy;
-    u->last_progress = Clock::now();
-    if (u->ended)
-      return absl::AbortedError(absl::StrCat("lm_head update ", UpdateTag(u->id), " ended while its rows arrived: ",
-                                             ended_.count(u->id) ? ended_[u->id] : "aborted"));
-    if (!read.ok()) return read;
-    if (std::memcmp(again.data(), staged, again.size()) != 0)
-      return absl::InvalidArgumentError(absl::StrCat("rows [", row_begin, ", ", row_begin + rows,
-                                                     ") were already received with other bytes; every row comes "
-                                                     "exactly once"));
-    return u->Proto();  // the first put's answer
-  }
-  PutScan scan;
-  const absl::Status failed = fill(u, staged, &scan);
-  // Only whole, written puts are hashed and scanned: a failed put's rows
-  // may come again. Rows a fill did not scan (rows a worker staged) are
-  // scanned now, before the put answers.
-  const int64_t elements = total / static_cast<int64_t>(DTypeSize(dtype));
-  if (failed.ok() && !scan.done) scan.first = FirstNonFinite(dtype, staged, elements);
-  if (failed.ok()) u->hasher->Written(first_byte, first_byte + total);
-  if (failed.ok() && observers_.on_bytes) observers_.on_bytes(u->head, total);
-  absl::MutexLock lock(&mu_);
-  --u->busy;
-  u->last_progress = Clock::now();
-  // Ended meanwhile (a time-out, an abort, the server stopping): why.
-  if (u->ended)
-    return absl::AbortedError(absl::StrCat("lm_head update ", UpdateTag(u->id), " ended while its rows arrived: ",
-                                           ended_.count(u->id) ? ended_[u->id] : "aborted"));
-  if (!failed.ok()) {
-    u->ranges.erase(row_begin);  // the rows may be sent again
-    return failed;
-  }
-  u->rows_received += rows;
-  u->bytes += total;
-  u->received.insert(row_begin);
-  if (scan.first.has_value()) {
-    const int64_t at = row_begin * columns + *scan.first;
-    u->first_non_finite = std::min(u->first_non_finite.value_or(at), at);
-  }
-  return u->Proto();
-}
-
-absl::Status LmHeadUpdates::Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                  const InputSource& source, char* rows_dst, PutScan* scan) {
-  // Bytes the front-end cannot read (a client's GPU memory): a worker on
-  // this host writes them into the staged file; the others are copied here.
-  if (!source.rules().readable_here) return Stage(u, row_begin, rows, source);
-  const int64_t total = rows * u->row_bytes;
-  const std::optional<std::string_view> memory = source.memory();
-  // Blocks of kCopyBytes, taken in turn by up to kCopyThreads threads: a
-  // checkpoint is read with pread, which the kernel copies page by page
-  // (on tmpfs about a third of memcpy's speed, one core), a client's
-  // region through its mapping, so a large put reads on several cores. Each kScanBytes is
-  // scanned for NaN and infinity while it is in the core's cache, so the
-  // commit need not read the whole weight again.
-  const int64_t blocks = (total + static_cast<int64_t>(kCopyBytes) - 1) / static_cast<int64_t>(kCopyBytes);
-  const DType dtype = u->next.source.dtype;
-  const int64_t elt = static_cast<int64_t>(DTypeSize(dtype));
-  std::atomic<int64_t> next{0};
-  std::atomic<bool> failed{false};
-  std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};  // element, from the put's first row
-  auto copy = [&] {
-    for (int64_t b = next++; b < blocks && !failed.load(); b = next++) {
-      const int64_t off = b * static_cast<int64_t>(kCopyBytes);
-      const int64_t end = std::min<int64_t>(off + static_cast<int64_t>(kCopyBytes), total);
-      for (int64_t at = off; at < end && !failed.load(); at += static_cast<int64_t>(kScanBytes)) {
-        const size_t n = static_cast<size_t>(std::min<int64_t>(kScanBytes, end - at));
-        char* dst = rows_dst + static_cast<uint64_t>(at);
-        if (memory) {
-          std::memcpy(dst, memory->data() + at, n);
-        } else if (!source.Read(at, n, dst)) {
-          failed = true;
-          break;
-        }
-        if (const std::optional<int64_t> bad = FirstNonFinite(dtype, dst, static_cast<int64_t>(n) / elt)) {
-          const int64_t e = at / elt + *bad;
-          for (int64_t seen = first_bad.load(); e < seen && !first_bad.compare_exchange_weak(seen, e);) {
-          }
-        }
-      }
-      absl::MutexLock lock(&mu_);
-      u->last_progress = Clock::now();  // a long put is progress
-    }
-  };
-  const int64_t threads =
-      std::min<int64_t>({blocks, kCopyThreads, std::max<int64_t>(1, std::thread::hardware_concurrency())});
-  std::vector<std::thread> helpers;
-  try {
-    for (int64_t i = 1; i < threads; ++i) helpers.emplace_back(copy);
-  } catch (const std::system_error&) {
-    // No thread to be had (a process or memory limit): fewer threads read.
-  }
-  copy();
-  for (std::thread& t : helpers) t.join();
-  if (failed) return source.status().ok() ? absl::DataLossError("the rows' source could not be read") : source.status();
-  scan->done = true;
-  if (first_bad.load() != std::numeric_limits<int64_t>::max()) scan->first = first_bad.load();
-  return absl::OkStatus();
-}
-
-absl::Status LmHeadUpdates::Stage(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows,
-                                  const InputSource& source) {
-  const int64_t total = rows * u->row_bytes;
-  const std::string what = absl::StrCat("rows [", row_begin, ", ", row_begin + rows, ")");
-  internal::v1::WorkItem item;
-  if (!source.Refer(0, total, &item) || !item.has_cuda_ipc())
-    return absl::InternalError(
-        absl::StrCat(what, ": the front-end can neither read their ", source.rules().name, " source nor refer to it"));
-  internal::v1::LmHeadStage stage;
-  *stage.mutable_source() = std::move(*item.mutable_cuda_ipc());
-  stage.set_file(u->partial);
-  stage.set_file_offset(static_cast<int64_t>(u->next.source.data_offset) + row_begin * u->row_bytes);
-  const absl::Status st = workers_.stage(stage);
-  if (st.ok()) return st;
-  const absl::Status named(st.code(), absl::StrCat(what, ": copying them from the client's ", source.rules().name,
-                                                   " memory on a worker failed: ", st.message(),
-                                                   "; send them again, or as bytes (in pieces or through shared "
-                                                   "memory)"));
-  // The worker's reason, unchanged: CUDA_IPC_UNAVAILABLE from a worker that
-  // cannot open the reference (the client sends bytes).
-  return WithReason(named, ReasonOf(st));
+  LOGPROB_ASSIGN_OR_RETURN(const std::shared_ptr<Update> u, Find(id));
+  LOGPROB_ASSIGN_OR_RETURN(const int64_t received, u->intake->PutFollowing(*u->staged, *u->hasher, row_begin, rows,
+                                                                           dtype, columns, io.follow, io.cancel));
+  return u->Proto(received);
 }
 
 absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, const std::string& path,
                                                         const std::string& tensor) {
-  // Every file (the checkpoint, an index's shards, config.json) is opened
-  // once beneath update_dir, no symlink followed, and read only through
-  // that descriptor (common/confined_file.h): nothing outside it is read.
-  if (options_.update_dir.empty())
-    return absl::PermissionDeniedError(
-        "file.path: file sources are off on this server (start it with --lm-head-update-dir DIR)");
-  const UniqueFd root(open(options_.update_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (!root.valid())
-    return absl::FailedPreconditionError(
-        absl::StrCat("--lm-head-update-dir ", options_.update_dir, ": ", strerror(errno)));
-  const LmHeadOpener beneath = [&root](const std::string& p, bool dir_ok) {
-    return OpenBeneath(root.get(), p, "file.path", dir_ok);
-  };
-  LOGPROB_ASSIGN_OR_RETURN(OpenedLmHead opened,
-                           ResolveLmHeadWith(beneath, path, tensor, {}, kMaxUpdateFileMetadataBytes));
-  const LmHeadSource& src = opened.source;
+  LOGPROB_ASSIGN_OR_RETURN(const std::unique_ptr<CheckpointRows> source,
+                           CheckpointRows::OpenBeneath(options_.update_dir, path, tensor, kMaxUpdateFileMetadataBytes));
+  const LmHeadSource& src = source->source();
   // Names are relative to update_dir; the bias as the update names its own.
   LmHeadBiasSource src_bias = src.bias;
   if (!src_bias.file.empty()) src_bias.file = (fs::path(options_.update_dir) / src_bias.file).string();
@@ -756,8 +437,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::PutFile(const std::string& id, c
     return absl::InvalidArgumentError(absl::StrCat("file.path \"", path, "\": ", src.tensor, " is [", src.vocab_size,
                                                    ", ", src.hidden_size, "] ", DTypeName(src.dtype),
                                                    "; the update is [", V, ", ", H, "] ", DTypeName(dtype)));
-  const CheckpointSource source(std::move(opened));
-  return PutRows(id, 0, V, dtype, H, source);
+  return PutRows(id, 0, V, dtype, H, *source);
 }
 
 absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
@@ -779,22 +459,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
       if (!it->second.status.ok()) return it->second.status;
       return it->second.info;
     }
-    if (u->busy > 0)
-      return absl::FailedPreconditionError(
-          absl::StrCat("lm_head update ", UpdateTag(id), ": ", u->busy, " PutLmHeadRows call(s) still in progress"));
-    const int64_t V = u->next.source.vocab_size;
-    if (u->rows_received != V) {
-      int64_t gap = 0;
-      for (const auto& [b, e] : u->ranges) {
-        if (b > gap) break;
-        gap = e;
-      }
-      auto after = u->ranges.upper_bound(gap);
-      const int64_t gap_end = after == u->ranges.end() ? V : after->first;
-      return absl::FailedPreconditionError(absl::StrCat("lm_head update ", UpdateTag(id), ": ", V - u->rows_received,
-                                                        " rows missing, first [", gap, ", ", gap_end,
-                                                        "); send them before committing"));
-    }
+    LOGPROB_RETURN_IF_ERROR(u->intake->Seal());
     u->committing = true;
   }
   auto fail = [&](const std::string& outcome, absl::Status st) -> absl::Status {
@@ -804,12 +469,9 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     if (auto it = outcomes_.find(u->id); it != outcomes_.end()) it->second.status = st;  // a retry gets this error
     return st;
   };
-  if (rename(u->partial.c_str(), u->next.source.file.c_str()) != 0)
-    return fail("aborted", absl::InternalError(absl::StrCat("cannot rename ", u->partial, ": ", strerror(errno))));
+  if (absl::Status st = u->staged->Commit(); !st.ok()) return fail("aborted", st);
   // NaN and infinite weights are refused (every put scanned its rows).
-  if (u->first_non_finite.has_value())
-    return fail("non_finite",
-                NonFiniteError(u->map.get() + u->next.source.data_offset, u->next.source, id, *u->first_non_finite));
+  if (absl::Status st = u->intake->CheckFinite(u->staged->rows()); !st.ok()) return fail("non_finite", st);
   // Every worker loads its slice while scoring goes on with the current
   // version; meanwhile the hasher finishes the weight's SHA-256, which the
   // commit waits for only to check an announced one.
@@ -843,7 +505,7 @@ absl::StatusOr<v1::LmHeadInfo> LmHeadUpdates::Commit(const std::string& id) {
     outcomes_[u->id].info = committed;
     // The digest may still be computing: the hasher lives on until it is.
     u->hasher->Start();
-    store_.Keep(u->next.source.file, std::move(u->map), std::move(u->hasher));
+    u->staged->Keep(std::move(u->hasher));
   }
   if (committed.name().empty()) return absl::InternalError("the committed head vanished");
   return committed;
@@ -862,35 +524,24 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Abort(const std::string& id) {
   return p;
 }
 
-void LmHeadUpdates::Release() {
-  // One caller at a time: a Begin's Release returns only after versions
-  // the thread's took are recycled (their files can take its rows).
-  absl::MutexLock lock(&release_mu_);
-  for (const LmHeadVersion& v : releases_->Take()) {
-    const bool dropped = !workers_.drop || workers_.drop(v.Ref());
-    if (v.origin == kUpdateOrigin) store_.Recycle(v, dropped);
-  }
-}
-
 void LmHeadUpdates::Loop() {
   for (;;) {
     // Released versions: the workers drop them; the store's files go.
-    Release();
-    store_.Tidy();
+    released_.Tidy();
     if (observers_.on_store_bytes) observers_.on_store_bytes(store_.Bytes());
     absl::MutexLock lock(&mu_);
     if (stop_) return;
     const auto now = Clock::now();
     std::vector<std::shared_ptr<Update>> idle;
     for (const auto& [id, u] : open_)
-      if (!u->committing && now - u->last_progress > options_.timeout) idle.push_back(u);
+      if (!u->committing && now - u->intake->last_progress() > options_.timeout) idle.push_back(u);
     for (const auto& u : idle) {
       // A put stalled waiting for bytes: its call is ended too (the
       // handler thread is freed; the put answers ABORTED naming this).
-      for (const auto& [key, cancel] : u->waiting) cancel();
       End(u, "timeout",
           absl::StrCat("no progress for ", std::chrono::duration<double>(options_.timeout).count(),
-                       " s (--lm-head-update-timeout)"));
+                       " s (--lm-head-update-timeout)"),
+          /*cancel_waiting=*/true);
     }
     cv_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
   }

@@ -32,6 +32,7 @@
 #include "server/heads/lm_head_store.h"
 #include "server/heads/lm_heads.h"
 #include "server/heads/staged_file_hasher.h"
+#include "server/heads/version_releases.h"
 #include "server/inputs/input_source.h"
 
 namespace logprob {
@@ -47,19 +48,6 @@ inline constexpr uint64_t kMaxUpdateFileMetadataBytes = uint64_t{16} << 20;
 /// SHA-256(id), never the id (the capability to put, commit and abort; a
 /// log reader must not be able to use it). The holder can compute it.
 std::string UpdateTag(const std::string& id);
-
-/// Versions LmHeads released (LmHeads::Options::on_release pushes them),
-/// waiting for LmHeadUpdates' thread to have the workers drop them and to
-/// remove their store files. Thread-safe; Push takes only its own lock.
-class LmHeadReleases {
- public:
-  void Push(const LmHeadVersion& version) ABSL_LOCKS_EXCLUDED(mu_);
-  std::vector<LmHeadVersion> Take() ABSL_LOCKS_EXCLUDED(mu_);
-
- private:
-  absl::Mutex mu_;
-  std::vector<LmHeadVersion> queue_ ABSL_GUARDED_BY(mu_);
-};
 
 /// What an update's workers do: load a version on every worker of the
 /// current pool generation (returning that generation's index, or the
@@ -236,59 +224,23 @@ class LmHeadUpdates {
 
   /// PutRows of every row of a safetensors checkpoint under update_dir
   /// (`path` relative to it, PATH and TENSOR of ResolveLmHead with
-  /// `tensor`). Every file (checkpoint, index, shards, config.json) is
-  /// opened once beneath update_dir without following symlinks at any
-  /// component, non-blocking, checked to be a regular file, and read only
-  /// through that descriptor (OpenBeneath). PERMISSION_DENIED for an
-  /// absolute path, "..", a symlink, or when no update_dir is set
-  /// (decided without looking outside update_dir); NOT_FOUND for no such
-  /// file beneath it; FAILED_PRECONDITION for a FIFO, device or other
-  /// non-regular file; the checkpoint's shape and dtype must be the
-  /// update's. Errors name the path the client gave, never bytes read.
+  /// `tensor`), opened and read as CheckpointRows::OpenBeneath says (its
+  /// errors); the checkpoint's shape, dtype and transform must be the
+  /// update's (INVALID_ARGUMENT). Errors name the path the client gave,
+  /// never bytes read.
   absl::StatusOr<v1::LmHeadUpdate> PutFile(const std::string& id, const std::string& path, const std::string& tensor)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   /// The open update `id` (NOT_FOUND with why otherwise). mu_ held.
   absl::StatusOr<std::shared_ptr<Update>> Open(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// Ends `u` (aborted: why), removes its file, reports it. mu_ held.
-  /// `u` by value: it erases open_'s copy (a caller may pass that one).
-  void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why)
+  /// Open, taking mu_.
+  absl::StatusOr<std::shared_ptr<Update>> Find(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+  /// Ends `u` (aborted: why), removes its files, reports it; with
+  /// `cancel_waiting`, first ends the calls of its puts waiting for bytes
+  /// (RowIntake::Close). mu_ held. `u` by value: it erases open_'s copy
+  /// (a caller may pass that one).
+  void End(std::shared_ptr<Update> u, const std::string& outcome, const std::string& why, bool cancel_waiting = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  /// What a fill found scanning the rows it wrote for NaN and infinity:
-  /// `done` when it scanned them (as they landed), `first` the first such
-  /// element among them (row-major, from the put's first row).
-  struct PutScan {
-    bool done = false;
-    std::optional<int64_t> first;
-  };
-  using Fill = std::function<absl::Status(const std::shared_ptr<Update>&, char* dst, PutScan* scan)>;
-  /// PutRows / PutRowsWith: the checks (`source`'s too when not null),
-  /// the range claimed, `fill(u, dst, scan)` writes the rows to dst (their
-  /// place in the staged file), then they count (the hasher, metrics, the
-  /// first non-finite element, scanned here unless the fill did) or, on
-  /// its error, the range is freed. A retry of exactly a range received
-  /// whole is filled into a buffer and compared with the staged bytes: the
-  /// update as it is when equal, INVALID_ARGUMENT when not (not counted).
-  absl::StatusOr<v1::LmHeadUpdate> PutInto(const std::string& id, int64_t row_begin, int64_t rows, DType dtype,
-                                           int64_t columns, const InputSource* source, const Fill& fill)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  /// The rows of update `u` from `source` written to `dst` (their place in
-  /// the staged file, or a retry's buffer; copied here in 16 MiB blocks on
-  /// up to 4 threads, each scanned for NaN and infinity 1 MiB at a time
-  /// right after its copy, into `scan`), or by a worker into the staged
-  /// file (Stage: `dst` unused, not scanned). The source's error when a
-  /// read fails.
-  absl::Status Write(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source,
-                     char* dst, PutScan* scan) ABSL_LOCKS_EXCLUDED(mu_);
-  /// Has a worker copy the rows of `source` (not readable here: it
-  /// refers to them, InputSource::Refer) into `u`'s staged file at their
-  /// byte offset (LmHeadWorkers::stage). The stage's error, named.
-  absl::Status Stage(const std::shared_ptr<Update>& u, int64_t row_begin, int64_t rows, const InputSource& source)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  /// Has the workers drop the versions LmHeads released since the last
-  /// call, and recycles their store files (LmHeadStore::Recycle). (Loop
-  /// and Begin.)
-  void Release() ABSL_LOCKS_EXCLUDED(mu_, release_mu_);
   /// The time-out and release thread.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -298,8 +250,8 @@ class LmHeadUpdates {
   const LmHeadUpdateObservers observers_;
   const std::shared_ptr<LmHeadReleases> releases_;
   LmHeadStore store_;
+  VersionReleases released_;  // releases_' versions: dropped, their files recycled
 
-  absl::Mutex release_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // Release's, held across it
   absl::Mutex mu_;
   absl::CondVar cv_;
   std::map<std::string, std::shared_ptr<Update>> open_ ABSL_GUARDED_BY(mu_);  // by id
