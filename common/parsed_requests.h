@@ -136,11 +136,13 @@ grpc::internal::MethodHandler* NewParsedUnaryHandler(
 /// the request is parsed as NewParsedUnaryHandler's (INVALID_ARGUMENT when
 /// malformed) and `fn` answers. Installed like NewParsedUnaryHandler.
 template <class Service, class Req, class Resp>
-grpc::internal::MethodHandler* NewCheckedUnaryHandler(
-    Service* service, const char* method, std::function<grpc::Status(const grpc::ServerContext&)> check,
-    grpc::Status (Service::*fn)(grpc::ServerContext*, const Req*, Resp*)) {
+grpc::internal::MethodHandler* NewCheckedUnaryHandler(Service* service, const char* method,
+                                                      std::function<grpc::Status(const grpc::ServerContext&)> check,
+                                                      grpc::Status (Service::*fn)(grpc::ServerContext*, const Req*,
+                                                                                  Resp*)) {
   return new grpc::internal::BidiStreamingHandler<Service, RawMessage, Resp>(
-      [method, check, fn](Service* s, grpc::ServerContext* context, grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
+      [method, check, fn](Service* s, grpc::ServerContext* context,
+                          grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
         if (grpc::Status st = check(*context); !st.ok()) return st;
         RawMessage raw;
         if (grpc::Status st = ReadRequestMessage(stream, method, &raw); !st.ok()) return st;

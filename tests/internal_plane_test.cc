@@ -148,7 +148,7 @@ TEST(InternalPlane, EveryInternalMethodOnEveryPortRefusesCallersWithoutThePoolSe
   // (An unknown length-delimited field: a valid message of any type.)
   constexpr size_t kBig = size_t{128} << 20;
   std::string big = {static_cast<char>(0xC2), static_cast<char>(0x3E)};  // field 1000, length-delimited
-  size_t n = kBig;  // its length, a varint
+  size_t n = kBig;                                                       // its length, a varint
   for (; n >= 0x80; n >>= 7) big.push_back(static_cast<char>((n & 0x7F) | 0x80));
   big.push_back(static_cast<char>(n));
   big.resize(big.size() + kBig, 'x');
@@ -156,9 +156,9 @@ TEST(InternalPlane, EveryInternalMethodOnEveryPortRefusesCallersWithoutThePoolSe
     const int64_t peak = PeakRssBytes(w);
     int refused = 0;
     for (const int p : ListeningPorts({w})) {
-      const grpc::Status st = GenericUnaryCall(
-          grpc::CreateChannel("127.0.0.1:" + std::to_string(p), grpc::InsecureChannelCredentials()),
-          "/logprob.internal.v1.Worker/Run", big, std::chrono::seconds(60));
+      const grpc::Status st =
+          GenericUnaryCall(grpc::CreateChannel("127.0.0.1:" + std::to_string(p), grpc::InsecureChannelCredentials()),
+                           "/logprob.internal.v1.Worker/Run", big, std::chrono::seconds(60));
       refused += st.error_code() == grpc::StatusCode::UNAUTHENTICATED;
     }
     EXPECT_EQ(refused, 1) << "worker " << w << ": its Worker port refuses the call UNAUTHENTICATED";

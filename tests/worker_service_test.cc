@@ -4,18 +4,27 @@
 // on which the front-end re-forms the pool, whatever the item's own
 // error. A fake backend stands in for the GPU: CPU only. A failed call
 // carries the worker's error reason (issue 31 item 7) as the trailing
-// metadata the front-end reads (SentReason).
+// metadata the front-end reads (SentReason). Ranks handed items of
+// different runs (one the plan did not send to all of them) refuse them on
+// every rank and stay in step.
 #include "worker/worker_service.h"
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
+#include <cmath>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "common/grpc_status.h"
+#include "common/worker_protocol.h"
+#include "tests/in_process_communicator.h"
 #include "worker/communicator.h"
+#include "worker/cpu_backend.h"
 #include "worker/lm_head_registry.h"
 
 namespace logprob {
@@ -159,6 +168,65 @@ TEST(WorkerServiceReasons, AFailedCallCarriesTheWorkersReason) {
     EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
     EXPECT_EQ(SentReason(ctx), v1::CUDA_IPC_UNAVAILABLE) << st.error_message();
   }
+}
+
+/// One rank's vocab-parallel item: 2 rows of zero f32 logits over V = 4,
+/// this rank's half of the columns; targets 1 and 2.
+internal::v1::WorkItem HalfVocabItem(int rank) {
+  internal::v1::WorkItem item = LogitsItem();
+  item.set_layout(internal::v1::VOCAB_PARALLEL);
+  item.set_vocab_begin(2 * rank);
+  item.set_vocab_end(2 * rank + 2);
+  item.set_data(std::string(2 * 2 * 4, '\0'));
+  return item;
+}
+
+TEST(WorkerServicePasses, RanksOnItemsOfDifferentRunsRefuseThemAndStayInStep) {
+  testing::InProcessGroup group(2, std::chrono::seconds(60));
+  std::vector<std::unique_ptr<WorkerService>> services;
+  std::vector<std::unique_ptr<grpc::Server>> servers;
+  std::vector<std::unique_ptr<internal::v1::Worker::Stub>> stubs;
+  for (int r = 0; r < 2; ++r) {
+    auto backend = std::make_unique<CpuBackend>(/*threads=*/1);
+    auto lm_heads = std::make_unique<LmHeadRegistry>(*backend, LmHeadPrecision::kAuto, r, 2);
+    services.push_back(std::make_unique<WorkerService>(std::make_unique<testing::InProcessCommunicator>(group, r),
+                                                       std::move(backend), std::move(lm_heads)));
+    grpc::ServerBuilder builder;
+    builder.RegisterService(services.back().get());
+    servers.push_back(builder.BuildAndStart());
+    stubs.push_back(internal::v1::Worker::NewStub(servers.back()->InProcessChannel(grpc::ChannelArguments())));
+  }
+  // Both ranks' items at once, rank r's call carrying run runs[r].
+  const auto run_both = [&](const std::array<uint64_t, 2>& runs, std::array<grpc::Status, 2>* st,
+                            std::array<internal::v1::WorkResult, 2>* res) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        grpc::ClientContext ctx;
+        ctx.AddMetadata(kRunIdMetadataKey, std::to_string(runs[r]));
+        (*st)[r] = stubs[r]->Run(&ctx, HalfVocabItem(r), &(*res)[r]);
+      });
+    for (auto& t : threads) t.join();
+  };
+  std::array<grpc::Status, 2> st;
+  std::array<internal::v1::WorkResult, 2> res;
+  // An item one rank got and the other did not (runs 7 and 8): refused on
+  // both, neither rank waits in the other's collectives nor fails.
+  run_both({7, 8}, &st, &res);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(st[r].error_code(), grpc::StatusCode::FAILED_PRECONDITION) << r << ": " << st[r].error_message();
+    EXPECT_NE(st[r].error_message().find("the ranks are not on the same item"), std::string::npos)
+        << st[r].error_message();
+  }
+  // The ranks are still in step: the next item of one run scores, log(1/4)
+  // for every target.
+  run_both({9, 9}, &st, &res);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(st[r].ok()) << r << ": " << st[r].error_message();
+    ASSERT_EQ(res[r].token_logprobs_size(), 2);
+    for (const float lp : res[r].token_logprobs()) EXPECT_NEAR(lp, -std::log(4.0), 1e-6);
+  }
+  for (auto& server : servers) server->Shutdown();
 }
 
 }  // namespace

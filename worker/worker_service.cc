@@ -5,9 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <chrono>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -34,19 +34,33 @@ absl::Status CudaIpcRefused(absl::Status st) {
   return st.code() == absl::StatusCode::kFailedPrecondition ? WithReason(std::move(st), v1::CUDA_IPC_UNAVAILABLE) : st;
 }
 
-/// OK when every rank's `mine` is OK (one 1-byte all-gather); else this
+/// OK when every rank runs an item of the same run `run` (the front-end's
+/// kRunIdMetadataKey: one per plan it sends to every rank) and every rank's
+/// `mine` is OK (one 16-byte all-gather). Else FAILED_PRECONDITION on every
+/// rank when the runs differ (the ranks are not on the same item: one the
+/// plan did not send to all of them; none runs it, no rank crashes), this
 /// rank's error, or FAILED_PRECONDITION naming the first rank that failed.
 /// The ranks of a collective item agree on it before the item's
 /// collectives, so one rank failing to open its payload (a CUDA IPC
 /// mapping, a shared-memory range) or lacking the lm_head does not leave
 /// the others waiting.
-absl::Status AllRanksOk(Communicator& comm, const absl::Status& mine) {
-  const absl::StatusOr<int> failed = FirstRankFlagged(comm, !mine.ok());
-  if (!failed.ok()) return failed.status();
+absl::Status AllRanksOk(Communicator& comm, const absl::Status& mine, uint64_t run) {
+  struct Entry {
+    uint64_t failed, run;
+  };
+  const Entry me{mine.ok() ? 0u : 1u, run};
+  std::vector<Entry> all(static_cast<size_t>(comm.size()));
+  if (absl::Status st = comm.AllGather(&me, sizeof(Entry), all.data()); !st.ok()) return st;
+  for (int q = 0; q < comm.size(); ++q)
+    if (all[q].run != run)
+      return absl::FailedPreconditionError(absl::StrCat("worker rank ", q, " runs an item of run ", all[q].run,
+                                                        " while this rank (", comm.rank(), ") runs one of run ", run,
+                                                        ": the ranks are not on the same item; every rank refuses it"));
   if (!mine.ok()) return mine;
-  if (*failed >= 0)
-    return absl::FailedPreconditionError(
-        absl::StrCat("worker rank ", *failed, " could not start its part of the item (its reply says why)"));
+  for (int q = 0; q < comm.size(); ++q)
+    if (all[q].failed)
+      return absl::FailedPreconditionError(
+          absl::StrCat("worker rank ", q, " could not start its part of the item (its reply says why)"));
   return absl::OkStatus();
 }
 
@@ -85,10 +99,10 @@ void WorkerService::CheckCallersBeforeReading() {
   int installed = 0;
   const auto install = [this, &installed](const char* name, const char* method, auto fn) {
     const InternalAuth* auth = &admission_.auth;
-    MarkMethodStreamed(WorkerMethodIndex(name),
-                       NewCheckedUnaryHandler(
-                           this, method, [auth, method](const grpc::ServerContext& ctx) { return auth->Check(ctx, method); },
-                           fn));
+    MarkMethodStreamed(
+        WorkerMethodIndex(name),
+        NewCheckedUnaryHandler(
+            this, method, [auth, method](const grpc::ServerContext& ctx) { return auth->Check(ctx, method); }, fn));
     ++installed;
   };
   install("Run", "Worker.Run", &WorkerService::Run);
@@ -100,8 +114,8 @@ void WorkerService::CheckCallersBeforeReading() {
   // A method added to the proto must be installed here too.
   const int methods = internal::v1::WorkItem::descriptor()->file()->FindServiceByName("Worker")->method_count();
   if (installed != methods) {
-    std::fprintf(stderr, "logprob-worker: %d of the Worker service's %d methods check their caller first\n",
-                 installed, methods);
+    std::fprintf(stderr, "logprob-worker: %d of the Worker service's %d methods check their caller first\n", installed,
+                 methods);
     std::abort();
   }
 }
@@ -166,7 +180,7 @@ grpc::Status WorkerService::RunItem(grpc::ServerContext* ctx, const internal::v1
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     absl::MutexLock lock(&collective_mu_);
     TimedCommunicator timed(*comm_);
-    if (absl::Status st = AllRanksOk(timed, ready); !st.ok()) return ReplyWithReason(ctx, st);
+    if (absl::Status st = AllRanksOk(timed, ready, run_id.value_or(0)); !st.ok()) return ReplyWithReason(ctx, st);
     res = ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get());
     if (res.ok()) res->set_collective_seconds(timed.seconds());
   } else {

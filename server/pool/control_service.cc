@@ -23,8 +23,7 @@ grpc::Status ShuttingDown() { return grpc::Status(grpc::StatusCode::UNAVAILABLE,
 }  // namespace
 
 ControlService::ControlService(int world_size, internal::v1::JoinReply worker_config, LeaveCallback on_leave,
-                               JoinObservers observers, uint32_t protocol_version, InternalAuth auth,
-                               std::string build)
+                               JoinObservers observers, uint32_t protocol_version, InternalAuth auth, std::string build)
     : world_size_(world_size),
       worker_config_(std::move(worker_config)),
       on_leave_(std::move(on_leave)),

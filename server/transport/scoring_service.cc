@@ -21,6 +21,7 @@
 #include "common/grpc_status.h"
 #include "common/input_kind.h"
 #include "common/log_line.h"
+#include "common/parsed_requests.h"
 #include "common/request_bytes.h"
 #include "common/shared_memory.h"
 #include "common/status_macros.h"
@@ -30,7 +31,6 @@
 #include "server/inputs/cuda_ipc_inputs.h"
 #include "server/inputs/request_inputs.h"
 #include "server/transport/call_ended.h"
-#include "common/parsed_requests.h"
 #include "server/transport/shm_session.h"
 
 namespace logprob {
@@ -178,12 +178,11 @@ grpc::Status ScoringService::Reserve(grpc::ServerContext* context, const char* m
   if (!announced.ok()) return Reply(context, announced.status());
   // Unannounced, the largest size is held for the read only: the next such
   // call waits a little for it (kUnannouncedWait) rather than being refused.
-  const absl::Status st =
-      announced->has_value()
-          ? core_.admission().Resize(receipt, 0, **announced)
-          : core_.admission().ResizeWaiting(receipt, 0, core_.config().max_request_bytes,
-                                            std::min(absl::FromChrono(context->deadline()),
-                                                     absl::Now() + kUnannouncedWait));
+  const absl::Status st = announced->has_value()
+                              ? core_.admission().Resize(receipt, 0, **announced)
+                              : core_.admission().ResizeWaiting(
+                                    receipt, 0, core_.config().max_request_bytes,
+                                    std::min(absl::FromChrono(context->deadline()), absl::Now() + kUnannouncedWait));
   return st.ok() ? grpc::Status::OK : Reply(context, st);
 }
 
@@ -279,11 +278,10 @@ grpc::Status ScoringService::ServeScoreStream(
     }
     std::lock_guard<std::mutex> lock(mu);
     ++unanswered;
-    answers.push_back(Pending{std::async(std::launch::async,
-                                         [this, req, context, receipt] {
-                                           return AnswerStreamed(*req, context, receipt.get());
-                                         }),
-                              receipt});
+    answers.push_back(
+        Pending{std::async(std::launch::async,
+                           [this, req, context, receipt] { return AnswerStreamed(*req, context, receipt.get()); }),
+                receipt});
     cv.notify_all();
   }
   {
