@@ -3,26 +3,14 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/random_id.h"
 #include "common/shared_memory.h"
 
 namespace logprob::client {
 namespace {
-
-std::string RandomHex(int bytes) {
-  std::random_device rd;
-  static const char* const kHex = "0123456789abcdef";
-  std::string s;
-  for (int i = 0; i < bytes; ++i) {
-    const unsigned v = rd() & 0xff;
-    s += kHex[v >> 4];
-    s += kHex[v & 15];
-  }
-  return s;
-}
 
 void Deadline(grpc::ClientContext* context, double seconds) {
   context->set_deadline(std::chrono::system_clock::now() +
@@ -33,7 +21,7 @@ void Deadline(grpc::ClientContext* context, double seconds) {
 }  // namespace
 
 ShmInputs::ShmInputs(v1::LogprobService::StubInterface& stub, double timeout_seconds)
-    : stub_(stub), timeout_seconds_(timeout_seconds), session_(RandomHex(16)) {}
+    : stub_(stub), timeout_seconds_(timeout_seconds), session_(RandomId(16)) {}
 
 ShmInputs::~ShmInputs() { Release(); }
 
@@ -58,7 +46,7 @@ absl::Status ShmInputs::Grow(size_t bytes) {
   Release();
   size_t size = size_t{1} << 20;
   while (size < bytes) size *= 2;
-  const std::string name = absl::StrCat("/logprob-client-", getpid(), "-", RandomHex(8));
+  const std::string name = absl::StrCat("/logprob-client-", getpid(), "-", RandomId(8));
   // The object's last kShmProofBytes, past the usable bytes, take the
   // registration's challenge (the proof of write access).
   auto created = SharedRegion::Create(size + kShmProofBytes, name);
@@ -66,7 +54,7 @@ absl::Status ShmInputs::Grow(size_t bytes) {
   shm_ = *std::move(created);
   size_ = size;
   v1::RegisterSharedMemoryRequest req;
-  req.set_name(absl::StrCat("inputs-", RandomHex(4)));
+  req.set_name(absl::StrCat("inputs-", RandomId(4)));
   req.set_shm_name(name);
   req.set_byte_size(static_cast<int64_t>(size));
   v1::RegisterSharedMemoryResponse resp;

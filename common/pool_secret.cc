@@ -2,18 +2,15 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/random_id.h"
 
 namespace logprob {
 namespace {
@@ -38,20 +35,7 @@ absl::StatusOr<std::string> ReadAll(int fd, const std::string& where) {
 
 }  // namespace
 
-PoolSecret PoolSecret::Generate() {
-  unsigned char bytes[32];
-  size_t got = 0;
-  while (got < sizeof bytes) {
-    const ssize_t n = getrandom(bytes + got, sizeof bytes - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      std::fprintf(stderr, "getrandom: %s\n", std::strerror(errno));
-      std::abort();
-    }
-    got += static_cast<size_t>(n);
-  }
-  return PoolSecret(absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(bytes), sizeof bytes)));
-}
+PoolSecret PoolSecret::Generate() { return PoolSecret(RandomId(32)); }
 
 absl::StatusOr<PoolSecret> PoolSecret::Parse(const std::string& text, const std::string& where) {
   const std::string trimmed(absl::StripAsciiWhitespace(text));

@@ -1,8 +1,5 @@
 #include "server/heads/lm_head_updates.h"
 
-#include <sys/random.h>
-
-#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <future>
@@ -16,6 +13,7 @@
 #include "common/finite_check.h"
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
+#include "common/random_id.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
 #include "common/untrusted_text.h"
@@ -31,25 +29,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kEndedKept = 64;      // ended updates remembered for their error messages
 constexpr size_t kOutcomesKept = 256;  // ended updates whose outcome a retried Commit gets
-
-/// 128 bits from the kernel's CSPRNG, in hex: an update's id, which is the
-/// capability to put, commit and abort it (unguessable).
-std::string RandomId() {
-  unsigned char bytes[16];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
-    else if (errno != EINTR) std::abort();  // no kernel randomness: never hand out a guessable id
-  }
-  static const char* const kHex = "0123456789abcdef";
-  std::string id;
-  for (unsigned char b : bytes) {
-    id += kHex[b >> 4];
-    id += kHex[b & 15];
-  }
-  return id;
-}
 
 /// The new version's transform: the head's (`cur`), with what `req` gives
 /// instead. A bias in `req` is checked (shape [V], F32 / BF16 / F16, inline
@@ -251,7 +230,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   }
 
   auto u = std::make_shared<Update>();
-  u->id = RandomId();
+  u->id = RandomId();  // 128 bits: the capability to put, commit and abort it (unguessable)
   u->head = req.head();
   u->version = req.version();
   u->expected_sha256 = sha;

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/random_id.h"
 
 namespace logprob {
 namespace {
@@ -24,16 +24,6 @@ namespace fs = std::filesystem;
 constexpr char kPrefix[] = "logprob-lm-heads-";       // a store folder's name starts so
 constexpr char kMaking[] = ".logprob-lm-heads-new-";  // ... while its lock is taken
 constexpr char kLockFile[] = ".lock";
-
-/// 32 random bits in hex (getrandom; the clock's bits when it fails).
-std::string RandomHex() {
-  uint32_t r = 0;
-  if (getrandom(&r, sizeof(r), GRND_NONBLOCK) != static_cast<ssize_t>(sizeof(r)))
-    r = static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  char buf[9];
-  snprintf(buf, sizeof(buf), "%08x", r);
-  return buf;
-}
 
 absl::Status Failed(const std::string& what, int err) {
   return absl::InternalError(absl::StrCat("lm_head store: ", what, ": ", std::strerror(err)));
@@ -68,7 +58,7 @@ absl::StatusOr<std::unique_ptr<StoreFolder>> StoreFolder::Make(const std::string
   // container's front-end has the same PID).
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   const std::string unique =
-      absl::StrCat(getpid(), "-", std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(), "-", RandomHex());
+      absl::StrCat(getpid(), "-", std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(), "-", RandomId(4));
   // Made under a temporary name and locked, then renamed: a folder under
   // the final name is locked from its first moment (another front-end's
   // RemoveStaleStoreFolders never sees it unlocked).

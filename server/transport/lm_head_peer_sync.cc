@@ -2,7 +2,6 @@
 
 #include <arpa/inet.h>
 #include <netdb.h>
-#include <openssl/rand.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -17,6 +16,7 @@
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "common/log_line.h"
+#include "common/random_id.h"
 #include "common/status_macros.h"
 #include "common/untrusted_text.h"
 #include "grpcpp/client_context.h"
@@ -47,14 +47,6 @@ std::vector<std::string> Lookup(const std::string& host, const std::string& port
   }
   freeaddrinfo(res);
   return out;
-}
-
-std::string RandomToken() {
-  unsigned char bytes[16];
-  if (RAND_bytes(bytes, sizeof(bytes)) != 1) return "";
-  std::string hex;
-  for (unsigned char b : bytes) absl::StrAppend(&hex, absl::Hex(b, absl::kZeroPad2));
-  return hex;
 }
 
 /// A peer's current version of one head.
@@ -120,7 +112,7 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
   begin.set_logit_scale(got.logit_scale());
   begin.set_final_logit_softcapping(got.final_logit_softcapping());
   if (got.has_bias()) *begin.mutable_bias() = header.bias();
-  begin.set_client_token(RandomToken());
+  begin.set_client_token(RandomId());
   absl::StatusOr<v1::LmHeadUpdate> opened = updates.Begin(begin);
   if (!opened.ok() || opened->already_committed()) {
     cancel();

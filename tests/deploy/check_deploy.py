@@ -46,7 +46,7 @@ KUSTOMIZE_DIRS = {
 # Metrics being added by other changes (cluster mode, CUDA backend); used when
 # the sources do not define them yet.
 PENDING_METRICS = {}
-# Flags of cluster mode (another change) not yet in server/app/main.cc / worker/main.cc.
+# Flags of cluster mode (another change) not yet in server/app/server_flags.cc / worker/main.cc.
 PENDING_SERVER_FLAGS = set()
 PENDING_WORKER_FLAGS = set()
 # Series of other exporters the alert rules may use.
@@ -303,7 +303,7 @@ def cross_check(objs, flavour, root, fail):
         if key in by_kind:
             fail.add(f"{key[0]}/{key[1]} defined twice")
         by_kind[key] = o
-    server_flags = source_flags(root, "server/app/main.cc") | PENDING_SERVER_FLAGS
+    server_flags = source_flags(root, "server/app/server_flags.cc") | PENDING_SERVER_FLAGS
     worker_flags = source_flags(root, "worker/main.cc") | PENDING_WORKER_FLAGS
     service_accounts = {n for k, n in by_kind if k == "ServiceAccount"}
     workloads = list(pod_templates(objs))

@@ -2,7 +2,8 @@
 """Every flag of the three programs is documented in the serving guide.
 
 Reads the flags from the built binaries (`--helpfull` of logprob-server and
-logprob-worker: the flags of their own main.cc; `--help` of logprob-client)
+logprob-worker: the flags of their own main.cc, or logprob-server's
+server/app/server_flags.cc; `--help` of logprob-client)
 and checks that each appears, spelled with dashes (`--max-queue-delay`),
 in docs/serving.md. Exits 1 naming the missing ones (ctest docs_flags).
 
@@ -17,13 +18,13 @@ import sys
 
 
 def absl_flags(binary):
-    """The flags of the program's own main.cc in `--helpfull`."""
+    """The flags of the program's own main.cc (or server_flags.cc) in `--helpfull`."""
     out = subprocess.run([binary, "--helpfull"], capture_output=True, text=True, timeout=60)
     text = out.stdout + out.stderr
     flags, mine = set(), False
     for line in text.splitlines():
         if line.strip().startswith("Flags from "):
-            mine = line.strip().endswith("/main.cc:")
+            mine = line.strip().endswith(("/main.cc:", "/server_flags.cc:"))
             continue
         m = re.match(r"^\s{4}--([a-z0-9_]+) ", line)
         if mine and m:
