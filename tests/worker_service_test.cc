@@ -218,14 +218,17 @@ TEST(WorkerServicePasses, RanksOnItemsOfDifferentRunsRefuseThemAndStayInStep) {
     EXPECT_NE(st[r].error_message().find("the ranks are not on the same item"), std::string::npos)
         << st[r].error_message();
   }
-  // The ranks are still in step: the next item of one run scores, log(1/4)
-  // for every target.
+  // The ranks are still in step: the next item of one run scores (each
+  // rank answers its share of the rows), log(1/4) for every target.
   run_both({9, 9}, &st, &res);
+  int rows = 0;
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(st[r].ok()) << r << ": " << st[r].error_message();
-    ASSERT_EQ(res[r].token_logprobs_size(), 2);
+    ASSERT_EQ(res[r].token_logprobs_size(), res[r].row_end() - res[r].row_begin());
+    rows += res[r].token_logprobs_size();
     for (const float lp : res[r].token_logprobs()) EXPECT_NEAR(lp, -std::log(4.0), 1e-6);
   }
+  EXPECT_EQ(rows, 2);
   for (auto& server : servers) server->Shutdown();
 }
 
