@@ -71,8 +71,8 @@ absl::StatusOr<std::string_view> PayloadRegions::Payload(const internal::v1::Wor
   const int64_t offset = shm.offset(), bytes = shm.byte_size();
   const auto size = static_cast<int64_t>((*hold)->size());
   if (offset < 0 || bytes < 0 || offset > size || bytes > size - offset)
-    return absl::InvalidArgumentError(absl::StrCat("work item: payload [", offset, ", ", offset + bytes,
-                                                   ") is outside shared memory ", Printable(shm.name()), " of ", size,
+    return absl::InvalidArgumentError(absl::StrCat("work item: payload of ", bytes, " bytes at offset ", offset,
+                                                   " is outside shared memory ", Printable(shm.name()), " of ", size,
                                                    " bytes"));
   return std::string_view((*hold)->data() + offset, static_cast<size_t>(bytes));
 }
