@@ -323,14 +323,15 @@ void BenchHidden(const Config& cfg, int device, int64_t V) {
   auto gemm_or = CublasLtLmHead::Create(v1::BF16, slice.weight.data(), slice.weight.size(), V, H);
   if (!SetupOk(gemm_or.status(), "CublasLtLmHead::Create (baseline GEMM)")) return;
   CublasLtLmHead& gemm = **gemm_or;
+  const int64_t S = gemm.logits_stride();  // V rounded up to CublasLtLmHead::kLogitsAlign
 
   Mem d_hidden(Mem::kDevice), pinned(Mem::kPinned), registered(Mem::kHost), chunk_logits(Mem::kDevice),
       full_logits(Mem::kDevice), d_targets(Mem::kDevice), d_logprobs(Mem::kDevice);
   if (!SetupOk(d_hidden.Alloc(hidden_bytes), "hidden states in device memory")) return;
   if (!SetupOk(pinned.Alloc(hidden_bytes), "pinned host memory")) return;
   if (!SetupOk(registered.Alloc(hidden_bytes), "host memory to register")) return;
-  if (!SetupOk(chunk_logits.Alloc(static_cast<size_t>(G * V) * 4), "chunk logits")) return;
-  const absl::Status full_alloc = full_logits.Alloc(static_cast<size_t>(T * V) * 4);
+  if (!SetupOk(chunk_logits.Alloc(static_cast<size_t>(G * S) * 4), "chunk logits")) return;
+  const absl::Status full_alloc = full_logits.Alloc(static_cast<size_t>(T * S) * 4);
   if (!SetupOk(d_targets.Alloc(T * 8), "targets") || !SetupOk(d_logprobs.Alloc(T * 4), "logprobs")) return;
   std::memcpy(pinned.get(), hidden.data(), hidden_bytes);
   std::memcpy(registered.get(), hidden.data(), hidden_bytes);
@@ -386,6 +387,9 @@ void BenchHidden(const Config& cfg, int device, int64_t V) {
               [&] { return backend.HiddenPartials(lm_head, v1::BF16, hidden.data(), 0, rows, spec, rec[4].data()); }};
   cases[7] = {"(f) one GEMM + log_softmax + gather", [&]() -> absl::Status {
                 LOGPROB_RETURN_IF_ERROR(full_alloc);
+                if (S != V)
+                  return absl::InvalidArgumentError(absl::StrCat("the log_softmax baseline needs V a multiple of ",
+                                                                 CublasLtLmHead::kLogitsAlign, " (dense logits)"));
                 LOGPROB_RETURN_IF_ERROR(gemm.Compute(d_hidden.get(), T, full_logits.get<float>(), nullptr));
                 LOGPROB_CUDA_RETURN_IF_ERROR(
                     LaunchLogSoftmaxGather(full_logits.get<float>(), T, V, d_targets.get<int64_t>(),

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/lm_head_precision.h"
 #include "common/partition.h"
@@ -34,8 +35,10 @@
 #include "worker/cuda/converting_upload.h"
 #include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/cuda_ipc.h"
+#include "worker/cuda/device_buffers.h"
 #include "worker/cuda/device_info.h"
 #include "worker/cuda/elem_type.h"
+#include "worker/cuda/lm_head_gemm_cublaslt.h"
 #include "worker/device_file_copy.h"
 #include "worker/host_staged_device_collectives.h"
 #include "worker/kernels/lm_head_gemm.h"
@@ -331,7 +334,10 @@ TEST(CudaHidden, AReleasedVersionsDeviceBufferTakesTheNextVersionOfItsSize) {
   const cuda::DeviceRecycler& buffers = (*gpu)->lm_head_buffers();
   EXPECT_EQ(buffers.allocated(), 1u);
   v1w->reset();  // released: its buffer is kept for the next version
-  EXPECT_EQ(buffers.idle_bytes(), static_cast<size_t>(N * H) * 2);
+  // (the GEMM's rows: N rounded up to kLogitsAlign, zero rows past N)
+  const int64_t padded = (N + cuda::CublasLtLmHead::kLogitsAlign - 1) / cuda::CublasLtLmHead::kLogitsAlign *
+                         cuda::CublasLtLmHead::kLogitsAlign;
+  EXPECT_EQ(buffers.idle_bytes(), static_cast<size_t>(padded * H) * 2);
   const LmHeadSlice slice2 = RandomSlice(N, H, 2);
   auto v2w = (*gpu)->LoadLmHead(slice2, LmHeadPrecision::kAuto);
   ASSERT_TRUE(v2w.ok()) << v2w.status();
@@ -345,8 +351,8 @@ TEST(CudaHidden, AReleasedVersionsDeviceBufferTakesTheNextVersionOfItsSize) {
   ASSERT_TRUE(cpu.HiddenLogits(**cw, v1::BF16, hidden.bytes.data(), M, lc.data()).ok());
   ASSERT_TRUE((*gpu)->HiddenLogits(**v2w, v1::BF16, hidden.bytes.data(), M, lg.data()).ok());
   for (size_t i = 0; i < lc.size(); ++i) ASSERT_NEAR(lc[i], lg[i], 1e-4 * (1 + std::abs(lc[i]))) << i;
-  // Another size allocates.
-  auto other = (*gpu)->LoadLmHead(RandomSlice(N + 1, H, 4), LmHeadPrecision::kAuto);
+  // Another size (past the padding) allocates.
+  auto other = (*gpu)->LoadLmHead(RandomSlice(padded + 1, H, 4), LmHeadPrecision::kAuto);
   ASSERT_TRUE(other.ok()) << other.status();
   EXPECT_EQ(buffers.allocated(), 2u);
   // Issue 50: the vocabulary changed; once no version holds the old size,
@@ -656,6 +662,50 @@ std::vector<std::pair<absl::Status, std::vector<uint32_t>>> RunStagedRanks(
   return out;
 }
 
+// A row's logits are the same bits wherever it sits among a GEMM's rows
+// and whatever M, for odd and even slice widths: the GPU run of 2026-11-28
+// saw the odd widths' kernel (logits rows not 16-byte aligned) give a moved
+// row other bits; the GEMM now runs over a width rounded up to
+// kLogitsAlign.
+TEST(CudaGemm, ARowsBitsDoNotDependOnWhereItSitsAmongTheRows) {
+  SKIP_WITHOUT_GPU();
+  const int64_t H = 256, M = 75;
+  for (const int64_t N : {1001, 1501, 1500, 3000}) {
+    for (const LmHeadPrecision precision : {LmHeadPrecision::kBf16, LmHeadPrecision::kFp32}) {
+      SCOPED_TRACE(absl::StrCat("N = ", N, ", ", LmHeadPrecisionName(precision)));
+      const LmHeadSlice head = RandomSlice(N, H, 51);
+      auto gemm = cuda::CublasLtLmHead::Create(head.dtype, head.weight.data(), head.weight.size(), N, H, precision,
+                                               /*algo_rows=*/32);
+      ASSERT_TRUE(gemm.ok()) << gemm.status();
+      const int64_t S = (*gemm)->logits_stride();
+      EXPECT_EQ(S % cuda::CublasLtLmHead::kLogitsAlign, 0);
+      EXPECT_GE(S, N);
+      const DType dtype = (*gemm)->compute_dtype();
+      const Rows hidden = MakeRows(dtype, M, H, 0, N, 0, Values::kNormal, 52);
+      const size_t row = static_cast<size_t>(H) * DTypeSize(dtype);
+      cuda::DeviceBuffer dev_hidden, dev_logits;
+      ASSERT_TRUE(dev_hidden.Reserve(hidden.bytes.size()).ok());
+      ASSERT_TRUE(dev_logits.Reserve(static_cast<size_t>(M * S) * 4).ok());
+      ASSERT_TRUE(cuda::UploadAndWait(dev_hidden.get(), hidden.bytes.data(), hidden.bytes.size()).ok());
+      // logits of rows [r0, r0 + n), as one GEMM of n rows.
+      auto logits = [&](int64_t r0, int64_t n) {
+        std::vector<float> out(static_cast<size_t>(n * S));
+        EXPECT_TRUE((*gemm)->Compute(dev_hidden.get<char>() + r0 * row, n, dev_logits.get<float>(), nullptr).ok());
+        EXPECT_EQ(cudaMemcpy(out.data(), dev_logits.get(), out.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        return out;
+      };
+      const std::vector<float> all = logits(0, M);
+      for (const auto& [r0, n] :
+           std::vector<std::pair<int64_t, int64_t>>{{38, 16}, {7, 5}, {25, 16}, {1, 31}, {74, 1}}) {
+        const std::vector<float> part = logits(r0, n);
+        for (int64_t i = 0; i < n; ++i)
+          ASSERT_EQ(std::memcmp(part.data() + i * S, all.data() + (r0 + i) * S, static_cast<size_t>(N) * 4), 0)
+              << "row " << r0 + i << " in a GEMM of " << n << " rows from row " << r0;
+      }
+    }
+  }
+}
+
 // Two ranks on one GPU over staged device collectives (the Gloo path of
 // CUDA workers): each rank's records of every slice are the bits of that
 // slice's one-rank item (same GEMM algorithm and kernels whatever M and
@@ -685,11 +735,32 @@ TEST(CudaOnePass, RanksSharingOneGpuOverStagedCollectivesGiveTheBitsOfOneRank) {
           (*gpu)->HiddenPartials(**w, v1::BF16, hidden.bytes.data(), vb, hidden.block(2), spec, alone.data()).ok());
       for (int r = 0; r < W; ++r) {
         ASSERT_TRUE(ranks[r].first.ok()) << "rank " << r << ": " << ranks[r].first;
+        // Every row is compared; a mismatch says how many rows differ, the
+        // first one's words (as floats), and which reference row (if any)
+        // it equals instead, so one GPU run tells a shift from rounding.
+        std::vector<int64_t> differing;
         for (int64_t i = 0; i < split.count[r]; ++i) {
           const uint32_t* got = ranks[r].second.data() + RecordIndex(q, i, split.count[r], words);
           const uint32_t* want = alone.data() + (split.first[r] + i) * words;
-          ASSERT_TRUE(std::equal(got, got + words, want)) << "rank " << r << " slice " << q << " row " << i;
+          if (!std::equal(got, got + words, want)) differing.push_back(i);
         }
+        if (differing.empty()) continue;
+        const int64_t i = differing.front();
+        const uint32_t* got = ranks[r].second.data() + RecordIndex(q, i, split.count[r], words);
+        const uint32_t* want = alone.data() + (split.first[r] + i) * words;
+        std::string words_text;
+        for (size_t k = 0; k < std::min<size_t>(words, 8); ++k) {
+          float g, x;
+          std::memcpy(&g, got + k, 4);
+          std::memcpy(&x, want + k, 4);
+          words_text += " [" + std::to_string(k) + "] " + std::to_string(g) + " vs " + std::to_string(x);
+        }
+        int64_t equals_row = -1;
+        for (int64_t j = 0; j < M && equals_row < 0; ++j)
+          if (std::equal(got, got + words, alone.data() + j * words)) equals_row = j;
+        ADD_FAILURE() << "rank " << r << " slice " << q << ": " << differing.size() << " of " << split.count[r]
+                      << " rows differ, first row " << i << " (item row " << split.first[r] + i
+                      << "), words got vs want:" << words_text << "; equals reference row " << equals_row;
       }
     }
   }

@@ -249,6 +249,12 @@ TEST(CudaIpcJob, EveryInputRowWithEachWorkersContiguousRange) {
     EXPECT_EQ(item.num_rows(), 8);
     EXPECT_EQ(std::vector<int64_t>(item.targets().begin(), item.targets().end()), job.targets);
   }
+  // Nothing read the client's allocation here: the read check after the
+  // batch (ScoringCore) passes; a Read (a planning bug) would fail it.
+  EXPECT_TRUE(job.ReadStatus().ok()) << job.ReadStatus();
+  std::vector<char> probe(16);
+  EXPECT_FALSE(job.referenced_source()->Read(0, probe.size(), probe.data()));
+  EXPECT_EQ(job.ReadStatus().code(), absl::StatusCode::kInternal);
 
   // Results: rank r returns its rows with token_logprob = -(row + 1).
   std::vector<internal::v1::WorkResult> results(kWorkers);

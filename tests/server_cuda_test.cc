@@ -128,11 +128,12 @@ v1::ScoreRequest ByIpc(v1::ScoreRequest req, const DeviceCopy& copy, int64_t off
                        int64_t allocation_bytes = -1) {
   for (v1::Tensor& t : *req.mutable_inputs())
     if (t.name() == "hidden_states") {
+      // data and cuda_ipc share a oneof: the size is read before cuda_ipc clears data.
+      const auto byte_size = static_cast<int64_t>(t.data().size());
       t.mutable_cuda_ipc()->set_handle(copy.handle());
       t.mutable_cuda_ipc()->set_offset(offset);
-      t.mutable_cuda_ipc()->set_byte_size(static_cast<int64_t>(t.data().size()));
+      t.mutable_cuda_ipc()->set_byte_size(byte_size);
       t.mutable_cuda_ipc()->set_allocation_bytes(allocation_bytes < 0 ? copy.size() : allocation_bytes);
-      t.clear_data();
     }
   return req;
 }

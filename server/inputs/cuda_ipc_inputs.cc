@@ -1,5 +1,6 @@
 #include "server/inputs/cuda_ipc_inputs.h"
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -28,9 +29,13 @@ class InClientGpu final : public InputSource {
         allocation_bytes_(allocation_bytes) {}
   bool Read(int64_t, size_t n, char* dst) const override {
     std::memset(dst, 0, n);
+    read_ = true;
     return false;
   }
+  /// OK unless something tried to Read it (status() reports failed reads
+  /// only: a job whose workers read the allocation themselves is fine).
   absl::Status status() const override {
+    if (!read_) return absl::OkStatus();
     return absl::InternalError("the front-end cannot read a CUDA IPC input (a work item was planned with its bytes)");
   }
   bool Refer(int64_t offset, int64_t n, internal::v1::WorkItem* item) const override {
@@ -44,8 +49,9 @@ class InClientGpu final : public InputSource {
 
  private:
   const std::string handle_;
-  const int64_t offset_;            // of the tensor's first byte in the allocation
-  const int64_t allocation_bytes_;  // the allocation's size the client sent; 0: not given
+  const int64_t offset_;                   // of the tensor's first byte in the allocation
+  const int64_t allocation_bytes_;         // the allocation's size the client sent; 0: not given
+  mutable std::atomic<bool> read_{false};  // a Read was tried (a planning bug)
 };
 
 /// Why CUDA IPC inputs cannot be served (OK when they can).

@@ -353,7 +353,7 @@ absl::Status CudaBackend::FilteredRowPartials(const LogitsBlock& block, const Bl
 }
 
 int64_t CudaBackend::GemmChunkRows(const CublasLtLmHead& gemm, int64_t M) const {
-  int64_t g = RowsInBudget(options_.gemm_chunk_bytes, gemm.rows());
+  int64_t g = RowsInBudget(options_.gemm_chunk_bytes, gemm.logits_stride());
   if (g < M) g -= g % kSlotAlignRows;
   return std::min(g, M);
 }
@@ -439,11 +439,12 @@ absl::StatusOr<const void*> CudaBackend::ChunkOperand(Workspace& w, const Cublas
 absl::Status CudaBackend::GemmAndStatsChunk(Workspace& w, CublasLtLmHead& gemm, const char* hidden, DType dtype,
                                             int64_t row0, int64_t n, int64_t G, int64_t k, int64_t upload,
                                             int64_t vocab_begin, const kernels::StatsSpec& spec) {
-  const int64_t N = gemm.rows();
-  for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(w.chunk_logits[b].Reserve(static_cast<size_t>(G * N) * 4));
+  const int64_t N = gemm.rows(), S = gemm.logits_stride();
+  for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(w.chunk_logits[b].Reserve(static_cast<size_t>(G * S) * 4));
   RowBlockArgs args = BaseArgs(spec);
   args.type = ElemType::kF32;
-  args.row_stride = args.len = N;
+  args.len = N;
+  args.row_stride = S;
   args.vocab_begin = vocab_begin;
   const int b = static_cast<int>(k % 2);
   LOGPROB_ASSIGN_OR_RETURN(const void* a, ChunkOperand(w, gemm, hidden, dtype, 0, n, G, upload));
@@ -489,10 +490,10 @@ absl::Status CudaBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidde
   absl::Cleanup drain = [this] { WaitForStreams().IgnoreError(); };
   Workspace& w = ws_;
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-  const int64_t N = gemm.rows(), G = GemmChunkRows(gemm, AlignRows(M));
+  const int64_t N = gemm.rows(), S = gemm.logits_stride(), G = GemmChunkRows(gemm, AlignRows(M));
   const size_t raw_row = static_cast<size_t>(gemm.hidden_size()) * DTypeSize(hidden_dtype);
   LOGPROB_RETURN_IF_ERROR(w.hidden_raw.Reserve(static_cast<size_t>(M) * raw_row));
-  LOGPROB_RETURN_IF_ERROR(w.logits_dev.Reserve(static_cast<size_t>(G * N) * 4));
+  LOGPROB_RETURN_IF_ERROR(w.logits_dev.Reserve(static_cast<size_t>(G * S) * 4));
   char* dev = w.hidden_raw.get<char>();
   LOGPROB_RETURN_IF_ERROR(Pipeline(
       w, static_cast<const char*>(hidden), /*on_device=*/false, M, raw_row, G, dev,
@@ -500,8 +501,10 @@ absl::Status CudaBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidde
         const int64_t r0 = c * G, n = std::min(G, M - r0);
         LOGPROB_ASSIGN_OR_RETURN(const void* a, ChunkOperand(w, gemm, dev + r0 * raw_row, hidden_dtype, 0, n, G, c));
         LOGPROB_RETURN_IF_ERROR(Gemm(gemm, a, n, w.logits_dev.get<float>()));
-        return CudaStatus(cudaMemcpyAsync(logits + r0 * N, w.logits_dev.get(), static_cast<size_t>(n * N) * 4,
-                                          cudaMemcpyDeviceToHost, compute_.get()),
+        // Rows S floats apart on the device, N apart (dense) in `logits`.
+        return CudaStatus(cudaMemcpy2DAsync(logits + r0 * N, static_cast<size_t>(N) * 4, w.logits_dev.get(),
+                                            static_cast<size_t>(S) * 4, static_cast<size_t>(N) * 4,
+                                            static_cast<size_t>(n), cudaMemcpyDeviceToHost, compute_.get()),
                           "logits download");
       }));
   LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_.get()), "lm_head GEMM");
@@ -512,7 +515,7 @@ absl::Status CudaBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidde
 absl::Status CudaBackend::ReserveItem(Workspace& w, const CublasLtLmHead& gemm, const HiddenItemRows& item, int me,
                                       const OnePassLayout& layout, const kernels::StatsSpec& spec) const {
   const int W = layout.rows().size();
-  const int64_t H = gemm.hidden_size(), N = gemm.rows();
+  const int64_t H = gemm.hidden_size(), S = gemm.logits_stride();
   const size_t raw_row = static_cast<size_t>(H) * DTypeSize(item.dtype), words = kernels::PartialWords(spec);
   const int64_t slot = layout.max_slot_rows(), total = layout.max_total_rows();
   const int64_t mine = std::min(layout.pass_rows(), layout.rows().count[me]);
@@ -527,7 +530,7 @@ absl::Status CudaBackend::ReserveItem(Workspace& w, const CublasLtLmHead& gemm, 
   LOGPROB_RETURN_IF_ERROR(w.hidden_raw.Reserve(static_cast<size_t>(W * slot) * raw_row));
   if (item.dtype != gemm.compute_dtype())
     LOGPROB_RETURN_IF_ERROR(w.hidden_dev.Reserve(static_cast<size_t>(G * H) * DTypeSize(gemm.compute_dtype())));
-  for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(w.chunk_logits[b].Reserve(static_cast<size_t>(G * N) * 4));
+  for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(w.chunk_logits[b].Reserve(static_cast<size_t>(G * S) * 4));
   const size_t t = static_cast<size_t>(std::max<int64_t>(total, 1));
   LOGPROB_RETURN_IF_ERROR(w.targets.Reserve(t * 8));
   if (spec.gather_k) LOGPROB_RETURN_IF_ERROR(w.gather.Reserve(t * spec.gather_k * 8));

@@ -149,4 +149,15 @@ inline absl::Status UploadAndWait(void* dst, const void* src, size_t bytes) {
   return CudaStatus(cudaStreamSynchronize(s.get()), "upload");
 }
 
+/// Sets `bytes` of device memory at `dst` to zero and returns once done
+/// (on a stream of its own, as UploadAndWait). INTERNAL on a CUDA error.
+/// Thread-safe.
+inline absl::Status ZeroAndWait(void* dst, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  Stream s;
+  LOGPROB_RETURN_IF_ERROR(s.Create());
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, 0, bytes, s.get()), "zero fill");
+  return CudaStatus(cudaStreamSynchronize(s.get()), "zero fill");
+}
+
 }  // namespace logprob::cuda

@@ -62,9 +62,9 @@ std::string AlgoSummary(const cublasLtMatmulAlgo_t& algo) {
 
 }  // namespace
 
-/// Column-major view: D[N, M] = op(A)[N, H] x B[H, M] with A the weight
-/// stored [H, N] (ld H, transposed), B the hidden states [H, M] (ld H) and
-/// D the logits [N, M] (ld N), i.e. row-major logits[M, N].
+/// Column-major view: D[S, M] = op(A)[S, H] x B[H, M] with A the weight
+/// stored [H, S] (ld H, transposed), B the hidden states [H, M] (ld H) and
+/// D the logits [S, M] (ld S), i.e. row-major logits[M, S], S = stride_.
 struct CublasLtLmHead::Plan {
   cublasLtMatrixLayout_t b = nullptr, d = nullptr;
   ~Plan() {
@@ -85,9 +85,9 @@ absl::Status CublasLtLmHead::MakeLayouts(int64_t m, Plan* plan) const {
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, ab, static_cast<uint64_t>(hidden_size_),
                                                         static_cast<uint64_t>(m), hidden_size_),
                              "hidden layout");
-  LOGPROB_LT_RETURN_IF_ERROR(
-      cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_32F, static_cast<uint64_t>(rows_), static_cast<uint64_t>(m), rows_),
-      "logits layout");
+  LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_32F, static_cast<uint64_t>(stride_),
+                                                        static_cast<uint64_t>(m), stride_),
+                             "logits layout");
   return absl::OkStatus();
 }
 
@@ -100,15 +100,21 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
   if (algo_rows <= 0) return absl::InvalidArgumentError(absl::StrCat("algo_rows must be > 0, got ", algo_rows));
   std::unique_ptr<CublasLtLmHead> g(new CublasLtLmHead());
   g->rows_ = rows;
+  g->stride_ = (rows + kLogitsAlign - 1) / kLogitsAlign * kLogitsAlign;
   g->hidden_size_ = hidden_size;
   g->precision_ = ResolveLmHeadPrecision(precision, dtype);
   g->algo_rows_ = algo_rows;
   const int64_t n = rows * hidden_size;
   const bool bf16 = g->precision_ == LmHeadPrecision::kBf16;
   g->compute_dtype_ = bf16 ? v1::BF16 : v1::F32;
-  g->weight_bytes_ = static_cast<size_t>(n) * DTypeSize(g->compute_dtype_);
+  const size_t esize = DTypeSize(g->compute_dtype_);
+  g->weight_bytes_ = static_cast<size_t>(g->stride_ * hidden_size) * esize;
   DeviceRecycler own(/*max_idle=*/0);  // without a recycler: freed when let go
   LOGPROB_ASSIGN_OR_RETURN(g->weight_, (recycler != nullptr ? *recycler : own).Take(g->weight_bytes_));
+  // The padding rows are zero (a recycled buffer holds an old version's).
+  const size_t used = static_cast<size_t>(n) * esize;
+  if (g->weight_bytes_ > used)
+    LOGPROB_RETURN_IF_ERROR(ZeroAndWait(static_cast<char*>(g->weight_.get()) + used, g->weight_bytes_ - used));
   // Converted on the device (bf16 round to nearest even, f32 exact: the
   // CPU GEMM's operands), through a staging buffer that is recycled too:
   // an update touches no fresh host memory and mallocs nothing on the device.
@@ -135,7 +141,7 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
                              "transb");
   const cudaDataType_t ab = bf16 ? CUDA_R_16BF : CUDA_R_32F;
   LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&g->a_layout_, ab, static_cast<uint64_t>(hidden_size),
-                                                        static_cast<uint64_t>(rows), hidden_size),
+                                                        static_cast<uint64_t>(g->stride_), hidden_size),
                              "weight layout");
   LOGPROB_RETURN_IF_ERROR(g->ChooseAlgo());
   return g;
@@ -248,7 +254,7 @@ absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logit
                "matmul", stream));
   if (transform_.identity()) return absl::OkStatus();
   return CudaStatus(
-      LaunchLmHeadTransform(logits, M, rows_, transform_.has_bias ? bias_.get<float>() : nullptr,
+      LaunchLmHeadTransform(logits, M, stride_, transform_.has_bias ? bias_.get<float>() : nullptr,
                             static_cast<float>(transform_.logit_scale), static_cast<float>(transform_.softcap), stream),
       "lm_head transform kernel");
 }
@@ -259,8 +265,10 @@ absl::Status CublasLtLmHead::SetTransform(const LmHeadTransform& t, const std::v
     return absl::InvalidArgumentError(
         absl::StrCat("lm_head bias: ", bias.size(), " elements, ", want, " expected for this slice"));
   if (t.has_bias) {
-    LOGPROB_RETURN_IF_ERROR(bias_.Reserve(bias.size() * sizeof(float)));
-    LOGPROB_RETURN_IF_ERROR(UploadAndWait(bias_.get(), bias.data(), bias.size() * sizeof(float)));
+    std::vector<float> padded(static_cast<size_t>(stride_), 0.0f);
+    std::copy(bias.begin(), bias.end(), padded.begin());
+    LOGPROB_RETURN_IF_ERROR(bias_.Reserve(padded.size() * sizeof(float)));
+    LOGPROB_RETURN_IF_ERROR(UploadAndWait(bias_.get(), padded.data(), padded.size() * sizeof(float)));
   }
   transform_ = t;
   return absl::OkStatus();

@@ -20,6 +20,15 @@
 // only the matrix layouts are per M. cuBLASLt documents no stream-K switch:
 // the heuristic's descriptor is reused whole, so whatever decomposition it
 // encodes is the same for every call.
+//
+// The GEMM runs over rows() rounded up to kLogitsAlign (zero weight rows
+// past rows()), and its logits rows are logits_stride() floats apart. With
+// an odd slice width (1001, 1501) the logits rows are not 16-byte aligned
+// and the heuristic picked a kernel (cuBLASLt id 24 on an H200) whose bits
+// for a row depended on the row's place among the GEMM's rows: the first
+// GPU run of the staged two-rank test (2026-11-28) saw every moved row of
+// the odd slice differ in its last bits. Aligned widths pick the kernels
+// that the invariance tests hold.
 #pragma once
 
 #include <cublasLt.h>
@@ -74,7 +83,13 @@ class CublasLtLmHead {
   static constexpr int64_t kDefaultAlgoRows = 256;
   ~CublasLtLmHead();
 
-  int64_t rows() const { return rows_; }                    // N
+  int64_t rows() const { return rows_; }  // N
+  /// Floats between consecutive rows of Compute's logits: rows() rounded up
+  /// to kLogitsAlign (the entries past rows() hold the zero rows' logits,
+  /// never a token's).
+  int64_t logits_stride() const { return stride_; }
+  /// The multiple of rows the GEMM runs over (64-byte aligned logits rows).
+  static constexpr int64_t kLogitsAlign = 16;
   int64_t hidden_size() const { return hidden_size_; }      // H
   DType compute_dtype() const { return compute_dtype_; }    // BF16 or F32
   LmHeadPrecision precision() const { return precision_; }  // bf16, tf32 or fp32 (kAuto resolved)
@@ -93,7 +108,8 @@ class CublasLtLmHead {
   /// stages 18, split-k 1, reduction 0, ...").
   const std::string& algo_summary() const { return algo_summary_; }
 
-  /// logits[M, rows()] (device, f32, row-major) = hidden[M, H] @ W^T with
+  /// logits[M, rows()] (device, f32, rows logits_stride() floats apart:
+  /// [M, logits_stride()] is written) = hidden[M, H] @ W^T with
   /// `hidden` on the device in compute_dtype(), starting 256-byte aligned or
   /// a multiple of 16 rows after such a start; `logits` 256-byte aligned.
   /// Asynchronous on `stream`. Every M runs the algorithm chosen at Create
@@ -114,11 +130,12 @@ class CublasLtLmHead {
   DType compute_dtype_ = v1::BF16;
   LmHeadPrecision precision_ = LmHeadPrecision::kBf16;
   int64_t rows_ = 0, hidden_size_ = 0;
-  DeviceRecycler::Buffer weight_;  // [rows_, H] of compute_dtype_
+  int64_t stride_ = 0;             // rows_ rounded up to kLogitsAlign
+  DeviceRecycler::Buffer weight_;  // [stride_, H] of compute_dtype_ (rows past rows_ zero)
   size_t weight_bytes_ = 0;
   DeviceBuffer workspace_;
   LmHeadTransform transform_;
-  DeviceBuffer bias_;  // [rows_] f32 when transform_.has_bias
+  DeviceBuffer bias_;  // [stride_] f32 when transform_.has_bias (zero past rows_)
   cublasLtHandle_t handle_ = nullptr;
   cublasLtMatmulDesc_t op_ = nullptr;
   cublasLtMatrixLayout_t a_layout_ = nullptr;
