@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -27,11 +28,20 @@ namespace {
 
 /// A file of `size` bytes of `fill` in the test's temporary directory,
 /// removed with the object.
+/// The lm_head store folder the staging tests write in (the test's temp
+/// folder, without a trailing '/').
+std::string Store() {
+  std::string dir = ::testing::TempDir();
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+/// A staged file of Store() ("<name>.partial"), removed at the end.
 class TempFile {
  public:
   TempFile(size_t size, char fill)
-      : path_(::testing::TempDir() + "/device_file_copy_test." + std::to_string(getpid()) + "." +
-              std::to_string(next_++)) {
+      : path_(Store() + "/device_file_copy_test." + std::to_string(getpid()) + "." + std::to_string(next_++) +
+              ".partial") {
     std::ofstream(path_, std::ios::binary) << std::string(size, fill);
   }
   ~TempFile() { unlink(path_.c_str()); }
@@ -192,7 +202,7 @@ TEST(StageLmHeadRowsTest, CopiesTheReferencedBytesToTheFileOffset) {
   const std::string alloc = Pattern(3000);
   TempFile file(2000, '\xEE');
   HostGpuBackend backend;
-  const absl::StatusOr<int64_t> n = StageLmHeadRows(backend, Stage(alloc, 500, 1200, file.path(), 700));
+  const absl::StatusOr<int64_t> n = StageLmHeadRows(backend, Stage(alloc, 500, 1200, file.path(), 700), Store());
   ASSERT_TRUE(n.ok()) << n.status();
   EXPECT_EQ(*n, 1200);
   const std::string got = file.Contents();
@@ -207,32 +217,83 @@ TEST(StageLmHeadRowsTest, RefusesWhatItCannotDoAndLeavesTheFileAlone) {
   TempFile file(2000, '\xEE');
   HostGpuBackend backend;
   // A range past the file's end: never extends it.
-  absl::StatusOr<int64_t> n = StageLmHeadRows(backend, Stage(alloc, 0, 1200, file.path(), 900));
+  absl::StatusOr<int64_t> n = StageLmHeadRows(backend, Stage(alloc, 0, 1200, file.path(), 900), Store());
   EXPECT_EQ(n.status().code(), absl::StatusCode::kInvalidArgument) << n.status();
   EXPECT_NE(n.status().message().find("outside the file's 2000 bytes"), std::string::npos) << n.status();
   // Negative numbers.
-  n = StageLmHeadRows(backend, Stage(alloc, 0, 10, file.path(), -1));
+  n = StageLmHeadRows(backend, Stage(alloc, 0, 10, file.path(), -1), Store());
   EXPECT_EQ(n.status().code(), absl::StatusCode::kInvalidArgument) << n.status();
   // No such file: not created.
-  n = StageLmHeadRows(backend, Stage(alloc, 0, 10, file.path() + ".missing", 0));
+  const std::string missing = Store() + "/device_file_copy_test.missing." + std::to_string(getpid()) + ".partial";
+  n = StageLmHeadRows(backend, Stage(alloc, 0, 10, missing, 0), Store());
   EXPECT_EQ(n.status().code(), absl::StatusCode::kNotFound) << n.status();
-  EXPECT_NE(access((file.path() + ".missing").c_str(), F_OK), 0);
+  EXPECT_NE(access(missing.c_str(), F_OK), 0);
   // A range outside the allocation (the backend's mapping refuses it).
-  n = StageLmHeadRows(backend, Stage(alloc, 2500, 1000, file.path(), 0));
+  n = StageLmHeadRows(backend, Stage(alloc, 2500, 1000, file.path(), 0), Store());
   EXPECT_EQ(n.status().code(), absl::StatusCode::kInvalidArgument) << n.status();
   // The device copy fails: an error, never a count.
   backend.fail = true;
-  n = StageLmHeadRows(backend, Stage(alloc, 0, 100, file.path(), 0));
+  n = StageLmHeadRows(backend, Stage(alloc, 0, 100, file.path(), 0), Store());
   EXPECT_EQ(n.status().code(), absl::StatusCode::kInternal) << n.status();
   EXPECT_NE(n.status().message().find("injected ToHost failure"), std::string::npos) << n.status();
   EXPECT_EQ(file.Contents(), std::string(2000, '\xEE'));
+}
+
+// Issue 42: a worker writes only the front-end's staged files, whatever
+// path a call names: a file directly in the store folder, named
+// "<name>.partial", opened without following links; refused before the
+// backend is asked for anything.
+TEST(StageLmHeadRowsTest, WritesOnlyTheStoresStagedFiles) {
+  const std::string alloc = Pattern(100);
+  HostGpuBackend backend;
+  // A file outside the store (in a folder beside it), one in a subfolder,
+  // a path through "..", a committed (not staged) file, a hidden one.
+  const std::string outside_dir = Store() + "/device_file_copy_test.outside." + std::to_string(getpid());
+  ASSERT_EQ(mkdir(outside_dir.c_str(), 0700), 0);
+  const std::string outside = outside_dir + "/victim.partial";
+  std::ofstream(outside, std::ios::binary) << std::string(100, '\x11');
+  TempFile staged(100, '\xEE');
+  const std::string committed = Store() + "/device_file_copy_test.committed." + std::to_string(getpid());
+  std::ofstream(committed, std::ios::binary) << std::string(100, '\x22');
+  for (const std::string& file : {outside, outside_dir + "/../" + staged.path().substr(Store().size() + 1), committed,
+                                  Store() + "/.hidden.partial", std::string("/etc/passwd")}) {
+    SCOPED_TRACE(file);
+    const absl::StatusOr<int64_t> n = StageLmHeadRows(backend, Stage(alloc, 0, 100, file, 0), Store());
+    EXPECT_EQ(n.status().code(), absl::StatusCode::kPermissionDenied) << n.status();
+    EXPECT_NE(n.status().message().find("not a staged file (<name>.partial) directly in the front-end's lm_head store"),
+              std::string::npos)
+        << n.status();
+  }
+  // Another folder given as the store (what a worker of another front-end
+  // holds) refuses this store's file; no store at all refuses everything.
+  absl::StatusOr<int64_t> n = StageLmHeadRows(backend, Stage(alloc, 0, 100, staged.path(), 0), outside_dir);
+  EXPECT_EQ(n.status().code(), absl::StatusCode::kPermissionDenied) << n.status();
+  n = StageLmHeadRows(backend, Stage(alloc, 0, 100, staged.path(), 0), "");
+  EXPECT_EQ(n.status().code(), absl::StatusCode::kPermissionDenied) << n.status();
+  EXPECT_NE(n.status().message().find("given no lm_head store folder"), std::string::npos) << n.status();
+  // A link in the store named like a staged file is not followed.
+  const std::string link = Store() + "/device_file_copy_test.link." + std::to_string(getpid()) + ".partial";
+  ASSERT_EQ(symlink(outside.c_str(), link.c_str()), 0);
+  n = StageLmHeadRows(backend, Stage(alloc, 0, 100, link, 0), Store());
+  EXPECT_EQ(n.status().code(), absl::StatusCode::kNotFound) << n.status();
+  // Nothing was written anywhere; the staged file itself still takes rows.
+  std::ifstream in(outside, std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), std::string(100, '\x11'));
+  EXPECT_EQ(staged.Contents(), std::string(100, '\xEE'));
+  n = StageLmHeadRows(backend, Stage(alloc, 0, 100, staged.path(), 0), Store());
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(staged.Contents(), alloc);
+  unlink(link.c_str());
+  unlink(committed.c_str());
+  unlink(outside.c_str());
+  rmdir(outside_dir.c_str());
 }
 
 TEST(StageLmHeadRowsTest, ACpuWorkerHasNoDeviceToCopyFrom) {
   const std::string alloc = Pattern(100);
   TempFile file(100, '\xEE');
   CpuBackend backend(1);
-  const absl::StatusOr<int64_t> n = StageLmHeadRows(backend, Stage(alloc, 0, 100, file.path(), 0));
+  const absl::StatusOr<int64_t> n = StageLmHeadRows(backend, Stage(alloc, 0, 100, file.path(), 0), Store());
   EXPECT_EQ(n.status().code(), absl::StatusCode::kFailedPrecondition) << n.status();
   EXPECT_NE(n.status().message().find("backend (cpu) has no device memory"), std::string::npos) << n.status();
   EXPECT_EQ(file.Contents(), std::string(100, '\xEE'));

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/health_check.h"
@@ -314,6 +315,17 @@ TEST(ServerLog, WorkersStartUpLinesAreWhole) {
     }
   }
   EXPECT_EQ(seen.size(), 16u) << absl::StrJoin(lines, "\n");
+  // Issue 42: every worker was told the front-end's lm_head store folder,
+  // the only one it writes staged update rows in.
+  std::string store;
+  for (const std::string& line : lines)
+    if (line.rfind("logprob-server: lm_head store ", 0) == 0) store = line.substr(30);
+  ASSERT_FALSE(store.empty()) << absl::StrJoin(lines, "\n");
+  int told = 0;
+  for (const std::string& line : lines)
+    if (line.find(" backend cpu, comm gloo") != std::string::npos && absl::EndsWith(line, ", lm_head store " + store))
+      ++told;
+  EXPECT_EQ(told, 4) << absl::StrJoin(lines, "\n");
   for (const auto& [what, n] : seen) EXPECT_EQ(n, 1) << what;
 }
 

@@ -317,11 +317,12 @@ int main(int argc, char** argv) {
                                         std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout)));
   if (!comm.ok()) startup_failed("--comm " + comm_name + ": " + std::string(comm.status().message()));
   LogLine() << "logprob-worker: rank " << rank << " backend " << backend_name << ", comm " << comm_name
-            << ", lm_head precision " << precision_name;
+            << ", lm_head precision " << precision_name << ", lm_head store "
+            << (joined.lm_head_store_dir().empty() ? std::string("none") : joined.lm_head_store_dir());
 
-  logprob::WorkerService service(std::move(*comm), std::move(*backend), std::move(lm_heads),
-                                 joined.hidden_chunk_tokens(),
-                                 {*auth, joined.generation(), joined.payload_region_prefix()});
+  logprob::WorkerService service(
+      std::move(*comm), std::move(*backend), std::move(lm_heads), joined.hidden_chunk_tokens(),
+      {*auth, joined.generation(), joined.payload_region_prefix(), joined.lm_head_store_dir()});
   grpc::ServerBuilder builder;
   int port = 0;
   logprob::ExclusivePorts(builder);

@@ -13,9 +13,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/lm_head_store_name.h"
 #include "common/parsed_requests.h"
 #include "common/worker_protocol.h"
 #include "worker/device_file_copy.h"
@@ -231,16 +233,24 @@ grpc::Status WorkerService::StageLmHeadRows(grpc::ServerContext* ctx, const inte
                                             internal::v1::LmHeadStageReply* reply) {
   if (grpc::Status st = admission_.auth.Check(*ctx, "Worker.StageLmHeadRows"); !st.ok()) return st;
   const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<int64_t> bytes = logprob::StageLmHeadRows(*backend_, *req);
+  absl::StatusOr<int64_t> bytes = logprob::StageLmHeadRows(*backend_, *req, admission_.lm_head_store_dir);
   if (!bytes.ok()) return ReplyWithReason(ctx, bytes.status());
   reply->set_bytes(*bytes);
   reply->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return grpc::Status::OK;
 }
 
-absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal::v1::LmHeadStage& stage) {
+absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal::v1::LmHeadStage& stage,
+                                        const std::string& store_dir) {
   const internal::v1::CudaIpcPayload& src = stage.source();
   const std::string what = absl::StrCat("staging lm_head rows into ", stage.file());
+  // Only the front-end's staged files, whatever the caller names.
+  const std::optional<std::string> name = StoreFileName(stage.file(), store_dir);
+  if (store_dir.empty())
+    return absl::PermissionDeniedError(absl::StrCat(what, ": this worker was given no lm_head store folder"));
+  if (!name || !absl::EndsWith(*name, ".partial"))
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": not a staged file (<name>.partial) directly in the front-end's lm_head store ", store_dir));
   if (stage.file_offset() < 0 || src.offset() < 0 || src.byte_size() < 0)
     return absl::InvalidArgumentError(absl::StrCat(what, ": file_offset ", stage.file_offset(), ", offset ",
                                                    src.offset(), " and byte_size ", src.byte_size(), " must be >= 0"));
@@ -248,8 +258,13 @@ absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal:
   absl::StatusOr<std::unique_ptr<DeviceCopy>> copy = backend.NewDeviceCopy();
   if (!copy.ok())
     return CudaIpcRefused(absl::Status(copy.status().code(), absl::StrCat(what, ": ", copy.status().message())));
-  const int fd = open(stage.file().c_str(), O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY);
-  if (fd < 0) return absl::NotFoundError(absl::StrCat(what, ": cannot open it: ", std::strerror(errno)));
+  // Opened beneath the store's descriptor, without following a link.
+  const int dir = open(store_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) return absl::NotFoundError(absl::StrCat(what, ": cannot open the store: ", std::strerror(errno)));
+  const int fd = openat(dir, name->c_str(), O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY);
+  const int open_errno = errno;
+  close(dir);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat(what, ": cannot open it: ", std::strerror(open_errno)));
   struct stat st {};
   absl::Status failed;
   if (fstat(fd, &st) != 0) {

@@ -27,6 +27,9 @@ struct WorkerAdmission {
   int64_t generation = -1;
   /// JoinReply.payload_region_prefix: the only shared-memory names opened.
   std::string payload_region_prefix;
+  /// JoinReply.lm_head_store_dir: the only folder StageLmHeadRows writes
+  /// in (empty: staging refused).
+  std::string lm_head_store_dir;
 };
 
 /// Serves Run (score a WorkItem), Info, LoadLmHead / DropLmHead (the
@@ -108,7 +111,10 @@ class WorkerService final : public internal::v1::Worker::Service {
   PayloadRegions payload_regions_;
 };
 
-/// What Worker.StageLmHeadRows does on `backend`: checks `stage` (a
+/// What Worker.StageLmHeadRows does on `backend`: first checks that
+/// stage.file is a staged file ("<name>.partial") directly in `store_dir`
+/// (JoinReply.lm_head_store_dir; common/lm_head_store_name.h) and opens it
+/// there without following links, then checks `stage` (a
 /// non-negative offset and size, a range inside the existing file
 /// stage.file, which it neither creates nor extends), takes a DeviceCopy
 /// (ScoringBackend::NewDeviceCopy), maps the CUDA IPC reference
@@ -116,8 +122,11 @@ class WorkerService final : public internal::v1::Worker::Service {
 /// (CopyDeviceToFile). Returns the bytes written (all of them). Errors:
 /// FAILED_PRECONDITION on a backend without a GPU or a handle it cannot
 /// open; INVALID_ARGUMENT for a bad range (of the file or the
-/// allocation); NOT_FOUND when the file cannot be opened; CopyDeviceToFile's
-/// errors. Thread-safe.
-absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal::v1::LmHeadStage& stage);
+/// allocation); PERMISSION_DENIED for a file that is not a staged file of
+/// `store_dir` (or an empty `store_dir`), before anything is opened;
+/// NOT_FOUND when the file cannot be opened (a link included);
+/// CopyDeviceToFile's errors. Thread-safe.
+absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal::v1::LmHeadStage& stage,
+                                        const std::string& store_dir);
 
 }  // namespace logprob

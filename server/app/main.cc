@@ -165,6 +165,8 @@ int main(int argc, char** argv) {
 
   logprob::WorkerPool::Options pool_opts;
   pool_opts.worker_config = worker_config;
+  // The only folder the workers write staged update rows in.
+  pool_opts.worker_config.set_lm_head_store_dir(lm_head_store_dir);
   pool_opts.lm_heads = [&heads] { return heads.Alive(); };
   // Workers that cannot read a head's file (another node) fetch its rows
   // from here: the files of live versions and of the update store only.

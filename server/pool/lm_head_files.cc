@@ -1,13 +1,15 @@
 #include "server/pool/lm_head_files.h"
 
+#include <optional>
+
 #include "absl/strings/match.h"
+#include "common/lm_head_store_name.h"
 
 namespace logprob {
 
 bool InLmHeadStore(const std::string& file, const std::string& store) {
-  if (store.empty() || !absl::StartsWith(file, store + "/")) return false;
-  const std::string name = file.substr(store.size() + 1);
-  return !name.empty() && name[0] != '.' && name.find('/') == std::string::npos && !absl::EndsWith(name, ".partial");
+  const std::optional<std::string> name = StoreFileName(file, store);
+  return name && !absl::EndsWith(*name, ".partial");
 }
 
 bool IsLiveLmHeadFile(const std::string& file, const std::vector<internal::v1::LmHeadLoad>& alive) {
