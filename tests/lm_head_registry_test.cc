@@ -4,6 +4,7 @@
 #include "worker/lm_head_registry.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -94,6 +95,47 @@ TEST(LmHeadRegistry, AVersionHeldFromAnotherFileIsStaleAndIsReplaced) {
   EXPECT_FALSE(registry.Drop(ref));
   std::remove(a.c_str());
   std::remove(b.c_str());
+}
+
+// Issue 42: a worker opens only the files the front-end serves heads
+// from: the heads the JoinReply named (checkpoints anywhere) and the
+// committed files of the front-end's store; never a staged ".partial", a
+// file beside the store, or one through "..", whatever a LoadLmHead says.
+TEST(LmHeadRegistry, AWorkersRegistryOpensOnlyTheNamedHeadsAndTheStoresCommittedFiles) {
+  const std::string base = ::testing::TempDir() + "/lm_head_registry_test.rule." + std::to_string(getpid());
+  const std::string store = base + ".store";
+  ASSERT_EQ(mkdir(store.c_str(), 0700), 0);
+  const std::string startup = WriteHead(base + ".startup.safetensors", 10);
+  const std::string committed = WriteHead(store + "/policy-1.safetensors", 20);
+  const std::string staged = WriteHead(store + "/policy-2.safetensors.partial", 30);
+  const std::string beside = WriteHead(base + ".beside.safetensors", 40);
+  internal::v1::JoinReply joined;
+  joined.set_lm_head_store_dir(store);
+  *joined.add_lm_heads() = LoadOf("v0", startup, false);
+  CpuBackend backend(1);
+  LmHeadRegistry registry(backend, LmHeadPrecision::kFp32, /*rank=*/0, /*world=*/1, {}, LmHeadFetchMode::kNever,
+                          LmHeadFileRule::Of(joined));
+  ASSERT_TRUE(registry.Load(LoadOf("v0", startup, false)).ok());
+  ASSERT_TRUE(registry.Load(LoadOf("v1", committed, true)).ok());
+  // ".." out of the store names the startup file's folder, not the file itself.
+  const std::string through = store + "/../" + beside.substr(beside.rfind('/') + 1);
+  for (const std::string& file : {staged, beside, through}) {
+    SCOPED_TRACE(file);
+    const absl::StatusOr<int64_t> loaded = registry.Load(LoadOf("v9", file, false));
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kPermissionDenied) << loaded.status();
+    EXPECT_NE(loaded.status().message().find("is neither a committed file of the front-end's lm_head store"),
+              std::string::npos)
+        << loaded.status();
+  }
+  // A bias file outside the rule is refused too.
+  internal::v1::LmHeadLoad with_bias = LoadOf("v8", committed, true);
+  with_bias.mutable_source()->set_bias_file(beside);
+  with_bias.mutable_source()->set_bias_tensor(kLmHeadTensor);
+  with_bias.mutable_source()->set_bias_dtype(v1::F32);
+  EXPECT_EQ(registry.Load(with_bias).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(registry.size(), 2u);
+  for (const std::string& f : {startup, committed, staged, beside}) std::remove(f.c_str());
+  rmdir(store.c_str());
 }
 
 TEST(LmHeadRegistry, TwoVersionsOfOneNameAreTwoIdentitiesAndADropTakesOnlyItsOwn) {

@@ -2,12 +2,15 @@
 
 #include <chrono>
 #include <iostream>
+#include <optional>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/huge_pages.h"
 #include "common/lm_head_source.h"
 #include "common/lm_head_source_proto.h"
+#include "common/lm_head_store_name.h"
 #include "common/log_line.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
@@ -29,6 +32,22 @@ std::string TransformKey(const internal::v1::LmHeadSource& src) {
 }
 
 }  // namespace
+
+LmHeadFileRule LmHeadFileRule::Of(const internal::v1::JoinReply& joined) {
+  LmHeadFileRule rule;
+  rule.store_dir = joined.lm_head_store_dir();
+  for (const internal::v1::LmHeadLoad& load : joined.lm_heads()) {
+    rule.named.insert(load.source().file());
+    if (!load.source().bias_file().empty()) rule.named.insert(load.source().bias_file());
+  }
+  return rule;
+}
+
+bool LmHeadFileRule::Allows(const std::string& file) const {
+  if (named.count(file)) return true;
+  const std::optional<std::string> name = StoreFileName(file, store_dir);
+  return name && !absl::EndsWith(*name, ".partial");
+}
 
 absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& load) {
   const internal::v1::LmHeadRef& ref = load.head();
@@ -59,6 +78,14 @@ absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& loa
   // A file this host does not have (another node than the front-end's):
   // the slice comes from the front-end.
   const bool fetched = ShouldFetchLmHead(fetch_mode_, src);
+  // Only the files the front-end serves heads from (none when fetched).
+  if (files_ && !fetched)
+    for (const std::string* file : {&src.file(), &src.bias_file()})
+      if (!file->empty() && !files_->Allows(*file))
+        return absl::PermissionDeniedError(
+            absl::StrCat("LoadLmHead ", ref.name(), "@", ref.version(), ": ", *file,
+                         " is neither a committed file of the front-end's lm_head store (", files_->store_dir,
+                         ") nor a file of the heads the front-end named when this worker joined"));
   if (source.transform.has_bias) {
     slice.bias.resize(static_cast<size_t>(ve - vb));
     if (!fetched) LOGPROB_RETURN_IF_ERROR(ReadLmHeadBias(source, vb, ve, slice.bias.data()));

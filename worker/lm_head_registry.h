@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -21,6 +23,21 @@
 #include "worker/frontend_lm_head_rows.h"
 
 namespace logprob {
+
+/// The files a worker may open for LoadLmHead (issue 42): the front-end's
+/// committed store files (a name directly in `store_dir`, not ".partial":
+/// common/lm_head_store_name.h, the rule of the front-end's
+/// ReadLmHeadRows) and the files (weight and bias) of the versions the
+/// JoinReply named (`named`: the startup heads' checkpoints, wherever the
+/// operator put them). Every later version is a store file. Immutable.
+struct LmHeadFileRule {
+  std::string store_dir;
+  std::set<std::string> named;
+  /// The rule for a worker that joined with `joined`.
+  static LmHeadFileRule Of(const internal::v1::JoinReply& joined);
+  /// Whether `file` may be opened.
+  bool Allows(const std::string& file) const;
+};
 
 /// A worker's servable lm_head versions by (name, version, serial): the
 /// serial is the version's identity (LmHeadRef.serial). Thread-safe:
@@ -41,13 +58,23 @@ class LmHeadRegistry {
         world_(world),
         fetch_(std::move(fetch)),
         fetch_mode_(fetch_ ? fetch_mode : LmHeadFetchMode::kNever) {}
+  /// As above; Load opens only the files `files` allows (a slice fetched
+  /// from the front-end opens none), PERMISSION_DENIED for any other. The
+  /// worker's registry; the constructor above (any file) is for tests and
+  /// benchmarks.
+  LmHeadRegistry(ScoringBackend& backend, LmHeadPrecision precision, int rank, int world, LmHeadRowFetcher fetch,
+                 LmHeadFetchMode fetch_mode, LmHeadFileRule files)
+      : LmHeadRegistry(backend, precision, rank, world, std::move(fetch), fetch_mode) {
+    files_ = std::move(files);
+  }
 
   /// Reads this rank's rows of `load.source` (common/lm_head_source.h
   /// ReadLmHeadRows; a committed update's file in memory is mapped, not
   /// read; or fetched from the front-end, see the constructor) and loads them into the backend, unless `load.head` is
   /// held already from the same file and offset (then nothing is read; held from another file, the old copy is stale
   /// and is replaced). Returns the bytes the backend holds for it. Errors: INVALID_ARGUMENT for an empty name or
-  /// version or a bad shape; NOT_FOUND / DATA_LOSS reading the file; the backend's LoadLmHead errors (memory).
+  /// version or a bad shape; PERMISSION_DENIED for a file the LmHeadFileRule does not allow (before it is opened);
+  /// NOT_FOUND / DATA_LOSS reading the file; the backend's LoadLmHead errors (memory).
   absl::StatusOr<int64_t> Load(const internal::v1::LmHeadLoad& load) ABSL_LOCKS_EXCLUDED(mu_);
 
   /// The weights of `head`, or null when this worker does not hold it.
@@ -68,6 +95,7 @@ class LmHeadRegistry {
   const int rank_, world_;
   const LmHeadRowFetcher fetch_;
   const LmHeadFetchMode fetch_mode_;
+  std::optional<LmHeadFileRule> files_;  // set by the worker's constructor; unset: any file
   // Slices mapped from store files, kept once dropped: the store recycles a
   // released version's file for a later update, whose load then maps
   // nothing (two spares per head in the store: room for two heads).

@@ -306,7 +306,8 @@ int main(int argc, char** argv) {
   // A slice this host cannot read comes from the front-end (--fetch-lm-heads).
   auto lm_heads = std::make_unique<logprob::LmHeadRegistry>(
       **backend, *precision, rank, world,
-      logprob::FrontendLmHeadRows(control, joined.generation(), std::chrono::minutes(10)), *fetch_mode);
+      logprob::FrontendLmHeadRows(control, joined.generation(), std::chrono::minutes(10)), *fetch_mode,
+      logprob::LmHeadFileRule::Of(joined));
   for (const auto& load : joined.lm_heads())
     if (auto loaded = lm_heads->Load(load); !loaded.ok())
       EndMembership("lm_head " + load.head().name() + " version " + load.head().version() + ": " +
