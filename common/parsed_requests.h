@@ -86,6 +86,36 @@ grpc::Status ReadRequestMessage(grpc::ServerReaderWriter<Resp, RawMessage>* stre
                       std::string(method) + ": the call ended before its request message");
 }
 
+/// The body every unary handler here shares, on the handler's thread:
+/// reads the one request message of `stream`, tells `arrived` its size (a
+/// non-OK answer refuses it), parses it (ParseRequest), answers it with
+/// `answer(const Req*, Resp*)` and writes the answer as the last message
+/// (CANCELLED when the caller went away). A failure before `answer` runs
+/// goes through `refused(status)`, which returns the status to send.
+/// Messages of kTrimAroundBytes or more trim the heap's kept freed memory
+/// before they are parsed and once they and their answer are gone.
+template <class Req, class Resp, class Refused, class Arrived, class Answer>
+grpc::Status ReadAndAnswer(grpc::ServerReaderWriter<Resp, RawMessage>* stream, const char* method, Refused refused,
+                           Arrived arrived, Answer answer) {
+  RawMessage raw;
+  if (grpc::Status st = ReadRequestMessage(stream, method, &raw); !st.ok()) return refused(st);
+  const size_t bytes = raw.buffer.Length();
+  if (grpc::Status st = arrived(bytes); !st.ok()) return refused(st);
+  const bool large = bytes >= kTrimAroundBytes;
+  if (large) TrimKeptFreedMemory();
+  grpc::Status st;
+  {
+    Req req;
+    if (st = ParseRequest(&raw, &req, method, "the request"); !st.ok()) return refused(st);
+    Resp resp;
+    st = answer(static_cast<const Req*>(&req), &resp);
+    if (st.ok() && !stream->Write(resp, grpc::WriteOptions().set_last_message()))
+      st = grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
+  }
+  if (large) TrimKeptFreedMemory();  // the request and its answer are freed
+  return st;
+}
+
 /// A handler serving the unary method `fn` of `service` (named `method`)
 /// with the request parsed by ParseRequest: a malformed request, or none,
 /// is answered by `service->Refused(context, method, status)` (which logs
@@ -104,27 +134,12 @@ grpc::internal::MethodHandler* NewParsedUnaryHandler(
     std::function<grpc::Status(Service*, grpc::ServerContext*, const Req*, Resp*, typename Service::Receipt*)> fn) {
   return new grpc::internal::BidiStreamingHandler<Service, RawMessage, Resp>(
       [method, fn](Service* s, grpc::ServerContext* context, grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
-        typename Service::Receipt receipt;  // outlives the request's buffers, declared below
-        if (grpc::Status st = s->Reserve(context, method, &receipt); !st.ok()) return s->Refused(context, method, st);
-        RawMessage raw;
-        if (grpc::Status st = ReadRequestMessage(stream, method, &raw); !st.ok())
-          return s->Refused(context, method, st);
-        const size_t bytes = raw.buffer.Length();
-        if (grpc::Status st = s->Received(context, method, &receipt, bytes); !st.ok())
-          return s->Refused(context, method, st);
-        const bool large = bytes >= kTrimAroundBytes;
-        if (large) TrimKeptFreedMemory();
-        grpc::Status st;
-        {
-          Req req;
-          if (st = ParseRequest(&raw, &req, method, "the request"); !st.ok()) return s->Refused(context, method, st);
-          Resp resp;
-          st = fn(s, context, &req, &resp, &receipt);
-          if (st.ok() && !stream->Write(resp, grpc::WriteOptions().set_last_message()))
-            st = grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
-        }
-        if (large) TrimKeptFreedMemory();  // the request and its answer are freed
-        return st;
+        typename Service::Receipt receipt;  // outlives the request's buffers (ReadAndAnswer's)
+        auto refused = [&](const grpc::Status& st) { return s->Refused(context, method, st); };
+        if (grpc::Status st = s->Reserve(context, method, &receipt); !st.ok()) return refused(st);
+        return ReadAndAnswer<Req>(
+            stream, method, refused, [&](size_t bytes) { return s->Received(context, method, &receipt, bytes); },
+            [&](const Req* req, Resp* resp) { return fn(s, context, req, resp, &receipt); });
       },
       service);
 }
@@ -133,8 +148,9 @@ grpc::internal::MethodHandler* NewParsedUnaryHandler(
 /// whose caller `check` vets from the call's metadata before a byte of the
 /// request's body is read (only what HTTP/2 flow control lets the client
 /// send ahead): a refused caller costs no allocation of its message. Then
-/// the request is parsed as NewParsedUnaryHandler's (INVALID_ARGUMENT when
-/// malformed) and `fn` answers. Installed like NewParsedUnaryHandler.
+/// the request is read and parsed as NewParsedUnaryHandler's
+/// (ReadAndAnswer; INVALID_ARGUMENT when malformed, returned as is) and
+/// `fn` answers. Installed like NewParsedUnaryHandler.
 template <class Service, class Req, class Resp>
 grpc::internal::MethodHandler* NewCheckedUnaryHandler(Service* service, const char* method,
                                                       std::function<grpc::Status(const grpc::ServerContext&)> check,
@@ -144,15 +160,9 @@ grpc::internal::MethodHandler* NewCheckedUnaryHandler(Service* service, const ch
       [method, check, fn](Service* s, grpc::ServerContext* context,
                           grpc::ServerReaderWriter<Resp, RawMessage>* stream) {
         if (grpc::Status st = check(*context); !st.ok()) return st;
-        RawMessage raw;
-        if (grpc::Status st = ReadRequestMessage(stream, method, &raw); !st.ok()) return st;
-        Req req;
-        if (grpc::Status st = ParseRequest(&raw, &req, method, "the request"); !st.ok()) return st;
-        Resp resp;
-        grpc::Status st = (s->*fn)(context, &req, &resp);
-        if (st.ok() && !stream->Write(resp, grpc::WriteOptions().set_last_message()))
-          st = grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
-        return st;
+        return ReadAndAnswer<Req>(
+            stream, method, [](const grpc::Status& st) { return st; }, [](size_t) { return grpc::Status::OK; },
+            [&](const Req* req, Resp* resp) { return (s->*fn)(context, req, resp); });
       },
       service);
 }

@@ -102,10 +102,12 @@ TEST(WorkerServiceDeviceLost, EveryItemIsUnavailableOnceTheDeviceIsLost) {
 /// (status and trailing metadata) as the front-end's do.
 class WorkerOverGrpc {
  public:
-  explicit WorkerOverGrpc(std::unique_ptr<ScoringBackend> backend) {
+  /// `admission`: what the front-end's JoinReply would say (the store
+  /// folder StageLmHeadRows writes in, ...).
+  explicit WorkerOverGrpc(std::unique_ptr<ScoringBackend> backend, WorkerAdmission admission = WorkerAdmission()) {
     auto lm_heads = std::make_unique<LmHeadRegistry>(*backend, LmHeadPrecision::kAuto, 0, 1);
-    service_ =
-        std::make_unique<WorkerService>(std::make_unique<SelfCommunicator>(), std::move(backend), std::move(lm_heads));
+    service_ = std::make_unique<WorkerService>(std::make_unique<SelfCommunicator>(), std::move(backend),
+                                               std::move(lm_heads), kDefaultHiddenChunkTokens, std::move(admission));
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
@@ -122,7 +124,9 @@ class WorkerOverGrpc {
 
 TEST(WorkerServiceReasons, AFailedCallCarriesTheWorkersReason) {
   std::atomic<bool> lost{false};
-  WorkerOverGrpc worker(std::make_unique<FaultedBackend>(&lost));  // no GPU: no CUDA IPC
+  WorkerAdmission admission;
+  admission.lm_head_store_dir = "/nonexistent-store";
+  WorkerOverGrpc worker(std::make_unique<FaultedBackend>(&lost), admission);  // no GPU: no CUDA IPC
   internal::v1::WorkResult result;
 
   // A CUDA IPC payload this worker cannot open: the client sends bytes.
@@ -160,13 +164,24 @@ TEST(WorkerServiceReasons, AFailedCallCarriesTheWorkersReason) {
   internal::v1::LmHeadStage stage;
   stage.mutable_source()->set_handle(std::string(64, 'h'));
   stage.mutable_source()->set_byte_size(16);
-  stage.set_file("/nonexistent/partial");
+  stage.set_file("/nonexistent-store/default-1.safetensors.partial");
   {
     grpc::ClientContext ctx;
     internal::v1::LmHeadStageReply reply;
     const grpc::Status st = worker.stub().StageLmHeadRows(&ctx, stage, &reply);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
     EXPECT_EQ(SentReason(ctx), v1::CUDA_IPC_UNAVAILABLE) << st.error_message();
+  }
+  // A file outside the store the front-end named: refused before the
+  // backend is asked, with no CUDA IPC reason (the client must not fall
+  // back to bytes for it).
+  stage.set_file("/tmp/default-1.safetensors.partial");
+  {
+    grpc::ClientContext ctx;
+    internal::v1::LmHeadStageReply reply;
+    const grpc::Status st = worker.stub().StageLmHeadRows(&ctx, stage, &reply);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+    EXPECT_EQ(SentReason(ctx), v1::ERROR_REASON_UNSPECIFIED) << st.error_message();
   }
 }
 
