@@ -1,11 +1,14 @@
-// Which paths lie in the front-end's lm_head update store folder: the one
-// rule the front-end (serving rows of store files, server/pool/
-// lm_head_files.h) and the workers (writing staged rows,
-// Worker.StageLmHeadRows) agree on.
+// Which paths lie in the front-end's lm_head update store folder, and
+// which of them are finished: the one rule the front-end (writing staged
+// versions, server/heads/staged_version.h; serving rows of finished files,
+// Control.ReadLmHeadRows) and the workers (writing staged rows,
+// Worker.StageLmHeadRows; loading finished files, LmHeadFileRule) agree on.
 #pragma once
 
 #include <optional>
 #include <string>
+
+#include "absl/strings/match.h"
 
 namespace logprob {
 
@@ -22,6 +25,26 @@ inline std::optional<std::string> StoreFileName(const std::string& file, const s
   std::string name = file.substr(store.size() + 1);
   if (name[0] == '.' || name.find('/') != std::string::npos) return std::nullopt;
   return name;
+}
+
+/// The suffix of a version's file while it is staged (being written); the
+/// commit renames it away.
+inline constexpr char kStagedFileSuffix[] = ".partial";
+
+/// True when `file` is a finished file directly in `store` (StoreFileName,
+/// not a staged one): what the front-end serves rows of and workers load.
+inline bool IsCommittedStoreFile(const std::string& file, const std::string& store) {
+  const std::optional<std::string> name = StoreFileName(file, store);
+  return name && !absl::EndsWith(*name, kStagedFileSuffix);
+}
+
+/// The name of `file` when it is a staged file directly in `store`
+/// (StoreFileName ending kStagedFileSuffix): the only files workers write.
+/// nullopt otherwise.
+inline std::optional<std::string> StagedStoreFileName(const std::string& file, const std::string& store) {
+  std::optional<std::string> name = StoreFileName(file, store);
+  if (name && absl::EndsWith(*name, kStagedFileSuffix)) return name;
+  return std::nullopt;
 }
 
 }  // namespace logprob

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/lm_head_source.h"
+#include "common/lm_head_store_name.h"
 #include "common/safetensors.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "server/heads/lm_head_declared.h"
@@ -124,12 +125,12 @@ TEST(DeclaredLmHead, TheServerRefusesADeclarationItCannotServe) {
 }
 
 TEST(LmHeadFiles, ServesTheStoreAndLiveVersionsOnly) {
-  EXPECT_TRUE(InLmHeadStore("/dev/shm/s/policy-0.safetensors", "/dev/shm/s"));
-  EXPECT_TRUE(InLmHeadStore("/dev/shm/s/policy-0.bias.safetensors", "/dev/shm/s"));
+  EXPECT_TRUE(IsCommittedStoreFile("/dev/shm/s/policy-0.safetensors", "/dev/shm/s"));
+  EXPECT_TRUE(IsCommittedStoreFile("/dev/shm/s/policy-0.bias.safetensors", "/dev/shm/s"));
   for (const std::string other : {"/dev/shm/s/policy-0.safetensors.partial", "/dev/shm/s/sub/x", "/dev/shm/s/..",
                                   "/dev/shm/s/", "/dev/shm/sx/policy-0.safetensors", "/etc/passwd", "/dev/shm/s"})
-    EXPECT_FALSE(InLmHeadStore(other, "/dev/shm/s")) << other;
-  EXPECT_FALSE(InLmHeadStore("/x", ""));
+    EXPECT_FALSE(IsCommittedStoreFile(other, "/dev/shm/s")) << other;
+  EXPECT_FALSE(IsCommittedStoreFile("/x", ""));
   internal::v1::LmHeadLoad load;
   load.mutable_source()->set_file("/ckpt/model.safetensors");
   load.mutable_source()->set_bias_file("/ckpt/bias.safetensors");

@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/grpc_status.h"
@@ -164,24 +165,26 @@ TEST(WorkerServiceReasons, AFailedCallCarriesTheWorkersReason) {
   internal::v1::LmHeadStage stage;
   stage.mutable_source()->set_handle(std::string(64, 'h'));
   stage.mutable_source()->set_byte_size(16);
-  stage.set_file("/nonexistent-store/default-1.safetensors.partial");
-  {
+  // StageLmHeadRows of `stage` into `file`: its status and the reason sent.
+  auto staged = [&](const std::string& file) {
+    stage.set_file(file);
     grpc::ClientContext ctx;
     internal::v1::LmHeadStageReply reply;
     const grpc::Status st = worker.stub().StageLmHeadRows(&ctx, stage, &reply);
+    return std::make_pair(st, SentReason(ctx));
+  };
+  {
+    const auto [st, reason] = staged("/nonexistent-store/default-1.safetensors.partial");
     EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
-    EXPECT_EQ(SentReason(ctx), v1::CUDA_IPC_UNAVAILABLE) << st.error_message();
+    EXPECT_EQ(reason, v1::CUDA_IPC_UNAVAILABLE) << st.error_message();
   }
   // A file outside the store the front-end named: refused before the
   // backend is asked, with no CUDA IPC reason (the client must not fall
   // back to bytes for it).
-  stage.set_file("/tmp/default-1.safetensors.partial");
   {
-    grpc::ClientContext ctx;
-    internal::v1::LmHeadStageReply reply;
-    const grpc::Status st = worker.stub().StageLmHeadRows(&ctx, stage, &reply);
+    const auto [st, reason] = staged("/tmp/default-1.safetensors.partial");
     EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
-    EXPECT_EQ(SentReason(ctx), v1::ERROR_REASON_UNSPECIFIED) << st.error_message();
+    EXPECT_EQ(reason, v1::ERROR_REASON_UNSPECIFIED) << st.error_message();
   }
 }
 

@@ -2,10 +2,8 @@
 
 #include <chrono>
 #include <iostream>
-#include <optional>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/huge_pages.h"
 #include "common/lm_head_source.h"
@@ -44,9 +42,7 @@ LmHeadFileRule LmHeadFileRule::Of(const internal::v1::JoinReply& joined) {
 }
 
 bool LmHeadFileRule::Allows(const std::string& file) const {
-  if (named.count(file)) return true;
-  const std::optional<std::string> name = StoreFileName(file, store_dir);
-  return name && !absl::EndsWith(*name, ".partial");
+  return named.count(file) > 0 || IsCommittedStoreFile(file, store_dir);
 }
 
 absl::StatusOr<int64_t> LmHeadRegistry::Load(const internal::v1::LmHeadLoad& load) {

@@ -49,24 +49,19 @@ class LmHeadRegistry {
   /// picks the GEMM operands (common/lm_head_precision.h). `backend`
   /// outlives the registry. `fetch` reads a slice from the front-end
   /// instead of the file when `fetch_mode` says so (ShouldFetchLmHead;
-  /// empty: never).
+  /// empty: never). With `files`, Load opens only the files it allows (a
+  /// slice fetched from the front-end opens none), PERMISSION_DENIED for
+  /// any other: the worker's registry; without (any file), tests and
+  /// benchmarks.
   LmHeadRegistry(ScoringBackend& backend, LmHeadPrecision precision, int rank, int world, LmHeadRowFetcher fetch = {},
-                 LmHeadFetchMode fetch_mode = LmHeadFetchMode::kNever)
+                 LmHeadFetchMode fetch_mode = LmHeadFetchMode::kNever, std::optional<LmHeadFileRule> files = {})
       : backend_(backend),
         precision_(precision),
         rank_(rank),
         world_(world),
         fetch_(std::move(fetch)),
-        fetch_mode_(fetch_ ? fetch_mode : LmHeadFetchMode::kNever) {}
-  /// As above; Load opens only the files `files` allows (a slice fetched
-  /// from the front-end opens none), PERMISSION_DENIED for any other. The
-  /// worker's registry; the constructor above (any file) is for tests and
-  /// benchmarks.
-  LmHeadRegistry(ScoringBackend& backend, LmHeadPrecision precision, int rank, int world, LmHeadRowFetcher fetch,
-                 LmHeadFetchMode fetch_mode, LmHeadFileRule files)
-      : LmHeadRegistry(backend, precision, rank, world, std::move(fetch), fetch_mode) {
-    files_ = std::move(files);
-  }
+        fetch_mode_(fetch_ ? fetch_mode : LmHeadFetchMode::kNever),
+        files_(std::move(files)) {}
 
   /// Reads this rank's rows of `load.source` (common/lm_head_source.h
   /// ReadLmHeadRows; a committed update's file in memory is mapped, not
@@ -95,7 +90,7 @@ class LmHeadRegistry {
   const int rank_, world_;
   const LmHeadRowFetcher fetch_;
   const LmHeadFetchMode fetch_mode_;
-  std::optional<LmHeadFileRule> files_;  // set by the worker's constructor; unset: any file
+  const std::optional<LmHeadFileRule> files_;  // unset: any file
   // Slices mapped from store files, kept once dropped: the store recycles a
   // released version's file for a later update, whose load then maps
   // nothing (two spares per head in the store: room for two heads).

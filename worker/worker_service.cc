@@ -13,7 +13,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
@@ -245,10 +244,10 @@ absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal:
   const internal::v1::CudaIpcPayload& src = stage.source();
   const std::string what = absl::StrCat("staging lm_head rows into ", stage.file());
   // Only the front-end's staged files, whatever the caller names.
-  const std::optional<std::string> name = StoreFileName(stage.file(), store_dir);
   if (store_dir.empty())
     return absl::PermissionDeniedError(absl::StrCat(what, ": this worker was given no lm_head store folder"));
-  if (!name || !absl::EndsWith(*name, ".partial"))
+  const std::optional<std::string> name = StagedStoreFileName(stage.file(), store_dir);
+  if (!name)
     return absl::PermissionDeniedError(absl::StrCat(
         what, ": not a staged file (<name>.partial) directly in the front-end's lm_head store ", store_dir));
   if (stage.file_offset() < 0 || src.offset() < 0 || src.byte_size() < 0)

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "common/exclusive_port.h"
+#include "common/lm_head_store_name.h"
 #include "common/log_line.h"
 #include "common/malloc_tuning.h"
 #include "common/shared_memory.h"
@@ -171,7 +172,7 @@ int main(int argc, char** argv) {
   // Workers that cannot read a head's file (another node) fetch its rows
   // from here: the files of live versions and of the update store only.
   pool_opts.lm_head_files = [&heads, store = lm_head_store_dir](const std::string& file) {
-    return logprob::InLmHeadStore(file, store) || logprob::IsLiveLmHeadFile(file, heads.Alive());
+    return logprob::IsCommittedStoreFile(file, store) || logprob::IsLiveLmHeadFile(file, heads.Alive());
   };
   pool_opts.workers = workers;
   pool_opts.auth = plane->auth;

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/lm_head_store_name.h"
 #include "common/positioned_io.h"
 
 namespace logprob {
@@ -19,7 +20,7 @@ StagedVersion::StagedVersion(LmHeadStore* store, std::string head, const std::st
     : store_(store),
       head_(std::move(head)),
       file_(stem + ".safetensors"),
-      partial_(stem + ".safetensors.partial"),
+      partial_(absl::StrCat(stem, ".safetensors", kStagedFileSuffix)),
       bias_file_(stem + kStoreBiasSuffix) {}
 
 StagedVersion::~StagedVersion() {
