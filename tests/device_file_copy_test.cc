@@ -276,6 +276,22 @@ TEST(StageLmHeadRowsTest, WritesOnlyTheStoresStagedFiles) {
   ASSERT_EQ(symlink(outside.c_str(), link.c_str()), 0);
   n = StageLmHeadRows(backend, Stage(alloc, 0, 100, link, 0), Store());
   EXPECT_EQ(n.status().code(), absl::StatusCode::kNotFound) << n.status();
+  // A FIFO named like a staged file: refused at once, never waited on
+  // (a writer's open of a FIFO without a reader would block).
+  const std::string fifo = Store() + "/device_file_copy_test.fifo." + std::to_string(getpid()) + ".partial";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  n = StageLmHeadRows(backend, Stage(alloc, 0, 100, fifo, 0), Store());
+  EXPECT_EQ(n.status().code(), absl::StatusCode::kNotFound) << n.status();  // no reader: ENXIO
+  {
+    // With a reader the open succeeds; the file is still not a regular one.
+    const int reader = open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+    ASSERT_GE(reader, 0);
+    n = StageLmHeadRows(backend, Stage(alloc, 0, 100, fifo, 0), Store());
+    EXPECT_EQ(n.status().code(), absl::StatusCode::kFailedPrecondition) << n.status();
+    EXPECT_NE(n.status().message().find("not a regular file"), std::string::npos) << n.status();
+    close(reader);
+  }
+  unlink(fifo.c_str());
   // Nothing was written anywhere; the staged file itself still takes rows.
   std::ifstream in(outside, std::ios::binary);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), std::string(100, '\x11'));

@@ -260,7 +260,9 @@ absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal:
   // Opened beneath the store's descriptor, without following a link.
   const int dir = open(store_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (dir < 0) return absl::NotFoundError(absl::StrCat(what, ": cannot open the store: ", std::strerror(errno)));
-  const int fd = openat(dir, name->c_str(), O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY);
+  // Non-blocking: a FIFO never blocks the open (no reader: ENXIO); a
+  // regular file's writes ignore the flag.
+  const int fd = openat(dir, name->c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY);
   const int open_errno = errno;
   close(dir);
   if (fd < 0) return absl::NotFoundError(absl::StrCat(what, ": cannot open it: ", std::strerror(open_errno)));
@@ -268,6 +270,8 @@ absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal:
   absl::Status failed;
   if (fstat(fd, &st) != 0) {
     failed = absl::InternalError(absl::StrCat(what, ": fstat: ", std::strerror(errno)));
+  } else if (!S_ISREG(st.st_mode)) {
+    failed = absl::FailedPreconditionError(absl::StrCat(what, ": not a regular file"));
   } else if (stage.file_offset() > st.st_size || src.byte_size() > st.st_size - stage.file_offset()) {
     failed = absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", stage.file_offset(), ", ", stage.file_offset(),
                                                      " + ", src.byte_size(), ") are outside the file's ", st.st_size,

@@ -125,6 +125,8 @@ class WorkerService final : public internal::v1::Worker::Service {
 /// allocation); PERMISSION_DENIED for a file that is not a staged file of
 /// `store_dir` (or an empty `store_dir`), before anything is opened;
 /// NOT_FOUND when the file cannot be opened (a link included);
+/// FAILED_PRECONDITION for a name that is not a regular file (a FIFO is
+/// never waited on);
 /// CopyDeviceToFile's errors. Thread-safe.
 absl::StatusOr<int64_t> StageLmHeadRows(ScoringBackend& backend, const internal::v1::LmHeadStage& stage,
                                         const std::string& store_dir);
