@@ -11,21 +11,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
-#include "common/grpc_status.h"
 #include "common/lm_head_source.h"
+#include "common/lm_head_update_driver.h"
+#include "common/lm_head_update_grpc.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 
 namespace logprob::client {
 namespace {
-
-constexpr int64_t kCallBytes = int64_t{64} << 20;  // rows per PutLmHeadRows call, default
-constexpr size_t kPieceBytes = size_t{4} << 20;    // bytes per TensorPiece
-
-int Failed(const std::string& what, const grpc::Status& s) {
-  std::cerr << "error: " << what << ": " << absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code()))
-            << ": " << s.error_message() << std::endl;
-  return kExitFailure;
-}
 
 // The head's logit transform as GetServerInfo reports it: "bias,
 // logit_scale 0.125, final_logit_softcapping 30", or "none". A server from
@@ -98,71 +90,40 @@ int RunUpdateLmHead(const LmHeadArgs& args) {
     begin.set_logit_scale(src->transform.logit_scale);
     begin.set_final_logit_softcapping(src->transform.softcap);
   }
-  v1::LmHeadUpdate update;
-  {
-    grpc::ClientContext ctx;
-    SetTimeout(&ctx, args.timeout_seconds);
-    if (grpc::Status s = stub->BeginLmHeadUpdate(&ctx, begin, &update); !s.ok()) return Failed("begin", s);
-  }
-  if (update.already_committed()) {
-    std::cout << args.head << " version " << args.version << " (already committed)" << std::endl;
-    return kExitOk;
-  }
-  auto abort = [&](const std::string& what, const grpc::Status& s) {
-    grpc::ClientContext ctx;
-    SetTimeout(&ctx, 30);
-    v1::LmHeadUpdateRef ref;
-    ref.set_update_id(update.update_id());
-    v1::LmHeadUpdate ignored;
-    (void)stub->AbortLmHeadUpdate(&ctx, ref, &ignored);
-    return Failed(what, s);
-  };
-  std::cerr << "update-lm-head: " << args.head << " -> " << args.version << ": " << src->tensor << " [" << V << ", "
-            << H << "] " << DTypeName(src->dtype) << " from " << src->file << std::endl;
-  const int64_t per_call = args.rows_per_call > 0 ? args.rows_per_call : std::max<int64_t>(1, kCallBytes / row_bytes);
-  std::vector<char> rows;
-  for (int64_t r0 = 0; r0 < V; r0 += per_call) {
-    const int64_t r1 = std::min(V, r0 + per_call);
-    rows.resize(static_cast<size_t>((r1 - r0) * row_bytes));
-    if (absl::Status st = ReadLmHeadRows(*src, r0, r1, rows.data()); !st.ok())
-      return abort("reading --input", grpc::Status(grpc::StatusCode::DATA_LOSS, std::string(st.message())));
-    grpc::ClientContext ctx;
-    SetTimeout(&ctx, args.timeout_seconds);
-    v1::LmHeadUpdate progress;
-    auto writer = stub->PutLmHeadRows(&ctx, &progress);
-    v1::LmHeadRowsPart first;
-    v1::LmHeadRows* head = first.mutable_rows();
-    head->set_update_id(update.update_id());
-    head->set_row_begin(r0);
-    v1::Tensor* t = head->mutable_rows();
-    t->set_name("rows");
-    t->set_dtype(src->dtype);
-    t->add_shape(r1 - r0);
-    t->add_shape(H);
-    bool ok = writer->Write(first);
-    for (size_t off = 0; ok && off < rows.size(); off += kPieceBytes) {
-      v1::LmHeadRowsPart piece;
-      piece.mutable_piece()->set_offset(static_cast<int64_t>(off));
-      piece.mutable_piece()->set_data(rows.data() + off, std::min(kPieceBytes, rows.size() - off));
-      ok = writer->Write(piece);
-    }
-    writer->WritesDone();
-    if (grpc::Status s = writer->Finish(); !s.ok()) return abort(absl::StrCat("rows [", r0, ", ", r1, ")"), s);
+  LmHeadUpdateDriverOptions options;
+  options.rows_per_put = args.rows_per_call;
+  // A put stays inside the server's request limit, as a split request does.
+  if (absl::StatusOr<v1::ServerInfo> info = FetchServerInfo(*stub, args.timeout_seconds);
+      info.ok() && info->max_request_bytes() > 0)
+    options.put_bytes = std::min<int64_t>(
+        options.put_bytes, static_cast<int64_t>(kRequestFill * static_cast<double>(info->max_request_bytes())));
+  options.on_put = [&](const v1::LmHeadUpdate& progress) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::cerr << "update-lm-head: " << progress.rows_received() << "/" << V << " rows ("
               << (progress.rows_received() * row_bytes >> 20) << " MiB, " << secs << " s)" << std::endl;
+  };
+  LmHeadRowSource rows;
+  rows.read = [&](int64_t r0, int64_t r1, char* dst, const std::function<void(int64_t)>&) -> absl::Status {
+    if (absl::Status st = ReadLmHeadRows(*src, r0, r1, dst); !st.ok())
+      return absl::DataLossError(absl::StrCat("reading --input ", args.input, ": ", st.message()));
+    return absl::OkStatus();
+  };
+  std::cerr << "update-lm-head: " << args.head << " -> " << args.version << ": " << src->tensor << " [" << V << ", "
+            << H << "] " << DTypeName(src->dtype) << " from " << src->file << std::endl;
+  GrpcLmHeadUpdateCalls calls(*stub, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_seconds * 1000)));
+  absl::StatusOr<LmHeadUpdateOutcome> outcome = DriveLmHeadUpdate(calls, begin, rows, options);
+  if (!outcome.ok()) {
+    PrintError(outcome.status());
+    return kExitFailure;
   }
-  v1::LmHeadInfo committed;
-  {
-    grpc::ClientContext ctx;
-    SetTimeout(&ctx, args.timeout_seconds);
-    v1::LmHeadUpdateRef ref;
-    ref.set_update_id(update.update_id());
-    if (grpc::Status s = stub->CommitLmHeadUpdate(&ctx, ref, &committed); !s.ok()) return Failed("commit", s);
+  if (outcome->already_committed) {
+    std::cout << args.head << " version " << args.version << " (already committed)" << std::endl;
+    return kExitOk;
   }
   std::cerr << "update-lm-head: committed in "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s" << std::endl;
   // Without --sha256 the server hashes the rows after the commit: `heads` lists it once done.
+  const v1::LmHeadInfo& committed = outcome->committed;
   std::cout << committed.name() << " version " << committed.version() << " sha256 "
             << (committed.sha256().empty() ? "(computing; see heads)" : committed.sha256()) << std::endl;
   return kExitOk;

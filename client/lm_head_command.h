@@ -16,12 +16,12 @@ struct LmHeadArgs {
   std::string server;  // HOST:PORT
   ChannelOptions channel;
   // update-lm-head:
-  std::string head;            // --head NAME
-  std::string version;         // --version V
-  std::string input;           // --input PATH: .safetensors file, index or checkpoint directory
-  std::string tensor;          // --tensor NAME (default lm_head.weight, then the tied embedding)
-  std::string sha256;          // --sha256 HEX: checked by the server at commit
-  int64_t rows_per_call = 0;   // --rows-per-call N (0: 64 MiB of rows per PutLmHeadRows call)
+  std::string head;           // --head NAME
+  std::string version;        // --version V
+  std::string input;          // --input PATH: .safetensors file, index or checkpoint directory
+  std::string tensor;         // --tensor NAME (default lm_head.weight, then the tied embedding)
+  std::string sha256;         // --sha256 HEX: checked by the server at commit
+  int64_t rows_per_call = 0;  // --rows-per-call N (0: kDefaultUpdatePutBytes of rows, at most 90% of max_request_bytes)
   double timeout_seconds = 0;  // --timeout: deadline of each call (0: none)
 };
 
@@ -33,8 +33,9 @@ int RunHeads(const LmHeadArgs& args);
 /// `update-lm-head`: reads the checkpoint's lm_head (common/lm_head_source.h,
 /// the server's own rules: tied embeddings, sharded index), opens an update
 /// of `head` to `version`, sends the rows in calls of rows_per_call rows
-/// (progress on stderr), commits, and prints the committed version. On any
-/// error after opening it aborts the update. Exit kExitOk, kExitBadInput
+/// (progress on stderr), commits, and prints the committed version: the
+/// update driver's steps and retries (common/lm_head_update_driver.h). On
+/// any error after opening it aborts the update. Exit kExitOk, kExitBadInput
 /// (unreadable checkpoint), kExitFailure (the server refused).
 int RunUpdateLmHead(const LmHeadArgs& args);
 

@@ -8,11 +8,15 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "common/lm_head_source.h"
+#include "common/replica_target.h"
 #include "common/safetensors.h"
+#include "nlohmann/json.hpp"
 #include "server/heads/lm_head_reader.h"
 #include "server/heads/lm_heads.h"
 
@@ -139,6 +143,29 @@ TEST(ResolvePeerTargetTest, EveryAddressBehindATarget) {
   EXPECT_TRUE(ResolvePeerTarget("dns:///nonexistent.invalid:1").value().empty());
   for (const char* bad : {"a", "a:", "a:0", "a:70000", "unix:/tmp/x", ":5"})
     EXPECT_EQ(ResolvePeerTarget(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+}
+
+// The grammar's cases, which the Python client's resolve_replicas is tested
+// against too (client/python/tests/test_replicas.py).
+TEST(ReplicaTargetGolden, ParseGivesEveryCasesKindAndAddressesOrRefusesIt) {
+  std::ifstream in(std::string(LOGPROB_REPLICA_TARGETS_GOLDEN));
+  ASSERT_TRUE(in.good()) << LOGPROB_REPLICA_TARGETS_GOLDEN;
+  const nlohmann::json golden = nlohmann::json::parse(in);
+  const std::map<std::string, ReplicaTarget::Kind> kinds = {{"listed", ReplicaTarget::Kind::kListed},
+                                                            {"dns", ReplicaTarget::Kind::kDns},
+                                                            {"plain", ReplicaTarget::Kind::kPlain}};
+  ASSERT_GE(golden.at("cases").size(), 10u);
+  for (const nlohmann::json& c : golden.at("cases")) {
+    const std::string target = c.at("target").get<std::string>();
+    const absl::StatusOr<ReplicaTarget> parsed = ParseReplicaTarget(target, "--lm-head-sync-from");
+    if (c.value("error", false)) {
+      EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << "\"" << target << "\"";
+      continue;
+    }
+    ASSERT_TRUE(parsed.ok()) << "\"" << target << "\": " << parsed.status();
+    EXPECT_EQ(parsed->kind, kinds.at(c.at("kind").get<std::string>())) << target;
+    EXPECT_EQ(parsed->addresses, c.at("addresses").get<std::vector<std::string>>()) << target;
+  }
 }
 
 }  // namespace

@@ -27,11 +27,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -39,10 +41,12 @@
 #include "common/error_reason.h"
 #include "common/finite_check.h"
 #include "common/lm_head_source.h"
+#include "common/lm_head_update_driver.h"
 #include "common/positioned_io.h"
 #include "common/safetensors.h"
 #include "common/sha256.h"
 #include "server/app/memory_bound.h"
+#include "server/heads/lm_head_update_calls.h"
 #include "server/heads/lm_heads.h"
 #include "server/inputs/cuda_ipc_inputs.h"
 #include "server/inputs/input_source.h"
@@ -747,6 +751,139 @@ TEST_F(LmHeadUpdatesTest, ACommitRetriedAfterTheUpdateEndedAnswersItsOutcome) {
   EXPECT_NE(st.message().find("aborted it"), std::string::npos) << st;
   // Never opened: NOT_FOUND.
   EXPECT_EQ(updates->Commit("0123").status().code(), absl::StatusCode::kNotFound);
+}
+
+/// The update core as the driver's calls, losing the answer of the calls
+/// listed in `lose` after the core carried them out (UNAVAILABLE, as a
+/// connection that broke after the server acted), or refusing them before
+/// (`refuse`); each step's calls counted.
+class LossyCalls final : public LmHeadUpdateCalls {
+ public:
+  explicit LossyCalls(LmHeadUpdates& updates) : real_(updates) {}
+  std::set<std::string> lose, refuse;  // "begin", "put N" (N: the put's row_begin), "commit"
+  std::map<std::string, int> calls;    // step -> calls
+  std::vector<std::string> tokens;     // each Begin's client_token
+  std::vector<std::string> aborted;    // Abort's update ids
+
+  absl::StatusOr<v1::LmHeadUpdate> Begin(const v1::BeginLmHeadUpdateRequest& request) override {
+    tokens.push_back(request.client_token());
+    return Step("begin", [&] { return real_.Begin(request); });
+  }
+  absl::StatusOr<v1::LmHeadUpdate> Put(const std::string& id, const v1::BeginLmHeadUpdateRequest& begin, int64_t r0,
+                                       int64_t r1, const LmHeadRowSource& rows) override {
+    return Step("put " + std::to_string(r0), [&] { return real_.Put(id, begin, r0, r1, rows); });
+  }
+  absl::StatusOr<v1::LmHeadInfo> Commit(const std::string& id) override {
+    return Step("commit", [&] { return real_.Commit(id); });
+  }
+  absl::Status Abort(const std::string& id) override {
+    aborted.push_back(id);
+    return real_.Abort(id);
+  }
+
+ private:
+  template <typename Call>
+  auto Step(const std::string& step, Call call) -> decltype(call()) {
+    ++calls[step];
+    if (refuse.erase(step)) return absl::UnavailableError("refused: " + step);
+    auto result = call();
+    if (result.ok() && lose.erase(step)) return absl::UnavailableError("answer lost: " + step);
+    return result;
+  }
+  InProcessLmHeadUpdateCalls real_;
+};
+
+/// A source of `bytes` ([kV, kH] F32 rows); a read of rows from `fail_from` on fails (DATA_LOSS).
+LmHeadRowSource SourceOf(const std::string& bytes, int64_t fail_from = kV) {
+  LmHeadRowSource s;
+  s.read = [&bytes, fail_from](int64_t r0, int64_t r1, char* dst, const std::function<void(int64_t)>&) {
+    if (r1 > fail_from) return absl::DataLossError("the checkpoint is cut short");
+    std::memcpy(dst, bytes.data() + r0 * kH * 4, static_cast<size_t>((r1 - r0) * kH * 4));
+    return absl::OkStatus();
+  };
+  return s;
+}
+
+// The driver shared by logprob-client and peer sync: each step whose
+// answer is lost (the server acted) is sent again and lands once: the
+// same client_token opens the same update, a put re-sent with the same
+// bytes is taken, a commit re-sent answers its outcome.
+TEST_F(LmHeadUpdatesTest, TheUpdateDriverRetriesEveryStepWhoseAnswerWasLostAndCommitsTheRowsOnce) {
+  const std::unique_ptr<LmHeadUpdates> updates = Make();
+  LossyCalls calls(*updates);
+  calls.lose = {"begin", "put 10", "commit"};
+  calls.refuse = {"put 20"};
+  const std::string rows = Rows(0, kV, 7.0f);
+  LmHeadUpdateDriverOptions options;
+  options.rows_per_put = 10;
+  options.backoff = std::chrono::milliseconds(1);
+  std::vector<int64_t> progress;
+  options.on_put = [&](const v1::LmHeadUpdate& u) { progress.push_back(u.rows_received()); };
+  auto outcome = DriveLmHeadUpdate(calls, Begin("v2"), SourceOf(rows), options);
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  EXPECT_FALSE(outcome->already_committed);
+  EXPECT_EQ(outcome->committed.version(), "v2");
+  EXPECT_EQ(calls.calls, (std::map<std::string, int>{
+                             {"begin", 2}, {"put 0", 1}, {"put 10", 2}, {"put 20", 2}, {"put 30", 1}, {"commit", 2}}));
+  ASSERT_EQ(calls.tokens.size(), 2u);
+  EXPECT_EQ(calls.tokens[0].size(), 32u) << "a random client_token";
+  EXPECT_EQ(calls.tokens[1], calls.tokens[0]) << "the retried Begin repeats it";
+  EXPECT_EQ(progress, (std::vector<int64_t>{10, 20, 30, 37}));
+  EXPECT_TRUE(calls.aborted.empty());
+  const auto v2 = heads_.Find("default", "v2");
+  ASSERT_NE(v2, nullptr);
+  EXPECT_EQ(StoredRows(*v2, rows.size()), rows);
+
+  // The same version again with its sha256: nothing is sent.
+  v1::BeginLmHeadUpdateRequest again = Begin("v2");
+  again.set_sha256(Sha256Hex(rows));
+  EXPECT_EQ(v2->sha256.get(), again.sha256());
+  LossyCalls second(*updates);
+  auto noop = DriveLmHeadUpdate(second, again, SourceOf(rows), options);
+  ASSERT_TRUE(noop.ok()) << noop.status();
+  EXPECT_TRUE(noop->already_committed);
+  EXPECT_EQ(second.calls, (std::map<std::string, int>{{"begin", 1}}));
+}
+
+// A step that fails for good ends the update: it is aborted (the head
+// keeps its version and can take the next update), and the error names the
+// step. A stream read once is not put again.
+TEST_F(LmHeadUpdatesTest, TheUpdateDriverAbortsOnAFailedStepAndNamesIt) {
+  const std::unique_ptr<LmHeadUpdates> updates = Make();
+  const std::string rows = Rows(0, kV, 9.0f);
+  LmHeadUpdateDriverOptions options;
+  options.rows_per_put = 10;
+  options.backoff = std::chrono::milliseconds(1);
+  {
+    LossyCalls calls(*updates);
+    auto failed = DriveLmHeadUpdate(calls, Begin("v2"), SourceOf(rows, /*fail_from=*/15), options);
+    EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+    EXPECT_EQ(failed.status().message(), "PutLmHeadRows rows [10, 20): the checkpoint is cut short");
+    EXPECT_EQ(calls.aborted.size(), 1u);
+  }
+  {
+    LossyCalls calls(*updates);
+    calls.refuse = {"put 0"};
+    LmHeadRowSource once = SourceOf(rows);
+    once.rereadable = false;
+    auto failed = DriveLmHeadUpdate(calls, Begin("v2"), once, options);
+    EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
+    EXPECT_EQ(calls.calls["put 0"], 1);
+    EXPECT_EQ(calls.aborted.size(), 1u);
+  }
+  {
+    LossyCalls calls(*updates);
+    v1::BeginLmHeadUpdateRequest wrong = Begin("v2");
+    wrong.set_sha256(std::string(64, 'a'));
+    auto failed = DriveLmHeadUpdate(calls, wrong, SourceOf(rows), options);
+    EXPECT_EQ(failed.status().code(), absl::StatusCode::kInvalidArgument) << failed.status();
+    EXPECT_TRUE(absl::StartsWith(failed.status().message(), "CommitLmHeadUpdate: ")) << failed.status();
+  }
+  EXPECT_EQ(heads_.Find("default", "v2"), nullptr);
+  LossyCalls calls(*updates);
+  auto next = DriveLmHeadUpdate(calls, Begin("v2"), SourceOf(rows), options);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(calls.calls["begin"], 1) << "no update was left open";
 }
 
 namespace {

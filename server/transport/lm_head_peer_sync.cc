@@ -8,19 +8,17 @@
 #include <cstring>
 #include <map>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
+#include "common/lm_head_update_driver.h"
 #include "common/log_line.h"
-#include "common/random_id.h"
+#include "common/replica_target.h"
 #include "common/status_macros.h"
 #include "common/untrusted_text.h"
 #include "grpcpp/client_context.h"
 #include "logprob/v1/logprob.grpc.pb.h"
+#include "server/heads/lm_head_update_calls.h"
 
 namespace logprob {
 namespace {
@@ -112,27 +110,13 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
   begin.set_logit_scale(got.logit_scale());
   begin.set_final_logit_softcapping(got.final_logit_softcapping());
   if (got.has_bias()) *begin.mutable_bias() = header.bias();
-  begin.set_client_token(RandomId());
-  absl::StatusOr<v1::LmHeadUpdate> opened = updates.Begin(begin);
-  if (!opened.ok() || opened->already_committed()) {
-    cancel();
-    return opened.status();
-  }
-  const std::string id = opened->update_id();
   const int64_t total = V * H * static_cast<int64_t>(DTypeSize(got.dtype()));
-  // The pieces land in the staged file as they arrive, as a client's do.
-  // One put through the update core's Put, as a client's: the pieces land
-  // in the staged file as they arrive (LmHeadPutIo::follow).
-  v1::LmHeadRows rows;
-  rows.set_update_id(id);
-  rows.set_row_begin(0);
-  rows.mutable_rows()->set_name("lm_head.weight");
-  rows.mutable_rows()->set_dtype(got.dtype());
-  rows.mutable_rows()->add_shape(V);
-  rows.mutable_rows()->add_shape(H);
-  LmHeadPutIo io;
-  io.cancel = [&ctx] { ctx.TryCancel(); };  // from the time-out's thread: Read then fails
-  io.follow = [&](char* dst, const std::function<void(int64_t)>& progressed) -> absl::Status {
+  // One put of every row, through the update core's Put as a client's: the
+  // pieces land in the staged file as they arrive. The stream is read once.
+  LmHeadRowSource rows;
+  rows.rereadable = false;
+  rows.cancel = [&ctx] { ctx.TryCancel(); };  // from the time-out's thread: Read then fails
+  rows.read = [&](int64_t, int64_t, char* dst, const std::function<void(int64_t)>& progressed) -> absl::Status {
     int64_t have = 0;
     while (have < total && reader->Read(&part)) {
       const v1::TensorPiece& p = part.piece();
@@ -142,20 +126,23 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
                                                 p.data().size(), " bytes after ", have, " of ", total));
       std::memcpy(dst + have, p.data().data(), p.data().size());
       have += static_cast<int64_t>(p.data().size());
-      progressed(have);
+      if (progressed) progressed(have);
     }
     if (have == total) return finish();
     absl::Status st = finish();
     return absl::DataLossError(
         absl::StrCat("peer ", peer, "'s ReadLmHeadRows ended after ", have, " of ", total, " bytes: ", st.ToString()));
   };
-  absl::StatusOr<v1::LmHeadUpdate> put = updates.Put(rows, io);
-  if (!put.ok()) {
+  LmHeadUpdateDriverOptions one_put;
+  one_put.rows_per_put = V;
+  one_put.attempts = 1;  // a peer that fails is left for the next one
+  InProcessLmHeadUpdateCalls calls(updates);
+  // Begin checks the sha256 at commit; a failure aborts the update.
+  absl::StatusOr<LmHeadUpdateOutcome> outcome = DriveLmHeadUpdate(calls, begin, rows, one_put);
+  if (!outcome.ok() || outcome->already_committed) {
     cancel();
-    (void)updates.Abort(id);
-    return put.status();
+    return outcome.status();
   }
-  LOGPROB_RETURN_IF_ERROR(updates.Commit(id).status());  // checks the sha256; aborts on failure
   *pulled = true;
   return absl::OkStatus();
 }
@@ -163,36 +150,13 @@ absl::Status Pull(const PeerSyncOptions& options, const std::string& peer, const
 }  // namespace
 
 absl::StatusOr<std::vector<std::string>> ResolvePeerTarget(const std::string& target) {
-  std::string t(absl::StripAsciiWhitespace(target));
+  LOGPROB_ASSIGN_OR_RETURN(ReplicaTarget parsed, ParseReplicaTarget(target, "--lm-head-sync-from"));
+  if (parsed.kind == ReplicaTarget::Kind::kListed) return parsed.addresses;
+  // "dns:" and plain HOST:PORT alike: every pod behind a name is a peer.
   std::vector<std::string> out;
-  auto add = [&out](const std::string& a) {
-    if (std::find(out.begin(), out.end(), a) == out.end()) out.push_back(a);
-  };
-  if (absl::StartsWith(t, "ipv4:") || absl::StartsWith(t, "ipv6:")) {
-    for (absl::string_view a : absl::StrSplit(t.substr(5), ',', absl::SkipEmpty())) add(std::string(a));
-    return out;
-  }
-  if (absl::StartsWith(t, "dns:///")) t = t.substr(7);
-  else if (absl::StartsWith(t, "dns:")) t = t.substr(4);
-  for (absl::string_view part : absl::StrSplit(t, ',', absl::SkipEmpty())) {
-    std::string host, port;
-    if (absl::StartsWith(part, "[")) {
-      const size_t close = part.find("]:");
-      if (close != absl::string_view::npos) {
-        host = std::string(part.substr(1, close - 1));
-        port = std::string(part.substr(close + 2));
-      }
-    } else if (const size_t colon = part.rfind(':'); colon != absl::string_view::npos) {
-      host = std::string(part.substr(0, colon));
-      port = std::string(part.substr(colon + 1));
-    }
-    int port_number = 0;
-    if (host.empty() || !absl::SimpleAtoi(port, &port_number) || port_number < 1 || port_number > 65535)
-      return absl::InvalidArgumentError(
-          absl::StrCat("--lm-head-sync-from \"", Printable(std::string(part), 256),
-                       "\": give HOST:PORT, several separated by commas, dns:///HOST:PORT or ipv4:IP:PORT,IP:PORT"));
-    for (const std::string& a : Lookup(host, port)) add(a);
-  }
+  for (const auto& [host, port] : parsed.host_ports)
+    for (const std::string& a : Lookup(host, port))
+      if (std::find(out.begin(), out.end(), a) == out.end()) out.push_back(a);
   return out;
 }
 

@@ -20,14 +20,14 @@
 
 namespace logprob {
 
-/// The addresses behind a gRPC target, each dialable alone: "dns:///HOST:PORT"
-/// or "dns:HOST:PORT" and a plain "HOST:PORT" resolve to every A/AAAA
-/// record of HOST (getaddrinfo; "IP:PORT", "[IPv6]:PORT"); "ipv4:A:P,B:P" /
-/// "ipv6:[A]:P,..." are the listed addresses; several comma-separated
-/// HOST:PORT are each resolved. A name that does not resolve (no peers yet:
-/// a headless Service lists only ready pods) gives no address, not an error.
-/// INVALID_ARGUMENT for a part without a port or another resolver scheme.
-/// Duplicates removed, order kept. Blocking (DNS); thread-safe.
+/// The addresses behind a --lm-head-sync-from target, each dialable alone
+/// (common/replica_target.h: the grammar the Python replicas share):
+/// "ipv4:" / "ipv6:" lists as given; every other HOST (under "dns:",
+/// "dns:///" or plain) resolved to each of its A/AAAA records
+/// (getaddrinfo). A name that does not resolve (no peers yet: a headless
+/// Service lists only ready pods) gives no address, not an error.
+/// ParseReplicaTarget's INVALID_ARGUMENT. Duplicates removed, order kept.
+/// Blocking (DNS); thread-safe.
 absl::StatusOr<std::vector<std::string>> ResolvePeerTarget(const std::string& target);
 
 /// Where and how to ask the peers.
@@ -56,9 +56,10 @@ inline constexpr int kPeerSyncRounds = 3;
 /// of them (largest committed_unix_ms; ties: the one most peers hold) is
 /// pulled unless this server took that name with the same sha256 already:
 /// read with ReadLmHeadRows from a peer holding it (the next such peer on
-/// failure) and fed to `updates` (Begin with its sha256, logit transform
-/// and bias; one Put (LmHeadUpdates::Put, LmHeadPutIo::follow) of the streamed rows straight into the staged
-/// file; Commit, which checks the sha256) in-process. Peers that do not
+/// failure) and fed to `updates` by the update driver
+/// (DriveLmHeadUpdate over InProcessLmHeadUpdateCalls: Begin with its
+/// sha256, logit transform and bias; one put of the streamed rows straight
+/// into the staged file; Commit, which checks the sha256). Peers that do not
 /// answer are logged and skipped; no peer answering is no error (the first
 /// replica of a deployment). Errors: the target's (ResolvePeerTarget);
 /// FAILED_PRECONDITION when a peer's head has another shape or dtype than

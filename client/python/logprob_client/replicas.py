@@ -31,21 +31,53 @@ import grpc
 from .errors import InvalidInputError, LogprobError
 from .lm_head_update import weight_sha256
 
-__all__ = ["resolve_replicas", "weight_sha256", "ReplicaUpdateError", "update_lm_head_replicas",
+__all__ = ["parse_target", "resolve_replicas", "weight_sha256", "ReplicaUpdateError", "update_lm_head_replicas",
            "update_lm_head_replicas_async"]
 
 Target = Union[str, Sequence[str]]
 
 
+# The target grammar, shared with the server's --lm-head-sync-from
+# (common/replica_target.h); both are tested against
+# tests/data/replica_targets/targets.json, which writes it down.
+_SCHEMES = (("ipv4:", "listed"), ("ipv6:", "listed"), ("dns:///", "dns"), ("dns:", "dns"))
+
+
 def _host_port(address: str) -> "tuple[str, str]":
     """``(host, port)`` of ``HOST:PORT`` / ``[V6]:PORT``; InvalidInputError otherwise."""
-    if address.startswith("["):
+    bracketed = address.startswith("[")
+    if bracketed:
         host, sep, port = address[1:].partition("]:")
     else:
         host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    bad_host = any(c in "/[]" or c.isspace() or (c == ":" and not bracketed) for c in host)
+    if not sep or not host or bad_host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise InvalidInputError("replica %r: give HOST:PORT (or [IPv6]:PORT)" % (address,))
     return host, port
+
+
+def parse_target(target: str) -> "tuple[str, List[str]]":
+    """``(kind, addresses)`` of a target string: kind ``"listed"``
+    (``ipv4:`` / ``ipv6:``), ``"dns"`` (``dns:`` / ``dns:///``) or
+    ``"plain"``; the ``HOST:PORT`` addresses, duplicates removed, order
+    kept. Raises InvalidInputError for a malformed target or none."""
+    t = target.strip()
+    kind = "plain"
+    for prefix, k in _SCHEMES:
+        if t.startswith(prefix):
+            kind, t = k, t[len(prefix):]
+            break
+    out: List[str] = []
+    for part in t.split(","):
+        p = part.strip()
+        if not p:
+            continue
+        _host_port(p)
+        if p not in out:
+            out.append(p)
+    if not out:
+        raise InvalidInputError("target %r names no replica" % (target,))
+    return kind, out
 
 
 def _address(ip: str, port: str) -> str:
@@ -54,38 +86,39 @@ def _address(ip: str, port: str) -> str:
 
 def resolve_replicas(target: Target) -> List[str]:
     """The addresses of every replica behind ``target``, each dialable
-    alone: a list of ``HOST:PORT`` (taken as given); ``"ipv4:A:P,B:P"`` /
-    ``"ipv6:[A]:P,..."`` (the listed addresses); ``"dns:///HOST:PORT"`` or
-    ``"dns:HOST:PORT"`` (every A/AAAA record of HOST, ``socket.getaddrinfo``:
-    a Kubernetes headless Service gives one per ready pod); a string of
-    comma-separated ``HOST:PORT`` (taken as given); a plain ``HOST:PORT``
-    is one replica (a ClusterIP Service name is one address: use the
-    headless Service with ``dns:///``). Duplicates removed, order kept.
-    Raises InvalidInputError for a malformed target or a DNS name that
-    resolves to nothing."""
-    if isinstance(target, str):
-        t = target.strip()
-        if t.startswith(("ipv4:", "ipv6:")):
-            parts = [p for p in t[5:].split(",") if p]
-        elif t.startswith("dns:"):
-            rest = t[len("dns:///"):] if t.startswith("dns:///") else t[len("dns:"):]
-            host, port = _host_port(rest)
-            try:
-                infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-            except socket.gaierror as e:
-                raise InvalidInputError("target %r: %s resolves to no address (%s)" % (target, host, e)) from None
-            parts = [_address(str(info[4][0]), port) for info in infos]
-        else:
-            parts = [p.strip() for p in t.split(",") if p.strip()]
-    else:
-        parts = [str(p).strip() for p in target]
+    alone (the grammar of tests/data/replica_targets/targets.json, the
+    server's ``--lm-head-sync-from`` too): a list of ``HOST:PORT`` (taken
+    as given); ``"ipv4:A:P,B:P"`` / ``"ipv6:[A]:P,..."`` (the listed
+    addresses); ``"dns:///HOST:PORT"`` or ``"dns:HOST:PORT"`` (every A/AAAA
+    record of each HOST, ``socket.getaddrinfo``: a Kubernetes headless
+    Service gives one per ready pod); a string of comma-separated
+    ``HOST:PORT`` (taken as given: a ClusterIP Service name is one
+    address, use the headless Service with ``dns:///``). Duplicates
+    removed, order kept. Raises InvalidInputError for a malformed target or
+    a DNS name that resolves to nothing."""
+    if not isinstance(target, str):
+        listed: List[str] = []
+        for p in (str(p).strip() for p in target):
+            _host_port(p)
+            if p not in listed:
+                listed.append(p)
+        if not listed:
+            raise InvalidInputError("target %r names no replica" % (target,))
+        return listed
+    kind, parts = parse_target(target)
+    if kind != "dns":
+        return parts
     out: List[str] = []
     for p in parts:
-        _host_port(p)
-        if p not in out:
-            out.append(p)
-    if not out:
-        raise InvalidInputError("target %r names no replica" % (target,))
+        host, port = _host_port(p)
+        try:
+            infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise InvalidInputError("target %r: %s resolves to no address (%s)" % (target, host, e)) from None
+        for info in infos:
+            a = _address(str(info[4][0]), port)
+            if a not in out:
+                out.append(a)
     return out
 
 

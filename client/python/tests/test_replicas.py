@@ -7,6 +7,7 @@ from its peers and serves nothing (health NOT_SERVING, hidden-states
 requests UNAVAILABLE) until it holds it."""
 import asyncio
 import hashlib
+import json
 import os
 import threading
 import unittest
@@ -15,10 +16,10 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from support import Server, free_port, temp_dir, wait_for
+from support import SOURCE_ROOT, Server, free_port, temp_dir, wait_for
 from logprob_client import LogprobClient, LogprobError, RetryPolicy, safetensors
 from logprob_client._internal._proto import pb2, pb2_grpc
-from logprob_client.replicas import (ReplicaUpdateError, resolve_replicas, update_lm_head_replicas,
+from logprob_client.replicas import (ReplicaUpdateError, parse_target, resolve_replicas, update_lm_head_replicas,
                                      update_lm_head_replicas_async, weight_sha256)
 
 V, H, T = 211, 32, 20
@@ -56,9 +57,22 @@ class ResolveTest(unittest.TestCase):
         self.assertEqual(resolve_replicas("a:1, b:2"), ["a:1", "b:2"])
         self.assertEqual(resolve_replicas("dns:///127.0.0.1:5"), ["127.0.0.1:5"])
         self.assertIn("127.0.0.1:7", resolve_replicas("dns:///localhost:7"))
-        for bad in ("a", "ipv4:a", [], "dns:///nonexistent.invalid:1"):
+        for bad in ("a", "ipv4:a", [], ["a:1", "dns:///b:2"], "dns:///nonexistent.invalid:1"):
             with self.assertRaises(ValueError, msg=repr(bad)):
                 resolve_replicas(bad)
+
+    def test_the_target_grammar_shared_with_the_server(self):
+        # The cases the server's --lm-head-sync-from parser is tested
+        # against too (tests/lm_head_peer_sync_test.cc, ReplicaTargetGolden).
+        with open(os.path.join(SOURCE_ROOT, "tests", "data", "replica_targets", "targets.json")) as f:
+            cases = json.load(f)["cases"]
+        self.assertGreaterEqual(len(cases), 10)
+        for case in cases:
+            if case.get("error"):
+                with self.assertRaises(ValueError, msg=repr(case["target"])):
+                    parse_target(case["target"])
+            else:
+                self.assertEqual(parse_target(case["target"]), (case["kind"], case["addresses"]), case["target"])
 
 
 class ReplicasTest(unittest.TestCase):
