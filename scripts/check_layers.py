@@ -18,7 +18,7 @@ import sys
 ALLOWED = {
     "app": {"transport", "core", "inputs", "pool", "heads", "metrics"},
     "transport": {"core", "inputs", "pool", "heads", "metrics"},
-    "core": {"inputs", "pool", "heads", "metrics"},
+    "core": {"inputs", "pool", "heads"},  # metrics through observers (CoreObservers)
     "inputs": set(),
     "heads": {"inputs"},
     "pool": set(),

@@ -85,6 +85,7 @@ class LmHeadUpdatesTest : public ::testing::Test {
     o.update_dir = update_dir_;
     if (timeout_.count() > 0) o.timeout = timeout_;
     o.store_files_per_head = store_files_;
+    o.inputs = inputs_;
     LmHeadWorkers w;
     w.load = [](const internal::v1::LmHeadLoad&) -> absl::StatusOr<int64_t> { return 0; };
     w.serving = [](int64_t) { return true; };
@@ -134,9 +135,11 @@ class LmHeadUpdatesTest : public ::testing::Test {
   }
 
   std::string store_;
-  std::string update_dir_;                // --lm-head-update-dir of Make's updates ("": none)
-  std::chrono::milliseconds timeout_{0};  // --lm-head-update-timeout of Make's updates (0: the default)
-  int store_files_ = 0;                   // Options::store_files_per_head of Make's updates (0: no cap)
+  std::string update_dir_;                           // --lm-head-update-dir of Make's updates ("": none)
+  std::chrono::milliseconds timeout_{0};             // --lm-head-update-timeout of Make's updates (0: the default)
+  int store_files_ = 0;                              // Options::store_files_per_head of Make's updates (0: no cap)
+  InputResolver inputs_of_{InputResolverOptions{}};  // shared-memory inputs on, no CUDA IPC
+  InputResolver* inputs_ = &inputs_of_;              // Options::inputs of Make's updates
   LmHeads heads_{LmHeads::Options{}};
 };
 
@@ -804,6 +807,24 @@ LmHeadRowSource SourceOf(const std::string& bytes, int64_t fail_from = kV) {
   return s;
 }
 
+// Without the app's resolver nobody resolves rows given by reference.
+TEST_F(LmHeadUpdatesTest, RowsByReferenceNeedAResolver) {
+  inputs_ = nullptr;
+  const std::unique_ptr<LmHeadUpdates> updates = Make();
+  auto opened = updates->Begin(Begin("v2"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  v1::LmHeadRows referenced;
+  referenced.set_update_id(opened->update_id());
+  v1::Tensor* t = referenced.mutable_rows();
+  t->set_dtype(v1::F32);
+  t->add_shape(kV);
+  t->add_shape(kH);
+  t->mutable_shared_memory()->set_region("r");
+  const absl::Status st = updates->Put(referenced).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("cannot be resolved"), std::string::npos) << st;
+}
+
 // The driver shared by logprob-client and peer sync: each step whose
 // answer is lost (the server acted) is sent again and lands once: the
 // same client_token opens the same update, a put re-sent with the same
@@ -1366,17 +1387,16 @@ TEST_F(ConfinedFileSourceTest, BeginPutCommitThroughTheCoreWithEverySource) {
   ASSERT_TRUE(put.ok()) << put.status();
   EXPECT_EQ(progressed, 1);
   EXPECT_EQ(put->rows_received(), 20);
-  // A memory reference, resolved by the caller.
+  // A memory reference, resolved by the app's resolver (here: the caller's
+  // session has no such region), which names the field.
   v1::LmHeadRows referenced = RowsPut(id, 20, kV - 20, "");
   referenced.mutable_rows()->mutable_shared_memory()->set_region("r");
-  EXPECT_EQ(updates->Put(referenced).status().code(), absl::StatusCode::kInvalidArgument);  // nobody resolves it
-  const std::string tail = part(20, kV - 20);
-  LmHeadPutIo resolver;
-  resolver.resolve = [&tail](const v1::Tensor& t) -> absl::StatusOr<std::shared_ptr<const InputSource>> {
-    EXPECT_EQ(t.shared_memory().region(), "r");
-    return MemorySource(tail);
-  };
-  put = updates->Put(referenced, resolver);
+  LmHeadPutIo caller;
+  caller.caller.session = []() -> absl::StatusOr<std::string> { return std::string("session-1"); };
+  const absl::Status unresolved = updates->Put(referenced, caller).status();
+  EXPECT_EQ(unresolved.code(), absl::StatusCode::kNotFound) << unresolved;
+  EXPECT_TRUE(absl::StartsWith(unresolved.message(), "rows: ")) << unresolved;
+  put = updates->Put(RowsPut(id, 20, kV - 20, part(20, kV - 20)));
   ASSERT_TRUE(put.ok()) << put.status();
   EXPECT_EQ(put->rows_received(), kV);
 

@@ -88,12 +88,22 @@ ServiceConfig Config(const std::string& parallelism, bool shared_memory) {
   return c;
 }
 
+/// The resolver of a core on `workers` workers of `backend` on this host.
+std::unique_ptr<InputResolver> Inputs(int workers, const std::string& backend = "cpu",
+                                      bool shared_memory_inputs = true) {
+  InputResolverOptions o;
+  o.shared_memory_inputs = shared_memory_inputs;
+  o.cuda_ipc = CudaIpcAvailabilityOf(/*flag=*/true, backend, "gloo", workers, /*same_host=*/true);
+  return std::make_unique<InputResolver>(std::move(o));
+}
+
 class ScoringCoreGolden : public ::testing::TestWithParam<std::tuple<int, std::string, bool>> {};
 
 TEST_P(ScoringCoreGolden, EveryLogitsCaseMatchesItsExpectedOutputs) {
   const auto [workers, parallelism, shared_memory] = GetParam();
   InProcessWorkers pool(workers);
-  ScoringCore core(pool.workers(/*same_host=*/true), Config(parallelism, shared_memory), nullptr);
+  const auto inputs = Inputs(workers);
+  ScoringCore core(pool.workers(/*same_host=*/true), Config(parallelism, shared_memory), *inputs);
   for (const std::string& name : LogitsGoldenNames()) {
     SCOPED_TRACE(name);
     const GoldenCase c = LoadGolden(name);
@@ -116,7 +126,8 @@ INSTANTIATE_TEST_SUITE_P(Workers, ScoringCoreGolden,
 
 TEST(ScoringCore, InfoReportsTheConfigurationAndVersion) {
   InProcessWorkers pool(2);
-  ScoringCore core(pool.workers(true), Config("token", true), nullptr);
+  const auto inputs = Inputs(2);
+  ScoringCore core(pool.workers(true), Config("token", true), *inputs);
   const v1::ServerInfo info = core.Info();
   EXPECT_EQ(info.version(), LOGPROB_VERSION);
   EXPECT_EQ(info.workers(), 2);
@@ -128,8 +139,8 @@ TEST(ScoringCore, InfoReportsTheConfigurationAndVersion) {
 TEST(ScoringCore, RefusalsCarryTheirReasons) {
   InProcessWorkers pool(1);
   ServiceConfig config = Config("token", false);
-  config.shared_memory_inputs = false;
-  ScoringCore core(pool.workers(true), config, nullptr);
+  const auto inputs = Inputs(1, "cpu", /*shared_memory_inputs=*/false);
+  ScoringCore core(pool.workers(true), config, *inputs);
   const GoldenCase c = LoadGolden(LogitsGoldenNames().front());
 
   // A CUDA IPC reference on CPU workers: the client should send bytes.
@@ -142,7 +153,7 @@ TEST(ScoringCore, RefusalsCarryTheirReasons) {
   rows->mutable_cuda_ipc()->set_handle(std::string(64, 'h'));
   rows->mutable_cuda_ipc()->set_byte_size(bytes);
   CallContext local;
-  local.peer = "ipv4:127.0.0.1:1";
+  local.caller.peer = "ipv4:127.0.0.1:1";
   auto r = core.Score(ipc, local);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   EXPECT_EQ(ReasonOf(r.status()), v1::CUDA_IPC_UNAVAILABLE) << r.status();
@@ -153,7 +164,7 @@ TEST(ScoringCore, RefusalsCarryTheirReasons) {
   r = core.Score(shm, local);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   EXPECT_EQ(ReasonOf(r.status()), v1::SHARED_MEMORY_UNAVAILABLE) << r.status();
-  EXPECT_EQ(core.SharedMemoryEnabled().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(inputs->SharedMemoryEnabled().code(), absl::StatusCode::kFailedPrecondition);
 
   // Hidden states without an lm_head.
   v1::ScoreRequest hidden = GoldenRequest(c);
@@ -172,10 +183,11 @@ TEST(ScoringCore, RefusalsCarryTheirReasons) {
   EXPECT_EQ(pool.runs(), 0) << "nothing refused reaches the workers";
 }
 
-// The rows of an lm_head update by CUDA IPC resolve where scoring inputs
-// by CUDA IPC are offered (CUDA workers on this host, a local peer) into a
-// source the workers read (it refers to them); elsewhere the refusal tells
-// the client to send the rows as bytes.
+// The rows of an lm_head update by CUDA IPC resolve (through the resolver
+// the scoring core shares) where scoring inputs by CUDA IPC are offered
+// (CUDA workers on this host, a local peer) into a source the workers read
+// (it refers to them); elsewhere the refusal tells the client to send the
+// rows as bytes.
 TEST(ScoringCore, UpdateRowsByCudaIpcResolveWhereCudaIpcInputsAreOffered) {
   v1::Tensor rows;
   rows.set_name("rows");
@@ -185,15 +197,14 @@ TEST(ScoringCore, UpdateRowsByCudaIpcResolveWhereCudaIpcInputsAreOffered) {
   rows.mutable_cuda_ipc()->set_handle(std::string(64, 'h'));
   rows.mutable_cuda_ipc()->set_offset(256);
   rows.mutable_cuda_ipc()->set_byte_size(3 * 4 * 4);
-  CallContext local;
+  InputCaller local;
   local.peer = "ipv4:127.0.0.1:1";
-  CallContext remote;
+  InputCaller remote;
   remote.peer = "ipv4:10.0.0.2:1";
 
   InProcessWorkers pool(2);
-  ServiceConfig cpu = Config("token", false);
-  ScoringCore cpu_core(pool.workers(true), cpu, nullptr);
-  auto r = cpu_core.ResolveTensor(rows, "rows", local);
+  const auto cpu_inputs = Inputs(2, "cpu");
+  auto r = cpu_inputs->ResolveTensor(rows, "rows", local);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   EXPECT_EQ(ReasonOf(r.status()), v1::CUDA_IPC_UNAVAILABLE) << r.status();
   EXPECT_NE(r.status().message().find("rows: "), std::string::npos) << r.status();
@@ -201,16 +212,15 @@ TEST(ScoringCore, UpdateRowsByCudaIpcResolveWhereCudaIpcInputsAreOffered) {
 
   ServiceConfig cuda = Config("token", false);
   cuda.backend = "cuda";
-  ScoringCore cuda_core(pool.workers(true), cuda, nullptr);
+  const auto cuda_inputs = Inputs(2, "cuda");
+  ScoringCore cuda_core(pool.workers(true), cuda, *cuda_inputs);
   ASSERT_TRUE(cuda_core.Info().cuda_ipc_inputs());
-  r = cuda_core.ResolveTensor(rows, "rows", local);
+  r = cuda_inputs->ResolveTensor(rows, "rows", local);
   ASSERT_TRUE(r.ok()) << r.status();
-  ASSERT_EQ(r->sources.size(), 1u);
-  const InputSource& src = *r->sources[0];
+  const InputSource& src = **r;
   EXPECT_EQ(src.kind(), InputKind::kCudaIpc);
   EXPECT_FALSE(src.rules().readable_here);
   EXPECT_EQ(src.byte_size(), 48);
-  EXPECT_EQ(r->referenced_bytes, 48);
   internal::v1::WorkItem item;
   ASSERT_TRUE(src.Refer(16, 32, &item));
   EXPECT_EQ(item.cuda_ipc().handle(), std::string(64, 'h'));
@@ -218,11 +228,11 @@ TEST(ScoringCore, UpdateRowsByCudaIpcResolveWhereCudaIpcInputsAreOffered) {
   EXPECT_EQ(item.cuda_ipc().byte_size(), 32);
 
   // A client on another host; a malformed reference (named, no reason).
-  r = cuda_core.ResolveTensor(rows, "rows", remote);
+  r = cuda_inputs->ResolveTensor(rows, "rows", remote);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   EXPECT_EQ(ReasonOf(r.status()), v1::CUDA_IPC_UNAVAILABLE) << r.status();
   rows.mutable_cuda_ipc()->set_byte_size(47);
-  r = cuda_core.ResolveTensor(rows, "rows", local);
+  r = cuda_inputs->ResolveTensor(rows, "rows", local);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_EQ(ReasonOf(r.status()), v1::ERROR_REASON_UNSPECIFIED) << r.status();
   EXPECT_EQ(pool.runs(), 0);
@@ -255,7 +265,8 @@ TEST(ScoringCore, AWorkersErrorKeepsItsReasonForACudaIpcJob) {
                         EXPECT_TRUE(plan.items.at(0).item.has_cuda_ipc());
                         return worker_error;
                       }};
-  ScoringCore core(workers, config, nullptr);
+  const auto inputs = Inputs(1, "cuda");
+  ScoringCore core(workers, config, *inputs);
   ASSERT_TRUE(core.Info().cuda_ipc_inputs());
   v1::ScoreRequest req = RandomHiddenRequest(kT, kH, kV, 7);
   for (auto& t : *req.mutable_inputs())
@@ -264,7 +275,7 @@ TEST(ScoringCore, AWorkersErrorKeepsItsReasonForACudaIpcJob) {
       t.mutable_cuda_ipc()->set_byte_size(kT * kH * 2);
     }
   CallContext local;
-  local.peer = "ipv4:127.0.0.1:1";
+  local.caller.peer = "ipv4:127.0.0.1:1";
 
   worker_error = WithReason(absl::FailedPreconditionError("worker 0: this worker holds no lm_head 'default'"),
                             v1::LM_HEAD_VERSION_UNAVAILABLE);
@@ -288,7 +299,8 @@ TEST(ScoringCore, AWorkersErrorKeepsItsReasonForACudaIpcJob) {
 
 TEST(ScoringCore, ACallThatIsAlreadyCancelledOrPastItsDeadlineEnds) {
   InProcessWorkers pool(1);
-  ScoringCore core(pool.workers(true), Config("token", false), nullptr);
+  const auto inputs = Inputs(1);
+  ScoringCore core(pool.workers(true), Config("token", false), *inputs);
   const GoldenCase c = LoadGolden(LogitsGoldenNames().front());
   CallContext cancelled;
   cancelled.cancelled = [] { return true; };

@@ -96,7 +96,9 @@ TEST(ServerFlags, TheScoringCoreAndTheWorkersGetTheCheckedValues) {
   const ServiceConfig config = ServiceConfigFromFlags(f);
   EXPECT_EQ(config.limits.max_topk, 7);
   EXPECT_EQ(config.max_queue_delay, std::chrono::microseconds(2000));
-  EXPECT_EQ(config.shared_memory_regions.idle_timeout, std::chrono::milliseconds(2000));
+  const InputResolverOptions inputs = InputResolverOptionsFromFlags(f, /*workers=*/1, /*same_host=*/true);
+  EXPECT_EQ(inputs.shared_memory_regions.idle_timeout, std::chrono::milliseconds(2000));
+  EXPECT_FALSE(inputs.cuda_ipc.available()) << "CPU workers";
   EXPECT_EQ(config.lm_head_precision(v1::BF16), "bf16");
 
   f.worker_threads = 0;

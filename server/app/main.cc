@@ -32,6 +32,7 @@
 #include "server/heads/lm_head_updates.h"
 #include "server/heads/lm_heads.h"
 #include "server/heads/store_folder.h"
+#include "server/inputs/input_resolver.h"
 #include "server/metrics/metrics.h"
 #include "server/pool/external_launcher.h"
 #include "server/pool/lm_head_files.h"
@@ -190,10 +191,19 @@ int main(int argc, char** argv) {
 
   // lm_head updates: staged in the store directory, loaded by every worker, then committed.
   logprob::PublishLmHeads(metrics, heads);
-  logprob::LmHeadUpdates updates(logprob::LmHeadUpdateOptionsFromFlags(flags, lm_head_store_dir), &heads, releases,
-                                 logprob::LmHeadWorkersOf(pool), logprob::LmHeadUpdateObserversOf(metrics, heads));
+  // One resolver of references (shared memory, CUDA IPC) for requests and update rows alike.
+  logprob::InputResolverOptions input_opts =
+      logprob::InputResolverOptionsFromFlags(flags, pool.size(), pool.same_host());
+  input_opts.shared_memory_regions.on_change = [&metrics](int64_t regions, int64_t bytes) {
+    metrics.SetSharedMemory(regions, bytes);
+  };
+  logprob::InputResolver inputs(std::move(input_opts));
+  logprob::LmHeadUpdates::Options update_opts = logprob::LmHeadUpdateOptionsFromFlags(flags, lm_head_store_dir);
+  update_opts.inputs = &inputs;
+  logprob::LmHeadUpdates updates(update_opts, &heads, releases, logprob::LmHeadWorkersOf(pool),
+                                 logprob::LmHeadUpdateObserversOf(metrics, heads));
   logprob::ScoringService service(
-      pool, config, &metrics, &updates,
+      pool, config, inputs, &metrics, &updates,
       logprob::AccessPolicy(auth ? &*auth : nullptr, update_auth ? &*update_auth : nullptr));
 
   // Serve health (NOT_SERVING until the pool is up) while workers start.

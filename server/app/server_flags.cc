@@ -312,6 +312,17 @@ absl::Status CheckServingFlags(ServerFlags& f) {
   return absl::OkStatus();
 }
 
+InputResolverOptions InputResolverOptionsFromFlags(const ServerFlags& f, int workers, bool same_host) {
+  InputResolverOptions o;
+  o.shared_memory_inputs = f.shared_memory_inputs;
+  o.shared_memory_regions.max_bytes = f.max_shared_memory_bytes;
+  o.shared_memory_regions.max_regions = f.max_shared_memory_regions;
+  o.shared_memory_regions.idle_timeout =
+      std::chrono::milliseconds(absl::ToInt64Milliseconds(f.shared_memory_idle_timeout));
+  o.cuda_ipc = CudaIpcAvailabilityOf(f.cuda_ipc_inputs, f.backend, f.comm, workers, same_host);
+  return o;
+}
+
 ServiceConfig ServiceConfigFromFlags(const ServerFlags& f) {
   ServiceConfig config;
   config.limits.max_tokens = f.max_tokens_per_request;
@@ -322,12 +333,6 @@ ServiceConfig ServiceConfigFromFlags(const ServerFlags& f) {
   config.max_queue_delay = absl::ToChronoMicroseconds(f.max_queue_delay);
   config.max_batch_tokens = f.max_batch_tokens;
   config.shared_memory = f.shared_memory;
-  config.shared_memory_inputs = f.shared_memory_inputs;
-  config.cuda_ipc_inputs = f.cuda_ipc_inputs;
-  config.shared_memory_regions.max_bytes = f.max_shared_memory_bytes;
-  config.shared_memory_regions.max_regions = f.max_shared_memory_regions;
-  config.shared_memory_regions.idle_timeout =
-      std::chrono::milliseconds(absl::ToInt64Milliseconds(f.shared_memory_idle_timeout));
   config.parallelism = f.parallelism;
   config.parallelism_name = f.parallelism_name;
   config.backend = f.backend;

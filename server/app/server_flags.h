@@ -16,6 +16,7 @@
 #include "logprob/internal/v1/worker.pb.h"
 #include "server/core/planner.h"
 #include "server/core/scoring_core.h"
+#include "server/inputs/input_resolver.h"
 
 namespace logprob {
 
@@ -98,6 +99,11 @@ absl::Status CheckClusterFlags(int external, bool workers_given, const std::stri
 /// The scoring core's configuration from checked flags, without the
 /// lm_heads and their callbacks (the wiring sets those).
 ServiceConfig ServiceConfigFromFlags(const ServerFlags& flags);
+
+/// The input resolver's options (--shared-memory-inputs and its caps,
+/// --cuda-ipc-inputs) for a pool of `workers` workers, `same_host` when
+/// this server started them on its host.
+InputResolverOptions InputResolverOptionsFromFlags(const ServerFlags& flags, int workers, bool same_host);
 
 /// What every worker is told at its join from checked flags;
 /// `payload_regions`: workers open this process's payload regions.

@@ -21,7 +21,7 @@ LmHeadWorkers LmHeadWorkersOf(WorkerPool& pool) {
   workers.serving = [&pool](int64_t generation) { return pool.Serving(generation); };
   workers.drop = [&pool](const internal::v1::LmHeadRef& ref) { return pool.DropLmHead(ref); };
   // Rows sent as a CUDA IPC handle (accepted only where CUDA IPC inputs are
-  // offered: ScoringCore::ResolveTensor) are copied by a worker on this host.
+  // offered: InputResolver::ResolveTensor) are copied by a worker on this host.
   workers.stage = [&pool](const internal::v1::LmHeadStage& stage) { return pool.StageLmHeadRows(stage); };
   return workers;
 }

@@ -6,43 +6,25 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/chunk_codec.h"
-#include "common/error_reason.h"
-#include "common/input_kind.h"
-#include "common/shared_memory.h"
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "server/core/response_builder.h"
 #include "server/inputs/request_inputs.h"
-#include "server/inputs/shared_inputs.h"
 
 namespace logprob {
 namespace {
 
 Batcher::Options BatcherOptions(const CoreWorkers& workers, const ServiceConfig& config, PayloadPool* payload_pool,
-                                Metrics* metrics) {
+                                const CoreObservers& observers) {
   Batcher::Options o;
   o.max_queue_delay = config.max_queue_delay;
   o.max_batch_tokens = config.max_batch_tokens;
   o.workers = workers.size;
   o.parallelism = config.parallelism;
   if (config.shared_memory && workers.same_host) o.payload_pool = payload_pool;
-  if (metrics) {
-    o.on_queue_change = [metrics](int64_t queued) { metrics->SetQueued(queued); };
-    o.on_running_change = [metrics](int64_t running) { metrics->SetRunningBatches(running); };
-    o.on_batch = [metrics](const Batcher::Outcome& batch, const std::vector<internal::v1::WorkResult>& results) {
-      Metrics::BatchStats stats;
-      stats.run_seconds = batch.run_seconds;
-      stats.rows = batch.batch_tokens;
-      stats.requests = batch.batch_requests;
-      for (size_t i = 0; i < results.size(); ++i) {
-        stats.compute_seconds = std::max(stats.compute_seconds, results[i].compute_seconds());
-        stats.collective_seconds = std::max(stats.collective_seconds, results[i].collective_seconds());
-        if (results[i].device_memory_bytes() > 0)
-          metrics->SetGpuMemory(batch.plan->items[i].worker, results[i].device_memory_bytes());
-      }
-      metrics->ObserveBatch(stats);
-    };
-  }
+  o.on_queue_change = observers.on_queued;
+  o.on_running_change = observers.on_running;
+  o.on_batch = observers.on_batch;
   return o;
 }
 
@@ -60,42 +42,20 @@ void SetSharedHeadShape(v1::ServerInfo* info) {
 
 }  // namespace
 
-ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, Metrics* metrics)
+ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, InputResolver& inputs, CoreObservers observers)
     : config_(std::move(config)),
       workers_(workers.size),
-      metrics_(metrics),
-      admission_(config_.max_queue_tokens, config_.max_queue_bytes,
-                 [metrics](int64_t requests, int64_t tokens, int64_t bytes) {
-                   if (metrics) metrics->SetLoad(requests, tokens, bytes);
-                 }),
+      inputs_(inputs),
+      observers_(std::move(observers)),
+      admission_(config_.max_queue_tokens, config_.max_queue_bytes, observers_.on_load),
       payload_pool_(/*max_idle=*/4, static_cast<int64_t>(PayloadPool::RegionSize(
                                         static_cast<size_t>(config_.max_request_bytes)))),  // FrontendMemoryBound
-      batcher_(BatcherOptions(workers, config_, &payload_pool_, metrics), workers.run) {
-  if (config_.shared_memory_inputs) {
-    ClientRegions::Options o = config_.shared_memory_regions;
-    if (metrics) o.on_change = [metrics](int64_t regions, int64_t bytes) { metrics->SetSharedMemory(regions, bytes); };
-    regions_ = std::make_unique<ClientRegions>(std::move(o));
-  }
-  cuda_ipc_.flag = config_.cuda_ipc_inputs;
-  cuda_ipc_.cuda_workers = config_.backend == "cuda";
-  cuda_ipc_.same_host = workers.same_host;
-  cuda_ipc_.workers = workers.size;
-  cuda_ipc_.comm = config_.comm;
-  // CUDA workers have device collectives over either communicator (NCCL's
-  // own, Gloo's staged through host memory: worker/backend_factory.h).
-  cuda_ipc_.one_pass = CanScoreInOnePass(workers.size, /*device_collectives=*/config_.backend == "cuda");
-  if (regions_ || cuda_ipc_.available()) host_id_ = SharedMemoryHostId();
-}
+      batcher_(BatcherOptions(workers, config_, &payload_pool_, observers_), workers.run) {}
 
 absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req, const CallContext& call,
                                                      RequestStats* stats) {
   // Every tensor's bytes as a source (inline, pieces, shared memory, CUDA IPC).
-  InputContext input_context;
-  input_context.regions = regions_.get();
-  input_context.session = call.session;
-  input_context.peer = call.peer;
-  input_context.cuda_ipc = cuda_ipc_;
-  LOGPROB_ASSIGN_OR_RETURN(RequestInputs inputs, ResolveInputs(req, input_context));
+  LOGPROB_ASSIGN_OR_RETURN(RequestInputs inputs, inputs_.Resolve(req, call.caller));
   const int64_t request_bytes = static_cast<int64_t>(req.ByteSizeLong()) + inputs.referenced_bytes;
   if (inputs.referenced_bytes > 0 && request_bytes > config_.max_request_bytes)
     return absl::ResourceExhaustedError(absl::StrCat("request of ", request_bytes,
@@ -139,7 +99,7 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
   const Batcher::Outcome& batch = *ran;
   // A client that shrank its region while the batch was planned: its rows were zeros.
   LOGPROB_RETURN_IF_ERROR(job.ReadStatus());
-  if (metrics_) metrics_->ObserveQueue(batch.queue_seconds);
+  if (observers_.on_queue_wait) observers_.on_queue_wait(batch.queue_seconds);
   if (stats) {
     stats->queue_seconds = batch.queue_seconds;
     stats->batch_requests = batch.batch_requests;
@@ -152,38 +112,6 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
     resp.set_head_version(job.lm_head->version);
   }
   return resp;
-}
-
-absl::StatusOr<RequestInputs> ScoringCore::ResolveTensor(const v1::Tensor& tensor, const std::string& what,
-                                                         const CallContext& call) {
-  if (KindOf(tensor) == InputKind::kCudaIpc) {
-    // Offered as for scoring inputs (ServerInfo.cuda_ipc_inputs, a local
-    // peer); a worker copies the rows (LmHeadUpdates' stage). Not through
-    // ResolveInputs, whose rules keep CUDA IPC to hidden_states.
-    absl::StatusOr<std::shared_ptr<const InputSource>> source =
-        ResolveCudaIpc(tensor, 0, cuda_ipc_, call.peer, "the rows");
-    if (!source.ok()) return Prefixed(source.status(), what);
-    RequestInputs out;
-    out.referenced_bytes = (*source)->byte_size();
-    out.sources.push_back(*std::move(source));
-    return out;
-  }
-  v1::ScoreRequest one;
-  *one.add_inputs() = tensor;  // its reference, or a view's worth of bytes: see below
-  InputContext input_context;
-  input_context.regions = regions_.get();
-  input_context.session = call.session;
-  input_context.peer = call.peer;
-  if (KindOf(tensor) == InputKind::kBytes) {
-    RequestInputs out;
-    out.sources.push_back(MemorySource(tensor.data()));  // views the caller's tensor, not the copy
-    return out;
-  }
-  absl::StatusOr<RequestInputs> resolved = ResolveInputs(one, input_context);
-  if (!resolved.ok())
-    return absl::Status(resolved.status().code(),
-                        absl::StrCat(what, ": ", resolved.status().message()));  // names the field, not inputs[0]
-  return resolved;
 }
 
 v1::ServerInfo ScoringCore::Info() const {
@@ -218,46 +146,10 @@ v1::ServerInfo ScoringCore::Info() const {
   info.set_max_queue_bytes(config_.max_queue_bytes);
   info.set_max_queue_delay_seconds(std::chrono::duration<double>(config_.max_queue_delay).count());
   info.set_max_batch_tokens(config_.max_batch_tokens);
-  info.set_shared_memory_inputs(regions_ != nullptr);
-  info.set_cuda_ipc_inputs(cuda_ipc_.available());
   info.set_chunked_piece_bytes(chunked::kDefaultPieceBytes);
   info.set_chunked_inline_bytes(chunked::kDefaultInlineBytes);
-  info.set_host_id(host_id_);
-  if (regions_) {
-    const ClientRegions::Options& o = regions_->options();
-    info.set_max_shared_memory_bytes(o.max_bytes);
-    info.set_max_shared_memory_regions(o.max_regions);
-    info.set_shared_memory_idle_timeout_seconds(std::chrono::duration<double>(o.idle_timeout).count());
-  }
+  inputs_.Describe(&info);
   return info;
-}
-
-absl::Status ScoringCore::SharedMemoryEnabled() const { return regions_ ? absl::OkStatus() : SharedMemoryInputsOff(); }
-
-absl::StatusOr<v1::RegisterSharedMemoryResponse> ScoringCore::RegisterSharedMemory(
-    const std::string& session, const v1::RegisterSharedMemoryRequest& req) {
-  LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
-  auto challenge = regions_->Register(session, req.name(), req.shm_name(), req.byte_size());
-  if (!challenge.ok()) return challenge.status();
-  v1::RegisterSharedMemoryResponse resp;
-  resp.set_challenge(challenge->challenge);
-  resp.set_proof_offset(challenge->proof_offset);
-  return resp;
-}
-
-absl::Status ScoringCore::ConfirmSharedMemory(const std::string& session, const std::string& name) {
-  LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
-  return regions_->Confirm(session, name);
-}
-
-absl::StatusOr<int> ScoringCore::UnregisterSharedMemory(const std::string& session, const std::string& name) {
-  LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
-  return regions_->Unregister(session, name);
-}
-
-absl::StatusOr<std::vector<ClientRegions::Listed>> ScoringCore::ListSharedMemory(const std::string& session) {
-  LOGPROB_RETURN_IF_ERROR(SharedMemoryEnabled());
-  return regions_->List(session);
 }
 
 }  // namespace logprob

@@ -18,9 +18,7 @@
 #include "server/core/planner.h"
 #include "server/core/score_job.h"
 #include "server/heads/lm_heads.h"
-#include "server/inputs/client_regions.h"
-#include "server/inputs/cuda_ipc_inputs.h"
-#include "server/metrics/metrics.h"
+#include "server/inputs/input_resolver.h"
 #include "server/pool/payload_pool.h"
 
 namespace logprob {
@@ -56,14 +54,8 @@ struct ServiceConfig {
   /// LmHeadStore::Bytes); empty: 0.
   std::function<int64_t()> lm_head_store_bytes;
   int64_t hidden_chunk_tokens = 0;
-  /// Shared-memory inputs from same-host clients (RegisterSharedMemory,
-  /// Tensor.shared_memory; server/inputs/client_regions.h): caps and idle expiry.
-  bool shared_memory_inputs = true;
-  ClientRegions::Options shared_memory_regions;
-  /// CUDA IPC inputs (Tensor.cuda_ipc; server/inputs/cuda_ipc_inputs.h): accepted
-  /// when this is set, `backend` is "cuda", the pool's workers run on this
-  /// host and there is one of them or `comm` is "nccl".
-  bool cuda_ipc_inputs = true;
+  // Shared-memory and CUDA IPC inputs: the InputResolver's options
+  // (server/inputs/input_resolver.h).
 };
 
 /// What a call brings besides its request, whatever its transport.
@@ -73,12 +65,9 @@ struct CallContext {
   /// True once the caller has gone (CANCELLED). May be empty. Called only
   /// while the Score call that got it is in progress.
   std::function<bool()> cancelled;
-  /// The caller's shared-memory session (server/transport/shm_session.h), asked only
-  /// when a tensor references shared memory. Empty: the call has none.
-  std::function<absl::StatusOr<std::string>()> session;
-  /// The caller's address as gRPC writes it ("ipv4:127.0.0.1:5000"); ""
-  /// when unknown (CUDA IPC inputs need a local peer).
-  std::string peer;
+  /// The caller's shared-memory session and address, for references
+  /// (InputResolver).
+  InputCaller caller;
   /// The request's bytes as they arrived, reserved before its body was read
   /// (the unary Score's announced or largest size, ScoreChunked's announced
   /// total; null: none). The core admits the request into this ticket, so
@@ -92,6 +81,21 @@ struct RequestStats {
   double queue_seconds = 0;    // waiting to be batched
   int batch_requests = 0;      // requests in its worker batch
   double receive_seconds = 0;  // ScoreChunked: first part to the last piece
+};
+
+/// What the core reports as it works (metrics gauges and histograms,
+/// wired by the transport: server/transport/scoring_service.cc). Each may
+/// be empty; called from the core's threads, so they must be thread-safe.
+struct CoreObservers {
+  /// Admitted, unanswered work changed.
+  std::function<void(int64_t requests, int64_t tokens, int64_t bytes)> on_load;
+  /// Requests queued for batching, and batches running (Batcher::Options).
+  std::function<void(int64_t queued)> on_queued;
+  std::function<void(int64_t running)> on_running;
+  /// A batch ran (Batcher::Options::on_batch).
+  std::function<void(const Batcher::Outcome& batch, const std::vector<internal::v1::WorkResult>& results)> on_batch;
+  /// A request waited this long to be batched.
+  std::function<void(double seconds)> on_queue_wait;
 };
 
 /// The workers a core drives: how many, whether they share this host
@@ -110,16 +114,9 @@ struct CoreWorkers {
 /// CANCELLED (the call's bounds), UNAVAILABLE when a worker fails.
 class ScoringCore {
  public:
-  ScoringCore(CoreWorkers workers, ServiceConfig config, Metrics* metrics);
-
-  /// Resolves one tensor of a call that is not a ScoreRequest (the rows of
-  /// an lm_head update) into its source, as ResolveInputs does for a
-  /// request's: inline bytes, shared memory, or a CUDA IPC reference
-  /// (ResolveCudaIpc, offered under the same conditions as for scoring
-  /// inputs: FAILED_PRECONDITION, reason CUDA_IPC_UNAVAILABLE, otherwise).
-  /// `what` names the field in errors.
-  absl::StatusOr<RequestInputs> ResolveTensor(const v1::Tensor& tensor, const std::string& what,
-                                              const CallContext& call);
+  /// `inputs` (the app's, the update protocol's too) resolves requests'
+  /// tensors; it outlives the core.
+  ScoringCore(CoreWorkers workers, ServiceConfig config, InputResolver& inputs, CoreObservers observers = {});
 
   /// Scores one request: resolve its inputs, validate, admit, batch
   /// (server/core/batcher.h), answer. Fills *stats if given. The request's
@@ -129,17 +126,6 @@ class ScoringCore {
 
   /// The serving configuration (GetServerInfo).
   v1::ServerInfo Info() const;
-
-  /// Shared-memory regions of session `session` (ClientRegions' errors);
-  /// FAILED_PRECONDITION when shared-memory inputs are off. A registered
-  /// region is usable once confirmed (the proof of write access).
-  absl::StatusOr<v1::RegisterSharedMemoryResponse> RegisterSharedMemory(const std::string& session,
-                                                                        const v1::RegisterSharedMemoryRequest& req);
-  absl::Status ConfirmSharedMemory(const std::string& session, const std::string& name);
-  absl::StatusOr<int> UnregisterSharedMemory(const std::string& session, const std::string& name);
-  absl::StatusOr<std::vector<ClientRegions::Listed>> ListSharedMemory(const std::string& session);
-  /// OK when shared-memory inputs are on, else FAILED_PRECONDITION saying so.
-  absl::Status SharedMemoryEnabled() const;
 
   /// Admitted, unanswered work (ScoreChunked holds its announced bytes
   /// here while the pieces arrive).
@@ -151,13 +137,11 @@ class ScoringCore {
  private:
   const ServiceConfig config_;
   const int workers_;
-  Metrics* const metrics_;
+  InputResolver& inputs_;
+  const CoreObservers observers_;
   Admission admission_;
   PayloadPool payload_pool_;
   Batcher batcher_;
-  std::unique_ptr<ClientRegions> regions_;  // null: shared-memory inputs off
-  std::string host_id_;
-  CudaIpcAvailability cuda_ipc_;
   std::atomic<uint64_t> next_job_id_{1};
 };
 

@@ -348,9 +348,10 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Put(const v1::LmHeadRows& put, c
     const std::shared_ptr<const InputSource> inline_rows = MemorySource(t.data());
     return PutRows(put.update_id(), put.row_begin(), n, t.dtype(), columns, *inline_rows);
   }
-  if (!io.resolve)
+  if (!options_.inputs)
     return absl::InvalidArgumentError("LmHeadRows.rows: a memory reference cannot be resolved by this caller");
-  LOGPROB_ASSIGN_OR_RETURN(const std::shared_ptr<const InputSource> source, io.resolve(t));
+  LOGPROB_ASSIGN_OR_RETURN(const std::shared_ptr<const InputSource> source,
+                           options_.inputs->ResolveTensor(t, "rows", io.caller));
   return PutRows(put.update_id(), put.row_begin(), n, t.dtype(), columns, *source);
 }
 

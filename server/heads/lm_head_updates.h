@@ -33,6 +33,7 @@
 #include "server/heads/lm_heads.h"
 #include "server/heads/staged_file_hasher.h"
 #include "server/heads/version_releases.h"
+#include "server/inputs/input_resolver.h"
 #include "server/inputs/input_source.h"
 
 namespace logprob {
@@ -94,10 +95,10 @@ struct LmHeadPutIo {
   /// infinity while in cache); OK when every byte was written. Empty: the
   /// inline bytes must be all of them.
   std::function<absl::Status(char* dst, const std::function<void(int64_t written)>& progressed)> follow;
-  /// A reference to memory (LmHeadRows.rows with shared_memory or
-  /// cuda_ipc): the source it names (checks of the caller's rights
-  /// included). Empty: such rows are refused (INVALID_ARGUMENT).
-  std::function<absl::StatusOr<std::shared_ptr<const InputSource>>(const v1::Tensor& rows)> resolve;
+  /// The caller, for a reference to memory (LmHeadRows.rows with
+  /// shared_memory or cuda_ipc), which Options::inputs resolves (checks of
+  /// the caller's rights included).
+  InputCaller caller;
   /// Ends the transport's call (gRPC: TryCancel) when the update ends
   /// while this put waits for bytes (a time-out), so a stalled sender
   /// cannot hold a handler thread. May be called from another thread,
@@ -123,6 +124,10 @@ class LmHeadUpdates {
     /// what the memory bound counts (server/app/memory_bound.h
     /// LmHeadStoreBytes); 0: no cap.
     int store_files_per_head = 0;
+    /// Resolves rows given as a memory reference (the app's resolver, the
+    /// scoring core's too; not owned, outlives this). Null: such rows are
+    /// refused (INVALID_ARGUMENT).
+    InputResolver* inputs = nullptr;
   };
 
   /// `heads` and the callbacks outlive this; `releases` is the queue

@@ -12,6 +12,18 @@
 #include "common/status_macros.h"
 
 namespace logprob {
+
+CudaIpcAvailability CudaIpcAvailabilityOf(bool flag, const std::string& backend, const std::string& comm, int workers,
+                                          bool same_host) {
+  CudaIpcAvailability a;
+  a.flag = flag;
+  a.cuda_workers = backend == "cuda";
+  a.same_host = same_host;
+  a.workers = workers;
+  a.comm = comm;
+  a.one_pass = CanScoreInOnePass(workers, /*device_collectives=*/a.cuda_workers);
+  return a;
+}
 namespace {
 
 /// The advice that ends every "cannot serve it" message.

@@ -34,6 +34,14 @@ struct CudaIpcAvailability {
   bool available() const { return flag && cuda_workers && same_host && one_pass; }
 };
 
+/// The availability of CUDA IPC inputs for `flag` (--cuda-ipc-inputs) on a
+/// pool of `workers` workers of `backend` ("cpu", "cuda") over `comm`,
+/// `same_host` when this server started them on its host. CUDA workers have
+/// device collectives over either communicator (NCCL's own, Gloo's staged
+/// through host memory: worker/backend_factory.h).
+CudaIpcAvailability CudaIpcAvailabilityOf(bool flag, const std::string& backend, const std::string& comm, int workers,
+                                          bool same_host);
+
 /// OK when a CUDA IPC input from `peer` (grpc::ServerContext::peer(); ""
 /// without a call) can be served; else FAILED_PRECONDITION saying why
 /// (flag off, CPU workers, workers on other hosts, several workers without

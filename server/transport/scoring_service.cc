@@ -35,11 +35,40 @@
 
 namespace logprob {
 
-ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics, LmHeadUpdates* updates,
-                               AccessPolicy access)
-    : core_(CoreWorkers{pool.size(), pool.same_host(),
+namespace {
+
+/// The core's observations as metrics (nothing without `metrics`).
+CoreObservers CoreObserversOf(Metrics* metrics) {
+  CoreObservers o;
+  if (!metrics) return o;
+  o.on_load = [metrics](int64_t requests, int64_t tokens, int64_t bytes) { metrics->SetLoad(requests, tokens, bytes); };
+  o.on_queued = [metrics](int64_t queued) { metrics->SetQueued(queued); };
+  o.on_running = [metrics](int64_t running) { metrics->SetRunningBatches(running); };
+  o.on_batch = [metrics](const Batcher::Outcome& batch, const std::vector<internal::v1::WorkResult>& results) {
+    Metrics::BatchStats stats;
+    stats.run_seconds = batch.run_seconds;
+    stats.rows = batch.batch_tokens;
+    stats.requests = batch.batch_requests;
+    for (size_t i = 0; i < results.size(); ++i) {
+      stats.compute_seconds = std::max(stats.compute_seconds, results[i].compute_seconds());
+      stats.collective_seconds = std::max(stats.collective_seconds, results[i].collective_seconds());
+      if (results[i].device_memory_bytes() > 0)
+        metrics->SetGpuMemory(batch.plan->items[i].worker, results[i].device_memory_bytes());
+    }
+    metrics->ObserveBatch(stats);
+  };
+  o.on_queue_wait = [metrics](double seconds) { metrics->ObserveQueue(seconds); };
+  return o;
+}
+
+}  // namespace
+
+ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, InputResolver& inputs, Metrics* metrics,
+                               LmHeadUpdates* updates, AccessPolicy access)
+    : inputs_(inputs),
+      core_(CoreWorkers{pool.size(), pool.same_host(),
                         [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }},
-            config, metrics),
+            config, inputs, CoreObserversOf(metrics)),
       updates_(updates),
       first_parts_(updates ? std::make_unique<FirstPartWatch>(kPutsAwaitingFirstPart, updates->options().timeout)
                            : nullptr),
@@ -95,8 +124,8 @@ absl::StatusOr<v1::ScoreResponse> ScoringService::ScoreOne(const v1::ScoreReques
   call.received = received;
   call.deadline = ctx->deadline();
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
-  call.session = [ctx] { return SharedMemoryOwner(*ctx); };
-  call.peer = ctx->peer();
+  call.caller.session = [ctx] { return SharedMemoryOwner(*ctx); };
+  call.caller.peer = ctx->peer();
   return core_.Score(req, call, stats);
 }
 
@@ -314,7 +343,7 @@ grpc::Status ScoringService::GetServerInfo(grpc::ServerContext* context, const v
 
 absl::StatusOr<std::string> ScoringService::ShmSession(grpc::ServerContext* context, const char* method) {
   if (grpc::Status st = Authorize(context, method); !st.ok()) return FromGrpc(st);
-  LOGPROB_RETURN_IF_ERROR(core_.SharedMemoryEnabled());
+  LOGPROB_RETURN_IF_ERROR(inputs_.SharedMemoryEnabled());
   return SharedMemoryOwner(*context);
 }
 
@@ -341,9 +370,12 @@ grpc::Status ScoringService::RegisterSharedMemory(grpc::ServerContext* context,
   const std::string what =
       absl::StrCat("region=", req->name(), " shm_name=", req->shm_name(), " byte_size=", req->byte_size());
   if (!session.ok()) return Logged(context, metrics_, "RegisterSharedMemory", what, session.status());
-  auto r = core_.RegisterSharedMemory(*session, *req);
+  auto r = inputs_.RegisterSharedMemory(*session, req->name(), req->shm_name(), req->byte_size());
   const absl::Status st = r.status();
-  if (r.ok()) *resp = *std::move(r);
+  if (r.ok()) {
+    resp->set_challenge(r->challenge);
+    resp->set_proof_offset(r->proof_offset);
+  }
   return Logged(context, metrics_, "RegisterSharedMemory", what, st);
 }
 
@@ -353,7 +385,7 @@ grpc::Status ScoringService::ConfirmSharedMemory(grpc::ServerContext* context,
   auto session = ShmSession(context, "ConfirmSharedMemory");
   const std::string what = absl::StrCat("region=", req->name());
   if (!session.ok()) return Logged(context, metrics_, "ConfirmSharedMemory", what, session.status());
-  return Logged(context, metrics_, "ConfirmSharedMemory", what, core_.ConfirmSharedMemory(*session, req->name()));
+  return Logged(context, metrics_, "ConfirmSharedMemory", what, inputs_.ConfirmSharedMemory(*session, req->name()));
 }
 
 grpc::Status ScoringService::UnregisterSharedMemory(grpc::ServerContext* context,
@@ -362,7 +394,7 @@ grpc::Status ScoringService::UnregisterSharedMemory(grpc::ServerContext* context
   auto session = ShmSession(context, "UnregisterSharedMemory");
   const std::string what = absl::StrCat("region=", req->name());
   if (!session.ok()) return Logged(context, metrics_, "UnregisterSharedMemory", what, session.status());
-  auto n = core_.UnregisterSharedMemory(*session, req->name());
+  auto n = inputs_.UnregisterSharedMemory(*session, req->name());
   if (n.ok()) resp->set_unregistered(*n);
   return Logged(context, metrics_, "UnregisterSharedMemory", what, n.status());
 }
@@ -371,7 +403,7 @@ grpc::Status ScoringService::ListSharedMemory(grpc::ServerContext* context, cons
                                               v1::ListSharedMemoryResponse* resp) {
   auto session = ShmSession(context, "ListSharedMemory");
   if (!session.ok()) return Reply(context, session.status());
-  auto regions = core_.ListSharedMemory(*session);
+  auto regions = inputs_.ListSharedMemory(*session);
   if (!regions.ok()) return Reply(context, regions.status());
   for (const auto& [r, confirmed] : *regions) {
     v1::SharedMemoryRegionStatus* out = resp->add_regions();
@@ -486,13 +518,8 @@ grpc::Status ScoringService::ServeLmHeadRows(
           },
           [context] { return CallEnded(context); }, assembly);
     };
-    io.resolve = [&](const v1::Tensor& t) -> absl::StatusOr<std::shared_ptr<const InputSource>> {
-      CallContext call;
-      call.session = [context] { return SharedMemoryOwner(*context); };
-      call.peer = context->peer();
-      LOGPROB_ASSIGN_OR_RETURN(RequestInputs inputs, core_.ResolveTensor(t, "rows", call));
-      return inputs.sources.front();
-    };
+    io.caller.session = [context] { return SharedMemoryOwner(*context); };
+    io.caller.peer = context->peer();
     return updates->Put(rows, io);
   };
   absl::StatusOr<v1::LmHeadUpdate> r = put();

@@ -41,11 +41,13 @@ class ScoringService final : public v1::LogprobService::Service {
   /// What a unary call's request holds of the admission from before its
   /// body is read until it is answered (common/parsed_requests.h).
   using Receipt = Admission::Ticket;
-  /// `updates` (not owned; may be null: updates off) serves the lm_head
-  /// update calls.
+  /// `inputs` (the app's; not owned) resolves requests' tensors and keeps
+  /// the clients' shared-memory regions. `updates` (not owned; may be null:
+  /// updates off) serves the lm_head update calls. `metrics` (may be null)
+  /// observes the core (CoreObservers) and the calls.
   /// `access`: which bearer token grants which right (none: open).
-  ScoringService(WorkerPool& pool, ServiceConfig config, Metrics* metrics, LmHeadUpdates* updates = nullptr,
-                 AccessPolicy access = AccessPolicy(nullptr, nullptr));
+  ScoringService(WorkerPool& pool, ServiceConfig config, InputResolver& inputs, Metrics* metrics,
+                 LmHeadUpdates* updates = nullptr, AccessPolicy access = AccessPolicy(nullptr, nullptr));
   /// The core this adapter serves (tests, in-process callers).
   ScoringCore& core() { return core_; }
 
@@ -197,6 +199,7 @@ class ScoringService final : public v1::LogprobService::Service {
   grpc::Status UpdateCall(grpc::ServerContext* context, const char* method, const std::string& what,
                           const std::function<absl::StatusOr<Resp>(LmHeadUpdates&)>& call, Resp* resp);
 
+  InputResolver& inputs_;
   ScoringCore core_;
   LmHeadUpdates* const updates_;
   /// PutLmHeadRows calls before their first part: at most
