@@ -7,16 +7,14 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/error_reason.h"
-#include "common/finite_check.h"
 #include "common/lm_head_source.h"
 #include "common/log_line.h"
 #include "common/random_id.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
-#include "common/untrusted_text.h"
+#include "server/heads/begin_checks.h"
 #include "server/heads/row_intake.h"
 #include "server/heads/staged_version.h"
 #include "server/inputs/checkpoint_rows.h"
@@ -29,35 +27,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kEndedKept = 64;      // ended updates remembered for their error messages
 constexpr size_t kOutcomesKept = 256;  // ended updates whose outcome a retried Commit gets
-
-/// The new version's transform: the head's (`cur`), with what `req` gives
-/// instead. A bias in `req` is checked (shape [V], F32 / BF16 / F16, inline
-/// bytes of that size, finite) and returned in *bias (else left empty).
-/// INVALID_ARGUMENT naming the field.
-absl::StatusOr<LmHeadTransform> UpdatedTransform(const v1::BeginLmHeadUpdateRequest& req, const LmHeadSource& cur,
-                                                 v1::Tensor* bias) {
-  LmHeadTransform t = cur.transform;
-  if (req.has_logit_scale()) t.logit_scale = req.logit_scale();
-  if (req.has_final_logit_softcapping()) t.softcap = req.final_logit_softcapping();
-  LOGPROB_RETURN_IF_ERROR(CheckLmHeadScalars(t.logit_scale, t.softcap));
-  if (req.has_bias()) {
-    const v1::Tensor& b = req.bias();
-    if (!IsFloatDType(b.dtype()) || b.shape_size() != 1 || b.shape(0) != cur.vocab_size)
-      return absl::InvalidArgumentError(absl::StrCat("bias: ", DTypeName(b.dtype()), " of ", b.shape_size(),
-                                                     " dimensions; a [", cur.vocab_size,
-                                                     "] F32, BF16 or F16 is needed"));
-    const size_t want = static_cast<size_t>(cur.vocab_size) * DTypeSize(b.dtype());
-    if (b.source_case() != v1::Tensor::kData || b.data().size() != want)
-      return absl::InvalidArgumentError(
-          absl::StrCat("bias: its ", want, " bytes must be inline (data); ", b.data().size(), " given"));
-    if (const std::optional<int64_t> bad = FirstNonFinite(b.dtype(), b.data().data(), cur.vocab_size))
-      return absl::InvalidArgumentError(absl::StrCat("bias[", *bad, "] is not finite"));
-    *bias = b;
-    bias->set_name("lm_head.bias");
-    t.has_bias = true;
-  }
-  return t;
-}
 
 }  // namespace
 
@@ -161,14 +130,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
   // Versions the last commit let go: dropped now, so their files can take
   // this update's rows (an RL loop updates right after the last commit).
   released_.Release();
-  if (const std::string& t = req.client_token();
-      !t.empty() &&
-      (t.size() < 16 || t.size() > 128 ||
-       t.find_first_not_of("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-") != std::string::npos))
-    return absl::InvalidArgumentError("client_token: 16..128 characters of [A-Za-z0-9_-] (a random value per update)");
-  std::string sha = absl::AsciiStrToLower(req.sha256());
-  if (!sha.empty() && (sha.size() != 64 || sha.find_first_not_of("0123456789abcdef") != std::string::npos))
-    return absl::InvalidArgumentError(absl::StrCat("sha256 ", Printable(req.sha256()), ": 64 hex digits expected"));
+  LOGPROB_ASSIGN_OR_RETURN(const std::string sha, CheckBeginFields(req));
   absl::StatusOr<std::shared_ptr<const LmHeadVersion>> current = heads_->Current(req.head());
   if (!current.ok() || (*current)->head != req.head())
     return absl::NotFoundError(absl::StrCat("head \"", req.head(), "\": the server holds no such lm_head"));
@@ -177,57 +139,19 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
                                                       "\": this lm_head is frozen (--lm-head-frozen); updates to it "
                                                       "are refused"));
   const LmHeadSource& cur = (*current)->source;
-  if (req.vocab_size() != cur.vocab_size || req.hidden_size() != cur.hidden_size || req.dtype() != cur.dtype)
-    return absl::InvalidArgumentError(
-        absl::StrCat("lm_head \"", req.head(), "\" is [", cur.vocab_size, ", ", cur.hidden_size, "] ",
-                     DTypeName(cur.dtype), "; the update announces [", req.vocab_size(), ", ", req.hidden_size(), "] ",
-                     DTypeName(req.dtype()), " (vocab_size, hidden_size and dtype must be the head's)"));
+  LOGPROB_RETURN_IF_ERROR(CheckBeginShape(req, cur));
   // A version name is taken for the life of its head: the same bytes again
   // are a no-op, other bytes ALREADY_EXISTS (retained, released or pinned).
-  auto taken_answer = [&](const std::shared_future<std::string>& taken) -> absl::StatusOr<v1::LmHeadUpdate> {
-    // A digest still being computed is waited for (at most one hash of the head).
-    const std::string held_sha = taken.valid() ? taken.get() : "";
-    if (!sha.empty() && sha == held_sha) {
-      v1::LmHeadUpdate done;
-      done.set_head(req.head());
-      done.set_version(req.version());
-      done.set_vocab_size(cur.vocab_size);
-      done.set_rows_received(cur.vocab_size);
-      done.set_already_committed(true);
-      return done;
-    }
-    return absl::AlreadyExistsError(absl::StrCat(
-        "lm_head \"", req.head(), "\" already took version name \"", req.version(), "\" (sha256 ",
-        held_sha.empty() ? "unknown" : held_sha, sha.empty() ? "; give it to confirm" : ", not the one given",
-        "); a version name names one weight for the life of the head: choose a new version name"));
-  };
-  if (auto taken = heads_->Taken(req.head(), req.version())) return taken_answer(*taken);
+  if (auto taken = heads_->Taken(req.head(), req.version()))
+    return TakenVersionAnswer(req, sha, cur.vocab_size, *taken);
   v1::Tensor new_bias;
   LOGPROB_ASSIGN_OR_RETURN(const LmHeadTransform transform, UpdatedTransform(req, cur, &new_bias));
   const int64_t V = cur.vocab_size, H = cur.hidden_size;
   const int64_t row_bytes = H * static_cast<int64_t>(DTypeSize(cur.dtype));
   // The current version's shape and dtype: what a worker holds of each version.
   const int64_t per_worker = (*current)->bytes_per_worker;
-  if (options_.memory_bytes > 0 && heads_->AliveBytesPerWorker() + per_worker > options_.memory_bytes)
-    return absl::ResourceExhaustedError(
-        absl::StrCat("lm_head update: each worker would hold ", heads_->AliveBytesPerWorker() + per_worker,
-                     " bytes of lm_head versions (", heads_->AliveBytesPerWorker(), " held, ", per_worker,
-                     " staged), over --lm-head-memory-bytes ", options_.memory_bytes,
-                     "; lower --lm-head-retain or wait for pinned requests of old versions to end"));
-
-  // The store's part of the memory bound: a new file only while the head's
-  // files stay within it (a spare is reused, not added).
-  if (options_.store_files_per_head > 0 && !store_.HasSpare(req.head())) {
-    int64_t in_store = 0;
-    for (const internal::v1::LmHeadLoad& v : heads_->Alive())
-      in_store += v.head().name() == req.head() && store_.IsOwn(v.source().file());
-    if (in_store + 1 > options_.store_files_per_head)
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "lm_head update: head \"", req.head(), "\" has ", in_store,
-          " versions in the store (retained, or released and still pinned by requests in flight); another "
-          "file would exceed the memory bound's ",
-          options_.store_files_per_head, " (--lm-head-retain + 3): retry once those requests are answered"));
-  }
+  LOGPROB_RETURN_IF_ERROR(
+      CheckVersionRoom(*heads_, store_, req.head(), per_worker, options_.memory_bytes, options_.store_files_per_head));
 
   auto u = std::make_shared<Update>();
   u->id = RandomId();  // 128 bits: the capability to put, commit and abort it (unguessable)
@@ -281,7 +205,7 @@ absl::StatusOr<v1::LmHeadUpdate> LmHeadUpdates::Begin(const v1::BeginLmHeadUpdat
       open_[u->id] = u;
     }
   }
-  if (taken) return taken_answer(*taken);
+  if (taken) return TakenVersionAnswer(req, sha, cur.vocab_size, *taken);
   u->next.head = req.head();
   u->next.serial = heads_->NewSerial();
   u->next.version = req.version();
