@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "bench/synthetic_rows.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 #include "worker/cuda/device_buffers.h"
 
 namespace logprob {

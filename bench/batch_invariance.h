@@ -15,8 +15,8 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
-#include "worker/backend.h"
 #include "worker/kernels/row_stats.h"
+#include "worker/scoring/backend.h"
 
 namespace logprob {
 

@@ -63,7 +63,7 @@
 #include "bench/log_softmax_baseline.h"
 #include "bench/synthetic_rows.h"
 #include "common/dtype.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/device_buffers.h"
 #include "worker/cuda/device_info.h"

@@ -48,8 +48,8 @@
 #include "common/dtype.h"
 #include "common/lm_head_precision.h"
 #include "worker/backend_factory.h"
-#include "worker/communicator.h"
-#include "worker/scorer.h"
+#include "worker/comm/communicator.h"
+#include "worker/scoring/scorer.h"
 
 namespace logprob {
 namespace {

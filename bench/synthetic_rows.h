@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "worker/backend.h"
+#include "worker/scoring/backend.h"
 
 namespace logprob {
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""The server's layers, checked: each folder of server/ (a room) may include
-only the rooms below it, and nothing of the server includes client/ (the
-CLI) or a gRPC header below transport. The rooms and their allowed
-dependencies are written once, here; server/CMakeLists.txt links the same
+"""The server's and the worker's layers, checked: each folder of server/
+(a room) may include only the rooms below it, and nothing of the server
+includes client/ (the CLI) or a gRPC header below transport; each folder of
+worker/ likewise (comm <- scoring <- heads <- the service at worker/'s top;
+cuda/ and kernels/ implement the seams), and the worker includes neither
+server/ nor client/. The rooms and their allowed dependencies are written
+once, here; server/CMakeLists.txt and worker/CMakeLists.txt link the same
 libraries (a room's library links exactly the rooms listed for it).
 
     python3 scripts/check_layers.py [ROOT]     exit 1 naming each violation
@@ -29,6 +32,17 @@ ALLOWED = {
 # wiring (app). The scoring core, its inputs, the heads and the metrics are
 # transport-free.
 GRPC_ROOMS = {"app", "transport", "pool"}
+
+# worker room -> the worker rooms it may include ("." : the files at
+# worker/'s top: main, the service, the backend factory, may include all).
+WORKER_ALLOWED = {
+    ".": {"comm", "scoring", "heads", "cuda", "kernels"},
+    "heads": {"scoring", "comm", "kernels"},
+    "scoring": {"comm", "kernels"},
+    "comm": {"kernels"},
+    "cuda": {"scoring", "comm", "kernels"},
+    "kernels": set(),
+}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -65,6 +79,36 @@ def violations(root):
                                    (where, room, target, room, ", ".join(sorted(ALLOWED[room])) or "none"))
                 elif target.startswith("grpcpp/") and room not in GRPC_ROOMS:
                     out.append("%s: server/%s includes %s: no gRPC type below transport" % (where, room, target))
+    return out + worker_violations(root)
+
+
+def worker_violations(root):
+    """Every violation under ROOT/worker, as 'file:line: message'."""
+    out = []
+    worker = os.path.join(root, "worker")
+    for dirpath, _, names in os.walk(worker):
+        rel_dir = os.path.relpath(dirpath, worker)
+        room = rel_dir.split(os.sep)[0]
+        for name in sorted(names):
+            if not name.endswith((".h", ".cc", ".cu", ".cuh")):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if room not in WORKER_ALLOWED:
+                out.append("%s: unknown room worker/%s (scripts/check_layers.py WORKER_ALLOWED)" % (rel, room))
+                continue
+            text = open(os.path.join(dirpath, name), encoding="utf-8").read()
+            for m in INCLUDE.finditer(text):
+                target = m.group(1)
+                where = "%s:%d" % (rel, text.count("\n", 0, m.start()) + 1)
+                if target.startswith(("server/", "client/")):
+                    out.append("%s: the worker includes %s: it depends on neither the server nor the CLI" %
+                               (where, target))
+                elif target.startswith("worker/"):
+                    parts = target.split("/")
+                    other = parts[1] if len(parts) > 2 else "."
+                    if other != room and other not in WORKER_ALLOWED[room]:
+                        out.append("%s: worker/%s may not include %s (worker/%s may include: %s)" %
+                                   (where, room, target, room, ", ".join(sorted(WORKER_ALLOWED[room])) or "none"))
     return out
 
 
@@ -74,7 +118,7 @@ def main(argv):
     for v in found:
         print(v, file=sys.stderr)
     if found:
-        print("check_layers: %d include(s) against the server's layers (docs/architecture.md)" % len(found),
+        print("check_layers: %d include(s) against the layers (docs/architecture.md)" % len(found),
               file=sys.stderr)
         return 1
     return 0

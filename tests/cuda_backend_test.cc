@@ -31,7 +31,7 @@
 #include "common/lm_head_precision.h"
 #include "common/partition.h"
 #include "tests/in_process_communicator.h"
-#include "worker/cpu_backend.h"
+#include "worker/comm/host_staged_device_collectives.h"
 #include "worker/cuda/converting_upload.h"
 #include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/cuda_ipc.h"
@@ -39,11 +39,11 @@
 #include "worker/cuda/device_info.h"
 #include "worker/cuda/elem_type.h"
 #include "worker/cuda/lm_head_gemm_cublaslt.h"
-#include "worker/device_file_copy.h"
-#include "worker/host_staged_device_collectives.h"
+#include "worker/heads/device_file_copy.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/row_stats.h"
-#include "worker/one_pass_layout.h"
+#include "worker/scoring/cpu_backend.h"
+#include "worker/scoring/one_pass_layout.h"
 
 namespace logprob {
 namespace {

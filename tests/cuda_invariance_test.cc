@@ -17,10 +17,10 @@
 #include "bench/batch_invariance.h"
 #include "bench/synthetic_rows.h"
 #include "common/status_macros.h"
-#include "worker/cpu_backend.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/device_info.h"
 #include "worker/kernels/lm_head_gemm.h"
+#include "worker/scoring/cpu_backend.h"
 
 namespace logprob {
 namespace {

@@ -1,10 +1,10 @@
 // How a worker stages lm_head update rows from device memory into the
-// store file (worker/device_file_copy.h, Worker.StageLmHeadRows), on the
+// store file (worker/heads/device_file_copy.h, Worker.StageLmHeadRows), on the
 // CPU: "device memory" is host memory (tests/fake_device_copy.h). The
 // bytes that land at the file offset (and nothing around them), the
 // chunking, and failures (an injected copy failure, a write failure, a
 // CPU backend, a range outside the file) reported, never a short write.
-#include "worker/device_file_copy.h"
+#include "worker/heads/device_file_copy.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "tests/fake_device_copy.h"
-#include "worker/cpu_backend.h"
+#include "worker/scoring/cpu_backend.h"
 #include "worker/worker_service.h"
 
 namespace logprob::testing {

@@ -1,4 +1,4 @@
-// A DeviceCopy (worker/host_staged_device_collectives.h) for CPU tests:
+// A DeviceCopy (worker/comm/host_staged_device_collectives.h) for CPU tests:
 // "device memory" is host memory, copies are memcpy. Records every call
 // and can fail the next copy in either direction, so tests check what the
 // staging moved and how the ranks agree on a failure.
@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "worker/host_staged_device_collectives.h"
+#include "worker/comm/host_staged_device_collectives.h"
 
 namespace logprob::testing {
 

@@ -1,11 +1,11 @@
 // Device collectives staged through host memory
-// (worker/host_staged_device_collectives.h), their host side on the CPU:
+// (worker/comm/host_staged_device_collectives.h), their host side on the CPU:
 // W = 1..4 in-process ranks (tests/in_process_communicator.h), "device
 // memory" in host memory (tests/fake_device_copy.h). The bytes every rank
 // ends up with, what was copied each way, uneven and zero counts, in-place
 // all-gathers, and failures on one rank that every rank hears of (no rank
 // waits in a collective for a peer that left; the group stays usable).
-#include "worker/host_staged_device_collectives.h"
+#include "worker/comm/host_staged_device_collectives.h"
 
 #include <gtest/gtest.h>
 
@@ -19,7 +19,7 @@
 
 #include "tests/fake_device_copy.h"
 #include "tests/in_process_communicator.h"
-#include "worker/one_pass_layout.h"
+#include "worker/scoring/one_pass_layout.h"
 
 namespace logprob::testing {
 namespace {

@@ -1,4 +1,4 @@
-// A Communicator (worker/communicator.h) for W ranks that are threads of
+// A Communicator (worker/comm/communicator.h) for W ranks that are threads of
 // one process: collectives copy through shared memory between two
 // barriers. Lets unit tests run the worker's scorer (ScoreWorkItem) on W
 // threads, every layout, without processes, sockets or Gloo.
@@ -11,7 +11,7 @@
 #include <mutex>
 #include <vector>
 
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 
 namespace logprob::testing {
 

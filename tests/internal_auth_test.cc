@@ -36,9 +36,9 @@
 #include "tests/generic_call.h"
 #include "tests/test_support.h"
 #include "worker/backend_factory.h"
-#include "worker/communicator.h"
-#include "worker/lm_head_registry.h"
-#include "worker/payload_regions.h"
+#include "worker/comm/communicator.h"
+#include "worker/heads/lm_head_registry.h"
+#include "worker/scoring/payload_regions.h"
 #include "worker/worker_service.h"
 
 namespace logprob::testing {

@@ -1,7 +1,7 @@
 // LmHeadRegistry: a worker's held lm_head versions. Loads read (or, for a
 // committed update's file in memory, map) this rank's rows; a version held
 // from another file is a stale copy and is replaced; Drop forgets it.
-#include "worker/lm_head_registry.h"
+#include "worker/heads/lm_head_registry.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -13,7 +13,7 @@
 
 #include "common/lm_head_source.h"
 #include "common/safetensors.h"
-#include "worker/cpu_backend.h"
+#include "worker/scoring/cpu_backend.h"
 
 namespace logprob {
 namespace {

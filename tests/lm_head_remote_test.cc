@@ -3,7 +3,7 @@
 // first commit and then serves like any head; Control.ReadLmHeadRows
 // (server/pool/control_lm_head_rows.cc) streams a worker's slice of a file the
 // front-end serves, read back by the worker's fetcher
-// (worker/frontend_lm_head_rows.h) byte for byte as ReadLmHeadRows reads
+// (worker/heads/frontend_lm_head_rows.h) byte for byte as ReadLmHeadRows reads
 // the file, and refuses other files and bad ranges.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -25,7 +25,7 @@
 #include "server/pool/control_service.h"
 #include "server/pool/lm_head_files.h"
 #include "tests/test_support.h"
-#include "worker/frontend_lm_head_rows.h"
+#include "worker/heads/frontend_lm_head_rows.h"
 
 namespace logprob::testing {
 namespace {

@@ -1,11 +1,11 @@
-// The one-pass arithmetic (worker/one_pass_layout.h) on the CPU: row
+// The one-pass arithmetic (worker/scoring/one_pass_layout.h) on the CPU: row
 // ranges, slots, all-gather offsets, all-to-all sizes and displacements and
 // the [W][rows][words] record layout, for W = 1..8, n < W, n % W != 0 and
 // several pass sizes. The collectives are simulated on host buffers filled
 // with values that name their row and slice, and every value is checked
 // where the CUDA backend would read it; the agreement runs on in-process
 // ranks.
-#include "worker/one_pass_layout.h"
+#include "worker/scoring/one_pass_layout.h"
 
 #include <gtest/gtest.h>
 
@@ -20,7 +20,7 @@
 
 #include "tests/fake_device_copy.h"
 #include "tests/in_process_communicator.h"
-#include "worker/host_staged_device_collectives.h"
+#include "worker/comm/host_staged_device_collectives.h"
 
 namespace logprob {
 namespace {

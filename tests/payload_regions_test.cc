@@ -1,7 +1,7 @@
-// The worker's payload regions (worker/payload_regions.h): a region the
+// The worker's payload regions (worker/scoring/payload_regions.h): a region the
 // front-end retires (its SharedRegion is destroyed, which unlinks it) is
 // unmapped by the worker at its next work item, once no item holds it.
-#include "worker/payload_regions.h"
+#include "worker/scoring/payload_regions.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// The worker's scorer (worker/scorer.h) on W in-process ranks
+// The worker's scorer (worker/scoring/scorer.h) on W in-process ranks
 // (tests/in_process_communicator.h) with the CPU backend: every layout
 // (token-parallel, vocab-parallel, hidden states), with and without the
 // sampling filters, with entropy, log_sum_sq_probs, mean_logits, is_top1,
@@ -6,7 +6,7 @@
 // and 3 ranks, against a float64 reference computed here (shared/SPEC.md
 // tolerance 2e-4 + 2e-5 * |expected|; top-k ids exact). Threads and
 // condition variables only: no processes, no sockets, no sleeps.
-#include "worker/scorer.h"
+#include "worker/scoring/scorer.h"
 
 #include <gtest/gtest.h>
 
@@ -27,11 +27,11 @@
 #include "tests/fake_device_copy.h"
 #include "tests/in_process_communicator.h"
 #include "tests/random_values.h"
-#include "worker/cpu_backend.h"
-#include "worker/host_staged_device_collectives.h"
+#include "worker/comm/host_staged_device_collectives.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/sampling_filter.h"
-#include "worker/one_pass_layout.h"
+#include "worker/scoring/cpu_backend.h"
+#include "worker/scoring/one_pass_layout.h"
 
 namespace logprob::testing {
 namespace {
@@ -248,7 +248,7 @@ RankBackend BackendFor(const Problem& p, int W, int r) {
 
 /// The one-pass contract (ScoringBackend::HiddenItemPartials) on the host,
 /// as the CUDA backend implements it on the device, with the same
-/// arithmetic (worker/one_pass_layout.h): passes of `pass_rows` rows of
+/// arithmetic (worker/scoring/one_pass_layout.h): passes of `pass_rows` rows of
 /// every rank's share, an agreement before each pass, an all-gather of
 /// every rank's rows into aligned slots, the inner backend's records for
 /// the pass's rows (rank order), one all-to-all of records, scattered into
@@ -670,7 +670,7 @@ INSTANTIATE_TEST_SUITE_P(AllLayouts, ScorerLayouts,
 
 TEST(Scorer, VocabParallelResultsAreBitwiseTheSameWhoeverFinalisesTheRow) {
   // The partials of a row are combined in rank order whichever rank owns
-  // it, so W = 2 gives the same bits for every row (worker/scorer.h).
+  // it, so W = 2 gives the same bits for every row (worker/scoring/scorer.h).
   const Problem p = LogitsProblem(v1::F32, 10, 257, false, 3);
   const Scored a = Score(p, internal::v1::VOCAB_PARALLEL, 2);
   Problem q = p;
@@ -697,7 +697,7 @@ TEST(Scorer, HiddenStatesInOnePassGiveTheBitsOfTheRounds) {
   // A backend that scores the whole item in one pass (the CUDA backend's
   // contract, here on the host) gives every row the same bits as rounds of
   // 16 rows, for W = 1..3, and rows split unevenly or not at all (n < W).
-  // The double runs passes of 7 rows per rank (worker/one_pass_layout.h,
+  // The double runs passes of 7 rows per rank (worker/scoring/one_pass_layout.h,
   // the CUDA backend's arithmetic), so 150 rows take several passes.
   for (int64_t n : {150, 37, 2}) {
     const Problem p = HiddenProblem(n, 301, 64, /*filters=*/false, 21);

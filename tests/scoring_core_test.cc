@@ -17,10 +17,10 @@
 #include "server/heads/lm_heads.h"
 #include "tests/in_process_communicator.h"
 #include "tests/test_support.h"
-#include "worker/communicator.h"
-#include "worker/cpu_backend.h"
-#include "worker/payload_regions.h"
-#include "worker/scorer.h"
+#include "worker/comm/communicator.h"
+#include "worker/scoring/cpu_backend.h"
+#include "worker/scoring/payload_regions.h"
+#include "worker/scoring/scorer.h"
 
 namespace logprob::testing {
 namespace {

@@ -231,7 +231,7 @@ TEST(CudaIpc, OneRankOverNcclIsBitwiseTheBytes) {
 
 TEST(CudaIpc, TwoWorkersOverGlooOnOneGpuAreBitwiseTheBytes) {
   // Gloo's device collectives are staged through host memory
-  // (worker/host_staged_device_collectives.h): two workers may share one
+  // (worker/comm/host_staged_device_collectives.h): two workers may share one
   // GPU and still score a device pointer in one pass.
   if (Gpus() == 0) GTEST_SKIP() << "no CUDA device";
   ExpectIpcBitwise(2, "gloo");

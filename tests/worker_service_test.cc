@@ -24,9 +24,9 @@
 #include "common/grpc_status.h"
 #include "common/worker_protocol.h"
 #include "tests/in_process_communicator.h"
-#include "worker/communicator.h"
-#include "worker/cpu_backend.h"
-#include "worker/lm_head_registry.h"
+#include "worker/comm/communicator.h"
+#include "worker/heads/lm_head_registry.h"
+#include "worker/scoring/cpu_backend.h"
 
 namespace logprob {
 namespace {

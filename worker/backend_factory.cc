@@ -3,10 +3,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/backend_choice.h"
 #include "common/status_macros.h"
-#include "worker/cpu_backend.h"
-#include "worker/gloo_communicator.h"
-#include "worker/host_staged_device_collectives.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/host_staged_device_collectives.h"
 #include "worker/kernels/lm_head_gemm.h"
+#include "worker/scoring/cpu_backend.h"
 #ifdef LOGPROB_HAVE_CUDA
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_device_copy.h"

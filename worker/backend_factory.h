@@ -9,8 +9,8 @@
 #include "absl/status/statusor.h"
 #include "common/lm_head_precision.h"
 #include "gloo/rendezvous/store.h"
-#include "worker/backend.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
+#include "worker/scoring/backend.h"
 
 namespace logprob {
 

@@ -45,9 +45,9 @@
 #include "common/worker_protocol.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/backend_factory.h"
-#include "worker/control_store.h"
-#include "worker/frontend_lm_head_rows.h"
-#include "worker/lm_head_registry.h"
+#include "worker/comm/control_store.h"
+#include "worker/heads/frontend_lm_head_rows.h"
+#include "worker/heads/lm_head_registry.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, frontend, "", "host:port of the front-end's control service (required)");

@@ -19,9 +19,9 @@
 #include "common/lm_head_store_name.h"
 #include "common/parsed_requests.h"
 #include "common/worker_protocol.h"
-#include "worker/device_file_copy.h"
-#include "worker/scorer.h"
-#include "worker/timed_communicator.h"
+#include "worker/comm/timed_communicator.h"
+#include "worker/heads/device_file_copy.h"
+#include "worker/scoring/scorer.h"
 
 namespace logprob {
 namespace {

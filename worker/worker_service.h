@@ -6,11 +6,11 @@
 #include "absl/synchronization/mutex.h"
 #include "common/internal_auth.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
-#include "worker/backend.h"
-#include "worker/communicator.h"
-#include "worker/lm_head_registry.h"
-#include "worker/payload_regions.h"
-#include "worker/scorer.h"
+#include "worker/comm/communicator.h"
+#include "worker/heads/lm_head_registry.h"
+#include "worker/scoring/backend.h"
+#include "worker/scoring/payload_regions.h"
+#include "worker/scoring/scorer.h"
 #include "worker/stop_signals.h"
 
 namespace logprob {

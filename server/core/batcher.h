@@ -34,7 +34,7 @@ namespace logprob {
 /// runs alone. Results are therefore bitwise those
 /// of scoring each job alone: every row is scored whole by one worker, or
 /// over the same vocab slices SplitRange(V, W, r) whose partials are
-/// combined in rank order whoever owns the row (worker/scorer.h); the
+/// combined in rank order whoever owns the row (worker/scoring/scorer.h); the
 /// hidden-states GEMM gives each row the same values whatever the other
 /// rows of its chunk (oneDNN's row results do not depend on M; the batching
 /// test checks it through the server).

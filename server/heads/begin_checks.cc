@@ -91,11 +91,11 @@ absl::Status CheckVersionRoom(const LmHeads& heads, const LmHeadStore& store, co
     for (const internal::v1::LmHeadLoad& v : heads.Alive())
       in_store += v.head().name() == head && store.IsOwn(v.source().file());
     if (in_store + 1 > store_files_per_head)
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "lm_head update: head \"", head, "\" has ", in_store,
-          " versions in the store (retained, or released and still pinned by requests in flight); another "
-          "file would exceed the memory bound's ",
-          store_files_per_head, " (--lm-head-retain + 3): retry once those requests are answered"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("lm_head update: head \"", head, "\" has ", in_store,
+                       " versions in the store (retained, or released and still pinned by requests in flight); another "
+                       "file would exceed the memory bound's ",
+                       store_files_per_head, " (--lm-head-retain + 3): retry once those requests are answered"));
   }
   return absl::OkStatus();
 }

@@ -30,7 +30,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "logprob/internal/v1/worker.pb.h"
 #include "server/pool/control_service.h"
-#include "worker/payload_regions.h"
+#include "worker/scoring/payload_regions.h"
 
 namespace {
 

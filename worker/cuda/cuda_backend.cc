@@ -14,7 +14,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 #include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/cuda_ipc.h"
 #include "worker/cuda/elem_type.h"

@@ -14,12 +14,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "common/input_kind.h"
-#include "worker/backend.h"
 #include "worker/cuda/device_buffers.h"
 #include "worker/cuda/lm_head_gemm_cublaslt.h"
 #include "worker/cuda/row_kernels.h"
 #include "worker/cuda/select_device.h"
-#include "worker/one_pass_layout.h"
+#include "worker/scoring/backend.h"
+#include "worker/scoring/one_pass_layout.h"
 
 namespace logprob::cuda {
 
@@ -125,7 +125,7 @@ class CudaBackend final : public ScoringBackend {
   /// row) needs all V logits of a row in one place, which the one-pass
   /// path's records (per-slice statistics) cannot give, so the scorer
   /// downloads these logits and exchanges full rows on the host
-  /// (worker/scorer.h).
+  /// (worker/scoring/scorer.h).
   absl::Status HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
                             float* logits) override ABSL_LOCKS_EXCLUDED(mu_);
   /// W == 1, or device collectives: NCCL's, or Gloo's staged through host
@@ -138,7 +138,7 @@ class CudaBackend final : public ScoringBackend {
   }
   /// The whole item on the device, in passes of at most
   /// PassRowsForBudget(Options::pass_bytes) rows of every rank's share
-  /// (worker/one_pass_layout.h), so device memory is bounded. Before the
+  /// (worker/scoring/one_pass_layout.h), so device memory is bounded. Before the
   /// first pass every rank reserves the buffers of the largest pass and the
   /// ranks agree (AgreeOnPass) that all succeeded; before each pass they
   /// agree that none is cancelled (HiddenItemRows::should_stop), and before
@@ -273,7 +273,7 @@ class CudaBackend final : public ScoringBackend {
   /// Reserves every buffer the item's passes use, on w (before AgreeOnPass).
   absl::Status ReserveItem(Workspace& w, const CublasLtLmHead& gemm, const HiddenItemRows& item, int me,
                            const OnePassLayout& layout, const kernels::StatsSpec& spec) const;
-  /// One pass of a one-pass item (worker/one_pass_layout.h): upload,
+  /// One pass of a one-pass item (worker/scoring/one_pass_layout.h): upload,
   /// agreement (failure, or cancellation when `check_stop`), all-gather,
   /// GEMMs and statistics, agreement, record all-to-all, download into
   /// `own_records` ([W][item.count[me]][words]).

@@ -1,13 +1,13 @@
 // The CUDA side of host-staged device collectives
-// (worker/host_staged_device_collectives.h): synchronised copies between
+// (worker/comm/host_staged_device_collectives.h): synchronised copies between
 // host memory and one device's memory. Only built with CUDA.
 #pragma once
 
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "worker/comm/host_staged_device_collectives.h"
 #include "worker/cuda/device_buffers.h"
-#include "worker/host_staged_device_collectives.h"
 
 namespace logprob::cuda {
 

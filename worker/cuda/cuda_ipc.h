@@ -6,7 +6,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "worker/backend.h"
+#include "worker/scoring/backend.h"
 
 namespace logprob::cuda {
 

@@ -10,7 +10,7 @@
 #include "common/status_macros.h"
 #include "worker/cuda/cuda_error.h"
 #include "worker/cuda/nccl_poll.h"
-#include "worker/one_pass_layout.h"
+#include "worker/scoring/one_pass_layout.h"
 
 namespace logprob::cuda {
 namespace {
@@ -178,7 +178,7 @@ absl::Status NcclCommunicator::AllGather(const void* in, size_t bytes, void* out
 
 ncclResult_t NcclCommunicator::EnqueueAllToAllV(const char* in, const std::vector<int64_t>& send_bytes, char* out,
                                                 const std::vector<int64_t>& recv_bytes) {
-  // Blocks consecutive in rank order (worker/one_pass_layout.h).
+  // Blocks consecutive in rank order (worker/scoring/one_pass_layout.h).
   const std::vector<int64_t> send_off = Displacements(send_bytes), recv_off = Displacements(recv_bytes);
   ncclResult_t r = ncclGroupStart();
   // ncclInProgress (a non-blocking communicator) is no failure: Finish waits.

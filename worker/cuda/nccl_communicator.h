@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "gloo/rendezvous/store.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 #include "worker/cuda/device_buffers.h"
 
 namespace logprob::cuda {

@@ -1,7 +1,7 @@
 // The packed partial record: the one layout that the CPU kernel
 // (kernels::ComputePartial / CombinePartials, row_stats.h), the CUDA
 // kernels (worker/cuda/row_partials.cu, topk_select.cuh) and every rank of
-// a vocab-parallel job (worker/scorer.cc sends records through the
+// a vocab-parallel job (worker/scoring/scorer.cc sends records through the
 // communicator) share. One record describes one row over one vocabulary
 // slice [vocab_begin, vocab_begin + len):
 //

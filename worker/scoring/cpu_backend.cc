@@ -1,4 +1,4 @@
-#include "worker/cpu_backend.h"
+#include "worker/scoring/cpu_backend.h"
 
 #include <string>
 #include <vector>

@@ -26,7 +26,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 
 namespace logprob {
 

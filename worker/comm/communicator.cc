@@ -1,4 +1,4 @@
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 
 #include <cstring>
 #include <vector>

@@ -1,4 +1,4 @@
-#include "worker/one_pass_layout.h"
+#include "worker/scoring/one_pass_layout.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "worker/backend.h"
+#include "worker/scoring/backend.h"
 
 #include <cmath>
 

@@ -1,4 +1,4 @@
-#include "worker/timed_communicator.h"
+#include "worker/comm/timed_communicator.h"
 
 #include <chrono>
 

@@ -1,4 +1,4 @@
-#include "worker/gloo_communicator.h"
+#include "worker/comm/gloo_communicator.h"
 
 #include <exception>
 

@@ -19,8 +19,8 @@
 #include "common/lm_head_precision.h"
 #include "common/standby_mappings.h"
 #include "logprob/internal/v1/worker.pb.h"
-#include "worker/backend.h"
-#include "worker/frontend_lm_head_rows.h"
+#include "worker/heads/frontend_lm_head_rows.h"
+#include "worker/scoring/backend.h"
 
 namespace logprob {
 

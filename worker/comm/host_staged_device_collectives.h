@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 
 namespace logprob {
 

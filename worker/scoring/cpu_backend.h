@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "worker/backend.h"
 #include "worker/kernels/lm_head_gemm.h"
+#include "worker/scoring/backend.h"
 
 namespace logprob {
 

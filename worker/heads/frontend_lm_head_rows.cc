@@ -1,4 +1,4 @@
-#include "worker/frontend_lm_head_rows.h"
+#include "worker/heads/frontend_lm_head_rows.h"
 
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>

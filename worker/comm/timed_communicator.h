@@ -2,7 +2,7 @@
 // (WorkResult.collective_seconds, metric logprob_collective_duration_seconds).
 #pragma once
 
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 
 namespace logprob {
 

@@ -1,4 +1,4 @@
-#include "worker/payload_regions.h"
+#include "worker/scoring/payload_regions.h"
 
 #include <vector>
 

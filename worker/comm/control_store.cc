@@ -1,4 +1,4 @@
-#include "worker/control_store.h"
+#include "worker/comm/control_store.h"
 
 #include <grpcpp/grpcpp.h>
 

@@ -1,4 +1,4 @@
-#include "worker/host_staged_device_collectives.h"
+#include "worker/comm/host_staged_device_collectives.h"
 
 #include <algorithm>
 #include <new>

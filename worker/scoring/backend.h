@@ -1,6 +1,6 @@
 // The compute seam of the worker: what a backend (CPU, CUDA) does for a
 // work item's rows. There are two contracts between the scorer
-// (worker/scorer.cc) and a backend:
+// (worker/scoring/scorer.cc) and a backend:
 //
 // 1. The round path (every backend, every layout). The scorer keeps the
 //    orchestration: it cuts the item into rounds of rows, runs the
@@ -16,7 +16,7 @@
 //    OnePassHidden(comm): the CUDA backend with one rank or with device
 //    collectives, CanScoreInOnePass in common/input_kind.h; CUDA workers
 //    always have them: NCCL's, or Gloo's staged through host memory,
-//    worker/host_staged_device_collectives.h). The backend
+//    worker/comm/host_staged_device_collectives.h). The backend
 //    owns the whole item: HiddenItemPartials gathers every rank's rows,
 //    multiplies and exchanges the records on its device, and hands the
 //    scorer only this rank's rows' records, which it combines as in (1).
@@ -40,8 +40,8 @@
 #include "common/host_bytes.h"
 #include "common/lm_head_precision.h"
 #include "common/lm_head_transform.h"
-#include "worker/communicator.h"
-#include "worker/host_staged_device_collectives.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/host_staged_device_collectives.h"
 #include "worker/kernels/row_stats.h"
 
 namespace logprob {
@@ -256,7 +256,7 @@ class ScoringBackend {
   /// A new DeviceCopy between host memory and this backend's device memory
   /// (the CUDA backend: cuda::CudaDeviceCopy on its device, with a stream
   /// of its own), for copies outside work items (the rows of an lm_head
-  /// update staged from a CUDA IPC handle: worker/device_file_copy.h).
+  /// update staged from a CUDA IPC handle: worker/heads/device_file_copy.h).
   /// FAILED_PRECONDITION on backends without a GPU (the default);
   /// INTERNAL when the stream cannot be created. Thread-safe.
   virtual absl::StatusOr<std::unique_ptr<DeviceCopy>> NewDeviceCopy();

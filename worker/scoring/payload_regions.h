@@ -11,7 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/shared_memory.h"
 #include "logprob/internal/v1/worker.pb.h"
-#include "worker/backend.h"
+#include "worker/scoring/backend.h"
 
 namespace logprob {
 

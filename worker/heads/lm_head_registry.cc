@@ -1,4 +1,4 @@
-#include "worker/lm_head_registry.h"
+#include "worker/heads/lm_head_registry.h"
 
 #include <chrono>
 #include <iostream>

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "worker/host_staged_device_collectives.h"
+#include "worker/comm/host_staged_device_collectives.h"
 
 namespace logprob {
 

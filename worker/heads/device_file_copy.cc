@@ -1,4 +1,4 @@
-#include "worker/device_file_copy.h"
+#include "worker/heads/device_file_copy.h"
 
 #include <algorithm>
 #include <cerrno>

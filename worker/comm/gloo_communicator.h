@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "gloo/context.h"
 #include "gloo/rendezvous/store.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 
 namespace logprob {
 

@@ -1,4 +1,4 @@
-#include "worker/scorer.h"
+#include "worker/scoring/scorer.h"
 
 #include <algorithm>
 #include <chrono>
@@ -12,7 +12,7 @@
 #include "common/status_macros.h"
 #include "worker/kernels/row_stats.h"
 #include "worker/kernels/sampling_filter.h"
-#include "worker/one_pass_layout.h"
+#include "worker/scoring/one_pass_layout.h"
 
 namespace logprob {
 namespace {

@@ -7,8 +7,8 @@
 
 #include "absl/status/statusor.h"
 #include "logprob/internal/v1/worker.pb.h"
-#include "worker/backend.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
+#include "worker/scoring/backend.h"
 
 namespace logprob {
 
