@@ -9,8 +9,12 @@
 //              statistics, token logprobs (+ entropy and top-20 with --full);
 //   full+lsm   the GEMM to full [T, N] logits, then a float32 log_softmax of
 //              every row and a gather of the target (what trainers do).
-// It prints a table: median seconds, tokens/s, GEMM GFLOP/s (2*T*N*H / s),
-// time relative to `gemm`, and peak RSS.
+//   sgemm      the box's limit: oneDNN's own fp32 GEMM (dnnl_sgemm) of the
+//              same shape in one call, on the same threads (bench/gemm_limit.h).
+// It prints the CPU's model and the ISA oneDNN runs at (ONEDNN_MAX_CPU_ISA
+// emulates an older CPU), then a table: median seconds, tokens/s, GEMM
+// GFLOP/s (2*T*N*H / s), time relative to `gemm`, the fraction of the
+// box's limit (sgemm's time / the mode's), and peak RSS.
 //
 //   logprob_hidden_bench [--h 4096] [--n 32000,18992] [--t 512,2048,8192]
 //                        [--reps 3] [--chunk 128] [--full] [--threads 0]
@@ -25,8 +29,10 @@
 // instead times the `fused` path under each --lm-head-precision (first N
 // and T), one backend per precision in this process, with bf16 and with
 // f32 hidden states: rounds interleave the precisions; it prints median
-// seconds and the median over rounds of each one's time divided by the
-// first precision's time in the same round.
+// seconds, the median over rounds of each one's time divided by the
+// first precision's time in the same round, and of sgemm's time (the box's
+// limit, interleaved with them) divided by its time.
+#include <omp.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -44,6 +50,7 @@
 #include <vector>
 
 #include "bench/bench_args.h"
+#include "bench/gemm_limit.h"
 #include "bench/interleaved_rounds.h"
 #include "common/dtype.h"
 #include "common/lm_head_precision.h"
@@ -122,6 +129,17 @@ internal::v1::WorkItem HiddenItem(const Config& cfg, int64_t N, int64_t T, DType
 /// Runs one mode `reps` times (after one untimed run) and returns the
 /// median seconds, or a negative value on failure.
 double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T) {
+  if (mode == "sgemm") {
+    bench::ReferenceSgemm sgemm(T, N, cfg.H, cfg.threads);
+    if (!sgemm.Run().ok()) return -1;
+    std::vector<double> times;
+    for (int i = 0; i < cfg.reps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (!sgemm.Run().ok()) return -1;
+      times.push_back(Seconds(t0));
+    }
+    return Median(times);
+  }
   LmHeadSlice slice{v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H};
   BackendConfig backend_config;
   backend_config.backend = cfg.backend;
@@ -236,7 +254,10 @@ int PrecisionMain(const Config& cfg) {
               cfg.backend.c_str(), static_cast<long long>(N), static_cast<long long>(cfg.H), static_cast<long long>(T),
               static_cast<long long>(cfg.chunk), cfg.full ? "token logprobs + entropy + top-20" : "token logprobs",
               cfg.rounds);
-  std::printf("%-7s %-9s %9s %8s %9s\n", "hidden", "precision", "seconds", "GFLOP/s", "vs first");
+  std::printf("CPU %s, oneDNN ISA %s, %d threads\n", bench::CpuModelName().c_str(), bench::EffectiveCpuIsa().c_str(),
+              cfg.threads > 0 ? cfg.threads : omp_get_max_threads());
+  std::printf("%-7s %-12s %9s %8s %9s %8s\n", "hidden", "precision", "seconds", "GFLOP/s", "vs first", "of best");
+  bench::ReferenceSgemm sgemm(T, N, cfg.H, cfg.threads);
   SelfCommunicator self;
   for (DType hdt : {v1::BF16, v1::F32}) {
     std::vector<char> hidden = RandomBf16(static_cast<size_t>(T * cfg.H), 1.f, 2);
@@ -254,7 +275,9 @@ int PrecisionMain(const Config& cfg) {
     for (size_t i = 0; i < heads.size(); ++i)
       cases.push_back({LmHeadPrecisionName(cfg.precisions[i]),
                        [&, i] { return ScoreWorkItem(item, self, backend, cfg.chunk, {}, heads[i].get()).status(); }});
+    cases.push_back({"sgemm fp32", [&] { return sgemm.Run(); }});  // the box's limit, interleaved
     RunInterleaved(cases, cfg.rounds);
+    const BenchCase& best = cases.back();
     for (const BenchCase& c : cases)
       if (!c.status.ok()) {
         std::cerr << c.name << ": " << c.status << std::endl;
@@ -263,12 +286,14 @@ int PrecisionMain(const Config& cfg) {
     for (const BenchCase& c : cases) {
       // The ratio to the first precision within each round, then its median:
       // robust to load that drifts between rounds.
-      std::vector<double> ratios;
-      for (size_t r = 0; r < c.ms.size(); ++r) ratios.push_back(c.ms[r] / cases[0].ms[r]);
+      std::vector<double> ratios, of_best;
+      for (size_t r = 0; r < c.ms.size(); ++r) {
+        ratios.push_back(c.ms[r] / cases[0].ms[r]);
+        of_best.push_back(best.ms[r] / c.ms[r]);
+      }
       const double med = c.median() * 1e-3;
-      const double flops = 2.0 * static_cast<double>(T) * static_cast<double>(N) * static_cast<double>(cfg.H);
-      std::printf("%-7s %-9s %9.4f %8.1f %9.3f\n", DTypeName(hdt), c.name.c_str(), med, flops / med * 1e-9,
-                  Median(ratios));
+      std::printf("%-7s %-12s %9.4f %8.1f %9.3f %8.2f\n", DTypeName(hdt), c.name.c_str(), med,
+                  sgemm.flops() / med * 1e-9, Median(ratios), Median(of_best));
       std::fflush(stdout);
     }
   }
@@ -309,24 +334,32 @@ int Main(int argc, char** argv) {
   std::printf("backend %s, H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", cfg.backend.c_str(),
               static_cast<long long>(cfg.H), static_cast<long long>(cfg.chunk),
               cfg.full ? "token logprobs + entropy + top-20" : "token logprobs", cfg.reps);
-  std::printf("%7s %6s %-9s %9s %11s %8s %8s %9s\n", "N", "T", "mode", "seconds", "tokens/s", "GFLOP/s", "vs gemm",
-              "peak MiB");
+  std::printf("CPU %s, oneDNN ISA %s, %d threads\n", bench::CpuModelName().c_str(), bench::EffectiveCpuIsa().c_str(),
+              cfg.threads > 0 ? cfg.threads : omp_get_max_threads());
+  std::printf("%7s %6s %-9s %9s %11s %8s %8s %8s %9s\n", "N", "T", "mode", "seconds", "tokens/s", "GFLOP/s", "vs gemm",
+              "of best", "peak MiB");
   for (int64_t N : cfg.N) {
     for (int64_t T : cfg.T) {
-      double gemm_s = -1;
-      for (const char* mode : {"gemm", "fused", "full+lsm"}) {
+      const std::vector<std::string> modes = {"gemm", "sgemm", "fused", "full+lsm"};
+      std::vector<Measured> measured;
+      for (const std::string& mode : modes) {
         std::fprintf(stderr, "running N=%lld T=%lld %s ...\n", static_cast<long long>(N), static_cast<long long>(T),
-                     mode);
-        const Measured m = InChild(mode, cfg, N, T);
+                     mode.c_str());
+        measured.push_back(InChild(mode, cfg, N, T));
+      }
+      const double gemm_s = measured[0].seconds, best_s = measured[1].seconds;
+      for (size_t i = 0; i < modes.size(); ++i) {
+        const Measured& m = measured[i];
         if (m.seconds < 0) {
-          std::printf("%7lld %6lld %-9s failed\n", static_cast<long long>(N), static_cast<long long>(T), mode);
+          std::printf("%7lld %6lld %-9s failed\n", static_cast<long long>(N), static_cast<long long>(T),
+                      modes[i].c_str());
           continue;
         }
-        if (std::string(mode) == "gemm") gemm_s = m.seconds;
         const double flops = 2.0 * static_cast<double>(T) * static_cast<double>(N) * static_cast<double>(cfg.H);
-        std::printf("%7lld %6lld %-9s %9.4f %11.0f %8.1f %8.3f %9.0f\n", static_cast<long long>(N),
-                    static_cast<long long>(T), mode, m.seconds, static_cast<double>(T) / m.seconds,
-                    flops / m.seconds * 1e-9, gemm_s > 0 ? m.seconds / gemm_s : 0.0, m.peak_rss_kib / 1024.0);
+        std::printf("%7lld %6lld %-9s %9.4f %11.0f %8.1f %8.3f %8.2f %9.0f\n", static_cast<long long>(N),
+                    static_cast<long long>(T), modes[i].c_str(), m.seconds, static_cast<double>(T) / m.seconds,
+                    flops / m.seconds * 1e-9, gemm_s > 0 ? m.seconds / gemm_s : 0.0,
+                    best_s > 0 ? best_s / m.seconds : 0.0, m.peak_rss_kib / 1024.0);
         std::fflush(stdout);
       }
     }

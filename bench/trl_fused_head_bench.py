@@ -10,6 +10,13 @@
 - TRL bf16: the same with the bf16 head and hidden states (TRL's default in
   bf16 training: the GEMM's tiles are bf16).
 
+Beside them, the box's limit: torch's fp32 matmul of the same shape
+([tokens, H] x [H, V], in TRL's row chunks into one reused buffer, torch's
+threads), timed in the same rounds; each case's GEMM rate (2 tokens V H /
+its time) is reported as a fraction of it, with the CPU's model and the ISA
+torch dispatches to (ONEDNN_MAX_CPU_ISA, passed to the server too, emulates
+an older CPU for its oneDNN).
+
 Every case scores the same hidden states at the same targets, GRPO's
 old-policy call (``outputs=("log_probs", "entropy")``, temperature 1), in
 interleaved rounds (each round runs every case once); the medians are
@@ -71,6 +78,32 @@ def reference64(hidden, weight, targets, rows):
 
 def max_errors(out, ref, rows):
     return tuple(float((o[:rows].double() - r).abs().max()) for o, r in zip(out, ref))
+
+
+def cpu_model():
+    """/proc/cpuinfo's model name (the platform's processor elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def torch_matmul(h32, w32):
+    """torch's fp32 GEMM of the lm_head's shape, in TRL's row chunks into one buffer."""
+    chunk = _CHUNKED_LOGPROB_CHUNK_SIZE
+    buf = torch.empty(min(chunk, h32.shape[0]), w32.shape[0])
+    wt = w32.t()
+
+    def run():
+        with torch.no_grad():
+            for r0 in range(0, h32.shape[0], chunk):
+                h = h32[r0:r0 + chunk]
+                torch.mm(h, wt, out=buf[:h.shape[0]])
+    return run
 
 
 def synthetic(a):
@@ -163,15 +196,19 @@ def main():
             cases = {"service (bf16 head)": service, "TRL fp32 (cast_lm_head_to_fp32)": trl(h32, w32),
                      "TRL bf16": trl(hidden, w16)}
         print("%s; head %s [%d, %d] (server: %s, precision %s), %d tokens, %d CPU workers, torch %s with %d threads, "
-              "%d interleaved rounds, %s, %d cores" %
+              "%d interleaved rounds, %s (torch ISA %s, ONEDNN_MAX_CPU_ISA %s), %d cores" %
               ("tiny Qwen2-style model" if a.tiny else "synthetic head", "float32" if weight.dtype == torch.float32
                else "bf16", V, H, fused_head._TORCH_DTYPE_NAMES.get(int(head.dtype)), head.precision, N, a.workers,
-               torch.__version__, torch.get_num_threads(), a.rounds, platform.processor() or platform.machine(),
+               torch.__version__, torch.get_num_threads(), a.rounds, cpu_model(),
+               torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
                os.cpu_count()), flush=True)
+        limit_name = "torch fp32 matmul (the box's GEMM)"
+        limit = torch_matmul(h32, w32)
+        limit()  # warm-up
         t0 = time.perf_counter()
         ref = reference64(h32, w32, targets, rows)
         print("float64 reference of %d rows: %.1f s" % (rows, time.perf_counter() - t0), flush=True)
-        times = {k: [] for k in cases}
+        times = {k: [] for k in list(cases) + [limit_name]}
         errors = {}
         for name, fn in cases.items():  # warm-up, and the errors
             errors[name] = max_errors(fn(), ref, rows)
@@ -182,14 +219,23 @@ def main():
                 fn()
                 times[name].append(time.perf_counter() - t0)
                 line.append("%s %.3f s" % (name, times[name][-1]))
+            t0 = time.perf_counter()
+            limit()
+            times[limit_name].append(time.perf_counter() - t0)
+            line.append("%s %.3f s" % (limit_name, times[limit_name][-1]))
             print("round %d: %s" % (r, ", ".join(line)), flush=True)
         base = times[list(cases)[1]]
-        print("\n| case | median s | time / TRL fp32's (median of rounds) | max err log_probs | max err entropy |")
-        print("|---|---|---|---|---|")
-        for name in cases:
+        flops = 2.0 * N * V * H
+        print("\n| case | median s | GEMM GFLOP/s | time / TRL fp32's (median of rounds) | fraction of the box's GEMM "
+              "(its time / the case's, median of rounds) | max err log_probs | max err entropy |")
+        print("|---|---|---|---|---|---|---|")
+        for name in list(cases) + [limit_name]:
             m = statistics.median(times[name])
             ratio = statistics.median([t / b for t, b in zip(times[name], base)])
-            print("| %s | %.3f | %.2f | %.2e | %.2e |" % (name, m, ratio, errors[name][0], errors[name][1]))
+            of_best = statistics.median([b / t for t, b in zip(times[name], times[limit_name])])
+            err = errors.get(name, (float("nan"), float("nan")))
+            print("| %s | %.3f | %.1f | %.2f | %.2f | %.2e | %.2e |" % (name, m, flops / m * 1e-9, ratio, of_best,
+                                                                       err[0], err[1]))
         client.close()
     finally:
         if server is not None:

@@ -32,6 +32,7 @@ import sys
 from logprob_client import LogprobClient
 
 import test_trl
+import torch.distributed as dist
 
 
 class Lines(logging.Handler):
@@ -97,6 +98,11 @@ def main():
            "service": summary(*service[:3]), "plain": summary(*plain[:3])}
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(out, f)
+    # The gloo process group accelerate made, ended before the interpreter
+    # exits: left to the exit, its threads can outlive their owner, and a
+    # busy machine then saw "terminate called without an active exception".
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
