@@ -110,7 +110,7 @@ int RunUpdateLmHead(const LmHeadArgs& args) {
   };
   std::cerr << "update-lm-head: " << args.head << " -> " << args.version << ": " << src->tensor << " [" << V << ", "
             << H << "] " << DTypeName(src->dtype) << " from " << src->file << std::endl;
-  GrpcLmHeadUpdateCalls calls(*stub, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_seconds * 1000)));
+  GrpcLmHeadUpdateCalls calls(channel, std::chrono::milliseconds(static_cast<int64_t>(args.timeout_seconds * 1000)));
   absl::StatusOr<LmHeadUpdateOutcome> outcome = DriveLmHeadUpdate(calls, begin, rows, options);
   if (!outcome.ok()) {
     PrintError(outcome.status());

@@ -1,17 +1,26 @@
 #include "common/lm_head_update_grpc.h"
 
 #include <grpcpp/client_context.h>
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include <algorithm>
+#include <string_view>
+#include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "common/chunk_assembler.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 
 namespace logprob {
 
-GrpcLmHeadUpdateCalls::GrpcLmHeadUpdateCalls(v1::LogprobService::StubInterface& stub, std::chrono::milliseconds timeout,
+GrpcLmHeadUpdateCalls::GrpcLmHeadUpdateCalls(std::shared_ptr<grpc::Channel> channel, std::chrono::milliseconds timeout,
                                              int64_t piece_bytes)
-    : stub_(stub), timeout_(timeout), piece_bytes_(std::max<int64_t>(1, piece_bytes)) {}
+    : channel_(std::move(channel)),
+      stub_(v1::LogprobService::NewStub(channel_)),
+      timeout_(timeout),
+      piece_bytes_(std::max<int64_t>(1, piece_bytes)) {}
 
 void GrpcLmHeadUpdateCalls::Deadline(grpc::ClientContext* context) const {
   if (timeout_.count() > 0) context->set_deadline(std::chrono::system_clock::now() + timeout_);
@@ -21,7 +30,7 @@ absl::StatusOr<v1::LmHeadUpdate> GrpcLmHeadUpdateCalls::Begin(const v1::BeginLmH
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::LmHeadUpdate update;
-  if (grpc::Status s = stub_.BeginLmHeadUpdate(&ctx, request, &update); !s.ok()) return FromGrpc(s);
+  if (grpc::Status s = stub_->BeginLmHeadUpdate(&ctx, request, &update); !s.ok()) return FromGrpc(s);
   return update;
 }
 
@@ -35,7 +44,12 @@ absl::StatusOr<v1::LmHeadUpdate> GrpcLmHeadUpdateCalls::Put(const std::string& u
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::LmHeadUpdate progress;
-  auto writer = stub_.PutLmHeadRows(&ctx, &progress);
+  // PutLmHeadRows' parts have ScoreChunked's layout (LmHeadRowsPart: field
+  // 1 the message, field 2 a TensorPiece): written by the chunk codec.
+  static const std::string kMethod = absl::StrCat("/", v1::LogprobService::service_full_name(), "/PutLmHeadRows");
+  const grpc::internal::RpcMethod method(kMethod.c_str(), grpc::internal::RpcMethod::CLIENT_STREAMING, channel_);
+  std::unique_ptr<grpc::ClientWriter<chunked::OutgoingPart>> writer(
+      grpc::internal::ClientWriterFactory<chunked::OutgoingPart>::Create(channel_.get(), method, &ctx, &progress));
   v1::LmHeadRowsPart first;
   v1::LmHeadRows* head = first.mutable_rows();
   head->set_update_id(update_id);
@@ -45,15 +59,12 @@ absl::StatusOr<v1::LmHeadUpdate> GrpcLmHeadUpdateCalls::Put(const std::string& u
   t->set_dtype(begin.dtype());
   t->add_shape(row_end - row_begin);
   t->add_shape(begin.hidden_size());
-  bool ok = writer->Write(first);
-  const size_t step = static_cast<size_t>(piece_bytes_);
-  for (size_t off = 0; ok && off < buffer_.size(); off += step) {
-    v1::LmHeadRowsPart piece;
-    piece.mutable_piece()->set_offset(static_cast<int64_t>(off));
-    piece.mutable_piece()->set_data(buffer_.data() + off, std::min(step, buffer_.size() - off));
-    ok = writer->Write(piece);
-  }
-  writer->WritesDone();
+  chunked::OutgoingPart part;
+  part.message = &first;
+  // A failed write means the server ended the call: Finish says why.
+  if (writer->Write(part) && chunked::WritePieces([&](const chunked::OutgoingPart& p) { return writer->Write(p); }, {0},
+                                                  {std::string_view(buffer_.data(), buffer_.size())}, piece_bytes_))
+    writer->WritesDone();
   if (grpc::Status s = writer->Finish(); !s.ok()) return FromGrpc(s);
   return progress;
 }
@@ -64,7 +75,7 @@ absl::StatusOr<v1::LmHeadInfo> GrpcLmHeadUpdateCalls::Commit(const std::string& 
   v1::LmHeadUpdateRef ref;
   ref.set_update_id(update_id);
   v1::LmHeadInfo committed;
-  if (grpc::Status s = stub_.CommitLmHeadUpdate(&ctx, ref, &committed); !s.ok()) return FromGrpc(s);
+  if (grpc::Status s = stub_->CommitLmHeadUpdate(&ctx, ref, &committed); !s.ok()) return FromGrpc(s);
   return committed;
 }
 
@@ -74,7 +85,7 @@ absl::Status GrpcLmHeadUpdateCalls::Abort(const std::string& update_id) {
   v1::LmHeadUpdateRef ref;
   ref.set_update_id(update_id);
   v1::LmHeadUpdate ignored;
-  return FromGrpc(stub_.AbortLmHeadUpdate(&ctx, ref, &ignored));
+  return FromGrpc(stub_->AbortLmHeadUpdate(&ctx, ref, &ignored));
 }
 
 }  // namespace logprob

@@ -5,24 +5,27 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/chunk_codec.h"
 #include "common/lm_head_update_driver.h"
+#include "grpcpp/channel.h"
 #include "logprob/v1/logprob.grpc.pb.h"
 
 namespace logprob {
 
-/// LmHeadUpdateCalls on `stub` (not owned; outlives this). Each call has
-/// the deadline `timeout` from its start (zero: none). A put reads its
-/// rows into one buffer, reused by the next put, and sends them after its
-/// LmHeadRows part in TensorPieces of `piece_bytes` (the chunk codec's
-/// default: ScoreChunked's pieces). Statuses are the server's. Not
+/// LmHeadUpdateCalls on `channel`. Each call has the deadline `timeout`
+/// from its start (zero: none). A put reads its rows into one buffer,
+/// reused by the next put, and sends them after its LmHeadRows part in
+/// TensorPieces of `piece_bytes` written by the chunk codec
+/// (chunked::WritePieces: the pieces view the buffer, no copies; the parts
+/// share ScoreChunked's layout). Statuses are the server's. Not
 /// thread-safe (one update at a time).
 class GrpcLmHeadUpdateCalls : public LmHeadUpdateCalls {
  public:
-  explicit GrpcLmHeadUpdateCalls(v1::LogprobService::StubInterface& stub,
+  explicit GrpcLmHeadUpdateCalls(std::shared_ptr<grpc::Channel> channel,
                                  std::chrono::milliseconds timeout = std::chrono::milliseconds{0},
                                  int64_t piece_bytes = chunked::kDefaultPieceBytes);
 
@@ -35,7 +38,8 @@ class GrpcLmHeadUpdateCalls : public LmHeadUpdateCalls {
  private:
   void Deadline(grpc::ClientContext* context) const;
 
-  v1::LogprobService::StubInterface& stub_;
+  const std::shared_ptr<grpc::Channel> channel_;
+  const std::unique_ptr<v1::LogprobService::Stub> stub_;
   const std::chrono::milliseconds timeout_;
   const int64_t piece_bytes_;
   std::vector<char> buffer_;  // the rows of the put in progress

@@ -56,6 +56,19 @@ def _host_port(address: str) -> "tuple[str, str]":
     return host, port
 
 
+def _unique_addresses(parts: Sequence[str], target: Any) -> List[str]:
+    """``parts``, each checked to be ``HOST:PORT``, duplicates removed, order
+    kept; InvalidInputError for a malformed one or none at all."""
+    out: List[str] = []
+    for p in parts:
+        _host_port(p)
+        if p not in out:
+            out.append(p)
+    if not out:
+        raise InvalidInputError("target %r names no replica" % (target,))
+    return out
+
+
 def parse_target(target: str) -> "tuple[str, List[str]]":
     """``(kind, addresses)`` of a target string: kind ``"listed"``
     (``ipv4:`` / ``ipv6:``), ``"dns"`` (``dns:`` / ``dns:///``) or
@@ -67,17 +80,7 @@ def parse_target(target: str) -> "tuple[str, List[str]]":
         if t.startswith(prefix):
             kind, t = k, t[len(prefix):]
             break
-    out: List[str] = []
-    for part in t.split(","):
-        p = part.strip()
-        if not p:
-            continue
-        _host_port(p)
-        if p not in out:
-            out.append(p)
-    if not out:
-        raise InvalidInputError("target %r names no replica" % (target,))
-    return kind, out
+    return kind, _unique_addresses([p.strip() for p in t.split(",") if p.strip()], target)
 
 
 def _address(ip: str, port: str) -> str:
@@ -97,14 +100,7 @@ def resolve_replicas(target: Target) -> List[str]:
     removed, order kept. Raises InvalidInputError for a malformed target or
     a DNS name that resolves to nothing."""
     if not isinstance(target, str):
-        listed: List[str] = []
-        for p in (str(p).strip() for p in target):
-            _host_port(p)
-            if p not in listed:
-                listed.append(p)
-        if not listed:
-            raise InvalidInputError("target %r names no replica" % (target,))
-        return listed
+        return _unique_addresses([str(p).strip() for p in target], target)
     kind, parts = parse_target(target)
     if kind != "dns":
         return parts
@@ -112,7 +108,7 @@ def resolve_replicas(target: Target) -> List[str]:
     for p in parts:
         host, port = _host_port(p)
         try:
-            infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except socket.gaierror as e:
             raise InvalidInputError("target %r: %s resolves to no address (%s)" % (target, host, e)) from None
         for info in infos:
