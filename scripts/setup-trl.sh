@@ -8,7 +8,8 @@
 # (requirements-trl-nodeps.txt: only its fused PPO seam is used). It is
 # what logprob_client.trl and .verl are tested with (ctest py_trl_*) and
 # what docs/rl-frameworks.md's TRL example runs in. Needs PyPI once (2-5
-# minutes, 6 GB: torch comes with its CUDA wheels); afterwards it
+# minutes, 6 GB: torch comes with its CUDA wheels, installed one
+# at a time so that no more than ~7 GB is ever taken); afterwards it
 # does nothing while the environment holds exactly those pins, and
 # everything runs offline.
 #
@@ -33,7 +34,11 @@ if ! /usr/bin/python3 -c 'import grpc, google.protobuf' 2>/dev/null; then
   exit 1
 fi
 venv_create "$venv"
-echo "setup-trl: installing $req from PyPI into $venv" >&2
+echo "setup-trl: installing $req from PyPI into $venv ($(venv_free_gib "$venv") GiB free there; it takes ~7)" >&2
+# torch and the nvidia-* CUDA wheels first, one at a time; then the rest,
+# which finds them installed.
+mapfile -t large < <(grep -E '^(torch|nvidia-[a-z0-9-]+|triton)==' "$req")
+venv_pip_install_one_by_one setup-trl "$venv" "logprob_client.trl's tests (ctest -R py_trl_)" "${large[@]}"
 venv_pip_install setup-trl "$venv" "logprob_client.trl's tests (ctest -R py_trl_)" -r "$req"
 venv_pip_install setup-trl "$venv" "logprob_client.verl's seam test" --no-deps -r "$nodeps"
 # The environment must hold the pinned TRL, torch and numpy (not Debian's),

@@ -8,6 +8,7 @@ Environment (set by ctest, see tests/CMakeLists.txt): ``LOGPROB_BIN_DIR``
 """
 
 import asyncio
+import atexit
 import glob
 import os
 import shutil
@@ -42,9 +43,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+_TEMP_DIRS = []
+
+
+def _remove_temp_dirs(pid=os.getpid()):
+    # Only the process that made them removes them (a forked child exits through os._exit anyway).
+    if os.getpid() == pid:
+        for d in _TEMP_DIRS:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+atexit.register(_remove_temp_dirs)
+
+
 def temp_dir(prefix):
-    """A fresh per-process temporary folder (ctest runs tests in parallel)."""
-    return tempfile.mkdtemp(prefix="%s_%d_" % (prefix, os.getpid()))
+    """A fresh per-process temporary folder (ctest runs tests in parallel),
+    removed with everything in it when the test process exits (a failed
+    test's folder too: its log lines are in the test's output)."""
+    d = tempfile.mkdtemp(prefix="%s_%d_" % (prefix, os.getpid()))
+    _TEMP_DIRS.append(d)
+    return d
 
 
 class Server:
