@@ -21,27 +21,6 @@ std::string CpuModelName() {
   return "unknown";
 }
 
-std::string EffectiveCpuIsa() {
-  switch (dnnl::get_effective_cpu_isa()) {
-    case dnnl::cpu_isa::sse41:
-      return "sse41";
-    case dnnl::cpu_isa::avx:
-      return "avx";
-    case dnnl::cpu_isa::avx2:
-      return "avx2";
-    case dnnl::cpu_isa::avx512_core:
-      return "avx512_core";
-    case dnnl::cpu_isa::avx512_core_vnni:
-      return "avx512_core_vnni";
-    case dnnl::cpu_isa::avx512_core_bf16:
-      return "avx512_core_bf16";
-    case dnnl::cpu_isa::avx512_core_amx:
-      return "avx512_core_amx";
-    default:
-      return absl::StrCat("isa ", static_cast<int>(dnnl::get_effective_cpu_isa()));
-  }
-}
-
 struct ReferenceSgemm::Data {
   int64_t M, N, K;
   int threads;

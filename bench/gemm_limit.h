@@ -1,7 +1,7 @@
 // The box's GEMM limit, which the CPU benches state beside their figures:
 // oneDNN's own fp32 GEMM (dnnl_sgemm, one call over the whole shape, on the
-// same OpenMP threads), the CPU's model and the ISA oneDNN runs at (after
-// ONEDNN_MAX_CPU_ISA, which emulates an older CPU).
+// same OpenMP threads) and the CPU's model; the ISA oneDNN runs at is
+// kernels::EffectiveCpuIsa (worker/kernels/lm_head_kernel_choice.h).
 #pragma once
 
 #include <cstdint>
@@ -14,10 +14,6 @@ namespace logprob::bench {
 
 /// The CPU's model name (/proc/cpuinfo "model name"; "unknown").
 std::string CpuModelName();
-
-/// The ISA oneDNN dispatches to on this CPU ("avx512_core_amx",
-/// "avx512_core_bf16", "avx2", ...; dnnl_get_effective_cpu_isa).
-std::string EffectiveCpuIsa();
 
 /// C[M, N] = A[M, K] x B[N, K]^T in fp32 with oneDNN's sgemm on `threads`
 /// OpenMP threads (0: the default), on fixed random data held here: the

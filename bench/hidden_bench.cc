@@ -31,7 +31,9 @@
 // f32 hidden states: rounds interleave the precisions; it prints median
 // seconds, the median over rounds of each one's time divided by the
 // first precision's time in the same round, and of sgemm's time (the box's
-// limit, interleaved with them) divided by its time.
+// limit, interleaved with them) divided by its time. `--cpu-kernels
+// bf16,widen` times the bf16 precision once per CPU kernel
+// (--lm-head-cpu-kernel; rows "bf16/bf16", "bf16/widen").
 #include <omp.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -49,13 +51,16 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "bench/bench_args.h"
 #include "bench/gemm_limit.h"
 #include "bench/interleaved_rounds.h"
 #include "common/dtype.h"
+#include "common/lm_head_cpu_kernel.h"
 #include "common/lm_head_precision.h"
 #include "worker/backend_factory.h"
 #include "worker/comm/communicator.h"
+#include "worker/kernels/lm_head_kernel_choice.h"
 #include "worker/scoring/scorer.h"
 
 namespace logprob {
@@ -70,7 +75,8 @@ struct Config {
   bool full = false;
   int threads = 0;
   std::string backend = "cpu";
-  std::vector<LmHeadPrecision> precisions;  // non-empty: compare them (PrecisionMain)
+  std::vector<LmHeadPrecision> precisions;                              // non-empty: compare them (PrecisionMain)
+  std::vector<LmHeadCpuKernel> cpu_kernels = {LmHeadCpuKernel::kAuto};  // the bf16 precision's, each timed
   int rounds = 7;
 };
 
@@ -229,24 +235,36 @@ Measured InChild(const std::string& mode, const Config& cfg, int64_t N, int64_t 
 /// per-round ratios to cfg.precisions[0], for bf16 and f32 hidden states.
 int PrecisionMain(const Config& cfg) {
   const int64_t N = cfg.N.front(), T = cfg.T.front();
-  BackendConfig bc;
-  bc.backend = cfg.backend;
-  bc.threads = cfg.threads;
-  auto made = MakeBackend(bc);
-  if (!made.ok()) {
-    std::cerr << made.status() << std::endl;
-    return 1;
-  }
-  ScoringBackend& backend = **made;
-  std::vector<std::shared_ptr<const LmHeadWeights>> heads;  // one per precision
+  // One backend and head per precision, and per CPU kernel for bf16.
+  struct Variant {
+    std::string name;
+    std::unique_ptr<ScoringBackend> backend;
+    std::shared_ptr<const LmHeadWeights> head;
+  };
+  std::vector<Variant> variants;
   for (LmHeadPrecision p : cfg.precisions) {
-    LmHeadSlice slice{v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H};
-    auto loaded = backend.LoadLmHead(std::move(slice), p);
-    if (!loaded.ok()) {
-      std::cerr << LmHeadPrecisionName(p) << ": " << loaded.status() << std::endl;
-      return 1;
+    const bool per_kernel = p == LmHeadPrecision::kBf16 && cfg.backend == "cpu";
+    for (LmHeadCpuKernel k : per_kernel ? cfg.cpu_kernels : std::vector<LmHeadCpuKernel>{LmHeadCpuKernel::kAuto}) {
+      BackendConfig bc;
+      bc.backend = cfg.backend;
+      bc.threads = cfg.threads;
+      bc.lm_head_cpu_kernel = k;
+      auto made = MakeBackend(bc);
+      if (!made.ok()) {
+        std::cerr << made.status() << std::endl;
+        return 1;
+      }
+      Variant v{LmHeadPrecisionName(p), *std::move(made), nullptr};
+      if (per_kernel && cfg.cpu_kernels.size() > 1) v.name = absl::StrCat(v.name, "/", LmHeadCpuKernelName(k));
+      LmHeadSlice slice{v1::BF16, RandomBf16(static_cast<size_t>(N * cfg.H), 0.02f, 1), N, cfg.H};
+      auto loaded = v.backend->LoadLmHead(std::move(slice), p);
+      if (!loaded.ok()) {
+        std::cerr << v.name << ": " << loaded.status() << std::endl;
+        return 1;
+      }
+      v.head = *std::move(loaded);
+      variants.push_back(std::move(v));
     }
-    heads.push_back(*std::move(loaded));
   }
   std::vector<int64_t> targets(T);
   for (int64_t i = 0; i < T; ++i) targets[i] = (i * 7919) % N;
@@ -254,7 +272,7 @@ int PrecisionMain(const Config& cfg) {
               cfg.backend.c_str(), static_cast<long long>(N), static_cast<long long>(cfg.H), static_cast<long long>(T),
               static_cast<long long>(cfg.chunk), cfg.full ? "token logprobs + entropy + top-20" : "token logprobs",
               cfg.rounds);
-  std::printf("CPU %s, oneDNN ISA %s, %d threads\n", bench::CpuModelName().c_str(), bench::EffectiveCpuIsa().c_str(),
+  std::printf("CPU %s, oneDNN ISA %s, %d threads\n", bench::CpuModelName().c_str(), kernels::EffectiveCpuIsa().c_str(),
               cfg.threads > 0 ? cfg.threads : omp_get_max_threads());
   std::printf("%-7s %-12s %9s %8s %9s %8s\n", "hidden", "precision", "seconds", "GFLOP/s", "vs first", "of best");
   bench::ReferenceSgemm sgemm(T, N, cfg.H, cfg.threads);
@@ -272,9 +290,9 @@ int PrecisionMain(const Config& cfg) {
     }
     const internal::v1::WorkItem item = HiddenItem(cfg, N, T, hdt, hidden, targets);
     std::vector<BenchCase> cases;
-    for (size_t i = 0; i < heads.size(); ++i)
-      cases.push_back({LmHeadPrecisionName(cfg.precisions[i]),
-                       [&, i] { return ScoreWorkItem(item, self, backend, cfg.chunk, {}, heads[i].get()).status(); }});
+    for (Variant& v : variants)
+      cases.push_back(
+          {v.name, [&] { return ScoreWorkItem(item, self, *v.backend, cfg.chunk, {}, v.head.get()).status(); }});
     cases.push_back({"sgemm fp32", [&] { return sgemm.Run(); }});  // the box's limit, interleaved
     RunInterleaved(cases, cfg.rounds);
     const BenchCase& best = cases.back();
@@ -323,9 +341,20 @@ int Main(int argc, char** argv) {
         }
         cfg.precisions.push_back(*p);
       }
+    } else if (a == "--cpu-kernels") {
+      cfg.cpu_kernels.clear();
+      for (const std::string& name : ParseNames(next())) {
+        auto k = ParseLmHeadCpuKernel(name, "--cpu-kernels");
+        if (!k.ok()) {
+          std::cerr << k.status().message() << std::endl;
+          return 2;
+        }
+        cfg.cpu_kernels.push_back(*k);
+      }
     } else {
       std::cerr << "usage: logprob_hidden_bench [--h H] [--n N1,N2] [--t T1,T2] [--reps R] [--chunk C] [--full] "
-                   "[--threads K] [--backend cpu|cuda] [--precisions bf16,tf32,fp32 [--rounds R]]"
+                   "[--threads K] [--backend cpu|cuda] [--precisions bf16,tf32,fp32 [--rounds R] "
+                   "[--cpu-kernels bf16,widen]]"
                 << std::endl;
       return 2;
     }
@@ -334,7 +363,7 @@ int Main(int argc, char** argv) {
   std::printf("backend %s, H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", cfg.backend.c_str(),
               static_cast<long long>(cfg.H), static_cast<long long>(cfg.chunk),
               cfg.full ? "token logprobs + entropy + top-20" : "token logprobs", cfg.reps);
-  std::printf("CPU %s, oneDNN ISA %s, %d threads\n", bench::CpuModelName().c_str(), bench::EffectiveCpuIsa().c_str(),
+  std::printf("CPU %s, oneDNN ISA %s, %d threads\n", bench::CpuModelName().c_str(), kernels::EffectiveCpuIsa().c_str(),
               cfg.threads > 0 ? cfg.threads : omp_get_max_threads());
   std::printf("%7s %6s %-9s %9s %11s %8s %8s %8s %9s\n", "N", "T", "mode", "seconds", "tokens/s", "GFLOP/s", "vs gemm",
               "of best", "peak MiB");

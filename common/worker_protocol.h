@@ -48,7 +48,11 @@ namespace logprob {
 /// the worker checks; JoinReply.payload_region_prefix (the only
 /// shared-memory names a worker opens); LmHeadRowsRequest.generation. A
 /// version-9 worker sends no secret and is refused UNAUTHENTICATED.
-constexpr uint32_t kWorkerProtocolVersion = 10;
+/// 11: JoinReply.lm_head_cpu_kernel, the pool's one CPU kernel for the
+/// bf16 lm_head GEMM (common/lm_head_cpu_kernel.h); a version-10 worker
+/// would pick its own by its CPU, and a pool on mixed CPUs would compute
+/// other bits on some ranks.
+constexpr uint32_t kWorkerProtocolVersion = 11;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The server's and the worker's layers, checked: each folder of server/
 (a room) may include only the rooms below it, and nothing of the server
-includes client/ (the CLI) or a gRPC header below transport; each folder of
+includes client/ (the CLI), a gRPC header below transport, or the worker
+(but app, which may include worker/kernels/ to choose the pool's CPU
+kernel); each folder of
 worker/ likewise (comm <- scoring <- heads <- the service at worker/'s top;
 cuda/ and kernels/ implement the seams), and the worker includes neither
 server/ nor client/. The rooms and their allowed dependencies are written
@@ -77,6 +79,9 @@ def violations(root):
                     if other != room and other not in ALLOWED[room]:
                         out.append("%s: server/%s may not include %s (server/%s may include: %s)" %
                                    (where, room, target, room, ", ".join(sorted(ALLOWED[room])) or "none"))
+                elif target.startswith("worker/") and not (room == "app" and target.startswith("worker/kernels/")):
+                    out.append("%s: server/%s includes %s: of the worker, only server/app includes its kernels "
+                               "(the pool's CPU kernel choice)" % (where, room, target))
                 elif target.startswith("grpcpp/") and room not in GRPC_ROOMS:
                     out.append("%s: server/%s includes %s: no gRPC type below transport" % (where, room, target))
     return out + worker_violations(root)

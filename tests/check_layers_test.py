@@ -48,6 +48,8 @@ class CheckLayersTest(unittest.TestCase):
             ("pool/worker_pool.cc", '#include "server/core/planner.h"', "server/pool may not include"),
             ("transport/auth.cc", '#include "client/commands.h"', "does not depend on the CLI"),
             ("core/batcher.cc", '#include "grpcpp/channel.h"', "no gRPC type below transport"),
+            ("core/batcher.cc", '#include "worker/kernels/lm_head_gemm.h"', "only server/app includes its kernels"),
+            ("app/main.cc", '#include "worker/scoring/backend.h"', "only server/app includes its kernels"),
         ]:
             self.assert_found("server", rel, line, message)
 

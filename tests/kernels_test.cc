@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -257,6 +258,27 @@ TEST(RowStats, AllNanRowKeepsTheLowestIds) {
 }
 
 // NextAbove, the top-k scan's skip, stops at a NaN whatever the floor.
+// The GEMM's vector widening is ToFloat bit for bit: every bf16 and f16
+// bit pattern (zeros, subnormals, infinities, NaNs), at lengths and
+// offsets that leave every tail size, and f32 copied.
+TEST(Simd, WidenToFloatIsToFloatForEveryBitPattern) {
+  std::vector<uint16_t> all(65536);
+  std::iota(all.begin(), all.end(), 0);
+  for (DType dtype : {v1::BF16, v1::F16}) {
+    for (size_t offset : {0, 1, 3})
+      for (size_t n : {size_t{65536} - 3, size_t{0}, size_t{1}, size_t{7}, size_t{17}, size_t{33}}) {
+        std::vector<float> want(n), got(n, 1.5f);
+        ToFloat(dtype, all.data() + offset, n, want.data());
+        WidenToFloat(dtype, all.data() + offset, n, got.data());
+        EXPECT_EQ(std::memcmp(want.data(), got.data(), n * 4), 0) << DTypeName(dtype) << " n " << n;
+      }
+  }
+  const std::vector<float> f = {1.f, -0.f, std::numeric_limits<float>::infinity(), 3e-45f, 7.f};
+  std::vector<float> got(f.size());
+  WidenToFloat(v1::F32, f.data(), f.size(), got.data());
+  EXPECT_EQ(std::memcmp(f.data(), got.data(), f.size() * 4), 0);
+}
+
 TEST(Simd, NextAboveStopsAtNan) {
   std::vector<float> x(37, 1.0f);
   x[29] = std::numeric_limits<float>::quiet_NaN();

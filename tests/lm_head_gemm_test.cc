@@ -97,16 +97,20 @@ size_t HeldBytes(DType wdt, DType compute, int64_t N, int64_t H) {
 
 /// Builds a GEMM over random `wdt` weights [N, H], runs it on random
 /// `hdt` hidden states [M, H] and checks against the float64 reference.
-void RunCase(DType wdt, DType hdt, int64_t M, int64_t N, int64_t H) {
+/// `kernel`: the bf16 precision's kernel (kAuto: bf16 dot products where
+/// oneDNN has them).
+void RunCase(DType wdt, DType hdt, int64_t M, int64_t N, int64_t H, LmHeadCpuKernel kernel = LmHeadCpuKernel::kAuto) {
   SCOPED_TRACE(testing::Message() << DTypeName(wdt) << " weights, " << DTypeName(hdt) << " hidden, M=" << M
-                                  << " N=" << N << " H=" << H);
+                                  << " N=" << N << " H=" << H << ", kernel " << LmHeadCpuKernelName(kernel));
   Tensor w = Random(wdt, N * H, 1 + N + H), h = Random(hdt, M * H, 7 + M);
-  auto g = LmHeadGemm::Create(wdt, w.bytes, N, H);
+  auto g = LmHeadGemm::Create(wdt, w.bytes, N, H, 0, LmHeadPrecision::kAuto, kernel);
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ((*g)->rows(), N);
   EXPECT_EQ((*g)->hidden_size(), H);
-  // BF16 weights compute in bf16 where oneDNN can, else in f32 on the same bf16 values.
-  const DType compute = wdt == v1::BF16 && Bf16MatmulSupported() ? v1::BF16 : v1::F32;
+  // BF16 weights compute in bf16 where oneDNN can (unless the kernel is
+  // widen), else in f32 on the same bf16 values.
+  const DType compute =
+      wdt == v1::BF16 && Bf16MatmulSupported() && kernel != LmHeadCpuKernel::kWiden ? v1::BF16 : v1::F32;
   EXPECT_EQ((*g)->compute_dtype(), compute);
   EXPECT_EQ((*g)->weight_bytes(), HeldBytes(wdt, compute, N, H));
   std::vector<float> out(M * N, NAN);
@@ -119,6 +123,38 @@ TEST(LmHeadGemm, Bf16WeightsBf16Hidden) {
   for (int64_t H : {256, 100})
     for (int64_t M : {1, 7, 64}) RunCase(v1::BF16, v1::BF16, M, 1000, H);
   RunCase(v1::BF16, v1::BF16, 7, 1001, 100);
+}
+
+// Both CPU kernels of the bf16 precision (common/lm_head_cpu_kernel.h)
+// compute the same bf16 products with f32 accumulation: each within the
+// f32-accumulation bound of the float64 reference, whatever M and dtype.
+TEST(LmHeadGemm, EachBf16KernelMatchesFloat64) {
+  std::vector<LmHeadCpuKernel> kernels = {LmHeadCpuKernel::kWiden};
+  if (Bf16MatmulSupported()) kernels.push_back(LmHeadCpuKernel::kBf16);
+  for (LmHeadCpuKernel k : kernels) {
+    for (int64_t M : {1, 7, 64, 130}) RunCase(v1::BF16, v1::BF16, M, 1001, 256, k);
+    RunCase(v1::BF16, v1::F32, 7, 1000, 100, k);
+    RunCase(v1::BF16, v1::F16, 7, 1000, 100, k);
+  }
+}
+
+// The kernel choice touches only the bf16 precision; a bf16 kernel this
+// CPU lacks is refused, never replaced by another (other bits).
+TEST(LmHeadGemm, KernelChoiceAppliesToTheBf16PrecisionOnly) {
+  for (LmHeadPrecision p : {LmHeadPrecision::kTf32, LmHeadPrecision::kFp32})
+    for (LmHeadCpuKernel k : {LmHeadCpuKernel::kAuto, LmHeadCpuKernel::kBf16, LmHeadCpuKernel::kWiden}) {
+      auto c = GemmComputeDType(p, k);
+      ASSERT_TRUE(c.ok()) << c.status();
+      EXPECT_EQ(*c, v1::F32);
+    }
+  EXPECT_EQ(*GemmComputeDType(LmHeadPrecision::kBf16, LmHeadCpuKernel::kWiden), v1::F32);
+  auto native = GemmComputeDType(LmHeadPrecision::kBf16, LmHeadCpuKernel::kBf16);
+  if (Bf16MatmulSupported()) {
+    EXPECT_EQ(*native, v1::BF16);
+  } else {
+    EXPECT_EQ(native.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(native.status().message().find("--lm-head-cpu-kernel widen"), std::string::npos) << native.status();
+  }
 }
 
 TEST(LmHeadGemm, Bf16WeightsF32AndF16HiddenRoundToBf16) {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -23,12 +24,18 @@ std::vector<char> Random(DType dtype, int64_t n, float sigma, uint32_t seed) {
 }
 
 /// Rows of one [n, H] batch multiplied as sub-batches of every M, at the
-/// start, one row in and at the end, give the batch's bits.
+/// start, one row in and at the end, give the batch's bits: F32 weights,
+/// and BF16 weights with each CPU kernel of the bf16 precision (widen, and
+/// bf16 dot products where oneDNN has them; common/lm_head_cpu_kernel.h).
 void ExpectInvariant(int64_t H) {
   const int64_t N = 301, n = 300;
-  for (DType dtype : {v1::BF16, v1::F32}) {
-    SCOPED_TRACE(DTypeName(dtype));
-    auto gemm = LmHeadGemm::Create(dtype, Random(dtype, N * H, 0.3f, 1), N, H, /*threads=*/1);
+  std::vector<std::pair<DType, LmHeadCpuKernel>> cases = {{v1::BF16, LmHeadCpuKernel::kWiden},
+                                                          {v1::F32, LmHeadCpuKernel::kAuto}};
+  if (Bf16MatmulSupported()) cases.push_back({v1::BF16, LmHeadCpuKernel::kBf16});
+  for (const auto& [dtype, kernel] : cases) {
+    SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << ", kernel " << LmHeadCpuKernelName(kernel));
+    auto gemm =
+        LmHeadGemm::Create(dtype, Random(dtype, N * H, 0.3f, 1), N, H, /*threads=*/1, LmHeadPrecision::kAuto, kernel);
     ASSERT_TRUE(gemm.ok()) << gemm.status();
     const std::vector<char> hidden = Random(dtype, n * H, 1.0f, 2);
     const size_t row = static_cast<size_t>(H) * DTypeSize(dtype);

@@ -15,6 +15,7 @@
 #include <random>
 
 #include "tests/test_support.h"
+#include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::testing {
 namespace {
@@ -362,6 +363,61 @@ TEST(HiddenPrecision, WorkerDisagreeingWithTheFrontEndExits) {
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_NE(r.output.find("--lm-head-precision bf16 disagrees with the front-end's fp32"), std::string::npos)
       << r.output;
+}
+
+/// Occurrences of `needle` in the file at `path`.
+int CountInFile(const std::string& path, const std::string& needle) {
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  int n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// --lm-head-cpu-kernel: the front-end's choice reaches every worker (each
+// says so and multiplies in f32 with the widen kernel), ServerInfo reports
+// it, and the widened bf16 products give the golden case on 2 workers.
+TEST(HiddenCpuKernel, TheFrontEndsChoiceIsEveryWorkersAndMatchesTheGolden) {
+  const std::string log = TempDir("cpu_kernel") + "/server.log";
+  auto server = ServerProcess::Start(
+      2, {"--lm-head", GoldenLmHead(), "--lm-head-cpu-kernel", "widen"},
+      [](const std::string& a) { return grpc::CreateChannel(a, grpc::InsecureChannelCredentials()); }, log);
+  ASSERT_TRUE(server);
+  auto stub = server->NewStub();
+  EXPECT_EQ(Info(*stub).lm_head_cpu_kernel(), "widen");
+  ExpectGoldenMatches(*stub);
+  EXPECT_EQ(CountInFile(log, "logprob-server: lm_head CPU kernel widen (set by --lm-head-cpu-kernel"), 1);
+  EXPECT_EQ(CountInFile(log, "lm_head CPU kernel widen, lm_head store"), 2);  // rank 0 and rank 1
+  EXPECT_EQ(CountInFile(log, "oneDNN f32 GEMM, bf16 operands, BF16 weights converted per tile"), 2);
+
+  // auto resolves to one kernel for the pool, named in ServerInfo.
+  auto automatic = ServerProcess::Start(1, {"--lm-head", GoldenLmHead()});
+  ASSERT_TRUE(automatic);
+  const std::string chosen = Info(*automatic->NewStub()).lm_head_cpu_kernel();
+  EXPECT_TRUE(chosen == "bf16" || chosen == "widen") << chosen;
+}
+
+TEST(HiddenCpuKernel, BadValueIsAStartupErrorNamingTheFlag) {
+  const CommandResult server = RunCommand(
+      BinDir() + "/logprob-server --listen 127.0.0.1:" + std::to_string(FreePort()) + " --lm-head-cpu-kernel amx");
+  EXPECT_NE(server.code, 0);
+  EXPECT_NE(server.output.find("--lm-head-cpu-kernel 'amx': must be auto, bf16 or widen"), std::string::npos)
+      << server.output;
+}
+
+// Same bits or none: a worker whose CPU lacks the pool's kernel (here a
+// worker capped at AVX2, which has no bf16 matmul, joining a pool that
+// runs bf16 dot products) exits naming the way out, and computes nothing.
+TEST(HiddenCpuKernel, AWorkerLackingThePoolsKernelExits) {
+  if (!kernels::Bf16MatmulSupported()) GTEST_SKIP() << "this CPU has no bf16 matmul: the front-end refuses bf16";
+  const std::string control = "127.0.0.1:" + std::to_string(FreePort());
+  auto native = ServerProcess::Launch({"--external-workers", "1", "--control-listen", control, "--lm-head",
+                                       GoldenLmHead(), "--lm-head-cpu-kernel", "bf16"});
+  ASSERT_TRUE(native);
+  const CommandResult r =
+      RunCommand("ONEDNN_MAX_CPU_ISA=AVX2 timeout 120 " + BinDir() + "/logprob-worker --frontend " + control);
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("start the front-end with --lm-head-cpu-kernel widen"), std::string::npos) << r.output;
 }
 
 // The worker's logits buffer is one chunk, whatever T: scoring 16384 tokens

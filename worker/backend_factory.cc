@@ -19,7 +19,7 @@ namespace logprob {
 absl::StatusOr<std::unique_ptr<ScoringBackend>> MakeBackend(const BackendConfig& config) {
   LOGPROB_RETURN_IF_ERROR(CheckBackendChoice(config.backend, "gloo"));
   if (config.backend == "cpu") {
-    return std::unique_ptr<ScoringBackend>(new CpuBackend(config.threads));
+    return std::unique_ptr<ScoringBackend>(new CpuBackend(config.threads, config.lm_head_cpu_kernel));
   }
 #ifdef LOGPROB_HAVE_CUDA
   LOGPROB_ASSIGN_OR_RETURN(const int device, cuda::SelectDevice(config.device, config.rank));

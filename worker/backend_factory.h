@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/lm_head_cpu_kernel.h"
 #include "common/lm_head_precision.h"
 #include "gloo/rendezvous/store.h"
 #include "worker/comm/communicator.h"
@@ -20,6 +21,8 @@ struct BackendConfig {
   int rank = 0;
   int device = -1;  // cuda: CUDA device; -1: rank % device count (several workers may share one GPU)
   int threads = 0;  // cpu: GEMM threads (0: library default)
+  // cpu: the bf16 lm_head GEMM's kernel, the pool's (JoinReply.lm_head_cpu_kernel)
+  LmHeadCpuKernel lm_head_cpu_kernel = LmHeadCpuKernel::kAuto;
 };
 
 /// The backend named in `config`. INVALID_ARGUMENT for an unknown or

@@ -36,6 +36,7 @@
 #include "common/flag_names.h"
 #include "common/internal_auth.h"
 #include "common/keepalive.h"
+#include "common/lm_head_cpu_kernel.h"
 #include "common/lm_head_precision.h"
 #include "common/log_line.h"
 #include "common/loopback.h"
@@ -299,6 +300,12 @@ int main(int argc, char** argv) {
   backend_config.rank = rank;
   backend_config.device = absl::GetFlag(FLAGS_device);
   backend_config.threads = absl::GetFlag(FLAGS_threads) >= 0 ? absl::GetFlag(FLAGS_threads) : joined.threads();
+  // The pool's bf16 GEMM kernel, the same on every rank (empty: a cuda pool).
+  if (!joined.lm_head_cpu_kernel().empty()) {
+    const auto kernel = logprob::ParseLmHeadCpuKernel(joined.lm_head_cpu_kernel(), "JoinReply.lm_head_cpu_kernel");
+    if (!kernel.ok()) EndMembership("front-end: " + std::string(kernel.status().message()), false, 1);
+    backend_config.lm_head_cpu_kernel = *kernel;
+  }
   auto backend = logprob::MakeBackend(backend_config);
   if (!backend.ok())
     EndMembership("--backend " + backend_name + ": " + std::string(backend.status().message()), false, 1);
@@ -318,7 +325,9 @@ int main(int argc, char** argv) {
                                         std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout)));
   if (!comm.ok()) startup_failed("--comm " + comm_name + ": " + std::string(comm.status().message()));
   LogLine() << "logprob-worker: rank " << rank << " backend " << backend_name << ", comm " << comm_name
-            << ", lm_head precision " << precision_name << ", lm_head store "
+            << ", lm_head precision " << precision_name << ", lm_head CPU kernel "
+            << (joined.lm_head_cpu_kernel().empty() ? std::string("none") : joined.lm_head_cpu_kernel())
+            << ", lm_head store "
             << (joined.lm_head_store_dir().empty() ? std::string("none") : joined.lm_head_store_dir());
 
   logprob::WorkerService service(

@@ -23,6 +23,7 @@
 #include "common/malloc_tuning.h"
 #include "common/shared_memory.h"
 #include "server/app/internal_plane.h"
+#include "server/app/lm_head_cpu_kernel_setup.h"
 #include "server/app/memory_bound.h"
 #include "server/app/peer_sync_setup.h"
 #include "server/app/server_flags.h"
@@ -115,8 +116,7 @@ int main(int argc, char** argv) {
   logprob::ServiceConfig config = logprob::ServiceConfigFromFlags(flags);
   metrics.memory().SetBound(memory_bound.total());
   LogLine() << "logprob-server: memory bound " << memory_bound.Describe();
-  const logprob::internal::v1::JoinReply worker_config =
-      logprob::WorkerConfigFromFlags(flags, memory_limits.payload_regions);
+  logprob::internal::v1::JoinReply worker_config = logprob::WorkerConfigFromFlags(flags, memory_limits.payload_regions);
 
   // Named lm_heads: --lm-head [NAME=]PATH[:TENSOR] and --lm-head-declare, repeatable.
   auto releases = std::make_shared<logprob::LmHeadReleases>();
@@ -128,6 +128,11 @@ int main(int argc, char** argv) {
   logprob::LmHeads heads(heads_options);
   if (auto st = logprob::AddStartupHeads(flags, heads); !st.ok()) return Fail(std::string(st.message()));
   config.lm_heads = &heads;
+  // The CPU pool's one bf16 GEMM kernel (auto: measured here, once).
+  absl::StatusOr<std::string> cpu_kernel = logprob::ResolveLmHeadCpuKernel(flags, heads, worker_config.threads());
+  if (!cpu_kernel.ok()) return Fail(std::string(cpu_kernel.status().message()));
+  worker_config.set_lm_head_cpu_kernel(*cpu_kernel);
+  config.lm_head_cpu_kernel = *cpu_kernel;
   absl::StatusOr<std::unique_ptr<logprob::StoreFolder>> store_folder =
       logprob::MakeStoreFolder(flags.lm_head_store_dir);
   if (!store_folder.ok()) return Fail("--lm-head-store-dir: " + std::string(store_folder.status().message()));

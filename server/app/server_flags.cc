@@ -97,6 +97,11 @@ ABSL_FLAG(std::string, lm_head_precision, "auto",
           "weights, fp32 for F32 / F16 weights), bf16 (weights and hidden states rounded to bf16), tf32 (GPU: "
           "TF32 tensor cores; CPU: both operands rounded to tf32, f32 GEMM) or fp32 (exact f32 operands, e.g. for "
           "a rollout engine computing the head in fp32)");
+ABSL_FLAG(std::string, lm_head_cpu_kernel, "auto",
+          "CPU workers' kernel for the bf16 lm_head GEMM (the same products and f32 accumulation, other summation "
+          "order): auto (chosen once for the pool: widen without a bf16 matmul, bf16 with AMX, else the faster "
+          "of the two measured on the head's shape at start-up), bf16 (oneDNN's bf16 x bf16 matmul) or widen "
+          "(operands widened exactly to f32, oneDNN's f32 matmul); replicas that must give the same bits set it");
 ABSL_FLAG(int, worker_threads, 0, "compute threads per worker (0: cores / workers)");
 ABSL_FLAG(std::string, metrics_listen, "", "host:port for Prometheus /metrics (off when empty)");
 ABSL_FLAG(std::string, control_listen, "127.0.0.1:0",
@@ -199,6 +204,7 @@ ServerFlags ParseServerFlags(int argc, char** argv) {
   f.lm_head_memory_bytes = absl::GetFlag(FLAGS_lm_head_memory_bytes);
   f.hidden_chunk_tokens = absl::GetFlag(FLAGS_hidden_chunk_tokens);
   f.lm_head_precision_name = absl::GetFlag(FLAGS_lm_head_precision);
+  f.lm_head_cpu_kernel_name = absl::GetFlag(FLAGS_lm_head_cpu_kernel);
   f.worker_threads = absl::GetFlag(FLAGS_worker_threads);
   f.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   f.control_listen = absl::GetFlag(FLAGS_control_listen);
@@ -284,6 +290,9 @@ absl::Status CheckServingFlags(ServerFlags& f) {
   absl::StatusOr<LmHeadPrecision> precision = ParseLmHeadPrecision(f.lm_head_precision_name);
   if (!precision.ok()) return precision.status();
   f.lm_head_precision = *precision;
+  absl::StatusOr<LmHeadCpuKernel> cpu_kernel = ParseLmHeadCpuKernel(f.lm_head_cpu_kernel_name);
+  if (!cpu_kernel.ok()) return cpu_kernel.status();
+  f.lm_head_cpu_kernel = *cpu_kernel;
   const auto invalid = [](const char* msg) { return absl::InvalidArgumentError(msg); };
   if (f.max_queue_delay < absl::ZeroDuration() || f.max_queue_delay > absl::Seconds(10))
     return invalid("--max-queue-delay must be in [0, 10s]");

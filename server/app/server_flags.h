@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/lm_head_cpu_kernel.h"
 #include "common/lm_head_precision.h"
 #include "common/lm_head_source.h"
 #include "logprob/internal/v1/worker.pb.h"
@@ -43,6 +44,7 @@ struct ServerFlags {
   int64_t lm_head_memory_bytes = 0;
   int64_t hidden_chunk_tokens = 0;
   std::string lm_head_precision_name;
+  std::string lm_head_cpu_kernel_name;
   int worker_threads = 0;
   std::string metrics_listen, control_listen, internal_secret_file;
   bool insecure_internal_plane = false;
@@ -68,6 +70,7 @@ struct ServerFlags {
   // Set by CheckServingFlags:
   Parallelism parallelism = Parallelism::kAuto;
   LmHeadPrecision lm_head_precision = LmHeadPrecision::kAuto;
+  LmHeadCpuKernel lm_head_cpu_kernel = LmHeadCpuKernel::kAuto;
   LmHeadScalarFlags lm_head_scalars;  // --lm-head-logit-scale / --lm-head-softcap
 
   /// Cluster mode: the workers are started elsewhere (--external-workers).

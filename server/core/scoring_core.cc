@@ -139,6 +139,7 @@ v1::ServerInfo ScoringCore::Info() const {
     for (v1::LmHeadInfo& h : config_.lm_heads->List()) *info.add_lm_heads() = std::move(h);
     if (!head.ok()) SetSharedHeadShape(&info);
   }
+  info.set_lm_head_cpu_kernel(config_.lm_head_cpu_kernel);
   info.set_lm_head_updates(config_.lm_head_updates);
   if (config_.lm_head_store_bytes) info.set_lm_head_store_bytes(config_.lm_head_store_bytes());
   info.set_hidden_chunk_tokens(config_.hidden_chunk_tokens);

@@ -44,6 +44,9 @@ struct ServiceConfig {
   /// The GEMM operands' name for weights of a dtype ("bf16", "tf32",
   /// "fp32": --lm-head-precision resolved); may be empty.
   std::function<std::string(DType)> lm_head_precision;
+  /// The CPU pool's bf16 GEMM kernel ("bf16", "widen"; "" for cuda):
+  /// ServerInfo.lm_head_cpu_kernel.
+  std::string lm_head_cpu_kernel;
   /// lm_head updates are accepted (ServerInfo.lm_head_updates).
   bool lm_head_updates = false;
   /// When set and not OK, hidden-states requests fail with its status (a

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
+#include "worker/kernels/simd.h"
 
 namespace logprob::kernels {
 
@@ -53,6 +54,16 @@ bool Bf16MatmulSupported() {
     }
   }();
   return supported;
+}
+
+absl::StatusOr<DType> GemmComputeDType(LmHeadPrecision p, LmHeadCpuKernel kernel) {
+  if (p != LmHeadPrecision::kBf16 || kernel == LmHeadCpuKernel::kWiden) return v1::F32;
+  if (Bf16MatmulSupported()) return v1::BF16;
+  if (kernel == LmHeadCpuKernel::kAuto) return v1::F32;
+  return absl::FailedPreconditionError(
+      "the lm_head CPU kernel 'bf16' (a bf16 x bf16 -> f32 matmul) was chosen for the pool, and this CPU's oneDNN "
+      "has none (it needs avx512_core or newer): start the front-end with --lm-head-cpu-kernel widen, which computes "
+      "the same bf16 products on every x86 CPU");
 }
 
 LmHeadGemm::LmHeadGemm(DType weight_dtype, DType compute_dtype, LmHeadPrecision precision, HostBytes weight,
@@ -124,21 +135,21 @@ void ToOperands(DType from, const void* src, size_t n, DType compute, LmHeadPrec
     }
     return;
   }
-  // f32 compute: widen exactly, then round to the precision's operands
+  // f32 compute: widen exactly (in vectors), then round to the precision's operands
   auto* f = static_cast<float*>(dst);
-  ToFloat(from, src, n, f);
+  WidenToFloat(from, src, n, f);
   RoundToOperands(f, n, from, p);
 }
 
 absl::StatusOr<std::unique_ptr<LmHeadGemm>> LmHeadGemm::Create(DType dtype, HostBytes weight, int64_t rows,
                                                                int64_t hidden_size, int threads,
-                                                               LmHeadPrecision precision) {
+                                                               LmHeadPrecision precision, LmHeadCpuKernel kernel) {
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadWeight(dtype, weight.size(), rows, hidden_size));
   const LmHeadPrecision p = ResolveLmHeadPrecision(precision, dtype);
   // The weights stay as given (a mapping stays shared with its file, and a
   // new version allocates nothing); Compute converts each column tile to
   // the operands as it multiplies it (ToOperands), when they differ.
-  const DType compute = p == LmHeadPrecision::kBf16 && Bf16MatmulSupported() ? v1::BF16 : v1::F32;
+  LOGPROB_ASSIGN_OR_RETURN(const DType compute, GemmComputeDType(p, kernel));
   // oneDNN's OpenMP runtime sizes its parallel regions by the calling
   // thread's omp_get_max_threads(); the cap is set here and again before
   // each Compute (the OpenMP ICV is per thread).

@@ -3,9 +3,11 @@
 // oneDNN matmul (f32 accumulation, f32 output).
 //
 // Operands by LmHeadPrecision (common/lm_head_precision.h): bf16 (auto for
-// BF16 weights) runs a bf16 x bf16 -> f32 matmul (weights and hidden states
-// of another dtype rounded to bf16 first, as a bf16 model's lm_head sees
-// them); fp32 (auto for F32 and F16 weights) widens both exactly and runs
+// BF16 weights) multiplies bf16 operands (weights and hidden states of
+// another dtype rounded to bf16 first, as a bf16 model's lm_head sees
+// them) with f32 accumulation, by one of two kernels (LmHeadCpuKernel,
+// common/lm_head_cpu_kernel.h): a bf16 x bf16 -> f32 matmul, or the
+// operands widened exactly to f32 and an f32 matmul; fp32 (auto for F32 and F16 weights) widens both exactly and runs
 // in f32; tf32 widens both, rounds them to tf32 (round to nearest even)
 // and runs in f32: the CPU emulates tf32 operand rounding, with f32
 // accumulation. The weights are kept as given (in their checkpoint dtype;
@@ -23,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "common/host_bytes.h"
+#include "common/lm_head_cpu_kernel.h"
 #include "common/lm_head_precision.h"
 
 namespace logprob::kernels {
@@ -57,6 +60,14 @@ void ToOperands(DType from, const void* src, size_t n, DType compute, LmHeadPrec
 /// (avx512_core or newer on x86); probed once. Thread-safe.
 bool Bf16MatmulSupported();
 
+/// The dtype the GEMM multiplies in for precision `p` (resolved, not kAuto)
+/// with `kernel`: BF16 for the bf16 precision with kBf16, or with kAuto
+/// where Bf16MatmulSupported(); F32 otherwise (kWiden, tf32, fp32).
+/// FAILED_PRECONDITION for kBf16 at bf16 precision on a CPU without a bf16
+/// matmul (the pool's choice cannot be honoured here: same bits or none).
+/// Thread-safe.
+absl::StatusOr<DType> GemmComputeDType(LmHeadPrecision p, LmHeadCpuKernel kernel);
+
 /// A worker's lm_head slice and the GEMM that maps hidden states to its
 /// logits columns. Not thread-safe: one Compute at a time.
 class LmHeadGemm {
@@ -69,21 +80,25 @@ class LmHeadGemm {
   /// matmul's threads (0: the library default, all cores): oneDNN runs on
   /// OpenMP, so this calls omp_set_num_threads(threads) here and before
   /// each Compute, changing the calling thread's OpenMP default.
-  /// `precision` picks the operands (header comment; kAuto by `dtype`).
+  /// `precision` picks the operands (header comment; kAuto by `dtype`),
+  /// `kernel` the bf16 precision's kernel (GemmComputeDType).
   /// INVALID_ARGUMENT for a bad dtype, rows or H <= 0, or a size not
-  /// matching rows * H; INTERNAL if oneDNN cannot make a CPU engine.
+  /// matching rows * H; FAILED_PRECONDITION for a kernel this CPU lacks;
+  /// INTERNAL if oneDNN cannot make a CPU engine.
   static absl::StatusOr<std::unique_ptr<LmHeadGemm>> Create(DType dtype, HostBytes weight, int64_t rows,
                                                             int64_t hidden_size, int threads = 0,
-                                                            LmHeadPrecision precision = LmHeadPrecision::kAuto);
+                                                            LmHeadPrecision precision = LmHeadPrecision::kAuto,
+                                                            LmHeadCpuKernel kernel = LmHeadCpuKernel::kAuto);
   ~LmHeadGemm();
 
   int64_t rows() const { return rows_; }                // N: vocab slice length
   int64_t hidden_size() const { return hidden_size_; }  // H
-  /// BF16 or F32. The bf16 precision computes in F32 when this CPU's oneDNN
-  /// has no bf16 matmul (e.g. AVX2 only): the bf16 weights are widened
-  /// exactly and the hidden states rounded to bf16 as for the bf16 matmul,
-  /// so the operands and the f32 accumulation are the same (up to summation
-  /// order). tf32 and fp32 compute in F32.
+  /// BF16 or F32. The bf16 precision computes in F32 with the kWiden
+  /// kernel, or when this CPU's oneDNN has no bf16 matmul (e.g. AVX2 only)
+  /// and the kernel is kAuto: the bf16 weights are widened exactly and the
+  /// hidden states rounded to bf16 as for the bf16 matmul, so the operands
+  /// and the f32 accumulation are the same (up to summation order). tf32
+  /// and fp32 compute in F32.
   DType compute_dtype() const { return compute_dtype_; }
   /// The precision in effect: bf16, tf32 or fp32 (kAuto resolved).
   LmHeadPrecision precision() const { return precision_; }

@@ -141,6 +141,24 @@ size_t NextAboveImpl(const float* x, size_t begin, size_t n, float floor) {
   return n;
 }
 
+void WidenToFloatImpl(DType dtype, const void* src, size_t n, float* dst) {
+  const hn::ScalableTag<float> df;
+  const size_t L = hn::Lanes(df);
+  size_t i = 0;
+  if (dtype == v1::BF16) {  // bf16 is the high half of an f32: widen and shift
+    const hn::Rebind<uint16_t, decltype(df)> d16;
+    const hn::RebindToUnsigned<decltype(df)> du32;
+    const uint16_t* p = static_cast<const uint16_t*>(src);
+    for (; i + L <= n; i += L)
+      hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(d16, p + i)))), df, dst + i);
+  } else if (dtype == v1::F16) {
+    const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+    const hwy::float16_t* p = static_cast<const hwy::float16_t*>(src);
+    for (; i + L <= n; i += L) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, p + i)), df, dst + i);
+  }
+  ToFloat(dtype, static_cast<const char*>(src) + i * DTypeSize(dtype), n - i, dst + i);  // the tail; F32: all
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace logprob::kernels
 HWY_AFTER_NAMESPACE();
@@ -151,6 +169,7 @@ namespace logprob::kernels {
 HWY_EXPORT(PrepareBlockImpl);
 HWY_EXPORT(ExpSumsImpl);
 HWY_EXPORT(NextAboveImpl);
+HWY_EXPORT(WidenToFloatImpl);
 
 float PrepareBlock(DType dtype, const void* src, size_t n, float temperature, float keep_min, float* dst,
                    size_t* padded, float* sum) {
@@ -163,6 +182,10 @@ void ExpSums(const float* x, size_t n, float m, float* s, float* u, float* q) {
 
 size_t NextAbove(const float* x, size_t begin, size_t n, float floor) {
   return HWY_DYNAMIC_DISPATCH(NextAboveImpl)(x, begin, n, floor);
+}
+
+void WidenToFloat(DType dtype, const void* src, size_t n, float* dst) {
+  HWY_DYNAMIC_DISPATCH(WidenToFloatImpl)(dtype, src, n, dst);
 }
 
 }  // namespace logprob::kernels

@@ -1,5 +1,6 @@
-// SIMD building blocks of the row statistics (Highway, runtime dispatch to
-// the best instruction set of the machine: AVX-512, AVX2, SSE4, ...).
+// SIMD building blocks of the row statistics and of the lm_head GEMM's
+// operand widening (Highway, runtime dispatch to the best instruction set
+// of the machine: AVX-512, AVX2, SSE4, ...).
 #pragma once
 
 #include <cstddef>
@@ -33,5 +34,11 @@ void ExpSums(const float* x, size_t n, float m, float* s, float* u, float* q = n
 /// The first index i in [begin, n) with x[i] > floor or x[i] NaN (top-k
 /// ranks NaN above every number: row_stats.cc), or n.
 size_t NextAbove(const float* x, size_t begin, size_t n, float floor);
+
+/// ToFloat (common/dtype.h) in vectors: `n` values of `dtype` (F32, BF16
+/// or F16) at `src` widened exactly to float32 in `dst`, bit for bit what
+/// ToFloat gives. The lm_head GEMM widens every bf16 weight tile with it
+/// (the widen kernel, and bf16 operands without a bf16 matmul).
+void WidenToFloat(DType dtype, const void* src, size_t n, float* dst);
 
 }  // namespace logprob::kernels

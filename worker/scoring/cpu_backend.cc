@@ -58,7 +58,7 @@ absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CpuBackend::LoadLmHead(LmHe
                                                                             LmHeadPrecision precision) {
   LOGPROB_RETURN_IF_ERROR(CheckLmHeadTransform(slice));
   LOGPROB_ASSIGN_OR_RETURN(auto gemm, kernels::LmHeadGemm::Create(slice.dtype, std::move(slice.weight), slice.rows,
-                                                                  slice.hidden_size, threads_, precision));
+                                                                  slice.hidden_size, threads_, precision, kernel_));
   return std::shared_ptr<const LmHeadWeights>(
       std::make_shared<CpuLmHead>(std::move(gemm), slice.transform, std::move(slice.bias)));
 }

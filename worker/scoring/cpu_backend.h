@@ -31,8 +31,12 @@ class CpuLmHead final : public LmHeadWeights {
 /// runs hidden-states items under its collective lock).
 class CpuBackend final : public ScoringBackend {
  public:
-  /// `threads`: GEMM threads of the lm_heads it loads (0: library default).
-  explicit CpuBackend(int threads = 0) : threads_(threads) {}
+  /// `threads`: GEMM threads of the lm_heads it loads (0: library default);
+  /// `kernel`: the bf16 precision's GEMM kernel (the pool's choice,
+  /// JoinReply.lm_head_cpu_kernel; kAuto: bf16 dot products where oneDNN
+  /// has them). A kernel this CPU lacks fails each LoadLmHead.
+  explicit CpuBackend(int threads = 0, LmHeadCpuKernel kernel = LmHeadCpuKernel::kAuto)
+      : threads_(threads), kernel_(kernel) {}
 
   std::string name() const override { return "cpu"; }
   absl::Status SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
@@ -48,6 +52,7 @@ class CpuBackend final : public ScoringBackend {
 
  private:
   const int threads_;
+  const LmHeadCpuKernel kernel_;
 };
 
 }  // namespace logprob
