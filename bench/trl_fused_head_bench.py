@@ -195,11 +195,12 @@ def main():
         else:
             cases = {"service (bf16 head)": service, "TRL fp32 (cast_lm_head_to_fp32)": trl(h32, w32),
                      "TRL bf16": trl(hidden, w16)}
-        print("%s; head %s [%d, %d] (server: %s, precision %s), %d tokens, %d CPU workers, torch %s with %d threads, "
-              "%d interleaved rounds, %s (torch ISA %s, ONEDNN_MAX_CPU_ISA %s), %d cores" %
+        cpu_kernel = client.server_info().lm_head_cpu_kernel or "none"
+        print("%s; head %s [%d, %d] (server: %s, precision %s, CPU kernel %s), %d tokens, %d CPU workers, "
+              "torch %s with %d threads, %d interleaved rounds, %s (torch ISA %s, ONEDNN_MAX_CPU_ISA %s), %d cores" %
               ("tiny Qwen2-style model" if a.tiny else "synthetic head", "float32" if weight.dtype == torch.float32
-               else "bf16", V, H, fused_head._TORCH_DTYPE_NAMES.get(int(head.dtype)), head.precision, N, a.workers,
-               torch.__version__, torch.get_num_threads(), a.rounds, cpu_model(),
+               else "bf16", V, H, fused_head._TORCH_DTYPE_NAMES.get(int(head.dtype)), head.precision, cpu_kernel, N,
+               a.workers, torch.__version__, torch.get_num_threads(), a.rounds, cpu_model(),
                torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
                os.cpu_count()), flush=True)
         limit_name = "torch fp32 matmul (the box's GEMM)"
