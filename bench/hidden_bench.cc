@@ -33,7 +33,8 @@
 // first precision's time in the same round, and of sgemm's time (the box's
 // limit, interleaved with them) divided by its time. `--cpu-kernels
 // bf16,widen` times the bf16 precision once per CPU kernel
-// (--lm-head-cpu-kernel; rows "bf16/bf16", "bf16/widen").
+// (--lm-head-cpu-kernel; rows "bf16/bf16", "bf16/widen"); without
+// --precisions the modes run the first kernel listed.
 #include <omp.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -150,6 +151,7 @@ double RunMode(const std::string& mode, const Config& cfg, int64_t N, int64_t T)
   BackendConfig backend_config;
   backend_config.backend = cfg.backend;
   backend_config.threads = cfg.threads;
+  backend_config.lm_head_cpu_kernel = cfg.cpu_kernels.front();  // the modes time one kernel: the first
   auto made = MakeBackend(backend_config);
   if (!made.ok()) {
     std::cerr << made.status() << std::endl;
@@ -351,6 +353,10 @@ int Main(int argc, char** argv) {
         }
         cfg.cpu_kernels.push_back(*k);
       }
+      if (cfg.cpu_kernels.empty()) {
+        std::cerr << "--cpu-kernels: name at least one of auto, bf16, widen" << std::endl;
+        return 2;
+      }
     } else {
       std::cerr << "usage: logprob_hidden_bench [--h H] [--n N1,N2] [--t T1,T2] [--reps R] [--chunk C] [--full] "
                    "[--threads K] [--backend cpu|cuda] [--precisions bf16,tf32,fp32 [--rounds R] "
@@ -363,8 +369,9 @@ int Main(int argc, char** argv) {
   std::printf("backend %s, H=%lld bf16, chunk=%lld tokens, %s, median of %d\n", cfg.backend.c_str(),
               static_cast<long long>(cfg.H), static_cast<long long>(cfg.chunk),
               cfg.full ? "token logprobs + entropy + top-20" : "token logprobs", cfg.reps);
-  std::printf("CPU %s, oneDNN ISA %s, %d threads\n", bench::CpuModelName().c_str(), kernels::EffectiveCpuIsa().c_str(),
-              cfg.threads > 0 ? cfg.threads : omp_get_max_threads());
+  std::printf("CPU %s, oneDNN ISA %s, %d threads, bf16 CPU kernel %s\n", bench::CpuModelName().c_str(),
+              kernels::EffectiveCpuIsa().c_str(), cfg.threads > 0 ? cfg.threads : omp_get_max_threads(),
+              LmHeadCpuKernelName(cfg.cpu_kernels.front()));
   std::printf("%7s %6s %-9s %9s %11s %8s %8s %8s %9s\n", "N", "T", "mode", "seconds", "tokens/s", "GFLOP/s", "vs gemm",
               "of best", "peak MiB");
   for (int64_t N : cfg.N) {
