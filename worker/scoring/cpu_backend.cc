@@ -66,9 +66,15 @@ absl::StatusOr<std::shared_ptr<const LmHeadWeights>> CpuBackend::LoadLmHead(LmHe
 absl::Status CpuBackend::HiddenPartials(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden,
                                         int64_t vocab_begin, const BlockRows& rows, const kernels::StatsSpec& spec,
                                         uint32_t* records) {
-  std::vector<float> logits(static_cast<size_t>(rows.count * lm_head.rows()));
-  LOGPROB_RETURN_IF_ERROR(HiddenLogits(lm_head, hidden_dtype, hidden, rows.count, logits.data()));
-  return SlicePartials(LogitsBlock{v1::F32, logits.data(), vocab_begin, lm_head.rows()}, rows, spec, records);
+  const size_t need = static_cast<size_t>(rows.count * lm_head.rows());
+  absl::MutexLock lock(&round_mu_);
+  if (need > round_capacity_) {  // uninitialized: the GEMM writes every element
+    round_logits_ = std::unique_ptr<float[]>(new float[need]);
+    round_capacity_ = need;
+  }
+  float* logits = round_logits_.get();
+  LOGPROB_RETURN_IF_ERROR(HiddenLogits(lm_head, hidden_dtype, hidden, rows.count, logits));
+  return SlicePartials(LogitsBlock{v1::F32, logits, vocab_begin, lm_head.rows()}, rows, spec, records);
 }
 
 absl::Status CpuBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,

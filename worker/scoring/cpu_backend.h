@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "worker/kernels/lm_head_gemm.h"
 #include "worker/scoring/backend.h"
 
@@ -53,6 +55,15 @@ class CpuBackend final : public ScoringBackend {
  private:
   const int threads_;
   const LmHeadCpuKernel kernel_;
+  // HiddenPartials' round of logits ([rows, slice] f32), kept for the next
+  // round: a fresh buffer per round (tens of MB, over glibc's mmap
+  // threshold) paid a page fault per 4 KiB page and a memset every round.
+  // Grows to the largest round, the size the memory bound counts
+  // (--hidden-chunk-tokens x the slice); the lock serializes rounds, which
+  // the worker's collective lock already does.
+  absl::Mutex round_mu_;
+  std::unique_ptr<float[]> round_logits_ ABSL_GUARDED_BY(round_mu_);
+  size_t round_capacity_ ABSL_GUARDED_BY(round_mu_) = 0;
 };
 
 }  // namespace logprob
