@@ -57,6 +57,15 @@ TEST(LmHeadCpuKernelChoice, AutoFollowsTheIsaThenTheMeasurement) {
   }
 }
 
+// A pool without a head at start-up scores no hidden states yet: auto
+// measures nothing (the front-end starts at once) and keeps bf16 where it runs.
+TEST(LmHeadCpuKernelChoice, AutoWithoutAHeadDoesNotMeasure) {
+  auto c = ChooseLmHeadCpuKernel(LmHeadCpuKernel::kAuto, 0, 1);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->kernel, Bf16MatmulSupported() ? LmHeadCpuKernel::kBf16 : LmHeadCpuKernel::kWiden) << c->why;
+  EXPECT_EQ(c->why.find("measured"), std::string::npos) << c->why;
+}
+
 TEST(LmHeadCpuKernelChoice, TheMeasurementTimesBothKernelsOnTheShape) {
   if (!Bf16MatmulSupported()) {
     EXPECT_EQ(MeasureLmHeadKernels(256, 1).status().code(), absl::StatusCode::kFailedPrecondition);

@@ -13,7 +13,6 @@ absl::StatusOr<std::string> ResolveLmHeadCpuKernel(const ServerFlags& flags, con
   if (flags.backend != "cpu") return std::string();
   int64_t hidden_size = 0;
   for (const v1::LmHeadInfo& h : heads.List()) hidden_size = std::max(hidden_size, h.hidden_size());
-  if (hidden_size <= 0) hidden_size = 4096;
   LOGPROB_ASSIGN_OR_RETURN(const kernels::LmHeadKernelChoice choice,
                            kernels::ChooseLmHeadCpuKernel(flags.lm_head_cpu_kernel, hidden_size, threads));
   LogLine() << "logprob-server: lm_head CPU kernel " << LmHeadCpuKernelName(choice.kernel) << " (" << choice.why << ")";

@@ -15,8 +15,8 @@ namespace logprob {
 /// The kernel name for JoinReply and ServerInfo: "" for a cuda pool (its
 /// GEMM is cuBLASLt's); else "bf16" or "widen", kAuto resolved on this CPU
 /// (the front-end's; local workers share it, external workers should run
-/// on the same CPU model) for the widest startup head's hidden size (4096
-/// without one), with `threads` GEMM threads per worker. Logs the choice
+/// on the same CPU model) for the widest startup head's hidden size (none:
+/// no measurement), with `threads` GEMM threads per worker. Logs the choice
 /// and why. FAILED_PRECONDITION when --lm-head-cpu-kernel bf16 names a
 /// kernel this CPU lacks. Call once, at start-up, before the pool.
 absl::StatusOr<std::string> ResolveLmHeadCpuKernel(const ServerFlags& flags, const LmHeads& heads, int threads);

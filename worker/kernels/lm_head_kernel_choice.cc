@@ -116,6 +116,11 @@ absl::StatusOr<LmHeadKernelChoice> ChooseLmHeadCpuKernel(LmHeadCpuKernel request
     c.why = absl::StrCat("auto: ISA ", isa, " (AMX bf16 tiles)");
     return c;
   }
+  if (hidden_size <= 0) {  // no head yet: nothing scores hidden states, nothing to measure on
+    c.kernel = LmHeadCpuKernel::kBf16;
+    c.why = absl::StrCat("auto: ISA ", isa, ", no lm_head to measure on");
+    return c;
+  }
   LOGPROB_ASSIGN_OR_RETURN(const LmHeadKernelFigures f, MeasureLmHeadKernels(hidden_size, threads));
   c.kernel = f.widen_gflops >= 1.05 * f.bf16_gflops ? LmHeadCpuKernel::kWiden : LmHeadCpuKernel::kBf16;
   c.why = absl::StrFormat(

@@ -50,7 +50,8 @@ struct LmHeadKernelChoice {
 ///    tiles outrun the f32 units several times); otherwise (AVX-512 with or
 ///    without BF16 instructions, no AMX) the faster of the two in
 ///    MeasureLmHeadKernels on the head's H, kBf16 unless kWiden is at
-///    least 5% faster (a measurement in noise keeps the native kernel).
+///    least 5% faster (a measurement in noise keeps the native kernel);
+///    kBf16 without measuring when `hidden_size` <= 0 (no head).
 /// Never returns kAuto. The measurement makes the choice depend on the
 /// load of the moment where the two are close: replicas that must give
 /// the same bits set the flag (the log line and ServerInfo say what auto chose).
