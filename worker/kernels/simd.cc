@@ -142,6 +142,7 @@ size_t NextAboveImpl(const float* x, size_t begin, size_t n, float floor) {
 }
 
 void WidenToFloatImpl(DType dtype, const void* src, size_t n, float* dst) {
+  if (n == 0) return;  // src and dst may be null
   const hn::ScalableTag<float> df;
   const size_t L = hn::Lanes(df);
   size_t i = 0;
