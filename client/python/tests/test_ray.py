@@ -194,6 +194,10 @@ class GoldenTest(unittest.TestCase):
         self.assertIn(grpc.StatusCode.UNAVAILABLE, codes)
         self.assertEqual(set(codes), {grpc.StatusCode.UNAVAILABLE}, codes)
         self.assertFalse(os.path.exists("/proc/%d" % killed) and killed in service_processes(marker))
+        # The pool re-formed once the restarted process joined; the driver's
+        # handle may still see the actor as restarting (a call then fails:
+        # {"error": ...}, seen under ASan), so wait for its info.
+        wait_for(lambda: "pid" in service.processes()[1], "the restarted worker actor to answer info()", timeout=120)
         restarted = service.processes()[1]
         self.assertNotEqual(restarted["pid"], killed)
         self.assertTrue(all(os.path.isdir(d) for d in restarted["dirs"]), restarted["dirs"])
