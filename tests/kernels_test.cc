@@ -270,7 +270,9 @@ TEST(Simd, WidenToFloatIsToFloatForEveryBitPattern) {
         std::vector<float> want(n), got(n, 1.5f);
         ToFloat(dtype, all.data() + offset, n, want.data());
         WidenToFloat(dtype, all.data() + offset, n, got.data());
-        if (n > 0) EXPECT_EQ(std::memcmp(want.data(), got.data(), n * 4), 0) << DTypeName(dtype) << " n " << n;
+        if (n > 0) {
+          EXPECT_EQ(std::memcmp(want.data(), got.data(), n * 4), 0) << DTypeName(dtype) << " n " << n;
+        }
       }
   }
   const std::vector<float> f = {1.f, -0.f, std::numeric_limits<float>::infinity(), 3e-45f, 7.f};
