@@ -39,6 +39,7 @@ TEST(LmHeadCpuKernelChoice, AnExplicitKernelIsKeptOrRefused) {
     EXPECT_EQ(native->kernel, LmHeadCpuKernel::kBf16);
   } else {
     EXPECT_EQ(native.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(native.status().message().find("--lm-head-cpu-kernel widen"), std::string::npos) << native.status();
   }
 }
 

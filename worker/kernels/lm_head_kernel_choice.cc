@@ -100,10 +100,10 @@ absl::StatusOr<LmHeadKernelChoice> ChooseLmHeadCpuKernel(LmHeadCpuKernel request
   if (requested != LmHeadCpuKernel::kAuto) {
     c.kernel = requested;
     c.why = absl::StrCat("set by --lm-head-cpu-kernel (ISA ", isa, ")");
-    if (requested == LmHeadCpuKernel::kBf16 && !Bf16MatmulSupported())
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--lm-head-cpu-kernel bf16: this CPU's oneDNN (ISA ", isa,
-          ") has no bf16 matmul; --lm-head-cpu-kernel widen (or auto) computes the same bf16 products in f32"));
+    // The workers' own rule (GemmComputeDType), checked here first.
+    if (absl::StatusOr<DType> runs = GemmComputeDType(LmHeadPrecision::kBf16, requested); !runs.ok())
+      return absl::FailedPreconditionError(absl::StrCat("--lm-head-cpu-kernel ", LmHeadCpuKernelName(requested),
+                                                        " (ISA ", isa, "): ", runs.status().message()));
     return c;
   }
   if (!Bf16MatmulSupported()) {

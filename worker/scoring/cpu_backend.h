@@ -58,9 +58,10 @@ class CpuBackend final : public ScoringBackend {
   // HiddenPartials' round of logits ([rows, slice] f32), kept for the next
   // round: a fresh buffer per round (tens of MB, over glibc's mmap
   // threshold) paid a page fault per 4 KiB page and a memset every round.
-  // Grows to the largest round, the size the memory bound counts
-  // (--hidden-chunk-tokens x the slice); the lock serializes rounds, which
-  // the worker's collective lock already does.
+  // Grows to the largest round (about --hidden-chunk-tokens x V floats, the
+  // one round of logits docs/serving.md counts in a worker's memory) and
+  // is held until the backend goes; the lock serializes rounds, which the
+  // worker's collective lock already does.
   absl::Mutex round_mu_;
   std::unique_ptr<float[]> round_logits_ ABSL_GUARDED_BY(round_mu_);
   size_t round_capacity_ ABSL_GUARDED_BY(round_mu_) = 0;
