@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "common/error_reason.h"
 #include "common/status_macros.h"
+#include "server/core/rollout_mismatch.h"
 
 namespace logprob {
 namespace {
@@ -51,8 +52,8 @@ class InputBytes {
 /// Checks the byte size of every tensor and indexes them by name.
 absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::ScoreRequest& req,
                                                                      const InputBytes& bytes) {
-  static const char* const kKnown[] = {"logits",   "hidden_states", "input_ids",
-                                       "seq_lens", "cu_seqlens",    "gather_indices"};
+  static const char* const kKnown[] = {"logits",     "hidden_states",  "input_ids",       "seq_lens",
+                                       "cu_seqlens", "gather_indices", "rollout_logprobs"};
   std::map<std::string, const v1::Tensor*> by_name;
   for (int i = 0; i < req.inputs_size(); ++i) {
     const v1::Tensor& t = req.inputs(i);
@@ -61,7 +62,8 @@ absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::S
     if (!known)
       return Invalid(
           absl::StrCat("inputs[", i, "]: unknown tensor \"", t.name(),
-                       "\" (expected logits, hidden_states, input_ids, seq_lens, cu_seqlens, gather_indices)"));
+                       "\" (expected logits, hidden_states, input_ids, seq_lens, cu_seqlens, gather_indices, ",
+                       "rollout_logprobs)"));
     if (by_name.count(t.name())) return Invalid(absl::StrCat("inputs[", i, "]: tensor \"", t.name(), "\" given twice"));
     const size_t esize = DTypeSize(t.dtype());
     if (esize == 0) return Invalid(absl::StrCat("inputs[", i, "] \"", t.name(), "\": dtype is unspecified"));
@@ -167,10 +169,11 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   const v1::Tensor* cu = get("cu_seqlens");
   const v1::Tensor* lens = get("seq_lens");
   const v1::Tensor* gather = get("gather_indices");
-  // The integer tensors' bytes (read here when they are not in memory).
-  std::string_view id_bytes, cu_bytes, lens_bytes, gather_bytes;
+  const v1::Tensor* rollout = get("rollout_logprobs");
+  // The integer tensors' and rollout logprobs' bytes (read here when they are not in memory).
+  std::string_view id_bytes, cu_bytes, lens_bytes, gather_bytes, rollout_bytes;
   for (const auto& [t, out] : {std::pair{ids, &id_bytes}, std::pair{cu, &cu_bytes}, std::pair{lens, &lens_bytes},
-                               std::pair{gather, &gather_bytes}}) {
+                               std::pair{gather, &gather_bytes}, std::pair{rollout, &rollout_bytes}}) {
     if (t == nullptr) continue;
     LOGPROB_ASSIGN_OR_RETURN(*out, bytes(t));
   }
@@ -267,6 +270,22 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
           absl::StrCat("\"gather_indices\": K = ", want.back(), " exceeds the server's max_topk ", limits.max_topk));
     job.gather_k = static_cast<int>(want.back());
   }
+  std::shared_ptr<RolloutInput> rollout_in;
+  if (rollout) {
+    if (rollout->dtype() != v1::F32)
+      return Invalid(absl::StrCat("\"rollout_logprobs\": dtype ", DTypeName(rollout->dtype()), " is not F32"));
+    LOGPROB_RETURN_IF_ERROR(CheckShape(*rollout, job.out_shape, "the output shape"));
+    rollout_in = std::make_shared<RolloutInput>();
+    LOGPROB_RETURN_IF_ERROR(ParseRolloutOptions(job.options, rollout_in.get()));
+    rollout_in->logprobs.resize(static_cast<size_t>(job.num_outputs()));
+    if (!rollout_in->logprobs.empty())
+      std::memcpy(rollout_in->logprobs.data(), rollout_bytes.data(), rollout_in->logprobs.size() * sizeof(float));
+    // Sequence s's outputs: [out0, out0 + S') padded, [out0, next out0) packed.
+    const int64_t seq_span = packed ? 0 : job.out_shape[1];
+    for (size_t s = 0; s < seqs.size(); ++s) rollout_in->seq_out.push_back(seqs[s].out0);
+    rollout_in->seq_out.push_back(packed ? job.out_shape[0] : static_cast<int64_t>(seqs.size()) * seq_span);
+  }
+  ClearRolloutOptions(&job.options);
 
   // Scored rows: in sequence s, position t scores input_ids[t + shift].
   const int64_t shift = next ? 1 : 0;
@@ -283,6 +302,8 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
       job.rows.push_back(q.row0 + t);
       job.targets.push_back(target == ignore ? -1 : target);
       job.out_pos.push_back(out);
+      if (rollout_in && target != ignore)
+        LOGPROB_RETURN_IF_ERROR(CheckRolloutLogprob(rollout_in->logprobs[out], static_cast<int64_t>(s), t));
       for (int j = 0; j < job.gather_k; ++j) {
         const int64_t g = ReadInt(gather->dtype(), gather_data, out * job.gather_k + j);
         if (g < 0 || g >= V)
@@ -293,6 +314,7 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     }
   }
   const std::shared_ptr<const InputSource>& source = bytes.source(input);
+  job.rollout = std::move(rollout_in);
   job.segments.push_back({0, source});
   if (source->rules().every_input_row) ExpandToInputRows(total_rows, &job);
   return job;

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "logprob/v1/logprob.pb.h"
+#include "server/core/rollout_mismatch.h"
 #include "server/heads/lm_heads.h"
 #include "server/inputs/input_source.h"
 #include "server/inputs/request_inputs.h"
@@ -60,6 +61,10 @@ struct ScoreJob {
   /// Hidden states: the lm_head version bound at admission (LmHeads::Bind),
   /// which scores every row; kept alive by the job.
   std::shared_ptr<const LmHeadVersion> lm_head;
+  /// The request's rollout logprobs and options (input "rollout_logprobs",
+  /// server/core/rollout_mismatch.h), or null. They change only the
+  /// response: `options` holds no rollout field.
+  std::shared_ptr<const RolloutInput> rollout;
 
   int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
   int64_t num_outputs() const;  // product of out_shape
@@ -77,7 +82,9 @@ struct ScoreJob {
 /// message naming the field (and for targets and gather ids, the sequence
 /// and position): unknown or duplicate tensor, wrong dtype, shape mismatch,
 /// data size not matching shape, bad cu_seqlens / seq_lens, a target
-/// outside [0, V) that is not ignore_index, out-of-range options, both or
+/// outside [0, V) that is not ignore_index, out-of-range options, a
+/// rollout_logprobs not F32 or not shaped like the output or whose value at
+/// a scored token is > 0 (CheckRolloutLogprob), both or
 /// neither of logits and hidden_states, hidden_states whose H is not the
 /// lm_head's. FAILED_PRECONDITION for hidden_states when `lm_head` has no
 /// shape (the server was started without --lm-head), or when an integer

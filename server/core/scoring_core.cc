@@ -111,6 +111,12 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
     resp.set_head(job.lm_head->head);
     resp.set_head_version(job.lm_head->version);
   }
+  if (job.rollout) {
+    std::vector<bool> scored(static_cast<size_t>(job.num_outputs()), false);
+    for (int64_t i = 0; i < job.num_rows(); ++i)
+      if (job.out_pos[i] >= 0 && job.targets[i] >= 0) scored[job.out_pos[i]] = true;
+    LOGPROB_RETURN_IF_ERROR(AddRolloutMismatch(*job.rollout, scored, &resp));
+  }
   return resp;
 }
 

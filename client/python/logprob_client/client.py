@@ -148,6 +148,13 @@ class LogprobClient(ClientBase):
         - packed: ``cu_seqlens`` [B + 1] (0, ..., T).
         - ``gather_indices`` [..output shape.., K]: global token ids whose
           logprobs come back in ``gathered_logprobs``.
+        - ``rollout_logprobs`` [..output shape..] (float; sent as float32):
+          the rollout engine's logprob of each scored token, NaN where it
+          has none (prompt positions); the result then carries the
+          mismatch (``rollout_log_ratio``, ``rollout_ratio``, per-sequence
+          ``rollout_seq_*`` outputs and ``rollout_mismatch``; docs/SPEC.md
+          "Rollout mismatch"), with ``rollout_ratio_cap`` (default 3) and
+          ``rollout_band`` ((low, high), default (0.9, 1.1)).
 
         Options: ``alignment`` "next_token" (row t scores input_ids[t + 1])
         or "same_position"; ``entropy``; ``log_sum_sq_probs``,

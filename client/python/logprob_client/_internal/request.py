@@ -6,6 +6,7 @@ asyncio clients (which only send the parts)."""
 import copy
 import difflib
 import inspect
+import math
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import grpc
@@ -140,9 +141,12 @@ def score_options(
     log_sum_sq_probs: bool = False,
     mean_logits: bool = False,
     is_top1: bool = False,
+    rollout_ratio_cap: Optional[float] = None,
+    rollout_band: Optional[Tuple[float, float]] = None,
 ) -> Any:
     """The ``logprob.v1.ScoreOptions`` of ``score``'s keyword options.
-    Raises InvalidInputError for an unknown alignment."""
+    Raises InvalidInputError for an unknown alignment or a ``rollout_band``
+    that is not a pair."""
     options = pb2.ScoreOptions()
     if alignment not in _ALIGNMENTS and alignment not in (pb2.NEXT_TOKEN, pb2.SAME_POSITION):
         raise InvalidInputError("alignment must be 'next_token' or 'same_position', got %r" % (alignment,))
@@ -159,6 +163,14 @@ def score_options(
     options.log_sum_sq_probs = bool(log_sum_sq_probs)
     options.mean_logits = bool(mean_logits)
     options.is_top1 = bool(is_top1)
+    if rollout_ratio_cap is not None:
+        options.rollout_ratio_cap = float(rollout_ratio_cap)
+    if rollout_band is not None:
+        try:
+            low, high = rollout_band
+        except (TypeError, ValueError):
+            raise InvalidInputError("rollout_band must be a pair (low, high), got %r" % (rollout_band,)) from None
+        options.rollout_band_low, options.rollout_band_high = float(low), float(high)
     return options
 
 
@@ -204,6 +216,7 @@ class ScoreCall:
         attention_mask: Any = None,
         cu_seqlens: Any = None,
         gather_indices: Any = None,
+        rollout_logprobs: Any = None,
         dtype: Any = None,
         split: bool = True,
         cuda_ipc: bool = False,
@@ -267,6 +280,8 @@ class ScoreCall:
             tensors.append(("seq_lens",) + int_array("seq_lens", seq_lens))
         if gather_indices is not None:
             tensors.append(("gather_indices",) + int_array("gather_indices", gather_indices))
+        if rollout_logprobs is not None:
+            tensors.append(("rollout_logprobs",) + float_array("rollout_logprobs", rollout_logprobs, "f32"))
         head, head_version = str(head or ""), str(head_version or "")
         if (head or head_version) and rows_name != "hidden_states":
             raise InvalidInputError("head / head_version select an lm_head for hidden_states; this call has logits")
@@ -342,7 +357,31 @@ class ScoreCall:
         result = ScoreResult(self.output.convert(joined), self.id, len(responses), attempts)
         result.head = getattr(responses[0], "head", "") or ""
         result.head_version = getattr(responses[0], "head_version", "") or ""
+        parts = [_rollout_mismatch_of(r) for r in responses]
+        if any(p is not None for p in parts):
+            result.rollout_mismatch = rollout_mismatch([p for p in parts if p is not None])
         return result
+
+
+def _rollout_mismatch_of(response: Any) -> Any:
+    """A response's ``RolloutMismatch``, or None (a ``WireResponse`` or a
+    ``ScoreResponse`` message)."""
+    if hasattr(response, "HasField"):
+        return response.rollout_mismatch if response.HasField("rollout_mismatch") else None
+    return getattr(response, "rollout_mismatch", None)
+
+
+def rollout_mismatch(parts: List[Any]) -> Dict[str, float]:
+    """The request's ``RolloutMismatch`` as a dict, from its parts' (in part
+    order): each mean over all compared tokens is the token-weighted mean
+    of the parts' (exactly the server's definition, docs/SPEC.md "Rollout
+    mismatch"); NaN when no token was compared."""
+    tokens = sum(int(p.tokens) for p in parts)
+    out: Dict[str, float] = {"tokens": tokens}
+    for name in ("mean_abs_log_ratio", "k1", "k3", "outside_band_fraction"):
+        out[name] = (math.fsum(getattr(p, name) * p.tokens for p in parts if p.tokens) / tokens
+                     if tokens else float("nan"))
+    return out
 
 
 # Outputs the server sends as I32 0/1 that the clients return as bool.

@@ -33,6 +33,17 @@ class ScoreResult:
     ``attempts`` (calls sent, retries included), ``head`` and
     ``head_version`` (hidden states: the lm_head version that scored every
     row; empty for logits).
+
+    With ``rollout_logprobs`` (docs/SPEC.md "Rollout mismatch"):
+    ``rollout_log_ratio`` (l = logp - logp_rollout) and ``rollout_ratio``
+    (min(exp(l), cap)), shaped like ``token_logprobs``, NaN where not
+    compared; per sequence ``outputs["rollout_seq_tokens"]`` (int64),
+    ``"rollout_seq_mean_abs_log_ratio"``, ``"rollout_seq_k1"``,
+    ``"rollout_seq_k3"``, ``"rollout_seq_outside_band"``,
+    ``"rollout_seq_ratio"`` and ``"rollout_seq_geo_ratio"`` [B]; and
+    ``rollout_mismatch``, the request's figures as a dict (``tokens``,
+    ``mean_abs_log_ratio``, ``k1``, ``k3``, ``outside_band_fraction``), None
+    without rollout logprobs.
     """
 
     def __init__(self, outputs: Dict[str, Any], request_id: str, num_parts: int, attempts: int) -> None:
@@ -42,6 +53,7 @@ class ScoreResult:
         self.attempts = attempts
         self.head = ""
         self.head_version = ""
+        self.rollout_mismatch: Optional[Dict[str, float]] = None
 
     @property
     def token_logprobs(self) -> Any:
@@ -74,6 +86,14 @@ class ScoreResult:
     @property
     def gathered_logprobs(self) -> Optional[Any]:
         return self.outputs.get("gathered_logprobs")
+
+    @property
+    def rollout_log_ratio(self) -> Optional[Any]:
+        return self.outputs.get("rollout_log_ratio")
+
+    @property
+    def rollout_ratio(self) -> Optional[Any]:
+        return self.outputs.get("rollout_ratio")
 
     def __getitem__(self, name: str) -> Any:
         return self.outputs[name]

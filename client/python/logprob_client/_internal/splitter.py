@@ -5,9 +5,10 @@ sequences, and joining their results (the Python counterpart of
 - Padded input (``logits``/``hidden_states`` [B, S, X]): every input is cut
   along B into groups of consecutive sequences.
 - Packed input ([T, X], ``input_ids`` [T], ``cu_seqlens`` [B + 1], optional
-  ``gather_indices`` [T - B or T, K]): cut by whole sequences; each part's
-  ``cu_seqlens`` is rebased to 0 and keeps its dtype; ``gather_indices``
-  rows follow the output rows (L - 1 per sequence of length L for
+  ``gather_indices`` [T - B or T, K] and ``rollout_logprobs`` [T - B or T]):
+  cut by whole sequences; each part's ``cu_seqlens`` is rebased to 0 and
+  keeps its dtype; ``gather_indices`` and ``rollout_logprobs`` rows follow
+  the output rows (L - 1 per sequence of length L for
   next_token, L for same_position). Without ``cu_seqlens`` the T rows are
   one sequence.
 - Parts are filled greedily so that each part's serialized size is at most
@@ -26,6 +27,8 @@ from ._proto import pb2
 from .tensors import DTYPE_SIZE, NUMPY_DTYPE, Array, to_tensor
 
 ROW_NAMES = ("logits", "hidden_states")
+# Inputs with one row per output row (shaped like the outputs).
+_OUTPUT_ROW_INPUTS = ("gather_indices", "rollout_logprobs")
 
 # Upper bound of what the id suffix "-<i>" adds, and of how much a tensor's
 # serialized size can exceed its data plus its header without data (the
@@ -130,9 +133,8 @@ def _plan_packed(inp: Inputs) -> _Plan:
     next_token = inp.options.alignment == pb2.NEXT_TOKEN
     ids = inp.get("input_ids")
     cu = inp.get("cu_seqlens")
-    gather = inp.get("gather_indices")
     for name, _, _ in inp.tensors:
-        if name not in (inp.rows[0], "input_ids", "cu_seqlens", "gather_indices"):
+        if name not in (inp.rows[0], "input_ids", "cu_seqlens") + _OUTPUT_ROW_INPUTS:
             raise InvalidInputError("packed input cannot carry '%s'" % name)
     if ids is None or ids[2].ndim != 1 or ids[2].shape[0] != T:
         raise InvalidInputError(
@@ -151,14 +153,19 @@ def _plan_packed(inp: Inputs) -> _Plan:
     lens = np.diff(cuv)
     outs = np.maximum(lens - 1, 0) if next_token else lens
     out_off = np.concatenate([[0], np.cumsum(outs)]).astype(np.int64)
-    if gather is not None and (gather[2].ndim < 1 or gather[2].shape[0] != out_off[-1]):
-        raise InvalidInputError(
-            "'gather_indices' %s must have %d rows, one per output row" % (list(gather[2].shape), out_off[-1])
-        )
+    out_row_bytes = 0  # of the inputs with one row per output row
+    for name in _OUTPUT_ROW_INPUTS:
+        t = inp.get(name)
+        if t is None:
+            continue
+        if t[2].ndim < 1 or t[2].shape[0] != out_off[-1]:
+            raise InvalidInputError(
+                "'%s' %s must have %d rows, one per output row" % (name, list(t[2].shape), out_off[-1])
+            )
+        out_row_bytes += t[2].nbytes // t[2].shape[0] if t[2].shape[0] else 0
     token_bytes = rows.nbytes // T + ids[2].itemsize if T else 0
     cu_entry = DTYPE_SIZE[cu[1]] if cu is not None else 0
-    gather_row = gather[2].nbytes // gather[2].shape[0] if gather is not None and gather[2].shape[0] else 0
-    seq_bytes = [int(lens[i] * token_bytes + cu_entry + outs[i] * gather_row) for i in range(B)]
+    seq_bytes = [int(lens[i] * token_bytes + cu_entry + outs[i] * out_row_bytes) for i in range(B)]
     seq_tokens = [int(x) for x in lens]
 
     def make(s0: int, s1: int) -> List[Input]:
@@ -166,7 +173,7 @@ def _plan_packed(inp: Inputs) -> _Plan:
         for name, dt, arr in inp.tensors:
             if name in (inp.rows[0], "input_ids"):
                 part.append((name, dt, arr[cuv[s0]:cuv[s1]]))
-            elif name == "gather_indices":
+            elif name in _OUTPUT_ROW_INPUTS:
                 part.append((name, dt, arr[out_off[s0]:out_off[s1]]))
             elif name == "cu_seqlens":
                 part.append((name, dt, (cuv[s0:s1 + 1] - cuv[s0]).astype(NUMPY_DTYPE[dt])))

@@ -152,10 +152,12 @@ class WireTensor:
 class WireResponse:
     """A ``logprob.v1.ScoreResponse`` read from its bytes (``id``,
     ``outputs`` as ``WireTensor``s, ``status_code``, ``status_message``,
-    ``status_reason``, ``head``, ``head_version``), the tensors' data left
-    in place."""
+    ``status_reason``, ``head``, ``head_version``, ``rollout_mismatch``: a
+    ``logprob.v1.RolloutMismatch`` or None), the tensors' data left in
+    place."""
 
-    __slots__ = ("id", "outputs", "status_code", "status_message", "status_reason", "head", "head_version")
+    __slots__ = ("id", "outputs", "status_code", "status_message", "status_reason", "head", "head_version",
+                 "rollout_mismatch")
 
     def __init__(self) -> None:
         self.id = ""
@@ -165,6 +167,7 @@ class WireResponse:
         self.status_reason = 0
         self.head = ""
         self.head_version = ""
+        self.rollout_mismatch: Any = None
 
 
 # The largest protobuf field number.
@@ -264,4 +267,6 @@ def decode_response(raw: bytes) -> WireResponse:
             r.head = bytes(value).decode("utf-8")
         elif field == 7 and wire_type == 2:
             r.head_version = bytes(value).decode("utf-8")
+        elif field == 8 and wire_type == 2:
+            r.rollout_mismatch = pb2.RolloutMismatch.FromString(bytes(value))
     return r
