@@ -122,7 +122,7 @@ TEST(RolloutMismatch, ResultsThatDoNotFitAreInternal) {
   in.seq_out = {0, 2};
   v1::ScoreResponse resp;
   *resp.add_outputs() = Make<float>("token_logprobs", v1::F32, {3}, {-1, -1, -1});
-  EXPECT_EQ(AddRolloutMismatch(in, {true, true}, &resp).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(AddRolloutMismatch(in, {true, true}, &resp).status().code(), absl::StatusCode::kInternal);
 }
 
 }  // namespace

@@ -71,7 +71,8 @@ void MismatchSums::Add(double l, const RolloutInput& in) {
   if (r < in.band_low || r > in.band_high) ++outside_band;
 }
 
-absl::Status AddRolloutMismatch(const RolloutInput& in, const std::vector<bool>& scored, v1::ScoreResponse* resp) {
+absl::StatusOr<RolloutObservation> AddRolloutMismatch(const RolloutInput& in, const std::vector<bool>& scored,
+                                                      v1::ScoreResponse* resp) {
   const v1::Tensor* lp_tensor = nullptr;
   for (const v1::Tensor& t : resp->outputs())
     if (t.name() == "token_logprobs") lp_tensor = &t;
@@ -96,6 +97,7 @@ absl::Status AddRolloutMismatch(const RolloutInput& in, const std::vector<bool>&
   float* seq_geo = AddTensor<float>(resp, "rollout_seq_geo_ratio", v1::F32, seq_shape, B);
 
   MismatchSums request;
+  RolloutObservation seen;
   for (size_t s = 0; s < B; ++s) {
     MismatchSums seq;
     for (int64_t o = in.seq_out[s]; o < in.seq_out[s + 1]; ++o) {
@@ -105,6 +107,7 @@ absl::Status AddRolloutMismatch(const RolloutInput& in, const std::vector<bool>&
       if (std::isnan(l)) continue;
       seq.Add(l, in);
       request.Add(l, in);
+      seen.log_ratios.push_back(log_ratio[o]);
     }
     const double k = static_cast<double>(seq.tokens);
     seq_tokens[s] = seq.tokens;
@@ -122,7 +125,9 @@ absl::Status AddRolloutMismatch(const RolloutInput& in, const std::vector<bool>&
   m->set_k1(request.tokens ? -request.log_ratio / k : kNaN);
   m->set_k3(request.tokens ? request.k3 / k : kNaN);
   m->set_outside_band_fraction(request.tokens ? static_cast<double>(request.outside_band) / k : kNaN);
-  return absl::OkStatus();
+  seen.outside_band = request.outside_band;
+  seen.k3 = m->k3();
+  return seen;
 }
 
 }  // namespace logprob

@@ -64,6 +64,13 @@ struct MismatchSums {
 /// or NaN when it is not compared (rollout NaN, or both -inf).
 double RolloutLogRatio(float service_logprob, float rollout_logprob);
 
+/// What the metrics record of one request (Metrics::ObserveRolloutMismatch).
+struct RolloutObservation {
+  std::vector<float> log_ratios;  // l of each compared token, in output order (may be +-inf)
+  int64_t outside_band = 0;       // compared tokens with r outside the band
+  double k3 = 0;                  // the request's mean (NaN without compared tokens)
+};
+
 /// Adds the mismatch outputs to `resp`, which holds `token_logprobs`
 /// [out_shape] (BuildResponse): per token `rollout_log_ratio` l and
 /// `rollout_ratio` min(exp(l), cap) (F32 [out_shape], NaN where not
@@ -75,7 +82,9 @@ double RolloutLogRatio(float service_logprob, float rollout_logprob);
 /// ScoreResponse.rollout_mismatch over all compared tokens of the request.
 /// `scored[o]` (size num_outputs) is false for output positions that were
 /// not scored (padding) or whose target is ignore_index: never compared. INTERNAL when token_logprobs is missing
-/// or sized wrongly. Pure; reads only its arguments.
-absl::Status AddRolloutMismatch(const RolloutInput& in, const std::vector<bool>& scored, v1::ScoreResponse* resp);
+/// or sized wrongly. Returns what the metrics record. Pure; reads only its
+/// arguments.
+absl::StatusOr<RolloutObservation> AddRolloutMismatch(const RolloutInput& in, const std::vector<bool>& scored,
+                                                      v1::ScoreResponse* resp);
 
 }  // namespace logprob

@@ -115,7 +115,8 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
     std::vector<bool> scored(static_cast<size_t>(job.num_outputs()), false);
     for (int64_t i = 0; i < job.num_rows(); ++i)
       if (job.out_pos[i] >= 0 && job.targets[i] >= 0) scored[job.out_pos[i]] = true;
-    LOGPROB_RETURN_IF_ERROR(AddRolloutMismatch(*job.rollout, scored, &resp));
+    LOGPROB_ASSIGN_OR_RETURN(const RolloutObservation seen, AddRolloutMismatch(*job.rollout, scored, &resp));
+    if (observers_.on_rollout_mismatch) observers_.on_rollout_mismatch(job.lm_head ? job.lm_head->head : "", seen);
   }
   return resp;
 }

@@ -16,6 +16,7 @@
 #include "server/core/admission.h"
 #include "server/core/batcher.h"
 #include "server/core/planner.h"
+#include "server/core/rollout_mismatch.h"
 #include "server/core/score_job.h"
 #include "server/heads/lm_heads.h"
 #include "server/inputs/input_resolver.h"
@@ -99,6 +100,9 @@ struct CoreObservers {
   std::function<void(const Batcher::Outcome& batch, const std::vector<internal::v1::WorkResult>& results)> on_batch;
   /// A request waited this long to be batched.
   std::function<void(double seconds)> on_queue_wait;
+  /// A request with rollout logprobs was answered: its lm_head (empty for
+  /// logits) and what server/core/rollout_mismatch.h measured.
+  std::function<void(const std::string& head, const RolloutObservation& seen)> on_rollout_mismatch;
 };
 
 /// The workers a core drives: how many, whether they share this host

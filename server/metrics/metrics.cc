@@ -1,5 +1,8 @@
 #include "server/metrics/metrics.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "common/version.h"
 #include "prometheus/counter.h"
 
@@ -20,6 +23,26 @@ prometheus::Histogram::BucketBoundaries PowersOf4(int max_exp) {
   double v = 1;
   for (int i = 0; i <= max_exp; ++i, v *= 4) b.push_back(v);
   return b;
+}
+
+/// Buckets of l: 0 and +-{0.01, 0.02, 0.05, ..., 5} (|l| 0.1 is r ~ 0.9 or 1.1).
+const prometheus::Histogram::BucketBoundaries& LogRatioBuckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = [] {
+    const double mags[] = {0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5};
+    prometheus::Histogram::BucketBoundaries b;
+    for (int i = 8; i >= 0; --i) b.push_back(-mags[i]);
+    b.push_back(0);
+    for (double m : mags) b.push_back(m);
+    return b;
+  }();
+  return kBuckets;
+}
+
+/// Buckets of a request's k3: 1e-5 .. 1 in steps of ~3.
+const prometheus::Histogram::BucketBoundaries& K3Buckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3,
+                                                                   1e-2, 3e-2, 0.1,  0.3,  1};
+  return kBuckets;
 }
 
 }  // namespace
@@ -162,7 +185,30 @@ Metrics::Metrics(const std::string& backend)
                                .Help("Bytes the lm_head store's files take (staged, committed and spare versions; "
                                      "in memory for a /dev/shm store).")
                                .Register(*registry_)
-                               .Add({})) {
+                               .Add({})),
+      rollout_log_ratio_(prometheus::BuildHistogram()
+                             .Name("logprob_rollout_log_ratio")
+                             .Help("Per token l = logp - logp_rollout of the requests with rollout_logprobs (finite "
+                                   "ones), by head (empty: logits requests).")
+                             .Register(*registry_)),
+      rollout_request_k3_(prometheus::BuildHistogram()
+                              .Name("logprob_rollout_request_k3")
+                              .Help("Per request mean(r - 1 - l), an estimate of KL(rollout || service) per token, "
+                                    "by head (finite values).")
+                              .Register(*registry_)),
+      rollout_tokens_(prometheus::BuildCounter()
+                          .Name("logprob_rollout_tokens_total")
+                          .Help("Tokens compared with the rollout engine's logprobs, by head.")
+                          .Register(*registry_)),
+      rollout_outside_band_(prometheus::BuildCounter()
+                                .Name("logprob_rollout_outside_band_tokens_total")
+                                .Help("Compared tokens whose ratio r = exp(l) left the request's band (default "
+                                      "[0.9, 1.1]), by head.")
+                                .Register(*registry_)),
+      rollout_infinite_(prometheus::BuildCounter()
+                            .Name("logprob_rollout_infinite_log_ratios_total")
+                            .Help("Compared tokens with an infinite l (one side's logprob is -inf), by head.")
+                            .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("logprob_build_info")
       .Help("Build information; the value is 1.")
@@ -249,5 +295,29 @@ void Metrics::SetGpuMemory(int worker, int64_t bytes) {
 void Metrics::SetWorkersUp(int n) { workers_up_.Set(n); }
 
 void Metrics::AddWorkerRestart() { worker_restarts_.Increment(); }
+
+void Metrics::ObserveRolloutMismatch(const std::string& head, const std::vector<float>& log_ratios,
+                                     int64_t outside_band, double k3) {
+  if (log_ratios.empty()) return;
+  const prometheus::Labels labels = {{"head", head}};
+  const auto& bounds = LogRatioBuckets();
+  // One ObserveMultiple per request: a bucket index per token, no lock per token.
+  std::vector<double> increments(bounds.size() + 1, 0);
+  double sum = 0, infinite = 0;
+  for (float l : log_ratios) {
+    if (!std::isfinite(l)) {
+      infinite += std::isinf(l) ? 1 : 0;
+      continue;
+    }
+    // Prometheus buckets are "le": the first bound >= l.
+    increments[std::lower_bound(bounds.begin(), bounds.end(), static_cast<double>(l)) - bounds.begin()] += 1;
+    sum += l;
+  }
+  rollout_log_ratio_.Add(labels, bounds).ObserveMultiple(increments, sum);
+  if (std::isfinite(k3)) rollout_request_k3_.Add(labels, K3Buckets()).Observe(k3);
+  rollout_tokens_.Add(labels).Increment(static_cast<double>(log_ratios.size()));
+  rollout_outside_band_.Add(labels).Increment(static_cast<double>(outside_band));
+  rollout_infinite_.Add(labels).Increment(infinite);
+}
 
 }  // namespace logprob

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -82,6 +83,16 @@ class Metrics {
   void AddLmHeadUpdateBytes(const std::string& head, int64_t bytes);
   /// Sets the bytes the lm_head store's files take (logprob_lm_head_store_bytes).
   void SetLmHeadStoreBytes(int64_t bytes);
+  /// One request's rollout mismatch (docs/SPEC.md "Rollout mismatch"), by
+  /// lm_head `head` (empty for a logits request; no version label):
+  /// `log_ratios` are its compared tokens' l = logp - logp_rollout (finite
+  /// ones into the histogram logprob_rollout_log_ratio, +-inf counted by
+  /// logprob_rollout_infinite_log_ratios_total), `outside_band` of them left
+  /// the request's band, and `k3` (the request's mean, observed in
+  /// logprob_rollout_request_k3 when finite and log_ratios is not empty).
+  /// Thread-safe.
+  void ObserveRolloutMismatch(const std::string& head, const std::vector<float>& log_ratios, int64_t outside_band,
+                              double k3);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -115,6 +126,11 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& lm_head_update_duration_;
   prometheus::Family<prometheus::Counter>& lm_head_update_bytes_;
   prometheus::Gauge& lm_head_store_bytes_;
+  prometheus::Family<prometheus::Histogram>& rollout_log_ratio_;
+  prometheus::Family<prometheus::Histogram>& rollout_request_k3_;
+  prometheus::Family<prometheus::Counter>& rollout_tokens_;
+  prometheus::Family<prometheus::Counter>& rollout_outside_band_;
+  prometheus::Family<prometheus::Counter>& rollout_infinite_;
   absl::Mutex lm_head_mu_;
   std::map<std::string, prometheus::Gauge*> lm_head_info_now_ ABSL_GUARDED_BY(lm_head_mu_);  // head -> its info gauge
 };

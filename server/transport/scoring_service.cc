@@ -58,6 +58,9 @@ CoreObservers CoreObserversOf(Metrics* metrics) {
     metrics->ObserveBatch(stats);
   };
   o.on_queue_wait = [metrics](double seconds) { metrics->ObserveQueue(seconds); };
+  o.on_rollout_mismatch = [metrics](const std::string& head, const RolloutObservation& seen) {
+    metrics->ObserveRolloutMismatch(head, seen.log_ratios, seen.outside_band, seen.k3);
+  };
   return o;
 }
 

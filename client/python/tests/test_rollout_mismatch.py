@@ -7,6 +7,8 @@ errors."""
 
 import asyncio
 import math
+import shutil
+import subprocess
 import unittest
 
 import numpy as np
@@ -54,7 +56,7 @@ def mismatch_reference(service, rollout, compared, seq_out, cap, low, high):
 class RolloutMismatchTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.server = Server(workers=2)
+        cls.server = Server(workers=2, metrics=True)
         cls.client = cls.server.client()
 
     @classmethod
@@ -215,6 +217,58 @@ class RolloutMismatchTest(unittest.TestCase):
         for res in got:
             self.assertEqual(res.rollout_mismatch, want.rollout_mismatch)
             np.testing.assert_array_equal(res.rollout_log_ratio, want.rollout_log_ratio)
+
+    def metrics_now(self):
+        m = self.server
+        buckets = {float(labels["le"]): v for labels, v in m.samples("logprob_rollout_log_ratio_bucket")
+                   if labels.get("head") == ""}
+        return dict(buckets=buckets,
+                    count=m.metric("logprob_rollout_log_ratio_count", head=""),
+                    sum=m.metric("logprob_rollout_log_ratio_sum", head=""),
+                    k3_count=m.metric("logprob_rollout_request_k3_count", head=""),
+                    k3_sum=m.metric("logprob_rollout_request_k3_sum", head=""),
+                    tokens=m.metric("logprob_rollout_tokens_total", head=""),
+                    outside=m.metric("logprob_rollout_outside_band_tokens_total", head=""),
+                    infinite=m.metric("logprob_rollout_infinite_log_ratios_total", head=""))
+
+    def test_metrics_count_every_compared_token(self):
+        # The calls return after the server recorded them: no waiting. (Logits requests: head="".)
+        rng = np.random.default_rng(23)
+        logits, ids, cu = self.packed_case(rng, [15, 20])
+        lp = self.client.score(logits, ids, cu_seqlens=cu).token_logprobs
+        rollout = np.minimum(lp + rng.normal(0, 0.3, size=lp.shape), 0).astype(np.float32)
+        rollout[:4] = np.nan
+        with_inf = rollout.copy()
+        with_inf[5] = -np.inf
+        before = self.metrics_now()
+        finite_res = self.client.score(logits, ids, cu_seqlens=cu, rollout_logprobs=rollout)
+        inf_res = self.client.score(logits, ids, cu_seqlens=cu, rollout_logprobs=with_inf)
+        after = self.metrics_now()
+        ls = np.concatenate([finite_res.rollout_log_ratio, inf_res.rollout_log_ratio]).astype(np.float64)
+        ls = ls[~np.isnan(ls)]
+        finite = ls[np.isfinite(ls)]
+        self.assertEqual(len(ls), 2 * (len(lp) - 4))
+        self.assertEqual(after["count"] - before["count"], len(finite))
+        self.assertAlmostEqual(after["sum"] - before["sum"], float(finite.sum()), places=4)
+        self.assertEqual(after["infinite"] - before["infinite"], 1)
+        self.assertEqual(after["tokens"] - before["tokens"], len(ls))
+        outside = sum(r.rollout_mismatch["outside_band_fraction"] * r.rollout_mismatch["tokens"]
+                      for r in (finite_res, inf_res))
+        self.assertEqual(after["outside"] - before["outside"], round(outside))
+        self.assertGreater(round(outside), 0)
+        self.assertEqual(len(after["buckets"]), 20)  # 19 bounds and +Inf
+        for le, v in after["buckets"].items():
+            self.assertEqual(v - before["buckets"].get(le, 0), int(np.sum(finite <= le)), "le=%g" % le)
+        # k3: the finite request only.
+        self.assertEqual(after["k3_count"] - before["k3_count"], 1)
+        self.assertAlmostEqual(after["k3_sum"] - before["k3_sum"], finite_res.rollout_mismatch["k3"], places=9)
+        promtool = shutil.which("promtool")
+        if promtool is None:
+            self.skipTest("promtool not installed (Debian package prometheus)")
+        lint = subprocess.run([promtool, "check", "metrics"], input=self.server.metrics(), capture_output=True,
+                              text=True)
+        self.assertEqual(lint.returncode, 0, lint.stdout + lint.stderr)
+        self.assertNotIn("rollout", lint.stdout + lint.stderr)
 
     def test_without_rollout_nothing_is_added(self):
         rng = np.random.default_rng(3)
