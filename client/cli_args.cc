@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/channel.h"
 
 namespace logprob::client {
@@ -180,6 +181,21 @@ absl::Status ApplyScoreFlag(const std::string& flag, const std::string& v, Score
   } else if (flag == "head-version") {
     if (v.empty()) return BadValue(flag, v, "an lm_head version");
     a->head_version = v;
+  } else if (flag == "rollout-logprobs") {
+    if (v.empty()) return BadValue(flag, v, "a tensor name of the input file");
+    a->rollout_logprobs = v;
+  } else if (flag == "rollout-ratio-cap") {
+    double cap;
+    if (!absl::SimpleAtod(v, &cap) || !(cap > 0)) return BadValue(flag, v, "a number > 0 (inf: no truncation)");
+    a->flags.rollout_ratio_cap = cap;
+  } else if (flag == "rollout-band") {
+    const std::vector<std::string> ends = absl::StrSplit(v, ',');
+    double low, high;
+    if (ends.size() != 2 || !absl::SimpleAtod(ends[0], &low) || !absl::SimpleAtod(ends[1], &high) || !(low >= 0) ||
+        !(low < high))
+      return BadValue(flag, v, "LOW,HIGH with 0 <= LOW < HIGH");
+    a->flags.rollout_band_low = low;
+    a->flags.rollout_band_high = high;
   } else {
     return absl::InvalidArgumentError(absl::StrCat("score: unknown flag --", flag));
   }
@@ -454,6 +470,15 @@ std::string UsageText() {
                                 head (one it retains; default: its current
                                 version; a split request is scored by one
                                 version in any case)
+    --rollout-logprobs NAME     send IN's F32 tensor NAME (shaped like
+                                token_logprobs, NaN where the rollout engine
+                                has none) as rollout_logprobs: OUT also gets
+                                rollout_log_ratio, rollout_ratio and the
+                                rollout_seq_* outputs, and the request's
+                                figures are printed and stored in OUT's
+                                metadata (docs/SPEC.md "Rollout mismatch")
+    --rollout-ratio-cap C       cap of rollout_ratio (> 0; default 3)
+    --rollout-band LOW,HIGH     band of r counted as outside (default 0.9,1.1)
 
   logprob-client bench --server HOST:PORT [shape] [options] [load options]
       [security options]

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <iostream>
 #include <iterator>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -136,7 +137,7 @@ int RunScore(const ScoreArgs& args) {
     return kExitBadInput;
   }
   absl::StatusOr<v1::ScoreRequest> request =
-      BuildScoreRequest(std::move(file->file()), ToScoreOptions(args.flags), MakeRequestId());
+      BuildScoreRequest(std::move(file->file()), ToScoreOptions(args.flags), MakeRequestId(), args.rollout_logprobs);
   if (request.ok()) request = SelectLmHead(*std::move(request), args.head, args.head_version);
   if (!request.ok()) {
     PrintError(WithPath(args.input, request.status()));
@@ -173,8 +174,12 @@ int RunScore(const ScoreArgs& args) {
   int64_t request_bytes = static_cast<int64_t>(request->ByteSizeLong());
   std::vector<int> pieced;
   std::vector<std::string_view> data;
+  // The file's name of each input (--rollout-logprobs renames its tensor).
+  auto source_name = [&](const std::string& name) {
+    return name == kRolloutLogprobsName ? args.rollout_logprobs : name;
+  };
   for (int i = 0; i < request->inputs_size(); ++i) {
-    const std::string_view bytes = file->data(request->inputs(i).name());
+    const std::string_view bytes = file->data(source_name(request->inputs(i).name()));
     request_bytes += static_cast<int64_t>(bytes.size()) + 16;  // + the field's tag and length
     if (static_cast<int64_t>(bytes.size()) > kInlineBytes) {
       pieced.push_back(i);
@@ -184,7 +189,8 @@ int RunScore(const ScoreArgs& args) {
     }
   }
   const int64_t tokens = CountInputTokens(*request);
-  const int64_t scored_tokens = CountScoredTokens(*request, [&](const std::string& name) { return file->data(name); });
+  const int64_t scored_tokens =
+      CountScoredTokens(*request, [&](const std::string& name) { return file->data(source_name(name)); });
   const bool one_request = request_bytes <= limits.max_bytes && (limits.max_tokens <= 0 || tokens <= limits.max_tokens);
 
   const auto start = std::chrono::steady_clock::now();
@@ -208,13 +214,27 @@ int RunScore(const ScoreArgs& args) {
 
   std::vector<v1::Tensor> outputs(std::make_move_iterator(response->mutable_outputs()->begin()),
                                   std::make_move_iterator(response->mutable_outputs()->end()));
-  if (absl::Status s = WriteSafetensors(args.output, outputs); !s.ok()) {
+  std::map<std::string, std::string> metadata;
+  if (response->has_rollout_mismatch()) {
+    const v1::RolloutMismatch& m = response->rollout_mismatch();
+    metadata = {{"rollout_tokens", absl::StrCat(m.tokens())},
+                {"rollout_mean_abs_log_ratio", absl::StrCat(m.mean_abs_log_ratio())},
+                {"rollout_k1", absl::StrCat(m.k1())},
+                {"rollout_k3", absl::StrCat(m.k3())},
+                {"rollout_outside_band_fraction", absl::StrCat(m.outside_band_fraction())}};
+  }
+  if (absl::Status s = WriteSafetensors(args.output, outputs, metadata); !s.ok()) {
     PrintError(WithPath(args.output, s));
     return kExitFailure;
   }
   std::cout << SummarizeScore(outputs, scored_tokens, tokens, seconds, parts);
   if (!response->head().empty())
     std::cout << "lm_head " << response->head() << " version " << response->head_version() << std::endl;
+  if (response->has_rollout_mismatch()) {
+    const v1::RolloutMismatch& m = response->rollout_mismatch();
+    std::cout << "rollout mismatch: " << m.tokens() << " tokens compared, mean |l| " << m.mean_abs_log_ratio()
+              << ", k1 " << m.k1() << ", k3 " << m.k3() << ", outside band " << m.outside_band_fraction() << std::endl;
+  }
   return kExitOk;
 }
 

@@ -75,13 +75,17 @@ struct ScoreArgs {
   bool shared_memory = false;     // --shared-memory: tensors through a registered region (client/shm_inputs.h)
   std::string head;               // --head: the lm_head for hidden_states (ScoreRequest.head); empty: "default"
   std::string head_version;       // --head-version: pin that version (ScoreRequest.head_version); empty: current
+  std::string rollout_logprobs;   // --rollout-logprobs: IN's F32 tensor sent as rollout_logprobs; empty: none
 };
 
 /// Runs `score`: reads the input file, asks the server for its limits
 /// (GetServerInfo), sends the request (split into parts when it would
 /// exceed kRequestFill of max_request_bytes or max_tokens_per_request),
 /// writes the joined outputs to `output` and prints a summary to stdout
-/// (for hidden states also the lm_head and version that scored them).
+/// (for hidden states also the lm_head and version that scored them; with
+/// `rollout_logprobs` also the request's rollout mismatch, which goes into
+/// OUT's metadata too as rollout_tokens, rollout_mean_abs_log_ratio,
+/// rollout_k1, rollout_k3 and rollout_outside_band_fraction).
 /// `head` / `head_version` go into the request (hidden states only:
 /// kExitBadInput for a logits file); a request split into parts pins every
 /// later part to the version that scored the first, so all rows are scored

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 
 namespace logprob::client {
 
@@ -28,6 +29,9 @@ v1::ScoreOptions ToScoreOptions(const ScoreFlags& flags) {
   options.set_sampling_top_k(flags.sampling_top_k);
   if (flags.sampling_top_p) options.set_sampling_top_p(*flags.sampling_top_p);
   if (flags.ignore_index) options.set_ignore_index(*flags.ignore_index);
+  if (flags.rollout_ratio_cap) options.set_rollout_ratio_cap(*flags.rollout_ratio_cap);
+  if (flags.rollout_band_low) options.set_rollout_band_low(*flags.rollout_band_low);
+  if (flags.rollout_band_high) options.set_rollout_band_high(*flags.rollout_band_high);
   return options;
 }
 
@@ -44,7 +48,7 @@ int FindIndex(const SafetensorsFile& file, std::string_view name) {
 }  // namespace
 
 absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v1::ScoreOptions& options,
-                                                   const std::string& id) {
+                                                   const std::string& id, const std::string& rollout_logprobs) {
   const int logits = FindIndex(file, kLogitsName);
   const int hidden = FindIndex(file, kHiddenStatesName);
   if (logits >= 0 && hidden >= 0) {
@@ -57,6 +61,20 @@ absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v
     return absl::InvalidArgumentError("input has no 'input_ids'");
   }
 
+  int rollout = -1;
+  if (!rollout_logprobs.empty()) {
+    rollout = FindIndex(file, rollout_logprobs);
+    if (rollout < 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("--rollout-logprobs: input has no tensor '", rollout_logprobs, "'"));
+    if (file.tensors[rollout].dtype() != v1::F32)
+      return absl::InvalidArgumentError(absl::StrCat("--rollout-logprobs: tensor '", rollout_logprobs, "' is ",
+                                                     DTypeName(file.tensors[rollout].dtype()), "; store it as F32"));
+    if (rollout == logits || rollout == hidden)
+      return absl::InvalidArgumentError(
+          absl::StrCat("--rollout-logprobs: '", rollout_logprobs, "' is the input's scores, not its logprobs"));
+  }
+
   v1::ScoreRequest request;
   request.set_id(id);
   *request.mutable_options() = options;
@@ -66,6 +84,11 @@ absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v
     const int i = FindIndex(file, name);
     if (i < 0) continue;
     *request.add_inputs() = std::move(file.tensors[i]);
+  }
+  if (rollout >= 0) {
+    v1::Tensor* t = request.add_inputs();
+    *t = std::move(file.tensors[rollout]);
+    t->set_name(kRolloutLogprobsName);
   }
   return request;
 }

@@ -23,6 +23,7 @@ inline constexpr char kInputIdsName[] = "input_ids";
 inline constexpr char kCuSeqlensName[] = "cu_seqlens";
 inline constexpr char kSeqLensName[] = "seq_lens";
 inline constexpr char kGatherIndicesName[] = "gather_indices";
+inline constexpr char kRolloutLogprobsName[] = "rollout_logprobs";
 
 /// Scoring options as given on the command line; unset fields stay unset
 /// in the request so the server applies its defaults.
@@ -37,6 +38,9 @@ struct ScoreFlags {
   int32_t sampling_top_k = 0;
   std::optional<float> sampling_top_p;
   std::optional<int64_t> ignore_index;
+  std::optional<double> rollout_ratio_cap;  // --rollout-ratio-cap
+  std::optional<double> rollout_band_low;   // --rollout-band LOW,HIGH
+  std::optional<double> rollout_band_high;
 };
 
 /// Parses "next_token" or "same_position". INVALID_ARGUMENT otherwise.
@@ -51,11 +55,13 @@ v1::ScoreOptions ToScoreOptions(const ScoreFlags& flags);
 /// [T,H], plus `input_ids`, and `cu_seqlens`, `seq_lens`, `gather_indices`
 /// when present; names, dtypes, shapes and bytes are sent unchanged (the
 /// server validates shapes and dtypes). Other tensors in the file are
-/// ignored. The tensors are moved out of `file`.
+/// ignored. The tensors are moved out of `file`. `rollout_logprobs`
+/// (the CLI's --rollout-logprobs NAME), when not empty, names the F32
+/// tensor sent last as `rollout_logprobs` (docs/SPEC.md "Rollout mismatch").
 /// Errors (INVALID_ARGUMENT): no `input_ids`, neither or both of `logits`
-/// and `hidden_states`.
+/// and `hidden_states`, no tensor `rollout_logprobs` or one not F32.
 absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v1::ScoreOptions& options,
-                                                   const std::string& id);
+                                                   const std::string& id, const std::string& rollout_logprobs = "");
 
 /// `request` with ScoreRequest.head = `head` and head_version =
 /// `head_version` (the CLI's --head / --head-version; empty leaves the

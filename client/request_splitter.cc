@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -114,8 +115,9 @@ absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tenso
   const v1::Tensor* ids = FindInput(request, kInputIdsName);
   const v1::Tensor* cu = FindInput(request, kCuSeqlensName);
   const v1::Tensor* gather = FindInput(request, kGatherIndicesName);
+  const v1::Tensor* rollout = FindInput(request, kRolloutLogprobsName);
   for (const v1::Tensor& t : request.inputs()) {
-    if (&t != &rows && &t != ids && &t != cu && &t != gather) {
+    if (&t != &rows && &t != ids && &t != cu && &t != gather && &t != rollout) {
       return absl::InvalidArgumentError(absl::StrCat("cannot split packed input with input '", t.name(), "'"));
     }
     if (absl::Status s = CheckTensor(t); !s.ok()) return s;
@@ -156,28 +158,33 @@ absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tenso
     const int64_t len = cuv[i + 1] - cuv[i];
     out_offset[i + 1] = out_offset[i] + (next_token ? std::max<int64_t>(len - 1, 0) : len);
   }
-  if (gather != nullptr && gather->shape(0) != out_offset[B]) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot split: 'gather_indices' ", ShapeString(*gather),
-                                                   " must have ", out_offset[B], " rows, one per output row"));
+  // Inputs with one row per output row.
+  int64_t out_row_bytes = 0;
+  for (const v1::Tensor* t : {gather, rollout}) {
+    if (t == nullptr) continue;
+    if (t->shape_size() < 1 || t->shape(0) != out_offset[B]) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot split: '", t->name(), "' ", ShapeString(*t), " must have ",
+                                                     out_offset[B], " rows, one per output row"));
+    }
+    out_row_bytes += RowBytes(*t);
   }
 
   Plan plan;
   const int64_t token_bytes = RowBytes(rows) + RowBytes(*ids);
   const int64_t cu_entry = cu == nullptr ? 0 : static_cast<int64_t>(DTypeSize(cu->dtype()));
-  const int64_t gather_row = gather == nullptr ? 0 : RowBytes(*gather);
   plan.part_extra_bytes = cu_entry;  // the leading 0 of each part's cu_seqlens
   for (int64_t i = 0; i < B; ++i) {
     const int64_t len = cuv[i + 1] - cuv[i];
     const int64_t outs = out_offset[i + 1] - out_offset[i];
-    plan.seq_bytes.push_back(len * token_bytes + cu_entry + outs * gather_row);
+    plan.seq_bytes.push_back(len * token_bytes + cu_entry + outs * out_row_bytes);
     plan.seq_tokens.push_back(len);
   }
-  plan.fill_inputs = [req = &request, rows_t = &rows, ids, cu, gather, cuv = std::move(cuv),
+  plan.fill_inputs = [req = &request, rows_t = &rows, ids, cu, gather, rollout, cuv = std::move(cuv),
                       out_offset = std::move(out_offset)](int64_t s0, int64_t s1, v1::ScoreRequest* part) {
     for (const v1::Tensor& t : req->inputs()) {
       if (&t == rows_t || &t == ids) {
         *part->add_inputs() = SliceRows(t, cuv[s0], cuv[s1]);
-      } else if (&t == gather) {
+      } else if (&t == gather || &t == rollout) {
         *part->add_inputs() = SliceRows(t, out_offset[s0], out_offset[s1]);
       } else if (&t == cu) {
         v1::Tensor* out = part->add_inputs();
@@ -291,6 +298,36 @@ absl::StatusOr<std::vector<v1::ScoreRequest>> SplitScoreRequest(const v1::ScoreR
   return parts;
 }
 
+namespace {
+
+/// The request's rollout mismatch from its parts': every mean over all
+/// compared tokens is the token-weighted mean of the parts' (the server's
+/// definition, docs/SPEC.md "Rollout mismatch"); NaN without tokens.
+v1::RolloutMismatch JoinRolloutMismatch(const std::vector<v1::ScoreResponse>& parts) {
+  int64_t tokens = 0;
+  double abs_l = 0, k1 = 0, k3 = 0, band = 0;
+  for (const v1::ScoreResponse& p : parts) {
+    const v1::RolloutMismatch& m = p.rollout_mismatch();
+    if (m.tokens() == 0) continue;
+    const double n = static_cast<double>(m.tokens());
+    tokens += m.tokens();
+    abs_l += m.mean_abs_log_ratio() * n;
+    k1 += m.k1() * n;
+    k3 += m.k3() * n;
+    band += m.outside_band_fraction() * n;
+  }
+  v1::RolloutMismatch out;
+  const double n = static_cast<double>(tokens), nan = std::numeric_limits<double>::quiet_NaN();
+  out.set_tokens(tokens);
+  out.set_mean_abs_log_ratio(tokens ? abs_l / n : nan);
+  out.set_k1(tokens ? k1 / n : nan);
+  out.set_k3(tokens ? k3 / n : nan);
+  out.set_outside_band_fraction(tokens ? band / n : nan);
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(std::vector<v1::ScoreResponse> parts, const std::string& id) {
   if (parts.empty()) return absl::InvalidArgumentError("no responses to join");
   for (size_t p = 0; p < parts.size(); ++p) {
@@ -309,6 +346,7 @@ absl::StatusOr<v1::ScoreResponse> JoinScoreResponses(std::vector<v1::ScoreRespon
   joined.set_id(id);
   joined.set_head(parts[0].head());
   joined.set_head_version(parts[0].head_version());
+  if (parts[0].has_rollout_mismatch()) *joined.mutable_rollout_mismatch() = JoinRolloutMismatch(parts);
   for (size_t p = 1; p < parts.size(); ++p) {
     if (parts[p].outputs_size() != parts[0].outputs_size()) {
       return absl::InvalidArgumentError(absl::StrCat("part ", p + 1, " has ", parts[p].outputs_size(),

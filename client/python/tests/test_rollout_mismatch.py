@@ -7,6 +7,7 @@ errors."""
 
 import asyncio
 import math
+import os
 import shutil
 import subprocess
 import unittest
@@ -14,11 +15,12 @@ import unittest
 import numpy as np
 
 import support  # noqa: F401  (puts client/python on sys.path)
-from support import Server
+from support import BIN_DIR, Server, temp_dir
 import reference
 
 import grpc
 from logprob_client import LogprobError, aio
+from logprob_client import safetensors
 
 V = 61
 
@@ -269,6 +271,43 @@ class RolloutMismatchTest(unittest.TestCase):
                               text=True)
         self.assertEqual(lint.returncode, 0, lint.stdout + lint.stderr)
         self.assertNotIn("rollout", lint.stdout + lint.stderr)
+
+    def test_cli_contract(self):
+        # logprob-client score --rollout-logprobs NAME: the outputs as the Python client's, the request's
+        # figures in OUT's metadata, whole and split into parts.
+        rng = np.random.default_rng(29)
+        logits, ids, cu = self.packed_case(rng, [12, 9, 14, 6])
+        lp = self.client.score(logits, ids, cu_seqlens=cu).token_logprobs
+        rollout = np.minimum(lp + rng.normal(0, 0.2, size=lp.shape), 0).astype(np.float32)
+        rollout[0] = np.nan
+        want = self.client.score(logits, ids, cu_seqlens=cu, rollout_logprobs=rollout, rollout_ratio_cap=1.5,
+                                 rollout_band=(0.8, 1.25))
+        d = temp_dir("rollout_cli")
+        inp = os.path.join(d, "in.safetensors")
+        safetensors.save(inp, {"logits": logits, "input_ids": ids, "cu_seqlens": cu, "vllm_logprobs": rollout})
+        cli = os.path.join(BIN_DIR, "logprob-client")
+        for extra in ([], ["--max-request-bytes", "6000"]):
+            out = os.path.join(d, "out%d.safetensors" % len(extra))
+            r = subprocess.run([cli, "score", "--server", self.server.address, "--input", inp, "--output", out,
+                                "--rollout-logprobs", "vllm_logprobs", "--rollout-ratio-cap", "1.5",
+                                "--rollout-band", "0.8,1.25"] + extra, capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            if extra:
+                self.assertIn("scored part 2/", r.stderr)
+            self.assertIn("rollout mismatch: %d tokens compared" % want.rollout_mismatch["tokens"], r.stdout)
+            got, meta = safetensors.load(out)
+            for name in want.outputs:
+                np.testing.assert_array_equal(got[name], want.outputs[name], name)
+            self.assertEqual(int(meta["rollout_tokens"]), want.rollout_mismatch["tokens"])
+            for key in ("mean_abs_log_ratio", "k1", "k3", "outside_band_fraction"):
+                self.assertClose(want.rollout_mismatch[key], float(meta["rollout_" + key]), key, rtol=1e-5)
+        for args, message in ((["--rollout-logprobs", "nope"], "input has no tensor 'nope'"),
+                              (["--rollout-logprobs", "input_ids"], "'input_ids' is I64; store it as F32"),
+                              (["--rollout-logprobs", "vllm_logprobs", "--rollout-band", "1.2,0.9"], "LOW,HIGH")):
+            r = subprocess.run([cli, "score", "--server", self.server.address, "--input", inp, "--output",
+                                os.path.join(d, "bad.safetensors")] + args, capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn(message, r.stderr)
 
     def test_without_rollout_nothing_is_added(self):
         rng = np.random.default_rng(3)
