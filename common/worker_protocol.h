@@ -52,7 +52,10 @@ namespace logprob {
 /// bf16 lm_head GEMM (common/lm_head_cpu_kernel.h); a version-10 worker
 /// would pick its own by its CPU, and a pool on mixed CPUs would compute
 /// other bits on some ranks.
-constexpr uint32_t kWorkerProtocolVersion = 11;
+/// 12: WorkItem.mask_offsets / mask_ids / masked, the rows' sampling masks
+/// (docs/SPEC.md "Sampling masks"); a version-11 worker would ignore them
+/// and score over the whole vocabulary.
+constexpr uint32_t kWorkerProtocolVersion = 12;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.

@@ -56,6 +56,16 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
     all.targets.insert(all.targets.end(), j->targets.begin(), j->targets.end());
     all.gather_ids.insert(all.gather_ids.end(), j->gather_ids.begin(), j->gather_ids.end());
   }
+  // Sampling masks (one key: all jobs have them, or none).
+  if (std::any_of(jobs.begin(), jobs.end(), [](const ScoreJob* j) { return j->has_masks(); })) {
+    all.mask_offsets = {0};
+    for (const ScoreJob* j : jobs) {
+      const int64_t base = static_cast<int64_t>(all.mask_ids.size());
+      if (j->has_masks()) all.mask_ids.insert(all.mask_ids.end(), j->mask_ids.begin(), j->mask_ids.end());
+      for (int64_t r = 0; r < j->num_rows(); ++r)
+        all.mask_offsets.push_back(j->has_masks() ? base + j->mask_offsets[r + 1] : base);
+    }
+  }
   return all;
 }
 
@@ -67,8 +77,10 @@ std::string Batcher::KeyOf(const ScoreJob& job, internal::v1::Layout layout) {
   const std::string alone = job.batchable() ? "" : absl::StrCat("/alone:", reinterpret_cast<uintptr_t>(&job));
   // Hidden states of one lm_head version only: a batch is scored with one.
   const std::string head = job.lm_head ? absl::StrCat(job.lm_head->head, "@", job.lm_head->version) : "";
+  // Masked jobs apart: their rows take the host path on every backend.
   return absl::StrCat(job.hidden, "/", job.dtype, "/", job.vocab_size, "/", job.hidden_size, "/", job.gather_k, "/",
-                      layout, "/", head.size(), ":", head, "/", job.options.SerializeAsString(), alone);
+                      job.has_masks() ? "masked/" : "", layout, "/", head.size(), ":", head, "/",
+                      job.options.SerializeAsString(), alone);
 }
 
 void Batcher::QueueChanged() {

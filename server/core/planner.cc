@@ -1,5 +1,6 @@
 #include "server/core/planner.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -29,6 +30,21 @@ internal::v1::WorkItem BaseItem(const ScoreJob& job, uint64_t job_id, int64_t be
                                  job.gather_ids.begin() + end * job.gather_k);
   *item.mutable_options() = job.options;
   return item;
+}
+
+/// Adds the sampling masks of the job's rows [begin, end) to `item`
+/// (WorkItem.masked / mask_offsets / mask_ids), with only the ids of the
+/// item's vocabulary slice [vb, ve). Nothing for a job without masks.
+void AddMasks(const ScoreJob& job, int64_t begin, int64_t end, int64_t vb, int64_t ve, internal::v1::WorkItem* item) {
+  if (!job.has_masks()) return;
+  item->add_mask_offsets(0);
+  for (int64_t r = begin; r < end; ++r) {
+    const auto a = job.mask_ids.begin() + job.mask_offsets[r], b = job.mask_ids.begin() + job.mask_offsets[r + 1];
+    item->add_masked(a != b);
+    const auto lo = std::lower_bound(a, b, vb), hi = std::lower_bound(lo, b, ve);
+    item->mutable_mask_ids()->Add(lo, hi);
+    item->add_mask_offsets(item->mask_ids_size());
+  }
 }
 
 /// Where the items' payloads go: their bytes fields, or consecutive
@@ -95,6 +111,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_vocab_begin(vb);
       p.item.set_vocab_end(ve);
       p.item.set_hidden_size(job.hidden_size);
+      AddMasks(job, 0, n, vb, ve, &p.item);
       if (job.lm_head) *p.item.mutable_lm_head() = job.lm_head->Ref();
       const size_t bytes = static_cast<size_t>(e - b) * job.row_bytes;
       if (referenced) {
@@ -115,6 +132,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
       p.item.set_layout(internal::v1::TOKEN_PARALLEL);
       p.item.set_vocab_begin(0);
       p.item.set_vocab_end(job.vocab_size);
+      AddMasks(job, b, e, 0, job.vocab_size, &p.item);
       CopyRows(job, b, e, payload.Reserve(p.item, static_cast<size_t>(e - b) * job.row_bytes));
       plan.items.push_back(std::move(p));
     }
@@ -127,6 +145,7 @@ Plan PlanWork(const ScoreJob& job, int workers, Parallelism parallelism, uint64_
     p.item.set_layout(internal::v1::VOCAB_PARALLEL);
     p.item.set_vocab_begin(vb);
     p.item.set_vocab_end(ve);
+    AddMasks(job, 0, n, vb, ve, &p.item);
     const size_t slice = static_cast<size_t>(ve - vb) * esize;
     char* data = payload.Reserve(p.item, static_cast<size_t>(n) * slice);
     for (int64_t r = 0; r < n; ++r) CopyRowSlice(job, r, vb * esize, slice, data + r * slice);

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/error_reason.h"
+#include "common/input_kind.h"
 #include "common/status_macros.h"
 #include "server/core/rollout_mismatch.h"
 
@@ -52,8 +53,9 @@ class InputBytes {
 /// Checks the byte size of every tensor and indexes them by name.
 absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::ScoreRequest& req,
                                                                      const InputBytes& bytes) {
-  static const char* const kKnown[] = {"logits",     "hidden_states",  "input_ids",       "seq_lens",
-                                       "cu_seqlens", "gather_indices", "rollout_logprobs"};
+  static const char* const kKnown[] = {
+      "logits",           "hidden_states",         "input_ids",        "seq_lens", "cu_seqlens", "gather_indices",
+      "rollout_logprobs", "sampling_mask_offsets", "sampling_mask_ids"};
   std::map<std::string, const v1::Tensor*> by_name;
   for (int i = 0; i < req.inputs_size(); ++i) {
     const v1::Tensor& t = req.inputs(i);
@@ -63,7 +65,7 @@ absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::S
       return Invalid(
           absl::StrCat("inputs[", i, "]: unknown tensor \"", t.name(),
                        "\" (expected logits, hidden_states, input_ids, seq_lens, cu_seqlens, gather_indices, ",
-                       "rollout_logprobs)"));
+                       "rollout_logprobs, sampling_mask_offsets, sampling_mask_ids)"));
     if (by_name.count(t.name())) return Invalid(absl::StrCat("inputs[", i, "]: tensor \"", t.name(), "\" given twice"));
     const size_t esize = DTypeSize(t.dtype());
     if (esize == 0) return Invalid(absl::StrCat("inputs[", i, "] \"", t.name(), "\": dtype is unspecified"));
@@ -170,10 +172,13 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   const v1::Tensor* lens = get("seq_lens");
   const v1::Tensor* gather = get("gather_indices");
   const v1::Tensor* rollout = get("rollout_logprobs");
+  const v1::Tensor* mask_offsets = get("sampling_mask_offsets");
+  const v1::Tensor* mask_ids = get("sampling_mask_ids");
   // The integer tensors' and rollout logprobs' bytes (read here when they are not in memory).
-  std::string_view id_bytes, cu_bytes, lens_bytes, gather_bytes, rollout_bytes;
+  std::string_view id_bytes, cu_bytes, lens_bytes, gather_bytes, rollout_bytes, mask_offsets_bytes, mask_ids_bytes;
   for (const auto& [t, out] : {std::pair{ids, &id_bytes}, std::pair{cu, &cu_bytes}, std::pair{lens, &lens_bytes},
-                               std::pair{gather, &gather_bytes}, std::pair{rollout, &rollout_bytes}}) {
+                               std::pair{gather, &gather_bytes}, std::pair{rollout, &rollout_bytes},
+                               std::pair{mask_offsets, &mask_offsets_bytes}, std::pair{mask_ids, &mask_ids_bytes}}) {
     if (t == nullptr) continue;
     LOGPROB_ASSIGN_OR_RETURN(*out, bytes(t));
   }
@@ -286,6 +291,31 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     rollout_in->seq_out.push_back(packed ? job.out_shape[0] : static_cast<int64_t>(seqs.size()) * seq_span);
   }
   ClearRolloutOptions(&job.options);
+  if ((mask_offsets == nullptr) != (mask_ids == nullptr))
+    return Invalid("give both \"sampling_mask_offsets\" and \"sampling_mask_ids\", or neither");
+  const int64_t nnz = mask_ids ? (mask_ids->shape_size() == 1 ? mask_ids->shape(0) : -1) : 0;
+  if (mask_offsets) {
+    LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*mask_offsets));
+    LOGPROB_RETURN_IF_ERROR(CheckIntTensor(*mask_ids));
+    LOGPROB_RETURN_IF_ERROR(CheckShape(*mask_offsets, {job.num_outputs() + 1}, "the outputs plus one"));
+    if (nnz < 0) return Invalid(absl::StrCat("\"sampling_mask_ids\": shape ", ShapeStr(*mask_ids), " is not [nnz]"));
+    if (HasSamplingFilters(job.options))
+      return Invalid("a sampling mask replaces options.sampling_top_k / sampling_top_p: give one or the other");
+    if (job.options.is_top1())
+      return Invalid("options.is_top1 is the argmax over the whole vocabulary; it is not defined with a sampling mask");
+    int64_t prev = 0;
+    for (int64_t o = 0; o <= job.num_outputs(); ++o) {
+      const int64_t v = ReadInt(mask_offsets->dtype(), mask_offsets_bytes.data(), o);
+      if ((o == 0 && v != 0) || v < prev || v > nnz)
+        return Invalid(absl::StrCat("\"sampling_mask_offsets\"[", o, "] = ", v, ": offsets must start at 0, ",
+                                    "not decrease and end at nnz = ", nnz));
+      prev = v;
+    }
+    if (prev != nnz)
+      return Invalid(
+          absl::StrCat("\"sampling_mask_offsets\" ends at ", prev, " but \"sampling_mask_ids\" has ", nnz, " ids"));
+    job.mask_offsets.push_back(0);
+  }
 
   // Scored rows: in sequence s, position t scores input_ids[t + shift].
   const int64_t shift = next ? 1 : 0;
@@ -304,6 +334,22 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
       job.out_pos.push_back(out);
       if (rollout_in && target != ignore)
         LOGPROB_RETURN_IF_ERROR(CheckRolloutLogprob(rollout_in->logprobs[out], static_cast<int64_t>(s), t));
+      if (mask_offsets) {
+        const int64_t a = ReadInt(mask_offsets->dtype(), mask_offsets_bytes.data(), out),
+                      b = ReadInt(mask_offsets->dtype(), mask_offsets_bytes.data(), out + 1);
+        for (int64_t j = a; j < b; ++j) {
+          const int64_t id = ReadInt(mask_ids->dtype(), mask_ids_bytes.data(), j);
+          if (id < 0 || id >= V)
+            return Invalid(absl::StrCat("\"sampling_mask_ids\": id ", id, " of sequence ", s, " at position ", t,
+                                        " (entry ", j - a, ") is outside [0, V = ", V, ")"));
+          if (j > a && id <= job.mask_ids.back())
+            return Invalid(absl::StrCat("\"sampling_mask_ids\": the ids of sequence ", s, " at position ", t,
+                                        " are not strictly ascending (entry ", j - a, ": ", id, " after ",
+                                        job.mask_ids.back(), ")"));
+          job.mask_ids.push_back(static_cast<int32_t>(id));
+        }
+        job.mask_offsets.push_back(static_cast<int64_t>(job.mask_ids.size()));
+      }
       for (int j = 0; j < job.gather_k; ++j) {
         const int64_t g = ReadInt(gather->dtype(), gather_data, out * job.gather_k + j);
         if (g < 0 || g >= V)
@@ -348,6 +394,21 @@ void ExpandToInputRows(int64_t input_rows, ScoreJob* job) {
     targets[r] = job->targets[j];
     out_pos[r] = job->out_pos[j];
     std::copy_n(job->gather_ids.begin() + j * k, k, gather_ids.begin() + r * k);
+  }
+  if (job->has_masks()) {  // unscored rows: no mask
+    std::vector<int64_t> first(static_cast<size_t>(n), 0), count(static_cast<size_t>(n), 0);
+    for (int64_t j = 0; j < job->num_rows(); ++j) {
+      first[job->rows[j]] = job->mask_offsets[j];
+      count[job->rows[j]] = job->mask_offsets[j + 1] - job->mask_offsets[j];
+    }
+    std::vector<int64_t> offsets = {0};
+    std::vector<int32_t> ids;
+    for (int64_t r = 0; r < n; ++r) {
+      ids.insert(ids.end(), job->mask_ids.begin() + first[r], job->mask_ids.begin() + first[r] + count[r]);
+      offsets.push_back(static_cast<int64_t>(ids.size()));
+    }
+    job->mask_offsets = std::move(offsets);
+    job->mask_ids = std::move(ids);
   }
   job->rows = std::move(rows);
   job->targets = std::move(targets);

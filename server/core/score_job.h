@@ -65,6 +65,13 @@ struct ScoreJob {
   /// server/core/rollout_mismatch.h), or null. They change only the
   /// response: `options` holds no rollout field.
   std::shared_ptr<const RolloutInput> rollout;
+  /// Sampling masks (inputs sampling_mask_offsets / sampling_mask_ids,
+  /// docs/SPEC.md "Sampling masks"), per row in row order: row i keeps the
+  /// global ids mask_ids[mask_offsets[i], mask_offsets[i + 1]) (strictly
+  /// ascending); an empty range: no mask. Both empty without masks.
+  std::vector<int64_t> mask_offsets;  // [rows + 1]
+  std::vector<int32_t> mask_ids;
+  bool has_masks() const { return !mask_offsets.empty(); }
 
   int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
   int64_t num_outputs() const;  // product of out_shape
@@ -84,7 +91,9 @@ struct ScoreJob {
 /// data size not matching shape, bad cu_seqlens / seq_lens, a target
 /// outside [0, V) that is not ignore_index, out-of-range options, a
 /// rollout_logprobs not F32 or not shaped like the output or whose value at
-/// a scored token is > 0 (CheckRolloutLogprob), both or
+/// a scored token is > 0 (CheckRolloutLogprob), a sampling mask that is not
+/// CSR over the outputs, has ids unsorted, repeated or outside [0, V), or
+/// comes with sampling_top_k / sampling_top_p or is_top1, both or
 /// neither of logits and hidden_states, hidden_states whose H is not the
 /// lm_head's. FAILED_PRECONDITION for hidden_states when `lm_head` has no
 /// shape (the server was started without --lm-head), or when an integer

@@ -24,6 +24,14 @@ absl::Status CheckTensor(const v1::ScoreRequest& req, int i, const InputKindRule
 /// What the request's options need of a kind: checked once its reference
 /// is resolved (a malformed reference is reported first).
 absl::Status CheckOptions(const v1::ScoreRequest& req, int i, const InputKindRules& rules) {
+  bool masks = false;
+  for (const v1::Tensor& t : req.inputs()) masks |= t.name() == "sampling_mask_ids";
+  if (!rules.sampling_filters && masks)
+    return WithReason(absl::FailedPreconditionError(absl::StrCat(
+                          What(req, i), ": a ", rules.name,
+                          " input cannot be scored with a sampling mask (masked rows are scored from logits in "
+                          "host memory); send the tensor as bytes (inline or through shared memory) instead")),
+                      rules.unavailable);
   if (!rules.sampling_filters && HasSamplingFilters(req.options()))
     return WithReason(
         absl::FailedPreconditionError(absl::StrCat(What(req, i), ": a ", rules.name,

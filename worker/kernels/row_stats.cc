@@ -80,6 +80,27 @@ class TopK {
   std::vector<Candidate> heap_;
 };
 
+/// Removes (-inf) the entries of block x[0, n) (global columns [lo, lo +
+/// n)) that are not among the mask's ids; `next` is the index of the first
+/// id >= lo and advances past the block. Returns the block's new max.
+float MaskBlock(float* x, size_t n, int64_t lo, const SliceRow& row, int64_t* next) {
+  float bm = kNegInf;
+  const int64_t hi = lo + static_cast<int64_t>(n);
+  int64_t k = *next;
+  int64_t keep = k < row.keep_count && row.keep_ids[k] < hi ? row.keep_ids[k] - lo : static_cast<int64_t>(n);
+  for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
+    if (i == keep) {
+      bm = std::max(bm, x[i]);
+      ++k;
+      keep = k < row.keep_count && row.keep_ids[k] < hi ? row.keep_ids[k] - lo : static_cast<int64_t>(n);
+    } else {
+      x[i] = kNegInf;
+    }
+  }
+  *next = k;
+  return bm;
+}
+
 }  // namespace
 
 void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin, int64_t len, const StatsSpec& spec,
@@ -95,14 +116,18 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin, int64
   float pre_target_max = kNegInf;
   const int64_t t_local = spec.is_top1 && row.target >= 0 ? row.target - vocab_begin : 0;
   TopK topk(spec.topk);
+  // The mask's first id in this slice.
+  int64_t mask_next =
+      row.keep_ids ? std::lower_bound(row.keep_ids, row.keep_ids + row.keep_count, vocab_begin) - row.keep_ids : 0;
 
   for (int64_t b0 = 0; b0 < len; b0 += static_cast<int64_t>(kBlock)) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(kBlock, len - b0));
     float* x = scratch;
     size_t padded = 0;
     float bz = 0.f;
-    const float bm = PrepareBlock(dtype, static_cast<const char*>(row.logits) + b0 * esize, n, temperature,
-                                  row.keep_min, x, &padded, spec.mean_logits ? &bz : nullptr);
+    float bm = PrepareBlock(dtype, static_cast<const char*>(row.logits) + b0 * esize, n, temperature, row.keep_min, x,
+                            &padded, spec.mean_logits ? &bz : nullptr);
+    if (row.keep_ids) bm = MaskBlock(x, n, vocab_begin + b0, row, &mask_next);
     zsum += bz;
     if (bm > m) {
       if (m > kNegInf) {  // rescale: u' = r * (u + s * (m_old - m_new)), q' = r^2 q
@@ -141,6 +166,7 @@ void ComputePartial(DType dtype, const SliceRow& row, int64_t vocab_begin, int64
     float v;
     ToFloat(dtype, static_cast<const char*>(row.logits) + (id - vocab_begin) * esize, 1, &v);
     if (scale) v = v / temperature;
+    if (row.keep_ids && !std::binary_search(row.keep_ids, row.keep_ids + row.keep_count, id)) return kNegInf;
     return v < row.keep_min ? kNegInf : v;
   };
   out[record::kMaxWord] = Bits(m);

@@ -50,6 +50,12 @@ struct SliceRow {
   const int64_t* gather_ids = nullptr;  // spec.gather_k global ids
   /// Sampling filters: entries with x < keep_min are removed (-inf).
   float keep_min = -std::numeric_limits<float>::infinity();
+  /// Sampling mask (docs/SPEC.md "Sampling masks"): when not null, the
+  /// `keep_count` global ids it lists (strictly ascending; ids outside this
+  /// slice are skipped) are the row's support and every other entry is
+  /// removed (-inf), after the mean_logits sum. Not with is_top1.
+  const int32_t* keep_ids = nullptr;
+  int64_t keep_count = 0;
 };
 
 /// Scratch floats ComputePartial needs: one padded SIMD block.

@@ -51,6 +51,13 @@ struct BlockRows {
   int64_t count = 0;
   const int64_t* targets = nullptr;     // [count] global ids; < 0: no target
   const int64_t* gather_ids = nullptr;  // [count, spec.gather_k] global ids (null when gather_k == 0)
+  /// Sampling masks (WorkItem.masked / mask_offsets / mask_ids; docs/SPEC.md
+  /// "Sampling masks"): null when the rows have none. Row i keeps the ids
+  /// mask_ids[mask_begin[i], mask_end[i]) when mask_begin[i] >= 0 (none of
+  /// them may be in this slice), and is unmasked when mask_begin[i] < 0.
+  const int64_t* mask_begin = nullptr;  // [count]
+  const int64_t* mask_end = nullptr;    // [count]
+  const int32_t* mask_ids = nullptr;
 };
 
 /// A block of logits in host memory: rows.count rows of `len` elements of
@@ -62,6 +69,19 @@ struct LogitsBlock {
   int64_t vocab_begin = 0;
   int64_t len = 0;
 };
+
+/// Row i of `block` and `rows` as the kernels take it (logits, target,
+/// gather ids, sampling mask).
+kernels::SliceRow HostSliceRow(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
+                               int64_t i);
+
+/// Records of rows.count rows of the host logits slice `block` computed on
+/// this thread with the CPU kernels (kernels::ComputePartial), sampling
+/// masks applied: the CPU backend's SlicePartials, and every backend's for
+/// masked rows (the GPU kernels have no masks). `records` holds rows.count
+/// * PartialWords(spec) words. Thread-safe.
+void HostSlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
+                       uint32_t* records);
 
 /// Sampling filters of a job (docs/SPEC.md "Filters"): top-k (0 or >= V
 /// disables) then top-p (outside (0, 1) disables).

@@ -9,25 +9,10 @@
 #include "worker/kernels/sampling_filter.h"
 
 namespace logprob {
-namespace {
-
-kernels::SliceRow RowOf(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec, int64_t i) {
-  kernels::SliceRow r;
-  r.logits = static_cast<const char*>(block.data) + static_cast<size_t>(i * block.len) * DTypeSize(block.dtype);
-  r.target = rows.targets[i];
-  r.gather_ids = spec.gather_k ? rows.gather_ids + i * spec.gather_k : nullptr;
-  return r;
-}
-
-}  // namespace
 
 absl::Status CpuBackend::SlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
                                        uint32_t* records) {
-  std::vector<float> scratch(kernels::kPartialScratchFloats);
-  const size_t words = kernels::PartialWords(spec);
-  for (int64_t i = 0; i < rows.count; ++i)
-    kernels::ComputePartial(block.dtype, RowOf(block, rows, spec, i), block.vocab_begin, block.len, spec,
-                            records + i * words, scratch.data());
+  HostSlicePartials(block, rows, spec, records);
   return absl::OkStatus();
 }
 
@@ -37,7 +22,7 @@ absl::Status CpuBackend::FilteredRowPartials(const LogitsBlock& block, const Blo
   std::vector<float> scratch(kernels::kPartialScratchFloats), row_f32(static_cast<size_t>(block.len)), filter_scratch;
   const size_t words = kernels::PartialWords(spec);
   for (int64_t i = 0; i < rows.count; ++i) {
-    kernels::SliceRow r = RowOf(block, rows, spec, i);
+    kernels::SliceRow r = HostSliceRow(block, rows, spec, i);
     ToFloat(block.dtype, r.logits, static_cast<size_t>(block.len), row_f32.data());
     for (auto& x : row_f32) x = x / spec.temperature;
     r.keep_min = kernels::SamplingKeepMin(row_f32.data(), block.len, filter.top_k, filter.top_p, &filter_scratch);

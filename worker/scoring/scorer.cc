@@ -85,13 +85,53 @@ struct Job {
   const std::function<bool()>& should_stop;
   const LmHeadWeights* lm_head;  // HIDDEN_STATES: the item's lm_head slice
   std::vector<uint32_t> records;
+  /// Sampling masks (WorkItem.masked): each row's range of mask_ids, begin
+  /// -1 for an unmasked row; both empty when the item has none.
+  std::vector<int64_t> mask_begin, mask_end;
 
+  bool masks() const { return !mask_begin.empty(); }
   /// Rows [row0, row0 + count) of the item, contiguous in its arrays.
   BlockRows Range(int64_t row0, int64_t count) const {
-    return BlockRows{count, item.targets().data() + row0,
-                     spec.gather_k ? item.gather_ids().data() + row0 * spec.gather_k : nullptr};
+    BlockRows r{count, item.targets().data() + row0,
+                spec.gather_k ? item.gather_ids().data() + row0 * spec.gather_k : nullptr};
+    if (masks()) {
+      r.mask_begin = mask_begin.data() + row0;
+      r.mask_end = mask_end.data() + row0;
+      r.mask_ids = item.mask_ids().data();
+    }
+    return r;
+  }
+  /// The records of a host logits block: masked rows on this thread with the
+  /// CPU kernels (no backend's device kernels have masks), else the backend's.
+  absl::Status Partials(const LogitsBlock& block, const BlockRows& rows, uint32_t* out) {
+    if (!masks()) return backend.SlicePartials(block, rows, spec, out);
+    HostSlicePartials(block, rows, spec, out);
+    return absl::OkStatus();
   }
 };
+
+/// The item's sampling masks as per-row ranges (Job::mask_begin / mask_end),
+/// or INVALID_ARGUMENT when its arrays do not fit together.
+absl::Status ReadMasks(const WorkItem& item, Job* job) {
+  if (item.masked_size() == 0 && item.mask_offsets_size() == 0 && item.mask_ids_size() == 0) return absl::OkStatus();
+  const int64_t n = item.num_rows(), nnz = item.mask_ids_size();
+  if (item.masked_size() != n || item.mask_offsets_size() != n + 1)
+    return absl::InvalidArgumentError("work item: masked / mask_offsets do not match num_rows");
+  job->mask_begin.resize(static_cast<size_t>(n));
+  job->mask_end.resize(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t a = item.mask_offsets(static_cast<int>(r)), b = item.mask_offsets(static_cast<int>(r + 1));
+    if (a < 0 || b < a || b > nnz) return absl::InvalidArgumentError("work item: mask_offsets out of order");
+    for (int64_t j = a; j < b; ++j)
+      if (item.mask_ids(static_cast<int>(j)) < item.vocab_begin() ||
+          item.mask_ids(static_cast<int>(j)) >= item.vocab_end() ||
+          (j > a && item.mask_ids(static_cast<int>(j)) <= item.mask_ids(static_cast<int>(j - 1))))
+        return absl::InvalidArgumentError("work item: mask_ids not ascending within the vocab slice");
+    job->mask_begin[r] = item.masked(static_cast<int>(r)) ? a : -1;
+    job->mask_end[r] = b;
+  }
+  return absl::OkStatus();
+}
 
 /// Scores `count` full rows (all V columns, `block.vocab_begin` 0) that are
 /// the item's rows [row0, row0 + count); writes them at out.At(row - out_row0).
@@ -102,7 +142,7 @@ absl::Status ScoreFullRows(Job& job, const LogitsBlock& block, int64_t row0, int
   const BlockRows rows = job.Range(row0, count);
   LOGPROB_RETURN_IF_ERROR(job.filters
                               ? job.backend.FilteredRowPartials(block, rows, job.spec, job.filter, job.records.data())
-                              : job.backend.SlicePartials(block, rows, job.spec, job.records.data()));
+                              : job.Partials(block, rows, job.records.data()));
   for (int64_t i = 0; i < count; ++i) {
     const uint32_t* recs[1] = {job.records.data() + i * words};
     kernels::CombinePartials(recs, 1, job.spec, rows.targets[i] >= 0, out.At(row0 + i - out_row0));
@@ -123,21 +163,32 @@ struct RoundRows {
   }
 };
 
-/// Targets and gather ids of a round's rows in round order (rank 0's rows
-/// first), for the backend.
+/// Targets, gather ids and sampling masks of a round's rows in round order
+/// (rank 0's rows first), for the backend.
 struct RoundIds {
-  std::vector<int64_t> targets, gather_ids;
+  std::vector<int64_t> targets, gather_ids, mask_begin, mask_end;
+  const int32_t* mask_ids = nullptr;
   RoundIds(const Job& job, const RoundRows& rows) {
     const int k = job.spec.gather_k;
     for (size_t q = 0; q < rows.first.size(); ++q) {
       const BlockRows r = job.Range(rows.first[q], rows.count[q]);
       targets.insert(targets.end(), r.targets, r.targets + r.count);
       if (k) gather_ids.insert(gather_ids.end(), r.gather_ids, r.gather_ids + r.count * k);
+      if (job.masks()) {
+        mask_begin.insert(mask_begin.end(), r.mask_begin, r.mask_begin + r.count);
+        mask_end.insert(mask_end.end(), r.mask_end, r.mask_end + r.count);
+        mask_ids = r.mask_ids;
+      }
     }
   }
   BlockRows rows() const {
-    return BlockRows{static_cast<int64_t>(targets.size()), targets.data(),
-                     gather_ids.empty() ? nullptr : gather_ids.data()};
+    BlockRows r{static_cast<int64_t>(targets.size()), targets.data(), gather_ids.empty() ? nullptr : gather_ids.data()};
+    if (mask_ids != nullptr) {
+      r.mask_begin = mask_begin.data();
+      r.mask_end = mask_end.data();
+      r.mask_ids = mask_ids;
+    }
+    return r;
   }
 };
 
@@ -252,8 +303,8 @@ absl::Status ScoreLogitsSlices(Job& job, Communicator& comm, int64_t own_begin, 
     } else {
       const RoundIds ids(job, rows);
       std::vector<uint32_t> send(static_cast<size_t>(rows.total()) * kernels::PartialWords(job.spec));
-      LOGPROB_RETURN_IF_ERROR(job.backend.SlicePartials(LogitsBlock{slice.dtype, slice.data, slice.begin, slice.len},
-                                                        ids.rows(), job.spec, send.data()));
+      LOGPROB_RETURN_IF_ERROR(
+          job.Partials(LogitsBlock{slice.dtype, slice.data, slice.begin, slice.len}, ids.rows(), send.data()));
       LOGPROB_RETURN_IF_ERROR(ExchangePartials(job, comm, rows, send, own_begin, out));
     }
   }
@@ -301,6 +352,16 @@ absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_token
           job.backend.HiddenLogits(*job.lm_head, item.dtype(), gathered.data(), packed, logits.data()));
       const RoundSlice slice{v1::F32, reinterpret_cast<const char*>(logits.data()), item.vocab_begin(), N};
       LOGPROB_RETURN_IF_ERROR(ExchangeFullRows(job, comm, rows, slice, own_begin, out));
+    } else if (job.masks()) {
+      // Masked rows: the round's logits through host memory, the CPU kernels' masks.
+      const RoundIds ids(job, rows);
+      logits.resize(static_cast<size_t>(packed * N));
+      LOGPROB_RETURN_IF_ERROR(
+          job.backend.HiddenLogits(*job.lm_head, item.dtype(), gathered.data(), packed, logits.data()));
+      records.resize(static_cast<size_t>(packed) * kernels::PartialWords(job.spec));
+      HostSlicePartials(LogitsBlock{v1::F32, logits.data(), item.vocab_begin(), N}, ids.rows(), job.spec,
+                        records.data());
+      LOGPROB_RETURN_IF_ERROR(ExchangePartials(job, comm, rows, records, own_begin, out));
     } else {
       const RoundIds ids(job, rows);
       records.resize(static_cast<size_t>(packed) * kernels::PartialWords(job.spec));
@@ -374,6 +435,7 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_
                                                    ": need rows >= 0, V > 0 and 0 <= K <= V"));
   if (item.targets_size() != n || item.gather_ids_size() != n * item.gather_k())
     return absl::InvalidArgumentError("work item: targets or gather_ids size does not match num_rows");
+  LOGPROB_RETURN_IF_ERROR(ReadMasks(item, &job));
   const size_t esize = DTypeSize(dtype);
   const int64_t slice_len = item.vocab_end() - item.vocab_begin();
   WorkResult res;
@@ -409,14 +471,15 @@ absl::StatusOr<WorkResult> ScoreWorkItem(const WorkItem& item, ItemPayload item_
       // top-p threshold needs all V of its logits in one place, and the
       // one-pass records are per-slice statistics, so the rounds bring the
       // logits to the host (HiddenLogits) and exchange full rows.
-      if (backend.OnePassHidden(comm) && !job.filters) {
+      if (backend.OnePassHidden(comm) && !job.filters && !job.masks()) {
         LOGPROB_RETURN_IF_ERROR(ScoreHiddenOnePass(job, comm, item_payload.on_device, own_begin, rows));
       } else if (item_payload.on_device) {
         return absl::FailedPreconditionError(
-            job.filters ? "hidden states passed as a CUDA IPC handle cannot be scored with sampling filters "
-                          "(sampling_top_k / sampling_top_p): send their bytes instead"
-                        : "hidden states passed as a CUDA IPC handle need workers that score hidden states in one "
-                          "pass (the CUDA backend with NCCL, or one worker)");
+            job.filters || job.masks()
+                ? "hidden states passed as a CUDA IPC handle cannot be scored with sampling filters or masks "
+                  "(sampling_top_k / sampling_top_p / sampling_mask_ids): send their bytes instead"
+                : "hidden states passed as a CUDA IPC handle need workers that score hidden states in one "
+                  "pass (the CUDA backend with NCCL, or one worker)");
       } else {
         LOGPROB_RETURN_IF_ERROR(ScoreHiddenStates(job, comm, hidden_chunk_tokens, own_begin, rows));
       }

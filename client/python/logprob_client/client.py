@@ -155,6 +155,13 @@ class LogprobClient(ClientBase):
           ``rollout_seq_*`` outputs and ``rollout_mismatch``; docs/SPEC.md
           "Rollout mismatch"), with ``rollout_ratio_cap`` (default 3) and
           ``rollout_band`` ((low, high), default (0.9, 1.1)).
+        - ``sampling_mask`` (offsets [n + 1], ids [nnz]): the sampler's kept
+          token ids of each of the n output positions (CSR over the
+          flattened ``token_logprobs``, ids strictly ascending; an empty
+          set: no mask there), as vLLM / SGLang return them; the logprobs
+          (entropy, top-k, gathered) are renormalised over exactly that set
+          (docs/SPEC.md "Sampling masks"). Not with ``sampling_top_k`` /
+          ``sampling_top_p`` or ``is_top1``.
 
         Options: ``alignment`` "next_token" (row t scores input_ids[t + 1])
         or "same_position"; ``entropy``; ``log_sum_sq_probs``,

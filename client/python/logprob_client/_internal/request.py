@@ -217,6 +217,7 @@ class ScoreCall:
         cu_seqlens: Any = None,
         gather_indices: Any = None,
         rollout_logprobs: Any = None,
+        sampling_mask: Any = None,
         dtype: Any = None,
         split: bool = True,
         cuda_ipc: bool = False,
@@ -241,7 +242,9 @@ class ScoreCall:
         filters = int(options.get("sampling_top_k") or 0) > 0 or float(
             1.0 if options.get("sampling_top_p") is None else options["sampling_top_p"]
         ) < 1.0
-        self._on_device = bool(cuda_ipc) and not filters
+        if filters and sampling_mask is not None:
+            raise InvalidInputError("sampling_mask replaces sampling_top_k / sampling_top_p: give one or the other")
+        self._on_device = bool(cuda_ipc) and not filters and sampling_mask is None
         if self._on_device:
             rows_dt, rows = cuda_ipc_mod.device_rows(rows_in, dtype)
         else:
@@ -282,6 +285,14 @@ class ScoreCall:
             tensors.append(("gather_indices",) + int_array("gather_indices", gather_indices))
         if rollout_logprobs is not None:
             tensors.append(("rollout_logprobs",) + float_array("rollout_logprobs", rollout_logprobs, "f32"))
+        if sampling_mask is not None:
+            try:
+                mask_offsets, mask_ids = sampling_mask
+            except (TypeError, ValueError):
+                raise InvalidInputError("sampling_mask must be a pair (offsets, ids): CSR over the output "
+                                        "positions") from None
+            tensors.append(("sampling_mask_offsets",) + int_array("sampling_mask_offsets", mask_offsets))
+            tensors.append(("sampling_mask_ids",) + int_array("sampling_mask_ids", mask_ids))
         head, head_version = str(head or ""), str(head_version or "")
         if (head or head_version) and rows_name != "hidden_states":
             raise InvalidInputError("head / head_version select an lm_head for hidden_states; this call has logits")

@@ -29,6 +29,34 @@ from .tensors import DTYPE_SIZE, NUMPY_DTYPE, Array, to_tensor
 ROW_NAMES = ("logits", "hidden_states")
 # Inputs with one row per output row (shaped like the outputs).
 _OUTPUT_ROW_INPUTS = ("gather_indices", "rollout_logprobs")
+# The sampling mask: CSR over the output rows (offsets [n + 1], ids [nnz]).
+_MASK_INPUTS = ("sampling_mask_offsets", "sampling_mask_ids")
+
+
+def _plan_mask(inp: "Inputs", out_off: Any) -> Tuple[List[int], Callable[[int, int], List["Input"]]]:
+    """The sampling mask's bytes per sequence (``out_off`` [B + 1]: the
+    sequences' first output rows) and ``make(s0, s1)``: its tensors for
+    sequences [s0, s1), offsets rebased to 0."""
+    off, ids = inp.get("sampling_mask_offsets"), inp.get("sampling_mask_ids")
+    if off is None or ids is None:
+        return [0] * (len(out_off) - 1), lambda s0, s1: []
+    offv = off[2].astype(np.int64).reshape(-1)
+    n = int(out_off[-1])
+    if off[2].ndim != 1 or offv.shape[0] != n + 1 or offv[0] != 0 or np.any(np.diff(offv) < 0) or \
+            ids[2].ndim != 1 or offv[-1] != ids[2].shape[0]:
+        raise InvalidInputError(
+            "sampling_mask: offsets must be [%d] (one per output row, plus one), start at 0, not decrease and end "
+            "at len(ids); got offsets %s, ids %s" % (n + 1, list(off[2].shape), list(ids[2].shape)))
+    oi, ii = off[2].itemsize, ids[2].itemsize
+    seq_bytes = [int((out_off[i + 1] - out_off[i]) * oi + (offv[out_off[i + 1]] - offv[out_off[i]]) * ii)
+                 for i in range(len(out_off) - 1)]
+
+    def make(s0: int, s1: int) -> List["Input"]:
+        a, b = int(out_off[s0]), int(out_off[s1])
+        return [("sampling_mask_offsets", off[1], (offv[a:b + 1] - offv[a]).astype(off[2].dtype)),
+                ("sampling_mask_ids", ids[1], ids[2][offv[a]:offv[b]])]
+
+    return seq_bytes, make
 
 # Upper bound of what the id suffix "-<i>" adds, and of how much a tensor's
 # serialized size can exceed its data plus its header without data (the
@@ -110,6 +138,8 @@ def _plan_padded(inp: Inputs) -> _Plan:
     B, S = int(rows.shape[0]), int(rows.shape[1])
     per_seq = 0
     for name, dt, arr in inp.tensors:
+        if name in _MASK_INPUTS:
+            continue
         if name == "cu_seqlens":
             raise InvalidInputError("'cu_seqlens' given with 3-D '%s' %s" % (inp.rows[0], list(rows.shape)))
         if arr.ndim < 1 or arr.shape[0] != B:
@@ -118,13 +148,15 @@ def _plan_padded(inp: Inputs) -> _Plan:
                 % (name, list(arr.shape), B, inp.rows[0], list(rows.shape))
             )
         per_seq += arr.nbytes // B if B else 0
-    seq_bytes = [per_seq] * B
+    s_out = max(S - 1, 0) if inp.options.alignment == pb2.NEXT_TOKEN else S
+    mask_bytes, mask_make = _plan_mask(inp, np.arange(B + 1, dtype=np.int64) * s_out)
+    seq_bytes = [per_seq + m for m in mask_bytes]
     seq_tokens = [S] * B
 
     def make(s0: int, s1: int) -> List[Input]:
-        return [(n, dt, a[s0:s1]) for n, dt, a in inp.tensors]
+        return [(n, dt, a[s0:s1]) for n, dt, a in inp.tensors if n not in _MASK_INPUTS] + mask_make(s0, s1)
 
-    return seq_bytes, seq_tokens, 0, make
+    return seq_bytes, seq_tokens, _mask_extra(inp), make
 
 
 def _plan_packed(inp: Inputs) -> _Plan:
@@ -134,7 +166,7 @@ def _plan_packed(inp: Inputs) -> _Plan:
     ids = inp.get("input_ids")
     cu = inp.get("cu_seqlens")
     for name, _, _ in inp.tensors:
-        if name not in (inp.rows[0], "input_ids", "cu_seqlens") + _OUTPUT_ROW_INPUTS:
+        if name not in (inp.rows[0], "input_ids", "cu_seqlens") + _OUTPUT_ROW_INPUTS + _MASK_INPUTS:
             raise InvalidInputError("packed input cannot carry '%s'" % name)
     if ids is None or ids[2].ndim != 1 or ids[2].shape[0] != T:
         raise InvalidInputError(
@@ -165,7 +197,8 @@ def _plan_packed(inp: Inputs) -> _Plan:
         out_row_bytes += t[2].nbytes // t[2].shape[0] if t[2].shape[0] else 0
     token_bytes = rows.nbytes // T + ids[2].itemsize if T else 0
     cu_entry = DTYPE_SIZE[cu[1]] if cu is not None else 0
-    seq_bytes = [int(lens[i] * token_bytes + cu_entry + outs[i] * out_row_bytes) for i in range(B)]
+    mask_bytes, mask_make = _plan_mask(inp, out_off)
+    seq_bytes = [int(lens[i] * token_bytes + cu_entry + outs[i] * out_row_bytes) + mask_bytes[i] for i in range(B)]
     seq_tokens = [int(x) for x in lens]
 
     def make(s0: int, s1: int) -> List[Input]:
@@ -177,9 +210,15 @@ def _plan_packed(inp: Inputs) -> _Plan:
                 part.append((name, dt, arr[out_off[s0]:out_off[s1]]))
             elif name == "cu_seqlens":
                 part.append((name, dt, (cuv[s0:s1 + 1] - cuv[s0]).astype(NUMPY_DTYPE[dt])))
-        return part
+        return part + mask_make(s0, s1)
 
-    return seq_bytes, seq_tokens, cu_entry, make
+    return seq_bytes, seq_tokens, cu_entry + _mask_extra(inp), make
+
+
+def _mask_extra(inp: "Inputs") -> int:
+    """Bytes a part's sampling mask adds once: its offsets' last entry."""
+    off = inp.get("sampling_mask_offsets")
+    return int(off[2].itemsize) if off is not None else 0
 
 
 def plan(inp: Inputs, request_id: str, max_bytes: int, max_tokens: int = 0) -> List[Tuple[str, Inputs]]:
