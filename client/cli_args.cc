@@ -184,6 +184,9 @@ absl::Status ApplyScoreFlag(const std::string& flag, const std::string& v, Score
   } else if (flag == "rollout-logprobs") {
     if (v.empty()) return BadValue(flag, v, "a tensor name of the input file");
     a->rollout_logprobs = v;
+  } else if (flag == "sampling-mask") {
+    if (v.empty()) return BadValue(flag, v, "the prefix of tensors NAME_offsets and NAME_ids of the input file");
+    a->sampling_mask = v;
   } else if (flag == "rollout-ratio-cap") {
     double cap;
     if (!absl::SimpleAtod(v, &cap) || !(cap > 0)) return BadValue(flag, v, "a number > 0 (inf: no truncation)");
@@ -479,6 +482,11 @@ std::string UsageText() {
                                 metadata (docs/SPEC.md "Rollout mismatch")
     --rollout-ratio-cap C       cap of rollout_ratio (> 0; default 3)
     --rollout-band LOW,HIGH     band of r counted as outside (default 0.9,1.1)
+    --sampling-mask NAME        send IN's NAME_offsets [n + 1] and NAME_ids
+                                [nnz] (the sampler's kept ids of each output
+                                position, CSR) as the sampling mask: scores
+                                are renormalised over exactly those ids
+                                (docs/SPEC.md "Sampling masks")
 
   logprob-client bench --server HOST:PORT [shape] [options] [load options]
       [security options]

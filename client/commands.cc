@@ -136,8 +136,8 @@ int RunScore(const ScoreArgs& args) {
     PrintError(WithPath(args.input, file.status()));
     return kExitBadInput;
   }
-  absl::StatusOr<v1::ScoreRequest> request =
-      BuildScoreRequest(std::move(file->file()), ToScoreOptions(args.flags), MakeRequestId(), args.rollout_logprobs);
+  absl::StatusOr<v1::ScoreRequest> request = BuildScoreRequest(
+      std::move(file->file()), ToScoreOptions(args.flags), MakeRequestId(), args.rollout_logprobs, args.sampling_mask);
   if (request.ok()) request = SelectLmHead(*std::move(request), args.head, args.head_version);
   if (!request.ok()) {
     PrintError(WithPath(args.input, request.status()));
@@ -176,7 +176,7 @@ int RunScore(const ScoreArgs& args) {
   std::vector<std::string_view> data;
   // The file's name of each input (--rollout-logprobs renames its tensor).
   auto source_name = [&](const std::string& name) {
-    return name == kRolloutLogprobsName ? args.rollout_logprobs : name;
+    return SourceTensorName(name, args.rollout_logprobs, args.sampling_mask);
   };
   for (int i = 0; i < request->inputs_size(); ++i) {
     const std::string_view bytes = file->data(source_name(request->inputs(i).name()));

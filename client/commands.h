@@ -76,6 +76,7 @@ struct ScoreArgs {
   std::string head;               // --head: the lm_head for hidden_states (ScoreRequest.head); empty: "default"
   std::string head_version;       // --head-version: pin that version (ScoreRequest.head_version); empty: current
   std::string rollout_logprobs;   // --rollout-logprobs: IN's F32 tensor sent as rollout_logprobs; empty: none
+  std::string sampling_mask;      // --sampling-mask: IN's NAME_offsets / NAME_ids sent as the sampling mask
 };
 
 /// Runs `score`: reads the input file, asks the server for its limits

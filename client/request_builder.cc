@@ -47,8 +47,17 @@ int FindIndex(const SafetensorsFile& file, std::string_view name) {
 
 }  // namespace
 
+std::string SourceTensorName(const std::string& name, const std::string& rollout_logprobs,
+                             const std::string& sampling_mask) {
+  if (name == kRolloutLogprobsName && !rollout_logprobs.empty()) return rollout_logprobs;
+  if (name == kSamplingMaskOffsetsName && !sampling_mask.empty()) return sampling_mask + "_offsets";
+  if (name == kSamplingMaskIdsName && !sampling_mask.empty()) return sampling_mask + "_ids";
+  return name;
+}
+
 absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v1::ScoreOptions& options,
-                                                   const std::string& id, const std::string& rollout_logprobs) {
+                                                   const std::string& id, const std::string& rollout_logprobs,
+                                                   const std::string& sampling_mask) {
   const int logits = FindIndex(file, kLogitsName);
   const int hidden = FindIndex(file, kHiddenStatesName);
   if (logits >= 0 && hidden >= 0) {
@@ -75,6 +84,15 @@ absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v
           absl::StrCat("--rollout-logprobs: '", rollout_logprobs, "' is the input's scores, not its logprobs"));
   }
 
+  int mask_offsets = -1, mask_ids = -1;
+  if (!sampling_mask.empty()) {
+    mask_offsets = FindIndex(file, sampling_mask + "_offsets");
+    mask_ids = FindIndex(file, sampling_mask + "_ids");
+    if (mask_offsets < 0 || mask_ids < 0)
+      return absl::InvalidArgumentError(absl::StrCat("--sampling-mask: input has no tensor '", sampling_mask,
+                                                     mask_offsets < 0 ? "_offsets'" : "_ids'"));
+  }
+
   v1::ScoreRequest request;
   request.set_id(id);
   *request.mutable_options() = options;
@@ -89,6 +107,13 @@ absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v
     v1::Tensor* t = request.add_inputs();
     *t = std::move(file.tensors[rollout]);
     t->set_name(kRolloutLogprobsName);
+  }
+  for (const auto& [i, name] :
+       {std::pair{mask_offsets, kSamplingMaskOffsetsName}, std::pair{mask_ids, kSamplingMaskIdsName}}) {
+    if (i < 0) continue;
+    v1::Tensor* t = request.add_inputs();
+    *t = std::move(file.tensors[i]);
+    t->set_name(name);
   }
   return request;
 }

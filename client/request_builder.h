@@ -24,6 +24,8 @@ inline constexpr char kCuSeqlensName[] = "cu_seqlens";
 inline constexpr char kSeqLensName[] = "seq_lens";
 inline constexpr char kGatherIndicesName[] = "gather_indices";
 inline constexpr char kRolloutLogprobsName[] = "rollout_logprobs";
+inline constexpr char kSamplingMaskOffsetsName[] = "sampling_mask_offsets";
+inline constexpr char kSamplingMaskIdsName[] = "sampling_mask_ids";
 
 /// Scoring options as given on the command line; unset fields stay unset
 /// in the request so the server applies its defaults.
@@ -57,11 +59,22 @@ v1::ScoreOptions ToScoreOptions(const ScoreFlags& flags);
 /// server validates shapes and dtypes). Other tensors in the file are
 /// ignored. The tensors are moved out of `file`. `rollout_logprobs`
 /// (the CLI's --rollout-logprobs NAME), when not empty, names the F32
-/// tensor sent last as `rollout_logprobs` (docs/SPEC.md "Rollout mismatch").
+/// tensor sent as `rollout_logprobs` (docs/SPEC.md "Rollout mismatch").
+/// `sampling_mask` (--sampling-mask NAME), when not empty, names the pair
+/// NAME_offsets / NAME_ids sent as `sampling_mask_offsets` /
+/// `sampling_mask_ids` (docs/SPEC.md "Sampling masks").
 /// Errors (INVALID_ARGUMENT): no `input_ids`, neither or both of `logits`
-/// and `hidden_states`, no tensor `rollout_logprobs` or one not F32.
+/// and `hidden_states`, no tensor `rollout_logprobs` or one not F32, no
+/// tensor NAME_offsets or NAME_ids.
 absl::StatusOr<v1::ScoreRequest> BuildScoreRequest(SafetensorsFile file, const v1::ScoreOptions& options,
-                                                   const std::string& id, const std::string& rollout_logprobs = "");
+                                                   const std::string& id, const std::string& rollout_logprobs = "",
+                                                   const std::string& sampling_mask = "");
+
+/// The name in the input file of request input `name`: the tensors that
+/// --rollout-logprobs and --sampling-mask rename come from those flags'
+/// names, every other from its own.
+std::string SourceTensorName(const std::string& name, const std::string& rollout_logprobs,
+                             const std::string& sampling_mask);
 
 /// `request` with ScoreRequest.head = `head` and head_version =
 /// `head_version` (the CLI's --head / --head-version; empty leaves the

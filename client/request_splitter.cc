@@ -78,6 +78,74 @@ struct Plan {
   std::function<void(int64_t s0, int64_t s1, v1::ScoreRequest* part)> fill_inputs;
 };
 
+// A 1-D tensor named and typed (I32 / I64) like `like` holding
+// values[a..b] - values[a]: a part's cu_seqlens or mask offsets.
+v1::Tensor Rebased(const v1::Tensor& like, const std::vector<int64_t>& values, int64_t a, int64_t b) {
+  v1::Tensor out;
+  out.set_name(like.name());
+  out.set_dtype(like.dtype());
+  out.add_shape(b - a + 1);
+  std::string data;
+  for (int64_t i = a; i <= b; ++i) {
+    const int64_t v = values[i] - values[a];
+    if (like.dtype() == v1::I32) {
+      const int32_t v32 = static_cast<int32_t>(v);
+      data.append(reinterpret_cast<const char*>(&v32), 4);
+    } else {
+      data.append(reinterpret_cast<const char*>(&v), 8);
+    }
+  }
+  out.set_data(std::move(data));
+  return out;
+}
+
+bool IsMaskTensor(const v1::Tensor& t) {
+  return t.name() == kSamplingMaskOffsetsName || t.name() == kSamplingMaskIdsName;
+}
+
+// Adds the sampling mask (CSR over the output rows; `out_offset` [B + 1]:
+// each sequence's first output row) to `plan`: each sequence's bytes, the
+// offsets' extra entry per part, and its two tensors in every part
+// (offsets rebased to 0) after what `plan.fill_inputs` adds. Nothing
+// without a mask.
+absl::Status PlanMask(const v1::ScoreRequest& request, const std::vector<int64_t>& out_offset, Plan* plan) {
+  const v1::Tensor* off = FindInput(request, kSamplingMaskOffsetsName);
+  const v1::Tensor* ids = FindInput(request, kSamplingMaskIdsName);
+  if (off == nullptr && ids == nullptr) return absl::OkStatus();
+  if (off == nullptr || ids == nullptr)
+    return absl::InvalidArgumentError("cannot split: give both 'sampling_mask_offsets' and 'sampling_mask_ids'");
+  for (const v1::Tensor* t : {off, ids}) {
+    if (absl::Status s = CheckTensor(*t); !s.ok()) return s;
+    if (!IsIntDType(t->dtype()) || t->shape_size() != 1)
+      return absl::InvalidArgumentError(absl::StrCat("cannot split: '", t->name(), "' must be a 1-D I32/I64 tensor"));
+  }
+  const int64_t n = out_offset.back();
+  if (off->shape(0) != n + 1)
+    return absl::InvalidArgumentError(absl::StrCat("cannot split: 'sampling_mask_offsets' ", ShapeString(*off),
+                                                   " must have ", n + 1, " entries, one per output row plus one"));
+  std::vector<int64_t> offv(static_cast<size_t>(n + 1));
+  for (int64_t i = 0; i <= n; ++i) {
+    offv[i] = ReadInt(off->dtype(), off->data().data(), i);
+    if ((i == 0 && offv[i] != 0) || (i > 0 && offv[i] < offv[i - 1]))
+      return absl::InvalidArgumentError("cannot split: 'sampling_mask_offsets' must start at 0 and not decrease");
+  }
+  if (offv[n] != ids->shape(0))
+    return absl::InvalidArgumentError("cannot split: 'sampling_mask_offsets' does not end at the number of ids");
+  const int64_t oe = static_cast<int64_t>(DTypeSize(off->dtype())), ie = static_cast<int64_t>(DTypeSize(ids->dtype()));
+  for (size_t s = 0; s + 1 < out_offset.size(); ++s)
+    plan->seq_bytes[s] +=
+        (out_offset[s + 1] - out_offset[s]) * oe + (offv[out_offset[s + 1]] - offv[out_offset[s]]) * ie;
+  plan->part_extra_bytes += oe;
+  plan->fill_inputs = [rest = std::move(plan->fill_inputs), off, ids, offv = std::move(offv), out_offset](
+                          int64_t s0, int64_t s1, v1::ScoreRequest* part) {
+    rest(s0, s1, part);
+    const int64_t a = out_offset[s0], b = out_offset[s1];
+    *part->add_inputs() = Rebased(*off, offv, a, b);
+    *part->add_inputs() = SliceRows(*ids, offv[a], offv[b]);
+  };
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Plan> PlanPadded(const v1::ScoreRequest& request, const v1::Tensor& rows) {
   if (rows.shape_size() != 3) {
     return absl::InvalidArgumentError("padded input needs 3-D rows");
@@ -87,6 +155,7 @@ absl::StatusOr<Plan> PlanPadded(const v1::ScoreRequest& request, const v1::Tenso
   Plan plan;
   int64_t bytes_per_seq = 0;
   for (const v1::Tensor& t : request.inputs()) {
+    if (IsMaskTensor(t)) continue;
     if (t.name() == kCuSeqlensName) {
       return absl::InvalidArgumentError(
           absl::StrCat("cannot split: 'cu_seqlens' given with 3-D '", rows.name(), "' ", ShapeString(rows)));
@@ -103,9 +172,13 @@ absl::StatusOr<Plan> PlanPadded(const v1::ScoreRequest& request, const v1::Tenso
   plan.seq_tokens.assign(B, S);
   plan.fill_inputs = [req = &request](int64_t s0, int64_t s1, v1::ScoreRequest* part) {
     for (const v1::Tensor& t : req->inputs()) {
-      *part->add_inputs() = SliceRows(t, s0, s1);
+      if (!IsMaskTensor(t)) *part->add_inputs() = SliceRows(t, s0, s1);
     }
   };
+  const int64_t s_out = request.options().alignment() == v1::NEXT_TOKEN ? std::max<int64_t>(S - 1, 0) : S;
+  std::vector<int64_t> out_offset(B + 1);
+  for (int64_t b = 0; b <= B; ++b) out_offset[b] = b * s_out;
+  if (absl::Status s = PlanMask(request, out_offset, &plan); !s.ok()) return s;
   return plan;
 }
 
@@ -117,7 +190,7 @@ absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tenso
   const v1::Tensor* gather = FindInput(request, kGatherIndicesName);
   const v1::Tensor* rollout = FindInput(request, kRolloutLogprobsName);
   for (const v1::Tensor& t : request.inputs()) {
-    if (&t != &rows && &t != ids && &t != cu && &t != gather && &t != rollout) {
+    if (&t != &rows && &t != ids && &t != cu && &t != gather && &t != rollout && !IsMaskTensor(t)) {
       return absl::InvalidArgumentError(absl::StrCat("cannot split packed input with input '", t.name(), "'"));
     }
     if (absl::Status s = CheckTensor(t); !s.ok()) return s;
@@ -179,32 +252,19 @@ absl::StatusOr<Plan> PlanPacked(const v1::ScoreRequest& request, const v1::Tenso
     plan.seq_bytes.push_back(len * token_bytes + cu_entry + outs * out_row_bytes);
     plan.seq_tokens.push_back(len);
   }
-  plan.fill_inputs = [req = &request, rows_t = &rows, ids, cu, gather, rollout, cuv = std::move(cuv),
-                      out_offset = std::move(out_offset)](int64_t s0, int64_t s1, v1::ScoreRequest* part) {
+  plan.fill_inputs = [req = &request, rows_t = &rows, ids, cu, gather, rollout, cuv = std::move(cuv), out_offset](
+                         int64_t s0, int64_t s1, v1::ScoreRequest* part) {
     for (const v1::Tensor& t : req->inputs()) {
       if (&t == rows_t || &t == ids) {
         *part->add_inputs() = SliceRows(t, cuv[s0], cuv[s1]);
       } else if (&t == gather || &t == rollout) {
         *part->add_inputs() = SliceRows(t, out_offset[s0], out_offset[s1]);
       } else if (&t == cu) {
-        v1::Tensor* out = part->add_inputs();
-        out->set_name(t.name());
-        out->set_dtype(t.dtype());
-        out->add_shape(s1 - s0 + 1);
-        std::string data;
-        for (int64_t i = s0; i <= s1; ++i) {
-          const int64_t v = cuv[i] - cuv[s0];
-          if (t.dtype() == v1::I32) {
-            const int32_t v32 = static_cast<int32_t>(v);
-            data.append(reinterpret_cast<const char*>(&v32), 4);
-          } else {
-            data.append(reinterpret_cast<const char*>(&v), 8);
-          }
-        }
-        out->set_data(std::move(data));
+        *part->add_inputs() = Rebased(t, cuv, s0, s1);
       }
     }
   };
+  if (absl::Status s = PlanMask(request, out_offset, &plan); !s.ok()) return s;
   return plan;
 }
 

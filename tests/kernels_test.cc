@@ -158,6 +158,75 @@ TEST(RowStats, RandomRowsMatchFloat64AcrossSliceCounts) {
   }
 }
 
+// Sampling masks (SliceRow::keep_ids): a row of several kBlock blocks cut
+// into uneven slices, kept ids on both sides of block and slice edges; the
+// combined outputs equal a float64 log-softmax over exactly the kept set.
+TEST(RowStats, SamplingMaskAcrossBlocksAndSlices) {
+  const int64_t V = 3 * static_cast<int64_t>(kBlock) + 123;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 3.f);
+  std::vector<float> z(static_cast<size_t>(V));
+  for (auto& v : z) v = nd(rng);
+  std::vector<int32_t> keep;
+  for (int64_t id : {int64_t{0}, int64_t{5}, static_cast<int64_t>(kBlock) - 1, static_cast<int64_t>(kBlock),
+                     static_cast<int64_t>(kBlock) + 17, 2 * static_cast<int64_t>(kBlock) + 1, V / 2, V - 2, V - 1})
+    keep.push_back(static_cast<int32_t>(id));
+  std::sort(keep.begin(), keep.end());
+  keep.erase(std::unique(keep.begin(), keep.end()), keep.end());
+  StatsSpec spec;
+  spec.entropy = true;
+  spec.temperature = 0.8f;
+  spec.topk = 3;
+  spec.gather_k = 2;
+  const std::vector<int64_t> gather = {keep[2], 1};  // one kept id, one removed
+  // float64 over the set.
+  double mx = -kInf, s = 0;
+  for (int32_t id : keep) mx = std::max(mx, static_cast<double>(z[id] / spec.temperature));
+  for (int32_t id : keep) s += std::exp(z[id] / spec.temperature - mx);
+  const double logZ = mx + std::log(s);
+  double entropy = 0;
+  for (int32_t id : keep) {
+    const double lp = z[id] / spec.temperature - logZ;
+    entropy -= std::exp(lp) * lp;
+  }
+  for (int slices : {1, 2, 3, 5}) {
+    for (int64_t target : {static_cast<int64_t>(keep[4]), int64_t{2}}) {  // in the set; outside it
+      const size_t words = PartialWords(spec);
+      std::vector<std::vector<uint32_t>> recs(slices, std::vector<uint32_t>(words));
+      std::vector<float> scratch(kPartialScratchFloats);
+      for (int r = 0; r < slices; ++r) {
+        const auto [b, e] = SplitRange(V, slices, r);
+        SliceRow row;
+        row.logits = z.data() + b;
+        row.target = target;
+        row.gather_ids = gather.data();
+        row.keep_ids = keep.data();  // all ids: the kernel skips those outside its slice
+        row.keep_count = static_cast<int64_t>(keep.size());
+        ComputePartial(v1::F32, row, b, e - b, spec, recs[r].data(), scratch.data());
+      }
+      std::vector<const uint32_t*> ptrs;
+      for (auto& r : recs) ptrs.push_back(r.data());
+      float lp = 0, ent = 0, topk_lp[3], gathered[2];
+      int64_t topk_id[3];
+      RowOutput out;
+      out.token_logprob = &lp;
+      out.entropy = &ent;
+      out.topk_logprobs = topk_lp;
+      out.topk_indices = topk_id;
+      out.gathered = gathered;
+      CombinePartials(ptrs.data(), slices, spec, true, out);
+      const std::string ctx = "slices=" + std::to_string(slices) + " target=" + std::to_string(target);
+      ExpectClose(target == keep[4] ? z[target] / spec.temperature - logZ : -kInf, lp, ctx + " token_logprob");
+      ExpectClose(entropy, ent, ctx + " entropy");
+      ExpectClose(z[gather[0]] / spec.temperature - logZ, gathered[0], ctx + " gathered kept");
+      ExpectClose(-kInf, gathered[1], ctx + " gathered removed");
+      std::vector<int32_t> by_lp = keep;
+      std::stable_sort(by_lp.begin(), by_lp.end(), [&](int32_t a, int32_t b) { return z[a] > z[b]; });
+      for (int j = 0; j < 3; ++j) EXPECT_EQ(topk_id[j], by_lp[j]) << ctx << " topk " << j;
+    }
+  }
+}
+
 TEST(RowStats, TemperatureApplied) {
   StatsSpec spec;
   spec.entropy = true;

@@ -5,12 +5,13 @@ sampler's kept ids, against a float64 log-softmax over the set, with 1 and
 batched (bitwise), split calls, and the refused masks."""
 
 import os
+import subprocess
 import unittest
 
 import numpy as np
 
 import support  # noqa: F401  (puts client/python on sys.path)
-from support import Server, temp_dir
+from support import BIN_DIR, Server, temp_dir
 
 import grpc
 from logprob_client import InvalidInputError, LogprobError
@@ -182,6 +183,33 @@ class SamplingMaskTest(unittest.TestCase):
             got = res.token_logprobs.reshape(-1)
             self.assertEqual(within_spec_message(want_lp[scored], got[scored]), "")
             self.assertTrue(np.all(got[~scored] == 0))
+
+    def test_cli_contract(self):
+        # logprob-client score --sampling-mask NAME reads NAME_offsets / NAME_ids: whole and split into parts,
+        # the same outputs as the Python client's.
+        case = MaskCase(8, lens=(12, 9, 14, 6))
+        want = self.clients[1].score(entropy=True, **case.kwargs())
+        d = temp_dir("mask_cli")
+        inp = os.path.join(d, "in.safetensors")
+        safetensors.save(inp, {"logits": case.logits, "input_ids": case.ids, "cu_seqlens": case.cu,
+                               "vllm_mask_offsets": case.offsets, "vllm_mask_ids": case.mask_ids})
+        cli = os.path.join(BIN_DIR, "logprob-client")
+        for extra in ([], ["--max-request-bytes", "12000"]):
+            out = os.path.join(d, "out%d.safetensors" % len(extra))
+            r = subprocess.run([cli, "score", "--server", self.three.address, "--input", inp, "--output", out,
+                                "--entropy", "--sampling-mask", "vllm_mask"] + extra,
+                               capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            if extra:
+                self.assertIn("scored part 2/", r.stderr)
+            got, _ = safetensors.load(out)
+            np.testing.assert_array_equal(got["token_logprobs"], want.token_logprobs)
+            np.testing.assert_array_equal(got["entropy"], want.entropy)
+        r = subprocess.run([cli, "score", "--server", self.three.address, "--input", inp, "--output",
+                            os.path.join(d, "bad.safetensors"), "--sampling-mask", "nope"],
+                           capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--sampling-mask: input has no tensor 'nope_offsets'", r.stderr)
 
     def test_bad_masks(self):
         case = MaskCase(6)
