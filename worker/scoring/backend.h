@@ -70,19 +70,6 @@ struct LogitsBlock {
   int64_t len = 0;
 };
 
-/// Row i of `block` and `rows` as the kernels take it (logits, target,
-/// gather ids, sampling mask).
-kernels::SliceRow HostSliceRow(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
-                               int64_t i);
-
-/// Records of rows.count rows of the host logits slice `block` computed on
-/// this thread with the CPU kernels (kernels::ComputePartial), sampling
-/// masks applied: the CPU backend's SlicePartials, and every backend's for
-/// masked rows (the GPU kernels have no masks). `records` holds rows.count
-/// * PartialWords(spec) words. Thread-safe.
-void HostSlicePartials(const LogitsBlock& block, const BlockRows& rows, const kernels::StatsSpec& spec,
-                       uint32_t* records);
-
 /// Sampling filters of a job (docs/SPEC.md "Filters"): top-k (0 or >= V
 /// disables) then top-p (outside (0, 1) disables).
 struct SamplingFilter {

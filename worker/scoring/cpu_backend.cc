@@ -7,6 +7,7 @@
 #include "common/status_macros.h"
 #include "worker/kernels/lm_head_transform_simd.h"
 #include "worker/kernels/sampling_filter.h"
+#include "worker/scoring/host_partials.h"
 
 namespace logprob {
 

@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "worker/kernels/row_stats.h"
 #include "worker/kernels/sampling_filter.h"
+#include "worker/scoring/host_partials.h"
 #include "worker/scoring/one_pass_layout.h"
 
 namespace logprob {
