@@ -11,8 +11,11 @@ kernels::SliceRow HostSliceRow(const LogitsBlock& block, const BlockRows& rows, 
   r.target = rows.targets[i];
   r.gather_ids = spec.gather_k ? rows.gather_ids + i * spec.gather_k : nullptr;
   if (rows.mask_begin != nullptr && rows.mask_begin[i] >= 0) {
-    r.keep_ids = rows.mask_ids + rows.mask_begin[i];
+    // A masked row with no id in this slice keeps nothing here: a non-null
+    // empty list (the item's ids may then be empty, with no data pointer).
+    static const int32_t kNone[1] = {0};
     r.keep_count = rows.mask_end[i] - rows.mask_begin[i];
+    r.keep_ids = r.keep_count > 0 ? rows.mask_ids + rows.mask_begin[i] : kNone;
   }
   return r;
 }

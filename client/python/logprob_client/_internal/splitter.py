@@ -47,14 +47,15 @@ def _plan_mask(inp: "Inputs", out_off: Any) -> Tuple[List[int], Callable[[int, i
         raise InvalidInputError(
             "sampling_mask: offsets must be [%d] (one per output row, plus one), start at 0, not decrease and end "
             "at len(ids); got offsets %s, ids %s" % (n + 1, list(off[2].shape), list(ids[2].shape)))
-    oi, ii = off[2].itemsize, ids[2].itemsize
+    (_, off_dt, off_arr), (_, ids_dt, ids_arr) = off, ids
+    oi, ii = off_arr.itemsize, ids_arr.itemsize
     seq_bytes = [int((out_off[i + 1] - out_off[i]) * oi + (offv[out_off[i + 1]] - offv[out_off[i]]) * ii)
                  for i in range(len(out_off) - 1)]
 
     def make(s0: int, s1: int) -> List["Input"]:
         a, b = int(out_off[s0]), int(out_off[s1])
-        return [("sampling_mask_offsets", off[1], (offv[a:b + 1] - offv[a]).astype(off[2].dtype)),
-                ("sampling_mask_ids", ids[1], ids[2][offv[a]:offv[b]])]
+        return [("sampling_mask_offsets", off_dt, (offv[a:b + 1] - offv[a]).astype(off_arr.dtype)),
+                ("sampling_mask_ids", ids_dt, ids_arr[offv[a]:offv[b]])]
 
     return seq_bytes, make
 
