@@ -85,7 +85,7 @@ struct Outputs {
 /// Scores one f32 row split into `slices` vocab slices (1 = whole row),
 /// with filters applied through keep_min as the worker does.
 Outputs Score(const std::vector<float>& z, int64_t target, const std::vector<int64_t>& gather, const StatsSpec& spec,
-              int slices, int top_k = 0, float top_p = 1.f) {
+              int slices, int top_k = 0, float top_p = 1.f, const std::vector<int32_t>* keep = nullptr) {
   const int64_t V = static_cast<int64_t>(z.size());
   float keep_min = -std::numeric_limits<float>::infinity();
   if (top_k > 0 || top_p < 1.f) {
@@ -103,6 +103,10 @@ Outputs Score(const std::vector<float>& z, int64_t target, const std::vector<int
     row.target = target;
     row.gather_ids = gather.data();
     row.keep_min = keep_min;
+    if (keep) {  // all ids: the kernel skips those outside its slice
+      row.keep_ids = keep->data();
+      row.keep_count = static_cast<int64_t>(keep->size());
+    }
     ComputePartial(v1::F32, row, b, e - b, spec, recs[r].data(), scratch.data());
   }
   std::vector<const uint32_t*> ptrs;
@@ -191,38 +195,15 @@ TEST(RowStats, SamplingMaskAcrossBlocksAndSlices) {
   }
   for (int slices : {1, 2, 3, 5}) {
     for (int64_t target : {static_cast<int64_t>(keep[4]), int64_t{2}}) {  // in the set; outside it
-      const size_t words = PartialWords(spec);
-      std::vector<std::vector<uint32_t>> recs(slices, std::vector<uint32_t>(words));
-      std::vector<float> scratch(kPartialScratchFloats);
-      for (int r = 0; r < slices; ++r) {
-        const auto [b, e] = SplitRange(V, slices, r);
-        SliceRow row;
-        row.logits = z.data() + b;
-        row.target = target;
-        row.gather_ids = gather.data();
-        row.keep_ids = keep.data();  // all ids: the kernel skips those outside its slice
-        row.keep_count = static_cast<int64_t>(keep.size());
-        ComputePartial(v1::F32, row, b, e - b, spec, recs[r].data(), scratch.data());
-      }
-      std::vector<const uint32_t*> ptrs;
-      for (auto& r : recs) ptrs.push_back(r.data());
-      float lp = 0, ent = 0, topk_lp[3], gathered[2];
-      int64_t topk_id[3];
-      RowOutput out;
-      out.token_logprob = &lp;
-      out.entropy = &ent;
-      out.topk_logprobs = topk_lp;
-      out.topk_indices = topk_id;
-      out.gathered = gathered;
-      CombinePartials(ptrs.data(), slices, spec, true, out);
+      const Outputs o = Score(z, target, gather, spec, slices, 0, 1.f, &keep);
       const std::string ctx = "slices=" + std::to_string(slices) + " target=" + std::to_string(target);
-      ExpectClose(target == keep[4] ? z[target] / spec.temperature - logZ : -kInf, lp, ctx + " token_logprob");
-      ExpectClose(entropy, ent, ctx + " entropy");
-      ExpectClose(z[gather[0]] / spec.temperature - logZ, gathered[0], ctx + " gathered kept");
-      ExpectClose(-kInf, gathered[1], ctx + " gathered removed");
+      ExpectClose(target == keep[4] ? z[target] / spec.temperature - logZ : -kInf, o.logprob, ctx + " token_logprob");
+      ExpectClose(entropy, o.entropy, ctx + " entropy");
+      ExpectClose(z[gather[0]] / spec.temperature - logZ, o.gathered[0], ctx + " gathered kept");
+      ExpectClose(-kInf, o.gathered[1], ctx + " gathered removed");
       std::vector<int32_t> by_lp = keep;
       std::stable_sort(by_lp.begin(), by_lp.end(), [&](int32_t a, int32_t b) { return z[a] > z[b]; });
-      for (int j = 0; j < 3; ++j) EXPECT_EQ(topk_id[j], by_lp[j]) << ctx << " topk " << j;
+      for (int j = 0; j < 3; ++j) EXPECT_EQ(o.topk_id[j], by_lp[j]) << ctx << " topk " << j;
     }
   }
 }
