@@ -56,14 +56,13 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
     all.targets.insert(all.targets.end(), j->targets.begin(), j->targets.end());
     all.gather_ids.insert(all.gather_ids.end(), j->gather_ids.begin(), j->gather_ids.end());
   }
-  // Sampling masks (one key: all jobs have them, or none).
-  if (std::any_of(jobs.begin(), jobs.end(), [](const ScoreJob* j) { return j->has_masks(); })) {
+  // Sampling masks: KeyOf keeps masked jobs apart, so all of them have masks or none.
+  if (first.has_masks()) {
     all.mask_offsets = {0};
     for (const ScoreJob* j : jobs) {
       const int64_t base = static_cast<int64_t>(all.mask_ids.size());
-      if (j->has_masks()) all.mask_ids.insert(all.mask_ids.end(), j->mask_ids.begin(), j->mask_ids.end());
-      for (int64_t r = 0; r < j->num_rows(); ++r)
-        all.mask_offsets.push_back(j->has_masks() ? base + j->mask_offsets[r + 1] : base);
+      all.mask_ids.insert(all.mask_ids.end(), j->mask_ids.begin(), j->mask_ids.end());
+      for (int64_t r = 0; r < j->num_rows(); ++r) all.mask_offsets.push_back(base + j->mask_offsets[r + 1]);
     }
   }
   return all;

@@ -8,22 +8,6 @@
 #include "common/untrusted_text.h"
 
 namespace logprob {
-namespace {
-
-/// A zero-filled output tensor [out_shape (, k)] of dtype, returning its data.
-template <typename T>
-T* AddOutput(v1::ScoreResponse* resp, const std::string& name, v1::DType dtype, const std::vector<int64_t>& out_shape,
-             int64_t k, int64_t n) {
-  v1::Tensor* t = resp->add_outputs();
-  t->set_name(name);
-  t->set_dtype(dtype);
-  for (int64_t d : out_shape) t->add_shape(d);
-  if (k >= 0) t->add_shape(k);
-  t->mutable_data()->assign(static_cast<size_t>(n * std::max<int64_t>(k, 1)) * sizeof(T), '\0');
-  return reinterpret_cast<T*>(t->mutable_data()->data());
-}
-
-}  // namespace
 
 absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan& plan,
                                                 const std::vector<internal::v1::WorkResult>& results,

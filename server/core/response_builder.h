@@ -1,6 +1,8 @@
 // Assembles the public ScoreResponse from the workers' per-row results.
 #pragma once
 
+#include <algorithm>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -11,6 +13,21 @@
 #include "server/heads/lm_heads.h"
 
 namespace logprob {
+
+/// Appends a zero-filled output tensor `name` of `dtype`, shape
+/// [out_shape (, k when k >= 0)], n * max(k, 1) elements of T, to `resp`
+/// and returns its data (valid until resp's outputs change).
+template <typename T>
+T* AddOutput(v1::ScoreResponse* resp, const std::string& name, v1::DType dtype, const std::vector<int64_t>& out_shape,
+             int64_t k, int64_t n) {
+  v1::Tensor* t = resp->add_outputs();
+  t->set_name(name);
+  t->set_dtype(dtype);
+  for (int64_t d : out_shape) t->add_shape(d);
+  if (k >= 0) t->add_shape(k);
+  t->mutable_data()->assign(static_cast<size_t>(n * std::max<int64_t>(k, 1)) * sizeof(T), '\0');
+  return reinterpret_cast<T*>(t->mutable_data()->data());
+}
 
 /// Scatters the rows of `results` (one per plan item, in plan order) to
 /// their output positions and returns the output tensors: token_logprobs

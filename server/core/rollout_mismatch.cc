@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/response_builder.h"
 
 namespace logprob {
 namespace {
@@ -15,17 +16,6 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 /// min(x, cap), NaN for NaN x.
 double Capped(double x, double cap) { return std::isnan(x) ? kNaN : std::min(x, cap); }
-
-/// A zero-filled output tensor [shape] of dtype with n elements of T.
-template <typename T>
-T* AddTensor(v1::ScoreResponse* resp, const char* name, v1::DType dtype, const std::vector<int64_t>& shape, size_t n) {
-  v1::Tensor* t = resp->add_outputs();
-  t->set_name(name);
-  t->set_dtype(dtype);
-  for (int64_t d : shape) t->add_shape(d);
-  t->mutable_data()->assign(n * sizeof(T), '\0');
-  return reinterpret_cast<T*>(t->mutable_data()->data());
-}
 
 }  // namespace
 
@@ -86,15 +76,16 @@ absl::StatusOr<RolloutObservation> AddRolloutMismatch(const RolloutInput& in, co
 
   const std::vector<int64_t> seq_shape = {static_cast<int64_t>(in.seq_out.size()) - 1};
   const size_t B = in.seq_out.size() - 1;
-  float* log_ratio = AddTensor<float>(resp, "rollout_log_ratio", v1::F32, out_shape, n);
-  float* ratio = AddTensor<float>(resp, "rollout_ratio", v1::F32, out_shape, n);
-  int64_t* seq_tokens = AddTensor<int64_t>(resp, "rollout_seq_tokens", v1::I64, seq_shape, B);
-  float* seq_abs = AddTensor<float>(resp, "rollout_seq_mean_abs_log_ratio", v1::F32, seq_shape, B);
-  float* seq_k1 = AddTensor<float>(resp, "rollout_seq_k1", v1::F32, seq_shape, B);
-  float* seq_k3 = AddTensor<float>(resp, "rollout_seq_k3", v1::F32, seq_shape, B);
-  float* seq_band = AddTensor<float>(resp, "rollout_seq_outside_band", v1::F32, seq_shape, B);
-  float* seq_ratio = AddTensor<float>(resp, "rollout_seq_ratio", v1::F32, seq_shape, B);
-  float* seq_geo = AddTensor<float>(resp, "rollout_seq_geo_ratio", v1::F32, seq_shape, B);
+  float* log_ratio = AddOutput<float>(resp, "rollout_log_ratio", v1::F32, out_shape, -1, static_cast<int64_t>(n));
+  float* ratio = AddOutput<float>(resp, "rollout_ratio", v1::F32, out_shape, -1, static_cast<int64_t>(n));
+  int64_t* seq_tokens = AddOutput<int64_t>(resp, "rollout_seq_tokens", v1::I64, seq_shape, -1, static_cast<int64_t>(B));
+  float* seq_abs =
+      AddOutput<float>(resp, "rollout_seq_mean_abs_log_ratio", v1::F32, seq_shape, -1, static_cast<int64_t>(B));
+  float* seq_k1 = AddOutput<float>(resp, "rollout_seq_k1", v1::F32, seq_shape, -1, static_cast<int64_t>(B));
+  float* seq_k3 = AddOutput<float>(resp, "rollout_seq_k3", v1::F32, seq_shape, -1, static_cast<int64_t>(B));
+  float* seq_band = AddOutput<float>(resp, "rollout_seq_outside_band", v1::F32, seq_shape, -1, static_cast<int64_t>(B));
+  float* seq_ratio = AddOutput<float>(resp, "rollout_seq_ratio", v1::F32, seq_shape, -1, static_cast<int64_t>(B));
+  float* seq_geo = AddOutput<float>(resp, "rollout_seq_geo_ratio", v1::F32, seq_shape, -1, static_cast<int64_t>(B));
 
   MismatchSums request;
   RolloutObservation seen;
