@@ -313,5 +313,52 @@ TEST(ScoringCore, ACallThatIsAlreadyCancelledOrPastItsDeadlineEnds) {
   EXPECT_EQ(core.admission().requests(), 0);
 }
 
+
+TEST(ScoringCore, SamplingMasksCountTheirCopiesInTheAdmission) {
+  constexpr int kWorkers = 2;
+  constexpr int64_t T = 6, V = 50;
+  InProcessWorkers pool(kWorkers);
+  const auto inputs = Inputs(kWorkers);
+  ScoringCore core(pool.workers(true), Config("vocab", false), *inputs);
+  v1::ScoreRequest req = RandomPackedRequest("logits", T, V, V, 7);
+  // Without a mask the request holds its message's bytes.
+  auto plain_ticket = core.admission().Admit(0, 0);
+  ASSERT_TRUE(plain_ticket.ok()) << plain_ticket.status();
+  CallContext call;
+  call.received = &*plain_ticket;
+  auto plain = core.Score(req, call);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain_ticket->bytes(), static_cast<int64_t>(req.ByteSizeLong()));
+  const v1::Tensor* lp = FindOutput(*plain, "token_logprobs");
+  ASSERT_NE(lp, nullptr);
+  const int64_t n = static_cast<int64_t>(Floats(*lp).size());
+  // Every position keeps 40 of the 50 ids.
+  std::vector<int64_t> offsets{0}, ids;
+  for (int64_t o = 0; o < n; ++o) {
+    for (int64_t v = 0; v < 40; ++v) ids.push_back(v);
+    offsets.push_back(static_cast<int64_t>(ids.size()));
+  }
+  auto add = [&](const char* name, std::vector<int64_t>& data) {
+    v1::Tensor* t = req.add_inputs();
+    t->set_name(name);
+    t->set_dtype(v1::I64);
+    t->add_shape(static_cast<int64_t>(data.size()));
+    t->set_data(data.data(), data.size() * sizeof(int64_t));
+  };
+  add("sampling_mask_offsets", offsets);
+  add("sampling_mask_ids", ids);
+  auto masked_ticket = core.admission().Admit(0, 0);
+  ASSERT_TRUE(masked_ticket.ok()) << masked_ticket.status();
+  call.received = &*masked_ticket;
+  auto masked = core.Score(req, call);
+  ASSERT_TRUE(masked.ok()) << masked.status();
+  // The front-end's copies: its job's (4 B per id), the workers' items'
+  // (4) and their serialized form (up to 5).
+  const int64_t nnz = static_cast<int64_t>(ids.size());
+  EXPECT_GE(masked_ticket->bytes(), static_cast<int64_t>(req.ByteSizeLong()) + 13 * nnz);
+  EXPECT_EQ(core.admission().bytes(), plain_ticket->bytes() + masked_ticket->bytes())
+      << "the tickets hold their shares until released";
+}
+
 }  // namespace
 }  // namespace logprob::testing

@@ -49,7 +49,9 @@ inline int LmHeadStoreFiles(int retain) { return retain + 3; }
 ///                   the front-end writes through a mapping:
 ///                   lm_head_store_bytes.
 /// Every request byte counts in the admission from before it arrives until
-/// the answer: a unary Score reserves its announced size (else
+/// the answer (a request's sampling masks count again for the copies the
+/// front-end makes of them, ScoreJob::mask_working_bytes, which can be
+/// several times the message's share): a unary Score reserves its announced size (else
 /// max_request_bytes) before its body is read and is refused without
 /// reading it when the queue has no room, ScoreChunked counts its
 /// announced total from its first part (server/transport/scoring_service.h Reserve),

@@ -132,6 +132,15 @@ absl::Status NormaliseOptions(const v1::ScoreOptions& in, int64_t V, const Reque
 
 }  // namespace
 
+int64_t ScoreJob::mask_working_bytes(int workers) const {
+  if (!has_masks()) return 0;
+  const int64_t ids = static_cast<int64_t>(mask_ids.size()), per_worker = num_rows() + 1;
+  const int64_t job_copy = 4 * ids + 8 * per_worker;
+  const int64_t items = 4 * ids + int64_t{workers} * 9 * per_worker;
+  const int64_t serialized = 5 * ids + int64_t{workers} * 11 * per_worker;
+  return job_copy + items + serialized;
+}
+
 int64_t ScoreJob::num_outputs() const {
   int64_t n = 1;
   for (int64_t d : out_shape) n *= d;

@@ -72,6 +72,15 @@ struct ScoreJob {
   std::vector<int64_t> mask_offsets;  // [rows + 1]
   std::vector<int32_t> mask_ids;
   bool has_masks() const { return !mask_offsets.empty(); }
+  /// Bytes the front-end holds for the sampling masks beyond the request
+  /// message while the job runs on `workers` workers: this copy (4 per id,
+  /// 8 per row), the work items' (AddMasks: the ids once in all, an
+  /// offset and a flag per row in every worker's item) and their
+  /// serialized form (at most 5 per id and 11 per row and worker). Counted
+  /// with the request's bytes in the admission (ScoringCore::Score), so
+  /// that top-p masks of tens of thousands of ids per token stay within
+  /// the memory bound (server/app/memory_bound.h). 0 without masks.
+  int64_t mask_working_bytes(int workers) const;
 
   int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
   int64_t num_outputs() const;  // product of out_shape

@@ -87,7 +87,10 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
   if (stats) stats->rows = std::count_if(job.out_pos.begin(), job.out_pos.end(), [](int64_t o) { return o >= 0; });
   Admission::Ticket own;
   Admission::Ticket* ticket = call.received != nullptr ? call.received : &own;
-  LOGPROB_RETURN_IF_ERROR(admission_.Resize(ticket, job.num_rows(), std::max(request_bytes, ticket->bytes())));
+  // The request's bytes (or what it reserved before its body was read),
+  // plus the copies of its sampling masks the front-end makes.
+  LOGPROB_RETURN_IF_ERROR(admission_.Resize(
+      ticket, job.num_rows(), std::max(request_bytes, ticket->bytes()) + job.mask_working_bytes(workers_)));
   RunBounds bounds;
   bounds.deadline = call.deadline;
   bounds.cancelled = call.cancelled;

@@ -436,7 +436,8 @@ class PolicyPushes:
 
 
 def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_version: str = "",
-               temperature: float = 1.0, outputs: Sequence[str] = ("log_probs",)) -> Dict[str, Any]:
+               temperature: float = 1.0, outputs: Sequence[str] = ("log_probs",),
+               rollout_logprobs: Any = None, rollout_band: Optional[Tuple[float, float]] = None) -> Dict[str, Any]:
     """Scores the rows of a fused-head call on the service.
 
     ``hidden``: [N, H] torch tensor (f32, bf16 or f16; any device); row n
@@ -449,8 +450,13 @@ def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_versio
     Returns ``{name: tensor}`` for every name of ``FUSED_OUTPUTS`` (None
     when not requested), each [N] on ``hidden``'s device: float32, and
     ``is_top1`` bool; plus ``"head_version"``: the version that scored the
-    call. Raises UnsupportedCall for an output this client or the server
-    lacks, LogprobError for a failed call."""
+    call. ``rollout_logprobs``: the rollout engine's logprob of each row
+    ([N] float32 tensor, NaN where it has none), compared by the service
+    (docs/SPEC.md "Rollout mismatch", band ``rollout_band``, default
+    [0.9, 1.1]); ``"rollout_mismatch"`` is then the request's figures
+    (``ScoreResult.rollout_mismatch``), else None. Raises UnsupportedCall
+    for an output this client or the server lacks, LogprobError for a
+    failed call."""
     import torch
 
     want = [n for n in outputs if n in FUSED_OUTPUTS and n != "log_probs"]
@@ -470,6 +476,7 @@ def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_versio
         for n in ["log_probs"] + want:
             result[n] = torch.zeros(0, dtype=torch.bool if n == "is_top1" else torch.float32, device=device)
         result["head_version"] = head_version
+        result["rollout_mismatch"] = None
         return result
     seg = np.arange(0, N, SEGMENT_TOKENS, dtype=np.int64)
     cu = np.concatenate([seg, [N]]).astype(np.int64)
@@ -479,6 +486,10 @@ def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_versio
     options: Dict[str, Any] = {n: True for n in want}
     if temperature is not None and float(temperature) != 1.0:
         options["temperature"] = float(temperature)
+    if rollout_logprobs is not None:
+        options["rollout_logprobs"] = rollout_logprobs.detach().reshape(-1).float().cpu()
+        if rollout_band is not None:
+            options["rollout_band"] = rollout_band
     res = client.score(hidden_states=hidden.detach(), input_ids=ids, cu_seqlens=cu, alignment="same_position",
                        head=head, head_version=head_version, **options)
     for n in ["log_probs"] + want:
@@ -492,6 +503,7 @@ def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_versio
             got = got.float()
         result[n] = got.to(device)
     result["head_version"] = res.head_version
+    result["rollout_mismatch"] = res.rollout_mismatch
     return result
 
 

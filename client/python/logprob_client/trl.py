@@ -77,16 +77,34 @@ trainers do: their ranks run the same steps). A DTensor
 head, which TRL gathers into a new tensor per call, is recognised by the
 ``lm_head`` module of TRL's fused forward on the call stack.
 
+With vLLM importance sampling (``use_vllm=True``,
+``vllm_importance_sampling_correction=True``), the old-policy call of each
+generation carries vLLM's per-token logprobs (TRL's
+``sampling_per_token_logps``, NaN where vLLM had none, outside
+``completion_mask`` / ``tool_mask``) to the service, which compares them
+with its own (docs/SPEC.md "Rollout mismatch"); the adapter adds the
+generation's figures, token-weighted over the calls and the ranks, to
+TRL's metrics: ``sampling/service_mismatch/k3``, ``.../k1``,
+``.../mean_abs_log_ratio``, ``.../outside_band_fraction`` (band
+``rollout_band``) and ``.../tokens``, logged with TRL's own
+``sampling/sampling_logp_difference/*`` (whose mean is
+``mean_abs_log_ratio``'s). The rows of a call are matched to vLLM's
+logprobs through the locals of TRL's frames on the call stack
+(``_generate_and_score_completions``: ``sampling_per_token_logps``;
+``_get_per_token_logps_and_entropies``: the micro-batch; the fused
+forward: its labels): a call whose rows do not line up carries none.
+
 Not supported (refused by ``use_service`` with a message):
 ``sync_ref_model=True`` (the reference head would go stale).
 """
 
 import logging
 import threading
-from types import FrameType
-from typing import Any, Dict, List, Optional, Tuple
+from types import FrameType, SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import fused_head
+from ._internal.request import rollout_mismatch as join_rollout_mismatch
 from .fused_head import HeadMismatchError, UnsupportedCall
 
 logger = logging.getLogger(__name__)
@@ -252,6 +270,77 @@ def _gathering_lm_head(depth: int = 8) -> Any:
     return None
 
 
+# TRL's generation step and the frames a policy call's rollout logprobs are
+# found through (TRL 1.16 GRPOTrainer; _rollout_rows).
+_GENERATE_AND_SCORE = "_generate_and_score_completions"
+_PER_TOKEN_LOGPS = "_get_per_token_logps_and_entropies"
+# The prefix of the figures the adapter adds to TRL's metrics.
+MISMATCH_METRICS = "sampling/service_mismatch/"
+_MISMATCH_FIGURES = ("k3", "k1", "mean_abs_log_ratio", "outside_band_fraction", "tokens")
+
+
+def _frames(names: Tuple[str, ...], depth: int = 16) -> Optional[Dict[str, FrameType]]:
+    """The innermost frame of each function in ``names`` within ``depth``
+    frames above the caller's caller, or None when one is missing."""
+    import sys
+
+    found: Dict[str, FrameType] = {}
+    frame: Optional[FrameType] = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            break
+        name = frame.f_code.co_name
+        if name in names and name not in found:
+            found[name] = frame
+            if len(found) == len(names):
+                return found
+        frame = frame.f_back
+    return None
+
+
+def _rollout_rows(rows: int) -> Any:
+    """vLLM's logprobs of the rows of the fused-head call being answered
+    (float32 [rows] on the CPU, NaN where vLLM had none or TRL masks the
+    token out), when that call is TRL's old-policy pass of a generation
+    with vLLM logprobs; else None.
+
+    TRL 1.16: ``_generate_and_score_completions`` holds
+    ``sampling_per_token_logps`` [B, K] (right-padded completions,
+    ``completion_mask``, ``tool_mask``) and has not yet assigned
+    ``old_per_token_logps`` (the old-policy pass runs first; a PEFT
+    reference pass through the policy's head comes after);
+    ``_get_per_token_logps_and_entropies`` scores rows [start, end) with
+    ``logits_to_keep`` = K; the fused forward's ``labels`` [b, L - 1]
+    (shifted) end with those K completion positions, and the call's rows
+    are ``labels[mask]`` (``compact``) or all of them."""
+    import torch
+
+    frames = _frames((_FUSED_FORWARD, _PER_TOKEN_LOGPS, _GENERATE_AND_SCORE))
+    if frames is None:
+        return None
+    gen = frames[_GENERATE_AND_SCORE].f_locals
+    sampling = gen.get("sampling_per_token_logps")
+    if sampling is None or "old_per_token_logps" in gen or "completion_mask" not in gen:
+        return None
+    per = frames[_PER_TOKEN_LOGPS].f_locals
+    fwd = frames[_FUSED_FORWARD].f_locals
+    start, end, keep = per.get("start"), per.get("end"), per.get("logits_to_keep")
+    labels, mask = fwd.get("labels"), fwd.get("mask")
+    if start is None or end is None or keep is None or labels is None or labels.dim() != 2:
+        return None
+    keep = int(keep)
+    if sampling.dim() != 2 or sampling.shape[1] != keep or labels.shape[0] != end - start or labels.shape[1] < keep:
+        return None
+    valid = gen["completion_mask"][start:end].bool()
+    if gen.get("tool_mask") is not None:
+        valid = valid & gen["tool_mask"][start:end].bool()
+    nan = torch.tensor(float("nan"))
+    full = torch.full(tuple(labels.shape), float("nan"), dtype=torch.float32)
+    full[:, labels.shape[1] - keep:] = torch.where(valid.cpu(), sampling[start:end].detach().float().cpu(), nan)
+    out = full[mask.cpu()] if fwd.get("compact") and mask is not None else full.reshape(-1)
+    return out if int(out.numel()) == rows else None
+
+
 class ServiceLogProbs(fused_head.ServiceAdapter):
     """The adapter ``use_service`` returns (one per trainer).
 
@@ -266,7 +355,10 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
     the service answered, by head), ``fallbacks`` (no-gradient calls of a
     known head left to TRL under ``on_unsupported="fallback"``),
     ``callback`` (the ``transformers.TrainerCallback`` that marks the
-    pushed version stale after each optimizer step). ``remove()`` takes
+    pushed version stale after each optimizer step), ``rollout_band``,
+    ``mismatch`` (the figures of the last generation compared with vLLM's
+    logprobs, the dict added to TRL's metrics under
+    ``MISMATCH_METRICS``; None before). ``remove()`` takes
     the adapter out (TRL's function is back once none is left).
     Thread-safe as far as TRL's calls are (one training loop).
     """
@@ -276,14 +368,19 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
     WARN_FORMAT = "logprob_client.trl: %s; these calls run in TRL's own kernel"
 
     def __init__(self, trainer: Any, client: Any, policy_head: str, reference_head: str, on_unsupported: str,
-                 version_format: str = fused_head.DEFAULT_VERSION_FORMAT, run: Optional[str] = None) -> None:
+                 version_format: str = fused_head.DEFAULT_VERSION_FORMAT, run: Optional[str] = None,
+                 rollout_band: Tuple[float, float] = (0.9, 1.1)) -> None:
         super().__init__(client, policy_head, on_unsupported, version_format, run)
         self.trainer = trainer
         self.reference_head = reference_head
         self.policy_scored, self.policy_scored_why = policy_calls(trainer)
         self.reference_version: Optional[str] = None
         self.callback: Any = None
+        self.rollout_band = (float(rollout_band[0]), float(rollout_band[1]))
+        self.mismatch: Optional[Dict[str, float]] = None
         self._stale = True  # the policy's weights may differ from the version pushed last
+        self._mismatch_parts: List[Dict[str, float]] = []  # this generation's calls' figures
+        self._generate_wrapped = False
 
     # -- models -------------------------------------------------------------
 
@@ -361,8 +458,10 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
         world = fused_head.world_size()
         ranks = ("; %d processes: each push is a collective, every rank scores on the version rank 0 reports"
                  % world if world > 1 else "")
+        compared = ("; vLLM's logprobs go with the old-policy calls, the service's mismatch figures to TRL's "
+                    "metrics (%s*)" % MISMATCH_METRICS if self._compares() else "")
         return ("%s's fused lm_head calls without gradients go to the logprob service: %s; "
-                "%s; calls with gradients stay in TRL's kernel%s" % (trainer, ref, policy, ranks))
+                "%s; calls with gradients stay in TRL's kernel%s%s" % (trainer, ref, policy, ranks, compared))
 
     # -- routing ------------------------------------------------------------
 
@@ -391,12 +490,16 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
             version = self.policy_version or ""
         elif self.reference_version is not None:
             version = self.reference_version
+        rollout = _rollout_rows(int(a["hidden"].shape[0])) if head == self.policy_head and self._compares() else None
         try:
             out = fused_head.score_rows(self.client, a["hidden"], a["targets"], head=head, head_version=version,
-                                        temperature=float(a["temperature"]), outputs=outputs)
+                                        temperature=float(a["temperature"]), outputs=outputs,
+                                        rollout_logprobs=rollout, rollout_band=self.rollout_band)
         except UnsupportedCall as e:
             self._unsupported(str(e), stacklevel=3)
             return None
+        if out.get("rollout_mismatch") is not None:
+            self._mismatch_parts.append(out["rollout_mismatch"])
         self.routed[head] += 1
         self.calls.append(RoutedCall(head, str(out["head_version"]), int(a["hidden"].shape[0]), outputs))
         return tuple(out[n] for n in fused_head.FUSED_OUTPUTS)
@@ -418,11 +521,66 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
                     "issue 30)" % (list(lacking),))
         return ""
 
+    # -- rollout mismatch ---------------------------------------------------
+
+    def _compares(self) -> bool:
+        """Whether the trainer runs with vLLM importance sampling (the same
+        on every rank): its generations' old-policy calls carry vLLM's
+        logprobs, and their figures go to TRL's metrics."""
+        t = self.trainer
+        return bool(getattr(t, "use_vllm", False) and getattr(t, "vllm_importance_sampling_correction", False))
+
+    def wrap_generation(self) -> None:
+        """Wraps the trainer's ``_generate_and_score_completions`` (when it
+        has one) so that each generation's figures reach TRL's metrics
+        (``report_mismatch``)."""
+        found = getattr(self.trainer, _GENERATE_AND_SCORE, None)
+        if not callable(found) or self._generate_wrapped:
+            return
+        original: Callable[..., Any] = found
+        adapter = self
+
+        def generate_and_score(*args: Any, **kwargs: Any) -> Any:
+            adapter._mismatch_parts = []
+            out = original(*args, **kwargs)
+            if adapter._compares():
+                adapter.report_mismatch()
+            return out
+
+        setattr(self.trainer, _GENERATE_AND_SCORE, generate_and_score)
+        self._generate_wrapped = True
+
+    def report_mismatch(self) -> Dict[str, float]:
+        """Joins this generation's figures (its calls', then every rank's:
+        a collective under ``torch.distributed``, made by every rank at the
+        same point, like TRL's own gathers), token-weighted (the service's
+        definition), keeps them in ``mismatch`` and appends each to TRL's
+        metrics (``trainer._metrics[mode]``) as ``MISMATCH_METRICS`` +
+        name. NaN figures when no token was compared."""
+        parts = list(self._mismatch_parts)
+        self._mismatch_parts = []
+        if fused_head.world_size() > 1:
+            from accelerate.utils import gather_object
+
+            parts = list(gather_object(parts))
+        figures = join_rollout_mismatch([SimpleNamespace(**p) for p in parts])
+        self.mismatch = figures
+        metrics = getattr(self.trainer, "_metrics", None)
+        if metrics is not None:
+            model = getattr(self.trainer, "model", None)
+            mode = "train" if model is None or model.training else "eval"
+            for name in _MISMATCH_FIGURES:
+                metrics[mode][MISMATCH_METRICS + name].append(float(figures[name]))
+        return figures
+
     def remove(self) -> None:
         """Takes this adapter out of TRL and its callback out of the
         trainer; TRL's own function answers every call again once no
         adapter is left."""
         _uninstall(self)
+        if self._generate_wrapped:
+            self.trainer.__dict__.pop(_GENERATE_AND_SCORE, None)
+            self._generate_wrapped = False
         if self.callback is not None:
             try:
                 self.trainer.remove_callback(self.callback)
@@ -477,7 +635,7 @@ def _make_callback(adapter: ServiceLogProbs) -> Any:
 
 def use_service(trainer: Any, client: Any, policy_head: str = "policy", reference_head: str = "reference", *,
                 on_unsupported: str = "raise", version_format: str = fused_head.DEFAULT_VERSION_FORMAT,
-                run: Optional[str] = None) -> ServiceLogProbs:
+                run: Optional[str] = None, rollout_band: Tuple[float, float] = (0.9, 1.1)) -> ServiceLogProbs:
     """Routes ``trainer``'s fused-lm_head calls made without gradients to
     the logprob service behind ``client`` (a synchronous
     ``logprob_client.LogprobClient``) and keeps the server's heads in step
@@ -493,7 +651,9 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     version names, ``str.format``ted with ``run`` and ``step`` (the
     trainer's ``global_step``; keep ``{run}`` when a server outlives runs);
     ``run``: the run id (default: made here, rank 0's when
-    ``torch.distributed`` is initialized, see ``fused_head.run_id``).
+    ``torch.distributed`` is initialized, see ``fused_head.run_id``);
+    ``rollout_band``: the band of the ``outside_band_fraction`` figure
+    reported with vLLM importance sampling (module docstring).
 
     Pushes the reference head now when needed; the policy's before the
     first no-gradient policy call after each optimizer step (never when
@@ -512,7 +672,8 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     if getattr(args, "sync_ref_model", False):
         raise ValueError("use_service does not support sync_ref_model=True: the reference head on the server "
                          "would not follow the reference model")
-    adapter = ServiceLogProbs(trainer, client, policy_head, reference_head, on_unsupported, version_format, run)
+    adapter = ServiceLogProbs(trainer, client, policy_head, reference_head, on_unsupported, version_format, run,
+                              rollout_band)
     # The heads exist and have the models' shapes: fail now, not at step 1.
     fused_head.check_shape(fused_head.head_info(client, policy_head, refresh=True),
                            _head_weight(adapter._policy_model()))
@@ -520,6 +681,7 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     adapter.setup_reference()
     adapter.callback = _make_callback(adapter)
     trainer.add_callback(adapter.callback)
+    adapter.wrap_generation()
     _install(adapter)
     logger.info("%s", adapter.describe())
     return adapter

@@ -48,7 +48,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from logprob_client import LogprobClient  # noqa: E402
 from logprob_client import fused_head  # noqa: E402
-from logprob_client.trl import HeadMismatchError, check_trl_version, use_service  # noqa: E402
+from logprob_client.trl import MISMATCH_METRICS, HeadMismatchError, check_trl_version, use_service  # noqa: E402
 
 STEPS = 3
 # |service run - unpatched fp32 run| <= TOL * (1 + |unpatched|) per logged
@@ -586,6 +586,125 @@ class SeamTest(unittest.TestCase):
             use_service(self.trainer, self.client, reference_head="ref")
         self.assertIn("no lm_head 'ref'", str(cm.exception))
         self.assertIs(trl_utils._ChunkedLogProbFunction, self.real)
+
+
+class VllmMismatchTest(unittest.TestCase):
+    """GRPO with vLLM importance sampling (``use_vllm``,
+    ``vllm_importance_sampling_correction``): vLLM is played by TRL's own
+    generation with the policy's logprobs plus N(0, 0.08) noise as the
+    sampling logprobs (one missing as vLLM's None), 3 steps on the tiny Qwen2 model against a
+    2-worker server. Each generation's old-policy calls carry those
+    logprobs to the service, and the figures the adapter adds to TRL's
+    metrics equal numpy float64 ones computed from TRL's own tensors of
+    that generation (old_per_token_logps, which the service answered,
+    sampling_per_token_logps, completion_mask): rows matched to the right
+    tokens, the reference calls carrying none."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = temp_dir("py_trl_vllm_mismatch")
+        model_dir = os.path.join(cls.dir, "model")
+        tiny_models.save_model("qwen2", model_dir, seed=5)
+        cls.server = Server(workers=2, extra=["--lm-head", "policy=" + model_dir, "--lm-head",
+                                              "reference=" + model_dir, "--allow-lm-head-updates",
+                                              "--lm-head-retain", "2"], metrics=True)
+        try:
+            cls.client = LogprobClient(cls.server.address, timeout=120)
+            tok = tiny_models.tokenizer()
+            data = Dataset.from_dict({"prompt": tiny_models.prompts()})
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer = GRPOTrainer(model=model_dir, reward_funcs=tiny_models.reward,
+                                      args=grpo_args(os.path.join(cls.dir, "out"), False, num_iterations=1),
+                                      train_dataset=data, processing_class=tok)
+            # vLLM, played by TRL's generation with made-up logprobs.
+            trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+            rng = np.random.default_rng(11)
+            generate = trainer._generate_single_turn
+
+            def engine_logprobs(prompt, completion):
+                # The policy's own logprobs (float64 from its float32
+                # logits) with an engine's noise: N(0, 0.08) nats.
+                ids = torch.tensor([list(prompt) + list(completion)])
+                with torch.no_grad():
+                    logits = trainer.model(input_ids=ids).logits[0].double() / float(trainer.temperature)
+                lp = torch.log_softmax(logits, dim=-1)
+                noise = rng.normal(0.0, 0.08, len(completion))
+                return [float(lp[len(prompt) - 1 + j, t]) + float(noise[j]) for j, t in enumerate(completion)]
+
+            def fake_vllm(prompt_ids, *args, **kwargs):
+                trainer.use_vllm = False
+                try:
+                    completion_ids, _ = generate(prompt_ids, *args, **kwargs)
+                finally:
+                    trainer.use_vllm = True
+                assert len(completion_ids) == len(prompt_ids), "one completion per prompt"
+                logprobs = [engine_logprobs(p, c) for p, c in zip(prompt_ids, completion_ids)]
+                logprobs[0][0] = None  # vLLM's NaN
+                return completion_ids, logprobs
+
+            trainer._generate_single_turn = fake_vllm
+            cls.adapter = use_service(trainer, cls.client)
+            cls.generations = []
+            wrapped = trainer._generate_and_score_completions
+
+            def capture(*args, **kwargs):
+                out = wrapped(*args, **kwargs)
+                cls.generations.append({k: _np(out[k]) for k in ("old_per_token_logps", "sampling_per_token_logps",
+                                                                 "completion_mask")})
+                return out
+
+            trainer._generate_and_score_completions = capture
+            set_seed(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.train()
+            cls.trainer = trainer
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        if getattr(cls, "adapter", None) is not None:
+            cls.adapter.remove()
+        if getattr(cls, "client", None) is not None:
+            cls.client.close()
+        cls.server.close()
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def expected(self, g):
+        compared = (g["completion_mask"] != 0) & ~np.isnan(g["sampling_per_token_logps"])
+        l = (g["old_per_token_logps"] - g["sampling_per_token_logps"])[compared]
+        r = np.exp(l)
+        return {"tokens": l.size, "mean_abs_log_ratio": np.mean(np.abs(l)), "k1": np.mean(-l),
+                "k3": np.mean(r - 1 - l), "outside_band_fraction": np.mean((r < 0.9) | (r > 1.1))}
+
+    def test_figures_in_trls_metrics_match_float64_from_trls_tensors(self):
+        logs = [h for h in self.trainer.state.log_history if MISMATCH_METRICS + "k3" in h]
+        self.assertEqual(len(self.generations), STEPS)
+        self.assertEqual(len(logs), STEPS, "one generation, one log line per step")
+        for step, (g, log) in enumerate(zip(self.generations, logs)):
+            want = self.expected(g)
+            self.assertGreater(want["tokens"], 10)
+            self.assertTrue(0 < want["outside_band_fraction"] < 1, want)
+            # Rows matched to their tokens: only the engine's noise is left.
+            self.assertLess(want["mean_abs_log_ratio"], 0.1, want)
+            self.assertEqual(log[MISMATCH_METRICS + "tokens"], want["tokens"], "step %d" % step)
+            for name in ("mean_abs_log_ratio", "k1", "k3", "outside_band_fraction"):
+                self.assertAlmostEqual(log[MISMATCH_METRICS + name], want[name], delta=1e-9 * (1 + abs(want[name])),
+                                       msg="step %d %s" % (step, name))
+            # TRL's own figure from the same tensors (float32).
+            self.assertAlmostEqual(log["sampling/sampling_logp_difference/mean"], want["mean_abs_log_ratio"],
+                                   delta=1e-5 * (1 + want["mean_abs_log_ratio"]))
+        self.assertEqual(self.adapter.mismatch["tokens"], logs[-1][MISMATCH_METRICS + "tokens"])
+
+    def test_only_the_old_policy_calls_carried_rollout_logprobs(self):
+        # Each generation's old-policy pass, and no other call, was compared:
+        # the server counted as many tokens as the generations have.
+        want = sum(self.expected(g)["tokens"] for g in self.generations)
+        self.assertEqual(self.server.metric("logprob_rollout_tokens_total", head="policy"), want)
+        self.assertEqual(self.server.metric("logprob_rollout_request_k3_count", head="reference"), 0)
 
 
 class TransformedHeadTest(unittest.TestCase):
