@@ -104,6 +104,8 @@ class LmHeadGemm {
   LmHeadPrecision precision() const { return precision_; }
   /// The dtype the weights are held in (the checkpoint's, as given).
   DType weight_dtype() const { return weight_dtype_; }
+  /// The slice's weights as given: [rows(), H] of weight_dtype().
+  const char* weight_data() const { return weight_.data(); }
   /// Bytes held for the slice: rows() x H in weight_dtype(), plus the last
   /// partial column tile's converted copy (kLmHeadTileCols rows of the
   /// compute dtype).

@@ -1,0 +1,213 @@
+#include "worker/kernels/head_backward.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "oneapi/dnnl/dnnl.hpp"
+#include "worker/kernels/lm_head_transform_simd.h"
+
+namespace logprob::kernels {
+
+using dt = dnnl::memory::data_type;
+using tag = dnnl::memory::format_tag;
+
+/// The matmul shapes every Run uses, whatever M (as the forward's tile:
+/// one shape, so a row's dL/dh is bitwise independent of M and of its
+/// position): row tiles of kRows hidden rows, column tiles of kCols
+/// vocabulary rows.
+constexpr int64_t kRows = 64, kCols = kLmHeadTileCols;
+
+void LogitGradients(const LmHeadTransform& t, float temperature, const BackwardRows& rows, int64_t M,
+                    int64_t vocab_begin, int64_t C, float* logits) {
+  const double scale = static_cast<float>(t.logit_scale), cap = static_cast<float>(t.softcap);
+  const double inv_t = 1.0 / static_cast<double>(temperature);
+  for (int64_t i = 0; i < M; ++i) {
+    float* z = logits + i * C;
+    const bool scored = rows.targets != nullptr && rows.targets[i] >= 0;
+    const double g_lp = scored && rows.grad_logprobs ? rows.grad_logprobs[i] : 0.0;
+    const double g_ent = rows.grad_entropy ? rows.grad_entropy[i] : 0.0;
+    const double lse = rows.lse[i];
+    const double ent = g_ent != 0.0 ? static_cast<double>(rows.entropy[i]) : 0.0;
+    const int64_t target = scored ? rows.targets[i] - vocab_begin : -1;
+    for (int64_t v = 0; v < C; ++v) {
+      // x as the forward computed it: z / T in float32.
+      const float xf = temperature != 1.0f ? z[v] / temperature : z[v];
+      const double x = xf, p = std::exp(x - lse);
+      double gx = -g_lp * p - g_ent * p * (x - lse + ent);
+      if (v == target) gx += g_lp;
+      double gy = gx * inv_t * scale;
+      if (cap != 0.0) {
+        const double r = static_cast<double>(z[v]) / cap;
+        gy *= 1.0 - r * r;
+      }
+      z[v] = static_cast<float>(gy);
+    }
+  }
+}
+
+/// oneDNN state: the two tile matmuls (user-managed scratchpads, so
+/// threads run them concurrently) and the buffers Run reuses.
+struct HeadSliceBackward::Impl {
+  LmHeadGemm* gemm = nullptr;
+  int64_t vocab_begin = 0;
+  const float* bias = nullptr;
+  LmHeadTransform transform;
+  float temperature = 1.0f;
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  // dh: [kRows, kCols] x [kCols, H] -> [kRows, H]
+  dnnl::matmul dh;
+  dnnl::memory::desc dh_src, dh_w, dh_dst, dh_scratch;
+  // dW: [kCols, kRows] x [kRows, H] -> [kCols, H]
+  dnnl::matmul dw;
+  dnnl::memory::desc dw_src, dw_w, dw_dst, dw_scratch;
+  std::vector<float> grads;   // [kRows, V_slice]: logits, then dL/dy
+  std::vector<float> hidden;  // [kRows, H]: the row tile as f32 operands, zero-padded
+};
+
+HeadSliceBackward::HeadSliceBackward(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HeadSliceBackward::~HeadSliceBackward() = default;
+
+absl::StatusOr<std::unique_ptr<HeadSliceBackward>> HeadSliceBackward::Create(LmHeadGemm* gemm, int64_t vocab_begin,
+                                                                             const float* bias,
+                                                                             const LmHeadTransform& t,
+                                                                             float temperature) {
+  if (gemm == nullptr) return absl::InvalidArgumentError("null lm_head GEMM");
+  if (!(temperature > 0.0f))
+    return absl::InvalidArgumentError(absl::StrCat("temperature must be > 0, got ", temperature));
+  if (t.has_bias && bias == nullptr) return absl::InvalidArgumentError("the head has a bias and none was given");
+  auto im = std::make_unique<Impl>();
+  im->gemm = gemm;
+  im->vocab_begin = vocab_begin;
+  im->bias = t.has_bias ? bias : nullptr;
+  im->transform = t;
+  im->temperature = temperature;
+  const int64_t H = gemm->hidden_size();
+  try {
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    im->dh_src = dnnl::memory::desc({kRows, kCols}, dt::f32, tag::ab);
+    im->dh_w = dnnl::memory::desc({kCols, H}, dt::f32, tag::ab);
+    im->dh_dst = dnnl::memory::desc({kRows, H}, dt::f32, tag::ab);
+    dnnl::matmul::primitive_desc dh_pd(dnnl::matmul::desc(im->dh_src, im->dh_w, im->dh_dst), attr, im->engine);
+    im->dh_scratch = dh_pd.scratchpad_desc();
+    im->dh = dnnl::matmul(dh_pd);
+    im->dw_src = dnnl::memory::desc({kCols, kRows}, dt::f32, tag::ab);
+    im->dw_w = dnnl::memory::desc({kRows, H}, dt::f32, tag::ab);
+    im->dw_dst = dnnl::memory::desc({kCols, H}, dt::f32, tag::ab);
+    dnnl::matmul::primitive_desc dw_pd(dnnl::matmul::desc(im->dw_src, im->dw_w, im->dw_dst), attr, im->engine);
+    im->dw_scratch = dw_pd.scratchpad_desc();
+    im->dw = dnnl::matmul(dw_pd);
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(absl::StrCat("oneDNN backward matmuls (H = ", H, "): ", e.what()));
+  }
+  return std::unique_ptr<HeadSliceBackward>(new HeadSliceBackward(std::move(im)));
+}
+
+absl::Status HeadSliceBackward::Run(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows,
+                                    float* grad_hidden, float* grad_weight, float* grad_bias) {
+  LOGPROB_RETURN_IF_ERROR(CheckHiddenStatesDType(hidden_dtype));
+  if (M < 0) return absl::InvalidArgumentError(absl::StrCat("negative row count ", M));
+  if (M == 0) return absl::OkStatus();
+  if (hidden == nullptr || grad_hidden == nullptr || rows.lse == nullptr)
+    return absl::InvalidArgumentError("null hidden states, lse or dL/dh buffer");
+  if (rows.grad_entropy != nullptr && rows.entropy == nullptr)
+    return absl::InvalidArgumentError("an entropy gradient needs the forward's entropy");
+  Impl& im = *impl_;
+  LmHeadGemm& gemm = *im.gemm;
+  const int64_t H = gemm.hidden_size(), V = gemm.rows();
+  const size_t hidden_row_bytes = static_cast<size_t>(H) * DTypeSize(hidden_dtype);
+  const size_t weight_row_bytes = static_cast<size_t>(H) * DTypeSize(gemm.weight_dtype());
+  const int64_t col_tiles = (V + kCols - 1) / kCols;
+  im.grads.assign(static_cast<size_t>(kRows * V), 0.0f);
+  im.hidden.assign(static_cast<size_t>(kRows * H), 0.0f);
+  for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+    const int64_t m = std::min(kRows, M - r0);
+    const char* h = static_cast<const char*>(hidden) + r0 * hidden_row_bytes;
+    // The logits of the row tile, as the forward computed them; the rows
+    // past m stay zero (so are their gradients).
+    if (m < kRows) std::fill(im.grads.begin(), im.grads.end(), 0.0f);
+    LOGPROB_RETURN_IF_ERROR(gemm.Compute(hidden_dtype, h, m, im.grads.data()));
+    ApplyLmHeadTransformSimd(im.transform, im.bias, m, V, im.grads.data());
+    BackwardRows tile = rows;
+    tile.targets = rows.targets ? rows.targets + r0 : nullptr;
+    tile.lse = rows.lse + r0;
+    tile.entropy = rows.entropy ? rows.entropy + r0 : nullptr;
+    tile.grad_logprobs = rows.grad_logprobs ? rows.grad_logprobs + r0 : nullptr;
+    tile.grad_entropy = rows.grad_entropy ? rows.grad_entropy + r0 : nullptr;
+    LogitGradients(im.transform, im.temperature, tile, m, im.vocab_begin, V, im.grads.data());
+    // The hidden rows as the GEMM's operands saw them, in f32.
+    std::fill(im.hidden.begin(), im.hidden.end(), 0.0f);
+    ToOperands(hidden_dtype, h, static_cast<size_t>(m * H), v1::F32, gemm.precision(), im.hidden.data());
+
+    // Threads take contiguous runs of column tiles (static schedule): dL/dh
+    // sums each thread's tiles in order, then the threads' sums in thread
+    // order; dL/dW and dL/db of a column tile belong to its thread.
+    const int threads = omp_get_max_threads();
+    std::vector<std::vector<float>> partial(static_cast<size_t>(threads));
+    std::string error;
+#pragma omp parallel num_threads(threads)
+    {
+      const int me = omp_get_thread_num();
+      std::vector<float>& acc = partial[static_cast<size_t>(me)];
+      acc.assign(static_cast<size_t>(kRows * H), 0.0f);
+      std::vector<float> g(kRows * kCols), gt(kCols * kRows), w(kCols * H), dst_h(kRows * H), dst_w(kCols * H);
+      std::vector<char> scratch_h(im.dh_scratch.get_size()), scratch_w(im.dw_scratch.get_size());
+#pragma omp for schedule(static)
+      for (int64_t ct = 0; ct < col_tiles; ++ct) {
+        try {
+          const int64_t c0 = ct * kCols, cols = std::min(kCols, V - c0);
+          // The tile's gradients [kRows, kCols] and their transpose, zero-padded.
+          std::fill(g.begin(), g.end(), 0.0f);
+          for (int64_t i = 0; i < m; ++i)
+            std::memcpy(g.data() + i * kCols, im.grads.data() + i * V + c0, cols * sizeof(float));
+          for (int64_t i = 0; i < kRows; ++i)
+            for (int64_t c = 0; c < kCols; ++c) gt[c * kRows + i] = g[i * kCols + c];
+          // The tile's weights as the GEMM's operands, in f32, zero-padded.
+          std::fill(w.begin() + cols * H, w.end(), 0.0f);
+          ToOperands(gemm.weight_dtype(), gemm.weight_data() + c0 * weight_row_bytes, static_cast<size_t>(cols * H),
+                     v1::F32, gemm.precision(), w.data());
+          dnnl::stream stream(im.engine);
+          im.dh.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(im.dh_src, im.engine, g.data())},
+                                 {DNNL_ARG_WEIGHTS, dnnl::memory(im.dh_w, im.engine, w.data())},
+                                 {DNNL_ARG_DST, dnnl::memory(im.dh_dst, im.engine, dst_h.data())},
+                                 {DNNL_ARG_SCRATCHPAD, dnnl::memory(im.dh_scratch, im.engine, scratch_h.data())}});
+          stream.wait();
+          for (int64_t k = 0; k < m * H; ++k) acc[k] += dst_h[k];
+          if (grad_weight != nullptr) {
+            im.dw.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(im.dw_src, im.engine, gt.data())},
+                                   {DNNL_ARG_WEIGHTS, dnnl::memory(im.dw_w, im.engine, im.hidden.data())},
+                                   {DNNL_ARG_DST, dnnl::memory(im.dw_dst, im.engine, dst_w.data())},
+                                   {DNNL_ARG_SCRATCHPAD, dnnl::memory(im.dw_scratch, im.engine, scratch_w.data())}});
+            stream.wait();
+            float* out = grad_weight + c0 * H;
+            for (int64_t k = 0; k < cols * H; ++k) out[k] += dst_w[k];
+          }
+          if (grad_bias != nullptr)
+            for (int64_t c = 0; c < cols; ++c) {
+              float s = 0.0f;
+              for (int64_t i = 0; i < m; ++i) s += g[i * kCols + c];
+              grad_bias[c0 + c] += s;
+            }
+        } catch (const dnnl::error& e) {
+#pragma omp critical
+          error = e.what();
+        }
+      }
+    }
+    if (!error.empty()) return absl::InternalError(absl::StrCat("oneDNN backward matmul: ", error));
+    float* out = grad_hidden + r0 * H;
+    std::fill(out, out + m * H, 0.0f);
+    for (const auto& acc : partial)
+      for (int64_t k = 0; k < m * H; ++k) out[k] += acc[k];
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace logprob::kernels
