@@ -257,6 +257,44 @@ TEST(SplitScoreRequest, PackedSplitsByWholeSequencesAndRebasesCuSeqlens) {
   }
 }
 
+TEST(SplitScoreRequest, PackedSplitsRebaseTheSamplingMask) {
+  for (v1::Alignment alignment : {v1::NEXT_TOKEN, v1::SAME_POSITION}) {
+    SCOPED_TRACE(testing::Message() << "alignment " << alignment);
+    const std::vector<int64_t> lens = {3, 7, 2, 8, 1, 5};
+    ScoreRequest r = PackedRequest(lens, 8, 3, alignment, v1::I64);
+    const int64_t out_rows = Input(r, "gather_indices").shape(0);
+    // Output row o keeps o % 4 ids (0: no mask there).
+    std::vector<int64_t> offsets = {0};
+    std::vector<int32_t> ids;
+    for (int64_t o = 0; o < out_rows; ++o) {
+      for (int64_t k = 0; k < o % 4; ++k) ids.push_back(static_cast<int32_t>(k * 2));
+      offsets.push_back(static_cast<int64_t>(ids.size()));
+    }
+    *r.add_inputs() = MakeTensor("sampling_mask_offsets", v1::I64, {out_rows + 1}, offsets);
+    *r.add_inputs() = MakeTensor("sampling_mask_ids", v1::I32, {static_cast<int64_t>(ids.size())}, ids);
+    const int64_t max_bytes = 900;
+    auto parts = SplitScoreRequest(r, {max_bytes, 0});
+    ASSERT_TRUE(parts.ok()) << parts.status();
+    ASSERT_GT(parts->size(), 2u);
+    // Each part: its output rows' offsets rebased to 0 and their ids.
+    int64_t row = 0;
+    std::vector<int32_t> joined;
+    for (const ScoreRequest& part : *parts) {
+      EXPECT_LE(static_cast<int64_t>(part.ByteSizeLong()), max_bytes);
+      const int64_t rows = Input(part, "gather_indices").shape(0);
+      const std::vector<int64_t> off = Values<int64_t>(Input(part, "sampling_mask_offsets"));
+      const std::vector<int32_t> got = Values<int32_t>(Input(part, "sampling_mask_ids"));
+      ASSERT_EQ(static_cast<int64_t>(off.size()), rows + 1);
+      for (int64_t i = 0; i <= rows; ++i) EXPECT_EQ(off[i], offsets[row + i] - offsets[row]) << "row " << row + i;
+      EXPECT_EQ(static_cast<int64_t>(got.size()), offsets[row + rows] - offsets[row]);
+      joined.insert(joined.end(), got.begin(), got.end());
+      row += rows;
+    }
+    EXPECT_EQ(row, out_rows);
+    EXPECT_EQ(joined, ids);
+  }
+}
+
 TEST(SplitScoreRequest, TokenLimitSplits) {
   const ScoreRequest r = PackedRequest({4, 4, 4, 4}, 8, 1, v1::NEXT_TOKEN, v1::I64);
   auto parts = SplitScoreRequest(r, {1 << 20, 9});
