@@ -38,7 +38,8 @@ GRPC_ROOMS = {"app", "transport", "pool"}
 # worker room -> the worker rooms it may include ("." : the files at
 # worker/'s top: main, the service, the backend factory, may include all).
 WORKER_ALLOWED = {
-    ".": {"comm", "scoring", "heads", "cuda", "kernels"},
+    ".": {"comm", "scoring", "heads", "cuda", "kernels", "gradients"},
+    "gradients": set(),
     "heads": {"scoring", "comm", "kernels"},
     "scoring": {"comm", "kernels"},
     "comm": {"kernels"},
