@@ -279,7 +279,7 @@ MISMATCH_METRICS = "sampling/service_mismatch/"
 _MISMATCH_FIGURES = ("k3", "k1", "mean_abs_log_ratio", "outside_band_fraction", "tokens")
 
 
-def _frames(names: Tuple[str, ...], depth: int = 16) -> Optional[Dict[str, FrameType]]:
+def _frames(names: Tuple[str, ...], depth: int = 48) -> Optional[Dict[str, FrameType]]:
     """The innermost frame of each function in ``names`` within ``depth``
     frames above the caller's caller, or None when one is missing."""
     import sys
