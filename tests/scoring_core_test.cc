@@ -313,7 +313,6 @@ TEST(ScoringCore, ACallThatIsAlreadyCancelledOrPastItsDeadlineEnds) {
   EXPECT_EQ(core.admission().requests(), 0);
 }
 
-
 TEST(ScoringCore, SamplingMasksCountTheirCopiesInTheAdmission) {
   constexpr int kWorkers = 2;
   constexpr int64_t T = 6, V = 50;
