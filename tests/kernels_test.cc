@@ -24,6 +24,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 struct Ref {
   std::vector<double> logp;  // log_softmax over the kept set, -inf elsewhere
   double entropy = 0;
+  double logZ = 0;  // log-normaliser of the kept x
 };
 
 /// float64 reference: x = z / T, NeMo-RL apply_top_k_top_p (ascending
@@ -60,6 +61,7 @@ Ref Reference(const std::vector<float>& z, float T, int top_k, float top_p) {
     if (keep[i]) s += std::exp(x[i] - mx);
   const double logZ = mx + std::log(s);
   Ref r;
+  r.logZ = logZ;
   r.logp.resize(V);
   for (size_t i = 0; i < V; ++i) {
     r.logp[i] = keep[i] ? x[i] - logZ : -kInf;
@@ -77,7 +79,7 @@ void ExpectClose(double expected, float got, const std::string& what) {
 }
 
 struct Outputs {
-  float logprob = 0, entropy = 0;
+  float logprob = 0, entropy = 0, logsumexp = 0;
   std::vector<float> topk_lp, gathered;
   std::vector<int64_t> topk_id;
 };
@@ -121,6 +123,7 @@ Outputs Score(const std::vector<float>& z, int64_t target, const std::vector<int
   out.topk_logprobs = o.topk_lp.data();
   out.topk_indices = o.topk_id.data();
   out.gathered = o.gathered.data();
+  out.logsumexp = &o.logsumexp;
   CombinePartials(ptrs.data(), slices, spec, target >= 0, out);
   return o;
 }
@@ -132,6 +135,7 @@ void CheckRow(const std::vector<float>& z, int64_t target, const std::vector<int
   const Outputs o = Score(z, target, gather, spec, slices, top_k, top_p);
   const std::string ctx = "slices=" + std::to_string(slices);
   ExpectClose(target >= 0 ? ref.logp[target] : 0.0, o.logprob, ctx + " token_logprob");
+  ExpectClose(ref.logZ, o.logsumexp, ctx + " logsumexp");
   if (spec.entropy) ExpectClose(ref.entropy, o.entropy, ctx + " entropy");
   for (int j = 0; j < spec.gather_k; ++j) ExpectClose(ref.logp[gather[j]], o.gathered[j], ctx + " gathered");
   std::vector<int64_t> ids(z.size());

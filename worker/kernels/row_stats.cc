@@ -216,6 +216,7 @@ void CombinePartials(const uint32_t* const* records, int count, const StatsSpec&
     }
     return std::nan("");
   };
+  if (out.logsumexp) *out.logsumexp = static_cast<float>(logZ);
   if (out.token_logprob) {
     *out.token_logprob = has_target ? static_cast<float>(pick(record::kTargetWord) - logZ) : 0.0f;
   }

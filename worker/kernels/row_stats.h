@@ -79,6 +79,10 @@ struct RowOutput {
   float* log_sum_sq_probs = nullptr;
   float* mean_logits = nullptr;
   int32_t* is_top1 = nullptr;  // 0 / 1
+  /// log Z: the log-normaliser of x = z / T over the (filtered or masked)
+  /// support, what a row's logprobs are x - log Z of; the head's backward
+  /// (worker/kernels/head_backward.h) takes it.
+  float* logsumexp = nullptr;
 };
 
 /// Combines the records of one row from `count` slices, in the given
