@@ -73,6 +73,11 @@ struct HeadSliceBackward::Impl {
 
 HeadSliceBackward::HeadSliceBackward(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 HeadSliceBackward::~HeadSliceBackward() = default;
+LmHeadGemm& HeadSliceBackward::gemm() const { return *impl_->gemm; }
+const LmHeadTransform& HeadSliceBackward::transform() const { return impl_->transform; }
+const float* HeadSliceBackward::bias() const { return impl_->bias; }
+int64_t HeadSliceBackward::vocab_begin() const { return impl_->vocab_begin; }
+float HeadSliceBackward::temperature() const { return impl_->temperature; }
 
 absl::StatusOr<std::unique_ptr<HeadSliceBackward>> HeadSliceBackward::Create(LmHeadGemm* gemm, int64_t vocab_begin,
                                                                              const float* bias,
@@ -110,103 +115,129 @@ absl::StatusOr<std::unique_ptr<HeadSliceBackward>> HeadSliceBackward::Create(LmH
   return std::unique_ptr<HeadSliceBackward>(new HeadSliceBackward(std::move(im)));
 }
 
-absl::Status HeadSliceBackward::Run(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows,
-                                    float* grad_hidden, float* grad_weight, float* grad_bias) {
+absl::Status HeadSliceBackward::CheckRun(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows,
+                                         const float* grad_hidden) const {
   LOGPROB_RETURN_IF_ERROR(CheckHiddenStatesDType(hidden_dtype));
   if (M < 0) return absl::InvalidArgumentError(absl::StrCat("negative row count ", M));
-  if (M == 0) return absl::OkStatus();
-  if (hidden == nullptr || grad_hidden == nullptr || rows.lse == nullptr)
+  if (M > 0 && (hidden == nullptr || grad_hidden == nullptr || rows.lse == nullptr))
     return absl::InvalidArgumentError("null hidden states, lse or dL/dh buffer");
   if (rows.grad_entropy != nullptr && rows.entropy == nullptr)
     return absl::InvalidArgumentError("an entropy gradient needs the forward's entropy");
+  return absl::OkStatus();
+}
+
+absl::Status HeadSliceBackward::Run(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows,
+                                    float* grad_hidden, float* grad_weight, float* grad_bias) {
+  LOGPROB_RETURN_IF_ERROR(CheckRun(hidden_dtype, hidden, M, rows, grad_hidden));
+  Impl& im = *impl_;
+  const int64_t V = im.gemm->rows();
+  const size_t hidden_row_bytes = static_cast<size_t>(im.gemm->hidden_size()) * DTypeSize(hidden_dtype);
+  im.grads.resize(static_cast<size_t>(kRows * V));
+  for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+    const int64_t m = std::min(kRows, M - r0);
+    // The logits of the row tile, as the forward computed them.
+    LOGPROB_RETURN_IF_ERROR(
+        im.gemm->Compute(hidden_dtype, static_cast<const char*>(hidden) + r0 * hidden_row_bytes, m, im.grads.data()));
+    ApplyLmHeadTransformSimd(im.transform, im.bias, m, V, im.grads.data());
+    LOGPROB_RETURN_IF_ERROR(
+        Tile(hidden_dtype, hidden, r0, m, rows, im.grads.data(), grad_hidden, grad_weight, grad_bias));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HeadSliceBackward::RunOnLogits(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows,
+                                            float* logits, float* grad_hidden, float* grad_weight, float* grad_bias) {
+  LOGPROB_RETURN_IF_ERROR(CheckRun(hidden_dtype, hidden, M, rows, grad_hidden));
+  if (M > 0 && logits == nullptr) return absl::InvalidArgumentError("null logits");
+  const int64_t V = impl_->gemm->rows();
+  for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+    const int64_t m = std::min(kRows, M - r0);
+    LOGPROB_RETURN_IF_ERROR(
+        Tile(hidden_dtype, hidden, r0, m, rows, logits + r0 * V, grad_hidden, grad_weight, grad_bias));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HeadSliceBackward::Tile(DType hidden_dtype, const void* hidden, int64_t r0, int64_t m,
+                                     const BackwardRows& rows, float* z, float* grad_hidden, float* grad_weight,
+                                     float* grad_bias) {
   Impl& im = *impl_;
   LmHeadGemm& gemm = *im.gemm;
   const int64_t H = gemm.hidden_size(), V = gemm.rows();
   const size_t hidden_row_bytes = static_cast<size_t>(H) * DTypeSize(hidden_dtype);
   const size_t weight_row_bytes = static_cast<size_t>(H) * DTypeSize(gemm.weight_dtype());
   const int64_t col_tiles = (V + kCols - 1) / kCols;
-  im.grads.assign(static_cast<size_t>(kRows * V), 0.0f);
+  BackwardRows tile = rows;
+  tile.targets = rows.targets ? rows.targets + r0 : nullptr;
+  tile.lse = rows.lse + r0;
+  tile.entropy = rows.entropy ? rows.entropy + r0 : nullptr;
+  tile.grad_logprobs = rows.grad_logprobs ? rows.grad_logprobs + r0 : nullptr;
+  tile.grad_entropy = rows.grad_entropy ? rows.grad_entropy + r0 : nullptr;
+  LogitGradients(im.transform, im.temperature, tile, m, im.vocab_begin, V, z);
+  // The hidden rows as the GEMM's operands saw them, in f32, zero-padded.
   im.hidden.assign(static_cast<size_t>(kRows * H), 0.0f);
-  for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-    const int64_t m = std::min(kRows, M - r0);
-    const char* h = static_cast<const char*>(hidden) + r0 * hidden_row_bytes;
-    // The logits of the row tile, as the forward computed them; the rows
-    // past m stay zero (so are their gradients).
-    if (m < kRows) std::fill(im.grads.begin(), im.grads.end(), 0.0f);
-    LOGPROB_RETURN_IF_ERROR(gemm.Compute(hidden_dtype, h, m, im.grads.data()));
-    ApplyLmHeadTransformSimd(im.transform, im.bias, m, V, im.grads.data());
-    BackwardRows tile = rows;
-    tile.targets = rows.targets ? rows.targets + r0 : nullptr;
-    tile.lse = rows.lse + r0;
-    tile.entropy = rows.entropy ? rows.entropy + r0 : nullptr;
-    tile.grad_logprobs = rows.grad_logprobs ? rows.grad_logprobs + r0 : nullptr;
-    tile.grad_entropy = rows.grad_entropy ? rows.grad_entropy + r0 : nullptr;
-    LogitGradients(im.transform, im.temperature, tile, m, im.vocab_begin, V, im.grads.data());
-    // The hidden rows as the GEMM's operands saw them, in f32.
-    std::fill(im.hidden.begin(), im.hidden.end(), 0.0f);
-    ToOperands(hidden_dtype, h, static_cast<size_t>(m * H), v1::F32, gemm.precision(), im.hidden.data());
+  ToOperands(hidden_dtype, static_cast<const char*>(hidden) + r0 * hidden_row_bytes, static_cast<size_t>(m * H),
+             v1::F32, gemm.precision(), im.hidden.data());
 
-    // Threads take contiguous runs of column tiles (static schedule): dL/dh
-    // sums each thread's tiles in order, then the threads' sums in thread
-    // order; dL/dW and dL/db of a column tile belong to its thread.
-    const int threads = omp_get_max_threads();
-    std::vector<std::vector<float>> partial(static_cast<size_t>(threads));
-    std::string error;
+  // Threads take contiguous runs of column tiles (static schedule): dL/dh
+  // sums each thread's tiles in order, then the threads' sums in thread
+  // order; dL/dW and dL/db of a column tile belong to its thread.
+  const int threads = omp_get_max_threads();
+  std::vector<std::vector<float>> partial(static_cast<size_t>(threads));
+  std::string error;
 #pragma omp parallel num_threads(threads)
-    {
-      const int me = omp_get_thread_num();
-      std::vector<float>& acc = partial[static_cast<size_t>(me)];
-      acc.assign(static_cast<size_t>(kRows * H), 0.0f);
-      std::vector<float> g(kRows * kCols), gt(kCols * kRows), w(kCols * H), dst_h(kRows * H), dst_w(kCols * H);
-      std::vector<char> scratch_h(im.dh_scratch.get_size()), scratch_w(im.dw_scratch.get_size());
+  {
+    const int me = omp_get_thread_num();
+    std::vector<float>& acc = partial[static_cast<size_t>(me)];
+    acc.assign(static_cast<size_t>(kRows * H), 0.0f);
+    std::vector<float> g(kRows * kCols), gt(kCols * kRows), w(kCols * H), dst_h(kRows * H), dst_w(kCols * H);
+    std::vector<char> scratch_h(im.dh_scratch.get_size()), scratch_w(im.dw_scratch.get_size());
 #pragma omp for schedule(static)
-      for (int64_t ct = 0; ct < col_tiles; ++ct) {
-        try {
-          const int64_t c0 = ct * kCols, cols = std::min(kCols, V - c0);
-          // The tile's gradients [kRows, kCols] and their transpose, zero-padded.
-          std::fill(g.begin(), g.end(), 0.0f);
-          for (int64_t i = 0; i < m; ++i)
-            std::memcpy(g.data() + i * kCols, im.grads.data() + i * V + c0, cols * sizeof(float));
-          for (int64_t i = 0; i < kRows; ++i)
-            for (int64_t c = 0; c < kCols; ++c) gt[c * kRows + i] = g[i * kCols + c];
-          // The tile's weights as the GEMM's operands, in f32, zero-padded.
-          std::fill(w.begin() + cols * H, w.end(), 0.0f);
-          ToOperands(gemm.weight_dtype(), gemm.weight_data() + c0 * weight_row_bytes, static_cast<size_t>(cols * H),
-                     v1::F32, gemm.precision(), w.data());
-          dnnl::stream stream(im.engine);
-          im.dh.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(im.dh_src, im.engine, g.data())},
-                                 {DNNL_ARG_WEIGHTS, dnnl::memory(im.dh_w, im.engine, w.data())},
-                                 {DNNL_ARG_DST, dnnl::memory(im.dh_dst, im.engine, dst_h.data())},
-                                 {DNNL_ARG_SCRATCHPAD, dnnl::memory(im.dh_scratch, im.engine, scratch_h.data())}});
+    for (int64_t ct = 0; ct < col_tiles; ++ct) {
+      try {
+        const int64_t c0 = ct * kCols, cols = std::min(kCols, V - c0);
+        // The tile's gradients [kRows, kCols] and their transpose, zero-padded.
+        std::fill(g.begin(), g.end(), 0.0f);
+        for (int64_t i = 0; i < m; ++i) std::memcpy(g.data() + i * kCols, z + i * V + c0, cols * sizeof(float));
+        for (int64_t i = 0; i < kRows; ++i)
+          for (int64_t c = 0; c < kCols; ++c) gt[c * kRows + i] = g[i * kCols + c];
+        // The tile's weights as the GEMM's operands, in f32, zero-padded.
+        std::fill(w.begin() + cols * H, w.end(), 0.0f);
+        ToOperands(gemm.weight_dtype(), gemm.weight_data() + c0 * weight_row_bytes, static_cast<size_t>(cols * H),
+                   v1::F32, gemm.precision(), w.data());
+        dnnl::stream stream(im.engine);
+        im.dh.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(im.dh_src, im.engine, g.data())},
+                               {DNNL_ARG_WEIGHTS, dnnl::memory(im.dh_w, im.engine, w.data())},
+                               {DNNL_ARG_DST, dnnl::memory(im.dh_dst, im.engine, dst_h.data())},
+                               {DNNL_ARG_SCRATCHPAD, dnnl::memory(im.dh_scratch, im.engine, scratch_h.data())}});
+        stream.wait();
+        for (int64_t k = 0; k < m * H; ++k) acc[k] += dst_h[k];
+        if (grad_weight != nullptr) {
+          im.dw.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(im.dw_src, im.engine, gt.data())},
+                                 {DNNL_ARG_WEIGHTS, dnnl::memory(im.dw_w, im.engine, im.hidden.data())},
+                                 {DNNL_ARG_DST, dnnl::memory(im.dw_dst, im.engine, dst_w.data())},
+                                 {DNNL_ARG_SCRATCHPAD, dnnl::memory(im.dw_scratch, im.engine, scratch_w.data())}});
           stream.wait();
-          for (int64_t k = 0; k < m * H; ++k) acc[k] += dst_h[k];
-          if (grad_weight != nullptr) {
-            im.dw.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(im.dw_src, im.engine, gt.data())},
-                                   {DNNL_ARG_WEIGHTS, dnnl::memory(im.dw_w, im.engine, im.hidden.data())},
-                                   {DNNL_ARG_DST, dnnl::memory(im.dw_dst, im.engine, dst_w.data())},
-                                   {DNNL_ARG_SCRATCHPAD, dnnl::memory(im.dw_scratch, im.engine, scratch_w.data())}});
-            stream.wait();
-            float* out = grad_weight + c0 * H;
-            for (int64_t k = 0; k < cols * H; ++k) out[k] += dst_w[k];
-          }
-          if (grad_bias != nullptr)
-            for (int64_t c = 0; c < cols; ++c) {
-              float s = 0.0f;
-              for (int64_t i = 0; i < m; ++i) s += g[i * kCols + c];
-              grad_bias[c0 + c] += s;
-            }
-        } catch (const dnnl::error& e) {
-#pragma omp critical
-          error = e.what();
+          float* out = grad_weight + c0 * H;
+          for (int64_t k = 0; k < cols * H; ++k) out[k] += dst_w[k];
         }
+        if (grad_bias != nullptr)
+          for (int64_t c = 0; c < cols; ++c) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < m; ++i) s += g[i * kCols + c];
+            grad_bias[c0 + c] += s;
+          }
+      } catch (const dnnl::error& e) {
+#pragma omp critical
+        error = e.what();
       }
     }
-    if (!error.empty()) return absl::InternalError(absl::StrCat("oneDNN backward matmul: ", error));
-    float* out = grad_hidden + r0 * H;
-    std::fill(out, out + m * H, 0.0f);
-    for (const auto& acc : partial)
-      for (int64_t k = 0; k < m * H; ++k) out[k] += acc[k];
   }
+  if (!error.empty()) return absl::InternalError(absl::StrCat("oneDNN backward matmul: ", error));
+  float* out = grad_hidden + r0 * H;
+  std::fill(out, out + m * H, 0.0f);
+  for (const auto& acc : partial)
+    for (int64_t k = 0; k < m * H; ++k) out[k] += acc[k];
   return absl::OkStatus();
 }
 

@@ -72,6 +72,12 @@ class HeadSliceBackward {
                                                                    float temperature);
   ~HeadSliceBackward();
 
+  LmHeadGemm& gemm() const;                  // the slice's forward GEMM
+  const LmHeadTransform& transform() const;  // its transform
+  const float* bias() const;                 // its bias [gemm().rows()], or null
+  int64_t vocab_begin() const;               // its first global id
+  float temperature() const;
+
   /// For rows hidden[M, H] (`hidden_dtype` F32, BF16 or F16, as the
   /// forward took them) with `rows`: writes the slice's share of dL/dh to
   /// grad_hidden [M, H] (f32) and, when non-null, adds dL/dW of the slice
@@ -82,9 +88,23 @@ class HeadSliceBackward {
   absl::Status Run(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows, float* grad_hidden,
                    float* grad_weight, float* grad_bias);
 
+  /// Run for rows whose transformed logits the caller has already
+  /// computed with the slice's GEMM and transform: `logits` [M, rows()]
+  /// (f32, row-major; overwritten with dL/dy). The same results as Run,
+  /// without recomputing the logits (the backward pass computes them once
+  /// for its partial records and its gradients).
+  absl::Status RunOnLogits(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows, float* logits,
+                           float* grad_hidden, float* grad_weight, float* grad_bias);
+
  private:
   struct Impl;
   explicit HeadSliceBackward(std::unique_ptr<Impl> impl);
+  absl::Status CheckRun(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows,
+                        const float* grad_hidden) const;
+  /// The gradients of rows [r0, r0 + m) (m <= the tile's rows) from their
+  /// transformed logits `z` [m, rows()] (overwritten with dL/dy).
+  absl::Status Tile(DType hidden_dtype, const void* hidden, int64_t r0, int64_t m, const BackwardRows& rows, float* z,
+                    float* grad_hidden, float* grad_weight, float* grad_bias);
   std::unique_ptr<Impl> impl_;
 };
 
