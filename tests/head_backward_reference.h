@@ -136,6 +136,20 @@ inline std::string WithinRowTolerance(const std::vector<float>& got, const std::
   return "";
 }
 
+/// Gradients a test computed: dL/dh [rows, H], dL/dW [V, H], dL/db [V].
+struct Grads {
+  std::vector<float> dh, dw, db;
+};
+
+/// "" when every element of `g` (all N rows) is within the tolerance of
+/// `p`'s float64 reference (WithinRowTolerance), else the first failure.
+inline std::string MatchesReference(const Grads& g, const Problem& p) {
+  std::string e = WithinRowTolerance(g.dh, p.dh, N, H, "dL/dh");
+  if (e.empty()) e = WithinRowTolerance(g.dw, p.dw, V, H, "dL/dW");
+  if (e.empty()) e = WithinRowTolerance(g.db, p.db, 1, V, "dL/db");
+  return e;
+}
+
 /// The cases both tests run: f32 and bf16 weights; identity, bias +
 /// scale, bias + scale + softcap; temperature 1 and 0.7.
 inline const Case kCases[] = {
