@@ -33,7 +33,6 @@ using backward_reference::WithinRowTolerance;
 
 /// The kernel's gradients over `slices` equal slices of the vocabulary:
 /// dL/dh summed over the slices in order, dL/dW and dL/db concatenated.
-
 Grads Backward(const Case& c, const Problem& p, int slices, int64_t row_begin, int64_t rows, bool weights = true) {
   Grads out;
   out.dh.assign(rows * H, 0.0f);
