@@ -1,5 +1,7 @@
 """float64 numpy reference of docs/SPEC.md's scoring, for the tests."""
 
+import math
+
 import numpy as np
 
 
@@ -134,3 +136,33 @@ def within_spec(expected, got):
         return ""
     i = int(np.argmax(err - tol))
     return "at %d: %r, expected %r (error %.3g, tolerance %.3g)" % (i, g.flat[i], e.flat[i], err.flat[i], tol.flat[i])
+
+
+def mismatch_reference(service, rollout, compared, seq_out, cap, low, high):
+    """float64 reference of the rollout outputs from the service's float32
+    token logprobs ``service`` [n] and ``rollout`` [n]; ``compared`` [n]
+    bool: scored and not ignore_index; ``seq_out`` [B + 1] output offsets."""
+    s64, r64 = service.astype(np.float64), rollout.astype(np.float64)
+    use = compared & ~np.isnan(r64) & ~(np.isneginf(s64) & np.isneginf(r64))
+    with np.errstate(invalid="ignore", over="ignore"):
+        l = np.where(use, s64 - r64, np.nan)
+        ratio = np.where(use, np.minimum(np.exp(l), cap), np.nan)
+        k3 = np.where(np.isinf(l), np.inf, np.expm1(l) - l)
+        outside = (np.exp(l) < low) | (np.exp(l) > high)
+
+    def stats(sel):
+        n = int(sel.sum())
+        if n == 0:
+            nan = float("nan")
+            return dict(tokens=0, mean_abs_log_ratio=nan, k1=nan, k3=nan, outside_band_fraction=nan, ratio=nan,
+                        geo=nan)
+        ls = l[sel]
+        with np.errstate(invalid="ignore", over="ignore"):
+            total = math.fsum(ls) if np.all(np.isfinite(ls)) else float(np.sum(ls))
+            return dict(tokens=n, mean_abs_log_ratio=float(np.abs(ls).sum() / n), k1=-total / n,
+                        k3=float(k3[sel].sum() / n), outside_band_fraction=float(outside[sel].sum() / n),
+                        ratio=float(min(np.exp(total), cap)) if not math.isnan(total) else total,
+                        geo=float(min(np.exp(total / n), cap)) if not math.isnan(total) else total)
+
+    seqs = [stats(use & (np.arange(len(l)) >= a) & (np.arange(len(l)) < b)) for a, b in zip(seq_out[:-1], seq_out[1:])]
+    return l, ratio, seqs, stats(use)

@@ -6,7 +6,6 @@ filtered targets, one-token sequences), split and unsplit calls, and the
 errors."""
 
 import asyncio
-import math
 import os
 import shutil
 import subprocess
@@ -17,42 +16,13 @@ import numpy as np
 import support  # noqa: F401  (puts client/python on sys.path)
 from support import BIN_DIR, Server, temp_dir
 import reference
+from reference import mismatch_reference
 
 import grpc
 from logprob_client import LogprobError, aio
 from logprob_client import safetensors
 
 V = 61
-
-
-def mismatch_reference(service, rollout, compared, seq_out, cap, low, high):
-    """float64 reference of the rollout outputs from the service's float32
-    token logprobs ``service`` [n] and ``rollout`` [n]; ``compared`` [n]
-    bool: scored and not ignore_index; ``seq_out`` [B + 1] output offsets."""
-    s64, r64 = service.astype(np.float64), rollout.astype(np.float64)
-    use = compared & ~np.isnan(r64) & ~(np.isneginf(s64) & np.isneginf(r64))
-    with np.errstate(invalid="ignore", over="ignore"):
-        l = np.where(use, s64 - r64, np.nan)
-        ratio = np.where(use, np.minimum(np.exp(l), cap), np.nan)
-        k3 = np.where(np.isinf(l), np.inf, np.expm1(l) - l)
-        outside = (np.exp(l) < low) | (np.exp(l) > high)
-
-    def stats(sel):
-        n = int(sel.sum())
-        if n == 0:
-            nan = float("nan")
-            return dict(tokens=0, mean_abs_log_ratio=nan, k1=nan, k3=nan, outside_band_fraction=nan, ratio=nan,
-                        geo=nan)
-        ls = l[sel]
-        with np.errstate(invalid="ignore", over="ignore"):
-            total = math.fsum(ls) if np.all(np.isfinite(ls)) else float(np.sum(ls))
-            return dict(tokens=n, mean_abs_log_ratio=float(np.abs(ls).sum() / n), k1=-total / n,
-                        k3=float(k3[sel].sum() / n), outside_band_fraction=float(outside[sel].sum() / n),
-                        ratio=float(min(np.exp(total), cap)) if not math.isnan(total) else total,
-                        geo=float(min(np.exp(total / n), cap)) if not math.isnan(total) else total)
-
-    seqs = [stats(use & (np.arange(len(l)) >= a) & (np.arange(len(l)) < b)) for a, b in zip(seq_out[:-1], seq_out[1:])]
-    return l, ratio, seqs, stats(use)
 
 
 class RolloutMismatchTest(unittest.TestCase):

@@ -37,7 +37,7 @@ import warnings
 import numpy as np
 
 from support import Server, hashed_head, temp_dir
-from reference import fused_head_reference, within_spec
+from reference import fused_head_reference, mismatch_reference, within_spec
 import tiny_models
 
 import torch  # noqa: E402  (the TRL environment's)
@@ -674,11 +674,12 @@ class VllmMismatchTest(unittest.TestCase):
         shutil.rmtree(cls.dir, ignore_errors=True)
 
     def expected(self, g):
-        compared = (g["completion_mask"] != 0) & ~np.isnan(g["sampling_per_token_logps"])
-        l = (g["old_per_token_logps"] - g["sampling_per_token_logps"])[compared]
-        r = np.exp(l)
-        return {"tokens": l.size, "mean_abs_log_ratio": np.mean(np.abs(l)), "k1": np.mean(-l),
-                "k3": np.mean(r - 1 - l), "outside_band_fraction": np.mean((r < 0.9) | (r > 1.1))}
+        """The generation's request figures in float64 (the service's
+        definition, reference.mismatch_reference) from TRL's tensors."""
+        service, rollout = g["old_per_token_logps"].ravel(), g["sampling_per_token_logps"].ravel()
+        compared = g["completion_mask"].ravel() != 0
+        _, _, _, request = mismatch_reference(service, rollout, compared, [0, service.size], 3.0, 0.9, 1.1)
+        return request
 
     def test_figures_in_trls_metrics_match_float64_from_trls_tensors(self):
         logs = [h for h in self.trainer.state.log_history if MISMATCH_METRICS + "k3" in h]
