@@ -92,7 +92,8 @@ absl::Status HeadGradientSteps::Accumulate(const std::string& step, const std::s
         s.version = version;
         s.rows = rows;
         s.hidden_size = hidden_size;
-        s.weight.assign(static_cast<size_t>(rows * hidden_size), 0.0f);
+        // The [rows, H] sums are allocated under the step's own lock
+        // (Step::Zeroed), not while every step waits on this one.
         if (bias) s.bias.assign(static_cast<size_t>(rows), 0.0f);
       }
       bytes_ += bytes;
@@ -114,7 +115,7 @@ absl::Status HeadGradientSteps::Accumulate(const std::string& step, const std::s
       return absl::InvalidArgumentError(absl::StrCat("gradient step '", step, "': slice [", rows, ", ", hidden_size,
                                                      bias ? "] with a bias" : "]", " is not the step's [", s.rows, ", ",
                                                      s.hidden_size, s.bias.empty() ? "]" : "] with a bias"));
-    added = add(s);
+    added = add(held->Zeroed());
     if (added.ok()) {
       ++s.micro_batches;
       s.tokens += tokens;
@@ -144,7 +145,7 @@ absl::StatusOr<HeadGradientSums> HeadGradientSteps::Read(const std::string& step
     held = it->second;
   }
   absl::MutexLock step_lock(&held->mu);
-  const HeadGradientSums& s = held->sums;
+  const HeadGradientSums& s = held->Zeroed();
   if (row_begin < 0 || row_end < row_begin || row_end > s.rows)
     return absl::OutOfRangeError(absl::StrCat("gradient step '", step, "': rows [", row_begin, ", ", row_end,
                                               ") are outside the slice's ", s.rows));

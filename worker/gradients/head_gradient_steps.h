@@ -101,6 +101,12 @@ class HeadGradientSteps {
     HeadGradientSums sums ABSL_GUARDED_BY(mu);
     int64_t bytes = 0;     // fixed at opening
     absl::Time last_used;  // guarded by HeadGradientSteps::mu_
+    /// The sums, their [rows, H] weight part allocated (zeros) at first
+    /// use: under this step's lock, not HeadGradientSteps::mu_.
+    HeadGradientSums& Zeroed() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      if (sums.weight.empty()) sums.weight.assign(static_cast<size_t>(sums.rows * sums.hidden_size), 0.0f);
+      return sums;
+    }
   };
   int SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   /// Removes an open step and remembers why its key ended.
