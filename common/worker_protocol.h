@@ -55,7 +55,12 @@ namespace logprob {
 /// 12: WorkItem.mask_offsets / mask_ids / masked, the rows' sampling masks
 /// (docs/SPEC.md "Sampling masks"); a version-11 worker would ignore them
 /// and score over the whole vocabulary.
-constexpr uint32_t kWorkerProtocolVersion = 12;
+/// 13: the lm_head's backward (WorkItem.backward, grad_token_logprobs,
+/// grad_entropy; WorkResult.grad_hidden_states), the gradient steps'
+/// budget in JoinReply and Worker.ReadHeadGradients /
+/// CloseHeadGradientStep; a version-12 worker would answer a backward
+/// item as a forward.
+constexpr uint32_t kWorkerProtocolVersion = 13;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.

@@ -39,7 +39,7 @@ GRPC_ROOMS = {"app", "transport", "pool"}
 # worker/'s top: main, the service, the backend factory, may include all).
 WORKER_ALLOWED = {
     ".": {"comm", "scoring", "heads", "cuda", "kernels", "gradients"},
-    "gradients": set(),
+    "gradients": {"scoring", "comm", "kernels"},
     "heads": {"scoring", "comm", "kernels"},
     "scoring": {"comm", "kernels"},
     "comm": {"kernels"},

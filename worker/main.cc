@@ -332,7 +332,11 @@ int main(int argc, char** argv) {
 
   logprob::WorkerService service(
       std::move(*comm), std::move(*backend), std::move(lm_heads), joined.hidden_chunk_tokens(),
-      {*auth, joined.generation(), joined.payload_region_prefix(), joined.lm_head_store_dir()});
+      {*auth, joined.generation(), joined.payload_region_prefix(), joined.lm_head_store_dir(),
+       logprob::HeadGradientSteps::Options{joined.gradient_step_bytes(),
+                                           joined.gradient_step_timeout_seconds() > 0
+                                               ? absl::Seconds(joined.gradient_step_timeout_seconds())
+                                               : absl::Minutes(10)}});
   grpc::ServerBuilder builder;
   int port = 0;
   logprob::ExclusivePorts(builder);

@@ -20,6 +20,7 @@
 #include "common/parsed_requests.h"
 #include "common/worker_protocol.h"
 #include "worker/comm/timed_communicator.h"
+#include "worker/gradients/backward_item.h"
 #include "worker/heads/device_file_copy.h"
 #include "worker/scoring/scorer.h"
 
@@ -112,6 +113,8 @@ void WorkerService::CheckCallersBeforeReading() {
   install("LoadLmHead", "Worker.LoadLmHead", &WorkerService::LoadLmHead);
   install("DropLmHead", "Worker.DropLmHead", &WorkerService::DropLmHead);
   install("StageLmHeadRows", "Worker.StageLmHeadRows", &WorkerService::StageLmHeadRows);
+  install("ReadHeadGradients", "Worker.ReadHeadGradients", &WorkerService::ReadHeadGradients);
+  install("CloseHeadGradientStep", "Worker.CloseHeadGradientStep", &WorkerService::CloseHeadGradientStep);
   // A method added to the proto must be installed here too.
   const int methods = internal::v1::WorkItem::descriptor()->file()->FindServiceByName("Worker")->method_count();
   if (installed != methods) {
@@ -182,7 +185,9 @@ grpc::Status WorkerService::RunItem(grpc::ServerContext* ctx, const internal::v1
     absl::MutexLock lock(&collective_mu_);
     TimedCommunicator timed(*comm_);
     if (absl::Status st = AllRanksOk(timed, ready, run_id.value_or(0)); !st.ok()) return ReplyWithReason(ctx, st);
-    res = ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get());
+    res = item->backward() ? RunBackwardItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get(),
+                                             gradient_steps_)
+                           : ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get());
     if (res.ok()) res->set_collective_seconds(timed.seconds());
   } else {
     if (!ready.ok()) return ReplyWithReason(ctx, ready);
@@ -192,6 +197,31 @@ grpc::Status WorkerService::RunItem(grpc::ServerContext* ctx, const internal::v1
   if (!res.ok()) return ReplyWithReason(ctx, res.status());
   res->set_device_memory_bytes(backend_->device_memory_bytes());
   *result = std::move(*res);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::ReadHeadGradients(grpc::ServerContext* ctx,
+                                              const internal::v1::WorkerHeadGradientsRequest* req,
+                                              v1::HeadGradientsChunk* reply) {
+  absl::StatusOr<HeadGradientSums> sums = gradient_steps_.Read(req->gradient_step(), req->row_begin(), req->row_end());
+  if (!sums.ok()) return ReplyWithReason(ctx, sums.status());
+  reply->set_row_begin(req->row_begin());
+  reply->mutable_weight()->assign(reinterpret_cast<const char*>(sums->weight.data()),
+                                  sums->weight.size() * sizeof(float));
+  reply->mutable_bias()->assign(reinterpret_cast<const char*>(sums->bias.data()), sums->bias.size() * sizeof(float));
+  reply->set_head(sums->head);
+  reply->set_head_version(sums->version);
+  reply->set_vocab_size(sums->rows);  // the slice's rows; the front-end answers the head's V
+  reply->set_hidden_size(sums->hidden_size);
+  reply->set_micro_batches(sums->micro_batches);
+  reply->set_tokens(sums->tokens);
+  reply->set_has_bias(sums->has_bias);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::CloseHeadGradientStep(grpc::ServerContext* ctx, const v1::CloseHeadGradientStepRequest* req,
+                                                  v1::CloseHeadGradientStepResponse*) {
+  if (absl::Status st = gradient_steps_.Close(req->gradient_step()); !st.ok()) return ReplyWithReason(ctx, st);
   return grpc::Status::OK;
 }
 

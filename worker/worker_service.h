@@ -7,6 +7,7 @@
 #include "common/internal_auth.h"
 #include "logprob/internal/v1/worker.grpc.pb.h"
 #include "worker/comm/communicator.h"
+#include "worker/gradients/head_gradient_steps.h"
 #include "worker/heads/lm_head_registry.h"
 #include "worker/scoring/backend.h"
 #include "worker/scoring/payload_regions.h"
@@ -30,6 +31,9 @@ struct WorkerAdmission {
   /// JoinReply.lm_head_store_dir: the only folder StageLmHeadRows writes
   /// in (empty: staging refused).
   std::string lm_head_store_dir;
+  /// The gradient steps' budget and idle timeout (JoinReply
+  /// gradient_step_bytes / gradient_step_timeout_seconds).
+  HeadGradientSteps::Options gradient_steps{int64_t{2} << 30, absl::Minutes(10)};
 };
 
 /// Serves Run (score a WorkItem), Info, LoadLmHead / DropLmHead (the
@@ -55,7 +59,8 @@ class WorkerService final : public internal::v1::Worker::Service {
         lm_heads_(std::move(lm_heads)),
         chunk_tokens_(chunk_tokens),
         admission_(std::move(admission)),
-        payload_regions_(8, backend_.get(), admission_.payload_region_prefix) {
+        payload_regions_(8, backend_.get(), admission_.payload_region_prefix),
+        gradient_steps_(admission_.gradient_steps) {
     CheckCallersBeforeReading();
   }
   /// Every method first checks the caller (Admission::auth). Scores one
@@ -82,6 +87,12 @@ class WorkerService final : public internal::v1::Worker::Service {
   /// calls are fine (each maps the handle and copies on its own stream).
   grpc::Status StageLmHeadRows(grpc::ServerContext* ctx, const internal::v1::LmHeadStage* req,
                                internal::v1::LmHeadStageReply* reply) override;
+  /// A piece of a gradient step's sums on this worker's slice, and a
+  /// step's close (HeadGradientSteps::Read / Close). Thread-safe.
+  grpc::Status ReadHeadGradients(grpc::ServerContext* ctx, const internal::v1::WorkerHeadGradientsRequest* req,
+                                 v1::HeadGradientsChunk* reply) override;
+  grpc::Status CloseHeadGradientStep(grpc::ServerContext* ctx, const v1::CloseHeadGradientStepRequest* req,
+                                     v1::CloseHeadGradientStepResponse* reply) override;
 
  private:
   /// Serves every method with its caller checked (admission_.auth) before
@@ -109,6 +120,8 @@ class WorkerService final : public internal::v1::Worker::Service {
   StopSignals stops_;
   // Declared after backend_: unmapped (and unregistered from it) first.
   PayloadRegions payload_regions_;
+  // The lm_head gradient sums of the optimizer steps backward items name.
+  HeadGradientSteps gradient_steps_;
 };
 
 /// What Worker.StageLmHeadRows does on `backend`: first checks that

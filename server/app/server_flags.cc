@@ -92,6 +92,11 @@ ABSL_FLAG(int64_t, hidden_chunk_tokens, 128,
           "hidden-states rows each worker adds per GEMM round; a worker's logits buffer is about "
           "this * V * 4 bytes whatever the request size (CPU workers; CUDA workers score an item "
           "in one pass unless it has sampling filters)");
+ABSL_FLAG(int64_t, max_gradient_step_bytes, int64_t{2} << 30,
+          "per worker cap on the bytes of the lm_head gradient sums of open optimizer steps (each step holds "
+          "its slice's [V / workers, H] floats, docs/gradients.md); a backward opening a step over it is refused");
+ABSL_FLAG(absl::Duration, gradient_step_timeout, absl::Minutes(10),
+          "an open gradient step no backward or read used for this long is dropped (its sums lost)");
 ABSL_FLAG(std::string, lm_head_precision, "auto",
           "operands of the lm_head GEMM (f32 accumulation and logits in every case): auto (bf16 for BF16 "
           "weights, fp32 for F32 / F16 weights), bf16 (weights and hidden states rounded to bf16), tf32 (GPU: "
@@ -203,6 +208,8 @@ ServerFlags ParseServerFlags(int argc, char** argv) {
   f.lm_head_sync_tls_server_name = absl::GetFlag(FLAGS_lm_head_sync_tls_server_name);
   f.lm_head_memory_bytes = absl::GetFlag(FLAGS_lm_head_memory_bytes);
   f.hidden_chunk_tokens = absl::GetFlag(FLAGS_hidden_chunk_tokens);
+  f.max_gradient_step_bytes = absl::GetFlag(FLAGS_max_gradient_step_bytes);
+  f.gradient_step_timeout = absl::GetFlag(FLAGS_gradient_step_timeout);
   f.lm_head_precision_name = absl::GetFlag(FLAGS_lm_head_precision);
   f.lm_head_cpu_kernel_name = absl::GetFlag(FLAGS_lm_head_cpu_kernel);
   f.worker_threads = absl::GetFlag(FLAGS_worker_threads);
@@ -302,6 +309,8 @@ absl::Status CheckServingFlags(ServerFlags& f) {
   if (f.max_request_bytes <= 0 || f.max_request_bytes > INT_MAX)
     return invalid("--max-request-bytes must be in (0, 2^31)");
   if (f.hidden_chunk_tokens < 1) return invalid("--hidden-chunk-tokens must be >= 1");
+  if (f.max_gradient_step_bytes < 0) return invalid("--max-gradient-step-bytes must be >= 0");
+  if (f.gradient_step_timeout < absl::Seconds(1)) return invalid("--gradient-step-timeout must be >= 1s");
   if (f.lm_head_retain < 1) return invalid("--lm-head-retain must be >= 1");
   if (auto st = CheckLmHeadVersionName(f.lm_head_version, "--lm-head-version"); !st.ok()) return st;
   for (const std::string& name : f.lm_head_frozen)
@@ -357,6 +366,8 @@ ServiceConfig ServiceConfigFromFlags(const ServerFlags& f) {
 internal::v1::JoinReply WorkerConfigFromFlags(const ServerFlags& f, bool payload_regions) {
   internal::v1::JoinReply worker_config;
   worker_config.set_hidden_chunk_tokens(f.hidden_chunk_tokens);
+  worker_config.set_gradient_step_bytes(f.max_gradient_step_bytes);
+  worker_config.set_gradient_step_timeout_seconds(absl::ToDoubleSeconds(f.gradient_step_timeout));
   worker_config.set_backend(f.backend);
   worker_config.set_comm(f.comm);
   worker_config.set_lm_head_precision(LmHeadPrecisionName(f.lm_head_precision));

@@ -43,6 +43,8 @@ struct ServerFlags {
   std::string lm_head_sync_tls_ca, lm_head_sync_tls_server_name;
   int64_t lm_head_memory_bytes = 0;
   int64_t hidden_chunk_tokens = 0;
+  int64_t max_gradient_step_bytes = 0;  // per worker (docs/gradients.md)
+  absl::Duration gradient_step_timeout;
   std::string lm_head_precision_name;
   std::string lm_head_cpu_kernel_name;
   int worker_threads = 0;

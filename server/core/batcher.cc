@@ -47,7 +47,8 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
   all.row_bytes = first.row_bytes;
   all.gather_k = first.gather_k;
   all.options = first.options;
-  all.lm_head = first.lm_head;  // one key: one lm_head version
+  all.lm_head = first.lm_head;    // one key: one lm_head version
+  all.backward = first.backward;  // one key: all backwards (with grad_entropy or not) or none
   for (const ScoreJob* j : jobs) {
     // Each job's rows keep their sources.
     const int64_t at = all.num_rows();
@@ -55,6 +56,8 @@ ScoreJob ConcatJobs(const std::vector<const ScoreJob*>& jobs) {
     all.rows.insert(all.rows.end(), j->rows.begin(), j->rows.end());
     all.targets.insert(all.targets.end(), j->targets.begin(), j->targets.end());
     all.gather_ids.insert(all.gather_ids.end(), j->gather_ids.begin(), j->gather_ids.end());
+    all.grad_logprobs.insert(all.grad_logprobs.end(), j->grad_logprobs.begin(), j->grad_logprobs.end());
+    all.grad_entropy.insert(all.grad_entropy.end(), j->grad_entropy.begin(), j->grad_entropy.end());
   }
   // Sampling masks: KeyOf keeps masked jobs apart, so all of them have masks or none.
   if (first.has_masks()) {
@@ -78,8 +81,11 @@ std::string Batcher::KeyOf(const ScoreJob& job, internal::v1::Layout layout) {
   const std::string head = job.lm_head ? absl::StrCat(job.lm_head->head, "@", job.lm_head->version) : "";
   // Masked jobs apart: their rows take the host path on every backend.
   return absl::StrCat(job.hidden, "/", job.dtype, "/", job.vocab_size, "/", job.hidden_size, "/", job.gather_k, "/",
-                      job.has_masks() ? "masked/" : "", layout, "/", head.size(), ":", head, "/",
-                      job.options.SerializeAsString(), alone);
+                      job.has_masks() ? "masked/" : "",
+                      // Backwards apart, and with dL/dentropy apart (the
+                      // options, which hold the gradient step, are below).
+                      job.backward ? (job.grad_entropy.empty() ? "backward/" : "backward+entropy/") : "", layout, "/",
+                      head.size(), ":", head, "/", job.options.SerializeAsString(), alone);
 }
 
 void Batcher::QueueChanged() {

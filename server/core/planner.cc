@@ -29,6 +29,12 @@ internal::v1::WorkItem BaseItem(const ScoreJob& job, uint64_t job_id, int64_t be
   item.mutable_gather_ids()->Add(job.gather_ids.begin() + begin * job.gather_k,
                                  job.gather_ids.begin() + end * job.gather_k);
   *item.mutable_options() = job.options;
+  if (job.backward) {
+    item.set_backward(true);
+    item.mutable_grad_token_logprobs()->Add(job.grad_logprobs.begin() + begin, job.grad_logprobs.begin() + end);
+    if (!job.grad_entropy.empty())
+      item.mutable_grad_entropy()->Add(job.grad_entropy.begin() + begin, job.grad_entropy.begin() + end);
+  }
   return item;
 }
 

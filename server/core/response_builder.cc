@@ -28,6 +28,12 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
   float* tkl = K ? AddOutput<float>(&resp, "topk_logprobs", v1::F32, job.out_shape, K, n_out) : nullptr;
   int64_t* tki = K ? AddOutput<int64_t>(&resp, "topk_indices", v1::I64, job.out_shape, K, n_out) : nullptr;
   float* gat = G ? AddOutput<float>(&resp, "gathered_logprobs", v1::F32, job.out_shape, G, n_out) : nullptr;
+  // The backward's dL/dh, shaped like the hidden states: each row at its input row.
+  const int64_t H = job.hidden_size;
+  int64_t input_rows = 1;
+  for (int64_t d : job.input_shape) input_rows *= d;
+  float* gh =
+      job.backward ? AddOutput<float>(&resp, "grad_hidden_states", v1::F32, job.input_shape, H, input_rows) : nullptr;
 
   int64_t covered = 0;
   for (size_t i = 0; i < results.size(); ++i) {
@@ -36,13 +42,19 @@ absl::StatusOr<v1::ScoreResponse> BuildResponse(const ScoreJob& job, const Plan&
     if (rows < 0 || r.token_logprobs_size() != rows || (ent && r.entropy_size() != rows) ||
         (lss && r.log_sum_sq_probs_size() != rows) || (mlg && r.mean_logits_size() != rows) ||
         (top1 && r.is_top1_size() != rows) || r.topk_logprobs_size() != rows * K || r.topk_indices_size() != rows * K ||
-        r.gathered_logprobs_size() != rows * G)
+        r.gathered_logprobs_size() != rows * G || (gh && r.grad_hidden_states_size() != rows * H))
       return absl::InternalError(absl::StrCat("worker ", plan.items[i].worker, " returned malformed results"));
     for (int64_t j = 0; j < rows; ++j) {
       const int64_t row = plan.items[i].row_offset + r.row_begin() + j - row_begin;
       if (row < 0 || row >= job.num_rows()) continue;  // another job of the batch
       const int64_t o = job.out_pos[row];
       ++covered;
+      if (gh) {
+        const int64_t in_row = job.rows[row];
+        if (in_row < 0 || in_row >= input_rows)
+          return absl::InternalError(absl::StrCat("row ", row, " has input row ", in_row, " of ", input_rows));
+        std::copy_n(r.grad_hidden_states().data() + j * H, H, gh + in_row * H);
+      }
       if (o < 0) continue;  // an unscored row of a CUDA IPC job (ScoreJob::cuda_ipc)
       lp[o] = r.token_logprobs(static_cast<int>(j));
       if (ent) ent[o] = r.entropy(static_cast<int>(j));

@@ -1,6 +1,7 @@
 #include "server/core/score_job.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -10,6 +11,7 @@
 #include "common/error_reason.h"
 #include "common/input_kind.h"
 #include "common/status_macros.h"
+#include "server/core/head_gradients.h"
 #include "server/core/rollout_mismatch.h"
 
 namespace logprob {
@@ -53,19 +55,27 @@ class InputBytes {
 /// Checks the byte size of every tensor and indexes them by name.
 absl::StatusOr<std::map<std::string, const v1::Tensor*>> IndexInputs(const v1::ScoreRequest& req,
                                                                      const InputBytes& bytes) {
-  static const char* const kKnown[] = {
-      "logits",           "hidden_states",         "input_ids",        "seq_lens", "cu_seqlens", "gather_indices",
-      "rollout_logprobs", "sampling_mask_offsets", "sampling_mask_ids"};
+  static const char* const kKnown[] = {"logits",
+                                       "hidden_states",
+                                       "input_ids",
+                                       "seq_lens",
+                                       "cu_seqlens",
+                                       "gather_indices",
+                                       "rollout_logprobs",
+                                       "sampling_mask_offsets",
+                                       "sampling_mask_ids",
+                                       "grad_token_logprobs",
+                                       "grad_entropy"};
   std::map<std::string, const v1::Tensor*> by_name;
   for (int i = 0; i < req.inputs_size(); ++i) {
     const v1::Tensor& t = req.inputs(i);
     bool known = false;
     for (const char* k : kKnown) known |= t.name() == k;
     if (!known)
-      return Invalid(
-          absl::StrCat("inputs[", i, "]: unknown tensor \"", t.name(),
-                       "\" (expected logits, hidden_states, input_ids, seq_lens, cu_seqlens, gather_indices, ",
-                       "rollout_logprobs, sampling_mask_offsets, sampling_mask_ids)"));
+      return Invalid(absl::StrCat(
+          "inputs[", i, "]: unknown tensor \"", t.name(),
+          "\" (expected logits, hidden_states, input_ids, seq_lens, cu_seqlens, gather_indices, ",
+          "rollout_logprobs, sampling_mask_offsets, sampling_mask_ids, grad_token_logprobs, ", "grad_entropy)"));
     if (by_name.count(t.name())) return Invalid(absl::StrCat("inputs[", i, "]: tensor \"", t.name(), "\" given twice"));
     const size_t esize = DTypeSize(t.dtype());
     if (esize == 0) return Invalid(absl::StrCat("inputs[", i, "] \"", t.name(), "\": dtype is unspecified"));
@@ -130,6 +140,34 @@ absl::Status NormaliseOptions(const v1::ScoreOptions& in, int64_t V, const Reque
   return absl::OkStatus();
 }
 
+/// The backward's inputs (grad_token_logprobs, optional grad_entropy) and
+/// what may come with them: hidden states, F32 gradients shaped like the
+/// output, no sampling filters, masks, rollout logprobs or outputs besides
+/// token_logprobs and entropy, a well-formed options.gradient_step.
+absl::Status CheckBackward(const v1::Tensor& input, const v1::Tensor* grad_lp, const v1::Tensor* grad_ent,
+                           const v1::ScoreOptions& o, int gather_k, bool rollout, bool masks,
+                           const std::vector<int64_t>& out_shape) {
+  if (input.name() != "hidden_states")
+    return Invalid("\"grad_token_logprobs\": the lm_head's backward takes \"hidden_states\", not logits");
+  for (const v1::Tensor* t : {grad_lp, grad_ent}) {
+    if (t == nullptr) continue;
+    if (t->dtype() != v1::F32)
+      return Invalid(absl::StrCat("\"", t->name(), "\": dtype ", DTypeName(t->dtype()), " is not F32"));
+    LOGPROB_RETURN_IF_ERROR(CheckShape(*t, out_shape, "the output shape"));
+  }
+  if (HasSamplingFilters(o) || masks)
+    return Invalid(
+        "the lm_head's backward has no sampling filters or masks (sampling_top_k, sampling_top_p, "
+        "sampling_mask_ids)");
+  if (o.topk() != 0 || gather_k != 0 || o.log_sum_sq_probs() || o.mean_logits() || o.is_top1() || rollout)
+    return Invalid(
+        "the lm_head's backward answers token_logprobs, entropy and grad_hidden_states only: drop "
+        "options.topk, log_sum_sq_probs, mean_logits, is_top1, gather_indices and rollout_logprobs");
+  if (!o.gradient_step().empty() && !ValidGradientStepKey(o.gradient_step()))
+    return Invalid("options.gradient_step must be 1..128 characters of [A-Za-z0-9._:/+-]");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int64_t ScoreJob::mask_working_bytes(int workers) const {
@@ -139,6 +177,13 @@ int64_t ScoreJob::mask_working_bytes(int workers) const {
   const int64_t items = 4 * ids + int64_t{workers} * 9 * per_worker;
   const int64_t serialized = 5 * ids + int64_t{workers} * 11 * per_worker;
   return job_copy + items + serialized;
+}
+
+int64_t ScoreJob::backward_working_bytes() const {
+  if (!backward) return 0;
+  int64_t input_rows = 1;
+  for (int64_t d : input_shape) input_rows *= d;
+  return 4 * hidden_size * (2 * num_rows() + 2 * input_rows);
 }
 
 int64_t ScoreJob::num_outputs() const {
@@ -183,11 +228,16 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
   const v1::Tensor* rollout = get("rollout_logprobs");
   const v1::Tensor* mask_offsets = get("sampling_mask_offsets");
   const v1::Tensor* mask_ids = get("sampling_mask_ids");
-  // The integer tensors' and rollout logprobs' bytes (read here when they are not in memory).
-  std::string_view id_bytes, cu_bytes, lens_bytes, gather_bytes, rollout_bytes, mask_offsets_bytes, mask_ids_bytes;
+  const v1::Tensor* grad_lp = get("grad_token_logprobs");
+  const v1::Tensor* grad_ent = get("grad_entropy");
+  // The integer tensors', rollout logprobs' and upstream gradients' bytes
+  // (read here when they are not in memory).
+  std::string_view id_bytes, cu_bytes, lens_bytes, gather_bytes, rollout_bytes, mask_offsets_bytes, mask_ids_bytes,
+      grad_lp_bytes, grad_ent_bytes;
   for (const auto& [t, out] : {std::pair{ids, &id_bytes}, std::pair{cu, &cu_bytes}, std::pair{lens, &lens_bytes},
                                std::pair{gather, &gather_bytes}, std::pair{rollout, &rollout_bytes},
-                               std::pair{mask_offsets, &mask_offsets_bytes}, std::pair{mask_ids, &mask_ids_bytes}}) {
+                               std::pair{mask_offsets, &mask_offsets_bytes}, std::pair{mask_ids, &mask_ids_bytes},
+                               std::pair{grad_lp, &grad_lp_bytes}, std::pair{grad_ent, &grad_ent_bytes}}) {
     if (t == nullptr) continue;
     LOGPROB_ASSIGN_OR_RETURN(*out, bytes(t));
   }
@@ -326,6 +376,16 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
     job.mask_offsets.push_back(0);
   }
 
+  if (!grad_lp && !job.options.gradient_step().empty())
+    return Invalid("options.gradient_step is for the lm_head's backward: give \"grad_token_logprobs\" too");
+  if (grad_ent && !grad_lp) return Invalid("\"grad_entropy\" needs \"grad_token_logprobs\" (the lm_head's backward)");
+  if (grad_lp) {
+    LOGPROB_RETURN_IF_ERROR(CheckBackward(*input, grad_lp, grad_ent, job.options, job.gather_k, rollout != nullptr,
+                                          mask_offsets != nullptr, job.out_shape));
+    job.backward = true;
+    job.input_shape.assign(input->shape().begin(), input->shape().end() - 1);
+  }
+
   // Scored rows: in sequence s, position t scores input_ids[t + shift].
   const int64_t shift = next ? 1 : 0;
   const char* id_data = id_bytes.data();
@@ -341,6 +401,23 @@ absl::StatusOr<ScoreJob> BuildScoreJob(const v1::ScoreRequest& req, const Reques
       job.rows.push_back(q.row0 + t);
       job.targets.push_back(target == ignore ? -1 : target);
       job.out_pos.push_back(out);
+      if (grad_lp) {
+        // Upstream gradients: finite where they count (dL/dlogprob at a
+        // scored target, dL/dentropy at every output position).
+        float g = 0.0f, e = 0.0f;
+        if (target != ignore) std::memcpy(&g, grad_lp_bytes.data() + out * sizeof(float), sizeof g);
+        if (!std::isfinite(g))
+          return Invalid(
+              absl::StrCat("\"grad_token_logprobs\": ", g, " at sequence ", s, " position ", t, " is not finite"));
+        job.grad_logprobs.push_back(g);
+        if (grad_ent) {
+          std::memcpy(&e, grad_ent_bytes.data() + out * sizeof(float), sizeof e);
+          if (!std::isfinite(e))
+            return Invalid(
+                absl::StrCat("\"grad_entropy\": ", e, " at sequence ", s, " position ", t, " is not finite"));
+          job.grad_entropy.push_back(e);
+        }
+      }
       if (rollout_in && target != ignore)
         LOGPROB_RETURN_IF_ERROR(CheckRolloutLogprob(rollout_in->logprobs[out], static_cast<int64_t>(s), t));
       if (mask_offsets) {
@@ -418,6 +495,16 @@ void ExpandToInputRows(int64_t input_rows, ScoreJob* job) {
     }
     job->mask_offsets = std::move(offsets);
     job->mask_ids = std::move(ids);
+  }
+  if (job->backward) {  // unscored rows: no gradient
+    std::vector<float> g_lp(static_cast<size_t>(n), 0.0f), g_ent;
+    if (!job->grad_entropy.empty()) g_ent.assign(static_cast<size_t>(n), 0.0f);
+    for (int64_t j = 0; j < job->num_rows(); ++j) {
+      g_lp[job->rows[j]] = job->grad_logprobs[j];
+      if (!g_ent.empty()) g_ent[job->rows[j]] = job->grad_entropy[j];
+    }
+    job->grad_logprobs = std::move(g_lp);
+    job->grad_entropy = std::move(g_ent);
   }
   job->rows = std::move(rows);
   job->targets = std::move(targets);

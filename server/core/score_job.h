@@ -81,6 +81,20 @@ struct ScoreJob {
   /// that top-p masks of tens of thousands of ids per token stay within
   /// the memory bound (server/app/memory_bound.h). 0 without masks.
   int64_t mask_working_bytes(int workers) const;
+  /// The lm_head's backward (input grad_token_logprobs, docs/gradients.md).
+  bool backward = false;
+  /// Per row in row order: dL/dlogprob (0 where the target is ignored)
+  /// and dL/dentropy (empty when the request has no grad_entropy).
+  std::vector<float> grad_logprobs, grad_entropy;
+  /// The hidden states' leading shape ([B, S] or [T]): grad_hidden_states
+  /// is [input_shape, H]; each row's input row is rows[i].
+  std::vector<int64_t> input_shape;
+  /// Bytes a backward holds beyond its request while it runs: the
+  /// workers' dL/dh rows (4 H per row, in the results and their serialized
+  /// form) and the answer's grad_hidden_states (4 H per input row, twice:
+  /// built, then serialized). 0 for a forward. Counted in the admission
+  /// with the request's bytes (ScoringCore::Score).
+  int64_t backward_working_bytes() const;
 
   int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
   int64_t num_outputs() const;  // product of out_shape

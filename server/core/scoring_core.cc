@@ -45,12 +45,28 @@ void SetSharedHeadShape(v1::ServerInfo* info) {
 ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, InputResolver& inputs, CoreObservers observers)
     : config_(std::move(config)),
       workers_(workers.size),
+      gradient_steps_(workers.gradient_steps),
       inputs_(inputs),
       observers_(std::move(observers)),
       admission_(config_.max_queue_tokens, config_.max_queue_bytes, observers_.on_load),
       payload_pool_(/*max_idle=*/4, static_cast<int64_t>(PayloadPool::RegionSize(
                                         static_cast<size_t>(config_.max_request_bytes)))),  // FrontendMemoryBound
       batcher_(BatcherOptions(workers, config_, &payload_pool_, observers_), workers.run) {}
+
+absl::Status ScoringCore::ReadHeadGradients(const v1::ReadHeadGradientsRequest& req,
+                                            const std::function<bool(const v1::HeadGradientsChunk&)>& write) const {
+  if (config_.lm_heads == nullptr || config_.lm_heads->empty())
+    return absl::NotFoundError("this server holds no lm_head, so no gradient step");
+  if (!gradient_steps_.read) return absl::UnimplementedError("these workers keep no gradient steps");
+  GradientStepWorkers w = gradient_steps_;
+  w.size = workers_;
+  return logprob::ReadHeadGradients(*config_.lm_heads, w, req, write);
+}
+
+absl::Status ScoringCore::CloseHeadGradientStep(const v1::CloseHeadGradientStepRequest& req) const {
+  if (!gradient_steps_.close) return absl::UnimplementedError("these workers keep no gradient steps");
+  return logprob::CloseHeadGradientStep(gradient_steps_, req);
+}
 
 absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req, const CallContext& call,
                                                      RequestStats* stats) {
@@ -90,7 +106,8 @@ absl::StatusOr<v1::ScoreResponse> ScoringCore::Score(const v1::ScoreRequest& req
   // The request's bytes (or what it reserved before its body was read),
   // plus the copies of its sampling masks the front-end makes.
   LOGPROB_RETURN_IF_ERROR(admission_.Resize(
-      ticket, job.num_rows(), std::max(request_bytes, ticket->bytes()) + job.mask_working_bytes(workers_)));
+      ticket, job.num_rows(),
+      std::max(request_bytes, ticket->bytes()) + job.mask_working_bytes(workers_) + job.backward_working_bytes()));
   RunBounds bounds;
   bounds.deadline = call.deadline;
   bounds.cancelled = call.cancelled;

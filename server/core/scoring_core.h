@@ -15,6 +15,7 @@
 #include "logprob/v1/logprob.pb.h"
 #include "server/core/admission.h"
 #include "server/core/batcher.h"
+#include "server/core/head_gradients.h"
 #include "server/core/planner.h"
 #include "server/core/rollout_mismatch.h"
 #include "server/core/score_job.h"
@@ -112,6 +113,10 @@ struct CoreWorkers {
   int size = 1;
   bool same_host = true;
   Batcher::Runner run;
+  /// The workers' gradient steps (read and close; size is ignored: the
+  /// core's). May be empty: ReadHeadGradients / CloseHeadGradientStep
+  /// answer UNIMPLEMENTED.
+  GradientStepWorkers gradient_steps;
 };
 
 /// Validates, admits, batches and answers scoring requests. Thread-safe.
@@ -134,6 +139,13 @@ class ScoringCore {
   /// The serving configuration (GetServerInfo).
   v1::ServerInfo Info() const;
 
+  /// A gradient step's lm_head sums, in pieces, and its close
+  /// (server/core/head_gradients.h): NOT_FOUND without lm_heads,
+  /// UNIMPLEMENTED without CoreWorkers::gradient_steps; else theirs.
+  absl::Status ReadHeadGradients(const v1::ReadHeadGradientsRequest& req,
+                                 const std::function<bool(const v1::HeadGradientsChunk&)>& write) const;
+  absl::Status CloseHeadGradientStep(const v1::CloseHeadGradientStepRequest& req) const;
+
   /// Admitted, unanswered work (ScoreChunked holds its announced bytes
   /// here while the pieces arrive).
   Admission& admission() { return admission_; }
@@ -144,6 +156,7 @@ class ScoringCore {
  private:
   const ServiceConfig config_;
   const int workers_;
+  GradientStepWorkers gradient_steps_;
   InputResolver& inputs_;
   const CoreObservers observers_;
   Admission admission_;

@@ -190,6 +190,31 @@ absl::Status WorkerPool::StageLmHeadRows(const internal::v1::LmHeadStage& stage)
       .status();
 }
 
+absl::StatusOr<v1::HeadGradientsChunk> WorkerPool::ReadHeadGradients(
+    int rank, const internal::v1::WorkerHeadGradientsRequest& req) {
+  v1::HeadGradientsChunk piece;
+  LOGPROB_RETURN_IF_ERROR(OnWorker(
+                              static_cast<size_t>(rank),
+                              [&](internal::v1::Worker::Stub& stub, grpc::ClientContext* ctx) {
+                                return stub.ReadHeadGradients(ctx, req, &piece);
+                              },
+                              options_.work_timeout)
+                              .status());
+  return piece;
+}
+
+absl::Status WorkerPool::CloseHeadGradientStep(const std::string& step) {
+  v1::CloseHeadGradientStepRequest req;
+  req.set_gradient_step(step);
+  return OnEveryWorker(
+             [&req](internal::v1::Worker::Stub& stub, grpc::ClientContext* ctx) {
+               v1::CloseHeadGradientStepResponse reply;
+               return stub.CloseHeadGradientStep(ctx, req, &reply);
+             },
+             options_.work_timeout)
+      .status();
+}
+
 bool WorkerPool::Serving(int64_t index) {
   const std::shared_ptr<Generation> gen = current();
   if (!gen || gen->index != index) return false;

@@ -137,6 +137,15 @@ class WorkerPool {
   /// items run. UNAVAILABLE when the pool is not serving; otherwise the
   /// worker's error, worker named. Does not fail the generation.
   absl::Status StageLmHeadRows(const internal::v1::LmHeadStage& stage) ABSL_LOCKS_EXCLUDED(mu_);
+  /// One piece of rank `rank`'s sums of a gradient step
+  /// (Worker.ReadHeadGradients), while items run; and a step's close on
+  /// every worker (Worker.CloseHeadGradientStep). UNAVAILABLE when the pool
+  /// is not serving (a re-formed pool's workers lost their steps: they
+  /// answer NOT_FOUND); otherwise the worker's error, worker named.
+  absl::StatusOr<v1::HeadGradientsChunk> ReadHeadGradients(int rank,
+                                                           const internal::v1::WorkerHeadGradientsRequest& req)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status CloseHeadGradientStep(const std::string& step) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   /// One set of worker processes with their communicator.

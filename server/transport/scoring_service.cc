@@ -70,7 +70,13 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, InputReso
                                LmHeadUpdates* updates, AccessPolicy access)
     : inputs_(inputs),
       core_(CoreWorkers{pool.size(), pool.same_host(),
-                        [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); }},
+                        [&pool](const Plan& plan, const RunBounds& bounds) { return pool.Run(plan, bounds); },
+                        GradientStepWorkers{
+                            pool.size(),
+                            [&pool](int rank, const internal::v1::WorkerHeadGradientsRequest& req) {
+                              return pool.ReadHeadGradients(rank, req);
+                            },
+                            [&pool](const std::string& step) { return pool.CloseHeadGradientStep(step); }}},
             config, inputs, CoreObserversOf(metrics)),
       updates_(updates),
       first_parts_(updates ? std::make_unique<FirstPartWatch>(kPutsAwaitingFirstPart, updates->options().timeout)
@@ -108,6 +114,10 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, InputReso
                      NewParsedUnaryHandler(this, "AbortLmHeadUpdate", &S::AbortLmHeadUpdate));
   MarkMethodStreamed(chunked::MethodIndex("ReadLmHeadRows"),
                      NewParsedServerStreamingHandler(this, "ReadLmHeadRows", &S::ServeReadLmHeadRows));
+  MarkMethodStreamed(chunked::MethodIndex("CloseHeadGradientStep"),
+                     NewParsedUnaryHandler(this, "CloseHeadGradientStep", &S::CloseHeadGradientStep));
+  MarkMethodStreamed(chunked::MethodIndex("ReadHeadGradients"),
+                     NewParsedServerStreamingHandler(this, "ReadHeadGradients", &S::ServeReadHeadGradients));
   MarkMethodStreamed(chunked::MethodIndex("PutLmHeadRows"),
                      new grpc::internal::BidiStreamingHandler<ScoringService, chunked::IncomingPart, v1::LmHeadUpdate>(
                          [](ScoringService* s, grpc::ServerContext* context,
@@ -475,6 +485,33 @@ grpc::Status ScoringService::ServeReadLmHeadRows(grpc::ServerContext* context, c
                 absl::StrCat("head=", Printable(req->head(), 64), " version=", Printable(req->version(), 128),
                              " rows=", req->row_begin(), "..", req->row_end()),
                 st);
+}
+
+grpc::Status ScoringService::ReadHeadGradients(grpc::ServerContext* context, const v1::ReadHeadGradientsRequest* req,
+                                               grpc::ServerWriter<v1::HeadGradientsChunk>* writer) {
+  return ServeReadHeadGradients(context, req, writer);
+}
+
+grpc::Status ScoringService::ServeReadHeadGradients(grpc::ServerContext* context,
+                                                    const v1::ReadHeadGradientsRequest* req,
+                                                    grpc::internal::WriterInterface<v1::HeadGradientsChunk>* writer) {
+  constexpr char kMethod[] = "ReadHeadGradients";
+  if (grpc::Status denied = Authorize(context, kMethod); !denied.ok()) return denied;
+  const absl::Status st = core_.ReadHeadGradients(
+      *req, [&](const v1::HeadGradientsChunk& piece) { return !context->IsCancelled() && writer->Write(piece); });
+  return Logged(context, metrics_, kMethod,
+                absl::StrCat("step=", Printable(req->gradient_step(), 128), " head=", Printable(req->head(), 64),
+                             " rows=", req->row_begin(), "..", req->row_end()),
+                st);
+}
+
+grpc::Status ScoringService::CloseHeadGradientStep(grpc::ServerContext* context,
+                                                   const v1::CloseHeadGradientStepRequest* req,
+                                                   v1::CloseHeadGradientStepResponse*) {
+  constexpr char kMethod[] = "CloseHeadGradientStep";
+  if (grpc::Status denied = Authorize(context, kMethod); !denied.ok()) return denied;
+  return Logged(context, metrics_, kMethod, absl::StrCat("step=", Printable(req->gradient_step(), 128)),
+                core_.CloseHeadGradientStep(*req));
 }
 
 grpc::Status ScoringService::ServeLmHeadRows(

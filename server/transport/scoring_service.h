@@ -104,6 +104,15 @@ class ScoringService final : public v1::LogprobService::Service {
   /// itself: common/parsed_requests.h).
   grpc::Status ServeReadLmHeadRows(grpc::ServerContext* context, const v1::ReadLmHeadRowsRequest* req,
                                    grpc::internal::WriterInterface<v1::LmHeadRowsChunk>* writer);
+  /// A gradient step's lm_head sums in pieces, and its close
+  /// (ScoringCore::ReadHeadGradients / CloseHeadGradientStep): the scoring
+  /// token's right, like Score (the step's key is the capability).
+  grpc::Status ReadHeadGradients(grpc::ServerContext*, const v1::ReadHeadGradientsRequest*,
+                                 grpc::ServerWriter<v1::HeadGradientsChunk>*) override;
+  grpc::Status ServeReadHeadGradients(grpc::ServerContext* context, const v1::ReadHeadGradientsRequest* req,
+                                      grpc::internal::WriterInterface<v1::HeadGradientsChunk>* writer);
+  grpc::Status CloseHeadGradientStep(grpc::ServerContext*, const v1::CloseHeadGradientStepRequest*,
+                                     v1::CloseHeadGradientStepResponse*) override;
   /// PutLmHeadRows, served through the part codec like ScoreChunked: the
   /// first part's LmHeadRows, then (inline bytes announced by shape) its
   /// pieces, assembled into a pooled buffer (at most max_request_bytes per

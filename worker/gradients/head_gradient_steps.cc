@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace logprob {
@@ -18,7 +19,15 @@ int64_t StepBytes(int64_t rows, int64_t hidden_size, bool bias) {
   return rows * per_row * static_cast<int64_t>(sizeof(float));
 }
 
+/// The payload NothingAdded sets.
+constexpr char kNothingAdded[] = "logprob.gradient-step.nothing-added";
+
 }  // namespace
+
+absl::Status HeadGradientSteps::NothingAdded(absl::Status error) {
+  error.SetPayload(kNothingAdded, absl::Cord("1"));
+  return error;
+}
 
 absl::Status HeadGradientSteps::EndedLocked(const std::string& step) const {
   const auto it = ended_.find(step);
@@ -94,6 +103,7 @@ absl::Status HeadGradientSteps::Accumulate(const std::string& step, const std::s
         s.hidden_size = hidden_size;
         // The [rows, H] sums are allocated under the step's own lock
         // (Step::Zeroed), not while every step waits on this one.
+        s.has_bias = bias;
         if (bias) s.bias.assign(static_cast<size_t>(rows), 0.0f);
       }
       bytes_ += bytes;
@@ -121,7 +131,7 @@ absl::Status HeadGradientSteps::Accumulate(const std::string& step, const std::s
       s.tokens += tokens;
     }
   }
-  if (!added.ok()) {
+  if (!added.ok() && !added.GetPayload(kNothingAdded).has_value()) {
     absl::MutexLock lock(&mu_);
     // Only the step this call held (a sweep may have ended it meanwhile).
     const auto it = steps_.find(step);
@@ -154,6 +164,7 @@ absl::StatusOr<HeadGradientSums> HeadGradientSteps::Read(const std::string& step
   out.version = s.version;
   out.rows = s.rows;
   out.hidden_size = s.hidden_size;
+  out.has_bias = s.has_bias;
   out.micro_batches = s.micro_batches;
   out.tokens = s.tokens;
   out.weight.assign(s.weight.begin() + row_begin * s.hidden_size, s.weight.begin() + row_end * s.hidden_size);

@@ -38,6 +38,7 @@ struct HeadGradientSums {
   int64_t rows = 0, hidden_size = 0;
   std::vector<float> weight;  // [rows, H]
   std::vector<float> bias;    // [rows] or empty
+  bool has_bias = false;      // the head has a bias (bias may be empty in a Read of no rows)
   int64_t micro_batches = 0;  // backwards added
   int64_t tokens = 0;         // their rows
   int64_t bytes() const { return static_cast<int64_t>((weight.size() + bias.size()) * sizeof(float)); }
@@ -68,8 +69,9 @@ class HeadGradientSteps {
   /// for a dropped one (its sums are lost); RESOURCE_EXHAUSTED when
   /// opening it would take the open steps over max_bytes (close or let
   /// expire other steps). `add`'s own error is returned, and the step's
-  /// sums are then unspecified: the step is dropped. `now`: the clock
-  /// (tests pass their own).
+  /// sums are then unspecified: the step is dropped, unless `add` marked
+  /// its error NothingAdded (it failed before touching the sums: the step
+  /// stays as it was). `now`: the clock (tests pass their own).
   absl::Status Accumulate(const std::string& step, const std::string& head, const std::string& version, int64_t rows,
                           int64_t hidden_size, bool bias, int64_t tokens,
                           const std::function<absl::Status(HeadGradientSums&)>& add, absl::Time now = absl::Now());
@@ -82,6 +84,10 @@ class HeadGradientSteps {
   /// OUT_OF_RANGE for rows outside the slice.
   absl::StatusOr<HeadGradientSums> Read(const std::string& step, int64_t row_begin, int64_t row_end,
                                         absl::Time now = absl::Now());
+
+  /// `error`, marked for Accumulate as an error of an `add` that added
+  /// nothing (the step is kept).
+  static absl::Status NothingAdded(absl::Status error);
 
   /// Frees `step`'s sums and remembers its key as closed. NOT_FOUND for a
   /// key never opened; closing a closed or dropped key is OK (idempotent:

@@ -23,6 +23,11 @@ using tag = dnnl::memory::format_tag;
 /// position): row tiles of kRows hidden rows, column tiles of kCols
 /// vocabulary rows.
 constexpr int64_t kRows = 64, kCols = kLmHeadTileCols;
+/// Rows per chunk (whole row tiles): Run and RunOnLogits take the rows a
+/// chunk at a time, and within a chunk the column tiles are the outer
+/// loop (a column tile's weights are converted once per chunk, not once
+/// per row tile). It bounds the memory a call holds (the header's Run).
+constexpr int64_t kChunkRows = 4 * kRows;
 
 void LogitGradients(const LmHeadTransform& t, float temperature, const BackwardRows& rows, int64_t M,
                     int64_t vocab_begin, int64_t C, float* logits) {
@@ -67,8 +72,8 @@ struct HeadSliceBackward::Impl {
   // dW: [kCols, kRows] x [kRows, H] -> [kCols, H]
   dnnl::matmul dw;
   dnnl::memory::desc dw_src, dw_w, dw_dst, dw_scratch;
-  std::vector<float> grads;   // [kRows, V_slice]: logits, then dL/dy
-  std::vector<float> hidden;  // [kRows, H]: the row tile as f32 operands, zero-padded
+  std::vector<float> logits;  // Run: [min(M, kChunkRows), V_slice]: a chunk's logits, then dL/dy
+  std::vector<float> hidden;  // [kChunkRows, H]: a chunk's rows as f32 operands, zero-padded to whole row tiles
 };
 
 HeadSliceBackward::HeadSliceBackward(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -132,15 +137,15 @@ absl::Status HeadSliceBackward::Run(DType hidden_dtype, const void* hidden, int6
   Impl& im = *impl_;
   const int64_t V = im.gemm->rows();
   const size_t hidden_row_bytes = static_cast<size_t>(im.gemm->hidden_size()) * DTypeSize(hidden_dtype);
-  im.grads.resize(static_cast<size_t>(kRows * V));
-  for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-    const int64_t m = std::min(kRows, M - r0);
-    // The logits of the row tile, as the forward computed them.
+  if (M > 0) im.logits.resize(static_cast<size_t>(std::min(M, kChunkRows) * V));
+  for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
+    const int64_t m = std::min(kChunkRows, M - r0);
+    // The logits of the chunk, as the forward computed them.
     LOGPROB_RETURN_IF_ERROR(
-        im.gemm->Compute(hidden_dtype, static_cast<const char*>(hidden) + r0 * hidden_row_bytes, m, im.grads.data()));
-    ApplyLmHeadTransformSimd(im.transform, im.bias, m, V, im.grads.data());
+        im.gemm->Compute(hidden_dtype, static_cast<const char*>(hidden) + r0 * hidden_row_bytes, m, im.logits.data()));
+    ApplyLmHeadTransformSimd(im.transform, im.bias, m, V, im.logits.data());
     LOGPROB_RETURN_IF_ERROR(
-        Tile(hidden_dtype, hidden, r0, m, rows, im.grads.data(), grad_hidden, grad_weight, grad_bias));
+        Chunk(hidden_dtype, hidden, r0, m, rows, im.logits.data(), grad_hidden, grad_weight, grad_bias));
   }
   return absl::OkStatus();
 }
@@ -150,83 +155,139 @@ absl::Status HeadSliceBackward::RunOnLogits(DType hidden_dtype, const void* hidd
   LOGPROB_RETURN_IF_ERROR(CheckRun(hidden_dtype, hidden, M, rows, grad_hidden));
   if (M > 0 && logits == nullptr) return absl::InvalidArgumentError("null logits");
   const int64_t V = impl_->gemm->rows();
-  for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-    const int64_t m = std::min(kRows, M - r0);
+  for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
+    const int64_t m = std::min(kChunkRows, M - r0);
     LOGPROB_RETURN_IF_ERROR(
-        Tile(hidden_dtype, hidden, r0, m, rows, logits + r0 * V, grad_hidden, grad_weight, grad_bias));
+        Chunk(hidden_dtype, hidden, r0, m, rows, logits + r0 * V, grad_hidden, grad_weight, grad_bias));
   }
   return absl::OkStatus();
 }
 
-absl::Status HeadSliceBackward::Tile(DType hidden_dtype, const void* hidden, int64_t r0, int64_t m,
-                                     const BackwardRows& rows, float* z, float* grad_hidden, float* grad_weight,
-                                     float* grad_bias) {
+absl::Status HeadSliceBackward::Chunk(DType hidden_dtype, const void* hidden, int64_t r0, int64_t m,
+                                      const BackwardRows& rows, float* z, float* grad_hidden, float* grad_weight,
+                                      float* grad_bias) {
   Impl& im = *impl_;
   LmHeadGemm& gemm = *im.gemm;
   const int64_t H = gemm.hidden_size(), V = gemm.rows();
   const size_t hidden_row_bytes = static_cast<size_t>(H) * DTypeSize(hidden_dtype);
   const size_t weight_row_bytes = static_cast<size_t>(H) * DTypeSize(gemm.weight_dtype());
-  const int64_t col_tiles = (V + kCols - 1) / kCols;
-  BackwardRows tile = rows;
-  tile.targets = rows.targets ? rows.targets + r0 : nullptr;
-  tile.lse = rows.lse + r0;
-  tile.entropy = rows.entropy ? rows.entropy + r0 : nullptr;
-  tile.grad_logprobs = rows.grad_logprobs ? rows.grad_logprobs + r0 : nullptr;
-  tile.grad_entropy = rows.grad_entropy ? rows.grad_entropy + r0 : nullptr;
-  LogitGradients(im.transform, im.temperature, tile, m, im.vocab_begin, V, z);
-  // The hidden rows as the GEMM's operands saw them, in f32, zero-padded.
-  im.hidden.assign(static_cast<size_t>(kRows * H), 0.0f);
-  ToOperands(hidden_dtype, static_cast<const char*>(hidden) + r0 * hidden_row_bytes, static_cast<size_t>(m * H),
-             v1::F32, gemm.precision(), im.hidden.data());
+  const int64_t col_tiles = (V + kCols - 1) / kCols, row_tiles = (m + kRows - 1) / kRows;
+  // The hidden rows as the GEMM's operands saw them (dL/dW's operand), in
+  // f32, zero-padded to whole row tiles.
+  if (grad_weight != nullptr) {
+    im.hidden.resize(static_cast<size_t>(row_tiles * kRows * H));
+    ToOperands(hidden_dtype, static_cast<const char*>(hidden) + r0 * hidden_row_bytes, static_cast<size_t>(m * H),
+               v1::F32, gemm.precision(), im.hidden.data());
+    std::fill(im.hidden.begin() + m * H, im.hidden.begin() + row_tiles * kRows * H, 0.0f);
+  }
 
-  // Threads take contiguous runs of column tiles (static schedule): dL/dh
-  // sums each thread's tiles in order, then the threads' sums in thread
-  // order; dL/dW and dL/db of a column tile belong to its thread.
+  // Threads take contiguous runs of column tiles (static schedule) and
+  // each takes its tiles in order, every row tile of a column tile before
+  // the next column tile (whose weights it converts once): dL/dh sums each
+  // thread's tiles in order, then the threads' sums in thread order, so a
+  // row's sum is the same whatever the rows beside it; dL/dW and dL/db of
+  // a column tile belong to its thread, which adds the row tiles in order.
+  // Thread 0 sums into grad_hidden itself, the others into partial[me].
   const int threads = omp_get_max_threads();
+  float* const out = grad_hidden + r0 * H;
   std::vector<std::vector<float>> partial(static_cast<size_t>(threads));
   std::string error;
 #pragma omp parallel num_threads(threads)
   {
+    // dL/dy of the chunk's rows (each element its own: any split of the
+    // rows gives the same bits), before any column tile reads them.
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t r = r0 + i;
+      BackwardRows row = rows;
+      row.targets = rows.targets ? rows.targets + r : nullptr;
+      row.lse = rows.lse + r;
+      row.entropy = rows.entropy ? rows.entropy + r : nullptr;
+      row.grad_logprobs = rows.grad_logprobs ? rows.grad_logprobs + r : nullptr;
+      row.grad_entropy = rows.grad_entropy ? rows.grad_entropy + r : nullptr;
+      LogitGradients(im.transform, im.temperature, row, 1, im.vocab_begin, V, z + i * V);
+    }  // (a barrier)
     const int me = omp_get_thread_num();
-    std::vector<float>& acc = partial[static_cast<size_t>(me)];
-    acc.assign(static_cast<size_t>(kRows * H), 0.0f);
-    std::vector<float> g(kRows * kCols), gt(kCols * kRows), w(kCols * H), dst_h(kRows * H), dst_w(kCols * H);
-    std::vector<char> scratch_h(im.dh_scratch.get_size()), scratch_w(im.dw_scratch.get_size());
+    float* acc = out;
+    if (me == 0) {
+      std::fill(out, out + m * H, 0.0f);
+    } else {
+      partial[static_cast<size_t>(me)].assign(static_cast<size_t>(m * H), 0.0f);
+      acc = partial[static_cast<size_t>(me)].data();
+    }
+    // The thread's tile buffers: gradients [kRows, kCols] and their
+    // transpose (zero-padded), a column tile's weights as operands
+    // [kCols, H] (zero-padded), the matmuls' outputs and scratchpads.
+    std::vector<float> g(kRows * kCols), w(kCols * H), dst_h(kRows * H), gt, dst_w;
+    std::vector<char> scratch_h(im.dh_scratch.get_size()), scratch_w;
+    if (grad_weight != nullptr) {
+      gt.resize(kCols * kRows);
+      dst_w.resize(kCols * H);
+      scratch_w.resize(im.dw_scratch.get_size());
+    }
+    dnnl::stream stream;
+    dnnl::memory g_mem, w_mem, dst_h_mem, scratch_h_mem, gt_mem, h_mem, dst_w_mem, scratch_w_mem;
+    bool ready = false;
+    try {
+      stream = dnnl::stream(im.engine);
+      g_mem = dnnl::memory(im.dh_src, im.engine, g.data());
+      w_mem = dnnl::memory(im.dh_w, im.engine, w.data());
+      dst_h_mem = dnnl::memory(im.dh_dst, im.engine, dst_h.data());
+      scratch_h_mem = dnnl::memory(im.dh_scratch, im.engine, scratch_h.data());
+      if (grad_weight != nullptr) {
+        gt_mem = dnnl::memory(im.dw_src, im.engine, gt.data());
+        h_mem = dnnl::memory(im.dw_w, im.engine, im.hidden.data());
+        dst_w_mem = dnnl::memory(im.dw_dst, im.engine, dst_w.data());
+        scratch_w_mem = dnnl::memory(im.dw_scratch, im.engine, scratch_w.data());
+      }
+      ready = true;
+    } catch (const dnnl::error& e) {
+#pragma omp critical
+      error = e.what();
+    }
 #pragma omp for schedule(static)
     for (int64_t ct = 0; ct < col_tiles; ++ct) {
+      if (!ready) continue;
       try {
         const int64_t c0 = ct * kCols, cols = std::min(kCols, V - c0);
-        // The tile's gradients [kRows, kCols] and their transpose, zero-padded.
-        std::fill(g.begin(), g.end(), 0.0f);
-        for (int64_t i = 0; i < m; ++i) std::memcpy(g.data() + i * kCols, z + i * V + c0, cols * sizeof(float));
-        for (int64_t i = 0; i < kRows; ++i)
-          for (int64_t c = 0; c < kCols; ++c) gt[c * kRows + i] = g[i * kCols + c];
         // The tile's weights as the GEMM's operands, in f32, zero-padded.
         std::fill(w.begin() + cols * H, w.end(), 0.0f);
         ToOperands(gemm.weight_dtype(), gemm.weight_data() + c0 * weight_row_bytes, static_cast<size_t>(cols * H),
                    v1::F32, gemm.precision(), w.data());
-        dnnl::stream stream(im.engine);
-        im.dh.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(im.dh_src, im.engine, g.data())},
-                               {DNNL_ARG_WEIGHTS, dnnl::memory(im.dh_w, im.engine, w.data())},
-                               {DNNL_ARG_DST, dnnl::memory(im.dh_dst, im.engine, dst_h.data())},
-                               {DNNL_ARG_SCRATCHPAD, dnnl::memory(im.dh_scratch, im.engine, scratch_h.data())}});
-        stream.wait();
-        for (int64_t k = 0; k < m * H; ++k) acc[k] += dst_h[k];
-        if (grad_weight != nullptr) {
-          im.dw.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(im.dw_src, im.engine, gt.data())},
-                                 {DNNL_ARG_WEIGHTS, dnnl::memory(im.dw_w, im.engine, im.hidden.data())},
-                                 {DNNL_ARG_DST, dnnl::memory(im.dw_dst, im.engine, dst_w.data())},
-                                 {DNNL_ARG_SCRATCHPAD, dnnl::memory(im.dw_scratch, im.engine, scratch_w.data())}});
-          stream.wait();
-          float* out = grad_weight + c0 * H;
-          for (int64_t k = 0; k < cols * H; ++k) out[k] += dst_w[k];
-        }
-        if (grad_bias != nullptr)
-          for (int64_t c = 0; c < cols; ++c) {
-            float s = 0.0f;
-            for (int64_t i = 0; i < m; ++i) s += g[i * kCols + c];
-            grad_bias[c0 + c] += s;
+        for (int64_t rt = 0; rt < row_tiles; ++rt) {
+          const int64_t i0 = rt * kRows, mt = std::min(kRows, m - i0);
+          // The row tile's gradients of the column tile, zero-padded.
+          for (int64_t i = 0; i < mt; ++i) {
+            std::memcpy(g.data() + i * kCols, z + (i0 + i) * V + c0, cols * sizeof(float));
+            std::fill(g.begin() + i * kCols + cols, g.begin() + (i + 1) * kCols, 0.0f);
           }
+          std::fill(g.begin() + mt * kCols, g.end(), 0.0f);
+          im.dh.execute(stream, {{DNNL_ARG_SRC, g_mem},
+                                 {DNNL_ARG_WEIGHTS, w_mem},
+                                 {DNNL_ARG_DST, dst_h_mem},
+                                 {DNNL_ARG_SCRATCHPAD, scratch_h_mem}});
+          stream.wait();
+          float* a = acc + i0 * H;
+          for (int64_t k = 0; k < mt * H; ++k) a[k] += dst_h[k];
+          if (grad_weight != nullptr) {
+            for (int64_t i = 0; i < kRows; ++i)
+              for (int64_t c = 0; c < kCols; ++c) gt[c * kRows + i] = g[i * kCols + c];
+            h_mem.set_data_handle(im.hidden.data() + i0 * H);
+            im.dw.execute(stream, {{DNNL_ARG_SRC, gt_mem},
+                                   {DNNL_ARG_WEIGHTS, h_mem},
+                                   {DNNL_ARG_DST, dst_w_mem},
+                                   {DNNL_ARG_SCRATCHPAD, scratch_w_mem}});
+            stream.wait();
+            float* dw = grad_weight + c0 * H;
+            for (int64_t k = 0; k < cols * H; ++k) dw[k] += dst_w[k];
+          }
+          if (grad_bias != nullptr)
+            for (int64_t c = 0; c < cols; ++c) {
+              float s = 0.0f;
+              for (int64_t i = 0; i < mt; ++i) s += g[i * kCols + c];
+              grad_bias[c0 + c] += s;
+            }
+        }
       } catch (const dnnl::error& e) {
 #pragma omp critical
         error = e.what();
@@ -234,10 +295,11 @@ absl::Status HeadSliceBackward::Tile(DType hidden_dtype, const void* hidden, int
     }
   }
   if (!error.empty()) return absl::InternalError(absl::StrCat("oneDNN backward matmul: ", error));
-  float* out = grad_hidden + r0 * H;
-  std::fill(out, out + m * H, 0.0f);
-  for (const auto& acc : partial)
-    for (int64_t k = 0; k < m * H; ++k) out[k] += acc[k];
+  for (int q = 1; q < threads; ++q) {
+    const std::vector<float>& p = partial[static_cast<size_t>(q)];
+    if (p.empty()) continue;  // a smaller team than asked for
+    for (int64_t k = 0; k < m * H; ++k) out[k] += p[k];
+  }
   return absl::OkStatus();
 }
 

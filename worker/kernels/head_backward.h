@@ -2,9 +2,9 @@
 // from a forward's per-row statistics and the upstream gradients of the
 // token logprobs and entropies, the gradient of the slice's logits, then
 // the slice's share of dL/dh and its dL/dW and dL/db. Nothing of size
-// [N, V] is kept: the logits are recomputed one row tile at a time with the
-// forward's own GEMM (LmHeadGemm), so the backward's probabilities are the
-// forward's bits.
+// [N, V] is kept: the logits are recomputed a chunk of rows at a time with
+// the forward's own GEMM (LmHeadGemm), so the backward's probabilities are
+// the forward's bits.
 //
 // Math (NeMo-RL DistributedLogprob.backward and TRL 1.16's
 // ChunkedLogProbFunction.backward, with the entropy term of
@@ -84,6 +84,15 @@ class HeadSliceBackward {
   /// to grad_weight [rows(), H] (f32) and dL/db to grad_bias [rows()]
   /// (accumulation over calls: micro-batches of one step). A row's
   /// grad_hidden is bitwise the same whatever M and its position.
+  /// The rows are taken in chunks of 256 (whole tiles of 64 rows); for
+  /// each chunk one OpenMP team (omp_get_max_threads()) shares the
+  /// slice's column tiles, converting each tile's weights to operands once
+  /// and multiplying it with every row tile of the chunk. Memory, bounded
+  /// whatever M: kept between calls, a chunk's logits (min(M, 256) x
+  /// rows() f32) and, with grad_weight, its hidden rows as operands (up to
+  /// 256 x H f32); during a call, a dL/dh sum of 256 x H f32 for each
+  /// thread but the first and each thread's tile buffers (192 x H f32,
+  /// 128 x H more with grad_weight, and the matmuls' scratchpads).
   /// INVALID_ARGUMENT for M < 0 or null buffers; INTERNAL if oneDNN fails.
   absl::Status Run(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows, float* grad_hidden,
                    float* grad_weight, float* grad_bias);
@@ -92,7 +101,8 @@ class HeadSliceBackward {
   /// computed with the slice's GEMM and transform: `logits` [M, rows()]
   /// (f32, row-major; overwritten with dL/dy). The same results as Run,
   /// without recomputing the logits (the backward pass computes them once
-  /// for its partial records and its gradients).
+  /// for its partial records and its gradients). Memory: as Run's, less
+  /// the logits.
   absl::Status RunOnLogits(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows, float* logits,
                            float* grad_hidden, float* grad_weight, float* grad_bias);
 
@@ -101,10 +111,11 @@ class HeadSliceBackward {
   explicit HeadSliceBackward(std::unique_ptr<Impl> impl);
   absl::Status CheckRun(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows,
                         const float* grad_hidden) const;
-  /// The gradients of rows [r0, r0 + m) (m <= the tile's rows) from their
-  /// transformed logits `z` [m, rows()] (overwritten with dL/dy).
-  absl::Status Tile(DType hidden_dtype, const void* hidden, int64_t r0, int64_t m, const BackwardRows& rows, float* z,
-                    float* grad_hidden, float* grad_weight, float* grad_bias);
+  /// The gradients of rows [r0, r0 + m) (m <= a chunk's rows) from their
+  /// transformed logits `z` [m, rows()] (overwritten with dL/dy): the
+  /// column tiles the outer loop, in one OpenMP parallel region.
+  absl::Status Chunk(DType hidden_dtype, const void* hidden, int64_t r0, int64_t m, const BackwardRows& rows, float* z,
+                     float* grad_hidden, float* grad_weight, float* grad_bias);
   std::unique_ptr<Impl> impl_;
 };
 

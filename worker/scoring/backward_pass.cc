@@ -11,7 +11,8 @@
 namespace logprob {
 
 absl::Status RunBackwardPass(const BackwardPassRows& in, kernels::HeadSliceBackward& backward, int64_t vocab_size,
-                             Communicator& comm, float* grad_hidden, float* grad_weight, float* grad_bias) {
+                             Communicator& comm, float* grad_hidden, float* grad_weight, float* grad_bias,
+                             float* token_logprobs, float* entropy_out) {
   if (in.rows < 0 || in.round_rows <= 0)
     return absl::InvalidArgumentError(absl::StrCat("backward: rows ", in.rows, ", round_rows ", in.round_rows));
   kernels::LmHeadGemm& gemm = backward.gemm();
@@ -54,8 +55,10 @@ absl::Status RunBackwardPass(const BackwardPassRows& in, kernels::HeadSliceBackw
       kernels::RowOutput out;
       out.logsumexp = &lse[i];
       out.entropy = &entropy[i];
+      if (token_logprobs != nullptr) out.token_logprob = token_logprobs + r0 + i;
       const bool has_target = in.targets != nullptr && in.targets[r0 + i] >= 0;
       kernels::CombinePartials(ranks.data(), W, spec, has_target, out);
+      if (entropy_out != nullptr) entropy_out[r0 + i] = entropy[i];
     }
     kernels::BackwardRows rows;
     rows.targets = in.targets != nullptr ? in.targets + r0 : nullptr;

@@ -39,9 +39,12 @@ struct BackwardPassRows {
 /// and, when non-null, adds dL/dW to grad_weight [slice rows, H] and dL/db
 /// to grad_bias [slice rows]. Every worker must call it with the same rows
 /// and round_rows. A row's share is bitwise the same whatever else is in
-/// the batch (given the worker count). INVALID_ARGUMENT for bad arguments;
-/// the communicator's or the GEMM's errors otherwise.
+/// the batch (given the worker count). When non-null, token_logprobs and
+/// entropy [rows] receive the forward's values of the rows (what a
+/// forward of the same rows answers, bit for bit). INVALID_ARGUMENT for
+/// bad arguments; the communicator's or the GEMM's errors otherwise.
 absl::Status RunBackwardPass(const BackwardPassRows& in, kernels::HeadSliceBackward& backward, int64_t vocab_size,
-                             Communicator& comm, float* grad_hidden, float* grad_weight, float* grad_bias);
+                             Communicator& comm, float* grad_hidden, float* grad_weight, float* grad_bias,
+                             float* token_logprobs = nullptr, float* entropy = nullptr);
 
 }  // namespace logprob

@@ -73,4 +73,13 @@ absl::Status CpuBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidden
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::unique_ptr<kernels::HeadSliceBackward>> CpuBackend::HeadBackward(const LmHeadWeights& lm_head,
+                                                                                     int64_t vocab_begin,
+                                                                                     float temperature) {
+  const auto& head = static_cast<const CpuLmHead&>(lm_head);
+  return kernels::HeadSliceBackward::Create(&head.gemm(), vocab_begin,
+                                            head.transform().has_bias ? head.bias().data() : nullptr, head.transform(),
+                                            temperature);
+}
+
 }  // namespace logprob

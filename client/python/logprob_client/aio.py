@@ -20,7 +20,7 @@ Example (the client is made inside the loop that uses it)::
 import asyncio
 from typing import Any, AsyncIterable, AsyncIterator, Iterable, List, Optional, TypeVar, Union, cast
 
-from ._internal import lm_head_sender, transport
+from ._internal import head_gradients, lm_head_sender, transport
 from ._internal.base import ClientBase
 from ._internal.lm_head_sender import LmHeadUpdateHandle
 from ._internal.ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
@@ -62,6 +62,7 @@ class LogprobClient(ClientBase):
         # grpc.aio picked (asyncio's current loop); None: the first to use it.
         self._loop: Optional[asyncio.AbstractEventLoop] = _running_loop() or getattr(self._channel, "_loop", None)
         self._open_methods(self._channel)
+        self._read_gradients_rpc = head_gradients.AioReadGradients(head_gradients.open_method(self._channel))
 
     def _chunked_rpc(self) -> Any:
         return transport.AioChunkedScore(self._score_chunked_raw, self.piece_bytes, offload_bytes=OFFLOAD_BYTES)
@@ -150,6 +151,23 @@ class LogprobClient(ClientBase):
         """The server's ``logprob.v1.ServerInfo``, fetched once and cached.
         Raises LogprobError."""
         return await self._run(self._server_info_ops(refresh, _deadline))
+
+    async def backward(self, hidden_states: Any, input_ids: Any, grad_token_logprobs: Any, *,
+                       grad_entropy: Any = None, gradient_step: str = "", request_id: Optional[str] = None,
+                       **options: Any) -> ScoreResult:
+        """As the sync client's ``backward``."""
+        return await self.score(hidden_states=hidden_states, input_ids=input_ids,
+                                grad_token_logprobs=grad_token_logprobs, grad_entropy=grad_entropy,
+                                gradient_step=gradient_step, request_id=request_id, **options)
+
+    async def read_head_gradients(self, gradient_step: str, *, head: str = "", rows: Any = None,
+                                  timeout: Any = "default") -> head_gradients.HeadGradients:
+        """As the sync client's ``read_head_gradients``."""
+        return await self._run(head_gradients.read_ops(self, gradient_step, head, rows, timeout))
+
+    async def close_gradient_step(self, gradient_step: str, *, timeout: Any = "default") -> None:
+        """As the sync client's ``close_gradient_step``."""
+        await self._run(head_gradients.close_ops(self, gradient_step, timeout))
 
     async def update_lm_head(self, head: str, weight: Any, *, version: str, sha256: Optional[str] = None,
                              timeout: Any = "default", dtype: Any = None, bias: Any = None,

@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, TypeVar, Union
 
 import grpc
 
-from ._internal import lm_head_sender, transport
+from ._internal import head_gradients, lm_head_sender, transport
 from ._internal.base import ClientBase
 from ._internal.lm_head_sender import LmHeadUpdateHandle
 from ._internal.ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
@@ -32,6 +32,7 @@ class LogprobClient(ClientBase):
         self._info_lock = threading.Lock()
         self._channel = self._settings.open_sync()
         self._open_methods(self._channel)
+        self._read_gradients_rpc = head_gradients.ReadGradients(head_gradients.open_method(self._channel))
 
     def _chunked_rpc(self) -> Any:
         return transport.ChunkedScore(self._score_chunked_raw, self.piece_bytes)
@@ -192,6 +193,42 @@ class LogprobClient(ClientBase):
         for a failed call (DEADLINE_EXCEEDED when the timeout passes).
         """
         return self._run(self._score_ops(logits, input_ids, request_id, options))
+
+    def backward(self, hidden_states: Any, input_ids: Any, grad_token_logprobs: Any, *, grad_entropy: Any = None,
+                 gradient_step: str = "", request_id: Optional[str] = None, **options: Any) -> ScoreResult:
+        """The lm_head's backward (docs/gradients.md): for the forward's
+        inputs (``hidden_states``, ``input_ids``, ``seq_lens`` /
+        ``cu_seqlens``, ``head`` / ``head_version``, ``temperature``, as
+        ``score``) and the upstream gradients ``grad_token_logprobs``
+        (dL/dlogprob, shaped like ``token_logprobs``; ignored at
+        ignore_index targets) and optional ``grad_entropy`` (dL/dentropy),
+        returns a ``ScoreResult`` whose ``grad_hidden_states`` is dL/dh
+        (float32, shaped like ``hidden_states``), with the forward's
+        ``token_logprobs`` (and ``entropy`` on request). With
+        ``gradient_step`` (a key per optimizer step, shared by its
+        micro-batches and data-parallel ranks) the workers add dL/dW and
+        dL/db to that step: ``read_head_gradients`` fetches the sums,
+        ``close_gradient_step`` frees them. Raises as ``score`` (INVALID_ARGUMENT
+        naming the field for non-finite gradients; ALREADY_EXISTS for a
+        closed step key)."""
+        return self.score(hidden_states=hidden_states, input_ids=input_ids, grad_token_logprobs=grad_token_logprobs,
+                          grad_entropy=grad_entropy, gradient_step=gradient_step, request_id=request_id, **options)
+
+    def read_head_gradients(self, gradient_step: str, *, head: str = "", rows: Any = None,
+                            timeout: Any = "default") -> head_gradients.HeadGradients:
+        """The sums of step ``gradient_step`` on lm_head ``head`` (empty:
+        the default one): ``HeadGradients`` with ``weight`` float32 [V, H]
+        (or rows ``(begin, end)``), ``bias`` [V] or None, and
+        ``micro_batches`` / ``tokens`` added. Read in pieces of 4 MiB, never
+        one message. Raises LogprobError: NOT_FOUND (no backward added to
+        the step), ALREADY_EXISTS (closed), FAILED_PRECONDITION (dropped:
+        expired or a failed backward)."""
+        return self._run(head_gradients.read_ops(self, gradient_step, head, rows, timeout))
+
+    def close_gradient_step(self, gradient_step: str, *, timeout: Any = "default") -> None:
+        """Frees the step's sums on every worker; its key cannot be used
+        again (a retried close is fine)."""
+        self._run(head_gradients.close_ops(self, gradient_step, timeout))
 
     def update_lm_head(self, head: str, weight: Any, *, version: str, sha256: Optional[str] = None,
                        timeout: Any = "default", dtype: Any = None, bias: Any = None,

@@ -119,6 +119,59 @@ def fused_head_reference(hidden, weight, targets, bias=None, temperature=1.0, so
     }
 
 
+def head_backward_reference(hidden, weight, targets, grad_logprobs, grad_entropy=None, bias=None, temperature=1.0,
+                            softcap=None, logit_scale=1.0):
+    """float64 backward of the fused lm_head (docs/gradients.md; NeMo-RL
+    DistributedLogprob.backward with ChunkedDistributedEntropy's term, TRL's
+    ChunkedLogProbFunction.backward): rows hidden [N, H], weight [V, H],
+    bias [V] or None, targets [N] (< 0: no logprob term), upstream
+    dL/dlogprob and dL/dentropy [N]. Returns {"grad_hidden" [N, H],
+    "grad_weight" [V, H], "grad_bias" [V], "log_probs", "entropy" [N]},
+    float64."""
+    h = np.asarray(hidden, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    y = h @ w.T
+    if bias is not None:
+        y = y + np.asarray(bias, dtype=np.float64)
+    s = y * float(logit_scale)
+    z = float(softcap) * np.tanh(s / float(softcap)) if softcap else s
+    x = z / float(temperature)
+    m = x.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+    p = np.exp(x - lse)
+    ent = lse[:, 0] - (p * x).sum(axis=1)
+    t = np.asarray(targets, dtype=np.int64)
+    rows = np.arange(len(t))
+    scored = t >= 0
+    g_lp = np.where(scored, np.asarray(grad_logprobs, dtype=np.float64), 0.0)
+    g_ent = np.zeros(len(t)) if grad_entropy is None else np.asarray(grad_entropy, dtype=np.float64)
+    gx = -g_lp[:, None] * p - g_ent[:, None] * p * (x - lse + ent[:, None])
+    gx[rows[scored], t[scored]] += g_lp[scored]
+    gz = gx / float(temperature)
+    gs = gz * (1.0 - (z / float(softcap)) ** 2) if softcap else gz
+    gy = gs * float(logit_scale)
+    lp = np.where(scored, x[rows, np.maximum(t, 0)] - lse[:, 0], 0.0)
+    return {"grad_hidden": gy @ w, "grad_weight": gy.T @ h, "grad_bias": gy.sum(axis=0), "log_probs": lp,
+            "entropy": ent}
+
+
+def gradient_error(expected, got):
+    """"" when every element of ``got`` is within 1e-4 of its row's largest
+    |expected| element plus 1e-7 (issue 47's fidelity bound; a 1-d array is
+    one row), else a line naming the worst element."""
+    e = np.atleast_2d(np.asarray(expected, dtype=np.float64))
+    g = np.atleast_2d(np.asarray(got, dtype=np.float64))
+    if e.shape != g.shape:
+        return "shape %s, expected %s" % (list(g.shape), list(e.shape))
+    bound = 1e-4 * np.abs(e).max(axis=1, keepdims=True) + 1e-7
+    excess = np.abs(g - e) / bound
+    if not np.all(np.isfinite(g)) or excess.max(initial=0.0) > 1.0:
+        i = np.unravel_index(int(np.nanargmax(np.where(np.isfinite(excess), excess, np.inf))), excess.shape)
+        return "element %s is %r, expected %r (bound %.3g)" % (tuple(int(k) for k in i), float(g[i]), float(e[i]),
+                                                              float(bound[i[0], 0]))
+    return ""
+
+
 def within_spec(expected, got):
     """"" when every |got - expected| <= 2e-4 + 2e-5 |expected| (float
     arrays) or got == expected (bool arrays), else a line naming the worst

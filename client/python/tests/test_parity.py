@@ -380,7 +380,8 @@ class ParityTest(unittest.IsolatedAsyncioTestCase):
 # The methods a client kind defines: the I/O hooks the core calls, and the public API.
 IO_HOOKS = {"_open", "_chunked_rpc", "_perform", "_drive", "_run"}
 API = {"close", "server_info", "health", "score_request", "score", "score_stream", "update_lm_head", "lm_heads",
-       "begin_lm_head_update", "put_lm_head_rows", "commit_lm_head_update", "abort_lm_head_update"}
+       "begin_lm_head_update", "put_lm_head_rows", "commit_lm_head_update", "abort_lm_head_update", "backward",
+       "read_head_gradients", "close_gradient_step"}
 
 
 class ApiParityTest(unittest.TestCase):

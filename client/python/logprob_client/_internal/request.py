@@ -143,6 +143,7 @@ def score_options(
     is_top1: bool = False,
     rollout_ratio_cap: Optional[float] = None,
     rollout_band: Optional[Tuple[float, float]] = None,
+    gradient_step: str = "",
 ) -> Any:
     """The ``logprob.v1.ScoreOptions`` of ``score``'s keyword options.
     Raises InvalidInputError for an unknown alignment or a ``rollout_band``
@@ -171,6 +172,8 @@ def score_options(
         except (TypeError, ValueError):
             raise InvalidInputError("rollout_band must be a pair (low, high), got %r" % (rollout_band,)) from None
         options.rollout_band_low, options.rollout_band_high = float(low), float(high)
+    if gradient_step:
+        options.gradient_step = str(gradient_step)
     return options
 
 
@@ -218,6 +221,8 @@ class ScoreCall:
         gather_indices: Any = None,
         rollout_logprobs: Any = None,
         sampling_mask: Any = None,
+        grad_token_logprobs: Any = None,
+        grad_entropy: Any = None,
         dtype: Any = None,
         split: bool = True,
         cuda_ipc: bool = False,
@@ -244,7 +249,8 @@ class ScoreCall:
         ) < 1.0
         if filters and sampling_mask is not None:
             raise InvalidInputError("sampling_mask replaces sampling_top_k / sampling_top_p: give one or the other")
-        self._on_device = bool(cuda_ipc) and not filters and sampling_mask is None
+        # The lm_head's backward takes the hidden states' bytes (docs/gradients.md).
+        self._on_device = bool(cuda_ipc) and not filters and sampling_mask is None and grad_token_logprobs is None
         if self._on_device:
             rows_dt, rows = cuda_ipc_mod.device_rows(rows_in, dtype)
         else:
@@ -285,6 +291,14 @@ class ScoreCall:
             tensors.append(("gather_indices",) + int_array("gather_indices", gather_indices))
         if rollout_logprobs is not None:
             tensors.append(("rollout_logprobs",) + float_array("rollout_logprobs", rollout_logprobs, "f32"))
+        if grad_entropy is not None and grad_token_logprobs is None:
+            raise InvalidInputError("grad_entropy needs grad_token_logprobs (the lm_head's backward)")
+        if grad_token_logprobs is not None:
+            if rows_name != "hidden_states":
+                raise InvalidInputError("grad_token_logprobs: the lm_head's backward takes hidden_states, not logits")
+            tensors.append(("grad_token_logprobs",) + float_array("grad_token_logprobs", grad_token_logprobs, "f32"))
+            if grad_entropy is not None:
+                tensors.append(("grad_entropy",) + float_array("grad_entropy", grad_entropy, "f32"))
         if sampling_mask is not None:
             try:
                 mask_offsets, mask_ids = sampling_mask

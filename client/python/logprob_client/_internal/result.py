@@ -88,6 +88,12 @@ class ScoreResult:
         return self.outputs.get("gathered_logprobs")
 
     @property
+    def grad_hidden_states(self) -> Optional[Any]:
+        """The lm_head's backward (``grad_token_logprobs`` given): dL/dh,
+        float32, shaped like ``hidden_states`` (docs/gradients.md)."""
+        return self.outputs.get("grad_hidden_states")
+
+    @property
     def rollout_log_ratio(self) -> Optional[Any]:
         return self.outputs.get("rollout_log_ratio")
 

@@ -5,9 +5,10 @@ sequences, and joining their results (the Python counterpart of
 - Padded input (``logits``/``hidden_states`` [B, S, X]): every input is cut
   along B into groups of consecutive sequences.
 - Packed input ([T, X], ``input_ids`` [T], ``cu_seqlens`` [B + 1], optional
-  ``gather_indices`` [T - B or T, K] and ``rollout_logprobs`` [T - B or T]):
+  ``gather_indices`` [T - B or T, K], ``rollout_logprobs``,
+  ``grad_token_logprobs`` and ``grad_entropy`` [T - B or T]):
   cut by whole sequences; each part's ``cu_seqlens`` is rebased to 0 and
-  keeps its dtype; ``gather_indices`` and ``rollout_logprobs`` rows follow
+  keeps its dtype; the rows of those output-shaped inputs follow
   the output rows (L - 1 per sequence of length L for
   next_token, L for same_position). Without ``cu_seqlens`` the T rows are
   one sequence.
@@ -28,7 +29,7 @@ from .tensors import DTYPE_SIZE, NUMPY_DTYPE, Array, to_tensor
 
 ROW_NAMES = ("logits", "hidden_states")
 # Inputs with one row per output row (shaped like the outputs).
-_OUTPUT_ROW_INPUTS = ("gather_indices", "rollout_logprobs")
+_OUTPUT_ROW_INPUTS = ("gather_indices", "rollout_logprobs", "grad_token_logprobs", "grad_entropy")
 # The sampling mask: CSR over the output rows (offsets [n + 1], ids [nnz]).
 _MASK_INPUTS = ("sampling_mask_offsets", "sampling_mask_ids")
 

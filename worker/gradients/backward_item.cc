@@ -1,0 +1,215 @@
+#include "worker/gradients/backward_item.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/error_reason.h"
+#include "common/input_kind.h"
+#include "common/partition.h"
+#include "common/status_macros.h"
+#include "worker/scoring/backward_pass.h"
+
+namespace logprob {
+namespace {
+
+using internal::v1::WorkItem;
+using internal::v1::WorkResult;
+
+absl::Status Invalid(const std::string& what) { return absl::InvalidArgumentError("backward work item: " + what); }
+
+/// The item is a backward this rank can run: everything checked before
+/// any collective, from fields that are the same on every rank (but the
+/// payload's size and the slice, which the front-end sizes per rank).
+absl::Status CheckItem(const WorkItem& item, const ItemPayload& payload, const Communicator& comm,
+                       const LmHeadWeights* lm_head) {
+  const auto& o = item.options();
+  const int64_t n = item.num_rows();
+  if (item.layout() != internal::v1::HIDDEN_STATES) return Invalid("the backward takes hidden states only");
+  if (payload.on_device)
+    return WithReason(absl::FailedPreconditionError("hidden states passed as a CUDA IPC handle: the lm_head's "
+                                                    "backward takes their bytes (docs/gradients.md)"),
+                      v1::CUDA_IPC_UNAVAILABLE);
+  if (!IsFloatDType(item.dtype())) return Invalid("dtype must be F32, BF16 or F16");
+  if (n < 0 || item.vocab_size() <= 0 || item.hidden_size() <= 0)
+    return Invalid(
+        absl::StrCat("num_rows ", n, ", vocab_size ", item.vocab_size(), ", hidden_size ", item.hidden_size()));
+  if (item.targets_size() != n || item.grad_token_logprobs_size() != n ||
+      (item.grad_entropy_size() != 0 && item.grad_entropy_size() != n))
+    return Invalid("targets, grad_token_logprobs or grad_entropy do not match num_rows");
+  if (HasSamplingFilters(o) || item.masked_size() != 0 || o.topk() != 0 || item.gather_k() != 0 ||
+      o.log_sum_sq_probs() || o.mean_logits() || o.is_top1())
+    return Invalid("a backward has no sampling filters or masks and answers token_logprobs and entropy only");
+  if (!lm_head) return NoLmHeadError(item.lm_head().name(), item.lm_head().version());
+  const auto [vb, ve] = SplitRange(item.vocab_size(), comm.size(), comm.rank());
+  if (vb != item.vocab_begin() || ve != item.vocab_end() || lm_head->rows() != ve - vb ||
+      lm_head->hidden_size() != item.hidden_size())
+    return Invalid(absl::StrCat("vocab slice [", item.vocab_begin(), ", ", item.vocab_end(), ") of H ",
+                                item.hidden_size(), " is not rank ", comm.rank(), "'s lm_head slice [", lm_head->rows(),
+                                ", ", lm_head->hidden_size(), "]"));
+  const auto [own_begin, own_end] = SplitRange(n, comm.size(), comm.rank());
+  if (static_cast<int64_t>(payload.bytes.size()) !=
+      (own_end - own_begin) * item.hidden_size() * static_cast<int64_t>(DTypeSize(item.dtype())))
+    return Invalid("hidden_states size does not match this rank's rows");
+  return absl::OkStatus();
+}
+
+/// The rounds: every rank's rows of the item, gathered, backward through
+/// this slice, dL/dh shares exchanged to their owners. `grad_weight` /
+/// `grad_bias`: the step's sums of this slice, or null.
+class Rounds {
+ public:
+  Rounds(const WorkItem& item, std::string_view own, Communicator& comm, kernels::HeadSliceBackward& backward,
+         int64_t chunk_tokens, const std::function<bool()>& should_stop, WorkResult* res)
+      : item_(item),
+        own_(own),
+        comm_(comm),
+        backward_(backward),
+        chunk_tokens_(std::max<int64_t>(1, chunk_tokens)),
+        should_stop_(should_stop),
+        res_(res) {}
+
+  absl::Status Run(float* grad_weight, float* grad_bias) {
+    const int W = comm_.size(), me = comm_.rank();
+    const int64_t n = item_.num_rows(), H = item_.hidden_size();
+    const size_t hrow = static_cast<size_t>(H) * DTypeSize(item_.dtype());
+    const int64_t most = SplitRange(n, W, 0).second;  // rows of the largest share
+    const bool entropy_out = item_.options().entropy();
+    const bool grad_entropy = item_.grad_entropy_size() != 0;
+    std::vector<char> send, gathered;
+    std::vector<int64_t> targets, first(W), count(W), send_bytes(W), recv_bytes(W);
+    std::vector<float> g_lp, g_ent, share, recv, lp, ent;
+    for (int64_t l0 = 0; l0 < most; l0 += chunk_tokens_) {
+      if (should_stop_) {
+        LOGPROB_ASSIGN_OR_RETURN(const int stopping, FirstRankFlagged(comm_, should_stop_()));
+        if (stopping >= 0) return absl::CancelledError("stopped: the request was cancelled or its deadline passed");
+      }
+      const int64_t c = std::min(chunk_tokens_, most - l0);  // padded rows per rank this round
+      int64_t packed = 0, before_me = 0;
+      for (int q = 0; q < W; ++q) {
+        const auto [ob, oe] = SplitRange(n, W, q);
+        first[q] = ob + l0;
+        count[q] = std::clamp<int64_t>(oe - ob - l0, 0, c);
+        if (q < me) before_me += count[q];
+        packed += count[q];
+      }
+      // The round's hidden rows of every rank, packed in rank order.
+      send.assign(c * hrow, 0);
+      std::copy_n(own_.data() + l0 * hrow, count[me] * hrow, send.data());
+      gathered.resize(W * c * hrow);
+      LOGPROB_RETURN_IF_ERROR(comm_.AllGather(send.data(), send.size(), gathered.data()));
+      int64_t at = 0;
+      targets.clear();
+      g_lp.clear();
+      g_ent.clear();
+      for (int q = 0; q < W; ++q) {
+        std::memmove(gathered.data() + at * hrow, gathered.data() + q * c * hrow, count[q] * hrow);
+        at += count[q];
+        for (int64_t i = 0; i < count[q]; ++i) {
+          const int r = static_cast<int>(first[q] + i);
+          targets.push_back(item_.targets(r));
+          g_lp.push_back(item_.grad_token_logprobs(r));
+          if (grad_entropy) g_ent.push_back(item_.grad_entropy(r));
+        }
+      }
+      BackwardPassRows in;
+      in.hidden_dtype = item_.dtype();
+      in.hidden = gathered.data();
+      in.rows = packed;
+      in.targets = targets.data();
+      in.grad_logprobs = g_lp.data();
+      in.grad_entropy = grad_entropy ? g_ent.data() : nullptr;
+      in.round_rows = std::max<int64_t>(packed, 1);
+      share.resize(static_cast<size_t>(packed * H));
+      lp.resize(static_cast<size_t>(packed));
+      ent.resize(static_cast<size_t>(packed));
+      LOGPROB_RETURN_IF_ERROR(RunBackwardPass(in, backward_, item_.vocab_size(), comm_, share.data(), grad_weight,
+                                              grad_bias, lp.data(), ent.data()));
+      // Each owner gets its rows' shares from every slice and sums them in rank order.
+      const int64_t mine = count[me];
+      for (int q = 0; q < W; ++q) {
+        send_bytes[q] = count[q] * H * static_cast<int64_t>(sizeof(float));
+        recv_bytes[q] = mine * H * static_cast<int64_t>(sizeof(float));
+      }
+      recv.resize(static_cast<size_t>(W * mine * H));
+      LOGPROB_RETURN_IF_ERROR(comm_.AllToAllV(share.data(), send_bytes, recv.data(), recv_bytes));
+      float* out = res_->mutable_grad_hidden_states()->mutable_data() + l0 * H;
+      for (int64_t k = 0; k < mine * H; ++k) {
+        float s = 0.0f;
+        for (int q = 0; q < W; ++q) s += recv[static_cast<size_t>(q * mine * H + k)];
+        out[k] = s;
+      }
+      for (int64_t i = 0; i < mine; ++i) {
+        res_->set_token_logprobs(static_cast<int>(l0 + i), lp[static_cast<size_t>(before_me + i)]);
+        if (entropy_out) res_->set_entropy(static_cast<int>(l0 + i), ent[static_cast<size_t>(before_me + i)]);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const WorkItem& item_;
+  const std::string_view own_;
+  Communicator& comm_;
+  kernels::HeadSliceBackward& backward_;
+  const int64_t chunk_tokens_;
+  const std::function<bool()>& should_stop_;
+  WorkResult* res_;
+};
+
+}  // namespace
+
+absl::StatusOr<WorkResult> RunBackwardItem(const WorkItem& item, ItemPayload payload, Communicator& comm,
+                                           ScoringBackend& backend, int64_t hidden_chunk_tokens,
+                                           const std::function<bool()>& should_stop, const LmHeadWeights* lm_head,
+                                           HeadGradientSteps& steps) {
+  const auto t0 = std::chrono::steady_clock::now();
+  LOGPROB_RETURN_IF_ERROR(CheckItem(item, payload, comm, lm_head));
+  const auto& o = item.options();
+  const int64_t n = item.num_rows(), H = item.hidden_size();
+  const auto [own_begin, own_end] = SplitRange(n, comm.size(), comm.rank());
+  const int64_t mine = own_end - own_begin;
+  WorkResult res;
+  res.set_row_begin(own_begin);
+  res.set_row_end(own_end);
+  res.mutable_token_logprobs()->Resize(static_cast<int>(mine), 0.f);
+  if (o.entropy()) res.mutable_entropy()->Resize(static_cast<int>(mine), 0.f);
+  res.mutable_grad_hidden_states()->Resize(static_cast<int>(mine * H), 0.f);
+  LOGPROB_ASSIGN_OR_RETURN(
+      auto backward, backend.HeadBackward(*lm_head, item.vocab_begin(), o.has_temperature() ? o.temperature() : 1.0f));
+  Rounds rounds(item, payload.bytes, comm, *backward, hidden_chunk_tokens, should_stop, &res);
+  const std::string& step = o.gradient_step();
+  if (step.empty()) {
+    LOGPROB_RETURN_IF_ERROR(rounds.Run(nullptr, nullptr));
+  } else {
+    // Every rank's step must take the item before any adds to it: the ranks
+    // that opened it agree (one flag each) with those that refused it.
+    bool entered = false;
+    const absl::Status added =
+        steps.Accumulate(step, item.lm_head().name(), item.lm_head().version(), lm_head->rows(), H,
+                         lm_head->transform().has_bias, n, [&](HeadGradientSums& sums) -> absl::Status {
+                           entered = true;
+                           const absl::StatusOr<int> refused = FirstRankFlagged(comm, false);
+                           if (!refused.ok()) return HeadGradientSteps::NothingAdded(refused.status());
+                           if (*refused >= 0)
+                             return HeadGradientSteps::NothingAdded(absl::AbortedError(absl::StrCat(
+                                 "gradient step '", step, "': worker ", *refused,
+                                 " refused this backward (its error says why); nothing was added on any worker")));
+                           return rounds.Run(sums.weight.data(), sums.bias.empty() ? nullptr : sums.bias.data());
+                         });
+    if (!entered) {
+      (void)FirstRankFlagged(comm, true);  // the others learn this rank refused
+      return added;
+    }
+    LOGPROB_RETURN_IF_ERROR(added);
+  }
+  res.set_compute_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return res;
+}
+
+}  // namespace logprob
