@@ -2,7 +2,8 @@
 // (worker/gradients/head_gradient_steps.h): micro-batches add up, pieces
 // read back, a step is bound to its head version and shape, closed keys
 // are refused, the byte budget and the idle timeout hold, a failed add
-// drops the step. Time is passed in: nothing sleeps.
+// drops the step unless it added nothing (NothingAdded), an empty read says
+// what the step covers. Time is passed in: nothing sleeps.
 #include "worker/gradients/head_gradient_steps.h"
 
 #include <gtest/gtest.h>
@@ -127,6 +128,74 @@ TEST(HeadGradientSteps, AFailedAddDropsTheStep) {
   const absl::Status read = steps.Read("s", 0, 1, t0).status();
   EXPECT_EQ(read.code(), absl::StatusCode::kFailedPrecondition) << read;
   EXPECT_NE(read.message().find("oneDNN failed"), absl::string_view::npos) << read;
+}
+
+TEST(HeadGradientSteps, AnAddThatAddedNothingKeepsTheStep) {
+  HeadGradientSteps steps({1 << 20, absl::Minutes(10)});
+  ASSERT_TRUE(steps.Accumulate("s", "policy", "v1", kRows, kH, true, 4, AddValue(1.0f), t0).ok());
+  const int64_t bytes = steps.bytes();
+  const absl::Status refused = steps.Accumulate(
+      "s", "policy", "v1", kRows, kH, true, 4,
+      [](HeadGradientSums&) { return HeadGradientSteps::NothingAdded(absl::AbortedError("worker 2 refused")); }, t0);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+  EXPECT_EQ(refused.message(), "worker 2 refused");
+  EXPECT_EQ(steps.bytes(), bytes);
+  EXPECT_EQ(steps.open_steps(), 1u);
+  auto kept = steps.Read("s", 0, kRows, t0);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->micro_batches, 1) << "the refused backward is not counted";
+  EXPECT_EQ(kept->tokens, 4);
+  EXPECT_EQ(kept->weight, std::vector<float>(kRows * kH, 1.0f));
+  EXPECT_EQ(kept->bias, std::vector<float>(kRows, 1.0f));
+  // It still takes backwards; a plain error then drops it.
+  ASSERT_TRUE(steps.Accumulate("s", "policy", "v1", kRows, kH, true, 4, AddValue(1.0f), t0).ok());
+  EXPECT_EQ(steps.Read("s", 0, 1, t0)->micro_batches, 2);
+  const absl::Status failed = steps.Accumulate(
+      "s", "policy", "v1", kRows, kH, true, 4, [](HeadGradientSums&) { return absl::AbortedError("worker 2 refused"); },
+      t0);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kAborted) << failed;
+  EXPECT_EQ(steps.bytes(), 0);
+  const absl::Status dropped = steps.Read("s", 0, 1, t0).status();
+  EXPECT_EQ(dropped.code(), absl::StatusCode::kFailedPrecondition) << dropped;
+  EXPECT_NE(dropped.message().find("worker 2 refused"), absl::string_view::npos) << dropped;
+}
+
+TEST(HeadGradientSteps, AStepOpenedByAnAddThatAddedNothingStaysOpenAndEmpty) {
+  HeadGradientSteps steps({1 << 20, absl::Minutes(10)});
+  const absl::Status refused = steps.Accumulate(
+      "fresh", "policy", "v1", kRows, kH, false, 4,
+      [](HeadGradientSums&) { return HeadGradientSteps::NothingAdded(absl::UnavailableError("peer went away")); },
+      t0);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  auto sums = steps.Read("fresh", 0, kRows, t0);
+  ASSERT_TRUE(sums.ok()) << sums.status();
+  EXPECT_EQ(sums->micro_batches, 0);
+  EXPECT_EQ(sums->tokens, 0);
+  EXPECT_EQ(sums->weight, std::vector<float>(kRows * kH, 0.0f));
+  EXPECT_EQ(sums->version, "v1") << "bound at opening";
+}
+
+TEST(HeadGradientSteps, AnEmptyReadSaysWhatTheStepCovers) {
+  HeadGradientSteps steps({1 << 20, absl::Minutes(10)});
+  ASSERT_TRUE(steps.Accumulate("b", "policy", "v1", kRows, kH, true, 3, AddValue(1.0f), t0).ok());
+  ASSERT_TRUE(steps.Accumulate("nb", "policy", "v2", kRows, kH, false, 3, AddValue(1.0f), t0).ok());
+  for (int64_t at : {int64_t{0}, int64_t{2}, kRows}) {
+    auto with = steps.Read("b", at, at, t0);
+    ASSERT_TRUE(with.ok()) << with.status();
+    EXPECT_TRUE(with->has_bias);
+    EXPECT_TRUE(with->weight.empty());
+    EXPECT_TRUE(with->bias.empty());
+    EXPECT_EQ(with->rows, kRows);
+    EXPECT_EQ(with->hidden_size, kH);
+    EXPECT_EQ(with->micro_batches, 1);
+    EXPECT_EQ(with->tokens, 3);
+    auto without = steps.Read("nb", at, at, t0);
+    ASSERT_TRUE(without.ok()) << without.status();
+    EXPECT_FALSE(without->has_bias);
+    EXPECT_EQ(without->version, "v2");
+  }
+  EXPECT_EQ(steps.Read("b", 2, 1, t0).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(steps.Read("b", -1, 0, t0).status().code(), absl::StatusCode::kOutOfRange);
 }
 
 }  // namespace

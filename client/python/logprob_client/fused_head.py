@@ -47,7 +47,7 @@ from .tensor_parallel import push_lm_head_shard
 
 __all__ = ["FUSED_OUTPUTS", "NEW_OUTPUTS", "SEGMENT_TOKENS", "UnsupportedCall", "HeadMismatchError", "HeadTransforms",
            "missing_outputs", "require_sync_client", "head_info", "head_torch_dtype", "head_rows", "weight_sha256",
-           "check_shape", "push_head", "ensure_head", "score_rows", "run_id", "PolicyPushes",
+           "check_shape", "push_head", "ensure_head", "score_rows", "backward_rows", "run_id", "PolicyPushes",
            "DEFAULT_VERSION_FORMAT", "weight_shape", "world_size", "on_rank0", "is_dtensor", "is_zero3", "whole_weight",
            "push_weight", "ServiceAdapter", "same_tensor", "release"]
 
@@ -478,11 +478,7 @@ def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_versio
         result["head_version"] = head_version
         result["rollout_mismatch"] = None
         return result
-    seg = np.arange(0, N, SEGMENT_TOKENS, dtype=np.int64)
-    cu = np.concatenate([seg, [N]]).astype(np.int64)
-    ids = targets.detach().reshape(-1)
-    if ids.device.type != "cpu":
-        ids = ids.cpu()
+    ids, cu = _packed_rows(targets)
     options: Dict[str, Any] = {n: True for n in want}
     if temperature is not None and float(temperature) != 1.0:
         options["temperature"] = float(temperature)
@@ -505,6 +501,49 @@ def score_rows(client: Any, hidden: Any, targets: Any, *, head: str, head_versio
     result["head_version"] = res.head_version
     result["rollout_mismatch"] = res.rollout_mismatch
     return result
+
+
+def _packed_rows(targets: Any) -> Tuple[Any, Any]:
+    """The ids (host [N] tensor) and ``cu_seqlens`` of a fused call's rows:
+    each row on its own (same_position), packed as sequences of at most
+    ``SEGMENT_TOKENS`` that the client may split between requests."""
+    N = int(targets.reshape(-1).shape[0])
+    seg = np.arange(0, N, SEGMENT_TOKENS, dtype=np.int64)
+    cu = np.concatenate([seg, [N]]).astype(np.int64)
+    ids = targets.detach().reshape(-1)
+    if ids.device.type != "cpu":
+        ids = ids.cpu()
+    return ids, cu
+
+
+def backward_rows(client: Any, hidden: Any, targets: Any, grad_logprobs: Any, grad_entropy: Any = None, *,
+                  head: str, head_version: str, temperature: float = 1.0, gradient_step: str = "",
+                  ignore_index: int = -100) -> Any:
+    """The service's backward of a fused-head call (docs/gradients.md):
+    dL/dh [N, H] (float32 on ``hidden``'s device) of rows ``hidden`` [N, H]
+    scored at ``targets`` [N] by ``head`` version ``head_version`` (pin the
+    forward's), from the upstream ``grad_logprobs`` and ``grad_entropy``
+    ([N] tensors or None: 0). With ``gradient_step`` the workers also add
+    dL/dW and dL/db to that step. Rows whose target is ``ignore_index``
+    have no logprob term. Raises LogprobError for a failed call."""
+    import torch
+
+    N, H = int(hidden.shape[0]), int(hidden.shape[1])
+    if N == 0:
+        return torch.zeros((0, H), dtype=torch.float32, device=hidden.device)
+    ids, cu = _packed_rows(targets)
+    g_lp = (grad_logprobs.detach().reshape(-1).float().cpu() if grad_logprobs is not None
+            else torch.zeros(N, dtype=torch.float32))
+    g_ent = grad_entropy.detach().reshape(-1).float().cpu() if grad_entropy is not None else None
+    options: Dict[str, Any] = {"ignore_index": int(ignore_index)}
+    if temperature is not None and float(temperature) != 1.0:
+        options["temperature"] = float(temperature)
+    res = client.backward(hidden.detach(), ids, g_lp, grad_entropy=g_ent, cu_seqlens=cu, alignment="same_position",
+                          head=head, head_version=head_version, gradient_step=gradient_step, **options)
+    got = res.grad_hidden_states
+    if got is None:
+        raise UnsupportedCall("the server did not return grad_hidden_states (a server older than this client)")
+    return got.float().to(hidden.device)
 
 
 def same_tensor(a: Any, b: Any) -> bool:

@@ -103,7 +103,7 @@ import threading
 from types import FrameType, SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import fused_head
+from . import fused_head, head_autograd
 from ._internal.request import rollout_mismatch as join_rollout_mismatch
 from .fused_head import HeadMismatchError, UnsupportedCall
 
@@ -369,9 +369,15 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
 
     def __init__(self, trainer: Any, client: Any, policy_head: str, reference_head: str, on_unsupported: str,
                  version_format: str = fused_head.DEFAULT_VERSION_FORMAT, run: Optional[str] = None,
-                 rollout_band: Tuple[float, float] = (0.9, 1.1)) -> None:
+                 rollout_band: Tuple[float, float] = (0.9, 1.1), gradients: bool = False) -> None:
         super().__init__(client, policy_head, on_unsupported, version_format, run)
         self.trainer = trainer
+        self.gradients = bool(gradients)
+        self.backward_calls = 0  # backwards the service answered (gradients=True)
+        self.gradient_steps = 0  # optimizer steps whose head gradients were fetched
+        self._grad_step = 0  # index of the open gradient step's key
+        self._grad_step_used = False  # a backward added to it
+        self._grad_wrapped: List[str] = []
         self.reference_head = reference_head
         self.policy_scored, self.policy_scored_why = policy_calls(trainer)
         self.reference_version: Optional[str] = None
@@ -460,8 +466,10 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
                  % world if world > 1 else "")
         compared = ("; vLLM's logprobs go with the old-policy calls, the service's mismatch figures to TRL's "
                     "metrics (%s*)" % MISMATCH_METRICS if self._compares() else "")
+        grads = ("calls with gradients go to the service too, the head's weight gradient fetched once per "
+                 "optimizer step" if self.gradients else "calls with gradients stay in TRL's kernel")
         return ("%s's fused lm_head calls without gradients go to the logprob service: %s; "
-                "%s; calls with gradients stay in TRL's kernel%s%s" % (trainer, ref, policy, ranks, compared))
+                "%s; %s%s%s" % (trainer, ref, policy, grads, ranks, compared))
 
     # -- routing ------------------------------------------------------------
 
@@ -473,7 +481,7 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
 
         a = _bind(args, kwargs)
         if not _without_grad(torch, a):
-            return None
+            return self._maybe_answer_with_gradients(a) if self.gradients else None
         head = self._head_of(a["weight"])
         if head is None:
             return None
@@ -503,6 +511,96 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
         self.routed[head] += 1
         self.calls.append(RoutedCall(head, str(out["head_version"]), int(a["hidden"].shape[0]), outputs))
         return tuple(out[n] for n in fused_head.FUSED_OUTPUTS)
+
+    def _maybe_answer_with_gradients(self, a: Dict[str, Any]) -> Optional[Tuple[Any, ...]]:
+        """A policy call with gradients (``gradients=True``): answered by
+        ``head_autograd.ServiceLogProbFunction`` on the version pushed last
+        (pushed first when the weights changed), its head's dL/dW added to
+        this optimizer step's key on the workers; None for other calls."""
+        head = self._head_of(a["weight"])
+        if head != self.policy_head:
+            return None
+        why = self._check(head, a)
+        if why:
+            self._unsupported(why, stacklevel=4)
+            return None
+        if self._stale or self.policy_version is None:
+            state = getattr(self.trainer, "state", None)
+            self.push_policy(int(getattr(state, "global_step", 0) or 0))
+        step = self.gradient_step_key() if a["weight"].requires_grad else ""
+        binding = head_autograd.HeadBinding(self.client, head, self.policy_version or "", float(a["temperature"]),
+                                            tuple(a["outputs"]), step, on_backward=self._backward_sent)
+        out = head_autograd.ServiceLogProbFunction.apply(a["hidden"], a["targets"], binding)
+        self.routed[head] += 1
+        self.calls.append(RoutedCall(head, self.policy_version or "", int(a["hidden"].shape[0]),
+                                     tuple(a["outputs"])))
+        return tuple(out)
+
+    def _backward_sent(self, rows: int) -> None:
+        self.backward_calls += 1
+        self._grad_step_used = True
+
+    def gradient_step_key(self) -> str:
+        """The key of the open optimizer step's head gradients on the
+        workers: ``<run>/grad-<n>``, the same on every rank."""
+        return "%s/grad-%d" % (self.run, self._grad_step)
+
+    def flush_head_gradients(self) -> bool:
+        """Once per optimizer step, before the gradients are clipped: reads
+        the step's dL/dW of the policy head from the workers (the sum over
+        every micro-batch of every rank), adds it divided by the world size
+        (DDP averages the other gradients) to ``lm_head.weight.grad``, and
+        closes the step. Under ``torch.distributed`` a collective (barriers
+        around the read, so that every rank's backwards are in and no rank
+        closes before all read). True when there was a step to fetch."""
+        import torch
+
+        world = fused_head.world_size()
+        used = self._grad_step_used
+        if world > 1:
+            flag = torch.tensor([1 if used else 0])
+            torch.distributed.all_reduce(flag)
+            used = bool(flag.item())
+        if not used:
+            return False
+        key = self.gradient_step_key()
+        if world > 1:
+            torch.distributed.barrier()
+        sums = self.client.read_head_gradients(key, head=self.policy_head)
+        if world > 1:
+            torch.distributed.barrier()
+        fused_head.on_rank0(lambda: self.client.close_gradient_step(key))
+        weight = _head_weight(self._policy_model())
+        grad = torch.from_numpy(sums.weight).to(device=weight.device, dtype=weight.dtype)
+        if world > 1:
+            grad /= world
+        if weight.grad is None:
+            weight.grad = grad
+        else:
+            weight.grad.add_(grad)
+        self._grad_step += 1
+        self._grad_step_used = False
+        self.gradient_steps += 1
+        return True
+
+    def wrap_gradient_steps(self) -> None:
+        """Makes the trainer fetch the head's gradients at the start of each
+        optimizer step (``flush_head_gradients``): before its
+        ``_clip_grad_norm`` and ``_get_grad_norm`` (transformers' Trainer
+        calls them, in that order, before the optimizer's step), and at
+        ``on_pre_optimizer_step`` (the callback) when neither ran."""
+        adapter = self
+        for name in ("_clip_grad_norm", "_get_grad_norm"):
+            original = getattr(self.trainer, name, None)
+            if not callable(original):
+                continue
+
+            def wrapped(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                adapter.flush_head_gradients()
+                return _original(*args, **kwargs)
+
+            setattr(self.trainer, name, wrapped)
+            self._grad_wrapped.append(name)
 
     def _check(self, head: str, a: Dict[str, Any]) -> str:
         """Why the service cannot answer this call ("" when it can)."""
@@ -578,6 +676,9 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
         trainer; TRL's own function answers every call again once no
         adapter is left."""
         _uninstall(self)
+        for name in self._grad_wrapped:
+            self.trainer.__dict__.pop(name, None)
+        self._grad_wrapped = []
         if self._generate_wrapped:
             self.trainer.__dict__.pop(_GENERATE_AND_SCORE, None)
             self._generate_wrapped = False
@@ -627,15 +728,49 @@ def _make_callback(adapter: ServiceLogProbs) -> Any:
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             adapter.weights_changed()
 
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if adapter.gradients:
+                adapter.flush_head_gradients()
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             adapter.weights_changed()
 
     return PolicyWeightsChanged()
 
 
+def _prepare_gradients(adapter: ServiceLogProbs) -> None:
+    """Checks that ``gradients=True`` fits the trainer's setup and tells
+    DDP to leave the policy head's weight alone when nothing else uses it
+    (its gradient comes from the service, already summed over the ranks):
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``
+    before accelerate wraps the model. A weight tied to the input embedding
+    keeps DDP's all-reduce of its embedding gradient; the head's part is
+    added after it. Raises ValueError for sharded heads (FSDP, DeepSpeed
+    ZeRO-3: not supported yet) and for a model already wrapped by DDP."""
+    model = adapter._policy_model()
+    weight = _head_weight(model)
+    if fused_head.is_dtensor(weight) or fused_head.is_zero3(weight):
+        raise ValueError("use_service(gradients=True) does not support a sharded lm_head (FSDP, DeepSpeed "
+                         "ZeRO-3) yet: its gradient would have to be scattered to the shards")
+    if fused_head.world_size() <= 1:
+        return
+    import torch
+
+    wrapped = getattr(adapter.trainer, "model_wrapped", None)
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("use_service(gradients=True) must be called before the trainer wraps the model in DDP "
+                         "(before train())")
+    embed = model.get_input_embeddings()
+    if embed is not None and embed.weight is weight:
+        return  # tied: DDP reduces the embedding's part, the service's is added after
+    names = [n for n, p in model.named_parameters() if p is weight]
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
 def use_service(trainer: Any, client: Any, policy_head: str = "policy", reference_head: str = "reference", *,
                 on_unsupported: str = "raise", version_format: str = fused_head.DEFAULT_VERSION_FORMAT,
-                run: Optional[str] = None, rollout_band: Tuple[float, float] = (0.9, 1.1)) -> ServiceLogProbs:
+                run: Optional[str] = None, rollout_band: Tuple[float, float] = (0.9, 1.1),
+                gradients: bool = False) -> ServiceLogProbs:
     """Routes ``trainer``'s fused-lm_head calls made without gradients to
     the logprob service behind ``client`` (a synchronous
     ``logprob_client.LogprobClient``) and keeps the server's heads in step
@@ -653,7 +788,16 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     ``run``: the run id (default: made here, rank 0's when
     ``torch.distributed`` is initialized, see ``fused_head.run_id``);
     ``rollout_band``: the band of the ``outside_band_fraction`` figure
-    reported with vLLM importance sampling (module docstring).
+    reported with vLLM importance sampling (module docstring);
+    ``gradients``: route the policy's calls with gradients to the service
+    too (docs/gradients.md): their forward and dL/dh come from the workers
+    (``head_autograd.ServiceLogProbFunction``), and the head's dL/dW,
+    summed on the workers over the optimizer step's micro-batches (and
+    ranks), is added to ``lm_head.weight.grad`` before the gradients are
+    clipped (``ServiceLogProbs.flush_head_gradients``). What stays in TRL:
+    the model's body, the loss, the optimizer; calls of a head with a bias
+    (refused or left to TRL per ``on_unsupported``); sharded heads
+    (ValueError).
 
     Pushes the reference head now when needed; the policy's before the
     first no-gradient policy call after each optimizer step (never when
@@ -673,7 +817,9 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
         raise ValueError("use_service does not support sync_ref_model=True: the reference head on the server "
                          "would not follow the reference model")
     adapter = ServiceLogProbs(trainer, client, policy_head, reference_head, on_unsupported, version_format, run,
-                              rollout_band)
+                              rollout_band, gradients)
+    if gradients:
+        _prepare_gradients(adapter)
     # The heads exist and have the models' shapes: fail now, not at step 1.
     fused_head.check_shape(fused_head.head_info(client, policy_head, refresh=True),
                            _head_weight(adapter._policy_model()))
@@ -682,6 +828,8 @@ def use_service(trainer: Any, client: Any, policy_head: str = "policy", referenc
     adapter.callback = _make_callback(adapter)
     trainer.add_callback(adapter.callback)
     adapter.wrap_generation()
+    if gradients:
+        adapter.wrap_gradient_steps()
     _install(adapter)
     logger.info("%s", adapter.describe())
     return adapter
