@@ -51,7 +51,8 @@ inline int LmHeadStoreFiles(int retain) { return retain + 3; }
 /// Every request byte counts in the admission from before it arrives until
 /// the answer (a request's sampling masks count again for the copies the
 /// front-end makes of them, ScoreJob::mask_working_bytes, which can be
-/// several times the message's share): a unary Score reserves its announced size (else
+/// several times the message's share, and a backward's dL/dh,
+/// ScoreJob::backward_working_bytes): a unary Score reserves its announced size (else
 /// max_request_bytes) before its body is read and is refused without
 /// reading it when the queue has no room, ScoreChunked counts its
 /// announced total from its first part (server/transport/scoring_service.h Reserve),
@@ -82,8 +83,9 @@ FrontendMemoryBound ComputeFrontendMemoryBound(const FrontendMemoryLimits& limit
 /// --lm-head-retain + 1 of each head, each LmHeadWorkerBytes: its slice in
 /// the checkpoint's dtype, mapped from an in-memory store or copied, with
 /// no converted copy on any CPU), the GEMM's per-thread tile of 128 x H
-/// floats, one hidden-states round (--hidden-chunk-tokens x V x 4) and the
-/// payload regions it maps.
+/// floats, one hidden-states round (--hidden-chunk-tokens x V x 4), the
+/// lm_head gradient steps it holds (at most --max-gradient-step-bytes,
+/// docs/gradients.md) and the payload regions it maps.
 inline constexpr int64_t kWorkerBaseBytes = int64_t{256} << 20;
 
 }  // namespace logprob
