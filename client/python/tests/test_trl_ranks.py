@@ -182,6 +182,39 @@ class GrpoDdpTest(_GrpoRanks, RanksTest):
         self.assertEqual(requests(self.server, "PutLmHeadRows"), 2)  # one per version, rank 0's
 
 
+class GrpoDdpGradientsTest(RanksTest):
+    """GRPO in 2 DDP processes with use_service(..., gradients=True) vs
+    without (docs/gradients.md): both ranks' policy calls with gradients
+    answered by the service, the head's gradient summed over both ranks on
+    the workers and fetched once per step by each; loss and KL within
+    test_trl.TOL (1 + |value|) of the unpatched run, every weight within
+    1e-4 of its largest |value| (a parameter whose gradient is rounding
+    noise, k_proj's bias, within 1e-3), the same on both ranks."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.start("py_trl_ddp_gradients", seed=0, retain=2, script="trl_ranks.py", model_arg=True,
+                  extra=("gradients",))
+
+    def test_gradients_through_the_service_match_an_unpatched_ddp_run(self):
+        for r in self.ranks:
+            g = r["gradients"]
+            self.assertEqual(g["wrapped"], "DistributedDataParallel")
+            self.assertEqual((g["backward_calls"], g["gradient_steps"]), (3, 3), "rank %d" % r["rank"])
+            got, want = r["service"]["steps"], r["plain"]["steps"]
+            for step, (a, b) in enumerate(zip(got, want), start=1):
+                for key in ("loss", "kl"):
+                    self.assertLessEqual(abs(a[key] - b[key]), TOL * (1 + abs(b[key])),
+                                         "rank %d step %d %s" % (r["rank"], step, key))
+            for name, (diff, scale) in g["diffs"].items():
+                bound = (1e-3 if name.endswith("k_proj.bias") else 1e-4) * scale
+                self.assertLessEqual(diff, bound, "rank %d %s" % (r["rank"], name))
+        self.assertEqual(self.ranks[0]["gradients"]["diffs"], self.ranks[1]["gradients"]["diffs"])
+        # Each step's sums read once per rank (3 steps x 2 ranks), closed by rank 0.
+        self.assertEqual(requests(self.server, "ReadHeadGradients"), 3 * RANKS)
+        self.assertEqual(requests(self.server, "CloseHeadGradientStep"), 3)
+
+
 class GrpoFsdp2Test(_GrpoRanks, RanksTest):
     """GRPO with an FSDP2 policy (``fully_shard`` on a CPU mesh, a
     ``Shard(0)`` DTensor head) in 2 processes with the service vs an

@@ -83,19 +83,36 @@ def summary(trainer, log, adapter):
     }
 
 
+def gradient_summary(service, plain):
+    """With gradients=True: the adapter's counters, and per parameter the
+    largest |service - plain| after the steps and the largest |plain|."""
+    adapter = service[2]
+    plain_params = dict(plain[0].model.named_parameters())
+    diffs = {}
+    for name, p in service[0].model.named_parameters():
+        q = plain_params[name].detach().double()
+        diffs[name] = [float((p.detach().double() - q).abs().max()), float(q.abs().max())]
+    return {"backward_calls": adapter.backward_calls, "gradient_steps": adapter.gradient_steps, "diffs": diffs,
+            "wrapped": type(service[0].model_wrapped).__name__}
+
+
 def main():
     out_dir, model_dir, address = sys.argv[1:4]
     fsdp2 = sys.argv[4:] == ["fsdp2"]
+    gradients = sys.argv[4:] == ["gradients"]
     rank = int(os.environ["RANK"])
     policy = (lambda: fsdp2_model(model_dir)) if fsdp2 else (lambda: model_dir)
     lines = Lines()
     logging.getLogger("logprob_client.trl").addHandler(lines)
     logging.getLogger("logprob_client.trl").setLevel(logging.INFO)
     with LogprobClient(address, timeout=120) as client:
-        service = test_trl.run_grpo(policy(), os.path.join(out_dir, "service"), False, client)
+        kwargs = {"gradients": True} if gradients else {}
+        service = test_trl.run_grpo(policy(), os.path.join(out_dir, "service"), False, client, **kwargs)
     plain = test_trl.run_grpo(policy(), os.path.join(out_dir, "plain"), True)
     out = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "logged": lines.messages,
            "service": summary(*service[:3]), "plain": summary(*plain[:3])}
+    if gradients:
+        out["gradients"] = gradient_summary(service, plain)
     with open(os.path.join(out_dir, "rank%d.json" % rank), "w") as f:
         json.dump(out, f)
     # The gloo process group accelerate made, ended before the interpreter
