@@ -113,10 +113,10 @@ std::vector<std::unique_ptr<HeadGradientSteps>> Steps(int W, int64_t max_bytes =
 }
 
 /// Runs rank r's `items[r]` (forward: ScoreWorkItem; backward:
-/// RunBackwardItem with `steps[r]`, fresh ones when null) on W threads. The group is not aborted
-/// when a rank fails: the ranks must agree by themselves, and a rank left
-/// waiting fails with DEADLINE_EXCEEDED after the group's timeout instead of
-/// hanging the test.
+/// RunBackwardItem with `steps[r]`, fresh ones when null) on W threads.
+/// The group is not aborted when a rank fails: the ranks must agree by
+/// themselves, and a rank left waiting fails with DEADLINE_EXCEEDED after
+/// the group's timeout instead of hanging the test.
 std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, const std::vector<WorkItem>& items,
                                                  std::vector<std::unique_ptr<HeadGradientSteps>>* steps,
                                                  int64_t chunk = kChunk,
@@ -141,7 +141,8 @@ std::vector<absl::StatusOr<WorkResult>> RunRanks(const Problem& p, const std::ve
         results[r] = RunBackwardItem(item, ItemPayload(item.data()), comm, *head.backend, chunk, stop,
                                      head.lm_head.get(), *(*steps)[r]);
       } else {
-        results[r] = ScoreWorkItem(item, ItemPayload(item.data()), comm, *head.backend, chunk, stop, head.lm_head.get());
+        results[r] =
+            ScoreWorkItem(item, ItemPayload(item.data()), comm, *head.backend, chunk, stop, head.lm_head.get());
       }
     });
   for (auto& t : threads) t.join();
@@ -291,8 +292,7 @@ TEST(BackwardItemRows, ARowsGradientIsBitwiseTheSameWithOtherRowsAround) {
   EXPECT_TRUE(BitwiseEqual(some.token, Part(all.token, 20, 53, 1)));
   EXPECT_TRUE(BitwiseEqual(some.entropy, Part(all.entropy, 20, 53, 1)));
   // Other round sizes.
-  const Rows chunked =
-      Gather(RunRanks(p, Items(p, ItemSpec{0, N, true, true, ""}, W), nullptr, /*chunk=*/16), N, true);
+  const Rows chunked = Gather(RunRanks(p, Items(p, ItemSpec{0, N, true, true, ""}, W), nullptr, /*chunk=*/16), N, true);
   EXPECT_TRUE(BitwiseEqual(chunked.dh, all.dh));
   // Fewer rows than ranks: rank 2 owns none.
   const Rows two = Gather(RunRanks(p, Items(p, ItemSpec{30, 32, true, true, ""}, W), nullptr), 2, true);
@@ -393,10 +393,10 @@ TEST(BackwardItemRefusal, AStepBoundToAnotherVersionOnRankZeroFailsEveryRank) {
   const Problem p = Make(kCase, 902);
   auto steps = Steps(W);
   const auto [vb, ve] = SplitRange(V, W, 0);
-  ASSERT_TRUE(steps[0]
-                  ->Accumulate(kStep, "policy", "v0", ve - vb, H, true, 1,
-                               [](HeadGradientSums&) { return absl::OkStatus(); })
-                  .ok());
+  ASSERT_TRUE(
+      steps[0]
+          ->Accumulate(kStep, "policy", "v0", ve - vb, H, true, 1, [](HeadGradientSums&) { return absl::OkStatus(); })
+          .ok());
   const auto results = RunRanks(p, Items(p, ItemSpec{0, N, true, true, kStep}, W), &steps);
   ExpectRefusedEverywhere(results, 0, absl::StatusCode::kFailedPrecondition);
   const auto sums = ReadAll(steps);
@@ -420,7 +420,8 @@ TEST(BackwardItemStop, AStopOnOneRankCancelsEveryRankAndDropsTheStep) {
     EXPECT_EQ(results[r].status().code(), absl::StatusCode::kCancelled) << "rank " << r << ": " << results[r].status();
   }
   // The step's sums are unspecified once a backward failed inside it: dropped on every rank.
-  for (const auto& s : ReadAll(steps)) EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+  for (const auto& s : ReadAll(steps))
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
 }
 
 // ---------------------------------------------------------------------------

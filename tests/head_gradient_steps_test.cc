@@ -164,8 +164,7 @@ TEST(HeadGradientSteps, AStepOpenedByAnAddThatAddedNothingStaysOpenAndEmpty) {
   HeadGradientSteps steps({1 << 20, absl::Minutes(10)});
   const absl::Status refused = steps.Accumulate(
       "fresh", "policy", "v1", kRows, kH, false, 4,
-      [](HeadGradientSums&) { return HeadGradientSteps::NothingAdded(absl::UnavailableError("peer went away")); },
-      t0);
+      [](HeadGradientSums&) { return HeadGradientSteps::NothingAdded(absl::UnavailableError("peer went away")); }, t0);
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
   auto sums = steps.Read("fresh", 0, kRows, t0);
   ASSERT_TRUE(sums.ok()) << sums.status();

@@ -14,7 +14,9 @@ namespace logprob {
 bool ValidGradientStepKey(const std::string& key) {
   if (key.empty() || key.size() > 128) return false;
   for (char c : key)
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || std::strchr("._:/+-", c) != nullptr)) return false;
+    // c != '\0': strchr finds the terminator of its set.
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || (c != '\0' && std::strchr("._:/+-", c) != nullptr)))
+      return false;
   return true;
 }
 
