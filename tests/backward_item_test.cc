@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -409,12 +410,38 @@ TEST(BackwardItemRefusal, AStepBoundToAnotherVersionOnRankZeroFailsEveryRank) {
   }
 }
 
-TEST(BackwardItemStop, AStopOnOneRankCancelsEveryRankAndDropsTheStep) {
+TEST(BackwardItemStop, AStopBeforeTheFirstRoundCancelsEveryRankAndKeepsTheStep) {
   constexpr int W = 3;
   const Problem p = Make(kCase, 903);
   auto steps = Steps(W);
+  // A first micro-batch in the step, then a backward stopped at once.
+  const auto first = RunRanks(p, Items(p, ItemSpec{0, N, true, true, kStep}, W), &steps);
+  for (int r = 0; r < W; ++r) ASSERT_TRUE(first[r].ok()) << first[r].status();
+  std::vector<std::vector<float>> before;
+  for (const auto& s : ReadAll(steps)) before.push_back(s->weight);
   const auto results =
       RunRanks(p, Items(p, ItemSpec{0, N, true, true, kStep}, W), &steps, kChunk, [](int rank) { return rank == 2; });
+  for (int r = 0; r < W; ++r) {
+    ASSERT_FALSE(results[r].ok());
+    EXPECT_EQ(results[r].status().code(), absl::StatusCode::kCancelled) << "rank " << r << ": " << results[r].status();
+  }
+  // Nothing was added: the step is as the first micro-batch left it.
+  const auto after = ReadAll(steps);
+  for (int r = 0; r < W; ++r) {
+    ASSERT_TRUE(after[r].ok()) << after[r].status();
+    EXPECT_EQ(after[r]->micro_batches, 1);
+    EXPECT_EQ(after[r]->weight, before[r]) << "rank " << r;
+  }
+}
+
+TEST(BackwardItemStop, AStopAfterARoundAddedDropsTheStep) {
+  constexpr int W = 3;
+  const Problem p = Make(kCase, 904);
+  auto steps = Steps(W);
+  // Rank 2 asks to stop at its second poll: after the first round added.
+  std::atomic<int> polls{0};
+  const auto results = RunRanks(p, Items(p, ItemSpec{0, N, true, true, kStep}, W), &steps, kChunk,
+                                [&polls](int rank) { return rank == 2 && ++polls >= 2; });
   for (int r = 0; r < W; ++r) {
     ASSERT_FALSE(results[r].ok());
     EXPECT_EQ(results[r].status().code(), absl::StatusCode::kCancelled) << "rank " << r << ": " << results[r].status();

@@ -740,8 +740,8 @@ TEST(HeadGradientsClose, ChecksTheKeyAndClosesOnTheWorkers) {
   req.set_gradient_step("run/step-1");
   EXPECT_TRUE(CloseHeadGradientStep(fake.workers(), req).ok());
   EXPECT_EQ(fake.closed, std::vector<std::string>{"run/step-1"});
-  fake.close_status = absl::NotFoundError("never used");
-  EXPECT_EQ(CloseHeadGradientStep(fake.workers(), req).code(), absl::StatusCode::kNotFound);
+  fake.close_status = absl::UnavailableError("worker rank 1: gone");
+  EXPECT_EQ(CloseHeadGradientStep(fake.workers(), req).code(), absl::StatusCode::kUnavailable);
   req.set_gradient_step("");
   EXPECT_EQ(CloseHeadGradientStep(fake.workers(), req).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(fake.closed.size(), 2u) << "a malformed key reaches no worker";

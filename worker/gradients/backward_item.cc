@@ -128,6 +128,7 @@ class Rounds {
       share.resize(static_cast<size_t>(packed * H));
       lp.resize(static_cast<size_t>(packed));
       ent.resize(static_cast<size_t>(packed));
+      if (grad_weight != nullptr) added_ = true;  // from here the step's sums may change
       LOGPROB_RETURN_IF_ERROR(RunBackwardPass(in, backward_, item_.vocab_size(), comm_, share.data(), grad_weight,
                                               grad_bias, lp.data(), ent.data()));
       // Each owner gets its rows' shares from every slice and sums them in rank order.
@@ -152,7 +153,12 @@ class Rounds {
     return absl::OkStatus();
   }
 
+  /// True once a round began adding to the step's sums (a failure before
+  /// that leaves them as they were).
+  bool added() const { return added_; }
+
  private:
+  bool added_ = false;
   const WorkItem& item_;
   const std::string_view own_;
   Communicator& comm_;
@@ -190,18 +196,20 @@ absl::StatusOr<WorkResult> RunBackwardItem(const WorkItem& item, ItemPayload pay
     // Every rank's step must take the item before any adds to it: the ranks
     // that opened it agree (one flag each) with those that refused it.
     bool entered = false;
-    const absl::Status added =
-        steps.Accumulate(step, item.lm_head().name(), item.lm_head().version(), lm_head->rows(), H,
-                         lm_head->transform().has_bias, n, [&](HeadGradientSums& sums) -> absl::Status {
-                           entered = true;
-                           const absl::StatusOr<int> refused = FirstRankFlagged(comm, false);
-                           if (!refused.ok()) return HeadGradientSteps::NothingAdded(refused.status());
-                           if (*refused >= 0)
-                             return HeadGradientSteps::NothingAdded(absl::AbortedError(absl::StrCat(
-                                 "gradient step '", step, "': worker ", *refused,
-                                 " refused this backward (its error says why); nothing was added on any worker")));
-                           return rounds.Run(sums.weight.data(), sums.bias.empty() ? nullptr : sums.bias.data());
-                         });
+    const absl::Status added = steps.Accumulate(
+        step, item.lm_head().name(), item.lm_head().version(), lm_head->rows(), H, lm_head->transform().has_bias, n,
+        [&](HeadGradientSums& sums) -> absl::Status {
+          entered = true;
+          const absl::StatusOr<int> refused = FirstRankFlagged(comm, false);
+          if (!refused.ok()) return HeadGradientSteps::NothingAdded(refused.status());
+          if (*refused >= 0)
+            return HeadGradientSteps::NothingAdded(absl::AbortedError(
+                absl::StrCat("gradient step '", step, "': worker ", *refused,
+                             " refused this backward (its error says why); nothing was added on any worker")));
+          const absl::Status ran = rounds.Run(sums.weight.data(), sums.bias.empty() ? nullptr : sums.bias.data());
+          // Stopped or failed before the first round added: the step is kept.
+          return ran.ok() || rounds.added() ? ran : HeadGradientSteps::NothingAdded(ran);
+        });
     if (!entered) {
       (void)FirstRankFlagged(comm, true);  // the others learn this rank refused
       return added;

@@ -36,7 +36,10 @@ namespace logprob {
 /// set, adds the slice's dL/dW and dL/db to that step of `steps` (opened
 /// by its first backward for the item's head version; the ranks agree
 /// that every one of them may add before any does, so one rank's refusal
-/// fails the item on all of them and adds nothing anywhere).
+/// fails the item on all of them and adds nothing anywhere). An item that
+/// fails (stopped, a collective lost) after its first round began adding
+/// drops the step on that rank (its sums are unknown); before, the step
+/// stays as it was.
 /// `should_stop` as ScoreWorkItem (the ranks agree per round). Errors:
 /// INVALID_ARGUMENT for an item that is not a consistent backward (wrong
 /// layout or sizes, sampling filters or masks, outputs other than

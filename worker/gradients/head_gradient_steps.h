@@ -89,9 +89,11 @@ class HeadGradientSteps {
   /// nothing (the step is kept).
   static absl::Status NothingAdded(absl::Status error);
 
-  /// Frees `step`'s sums and remembers its key as closed. NOT_FOUND for a
-  /// key never opened; closing a closed or dropped key is OK (idempotent:
-  /// a retried close).
+  /// Frees `step`'s sums and remembers its key as closed. Always OK:
+  /// closing a closed or dropped key (a retried close) or a key never
+  /// opened here (a worker that refused the step's only backward, while
+  /// the others opened it) remembers it as closed all the same, so the key
+  /// is never used afterwards. INVALID_ARGUMENT for an empty key.
   absl::Status Close(const std::string& step);
 
   /// Drops the steps idle longer than the timeout at `now`; returns how
