@@ -13,18 +13,14 @@
 #include <vector>
 
 #include "server/core/score_job.h"
+#include "tests/tensor_values.h"
 
 namespace logprob {
 namespace {
 
 template <typename T>
 v1::Tensor Make(const std::string& name, v1::DType dtype, std::vector<int64_t> shape, const std::vector<T>& values) {
-  v1::Tensor t;
-  t.set_name(name);
-  t.set_dtype(dtype);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_data(std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T)));
-  return t;
+  return testing::TensorOf(name, dtype, shape, values);
 }
 
 /// Packed logits [7, 3] with cu_seqlens {0, 4, 5, 7} (next_token: 3 + 0 + 1 outputs) and `rollout` [4].

@@ -25,6 +25,7 @@
 #include "server/core/response_builder.h"
 #include "server/core/score_job.h"
 #include "server/heads/lm_heads.h"
+#include "tests/tensor_values.h"
 
 namespace logprob {
 namespace {
@@ -35,12 +36,7 @@ constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 
 template <typename T>
 v1::Tensor Make(const std::string& name, v1::DType dtype, std::vector<int64_t> shape, const std::vector<T>& values) {
-  v1::Tensor t;
-  t.set_name(name);
-  t.set_dtype(dtype);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_data(std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T)));
-  return t;
+  return testing::TensorOf(name, dtype, shape, values);
 }
 
 std::vector<float> Hidden(int64_t rows) {

@@ -87,14 +87,9 @@ def score_padded(logits, ids, seq_lens=None, alignment="next_token", temperature
     return {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in out.items()}
 
 
-def fused_head_reference(hidden, weight, targets, bias=None, temperature=1.0, softcap=None, logit_scale=1.0):
-    """float64 outputs of a fused lm_head call (TRL's ChunkedLogProbFunction,
-    verl's FusedLinearForPPO; the server's hidden-states scoring): hidden
-    [N, H], weight [V, H], bias [V] or None, targets [N] (numpy, any float
-    dtype: widened exactly). Logits z = softcap(logit_scale * (h W^T + b)),
-    x = z / temperature. Returns {"log_probs", "entropy", "log_sum_sq_probs",
-    "mean_logits": float64 [N], "is_top1": bool [N] (lowest id first among
-    equal maxima)}."""
+def _head_logits(hidden, weight, bias, temperature, softcap, logit_scale):
+    """float64 (h, w, z, x, lse) of a fused head: z = softcap(logit_scale *
+    (h W^T + b)), x = z / temperature, lse [N, 1] = logsumexp_v x."""
     h = np.asarray(hidden, dtype=np.float64)
     w = np.asarray(weight, dtype=np.float64)
     z = h @ w.T
@@ -105,7 +100,18 @@ def fused_head_reference(hidden, weight, targets, bias=None, temperature=1.0, so
         z = float(softcap) * np.tanh(z / float(softcap))
     x = z / float(temperature)
     m = x.max(axis=1, keepdims=True)
-    lse = m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+    return h, w, z, x, m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+
+
+def fused_head_reference(hidden, weight, targets, bias=None, temperature=1.0, softcap=None, logit_scale=1.0):
+    """float64 outputs of a fused lm_head call (TRL's ChunkedLogProbFunction,
+    verl's FusedLinearForPPO; the server's hidden-states scoring): hidden
+    [N, H], weight [V, H], bias [V] or None, targets [N] (numpy, any float
+    dtype: widened exactly). Logits z = softcap(logit_scale * (h W^T + b)),
+    x = z / temperature. Returns {"log_probs", "entropy", "log_sum_sq_probs",
+    "mean_logits": float64 [N], "is_top1": bool [N] (lowest id first among
+    equal maxima)}."""
+    _, _, z, x, lse = _head_logits(hidden, weight, bias, temperature, softcap, logit_scale)
     lp = x - lse
     p = np.exp(lp)
     t = np.asarray(targets, dtype=np.int64)
@@ -128,16 +134,7 @@ def head_backward_reference(hidden, weight, targets, grad_logprobs, grad_entropy
     dL/dlogprob and dL/dentropy [N]. Returns {"grad_hidden" [N, H],
     "grad_weight" [V, H], "grad_bias" [V], "log_probs", "entropy" [N]},
     float64."""
-    h = np.asarray(hidden, dtype=np.float64)
-    w = np.asarray(weight, dtype=np.float64)
-    y = h @ w.T
-    if bias is not None:
-        y = y + np.asarray(bias, dtype=np.float64)
-    s = y * float(logit_scale)
-    z = float(softcap) * np.tanh(s / float(softcap)) if softcap else s
-    x = z / float(temperature)
-    m = x.max(axis=1, keepdims=True)
-    lse = m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+    h, w, z, x, lse = _head_logits(hidden, weight, bias, temperature, softcap, logit_scale)
     p = np.exp(x - lse)
     ent = lse[:, 0] - (p * x).sum(axis=1)
     t = np.asarray(targets, dtype=np.int64)
