@@ -130,6 +130,21 @@ def tiny(a, tmp):
     return model.lm_head.weight.detach(), hidden.detach(), ids[:, 1:].reshape(-1), model_dir
 
 
+def start_server(head_path, workers, tmp, port_base):
+    """A logprob-server with ``workers`` CPU workers holding ``head_path`` as
+    head "policy" (its log in ``tmp``), and a client of it once SERVING:
+    (process, client)."""
+    address = "127.0.0.1:%d" % (port_base + os.getpid() % 500)
+    log = open(os.path.join(tmp, "server.log"), "wb")
+    server = subprocess.Popen([os.path.join(BIN, "logprob-server"), "--listen", address, "--workers", str(workers),
+                               "--backend", "cpu", "--lm-head", "policy=" + head_path, "--max-request-bytes",
+                               str(1 << 30)], stdout=log, stderr=subprocess.STDOUT)
+    client = LogprobClient(address, timeout=600)
+    if not client.health(wait=300):
+        raise SystemExit("server did not become SERVING; log in %s" % tmp)
+    return server, client
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=151936)
@@ -158,15 +173,7 @@ def main():
         V, H = weight.shape
         N = hidden.shape[0]
         rows = N if a.tiny else min(a.check_rows, N)
-        port = 45200 + os.getpid() % 500
-        address = "127.0.0.1:%d" % port
-        log = open(os.path.join(tmp, "server.log"), "wb")
-        server = subprocess.Popen([os.path.join(BIN, "logprob-server"), "--listen", address, "--workers",
-                                   str(a.workers), "--backend", "cpu", "--lm-head", "policy=" + head_path,
-                                   "--max-request-bytes", str(1 << 30)], stdout=log, stderr=subprocess.STDOUT)
-        client = LogprobClient(address, timeout=600)
-        if not client.health(wait=300):
-            raise SystemExit("server did not become SERVING; log in %s" % tmp)
+        server, client = start_server(head_path, a.workers, tmp, 45200)
         head = fused_head.head_info(client, "policy")
         w32 = weight.float()
         w16 = weight.to(torch.bfloat16)
