@@ -181,7 +181,7 @@ TEST(InternalAuth, EveryMethodOfEveryInternalServiceChecksThePoolSecretFirst) {
       EXPECT_NE(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << st.error_message();
     }
   }
-  EXPECT_EQ(methods, 11);  // Control: 5, Worker: 6; a new method is checked here too
+  EXPECT_EQ(methods, 13);  // Control: 5, Worker: 8; a new method is checked here too
   EXPECT_EQ(InternalAuth::refused() - refused_before, 2 * methods);
   control.Shutdown();
 }
