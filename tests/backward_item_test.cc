@@ -184,7 +184,7 @@ Rows Gather(const std::vector<absl::StatusOr<WorkResult>>& results, int64_t n, b
       out.token[i] = res.token_logprobs(static_cast<int>(i - b));
       out.entropy[i] = res.entropy(static_cast<int>(i - b));
     }
-    if (backward && res.grad_hidden_states_size() == (e - b) * H)
+    if (backward && e > b && res.grad_hidden_states_size() == (e - b) * H)  // (a rank may own no rows)
       std::memcpy(out.dh.data() + b * H, res.grad_hidden_states().data(), (e - b) * H * sizeof(float));
   }
   return out;
