@@ -14,6 +14,7 @@
 #include "common/partition.h"
 #include "common/status_macros.h"
 #include "worker/scoring/backward_pass.h"
+#include "worker/scoring/hidden_rounds.h"
 
 namespace logprob {
 namespace {
@@ -78,40 +79,26 @@ class Rounds {
     const int W = comm_.size(), me = comm_.rank();
     const int64_t n = item_.num_rows(), H = item_.hidden_size();
     const size_t hrow = static_cast<size_t>(H) * DTypeSize(item_.dtype());
-    const int64_t most = SplitRange(n, W, 0).second;  // rows of the largest share
     const bool entropy_out = item_.options().entropy();
     const bool grad_entropy = item_.grad_entropy_size() != 0;
     std::vector<char> send, gathered;
-    std::vector<int64_t> targets, first(W), count(W), send_bytes(W), recv_bytes(W);
+    std::vector<int64_t> targets, send_bytes(W), recv_bytes(W);
     std::vector<float> g_lp, g_ent, share, recv, lp, ent;
-    for (int64_t l0 = 0; l0 < most; l0 += chunk_tokens_) {
-      if (should_stop_) {
-        LOGPROB_ASSIGN_OR_RETURN(const int stopping, FirstRankFlagged(comm_, should_stop_()));
-        if (stopping >= 0) return absl::CancelledError("stopped: the request was cancelled or its deadline passed");
-      }
-      const int64_t c = std::min(chunk_tokens_, most - l0);  // padded rows per rank this round
-      int64_t packed = 0, before_me = 0;
-      for (int q = 0; q < W; ++q) {
-        const auto [ob, oe] = SplitRange(n, W, q);
-        first[q] = ob + l0;
-        count[q] = std::clamp<int64_t>(oe - ob - l0, 0, c);
-        if (q < me) before_me += count[q];
-        packed += count[q];
-      }
+    for (int64_t l0 = 0; l0 < LargestShare(n, W); l0 += chunk_tokens_) {
+      LOGPROB_RETURN_IF_ERROR(AgreeToGoOn(comm_, should_stop_));
       // The round's hidden rows of every rank, packed in rank order.
-      send.assign(c * hrow, 0);
-      std::copy_n(own_.data() + l0 * hrow, count[me] * hrow, send.data());
-      gathered.resize(W * c * hrow);
-      LOGPROB_RETURN_IF_ERROR(comm_.AllGather(send.data(), send.size(), gathered.data()));
-      int64_t at = 0;
+      LOGPROB_ASSIGN_OR_RETURN(const RoundRows rows,
+                               GatherHiddenRound(comm_, own_, hrow, n, l0, chunk_tokens_, &send, &gathered));
+      const std::vector<int64_t>& count = rows.count;
+      const int64_t packed = rows.total();
+      int64_t before_me = 0;
+      for (int q = 0; q < me; ++q) before_me += count[q];
       targets.clear();
       g_lp.clear();
       g_ent.clear();
       for (int q = 0; q < W; ++q) {
-        std::memmove(gathered.data() + at * hrow, gathered.data() + q * c * hrow, count[q] * hrow);
-        at += count[q];
         for (int64_t i = 0; i < count[q]; ++i) {
-          const int r = static_cast<int>(first[q] + i);
+          const int r = static_cast<int>(rows.first[q] + i);
           targets.push_back(item_.targets(r));
           g_lp.push_back(item_.grad_token_logprobs(r));
           if (grad_entropy) g_ent.push_back(item_.grad_entropy(r));

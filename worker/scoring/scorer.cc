@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "worker/kernels/row_stats.h"
 #include "worker/kernels/sampling_filter.h"
+#include "worker/scoring/hidden_rounds.h"
 #include "worker/scoring/host_partials.h"
 #include "worker/scoring/one_pass_layout.h"
 
@@ -151,19 +152,6 @@ absl::Status ScoreFullRows(Job& job, const LogitsBlock& block, int64_t row0, int
   return absl::OkStatus();
 }
 
-/// The rows of one collective round, grouped by the rank that finalises
-/// them: rank q's rows are global rows [first[q], first[q] + count[q]),
-/// stored after those of ranks < q in the round's slice buffer.
-struct RoundRows {
-  std::vector<int64_t> first, count;
-  explicit RoundRows(int W) : first(W, 0), count(W, 0) {}
-  int64_t total() const {
-    int64_t n = 0;
-    for (int64_t c : count) n += c;
-    return n;
-  }
-};
-
 /// Targets, gather ids and sampling masks of a round's rows in round order
 /// (rank 0's rows first), for the backend.
 struct RoundIds {
@@ -273,15 +261,8 @@ absl::Status ExchangeFullRows(Job& job, Communicator& comm, const RoundRows& row
   return ScoreFullRows(job, LogitsBlock{slice.dtype, full.data(), 0, V}, rows.first[me], mine, out_row0, out);
 }
 
-absl::Status Stopped() { return absl::CancelledError("stopped: the request was cancelled or its deadline passed"); }
-
-/// Collective layouts: every rank says whether it must stop (one byte,
-/// all-gathered), so all stop after the same round. OK to go on.
-absl::Status AgreeToGoOn(Job& job, Communicator& comm) {
-  if (!job.should_stop) return absl::OkStatus();
-  LOGPROB_ASSIGN_OR_RETURN(const int stopping, FirstRankFlagged(comm, job.should_stop()));
-  return stopping >= 0 ? Stopped() : absl::OkStatus();
-}
+/// Collective layouts: the ranks agree whether to go on (hidden_rounds.h).
+absl::Status AgreeToGoOn(Job& job, Communicator& comm) { return AgreeToGoOn(comm, job.should_stop); }
 
 /// VOCAB_PARALLEL: rounds of kVocabParallelChunkRows rows of the item.
 absl::Status ScoreLogitsSlices(Job& job, Communicator& comm, int64_t own_begin, ResultRows& out) {
@@ -320,33 +301,18 @@ absl::Status ScoreLogitsSlices(Job& job, Communicator& comm, int64_t own_begin, 
 /// this rank's logits slice.
 absl::Status ScoreHiddenStates(Job& job, Communicator& comm, int64_t chunk_tokens, int64_t own_begin, ResultRows& out) {
   const WorkItem& item = job.item;
-  const int W = comm.size(), me = comm.rank();
-  const int64_t n = item.num_rows(), H = item.hidden_size();
-  const size_t hrow = static_cast<size_t>(H) * DTypeSize(item.dtype());
-  const int64_t most = SplitRange(n, W, 0).second;  // rows of the largest share
+  const int W = comm.size();
+  const int64_t n = item.num_rows();
+  const size_t hrow = static_cast<size_t>(item.hidden_size()) * DTypeSize(item.dtype());
   const int64_t per_round = std::max<int64_t>(1, chunk_tokens), N = job.lm_head->rows();
   std::vector<char> send, gathered;
   std::vector<float> logits;
   std::vector<uint32_t> records;
-  for (int64_t l0 = 0; l0 < most; l0 += per_round) {
+  for (int64_t l0 = 0; l0 < LargestShare(n, W); l0 += per_round) {
     LOGPROB_RETURN_IF_ERROR(AgreeToGoOn(job, comm));
-    const int64_t c = std::min(per_round, most - l0);  // padded rows per rank this round
-    RoundRows rows(W);
-    for (int q = 0; q < W; ++q) {
-      const auto [ob, oe] = SplitRange(n, W, q);
-      rows.first[q] = ob + l0;
-      rows.count[q] = std::clamp<int64_t>(oe - ob - l0, 0, c);
-    }
-    send.assign(c * hrow, 0);
-    std::copy_n(job.payload.data() + l0 * hrow, rows.count[me] * hrow, send.data());
-    gathered.resize(W * c * hrow);
-    LOGPROB_RETURN_IF_ERROR(comm.AllGather(send.data(), send.size(), gathered.data()));
-    // Drop the padding: rank q's rows follow rank q-1's.
-    int64_t packed = 0;
-    for (int q = 0; q < W; ++q) {
-      std::memmove(gathered.data() + packed * hrow, gathered.data() + q * c * hrow, rows.count[q] * hrow);
-      packed += rows.count[q];
-    }
+    LOGPROB_ASSIGN_OR_RETURN(const RoundRows rows,
+                             GatherHiddenRound(comm, job.payload, hrow, n, l0, per_round, &send, &gathered));
+    const int64_t packed = rows.total();
     if (job.filters) {
       logits.resize(static_cast<size_t>(packed * N));
       LOGPROB_RETURN_IF_ERROR(
