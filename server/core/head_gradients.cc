@@ -20,20 +20,16 @@ bool ValidGradientStepKey(const std::string& key) {
   return true;
 }
 
-namespace {
-
-absl::Status CheckKey(const std::string& key) {
+absl::Status CheckGradientStepKey(const std::string& key, const std::string& field) {
   if (!ValidGradientStepKey(key))
-    return absl::InvalidArgumentError("gradient_step must be 1..128 characters of [A-Za-z0-9._:/+-]");
+    return absl::InvalidArgumentError(field + " must be 1..128 characters of [A-Za-z0-9._:/+-]");
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Status ReadHeadGradients(const LmHeads& heads, const GradientStepWorkers& workers,
                                const v1::ReadHeadGradientsRequest& req,
                                const std::function<bool(const v1::HeadGradientsChunk&)>& write) {
-  LOGPROB_RETURN_IF_ERROR(CheckKey(req.gradient_step()));
+  LOGPROB_RETURN_IF_ERROR(CheckGradientStepKey(req.gradient_step(), "gradient_step"));
   LOGPROB_ASSIGN_OR_RETURN(const std::shared_ptr<const LmHeadVersion> head, heads.Bind(req.head(), ""));
   const int64_t V = head->source.vocab_size, H = head->source.hidden_size;
   int64_t begin = req.row_begin(), end = req.row_end();
@@ -75,7 +71,7 @@ absl::Status ReadHeadGradients(const LmHeads& heads, const GradientStepWorkers& 
 }
 
 absl::Status CloseHeadGradientStep(const GradientStepWorkers& workers, const v1::CloseHeadGradientStepRequest& req) {
-  LOGPROB_RETURN_IF_ERROR(CheckKey(req.gradient_step()));
+  LOGPROB_RETURN_IF_ERROR(CheckGradientStepKey(req.gradient_step(), "gradient_step"));
   return workers.close(req.gradient_step());
 }
 

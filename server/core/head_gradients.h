@@ -49,5 +49,8 @@ absl::Status CloseHeadGradientStep(const GradientStepWorkers& workers, const v1:
 
 /// A gradient step key: 1..128 characters of [A-Za-z0-9._:/+-].
 bool ValidGradientStepKey(const std::string& key);
+/// OK for a valid key, else INVALID_ARGUMENT "`field` must be 1..128
+/// characters of [A-Za-z0-9._:/+-]" (the rule's one message).
+absl::Status CheckGradientStepKey(const std::string& key, const std::string& field);
 
 }  // namespace logprob

@@ -163,9 +163,8 @@ absl::Status CheckBackward(const v1::Tensor& input, const v1::Tensor* grad_lp, c
     return Invalid(
         "the lm_head's backward answers token_logprobs, entropy and grad_hidden_states only: drop "
         "options.topk, log_sum_sq_probs, mean_logits, is_top1, gather_indices and rollout_logprobs");
-  if (!o.gradient_step().empty() && !ValidGradientStepKey(o.gradient_step()))
-    return Invalid("options.gradient_step must be 1..128 characters of [A-Za-z0-9._:/+-]");
-  return absl::OkStatus();
+  if (o.gradient_step().empty()) return absl::OkStatus();
+  return CheckGradientStepKey(o.gradient_step(), "options.gradient_step");
 }
 
 }  // namespace

@@ -45,7 +45,7 @@ void SetSharedHeadShape(v1::ServerInfo* info) {
 ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, InputResolver& inputs, CoreObservers observers)
     : config_(std::move(config)),
       workers_(workers.size),
-      gradient_steps_(workers.gradient_steps),
+      gradient_steps_(GradientStepWorkers{workers.size, workers.gradient_steps.read, workers.gradient_steps.close}),
       inputs_(inputs),
       observers_(std::move(observers)),
       admission_(config_.max_queue_tokens, config_.max_queue_bytes, observers_.on_load),
@@ -58,9 +58,7 @@ absl::Status ScoringCore::ReadHeadGradients(const v1::ReadHeadGradientsRequest& 
   if (config_.lm_heads == nullptr || config_.lm_heads->empty())
     return absl::NotFoundError("this server holds no lm_head, so no gradient step");
   if (!gradient_steps_.read) return absl::UnimplementedError("these workers keep no gradient steps");
-  GradientStepWorkers w = gradient_steps_;
-  w.size = workers_;
-  return logprob::ReadHeadGradients(*config_.lm_heads, w, req, write);
+  return logprob::ReadHeadGradients(*config_.lm_heads, gradient_steps_, req, write);
 }
 
 absl::Status ScoringCore::CloseHeadGradientStep(const v1::CloseHeadGradientStepRequest& req) const {

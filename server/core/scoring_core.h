@@ -113,9 +113,9 @@ struct CoreWorkers {
   int size = 1;
   bool same_host = true;
   Batcher::Runner run;
-  /// The workers' gradient steps (read and close; size is ignored: the
-  /// core's). May be empty: ReadHeadGradients / CloseHeadGradientStep
-  /// answer UNIMPLEMENTED.
+  /// The workers' gradient steps (read and close; its size is set to
+  /// `size` by the core). May be empty: ReadHeadGradients /
+  /// CloseHeadGradientStep answer UNIMPLEMENTED.
   GradientStepWorkers gradient_steps;
 };
 
@@ -156,7 +156,7 @@ class ScoringCore {
  private:
   const ServiceConfig config_;
   const int workers_;
-  GradientStepWorkers gradient_steps_;
+  const GradientStepWorkers gradient_steps_;  // its size: workers_
   InputResolver& inputs_;
   const CoreObservers observers_;
   Admission admission_;
