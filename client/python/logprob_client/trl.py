@@ -492,10 +492,7 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
             return None
         version = ""
         if head == self.policy_head:
-            if self._stale or self.policy_version is None:
-                state = getattr(self.trainer, "state", None)
-                self.push_policy(int(getattr(state, "global_step", 0) or 0))
-            version = self.policy_version or ""
+            version = self._current_policy_version()
         elif self.reference_version is not None:
             version = self.reference_version
         rollout = _rollout_rows(int(a["hidden"].shape[0])) if head == self.policy_head and self._compares() else None
@@ -524,17 +521,22 @@ class ServiceLogProbs(fused_head.ServiceAdapter):
         if why:
             self._unsupported(why, stacklevel=4)
             return None
-        if self._stale or self.policy_version is None:
-            state = getattr(self.trainer, "state", None)
-            self.push_policy(int(getattr(state, "global_step", 0) or 0))
+        version = self._current_policy_version()
         step = self.gradient_step_key() if a["weight"].requires_grad else ""
-        binding = head_autograd.HeadBinding(self.client, head, self.policy_version or "", float(a["temperature"]),
+        binding = head_autograd.HeadBinding(self.client, head, version, float(a["temperature"]),
                                             tuple(a["outputs"]), step, on_backward=self._backward_sent)
         out = head_autograd.ServiceLogProbFunction.apply(a["hidden"], a["targets"], binding)
         self.routed[head] += 1
-        self.calls.append(RoutedCall(head, self.policy_version or "", int(a["hidden"].shape[0]),
-                                     tuple(a["outputs"])))
+        self.calls.append(RoutedCall(head, version, int(a["hidden"].shape[0]), tuple(a["outputs"])))
         return tuple(out)
+
+    def _current_policy_version(self) -> str:
+        """The version a policy call scores with: the one pushed last, pushed
+        first when the weights changed since (or nothing was pushed yet)."""
+        if self._stale or self.policy_version is None:
+            state = getattr(self.trainer, "state", None)
+            self.push_policy(int(getattr(state, "global_step", 0) or 0))
+        return self.policy_version or ""
 
     def _backward_sent(self, rows: int) -> None:
         self.backward_calls += 1

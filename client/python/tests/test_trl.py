@@ -72,6 +72,18 @@ def grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations=2, learning_rate=0.0
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
 
 
+def grpo_trainer(model, out_dir, cast_lm_head_to_fp32, num_iterations=2, learning_rate=0.05):
+    """A GRPOTrainer (grpo_args) of ``model`` (a checkpoint directory or a
+    model) on the tiny models' tokenizer, prompts and reward, made but not
+    trained."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GRPOTrainer(model=model, reward_funcs=tiny_models.reward,
+                           args=grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations, learning_rate),
+                           train_dataset=Dataset.from_dict({"prompt": tiny_models.prompts()}),
+                           processing_class=tiny_models.tokenizer())
+
+
 def _no_grad(args):
     hidden, weight, bias = args[0], args[1], args[2]
     return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (hidden, weight, bias))
@@ -162,13 +174,7 @@ def run_grpo(model_dir, out_dir, cast_lm_head_to_fp32, client=None, num_iteratio
     """One GRPO run of STEPS steps of ``model_dir`` (a checkpoint directory,
     or a model: GRPOTrainer's ``model``); returns (trainer, CallLog,
     adapter or None, VersionLog or None)."""
-    tok = tiny_models.tokenizer()
-    data = Dataset.from_dict({"prompt": tiny_models.prompts()})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=tiny_models.reward,
-                              args=grpo_args(out_dir, cast_lm_head_to_fp32, num_iterations, learning_rate),
-                              train_dataset=data, processing_class=tok)
+    trainer = grpo_trainer(model_dir, out_dir, cast_lm_head_to_fp32, num_iterations, learning_rate)
     log = CallLog(trainer)
     log.install_inner()
     adapter = versions = None
@@ -422,13 +428,7 @@ class SeamTest(unittest.TestCase):
                                               "reference=" + cls.model_dir, "--allow-lm-head-updates",
                                               "--lm-head-retain", "2"])
         cls.client = LogprobClient(cls.server.address, timeout=120)
-        tok = tiny_models.tokenizer()
-        data = Dataset.from_dict({"prompt": tiny_models.prompts()})
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cls.trainer = GRPOTrainer(model=cls.model_dir, reward_funcs=tiny_models.reward,
-                                      args=grpo_args(os.path.join(cls.dir, "out"), False), train_dataset=data,
-                                      processing_class=tok)
+        cls.trainer = grpo_trainer(cls.model_dir, os.path.join(cls.dir, "out"), False)
 
     @classmethod
     def tearDownClass(cls):
@@ -610,13 +610,7 @@ class VllmMismatchTest(unittest.TestCase):
                                               "--lm-head-retain", "2"], metrics=True)
         try:
             cls.client = LogprobClient(cls.server.address, timeout=120)
-            tok = tiny_models.tokenizer()
-            data = Dataset.from_dict({"prompt": tiny_models.prompts()})
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer = GRPOTrainer(model=model_dir, reward_funcs=tiny_models.reward,
-                                      args=grpo_args(os.path.join(cls.dir, "out"), False, num_iterations=1),
-                                      train_dataset=data, processing_class=tok)
+            trainer = grpo_trainer(model_dir, os.path.join(cls.dir, "out"), False, num_iterations=1)
             # vLLM, played by TRL's generation with made-up logprobs.
             trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
             rng = np.random.default_rng(11)
@@ -739,12 +733,7 @@ class TransformedHeadTest(unittest.TestCase):
             head = fused_head.head_info(client, "reference")
             self.assertAlmostEqual(head.logit_scale, scale, places=12)
             self.assertEqual(head.final_logit_softcapping, softcap or 0.0)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer = GRPOTrainer(model=model_dir, reward_funcs=tiny_models.reward,
-                                      args=grpo_args(os.path.join(self.dir, kind + "-out"), False),
-                                      train_dataset=Dataset.from_dict({"prompt": tiny_models.prompts()}),
-                                      processing_class=tiny_models.tokenizer())
+            trainer = grpo_trainer(model_dir, os.path.join(self.dir, kind + "-out"), False)
             adapter = use_service(trainer, client)
             try:
                 ref = trainer.ref_model

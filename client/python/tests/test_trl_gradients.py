@@ -19,7 +19,6 @@ once per optimizer step. Run in the TRL environment (.venv-trl) by ctest
 import os
 import shutil
 import unittest
-import warnings
 
 import numpy as np
 
@@ -29,13 +28,11 @@ import tiny_models
 
 import torch  # noqa: E402  (the TRL environment's)
 import trl.trainer.utils as trl_utils  # noqa: E402
-from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from trl import GRPOTrainer  # noqa: E402
 
 from logprob_client import LogprobClient  # noqa: E402
 from logprob_client.trl import use_service  # noqa: E402
-from test_trl import STEPS, grpo_args, run_grpo, step_logs  # noqa: E402
+from test_trl import STEPS, grpo_trainer, run_grpo, step_logs  # noqa: E402
 
 TOL = 1e-4
 
@@ -71,13 +68,7 @@ class ContractTest(unittest.TestCase):
         shutil.rmtree(cls.dir, ignore_errors=True)
 
     def test_values_and_gradients_against_trl_and_float64(self):
-        tok = tiny_models.tokenizer()
-        data = Dataset.from_dict({"prompt": tiny_models.prompts()})
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = GRPOTrainer(model=self.model_dir, reward_funcs=tiny_models.reward,
-                                  args=grpo_args(os.path.join(self.dir, "out"), False), train_dataset=data,
-                                  processing_class=tok)
+        trainer = grpo_trainer(self.model_dir, os.path.join(self.dir, "out"), False)
         model = trainer.model
         weight = model.get_output_embeddings().weight
         g = torch.Generator().manual_seed(11)
