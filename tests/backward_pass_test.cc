@@ -10,12 +10,14 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <thread>
 #include <vector>
 
+#include "common/status_macros.h"
+#include "tests/backward_pass_harness.h"
 #include "tests/head_backward_reference.h"
 #include "tests/in_process_communicator.h"
 #include "worker/kernels/lm_head_gemm.h"
+#include "worker/scoring/cpu_slice_backward.h"
 
 namespace logprob {
 namespace {
@@ -31,51 +33,20 @@ using kernels::backward_reference::Problem;
 using kernels::backward_reference::V;
 using kernels::backward_reference::WithinRowTolerance;
 
+/// Rank slices on the CPU: the slice's oneDNN GEMM (fp32) and its backward.
+absl::StatusOr<std::unique_ptr<SliceBackward>> CpuSlice(const Case& c, const Problem& p, int64_t vb, int64_t ve) {
+  const size_t esize = DTypeSize(c.weight_dtype);
+  std::vector<char> w(p.w_bytes.begin() + vb * H * esize, p.w_bytes.begin() + ve * H * esize);
+  LOGPROB_ASSIGN_OR_RETURN(auto gemm, kernels::LmHeadGemm::Create(c.weight_dtype, HostBytes(std::move(w)), ve - vb, H,
+                                                                  1, LmHeadPrecision::kFp32));
+  LOGPROB_ASSIGN_OR_RETURN(auto backward, kernels::HeadSliceBackward::Create(gemm.get(), vb, p.bias.data() + vb,
+                                                                             c.transform, c.temperature));
+  return std::make_unique<CpuSliceBackward>(std::move(backward), std::move(gemm));
+}
+
 /// Rows [row_begin, row_begin + rows) of `p` through W ranks.
 Grads Pass(const Case& c, const Problem& p, int W, int64_t row_begin, int64_t rows, int64_t round_rows) {
-  Grads out;
-  out.dh.assign(rows * H, 0.0f);
-  out.dw.assign(V * H, 0.0f);
-  out.db.assign(V, 0.0f);
-  std::vector<std::vector<float>> shares(W, std::vector<float>(rows * H));
-  std::vector<absl::Status> status(W);
-  testing::InProcessGroup group(W);
-  std::vector<std::thread> ranks;
-  const size_t esize = DTypeSize(c.weight_dtype);
-  for (int r = 0; r < W; ++r)
-    ranks.emplace_back([&, r] {
-      const int64_t vb = V * r / W, ve = V * (r + 1) / W;
-      std::vector<char> w(p.w_bytes.begin() + vb * H * esize, p.w_bytes.begin() + ve * H * esize);
-      auto gemm =
-          kernels::LmHeadGemm::Create(c.weight_dtype, HostBytes(std::move(w)), ve - vb, H, 1, LmHeadPrecision::kFp32);
-      if (!gemm.ok()) {
-        status[r] = gemm.status();
-        group.Abort();
-        return;
-      }
-      auto bw = kernels::HeadSliceBackward::Create(gemm->get(), vb, p.bias.data() + vb, c.transform, c.temperature);
-      if (!bw.ok()) {
-        status[r] = bw.status();
-        group.Abort();
-        return;
-      }
-      testing::InProcessCommunicator comm(group, r);
-      BackwardPassRows in;
-      in.hidden = p.h.data() + row_begin * H;
-      in.rows = rows;
-      in.targets = p.targets.data() + row_begin;
-      in.grad_logprobs = p.g_lp.data() + row_begin;
-      in.grad_entropy = p.g_ent.data() + row_begin;
-      in.round_rows = round_rows;
-      status[r] = RunBackwardPass(in, **bw, V, comm, shares[r].data(), out.dw.data() + vb * H, out.db.data() + vb);
-      if (!status[r].ok()) group.Abort();
-    });
-  for (auto& t : ranks) t.join();
-  for (int r = 0; r < W; ++r) {
-    EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
-    for (int64_t k = 0; k < rows * H; ++k) out.dh[k] += shares[r][k];  // rank order
-  }
-  return out;
+  return testing::BackwardPass(c, p, W, row_begin, rows, round_rows, CpuSlice);
 }
 
 class BackwardPass : public ::testing::TestWithParam<std::tuple<int, int>> {};
@@ -106,16 +77,17 @@ TEST(BackwardPassErrors, BadRowsAreRefused) {
   std::vector<char> bytes(reinterpret_cast<char*>(w.data()), reinterpret_cast<char*>(w.data()) + w.size() * 4);
   auto gemm = kernels::LmHeadGemm::Create(v1::F32, HostBytes(std::move(bytes)), V, H);
   ASSERT_TRUE(gemm.ok());
-  auto bw = kernels::HeadSliceBackward::Create(gemm->get(), 0, nullptr, LmHeadTransform{}, 1.0f);
-  ASSERT_TRUE(bw.ok());
+  auto kernel = kernels::HeadSliceBackward::Create(gemm->get(), 0, nullptr, LmHeadTransform{}, 1.0f);
+  ASSERT_TRUE(kernel.ok());
+  CpuSliceBackward bw(std::move(*kernel));
   testing::InProcessGroup group(1);
   testing::InProcessCommunicator comm(group, 0);
   std::vector<float> dh(H);
   BackwardPassRows in;
   in.rows = 1;  // no hidden states
-  EXPECT_EQ(RunBackwardPass(in, **bw, V, comm, dh.data(), nullptr, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RunBackwardPass(in, bw, V, comm, dh.data(), nullptr, nullptr).code(), absl::StatusCode::kInvalidArgument);
   in.round_rows = 0;
-  EXPECT_EQ(RunBackwardPass(in, **bw, V, comm, dh.data(), nullptr, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RunBackwardPass(in, bw, V, comm, dh.data(), nullptr, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

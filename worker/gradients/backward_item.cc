@@ -65,8 +65,8 @@ absl::Status CheckItem(const WorkItem& item, const ItemPayload& payload, const C
 /// `grad_bias`: the step's sums of this slice, or null.
 class Rounds {
  public:
-  Rounds(const WorkItem& item, std::string_view own, Communicator& comm, kernels::HeadSliceBackward& backward,
-         int64_t chunk_tokens, const std::function<bool()>& should_stop, WorkResult* res)
+  Rounds(const WorkItem& item, std::string_view own, Communicator& comm, SliceBackward& backward, int64_t chunk_tokens,
+         const std::function<bool()>& should_stop, WorkResult* res)
       : item_(item),
         own_(own),
         comm_(comm),
@@ -137,7 +137,8 @@ class Rounds {
         if (entropy_out) res_->set_entropy(static_cast<int>(l0 + i), ent[static_cast<size_t>(before_me + i)]);
       }
     }
-    return absl::OkStatus();
+    // What a backend summed where it computes (the GPU's device sums).
+    return grad_weight != nullptr ? backward_.Flush(grad_weight, grad_bias) : absl::OkStatus();
   }
 
   /// True once a round began adding to the step's sums (a failure before
@@ -149,7 +150,7 @@ class Rounds {
   const WorkItem& item_;
   const std::string_view own_;
   Communicator& comm_;
-  kernels::HeadSliceBackward& backward_;
+  SliceBackward& backward_;
   const int64_t chunk_tokens_;
   const std::function<bool()>& should_stop_;
   WorkResult* res_;

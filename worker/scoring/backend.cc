@@ -27,10 +27,9 @@ absl::Status ScoringBackend::HiddenItemPartials(const LmHeadWeights&, const Hidd
       absl::StrCat("work item: the ", name(), " backend scores hidden states in rounds, not in one pass"));
 }
 
-absl::StatusOr<std::unique_ptr<kernels::HeadSliceBackward>> ScoringBackend::HeadBackward(const LmHeadWeights&, int64_t,
-                                                                                         float) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "the lm_head's backward runs on CPU workers; this pool's backend is ", name(), " (docs/gradients.md)"));
+absl::StatusOr<std::unique_ptr<SliceBackward>> ScoringBackend::HeadBackward(const LmHeadWeights&, int64_t, float) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("this pool's backend (", name(), ") has no lm_head backward (docs/gradients.md)"));
 }
 
 absl::StatusOr<DevicePayload> ScoringBackend::OpenCudaIpcPayload(std::string_view, int64_t, int64_t, int64_t) {

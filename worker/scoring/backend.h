@@ -44,6 +44,7 @@
 #include "worker/comm/host_staged_device_collectives.h"
 #include "worker/kernels/head_backward.h"
 #include "worker/kernels/row_stats.h"
+#include "worker/scoring/slice_backward.h"
 
 namespace logprob {
 
@@ -224,14 +225,14 @@ class ScoringBackend {
 
   /// The lm_head's backward over the slice `lm_head` (LoadLmHead of this
   /// backend) whose first row is global id `vocab_begin`, at
-  /// `temperature` (worker/kernels/head_backward.h): it recomputes the
-  /// logits with the slice's own GEMM, so its probabilities are the
-  /// forward's bits. One per work item; it uses the slice's GEMM, so runs
-  /// under the worker's collective lock. FAILED_PRECONDITION on a backend
-  /// without one (the default: the CUDA backend has none yet).
-  virtual absl::StatusOr<std::unique_ptr<kernels::HeadSliceBackward>> HeadBackward(const LmHeadWeights& lm_head,
-                                                                                   int64_t vocab_begin,
-                                                                                   float temperature);
+  /// `temperature` (slice_backward.h; the math:
+  /// worker/kernels/head_backward.h): it recomputes the logits with the
+  /// slice's own GEMM, so its probabilities are the forward's bits. One per
+  /// work item; it uses the slice's GEMM, so runs under the worker's
+  /// collective lock. FAILED_PRECONDITION on a backend without one (the
+  /// default).
+  virtual absl::StatusOr<std::unique_ptr<SliceBackward>> HeadBackward(const LmHeadWeights& lm_head, int64_t vocab_begin,
+                                                                      float temperature);
 
   /// True when HiddenItemPartials scores a HIDDEN_STATES item over `comm`
   /// in one pass (the CUDA backend with W == 1 or device collectives);

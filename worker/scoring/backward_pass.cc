@@ -5,22 +5,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "worker/kernels/lm_head_transform_simd.h"
 #include "worker/kernels/row_stats.h"
 
 namespace logprob {
 
-absl::Status RunBackwardPass(const BackwardPassRows& in, kernels::HeadSliceBackward& backward, int64_t vocab_size,
+absl::Status RunBackwardPass(const BackwardPassRows& in, SliceBackward& backward, int64_t vocab_size,
                              Communicator& comm, float* grad_hidden, float* grad_weight, float* grad_bias,
                              float* token_logprobs, float* entropy_out) {
   if (in.rows < 0 || in.round_rows <= 0)
     return absl::InvalidArgumentError(absl::StrCat("backward: rows ", in.rows, ", round_rows ", in.round_rows));
-  kernels::LmHeadGemm& gemm = backward.gemm();
-  const LmHeadTransform& transform = backward.transform();
-  const int64_t vocab_begin = backward.vocab_begin();
   if (in.rows > 0 && (in.hidden == nullptr || grad_hidden == nullptr))
     return absl::InvalidArgumentError("backward: null hidden states or dL/dh buffer");
-  const int64_t V = gemm.rows(), H = gemm.hidden_size();
+  const int64_t H = backward.hidden_size();
   const int W = comm.size();
   kernels::StatsSpec spec;
   spec.temperature = backward.temperature();
@@ -28,24 +24,17 @@ absl::Status RunBackwardPass(const BackwardPassRows& in, kernels::HeadSliceBackw
   spec.vocab_size = vocab_size;
   const size_t words = kernels::PartialWords(spec);
   const size_t hidden_row_bytes = static_cast<size_t>(H) * DTypeSize(in.hidden_dtype);
-  std::vector<float> logits, lse, entropy, scratch(kernels::kPartialScratchFloats);
+  std::vector<float> lse, entropy;
   std::vector<uint32_t> mine, all;
   std::vector<const uint32_t*> ranks(static_cast<size_t>(W));
   for (int64_t r0 = 0; r0 < in.rows; r0 += in.round_rows) {
     const int64_t m = std::min(in.round_rows, in.rows - r0);
     const char* h = static_cast<const char*>(in.hidden) + r0 * hidden_row_bytes;
-    // The round's logits on this slice, as the forward computes them.
-    logits.resize(static_cast<size_t>(m * V));
-    LOGPROB_RETURN_IF_ERROR(gemm.Compute(in.hidden_dtype, h, m, logits.data()));
-    kernels::ApplyLmHeadTransformSimd(transform, backward.bias(), m, V, logits.data());
-    // Partial records of every row on this slice, every slice's to every worker.
+    // The round's logits on this slice, as the forward computes them, and
+    // their partial records; every slice's records to every worker.
     mine.assign(static_cast<size_t>(m) * words, 0);
-    for (int64_t i = 0; i < m; ++i) {
-      kernels::SliceRow row;
-      row.logits = logits.data() + i * V;
-      row.target = in.targets != nullptr ? in.targets[r0 + i] : -1;
-      kernels::ComputePartial(v1::F32, row, vocab_begin, V, spec, mine.data() + i * words, scratch.data());
-    }
+    LOGPROB_RETURN_IF_ERROR(
+        backward.Records(in.hidden_dtype, h, m, in.targets != nullptr ? in.targets + r0 : nullptr, spec, mine.data()));
     all.resize(mine.size() * static_cast<size_t>(W));
     LOGPROB_RETURN_IF_ERROR(comm.AllGather(mine.data(), mine.size() * sizeof(uint32_t), all.data()));
     lse.resize(static_cast<size_t>(m));
@@ -66,8 +55,7 @@ absl::Status RunBackwardPass(const BackwardPassRows& in, kernels::HeadSliceBackw
     rows.entropy = entropy.data();
     rows.grad_logprobs = in.grad_logprobs != nullptr ? in.grad_logprobs + r0 : nullptr;
     rows.grad_entropy = in.grad_entropy != nullptr ? in.grad_entropy + r0 : nullptr;
-    LOGPROB_RETURN_IF_ERROR(
-        backward.RunOnLogits(in.hidden_dtype, h, m, rows, logits.data(), grad_hidden + r0 * H, grad_weight, grad_bias));
+    LOGPROB_RETURN_IF_ERROR(backward.Gradients(rows, grad_hidden + r0 * H, grad_weight, grad_bias));
   }
   return absl::OkStatus();
 }

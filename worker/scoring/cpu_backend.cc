@@ -7,6 +7,7 @@
 #include "common/status_macros.h"
 #include "worker/kernels/lm_head_transform_simd.h"
 #include "worker/kernels/sampling_filter.h"
+#include "worker/scoring/cpu_slice_backward.h"
 #include "worker/scoring/host_partials.h"
 
 namespace logprob {
@@ -73,13 +74,14 @@ absl::Status CpuBackend::HiddenLogits(const LmHeadWeights& lm_head, DType hidden
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<kernels::HeadSliceBackward>> CpuBackend::HeadBackward(const LmHeadWeights& lm_head,
-                                                                                     int64_t vocab_begin,
-                                                                                     float temperature) {
+absl::StatusOr<std::unique_ptr<SliceBackward>> CpuBackend::HeadBackward(const LmHeadWeights& lm_head,
+                                                                        int64_t vocab_begin, float temperature) {
   const auto& head = static_cast<const CpuLmHead&>(lm_head);
-  return kernels::HeadSliceBackward::Create(&head.gemm(), vocab_begin,
-                                            head.transform().has_bias ? head.bias().data() : nullptr, head.transform(),
-                                            temperature);
+  LOGPROB_ASSIGN_OR_RETURN(auto backward,
+                           kernels::HeadSliceBackward::Create(&head.gemm(), vocab_begin,
+                                                              head.transform().has_bias ? head.bias().data() : nullptr,
+                                                              head.transform(), temperature));
+  return std::make_unique<CpuSliceBackward>(std::move(backward));
 }
 
 }  // namespace logprob

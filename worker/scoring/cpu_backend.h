@@ -51,9 +51,8 @@ class CpuBackend final : public ScoringBackend {
                               const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) override;
   absl::Status HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
                             float* logits) override;
-  absl::StatusOr<std::unique_ptr<kernels::HeadSliceBackward>> HeadBackward(const LmHeadWeights& lm_head,
-                                                                           int64_t vocab_begin,
-                                                                           float temperature) override;
+  absl::StatusOr<std::unique_ptr<SliceBackward>> HeadBackward(const LmHeadWeights& lm_head, int64_t vocab_begin,
+                                                              float temperature) override;
 
  private:
   const int threads_;
