@@ -21,8 +21,7 @@ namespace logprob::testing {
 
 /// Makes rank `rank`'s SliceBackward over the head's rows [vb, ve) of `p`.
 using MakeSliceBackward = std::function<absl::StatusOr<std::unique_ptr<SliceBackward>>(
-    const kernels::backward_reference::Case& c, const kernels::backward_reference::Problem& p, int64_t vb,
-    int64_t ve)>;
+    const kernels::backward_reference::Case& c, const kernels::backward_reference::Problem& p, int64_t vb, int64_t ve)>;
 
 /// Rows [row_begin, row_begin + rows) of `p` through W ranks, `round_rows`
 /// rows per round. Failures are test failures (EXPECT).

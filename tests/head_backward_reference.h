@@ -33,6 +33,7 @@ struct Case {
   DType weight_dtype;
   LmHeadTransform transform;
   float temperature;
+  bool bf16_hidden = false;  // hidden states of bf16 values (exact operands of a bf16 GEMM)
 };
 
 /// A random problem and its float64 reference.
@@ -52,6 +53,8 @@ inline Problem Make(const Case& c, uint32_t seed) {
   Problem p;
   p.h.resize(N * H);
   for (auto& x : p.h) x = normal(rng);
+  if (c.bf16_hidden)
+    for (auto& x : p.h) x = FromBf16(ToBf16(x));
   p.w.resize(V * H);
   for (auto& x : p.w) x = 0.3f * normal(rng);
   if (c.weight_dtype == v1::BF16) {

@@ -17,15 +17,14 @@
 #include "worker/comm/communicator.h"
 #include "worker/cuda/cuda_device_copy.h"
 #include "worker/cuda/cuda_ipc.h"
+#include "worker/cuda/cuda_slice_backward.h"
 #include "worker/cuda/elem_type.h"
 #include "worker/cuda/row_kernels.h"
 #include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::cuda {
-namespace {
 
-/// The kernel arguments shared by every sub-block of a call.
-RowBlockArgs BaseArgs(const kernels::StatsSpec& spec) {
+RowBlockArgs RowArgsOf(const kernels::StatsSpec& spec) {
   RowBlockArgs a;
   a.temperature = spec.temperature;
   a.entropy = spec.entropy ? 1 : 0;
@@ -36,6 +35,8 @@ RowBlockArgs BaseArgs(const kernels::StatsSpec& spec) {
   a.gather_k = spec.gather_k;
   return a;
 }
+
+namespace {
 
 /// The records of rows over an empty vocabulary slice (fewer vocabulary
 /// entries than workers), as the CPU kernel writes them: nothing seen yet.
@@ -295,7 +296,7 @@ absl::Status CudaBackend::LogitsPartials(const LogitsBlock& block, const BlockRo
     if (!direct) LOGPROB_RETURN_IF_ERROR(w.staging_host[b].Reserve(sub * row_bytes));
     LOGPROB_RETURN_IF_ERROR(w.staging_dev[b].Reserve(sub * row_bytes));
   }
-  RowBlockArgs args = BaseArgs(spec);
+  RowBlockArgs args = RowArgsOf(spec);
   args.type = ElemTypeOf(block.dtype);
   args.row_stride = args.len = block.len;
   args.vocab_begin = block.vocab_begin;
@@ -441,7 +442,7 @@ absl::Status CudaBackend::GemmAndStatsChunk(Workspace& w, CublasLtLmHead& gemm, 
                                             int64_t vocab_begin, const kernels::StatsSpec& spec) {
   const int64_t N = gemm.rows(), S = gemm.logits_stride();
   for (int b = 0; b < 2; ++b) LOGPROB_RETURN_IF_ERROR(w.chunk_logits[b].Reserve(static_cast<size_t>(G * S) * 4));
-  RowBlockArgs args = BaseArgs(spec);
+  RowBlockArgs args = RowArgsOf(spec);
   args.type = ElemType::kF32;
   args.len = N;
   args.row_stride = S;
@@ -755,6 +756,20 @@ int64_t CudaBackend::device_memory_bytes() const {
       !CudaStatus(ClearedError(cudaMemGetInfo(&free_bytes, &total_bytes)), "cudaMemGetInfo").ok())
     return 0;
   return static_cast<int64_t>(total_bytes - free_bytes);
+}
+
+absl::StatusOr<std::unique_ptr<SliceBackward>> CudaBackend::HeadBackward(const LmHeadWeights& lm_head,
+                                                                         int64_t vocab_begin, float temperature) {
+  return CudaSliceBackward::Create(this, static_cast<const CudaLmHead&>(lm_head), vocab_begin, temperature);
+}
+
+absl::Status CudaBackend::RunOnComputeStream(absl::FunctionRef<absl::Status(cudaStream_t)> work) {
+  absl::MutexLock lock(&mu_);
+  LOGPROB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+  const absl::Status done = work(compute_.get());
+  // Nothing queued by `work` still runs once this returns, whatever the exit.
+  const absl::Status waited = WaitForStreams();
+  return done.ok() ? waited : done;
 }
 
 }  // namespace logprob::cuda

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 #include "common/input_kind.h"
 #include "worker/cuda/device_buffers.h"
@@ -22,6 +23,11 @@
 #include "worker/scoring/one_pass_layout.h"
 
 namespace logprob::cuda {
+
+/// The row kernel's arguments for the statistics `spec` asks (temperature,
+/// record fields, top-k, gather ids); the block's pointers and shape are
+/// the caller's to set.
+RowBlockArgs RowArgsOf(const kernels::StatsSpec& spec);
 
 /// An lm_head slice in this backend's device memory: its cuBLASLt GEMM
 /// (which applies the head's transform to its output), on CUDA device
@@ -169,6 +175,20 @@ class CudaBackend final : public ScoringBackend {
                                                    int64_t allocation_bytes) override;
   /// cuda::CudaDeviceCopy on this backend's device (worker/cuda/cuda_device_copy.h).
   absl::StatusOr<std::unique_ptr<DeviceCopy>> NewDeviceCopy() override;
+  /// The lm_head's backward on this device (cuda_slice_backward.h): the
+  /// slice's cuBLASLt GEMM recomputes the logits, the forward's row kernel
+  /// their records, f32 cuBLASLt GEMMs the gradients. INTERNAL when
+  /// cuBLASLt cannot be set up.
+  absl::StatusOr<std::unique_ptr<SliceBackward>> HeadBackward(const LmHeadWeights& lm_head, int64_t vocab_begin,
+                                                              float temperature) override;
+
+  /// Runs `work` with the stream lock held, this device current and the
+  /// compute stream (the one the lm_head GEMMs and their cuBLASLt
+  /// workspaces are queued on), then waits for everything queued on the
+  /// backend's streams, on every exit. `work`'s error first, else the
+  /// wait's. For device work outside the scoring calls that must not run
+  /// beside them: the lm_head backward's rounds. Thread-safe.
+  absl::Status RunOnComputeStream(absl::FunctionRef<absl::Status(cudaStream_t)> work) ABSL_LOCKS_EXCLUDED(mu_);
 
   int device() const { return device_; }
   /// True when [data, data + bytes) is page-locked host memory all along:

@@ -6,13 +6,12 @@
 #include <string>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/cuda/converting_upload.h"
 #include "worker/cuda/elem_type.h"
 #include "worker/cuda/lm_head_transform.h"
-#include "worker/cuda/lt_status.h"
+#include "worker/cuda/lt_algo.h"
 #include "worker/kernels/lm_head_gemm.h"
 
 namespace logprob::cuda {
@@ -20,45 +19,7 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
-/// LtStatusOf (lt_status.h) with the context asked through the legacy
-/// stream's query when there is no GEMM stream (set-up calls).
-absl::Status LtStatus(cublasStatus_t s, const char* what, cudaStream_t stream = nullptr) {
-  return LtStatusOf(s, what, [stream] { return cudaStreamQuery(stream); });
-}
 #define LOGPROB_LT_RETURN_IF_ERROR(call, what) LOGPROB_RETURN_IF_ERROR(LtStatus((call), what))
-
-/// One configuration attribute of `algo` (T: its documented type); 0 when
-/// cuBLASLt cannot say.
-template <typename T>
-int64_t AlgoAttribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  T value{};
-  size_t written = 0;
-  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof value, &written) != CUBLAS_STATUS_SUCCESS)
-    return 0;
-  return static_cast<int64_t>(value);
-}
-
-/// Whether the heuristic's own configuration of `algo` splits the inner
-/// dimension (split-K > 1 or a reduction scheme): the split would then be
-/// a property of the candidate, chosen for the reference M.
-bool SplitsK(const cublasLtMatmulAlgo_t& algo) {
-  return AlgoAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1 ||
-         AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) != CUBLASLT_REDUCTION_SCHEME_NONE;
-}
-
-/// "id 21, tile 27, stages 18, split-k 1, reduction 0, swizzle 0, custom
-/// option 0, inner shape 0, cluster shape 0": what the log names.
-std::string AlgoSummary(const cublasLtMatmulAlgo_t& algo) {
-  return absl::StrCat("id ", AlgoAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID), ", tile ",
-                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID), ", stages ",
-                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID), ", split-k ",
-                      AlgoAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), ", reduction ",
-                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME), ", swizzle ",
-                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING), ", custom option ",
-                      AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION), ", inner shape ",
-                      AlgoAttribute<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID), ", cluster shape ",
-                      AlgoAttribute<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
-}
 
 }  // namespace
 
@@ -150,78 +111,31 @@ absl::StatusOr<std::unique_ptr<CublasLtLmHead>> CublasLtLmHead::Create(DType dty
 absl::Status CublasLtLmHead::ChooseAlgo() {
   Plan ref;
   LOGPROB_RETURN_IF_ERROR(MakeLayouts(algo_rows_, &ref));
-  const size_t ws = workspace_.size();
-  const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
   // Callers pass chunks of the hidden states starting at multiples of 16
   // rows: their alignment is that of 16 * H elements (at most 256 bytes).
-  const uint64_t row16 = 16 * static_cast<uint64_t>(hidden_size_) * DTypeSize(compute_dtype_);
-  const uint32_t b_align = static_cast<uint32_t>(std::min<uint64_t>(256, row16 & (~row16 + 1)));
-  constexpr int kCandidates = 8;
-  int found_total = 0;
-  // First only the algorithms that sum each output in one sequence (the
-  // preference's reduction-scheme mask NONE); should that leave none, any
-  // candidate, run with split-K forced to 1 below all the same.
-  for (const bool only_unsplit : {true, false}) {
-    cublasLtMatmulPreference_t pref = nullptr;
-    LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref), "preference");
-    absl::Cleanup destroy = [pref] { cublasLtMatmulPreferenceDestroy(pref); };
-    // A preference that did not take (e.g. the reduction mask) would let
-    // the heuristic pick what batch invariance rules out: checked.
-    LOGPROB_LT_RETURN_IF_ERROR(
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
-        "preference: max workspace bytes");
-    if (only_unsplit)
-      LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                                                                      &no_reduction, sizeof no_reduction),
-                                 "preference: reduction scheme mask");
-    LOGPROB_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                                    &b_align, sizeof b_align),
-                               "preference: minimum alignment of B");
-    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
-    int found = 0;
-    const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_, op_, a_layout_, ref.b, ref.d, ref.d, pref,
-                                                            kCandidates, results, &found);
-    std::move(destroy).Invoke();
-    if (s == CUBLAS_STATUS_NOT_SUPPORTED) continue;  // no candidate under this preference
-    LOGPROB_LT_RETURN_IF_ERROR(s, "heuristic");
-    found_total += found;
-    // The heuristic's best candidate that runs with split-K 1, no reduction:
-    // first among those it configured so itself, then any (forced).
-    const int32_t splitk = 1;
-    for (int i = 0; i < 2 * found; ++i) {
-      const bool forced = i >= found;
-      const cublasLtMatmulHeuristicResult_t& r = results[i % found];
-      if (r.state != CUBLAS_STATUS_SUCCESS || SplitsK(r.algo) != forced) continue;
-      cublasLtMatmulAlgo_t algo = r.algo;
-      if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk) !=
-              CUBLAS_STATUS_SUCCESS ||
-          cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction,
-                                               sizeof no_reduction) != CUBLAS_STATUS_SUCCESS)
-        continue;
-      cublasLtMatmulHeuristicResult_t check{};
-      if (cublasLtMatmulAlgoCheck(handle_, op_, a_layout_, ref.b, ref.d, ref.d, &algo, &check) !=
-              CUBLAS_STATUS_SUCCESS ||
-          check.workspaceSize > ws)
-        continue;
-      algo_ = algo;
-      algo_summary_ = AlgoSummary(algo);
-      // Logged once per lm_head load: which kernel every M runs (batch
-      // invariance rests on it), and whether a split was forced off.
-      std::fprintf(
-          stderr,
-          "logprob-worker: lm_head GEMM %s [M, %lld] x [%lld, %lld] (algorithm chosen at M = %lld): "
-          "cuBLASLt %s, workspace %zu bytes%s\n",
-          LmHeadPrecisionName(precision_), static_cast<long long>(hidden_size_), static_cast<long long>(hidden_size_),
-          static_cast<long long>(rows_), static_cast<long long>(algo_rows_), algo_summary_.c_str(), check.workspaceSize,
-          forced ? absl::StrCat(" (the heuristic's split-K / reduction forced off: it chose ", AlgoSummary(r.algo), ")")
-                       .c_str()
-                 : "");
-      return absl::OkStatus();
-    }
-  }
-  return absl::InternalError(absl::StrCat(
-      "cuBLASLt has no split-K-free algorithm for the ", LmHeadPrecisionName(precision_), " lm_head GEMM [", algo_rows_,
-      ", ", hidden_size_, "] x [", hidden_size_, ", ", rows_, "] (", found_total, " heuristic candidate(s))"));
+  const uint32_t b_align = AlignmentOf(16 * static_cast<uint64_t>(hidden_size_) * DTypeSize(compute_dtype_));
+  absl::StatusOr<UnsplitAlgo> chosen =
+      ChooseUnsplitAlgo(handle_, op_, a_layout_, ref.b, ref.d, workspace_.size(), b_align);
+  if (absl::IsNotFound(chosen.status()))
+    return absl::InternalError(absl::StrCat("the ", LmHeadPrecisionName(precision_), " lm_head GEMM [", algo_rows_,
+                                            ", ", hidden_size_, "] x [", hidden_size_, ", ", rows_,
+                                            "]: ", chosen.status().message()));
+  LOGPROB_RETURN_IF_ERROR(chosen.status());
+  algo_ = chosen->algo;
+  algo_summary_ = chosen->summary;
+  // Logged once per lm_head load: which kernel every M runs (batch
+  // invariance rests on it), and whether a split was forced off.
+  std::fprintf(
+      stderr,
+      "logprob-worker: lm_head GEMM %s [M, %lld] x [%lld, %lld] (algorithm chosen at M = %lld): "
+      "cuBLASLt %s, workspace %zu bytes%s\n",
+      LmHeadPrecisionName(precision_), static_cast<long long>(hidden_size_), static_cast<long long>(hidden_size_),
+      static_cast<long long>(rows_), static_cast<long long>(algo_rows_), algo_summary_.c_str(), chosen->workspace_bytes,
+      chosen->forced_from.empty()
+          ? ""
+          : absl::StrCat(" (the heuristic's split-K / reduction forced off: it chose ", chosen->forced_from, ")")
+                .c_str());
+  return absl::OkStatus();
 }
 
 absl::Status CublasLtLmHead::Compute(const void* hidden, int64_t M, float* logits, cudaStream_t stream) {

@@ -96,6 +96,9 @@ class CublasLtLmHead {
   size_t weight_bytes() const { return weight_bytes_; }
   /// The head's logit transform Compute applies (identity until set).
   const LmHeadTransform& transform() const { return transform_; }
+  /// The weights on the device: [logits_stride(), H] of compute_dtype(),
+  /// row-major, rows past rows() zero (the backward's dL/dh operand).
+  const void* weight() const { return weight_.get(); }
 
   /// Sets the head's logit transform (common/lm_head_transform.h) that
   /// Compute applies to the GEMM's output: `bias` [rows()] f32 (host; copied
