@@ -130,16 +130,18 @@ def tiny(a, tmp):
     return model.lm_head.weight.detach(), hidden.detach(), ids[:, 1:].reshape(-1), model_dir
 
 
-def start_server(head_path, workers, tmp, port_base):
-    """A logprob-server with ``workers`` CPU workers holding ``head_path`` as
-    head "policy" (its log in ``tmp``), and a client of it once SERVING:
-    (process, client)."""
+def start_server(head_path, workers, tmp, port_base, backend="cpu"):
+    """A logprob-server with ``workers`` workers of ``backend`` (cpu or
+    cuda) holding ``head_path`` as head "policy" (its log in ``tmp``), and
+    a client of it once SERVING: (process, client); the client's
+    ``bench_address`` is the server's address."""
     address = "127.0.0.1:%d" % (port_base + os.getpid() % 500)
     log = open(os.path.join(tmp, "server.log"), "wb")
     server = subprocess.Popen([os.path.join(BIN, "logprob-server"), "--listen", address, "--workers", str(workers),
-                               "--backend", "cpu", "--lm-head", "policy=" + head_path, "--max-request-bytes",
+                               "--backend", backend, "--lm-head", "policy=" + head_path, "--max-request-bytes",
                                str(1 << 30)], stdout=log, stderr=subprocess.STDOUT)
     client = LogprobClient(address, timeout=600)
+    client.bench_address = address
     if not client.health(wait=300):
         raise SystemExit("server did not become SERVING; log in %s" % tmp)
     return server, client

@@ -61,11 +61,19 @@ Default: a Qwen3-0.6B-size head (V = 151936, H = 1024, bf16, N(0, 0.02)),
 Qwen2-style model of the TRL tests (as the forward bench: V = 64, H = 32,
 float32 head; the service and TRL fp32 in fp32, TRL under bf16 autocast).
 
+``--device cuda`` (a GPU machine): the service's workers are CUDA workers
+(``--backend cuda``; ``--workers`` of them share the GPU), TRL's cases, the
+torch GEMMs and the trainer's tensors are on the GPU (each call timed to
+its torch.cuda.synchronize()); the service's hidden states go by CUDA IPC
+for the forward and by bytes for the backward; no memory subprocesses (the
+RSS says nothing of device memory): the trainer's torch.cuda peak
+allocation per call is reported instead.
+
 Usage (the TRL environment, scripts/setup-trl.sh):
   PYTHONPATH=client/python:build/python .venv-trl/bin/python bench/trl_head_backward_bench.py
       [--vocab 151936] [--hidden 1024] [--tokens 4096] [--workers 2] [--rounds 3]
       [--check-rows 512] [--check-vocab 1024] [--service-hidden fp32|bf16] [--torch-threads N]
-      [--no-memory] [--tiny]
+      [--no-memory] [--tiny] [--device cpu|cuda]
 """
 
 import argparse
@@ -147,7 +155,7 @@ def reference64(hidden, weight, targets, g_lp, g_ent, rows, vocab_rows, block=12
 
 def errors(got, ref, rows=None):
     """(max |got - ref|, max of |got - ref| / its row's max |ref|)."""
-    g = got.detach().double()
+    g = got.detach().cpu().double()
     if rows is not None:
         g = g[rows]
     err = (g - ref).abs()
@@ -161,9 +169,9 @@ def torch_gemms(h32, w32):
     N, H = h32.shape
     V = w32.shape[0]
     T, C = TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE
-    buf = torch.empty(min(N, T), C)
-    dh = torch.empty(N, H)
-    dw = torch.empty(V, H)
+    buf = torch.empty(min(N, T), C, device=h32.device)
+    dh = torch.empty(N, H, device=h32.device)
+    dw = torch.empty(V, H, device=h32.device)
 
     def run():
         with torch.no_grad():
@@ -238,7 +246,7 @@ def make_case(kind, a, weight, hidden, targets, g_lp, g_ent, client):
         h = h0.detach().clone().requires_grad_(True)
         w.grad = None
         if autocast:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
                 out = ChunkedLogProbFunction.apply(h, w, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
                                                    OUTPUTS)
         else:
@@ -248,6 +256,19 @@ def make_case(kind, a, weight, hidden, targets, g_lp, g_ent, client):
         return h.grad, w.grad
     trl.param = w
     return trl
+
+
+def synchronised(fn, dev):
+    """``fn`` returning once the device's queued work is done (CUDA: timed
+    to torch.cuda.synchronize())."""
+    if dev.type != "cuda":
+        return fn
+
+    def run():
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    return run
 
 
 def proc_status(pid="self"):
@@ -344,6 +365,8 @@ def main():
     ap.add_argument("--torch-threads", type=int, default=0, help="torch threads of TRL's cases (0: torch's default)")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-case memory subprocesses")
     ap.add_argument("--tiny", action="store_true", help="the tiny model of the TRL tests (see the docstring)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the trainer's tensors and TRL run, and the service's workers' backend")
     ap.add_argument("--memory-case", choices=CASES, help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -360,10 +383,12 @@ def main():
         rows = N if a.tiny else min(a.check_rows, N)
         vocab_rows = check_vocab_rows(targets, V, V if a.tiny else a.check_vocab)
         g_lp, g_ent = upstream(N)
-        server, client = start_server(head_path, a.workers, tmp, 45700)
+        server, client = start_server(head_path, a.workers, tmp, 45700, backend=a.device)
         head = fused_head.head_info(client, "policy")
         names = case_names(a)
-        cases = {names[k]: make_case(k, a, weight, hidden, targets, g_lp, g_ent, client) for k in CASES}
+        dev = torch.device(a.device)
+        on = [t.to(dev) for t in (weight, hidden, targets, g_lp, g_ent)]
+        cases = {names[k]: synchronised(make_case(k, a, *on, client), dev) for k in CASES}
         cpu_kernel = client.server_info().lm_head_cpu_kernel or "none"
         print("%s; head %s [%d, %d] (server: %s, precision %s, CPU kernel %s), %d tokens, %d CPU workers, "
               "service hidden states %s, torch %s with %d threads, %d interleaved rounds, %s (torch ISA %s, "
@@ -375,7 +400,7 @@ def main():
                os.cpu_count()), flush=True)
         h32, w32 = hidden.float(), weight.float()
         limit_name = "torch fp32 GEMMs (the box's, 4 per step)"
-        limit = torch_gemms(h32, w32)
+        limit = synchronised(torch_gemms(h32.to(dev), w32.to(dev)), dev)
         limit()  # warm-up
         t0 = time.perf_counter()
         ref_dh, ref_dw = reference64(h32, w32, targets, g_lp, g_ent, rows, vocab_rows)
@@ -408,7 +433,15 @@ def main():
             print("round %d: %s" % (r, ", ".join(line)), flush=True)
         del limit
         gc.collect()
-        memory = {} if a.no_memory else measure_memory(a, address)
+        memory = {} if a.no_memory or a.device == "cuda" else measure_memory(a, client.bench_address)
+        if a.device == "cuda":
+            for name, fn in cases.items():
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                out = fn()
+                print("%s: trainer torch.cuda peak allocated over the call %.0f MiB" %
+                      (name, (torch.cuda.max_memory_allocated() - before) / 2**20), flush=True)
+                del out
         srv, nproc = server_memory(server.pid)
         print("server processes (%d): VmHWM summed %.0f MiB over the run" % (nproc, srv / 2**20), flush=True)
         base = times[list(cases)[1]]
