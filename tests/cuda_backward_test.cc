@@ -45,9 +45,9 @@ class OwningSliceBackward final : public SliceBackward {
   OwningSliceBackward(std::unique_ptr<cuda::CudaBackend> backend, std::shared_ptr<const LmHeadWeights> head)
       : backend_(std::move(backend)), head_(std::move(head)) {}
   absl::Status Init(int64_t vb, float temperature, int64_t tile_columns) {
-    LOGPROB_ASSIGN_OR_RETURN(inner_, cuda::CudaSliceBackward::Create(
-                                         backend_.get(), static_cast<const cuda::CudaLmHead&>(*head_), vb,
-                                         temperature, tile_columns));
+    LOGPROB_ASSIGN_OR_RETURN(
+        inner_, cuda::CudaSliceBackward::Create(backend_.get(), static_cast<const cuda::CudaLmHead&>(*head_), vb,
+                                                temperature, tile_columns));
     return absl::OkStatus();
   }
   int64_t rows() const override { return inner_->rows(); }
@@ -71,7 +71,8 @@ class OwningSliceBackward final : public SliceBackward {
 
 /// Rank slices on the GPU at `precision`, `tile_columns` per dL/dh tile (0: the default).
 testing::MakeSliceBackward GpuSlice(LmHeadPrecision precision, int64_t tile_columns = 0) {
-  return [=](const Case& c, const Problem& p, int64_t vb, int64_t ve) -> absl::StatusOr<std::unique_ptr<SliceBackward>> {
+  return [=](const Case& c, const Problem& p, int64_t vb,
+             int64_t ve) -> absl::StatusOr<std::unique_ptr<SliceBackward>> {
     LOGPROB_ASSIGN_OR_RETURN(auto backend, cuda::CudaBackend::Create(0));
     const size_t esize = DTypeSize(c.weight_dtype);
     LmHeadSlice slice;

@@ -114,9 +114,8 @@ absl::Status CudaSliceBackward::Records(DType hidden_dtype, const void* hidden, 
       kernels::ComputePartial(v1::F32, row, vocab_begin_, 0, spec, records + i * words, scratch.data());
     }
   } else if (m > 0) {
-    LOGPROB_RETURN_IF_ERROR(backend_->RunOnComputeStream([&](cudaStream_t s) {
-      return QueueRecords(s, hidden_dtype, hidden, m, targets, spec, records);
-    }));
+    LOGPROB_RETURN_IF_ERROR(backend_->RunOnComputeStream(
+        [&](cudaStream_t s) { return QueueRecords(s, hidden_dtype, hidden, m, targets, spec, records); }));
   }
   hidden_dtype_ = hidden_dtype;
   m_ = m;
@@ -175,8 +174,7 @@ absl::Status CudaSliceBackward::Gradients(const kernels::BackwardRows& rows_in, 
   const int64_t m = m_;
   m_ = -1;  // the logits become dL/dy
   if (m == 0) return absl::OkStatus();
-  if (grad_hidden == nullptr || rows_in.lse == nullptr)
-    return absl::InvalidArgumentError("null lse or dL/dh buffer");
+  if (grad_hidden == nullptr || rows_in.lse == nullptr) return absl::InvalidArgumentError("null lse or dL/dh buffer");
   if (rows_in.grad_entropy != nullptr && rows_in.entropy == nullptr)
     return absl::InvalidArgumentError("an entropy gradient needs the forward's entropy");
   if (rows() == 0) {
@@ -201,9 +199,9 @@ absl::Status CudaSliceBackward::QueueGradients(cudaStream_t s, int64_t m, const 
     if (rows_in.grad_entropy) values[3 * m + i] = rows_in.grad_entropy[i];
   }
   LOGPROB_RETURN_IF_ERROR(row_values_.Reserve(values.size() * sizeof(float)));
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(row_values_.get(), values.data(), values.size() * sizeof(float),
-                                               cudaMemcpyHostToDevice, s),
-                               "backward rows upload");
+  LOGPROB_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(row_values_.get(), values.data(), values.size() * sizeof(float), cudaMemcpyHostToDevice, s),
+      "backward rows upload");
   const float* rv = row_values_.get<float>();
   LogitGradArgs a;
   a.logits = logits_.get<float>();
@@ -233,19 +231,19 @@ absl::Status CudaSliceBackward::QueueGradients(cudaStream_t s, int64_t m, const 
       // bf16 weights widened (exactly) a tile at a time; the previous
       // tile's matmul, queued before on this stream, has read the buffer.
       LOGPROB_RETURN_IF_ERROR(weight_tile_.Reserve(static_cast<size_t>(T * H) * sizeof(float)));
-      LOGPROB_CUDA_RETURN_IF_ERROR(LaunchConvert(static_cast<const char*>(gemm_.weight()) +
-                                                     static_cast<size_t>(v0 * H) * DTypeSize(compute),
-                                                 ElemTypeOf(compute), k * H, weight_tile_.get(), ElemType::kF32, s),
-                                   "weight tile conversion");
+      LOGPROB_CUDA_RETURN_IF_ERROR(
+          LaunchConvert(static_cast<const char*>(gemm_.weight()) + static_cast<size_t>(v0 * H) * DTypeSize(compute),
+                        ElemTypeOf(compute), k * H, weight_tile_.get(), ElemType::kF32, s),
+          "weight tile conversion");
       w = weight_tile_.get<float>();
     }
     LOGPROB_ASSIGN_OR_RETURN(LtF32Matmul * mm, DhMatmul(k));
     LOGPROB_RETURN_IF_ERROR(
         mm->Run(w, logits_.get<float>() + v0, dh_.get<float>(), m, v0 == 0 ? 0.0f : 1.0f, workspace_.get(), s));
   }
-  LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(grad_hidden, dh_.get(), static_cast<size_t>(m * H) * sizeof(float),
-                                               cudaMemcpyDeviceToHost, s),
-                               "dL/dh download");
+  LOGPROB_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(grad_hidden, dh_.get(), static_cast<size_t>(m * H) * sizeof(float), cudaMemcpyDeviceToHost, s),
+      "dL/dh download");
   if (weight_gradients) {
     if (!sums_) {
       LOGPROB_RETURN_IF_ERROR(dw_.Reserve(static_cast<size_t>(S * H) * sizeof(float)));
@@ -284,10 +282,10 @@ absl::Status CudaSliceBackward::Flush(float* grad_weight, float* grad_bias) {
     std::vector<float> host(static_cast<size_t>(std::min(piece, V) * H));
     for (int64_t r0 = 0; r0 < V; r0 += piece) {
       const int64_t n = std::min(piece, V - r0);
-      LOGPROB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), dw_.get<float>() + r0 * H,
-                                                   static_cast<size_t>(n * H) * sizeof(float),
-                                                   cudaMemcpyDeviceToHost, s),
-                                   "dL/dW download");
+      LOGPROB_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(host.data(), dw_.get<float>() + r0 * H, static_cast<size_t>(n * H) * sizeof(float),
+                          cudaMemcpyDeviceToHost, s),
+          "dL/dW download");
       LOGPROB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s), "dL/dW download");
       float* out = grad_weight + r0 * H;
       for (int64_t k = 0; k < n * H; ++k) out[k] += host[static_cast<size_t>(k)];

@@ -72,8 +72,8 @@ class CudaSliceBackward final : public SliceBackward {
   /// The dL/dW matmul of a round of m rows (made on first use).
   absl::StatusOr<LtF32Matmul*> DwMatmul(int64_t m);
   /// The round's queued work (RunOnComputeStream's callbacks).
-  absl::Status QueueRecords(cudaStream_t s, DType hidden_dtype, const void* hidden, int64_t m,
-                            const int64_t* targets, const kernels::StatsSpec& spec, uint32_t* records);
+  absl::Status QueueRecords(cudaStream_t s, DType hidden_dtype, const void* hidden, int64_t m, const int64_t* targets,
+                            const kernels::StatsSpec& spec, uint32_t* records);
   absl::Status QueueGradients(cudaStream_t s, int64_t m, const kernels::BackwardRows& rows, float* grad_hidden,
                               bool weight_gradients, bool bias_gradient);
 

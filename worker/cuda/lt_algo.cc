@@ -69,18 +69,18 @@ absl::StatusOr<UnsplitAlgo> ChooseUnsplitAlgo(cublasLtHandle_t handle, cublasLtM
     absl::Cleanup destroy = [pref] { cublasLtMatmulPreferenceDestroy(pref); };
     // A preference that did not take (e.g. the reduction mask) would let
     // the heuristic pick what batch invariance rules out: checked.
-    LOGPROB_RETURN_IF_ERROR(LtStatus(cublasLtMatmulPreferenceSetAttribute(
-                                         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
-                                         sizeof max_workspace),
-                                     "preference: max workspace bytes"));
+    LOGPROB_RETURN_IF_ERROR(
+        LtStatus(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
+                                                      sizeof max_workspace),
+                 "preference: max workspace bytes"));
     if (only_unsplit)
-      LOGPROB_RETURN_IF_ERROR(LtStatus(cublasLtMatmulPreferenceSetAttribute(
-                                           pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_reduction,
-                                           sizeof no_reduction),
-                                       "preference: reduction scheme mask"));
-    LOGPROB_RETURN_IF_ERROR(LtStatus(
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof b_align),
-        "preference: minimum alignment of B"));
+      LOGPROB_RETURN_IF_ERROR(
+          LtStatus(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_reduction,
+                                                        sizeof no_reduction),
+                   "preference: reduction scheme mask"));
+    LOGPROB_RETURN_IF_ERROR(LtStatus(cublasLtMatmulPreferenceSetAttribute(
+                                         pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof b_align),
+                                     "preference: minimum alignment of B"));
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int found = 0;
     const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, op, a, b, d, d, pref, kCandidates, results, &found);
@@ -113,8 +113,8 @@ absl::StatusOr<UnsplitAlgo> ChooseUnsplitAlgo(cublasLtHandle_t handle, cublasLtM
       return chosen;
     }
   }
-  return absl::NotFoundError(absl::StrCat("cuBLASLt has no split-K-free algorithm (", found_total,
-                                          " heuristic candidate(s))"));
+  return absl::NotFoundError(
+      absl::StrCat("cuBLASLt has no split-K-free algorithm (", found_total, " heuristic candidate(s))"));
 }
 
 }  // namespace logprob::cuda

@@ -25,12 +25,13 @@ LtF32Matmul::~LtF32Matmul() {
 
 absl::Status LtF32Matmul::MakeLayouts(int64_t n, Plan* plan) const {
   const Shape& s = shape_;
-  const uint64_t rows_b = static_cast<uint64_t>(s.trans_b ? n : s.k), cols_b = static_cast<uint64_t>(s.trans_b ? s.k : n);
+  const uint64_t rows_b = static_cast<uint64_t>(s.trans_b ? n : s.k),
+                 cols_b = static_cast<uint64_t>(s.trans_b ? s.k : n);
   LOGPROB_RETURN_IF_ERROR(
       LtStatus(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_32F, rows_b, cols_b, s.ldb), "matmul B layout"));
-  return LtStatus(cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_32F, static_cast<uint64_t>(s.m),
-                                             static_cast<uint64_t>(n), s.ldd),
-                  "matmul D layout");
+  return LtStatus(
+      cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_32F, static_cast<uint64_t>(s.m), static_cast<uint64_t>(n), s.ldd),
+      "matmul D layout");
 }
 
 absl::StatusOr<std::unique_ptr<LtF32Matmul>> LtF32Matmul::Create(cublasLtHandle_t handle, const Shape& s,
@@ -44,8 +45,7 @@ absl::StatusOr<std::unique_ptr<LtF32Matmul>> LtF32Matmul::Create(cublasLtHandle_
   g->shape_ = s;
   g->max_workspace_ = max_workspace;
   g->name_ = std::move(name);
-  LOGPROB_RETURN_IF_ERROR(
-      LtStatus(cublasLtMatmulDescCreate(&g->op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc"));
+  LOGPROB_RETURN_IF_ERROR(LtStatus(cublasLtMatmulDescCreate(&g->op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc"));
   const cublasOperation_t ta = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   LOGPROB_RETURN_IF_ERROR(
       LtStatus(cublasLtMatmulDescSetAttribute(g->op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), "transa"));
@@ -58,13 +58,14 @@ absl::StatusOr<std::unique_ptr<LtF32Matmul>> LtF32Matmul::Create(cublasLtHandle_
   LOGPROB_RETURN_IF_ERROR(g->MakeLayouts(s.ref_n, &ref));
   absl::StatusOr<UnsplitAlgo> chosen = ChooseUnsplitAlgo(handle, g->op_, g->a_, ref.b, ref.d, max_workspace, s.b_align);
   if (!chosen.ok())
-    return absl::Status(absl::IsNotFound(chosen.status()) ? absl::StatusCode::kInternal : chosen.status().code(),
-                        absl::StrCat(g->name_, " [", s.m, ", ", s.k, "] x [", s.k, ", ", s.ref_n,
-                                     "]: ", chosen.status().message()));
+    return absl::Status(
+        absl::IsNotFound(chosen.status()) ? absl::StatusCode::kInternal : chosen.status().code(),
+        absl::StrCat(g->name_, " [", s.m, ", ", s.k, "] x [", s.k, ", ", s.ref_n, "]: ", chosen.status().message()));
   g->algo_ = chosen->algo;
-  std::fprintf(stderr, "logprob-worker: %s f32 [%lld, %lld] x [%lld, n] (algorithm chosen at n = %lld): cuBLASLt %s%s\n",
-               g->name_.c_str(), static_cast<long long>(s.m), static_cast<long long>(s.k),
-               static_cast<long long>(s.k), static_cast<long long>(s.ref_n), chosen->summary.c_str(),
+  std::fprintf(stderr,
+               "logprob-worker: %s f32 [%lld, %lld] x [%lld, n] (algorithm chosen at n = %lld): cuBLASLt %s%s\n",
+               g->name_.c_str(), static_cast<long long>(s.m), static_cast<long long>(s.k), static_cast<long long>(s.k),
+               static_cast<long long>(s.ref_n), chosen->summary.c_str(),
                chosen->forced_from.empty() ? "" : " (split forced off)");
   return g;
 }
@@ -81,11 +82,10 @@ absl::Status LtF32Matmul::Run(const float* a, const float* b, float* d, int64_t 
     cublasLtMatmulHeuristicResult_t check{};
     const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle_, op_, a_, plan->b, plan->d, plan->d, &algo_, &check);
     if (st != CUBLAS_STATUS_SUCCESS || check.workspaceSize > max_workspace_)
-      return absl::InternalError(absl::StrCat(name_, ": the algorithm chosen at n = ", shape_.ref_n,
-                                              " does not run n = ", n, ": ",
-                                              st != CUBLAS_STATUS_SUCCESS
-                                                  ? std::string(cublasLtGetStatusString(st))
-                                                  : absl::StrCat("needs ", check.workspaceSize, " workspace bytes")));
+      return absl::InternalError(
+          absl::StrCat(name_, ": the algorithm chosen at n = ", shape_.ref_n, " does not run n = ", n, ": ",
+                       st != CUBLAS_STATUS_SUCCESS ? std::string(cublasLtGetStatusString(st))
+                                                   : absl::StrCat("needs ", check.workspaceSize, " workspace bytes")));
     it = plans_.emplace(n, std::move(plan)).first;
   }
   const float alpha = 1.0f;

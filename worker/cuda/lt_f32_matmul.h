@@ -27,7 +27,7 @@ class LtF32Matmul {
     bool trans_b = false;  // B stored [n, k] (ld ldb) and transposed; else stored [k, n]
     int64_t m = 0, k = 0;
     int64_t lda = 0, ldb = 0, ldd = 0;
-    int64_t ref_n = 256;  // the n the algorithm is chosen at
+    int64_t ref_n = 256;    // the n the algorithm is chosen at
     uint32_t b_align = 16;  // the smallest alignment in bytes of the B pointers Run gets
   };
   /// Picks the algorithm on `handle` (owned by the caller, outliving

@@ -43,7 +43,7 @@ DivergenceKind DivergenceKindOf(double beta);
 /// travels as bytes in a collective). Maxima -inf and sums 0 over an empty
 /// slice.
 struct DivergencePartial {
-  double s_max, s_sum, s_x, s_gap;  // max x_s; sum e^(x_s - s_max) (1, x_s, x_s - x_t)
+  double s_max, s_sum, s_x, s_gap;   // max x_s; sum e^(x_s - s_max) (1, x_s, x_s - x_t)
   double t_max, t_sum, t_gap, t_xs;  // max x_t; sum e^(x_t - t_max) (1, x_t - x_s, x_s)
 };
 
@@ -71,8 +71,8 @@ JsdPartial SliceJsdPartial(const float* zs, const float* zt, int64_t C, float te
 /// What a row's student gradient needs.
 struct DivergenceGradRow {
   double lse_s = 0, lse_t = 0;
-  double aux = 0;             // forward KL: unused; reverse KL: KL(p_s || p_t); JSD: KL(p_s || m)
-  double grad_divergence = 0;  // dL/dD
+  double aux = 0;                 // forward KL: unused; reverse KL: KL(p_s || p_t); JSD: KL(p_s || m)
+  double grad_divergence = 0;     // dL/dD
   double grad_cross_entropy = 0;  // dL/dCE
 };
 /// In place over zs [C] (the student's transformed logits of one row):

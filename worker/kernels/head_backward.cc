@@ -145,7 +145,7 @@ absl::Status HeadSliceBackward::Run(DType hidden_dtype, const void* hidden, int6
         im.gemm->Compute(hidden_dtype, static_cast<const char*>(hidden) + r0 * hidden_row_bytes, m, im.logits.data()));
     ApplyLmHeadTransformSimd(im.transform, im.bias, m, V, im.logits.data());
     LOGPROB_RETURN_IF_ERROR(
-        Chunk(hidden_dtype, hidden, r0, m, rows, im.logits.data(), grad_hidden, grad_weight, grad_bias));
+        Chunk(hidden_dtype, hidden, r0, m, &rows, im.logits.data(), grad_hidden, grad_weight, grad_bias));
   }
   return absl::OkStatus();
 }
@@ -158,14 +158,30 @@ absl::Status HeadSliceBackward::RunOnLogits(DType hidden_dtype, const void* hidd
   for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
     const int64_t m = std::min(kChunkRows, M - r0);
     LOGPROB_RETURN_IF_ERROR(
-        Chunk(hidden_dtype, hidden, r0, m, rows, logits + r0 * V, grad_hidden, grad_weight, grad_bias));
+        Chunk(hidden_dtype, hidden, r0, m, &rows, logits + r0 * V, grad_hidden, grad_weight, grad_bias));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HeadSliceBackward::RunOnLogitGradients(DType hidden_dtype, const void* hidden, int64_t M,
+                                                    float* logit_grads, float* grad_hidden, float* grad_weight,
+                                                    float* grad_bias) {
+  LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
+  if (M < 0) return absl::InvalidArgumentError(absl::StrCat("negative row count ", M));
+  if (M > 0 && (hidden == nullptr || grad_hidden == nullptr || logit_grads == nullptr))
+    return absl::InvalidArgumentError("null hidden states, dL/dy or dL/dh buffer");
+  const int64_t V = impl_->gemm->rows();
+  for (int64_t r0 = 0; r0 < M; r0 += kChunkRows) {
+    const int64_t m = std::min(kChunkRows, M - r0);
+    LOGPROB_RETURN_IF_ERROR(
+        Chunk(hidden_dtype, hidden, r0, m, nullptr, logit_grads + r0 * V, grad_hidden, grad_weight, grad_bias));
   }
   return absl::OkStatus();
 }
 
 absl::Status HeadSliceBackward::Chunk(DType hidden_dtype, const void* hidden, int64_t r0, int64_t m,
-                                      const BackwardRows& rows, float* z, float* grad_hidden, float* grad_weight,
-                                      float* grad_bias) {
+                                      const BackwardRows* rows_or_null, float* z, float* grad_hidden,
+                                      float* grad_weight, float* grad_bias) {
   Impl& im = *impl_;
   LmHeadGemm& gemm = *im.gemm;
   const int64_t H = gemm.hidden_size(), V = gemm.rows();
@@ -195,9 +211,12 @@ absl::Status HeadSliceBackward::Chunk(DType hidden_dtype, const void* hidden, in
 #pragma omp parallel num_threads(threads)
   {
     // dL/dy of the chunk's rows (each element its own: any split of the
-    // rows gives the same bits), before any column tile reads them.
+    // rows gives the same bits), before any column tile reads them; given
+    // already without `rows_or_null`.
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < m; ++i) {
+      if (rows_or_null == nullptr) continue;
+      const BackwardRows& rows = *rows_or_null;
       const int64_t r = r0 + i;
       BackwardRows row = rows;
       row.targets = rows.targets ? rows.targets + r : nullptr;

@@ -106,6 +106,14 @@ class HeadSliceBackward {
   absl::Status RunOnLogits(DType hidden_dtype, const void* hidden, int64_t M, const BackwardRows& rows, float* logits,
                            float* grad_hidden, float* grad_weight, float* grad_bias);
 
+  /// RunOnLogits for rows whose dL/dy the caller has computed (another
+  /// loss of the same logits: the distillation divergences of
+  /// worker/kernels/divergence.h): `logit_grads` [M, rows()] (f32,
+  /// row-major; read only, though not const for the tiles' sake). The same
+  /// GEMMs, order and memory.
+  absl::Status RunOnLogitGradients(DType hidden_dtype, const void* hidden, int64_t M, float* logit_grads,
+                                   float* grad_hidden, float* grad_weight, float* grad_bias);
+
  private:
   struct Impl;
   explicit HeadSliceBackward(std::unique_ptr<Impl> impl);
@@ -114,8 +122,9 @@ class HeadSliceBackward {
   /// The gradients of rows [r0, r0 + m) (m <= a chunk's rows) from their
   /// transformed logits `z` [m, rows()] (overwritten with dL/dy): the
   /// column tiles the outer loop, in one OpenMP parallel region.
-  absl::Status Chunk(DType hidden_dtype, const void* hidden, int64_t r0, int64_t m, const BackwardRows& rows, float* z,
-                     float* grad_hidden, float* grad_weight, float* grad_bias);
+  /// `rows_or_null` null: `z` already holds dL/dy.
+  absl::Status Chunk(DType hidden_dtype, const void* hidden, int64_t r0, int64_t m, const BackwardRows* rows_or_null,
+                     float* z, float* grad_hidden, float* grad_weight, float* grad_bias);
   std::unique_ptr<Impl> impl_;
 };
 
