@@ -157,14 +157,14 @@ Got Pass(const Case& c, const Problem& p, int W, int64_t row_begin, int64_t rows
     ranks.emplace_back([&, r] {
       const int64_t vb = V * r / W, ve = V * (r + 1) / W;
       status[r] = [&]() -> absl::Status {
-        LOGPROB_ASSIGN_OR_RETURN(auto sg, kernels::LmHeadGemm::Create(v1::F32, Bytes(p.ws.data() + vb * Hs,
-                                                                                       (ve - vb) * Hs),
-                                                                       ve - vb, Hs, 1, LmHeadPrecision::kFp32));
-        LOGPROB_ASSIGN_OR_RETURN(auto tg, kernels::LmHeadGemm::Create(v1::F32, Bytes(p.wt.data() + vb * Ht,
-                                                                                       (ve - vb) * Ht),
-                                                                       ve - vb, Ht, 1, LmHeadPrecision::kFp32));
-        LOGPROB_ASSIGN_OR_RETURN(auto student, kernels::HeadSliceBackward::Create(sg.get(), vb, p.bs.data() + vb,
-                                                                                  c.student, c.temperature));
+        LOGPROB_ASSIGN_OR_RETURN(
+            auto sg, kernels::LmHeadGemm::Create(v1::F32, Bytes(p.ws.data() + vb * Hs, (ve - vb) * Hs), ve - vb, Hs, 1,
+                                                 LmHeadPrecision::kFp32));
+        LOGPROB_ASSIGN_OR_RETURN(
+            auto tg, kernels::LmHeadGemm::Create(v1::F32, Bytes(p.wt.data() + vb * Ht, (ve - vb) * Ht), ve - vb, Ht, 1,
+                                                 LmHeadPrecision::kFp32));
+        LOGPROB_ASSIGN_OR_RETURN(
+            auto student, kernels::HeadSliceBackward::Create(sg.get(), vb, p.bs.data() + vb, c.student, c.temperature));
         TeacherSlice teacher{tg.get(), c.teacher, p.bt.data() + vb};
         LOGPROB_ASSIGN_OR_RETURN(auto slice, CpuSliceDistillation::Create(std::move(student), teacher));
         testing::InProcessCommunicator comm(group, r);

@@ -126,4 +126,24 @@ void DivergenceLogitGradients(const LmHeadTransform& student, float temperature,
   }
 }
 
+void SliceDivergencePartials(const float* zs, const float* zt, int64_t m, int64_t C, float temperature,
+                             DivergencePartial* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < m; ++i) out[i] = SliceDivergencePartial(zs + i * C, zt + i * C, C, temperature);
+}
+
+void SliceJsdPartials(const float* zs, const float* zt, int64_t m, int64_t C, float temperature, double beta,
+                      const double* lse_s, const double* lse_t, JsdPartial* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < m; ++i)
+    out[i] = SliceJsdPartial(zs + i * C, zt + i * C, C, temperature, beta, lse_s[i], lse_t[i]);
+}
+
+void DivergenceLogitGradientsRows(const LmHeadTransform& student, float temperature, double beta,
+                                  const DivergenceGradRow* rows, const float* zt, int64_t m, int64_t C, float* zs) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < m; ++i)
+    DivergenceLogitGradients(student, temperature, beta, rows[i], zt + i * C, C, zs + i * C);
+}
+
 }  // namespace logprob::kernels

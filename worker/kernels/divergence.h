@@ -52,6 +52,12 @@ struct DivergencePartial {
 /// float32 once (as the logprob kernels). Thread-safe.
 DivergencePartial SliceDivergencePartial(const float* zs, const float* zt, int64_t C, float temperature);
 
+/// SliceDivergencePartial of m rows (zs, zt [m, C], out [m]), the rows
+/// shared among OpenMP threads (each row's partial is its own: the same
+/// bits whatever the team).
+void SliceDivergencePartials(const float* zs, const float* zt, int64_t m, int64_t C, float temperature,
+                             DivergencePartial* out);
+
 /// A row's first-round values, the slices combined.
 struct DivergenceRow {
   double lse_s = 0, lse_t = 0, entropy_s = 0, cross_entropy = 0, forward_kl = 0, reverse_kl = 0;
@@ -75,11 +81,21 @@ struct DivergenceGradRow {
   double grad_divergence = 0;     // dL/dD
   double grad_cross_entropy = 0;  // dL/dCE
 };
+/// SliceJsdPartial of m rows (lse_s, lse_t, out [m]), rows shared among
+/// OpenMP threads.
+void SliceJsdPartials(const float* zs, const float* zt, int64_t m, int64_t C, float temperature, double beta,
+                      const double* lse_s, const double* lse_t, JsdPartial* out);
+
 /// In place over zs [C] (the student's transformed logits of one row):
 /// dL/dy_s, the gradient of the student's GEMM output (header comment),
 /// float64 per element, rounded once. `student`: its scale and softcap;
 /// zt [C] the teacher's transformed logits. Thread-safe on distinct rows.
 void DivergenceLogitGradients(const LmHeadTransform& student, float temperature, double beta,
                               const DivergenceGradRow& row, const float* zt, int64_t C, float* zs);
+
+/// DivergenceLogitGradients of m rows (rows [m], zt and zs [m, C]), rows
+/// shared among OpenMP threads.
+void DivergenceLogitGradientsRows(const LmHeadTransform& student, float temperature, double beta,
+                                  const DivergenceGradRow* rows, const float* zt, int64_t m, int64_t C, float* zs);
 
 }  // namespace logprob::kernels

@@ -11,9 +11,8 @@ absl::StatusOr<std::unique_ptr<CpuSliceDistillation>> CpuSliceDistillation::Crea
   if (student == nullptr || teacher.gemm == nullptr)
     return absl::InvalidArgumentError("distillation slice: no student or no teacher");
   if (teacher.gemm->rows() != student->gemm().rows())
-    return absl::InvalidArgumentError(absl::StrCat("distillation slice: the teacher's slice has ",
-                                                   teacher.gemm->rows(), " vocabulary rows, the student's ",
-                                                   student->gemm().rows()));
+    return absl::InvalidArgumentError(absl::StrCat("distillation slice: the teacher's slice has ", teacher.gemm->rows(),
+                                                   " vocabulary rows, the student's ", student->gemm().rows()));
   if (teacher.transform.has_bias && teacher.bias == nullptr)
     return absl::InvalidArgumentError("distillation slice: the teacher has a bias and none was given");
   return std::unique_ptr<CpuSliceDistillation>(new CpuSliceDistillation(std::move(student), teacher));
@@ -33,20 +32,17 @@ absl::Status CpuSliceDistillation::Partials(const DistillationRound& round, floa
     LOGPROB_RETURN_IF_ERROR(teacher_.gemm->Compute(round.teacher_dtype, round.teacher_hidden, m, zt_.data()));
     kernels::ApplyLmHeadTransformSimd(teacher_.transform, teacher_.bias, m, V, zt_.data());
   }
-  for (int64_t i = 0; i < m; ++i)
-    out[i] = kernels::SliceDivergencePartial(zs_.data() + i * V, zt_.data() + i * V, V, temperature);
+  kernels::SliceDivergencePartials(zs_.data(), zt_.data(), m, V, temperature, out);
   round_ = round;
   ready_ = true;
   return absl::OkStatus();
 }
 
-absl::Status CpuSliceDistillation::JsdPartials(float temperature, double beta, const double* lse_s,
-                                               const double* lse_t, kernels::JsdPartial* out) {
+absl::Status CpuSliceDistillation::JsdPartials(float temperature, double beta, const double* lse_s, const double* lse_t,
+                                               kernels::JsdPartial* out) {
   if (!ready_) return absl::FailedPreconditionError("JSD partials without the round's logits");
   const int64_t V = rows();
-  for (int64_t i = 0; i < round_.m; ++i)
-    out[i] = kernels::SliceJsdPartial(zs_.data() + i * V, zt_.data() + i * V, V, temperature, beta, lse_s[i],
-                                      lse_t[i]);
+  kernels::SliceJsdPartials(zs_.data(), zt_.data(), round_.m, V, temperature, beta, lse_s, lse_t, out);
   return absl::OkStatus();
 }
 
@@ -55,11 +51,10 @@ absl::Status CpuSliceDistillation::Gradients(float temperature, double beta, con
   if (!ready_) return absl::FailedPreconditionError("distillation gradients without the round's logits");
   ready_ = false;  // the student's logits become dL/dy
   const int64_t V = this->rows();
-  for (int64_t i = 0; i < round_.m; ++i)
-    kernels::DivergenceLogitGradients(student_->transform(), temperature, beta, rows[i], zt_.data() + i * V, V,
-                                      zs_.data() + i * V);
-  return student_->RunOnLogitGradients(round_.student_dtype, round_.student_hidden, round_.m, zs_.data(),
-                                       grad_hidden, grad_weight, grad_bias);
+  kernels::DivergenceLogitGradientsRows(student_->transform(), temperature, beta, rows, zt_.data(), round_.m, V,
+                                        zs_.data());
+  return student_->RunOnLogitGradients(round_.student_dtype, round_.student_hidden, round_.m, zs_.data(), grad_hidden,
+                                       grad_weight, grad_bias);
 }
 
 }  // namespace logprob

@@ -17,8 +17,8 @@ absl::Status RunDivergencePass(const DivergencePassRows& in, SliceDistillation& 
     return absl::InvalidArgumentError(absl::StrCat("distillation: beta must be in [0, 1], got ", in.beta));
   if (!(in.temperature > 0.0f))
     return absl::InvalidArgumentError(absl::StrCat("distillation: temperature must be > 0, got ", in.temperature));
-  if (in.rows > 0 && (in.student_hidden == nullptr || in.teacher_hidden == nullptr ||
-                      (in.backward && grad_hidden == nullptr)))
+  if (in.rows > 0 &&
+      (in.student_hidden == nullptr || in.teacher_hidden == nullptr || (in.backward && grad_hidden == nullptr)))
     return absl::InvalidArgumentError("distillation: null hidden states or dL/dh buffer");
   const int W = comm.size();
   const kernels::DivergenceKind kind = kernels::DivergenceKindOf(in.beta);
@@ -43,8 +43,7 @@ absl::Status RunDivergencePass(const DivergencePassRows& in, SliceDistillation& 
     mine.resize(static_cast<size_t>(m));
     LOGPROB_RETURN_IF_ERROR(slice.Partials(round, in.temperature, mine.data()));
     all.resize(mine.size() * static_cast<size_t>(W));
-    LOGPROB_RETURN_IF_ERROR(
-        comm.AllGather(mine.data(), mine.size() * sizeof(kernels::DivergencePartial), all.data()));
+    LOGPROB_RETURN_IF_ERROR(comm.AllGather(mine.data(), mine.size() * sizeof(kernels::DivergencePartial), all.data()));
     combined.resize(static_cast<size_t>(m));
     lse_s.resize(static_cast<size_t>(m));
     lse_t.resize(static_cast<size_t>(m));
@@ -89,8 +88,8 @@ absl::Status RunDivergencePass(const DivergencePassRows& in, SliceDistillation& 
       g.grad_divergence = in.grad_divergence ? in.grad_divergence[r0 + i] : 0.0;
       g.grad_cross_entropy = in.grad_cross_entropy ? in.grad_cross_entropy[r0 + i] : 0.0;
     }
-    LOGPROB_RETURN_IF_ERROR(slice.Gradients(in.temperature, in.beta, grad_rows.data(), grad_hidden + r0 * Hs,
-                                            grad_weight, grad_bias));
+    LOGPROB_RETURN_IF_ERROR(
+        slice.Gradients(in.temperature, in.beta, grad_rows.data(), grad_hidden + r0 * Hs, grad_weight, grad_bias));
   }
   return absl::OkStatus();
 }

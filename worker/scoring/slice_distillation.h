@@ -19,7 +19,7 @@ namespace logprob {
 /// A round's rows of both models (host memory, readable until the round's
 /// last step returns), [m] rows each.
 struct DistillationRound {
-  DType student_dtype = v1::F32;  // F32, BF16 or F16
+  DType student_dtype = v1::F32;         // F32, BF16 or F16
   const void* student_hidden = nullptr;  // [m, H_s]
   DType teacher_dtype = v1::F32;
   const void* teacher_hidden = nullptr;  // [m, H_t]
@@ -41,8 +41,7 @@ class SliceDistillation {
   /// the slice (their heads' GEMMs and transforms, kept for the next
   /// steps) and each row's first-round partial, out [round.m].
   /// INVALID_ARGUMENT for bad arguments; the GEMMs' errors otherwise.
-  virtual absl::Status Partials(const DistillationRound& round, float temperature,
-                                kernels::DivergencePartial* out) = 0;
+  virtual absl::Status Partials(const DistillationRound& round, float temperature, kernels::DivergencePartial* out) = 0;
 
   /// Round step 2 (the JSD): each row's second-round partial from its
   /// combined lse_s, lse_t ([m] each); out [m]. FAILED_PRECONDITION
