@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "common/tf32_round.h"
 
 namespace logprob {
 
@@ -51,19 +52,5 @@ LmHeadPrecision ResolveLmHeadPrecision(LmHeadPrecision p, DType weight_dtype);
 /// GEMM's operands on its device: bf16 for kBf16, f32 for kTf32 and kFp32.
 /// The bias (rows floats) is not counted.
 int64_t LmHeadWorkerBytes(int64_t rows, int64_t hidden_size, DType weight_dtype, LmHeadPrecision p, bool device);
-
-/// float32 -> the nearest tf32 value (8 exponent bits, 10 explicit mantissa
-/// bits; round to nearest, ties to even), returned as float32. NaN and
-/// infinities pass through; values rounding past FLT_MAX become infinity.
-inline float RoundToTf32(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7f800000u) != 0x7f800000u) {  // finite: add half an ulp (ties to even), drop 13 bits
-    u += 0x0fffu + ((u >> 13) & 1u);
-    u &= ~0x1fffu;
-  }
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 }  // namespace logprob

@@ -20,6 +20,8 @@
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_slice_backward.h"
 #include "worker/cuda/device_info.h"
+#include "worker/kernels/lm_head_gemm.h"
+#include "worker/scoring/cpu_slice_backward.h"
 
 namespace logprob {
 namespace {
@@ -138,6 +140,36 @@ TEST(CudaBackwardBf16, Bf16OperandsAndWidenedWeightTilesMatchFloat64) {
       const Grads g = testing::BackwardPass(c, p, workers, 0, N, 32, GpuSlice(LmHeadPrecision::kBf16, 64));
       EXPECT_EQ(MatchesReference(g, p), "") << "case " << case_index << ", " << workers << " workers";
     }
+  }
+}
+
+TEST(CudaBackwardTf32, TheGpusTf32OperandsAreTheCpus) {
+  // At tf32 both backends round the weights and the hidden rows to tf32
+  // (the forward's operands) before the backward's f32 GEMMs: the GPU's
+  // gradients are the CPU's within the tests' tolerance (not float64's:
+  // tf32 logits are 1e-3 off).
+  SKIP_WITHOUT_GPU();
+  for (int case_index : {0, 2}) {
+    const Case& c = kCases[case_index];
+    const Problem p = Make(c, 1000 + case_index);
+    const testing::MakeSliceBackward cpu = [](const Case& c, const Problem& p, int64_t vb,
+                                              int64_t ve) -> absl::StatusOr<std::unique_ptr<SliceBackward>> {
+      const size_t esize = DTypeSize(c.weight_dtype);
+      std::vector<char> w(p.w_bytes.begin() + vb * H * esize, p.w_bytes.begin() + ve * H * esize);
+      LOGPROB_ASSIGN_OR_RETURN(auto gemm, kernels::LmHeadGemm::Create(c.weight_dtype, HostBytes(std::move(w)), ve - vb,
+                                                                      H, 1, LmHeadPrecision::kTf32));
+      LOGPROB_ASSIGN_OR_RETURN(auto backward, kernels::HeadSliceBackward::Create(gemm.get(), vb, p.bias.data() + vb,
+                                                                                 c.transform, c.temperature));
+      return std::unique_ptr<SliceBackward>(std::make_unique<CpuSliceBackward>(std::move(backward), std::move(gemm)));
+    };
+    const Grads want = testing::BackwardPass(c, p, 1, 0, N, 32, cpu);
+    const Grads got = testing::BackwardPass(c, p, 1, 0, N, 32, GpuSlice(LmHeadPrecision::kTf32, 64));
+    using kernels::backward_reference::WithinRowTolerance;
+    const std::vector<double> dh(want.dh.begin(), want.dh.end()), dw(want.dw.begin(), want.dw.end()),
+        db(want.db.begin(), want.db.end());
+    EXPECT_EQ(WithinRowTolerance(got.dh, dh, N, H, "dL/dh"), "") << "case " << case_index;
+    EXPECT_EQ(WithinRowTolerance(got.dw, dw, V, H, "dL/dW"), "") << "case " << case_index;
+    EXPECT_EQ(WithinRowTolerance(got.db, db, 1, V, "dL/db"), "") << "case " << case_index;
   }
 }
 

@@ -1,4 +1,5 @@
 // The lm_head backward's element-wise kernels (backward_kernels.h).
+#include "common/tf32_round.h"
 #include "worker/cuda/backward_kernels.h"
 #include "worker/cuda/cuda_error.h"
 
@@ -49,7 +50,19 @@ __global__ void ColumnSumsKernel(const float* dy, int64_t rows, int64_t len, int
   }
 }
 
+__global__ void RoundToTf32Kernel(const float* src, int64_t n, float* dst) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = RoundToTf32(src[i]);
+}
+
 }  // namespace
+
+cudaError_t LaunchRoundToTf32(const float* src, int64_t n, float* dst, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const LaunchCheck<> check;
+  RoundToTf32Kernel<<<Blocks(n), 256, 0, stream>>>(src, n, dst);
+  return check.Result();
+}
 
 cudaError_t LaunchLogitGradients(const LogitGradArgs& args, cudaStream_t stream) {
   if (args.rows <= 0 || args.row_stride <= 0) return cudaSuccess;

@@ -33,4 +33,9 @@ cudaError_t LaunchLogitGradients(const LogitGradArgs& args, cudaStream_t stream)
 cudaError_t LaunchColumnSums(const float* dy, int64_t rows, int64_t len, int64_t row_stride, float* grad_bias,
                              cudaStream_t stream);
 
+/// dst[i] = RoundToTf32(src[i]) (common/tf32_round.h: the CPU's tf32
+/// operands), i < n; dst may be src. Asynchronous on `stream`; its own
+/// launch error only.
+cudaError_t LaunchRoundToTf32(const float* src, int64_t n, float* dst, cudaStream_t stream);
+
 }  // namespace logprob::cuda

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/lm_head_precision.h"
 #include "common/status_macros.h"
 #include "worker/cuda/backward_kernels.h"
 #include "worker/cuda/elem_type.h"
@@ -71,7 +72,8 @@ absl::StatusOr<LtF32Matmul*> CudaSliceBackward::DhMatmul(int64_t k) {
     s.ldd = hidden_size();
     s.ref_n = CublasLtLmHead::kDefaultAlgoRows;
     s.b_align = 256;  // tiles start at multiples of 64 columns
-    LOGPROB_ASSIGN_OR_RETURN(mm, LtF32Matmul::Create(handle_, s, kWorkspaceBytes, "lm_head backward dL/dh"));
+    LOGPROB_ASSIGN_OR_RETURN(mm, LtF32Matmul::Create(handle_, s, kWorkspaceBytes, "lm_head backward dL/dh",
+                                                     /*log_choice=*/false));
   }
   return mm.get();
 }
@@ -92,7 +94,8 @@ absl::StatusOr<LtF32Matmul*> CudaSliceBackward::DwMatmul(int64_t m) {
     s.ldd = hidden_size();
     s.ref_n = gemm_.logits_stride();
     s.b_align = 256;
-    LOGPROB_ASSIGN_OR_RETURN(mm, LtF32Matmul::Create(handle_, s, kWorkspaceBytes, "lm_head backward dL/dW"));
+    LOGPROB_ASSIGN_OR_RETURN(mm, LtF32Matmul::Create(handle_, s, kWorkspaceBytes, "lm_head backward dL/dW",
+                                                     /*log_choice=*/false));
   }
   return mm.get();
 }
@@ -103,6 +106,8 @@ absl::Status CudaSliceBackward::Records(DType hidden_dtype, const void* hidden, 
   if (m < 0 || (m > 0 && (hidden == nullptr || records == nullptr)))
     return absl::InvalidArgumentError(absl::StrCat("backward records: ", m, " rows, or null buffers"));
   LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
+  if (spec.topk != 0 || spec.gather_k != 0)
+    return absl::InvalidArgumentError("backward records have no top-k or gathered ids");
   if (m > 0 && rows() == 0) {
     // An empty slice (fewer vocabulary entries than workers): the records
     // of nothing seen, as the CPU kernel writes them.
@@ -198,6 +203,12 @@ absl::Status CudaSliceBackward::QueueGradients(cudaStream_t s, int64_t m, const 
     if (rows_in.grad_logprobs) values[2 * m + i] = rows_in.grad_logprobs[i];
     if (rows_in.grad_entropy) values[3 * m + i] = rows_in.grad_entropy[i];
   }
+  // The rows' targets as Gradients got them (Records' were the same rows').
+  std::vector<int64_t> ids(static_cast<size_t>(m), -1);
+  if (rows_in.targets != nullptr) std::copy(rows_in.targets, rows_in.targets + m, ids.begin());
+  LOGPROB_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(targets_.get(), ids.data(), ids.size() * sizeof(int64_t), cudaMemcpyHostToDevice, s),
+      "targets upload");
   LOGPROB_RETURN_IF_ERROR(row_values_.Reserve(values.size() * sizeof(float)));
   LOGPROB_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(row_values_.get(), values.data(), values.size() * sizeof(float), cudaMemcpyHostToDevice, s),
@@ -222,11 +233,20 @@ absl::Status CudaSliceBackward::QueueGradients(cudaStream_t s, int64_t m, const 
   // dL/dh: the vocabulary tiles in order, each adding to the last.
   LOGPROB_RETURN_IF_ERROR(dh_.Reserve(static_cast<size_t>(m * H) * sizeof(float)));
   const int64_t T = tile_columns_;
+  const bool tf32 = gemm_.precision() == LmHeadPrecision::kTf32;
   for (int64_t v0 = 0; v0 < S; v0 += T) {
     const int64_t k = std::min(T, S - v0);
     const float* w = nullptr;
-    if (compute == v1::F32) {
+    if (compute == v1::F32 && !tf32) {
       w = static_cast<const float*>(gemm_.weight()) + v0 * H;
+    } else if (tf32) {
+      // The forward's tf32 operands, as the CPU's backward takes them
+      // (RoundToTf32 of the f32 weights, into the tile buffer).
+      LOGPROB_RETURN_IF_ERROR(weight_tile_.Reserve(static_cast<size_t>(T * H) * sizeof(float)));
+      LOGPROB_CUDA_RETURN_IF_ERROR(
+          LaunchRoundToTf32(static_cast<const float*>(gemm_.weight()) + v0 * H, k * H, weight_tile_.get<float>(), s),
+          "weight tile rounding");
+      w = weight_tile_.get<float>();
     } else {
       // bf16 weights widened (exactly) a tile at a time; the previous
       // tile's matmul, queued before on this stream, has read the buffer.
@@ -254,9 +274,15 @@ absl::Status CudaSliceBackward::QueueGradients(cudaStream_t s, int64_t m, const 
                                    "dL/db zero fill");
       sums_ = true;
     }
-    // dL/dW's operand: the rows as the forward's GEMM saw them, in f32.
+    // dL/dW's operand: the rows as the forward's GEMM saw them, in f32
+    // (tf32: rounded as the CPU's backward rounds them).
     const float* h32 = static_cast<const float*>(hidden_op_ptr_);
-    if (compute != v1::F32) {
+    if (tf32) {
+      LOGPROB_RETURN_IF_ERROR(hidden_f32_.Reserve(static_cast<size_t>(m * H) * sizeof(float)));
+      LOGPROB_CUDA_RETURN_IF_ERROR(LaunchRoundToTf32(h32, m * H, hidden_f32_.get<float>(), s),
+                                   "hidden states rounding");
+      h32 = hidden_f32_.get<float>();
+    } else if (compute != v1::F32) {
       LOGPROB_RETURN_IF_ERROR(hidden_f32_.Reserve(static_cast<size_t>(m * H) * sizeof(float)));
       LOGPROB_CUDA_RETURN_IF_ERROR(
           LaunchConvert(hidden_op_ptr_, ElemTypeOf(compute), m * H, hidden_f32_.get(), ElemType::kF32, s),
@@ -269,13 +295,16 @@ absl::Status CudaSliceBackward::QueueGradients(cudaStream_t s, int64_t m, const 
       LOGPROB_CUDA_RETURN_IF_ERROR(LaunchColumnSums(logits_.get<float>(), m, V, S, db_.get<float>(), s),
                                    "dL/db kernel");
   }
-  // Synchronised before `values` goes (a pageable upload may still read it).
+  // Synchronised before `values` and `ids` go (a pageable upload may still read them).
   return CudaStatus(cudaStreamSynchronize(s), "backward gradients");
 }
 
 absl::Status CudaSliceBackward::Flush(float* grad_weight, float* grad_bias) {
   if (!sums_) return absl::OkStatus();
-  if (grad_weight == nullptr) return absl::InvalidArgumentError("flush: null dL/dW sums");
+  if (grad_weight == nullptr) {
+    sums_ = false;  // the next item's rounds start from 0, whatever this one left
+    return absl::InvalidArgumentError("flush: null dL/dW sums");
+  }
   const int64_t H = hidden_size(), V = rows();
   const absl::Status st = backend_->RunOnComputeStream([&](cudaStream_t s) -> absl::Status {
     const int64_t piece = std::max<int64_t>(1, static_cast<int64_t>(kTileBytes / (static_cast<size_t>(H) * 4)));

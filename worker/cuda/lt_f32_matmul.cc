@@ -35,7 +35,8 @@ absl::Status LtF32Matmul::MakeLayouts(int64_t n, Plan* plan) const {
 }
 
 absl::StatusOr<std::unique_ptr<LtF32Matmul>> LtF32Matmul::Create(cublasLtHandle_t handle, const Shape& s,
-                                                                 size_t max_workspace, std::string name) {
+                                                                 size_t max_workspace, std::string name,
+                                                                 bool log_choice) {
   const int64_t rows_a = s.trans_a ? s.k : s.m, rows_b = s.trans_b ? s.ref_n : s.k;
   if (handle == nullptr || s.m <= 0 || s.k <= 0 || s.ref_n <= 0 || s.lda < rows_a || s.ldb < rows_b || s.ldd < s.m)
     return absl::InvalidArgumentError(absl::StrCat(name, ": bad matmul shape m ", s.m, ", k ", s.k, ", n ", s.ref_n,
@@ -62,11 +63,13 @@ absl::StatusOr<std::unique_ptr<LtF32Matmul>> LtF32Matmul::Create(cublasLtHandle_
         absl::IsNotFound(chosen.status()) ? absl::StatusCode::kInternal : chosen.status().code(),
         absl::StrCat(g->name_, " [", s.m, ", ", s.k, "] x [", s.k, ", ", s.ref_n, "]: ", chosen.status().message()));
   g->algo_ = chosen->algo;
-  std::fprintf(stderr,
-               "logprob-worker: %s f32 [%lld, %lld] x [%lld, n] (algorithm chosen at n = %lld): cuBLASLt %s%s\n",
-               g->name_.c_str(), static_cast<long long>(s.m), static_cast<long long>(s.k), static_cast<long long>(s.k),
-               static_cast<long long>(s.ref_n), chosen->summary.c_str(),
-               chosen->forced_from.empty() ? "" : " (split forced off)");
+  g->algo_summary_ = chosen->summary;
+  if (log_choice)
+    std::fprintf(stderr,
+                 "logprob-worker: %s f32 [%lld, %lld] x [%lld, n] (algorithm chosen at n = %lld): cuBLASLt %s%s\n",
+                 g->name_.c_str(), static_cast<long long>(s.m), static_cast<long long>(s.k),
+                 static_cast<long long>(s.k), static_cast<long long>(s.ref_n), chosen->summary.c_str(),
+                 chosen->forced_from.empty() ? "" : " (split forced off)");
   return g;
 }
 

@@ -32,10 +32,14 @@ class LtF32Matmul {
   };
   /// Picks the algorithm on `handle` (owned by the caller, outliving
   /// this) within `max_workspace` bytes. `name` names the matmul in errors
-  /// and in the log line of the choice (stderr). INVALID_ARGUMENT for a bad
-  /// shape; INTERNAL when cuBLASLt fails or offers no unsplit algorithm.
+  /// and, with `log_choice`, in a line on stderr naming the choice
+  /// (algo_summary() either way). INVALID_ARGUMENT for a bad shape;
+  /// INTERNAL when cuBLASLt fails or offers no unsplit algorithm.
   static absl::StatusOr<std::unique_ptr<LtF32Matmul>> Create(cublasLtHandle_t handle, const Shape& shape,
-                                                             size_t max_workspace, std::string name);
+                                                             size_t max_workspace, std::string name,
+                                                             bool log_choice = true);
+  /// The chosen algorithm's configuration (lt_algo.h UnsplitAlgo::summary).
+  const std::string& algo_summary() const { return algo_summary_; }
   ~LtF32Matmul();
 
   /// D = op(A) op(B) + beta D for n columns, asynchronous on `stream`;
@@ -57,6 +61,7 @@ class LtF32Matmul {
   cublasLtMatmulDesc_t op_ = nullptr;
   cublasLtMatrixLayout_t a_ = nullptr;
   cublasLtMatmulAlgo_t algo_{};
+  std::string algo_summary_;
   std::map<int64_t, std::unique_ptr<Plan>> plans_;
 };
 

@@ -35,13 +35,14 @@ class SliceBackward {
   /// (its bits), kept for Gradients; writes their partial records
   /// [m][kernels::PartialWords(spec)] (host) with the targets [m] (global
   /// ids, < 0: none) as the forward's kernel of this backend computes them.
-  /// INVALID_ARGUMENT for bad arguments; the GEMM's errors otherwise.
+  /// INVALID_ARGUMENT for bad arguments (a spec with top-k or gathered
+  /// ids among them); the GEMM's errors otherwise.
   virtual absl::Status Records(DType hidden_dtype, const void* hidden, int64_t m, const int64_t* targets,
                                const kernels::StatsSpec& spec, uint32_t* records) = 0;
 
   /// Round step 2, for the rows of the last Records: from their whole
-  /// vocabulary's lse and entropy and the upstream gradients (`rows`, [m]
-  /// each), writes the slice's share of dL/dh to grad_hidden [m, H] (f32,
+  /// vocabulary's lse and entropy, the upstream gradients and the targets
+  /// (`rows`, [m] each: the targets those Records got), writes the slice's share of dL/dh to grad_hidden [m, H] (f32,
   /// host) and, when grad_weight is non-null, adds dL/dW to grad_weight
   /// [rows(), H] and dL/db to grad_bias [rows()] (f32, host; null: no bias)
   /// by the time Flush returns (a backend may sum an item's rounds where it
