@@ -60,7 +60,10 @@ namespace logprob {
 /// budget in JoinReply and Worker.ReadHeadGradients /
 /// CloseHeadGradientStep; a version-12 worker would answer a backward
 /// item as a forward.
-constexpr uint32_t kWorkerProtocolVersion = 13;
+/// 14: full-vocabulary distillation (WorkItem.distillation;
+/// WorkResult.divergence, cross_entropy); a version-13 worker would answer
+/// a distillation item as a forward of the student.
+constexpr uint32_t kWorkerProtocolVersion = 14;
 
 /// gRPC metadata key of every Worker.Run call: the run's id (decimal), the
 /// same for all items of one WorkerPool::Run, which Worker.Stop names.

@@ -21,6 +21,7 @@
 #include "common/worker_protocol.h"
 #include "worker/comm/timed_communicator.h"
 #include "worker/gradients/backward_item.h"
+#include "worker/gradients/distillation_item.h"
 #include "worker/heads/device_file_copy.h"
 #include "worker/scoring/scorer.h"
 
@@ -175,22 +176,35 @@ grpc::Status WorkerService::RunItem(grpc::ServerContext* ctx, const internal::v1
   const absl::StatusOr<ItemPayload> payload = OpenPayload(*item, &region, &device);
   absl::Status ready = payload.status();
   // Hidden states: the lm_head version the item names, alive until it ends.
-  std::shared_ptr<const LmHeadWeights> lm_head;
+  std::shared_ptr<const LmHeadWeights> lm_head, teacher;
   if (item->layout() == internal::v1::HIDDEN_STATES) {
     lm_head = lm_heads_->Find(item->lm_head());
     if (!lm_head && ready.ok()) ready = NoLmHeadError(item->lm_head().name(), item->lm_head().version());
+  }
+  const bool distillation = item->has_distillation();
+  if (distillation && item->layout() == internal::v1::HIDDEN_STATES) {
+    const internal::v1::LmHeadRef& t = item->distillation().teacher();
+    teacher = lm_heads_->Find(t);
+    if (!teacher && ready.ok()) ready = NoLmHeadError(t.name(), t.version());
   }
   absl::StatusOr<internal::v1::WorkResult> res;
   if (item->layout() != internal::v1::TOKEN_PARALLEL) {
     absl::MutexLock lock(&collective_mu_);
     TimedCommunicator timed(*comm_);
     if (absl::Status st = AllRanksOk(timed, ready, run_id.value_or(0)); !st.ok()) return ReplyWithReason(ctx, st);
-    res = item->backward() ? RunBackwardItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get(),
-                                             gradient_steps_)
-                           : ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get());
+    if (distillation)
+      res = RunDistillationItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get(),
+                                teacher.get(), gradient_steps_);
+    else if (item->backward())
+      res =
+          RunBackwardItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get(), gradient_steps_);
+    else res = ScoreWorkItem(*item, *payload, timed, *backend_, chunk_tokens_, cancelled, lm_head.get());
     if (res.ok()) res->set_collective_seconds(timed.seconds());
   } else {
     if (!ready.ok()) return ReplyWithReason(ctx, ready);
+    if (distillation || item->backward())
+      return ReplyWithReason(
+          ctx, absl::InvalidArgumentError("work item: a backward or a distillation takes hidden states, not logits"));
     SelfCommunicator self;
     res = ScoreWorkItem(*item, *payload, self, *backend_, chunk_tokens_, cancelled, lm_head.get());
   }

@@ -51,7 +51,41 @@ ScoringCore::ScoringCore(CoreWorkers workers, ServiceConfig config, InputResolve
       admission_(config_.max_queue_tokens, config_.max_queue_bytes, observers_.on_load),
       payload_pool_(/*max_idle=*/4, static_cast<int64_t>(PayloadPool::RegionSize(
                                         static_cast<size_t>(config_.max_request_bytes)))),  // FrontendMemoryBound
-      batcher_(BatcherOptions(workers, config_, &payload_pool_, observers_), workers.run) {}
+      batcher_(BatcherOptions(workers, config_, &payload_pool_, observers_), workers.run),
+      run_(workers.run) {}
+
+absl::StatusOr<v1::DistillResponse> ScoringCore::Distill(const v1::DistillRequest& req, const CallContext& call,
+                                                         int64_t* rows) {
+  // One rule for names, in updates and requests: nothing else is looked up or echoed.
+  if (!req.student_head().empty()) LOGPROB_RETURN_IF_ERROR(CheckLmHeadName(req.student_head(), "student_head"));
+  if (!req.teacher_head().empty()) LOGPROB_RETURN_IF_ERROR(CheckLmHeadName(req.teacher_head(), "teacher_head"));
+  if (!req.student_head_version().empty())
+    LOGPROB_RETURN_IF_ERROR(CheckLmHeadVersionName(req.student_head_version(), "student_head_version"));
+  if (!req.teacher_head_version().empty())
+    LOGPROB_RETURN_IF_ERROR(CheckLmHeadVersionName(req.teacher_head_version(), "teacher_head_version"));
+  const int64_t request_bytes = static_cast<int64_t>(req.ByteSizeLong());
+  if (request_bytes > config_.max_request_bytes)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request of ", request_bytes, " bytes exceeds the server's max_request_bytes ", config_.max_request_bytes));
+  if (config_.lm_heads_ready && config_.lm_heads && !config_.lm_heads->empty())
+    LOGPROB_RETURN_IF_ERROR(config_.lm_heads_ready());
+  const LmHeads* heads = config_.lm_heads != nullptr && !config_.lm_heads->empty() ? config_.lm_heads : nullptr;
+  LOGPROB_ASSIGN_OR_RETURN(const DistillJob job, BuildDistillJob(req, heads, config_.limits));
+  if (rows) *rows = job.rows;
+  Admission::Ticket own;
+  Admission::Ticket* ticket = call.received != nullptr ? call.received : &own;
+  LOGPROB_RETURN_IF_ERROR(
+      admission_.Resize(ticket, job.rows, std::max(request_bytes, ticket->bytes()) + job.working_bytes(workers_)));
+  std::vector<internal::v1::WorkResult> results;
+  if (job.rows > 0) {
+    RunBounds bounds;
+    bounds.deadline = call.deadline;
+    bounds.cancelled = call.cancelled;
+    const Plan plan = PlanDistillation(job, workers_, next_job_id_++);
+    LOGPROB_ASSIGN_OR_RETURN(results, run_(plan, bounds));
+  }
+  return DistillResponseOf(req.id(), job, results);
+}
 
 absl::Status ScoringCore::ReadHeadGradients(const v1::ReadHeadGradientsRequest& req,
                                             const std::function<bool(const v1::HeadGradientsChunk&)>& write) const {

@@ -15,6 +15,7 @@
 #include "logprob/v1/logprob.pb.h"
 #include "server/core/admission.h"
 #include "server/core/batcher.h"
+#include "server/core/distill_job.h"
 #include "server/core/head_gradients.h"
 #include "server/core/planner.h"
 #include "server/core/rollout_mismatch.h"
@@ -136,6 +137,15 @@ class ScoringCore {
   absl::StatusOr<v1::ScoreResponse> Score(const v1::ScoreRequest& req, const CallContext& call,
                                           RequestStats* stats = nullptr);
 
+  /// Full-vocabulary distillation (server/core/distill_job.h): validate,
+  /// bind both heads, admit, run one item per worker (not batched),
+  /// answer. The request must stay valid until the call returns. Errors as
+  /// BuildDistillJob's, RESOURCE_EXHAUSTED (admission), DEADLINE_EXCEEDED /
+  /// CANCELLED, the workers' (UNAVAILABLE when one fails). Fills *rows
+  /// with the request's rows when given.
+  absl::StatusOr<v1::DistillResponse> Distill(const v1::DistillRequest& req, const CallContext& call,
+                                              int64_t* rows = nullptr);
+
   /// The serving configuration (GetServerInfo).
   v1::ServerInfo Info() const;
 
@@ -162,6 +172,7 @@ class ScoringCore {
   Admission admission_;
   PayloadPool payload_pool_;
   Batcher batcher_;
+  const Batcher::Runner run_;  // the workers' runner (distillation runs one plan, not batched)
   std::atomic<uint64_t> next_job_id_{1};
 };
 

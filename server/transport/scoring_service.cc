@@ -116,6 +116,7 @@ ScoringService::ScoringService(WorkerPool& pool, ServiceConfig config, InputReso
                      NewParsedServerStreamingHandler(this, "ReadLmHeadRows", &S::ServeReadLmHeadRows));
   MarkMethodStreamed(chunked::MethodIndex("CloseHeadGradientStep"),
                      NewParsedUnaryHandler(this, "CloseHeadGradientStep", &S::CloseHeadGradientStep));
+  MarkMethodStreamed(chunked::MethodIndex("Distill"), NewParsedUnaryHandler(this, "Distill", &S::Distill));
   MarkMethodStreamed(chunked::MethodIndex("ReadHeadGradients"),
                      NewParsedServerStreamingHandler(this, "ReadHeadGradients", &S::ServeReadHeadGradients));
   MarkMethodStreamed(chunked::MethodIndex("PutLmHeadRows"),
@@ -512,6 +513,23 @@ grpc::Status ScoringService::CloseHeadGradientStep(grpc::ServerContext* context,
   if (grpc::Status denied = Authorize(context, kMethod); !denied.ok()) return denied;
   return Logged(context, metrics_, kMethod, absl::StrCat("step=", Printable(req->gradient_step(), 128)),
                 core_.CloseHeadGradientStep(*req));
+}
+
+grpc::Status ScoringService::Distill(grpc::ServerContext* context, const v1::DistillRequest* req,
+                                     v1::DistillResponse* resp) {
+  constexpr char kMethod[] = "Distill";
+  if (grpc::Status denied = Authorize(context, kMethod); !denied.ok()) return denied;
+  CallContext call;
+  call.deadline = context->deadline();
+  call.cancelled = [context] { return context->IsCancelled(); };
+  int64_t rows = 0;
+  absl::StatusOr<v1::DistillResponse> r = core_.Distill(*req, call, &rows);
+  const absl::Status st = r.status();
+  if (r.ok()) *resp = *std::move(r);
+  return Logged(context, metrics_, kMethod,
+                absl::StrCat("id=", Printable(req->id(), 128), " student=", Printable(req->student_head(), 64),
+                             " teacher=", Printable(req->teacher_head(), 64), " rows=", rows, " beta=", req->beta()),
+                st);
 }
 
 grpc::Status ScoringService::ServeLmHeadRows(

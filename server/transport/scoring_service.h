@@ -113,6 +113,9 @@ class ScoringService final : public v1::LogprobService::Service {
                                       grpc::internal::WriterInterface<v1::HeadGradientsChunk>* writer);
   grpc::Status CloseHeadGradientStep(grpc::ServerContext*, const v1::CloseHeadGradientStepRequest*,
                                      v1::CloseHeadGradientStepResponse*) override;
+  /// Full-vocabulary distillation (ScoringCore::Distill): the scoring
+  /// token's right, like Score.
+  grpc::Status Distill(grpc::ServerContext*, const v1::DistillRequest*, v1::DistillResponse*) override;
   /// PutLmHeadRows, served through the part codec like ScoreChunked: the
   /// first part's LmHeadRows, then (inline bytes announced by shape) its
   /// pieces, assembled into a pooled buffer (at most max_request_bytes per

@@ -13,6 +13,7 @@
 #include "common/input_kind.h"
 #include "common/partition.h"
 #include "common/status_macros.h"
+#include "worker/gradients/item_gradients.h"
 #include "worker/scoring/backward_pass.h"
 #include "worker/scoring/hidden_rounds.h"
 
@@ -82,7 +83,7 @@ class Rounds {
     const bool entropy_out = item_.options().entropy();
     const bool grad_entropy = item_.grad_entropy_size() != 0;
     std::vector<char> send, gathered;
-    std::vector<int64_t> targets, send_bytes(W), recv_bytes(W);
+    std::vector<int64_t> targets;
     std::vector<float> g_lp, g_ent, share, recv, lp, ent;
     for (int64_t l0 = 0; l0 < LargestShare(n, W); l0 += chunk_tokens_) {
       LOGPROB_RETURN_IF_ERROR(AgreeToGoOn(comm_, should_stop_));
@@ -120,18 +121,8 @@ class Rounds {
                                               grad_bias, lp.data(), ent.data()));
       // Each owner gets its rows' shares from every slice and sums them in rank order.
       const int64_t mine = count[me];
-      for (int q = 0; q < W; ++q) {
-        send_bytes[q] = count[q] * H * static_cast<int64_t>(sizeof(float));
-        recv_bytes[q] = mine * H * static_cast<int64_t>(sizeof(float));
-      }
-      recv.resize(static_cast<size_t>(W * mine * H));
-      LOGPROB_RETURN_IF_ERROR(comm_.AllToAllV(share.data(), send_bytes, recv.data(), recv_bytes));
-      float* out = res_->mutable_grad_hidden_states()->mutable_data() + l0 * H;
-      for (int64_t k = 0; k < mine * H; ++k) {
-        float s = 0.0f;
-        for (int q = 0; q < W; ++q) s += recv[static_cast<size_t>(q * mine * H + k)];
-        out[k] = s;
-      }
+      LOGPROB_RETURN_IF_ERROR(SumSharesToOwners(comm_, count, H, share.data(), &recv,
+                                                res_->mutable_grad_hidden_states()->mutable_data() + l0 * H));
       for (int64_t i = 0; i < mine; ++i) {
         res_->set_token_logprobs(static_cast<int>(l0 + i), lp[static_cast<size_t>(before_me + i)]);
         if (entropy_out) res_->set_entropy(static_cast<int>(l0 + i), ent[static_cast<size_t>(before_me + i)]);
@@ -181,28 +172,11 @@ absl::StatusOr<WorkResult> RunBackwardItem(const WorkItem& item, ItemPayload pay
   if (step.empty()) {
     LOGPROB_RETURN_IF_ERROR(rounds.Run(nullptr, nullptr));
   } else {
-    // Every rank's step must take the item before any adds to it: the ranks
-    // that opened it agree (one flag each) with those that refused it.
-    bool entered = false;
-    const absl::Status added = steps.Accumulate(
-        step, item.lm_head().name(), item.lm_head().version(), lm_head->rows(), H, lm_head->transform().has_bias, n,
-        [&](HeadGradientSums& sums) -> absl::Status {
-          entered = true;
-          const absl::StatusOr<int> refused = FirstRankFlagged(comm, false);
-          if (!refused.ok()) return HeadGradientSteps::NothingAdded(refused.status());
-          if (*refused >= 0)
-            return HeadGradientSteps::NothingAdded(absl::AbortedError(
-                absl::StrCat("gradient step '", step, "': worker ", *refused,
-                             " refused this backward (its error says why); nothing was added on any worker")));
-          const absl::Status ran = rounds.Run(sums.weight.data(), sums.bias.empty() ? nullptr : sums.bias.data());
-          // Stopped or failed before the first round added: the step is kept.
-          return ran.ok() || rounds.added() ? ran : HeadGradientSteps::NothingAdded(ran);
-        });
-    if (!entered) {
-      (void)FirstRankFlagged(comm, true);  // the others learn this rank refused
-      return added;
-    }
-    LOGPROB_RETURN_IF_ERROR(added);
+    ItemRounds r;
+    r.run = [&](float* weight, float* bias) { return rounds.Run(weight, bias); };
+    r.added = [&] { return rounds.added(); };
+    LOGPROB_RETURN_IF_ERROR(AddToStepAgreed(steps, comm, step, item.lm_head().name(), item.lm_head().version(),
+                                            lm_head->rows(), H, lm_head->transform().has_bias, n, r));
   }
   res.set_compute_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return res;

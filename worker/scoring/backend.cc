@@ -32,6 +32,13 @@ absl::StatusOr<std::unique_ptr<SliceBackward>> ScoringBackend::HeadBackward(cons
       absl::StrCat("this pool's backend (", name(), ") has no lm_head backward (docs/gradients.md)"));
 }
 
+absl::StatusOr<std::unique_ptr<SliceDistillation>> ScoringBackend::HeadDistillation(const LmHeadWeights&,
+                                                                                    const LmHeadWeights&, int64_t,
+                                                                                    float) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("this pool's backend (", name(), ") has no distillation yet (docs/distillation.md)"));
+}
+
 absl::StatusOr<DevicePayload> ScoringBackend::OpenCudaIpcPayload(std::string_view, int64_t, int64_t, int64_t) {
   return absl::FailedPreconditionError(
       absl::StrCat("CUDA IPC input: this worker's backend (", name(), ") has no GPU to map it into"));

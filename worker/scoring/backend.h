@@ -45,6 +45,7 @@
 #include "worker/kernels/head_backward.h"
 #include "worker/kernels/row_stats.h"
 #include "worker/scoring/slice_backward.h"
+#include "worker/scoring/slice_distillation.h"
 
 namespace logprob {
 
@@ -233,6 +234,18 @@ class ScoringBackend {
   /// default).
   virtual absl::StatusOr<std::unique_ptr<SliceBackward>> HeadBackward(const LmHeadWeights& lm_head, int64_t vocab_begin,
                                                                       float temperature);
+
+  /// Full-vocabulary distillation over the same vocabulary slice of two
+  /// heads (LoadLmHead of this backend), `student` (which gets gradients)
+  /// and `teacher`, whose first row is global id `vocab_begin`, at
+  /// `temperature` (slice_distillation.h; the math:
+  /// worker/kernels/divergence.h). One per work item; it uses both slices'
+  /// GEMMs, so runs under the worker's collective lock. INVALID_ARGUMENT
+  /// when the slices' rows differ; FAILED_PRECONDITION on a backend
+  /// without one (the default).
+  virtual absl::StatusOr<std::unique_ptr<SliceDistillation>> HeadDistillation(const LmHeadWeights& student,
+                                                                              const LmHeadWeights& teacher,
+                                                                              int64_t vocab_begin, float temperature);
 
   /// True when HiddenItemPartials scores a HIDDEN_STATES item over `comm`
   /// in one pass (the CUDA backend with W == 1 or device collectives);

@@ -8,6 +8,7 @@
 #include "worker/kernels/lm_head_transform_simd.h"
 #include "worker/kernels/sampling_filter.h"
 #include "worker/scoring/cpu_slice_backward.h"
+#include "worker/scoring/cpu_slice_distillation.h"
 #include "worker/scoring/host_partials.h"
 
 namespace logprob {
@@ -82,6 +83,21 @@ absl::StatusOr<std::unique_ptr<SliceBackward>> CpuBackend::HeadBackward(const Lm
                                                               head.transform().has_bias ? head.bias().data() : nullptr,
                                                               head.transform(), temperature));
   return std::make_unique<CpuSliceBackward>(std::move(backward));
+}
+
+absl::StatusOr<std::unique_ptr<SliceDistillation>> CpuBackend::HeadDistillation(const LmHeadWeights& student,
+                                                                                const LmHeadWeights& teacher,
+                                                                                int64_t vocab_begin,
+                                                                                float temperature) {
+  const auto& s = static_cast<const CpuLmHead&>(student);
+  const auto& t = static_cast<const CpuLmHead&>(teacher);
+  LOGPROB_ASSIGN_OR_RETURN(
+      auto backward,
+      kernels::HeadSliceBackward::Create(&s.gemm(), vocab_begin, s.transform().has_bias ? s.bias().data() : nullptr,
+                                         s.transform(), temperature));
+  TeacherSlice teacher_slice{&t.gemm(), t.transform(), t.transform().has_bias ? t.bias().data() : nullptr};
+  LOGPROB_ASSIGN_OR_RETURN(auto slice, CpuSliceDistillation::Create(std::move(backward), teacher_slice));
+  return std::unique_ptr<SliceDistillation>(std::move(slice));
 }
 
 }  // namespace logprob

@@ -51,6 +51,9 @@ class CpuBackend final : public ScoringBackend {
                               const BlockRows& rows, const kernels::StatsSpec& spec, uint32_t* records) override;
   absl::Status HiddenLogits(const LmHeadWeights& lm_head, DType hidden_dtype, const void* hidden, int64_t M,
                             float* logits) override;
+  absl::StatusOr<std::unique_ptr<SliceDistillation>> HeadDistillation(const LmHeadWeights& student,
+                                                                      const LmHeadWeights& teacher, int64_t vocab_begin,
+                                                                      float temperature) override;
   absl::StatusOr<std::unique_ptr<SliceBackward>> HeadBackward(const LmHeadWeights& lm_head, int64_t vocab_begin,
                                                               float temperature) override;
 

@@ -28,6 +28,7 @@ Example::
 
 from ._internal._proto import pb2 as logprob_pb2
 from ._internal._proto import pb2_grpc as logprob_pb2_grpc
+from ._internal.distill import DistillResult
 from ._internal.lm_head_sender import LmHeadUpdateHandle
 from ._internal.request import DEFAULT_MAX_REQUEST_BYTES, REQUEST_FILL
 from ._internal.result import ScoreResult, split_sequences
@@ -40,6 +41,7 @@ __all__ = [
     "LogprobClient",
     "RetryPolicy",
     "ScoreResult",
+    "DistillResult",
     "LogprobError",
     "InvalidInputError",
     "LmHeadUpdateHandle",

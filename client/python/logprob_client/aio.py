@@ -20,7 +20,7 @@ Example (the client is made inside the loop that uses it)::
 import asyncio
 from typing import Any, AsyncIterable, AsyncIterator, Iterable, List, Optional, TypeVar, Union, cast
 
-from ._internal import head_gradients, lm_head_sender, transport
+from ._internal import distill, head_gradients, lm_head_sender, transport
 from ._internal.base import ClientBase
 from ._internal.lm_head_sender import LmHeadUpdateHandle
 from ._internal.ops import END, Connect, Emit, Locked, NextResponse, Op, OpenStream, Ops, Rpc, Sleep, Stepper, Work
@@ -159,6 +159,33 @@ class LogprobClient(ClientBase):
         return await self.score(hidden_states=hidden_states, input_ids=input_ids,
                                 grad_token_logprobs=grad_token_logprobs, grad_entropy=grad_entropy,
                                 gradient_step=gradient_step, request_id=request_id, **options)
+
+    async def distill(self, student_hidden_states: Any, teacher_hidden_states: Any, *, student_head: str = "",
+                      teacher_head: str = "", beta: float = 0.5, temperature: Optional[float] = None,
+                      student_head_version: str = "", teacher_head_version: str = "", grad_divergence: Any = None,
+                      grad_cross_entropy: Any = None, gradient_step: str = "", request_id: Optional[str] = None,
+                      dtype: Any = None, timeout: Any = "default") -> distill.DistillResult:
+        """Full-vocabulary distillation (docs/distillation.md) between the
+        server's lm_heads ``student_head`` and ``teacher_head`` (the same
+        vocabulary; empty: the default head; ``*_head_version``: a pinned
+        version, else the current one): for ``student_hidden_states`` [N,
+        H_s] and ``teacher_hidden_states`` [N, H_t] (numpy or torch, f32 /
+        bf16 / f16; ``dtype`` converts both), per token the divergence
+        (``beta`` 0: forward KL(teacher || student), 1: reverse KL, between:
+        the generalized JSD, TRL's definition), the soft-target cross
+        entropy and the student's entropy at ``temperature``. With
+        ``grad_divergence`` [N] (and optional ``grad_cross_entropy`` [N]):
+        the student's dL/dh too, and with ``gradient_step`` its dL/dW, dL/db
+        added to that step (``read_head_gradients(step, head=student_head)``,
+        then ``close_gradient_step``). Returns a ``DistillResult``. Raises
+        InvalidInputError for inputs the client can tell are wrong,
+        LogprobError with the server's code and message otherwise."""
+        req = distill.request(student_hidden_states, teacher_hidden_states, student_head=student_head,
+                              teacher_head=teacher_head, beta=beta, temperature=temperature,
+                              student_head_version=student_head_version, teacher_head_version=teacher_head_version,
+                              grad_divergence=grad_divergence, grad_cross_entropy=grad_cross_entropy,
+                              gradient_step=gradient_step, request_id=request_id, dtype=dtype)
+        return await self._run(distill.distill_ops(self, req, timeout))
 
     async def read_head_gradients(self, gradient_step: str, *, head: str = "", rows: Any = None,
                                   timeout: Any = "default") -> head_gradients.HeadGradients:

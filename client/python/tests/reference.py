@@ -152,6 +152,48 @@ def head_backward_reference(hidden, weight, targets, grad_logprobs, grad_entropy
             "entropy": ent}
 
 
+def distillation_reference(student_hidden, student_weight, teacher_hidden, teacher_weight, beta, temperature=1.0,
+                           student_bias=None, student_scale=1.0, student_softcap=None, teacher_bias=None,
+                           teacher_scale=1.0, teacher_softcap=None, grad_divergence=None, grad_cross_entropy=None):
+    """float64 full-vocabulary distillation (docs/distillation.md; TRL 1.16's
+    ChunkedDivergenceFunction, NeMo-RL's DistributedCrossEntropy): per token
+    the divergence (beta 0: KL(p_t || p_s), 1: KL(p_s || p_t), between: the
+    generalized JSD with m = (1 - beta) p_s + beta p_t), the soft-target
+    cross entropy H(p_t, p_s) and the student's entropy; with upstream
+    gradients the student's "grad_hidden" [N, H_s], "grad_weight" [V, H_s]
+    and "grad_bias" [V] (computed from the definitions with np.log of the
+    probabilities, not the kernels' closed forms)."""
+    hs, ws, zs, xs, lse_s = _head_logits(student_hidden, student_weight, student_bias, temperature, student_softcap,
+                                         student_scale)
+    _, _, _, xt, lse_t = _head_logits(teacher_hidden, teacher_weight, teacher_bias, temperature, teacher_softcap,
+                                      teacher_scale)
+    log_ps, log_pt = xs - lse_s, xt - lse_t
+    ps, pt = np.exp(log_ps), np.exp(log_pt)
+    out = {"entropy": -(ps * log_ps).sum(axis=1), "cross_entropy": -(pt * log_ps).sum(axis=1)}
+    fkl = (pt * (log_pt - log_ps)).sum(axis=1)
+    rkl = (ps * (log_ps - log_pt)).sum(axis=1)
+    if beta == 0:
+        out["divergence"] = fkl
+        g = ps - pt
+    elif beta == 1:
+        out["divergence"] = rkl
+        g = ps * (log_ps - log_pt - rkl[:, None])
+    else:
+        log_m = np.log((1 - beta) * ps + beta * pt)
+        kl_sm = (ps * (log_ps - log_m)).sum(axis=1)
+        out["divergence"] = beta * (pt * (log_pt - log_m)).sum(axis=1) + (1 - beta) * kl_sm
+        g = (1 - beta) * ps * (log_ps - log_m - kl_sm[:, None])
+    if grad_divergence is not None:
+        g_d = np.asarray(grad_divergence, dtype=np.float64)[:, None]
+        g_ce = 0.0 if grad_cross_entropy is None else np.asarray(grad_cross_entropy, dtype=np.float64)[:, None]
+        gx = g_d * g + g_ce * (ps - pt)
+        gz = gx / float(temperature)
+        gs = gz * (1.0 - (zs / float(student_softcap)) ** 2) if student_softcap else gz
+        gy = gs * float(student_scale)
+        out.update({"grad_hidden": gy @ ws, "grad_weight": gy.T @ hs, "grad_bias": gy.sum(axis=0)})
+    return out
+
+
 def gradient_error(expected, got):
     """"" when every element of ``got`` is within 1e-4 of its row's largest
     |expected| element plus 1e-7 (issue 47's fidelity bound; a 1-d array is

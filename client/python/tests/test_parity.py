@@ -381,7 +381,7 @@ class ParityTest(unittest.IsolatedAsyncioTestCase):
 IO_HOOKS = {"_open", "_chunked_rpc", "_perform", "_drive", "_run"}
 API = {"close", "server_info", "health", "score_request", "score", "score_stream", "update_lm_head", "lm_heads",
        "begin_lm_head_update", "put_lm_head_rows", "commit_lm_head_update", "abort_lm_head_update", "backward",
-       "read_head_gradients", "close_gradient_step"}
+       "read_head_gradients", "close_gradient_step", "distill"}
 
 
 class ApiParityTest(unittest.TestCase):
