@@ -90,9 +90,8 @@ struct RankHeads {
   std::unique_ptr<CpuBackend> backend = std::make_unique<CpuBackend>(/*threads=*/1);
   std::shared_ptr<const LmHeadWeights> student, teacher;
 };
-std::shared_ptr<const LmHeadWeights> Load(CpuBackend& backend, const std::vector<float>& w,
-                                          const std::vector<float>& b, int64_t H, const LmHeadTransform& t,
-                                          int64_t vb, int64_t ve) {
+std::shared_ptr<const LmHeadWeights> Load(CpuBackend& backend, const std::vector<float>& w, const std::vector<float>& b,
+                                          int64_t H, const LmHeadTransform& t, int64_t vb, int64_t ve) {
   std::vector<char> bytes(reinterpret_cast<const char*>(w.data() + vb * H),
                           reinterpret_cast<const char*>(w.data() + ve * H));
   std::vector<float> bias;
@@ -113,7 +112,8 @@ RankHeads HeadsFor(const Case& c, const Problem& p, int W, int r) {
 std::vector<std::unique_ptr<HeadGradientSteps>> Steps(int W) {
   std::vector<std::unique_ptr<HeadGradientSteps>> steps;
   for (int r = 0; r < W; ++r)
-    steps.push_back(std::make_unique<HeadGradientSteps>(HeadGradientSteps::Options{int64_t{1} << 24, absl::Minutes(10)}));
+    steps.push_back(
+        std::make_unique<HeadGradientSteps>(HeadGradientSteps::Options{int64_t{1} << 24, absl::Minutes(10)}));
   return steps;
 }
 

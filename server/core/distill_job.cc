@@ -19,14 +19,15 @@ absl::Status Invalid(const std::string& what) { return absl::InvalidArgumentErro
 /// shape, dtype and bytes checked. `rank2`: a hidden-states tensor.
 absl::Status CheckTensor(const v1::Tensor& t, bool rank2) {
   if (t.source_case() != v1::Tensor::kData && t.source_case() != v1::Tensor::SOURCE_NOT_SET)
-    return Invalid(absl::StrCat("input ", t.name(), ": its bytes go in `data` (no shared-memory or CUDA IPC "
+    return Invalid(absl::StrCat("input ", t.name(),
+                                ": its bytes go in `data` (no shared-memory or CUDA IPC "
                                 "references for distillation yet)"));
   if (rank2 ? !IsFloatDType(t.dtype()) : t.dtype() != v1::F32)
     return Invalid(absl::StrCat("input ", t.name(), ": dtype ", DTypeName(t.dtype()), ", ",
                                 rank2 ? "F32, BF16 or F16" : "F32", " expected"));
   if (t.shape_size() != (rank2 ? 2 : 1))
-    return Invalid(absl::StrCat("input ", t.name(), ": ", t.shape_size(), " dimensions, ", rank2 ? "[N, H]" : "[N]",
-                                " expected"));
+    return Invalid(
+        absl::StrCat("input ", t.name(), ": ", t.shape_size(), " dimensions, ", rank2 ? "[N, H]" : "[N]", " expected"));
   int64_t n = 1;
   for (int64_t d : t.shape()) {
     if (d < 0) return Invalid(absl::StrCat("input ", t.name(), ": negative dimension ", d));
@@ -60,8 +61,8 @@ absl::StatusOr<DistillJob> BuildDistillJob(const v1::DistillRequest& req, const 
                                            const RequestLimits& limits) {
   std::map<std::string, const v1::Tensor*> in;
   for (const v1::Tensor& t : req.inputs()) {
-    if (t.name() != "student_hidden_states" && t.name() != "teacher_hidden_states" &&
-        t.name() != "grad_divergence" && t.name() != "grad_cross_entropy")
+    if (t.name() != "student_hidden_states" && t.name() != "teacher_hidden_states" && t.name() != "grad_divergence" &&
+        t.name() != "grad_cross_entropy")
       return Invalid(absl::StrCat("unknown input \"", t.name(),
                                   "\" (student_hidden_states, teacher_hidden_states, grad_divergence, "
                                   "grad_cross_entropy)"));
@@ -175,10 +176,10 @@ absl::StatusOr<v1::DistillResponse> DistillResponseOf(const std::string& id, con
   int64_t covered = 0;
   for (const internal::v1::WorkResult& r : results) {
     const int64_t b = r.row_begin(), e = r.row_end(), n = e - b;
-    if (b < 0 || e > N || n < 0 || r.divergence_size() != n || r.cross_entropy_size() != n ||
-        r.entropy_size() != n || (job.backward && r.grad_hidden_states_size() != n * H))
-      return absl::InternalError(absl::StrCat("distillation: a worker's result does not cover its rows [", b, ", ", e,
-                                              ")"));
+    if (b < 0 || e > N || n < 0 || r.divergence_size() != n || r.cross_entropy_size() != n || r.entropy_size() != n ||
+        (job.backward && r.grad_hidden_states_size() != n * H))
+      return absl::InternalError(
+          absl::StrCat("distillation: a worker's result does not cover its rows [", b, ", ", e, ")"));
     std::copy(r.divergence().begin(), r.divergence().end(), div.begin() + b);
     std::copy(r.cross_entropy().begin(), r.cross_entropy().end(), ce.begin() + b);
     std::copy(r.entropy().begin(), r.entropy().end(), ent.begin() + b);
@@ -189,6 +190,8 @@ absl::StatusOr<v1::DistillResponse> DistillResponseOf(const std::string& id, con
     return absl::InternalError(absl::StrCat("distillation: the workers answered ", covered, " of ", N, " rows"));
   v1::DistillResponse resp;
   resp.set_id(id);
+  resp.set_student_head_version(job.student->version);
+  resp.set_teacher_head_version(job.teacher->version);
   auto add = [&](const char* name, const std::vector<float>& v, std::vector<int64_t> shape) {
     v1::Tensor* t = resp.add_outputs();
     t->set_name(name);

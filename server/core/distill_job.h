@@ -23,15 +23,15 @@ namespace logprob {
 /// A validated DistillRequest; its byte views point into the request,
 /// which must outlive the job.
 struct DistillJob {
-  int64_t rows = 0;                                  // N
-  int64_t vocab_size = 0;                            // V (both heads')
+  int64_t rows = 0;                                       // N
+  int64_t vocab_size = 0;                                 // V (both heads')
   std::shared_ptr<const LmHeadVersion> student, teacher;  // bound at admission
   DType student_dtype = v1::F32, teacher_dtype = v1::F32;
-  int64_t student_hidden = 0, teacher_hidden = 0;    // H_s, H_t
-  std::string_view student_bytes, teacher_bytes;     // [N, H] each, row-major
+  int64_t student_hidden = 0, teacher_hidden = 0;  // H_s, H_t
+  std::string_view student_bytes, teacher_bytes;   // [N, H] each, row-major
   double beta = 0.0;
   float temperature = 1.0f;
-  bool backward = false;                             // grad_divergence given
+  bool backward = false;                                   // grad_divergence given
   std::vector<float> grad_divergence, grad_cross_entropy;  // [N] each (grad_cross_entropy may be empty)
   std::string gradient_step;
 

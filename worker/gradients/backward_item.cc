@@ -168,16 +168,12 @@ absl::StatusOr<WorkResult> RunBackwardItem(const WorkItem& item, ItemPayload pay
   LOGPROB_ASSIGN_OR_RETURN(
       auto backward, backend.HeadBackward(*lm_head, item.vocab_begin(), o.has_temperature() ? o.temperature() : 1.0f));
   Rounds rounds(item, payload.bytes, comm, *backward, hidden_chunk_tokens, should_stop, &res);
-  const std::string& step = o.gradient_step();
-  if (step.empty()) {
-    LOGPROB_RETURN_IF_ERROR(rounds.Run(nullptr, nullptr));
-  } else {
-    ItemRounds r;
-    r.run = [&](float* weight, float* bias) { return rounds.Run(weight, bias); };
-    r.added = [&] { return rounds.added(); };
-    LOGPROB_RETURN_IF_ERROR(AddToStepAgreed(steps, comm, step, item.lm_head().name(), item.lm_head().version(),
-                                            lm_head->rows(), H, lm_head->transform().has_bias, n, r));
-  }
+  ItemRounds r;
+  r.run = [&](float* weight, float* bias) { return rounds.Run(weight, bias); };
+  r.added = [&] { return rounds.added(); };
+  LOGPROB_RETURN_IF_ERROR(AddToStepAgreed(steps, comm, o.gradient_step(), item.lm_head().name(),
+                                          item.lm_head().version(), lm_head->rows(), H, lm_head->transform().has_bias,
+                                          n, r));
   res.set_compute_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return res;
 }

@@ -68,8 +68,8 @@ absl::Status CheckItem(const WorkItem& item, const ItemPayload& payload, const C
     return Invalid(absl::StrCat("vocab slice [", item.vocab_begin(), ", ", item.vocab_end(), ") is not rank ",
                                 comm.rank(), "'s slices of ", student->rows(), " / ", teacher->rows(), " rows"));
   if (student->hidden_size() != item.hidden_size())
-    return Invalid(absl::StrCat("hidden_size ", item.hidden_size(), " is not the student head's ",
-                                student->hidden_size()));
+    return Invalid(
+        absl::StrCat("hidden_size ", item.hidden_size(), " is not the student head's ", student->hidden_size()));
   if (teacher->hidden_size() != d.teacher_hidden_size())
     return Invalid(absl::StrCat("teacher_hidden_size ", d.teacher_hidden_size(), " is not the teacher head's ",
                                 teacher->hidden_size()));
@@ -81,8 +81,8 @@ absl::Status CheckItem(const WorkItem& item, const ItemPayload& payload, const C
     return Invalid(absl::StrCat("the student's hidden states hold ", payload.bytes.size(), " bytes, this rank's ", own,
                                 " rows ", s_want));
   if (static_cast<int64_t>(d.teacher_data().size()) != t_want)
-    return Invalid(absl::StrCat("teacher_data holds ", d.teacher_data().size(), " bytes, this rank's ", own,
-                                " rows ", t_want));
+    return Invalid(
+        absl::StrCat("teacher_data holds ", d.teacher_data().size(), " bytes, this rank's ", own, " rows ", t_want));
   return absl::OkStatus();
 }
 
@@ -147,7 +147,8 @@ class Rounds {
       ent.resize(static_cast<size_t>(packed));
       share.resize(static_cast<size_t>(backward ? packed * Hs : 0));
       if (backward && grad_weight != nullptr) added_ = true;  // from here the step's sums may change
-      LOGPROB_RETURN_IF_ERROR(RunDivergencePass(in, slice_, comm_, DivergencePassOutputs{div.data(), ce.data(), ent.data()},
+      LOGPROB_RETURN_IF_ERROR(RunDivergencePass(in, slice_, comm_,
+                                                DivergencePassOutputs{div.data(), ce.data(), ent.data()},
                                                 backward ? share.data() : nullptr, grad_weight, grad_bias));
       const int64_t mine = count[me];
       if (backward)
@@ -200,16 +201,13 @@ absl::StatusOr<WorkResult> RunDistillationItem(const WorkItem& item, ItemPayload
   LOGPROB_ASSIGN_OR_RETURN(auto slice, backend.HeadDistillation(*student, *teacher, item.vocab_begin(),
                                                                 o.has_temperature() ? o.temperature() : 1.0f));
   Rounds rounds(item, payload.bytes, comm, *slice, hidden_chunk_tokens, should_stop, &res);
-  const std::string& step = o.gradient_step();
-  if (step.empty() || !item.backward()) {
-    LOGPROB_RETURN_IF_ERROR(rounds.Run(nullptr, nullptr));
-  } else {
-    ItemRounds r;
-    r.run = [&](float* weight, float* bias) { return rounds.Run(weight, bias); };
-    r.added = [&] { return rounds.added(); };
-    LOGPROB_RETURN_IF_ERROR(AddToStepAgreed(steps, comm, step, item.lm_head().name(), item.lm_head().version(),
-                                            student->rows(), H, student->transform().has_bias, n, r));
-  }
+  ItemRounds r;
+  r.run = [&](float* weight, float* bias) { return rounds.Run(weight, bias); };
+  r.added = [&] { return rounds.added(); };
+  // A forward adds nothing, whatever step it names.
+  LOGPROB_RETURN_IF_ERROR(AddToStepAgreed(steps, comm, item.backward() ? o.gradient_step() : std::string(),
+                                          item.lm_head().name(), item.lm_head().version(), student->rows(), H,
+                                          student->transform().has_bias, n, r));
   res.set_compute_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return res;
 }

@@ -50,7 +50,7 @@ absl::StatusOr<internal::v1::WorkResult> RunDistillationItem(const internal::v1:
                                                              Communicator& comm, ScoringBackend& backend,
                                                              int64_t hidden_chunk_tokens,
                                                              const std::function<bool()>& should_stop,
-                                                             const LmHeadWeights* student,
-                                                             const LmHeadWeights* teacher, HeadGradientSteps& steps);
+                                                             const LmHeadWeights* student, const LmHeadWeights* teacher,
+                                                             HeadGradientSteps& steps);
 
 }  // namespace logprob

@@ -27,11 +27,12 @@ absl::Status SumSharesToOwners(Communicator& comm, const std::vector<int64_t>& c
 absl::Status AddToStepAgreed(HeadGradientSteps& steps, Communicator& comm, const std::string& step,
                              const std::string& head, const std::string& version, int64_t rows, int64_t hidden_size,
                              bool bias, int64_t tokens, const ItemRounds& rounds) {
+  if (step.empty()) return rounds.run(nullptr, nullptr);
   // Every rank's step must take the item before any adds to it: the ranks
   // that opened it agree (one flag each) with those that refused it.
   bool entered = false;
-  const absl::Status added =
-      steps.Accumulate(step, head, version, rows, hidden_size, bias, tokens, [&](HeadGradientSums& sums) -> absl::Status {
+  const absl::Status added = steps.Accumulate(
+      step, head, version, rows, hidden_size, bias, tokens, [&](HeadGradientSums& sums) -> absl::Status {
         entered = true;
         const absl::StatusOr<int> refused = FirstRankFlagged(comm, false);
         if (!refused.ok()) return HeadGradientSteps::NothingAdded(refused.status());

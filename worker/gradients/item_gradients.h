@@ -36,7 +36,8 @@ struct ItemRounds {
   std::function<bool()> added;
 };
 
-/// Runs `rounds` with the sums of gradient step `step` of `steps` for
+/// Runs `rounds` without sums (null pointers) when `step` is empty; else
+/// with the sums of gradient step `step` of `steps` for
 /// head version (head, version) (its slice `rows` x `hidden_size`, with
 /// a bias or not; `tokens` rows of the item), every rank of `comm`
 /// agreeing first that all of them took the step (HeadGradientSteps::

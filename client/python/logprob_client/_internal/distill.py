@@ -21,14 +21,19 @@ class DistillResult:
     teacher's soft targets under the student, H(p_t, p_s)), ``entropy`` [N]
     (the student's) and, for a call with ``grad_divergence``,
     ``grad_student_hidden_states`` [N, H_s] (dL/dh of the student), else
-    None."""
+    None; ``student_head_version`` / ``teacher_head_version``: the versions
+    the call was answered with (pin them for the backward of the same
+    tokens)."""
 
     def __init__(self, divergence: Any, cross_entropy: Any, entropy: Any,
-                 grad_student_hidden_states: Optional[Any]) -> None:
+                 grad_student_hidden_states: Optional[Any], student_head_version: str = "",
+                 teacher_head_version: str = "") -> None:
         self.divergence = divergence
         self.cross_entropy = cross_entropy
         self.entropy = entropy
         self.grad_student_hidden_states = grad_student_hidden_states
+        self.student_head_version = student_head_version
+        self.teacher_head_version = teacher_head_version
 
     def __repr__(self) -> str:
         return "DistillResult(tokens=%d, grad_student_hidden_states=%s)" % (
@@ -91,7 +96,8 @@ def result(resp: Any) -> DistillResult:
     """The arrays of a ``DistillResponse`` (writable copies)."""
     out = {t.name: np.array(from_tensor(t)) for t in resp.outputs}
     return DistillResult(out["divergence"], out["cross_entropy"], out["entropy"],
-                         out.get("grad_student_hidden_states"))
+                         out.get("grad_student_hidden_states"), str(resp.student_head_version),
+                         str(resp.teacher_head_version))
 
 
 def distill_ops(client: Any, req: Any, timeout: Any) -> Ops[DistillResult]:
