@@ -103,22 +103,8 @@ absl::StatusOr<LtF32Matmul*> CudaSliceBackward::DwMatmul(int64_t m) {
 absl::Status CudaSliceBackward::Records(DType hidden_dtype, const void* hidden, int64_t m, const int64_t* targets,
                                         const kernels::StatsSpec& spec, uint32_t* records) {
   m_ = -1;
-  if (m < 0 || (m > 0 && (hidden == nullptr || records == nullptr)))
-    return absl::InvalidArgumentError(absl::StrCat("backward records: ", m, " rows, or null buffers"));
-  LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
-  if (spec.topk != 0 || spec.gather_k != 0)
-    return absl::InvalidArgumentError("backward records have no top-k or gathered ids");
-  if (m > 0 && rows() == 0) {
-    // An empty slice (fewer vocabulary entries than workers): the records
-    // of nothing seen, as the CPU kernel writes them.
-    std::vector<float> scratch(kernels::kPartialScratchFloats);
-    const size_t words = kernels::PartialWords(spec);
-    for (int64_t i = 0; i < m; ++i) {
-      kernels::SliceRow row;
-      row.target = targets != nullptr ? targets[i] : -1;
-      kernels::ComputePartial(v1::F32, row, vocab_begin_, 0, spec, records + i * words, scratch.data());
-    }
-  } else if (m > 0) {
+  LOGPROB_RETURN_IF_ERROR(CheckRecordsCall(hidden_dtype, hidden, m, spec, records));
+  if (m > 0) {
     LOGPROB_RETURN_IF_ERROR(backend_->RunOnComputeStream(
         [&](cudaStream_t s) { return QueueRecords(s, hidden_dtype, hidden, m, targets, spec, records); }));
   }
@@ -182,10 +168,6 @@ absl::Status CudaSliceBackward::Gradients(const kernels::BackwardRows& rows_in, 
   if (grad_hidden == nullptr || rows_in.lse == nullptr) return absl::InvalidArgumentError("null lse or dL/dh buffer");
   if (rows_in.grad_entropy != nullptr && rows_in.entropy == nullptr)
     return absl::InvalidArgumentError("an entropy gradient needs the forward's entropy");
-  if (rows() == 0) {
-    std::fill(grad_hidden, grad_hidden + m * hidden_size(), 0.0f);
-    return absl::OkStatus();
-  }
   return backend_->RunOnComputeStream([&](cudaStream_t s) {
     return QueueGradients(s, m, rows_in, grad_hidden, grad_weight != nullptr, grad_bias != nullptr);
   });

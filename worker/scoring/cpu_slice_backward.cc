@@ -9,11 +9,7 @@ namespace logprob {
 absl::Status CpuSliceBackward::Records(DType hidden_dtype, const void* hidden, int64_t m, const int64_t* targets,
                                        const kernels::StatsSpec& spec, uint32_t* records) {
   m_ = -1;
-  if (m < 0 || (m > 0 && (hidden == nullptr || records == nullptr)))
-    return absl::InvalidArgumentError(absl::StrCat("backward records: ", m, " rows, or null buffers"));
-  LOGPROB_RETURN_IF_ERROR(kernels::CheckHiddenStatesDType(hidden_dtype));
-  if (spec.topk != 0 || spec.gather_k != 0)
-    return absl::InvalidArgumentError("backward records have no top-k or gathered ids");
+  LOGPROB_RETURN_IF_ERROR(CheckRecordsCall(hidden_dtype, hidden, m, spec, records));
   kernels::LmHeadGemm& gemm = backward_->gemm();
   const int64_t V = gemm.rows();
   logits_.resize(static_cast<size_t>(m * V));

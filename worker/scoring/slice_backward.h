@@ -11,12 +11,26 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/lm_head_transform.h"
 #include "worker/kernels/head_backward.h"
+#include "worker/kernels/lm_head_gemm.h"
 #include "worker/kernels/row_stats.h"
 
 namespace logprob {
+
+/// The arguments of SliceBackward::Records every backend refuses alike:
+/// INVALID_ARGUMENT for m < 0, null buffers with rows, a hidden dtype not
+/// F32, BF16 or F16, or a spec with top-k or gathered ids.
+inline absl::Status CheckRecordsCall(DType hidden_dtype, const void* hidden, int64_t m, const kernels::StatsSpec& spec,
+                                     const uint32_t* records) {
+  if (m < 0 || (m > 0 && (hidden == nullptr || records == nullptr)))
+    return absl::InvalidArgumentError(absl::StrCat("backward records: ", m, " rows, or null buffers"));
+  if (spec.topk != 0 || spec.gather_k != 0)
+    return absl::InvalidArgumentError("backward records have no top-k or gathered ids");
+  return kernels::CheckHiddenStatesDType(hidden_dtype);
+}
 
 /// One work item's backward over an lm_head slice (ScoringBackend::
 /// HeadBackward): rounds of Records then Gradients, then Flush once. Not
